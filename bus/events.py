@@ -1,0 +1,301 @@
+"""Typed events that travel on the bus, encoded as msgpack with an explicit schema version.
+
+Every body is a msgpack map ``{"schema": SCHEMA, "kind": <class name>, **fields}``.
+`decode` validates kind, schema, required fields, field types and size limits and raises
+`EventError` with a reason a person can act on; consumer loops park such messages in DLQ.
+
+Large arrays (token ids, logprobs) travel as lists: msgpack packs small ints in 1 byte and
+floats as float64, so float32 logprobs round-trip exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import types
+import typing
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+SCHEMA = 1
+MAX_TOKENS = 1 << 17          # longest sequence a Rollout may claim (absurd sizes are refused)
+MAX_BODY = 64 * 1024 * 1024    # largest body decode accepts
+
+
+class EventError(ValueError):
+    """A body that is not a valid event: malformed msgpack, wrong schema, missing/wrong fields."""
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(kw_only=True)
+class Event:
+    KIND: ClassVar[str] = "Event"
+
+    def msg_id(self) -> str:
+        """Deduplication id (Nats-Msg-Id). Deterministic per logical message."""
+        raise NotImplementedError
+
+    def headers(self) -> dict[str, str]:
+        """Human-readable NATS headers (besides Nats-Msg-Id, which the publisher adds)."""
+        h = {"Rl-Schema": str(SCHEMA), "Rl-Kind": self.KIND}
+        v = getattr(self, "version", None)
+        if v is None:
+            v = getattr(self, "to_version", None)
+        if v is not None:
+            h["Rl-Version"] = str(v)
+        t = getattr(self, "task_id", None)
+        if t:
+            h["Rl-Task"] = str(t)
+        return h
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["schema"] = SCHEMA
+        d["kind"] = self.KIND
+        return d
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0              # 0 = off
+    max_tokens: int = 64
+    n: int = 1                  # completions per task (group size)
+    stop: list[int] = field(default_factory=list)   # stop token ids
+
+
+@dataclass(kw_only=True)
+class Task(Event):
+    KIND: ClassVar[str] = "Task"
+    task_id: str
+    env: str
+    prompt: str
+    spec: dict = field(default_factory=dict)       # env-specific verification data (answer, tests)
+    sampling: dict = field(default_factory=dict)   # SamplingParams as dict
+    split: str = "train"                            # train | eval
+    min_version: int = 0                            # sync mode: generate with at least this version
+    created_at: float = field(default_factory=time.time)
+
+    def msg_id(self) -> str:
+        return f"task-{self.task_id}"
+
+
+@dataclass(kw_only=True)
+class Rollout(Event):
+    """One completion with everything the trainer needs to replay the sampler."""
+    KIND: ClassVar[str] = "Rollout"
+    rollout_id: str               # f"{task_id}-{sample_index}": stable across redeliveries
+    task_id: str
+    env: str
+    sample_index: int
+    group_size: int
+    prompt: str
+    spec: dict
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_text: str
+    logprobs: list[float]          # behaviour logprob of each sampled token (truncated, renormalised)
+    token_versions: list[int]      # policy version that produced each token
+    sampling: dict                 # SamplingParams as dict
+    sampling_mask: dict            # policy.sampling mask in wire form (rebuilds the kept set)
+    quant: dict                    # policy quant config in wire form (sites replayed by the trainer)
+    finish_reason: str             # stop | length | abort
+    cost_tokens: int
+    wall_s: float
+    worker_id: str
+    split: str = "train"
+    epoch: int = 0                 # trainer epoch of the weights used
+
+    def msg_id(self) -> str:
+        return f"rollout-{self.rollout_id}"
+
+    def validate(self) -> None:
+        n = len(self.completion_ids)
+        if n > MAX_TOKENS or len(self.prompt_ids) > MAX_TOKENS:
+            raise EventError(f"Rollout {self.rollout_id}: absurd length ({n} completion tokens)")
+        if len(self.logprobs) != n or len(self.token_versions) != n:
+            raise EventError(f"Rollout {self.rollout_id}: logprobs/token_versions length "
+                             f"{len(self.logprobs)}/{len(self.token_versions)} != {n} tokens")
+        if not (0 <= self.cost_tokens <= MAX_TOKENS):
+            raise EventError(f"Rollout {self.rollout_id}: absurd cost_tokens {self.cost_tokens}")
+
+
+@dataclass(kw_only=True)
+class Scored(Event):
+    KIND: ClassVar[str] = "Scored"
+    rollout: dict                  # the Rollout, as its dict
+    success: float                 # 0..1
+    cost: float                    # cost units (generated tokens by default)
+    lambda_: float                 # λ used
+    penalty: float                 # λ·cost (+ overlong shaping)
+    reward: float                  # success - penalty
+    reason: str = ""               # verifier verdict / failure reason
+    cost_wall_s: float = 0.0
+    tool_calls: int = 0
+    scorer_id: str = ""
+
+    @property
+    def task_id(self) -> str:      # for headers
+        return self.rollout.get("task_id", "")
+
+    def msg_id(self) -> str:
+        return f"scored-{self.rollout.get('rollout_id')}"
+
+    def get_rollout(self) -> Rollout:
+        return typing.cast(Rollout, from_dict(self.rollout, Rollout))
+
+    def validate(self) -> None:
+        self.get_rollout()
+
+
+@dataclass(kw_only=True)
+class Delta(Event):
+    """Announces policy version `to_version`; payload inline or in the object store."""
+    KIND: ClassVar[str] = "Delta"
+    from_version: int
+    to_version: int
+    epoch: int
+    codec: str
+    size: int                      # payload bytes
+    base_digest: str
+    new_digest: str
+    signature: bytes = b""         # ed25519 over the payload
+    payload: bytes | None = None   # inline when small
+    blob: str = ""                 # object-store name otherwise
+    changed_frac: float = 0.0
+    trainer_id: str = ""
+
+    @property
+    def version(self) -> int:
+        return self.to_version
+
+    def msg_id(self) -> str:
+        return f"delta-e{self.epoch}-v{self.to_version}"
+
+
+@dataclass(kw_only=True)
+class Keyframe(Event):
+    KIND: ClassVar[str] = "Keyframe"
+    version: int
+    epoch: int
+    codec: str
+    size: int
+    digest: str
+    model_config: dict             # policy.ModelConfig as dict: workers build the model from it
+    signature: bytes = b""
+    payload: bytes | None = None
+    blob: str = ""
+    trainer_id: str = ""
+
+    def msg_id(self) -> str:
+        return f"keyframe-e{self.epoch}-v{self.version}"
+
+
+@dataclass(kw_only=True)
+class Heartbeat(Event):
+    KIND: ClassVar[str] = "Heartbeat"
+    component: str                 # trainer | rollout_worker | scorer
+    component_id: str
+    ts: float = field(default_factory=time.time)
+    version: int = -1
+    metrics: dict = field(default_factory=dict)
+
+    def msg_id(self) -> str:
+        return f"hb-{self.component_id}-{self.ts:.6f}"
+
+
+@dataclass(kw_only=True)
+class Metrics(Event):
+    KIND: ClassVar[str] = "Metrics"
+    component: str
+    component_id: str
+    step: int
+    values: dict
+    ts: float = field(default_factory=time.time)
+
+    def msg_id(self) -> str:
+        return f"metrics-{self.component_id}-{self.step}-{self.ts:.6f}"
+
+
+EVENTS: dict[str, type[Event]] = {c.KIND: c for c in (Task, Rollout, Scored, Delta, Keyframe, Heartbeat, Metrics)}
+
+
+def encode(ev: Event) -> bytes:
+    return msgpack.packb(ev.to_dict(), use_bin_type=True)
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and (inner is Any or all(_type_ok(v, inner) for v in value[:8]))
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def from_dict(d: dict, cls: type[Event] | None = None) -> Event:
+    if not isinstance(d, dict):
+        raise EventError(f"body is a {type(d).__name__}, not a map")
+    kind = d.get("kind")
+    if cls is None:
+        if kind not in EVENTS:
+            raise EventError(f"unknown event kind {kind!r}")
+        cls = EVENTS[kind]
+    elif kind is not None and kind != cls.KIND:
+        raise EventError(f"expected a {cls.KIND} event, got kind {kind!r}")
+    schema = d.get("schema", SCHEMA)
+    if schema != SCHEMA:
+        raise EventError(f"{cls.KIND}: unsupported schema version {schema!r} (this build speaks {SCHEMA})")
+    hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in d:
+            v = d[f.name]
+            if not _type_ok(v, hints[f.name]):
+                raise EventError(f"{cls.KIND}: field {f.name!r} has type {type(v).__name__}, "
+                                 f"expected {hints[f.name]}")
+            kwargs[f.name] = v
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise EventError(f"{cls.KIND}: missing required field {f.name!r}")
+    ev = cls(**kwargs)
+    if hasattr(ev, "validate"):
+        ev.validate()
+    return ev
+
+
+def decode(body: bytes, cls: type[Event] | None = None) -> Event:
+    """Bytes → validated event. Raises EventError (never anything else) on bad input."""
+    if len(body) > MAX_BODY:
+        raise EventError(f"body of {len(body)} bytes exceeds {MAX_BODY}")
+    try:
+        d = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several exception types
+        raise EventError(f"malformed msgpack: {e}") from None
+    try:
+        return from_dict(d, cls)
+    except EventError:
+        raise
+    except Exception as e:
+        raise EventError(f"invalid {getattr(cls, 'KIND', 'event')}: {e}") from None
