@@ -1,0 +1,107 @@
+"""End of an `asyncrl up` run: plots from the metrics JSONL and a summary table."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    pts = [(r["t"], r[key]) for r in rows if r.get(key) is not None]
+    if not pts:
+        return np.zeros(0), np.zeros(0)
+    t, v = zip(*pts)
+    return np.asarray(t, float), np.asarray(v, float)
+
+
+def _smooth(v: np.ndarray, k: int = 5) -> np.ndarray:
+    if len(v) < k:
+        return v
+    return np.convolve(v, np.ones(k) / k, mode="valid")
+
+
+def plot_run(run_dir: Path, rows: list[dict]) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = []
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    panels = [
+        (axes[0, 0], [("reward_mean", "reward"), ("success_mean", "success (train)"),
+                      ("eval_success", "success (held-out)")], "reward / success vs time"),
+        (axes[0, 1], [("cost_mean", "tokens per answer")], "tokens per answer vs time"),
+        (axes[1, 0], [("k3_mean", "mismatch KL (k3)")], "trainer/sampler mismatch"),
+        (axes[1, 1], [("changed_frac", "changed fraction")], "delta: changed fraction of bf16 weights"),
+        (axes[1, 2], [("delta_ratio", "delta bytes / full bf16 bytes")], "delta size ratio"),
+    ]
+    for ax, keys, title in panels:
+        for key, label in keys:
+            t, v = _series(rows, key)
+            if len(v):
+                ax.plot(t, v, ".", alpha=0.3)
+                sv = _smooth(v)
+                ax.plot(t[len(t) - len(sv):], sv, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("seconds")
+        ax.legend(loc="best", fontsize=8)
+        ax.grid(alpha=0.3)
+    # staleness histogram: sum of the per-step histograms {lag: count}
+    hist: dict[int, int] = {}
+    for r in rows:
+        for lag, c in (r.get("staleness_hist") or {}).items():
+            hist[int(lag)] = hist.get(int(lag), 0) + int(c)
+    ax = axes[0, 2]
+    if hist:
+        lags = sorted(hist)
+        ax.bar(lags, [hist[k] for k in lags])
+    ax.set_title("staleness of trained tokens (versions behind)")
+    ax.set_xlabel("version lag")
+    fig.tight_layout()
+    p = run_dir / "plots" / "run.png"
+    fig.savefig(p, dpi=90)
+    plt.close(fig)
+    out.append(str(p))
+    return out
+
+
+def summary_table(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="asyncrl run summary")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for k, v in summary.items():
+        if isinstance(v, (dict, list)):
+            continue
+        t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    Console(stderr=True).print(t)
+
+
+def finish_run(run_dir: Path, rows: list[dict], reason: str, conf: dict) -> dict:
+    plots = plot_run(run_dir, rows) if rows else []
+    last = rows[-1] if rows else {}
+    first_eval = next((r for r in rows if r.get("eval_success") is not None), {})
+    last_eval = next((r for r in reversed(rows) if r.get("eval_success") is not None), {})
+    summary = {
+        "run_dir": str(run_dir),
+        "stopped": reason,
+        "versions": last.get("version", 0),
+        "trainer_steps_seen": len(rows),
+        "eval_success_initial": first_eval.get("eval_success"),
+        "eval_success_final": last_eval.get("eval_success"),
+        "eval_tokens_initial": first_eval.get("eval_tokens"),
+        "eval_tokens_final": last_eval.get("eval_tokens"),
+        "reward_last": last.get("reward_mean"),
+        "success_last": last.get("success_mean"),
+        "tokens_per_answer_last": last.get("cost_mean"),
+        "staleness_mean_last": last.get("staleness_mean"),
+        "k3_mean_last": last.get("k3_mean"),
+        "delta_ratio_last": last.get("delta_ratio"),
+        "plots": plots,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    summary_table(summary)
+    return summary
