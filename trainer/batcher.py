@@ -1,0 +1,164 @@
+"""Pull scored rollouts from SCORED, dedupe by rollout id, assemble complete groups, weigh staleness.
+
+Nothing is acked here on arrival except true duplicates (another stream message with an id that
+is already consumed or already pending). A batch's messages are acked by the trainer loop only
+after the step's checkpoint is written and its delta published (`Batcher.ack`).
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from bus import get_logger
+from bus import topology as topo
+from bus.events import EventError, Rollout, Scored, decode
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Sample:
+    rollout: Rollout
+    scored: Scored
+    msg: object                    # the JetStream message (acked after publication)
+    arrived: float = field(default_factory=time.monotonic)
+    group: int = 0                 # index of its group in the batch
+    lag: int = 0                   # current version - oldest token version
+    weight: float = 1.0            # 0 = dropped as stale
+
+
+@dataclass
+class Batch:
+    samples: list[Sample]
+    n_groups: int
+    version: int                   # trainer version the lags are measured against
+
+    @property
+    def rollout_ids(self) -> list[str]:
+        return [s.rollout.rollout_id for s in self.samples]
+
+
+def stale_weights(lags: list[int], max_lag: int, mode: str, stale_weight: float) -> list[float]:
+    """Per-sample weight: 1 within max_lag; beyond it 0 (drop) or stale_weight**(lag-max_lag)."""
+    if mode == "drop":
+        return [1.0 if lag <= max_lag else 0.0 for lag in lags]
+    return [1.0 if lag <= max_lag else stale_weight ** (lag - max_lag) for lag in lags]
+
+
+class ConsumedIds:
+    """Rollout ids already used (or dropped), bounded FIFO; saved in every checkpoint."""
+
+    def __init__(self, ids: list[str] = (), limit: int = 200_000):
+        self.limit = limit
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self.add(ids)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._ids
+
+    def add(self, ids) -> None:
+        for rid in ids:
+            self._ids[rid] = None
+        while len(self._ids) > self.limit:
+            self._ids.popitem(last=False)
+
+    def to_list(self) -> list[str]:
+        return list(self._ids)
+
+
+def _stream_seq(msg) -> int | None:
+    try:
+        return msg.metadata.sequence.stream
+    except Exception:
+        return None
+
+
+class Batcher:
+    def __init__(self, bus, cfg, consumed: ConsumedIds, heartbeat_s: float = 5.0):
+        self.bus, self.cfg, self.consumed = bus, cfg, consumed
+        self.heartbeat_s = heartbeat_s
+        self.groups: OrderedDict[str, dict[str, Sample]] = OrderedDict()   # task_id -> rollout_id -> sample
+        self.sub = None
+        self.counters = {"duplicates": 0, "invalid": 0, "received": 0}
+        self._last_hb = time.monotonic()
+
+    @property
+    def pending(self) -> int:
+        return sum(len(g) for g in self.groups.values())
+
+    async def start(self) -> None:
+        self.sub = await self.bus.pull(topo.SCORED, topo.TRAINER_CONSUMER)
+
+    async def _take(self, msg) -> None:
+        self.counters["received"] += 1
+        try:
+            scored = decode(msg.data, Scored)
+            rollout = scored.get_rollout()
+        except EventError as e:
+            self.counters["invalid"] += 1
+            log.warning("invalid scored rollout, parked in DLQ", reason=str(e))
+            await self.bus.dlq(msg, str(e), topo.SCORED)
+            return
+        rid = rollout.rollout_id
+        group = self.groups.get(rollout.task_id, {})
+        if rid in group and _stream_seq(group[rid].msg) == _stream_seq(msg):
+            group[rid].msg = msg                    # redelivery of the message we hold: keep newest token
+            return
+        if rid in self.consumed or rid in group:
+            self.counters["duplicates"] += 1        # the original is used (checkpointed) or still held
+            await msg.ack()
+            return
+        self.groups.setdefault(rollout.task_id, {})[rid] = Sample(rollout, scored, msg)
+
+    def _ready_groups(self) -> list[str]:
+        now = time.monotonic()
+        ready = []
+        for tid, g in self.groups.items():
+            first = next(iter(g.values()))
+            want = first.rollout.group_size or self.cfg.group_size
+            timed_out = now - min(s.arrived for s in g.values()) > self.cfg.group_timeout_s
+            if len(g) >= want or (timed_out and len(g) >= 2):
+                ready.append(tid)
+        return ready
+
+    async def _heartbeat(self) -> None:
+        """Keep held messages from being redelivered while their group waits for siblings."""
+        if time.monotonic() - self._last_hb < self.heartbeat_s:
+            return
+        self._last_hb = time.monotonic()
+        for g in self.groups.values():
+            for s in g.values():
+                try:
+                    await s.msg.in_progress()
+                except Exception as e:       # connection blip: redelivery is deduped anyway
+                    log.debug("in_progress failed", error=str(e))
+
+    async def next_batch(self, version: int, stop=None, max_wait_s: float | None = None) -> Batch | None:
+        """Block until `batch_groups` groups are complete (or stop/max_wait); None if none formed."""
+        cfg = self.cfg
+        deadline = None if max_wait_s is None else time.monotonic() + max_wait_s
+        while True:
+            ready = self._ready_groups()
+            if len(ready) >= cfg.batch_groups:
+                break
+            if (stop is not None and stop.is_set()) or (deadline and time.monotonic() > deadline):
+                return None
+            want = max(cfg.batch_groups * cfg.group_size - self.pending, cfg.group_size)
+            for msg in await self.sub.fetch(want, cfg.fetch_timeout_s):
+                await self._take(msg)
+            await self._heartbeat()
+        samples: list[Sample] = []
+        for gi, tid in enumerate(ready[: cfg.batch_groups]):
+            for s in self.groups.pop(tid).values():
+                s.group = gi
+                s.lag = version - min(s.rollout.token_versions, default=version)
+                samples.append(s)
+        for s, w in zip(samples, stale_weights([s.lag for s in samples], cfg.max_lag, cfg.stale, cfg.stale_weight)):
+            s.weight = w
+        return Batch(samples, n_groups=min(len(ready), cfg.batch_groups), version=version)
+
+    async def ack(self, batch: Batch) -> None:
+        """After checkpoint + publication: ack every message of the batch (used or dropped)."""
+        for s in batch.samples:
+            await s.msg.ack()

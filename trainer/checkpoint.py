@@ -1,0 +1,84 @@
+"""Atomic trainer checkpoints: tmp file + fsync + rename + directory fsync.
+
+One file per version (`ckpt-v00000012.pt`); the newest that loads is the one to resume from,
+so a crash mid-write (the tmp file) never hides the previous good checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+NAME = re.compile(r"^ckpt-v(\d{8})\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainerState:
+    version: int
+    epoch: int
+    model: dict                    # fp32 master state_dict
+    optimizer: dict
+    consumed: list[str] = field(default_factory=list)   # rollout ids used or dropped, oldest first
+    digest: str = ""               # delta_codec.state_digest of the published bf16 weights at `version`
+    model_config: dict = field(default_factory=dict)
+    step: int = 0
+    warmstarted: bool = False
+
+
+def path_for(ckpt_dir: str | Path, version: int) -> Path:
+    return Path(ckpt_dir) / f"ckpt-v{version:08d}.pt"
+
+
+def save(ckpt_dir: str | Path, st: TrainerState, keep: int = 3) -> Path:
+    d = Path(ckpt_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    final = path_for(d, st.version)
+    tmp = final.with_suffix(f".tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(st.__dict__, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    fd = os.open(d, os.O_RDONLY)           # make the rename itself durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    for old in list_checkpoints(d)[:-keep] if keep > 0 else []:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if NAME.match(p.name))
+
+
+def load(path: str | Path) -> TrainerState:
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=False)
+        return TrainerState(**raw)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from e
+
+
+def load_latest(ckpt_dir: str | Path) -> TrainerState | None:
+    """Newest readable checkpoint, or None when there is none; unreadable ones are skipped."""
+    errors = []
+    for p in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            return load(p)
+        except CheckpointError as e:
+            errors.append(str(e))
+    if errors:
+        raise CheckpointError("no readable checkpoint: " + "; ".join(errors))
+    return None

@@ -1,0 +1,85 @@
+"""TrainerConfig: every knob of the learner process, read from TOML then ASYNCRL_* env."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from bus import BusConfig
+
+
+@dataclass
+class TrainerConfig:
+    bus: BusConfig = field(default_factory=BusConfig)
+    trainer_id: str = ""                 # default: <host>-<pid>
+    envs: list[str] = field(default_factory=lambda: ["arith"])
+    # model: policy.ModelConfig as a dict (empty = ModelConfig.tiny for the env tokenizer's vocab)
+    model: dict = field(default_factory=dict)
+    init_checkpoint: str = ""            # optional HF checkpoint dir (policy.load_hf_checkpoint)
+    seed: int = 0
+    # optimizer (fp32 master weights, AdamW)
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0               # 0 = off
+    # batching
+    batch_groups: int = 4                # groups (tasks) per optimizer step
+    group_size: int = 4                  # completions per task
+    group_timeout_s: float = 120.0       # a group still incomplete after this is used as is (>= 2 samples)
+    max_lag: int = 4                     # samples with a token older than this many versions are stale
+    stale: str = "drop"                  # drop | downweight
+    stale_weight: float = 0.5            # downweight: weight = stale_weight ** (lag - max_lag)
+    dedupe_window: int = 200_000         # consumed rollout ids remembered (in the checkpoint)
+    fetch_timeout_s: float = 1.0
+    # loss
+    adv_norm: str = "std"                # std: (r - mean_g) / (std_g + eps) | mean: r - mean_g
+    is_mode: str = "truncated"           # truncated | masked | none
+    is_clip: float = 2.0                 # C for truncated IS
+    is_mask_low: float = 0.5             # masked IS keeps tokens whose ratio lies in [low, high]
+    is_mask_high: float = 2.0
+    ppo_clip: float = 0.0                # eps of the optional PPO-style clip (0 = off)
+    entropy_coef: float = 0.0
+    replay: bool = True                  # recompute logprobs with the workers' sampling masks + fp8 sites
+    # publication
+    keyframe_interval: int = 20          # a full keyframe every K versions
+    signing_key: str = ""                # path to an ed25519 private key (PEM); empty = unsigned
+    # checkpoints / outputs
+    checkpoint_dir: str = "runs/trainer/ckpt"
+    keep_checkpoints: int = 3
+    run_dir: str = ""                    # metrics appended to <run_dir>/metrics/trainer.jsonl
+    # leader lease
+    lease_ttl_s: float = 15.0
+    lease_renew_s: float = 0.0           # 0 = ttl / 3
+    # loop
+    mode: str = "async"                  # async | sync (publish one batch per version and wait for it)
+    feed_backlog: int = 8                # async: groups kept queued in TASKS
+    feed: bool = True                    # publish tasks (off when an external feeder runs)
+    task_sampling: dict = field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 32})
+    max_steps: int = 0                   # 0 = forever
+    warmstart_steps: int = 0             # supervised steps on env demonstrations before RL
+    warmstart_lr: float = 1e-3
+    warmstart_batch: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.trainer_id:
+            self.trainer_id = f"{socket.gethostname()}-{os.getpid()}"
+        checks = {
+            "stale": self.stale in ("drop", "downweight"),
+            "is_mode": self.is_mode in ("truncated", "masked", "none"),
+            "adv_norm": self.adv_norm in ("std", "mean"),
+            "mode": self.mode in ("async", "sync"),
+            "batch_groups": self.batch_groups >= 1,
+            "group_size": self.group_size >= 1,
+            "max_lag": self.max_lag >= 0,
+            "is_clip": self.is_clip > 0,
+            "keyframe_interval": self.keyframe_interval >= 1,
+            "lease_ttl_s": self.lease_ttl_s > 0,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"TrainerConfig: invalid value for {', '.join(bad)}: "
+                             + ", ".join(f"{k}={getattr(self, k)!r}" for k in bad))
+
+    @property
+    def renew_s(self) -> float:
+        return self.lease_renew_s or self.lease_ttl_s / 3
