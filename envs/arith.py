@@ -1,0 +1,113 @@
+"""Multi-digit addition where writing the intermediate steps buys accuracy.
+
+Prompt ``"123+4567="``. The policy answers in one of two styles, chosen by its first character:
+
+    direct  ``#4690``                                       (5-6 tokens)
+    steps   ``3+7+0=10 2+6+1=09 1+5+0=06 0+4+0=04 #4690``   (9 tokens per column + answer)
+
+A steps column is ``a+b+carry_in=two-digit sum``, least significant first, so each digit of the
+answer is a local, one-column computation that a ~1M-parameter char-level model learns quickly;
+the direct style must carry through all columns in one go and stays far less accurate. That gap
+is the test-time scaling curve: more generated tokens, more problems solved. Only the final
+answer (after the last ``#``) is verified.
+
+Length distribution (completion tokens of the steps style, eos excluded):
+  ``arith``       operands of 2..4 digits (uniform, each): 21..42 tokens, median 41;
+                  direct style 4..6 tokens.
+  ``arith-long``  operand digits 1..12, P(d) ∝ 0.6^(d-1) (long tail): 11..121 tokens,
+                  median 31, p99 ~101 — for the async benchmark, where a few long
+                  generations must not stall the short ones.
+The eval split holds the operand pairs whose hash falls in `eval_fraction`: disjoint from train.
+"""
+from __future__ import annotations
+
+import re
+
+from .base import SpecError, TaskSpec, Verdict, check_split, register, split_of
+
+ANSWER = re.compile(r"#\s*(\d{1,64})\s*$")
+STYLES = ("direct", "steps")
+
+
+def _randint(rng, lo: int, hi: int) -> int:
+    """Inclusive integer from a numpy Generator or a random.Random."""
+    if hasattr(rng, "integers"):
+        return int(rng.integers(lo, hi + 1))
+    return rng.randint(lo, hi)
+
+
+def steps_text(a: int, b: int) -> str:
+    """The steps-style completion for a+b."""
+    da, db = str(a)[::-1], str(b)[::-1]
+    carry, cols = 0, []
+    for i in range(max(len(da), len(db))):
+        x = int(da[i]) if i < len(da) else 0
+        y = int(db[i]) if i < len(db) else 0
+        s = x + y + carry
+        cols.append(f"{x}+{y}+{carry}={s:02d}")
+        carry = s // 10
+    return " ".join(cols) + f" #{a + b}"
+
+
+class ArithEnv:
+    def __init__(self, name: str = "arith", min_digits: int = 2, max_digits: int = 4,
+                 tail: float | None = None, eval_fraction: float = 0.1):
+        self.name, self.min_digits, self.max_digits = name, min_digits, max_digits
+        self.tail, self.eval_fraction = tail, eval_fraction
+        # digit-count weights: uniform, or geometric (long-tailed) when `tail` is given
+        ks = range(min_digits, max_digits + 1)
+        w = [1.0 if tail is None else tail ** (k - min_digits) for k in ks]
+        self._cum = [sum(w[: i + 1]) / sum(w) for i in range(len(w))]
+
+    def _digits(self, rng) -> int:
+        u = _randint(rng, 0, 1 << 30) / (1 << 30)
+        return self.min_digits + next(i for i, c in enumerate(self._cum) if u <= c)
+
+    def _operand(self, rng) -> int:
+        d = self._digits(rng)
+        return _randint(rng, 10 ** (d - 1) if d > 1 else 0, 10 ** d - 1)
+
+    def sample(self, rng, split: str = "train") -> TaskSpec:
+        check_split(split)
+        for _ in range(10_000):          # rejection keeps the splits disjoint by operand pair
+            a, b = self._operand(rng), self._operand(rng)
+            if split_of(f"{a}+{b}", self.eval_fraction) == split:
+                return TaskSpec(prompt=f"{a}+{b}=", spec={"a": a, "b": b, "answer": str(a + b)})
+        raise RuntimeError(f"{self.name}: could not draw a {split} problem")  # only if eval_fraction ~ 0 or 1
+
+    @staticmethod
+    def _answer(spec: dict) -> str:
+        ans = spec.get("answer") if isinstance(spec, dict) else None
+        if not isinstance(ans, (str, int)) or not str(ans).isdigit():
+            raise SpecError(f"arith spec needs a non-negative integer 'answer', got {spec!r:.200}")
+        return str(int(ans))
+
+    def verify(self, text: str, spec: dict) -> Verdict:
+        want = self._answer(spec)
+        if not isinstance(text, str):
+            return Verdict(0.0, f"completion is a {type(text).__name__}, not text")
+        m = ANSWER.search(text)
+        if m is None:
+            tail = text[-24:].replace("\n", "\\n")
+            return Verdict(0.0, f"no final answer '#<digits>' at the end (ends with {tail!r})")
+        got = str(int(m.group(1)))
+        if got == want:
+            return Verdict(1.0, "correct")
+        return Verdict(0.0, f"wrong answer {got} != {want}")
+
+    def demonstration(self, spec: dict, style: str = "steps") -> str:
+        want = self._answer(spec)
+        if style == "default":
+            style = "steps"
+        if style == "direct":
+            return f"#{want}"
+        if style == "steps":
+            a, b = spec.get("a"), spec.get("b")
+            if not isinstance(a, int) or not isinstance(b, int) or a + b != int(want):
+                raise SpecError(f"arith spec needs int 'a','b' summing to 'answer', got {spec!r:.200}")
+            return steps_text(a, b)
+        raise ValueError(f"unknown style {style!r}; expected one of {STYLES}")
+
+
+register("arith")(lambda: ArithEnv("arith", 2, 4))
+register("arith-long")(lambda: ArithEnv("arith-long", 1, 12, tail=0.6))

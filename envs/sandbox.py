@@ -1,0 +1,203 @@
+"""Run untrusted Python in a subprocess that cannot hang, flood or take down its caller.
+
+Layers (each one covers a way generated code goes wrong):
+  * own session / process group, killed as a whole at the wall timeout;
+  * `unshare -rnpf --kill-child` when available: an empty network namespace (no network at
+    all) and a pid namespace whose init is a tiny shell, so every process the code forks dies
+    with it — a child that calls setsid() or daemonises cannot outlive the sandbox;
+  * when the scorer runs as root (where RLIMIT_NPROC is not enforced) the code runs under a
+    fresh random uid, so RLIMIT_NPROC caps a fork bomb at `nproc` processes;
+  * rlimits set in-process before any untrusted byte runs: CPU seconds, address space,
+    file size (caps stdout/stderr, which go to files), open files, no core dumps;
+  * an audit hook that refuses every socket operation (the network guard where namespaces
+    are not available; defence in depth where they are);
+  * a temp working directory, an empty environment, `python -I -S` (no site, no user paths).
+Every outcome comes back as a SandboxResult with a reason; nothing here raises on bad code.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+# Runs first inside the sandbox: limits and guards, then the script. Parameters come as argv.
+PRELUDE = r"""
+import resource, sys
+cpu, mem, fsize, nproc, nofile, net, script = sys.argv[1:8]
+for lim, v in ((resource.RLIMIT_CPU, (int(cpu), int(cpu) + 1)), (resource.RLIMIT_AS, (int(mem),) * 2),
+               (resource.RLIMIT_FSIZE, (int(fsize),) * 2), (resource.RLIMIT_NOFILE, (int(nofile),) * 2),
+               (resource.RLIMIT_CORE, (0, 0))):
+    resource.setrlimit(lim, v)
+if int(nproc) > 0:
+    resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc),) * 2)
+if net == "0":
+    def _no_network(event, args):
+        if event.startswith("socket.") and event != "socket.gethostname":
+            raise PermissionError("network access is disabled in the sandbox")
+    sys.addaudithook(_no_network)
+del resource, cpu, mem, fsize, nproc, nofile, net
+sys.argv = [script] + sys.argv[8:]
+sys.path.insert(0, ".")
+import runpy
+runpy.run_path(script, run_name="__main__")
+"""
+
+SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
+
+
+@dataclass
+class SandboxLimits:
+    wall_s: float = 10.0
+    cpu_s: int = 5
+    memory_mb: int = 512
+    nproc: int = 16               # processes + threads the code may have (fork-bomb cap)
+    output_bytes: int = 1 << 20   # stdout + stderr, each
+    open_files: int = 64
+    network: bool = False         # True only for trusted experiments
+    python: str | None = None     # interpreter; default: a system python the sandbox uid can run
+
+
+@dataclass
+class SandboxResult:
+    reason: str                   # "ok" | "wall timeout after 2.0s" | "cpu time limit" | "output limit ..." | "exit code 1" | ...
+    returncode: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+    wall_s: float = 0.0
+    isolation: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.reason == "ok"
+
+
+@functools.cache
+def isolation() -> tuple[str, bool, bool]:
+    """(python, use a fresh uid, use namespaces) — probed once per process."""
+    root = os.geteuid() == 0
+    python = next((p for p in SYSTEM_PYTHONS if os.access(p, os.X_OK)), sys.executable) if root else sys.executable
+    unshare = shutil.which("unshare")
+    probe_uid = _fresh_uid() if root else None
+
+    def works(cmd: list[str], uid: int | None) -> bool:
+        try:
+            kw = dict(user=uid, group=uid, extra_groups=[]) if uid is not None else {}
+            r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=10, cwd="/", **kw)
+            return r.returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            return False
+
+    use_uid = root and works([python, "-I", "-S", "-c", "pass"], probe_uid)
+    if root and not use_uid:
+        python = sys.executable
+    ns_cmd = [unshare, "-rnpf", "--kill-child", "--", python, "-I", "-S", "-c", "pass"] if unshare else []
+    use_ns = bool(unshare) and works(ns_cmd, probe_uid if use_uid else None)
+    return python, use_uid, use_ns
+
+
+def _fresh_uid() -> int:
+    # an unused uid per run: RLIMIT_NPROC counts per uid, so concurrent sandboxes never share a budget
+    return 200_000 + random.SystemRandom().randrange(1 << 30)
+
+
+def _signal_reason(sig: int, limits: SandboxLimits) -> str:
+    if sig == signal.SIGXCPU:
+        return f"cpu time limit ({limits.cpu_s}s) exceeded"
+    if sig == signal.SIGKILL:
+        return f"killed (cpu hard limit {limits.cpu_s + 1}s or out of memory)"
+    if sig == signal.SIGXFSZ:
+        return f"output limit ({limits.output_bytes} bytes) exceeded"
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = str(sig)
+    return f"crashed with signal {name}"
+
+
+def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None = None,
+               stdin: bytes = b"", args: list[str] | None = None) -> SandboxResult:
+    """Write `files` into a fresh temp dir and run `python script` there under the limits."""
+    limits = limits or SandboxLimits()
+    python, use_uid, use_ns = isolation()
+    if limits.python:
+        python = limits.python
+    uid = _fresh_uid() if use_uid else None
+    layers = ["pgroup", "rlimits", "audit-net" if not limits.network else "net-allowed"]
+    tmp = tempfile.mkdtemp(prefix="asyncrl-sbx-")
+    t0 = time.perf_counter()
+    try:
+        for name, text in files.items():
+            path = os.path.join(tmp, name)
+            if os.path.dirname(name):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        cmd = [python, "-I", "-S", "-c", PRELUDE, str(limits.cpu_s), str(limits.memory_mb << 20),
+               str(limits.output_bytes), str(limits.nproc if uid is not None else 0), str(limits.open_files),
+               "1" if limits.network else "0", script, *(args or [])]
+        if use_ns:
+            # pid 1 of the namespace is a shell, so the python below it keeps normal signal
+            # semantics; when the shell exits every process left in the namespace is killed
+            flags = "-rpf" if limits.network else "-rnpf"
+            cmd = ["unshare", flags, "--kill-child", "--", "/bin/sh", "-c", '"$@"; exit $?', "sh", *cmd]
+            layers += ["pidns"] + ([] if limits.network else ["netns"])
+        kw = {}
+        if uid is not None:
+            os.chown(tmp, uid, uid)
+            for dirpath, dirnames, filenames in os.walk(tmp):
+                for n in dirnames + filenames:
+                    os.chown(os.path.join(dirpath, n), uid, uid)
+            kw = dict(user=uid, group=uid, extra_groups=[])
+            layers.append("fresh-uid")
+        out_path, err_path = os.path.join(tmp, ".stdout"), os.path.join(tmp, ".stderr")
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen(cmd, cwd=tmp, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp},
+                                    start_new_session=True, close_fds=True, **kw)
+            timed_out = False
+            try:
+                proc.communicate(input=stdin, timeout=limits.wall_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                _kill_group(proc.pid)       # stragglers in the group, on every path
+                proc.wait()
+        rc = proc.returncode
+        stdout, stderr = _read_capped(out_path, limits.output_bytes), _read_capped(err_path, limits.output_bytes)
+        over = max(os.path.getsize(out_path), os.path.getsize(err_path)) >= limits.output_bytes
+        if timed_out:
+            reason = f"wall timeout after {limits.wall_s}s"
+        elif over:
+            reason = f"output limit ({limits.output_bytes} bytes) exceeded"
+        elif rc < 0:
+            reason = _signal_reason(-rc, limits)
+        elif use_ns and rc > 128:                # the shell reports a signal death as 128+n
+            reason = _signal_reason(rc - 128, limits)
+        elif rc != 0:
+            reason = f"exit code {rc}"
+        else:
+            reason = "ok"
+        return SandboxResult(reason, rc, stdout, stderr, time.perf_counter() - t0, layers)
+    except OSError as e:                            # could not even start: report, never raise
+        return SandboxResult(f"sandbox error: {e}", -1, wall_s=time.perf_counter() - t0, isolation=layers)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read_capped(path: str, cap: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(cap)
