@@ -38,6 +38,10 @@ class Generation:
     quant: dict = field(default_factory=dict)   # policy.QuantConfig wire form used by the engine
 
 
+class EngineClosed(RuntimeError):
+    """The engine stopped before the sequence finished (the worker releases the task: nak)."""
+
+
 class WeightUpdateError(Exception):
     """A weight update the engine refused; the worker resyncs from the latest keyframe."""
 

@@ -1,0 +1,305 @@
+"""The default engine: `policy.Transformer` with a slotted KV cache and continuous batching.
+
+One asyncio task runs the decode loop; each turn of it is one token boundary:
+
+    1. apply pending weight updates (delta_codec.apply_delta on the bf16 state, then copy the
+       changed tensors into the model) -- sequences in flight keep their KV cache
+    2. admit waiting sequences into free slots (prefill -> first token)
+    3. one batched `model.decode` over every active slot, then `policy.sample`
+    4. append token / behaviour logprob / version / mask row; a finished sequence frees its
+       slot at once, so the next waiting one starts on the following turn
+
+The torch work of a turn runs in a thread (`asyncio.to_thread`) so NATS heartbeats, acks and
+the weight feed keep flowing while the model computes.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import delta_codec
+import policy
+from bus.events import SamplingParams
+from bus.log import get_logger
+
+from .engine import EngineClosed, EngineMetrics, Generation, UpdateQueue, check_delta
+
+log = get_logger(__name__)
+
+
+@dataclass
+class _Seq:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    cfg: policy.SamplingConfig
+    stop: frozenset[int]
+    future: asyncio.Future
+    started: float = field(default_factory=time.perf_counter)
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    masks: list = field(default_factory=list)        # one policy.SamplingMask row per token
+    finish: str = ""
+    epoch: int = 0
+
+
+def _sampling_key(s: _Seq) -> tuple:
+    return (s.cfg.temperature, s.cfg.top_p, s.cfg.top_k)
+
+
+class TorchEngine:
+    """Continuous-batching generation on `policy/` with per-token hot-patching of weights."""
+
+    def __init__(self, model_config: policy.ModelConfig | dict, *, slots: int = 8, max_len: int = 0,
+                 quant: policy.QuantConfig | None = None, eos_id: int | None = None, seed: int = 0,
+                 threads: int = 0):
+        if isinstance(model_config, dict):
+            model_config = policy.ModelConfig.from_dict(model_config)
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.cfg = model_config
+        self.quant = quant or policy.QuantConfig()
+        self.slots = slots
+        self.max_len = max_len or model_config.max_seq_len
+        if self.max_len > model_config.max_seq_len:
+            raise ValueError(f"max_len {self.max_len} exceeds the model's max_seq_len {model_config.max_seq_len}")
+        self.eos_id = eos_id
+        self.model = policy.Transformer(model_config, quant=self.quant).eval()
+        self.cache = policy.KVCache(model_config, slots=slots, max_len=self.max_len)
+        self.state: dict[str, torch.Tensor] | None = None   # bf16 bits as published (deltas apply here)
+        self.params = dict(self.model.named_parameters())
+        self.version, self.epoch = -1, -1
+        self.generator = torch.Generator().manual_seed(seed)
+        if threads:
+            torch.set_num_threads(threads)
+        self.metrics = EngineMetrics(slots)
+        self.updates = UpdateQueue()
+        self.waiting: list[_Seq] = []
+        self.active: dict[int, _Seq] = {}
+        self.free = list(range(slots))[::-1]
+        self._closed = False
+        self._wake = asyncio.Event()
+        self._last_step_end: float | None = None
+        self._task: asyncio.Task | None = None
+
+    # -- public interface (rollout_worker.engine.Engine) ---------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="torch-engine")
+
+    @property
+    def free_slots(self) -> int:
+        return len(self.free) - len(self.waiting)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, seed: int = 0) -> Generation:
+        if self._closed:
+            raise EngineClosed("engine is closed")
+        if self.state is None:
+            raise RuntimeError("no weights loaded yet: call load_keyframe first")
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if sampling.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+        if len(prompt_ids) + sampling.max_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({sampling.max_tokens}) exceeds "
+                             f"the engine's max_len {self.max_len}")
+        cfg = policy.SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        stop = frozenset(int(t) for t in sampling.stop) | ({self.eos_id} if self.eos_id is not None else set())
+        seq = _Seq(prompt_ids, sampling, cfg, stop, asyncio.get_running_loop().create_future())
+        if seed:  # mix the caller's seed into the engine stream (continuous batching shares one sampler)
+            self.generator.manual_seed(int(seed) ^ int(self.generator.initial_seed()))
+        self.waiting.append(seq)
+        self.start()
+        self._wake.set()
+        return await seq.future
+
+    async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None:
+        def run():
+            check_delta(self.version, self.epoch, delta, epoch)
+            delta_codec.apply_delta(self.state, delta)      # verifies digests; refused -> state unchanged
+            self._copy_into_model(self._changed_names(delta))
+            self.version, self.epoch = delta.to_version, epoch
+        await self._submit(run)
+
+    async def load_keyframe(self, state: dict[str, torch.Tensor], version: int, epoch: int) -> None:
+        def run():
+            self._check_state(state)
+            self.state = {k: v.clone() for k, v in state.items()}
+            self._copy_into_model(list(self.state))
+            self.version, self.epoch = int(version), int(epoch)
+        await self._submit(run)
+
+    def stats(self) -> dict:
+        return {**self.metrics.snapshot(), "version": self.version, "epoch": self.epoch,
+                "slots": self.slots, "active": len(self.active), "waiting": len(self.waiting)}
+
+    async def close(self) -> None:
+        """Stop: sequences not finished fail with EngineClosed (their tasks get released)."""
+        self._closed = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+        exc = EngineClosed("engine closed before the sequence finished")
+        for s in [*self.waiting, *self.active.values()]:
+            if not s.future.done():
+                s.future.set_exception(exc)
+        self.waiting.clear()
+        self.active.clear()
+        self.updates.fail_all(exc)
+
+    # -- weights -------------------------------------------------------------------------
+    def _check_state(self, state) -> None:
+        missing = sorted(set(self.params) - set(state))
+        extra = sorted(set(state) - set(self.params))
+        if missing or extra:
+            raise ValueError(f"keyframe does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+        bad = [k for k, p in self.params.items() if tuple(state[k].shape) != tuple(p.shape)]
+        if bad:
+            raise ValueError(f"keyframe tensor shapes differ from the model: {bad[:5]}")
+
+    @staticmethod
+    def _changed_names(delta) -> list[str]:
+        per = getattr(getattr(delta, "stats", None), "per_tensor", None)
+        if per:
+            return list(per)
+        return list(getattr(delta, "tensors", {}) or [])
+
+    @torch.no_grad()
+    def _copy_into_model(self, names) -> None:
+        for k in names:
+            self.params[k].copy_(self.state[k])
+
+    async def _submit(self, fn) -> None:
+        if self._closed:
+            raise EngineClosed("engine is closed")
+        fut = self.updates.submit(fn)
+        self.start()
+        self._wake.set()
+        await fut
+
+    # -- the decode loop -----------------------------------------------------------------
+    async def _loop(self) -> None:
+        while not self._closed:
+            if not (self.updates or self.waiting or self.active):
+                self._wake.clear()
+                self._last_step_end = None          # idle: the next update stalls nobody
+                await self._wake.wait()
+                continue
+            pending = self.updates.take()
+            admits = self._take_admits()
+            try:
+                finished = await asyncio.to_thread(self._turn, pending, admits)
+            except Exception as e:  # a bug in a turn must not hang callers: fail what was in it
+                log.exception("engine turn failed", error=str(e))
+                for s in [*admits, *self.active.values()]:
+                    if not s.future.done():
+                        s.future.set_exception(e)
+                    if s.slot >= 0:
+                        self.free.append(s.slot)
+                        s.slot = -1
+                self.active.clear()
+                continue
+            for s in finished:
+                if not s.future.done():
+                    s.future.set_result(self._result(s))
+
+    def _take_admits(self) -> list[_Seq]:
+        n = min(len(self.free), len(self.waiting))
+        admits, self.waiting = self.waiting[:n], self.waiting[n:]
+        for s in admits:
+            s.slot = self.free.pop()
+        return admits
+
+    @torch.no_grad()
+    def _turn(self, pending, admits: list[_Seq]) -> list[_Seq]:
+        """One token boundary (runs in a worker thread): updates, admissions, one decode step."""
+        t0 = time.perf_counter()
+        if pending:
+            before = (self.version, self.epoch)
+            for fn, fut in pending:
+                try:
+                    fn()
+                except BaseException as e:
+                    self.metrics.refused += 1
+                    fut.get_loop().call_soon_threadsafe(_settle, fut, e, None)
+                else:
+                    fut.get_loop().call_soon_threadsafe(_settle, fut, None, None)
+            apply_s = time.perf_counter() - t0
+            if (self.version, self.epoch) != before:
+                self._pending_stall = (apply_s, self._last_step_end)
+        finished: list[_Seq] = []
+        for s in admits:           # prefill: the first completion token comes from the prompt's logits
+            self.cache.reset(s.slot)
+            logits = self.model.prefill(torch.tensor(s.prompt_ids, dtype=torch.long), self.cache, s.slot)
+            self.active[s.slot] = s
+            self._emit([s], logits[None], finished)
+        live = [s for s in self.active.values() if not s.finish and s not in admits]
+        if live:
+            t1 = time.perf_counter()
+            tokens = torch.tensor([s.tokens[-1] for s in live], dtype=torch.long)
+            slots = torch.tensor([s.slot for s in live], dtype=torch.long)
+            logits = self.model.decode(tokens, self.cache, slots)
+            self._emit(live, logits, finished)
+            end = time.perf_counter()
+            self.metrics.step(end - t1, len(live))
+            stall = getattr(self, "_pending_stall", None)
+            if stall is not None:
+                apply_s, prev_end = stall
+                self.metrics.update(apply_s, None if prev_end is None else end - prev_end)
+                self._pending_stall = None
+            self._last_step_end = end
+        elif pending and getattr(self, "_pending_stall", None) is not None and not self.active:
+            self.metrics.update(self._pending_stall[0], None)   # idle engine: nothing stalled
+            self._pending_stall = None
+        for s in finished:
+            del self.active[s.slot]
+            self.free.append(s.slot)
+            s.slot = -1
+        return finished
+
+    def _emit(self, seqs: list[_Seq], logits: torch.Tensor, finished: list[_Seq]) -> None:
+        """Sample one token per sequence (grouped by sampling params) and append it."""
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(seqs):
+            groups.setdefault(_sampling_key(s), []).append(i)
+        for idx in groups.values():
+            rows = torch.tensor(idx, dtype=torch.long)
+            out = policy.sample(logits.index_select(0, rows).float(), seqs[idx[0]].cfg, self.generator)
+            toks, lps = out.tokens.tolist(), out.logprobs.tolist()
+            for j, i in enumerate(idx):
+                s = seqs[i]
+                s.tokens.append(toks[j])
+                s.logprobs.append(lps[j])
+                s.versions.append(self.version)
+                s.masks.append(out.mask.row(j))
+                s.epoch = self.epoch
+                if toks[j] in s.stop:
+                    s.finish = "stop"
+                elif len(s.tokens) >= s.sampling.max_tokens:
+                    s.finish = "length"
+                if s.finish:
+                    finished.append(s)
+
+    def _result(self, s: _Seq) -> Generation:
+        return Generation(completion_ids=s.tokens, logprobs=s.logprobs, token_versions=s.versions,
+                          sampling_mask=policy.SamplingMask.concat(s.masks).to_wire(),
+                          finish_reason=s.finish, wall_s=time.perf_counter() - s.started,
+                          epoch=s.epoch, quant=self.quant.to_wire())
+
+
+def _settle(fut: asyncio.Future, exc, res) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(res)

@@ -1,0 +1,227 @@
+"""The rollout worker: tasks in, rollouts out, weights hot-patched underneath.
+
+    weights   WeightFeed.follow(engine): latest keyframe, then every verified delta in order
+    lag       KV `version` watched; no new task is admitted while latest - mine > max_lag
+    tasks     ConsumerLoop on TASKS/`rollout`, fetching only what free slots can take
+    handler   n completions of the task concurrently -> one Rollout each -> publish (acked)
+              -> return (the loop acks the task). Killed before that: the task is redelivered,
+              and Nats-Msg-Id (rollout-<task>-<i>) drops the duplicates of a partial publish.
+    drain     SIGTERM: stop fetching, finish within grace_s, nak the rest (EngineClosed)
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+from bus import BusConfig, ConsumerLoop, TransientError, get_logger
+from bus import topology as topo
+from bus.events import Heartbeat, Metrics, Rollout, SamplingParams, Task
+from bus.weights import WeightFeed, parse_version
+
+from .engine import Engine, EngineClosed
+
+log = get_logger(__name__)
+
+
+@dataclass
+class WorkerConfig:
+    bus: BusConfig = field(default_factory=BusConfig)
+    worker_id: str = ""                # default: <host>-<pid>
+    engine: str = "torch"              # torch | vllm
+    slots: int = 8                     # concurrent sequences (KV cache slots)
+    queue: int = -1                    # sequences allowed to wait for a slot (-1: slots // 2), keeps slots full
+    max_lag: int = 4                   # stop admitting while latest_version - my_version > max_lag
+    max_len: int = 0                   # KV positions per slot (0: the model's max_seq_len)
+    model: str = ""                    # vllm: HF model dir; torch: unused (the model comes from the keyframe)
+    tokenizer: str = "char"            # char (policy.CharTokenizer) | path to a tokenizer.json
+    quant_sites: list[str] = field(default_factory=list)   # policy fp8 fake-quant sites to run (and replay)
+    quant_block: int = 0
+    seed: int = 0
+    threads: int = 0                   # torch intra-op threads (0: torch default)
+    public_key: str = ""               # trainer's ed25519 public key (PEM file); empty: no signature check
+    heartbeat_s: float = 5.0
+    grace_s: float = 30.0              # drain: time to finish held tasks before they are nak'ed
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if not self.worker_id:
+            self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
+        if self.engine not in ("torch", "vllm"):
+            raise ValueError(f"engine must be 'torch' or 'vllm', got {self.engine!r}")
+        if self.slots < 1:
+            raise ValueError(f"slots must be >= 1, got {self.slots}")
+        if self.max_lag < 0:
+            raise ValueError(f"max_lag must be >= 0, got {self.max_lag}")
+        if self.queue < 0:
+            self.queue = self.slots // 2
+
+
+def load_tokenizer(spec: str):
+    import policy
+    if spec == "char":
+        return policy.CharTokenizer()
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(spec)
+
+
+def _encode(tok, text: str) -> list[int]:
+    ids = tok.encode(text)
+    return list(getattr(ids, "ids", ids))
+
+
+def make_engine(cfg: WorkerConfig, model_config: dict, eos_id: int | None) -> Engine:
+    import policy
+    quant = policy.QuantConfig(sites=tuple(cfg.quant_sites), block=cfg.quant_block)
+    if cfg.engine == "vllm":
+        from .vllm_engine import VLLMEngine
+        return VLLMEngine(cfg, model_config=model_config, quant=quant, eos_id=eos_id)
+    from .torch_engine import TorchEngine
+    return TorchEngine(model_config, slots=cfg.slots, max_len=cfg.max_len, quant=quant, eos_id=eos_id,
+                       seed=cfg.seed, threads=cfg.threads)
+
+
+def parse_sampling(d: dict) -> SamplingParams:
+    known = set(SamplingParams.__dataclass_fields__)
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"task sampling has unknown keys {sorted(unknown)}")
+    sp = SamplingParams(**d)
+    if not (isinstance(sp.n, int) and 1 <= sp.n <= 1024):
+        raise ValueError(f"task sampling n must be an int in [1, 1024], got {sp.n!r}")
+    return sp
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, bus, engine: Engine | None = None):
+        self.cfg, self.bus, self.engine = cfg, bus, engine
+        self.tok = load_tokenizer(cfg.tokenizer)
+        self.eos_id = getattr(self.tok, "eos_id", None)
+        public_key = None
+        if cfg.public_key:
+            from delta_codec import signing
+            public_key = signing.load_public_key(open(cfg.public_key, "rb").read())
+        self.feed = WeightFeed(bus, public_key=public_key, name=cfg.worker_id)
+        self.latest_version = -1
+        self.group_hint = 1            # n of the last task seen: sizes fetches in slots
+        self.rollouts = 0
+        self.tasks_done = 0
+        self.paused = False
+        self.loop: ConsumerLoop | None = None
+        self.log = log.bind(worker_id=cfg.worker_id)
+
+    # -- admission -----------------------------------------------------------------------
+    @property
+    def lag(self) -> int:
+        return max(0, self.latest_version - self.engine.version)
+
+    def admissible(self) -> bool:
+        ok = self.lag <= self.cfg.max_lag
+        if ok == self.paused:      # log transitions only
+            self.paused = not ok
+            self.log.info("admission paused" if self.paused else "admission resumed",
+                          version=self.engine.version, latest=self.latest_version, max_lag=self.cfg.max_lag)
+        return ok
+
+    def capacity(self) -> int:
+        if not self.admissible():
+            return 0
+        free = getattr(self.engine, "free_slots", self.cfg.slots)
+        return max(0, free + self.cfg.queue) // max(self.group_hint, 1)
+
+    async def _wait_until(self, cond) -> None:
+        while not cond():
+            await asyncio.sleep(0.02)
+
+    # -- tasks ---------------------------------------------------------------------------
+    async def handle(self, task: Task, ctx) -> None:
+        sp = parse_sampling(task.sampling)
+        self.group_hint = sp.n
+        prompt_ids = _encode(self.tok, task.prompt)
+        # sync mode and staleness: hold the task (the loop heartbeats it) until we may generate
+        await self._wait_until(lambda: self.engine.version >= task.min_version and self.admissible())
+        try:
+            gens = await asyncio.gather(*(self.engine.generate(prompt_ids, sp, seed=hash((task.task_id, i)) & 0x7FFFFFFF)
+                                          for i in range(sp.n)))
+        except EngineClosed as e:
+            raise TransientError(f"released: {e}", delay=0) from None
+        rollouts = [Rollout(rollout_id=f"{task.task_id}-{i}", task_id=task.task_id, env=task.env, sample_index=i,
+                            group_size=sp.n, prompt=task.prompt, spec=task.spec, prompt_ids=prompt_ids,
+                            completion_ids=g.completion_ids, completion_text=self.tok.decode(g.completion_ids),
+                            logprobs=g.logprobs, token_versions=g.token_versions, sampling=task.sampling,
+                            sampling_mask=g.sampling_mask, quant=g.quant, finish_reason=g.finish_reason,
+                            cost_tokens=len(g.completion_ids), wall_s=g.wall_s, worker_id=self.cfg.worker_id,
+                            split=task.split, epoch=g.epoch)
+                    for i, g in enumerate(gens)]
+        subject = topo.rollout_subject(task.env)
+        await asyncio.gather(*(self.bus.publish(subject, r) for r in rollouts))   # acked by JetStream
+        self.rollouts += len(rollouts)
+        self.tasks_done += 1
+
+    # -- background loops ----------------------------------------------------------------
+    async def watch_version(self) -> None:
+        async for value, _rev in self.bus.kv_watch(topo.KEY_VERSION):
+            self.latest_version = parse_version(value)
+
+    def snapshot(self) -> dict:
+        return {**self.engine.stats(), "lag": self.lag, "latest_version": self.latest_version,
+                "paused": self.paused, "rollouts": self.rollouts, "tasks": self.tasks_done,
+                "feed": self.feed.stats(), "loop": self.loop.stats.as_dict() if self.loop else {}}
+
+    async def heartbeat(self) -> None:
+        step = 0
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            step += 1
+            m = self.snapshot()
+            flat = {k: v for k, v in m.items() if isinstance(v, (int, float, bool, str))}
+            self.log.info("worker metrics", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in flat.items()})
+            cid = self.cfg.worker_id
+            try:
+                await self.bus.publish(topo.heartbeat_subject("rollout_worker", cid),
+                                       Heartbeat(component="rollout_worker", component_id=cid,
+                                                 version=self.engine.version, metrics=flat))
+                await self.bus.publish(topo.metrics_subject("rollout_worker", cid),
+                                       Metrics(component="rollout_worker", component_id=cid, step=step, values=m))
+            except Exception as e:  # telemetry must never take the worker down
+                self.log.warning("heartbeat publish failed", error=repr(e))
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start_weights(self, stop: asyncio.Event):
+        """Wait for a keyframe, build the engine from its model config, load it."""
+        self.log.info("waiting for a keyframe")
+        kf = await self.feed.latest_keyframe(wait=True, stop=stop)
+        if kf is None:
+            return None
+        if self.engine is None:
+            self.engine = make_engine(self.cfg, kf.model_config, self.eos_id)
+        await self.engine.load_keyframe(kf.state, kf.version, kf.epoch)
+        self.log.info("weights loaded", version=kf.version, epoch=kf.epoch, engine=self.cfg.engine)
+        return kf
+
+    async def run(self, stop: asyncio.Event | None = None, handle_signals: bool = True) -> None:
+        stop = stop or asyncio.Event()
+        kf = await self.start_weights(stop)
+        if kf is None:
+            return
+        feed_stop = asyncio.Event()
+        background = [asyncio.create_task(self.feed.follow(self.engine, feed_stop, start=kf), name="feed"),
+                      asyncio.create_task(self.watch_version(), name="version"),
+                      asyncio.create_task(self.heartbeat(), name="heartbeat")]
+        self.loop = ConsumerLoop(self.bus, topo.TASKS, topo.ROLLOUT_CONSUMER, self.handle, Task,
+                                 concurrency=self.cfg.slots + self.cfg.queue, capacity=self.capacity,
+                                 grace_s=self.cfg.grace_s, handle_signals=handle_signals)
+        t0 = time.perf_counter()
+        try:
+            await self.loop.run(stop)
+        finally:
+            feed_stop.set()
+            await self.engine.close()
+            for t in background:
+                t.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self.feed.close()
+            self.log.info("worker stopped", wall_s=round(time.perf_counter() - t0, 2), **{
+                k: v for k, v in self.snapshot().items() if isinstance(v, (int, float, bool, str))})
