@@ -1,0 +1,122 @@
+"""Model and quantisation configs: plain dataclasses that travel as dicts (wire/TOML)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2            # GQA: query heads share n_heads // n_kv_heads groups
+    head_dim: int = 0              # 0 = d_model // n_heads
+    d_ff: int = 384                # SwiGLU hidden size
+    attn: str = "gqa"              # "gqa" | "mla"
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qkv_bias: bool = False         # Qwen2 has biases on q/k/v
+    tie_embeddings: bool = False
+    # MLA (DeepSeek-V2 style): KV compressed to a latent, plus a decoupled RoPE part shared across heads
+    kv_lora_rank: int = 64
+    q_lora_rank: int = 0           # 0 = full-rank query projection
+    qk_nope_dim: int = 32
+    qk_rope_dim: int = 16
+    v_head_dim: int = 32
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.d_model // self.n_heads
+        problems = []
+        if self.attn not in ("gqa", "mla"):
+            problems.append(f"attn must be 'gqa' or 'mla', got {self.attn!r}")
+        if self.n_heads <= 0 or self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads {self.n_heads} must be a positive multiple of n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2 or self.qk_rope_dim % 2:
+            problems.append("RoPE dims (head_dim, qk_rope_dim) must be even")
+        for name in ("vocab_size", "d_model", "n_layers", "d_ff", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if problems:
+            raise ValueError("bad ModelConfig: " + "; ".join(problems))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys: {sorted(unknown)}")
+        return cls(**d)
+
+    # presets: parameter counts are for the transformer body plus embeddings at the given vocab
+    @classmethod
+    def tiny(cls, vocab_size: int = 128, **kw) -> "ModelConfig":        # ~1 M
+        return cls(**{**dict(vocab_size=vocab_size, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                             d_ff=384, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32), **kw})
+
+    @classmethod
+    def small(cls, vocab_size: int = 128, **kw) -> "ModelConfig":       # ~10 M
+        return cls(**{**dict(vocab_size=vocab_size, d_model=384, n_layers=6, n_heads=6, n_kv_heads=2,
+                             d_ff=1024, kv_lora_rank=128, qk_nope_dim=64, qk_rope_dim=32, v_head_dim=64), **kw})
+
+    @classmethod
+    def base50m(cls, vocab_size: int = 128, **kw) -> "ModelConfig":     # ~50 M
+        return cls(**{**dict(vocab_size=vocab_size, d_model=640, n_layers=11, n_heads=10, n_kv_heads=5,
+                             d_ff=1728, kv_lora_rank=256, qk_nope_dim=64, qk_rope_dim=32, v_head_dim=64), **kw})
+
+    @classmethod
+    def base100m(cls, vocab_size: int = 128, **kw) -> "ModelConfig":    # ~100 M
+        return cls(**{**dict(vocab_size=vocab_size, d_model=768, n_layers=13, n_heads=12, n_kv_heads=4,
+                             d_ff=2560, kv_lora_rank=256, qk_nope_dim=64, qk_rope_dim=32, v_head_dim=64), **kw})
+
+    @classmethod
+    def preset(cls, name: str, vocab_size: int = 128, **kw) -> "ModelConfig":
+        presets = {"tiny": cls.tiny, "small": cls.small, "base50m": cls.base50m, "base100m": cls.base100m}
+        if name not in presets:
+            raise ValueError(f"unknown model preset {name!r}; known: {sorted(presets)}")
+        return presets[name](vocab_size=vocab_size, **kw)
+
+
+QUANT_SITES = ("mla_rope_qk", "linear_act")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """fp8 fake-quantisation sites. Scales are position-local (per token, or per token x block),
+    so decoding one position at a time and teacher-forcing all positions quantise identically."""
+    sites: tuple[str, ...] = ()
+    fmt: str = "e4m3"
+    block: int = 0                 # 0 = one scale per token (x head) row; >0 = blocks along the feature dim
+
+    def __post_init__(self):
+        object.__setattr__(self, "sites", tuple(self.sites))
+        bad = [s for s in self.sites if s not in QUANT_SITES]
+        if bad:
+            raise ValueError(f"unknown quant sites {bad}; known: {list(QUANT_SITES)}")
+        if self.fmt != "e4m3":
+            raise ValueError(f"unsupported fp8 format {self.fmt!r} (only 'e4m3')")
+        if self.block < 0:
+            raise ValueError(f"quant block must be >= 0, got {self.block}")
+
+    def on(self, site: str) -> bool:
+        return site in self.sites
+
+    def to_wire(self) -> dict:
+        return {"sites": list(self.sites), "fmt": self.fmt, "block": self.block}
+
+    @classmethod
+    def from_wire(cls, d: dict | None) -> "QuantConfig":
+        if not d:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"quant wire form must be a dict, got {type(d).__name__}")
+        unknown = set(d) - {"sites", "fmt", "block"}
+        if unknown:
+            raise ValueError(f"unknown quant wire keys: {sorted(unknown)}")
+        return cls(sites=tuple(d.get("sites", ())), fmt=d.get("fmt", "e4m3"), block=int(d.get("block", 0)))

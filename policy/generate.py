@@ -1,0 +1,52 @@
+"""Static-batch generation with the KV cache (evaluation, lambda calibration, tests)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .model import KVCache, Transformer
+from .sampling import SamplingConfig, SamplingMask, sample
+
+
+@dataclass
+class GenOut:
+    ids: list[int]             # completion ids (the stop id included when it ended the sequence)
+    logprobs: list[float]      # behaviour logprob of each id
+    mask: SamplingMask         # one row per id
+    finish_reason: str         # "stop" | "length"
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Sequence[SamplingConfig],
+             max_new_tokens: int, stop_ids: Sequence[int] = (), generator: torch.Generator | None = None) -> list[GenOut]:
+    B = len(prompts)
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    cfgs = [sampling] * B if isinstance(sampling, SamplingConfig) else list(sampling)
+    if len(cfgs) != B:
+        raise ValueError(f"got {len(cfgs)} sampling configs for {B} prompts")
+    dev = next(model.parameters()).device
+    cache = KVCache(model.cfg, B, max(len(p) for p in prompts) + max_new_tokens,
+                    dtype=next(model.parameters()).dtype, device=dev)
+    logits = torch.stack([model.prefill(p, cache, i) for i, p in enumerate(prompts)])
+    ids, lps, masks = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
+    finish = [None] * B
+    stop = torch.tensor(list(stop_ids), dtype=torch.long, device=dev)
+    active = torch.arange(B, device=dev)
+    for step in range(max_new_tokens):
+        out = sample(logits, [cfgs[i] for i in active.tolist()], generator)
+        for r, i in enumerate(active.tolist()):
+            ids[i].append(int(out.tokens[r]))
+            lps[i].append(float(out.logprobs[r]))
+            masks[i].append(out.mask[r])
+        done = torch.isin(out.tokens, stop)
+        for i in active[done].tolist():
+            finish[i] = "stop"
+        keep = ~done
+        if step == max_new_tokens - 1 or not keep.any():
+            break
+        active, tokens = active[keep], out.tokens[keep]
+        logits = model.decode(tokens, cache, active)
+    return [GenOut(ids[i], lps[i], SamplingMask.concat(masks[i]), finish[i] or "length") for i in range(B)]
