@@ -1,0 +1,395 @@
+"""Delta and Keyframe: one checksummed, optionally signed binary container.
+
+    prefix  "ADLT" | u16 format | u8 kind | u8 flags | u32 header length      (little endian)
+    header  msgpack {versions, tensors: [[name, dtype, shape, digest_a, digest_b, len, xxh64]]}
+    u64     xxh3-64 of prefix + header
+    records one per tensor, in header order (lengths and checksums are in the header)
+    [sig]   ed25519 over everything before it, when flags & SIGNED
+
+Every tensor's name travels in the checksummed header, so a damaged record is reported by
+the name of the tensor it belongs to.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+import torch
+import xxhash
+import zstandard
+
+from . import signing
+from .bits import (combine_digest, dtype_from_name, dtype_name, from_planes, is_ordered, np_bits,
+                   tensor_digest, to_planes)
+from .codec import CHUNK, decode_chunk, encode_chunk, value_apply, zd
+from .errors import DeltaError
+
+MAGIC = b"ADLT"
+FORMAT = 1
+KIND_DELTA, KIND_KEYFRAME = 1, 2
+SIGNED = 1
+CODEC = "rice-zigzag-zstd/1"
+_PREFIX = struct.Struct("<4sHBBI")
+_KINDS = {KIND_DELTA: "delta", KIND_KEYFRAME: "keyframe"}
+
+
+@dataclass
+class TensorRecord:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    digest_a: bytes          # delta: base digest; keyframe: tensor digest
+    digest_b: bytes          # delta: result digest; keyframe: same as digest_a
+    record: bytes | memoryview
+    changed: int = -1        # known at encode time; -1 after parsing (counted on demand)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+
+@dataclass
+class DeltaStats:
+    changed: int
+    total: int
+    encoded_bytes: int
+    per_tensor: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def changed_frac(self) -> float:
+        return self.changed / max(self.total, 1)
+
+    @property
+    def bits_per_changed(self) -> float:
+        return 8 * self.encoded_bytes / max(self.changed, 1)
+
+    def to_dict(self) -> dict:
+        return {"changed": self.changed, "total": self.total, "encoded_bytes": self.encoded_bytes,
+                "changed_frac": self.changed_frac, "bits_per_changed": self.bits_per_changed,
+                "per_tensor": self.per_tensor}
+
+
+# --- container -------------------------------------------------------------------------------
+
+def _pack(kind: int, meta: dict, recs: list[TensorRecord], signing_key) -> bytes:
+    meta = dict(meta, codec=CODEC, tensors=[
+        [r.name, r.dtype, list(r.shape), r.digest_a, r.digest_b, len(r.record), xxhash.xxh3_64_intdigest(r.record)]
+        for r in recs])
+    header = msgpack.packb(meta, use_bin_type=True)
+    head = _PREFIX.pack(MAGIC, FORMAT, kind, SIGNED if signing_key is not None else 0, len(header)) + header
+    blob = b"".join([head, struct.pack("<Q", xxhash.xxh3_64_intdigest(head)), *(r.record for r in recs)])
+    return blob + signing.sign(signing_key, blob) if signing_key is not None else blob
+
+
+def _unpack(blob, kind: int):
+    """-> (meta, records, signed region, signature or None). Validates structure and checksums."""
+    mv = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob.cast("B")
+    what = _KINDS[kind]
+    if len(mv) < _PREFIX.size + 8:
+        raise DeltaError(f"{what} truncated: {len(mv)} bytes is shorter than the fixed prefix")
+    magic, fmt, k, flags, hlen = _PREFIX.unpack_from(mv)
+    if magic != MAGIC:
+        raise DeltaError(f"not a delta_codec blob (magic {bytes(magic)!r})")
+    if fmt != FORMAT:
+        raise DeltaError(f"unsupported {what} format version {fmt} (this build reads {FORMAT})")
+    if k != kind:
+        raise DeltaError(f"expected a {what}, got a {_KINDS.get(k, f'kind {k}')}")
+    end = _PREFIX.size + hlen
+    if len(mv) < end + 8:
+        raise DeltaError(f"{what} truncated inside its header ({len(mv)} < {end + 8} bytes)")
+    if xxhash.xxh3_64_intdigest(mv[:end]) != struct.unpack_from("<Q", mv, end)[0]:
+        raise DeltaError(f"{what} header checksum mismatch (corrupted header)")
+    try:
+        meta = msgpack.unpackb(mv[_PREFIX.size:end], raw=False)
+        tensors = meta["tensors"]
+    except Exception as e:  # a checksummed header that does not parse is a producer bug
+        raise DeltaError(f"{what} header does not parse: {e}") from None
+    if flags & ~SIGNED:
+        raise DeltaError(f"{what} has unknown flags {flags:#x}")
+    sig_len = signing.SIGNATURE_BYTES if flags & SIGNED else 0
+    body_end = len(mv) - sig_len
+    off, recs = end + 8, []
+    for name, dt, shape, da, db, n, h in tensors:
+        if off + n > body_end:
+            raise DeltaError(f"{what} truncated: tensor {name!r} needs {n} bytes at offset {off}, "
+                             f"only {max(body_end - off, 0)} remain")
+        rec = mv[off:off + n]
+        if xxhash.xxh3_64_intdigest(rec) != h:
+            raise DeltaError(f"tensor {name!r}: record checksum mismatch (corrupted payload)")
+        dtype_from_name(dt)
+        recs.append(TensorRecord(name, dt, tuple(int(s) for s in shape), bytes(da), bytes(db), rec))
+        off += n
+    if off != body_end:
+        raise DeltaError(f"{what} has {body_end - off} unexpected trailing bytes (truncated signature or garbage)")
+    sig = bytes(mv[body_end:]) if sig_len else None
+    return meta, recs, mv[:body_end], sig
+
+
+class _Signed:
+    signature: bytes | None = None
+    _signed_region = None
+
+    def verify_signature(self, public_key) -> None:
+        """Raises DeltaError unless this object was parsed from a blob signed by `public_key`."""
+        if self.signature is None or self._signed_region is None:
+            raise DeltaError(f"{type(self).__name__.lower()} is unsigned, but a signature is required")
+        signing.verify(public_key, self._signed_region, self.signature)
+
+
+def verify_signature(blob_or_obj, public_key) -> None:
+    """Verify a Delta/Keyframe or raw blob against the trainer's public key (raises DeltaError)."""
+    if isinstance(blob_or_obj, (bytes, bytearray, memoryview)):
+        mv = memoryview(blob_or_obj).cast("B")
+        if len(mv) < _PREFIX.size or mv[:4] != MAGIC:
+            raise DeltaError("not a delta_codec blob")
+        kind = _PREFIX.unpack_from(mv)[2]
+        if kind not in _KINDS:
+            raise DeltaError(f"unknown blob kind {kind}")
+        blob_or_obj = (Delta if kind == KIND_DELTA else Keyframe).from_bytes(mv)
+    blob_or_obj.verify_signature(public_key)
+
+
+# --- delta -----------------------------------------------------------------------------------
+
+class Delta(_Signed):
+    """Lossless sparse change from state `from_version` to `to_version`."""
+
+    def __init__(self, from_version: int, to_version: int, records: list[TensorRecord]):
+        self.from_version, self.to_version, self.records = int(from_version), int(to_version), records
+        self._nbytes: int | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.records]
+
+    @property
+    def base_digest(self) -> str:
+        return combine_digest((r.name, r.dtype, r.shape, r.digest_a) for r in self.records)
+
+    @property
+    def new_digest(self) -> str:
+        return combine_digest((r.name, r.dtype, r.shape, r.digest_b) for r in self.records)
+
+    @property
+    def stats(self) -> DeltaStats:
+        per = {}
+        for r in self.records:
+            if r.changed < 0:
+                r.changed = sum(int(c[2]) for c in _chunks(r))
+            per[r.name] = {"changed": r.changed, "total": r.numel, "bytes": len(r.record)}
+        return DeltaStats(sum(p["changed"] for p in per.values()), sum(p["total"] for p in per.values()),
+                          self.nbytes, per)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of to_bytes() without a signature."""
+        if self._nbytes is None:
+            self._nbytes = len(self.to_bytes())
+        return self._nbytes
+
+    def _meta(self) -> dict:
+        return {"from_version": self.from_version, "to_version": self.to_version}
+
+    def to_bytes(self, signing_key=None) -> bytes:
+        return _pack(KIND_DELTA, self._meta(), self.records, signing_key)
+
+    @classmethod
+    def from_bytes(cls, blob) -> "Delta":
+        meta, recs, region, sig = _unpack(blob, KIND_DELTA)
+        try:
+            d = cls(meta["from_version"], meta["to_version"], recs)
+        except (KeyError, TypeError, ValueError):
+            raise DeltaError("delta header lacks from_version/to_version") from None
+        d.signature, d._signed_region = sig, region
+        return d
+
+    def __repr__(self) -> str:
+        return f"Delta({self.from_version}->{self.to_version}, {len(self.records)} tensors)"
+
+
+def _check_pair(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise DeltaError(f"tensor {name!r}: base is {a.dtype}{list(a.shape)}, new is {b.dtype}{list(b.shape)}")
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return (t if t.device.type == "cpu" else t.cpu()).contiguous()
+
+
+def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = None) -> Delta:
+    """Encode new - base, tensor by tensor and chunk by chunk (memory stays ~ one tensor)."""
+    missing, extra = [n for n in base if n not in new], [n for n in new if n not in base]
+    if missing or extra:
+        raise DeltaError(f"base and new differ in tensor names: only in base {missing[:5]}, only in new {extra[:5]}")
+    records = []
+    for name, bt in base.items():
+        nt = new[name]
+        _check_pair(name, bt, nt)
+        bt, nt = _host(bt), _host(nt)
+        bb, nb = np_bits(bt), np_bits(nt)
+        ordered = is_ordered(bt.dtype)
+        chunks, changed = [], 0
+        for s in range(0, bb.size, CHUNK):
+            rec, m = encode_chunk(bb[s:s + CHUNK], nb[s:s + CHUNK], ordered)
+            chunks.append(rec)
+            changed += m
+        records.append(TensorRecord(name, dtype_name(bt.dtype), tuple(bt.shape), tensor_digest(bt),
+                                    tensor_digest(nt), msgpack.packb(chunks, use_bin_type=True), changed))
+    return Delta(from_version, from_version + 1 if to_version is None else to_version, records)
+
+
+def _chunks(r: TensorRecord) -> list:
+    try:
+        chunks = msgpack.unpackb(r.record, raw=False)
+    except Exception as e:
+        raise DeltaError(f"tensor {r.name!r}: record does not parse ({e})") from None
+    if not isinstance(chunks, list) or not all(isinstance(c, list) and len(c) >= 3 for c in chunks):
+        raise DeltaError(f"tensor {r.name!r}: record is not a list of chunks")
+    return chunks
+
+
+def _decode_record(r: TensorRecord, itemsize: int):
+    """-> [(start, positions | None, zigzag values)] for the whole tensor, validated."""
+    out, start = [], 0
+    for i, c in enumerate(_chunks(r)):
+        pos, z, count = decode_chunk(c, itemsize, f"tensor {r.name!r} chunk {i}")
+        out.append((start, pos, z, count))
+        start += count
+    if start != r.numel:
+        raise DeltaError(f"tensor {r.name!r}: chunks cover {start} elements, tensor has {r.numel}")
+    return out
+
+
+def _validate_target(state, recs: list[TensorRecord], what: str) -> None:
+    names = {r.name for r in recs}
+    missing, extra = [n for n in names if n not in state], [n for n in state if n not in names]
+    if missing or extra:
+        raise DeltaError(f"{what} and state differ in tensor names: missing in state {sorted(missing)[:5]}, "
+                         f"not in {what} {sorted(extra)[:5]}")
+    for r in recs:
+        t = state[r.name]
+        if dtype_name(t.dtype) != r.dtype or tuple(t.shape) != r.shape:
+            raise DeltaError(f"tensor {r.name!r}: {what} is for {r.dtype}{list(r.shape)}, "
+                             f"state has {t.dtype}{list(t.shape)}")
+        if not t.is_contiguous():
+            raise DeltaError(f"tensor {r.name!r}: in-place apply needs a contiguous tensor")
+
+
+def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None) -> None:
+    """Apply in place. Verifies signature (if public_key), per-tensor base digest before and
+    result digest after writing; on any error every tensor written so far is rolled back."""
+    if isinstance(delta, (bytes, bytearray, memoryview)):
+        delta = Delta.from_bytes(delta)
+    if public_key is not None:
+        delta.verify_signature(public_key)
+    if expect_from is not None and delta.from_version != expect_from:
+        raise DeltaError(f"delta goes {delta.from_version}->{delta.to_version}, but the state is version {expect_from}")
+    _validate_target(state, delta.records, "delta")
+    undo: list = []
+    try:
+        for r in delta.records:
+            _apply_tensor(state[r.name], r, delta.from_version, undo)
+    except BaseException:
+        for restore in reversed(undo):
+            restore()
+        raise
+
+
+def _apply_tensor(t: torch.Tensor, r: TensorRecord, from_version: int, undo: list) -> None:
+    with torch.no_grad():
+        if tensor_digest(t) != r.digest_a:
+            raise DeltaError(f"tensor {r.name!r}: base digest mismatch (state is not the delta's base version {from_version})")
+        bits_np = np_bits(t) if t.device.type == "cpu" else None
+        decoded = _decode_record(r, t.element_size())
+        ordered = is_ordered(t.dtype)
+        if t.device.type != "cpu":
+            from .triton_apply import apply_on_device
+            apply_on_device(t, decoded, ordered, undo)
+        else:
+            for start, pos, z, count in decoded:
+                if pos is None:
+                    sl = slice(start, start + count)
+                else:
+                    if not pos.size:
+                        continue
+                    sl = pos + start
+                old = bits_np[sl].copy()
+                bits_np[sl] = value_apply(old, z, ordered)
+                undo.append(lambda b=bits_np, s=sl, o=old: b.__setitem__(s, o))
+        if tensor_digest(t) != r.digest_b:
+            raise DeltaError(f"tensor {r.name!r}: result digest mismatch after apply (corrupted delta); state rolled back")
+
+
+# --- keyframe --------------------------------------------------------------------------------
+
+class Keyframe(_Signed):
+    """A full state, checksummed per tensor, in the same container as deltas."""
+
+    def __init__(self, version: int, records: list[TensorRecord]):
+        self.version, self.records = int(version), records
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.records]
+
+    @property
+    def digest(self) -> str:
+        return combine_digest((r.name, r.dtype, r.shape, r.digest_a) for r in self.records)
+
+    def to_bytes(self, signing_key=None) -> bytes:
+        return _pack(KIND_KEYFRAME, {"version": self.version}, self.records, signing_key)
+
+    @classmethod
+    def from_bytes(cls, blob) -> "Keyframe":
+        meta, recs, region, sig = _unpack(blob, KIND_KEYFRAME)
+        try:
+            kf = cls(meta["version"], recs)
+        except (KeyError, TypeError, ValueError):
+            raise DeltaError("keyframe header lacks version") from None
+        kf.signature, kf._signed_region = sig, region
+        return kf
+
+    def __repr__(self) -> str:
+        return f"Keyframe(v{self.version}, {len(self.records)} tensors)"
+
+
+def make_keyframe(state, version: int) -> Keyframe:
+    records = []
+    cz = zstandard.ZstdCompressor(level=1, threads=-1)
+    for name, t in state.items():
+        t = _host(t)
+        dig = tensor_digest(t)
+        b = np_bits(t)
+        records.append(TensorRecord(name, dtype_name(t.dtype), tuple(t.shape), dig, dig, cz.compress(to_planes(b))))
+    return Keyframe(version, records)
+
+
+def load_keyframe(kf, *, into=None, public_key=None, device=None) -> dict[str, torch.Tensor]:
+    """-> {name: tensor} with every tensor digest-checked. With `into`, copies into those tensors
+    in place (names/shapes/dtypes validated first) and returns `into`."""
+    if isinstance(kf, (bytes, bytearray, memoryview)):
+        kf = Keyframe.from_bytes(kf)
+    if public_key is not None:
+        kf.verify_signature(public_key)
+    if into is not None:
+        _validate_target(into, kf.records, "keyframe")
+    out = {}
+    for r in kf.records:
+        dtype = dtype_from_name(r.dtype)
+        t = torch.empty(r.shape, dtype=dtype)
+        bits = np_bits(t)
+        raw = zd(r.record, bits.nbytes, f"tensor {r.name!r}")
+        bits[:] = from_planes(raw, bits.itemsize, bits.size).view(bits.dtype)
+        if tensor_digest(t) != r.digest_a:
+            raise DeltaError(f"tensor {r.name!r}: keyframe digest mismatch (corrupted keyframe)")
+        out[r.name] = t if device is None else t.to(device)
+    if into is None:
+        return out
+    with torch.no_grad():
+        for name, t in out.items():
+            into[name].copy_(t)
+    return into
