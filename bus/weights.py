@@ -39,7 +39,7 @@ from .log import get_logger
 log = get_logger(__name__)
 
 WEIGHTS_SUBJECTS = "rl.weights.>"
-CODEC = "asyncrl-delta/1"
+CODEC = delta_codec.CODEC
 
 
 def encode_version(v: int) -> bytes:
@@ -80,7 +80,7 @@ class WeightPublisher:
         payload = kf.to_bytes()
         inline, blob = await self._place(f"keyframe-e{self.epoch}-v{version}", payload)
         ev = events.Keyframe(version=int(version), epoch=self.epoch, codec=CODEC, size=len(payload),
-                             digest=delta_codec.state_digest(state), model_config=_config_dict(model_config),
+                             digest=kf.digest, model_config=_config_dict(model_config),
                              signature=self._sign(payload), payload=inline, blob=blob, trainer_id=self.trainer_id)
         await self.bus.publish(topo.KEYFRAME_SUBJECT, ev)
         if set_version:
@@ -202,6 +202,8 @@ class WeightFeed:
         return None
 
     async def _payload(self, ev) -> bytes:
+        if ev.codec != CODEC:
+            raise Refused("codec", f"{ev.msg_id()} uses codec {ev.codec!r}, this build reads {CODEC!r}", resync=True)
         try:
             data = ev.payload if ev.payload is not None else await self.bus.get_blob(ev.blob)
         except Exception as e:
@@ -209,23 +211,23 @@ class WeightFeed:
         if len(data) != ev.size:
             raise Refused("payload", f"{len(data)} bytes, announced {ev.size}", resync=True)
         if self.public_key is not None:
-            ok = False
+            if not ev.signature:
+                raise Refused("signature", f"{ev.msg_id()} is unsigned", resync=True)
             try:
-                ok = bool(ev.signature) and signing.verify(self.public_key, data, ev.signature) is not False
-            except Exception:
-                ok = False
-            if not ok:
-                raise Refused("signature", f"bad signature on {ev.msg_id()}", resync=True)
+                signing.verify(self.public_key, data, ev.signature)
+            except Exception as e:
+                raise Refused("signature", f"{ev.msg_id()}: {e}", resync=True) from None
         return data
 
     async def _load_keyframe(self, ev: events.Keyframe, seq: int) -> KeyframeUpdate:
         data = await self._payload(ev)
         try:
-            state = delta_codec.load_keyframe(delta_codec.Keyframe.from_bytes(data))
+            kf = delta_codec.Keyframe.from_bytes(data)
+            if kf.version != ev.version or (ev.digest and kf.digest != ev.digest):
+                raise ValueError(f"payload is v{kf.version} digest {kf.digest}, event says v{ev.version} {ev.digest}")
+            state = delta_codec.load_keyframe(kf)          # checks every tensor's digest
         except Exception as e:
             raise Refused("corrupt", f"keyframe v{ev.version}: {e}", resync=False) from None
-        if ev.digest and delta_codec.state_digest(state) != ev.digest:
-            raise Refused("digest", f"keyframe v{ev.version} digest mismatch", resync=False)
         return KeyframeUpdate(ev, state, seq)
 
     async def latest_keyframe(self, wait: bool = True, stop: asyncio.Event | None = None) -> KeyframeUpdate | None:
@@ -294,6 +296,8 @@ class WeightFeed:
             raise Refused("corrupt", f"{ev.msg_id()}: {e}", resync=True) from None
         if (d.from_version, d.to_version) != (ev.from_version, ev.to_version):
             raise Refused("corrupt", f"{ev.msg_id()}: payload says v{d.from_version}->v{d.to_version}", resync=True)
+        if ev.base_digest and (d.base_digest, d.new_digest) != (ev.base_digest, ev.new_digest):
+            raise Refused("digest", f"{ev.msg_id()}: payload digests differ from the announced ones", resync=True)
         try:
             await target.apply_delta(d, ev.epoch)
         except Exception as e:  # base digest mismatch, engine refusal: state unchanged

@@ -47,10 +47,6 @@ class _Seq:
     epoch: int = 0
 
 
-def _sampling_key(s: _Seq) -> tuple:
-    return (s.cfg.temperature, s.cfg.top_p, s.cfg.top_k)
-
-
 class TorchEngine:
     """Continuous-batching generation on `policy/` with per-token hot-patching of weights."""
 
@@ -114,8 +110,6 @@ class TorchEngine:
         cfg = policy.SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         stop = frozenset(int(t) for t in sampling.stop) | ({self.eos_id} if self.eos_id is not None else set())
         seq = _Seq(prompt_ids, sampling, cfg, stop, asyncio.get_running_loop().create_future())
-        if seed:  # mix the caller's seed into the engine stream (continuous batching shares one sampler)
-            self.generator.manual_seed(int(seed) ^ int(self.generator.initial_seed()))
         self.waiting.append(seq)
         self.start()
         self._wake.set()
@@ -168,10 +162,8 @@ class TorchEngine:
 
     @staticmethod
     def _changed_names(delta) -> list[str]:
-        per = getattr(getattr(delta, "stats", None), "per_tensor", None)
-        if per:
-            return list(per)
-        return list(getattr(delta, "tensors", {}) or [])
+        """Tensors the delta actually changes (its records cover every tensor)."""
+        return [name for name, st in delta.stats.per_tensor.items() if st["changed"]]
 
     @torch.no_grad()
     def _copy_into_model(self, names) -> None:
@@ -267,27 +259,21 @@ class TorchEngine:
         return finished
 
     def _emit(self, seqs: list[_Seq], logits: torch.Tensor, finished: list[_Seq]) -> None:
-        """Sample one token per sequence (grouped by sampling params) and append it."""
-        groups: dict[tuple, list[int]] = {}
-        for i, s in enumerate(seqs):
-            groups.setdefault(_sampling_key(s), []).append(i)
-        for idx in groups.values():
-            rows = torch.tensor(idx, dtype=torch.long)
-            out = policy.sample(logits.index_select(0, rows).float(), seqs[idx[0]].cfg, self.generator)
-            toks, lps = out.tokens.tolist(), out.logprobs.tolist()
-            for j, i in enumerate(idx):
-                s = seqs[i]
-                s.tokens.append(toks[j])
-                s.logprobs.append(lps[j])
-                s.versions.append(self.version)
-                s.masks.append(out.mask.row(j))
-                s.epoch = self.epoch
-                if toks[j] in s.stop:
-                    s.finish = "stop"
-                elif len(s.tokens) >= s.sampling.max_tokens:
-                    s.finish = "length"
-                if s.finish:
-                    finished.append(s)
+        """Sample one token per sequence (each row with its own sampling config) and append it."""
+        out = policy.sample(logits, [s.cfg for s in seqs], self.generator)
+        toks, lps = out.tokens.tolist(), out.logprobs.tolist()
+        for j, s in enumerate(seqs):
+            s.tokens.append(toks[j])
+            s.logprobs.append(lps[j])
+            s.versions.append(self.version)
+            s.masks.append(out.mask[j])
+            s.epoch = self.epoch
+            if toks[j] in s.stop:
+                s.finish = "stop"
+            elif len(s.tokens) >= s.sampling.max_tokens:
+                s.finish = "length"
+            if s.finish:
+                finished.append(s)
 
     def _result(self, s: _Seq) -> Generation:
         return Generation(completion_ids=s.tokens, logprobs=s.logprobs, token_versions=s.versions,

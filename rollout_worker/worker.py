@@ -41,7 +41,7 @@ class WorkerConfig:
     quant_block: int = 0
     seed: int = 0
     threads: int = 0                   # torch intra-op threads (0: torch default)
-    public_key: str = ""               # trainer's ed25519 public key (PEM file); empty: no signature check
+    public_key: str = ""               # trainer's ed25519 public key: hex, or a file holding it; empty: no check
     heartbeat_s: float = 5.0
     grace_s: float = 30.0              # drain: time to finish held tasks before they are nak'ed
     log_level: str = "info"
@@ -61,15 +61,7 @@ class WorkerConfig:
 
 def load_tokenizer(spec: str):
     import policy
-    if spec == "char":
-        return policy.CharTokenizer()
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(spec)
-
-
-def _encode(tok, text: str) -> list[int]:
-    ids = tok.encode(text)
-    return list(getattr(ids, "ids", ids))
+    return policy.CharTokenizer.default() if spec == "char" else policy.load_hf_tokenizer(spec)
 
 
 def make_engine(cfg: WorkerConfig, model_config: dict, eos_id: int | None) -> Engine:
@@ -102,7 +94,10 @@ class Worker:
         public_key = None
         if cfg.public_key:
             from delta_codec import signing
-            public_key = signing.load_public_key(open(cfg.public_key, "rb").read())
+            key = cfg.public_key
+            if os.path.isfile(key):
+                key = open(key).read().strip()
+            public_key = signing.public_key(key)      # raises a clear DeltaError on a bad key
         self.feed = WeightFeed(bus, public_key=public_key, name=cfg.worker_id)
         self.latest_version = -1
         self.group_hint = 1            # n of the last task seen: sizes fetches in slots
@@ -139,7 +134,7 @@ class Worker:
     async def handle(self, task: Task, ctx) -> None:
         sp = parse_sampling(task.sampling)
         self.group_hint = sp.n
-        prompt_ids = _encode(self.tok, task.prompt)
+        prompt_ids = self.tok.encode(task.prompt, bos=True)   # as the trainer's warm start
         # sync mode and staleness: hold the task (the loop heartbeats it) until we may generate
         await self._wait_until(lambda: self.engine.version >= task.min_version and self.admissible())
         try:
