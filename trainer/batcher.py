@@ -67,6 +67,24 @@ class ConsumedIds:
         return list(self._ids)
 
 
+def check_rollout(r: Rollout, vocab_size: int) -> None:
+    """What the learner will need of a rollout, checked on arrival (EventError -> DLQ)."""
+    from policy.config import QuantConfig
+    from policy.sampling import SamplingConfig, SamplingMask
+    try:
+        if not r.prompt_ids:
+            raise ValueError("empty prompt")
+        ids = r.prompt_ids + r.completion_ids
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise ValueError(f"token ids outside [0, {vocab_size})")
+        if r.sampling_mask and len(SamplingMask.from_wire(r.sampling_mask)) != len(r.completion_ids):
+            raise ValueError("sampling mask rows != completion tokens")
+        QuantConfig.from_wire(r.quant)
+        SamplingConfig.from_dict(r.sampling)
+    except (ValueError, TypeError) as e:
+        raise EventError(f"Rollout {r.rollout_id}: {e}") from None
+
+
 def _stream_seq(msg) -> int | None:
     try:
         return msg.metadata.sequence.stream
@@ -75,8 +93,8 @@ def _stream_seq(msg) -> int | None:
 
 
 class Batcher:
-    def __init__(self, bus, cfg, consumed: ConsumedIds, heartbeat_s: float = 5.0):
-        self.bus, self.cfg, self.consumed = bus, cfg, consumed
+    def __init__(self, bus, cfg, consumed: ConsumedIds, vocab_size: int, heartbeat_s: float = 5.0):
+        self.bus, self.cfg, self.consumed, self.vocab_size = bus, cfg, consumed, vocab_size
         self.heartbeat_s = heartbeat_s
         self.groups: OrderedDict[str, dict[str, Sample]] = OrderedDict()   # task_id -> rollout_id -> sample
         self.sub = None
@@ -95,6 +113,7 @@ class Batcher:
         try:
             scored = decode(msg.data, Scored)
             rollout = scored.get_rollout()
+            check_rollout(rollout, self.vocab_size)
         except EventError as e:
             self.counters["invalid"] += 1
             log.warning("invalid scored rollout, parked in DLQ", reason=str(e))

@@ -1,7 +1,9 @@
 """Atomic trainer checkpoints: tmp file + fsync + rename + directory fsync.
 
-One file per version (`ckpt-v00000012.pt`); the newest that loads is the one to resume from,
-so a crash mid-write (the tmp file) never hides the previous good checkpoint.
+One file per (epoch, version) (`ckpt-e00000007-v00000012.pt`). Resume takes the readable one
+with the highest epoch, then the highest version: a deposed leader that still managed to write
+a checkpoint after a takeover (lower epoch) can never be resumed over the new leader's line,
+and a crash mid-write (a tmp file) never hides the previous good checkpoint.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-NAME = re.compile(r"^ckpt-v(\d{8})\.pt$")
+NAME = re.compile(r"^ckpt-e(\d{8})-v(\d{8})\.pt$")
 
 
 class CheckpointError(RuntimeError):
@@ -32,14 +34,14 @@ class TrainerState:
     warmstarted: bool = False
 
 
-def path_for(ckpt_dir: str | Path, version: int) -> Path:
-    return Path(ckpt_dir) / f"ckpt-v{version:08d}.pt"
+def path_for(ckpt_dir: str | Path, epoch: int, version: int) -> Path:
+    return Path(ckpt_dir) / f"ckpt-e{epoch:08d}-v{version:08d}.pt"
 
 
 def save(ckpt_dir: str | Path, st: TrainerState, keep: int = 3) -> Path:
     d = Path(ckpt_dir)
     d.mkdir(parents=True, exist_ok=True)
-    final = path_for(d, st.version)
+    final = path_for(d, st.epoch, st.version)
     tmp = final.with_suffix(f".tmp.{os.getpid()}")
     with open(tmp, "wb") as f:
         torch.save(st.__dict__, f)
@@ -60,7 +62,8 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     d = Path(ckpt_dir)
     if not d.is_dir():
         return []
-    return sorted(p for p in d.iterdir() if NAME.match(p.name))
+    found = [p for p in d.iterdir() if NAME.match(p.name)]
+    return sorted(found, key=lambda p: tuple(int(x) for x in NAME.match(p.name).groups()))
 
 
 def load(path: str | Path) -> TrainerState:

@@ -34,9 +34,8 @@ class TrainerConfig:
     # loss
     adv_norm: str = "std"                # std: (r - mean_g) / (std_g + eps) | mean: r - mean_g
     is_mode: str = "truncated"           # truncated | masked | none
-    is_clip: float = 2.0                 # C for truncated IS
-    is_mask_low: float = 0.5             # masked IS keeps tokens whose ratio lies in [low, high]
-    is_mask_high: float = 2.0
+    is_clip: float = 2.0                 # C: truncated IS clamps at C; masked IS keeps ratios in [1/C, C]
+    micro_batch: int = 32                # sequences per forward pass
     ppo_clip: float = 0.0                # eps of the optional PPO-style clip (0 = off)
     entropy_coef: float = 0.0
     replay: bool = True                  # recompute logprobs with the workers' sampling masks + fp8 sites

@@ -3,8 +3,9 @@
 Data parallel: every rank holds the whole batch (rank 0 broadcasts it) and works on samples
 i ≡ rank (mod world). Each rank's loss is its share of the global token sum over the global
 token count, so summing gradients across ranks gives exactly the 1-process gradient. Gradients
-are summed with one flat all-reduce (what DDP's reducer does; DDP's own hooks are not used
-because policy.sequence_logprobs drives the model through its own methods, not forward()).
+are summed with one flat all-reduce, which is what DDP's reducer does; done by hand so that the
+normalisation is global (DDP would average per-rank means) and a rank that drew no tokens in a
+small batch still takes part in the collective.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from policy import (QuantConfig, Replay, SamplingConfig, SamplingMask, Transformer, inference_state,
-                    mismatch_metrics, sequence_logprobs)
+from policy.config import QuantConfig
+from policy.logprobs import mismatch_metrics, sequence_logprobs
+from policy.model import Transformer, inference_state
+from policy.sampling import SamplingConfig, SamplingMask
 
 from .loss import LossConfig, group_advantages, pg_loss
 
@@ -50,11 +53,6 @@ def pack(batch) -> list[PackedSample]:
     return out
 
 
-def sampling_config(d: dict) -> SamplingConfig:
-    return SamplingConfig(temperature=float(d.get("temperature", 1.0)), top_p=float(d.get("top_p", 1.0)),
-                          top_k=int(d.get("top_k", 0)))
-
-
 def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -63,16 +61,36 @@ def world() -> tuple[int, int]:
 
 class Learner:
     def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, loss_cfg: LossConfig,
-                 adv_norm: str = "std", grad_clip: float = 0.0, replay: bool = True):
+                 adv_norm: str = "std", grad_clip: float = 0.0, replay: bool = True, micro_batch: int = 32):
         self.model, self.opt, self.loss_cfg = model, optimizer, loss_cfg
-        self.adv_norm, self.grad_clip, self.replay = adv_norm, grad_clip, replay
+        self.adv_norm, self.grad_clip, self.replay, self.micro_batch = adv_norm, grad_clip, replay, micro_batch
 
-    def _logprobs(self, s: PackedSample):
-        replay = None
-        if self.replay:
-            replay = Replay(mask=SamplingMask.from_wire(s.sampling_mask), sampling=sampling_config(s.sampling),
-                            quant=QuantConfig.from_wire(s.quant))
-        return sequence_logprobs(self.model, s.prompt_ids, s.completion_ids, replay=replay)
+    def _logprobs(self, samples: list[PackedSample]):
+        """Packed [T] logprobs and entropies, replaying each rollout's kept sets and fp8 sites.
+
+        Sequences that share a quant config run as one padded batch per micro-batch; the model's
+        quant sites are switched to the rollout's (they carry no weights)."""
+        logps, ents = [None] * len(samples), [None] * len(samples)
+        by_quant: dict[str, list[int]] = {}
+        for i, s in enumerate(samples):
+            by_quant.setdefault(repr(sorted(s.quant.items())), []).append(i)
+        keep_quant = self.model.quant
+        try:
+            for idx in by_quant.values():
+                self.model.quant = QuantConfig.from_wire(samples[idx[0]].quant) if self.replay else keep_quant
+                for c in range(0, len(idx), self.micro_batch):
+                    chunk = [samples[i] for i in idx[c:c + self.micro_batch]]
+                    res = sequence_logprobs(
+                        self.model, [s.prompt_ids for s in chunk], [s.completion_ids for s in chunk],
+                        [SamplingConfig.from_dict(s.sampling) for s in chunk],
+                        [SamplingMask.from_wire(s.sampling_mask) if s.sampling_mask else None for s in chunk]
+                        if self.replay else None,
+                        replay_mask=self.replay)
+                    for k, i in enumerate(idx[c:c + self.micro_batch]):
+                        logps[i], ents[i] = res.logprobs[k][res.valid[k]], res.entropy[k][res.valid[k]]
+        finally:
+            self.model.quant = keep_quant
+        return torch.cat(logps), torch.cat(ents)
 
     def loss(self, samples: list[PackedSample], grad: bool = True) -> tuple[torch.Tensor, dict]:
         """This rank's share of the batch loss (summing over ranks gives the full loss)."""
@@ -83,23 +101,18 @@ class Learner:
         live = [i for i, s in enumerate(samples) if s.weight > 0 and s.completion_ids]
         n_tokens = sum(len(samples[i].completion_ids) for i in live)
         mine = live[rank::ws]
-        logps, behav, advs, wts, ents = [], [], [], [], []
         with torch.set_grad_enabled(grad):
-            for i in mine:
-                s = samples[i]
-                res = self._logprobs(s)
-                T = len(s.completion_ids)
-                logps.append(res.logprobs)
-                ents.append(res.entropy)
-                behav.append(torch.tensor(s.logprobs, dtype=torch.float32))
-                advs.append(adv[i].expand(T))
-                wts.append(torch.full((T,), s.weight))
             if not mine:       # this rank has no tokens: a zero loss that still touches every param
                 zero = sum(p.sum() * 0 for p in self.model.parameters())
                 return zero, {"n_tokens": n_tokens, "adv": adv}
-            logp, b, a, w, ent = (torch.cat(x) for x in (logps, behav, advs, wts, ents))
-            loss, stats = pg_loss(logp.float(), b, a, w, n_tokens, self.loss_cfg, ent.float())
-        stats.update(mismatch_metrics(logp.detach().float(), b))
+            logp, ent = self._logprobs([samples[i] for i in mine])
+            lens = torch.tensor([len(samples[i].completion_ids) for i in mine])
+            behav = torch.tensor([x for i in mine for x in samples[i].logprobs], dtype=torch.float32)
+            a = adv[mine].repeat_interleave(lens)
+            w = torch.tensor([samples[i].weight for i in mine], dtype=torch.float32).repeat_interleave(lens)
+            loss, stats = pg_loss(logp.float(), behav, a, w, n_tokens, self.loss_cfg, ent.float())
+        stats.update({f"mismatch_{k}": v for k, v in
+                      mismatch_metrics(behav, logp.detach().float(), C=self.loss_cfg.is_clip).items()})
         stats.update(n_tokens=n_tokens, adv=adv, entropy=float(ent.detach().float().mean()))
         return loss, stats
 

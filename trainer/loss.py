@@ -8,7 +8,7 @@ A group whose rewards are all equal carries no signal: A = 0 for each member.
 Loss. Tokens of every sample in the batch are packed into one flat vector. With
 rho_t = pi_theta(y_t) / mu(y_t) (mu = the behaviour logprob the worker shipped):
     is_mode = "truncated": w_t = min(rho_t, C)                         (detached)
-    is_mode = "masked":    w_t = rho_t if low <= rho_t <= high else 0  (detached)
+    is_mode = "masked":    w_t = rho_t if 1/C <= rho_t <= C else 0    (detached)
     is_mode = "none":      w_t = 1
     per-token objective  o_t = w_t * A_t * log pi_theta(y_t)          (REINFORCE with IS weight)
     with ppo_clip = eps:  o_t = min(rho_t A_t, clip(rho_t, 1-eps, 1+eps) A_t) * (w_t / rho_t)
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from policy import masked_is_weight, truncated_is_weight
+from policy.logprobs import masked_is_weight, truncated_is_weight
 
 EPS = 1e-6
 
@@ -49,21 +49,19 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str = "st
 class LossConfig:
     is_mode: str = "truncated"
     is_clip: float = 2.0
-    is_mask_low: float = 0.5
-    is_mask_high: float = 2.0
     ppo_clip: float = 0.0
     entropy_coef: float = 0.0
 
 
 def is_weights(logp: torch.Tensor, behav: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     """Detached importance weights pi/mu per token per the configured correction."""
-    logp = logp.detach()
+    log_ratio = logp.detach() - behav
     if cfg.is_mode == "truncated":
-        return truncated_is_weight(logp, behav, cfg.is_clip)
+        return truncated_is_weight(log_ratio, cfg.is_clip)
     if cfg.is_mode == "masked":
-        return masked_is_weight(logp, behav, cfg.is_mask_low, cfg.is_mask_high)
+        return masked_is_weight(log_ratio, cfg.is_clip)
     if cfg.is_mode == "none":
-        return torch.ones_like(logp)
+        return torch.ones_like(log_ratio)
     raise ValueError(f"unknown is_mode {cfg.is_mode!r}")
 
 

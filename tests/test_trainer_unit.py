@@ -1,0 +1,92 @@
+"""Trainer pieces without a bus: advantages, loss, importance weights, staleness, checkpoints."""
+import math
+
+import pytest
+import torch
+
+from trainer import checkpoint
+from trainer.batcher import ConsumedIds, stale_weights
+from trainer.config import TrainerConfig
+from trainer.loss import LossConfig, group_advantages, pg_loss
+
+
+def test_group_advantage_is_group_relative():
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0, 5.0, 5.0, 5.0, 5.0])
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    a = group_advantages(r, g, "std")
+    assert torch.allclose(a[:4], torch.tensor([1.0, -1.0, 1.0, -1.0]), atol=1e-4)
+    assert torch.equal(a[4:], torch.zeros(4))             # no signal in a constant group
+    m = group_advantages(torch.tensor([3.0, 1.0, 10.0]), torch.tensor([0, 0, 1]), "mean")
+    assert torch.allclose(m, torch.tensor([1.0, -1.0, 0.0]))
+    with pytest.raises(ValueError):
+        group_advantages(r, g[:3])
+
+
+def test_truncated_and_masked_weights_and_ppo_clip():
+    behav = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5]))
+    logp = torch.log(torch.tensor([0.5, 2.0, 0.1, 0.9])).requires_grad_()   # ratios 1, 4, 0.2, 1.8
+    adv, w = torch.ones(4), torch.ones(4)
+    _, st = pg_loss(logp, behav, adv, w, 4, LossConfig(is_mode="truncated", is_clip=2.0))
+    assert st["frac_truncated"] == 0.25 and math.isclose(st["is_weight_mean"], (1 + 2 + 0.2 + 1.8) / 4, rel_tol=1e-5)
+    _, st = pg_loss(logp, behav, adv, w, 4, LossConfig(is_mode="masked", is_clip=2.0))
+    assert st["frac_masked"] == 0.5                        # 4 and 0.2 fall outside [1/2, 2]
+    loss, st = pg_loss(logp, behav, adv, w, 4, LossConfig(is_mode="none", ppo_clip=0.2))
+    assert st["frac_clipped"] == 0.5                       # ratios 4 and 1.8 above 1.2 with A > 0
+    loss.backward()
+    assert logp.grad[1] == 0 and logp.grad[0] != 0        # clipped tokens carry no gradient
+
+
+def test_dropped_samples_carry_no_gradient():
+    logp = torch.randn(6, requires_grad=True)
+    behav = logp.detach() + 0.1 * torch.randn(6)
+    adv = torch.randn(6)
+    w = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    loss, _ = pg_loss(logp, behav, adv, w, 3, LossConfig())
+    loss.backward()
+    assert torch.equal(logp.grad[3:], torch.zeros(3)) and (logp.grad[:3] != 0).all()
+    with pytest.raises(ValueError):
+        pg_loss(logp, behav[:2], adv, w, 3, LossConfig())
+
+
+def test_stale_weights_drop_and_downweight():
+    assert stale_weights([0, 2, 3, 5], 2, "drop", 0.5) == [1.0, 1.0, 0.0, 0.0]
+    assert stale_weights([0, 2, 3, 5], 2, "downweight", 0.5) == [1.0, 1.0, 0.5, 0.125]
+
+
+def test_consumed_ids_bounded_fifo():
+    c = ConsumedIds(["a", "b"], limit=3)
+    c.add(["c", "d"])
+    assert "a" not in c and c.to_list() == ["b", "c", "d"]
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="stale"):
+        TrainerConfig(stale="sometimes")
+    with pytest.raises(ValueError, match="mode"):
+        TrainerConfig(mode="both")
+
+
+def _state(version, epoch, value):
+    return checkpoint.TrainerState(version=version, epoch=epoch, model={"w": torch.full((3,), value)},
+                                   optimizer={}, consumed=[f"r{version}"], digest="d")
+
+
+def test_checkpoint_atomic_latest_and_epoch_fencing(tmp_path):
+    checkpoint.save(tmp_path, _state(1, 5, 1.0))
+    checkpoint.save(tmp_path, _state(2, 5, 2.0))
+    checkpoint.save(tmp_path, _state(1, 9, 3.0))           # new leader (epoch 9) resumed at v1
+    checkpoint.save(tmp_path, _state(3, 5, 4.0))           # deposed leader wrote late: ignored
+    st = checkpoint.load_latest(tmp_path)
+    assert (st.epoch, st.version, st.consumed) == (9, 1, ["r1"]) and torch.equal(st.model["w"], torch.full((3,), 3.0))
+    (tmp_path / "ckpt-e00000009-v00000001.pt.tmp.123").write_bytes(b"half")   # a crash mid-write
+    assert checkpoint.load_latest(tmp_path).epoch == 9
+    (tmp_path / "ckpt-e00000010-v00000004.pt").write_bytes(b"garbage")        # unreadable newest
+    assert checkpoint.load_latest(tmp_path).epoch == 9
+    assert checkpoint.load_latest(tmp_path / "none") is None
+
+
+def test_checkpoint_keeps_last_n(tmp_path):
+    for v in range(6):
+        checkpoint.save(tmp_path, _state(v, 1, float(v)), keep=2)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == \
+        ["ckpt-e00000001-v00000004.pt", "ckpt-e00000001-v00000005.pt"]

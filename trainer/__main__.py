@@ -1,0 +1,320 @@
+"""`python -m trainer`: the asynchronous learner loop (leader) or a standby waiting to take over.
+
+Per step (rank 0 talks to the bus; other ranks only compute):
+    batch   <- SCORED (complete groups, deduped, stale samples dropped / down-weighted)
+    step    <- PG loss with importance correction, gradient all-reduce, AdamW on fp32 master
+    bf16    <- policy.inference_state;  delta = encode_delta(last published bf16, bf16)
+    checkpoint (version v, epoch, consumed ids)  -> publish delta (+ keyframe every K) -> KV version
+    ack the batch's messages
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import delta_codec
+from bus import connect, get_logger, load_config, setup_logging
+from bus import topology as topo
+from bus.events import Metrics
+from bus.weights import WeightPublisher
+from policy import ModelConfig, Transformer
+
+from . import checkpoint
+from .batcher import Batcher, ConsumedIds
+from .config import TrainerConfig
+from .feeding import TaskFeeder
+from .learner import Learner, pack, world
+from .lease import LeaderLease
+from .loss import LossConfig
+from .warmstart import warm_start
+
+log = get_logger("trainer")
+
+
+def build_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:
+    torch.manual_seed(cfg.seed)          # every rank builds identical initial weights
+    if cfg.init_checkpoint:
+        from policy import load_hf_checkpoint
+        model = load_hf_checkpoint(cfg.init_checkpoint)
+        return model, model.cfg
+    mcfg = ModelConfig.from_dict(cfg.model) if cfg.model else ModelConfig.tiny()
+    return Transformer(mcfg).float(), mcfg
+
+
+def build_optimizer(model, cfg: TrainerConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+
+
+def build_learner(model, opt, cfg: TrainerConfig) -> Learner:
+    lc = LossConfig(is_mode=cfg.is_mode, is_clip=cfg.is_clip, ppo_clip=cfg.ppo_clip, entropy_coef=cfg.entropy_coef)
+    return Learner(model, opt, lc, adv_norm=cfg.adv_norm, grad_clip=cfg.grad_clip, replay=cfg.replay,
+                   micro_batch=cfg.micro_batch)
+
+
+def staleness_histogram(lags: list[int], max_lag: int) -> dict[str, int]:
+    """Counts per lag 0..max_lag and one bucket '>max_lag'."""
+    lags_a = np.asarray(lags, dtype=np.int64)
+    counts = np.bincount(np.clip(lags_a, 0, max_lag + 1), minlength=max_lag + 2) if lags else np.zeros(max_lag + 2, int)
+    return {**{str(i): int(c) for i, c in enumerate(counts[:-1])}, f">{max_lag}": int(counts[-1])}
+
+
+def load_signing_key(path: str):
+    if not path:
+        return None
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+    return load_pem_private_key(Path(path).read_bytes(), password=None)
+
+
+# ---------------------------------------------------------------- distributed helpers
+def broadcast_obj(obj=None):
+    """Rank 0's object to every rank (identity with one process)."""
+    if world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def sync_state(model, opt) -> None:
+    """After rank 0 loaded a checkpoint: every rank gets its model and optimizer state."""
+    if world()[1] == 1:
+        return
+    for p in model.state_dict().values():
+        dist.broadcast(p, src=0)
+    opt.load_state_dict(broadcast_obj(opt.state_dict() if world()[0] == 0 else None))
+
+
+async def follower_loop(learner: Learner) -> None:
+    """Ranks > 0: do whatever rank 0 broadcasts until told to stop."""
+    while True:
+        cmd = broadcast_obj()
+        if cmd[0] == "stop":
+            return
+        if cmd[0] == "sync":
+            sync_state(learner.model, learner.opt)
+        elif cmd[0] == "step":
+            learner.step(cmd[1])
+
+
+# ---------------------------------------------------------------- the leader
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, bus, learner: Learner, model_cfg: ModelConfig):
+        self.cfg, self.bus, self.learner, self.model_cfg = cfg, bus, learner, model_cfg
+        self.lease = LeaderLease(bus, cfg.trainer_id, cfg.lease_ttl_s, cfg.renew_s)
+        self.version, self.step_n, self.digest = 0, 0, ""
+        self.consumed = ConsumedIds(limit=cfg.dedupe_window)
+        self.published: dict[str, torch.Tensor] = {}
+        self.warmstarted = False
+
+    def state(self) -> checkpoint.TrainerState:
+        return checkpoint.TrainerState(
+            version=self.version, epoch=self.lease.epoch, model=self.learner.model.state_dict(),
+            optimizer=self.learner.opt.state_dict(), consumed=self.consumed.to_list(), digest=self.digest,
+            model_config=self.model_cfg.to_dict(), step=self.step_n, warmstarted=self.warmstarted)
+
+    def save(self) -> None:
+        checkpoint.save(self.cfg.checkpoint_dir, self.state(), keep=self.cfg.keep_checkpoints)
+
+    def resume(self) -> bool:
+        st = checkpoint.load_latest(self.cfg.checkpoint_dir)
+        if st is None:
+            broadcast_obj(("sync",))
+            sync_state(self.learner.model, self.learner.opt)
+            return False
+        self.learner.model.load_state_dict(st.model)
+        self.learner.opt.load_state_dict(st.optimizer)
+        self.version, self.step_n, self.warmstarted = st.version, st.step, st.warmstarted
+        self.consumed = ConsumedIds(st.consumed, limit=self.cfg.dedupe_window)
+        broadcast_obj(("sync",))
+        sync_state(self.learner.model, self.learner.opt)
+        bits = self.learner.published_state()
+        if st.digest and delta_codec.state_digest(bits) != st.digest:
+            raise checkpoint.CheckpointError(
+                f"checkpoint v{st.version}: bf16 digest {delta_codec.state_digest(bits)} != recorded {st.digest}")
+        log.info("resumed from checkpoint", version=st.version, prev_epoch=st.epoch, consumed=len(st.consumed))
+        return True
+
+    async def publish_metrics(self, values: dict) -> None:
+        values = {k: v for k, v in values.items() if k != "rollout_ids"}
+        try:
+            await self.bus.publish(topo.metrics_subject("trainer", self.cfg.trainer_id),
+                                   Metrics(component="trainer", component_id=self.cfg.trainer_id,
+                                           step=self.step_n, values=values))
+        except Exception as e:            # metrics are best effort; the step is already durable
+            log.warning("metrics publish failed", error=str(e))
+
+    def write_jsonl(self, values: dict) -> None:
+        if not self.cfg.run_dir:
+            return
+        p = Path(self.cfg.run_dir) / "metrics" / "trainer.jsonl"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "a") as f:
+            f.write(json.dumps(values) + "\n")
+
+    async def lead(self, stop: asyncio.Event) -> int:
+        cfg = self.cfg
+        epoch = await self.lease.acquire(stop)
+        if not epoch:
+            return 0
+        lost = asyncio.Event()
+        keeper = asyncio.create_task(self.lease.keep(stop, lost))
+        self.resume()
+        if not self.warmstarted and cfg.warmstart_steps:
+            warm_start(self.learner.model, cfg, self.model_cfg)
+            self.warmstarted = True
+            broadcast_obj(("sync",))
+            sync_state(self.learner.model, self.learner.opt)
+        self.published = self.learner.published_state()
+        self.digest = delta_codec.state_digest(self.published)
+        self.save()
+        publisher = WeightPublisher(self.bus, epoch, cfg.trainer_id, load_signing_key(cfg.signing_key))
+        await publisher.publish_keyframe(self.published, self.version, self.model_cfg)
+        batcher = Batcher(self.bus, cfg, self.consumed, self.model_cfg.vocab_size)
+        await batcher.start()
+        feeder = TaskFeeder(self.bus, cfg)
+        feed_task = asyncio.create_task(feeder.run(stop, lambda: self.version)) if cfg.feed and cfg.mode == "async" else None
+        log.info("leading", epoch=epoch, version=self.version, mode=cfg.mode)
+        try:
+            while not stop.is_set() and not lost.is_set():
+                if cfg.max_steps and self.step_n >= cfg.max_steps:
+                    break
+                if cfg.mode == "sync" and cfg.feed:
+                    await feeder.publish(cfg.batch_groups, min_version=self.version)
+                batch = await batcher.next_batch(self.version, stop)
+                if batch is None:
+                    continue
+                await self.train_on(batch, batcher, publisher, lost)
+        finally:
+            if feed_task:
+                feed_task.cancel()
+            stop_keeper = stop.is_set() or lost.is_set()
+            keeper.cancel()
+            if not lost.is_set():
+                await self.lease.release()
+            log.info("leader loop ended", version=self.version, lost=lost.is_set(), stopped=stop_keeper)
+        return 3 if lost.is_set() else 0
+
+    async def train_on(self, batch, batcher: Batcher, publisher: WeightPublisher, lost: asyncio.Event) -> None:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        packed = pack(batch)
+        live = sum(1 for s in packed if s.weight > 0 and s.completion_ids)
+        stats: dict = {}
+        if live:
+            broadcast_obj(("step", packed))
+            stats = self.learner.step(packed)
+            self.version += 1
+            self.step_n += 1
+        self.consumed.add(batch.rollout_ids)
+        new = self.learner.published_state()
+        delta = delta_codec.encode_delta(self.published, new, from_version=self.version - 1,
+                                         to_version=self.version) if live else None
+        if not self.lease.valid() or lost.is_set():
+            raise RuntimeError("leader lease no longer valid: refusing to checkpoint or publish")
+        self.digest = delta_codec.state_digest(new)
+        self.save()
+        if delta is not None:
+            await publisher.publish_delta(delta)
+            if self.version % cfg.keyframe_interval == 0:
+                await publisher.publish_keyframe(new, self.version, self.model_cfg, set_version=False)
+        self.published = new
+        await batcher.ack(batch)
+        lags = [s.lag for s in packed]
+        values = {
+            **{k: v for k, v in stats.items()}, "version": self.version, "epoch": self.lease.epoch,
+            "reward": float(np.mean([s.reward for s in packed])), "success": float(np.mean([s.success for s in packed])),
+            "cost": float(np.mean([s.cost for s in packed])), "lambda": float(np.mean([s.lambda_ for s in packed])),
+            "samples": len(packed), "live_samples": live, "groups": batch.n_groups,
+            "staleness_mean": float(np.mean(lags)), "staleness_hist": staleness_histogram(lags, cfg.max_lag),
+            "dropped_stale": sum(1 for s in packed if s.weight == 0),
+            "delta_bytes": len(delta.to_bytes()) if delta is not None else 0,
+            "changed_frac": (delta.stats.changed / max(delta.stats.total, 1)) if delta is not None else 0.0,
+            "duplicates": batcher.counters["duplicates"], "invalid": batcher.counters["invalid"],
+            "total_s": time.perf_counter() - t0, "rollout_ids": batch.rollout_ids,
+        }
+        log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in values.items()
+                            if k not in ("rollout_ids", "staleness_hist")})
+        self.write_jsonl(values)
+        await self.publish_metrics(values)
+
+
+# ---------------------------------------------------------------- entry points
+def init_distributed() -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
+    stop = stop or asyncio.Event()
+    init_distributed()
+    rank, ws = world()
+    model, mcfg = build_model(cfg)
+    opt = build_optimizer(model, cfg)
+    learner = build_learner(model, opt, cfg)
+    if rank > 0:
+        await follower_loop(learner)
+        return 0
+    cfg.bus.name = cfg.trainer_id
+    bus = await connect(cfg.bus)
+    try:
+        await bus.provision()
+        return await Trainer(cfg, bus, learner, mcfg).lead(stop)
+    finally:
+        if ws > 1:
+            broadcast_obj(("stop",))
+        await bus.close()
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="trainer", description="asyncrl trainer (leader or standby)")
+    ap.add_argument("--config", help="TOML file ([trainer] section, or the whole file)")
+    ap.add_argument("--section", default="trainer")
+    ap.add_argument("--sync", action="store_true", help="synchronous baseline: one task batch per version")
+    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--id", help="trainer id (lease holder name)")
+    return ap.parse_args(argv)
+
+
+def load(argv=None) -> TrainerConfig:
+    a = parse_args(argv)
+    section = a.section
+    if a.config:
+        import tomllib
+        if section not in tomllib.loads(Path(a.config).read_text()):
+            section = None
+    over: dict = {}
+    if a.sync:
+        over["mode"] = "sync"
+    if a.max_steps is not None:
+        over["max_steps"] = a.max_steps
+    if a.id:
+        over["trainer_id"] = a.id
+    return load_config(TrainerConfig, a.config, section=section if a.config else None, overrides=over)
+
+
+def main(argv=None) -> int:
+    cfg = load(argv)
+    setup_logging("trainer", component_id=cfg.trainer_id)
+
+    async def _main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await run(cfg, stop)
+
+    return asyncio.run(_main())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

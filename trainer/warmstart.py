@@ -1,0 +1,47 @@
+"""Short supervised warm start on the environments' demonstrations, so RL starts from a policy
+with non-trivial success (0 steps by default). Teacher-forced next-token NLL of the
+demonstration given the prompt, with its own AdamW so the RL optimizer state stays untouched."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from bus import get_logger
+from envs import get_env
+from policy.logprobs import sequence_logprobs
+from policy.sampling import SamplingConfig
+from policy.tokenizer import CharTokenizer
+
+log = get_logger(__name__)
+
+
+def demo_batch(env_names: list[str], n: int, rng: random.Random, tok, style: str = "default"):
+    prompts, completions = [], []
+    for i in range(n):
+        env = get_env(env_names[i % len(env_names)])
+        ts = env.sample(rng, split="train")
+        prompts.append(tok.encode(ts.prompt, bos=True))
+        completions.append(tok.encode(env.demonstration(ts.spec, style), eos=True))
+    return prompts, completions
+
+
+def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default") -> list[float]:
+    """cfg.warmstart_steps AdamW steps of demonstration NLL; returns the loss per step."""
+    tok = tok or CharTokenizer.default()
+    rng = random.Random(cfg.seed + 7919)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr)
+    losses = []
+    model.train()
+    for step in range(cfg.warmstart_steps):
+        prompts, completions = demo_batch(cfg.envs, cfg.warmstart_batch, rng, tok, style)
+        res = sequence_logprobs(model, prompts, completions, SamplingConfig(temperature=1.0), replay_mask=False)
+        loss = -(res.logprobs * res.valid).sum() / res.valid.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss))
+        if step % 50 == 0 or step == cfg.warmstart_steps - 1:
+            log.info("warm start", step=step, nll=round(float(loss), 4))
+    return losses
