@@ -19,7 +19,7 @@ import nats.js.errors as jse
 from nats.aio.msg import Msg
 from nats.js import api
 from tenacity import (AsyncRetrying, retry_if_exception_type, stop_after_attempt,
-                      wait_exponential_jitter)
+                      wait_random_exponential)
 
 from bus import topology as topo
 from bus.config import BusConfig
@@ -58,21 +58,16 @@ async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
         import dataclasses
         cfg = dataclasses.replace(cfg, **overrides)
     blog = log.bind(client=cfg.name)
-    attempt = {"n": 0}
 
     async def on_disconnect():
-        blog.warning("nats disconnected")
+        if not nc.is_closed and not getattr(nc, "_asyncrl_closing", False):
+            blog.warning("nats disconnected")
 
     async def on_reconnect():
-        attempt["n"] = 0
         blog.info("nats reconnected", server=str(nc.connected_url.netloc if nc.connected_url else "?"))
 
     async def on_error(e):
         blog.warning("nats error", error=repr(e))
-
-    def reconnect_wait(_srv) -> float:  # backoff between reconnect rounds
-        attempt["n"] += 1
-        return min(cfg.reconnect_wait_max_s, cfg.reconnect_wait_s * 2 ** min(attempt["n"] - 1, 8))
 
     opts = dict(servers=cfg.servers, name=cfg.name, connect_timeout=cfg.connect_timeout_s,
                 max_reconnect_attempts=-1, reconnect_time_wait=cfg.reconnect_wait_s,
@@ -81,7 +76,7 @@ async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
     opts.update({k: v for k, v in dict(user=cfg.user, password=cfg.password, token=cfg.token,
                                        nkeys_seed=cfg.nkeys_seed, user_credentials=cfg.creds).items() if v})
     async for attempt_ in AsyncRetrying(stop=stop_after_attempt(cfg.connect_attempts), reraise=True,
-                                        wait=wait_exponential_jitter(0.2, cfg.reconnect_wait_max_s),
+                                        wait=wait_random_exponential(multiplier=0.2, max=cfg.reconnect_wait_max_s),
                                         retry=retry_if_exception_type((OSError, nats.errors.NoServersError,
                                                                        asyncio.TimeoutError))):
         with attempt_:
@@ -168,7 +163,7 @@ class Bus:
 
     def _retrying(self):
         return AsyncRetrying(stop=stop_after_attempt(self.cfg.publish_retries), reraise=True,
-                             wait=wait_exponential_jitter(0.1, self.cfg.reconnect_wait_max_s),
+                             wait=wait_random_exponential(multiplier=0.1, max=self.cfg.reconnect_wait_max_s),
                              retry=retry_if_exception_type(RETRYABLE))
 
     async def publish(self, subject: str, event: Event | bytes, msg_id: str | None = None,
@@ -329,6 +324,7 @@ class Bus:
         """Flush what is buffered (acks are fire-and-forget publishes), then close."""
         if self.nc.is_closed:
             return
+        self.nc._asyncrl_closing = True
         try:
             if self.nc.is_connected:
                 await asyncio.wait_for(self.nc.flush(), timeout=5)

@@ -39,8 +39,8 @@ class BusConfig:
     tls_hostname: str | None = None
     connect_timeout_s: float = 5.0
     connect_attempts: int = 30            # initial connect (tenacity); afterwards reconnects are forever
-    reconnect_wait_s: float = 0.5         # first wait; grows with backoff up to reconnect_wait_max_s
-    reconnect_wait_max_s: float = 5.0
+    reconnect_wait_s: float = 0.5         # between reconnect attempts to one server (forever, never gives up)
+    reconnect_wait_max_s: float = 5.0     # cap of the backoff for the first connect and publish retries
     request_timeout_s: float = 10.0       # JetStream API / publish ack timeout
     publish_retries: int = 8              # a publish is retried (safe: Nats-Msg-Id dedupes)
     topology: TopologyConfig = field(default_factory=TopologyConfig)

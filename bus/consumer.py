@@ -129,6 +129,8 @@ class ConsumerLoop:
                     t = asyncio.create_task(self._handle(m))
                     self.active.add(t)
                     t.add_done_callback(self.active.discard)
+                if msgs:  # let the handlers start, so capacity() sees them before we ask again
+                    await asyncio.sleep(0)
         finally:
             await self._drain()
             if stop_waiter:

@@ -1,0 +1,129 @@
+"""bus core against a real nats-server: topology, publish/dedupe, pull, KV, config, logging."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import pytest
+
+from bus import (BusConfig, ConfigError, KVConflict, TopologyConfig, connect, load_config,
+                 setup_logging, get_logger)
+from bus import topology as topo
+from bus.events import Task, new_id
+
+
+async def test_provision_is_idempotent_and_updates_changed_config(fresh_server):
+    bus = await connect(BusConfig(servers=[fresh_server.url], name="prov"))
+    try:
+        first = await bus.provision()
+        assert set(first.values()) == {"created"}
+        assert set((await bus.provision()).values()) == {"unchanged"}
+        changed = TopologyConfig(ack_wait_s=7, max_deliver=9, weights_keep=3, kv_history=8)
+        res = await bus.provision(changed)
+        assert res[f"{topo.TASKS}/{topo.ROLLOUT_CONSUMER}"] == "updated"
+        assert res[topo.WEIGHTS] == "updated" and res[topo.CONTROL_BUCKET] == "updated"
+        assert res[topo.TASKS] == "unchanged"
+        ci = await bus.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
+        assert ci.config.ack_wait == pytest.approx(7) and ci.config.max_deliver == 9
+        si = await bus.js.stream_info(topo.WEIGHTS)
+        assert si.config.max_msgs_per_subject == 3
+        assert (await bus.js.stream_info(f"KV_{topo.CONTROL_BUCKET}")).config.max_msgs_per_subject == 8
+        assert set((await bus.provision(changed)).values()) == {"unchanged"}
+        # a change that cannot be applied in place is refused with a clear error, nothing altered
+        with pytest.raises(ValueError, match="cannot change"):
+            await bus.provision(TopologyConfig(storage="memory"))
+        assert (await bus.js.stream_info(topo.TASKS)).config.storage == "file"
+    finally:
+        await bus.close()
+
+
+async def test_publish_headers_and_dedupe(bus):
+    t = Task(task_id=new_id(), env="arith", prompt="2+2")
+    a1 = await bus.publish(topo.task_subject("arith"), t)
+    a2 = await bus.publish(topo.task_subject("arith"), t)      # same Nats-Msg-Id
+    assert not a1.duplicate and a2.duplicate and a1.seq == a2.seq
+    sub = await bus.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)
+    msgs = await sub.fetch(10, timeout=0.5)
+    assert len(msgs) == 1
+    h = msgs[0].headers
+    assert h["Nats-Msg-Id"] == f"task-{t.task_id}" and h["Rl-Kind"] == "Task"
+    assert h["Rl-Task"] == t.task_id and h["Rl-From"] == "test" and h["Rl-Schema"] == "1"
+    await msgs[0].ack_sync()
+    assert await sub.fetch(10, timeout=0.2) == []               # empty -> [], no TimeoutError
+
+
+async def test_publish_many_pipelined_and_deduped(bus):
+    tasks = [Task(task_id=f"pm-{i}", env="arith", prompt="x") for i in range(300)]
+    acks = await bus.publish_many([(topo.task_subject("arith"), t) for t in tasks])
+    assert len({a.seq for a in acks}) == 300 and not any(a.duplicate for a in acks)
+    again = await bus.publish_many([(topo.task_subject("arith"), t) for t in tasks[:10]])
+    assert all(a.duplicate for a in again)
+    assert (await bus.js.stream_info(topo.TASKS)).state.messages == 300
+
+
+async def test_kv_create_update_watch(bus):
+    key = "leader"
+    r1 = await bus.kv_create(key, b"a")
+    with pytest.raises(KVConflict):
+        await bus.kv_create(key, b"b")
+    r2 = await bus.kv_update(key, b"c", r1)
+    with pytest.raises(KVConflict):
+        await bus.kv_update(key, b"d", r1)                     # stale revision loses
+    assert await bus.kv_get(key) == b"c" and await bus.kv_get("missing") is None
+    seen = []
+
+    async def watch():
+        async for value, rev in bus.kv_watch(key):
+            seen.append((value, rev))
+            if len(seen) == 2:
+                return
+    w = asyncio.create_task(watch())
+    await asyncio.sleep(0.2)
+    r3 = await bus.kv_put(key, b"e")
+    await asyncio.wait_for(w, 5)
+    assert seen == [(b"c", r2), (b"e", r3)]
+
+
+def test_load_config_toml_env_and_errors(tmp_path):
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Proc:
+        slots: int = 4
+        ratio: float = 0.5
+        verbose: bool = False
+        tags: list[str] = field(default_factory=list)
+        bus: BusConfig = field(default_factory=BusConfig)
+
+    p = tmp_path / "c.toml"
+    p.write_text('slots = 2\ntags = ["a"]\n[bus]\nname = "w1"\n[bus.topology]\nack_wait_s = 3\n')
+    env = {"ASYNCRL_SLOTS": "8", "ASYNCRL_VERBOSE": "yes", "ASYNCRL_BUS__SERVERS": "nats://a:1, nats://b:2",
+           "ASYNCRL_BUS__TOPOLOGY__MAX_DELIVER": "7", "ASYNCRL_OTHER_PROCESS_KNOB": "ignored"}
+    cfg = load_config(Proc, p, environ=env)
+    assert (cfg.slots, cfg.ratio, cfg.verbose, cfg.tags) == (8, 0.5, True, ["a"])
+    assert cfg.bus.servers == ["nats://a:1", "nats://b:2"] and cfg.bus.name == "w1"
+    assert cfg.bus.topology.ack_wait_s == 3.0 and cfg.bus.topology.max_deliver == 7
+    p.write_text("slotz = 2\n")
+    with pytest.raises(ConfigError, match="slotz"):
+        load_config(Proc, p, environ={})
+    p.write_text('[bus]\nconnect_timeout_s = "soon"\n')
+    with pytest.raises(ConfigError, match="connect_timeout_s"):
+        load_config(Proc, p, environ={})
+    with pytest.raises(ConfigError, match="SLOTS|slots"):
+        load_config(Proc, None, environ={"ASYNCRL_SLOTS": "many"})
+    with pytest.raises(ConfigError, match="max_deliver"):
+        load_config(Proc, None, environ={"ASYNCRL_BUS__TOPOLOGY__MAX_DELIVER": "0"})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Proc, tmp_path / "nope.toml")
+
+
+def test_logging_json_lines_with_component():
+    buf = io.StringIO()
+    setup_logging("scorer", component_id="scorer-7", stream=buf)    # not a TTY -> JSON
+    get_logger("x").info("hello", n=3)
+    rec = json.loads(buf.getvalue().strip().splitlines()[-1])
+    assert rec["event"] == "hello" and rec["n"] == 3
+    assert rec["component"] == "scorer" and rec["component_id"] == "scorer-7" and rec["level"] == "info"
+    with pytest.raises(ValueError, match="log level"):
+        setup_logging("x", level="loud")
