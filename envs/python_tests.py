@@ -102,6 +102,8 @@ def extract_code(text: str) -> str:
 
 
 class PythonTestsEnv:
+    blocking = True      # verify() waits on a subprocess: callers run it off the event loop
+
     def __init__(self, name: str = "python-tests", n_tests: int = 8, limits: SandboxLimits | None = None,
                  eval_fraction: float = 0.2):
         self.name, self.n_tests, self.eval_fraction = name, n_tests, eval_fraction

@@ -1,0 +1,43 @@
+"""reward = success − λ·cost − overlong shaping. Pure functions: the scorer process and the
+calibration share them, and tests check them without a bus."""
+from __future__ import annotations
+
+import math
+
+COST_UNITS = ("tokens", "wall_s", "tool_calls")
+
+
+def overlong_penalty(n_tokens: int, max_tokens: int, buffer: int, scale: float) -> float:
+    """Soft penalty that ramps linearly from 0 to `scale` over the last `buffer` tokens before
+    `max_tokens` (completions that hit the limit get the full `scale`). buffer 0 = off."""
+    if buffer <= 0 or max_tokens <= 0:
+        return 0.0
+    start = max_tokens - buffer
+    return scale * min(1.0, max(0.0, (n_tokens - start) / buffer))
+
+
+def compute_reward(success: float, cost: float, lam: float, shaping: float = 0.0) -> tuple[float, float]:
+    """(penalty, reward) for a verified completion."""
+    if not (0.0 <= success <= 1.0) or not math.isfinite(cost) or cost < 0 or not math.isfinite(lam):
+        raise ValueError(f"bad reward inputs: success={success} cost={cost} lambda={lam}")
+    penalty = lam * cost + shaping
+    return penalty, success - penalty
+
+
+def parse_lambda(value: bytes | None) -> float:
+    """λ as stored in KV rl-control/lambda: an ASCII decimal number, finite and >= 0."""
+    if value is None:
+        raise ValueError("lambda key is empty (deleted)")
+    try:
+        lam = float(value.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError(f"lambda value {value[:40]!r} is not a decimal number") from None
+    if not math.isfinite(lam) or lam < 0:
+        raise ValueError(f"lambda must be finite and >= 0, got {lam}")
+    return lam
+
+
+def format_lambda(lam: float) -> bytes:
+    if not math.isfinite(lam) or lam < 0:
+        raise ValueError(f"lambda must be finite and >= 0, got {lam}")
+    return repr(float(lam)).encode("ascii")

@@ -1,0 +1,166 @@
+"""The scorer: ROLLOUTS → verify → reward → SCORED, acking only after SCORED acked the publish.
+
+    rollout ─▶ env = get_env(rollout.env)          unknown env / bad spec  ─▶ DLQ with reason
+             ─▶ verdict = env.verify(text, spec)   (thread pool: the sandbox waits on a subprocess)
+             ─▶ reward = success − λ·cost − overlong shaping         λ: live from KV rl-control/lambda
+             ─▶ publish Scored(rl.scored.<env>) ─▶ return (the ConsumerLoop acks)
+A verifier crash raises: the loop naks and, after max_deliver, parks the rollout in DLQ.
+Many scorer processes share the durable `scorer` consumer; each rollout is scored once
+(and a redelivered one is deduped downstream by its Nats-Msg-Id scored-<rollout_id>).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from bus import BusConfig, ConsumerLoop, HandlerContext, connect, get_logger
+from bus import topology as topo
+from bus.events import Heartbeat, Rollout, Scored
+
+import envs
+from envs import SpecError, get_env
+
+from .reward import COST_UNITS, compute_reward, overlong_penalty, parse_lambda
+
+log = get_logger("scorer")
+
+
+@dataclass
+class ScorerConfig:
+    bus: BusConfig = field(default_factory=BusConfig)
+    scorer_id: str = ""                 # default: scorer-<host>-<pid>
+    concurrency: int = 8                # rollouts in flight
+    verify_threads: int = 4             # blocking verifiers (sandboxed code) run here
+    cost_unit: str = "tokens"           # tokens | wall_s | tool_calls
+    default_lambda: float = 0.0         # until KV rl-control/lambda has a value
+    overlong_buffer: int = 0            # >0: soft penalty over the last N tokens before max_tokens
+    overlong_scale: float = 1.0         # penalty at the max length
+    heartbeat_s: float = 5.0
+    provision: bool = True              # declare the topology on start (off under restricted credentials)
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if self.cost_unit not in COST_UNITS:
+            raise ValueError(f"cost_unit must be one of {COST_UNITS}, got {self.cost_unit!r}")
+        if self.concurrency < 1 or self.verify_threads < 1:
+            raise ValueError("concurrency and verify_threads must be >= 1")
+        if self.default_lambda < 0 or self.overlong_buffer < 0:
+            raise ValueError("default_lambda and overlong_buffer must be >= 0")
+        self.scorer_id = self.scorer_id or f"scorer-{socket.gethostname()}-{os.getpid()}"
+        if self.bus.name == BusConfig().name:       # Rl-From header: which scorer published it
+            self.bus.name = self.scorer_id
+
+
+class Scorer:
+    def __init__(self, cfg: ScorerConfig, bus=None):
+        self.cfg, self.bus = cfg, bus
+        self.lam, self.lam_rev = cfg.default_lambda, 0
+        self.pool = ThreadPoolExecutor(cfg.verify_threads, thread_name_prefix="verify")
+        self.counts = {"scored": 0, "dlq": 0, "success_sum": 0.0, "reward_sum": 0.0}
+        self.log = log.bind(scorer_id=cfg.scorer_id)
+
+    # -- λ ------------------------------------------------------------------------------------
+    def _set_lambda(self, value: bytes | None, rev: int) -> None:
+        try:
+            lam = parse_lambda(value)
+        except ValueError as e:   # keep the last good λ: a typo in KV must not zero the penalty
+            self.log.error("ignoring bad lambda in KV", error=str(e), revision=rev, keeping=self.lam)
+            return
+        if lam != self.lam:
+            self.log.info("lambda changed", old=self.lam, new=lam, revision=rev)
+        self.lam, self.lam_rev = lam, rev
+
+    async def watch_lambda(self) -> None:
+        while True:
+            try:
+                async for value, rev in self.bus.kv_watch(topo.KEY_LAMBDA):
+                    self._set_lambda(value, rev)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # watcher lost (reconnect): start a new one
+                self.log.warning("lambda watch failed; rewatching", error=repr(e))
+                await asyncio.sleep(1.0)
+
+    # -- one rollout ---------------------------------------------------------------------------
+    async def handle(self, ro: Rollout, ctx: HandlerContext) -> None:
+        try:
+            env = get_env(ro.env)
+        except KeyError as e:
+            return await self._park(ctx, f"unknown environment {ro.env!r}: {e}")
+        t0 = time.perf_counter()
+        try:
+            if getattr(env, "blocking", False):
+                verdict = await asyncio.get_running_loop().run_in_executor(self.pool, env.verify,
+                                                                           ro.completion_text, ro.spec)
+            else:
+                verdict = env.verify(ro.completion_text, ro.spec)
+        except SpecError as e:   # the task is broken: retrying cannot help
+            return await self._park(ctx, f"bad task spec for {ro.env}: {e}")
+        verify_s = time.perf_counter() - t0
+        cost = {"tokens": float(ro.cost_tokens), "wall_s": float(ro.wall_s),
+                "tool_calls": float(verdict.tool_calls)}[self.cfg.cost_unit]
+        max_tokens = int(ro.sampling.get("max_tokens", 0) or 0)
+        shaping = overlong_penalty(ro.cost_tokens, max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_scale)
+        lam = self.lam                                   # one λ per event, recorded in it
+        penalty, reward = compute_reward(verdict.success, cost, lam, shaping)
+        scored = Scored(rollout=ro.to_dict(), success=float(verdict.success), cost=cost, lambda_=lam,
+                        penalty=penalty, reward=reward, reason=verdict.reason, cost_wall_s=float(ro.wall_s),
+                        tool_calls=int(verdict.tool_calls), scorer_id=self.cfg.scorer_id)
+        await self.bus.publish(topo.scored_subject(ro.env), scored)
+        self.counts["scored"] += 1
+        self.counts["success_sum"] += verdict.success
+        self.counts["reward_sum"] += reward
+        self.log.debug("scored", rollout_id=ro.rollout_id, success=verdict.success, reward=reward,
+                       reason=verdict.reason, verify_ms=round(verify_s * 1e3, 2))
+
+    async def _park(self, ctx: HandlerContext, reason: str) -> None:
+        await self.bus.dlq(ctx.msg, reason, topo.ROLLOUTS)
+        self.counts["dlq"] += 1
+        self.log.warning("rollout parked in DLQ", reason=reason)
+
+    # -- telemetry ----------------------------------------------------------------------------
+    async def heartbeat(self, loop: ConsumerLoop) -> None:
+        last_n, last_t = 0, time.monotonic()
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            n, now = self.counts["scored"], time.monotonic()
+            m = {"scored": n, "dlq": self.counts["dlq"], "lambda": self.lam, "lambda_rev": self.lam_rev,
+                 "scored_per_s": (n - last_n) / max(now - last_t, 1e-9),
+                 "success_mean": self.counts["success_sum"] / max(n, 1),
+                 "reward_mean": self.counts["reward_sum"] / max(n, 1), **loop.stats.as_dict()}
+            last_n, last_t = n, now
+            try:
+                await self.bus.publish(topo.heartbeat_subject("scorer", self.cfg.scorer_id),
+                                       Heartbeat(component="scorer", component_id=self.cfg.scorer_id, metrics=m))
+            except Exception as e:
+                self.log.warning("heartbeat publish failed", error=repr(e))
+
+    # -- process ------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event | None = None, handle_signals: bool = True) -> None:
+        own_bus = self.bus is None
+        if own_bus:
+            self.bus = await connect(self.cfg.bus)
+        try:
+            if self.cfg.provision:
+                await self.bus.provision()
+            value, rev = await self.bus.kv_entry(topo.KEY_LAMBDA)   # λ before the first rollout
+            if value is not None:
+                self._set_lambda(value, rev)
+            loop = ConsumerLoop(self.bus, topo.ROLLOUTS, topo.SCORER_CONSUMER, self.handle, Rollout,
+                                concurrency=self.cfg.concurrency, handle_signals=handle_signals)
+            side = [asyncio.create_task(self.watch_lambda()), asyncio.create_task(self.heartbeat(loop))]
+            self.log.info("scorer started", envs=sorted(envs.ENVS), lam=self.lam, cost_unit=self.cfg.cost_unit)
+            try:
+                await loop.run(stop)
+            finally:
+                for t in side:
+                    t.cancel()
+                await asyncio.gather(*side, return_exceptions=True)
+        finally:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            if own_bus:
+                await self.bus.close()

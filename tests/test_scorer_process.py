@@ -1,0 +1,149 @@
+"""Scorer against a real nats-server: rewards, λ live from KV, bad input to DLQ, the real process."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from bus import BusConfig, connect
+from bus import topology as topo
+from bus.events import Rollout, Scored, decode
+from envs import get_env
+from scorer.reward import format_lambda
+from scorer.service import Scorer, ScorerConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rollout(rid: str, text: str, env: str = "arith", spec: dict | None = None, max_tokens: int = 48) -> Rollout:
+    spec = {"a": 12, "b": 30, "answer": "42"} if spec is None else spec
+    n = len(text) + 1
+    return Rollout(rollout_id=rid, task_id=rid.split("-")[0], env=env, sample_index=0, group_size=1,
+                   prompt="12+30=", spec=spec, prompt_ids=[1, 2, 3], completion_ids=[5] * n, completion_text=text,
+                   logprobs=[-0.1] * n, token_versions=[0] * n, sampling={"max_tokens": max_tokens},
+                   sampling_mask={}, quant={}, finish_reason="stop", cost_tokens=n, wall_s=0.01, worker_id="w")
+
+
+async def drain(bus, stream: str, durable: str, want: int, timeout: float = 20.0) -> list:
+    sub, got = await bus.pull(stream, durable), []
+    deadline = asyncio.get_running_loop().time() + timeout
+    while len(got) < want and asyncio.get_running_loop().time() < deadline:
+        for m in await sub.fetch(want - len(got), timeout=0.5):
+            got.append(m)
+            await m.ack()
+    return got
+
+
+async def scored_events(bus, want: int) -> dict[str, Scored]:
+    msgs = await drain(bus, topo.SCORED, topo.TRAINER_CONSUMER, want)
+    return {(s := decode(m.data, Scored)).rollout["rollout_id"]: s for m in msgs}
+
+
+async def dlq_reasons(bus, want: int) -> list[str]:
+    sub = await bus.js.pull_subscribe(topo.dlq_subject(topo.ROLLOUTS), durable=None, stream=topo.DLQ)
+    out = []
+    for _ in range(40):
+        if len(out) >= want:
+            break
+        try:
+            out += [m.headers["Rl-Reason"] for m in await sub.fetch(want - len(out), timeout=0.5)]
+        except Exception:
+            pass
+    return out
+
+
+async def test_scores_rewards_and_parks_bad_input(bus):
+    await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.01))
+    good = get_env("arith").demonstration({"a": 12, "b": 30, "answer": "42"}, "steps")
+    items = [rollout("t1-0", good), rollout("t2-0", "#41"), rollout("t3-0", "garbage\x00no marker"),
+             rollout("t4-0", "#1", env="no-such-env"), rollout("t5-0", "#1", spec={"answer": "x"}),
+             rollout("t6-0", "def f(:", env="python-tests", spec={"entry": "f", "tests": [[[1], 1]]})]
+    for r in items:
+        await bus.publish(topo.rollout_subject(r.env), r)
+    stop = asyncio.Event()
+    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), heartbeat_s=0.2), bus=bus)
+    run = asyncio.create_task(scorer.run(stop, handle_signals=False))
+    try:
+        s = await scored_events(bus, 4)
+        reasons = await dlq_reasons(bus, 2)
+    finally:
+        stop.set()
+        await run
+    assert set(s) == {"t1-0", "t2-0", "t3-0", "t6-0"}
+    ok = s["t1-0"]
+    assert ok.success == 1.0 and ok.lambda_ == 0.01 and ok.cost == len(good) + 1
+    assert ok.penalty == pytest.approx(0.01 * ok.cost) and ok.reward == pytest.approx(1 - 0.01 * ok.cost)
+    assert s["t2-0"].success == 0.0 and "wrong answer 41 != 42" in s["t2-0"].reason
+    assert s["t3-0"].success == 0.0 and "no final answer" in s["t3-0"].reason
+    assert s["t6-0"].success == 0.0 and "SyntaxError" in s["t6-0"].reason and s["t6-0"].tool_calls == 1
+    assert ok.get_rollout().rollout_id == "t1-0"
+    assert any("unknown environment 'no-such-env'" in r for r in reasons)
+    assert any("bad task spec" in r for r in reasons)
+    info = await bus.js.consumer_info(topo.ROLLOUTS, topo.SCORER_CONSUMER)
+    assert info.num_pending == 0 and info.num_ack_pending == 0     # nothing blocks the stream
+
+
+async def test_lambda_change_is_live(bus):
+    await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.001))
+    stop = asyncio.Event()
+    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), overlong_buffer=8), bus=bus)
+    run = asyncio.create_task(scorer.run(stop, handle_signals=False))
+    try:
+        await bus.publish(topo.rollout_subject("arith"), rollout("a1-0", "#42"))
+        first = await scored_events(bus, 1)
+        await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.05))
+        await bus.kv_put(topo.KEY_LAMBDA, b"not a number")          # ignored, the last good λ stays
+        for _ in range(100):
+            if scorer.lam == 0.05:
+                break
+            await asyncio.sleep(0.05)
+        await bus.publish(topo.rollout_subject("arith"), rollout("a2-0", "#42"))
+        # 44 tokens with max 48 and buffer 8: overlong shaping 0.5 on top of λ·cost
+        await bus.publish(topo.rollout_subject("arith"), rollout("a3-0", "x" * 40 + " #42"))
+        second = await scored_events(bus, 2)
+    finally:
+        stop.set()
+        await run
+    assert first["a1-0"].lambda_ == 0.001 and first["a1-0"].reward == pytest.approx(1 - 0.001 * 4)
+    assert second["a2-0"].lambda_ == 0.05 and second["a2-0"].reward == pytest.approx(1 - 0.05 * 4)
+    long = second["a3-0"]
+    assert long.cost == 45 and long.penalty == pytest.approx(0.05 * 45 + 0.625)
+
+
+def test_scorer_process_scores_and_drains_on_sigterm(fresh_server):
+    env = {**os.environ, "PYTHONPATH": ROOT, "ASYNCRL_BUS__SERVERS": fresh_server.url, "ASYNCRL_HEARTBEAT_S": "0.5"}
+    p = subprocess.Popen([sys.executable, "-m", "scorer"], cwd=ROOT, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    async def check() -> dict:
+        bus = await connect(BusConfig(servers=[fresh_server.url], name="t"))
+        try:
+            await bus.provision()
+            await bus.publish(topo.rollout_subject("arith"), rollout("p1-0", "#42"))
+            return await scored_events(bus, 1)
+        finally:
+            await bus.close()
+
+    try:
+        got = _run(check())
+        assert got["p1-0"].success == 1.0 and got["p1-0"].scorer_id.startswith("scorer-")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            rc = p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise
+    assert rc == 0, p.stderr.read().decode()[-2000:]
+
+
+def _run(coro):
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
