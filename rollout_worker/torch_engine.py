@@ -80,6 +80,7 @@ class TorchEngine:
         self._closed = False
         self._wake = asyncio.Event()
         self._last_step_end: float | None = None
+        self._stall_from: tuple[float, float | None] | None = None   # (apply_s, last step end) of an update
         self._task: asyncio.Task | None = None
 
     # -- public interface (rollout_worker.engine.Engine) ---------------------------------
@@ -211,23 +212,25 @@ class TorchEngine:
             s.slot = self.free.pop()
         return admits
 
+    def _run_updates(self, pending) -> bool:
+        """Apply queued updates in order; True when the weights changed."""
+        before = (self.version, self.epoch)
+        for fn, fut in pending:
+            try:
+                fn()
+            except BaseException as e:  # refused: state unchanged, the submitter gets the reason
+                self.metrics.refused += 1
+                fut.get_loop().call_soon_threadsafe(_settle, fut, e, None)
+            else:
+                fut.get_loop().call_soon_threadsafe(_settle, fut, None, None)
+        return (self.version, self.epoch) != before
+
     @torch.no_grad()
     def _turn(self, pending, admits: list[_Seq]) -> list[_Seq]:
         """One token boundary (runs in a worker thread): updates, admissions, one decode step."""
         t0 = time.perf_counter()
-        if pending:
-            before = (self.version, self.epoch)
-            for fn, fut in pending:
-                try:
-                    fn()
-                except BaseException as e:
-                    self.metrics.refused += 1
-                    fut.get_loop().call_soon_threadsafe(_settle, fut, e, None)
-                else:
-                    fut.get_loop().call_soon_threadsafe(_settle, fut, None, None)
-            apply_s = time.perf_counter() - t0
-            if (self.version, self.epoch) != before:
-                self._pending_stall = (apply_s, self._last_step_end)
+        if pending and self._run_updates(pending):
+            self._stall_from = (time.perf_counter() - t0, self._last_step_end)
         finished: list[_Seq] = []
         for s in admits:           # prefill: the first completion token comes from the prompt's logits
             self.cache.reset(s.slot)
@@ -235,6 +238,7 @@ class TorchEngine:
             self.active[s.slot] = s
             self._emit([s], logits[None], finished)
         live = [s for s in self.active.values() if not s.finish and s not in admits]
+        end = None
         if live:
             t1 = time.perf_counter()
             tokens = torch.tensor([s.tokens[-1] for s in live], dtype=torch.long)
@@ -242,16 +246,14 @@ class TorchEngine:
             logits = self.model.decode(tokens, self.cache, slots)
             self._emit(live, logits, finished)
             end = time.perf_counter()
-            self.metrics.step(end - t1, len(live))
-            stall = getattr(self, "_pending_stall", None)
-            if stall is not None:
-                apply_s, prev_end = stall
-                self.metrics.update(apply_s, None if prev_end is None else end - prev_end)
-                self._pending_stall = None
+            self.metrics.step(end - t1, len(live) + len(admits))   # sequences that got a token this turn
             self._last_step_end = end
-        elif pending and getattr(self, "_pending_stall", None) is not None and not self.active:
-            self.metrics.update(self._pending_stall[0], None)   # idle engine: nothing stalled
-            self._pending_stall = None
+        else:
+            self.metrics.tokens += len(admits)
+        if self._stall_from is not None and (live or not self.active):
+            apply_s, prev_end = self._stall_from   # stall: gap between the decode steps around the update
+            self.metrics.update(apply_s, end - prev_end if end is not None and prev_end is not None else None)
+            self._stall_from = None
         for s in finished:
             del self.active[s.slot]
             self.free.append(s.slot)
