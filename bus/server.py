@@ -167,10 +167,11 @@ class EmbeddedServer:
         self.cleanup()
 
 
-def run_foreground(store_dir: str | os.PathLike | None = None, *, config_file: str | None = None,
-                   port: int | None = 4222, host: str = "127.0.0.1") -> int:
-    """`asyncrl nats`: run a JetStream server until Ctrl-C / SIGTERM. Prints the URL."""
-    srv = EmbeddedServer(store_dir or "runs/nats", config_file=config_file, port=port, host=host)
+def run_foreground(store_dir: str | os.PathLike | None = None, *, config: str | None = None,
+                   config_file: str | None = None, port: int | None = 4222, host: str = "127.0.0.1") -> int:
+    """`asyncrl nats`: run a JetStream server until Ctrl-C / SIGTERM. Prints the URL.
+    store_dir None: a temporary store, removed on exit. `config`: a nats-server .conf (-c)."""
+    srv = EmbeddedServer(store_dir, config_file=config or config_file, port=port, host=host)
     srv.start_sync()
     print(f"nats-server ready: {srv.url}  (monitor {srv.monitor_url}, store {srv.store_dir})", flush=True)
     stop = {"now": False}
@@ -184,5 +185,5 @@ def run_foreground(store_dir: str | os.PathLike | None = None, *, config_file: s
     except KeyboardInterrupt:
         pass
     code = 0 if srv.running else (srv.proc.returncode if srv.proc else 1)
-    srv.stop_sync()
+    srv.cleanup()
     return code
