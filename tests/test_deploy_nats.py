@@ -1,0 +1,284 @@
+"""deploy/nats: the shipped server configs, run for real (3-node JetStream cluster, leaf region).
+
+Also the helpers other suites use to run those configs on one machine (chaos tests start the
+cluster with them):
+
+    passwords = role_passwords()
+    conf_dir = render_nats_configs(tmp_path / "conf", cluster_replacements(tmp_path))
+    srv = ConfServer(conf_dir / "cluster-a.conf", role_env_vars(passwords), tmp_path / "a.log").start()
+    bus = await connect(BusConfig(servers=[srv.url], user="trainer", password=passwords["trainer"]))
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import nats
+import pytest
+
+from bus import BusConfig, TopologyConfig, connect
+from bus import topology as topo
+from bus.events import Task, new_id
+from bus.server import find_binary
+
+ROOT = Path(__file__).resolve().parents[1]
+NATS_DIR = ROOT / "deploy" / "nats"
+ROLES = ("admin", "trainer", "worker", "scorer", "observer", "region", "sys")
+
+
+# -- helpers (importable: from tests.test_deploy_nats import ...) -------------------------------
+def role_passwords() -> dict[str, str]:
+    """Fresh random password per role (the configs read them from the environment)."""
+    return {r: secrets.token_hex(12) for r in ROLES}
+
+
+def role_env_vars(passwords: Mapping[str, str]) -> dict[str, str]:
+    return {f"ASYNCRL_NATS_{r.upper()}_PASSWORD": p for r, p in passwords.items()}
+
+
+@contextlib.contextmanager
+def role_env(passwords: Mapping[str, str], **extra: str) -> Iterator[None]:
+    """Put the role passwords (and `extra`) in os.environ while a server parses its config."""
+    new = {**role_env_vars(passwords), **extra}
+    old = {k: os.environ.get(k) for k in new}
+    os.environ.update(new)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def render_nats_configs(dest: Path, replace: Mapping[str, str] | None = None) -> Path:
+    """Copy deploy/nats/*.conf into `dest`, replacing literal strings (ports, store dirs) in
+    every file. Each key must occur somewhere, so a config change that silently defeats a
+    replacement fails loudly instead of binding a fixed port."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    texts = {p.name: p.read_text() for p in NATS_DIR.glob("*.conf")}
+    for old in replace or {}:
+        if not any(old in t for t in texts.values()):
+            raise ValueError(f"{old!r} occurs in no file of {NATS_DIR}")
+    # one pass, longest key first: a replaced port is never rewritten by a shorter key
+    pattern = re.compile("|".join(re.escape(k) for k in sorted(replace or {}, key=len, reverse=True)))
+    for name, text in texts.items():
+        if replace:
+            text = pattern.sub(lambda m: replace[m.group(0)], text)
+        (dest / name).write_text(text)
+    return dest
+
+
+def cluster_replacements(store_root: Path) -> dict[str, str]:
+    """Free loopback ports for the 3-node cluster (client, monitor, route, leaf) and store dirs."""
+    out = {}
+    for i, n in enumerate("abc"):
+        for base in (4222, 8222, 6222, 7422):
+            out[f"127.0.0.1:{base + i}"] = f"127.0.0.1:{free_port()}"
+        out[f"http_port: {8222 + i}"] = f"http_port: {free_port()}"
+        out[f"/var/lib/nats/rl-{n}"] = str(store_root / f"rl-{n}")
+    del out["127.0.0.1:8222"], out["127.0.0.1:8223"], out["127.0.0.1:8224"]  # monitor is http_port: N
+    return out
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=2) as r:
+        return json.loads(r.read())
+
+
+def wait_until(pred, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            v = pred()
+            if v:
+                return v
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout}s")
+        time.sleep(0.1)
+
+
+class ConfServer:
+    """nats-server run from a rendered deploy config, as an operator runs it: store dir,
+    cluster and leaf ports from the config; client and monitor ports given here (EmbeddedServer
+    is for the embedded case: it always adds -js -sd, which a config with store_dir refuses).
+    stop(kill=True) and start() again keep the ports, so clients reconnect (chaos tests)."""
+
+    def __init__(self, conf: Path, env: Mapping[str, str], log: Path):
+        self.conf, self.env, self.log = conf, dict(env), log
+        self.port, self.monitor_port = free_port(), free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.monitor_url = f"http://127.0.0.1:{self.monitor_port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, health: str = "/healthz") -> "ConfServer":
+        with open(self.log, "ab") as f:
+            self.proc = subprocess.Popen(
+                [find_binary(), "-c", str(self.conf), "-a", "127.0.0.1", "-p", str(self.port),
+                 "-m", str(self.monitor_port)], env={**os.environ, **self.env},
+                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        wait_until(lambda: self._alive() and get_json(self.monitor_url + health), 20,
+                   f"{self.conf.name} healthy (log {self.log})")
+        return self
+
+    def _alive(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.conf.name} exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+        return True
+
+    def wait_leaf_connected(self, timeout: float = 20.0) -> None:
+        wait_until(lambda: self._alive() and get_json(self.monitor_url + "/leafz").get("leafnodes", 0) >= 1,
+                   timeout, f"leaf link up (log {self.log})")
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill() if kill else self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def role_bus_config(url: str | list[str], role: str, passwords: Mapping[str, str], **kw) -> BusConfig:
+    return BusConfig(servers=[url] if isinstance(url, str) else list(url), name=f"{role}-test",
+                     user=role, password=passwords[role], **kw)
+
+
+# -- tests -----------------------------------------------------------------------------------
+def test_configs_parse_with_nats_server_t(tmp_path):
+    """`nats-server -t` accepts every shipped config (with the environment deploy/env supplies)."""
+    passwords = role_passwords()
+    env = {**os.environ, **role_env_vars(passwords),
+           "ASYNCRL_NATS_HUB_LEAF_URL": "nats-leaf://region:x@127.0.0.1:7422"}
+    confs = sorted(NATS_DIR.glob("*.conf"))
+    tops = [c for c in confs if c.name in ("single.conf", "leaf.conf", "cluster-a.conf",
+                                            "cluster-b.conf", "cluster-c.conf")]
+    assert len(tops) == 5, [c.name for c in confs]
+    for c in tops:
+        r = subprocess.run([find_binary(), "-c", str(c), "-t"], env=env, cwd=NATS_DIR,
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and "is valid" in (r.stdout + r.stderr), (c.name, r.stdout, r.stderr)
+    # a missing password is a refusal to start, never an open door
+    env.pop("ASYNCRL_NATS_WORKER_PASSWORD")
+    r = subprocess.run([find_binary(), "-c", str(NATS_DIR / "single.conf"), "-t"], env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "ASYNCRL_NATS_WORKER_PASSWORD" in (r.stdout + r.stderr)
+
+
+async def test_three_node_cluster_forms_and_serves_r3_topology(tmp_path):
+    passwords = role_passwords()
+    conf = render_nats_configs(tmp_path / "conf", cluster_replacements(tmp_path))
+    nodes = [ConfServer(conf / f"cluster-{n}.conf", role_env_vars(passwords), tmp_path / f"{n}.log")
+             for n in "abc"]
+    try:
+        await asyncio.gather(*(asyncio.to_thread(n.start) for n in nodes))
+
+        def meta_leader():
+            infos = [get_json(f"{n.monitor_url}/jsz") for n in nodes]
+            leaders = {(i.get("meta_cluster") or {}).get("leader") for i in infos}
+            return len(leaders) == 1 and None not in leaders and leaders.pop()
+        leader = await asyncio.to_thread(wait_until, meta_leader, 30, "JetStream meta leader")
+        assert leader in {"rl-a", "rl-b", "rl-c"}
+
+        # the trainer provisions R3 streams through one node; a worker on another node reads them
+        trainer = await connect(role_bus_config(nodes[0].url, "trainer", passwords,
+                                                topology=TopologyConfig(replicas=3)))
+        worker = await connect(role_bus_config(nodes[2].url, "worker", passwords))
+        try:
+            await trainer.provision()
+            si = await trainer.js.stream_info(topo.TASKS)
+            assert si.config.num_replicas == 3 and len(si.cluster.replicas or []) == 2
+            t = Task(task_id=new_id(), env="arith", prompt="1+1")
+            await trainer.publish(topo.task_subject("arith"), t)
+            sub = await worker.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)
+            msgs = []
+            for _ in range(20):
+                msgs = await sub.fetch(1, timeout=0.5)
+                if msgs:
+                    break
+            assert [m.headers["Rl-Task"] for m in msgs] == [t.task_id]
+            await msgs[0].ack_sync()
+        finally:
+            await worker.close()
+            await trainer.close()
+    finally:
+        await asyncio.gather(*(asyncio.to_thread(n.stop) for n in nodes))
+
+
+async def test_leaf_region_worker_reaches_hub_and_hub_refuses_weights(tmp_path):
+    """A region's worker works through the leaf (pull tasks, publish rollouts, read KV), and the
+    hub, not just the leaf, keeps it from publishing weights: the leaf's local worker login is
+    made unrestricted here to play a compromised region."""
+    passwords = role_passwords()
+    leaf_port = free_port()
+    conf = render_nats_configs(tmp_path / "conf", {
+        "0.0.0.0:7422": f"127.0.0.1:{leaf_port}", "/var/lib/nats": str(tmp_path / "hub"),
+        "{ user: worker,   password: $ASYNCRL_NATS_WORKER_PASSWORD,   permissions: $RL_WORKER }":
+            "{ user: worker,   password: $ASYNCRL_NATS_WORKER_PASSWORD }\n"
+            # (nats-server refuses a config with an unused variable)
+            f"{{ user: spare, password: {secrets.token_hex(8)}, permissions: $RL_WORKER }}",
+    })
+    hub = ConfServer(conf / "single.conf", role_env_vars(passwords), tmp_path / "hub.log")
+    hub.start("/healthz?js-enabled-only=true")
+    leaf = ConfServer(conf / "leaf.conf", {
+        **role_env_vars(passwords),
+        "ASYNCRL_NATS_HUB_LEAF_URL": f"nats-leaf://region:{passwords['region']}@127.0.0.1:{leaf_port}"},
+        tmp_path / "leaf.log").start()
+    trainer = worker = None
+    try:
+        await asyncio.to_thread(leaf.wait_leaf_connected)
+        trainer = await connect(role_bus_config(hub.url, "trainer", passwords))
+        await trainer.provision()
+        await trainer.kv_put(topo.KEY_VERSION, b"7")
+        t = Task(task_id=new_id(), env="arith", prompt="2+3")
+        await trainer.publish(topo.task_subject("arith"), t)
+
+        # regional clients address the hub's JetStream by domain (leaf.conf); BusConfig has no
+        # domain option yet, so this worker speaks nats-py directly
+        worker = await nats.connect(leaf.url, user="worker", password=passwords["worker"])
+        js = worker.jetstream(domain="hub", timeout=2)
+        assert (await (await js.key_value(topo.CONTROL_BUCKET)).get(topo.KEY_VERSION)).value == b"7"
+        sub = await js.pull_subscribe_bind(durable=topo.ROLLOUT_CONSUMER, stream=topo.TASKS)
+        msgs = await sub.fetch(1, timeout=5)
+        assert [m.headers["Rl-Task"] for m in msgs] == [t.task_id]
+        await msgs[0].ack_sync()
+        ack = await js.publish(topo.rollout_subject("arith"), b"rollout-bytes", timeout=2)
+        assert ack.stream == topo.ROLLOUTS
+        assert (await trainer.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)).num_ack_pending == 0
+
+        before = (await trainer.js.stream_info(topo.WEIGHTS)).state.messages
+        await worker.publish(topo.DELTA_SUBJECT, b"forged delta")
+        await worker.publish(f"$KV.{topo.CONTROL_BUCKET}.{topo.KEY_LEADER}", b"forged lease")
+        await worker.flush()
+        await asyncio.sleep(0.5)   # let anything that would cross the link arrive
+        assert (await trainer.js.stream_info(topo.WEIGHTS)).state.messages == before == 0
+        assert await trainer.kv_get(topo.KEY_LEADER) is None
+    finally:
+        if worker is not None:
+            await worker.close()
+        if trainer is not None:
+            await trainer.close()
+        leaf.stop()
+        hub.stop()
