@@ -1,0 +1,249 @@
+"""`asyncrl calibrate-cost`: λ from the policy's own test-time scaling curve.
+
+    for each budget B (max new tokens):  run the policy on held-out prompts → (mean cost, success)
+    fit   s(c) = a − b·exp(−c/τ)      (b ≥ 0, τ > 0: monotone increasing and concave)
+    λ   = s'(c*) = (b/τ)·exp(−c*/τ)   at the operating point c*: the mean cost at a given budget,
+                                      or the cost where the slope equals a given price of compute
+With reward = success − λ·cost, a policy at c* gains nothing by spending one more token: the
+penalty's marginal price equals the marginal success that token buys. `--apply` writes λ to
+KV rl-control/lambda (scorers pick it up live); a PNG shows points, fit and tangent.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ScalingFit:
+    a: float          # asymptotic success
+    b: float          # success still to gain at cost 0
+    tau: float        # cost scale (tokens) of the gain
+    rmse: float
+
+    def success(self, c):
+        return self.a - self.b * np.exp(-np.asarray(c, dtype=np.float64) / self.tau)
+
+    def slope(self, c):
+        return self.b / self.tau * np.exp(-np.asarray(c, dtype=np.float64) / self.tau)
+
+
+def _best_ab(costs: np.ndarray, succ: np.ndarray, w: np.ndarray, taus: np.ndarray):
+    """For every τ at once: weighted least squares of s = a − b·e (e = exp(−c/τ)), b clipped at 0."""
+    e = np.exp(-costs[None, :] / taus[:, None])                        # [T, N]
+    sw, se, see = w.sum(), (w * e).sum(1), (w * e * e).sum(1)
+    ss, sse_ = (w * succ).sum(), (w * succ * e).sum(1)
+    det = sw * see - se * se
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = (ss * see - se * sse_) / det
+        b = (ss * se - sw * sse_) / det                                 # s = a − b·e  ⇒  slope on e is −b
+    flat = ~np.isfinite(b) | (b < 0)                                    # non-increasing data: flat fit
+    a = np.where(flat, ss / sw, a)
+    b = np.where(flat, 0.0, b)
+    err = (w * (succ[None, :] - (a[:, None] - b[:, None] * e)) ** 2).sum(1) / sw
+    return a, b, err
+
+
+def fit_scaling_curve(costs, successes, weights=None) -> ScalingFit:
+    """Monotone concave fit s(c) = a − b·exp(−c/τ) of success against cost (coarse-to-fine over τ)."""
+    c = np.asarray(costs, dtype=np.float64)
+    s = np.asarray(successes, dtype=np.float64)
+    w = np.ones_like(c) if weights is None else np.asarray(weights, dtype=np.float64)
+    if c.shape != s.shape or c.ndim != 1 or w.shape != c.shape:
+        raise ValueError(f"costs, successes (and weights) must be 1-d and the same length, got {c.shape} {s.shape}")
+    if len(np.unique(c)) < 3:
+        raise ValueError(f"need successes at >= 3 distinct costs to fit a curve, got {sorted(set(c.tolist()))}")
+    if not (np.isfinite(c).all() and np.isfinite(s).all()) or (c < 0).any() or (w <= 0).any():
+        raise ValueError("costs must be finite and >= 0, successes finite, weights > 0")
+    span = c.max() - c.min()
+    lo, hi = math.log(max(span, 1e-9) / 200), math.log(max(span, 1e-9) * 20)
+    for _ in range(3):                       # each pass zooms in around the best τ
+        taus = np.exp(np.linspace(lo, hi, 256))
+        a, b, err = _best_ab(c, s, w, taus)
+        i = int(np.argmin(err))
+        step = (hi - lo) / 255
+        lo, hi = math.log(taus[i]) - 2 * step, math.log(taus[i]) + 2 * step
+    return ScalingFit(float(a[i]), float(b[i]), float(taus[i]), float(math.sqrt(err[i])))
+
+
+def tangent_slope(fit: ScalingFit, at: float) -> float:
+    """ds/dc of the fitted curve at cost `at` (success per unit of cost: λ)."""
+    return float(fit.slope(at))
+
+
+def cost_at_price(fit: ScalingFit, price: float) -> float:
+    """The cost where the curve's slope equals `price` (0 when even the first token is not worth it)."""
+    if price <= 0:
+        raise ValueError(f"price must be > 0, got {price}")
+    if fit.b <= 0 or fit.b / fit.tau <= price:
+        return 0.0
+    return fit.tau * math.log(fit.b / (fit.tau * price))
+
+
+# -- measuring the curve with the current policy ---------------------------------------------
+
+def load_policy_file(path: str):
+    """A trainer checkpoint (a torch.save'd dict with "model" and "model_config"), or a directory of them."""
+    import torch
+    from policy import ModelConfig, Transformer
+
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("ckpt-*.pt"))
+        if not files:
+            raise FileNotFoundError(f"no ckpt-*.pt checkpoint in {p}")
+        p = files[-1]
+    raw = torch.load(p, map_location="cpu", weights_only=False)
+    if not isinstance(raw, dict) or "model" not in raw or "model_config" not in raw:
+        raise ValueError(f"{p} is not a policy checkpoint (needs 'model' and 'model_config')")
+    model = Transformer(ModelConfig.from_dict(raw["model_config"]))
+    model.load_state_dict(raw["model"])
+    return model.eval(), f"{p} (version {raw.get('version', '?')})"
+
+
+async def load_policy_bus(url: str):
+    from bus import BusConfig, connect
+    from bus.weights import WeightFeed
+    from policy import ModelConfig, Transformer
+
+    bus = await connect(BusConfig(servers=url.split(","), name="calibrate-cost"))
+    try:
+        target = await asyncio.wait_for(WeightFeed(bus, name="calibrate").latest_state(), 60)
+    finally:
+        await bus.close()
+    if target.state is None:
+        raise RuntimeError(f"no keyframe on {url}")
+    model = Transformer(ModelConfig.from_dict(target.model_config))
+    model.load_inference_state(target.state)
+    return model.eval(), f"bus {url} (version {target.version})"
+
+
+def measure(model, env_name: str, budgets: list[int], n_prompts: int, temperature: float, seed: int) -> list[dict]:
+    """Success and mean generated tokens at each budget, on the same held-out prompts."""
+    import torch
+    from envs import get_env
+    from policy import CharTokenizer, SamplingConfig, generate
+
+    env, tok = get_env(env_name), CharTokenizer.default()
+    rng = random.Random(seed)
+    tasks = [env.sample(rng, split="eval") for _ in range(n_prompts)]
+    prompts = [tok.encode(t.prompt, bos=True) for t in tasks]
+    rows = []
+    for budget in budgets:
+        gen = torch.Generator().manual_seed(seed)
+        outs = generate(model, prompts, SamplingConfig(temperature=temperature), budget, [tok.eos_id], gen)
+        texts = [tok.decode([i for i in o.ids if i != tok.eos_id]) for o in outs]
+        succ = np.array([env.verify(x, t.spec).success for x, t in zip(texts, tasks)])
+        cost = np.array([len(o.ids) for o in outs], dtype=np.float64)
+        rows.append({"budget": budget, "cost": float(cost.mean()), "success": float(succ.mean()), "n": len(outs)})
+    return rows
+
+
+def plot(rows: list[dict], fit: ScalingFit, at: float, lam: float, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = np.array([r["cost"] for r in rows])
+    s = np.array([r["success"] for r in rows])
+    xs = np.linspace(0, max(c.max(), at) * 1.1, 200)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.scatter(c, s, color="k", zorder=3, label="measured (one point per max-tokens budget)")
+    for r in rows:
+        ax.annotate(f"B={r['budget']}", (r["cost"], r["success"]), textcoords="offset points", xytext=(4, -10), fontsize=7)
+    ax.plot(xs, fit.success(xs), label=f"fit  {fit.a:.3f} − {fit.b:.3f}·exp(−c/{fit.tau:.1f})")
+    ax.plot(xs, fit.success(at) + lam * (xs - at), "--", label=f"tangent at c={at:.1f}: λ={lam:.5f}/token")
+    ax.axvline(at, color="grey", lw=0.5)
+    ax.set(xlabel="cost (mean generated tokens)", ylabel="success", title=title, ylim=(-0.05, 1.05))
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+async def apply_lambda(url: str, lam: float) -> int:
+    from bus import BusConfig, connect
+    from bus import topology as topo
+    from .reward import format_lambda
+
+    bus = await connect(BusConfig(servers=url.split(","), name="calibrate-cost"))
+    try:
+        return await bus.kv_put(topo.KEY_LAMBDA, format_lambda(lam))
+    finally:
+        await bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="asyncrl calibrate-cost", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", help="trainer checkpoint file, or a directory (newest ckpt-*.pt)")
+    src.add_argument("--random-init", action="store_true", help="an untrained tiny model (smoke test)")
+    ap.add_argument("--nats", default=None, help="server URL(s): policy from the latest keyframe (when no"
+                                                 " --checkpoint) and where --apply writes λ")
+    ap.add_argument("--env", default="arith")
+    ap.add_argument("--budgets", default="4,6,8,12,16,20,24,32,40,48", help="max-new-token budgets, comma separated")
+    ap.add_argument("--prompts", type=int, default=128, help="held-out prompts per budget")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    op = ap.add_mutually_exclusive_group()
+    op.add_argument("--budget", type=int, help="operating point: the mean cost at this budget (default: median budget)")
+    op.add_argument("--price", type=float, help="operating point: where the curve's slope equals this price")
+    ap.add_argument("--apply", action="store_true", help="write λ to KV rl-control/lambda (needs --nats)")
+    ap.add_argument("--out", default="runs/calibrate-cost.png", help="plot path (a .json summary goes next to it)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.apply and not a.nats:
+        ap.error("--apply needs --nats")
+    try:
+        budgets = sorted({int(x) for x in a.budgets.split(",") if x.strip()} | ({a.budget} if a.budget else set()))
+    except ValueError:
+        ap.error(f"--budgets must be integers, got {a.budgets!r}")
+    if len(budgets) < 3 or budgets[0] < 1:
+        ap.error("--budgets needs >= 3 positive budgets")
+
+    import torch
+    torch.manual_seed(a.seed)
+    if a.checkpoint:
+        model, source = load_policy_file(a.checkpoint)
+    elif a.random_init:
+        from policy import CharTokenizer, ModelConfig, Transformer
+        model, source = Transformer(ModelConfig.tiny(vocab_size=CharTokenizer.default().vocab_size)).eval(), "random init"
+    elif a.nats:
+        model, source = asyncio.run(load_policy_bus(a.nats))
+    else:
+        ap.error("give --checkpoint, --nats (latest keyframe) or --random-init")
+
+    rows = measure(model, a.env, budgets, a.prompts, a.temperature, a.seed)
+    for r in rows:
+        print(f"budget {r['budget']:4d}  cost {r['cost']:7.2f}  success {r['success']:.3f}", file=sys.stderr)
+    fit = fit_scaling_curve([r["cost"] for r in rows], [r["success"] for r in rows])
+    if a.price is not None:
+        at, how = cost_at_price(fit, a.price), f"slope = price {a.price}"
+    else:
+        b = a.budget or budgets[len(budgets) // 2]
+        at, how = next(r["cost"] for r in rows if r["budget"] == b), f"budget {b}"
+    lam = tangent_slope(fit, at)
+    if fit.b == 0:
+        print("warning: success does not rise with cost: λ = 0 (is the policy trained?)", file=sys.stderr)
+    plot(rows, fit, at, lam, a.out, f"{a.env}: {source}")
+    summary = {"lambda": lam, "operating_cost": at, "operating_point": how, "fit": asdict(fit),
+               "points": rows, "policy": source, "env": a.env, "plot": a.out}
+    if a.apply:
+        summary["kv_revision"] = asyncio.run(apply_lambda(a.nats, lam))
+    Path(os.path.splitext(a.out)[0] + ".json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
