@@ -180,11 +180,16 @@ class WeightFeed:
                 self._wake.set()
             self._sub = await self.bus.nc.subscribe(WEIGHTS_SUBJECTS, cb=on_msg)
 
-    async def _wait(self, timeout: float) -> None:
+    async def _wait(self, timeout: float, stop: asyncio.Event | None = None) -> None:
+        """Until a WEIGHTS message is published, `stop` is set, or `timeout` (a missed wakeup)."""
+        waits = [asyncio.ensure_future(self._wake.wait())]
+        if stop is not None:
+            waits.append(asyncio.ensure_future(stop.wait()))
         try:
-            await asyncio.wait_for(self._wake.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def _next_msg(self, stop: asyncio.Event | None):
         """The first WEIGHTS message after the cursor; waits for one. None when stopped."""
@@ -198,7 +203,7 @@ class WeightFeed:
                 pass
             except Exception as e:  # broker restart / reconnect: retry after a beat
                 log.warning("weights read failed; retrying", error=str(e), feed=self.name)
-            await self._wait(self.poll_s)
+            await self._wait(self.poll_s, stop)
         return None
 
     async def _payload(self, ev) -> bytes:
@@ -247,7 +252,7 @@ class WeightFeed:
                 log.warning("keyframe read failed; retrying", error=str(e), feed=self.name)
             if not wait:
                 return None
-            await self._wait(self.poll_s)
+            await self._wait(self.poll_s, stop)
         return None
 
     def _refuse(self, reason: str, detail: str) -> None:
@@ -304,15 +309,18 @@ class WeightFeed:
             raise Refused("apply", f"{ev.msg_id()}: {type(e).__name__}: {e}", resync=True) from None
         self.applied["delta"] += 1
 
-    async def follow(self, target: WeightTarget, stop: asyncio.Event, start: KeyframeUpdate | None = None) -> None:
-        """Keep `target` on the newest policy until `stop` is set."""
-        if start is None:
-            start = await self.latest_keyframe(wait=True, stop=stop)
+    async def follow(self, target: WeightTarget, stop: asyncio.Event, start: KeyframeUpdate | None = None,
+                     resume: bool = False) -> None:
+        """Keep `target` on the newest policy until `stop` is set: from `start` (default: the
+        latest keyframe), or with `resume` from where this feed stopped last time."""
+        if not resume:
             if start is None:
-                return
-        if (target.version, target.epoch) != (start.version, start.epoch):
-            await target.load_keyframe(start.state, start.version, start.epoch)
-        self.cursor = start.seq
+                start = await self.latest_keyframe(wait=True, stop=stop)
+                if start is None:
+                    return
+            if (target.version, target.epoch) != (start.version, start.epoch):
+                await target.load_keyframe(start.state, start.version, start.epoch)
+            self.cursor = start.seq
         while not stop.is_set():
             raw = await self._next_msg(stop)
             if raw is None:
