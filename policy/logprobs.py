@@ -64,7 +64,8 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], completions: Sequ
         else torch.ones_like(scaled, dtype=torch.bool)
     logp = truncated_logprobs(scaled, keep)
     tok_lp = logp.gather(1, target[:, None])[:, 0]
-    ent = -torch.where(keep, logp.exp() * logp, torch.zeros_like(logp)).sum(-1)
+    safe = logp.masked_fill(~keep, 0.0)     # 0*(-inf) outside the kept set would poison the gradient
+    ent = -(safe.exp() * keep * safe).sum(-1)
     out_lp = torch.zeros(B, Tc, device=dev, dtype=tok_lp.dtype).index_put((rows[valid], j.expand(B, Tc)[valid]), tok_lp)
     out_ent = torch.zeros(B, Tc, device=dev, dtype=ent.dtype).index_put((rows[valid], j.expand(B, Tc)[valid]), ent)
     return LogprobResult(out_lp, out_ent, valid)
