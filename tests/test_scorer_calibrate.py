@@ -1,0 +1,89 @@
+"""λ calibration: the fit recovers a known curve's slope; the CLI measures, plots and applies."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pytest
+
+from scorer.calibrate import cost_at_price, fit_scaling_curve, main, tangent_slope
+from scorer.reward import compute_reward, format_lambda, overlong_penalty, parse_lambda
+
+
+@pytest.mark.parametrize("a,b,tau,at,noise", [(0.9, 0.8, 20.0, 16.0, 0.005), (0.6, 0.55, 6.0, 4.0, 0.003),
+                                              (0.95, 0.9, 40.0, 48.0, 0.004)])
+def test_fit_recovers_known_slope_within_5_percent(a, b, tau, at, noise):
+    rng = np.random.default_rng(1)
+    c = np.array([2, 4, 6, 8, 12, 16, 24, 32, 48, 64], dtype=float)
+    s = a - b * np.exp(-c / tau) + rng.normal(0, noise, c.size)
+    fit = fit_scaling_curve(c, s)
+    true_slope = b / tau * math.exp(-at / tau)
+    assert tangent_slope(fit, at) == pytest.approx(true_slope, rel=0.05)
+    price = true_slope                                   # the point where slope == price is `at`
+    assert cost_at_price(fit, price) == pytest.approx(at, rel=0.05, abs=1.0)
+    xs = np.linspace(0, 80, 50)
+    assert (np.diff(fit.success(xs)) >= 0).all() and (np.diff(fit.slope(xs)) <= 0).all()   # monotone, concave
+
+
+def test_fit_edge_cases():
+    flat = fit_scaling_curve([1, 2, 3, 4], [0.3, 0.3, 0.3, 0.3])
+    assert flat.b == 0 and tangent_slope(flat, 2) == 0 and cost_at_price(flat, 0.01) == 0
+    decreasing = fit_scaling_curve([1, 2, 3], [0.5, 0.4, 0.1])
+    assert tangent_slope(decreasing, 2) == 0                  # never a negative λ
+    with pytest.raises(ValueError, match=">= 3 distinct costs"):
+        fit_scaling_curve([1, 1, 2], [0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match="same length"):
+        fit_scaling_curve([1, 2, 3], [0.1, 0.2])
+    with pytest.raises(ValueError):
+        fit_scaling_curve([1, 2, float("nan")], [0.1, 0.2, 0.3])
+    with pytest.raises(ValueError):
+        cost_at_price(flat, 0)
+
+
+def test_reward_components():
+    assert compute_reward(1.0, 40, 0.01) == pytest.approx((0.4, 0.6))
+    assert compute_reward(0.0, 5, 0.0, shaping=0.25) == (0.25, -0.25)
+    assert overlong_penalty(30, 48, 8, 1.0) == 0 and overlong_penalty(44, 48, 8, 1.0) == 0.5
+    assert overlong_penalty(60, 48, 8, 0.5) == 0.5 and overlong_penalty(47, 48, 0, 1.0) == 0
+    for bad in [(1.5, 1, 0.1), (0.5, -1, 0.1), (0.5, 1, float("inf"))]:
+        with pytest.raises(ValueError):
+            compute_reward(*bad)
+    assert parse_lambda(format_lambda(0.0025)) == 0.0025 and parse_lambda(b" 0.5\n") == 0.5
+    for bad in [None, b"", b"abc", b"-1", b"nan", b"\xff"]:
+        with pytest.raises(ValueError):
+            parse_lambda(bad)
+
+
+def test_calibrate_cli_measures_plots_and_applies(tmp_path, fresh_server):
+    import torch
+    from bus import BusConfig, connect
+    from bus import topology as topo
+    from policy import CharTokenizer, ModelConfig, Transformer
+
+    cfg = ModelConfig.tiny(vocab_size=CharTokenizer.default().vocab_size, d_model=32, n_layers=1, d_ff=64)
+    torch.manual_seed(0)
+    torch.save({"model": Transformer(cfg).state_dict(), "model_config": cfg.to_dict(), "version": 7},
+               tmp_path / "ckpt-e00000001-v00000007.pt")
+    out = tmp_path / "cal.png"
+    rc = main(["--checkpoint", str(tmp_path), "--budgets", "2,3,5", "--prompts", "6", "--out", str(out),
+               "--nats", fresh_server.url, "--apply"])
+    assert rc == 0 and out.stat().st_size > 1000
+    summary = json.loads((tmp_path / "cal.json").read_text())
+    assert [p["budget"] for p in summary["points"]] == [2, 3, 5] and summary["lambda"] >= 0
+    assert "version 7" in summary["policy"] and summary["operating_point"] == "budget 3"
+
+    async def read():
+        bus = await connect(BusConfig(servers=[fresh_server.url], name="t"))
+        try:
+            return await bus.kv_get(topo.KEY_LAMBDA)
+        finally:
+            await bus.close()
+    loop = asyncio.new_event_loop()
+    try:
+        assert parse_lambda(loop.run_until_complete(read())) == pytest.approx(summary["lambda"])
+    finally:
+        loop.close()
+    with pytest.raises(SystemExit):
+        main(["--random-init", "--apply"])                 # --apply without --nats: a clear usage error
