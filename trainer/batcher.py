@@ -97,6 +97,7 @@ class Batcher:
         self.bus, self.cfg, self.consumed, self.vocab_size = bus, cfg, consumed, vocab_size
         self.heartbeat_s = heartbeat_s
         self.groups: OrderedDict[str, dict[str, Sample]] = OrderedDict()   # task_id -> rollout_id -> sample
+        self.inflight: set[str] = set()      # ids handed out in a batch that is not yet acked
         self.sub = None
         self.counters = {"duplicates": 0, "invalid": 0, "received": 0}
         self._last_hb = time.monotonic()
@@ -124,7 +125,7 @@ class Batcher:
         if rid in group and _stream_seq(group[rid].msg) == _stream_seq(msg):
             group[rid].msg = msg                    # redelivery of the message we hold: keep newest token
             return
-        if rid in self.consumed or rid in group:
+        if rid in self.consumed or rid in group or rid in self.inflight:
             self.counters["duplicates"] += 1        # the original is used (checkpointed) or still held
             await msg.ack()
             return
@@ -173,6 +174,7 @@ class Batcher:
                 s.group = gi
                 s.lag = version - min(s.rollout.token_versions, default=version)
                 samples.append(s)
+        self.inflight.update(s.rollout.rollout_id for s in samples)
         for s, w in zip(samples, stale_weights([s.lag for s in samples], cfg.max_lag, cfg.stale, cfg.stale_weight)):
             s.weight = w
         return Batch(samples, n_groups=min(len(ready), cfg.batch_groups), version=version)
@@ -181,3 +183,4 @@ class Batcher:
         """After checkpoint + publication: ack every message of the batch (used or dropped)."""
         for s in batch.samples:
             await s.msg.ack()
+        self.inflight.difference_update(batch.rollout_ids)

@@ -3,8 +3,10 @@ batch per version (min_version = that version) through envs.feeder.publish_tasks
 from __future__ import annotations
 
 import asyncio
+import random
 
 from bus import get_logger
+from bus.events import SamplingParams
 from bus import topology as topo
 
 log = get_logger(__name__)
@@ -15,9 +17,10 @@ class TaskFeeder:
         self.bus, self.cfg = bus, cfg
         self.published = 0
         self._next_env = 0
+        self.rng = random.Random(f"{cfg.seed}-{cfg.trainer_id}")
 
-    def sampling(self) -> dict:
-        return {**self.cfg.task_sampling, "n": self.cfg.group_size}
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(**{**self.cfg.task_sampling, "n": self.cfg.group_size})
 
     async def publish(self, n_groups: int, min_version: int = 0) -> list[str]:
         from envs.feeder import publish_tasks    # imported here: only a feeding trainer needs it
@@ -25,7 +28,7 @@ class TaskFeeder:
         for _ in range(n_groups):                 # round-robin over the configured environments
             env = self.cfg.envs[self._next_env % len(self.cfg.envs)]
             self._next_env += 1
-            ids += await publish_tasks(self.bus, env, 1, self.sampling(), min_version=min_version)
+            ids += await publish_tasks(self.bus, env, 1, self.sampling(), self.rng, min_version=min_version)
         self.published += len(ids)
         return ids
 

@@ -10,8 +10,8 @@ rho_t = pi_theta(y_t) / mu(y_t) (mu = the behaviour logprob the worker shipped):
     is_mode = "truncated": w_t = min(rho_t, C)                         (detached)
     is_mode = "masked":    w_t = rho_t if 1/C <= rho_t <= C else 0    (detached)
     is_mode = "none":      w_t = 1
-    per-token objective  o_t = w_t * A_t * log pi_theta(y_t)          (REINFORCE with IS weight)
-    with ppo_clip = eps:  o_t = min(rho_t A_t, clip(rho_t, 1-eps, 1+eps) A_t) * (w_t / rho_t)
+    per-token objective  o_t = rho_t * A_t * sg(w_t / rho_t)          (value w_t A_t, gradient w_t A_t grad log pi)
+    with ppo_clip = eps:  o_t = min(rho_t A_t, clip(rho_t, 1-eps, 1+eps) A_t) * sg(w_t / rho_t)
     loss = -sum_t s_t * o_t / N  - entropy_coef * sum_t s_t * H_t / N
 s_t is the sample weight (0 for dropped stale samples, stale_weight^k when down-weighted) and
 N the number of tokens with s_t > 0 over the whole (global, all ranks) batch, so a long answer
@@ -77,11 +77,13 @@ def pg_loss(logp: torch.Tensor, behav: torch.Tensor, adv: torch.Tensor, weight: 
     if cfg.ppo_clip > 0:
         eps = cfg.ppo_clip
         surr = torch.minimum(rho * adv, rho.clamp(1 - eps, 1 + eps) * adv)
-        obj = surr * (w / rho.detach().clamp_min(EPS))
         clipped = ((rho.detach() - 1).abs() > eps) & ((rho.detach() - 1).sign() == adv.sign())
     else:
-        obj = w * adv * logp
+        surr = rho * adv
         clipped = torch.zeros_like(rho, dtype=torch.bool)
+    # the IS surrogate: its gradient is the truncated/masked-IS policy gradient w * A * grad log pi,
+    # and its value (w * A) falls as the step moves probability towards positive advantages
+    obj = surr * (w / rho.detach().clamp_min(EPS))
     n = max(float(n_tokens), 1.0)
     loss = -(weight * obj).sum() / n
     if entropy is not None and cfg.entropy_coef:

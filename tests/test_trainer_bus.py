@@ -1,0 +1,151 @@
+"""Trainer against a real nats-server: one step publishes a bit-exact delta, stale samples are
+dropped, duplicates and bad rollouts never reach the learner, the lease fences epochs."""
+import asyncio
+import random
+
+import pytest
+import torch
+
+import delta_codec
+from bus import BusConfig, connect
+from bus import topology as topo
+from bus.events import Rollout, Scored
+from bus.weights import WeightFeed
+from policy.config import ModelConfig
+from policy.logprobs import sequence_logprobs
+from policy.model import Transformer, inference_state
+from policy.sampling import SamplingConfig, SamplingMask
+from trainer import checkpoint
+from trainer.__main__ import Trainer, build_learner, build_model, build_optimizer
+from trainer.batcher import Batcher, ConsumedIds
+from trainer.config import TrainerConfig
+from trainer.learner import pack
+from trainer.lease import LeaderLease, LeaseLost
+
+MODEL = ModelConfig.tiny(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64).to_dict()
+
+
+def make_scored(model, task_id: str, i: int, group_size: int, version: int, rng: random.Random,
+                T: int = 6, reward=None, mask=None) -> Scored:
+    """A rollout whose behaviour logprobs are the model's own (ratio 1 at the current weights)."""
+    prompt = [1] + [rng.randrange(3, 50) for _ in range(4)]
+    comp = [rng.randrange(3, 50) for _ in range(T)]
+    with torch.no_grad():
+        lp = sequence_logprobs(model, [prompt], [comp], SamplingConfig(temperature=1.0)).logprobs[0]
+    reward = float(sum(c % 2 for c in comp) / T) if reward is None else reward
+    r = Rollout(rollout_id=f"{task_id}-{i}", task_id=task_id, env="arith", sample_index=i, group_size=group_size,
+                prompt="p", spec={}, prompt_ids=prompt, completion_ids=comp, completion_text="c",
+                logprobs=[float(x) for x in lp], token_versions=[version] * T,
+                sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": T, "n": group_size},
+                sampling_mask=mask if mask is not None else SamplingMask.full(T).to_wire(), quant={},
+                finish_reason="length", cost_tokens=T, wall_s=0.1, worker_id="w")
+    return Scored(rollout=r.to_dict(), success=reward, cost=float(T), lambda_=0.0, penalty=0.0, reward=reward)
+
+
+async def publish_groups(bus, model, n_groups, group_size, version=0, prefix="t", seed=0):
+    rng = random.Random(seed)
+    for g in range(n_groups):
+        for i in range(group_size):
+            await bus.publish(topo.scored_subject("arith"), make_scored(model, f"{prefix}{g}", i, group_size, version, rng))
+
+
+def trainer_config(url, tmp_path, **kw) -> TrainerConfig:
+    base = dict(bus=BusConfig(servers=[url], name="trainer-test"), model=MODEL, batch_groups=2, group_size=4,
+                feed=False, lr=1e-2, checkpoint_dir=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "run"),
+                lease_ttl_s=3.0, fetch_timeout_s=0.2, trainer_id="T1")
+    return TrainerConfig(**{**base, **kw})
+
+
+async def test_step_lowers_loss_and_publishes_bit_exact_delta(bus, fresh_server, tmp_path):
+    cfg = trainer_config(fresh_server.url, tmp_path, max_steps=1)
+    model, mcfg = build_model(cfg)
+    learner = build_learner(model, build_optimizer(model, cfg), cfg)
+    await publish_groups(bus, model, 2, 4)
+    # the fixed batch, read back the way the trainer reads it, to measure the loss around the step
+    probe = Batcher(bus, cfg, ConsumedIds(), mcfg.vocab_size)
+    await probe.start()
+    batch = await probe.next_batch(0)
+    packed = pack(batch)
+    for s in batch.samples:
+        await s.msg.nak()                                  # hand them back to the trainer
+    before = float(learner.loss(packed, grad=False)[0])
+    tr = Trainer(cfg, bus, learner, mcfg)
+    assert await asyncio.wait_for(tr.lead(asyncio.Event()), 120) == 0
+    after = float(learner.loss(packed, grad=False)[0])
+    assert tr.version == 1 and after < before
+    # a worker-side state following WEIGHTS reproduces the trainer's bf16 bits exactly
+    feed = WeightFeed(bus)
+    target = await feed.latest_state()
+    await feed.close()
+    assert target.version == 1 and feed.applied["delta"] == 1 and not feed.refused
+    mine = inference_state(model)
+    assert all(torch.equal(target.state[k].view(torch.int16), mine[k].view(torch.int16)) for k in mine)
+    assert int((await bus.kv_get(topo.KEY_VERSION)).decode()) == 1
+    # acked only after the checkpoint: nothing pending, and the checkpoint lists the used ids
+    info = await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
+    assert info.num_pending == 0 and info.num_ack_pending == 0
+    st = checkpoint.load_latest(cfg.checkpoint_dir)
+    assert st.version == 1 and sorted(st.consumed) == sorted(batch.rollout_ids)
+    assert st.digest == delta_codec.state_digest(mine)
+
+
+async def test_stale_dropped_duplicates_and_bad_rollouts_refused(bus, fresh_server, tmp_path):
+    cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=4, max_lag=2)
+    model = Transformer(ModelConfig.from_dict(MODEL))
+    rng = random.Random(1)
+    versions = [10, 9, 7, 3]                               # lags 0, 1, 3, 7 at version 10
+    group = [make_scored(model, "s0", i, 4, v, rng) for i, v in enumerate(versions)]
+    for sc in group:
+        await bus.publish(topo.scored_subject("arith"), sc)
+    await bus.publish(topo.scored_subject("arith"), group[0], msg_id="dup-of-s0-0")   # a second copy
+    bad = make_scored(model, "s1", 0, 4, 10, rng, mask={"format": "full", "rows": 99})
+    await bus.publish(topo.scored_subject("arith"), bad)
+    consumed = ConsumedIds(["old-0"])
+    old = make_scored(model, "old", 0, 4, 10, rng)         # already used before a restart
+    await bus.publish(topo.scored_subject("arith"), old)
+    b = Batcher(bus, cfg, consumed, 128)
+    await b.start()
+    batch = await b.next_batch(10)
+    assert [s.lag for s in batch.samples] == [0, 1, 3, 7]
+    assert [s.weight for s in batch.samples] == [1.0, 1.0, 0.0, 0.0]
+    assert await b.next_batch(10, max_wait_s=1.5) is None   # drains the rest: nothing else forms a group
+    assert b.counters["duplicates"] == 2 and b.counters["invalid"] == 1
+    dlq = await bus.js.stream_info(topo.DLQ)
+    assert dlq.state.messages == 1
+    # the dropped samples change nothing in the loss
+    learner = build_learner(model, build_optimizer(model, cfg), cfg)
+    packed = pack(batch)
+    # dropped samples still count in their group's baseline, but their tokens weigh nothing
+    import dataclasses
+    scrambled = [s if s.weight > 0 else dataclasses.replace(s, completion_ids=[5] * 9, logprobs=[-1.0] * 9,
+                                                             sampling_mask=SamplingMask.full(9).to_wire())
+                 for s in packed]
+    l_all, st = learner.loss(packed, grad=False)
+    l_live, _ = learner.loss(scrambled, grad=False)
+    assert st["n_tokens"] == 12 and torch.allclose(l_all, l_live)
+    cfg.stale = "downweight"
+    b.groups.clear()
+    assert [s.weight for s in (await _regroup(b, batch)).samples] == [1.0, 1.0, 0.5, 0.5 ** 5]
+
+
+async def _regroup(b, batch):
+    for s in batch.samples:
+        b.groups.setdefault(s.rollout.task_id, {})[s.rollout.rollout_id] = s
+    return await b.next_batch(10)
+
+
+async def test_lease_takeover_fences_epochs(bus):
+    a = LeaderLease(bus, "A", ttl_s=1.5, renew_s=0.5)
+    b = LeaderLease(bus, "B", ttl_s=1.5, renew_s=0.5)
+    assert await a.try_acquire() and a.valid()
+    assert not await b.try_acquire()
+    await a.renew()
+    t0 = asyncio.get_running_loop().time()
+    e2 = await asyncio.wait_for(b.acquire(poll_s=0.1), 10)    # A stops renewing (paused)
+    waited = asyncio.get_running_loop().time() - t0
+    assert e2 > a.epoch and 1.0 < waited < 4.0
+    with pytest.raises(LeaseLost):
+        await a.renew()
+    await b.release()                                      # graceful hand-over: immediate
+    c = LeaderLease(bus, "C", ttl_s=1.5, renew_s=0.5)
+    assert await c.try_acquire() and c.epoch > e2
