@@ -8,9 +8,10 @@ reconnects and server restarts and returns [] when there is nothing to fetch.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import io
+import collections
+import json
 import ssl
+import time
 from typing import AsyncIterator
 
 import nats
@@ -86,12 +87,36 @@ async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
 
 
 class ResilientPull:
-    """A pull subscription on a durable consumer that rebinds itself after errors."""
+    """A pull subscription on a durable consumer that survives reconnects and server restarts.
+
+    Our own fetch (not nats-py's, which spawns a task per message): one wildcard inbox
+    subscription whose callback buffers messages; each fetch first takes what is ready
+    (`no_wait` request), else long-polls for one message and then tops up without waiting.
+    Status replies (404 no messages, 408 expired, 409) end a request; a timeout returns [].
+    """
 
     def __init__(self, bus: "Bus", stream: str, durable: str):
         self.bus, self.stream, self.durable = bus, stream, durable
         self._sub = None
+        self._inbox = ""
+        self._buf: collections.deque[Msg] = collections.deque()
+        self._status: dict[str, tuple[str, str]] = {}   # request token -> (code, description)
+        self._wake = asyncio.Event()
+        self._token = 0
         self.rebuilds = 0
+
+    @property
+    def _next_subject(self) -> str:
+        return f"{self.bus.js._prefix}.CONSUMER.MSG.NEXT.{self.stream}.{self.durable}"
+
+    async def _on_msg(self, msg: Msg) -> None:
+        status = msg.headers.get(api.Header.STATUS) if msg.headers else None
+        if status:
+            if status != "100":  # 100 = idle heartbeat / flow control: not the end of a request
+                self._status[msg.subject.rsplit(".", 1)[-1]] = (status, msg.headers.get(api.Header.DESCRIPTION, ""))
+        else:
+            self._buf.append(msg)
+        self._wake.set()
 
     async def _bind(self):
         try:
@@ -99,17 +124,53 @@ class ResilientPull:
         except jse.NotFoundError:
             # the consumer is part of the declared topology: (re)provision rather than invent one
             await self.bus.provision()
-        self._sub = await self.bus.js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
+        self._inbox = self.bus.nc.new_inbox()
+        self._sub = await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
         return self._sub
 
+    def _take(self, n: int) -> list[Msg]:
+        return [self._buf.popleft() for _ in range(min(n, len(self._buf)))]
+
+    async def _request(self, n: int, wait_s: float, no_wait: bool) -> list[Msg]:
+        self._token += 1
+        token = str(self._token)
+        req = {"batch": n}
+        if no_wait:
+            req["no_wait"] = True
+        else:
+            req["expires"] = int(max(wait_s - 0.05, 0.01) * 1e9)  # server ends it just before we give up
+        self._status.clear()
+        await self.bus.nc.publish(self._next_subject, json.dumps(req).encode(), reply=f"{self._inbox}.{token}")
+        deadline = time.monotonic() + wait_s + (1.0 if no_wait else 0.2)
+        while len(self._buf) < n and token not in self._status:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        code, desc = self._status.get(token, ("", ""))
+        if code == "409" and "deleted" in desc.lower():
+            raise jse.NotFoundError(description=f"consumer {self.stream}/{self.durable}: {desc}")
+        return self._take(n)
+
     async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Msg]:
+        """Up to `batch` messages; [] when none arrive within `timeout` (never raises on empty)."""
         if batch < 1:
             return []
         try:
-            sub = self._sub or await self._bind()
-            return await sub.fetch(batch, timeout=timeout)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            return []
+            if self._sub is None:
+                await self._bind()
+            got = self._take(batch)
+            if not got:
+                got = await self._request(batch, timeout, no_wait=True)
+            if not got:
+                got = await self._request(1, timeout, no_wait=False)
+            if got and len(got) < batch:
+                got += await self._request(batch - len(got), timeout, no_wait=True)
+            return got
         except asyncio.CancelledError:
             raise
         except Exception as e:  # connection lost, consumer gone, server restarted mid-request
@@ -132,6 +193,12 @@ class ResilientPull:
         return await self.bus.js.consumer_info(self.stream, self.durable)
 
     async def unsubscribe(self):
+        """Stop; messages fetched but not handed out are nak'ed so they come back at once."""
+        for m in self._take(len(self._buf)):
+            try:
+                await m.nak()
+            except Exception:
+                pass
         await self._drop()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -83,6 +84,8 @@ class ConsumerLoop:
         self.handle_signals = handle_signals
         self.stats = LoopStats()
         self.active: set[asyncio.Task] = set()
+        # id(msg) -> [msg, time of its last heartbeat] for running handlers (Msg is unhashable)
+        self.inflight: dict[int, list] = {}
         self.ack_wait_s = 30.0
         self.max_deliver = -1
         self._stop = asyncio.Event()
@@ -114,6 +117,7 @@ class ConsumerLoop:
             stop_waiter.add_done_callback(lambda _: self._stop.set())
         self.log.info("consumer loop started", ack_wait_s=self.ack_wait_s, max_deliver=self.max_deliver,
                       concurrency=self.concurrency)
+        beats = asyncio.create_task(self._heartbeats())
         try:
             while not self._stop.is_set():
                 n = self.room()
@@ -133,6 +137,7 @@ class ConsumerLoop:
                     await asyncio.sleep(0)
         finally:
             await self._drain()
+            beats.cancel()
             if stop_waiter:
                 stop_waiter.cancel()
             if installed:
@@ -151,15 +156,22 @@ class ConsumerLoop:
         if pending:
             await asyncio.wait(pending, timeout=5)
 
-    async def _heartbeat(self, msg: Msg) -> None:
+    async def _heartbeats(self) -> None:
+        """One ticker for all running handlers (a task per message would cost more than the work):
+        every ack_wait/3, in_progress() each message whose last beat is older than that."""
         every = max(self.ack_wait_s / 3, 0.05)
         while True:
-            await asyncio.sleep(every)
-            try:
-                await msg.in_progress()
-                self.stats.heartbeats += 1
-            except Exception as e:  # connection blip: the next beat will try again
-                self.log.debug("in_progress failed", error=repr(e))
+            await asyncio.sleep(every / 4)
+            now = time.monotonic()
+            for key, entry in list(self.inflight.items()):
+                msg, last = entry
+                if now - last >= every and key in self.inflight:
+                    entry[1] = now
+                    try:
+                        await msg.in_progress()
+                        self.stats.heartbeats += 1
+                    except Exception as e:  # connection blip: the next beat will try again
+                        self.log.debug("in_progress failed", error=repr(e))
 
     async def _settle(self, coro, what: str) -> None:
         try:
@@ -186,7 +198,7 @@ class ConsumerLoop:
             return
         ctx = HandlerContext(msg=msg, deliveries=deliveries, max_deliver=self.max_deliver,
                              stream=self.stream, _loop=self)
-        beat = asyncio.create_task(self._heartbeat(msg))
+        self.inflight[id(msg)] = [msg, time.monotonic()]
         try:
             await self.handler(event, ctx)
         except asyncio.CancelledError:
@@ -211,6 +223,6 @@ class ConsumerLoop:
                 await self._settle(msg.nak(delay=self.nak_delay_s), "nak")
             return
         finally:
-            beat.cancel()
+            self.inflight.pop(id(msg), None)
         await self._settle(msg.ack(), "ack")
         self.stats.acked += 1

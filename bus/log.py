@@ -56,5 +56,6 @@ def setup_logging(component: str, json: bool | None = None, *, component_id: str
 
 
 def get_logger(name: str | None = None, **bound: Any):
-    log = structlog.get_logger(name)
-    return log.bind(logger=name, **bound) if name else log.bind(**bound)
+    """A lazy logger: module-level loggers pick up setup_logging() called later (no bind() here:
+    binding a lazy proxy would freeze the configuration of import time)."""
+    return structlog.get_logger(**({"src": name} if name else {}), **bound)
