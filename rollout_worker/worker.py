@@ -14,6 +14,7 @@ import asyncio
 import os
 import socket
 import time
+import zlib
 from dataclasses import dataclass, field
 
 from bus import BusConfig, ConsumerLoop, TransientError, get_logger
@@ -138,7 +139,7 @@ class Worker:
         # sync mode and staleness: hold the task (the loop heartbeats it) until we may generate
         await self._wait_until(lambda: self.engine.version >= task.min_version and self.admissible())
         try:
-            gens = await asyncio.gather(*(self.engine.generate(prompt_ids, sp, seed=hash((task.task_id, i)) & 0x7FFFFFFF)
+            gens = await asyncio.gather(*(self.engine.generate(prompt_ids, sp, seed=zlib.crc32(f"{task.task_id}-{i}".encode()))
                                           for i in range(sp.n)))
         except EngineClosed as e:
             raise TransientError(f"released: {e}", delay=0) from None
@@ -190,6 +191,10 @@ class Worker:
         kf = await self.feed.latest_keyframe(wait=True, stop=stop)
         if kf is None:
             return None
+        vocab = int(kf.model_config.get("vocab_size", 0))
+        if self.cfg.engine == "torch" and getattr(self.tok, "vocab_size", 0) > vocab:
+            raise ValueError(f"tokenizer {self.cfg.tokenizer!r} has {self.tok.vocab_size} ids but the "
+                             f"published model's vocab_size is {vocab}")
         if self.engine is None:
             self.engine = make_engine(self.cfg, kf.model_config, self.eos_id)
         await self.engine.load_keyframe(kf.state, kf.version, kf.epoch)

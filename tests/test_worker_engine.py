@@ -32,12 +32,12 @@ def initial_state(seed: int = 0) -> dict:
     return policy.inference_state(policy.Transformer(CFG))
 
 
-def reference_logprobs(states: dict[int, dict], prompt, completion, versions) -> torch.Tensor:
+def reference_logprobs(states: dict[int, dict], prompt, completion, versions, cfg=CFG) -> torch.Tensor:
     """Replays a generation one token at a time on a fresh model and cache, loading the weights of
     each token's recorded version before computing its logits (earlier KV entries are kept, as in
     the engine). Plain softmax: the tests sample with temperature 1, no truncation."""
-    model = policy.Transformer(CFG).eval()
-    cache = policy.KVCache(CFG, slots=1, max_len=len(prompt) + len(completion))
+    model = policy.Transformer(cfg).eval()
+    cache = policy.KVCache(cfg, slots=1, max_len=len(prompt) + len(completion))
     out, loaded = [], None
     for i, (tok, v) in enumerate(zip(completion, versions)):
         if v != loaded:

@@ -1,0 +1,170 @@
+"""The rollout worker on a real nats-server: tasks -> rollouts with hot-patched weights,
+staleness gating, sync-mode min_version, and a corrupted delta that must not stop generation."""
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from nats.js.errors import NotFoundError
+
+import delta_codec
+import policy
+from bus import BusConfig
+from bus import topology as topo
+from bus.events import Delta as DeltaEvent, Heartbeat, Rollout, Task, decode
+from bus.weights import WeightPublisher
+from delta_codec.signing import generate_keypair, sign
+from rollout_worker.worker import Worker, WorkerConfig
+from tests.test_weights_feed import delta, same, until
+from tests.test_worker_engine import perturb, reference_logprobs
+
+TOK = policy.CharTokenizer.default()
+CFG = policy.ModelConfig.tiny(vocab_size=TOK.vocab_size, max_seq_len=128)
+
+
+def states_for(n: int, seed: int, frac: float = 0.3, scale: float = 0.05) -> list[dict]:
+    """Big steps, so tokens from different versions have clearly different distributions."""
+    torch.manual_seed(seed)
+    out = [policy.inference_state(policy.Transformer(CFG))]
+    for v in range(1, n):
+        out.append(perturb(out[-1], frac, scale, seed=seed * 100 + v))
+    return out
+
+
+async def publish_tasks(bus, n: int, tag: str, *, max_tokens=40, group=2, min_version=0) -> list[str]:
+    ids = [f"{tag}-{i}" for i in range(n)]
+    for tid in ids:
+        await bus.publish(topo.task_subject("arith"), Task(
+            task_id=tid, env="arith", prompt=f"{tid}: 12+30=", spec={"answer": "42"}, min_version=min_version,
+            sampling={"max_tokens": max_tokens, "n": group, "temperature": 1.0}))
+    return ids
+
+
+async def read_stream(bus, stream: str, cls) -> list:
+    """Every event stored in `stream` (read by sequence, consuming nothing)."""
+    info = await bus.js.stream_info(stream)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            m = await bus.js.get_msg(stream, seq)
+        except NotFoundError:
+            continue
+        out.append(decode(m.data, cls))
+    return out
+
+
+def worker_cfg(url: str, **kw) -> WorkerConfig:
+    return WorkerConfig(bus=BusConfig(servers=[url], name="w"), worker_id=kw.pop("worker_id", "w1"),
+                        slots=4, max_len=128, heartbeat_s=0.3, grace_s=2.0, **kw)
+
+
+def check_replay(r: Rollout, states: dict) -> None:
+    """Each token's behaviour logprob is what a fresh model at the token's version gives."""
+    assert len(r.completion_ids) == len(r.logprobs) == len(r.token_versions) == r.cost_tokens > 0
+    assert r.token_versions == sorted(r.token_versions)
+    ref = reference_logprobs(states, r.prompt_ids, r.completion_ids, r.token_versions, cfg=CFG)
+    torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=3e-4, rtol=0)
+
+
+async def test_worker_generates_with_hot_patched_weights(bus, fresh_server):
+    states = states_for(3, seed=7)
+    pub = WeightPublisher(bus, epoch=1, trainer_id="t")
+    await pub.publish_keyframe(states[0], 0, CFG)
+    worker, stop = Worker(worker_cfg(fresh_server.url), bus), asyncio.Event()
+    run = asyncio.create_task(worker.run(stop, handle_signals=False))
+    ids = await publish_tasks(bus, 8, "hot", max_tokens=60)
+    await until(lambda: worker.engine is not None and worker.engine.stats()["tokens"] > 20)
+    await pub.publish_delta(delta(states, 0, 1))
+    await until(lambda: worker.engine.version == 1)
+    await until(lambda: worker.engine.stats()["tokens"] > 150)
+    await pub.publish_delta(delta(states, 1, 2))
+    await until(lambda: worker.tasks_done == len(ids), timeout=120)
+    stop.set()
+    await run
+
+    rollouts = await read_stream(bus, topo.ROLLOUTS, Rollout)
+    assert sorted(r.rollout_id for r in rollouts) == sorted(f"{t}-{i}" for t in ids for i in range(2))
+    by_version = {0: states[0], 1: states[1], 2: states[2]}
+    for r in rollouts:
+        check_replay(r, by_version)
+        assert r.prompt_ids == TOK.encode(r.prompt, bos=True) and r.completion_text == TOK.decode(r.completion_ids)
+        assert r.finish_reason in ("stop", "length") and r.worker_id == "w1" and r.epoch == 1
+        assert r.group_size == 2 and r.sampling["max_tokens"] == 60 and r.wall_s > 0
+        assert policy.SamplingMask.from_wire(r.sampling_mask).counts.size == len(r.completion_ids)
+    assert any(len(set(r.token_versions)) > 1 for r in rollouts)      # a delta landed mid-sequence
+    assert worker.engine.version == 2 and same(worker.engine.state, states[2])
+    st = worker.snapshot()
+    assert st["tokens_per_s"] > 0 and st["update_stall_ms_p99"] > 0 and st["lag"] == 0
+    consumer = await bus.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
+    assert consumer.num_pending == 0 and consumer.num_ack_pending == 0    # every task acked
+    beats = await read_stream(bus, topo.TELEMETRY, None)
+    assert any(isinstance(b, Heartbeat) and b.component_id == "w1" for b in beats)
+
+
+async def test_max_lag_stops_admission_and_min_version_waits(bus, fresh_server):
+    states = states_for(6, seed=8, frac=0.01, scale=0.02)
+    pub = WeightPublisher(bus, epoch=1, trainer_id="t")
+    await pub.publish_keyframe(states[0], 0, CFG)
+    worker, stop = Worker(worker_cfg(fresh_server.url, max_lag=1), bus), asyncio.Event()
+    run = asyncio.create_task(worker.run(stop, handle_signals=False))
+    await until(lambda: worker.engine is not None and worker.loop is not None)
+    await pub.set_version(3)                                   # the trainer is 3 versions ahead
+    await until(lambda: worker.paused)
+    await publish_tasks(bus, 3, "lag", max_tokens=8)
+    await asyncio.sleep(1.5)                                   # give a (wrong) worker time to take them
+    assert worker.tasks_done == 0 and worker.loop.stats.fetched == 0
+    consumer = await bus.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
+    assert consumer.num_pending == 3                           # left on the stream for fresher workers
+    await pub.publish_delta(delta(states, 0, 1), set_version=False)
+    await pub.publish_delta(delta(states, 1, 2), set_version=False)   # lag 1: admission resumes
+    await until(lambda: worker.tasks_done == 3, timeout=60)
+    assert not worker.paused
+    await publish_tasks(bus, 1, "sync", max_tokens=8, min_version=5)   # sync mode: needs v5
+    await until(lambda: worker.loop.stats.fetched == 4)
+    await pub.publish_delta(delta(states, 2, 3))
+    await pub.publish_delta(delta(states, 3, 4))
+    await pub.publish_delta(delta(states, 4, 5))
+    await until(lambda: worker.tasks_done == 4, timeout=60)
+    stop.set()
+    await run
+    rollouts = {r.rollout_id: r for r in await read_stream(bus, topo.ROLLOUTS, Rollout)}
+    assert len(rollouts) == 8
+    assert all(min(r.token_versions) >= 2 for k, r in rollouts.items() if k.startswith("lag"))
+    assert all(min(r.token_versions) >= 5 for k, r in rollouts.items() if k.startswith("sync"))
+
+
+async def test_corrupted_delta_is_refused_and_generation_continues(bus, fresh_server):
+    sk, pk = generate_keypair()
+    states = states_for(3, seed=9, frac=0.01, scale=0.02)
+    pub = WeightPublisher(bus, epoch=1, trainer_id="t", signing_key=sk)
+    await pub.publish_keyframe(states[0], 0, CFG)
+    worker, stop = Worker(worker_cfg(fresh_server.url, public_key=pk.hex()), bus), asyncio.Event()
+    run = asyncio.create_task(worker.run(stop, handle_signals=False))
+    await publish_tasks(bus, 6, "a", max_tokens=60)
+    await until(lambda: worker.engine is not None and worker.engine.stats()["tokens"] > 20)
+    d = delta(states, 0, 1)
+    blob = bytearray(d.to_bytes())
+    blob[-100] ^= 0x01                                          # one flipped bit near the end
+    await bus.publish(topo.DELTA_SUBJECT, DeltaEvent(
+        from_version=0, to_version=1, epoch=1, codec=delta_codec.CODEC, size=len(blob),
+        base_digest=d.base_digest, new_digest=d.new_digest, signature=sign(sk, bytes(blob)), payload=bytes(blob)))
+    await pub.set_version(1)
+    await until(lambda: worker.feed.refused["corrupt"] == 1)
+    tokens_at_refusal = worker.engine.stats()["tokens"]
+    await until(lambda: worker.engine.stats()["tokens"] > tokens_at_refusal + 20)   # still generating
+    assert worker.engine.version == 0 and same(worker.engine.state, states[0])
+    await pub.publish_keyframe(states[1], 1, CFG)               # resync point
+    await until(lambda: worker.engine.version == 1)
+    await pub.publish_delta(delta(states, 1, 2))
+    await until(lambda: worker.engine.version == 2)
+    await publish_tasks(bus, 2, "b", max_tokens=10)
+    await until(lambda: worker.tasks_done == 8, timeout=120)
+    stop.set()
+    await run
+    assert same(worker.engine.state, states[2]) and worker.feed.resyncs >= 1
+    rollouts = {r.rollout_id: r for r in await read_stream(bus, topo.ROLLOUTS, Rollout)}
+    assert len(rollouts) == 16
+    for k, r in rollouts.items():
+        if k.startswith("b-"):
+            assert set(r.token_versions) == {2}
+            check_replay(r, {2: states[2]})
