@@ -220,8 +220,11 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return (t if t.device.type == "cpu" else t.cpu()).contiguous()
 
 
-def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = None) -> Delta:
-    """Encode new - base, tensor by tensor and chunk by chunk (memory stays ~ one tensor)."""
+def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = None, chunk: int = CHUNK) -> Delta:
+    """Encode new - base, tensor by tensor and chunk by chunk (memory stays ~ one tensor).
+    `chunk` (elements, a multiple of 8) is the granularity of the position-coding choice."""
+    if chunk <= 0 or chunk % 8:
+        raise DeltaError(f"chunk must be a positive multiple of 8, got {chunk}")
     missing, extra = [n for n in base if n not in new], [n for n in new if n not in base]
     if missing or extra:
         raise DeltaError(f"base and new differ in tensor names: only in base {missing[:5]}, only in new {extra[:5]}")
@@ -233,8 +236,8 @@ def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = N
         bb, nb = np_bits(bt), np_bits(nt)
         ordered = is_ordered(bt.dtype)
         chunks, changed = [], 0
-        for s in range(0, bb.size, CHUNK):
-            rec, m = encode_chunk(bb[s:s + CHUNK], nb[s:s + CHUNK], ordered)
+        for s in range(0, bb.size, chunk):
+            rec, m = encode_chunk(bb[s:s + chunk], nb[s:s + chunk], ordered)
             chunks.append(rec)
             changed += m
         records.append(TensorRecord(name, dtype_name(bt.dtype), tuple(bt.shape), tensor_digest(bt),
