@@ -1,5 +1,5 @@
 """bus: the JetStream backbone (connection, topology, events, consumer loop, blobs, logging)."""
-from bus.client import RETRYABLE, BlobError, Bus, KVConflict, ResilientPull, connect
+from bus.client import RETRYABLE, BlobError, Bus, KVConflict, PublishError, ResilientPull, connect
 from bus.config import BusConfig, ConfigError, load_config
 from bus.consumer import ConsumerLoop, HandlerContext, LoopStats, TransientError
 from bus.events import EventError
@@ -8,6 +8,6 @@ from bus.server import EmbeddedServer, ServerError, run_foreground
 from bus.topology import TopologyConfig
 
 __all__ = ["EmbeddedServer", "ServerError", "run_foreground", "BusConfig", "ConfigError", "load_config",
-           "Bus", "connect", "ResilientPull", "KVConflict", "BlobError", "RETRYABLE", "ConsumerLoop",
+           "Bus", "connect", "PublishError", "ResilientPull", "KVConflict", "BlobError", "RETRYABLE", "ConsumerLoop",
            "HandlerContext", "LoopStats", "TransientError", "EventError", "setup_logging", "get_logger",
            "TopologyConfig"]

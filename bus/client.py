@@ -39,6 +39,10 @@ class KVConflict(Exception):
     """kv_create on an existing key, or kv_update with a stale revision (lost the race)."""
 
 
+class PublishError(Exception):
+    """A publish that JetStream did not acknowledge (no stream for the subject, server away)."""
+
+
 class BlobError(Exception):
     """A blob that is missing or whose bytes do not match the digest recorded at put time."""
 
@@ -238,9 +242,16 @@ class Bus:
         """Publish and wait for the JetStream ack (ack.duplicate: deduped by Nats-Msg-Id)."""
         body = encode(event) if isinstance(event, Event) else bytes(event)
         h = self._headers(event, msg_id, headers)
-        async for attempt in self._retrying():
-            with attempt:
-                return await self.js.publish(subject, body, timeout=timeout, headers=h)
+        try:
+            async for attempt in self._retrying():
+                with attempt:
+                    return await self.js.publish(subject, body, timeout=timeout, headers=h)
+        except (jse.NoStreamResponseError, nats.errors.NoRespondersError):
+            raise PublishError(f"no JetStream stream takes subject {subject!r} "
+                               f"(topology not provisioned, or a typo in the subject?)") from None
+        except RETRYABLE as e:
+            raise PublishError(f"publish to {subject!r} not acknowledged after "
+                               f"{self.cfg.publish_retries} attempts: {e!r}") from e
         raise AssertionError("unreachable")
 
     async def publish_many(self, items: list[tuple[str, Event | bytes]], *, window: int = 1024) -> list[api.PubAck]:

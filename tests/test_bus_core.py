@@ -127,3 +127,27 @@ def test_logging_json_lines_with_component():
     assert rec["component"] == "scorer" and rec["component_id"] == "scorer-7" and rec["level"] == "info"
     with pytest.raises(ValueError, match="log level"):
         setup_logging("x", level="loud")
+
+
+async def test_publish_to_unprovisioned_subject_is_a_clear_error(fresh_server):
+    from bus import PublishError
+    bus = await connect(BusConfig(servers=[fresh_server.url], name="np", publish_retries=2))
+    try:
+        with pytest.raises(PublishError, match="no JetStream stream takes subject 'rl.nowhere'"):
+            await bus.publish("rl.nowhere", b"x")
+    finally:
+        await bus.close()
+
+
+def test_embedded_server_bad_config_and_restart_keeps_port(tmp_path):
+    from bus import EmbeddedServer, ServerError
+    bad = tmp_path / "bad.conf"
+    bad.write_text("this is { not a config\n")
+    with pytest.raises(ServerError, match="exited"):
+        EmbeddedServer(tmp_path / "s1", config_file=str(bad)).start_sync()
+    with EmbeddedServer(tmp_path / "s2") as srv:
+        port = srv.port
+        srv.stop_sync(kill=True)
+        assert not srv.running
+        srv.start_sync()
+        assert srv.port == port and srv.running
