@@ -62,6 +62,11 @@ async def test_each_role_can_do_its_job(hub):
     scorer = await role_bus(hub, "scorer")
     observer = await role_bus(hub, "observer")
     try:
+        # processes declare the topology on start; against an existing one that is read-only,
+        # so restricted roles pass (a missing or different topology is the trainer's to create)
+        assert set((await worker.provision()).values()) == {"unchanged"}
+        assert set((await scorer.provision()).values()) == {"unchanged"}
+
         announced = asyncio.Event()     # WeightFeed wakes on a plain subscription to rl.weights.>
 
         async def on_weights(_msg):

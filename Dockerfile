@@ -1,0 +1,46 @@
+# asyncrl: one image for every process (trainer, rollout_worker, scorer, asyncrl tools).
+#   docker build -t asyncrl:cpu .                                  # CPU (default)
+#   docker build -t asyncrl:cuda --build-arg VARIANT=cuda .        # CUDA + vLLM workers
+# The process is chosen by the command: python -m trainer | rollout_worker | scorer.
+ARG VARIANT=cpu
+
+# -- CPU: slim Python, CPU-only torch wheels (an unpinned torch pulls the CUDA ones) ------------
+FROM python:3.11-slim-bookworm AS base-cpu
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+
+# -- CUDA: runtime image + vLLM (which pins its own CUDA torch) --------------------------------
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS base-cuda
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive \
+    VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev \
+    && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/venv
+ARG VLLM_VERSION=0.10.2
+RUN pip install "vllm==${VLLM_VERSION}"
+
+# -- the project, on either base ----------------------------------------------------------------
+FROM base-${VARIANT} AS final
+ARG VARIANT
+WORKDIR /opt/asyncrl
+COPY pyproject.toml README.md ./
+COPY bus ./bus
+COPY policy ./policy
+COPY delta_codec ./delta_codec
+COPY envs ./envs
+COPY rollout_worker ./rollout_worker
+COPY scorer ./scorer
+COPY trainer ./trainer
+COPY asyncrl ./asyncrl
+COPY bench ./bench
+COPY deploy ./deploy
+RUN if [ "$VARIANT" = "cuda" ]; then pip install ".[vllm]"; else pip install .; fi
+# unprivileged; state (checkpoints, run dirs) lives on a volume
+RUN useradd --system --create-home --home-dir /var/lib/asyncrl --uid 10001 asyncrl
+USER asyncrl
+WORKDIR /var/lib/asyncrl
+ENV PYTHONUNBUFFERED=1 ASYNCRL_LOG_JSON=1
+# SIGTERM drains in-flight work (see docs/operations.md)
+STOPSIGNAL SIGTERM
+CMD ["asyncrl", "--help"]

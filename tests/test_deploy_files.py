@@ -1,0 +1,181 @@
+"""deploy/: docker compose, systemd units, env files and the Dockerfile, checked by the real
+validators (docker-compose config, systemd-analyze verify) and against the process configs.
+
+No Docker engine runs here; `docker-compose config` (Debian package docker-compose) or the
+`docker compose` plugin validates without one. CI installs both validators:
+    apt-get install -y docker-compose systemd
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bus import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+ENV_DIR = DEPLOY / "env"
+UNITS = DEPLOY / "systemd"
+COMPONENTS = {"trainer": "trainer", "rollout_worker": "worker", "scorer": "scorer"}   # env file -> NATS user
+
+
+def read_env(path: Path) -> dict[str, str]:
+    out = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        assert "=" in line, f"{path.name}:{n}: not KEY=VALUE: {line!r}"
+        k, v = line.split("=", 1)
+        assert re.fullmatch(r"[A-Z_][A-Z0-9_]*", k), f"{path.name}:{n}: bad variable name {k!r}"
+        out[k] = v
+    return out
+
+
+def compose_cmd() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
+                                                 capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    return None
+
+
+needs_compose = pytest.mark.skipif(compose_cmd() is None, reason="no compose validator: apt-get install docker-compose")
+needs_systemd = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                                   reason="no systemd-analyze: apt-get install systemd")
+
+
+def compose_config(*files: Path) -> tuple[int, str, str]:
+    args = compose_cmd() + [a for f in files for a in ("-f", str(f))] + ["config"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return r.returncode, r.stdout, r.stderr
+
+
+# -- env files --------------------------------------------------------------------------------
+def test_env_files_parse_into_the_process_configs_and_passwords_match():
+    """Every component's env file is accepted by its process config (load_config), logs in as
+    its own role, and its password is the one the server gets for that role."""
+    from rollout_worker.worker import WorkerConfig
+    from scorer.service import ScorerConfig
+    from trainer.config import TrainerConfig
+    classes = {"trainer": TrainerConfig, "rollout_worker": WorkerConfig, "scorer": ScorerConfig}
+    server = read_env(ENV_DIR / "nats.env")
+    common = read_env(ENV_DIR / "common.env")
+    for comp, user in COMPONENTS.items():
+        env = {**common, **read_env(ENV_DIR / f"{comp}.env")}
+        cfg = load_config(classes[comp], environ=env)
+        assert cfg.bus.user == user and cfg.bus.servers == ["nats://nats:4222"]
+        assert cfg.bus.password == server[f"ASYNCRL_NATS_{user.upper()}_PASSWORD"], comp
+    obs = read_env(ENV_DIR / "observer.env")
+    assert obs["NATS_USER"] == "observer" and obs["NATS_PASSWORD"] == server["ASYNCRL_NATS_OBSERVER_PASSWORD"]
+    # every password the server configs ask for is provided
+    wanted = set(re.findall(r"\$(ASYNCRL_NATS_[A-Z]+_PASSWORD)", (DEPLOY / "nats" / "accounts.conf").read_text()))
+    assert wanted and wanted <= set(server)
+
+
+# -- docker compose ---------------------------------------------------------------------------
+@needs_compose
+def test_compose_validates_and_has_the_services():
+    rc, out, err = compose_config(DEPLOY / "docker-compose.yml")
+    assert rc == 0, err
+    cfg = yaml.safe_load(out)
+    svc = cfg["services"]
+    assert set(svc) == {"nats", "nats-box", "trainer", "trainer-standby", "rollout_worker", "scorer"}
+    nats = svc["nats"]
+    assert nats["image"].startswith("nats:")                             # the official image
+    assert any("/healthz?js-enabled-only=true" in part for part in nats["healthcheck"]["test"])
+    # JetStream's store dir (single.conf) is a named volume
+    assert any(str(v).startswith("nats-data:/var/lib/nats") for v in nats["volumes"]), nats["volumes"]
+    assert svc["nats-box"]["image"].startswith("natsio/nats-box")
+    for name in ("trainer", "trainer-standby", "rollout_worker", "scorer"):
+        s = svc[name]
+        assert s["depends_on"]["nats"]["condition"] == "service_healthy", name
+        assert s["build"]["dockerfile"] == "Dockerfile" and s["restart"] in ("always", "unless-stopped")
+    assert svc["trainer"]["command"] == svc["trainer-standby"]["command"] == ["python", "-m", "trainer"]
+    assert svc["trainer"]["environment"]["ASYNCRL_BUS__USER"] == "trainer"
+    # scalable: no fixed container name or host port, and it logs in as `worker`
+    w = svc["rollout_worker"]
+    assert "container_name" not in w and "ports" not in w
+    assert w["environment"]["ASYNCRL_BUS__USER"] == "worker"
+    assert svc["scorer"]["environment"]["ASYNCRL_BUS__USER"] == "scorer"
+    # the GPU override validates on top
+    rc, out, err = compose_config(DEPLOY / "docker-compose.yml", DEPLOY / "docker-compose.gpu.yml")
+    assert rc == 0, err
+    gpu = yaml.safe_load(out)["services"]["rollout_worker"]
+    assert gpu["environment"]["ASYNCRL_ENGINE"] == "vllm"
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+@needs_compose
+def test_compose_validator_rejects_a_broken_file(tmp_path):
+    """The validator used above does fail on a wrong file (so its pass means something)."""
+    text = (DEPLOY / "docker-compose.yml").read_text()
+    bad = tmp_path / "docker-compose.yml"
+    bad.write_text(text.replace("      interval: 5s", "      intervall: 5s"))
+    shutil.copytree(ENV_DIR, tmp_path / "env")
+    rc, _, err = compose_config(bad)
+    assert rc != 0 and "intervall" in err
+
+
+# -- systemd ----------------------------------------------------------------------------------
+def unit_files() -> list[Path]:
+    return sorted(p for p in UNITS.iterdir() if p.suffix in (".service", ".target"))
+
+
+@needs_systemd
+def test_systemd_units_verify(tmp_path):
+    """systemd-analyze verify on every unit, in a scratch root holding the units, the host's
+    system units and stand-ins for the binaries they start (verify checks ExecStart exists).
+    Any diagnostic counts as a failure: verify exits 0 on unknown keys and bad values."""
+    root = tmp_path / "root"
+    shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
+    sysdir = root / "etc/systemd/system"
+    sysdir.mkdir(parents=True)
+    for p in unit_files():
+        shutil.copy(p, sysdir / p.name)
+    for unit in unit_files():
+        for line in unit.read_text().splitlines():
+            m = re.match(r"Exec\w+=[-@:+!]*(/\S+)", line)
+            if m:
+                exe = root / m.group(1).lstrip("/")
+                exe.parent.mkdir(parents=True, exist_ok=True)
+                exe.write_text("#!/bin/sh\n")
+                exe.chmod(0o755)
+    names = [p.name.replace("@.", "@1.") for p in unit_files()]
+    r = subprocess.run(["systemd-analyze", "verify", f"--root={root}", *names], cwd=sysdir,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+
+
+def test_systemd_units_restart_and_wait_for_the_network():
+    services = [p for p in unit_files() if p.suffix == ".service"]
+    assert {p.name for p in services} == {"asyncrl-nats.service", "asyncrl-trainer@.service",
+                                          "asyncrl-rollout-worker@.service", "asyncrl-scorer@.service"}
+    for p in services:
+        text = p.read_text()
+        for need in ("Restart=always", "After=network-online.target", "Wants=network-online.target"):
+            assert need in text, (p.name, need)
+        envs = re.findall(r"^EnvironmentFile=/etc/asyncrl/(\S+)$", text, re.M)
+        assert envs and all((ENV_DIR / e).is_file() for e in envs), (p.name, envs)
+    assert "-c /etc/asyncrl/nats/single.conf" in (UNITS / "asyncrl-nats.service").read_text()
+
+
+# -- Dockerfile -------------------------------------------------------------------------------
+def test_dockerfile_copies_every_package_and_builds_both_variants():
+    text = (ROOT / "Dockerfile").read_text()
+    stages = set(re.findall(r"^FROM \S+ AS (\S+)$", text, re.M))
+    assert {"base-cpu", "base-cuda", "final"} <= stages and "FROM base-${VARIANT} AS final" in text
+    assert re.search(r"^ARG VARIANT=cpu$", text, re.M)
+    copied = {m.split()[0] for m in re.findall(r"^COPY (.+)$", text, re.M)}
+    for src in copied:
+        for part in src.split():
+            assert (ROOT / part).exists(), f"Dockerfile copies missing {part}"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    packages = re.findall(r'"(\w+)\*"', pyproject.split("[tool.setuptools.packages.find]")[1])
+    assert packages and set(packages) <= copied, set(packages) - copied
