@@ -85,9 +85,13 @@ class LeaderLease:
 
     async def acquire(self, stop: asyncio.Event | None = None, poll_s: float = 0.5) -> int:
         """Wait as standby until we lead; returns the epoch (0 when stopped first)."""
+        announced = False
         while not (stop is not None and stop.is_set()):
             if await self.try_acquire():
                 return self.epoch
+            if not announced:
+                log.info("standby: waiting for the leader lease", holder=self.holder, ttl_s=self.ttl_s)
+                announced = True
             await asyncio.sleep(poll_s)
         return 0
 

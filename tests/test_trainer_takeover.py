@@ -1,0 +1,183 @@
+"""Two real trainer processes: SIGKILL the leader, the standby leads within TTL + 5 s, resumes from
+the checkpoint; the version sequence has no gap or fork, no rollout is used twice, and a delta
+published afterwards under the old epoch is refused by a worker-side feed."""
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import delta_codec
+from bus import topology as topo
+from bus.events import Delta, Keyframe, decode
+from bus.weights import WeightFeed, WeightPublisher, parse_version
+from nats.js.errors import NotFoundError
+from policy.config import ModelConfig
+from policy.model import Transformer
+from trainer import checkpoint
+from trainer.lease import parse_lease
+
+from .test_trainer_bus import MODEL, make_scored
+
+ROOT = Path(__file__).resolve().parents[1]
+TTL = 3.0
+
+
+def write_config(path: Path, url: str, tid: str, tmp: Path) -> None:
+    model = ", ".join(f"{k} = {json.dumps(v)}" for k, v in MODEL.items())
+    path.write_text(f"""
+[trainer]
+trainer_id = "{tid}"
+model = {{ {model} }}
+batch_groups = 1
+group_size = 2
+max_lag = 1000
+feed = false
+lr = 0.01
+checkpoint_dir = "{tmp / 'ckpt'}"
+run_dir = "{tmp / ('run-' + tid)}"
+lease_ttl_s = {TTL}
+lease_renew_s = 1.0
+fetch_timeout_s = 0.2
+keyframe_interval = 1000
+[trainer.bus]
+servers = ["{url}"]
+""")
+
+
+def start(tmp: Path, url: str, tid: str) -> subprocess.Popen:
+    cfg = tmp / f"{tid}.toml"
+    write_config(cfg, url, tid, tmp)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    log = open(tmp / f"{tid}.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(cfg)], cwd=ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+async def wait_for(pred, timeout: float, what: str):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        v = await pred()
+        if v:
+            return v
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+async def weights_events(bus) -> list:
+    out, seq = [], 0
+    while True:
+        try:
+            raw = await bus.js.get_msg(topo.WEIGHTS, seq=seq + 1, subject="rl.weights.>", next=True)
+        except NotFoundError:
+            return out
+        seq = raw.seq
+        out.append(decode(raw.data))
+
+
+async def test_standby_takes_over_without_gap_fork_or_reuse(bus, fresh_server, tmp_path):
+    model = Transformer(ModelConfig.from_dict(MODEL))
+    rng = random.Random(7)
+    published: list[str] = []
+
+    async def feed(n, prefix):
+        for g in range(n):
+            for i in range(2):
+                sc = make_scored(model, f"{prefix}{g}", i, 2, 0, rng)
+                published.append(sc.rollout["rollout_id"])
+                await bus.publish(topo.scored_subject("arith"), sc)
+
+    async def version():
+        return parse_version(await bus.kv_get(topo.KEY_VERSION))
+
+    async def holder():
+        value, rev = await bus.kv_entry(topo.KEY_LEADER)
+        return (parse_lease(value) or {}).get("holder"), rev
+
+    procs = {"A": start(tmp_path, fresh_server.url, "A")}
+    try:
+        await wait_for(lambda: _eq(holder(), "A"), 120, "A to lead")
+        procs["B"] = start(tmp_path, fresh_server.url, "B")
+        await wait_for(lambda: _standby(tmp_path / "B.log"), 120, "B on standby")
+        await feed(4, "a")
+        await wait_for(lambda: _ge(version(), 3), 120, "3 versions from A")
+        procs["A"].send_signal(signal.SIGKILL)
+        procs["A"].wait()
+        t_kill = time.monotonic()
+        await wait_for(lambda: _eq(holder(), "B"), TTL + 60, "B to lead")
+        events = await wait_for(lambda: _new_keyframe(bus), TTL + 60, "B's keyframe")
+        took = time.monotonic() - t_kill
+        assert took < TTL + 5, f"standby led {took:.1f}s after the kill"
+        await feed(4, "b")
+        await wait_for(lambda: _ge(version(), 8), 120, "all 8 groups trained")
+        procs["B"].send_signal(signal.SIGTERM)
+        assert procs["B"].wait(60) == 0
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    events = await weights_events(bus)
+    kfs = [e for e in events if isinstance(e, Keyframe)]
+    deltas = [e for e in events if isinstance(e, Delta)]
+    e1, e2 = sorted({e.epoch for e in events})
+    assert [(k.epoch, k.version) for k in kfs][0] == (e1, 0) and kfs[-1].epoch == e2
+    takeover = kfs[-1].version
+    for ep in (e1, e2):                                    # each epoch: consecutive versions, no gap
+        vs = [(d.from_version, d.to_version) for d in deltas if d.epoch == ep]
+        start_v = 0 if ep == e1 else takeover
+        assert vs == [(v, v + 1) for v in range(start_v, start_v + len(vs))], (ep, vs)
+    old_last = max(d.to_version for d in deltas if d.epoch == e1)
+    assert old_last <= takeover <= old_last + 1           # resumed from the newest checkpoint
+    same = [d for d in deltas if d.epoch == e1 and d.to_version == takeover]
+    assert all(d.new_digest == kfs[-1].digest for d in same)   # no fork at the seam
+    assert max(d.to_version for d in deltas) == 8
+    # every scored rollout was used exactly once across both trainers
+    used = []
+    for tid in ("A", "B"):
+        p = tmp_path / f"run-{tid}" / "metrics" / "trainer.jsonl"
+        if p.exists():
+            used += [rid for line in p.read_text().splitlines() for rid in json.loads(line)["rollout_ids"]]
+    st = checkpoint.load_latest(tmp_path / "ckpt")
+    assert st.epoch == e2 and st.version == 8
+    assert sorted(st.consumed) == sorted(published)
+    assert len(used) == len(set(used)) and set(used) <= set(published)
+
+    # a paused old leader waking up: its delta (epoch e1) is refused by a worker-side feed
+    feed_ = WeightFeed(bus)
+    target = await feed_.latest_state()
+    assert target.version == 8 and target.epoch == e2
+    forked = {k: v.clone() for k, v in target.state.items()}
+    name = next(iter(forked))
+    forked[name].view(-1)[0] += 1
+    d = delta_codec.encode_delta(target.state, forked, from_version=8, to_version=9)
+    await WeightPublisher(bus, e1, "A").publish_delta(d, set_version=False)
+    await asyncio.sleep(0.2)
+    feed2 = WeightFeed(bus)
+    t2 = await feed2.latest_state()
+    assert feed2.refused["stale_epoch"] == 1 and t2.version == 8 and t2.epoch == e2
+    await feed_.close()
+    await feed2.close()
+
+
+async def _eq(coro, want):
+    h, _ = await coro
+    return h == want
+
+
+async def _ge(coro, want):
+    return (await coro) >= want
+
+
+async def _standby(log: Path):
+    return b"waiting for the leader lease" in log.read_bytes()
+
+
+async def _new_keyframe(bus):
+    kfs = [e for e in await weights_events(bus) if isinstance(e, Keyframe)]
+    return len({k.epoch for k in kfs}) >= 2
