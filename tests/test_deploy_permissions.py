@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import delta_codec
-from bus import BlobError, KVConflict, connect
+from asyncrl.inspect import snapshot as inspect_snapshot
+from bus import BlobError, BusConfig, KVConflict, connect
 from bus import topology as topo
 from bus.events import Rollout, Scored, Task, new_id
 from bus.weights import WeightFeed, WeightPublisher, parse_version
@@ -60,7 +61,9 @@ async def test_each_role_can_do_its_job(hub):
     trainer = await provisioned(hub)
     worker = await role_bus(hub, "worker")
     scorer = await role_bus(hub, "scorer")
-    observer = await role_bus(hub, "observer")
+    # `asyncrl inspect --nats nats://observer:<password>@host:4222`: credentials in the URL
+    observer = await connect(BusConfig(servers=[hub.url.replace("nats://", f"nats://observer:{hub.passwords['observer']}@")],
+                                       name="asyncrl-inspect"))
     try:
         # processes declare the topology on start; against an existing one that is read-only,
         # so restricted roles pass (a missing or different topology is the trainer's to create)
@@ -132,6 +135,10 @@ async def test_each_role_can_do_its_job(hub):
         assert await observer.kv_get(topo.KEY_LEADER) == b"trainer-a"
         ci = await observer.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
         assert ci.num_ack_pending == 0 and ci.num_pending == 0
+        snap = await inspect_snapshot(observer)
+        assert not snap["missing"] and snap["version"] == 2
+        assert snap["control"][topo.KEY_LEADER]["value"] == "trainer-a"
+        assert snap["streams"][topo.SCORED]["consumers"][topo.TRAINER_CONSUMER]["num_ack_pending"] == 0
     finally:
         for b in (observer, scorer, worker, trainer):
             await b.close()
