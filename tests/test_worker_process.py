@@ -44,7 +44,7 @@ async def read_stream(bus, stream: str, cls) -> list:
     """Every event stored in `stream` (read by sequence, consuming nothing)."""
     info = await bus.js.stream_info(stream)
     out = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+    for seq in range(max(info.state.first_seq, 1), info.state.last_seq + 1):
         try:
             m = await bus.js.get_msg(stream, seq)
         except NotFoundError:
