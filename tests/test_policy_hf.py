@@ -9,6 +9,16 @@ from policy import (CharTokenizer, ModelConfig, SamplingConfig, Transformer, gen
                     load_hf_checkpoint, load_hf_tokenizer, save_hf_checkpoint)
 from policy.tokenizer import HFTokenizer
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The test box is a few shared cores: intra-op threads spin against each other (10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -8,6 +8,16 @@ from policy import (CharTokenizer, ModelConfig, QuantConfig, SamplingConfig, Tra
                     generate, inference_state, masked_is_weight, mismatch_metrics, sequence_logprobs,
                     truncated_is_weight)
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The test box is a few shared cores: intra-op threads spin against each other (10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 TOK = CharTokenizer.default()
 FP8 = QuantConfig(sites=("mla_rope_qk",))
 
