@@ -63,12 +63,15 @@ async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
         import dataclasses
         cfg = dataclasses.replace(cfg, **overrides)
     blog = log.bind(client=cfg.name)
+    holder: list[Bus] = []
 
     async def on_disconnect():
         if not nc.is_closed and not getattr(nc, "_asyncrl_closing", False):
             blog.warning("nats disconnected")
 
     async def on_reconnect():
+        if holder:
+            holder[0].reconnects += 1   # lets watchers know their server-side state is gone
         blog.info("nats reconnected", server=str(nc.connected_url.netloc if nc.connected_url else "?"))
 
     async def on_error(e):
@@ -87,7 +90,8 @@ async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
         with attempt_:
             nc = await nats.connect(**opts)
     blog.info("nats connected", servers=cfg.servers)
-    return Bus(nc, cfg)
+    holder.append(Bus(nc, cfg))
+    return holder[0]
 
 
 class ResilientPull:
@@ -212,6 +216,7 @@ class Bus:
         self.js = nc.jetstream(timeout=cfg.request_timeout_s)
         self._kv = None
         self._obs = None
+        self.reconnects = 0
 
     @property
     def name(self) -> str:
@@ -354,22 +359,35 @@ class Bus:
             raise KVConflict(f"kv key {key!r} is not at revision {last_rev}") from e
 
     async def kv_watch(self, key: str) -> AsyncIterator[tuple[bytes | None, int]]:
-        """Current value first (if any), then every change; deletes yield (None, rev)."""
-        watcher = await (await self._control()).watch(key)
-        try:
-            while True:
-                try:
-                    e = await watcher.updates(timeout=60)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    continue
-                if e is None:  # marker: initial values delivered
-                    continue
-                yield (None if e.operation in ("DEL", "PURGE") else e.value), e.revision
-        finally:
+        """Current value first (if any), then every change; deletes yield (None, rev).
+        The server-side watcher does not survive a server restart, so after each reconnect it
+        is rebuilt; revisions already yielded are skipped, the latest value is never missed."""
+        last_rev = 0
+        while True:
+            gen = self.reconnects
             try:
-                await watcher.stop()
-            except Exception:
-                pass
+                watcher = await (await self._control()).watch(key)
+            except RETRYABLE + (nats.errors.ConnectionClosedError,) as e:
+                if self.nc.is_closed:
+                    raise
+                log.debug("kv watch setup failed; retrying", key=key, error=repr(e))
+                await asyncio.sleep(0.5)
+                continue
+            try:
+                while gen == self.reconnects:
+                    try:
+                        e = await watcher.updates(timeout=1.0)
+                    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                        continue
+                    if e is None or e.revision <= last_rev:  # None: end of initial values
+                        continue
+                    last_rev = e.revision
+                    yield (None if e.operation in ("DEL", "PURGE") else e.value), e.revision
+            finally:
+                try:
+                    await watcher.stop()
+                except Exception:
+                    pass
 
     # -- blobs (object store rl-blobs) ------------------------------------------------------
     async def _blobs(self):

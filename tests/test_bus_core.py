@@ -151,3 +151,30 @@ def test_embedded_server_bad_config_and_restart_keeps_port(tmp_path):
         assert not srv.running
         srv.start_sync()
         assert srv.port == port and srv.running
+
+
+async def test_kv_watch_survives_server_restart(fresh_server):
+    bus = await connect(BusConfig(servers=[fresh_server.url], name="kvw"))
+    try:
+        await bus.provision()
+        await bus.kv_put(topo.KEY_LAMBDA, b"0.1")
+        seen = []
+
+        async def watch():
+            async for value, rev in bus.kv_watch(topo.KEY_LAMBDA):
+                seen.append(value)
+                if value == b"0.3":
+                    return
+        w = asyncio.create_task(watch())
+        async with asyncio.timeout(20):
+            while seen != [b"0.1"]:
+                await asyncio.sleep(0.05)
+            await fresh_server.restart(kill=True)
+            while bus.reconnects == 0:
+                await asyncio.sleep(0.05)
+            await bus.kv_put(topo.KEY_LAMBDA, b"0.2")
+            await bus.kv_put(topo.KEY_LAMBDA, b"0.3")
+            await w
+        assert seen[0] == b"0.1" and seen[-1] == b"0.3"     # 0.2 may be folded into the rebuild
+    finally:
+        await bus.close()
