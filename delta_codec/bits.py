@@ -54,6 +54,15 @@ def np_bits(t: torch.Tensor) -> np.ndarray:
     return v.numpy().view(_SIGNED[v.element_size()])
 
 
+# mantissa bits of float dtypes: the exponent (bits >> mantissa) is the value-grouping context
+MANTISSA = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52, "float8_e4m3fn": 3, "float8_e5m2": 2,
+            "float8_e4m3fnuz": 3, "float8_e5m2fnuz": 2}
+
+
+def exponent_shift(dtype: torch.dtype) -> int | None:
+    return MANTISSA.get(str(dtype).removeprefix("torch."))
+
+
 def is_ordered(dtype: torch.dtype) -> bool:
     """Floats are differenced in their monotonic integer order, so +-1 ulp is +-1 even across 0."""
     return dtype.is_floating_point

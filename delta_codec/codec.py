@@ -19,7 +19,7 @@ from .errors import DeltaError
 
 CHUNK = 1 << 22
 NONE, GAP, BITMAP, DENSE = 0, 1, 2, 3
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = 1  # measured: as small as level 3 on these streams, and faster
 _ESC = 255  # high part of a gap >= 255 is stored in the overflow stream
 
 
@@ -38,15 +38,9 @@ def zd(data: bytes, size: int, what: str) -> bytes:
 
 
 def changed_positions(b: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """Indices where the bits differ: compare 8-byte words first (4x less to scan for bf16),
-    then resolve lanes only inside the few words that changed."""
-    per = 8 // b.itemsize
-    full = (b.size // per) * per
-    words = np.flatnonzero(b[:full].view(np.uint64) != n[:full].view(np.uint64))
-    lanes = (words[:, None] * per + np.arange(per)).reshape(-1)
-    lanes = lanes[b[lanes] != n[lanes]]
-    tail = full + np.flatnonzero(b[full:] != n[full:])
-    return np.concatenate([lanes, tail]) if tail.size else lanes
+    """Indices where the bits differ (one compare + one nonzero pass: measured faster than
+    word-wise tricks or torch on this machine)."""
+    return np.flatnonzero(b != n)
 
 
 def value_diff(old: np.ndarray, new: np.ndarray, ordered: bool) -> np.ndarray:
@@ -63,24 +57,39 @@ def value_apply(old: np.ndarray, z: np.ndarray, ordered: bool) -> np.ndarray:
 # --- positions -------------------------------------------------------------------------------
 
 def _pack_low(low: np.ndarray, k: int) -> bytes:
+    """k-bit values, packed: a low-byte plane while k > 8, then groups of 8 values -> k bytes
+    (8 values of k <= 8 bits fit one uint64 word)."""
     if k == 0:
         return b""
-    if k in (8, 16, 32):
-        return low.astype(f"<u{k // 8}").tobytes()
-    b = low.astype("<u8").view(np.uint8).reshape(-1, 8)[:, : (k + 7) // 8]
-    return np.packbits(np.unpackbits(b, axis=1, bitorder="little")[:, :k], bitorder="little").tobytes()
+    head = b""
+    if k > 8:
+        head, low, k = (low & 0xFF).astype(np.uint8).tobytes(), low >> 8, k - 8
+        return head + _pack_low(low, k)
+    v = np.zeros(-(-low.size // 8) * 8, np.uint64)
+    v[: low.size] = low
+    v = v.reshape(-1, 8)
+    w = v[:, 0].copy()
+    for j in range(1, 8):
+        w |= v[:, j] << np.uint64(j * k)
+    return w.view(np.uint8).reshape(-1, 8)[:, :k].tobytes()
 
 
-def _unpack_low(buf: bytes, k: int, m: int) -> np.ndarray:
+def _low_len(k: int, m: int) -> int:
+    return 0 if k == 0 else (m + _low_len(k - 8, m) if k > 8 else -(-m // 8) * k)
+
+
+def _unpack_low(buf, k: int, m: int) -> np.ndarray:
+    if len(buf) != _low_len(k, m):
+        raise DeltaError(f"low-bit stream has {len(buf)} bytes, expected {_low_len(k, m)}")
     if k == 0:
         return np.zeros(m, np.int64)
-    if len(buf) != (m * k + 7) // 8:
-        raise DeltaError(f"low-bit stream has {len(buf)} bytes, expected {(m * k + 7) // 8}")
-    if k in (8, 16, 32):
-        return np.frombuffer(buf, f"<u{k // 8}").astype(np.int64)
-    bits = np.unpackbits(np.frombuffer(buf, np.uint8), bitorder="little")[: m * k].reshape(m, k)
-    bits = np.pad(bits, ((0, 0), (0, 64 - k)))
-    return np.packbits(bits, axis=1, bitorder="little").view("<u8").reshape(-1).astype(np.int64)
+    if k > 8:
+        return np.frombuffer(buf, np.uint8, m).astype(np.int64) | (_unpack_low(buf[m:], k - 8, m) << 8)
+    g = np.zeros((len(buf) // k, 8), np.uint8)
+    g[:, :k] = np.frombuffer(buf, np.uint8).reshape(-1, k)
+    w = g.view(np.uint64)  # (groups, 1)
+    vals = (w >> (np.arange(8, dtype=np.uint64) * np.uint64(k))) & np.uint64((1 << k) - 1)
+    return vals.reshape(-1)[:m].astype(np.int64)
 
 
 def _entropy_bits(q: np.ndarray) -> float:
@@ -89,14 +98,23 @@ def _entropy_bits(q: np.ndarray) -> float:
     return float(-(c[c > 0] * np.log2(p)).sum())
 
 
-def encode_gaps(pos: np.ndarray) -> tuple[int, bytes, bytes, bytes]:
+def rice_parameter(pos: np.ndarray) -> tuple[int, float]:
+    """-> (k, estimated bits): k raw low bits + the entropy of the high part, best of 3 around
+    the Golomb optimum k ~ log2(ln2 * mean gap)."""
     gaps = np.diff(pos, prepend=-1) - 1
-    k0 = max(0, int(round(np.log2(max(0.69 * (gaps.mean() + 1), 1.0)))))
-    # pick the Rice parameter by estimated size: k raw bits + entropy of the high part
-    k = min((max(0, k0 + dk) for dk in (-1, 0, 1)), key=lambda k: k * gaps.size + _entropy_bits(gaps >> k))
+    sample = gaps[:: max(1, gaps.size // 65536)]  # estimate on <= 64 Ki gaps: cheap, and plenty
+    k0 = max(0, int(round(np.log2(max(0.69 * (sample.mean() + 1), 1.0)))))
+    cost = {k: (k * sample.size + _entropy_bits(sample >> k)) * gaps.size / sample.size
+            for k in (max(0, k0 - 1), k0, k0 + 1)}
+    k = min(cost, key=cost.get)
+    return k, cost[k]
+
+
+def encode_gaps(pos: np.ndarray, k: int) -> tuple[bytes, bytes, bytes]:
+    gaps = np.diff(pos, prepend=-1) - 1
     q = gaps >> k
     over = q[q >= _ESC].astype("<u8")
-    return k, zc(np.minimum(q, _ESC).astype(np.uint8).tobytes()), _pack_low(gaps & ((1 << k) - 1), k), over.tobytes()
+    return zc(np.minimum(q, _ESC).astype(np.uint8).tobytes()), _pack_low(gaps & ((1 << k) - 1), k), over.tobytes()
 
 
 def decode_gaps(k: int, qz: bytes, low: bytes, over: bytes, m: int, count: int, what: str) -> np.ndarray:
@@ -121,29 +139,56 @@ def decode_gaps(k: int, qz: bytes, low: bytes, over: bytes, m: int, count: int, 
 
 # --- chunks ----------------------------------------------------------------------------------
 
-def encode_chunk(b: np.ndarray, n: np.ndarray, ordered: bool) -> tuple[list, int]:
-    """-> (wire record, changed count). b, n: same-size signed-int views of base and new bits."""
+def _h2(p: float) -> float:
+    return 0.0 if p <= 0 or p >= 1 else float(-(p * np.log2(p) + (1 - p) * np.log2(1 - p)))
+
+
+def value_order(base_at_pos: np.ndarray, shift: int | None) -> np.ndarray | None:
+    """Permutation grouping changed values by the exponent of their base value: how many ulps an
+    update moves depends on the exponent, so zstd's per-block Huffman tables fit each group
+    (measured ~0.5 bit/change saved on AdamW updates). The decoder has the base, so it is free."""
+    if shift is None or base_at_pos.size < 2:
+        return None
+    mag = base_at_pos & np.array(np.iinfo(base_at_pos.dtype).max, base_at_pos.dtype)
+    return np.argsort((mag >> shift).astype(np.uint16), kind="stable")
+
+
+def encode_chunk(b: np.ndarray, n: np.ndarray, ordered: bool, shift: int | None = None) -> tuple[list, int]:
+    """-> (wire record, changed count). b, n: same-size signed-int views of base and new bits;
+    shift: mantissa bits of a float dtype (value grouping context), None otherwise."""
     count = b.size
     pos = changed_positions(b, n)
     m = pos.size
     if m == 0:
         return [NONE, count, 0], 0
-    vals = zc(to_planes(value_diff(b[pos], n[pos], ordered)))
+    old = b[pos]
+    z = value_diff(old, n[pos], ordered)
+    perm = value_order(old, shift)
+    vals = zc(to_planes(z if perm is None else z[perm]))
+    p = m / count
     cands = []
-    if m * 2 <= count or m < 64:
-        k, qz, low, over = encode_gaps(pos)
-        cands.append([GAP, count, m, vals, k, qz, low, over])
-    if m * 50 >= count:
-        mask = np.zeros(count, bool)
-        mask[pos] = True
-        cands.append([BITMAP, count, m, vals, zc(np.packbits(mask).tobytes())])
-    if m * 4 >= count:
+    if p <= 0.35:
+        # choose GAP vs BITMAP by estimated size, then build only the winner
+        k, gap_bits = rice_parameter(pos)
+        bitmap_bits = max(1.05 * count * _h2(p), count / 8 + 256)
+        if gap_bits <= bitmap_bits:
+            cands.append([GAP, count, m, vals, k, *encode_gaps(pos, k)])
+    if not cands:
+        cands.append([BITMAP, count, m, vals, _bitmap(pos, count)])
+    if p > 0.35:
         cands.append([DENSE, count, m, zc(to_planes(value_diff(b, n, ordered)))])
     return min(cands, key=lambda c: sum(len(x) for x in c[3:] if isinstance(x, bytes))), m
 
 
-def decode_chunk(rec, itemsize: int, what: str) -> tuple[np.ndarray | None, np.ndarray, int]:
-    """-> (positions or None for dense, zig-zag values, element count). Validates everything."""
+def _bitmap(pos: np.ndarray, count: int) -> bytes:
+    mask = np.zeros(count, bool)
+    mask[pos] = True
+    return zc(np.packbits(mask).tobytes())
+
+
+def decode_chunk(rec, itemsize: int, what: str, base_at=None, shift: int | None = None):
+    """-> (positions or None for dense, zig-zag values, element count). Validates everything.
+    base_at(positions) -> base bits there: needed to undo the value grouping of float dtypes."""
     try:
         mode, count, m = int(rec[0]), int(rec[1]), int(rec[2])
     except (TypeError, ValueError, IndexError):
@@ -167,4 +212,8 @@ def decode_chunk(rec, itemsize: int, what: str) -> tuple[np.ndarray | None, np.n
             raise DeltaError(f"{what}: unknown position coding {mode}")
     except (TypeError, IndexError):
         raise DeltaError(f"{what}: malformed chunk record") from None
+    if shift is not None and (perm := value_order(base_at(pos), shift)) is not None:
+        out = np.empty_like(z)
+        out[perm] = z
+        z = out
     return pos, z, count

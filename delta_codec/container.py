@@ -21,8 +21,8 @@ import xxhash
 import zstandard
 
 from . import signing
-from .bits import (combine_digest, dtype_from_name, dtype_name, from_planes, is_ordered, np_bits,
-                   tensor_digest, to_planes)
+from .bits import (combine_digest, dtype_from_name, dtype_name, exponent_shift, from_planes, int_view,
+                   is_ordered, np_bits, tensor_digest, to_planes)
 from .codec import CHUNK, decode_chunk, encode_chunk, value_apply, zd
 from .errors import DeltaError
 
@@ -234,10 +234,10 @@ def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = N
         _check_pair(name, bt, nt)
         bt, nt = _host(bt), _host(nt)
         bb, nb = np_bits(bt), np_bits(nt)
-        ordered = is_ordered(bt.dtype)
+        ordered, shift = is_ordered(bt.dtype), exponent_shift(bt.dtype)
         chunks, changed = [], 0
         for s in range(0, bb.size, chunk):
-            rec, m = encode_chunk(bb[s:s + chunk], nb[s:s + chunk], ordered)
+            rec, m = encode_chunk(bb[s:s + chunk], nb[s:s + chunk], ordered, shift)
             chunks.append(rec)
             changed += m
         records.append(TensorRecord(name, dtype_name(bt.dtype), tuple(bt.shape), tensor_digest(bt),
@@ -255,11 +255,21 @@ def _chunks(r: TensorRecord) -> list:
     return chunks
 
 
-def _decode_record(r: TensorRecord, itemsize: int):
-    """-> [(start, positions | None, zigzag values)] for the whole tensor, validated."""
+def _decode_record(r: TensorRecord, t: torch.Tensor):
+    """-> [(start, positions | None, zigzag values, count)] for the whole tensor, validated.
+    t: the target tensor, still holding the base bits."""
+    if t.device.type == "cpu":
+        bits = np_bits(t)
+        base_at = lambda start, pos: bits[start + pos]
+    else:
+        bits = int_view(t)
+        base_at = lambda start, pos: bits[torch.from_numpy(start + pos).to(t.device)].cpu().numpy().view(
+            f"i{bits.element_size()}")
     out, start = [], 0
+    shift = exponent_shift(dtype_from_name(r.dtype))
     for i, c in enumerate(_chunks(r)):
-        pos, z, count = decode_chunk(c, itemsize, f"tensor {r.name!r} chunk {i}")
+        pos, z, count = decode_chunk(c, t.element_size(), f"tensor {r.name!r} chunk {i}",
+                                     lambda p, s=start: base_at(s, p), shift)
         out.append((start, pos, z, count))
         start += count
     if start != r.numel:
@@ -306,13 +316,13 @@ def _apply_tensor(t: torch.Tensor, r: TensorRecord, from_version: int, undo: lis
     with torch.no_grad():
         if tensor_digest(t) != r.digest_a:
             raise DeltaError(f"tensor {r.name!r}: base digest mismatch (state is not the delta's base version {from_version})")
-        bits_np = np_bits(t) if t.device.type == "cpu" else None
-        decoded = _decode_record(r, t.element_size())
+        decoded = _decode_record(r, t)
         ordered = is_ordered(t.dtype)
         if t.device.type != "cpu":
             from .triton_apply import apply_on_device
             apply_on_device(t, decoded, ordered, undo)
         else:
+            bits_np = np_bits(t)
             for start, pos, z, count in decoded:
                 if pos is None:
                     sl = slice(start, start + count)
@@ -320,7 +330,7 @@ def _apply_tensor(t: torch.Tensor, r: TensorRecord, from_version: int, undo: lis
                     if not pos.size:
                         continue
                     sl = pos + start
-                old = bits_np[sl].copy()
+                old = bits_np[sl].copy() if pos is None else bits_np[sl]  # fancy indexing copies
                 bits_np[sl] = value_apply(old, z, ordered)
                 undo.append(lambda b=bits_np, s=sl, o=old: b.__setitem__(s, o))
         if tensor_digest(t) != r.digest_b:

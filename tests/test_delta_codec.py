@@ -197,7 +197,7 @@ def test_device_tensors_are_hashed_and_applied_via_the_device_path():
     state = clone(states[0])
     for r in d.records:
         undo: list = []
-        apply_on_device(state[r.name], _decode_record(r, state[r.name].element_size()),
+        apply_on_device(state[r.name], _decode_record(r, state[r.name]),
                         state[r.name].dtype.is_floating_point, undo)
     assert eq(state, states[1])
 
