@@ -233,3 +233,32 @@ async def test_server_restart_loses_nothing(fresh_server):
         assert (await bus.js.stream_info(topo.TASKS)).state.messages == 0
     finally:
         await bus.close()
+
+
+async def test_message_whose_consumer_died_on_last_delivery_is_swept_to_dlq(fresh_server):
+    """A process that dies holding the last allowed delivery gives no verdict; the server then
+    stops redelivering. The sweeper (MAX_DELIVERIES advisory) parks it in DLQ instead."""
+    bus = await short_bus(fresh_server)
+    try:
+        await bus.publish(topo.task_subject("arith"), task(13))
+
+        async def never(ev, ctx):
+            raise AssertionError("capacity 0: the loop must not take work")
+        loop = ConsumerLoop(bus, topo.TASKS, topo.ROLLOUT_CONSUMER, never, Task, capacity=lambda: 0,
+                            handle_signals=False, sweep_max_deliveries=True)
+        stop = asyncio.Event()
+        runner = asyncio.create_task(loop.run(stop))
+        crashy = await bus.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)
+        deliveries = 0
+        async with asyncio.timeout(20):
+            while deliveries < SHORT.max_deliver:          # take every delivery, never answer
+                deliveries += len(await crashy.fetch(1, timeout=0.5))
+            while loop.stats.dlq < 1:
+                await asyncio.sleep(0.05)
+        stop.set()
+        await runner
+        (dead,) = await dlq_messages(bus, 1)
+        assert "max_deliver reached" in dead.headers["Rl-Reason"] and dead.headers["Rl-Task"] == "t13"
+        assert (await bus.js.stream_info(topo.TASKS)).state.messages == 0
+    finally:
+        await bus.close()

@@ -46,6 +46,8 @@ fetch_timeout_s = 0.2
 keyframe_interval = 1000
 [trainer.bus]
 servers = ["{url}"]
+[trainer.bus.topology]
+ack_wait_s = 4.0
 """)
 
 
@@ -98,24 +100,24 @@ async def test_standby_takes_over_without_gap_fork_or_reuse(bus, fresh_server, t
         value, rev = await bus.kv_entry(topo.KEY_LEADER)
         return (parse_lease(value) or {}).get("holder"), rev
 
-    procs = {"A": start(tmp_path, fresh_server.url, "A")}
+    procs = {t: start(tmp_path, fresh_server.url, t) for t in ("A", "B")}   # both start; one wins
     try:
-        await wait_for(lambda: _eq(holder(), "A"), 120, "A to lead")
-        procs["B"] = start(tmp_path, fresh_server.url, "B")
-        await wait_for(lambda: _standby(tmp_path / "B.log"), 120, "B on standby")
+        lead = await wait_for(lambda: _holder_in(holder(), procs), 120, "a leader")
+        spare = "B" if lead == "A" else "A"
+        await wait_for(lambda: _standby(tmp_path / f"{spare}.log"), 120, f"{spare} on standby")
         await feed(4, "a")
-        await wait_for(lambda: _ge(version(), 3), 120, "3 versions from A")
-        procs["A"].send_signal(signal.SIGKILL)
-        procs["A"].wait()
+        await wait_for(lambda: _ge(version(), 3), 120, f"3 versions from {lead}")
+        procs[lead].send_signal(signal.SIGKILL)
+        procs[lead].wait()
         t_kill = time.monotonic()
-        await wait_for(lambda: _eq(holder(), "B"), TTL + 60, "B to lead")
-        events = await wait_for(lambda: _new_keyframe(bus), TTL + 60, "B's keyframe")
+        await wait_for(lambda: _eq(holder(), spare), TTL + 60, f"{spare} to lead")
+        await wait_for(lambda: _new_keyframe(bus), TTL + 60, f"{spare}'s keyframe")
         took = time.monotonic() - t_kill
         assert took < TTL + 5, f"standby led {took:.1f}s after the kill"
         await feed(4, "b")
         await wait_for(lambda: _ge(version(), 8), 120, "all 8 groups trained")
-        procs["B"].send_signal(signal.SIGTERM)
-        assert procs["B"].wait(60) == 0
+        procs[spare].send_signal(signal.SIGTERM)
+        assert procs[spare].wait(60) == 0
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -172,6 +174,11 @@ async def _eq(coro, want):
 
 async def _ge(coro, want):
     return (await coro) >= want
+
+
+async def _holder_in(coro, procs):
+    h, _ = await coro
+    return h if h in procs else None
 
 
 async def _standby(log: Path):

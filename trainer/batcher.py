@@ -93,9 +93,9 @@ def _stream_seq(msg) -> int | None:
 
 
 class Batcher:
-    def __init__(self, bus, cfg, consumed: ConsumedIds, vocab_size: int, heartbeat_s: float = 5.0):
+    def __init__(self, bus, cfg, consumed: ConsumedIds, vocab_size: int):
         self.bus, self.cfg, self.consumed, self.vocab_size = bus, cfg, consumed, vocab_size
-        self.heartbeat_s = heartbeat_s
+        self.heartbeat_s = cfg.bus.topology.ack_wait_s / 3     # held messages must not time out
         self.groups: OrderedDict[str, dict[str, Sample]] = OrderedDict()   # task_id -> rollout_id -> sample
         self.inflight: set[str] = set()      # ids handed out in a batch that is not yet acked
         self.sub = None
