@@ -37,10 +37,10 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], sampling: Sam
     active = torch.arange(B, device=dev)
     for step in range(max_new_tokens):
         out = sample(logits, [cfgs[i] for i in active.tolist()], generator)
-        for r, i in enumerate(active.tolist()):
-            ids[i].append(int(out.tokens[r]))
-            lps[i].append(float(out.logprobs[r]))
-            masks[i].append(out.mask[r])
+        for i, tok, lp, row in zip(active.tolist(), out.tokens.tolist(), out.logprobs.tolist(), out.mask.split_rows()):
+            ids[i].append(tok)
+            lps[i].append(lp)
+            masks[i].append(row)
         done = torch.isin(out.tokens, stop)
         for i in active[done].tolist():
             finish[i] = "stop"

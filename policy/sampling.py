@@ -88,6 +88,11 @@ class SamplingMask:
         o = self.offsets
         return SamplingMask(self.counts[a:b], self.ids[o[a]:o[max(a, b)]])
 
+    def split_rows(self) -> list["SamplingMask"]:
+        """One single-row mask per row (offsets computed once: O(rows), for per-sequence accumulation)."""
+        o = self.offsets
+        return [SamplingMask(self.counts[i:i + 1], self.ids[o[i]:o[i + 1]]) for i in range(len(self))]
+
     @classmethod
     def concat(cls, masks: Sequence["SamplingMask"]) -> "SamplingMask":
         if not masks:
