@@ -1,0 +1,61 @@
+"""`torchrun --nproc_per_node 2 -m trainer` (gloo, only rank 0 on the bus) reaches the same weights
+as one process on the same batch."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from trainer import checkpoint
+from trainer.__main__ import build_learner, build_model, build_optimizer
+from trainer.batcher import Batcher, ConsumedIds
+from trainer.learner import pack
+
+from .test_trainer_bus import publish_groups, trainer_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def test_two_process_gloo_matches_one_process(bus, fresh_server, tmp_path):
+    cfg = trainer_config(fresh_server.url, tmp_path, max_steps=1, batch_groups=2, group_size=3)
+    model, mcfg = build_model(cfg)
+    await publish_groups(bus, model, 2, 3, seed=3)
+    probe = Batcher(bus, cfg, ConsumedIds(), mcfg.vocab_size)
+    await probe.start()
+    batch = await probe.next_batch(0)
+    packed = pack(batch)
+    for s in batch.samples:
+        await s.msg.nak()
+    # reference: one process, same initial weights, same batch
+    build_learner(model, build_optimizer(model, cfg), cfg).step(packed)
+
+    model_toml = ", ".join(f'{k} = {v!r}'.replace("'", '"').replace("False", "false").replace("True", "true")
+                           for k, v in cfg.model.items())
+    conf = tmp_path / "t.toml"
+    conf.write_text(f"""
+[trainer]
+trainer_id = "ddp"
+model = {{ {model_toml} }}
+batch_groups = 2
+group_size = 3
+feed = false
+lr = {cfg.lr}
+max_steps = 1
+checkpoint_dir = "{cfg.checkpoint_dir}"
+fetch_timeout_s = 0.2
+[trainer.bus]
+servers = ["{fresh_server.url}"]
+""")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "trainer", "--config", str(conf)], cwd=ROOT, env=env, capture_output=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    st = checkpoint.load_latest(cfg.checkpoint_dir)
+    assert st.version == 1
+    ref = model.state_dict()
+    for k, v in st.model.items():
+        assert torch.allclose(v, ref[k], rtol=1e-5, atol=1e-6), k
+    init, _ = build_model(cfg)
+    assert any(not torch.equal(v, init.state_dict()[k]) for k, v in st.model.items())   # it did train
