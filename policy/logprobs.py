@@ -73,22 +73,30 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], completions: Sequ
 
 def kept_sets(scaled, temperature, top_p, top_k, masks, clen, target) -> torch.Tensor:
     """Bool [N, V] kept set per token: shipped masks where given, else re-derived from `scaled`."""
+    dev = scaled.device
+    start = np.concatenate([[0], np.cumsum(clen)]).astype(np.int64)
+
+    def flat_rows(seqs):
+        return torch.from_numpy(np.concatenate([np.arange(start[i], start[i + 1]) for i in seqs])).to(dev)
+
     with torch.no_grad():
-        order, keep_sorted = truncation(scaled, temperature, top_p, top_k)
-        keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
-        start = np.concatenate([[0], np.cumsum(clen)]).astype(int)
-        given = [i for i, m in enumerate(masks) if m is not None]
+        keep = torch.ones_like(scaled, dtype=torch.bool)
+        derive = [i for i, m in enumerate(masks) if m is None and clen[i]]
+        if derive:
+            sel = flat_rows(derive)
+            order, keep_sorted = truncation(scaled[sel], temperature[sel], top_p[sel], top_k[sel])
+            keep[sel] = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+            # our logits may differ from the engine's: keep the sampled token so its logprob is finite
+            keep[sel, target[sel]] = True
+        given = [i for i, m in enumerate(masks) if m is not None and clen[i]]
         if given:
-            shipped = SamplingMask.concat([masks[i] for i in given]).keep_matrix(scaled.shape[1], scaled.device)
-            sel = torch.from_numpy(np.concatenate([np.arange(start[i], start[i + 1]) for i in given])).to(scaled.device)
+            sel = flat_rows(given)
+            shipped = SamplingMask.concat([masks[i] for i in given]).keep_matrix(scaled.shape[1], dev)
             keep[sel] = shipped
             outside = ~shipped.gather(1, target[sel][:, None])[:, 0]
             if outside.any():
-                bad = sel[outside][:5].tolist()
-                raise ValueError(f"sampled token outside its shipped kept set at flat rows {bad}: "
-                                 "mask does not belong to this completion")
-        # re-derived sets may miss the sampled token if our logits differ; keep it so logprob is finite
-        keep[torch.arange(len(target), device=keep.device), target] = True
+                raise ValueError(f"sampled token outside its shipped kept set at flat rows "
+                                 f"{sel[outside][:5].tolist()}: mask does not belong to this completion")
     return keep
 
 
