@@ -9,16 +9,23 @@
 It only fetches what it can start now: min(batch, concurrency - running, capacity()).
 On stop (stop_event or SIGTERM) it stops fetching, lets running handlers finish within
 `grace_s`, and naks what is still running so another consumer picks it up at once.
+
+A process that dies holding a message's last allowed delivery gives no verdict, and the
+server stops redelivering it. With `sweep_max_deliveries=True` the loop listens for the
+server's MAX_DELIVERIES advisory and parks such messages in DLQ (needs the rights to read
+advisories and to get/delete stream messages: give it to one trusted process per stream).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import signal
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+import nats.js.errors as jse
 from nats.aio.msg import Msg
 
 from bus.events import EventError, Event, decode
@@ -74,7 +81,7 @@ class ConsumerLoop:
     def __init__(self, bus, stream: str, durable: str, handler: Handler, event_cls: type[Event] | None = None,
                  *, concurrency: int = 8, capacity: Callable[[], int] | None = None, batch: int = 64,
                  fetch_timeout_s: float = 1.0, nak_delay_s: float = 1.0, grace_s: float = 10.0,
-                 handle_signals: bool = True):
+                 handle_signals: bool = True, sweep_max_deliveries: bool = False):
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.bus, self.stream, self.durable = bus, stream, durable
@@ -82,6 +89,7 @@ class ConsumerLoop:
         self.concurrency, self.capacity, self.batch = concurrency, capacity, batch
         self.fetch_timeout_s, self.nak_delay_s, self.grace_s = fetch_timeout_s, nak_delay_s, grace_s
         self.handle_signals = handle_signals
+        self.sweep_max_deliveries = sweep_max_deliveries   # needs advisory + msg get/delete rights
         self.stats = LoopStats()
         self.active: set[asyncio.Task] = set()
         # id(msg) -> [msg, time of its last heartbeat] for running handlers (Msg is unhashable)
@@ -118,6 +126,11 @@ class ConsumerLoop:
         self.log.info("consumer loop started", ack_wait_s=self.ack_wait_s, max_deliver=self.max_deliver,
                       concurrency=self.concurrency)
         beats = asyncio.create_task(self._heartbeats())
+        sweeper = None
+        if self.sweep_max_deliveries:
+            def parked():
+                self.stats.dlq += 1
+            sweeper = await watch_max_deliveries(self.bus, self.stream, self.durable, parked)
         try:
             while not self._stop.is_set():
                 n = self.room()
@@ -138,6 +151,11 @@ class ConsumerLoop:
         finally:
             await self._drain()
             beats.cancel()
+            if sweeper is not None:
+                try:
+                    await sweeper.unsubscribe()
+                except Exception:
+                    pass  # connection already closed
             if stop_waiter:
                 stop_waiter.cancel()
             if installed:
@@ -226,3 +244,44 @@ class ConsumerLoop:
             self.inflight.pop(id(msg), None)
         await self._settle(msg.ack(), "ack")
         self.stats.acked += 1
+
+
+async def park_max_delivered(bus, stream: str, seq: int, deliveries: int | None = None,
+                             consumer: str = "") -> bool:
+    """Move message `seq` of `stream` to DLQ and delete it from the stream. For messages whose
+    last delivery got no verdict (the process died or hung without heartbeats): the server
+    stops redelivering them, so without this they would sit in the work queue forever."""
+    from bus import topology as topo
+    try:
+        raw = await bus.js.get_msg(stream, seq=seq)
+    except jse.NotFoundError:
+        return False  # already acked / parked by someone else
+    h = {k: v for k, v in (raw.headers or {}).items() if not k.startswith("Nats-")}
+    h.update({"Rl-Reason": f"max_deliver reached without a verdict after {deliveries} deliveries "
+                           f"(consumer died or hung without heartbeats)",
+              "Rl-Stream": stream, "Rl-Seq": str(seq), "Rl-Deliveries": str(deliveries or ""),
+              "Rl-Subject": raw.subject or "", "Rl-Consumer": consumer})
+    await bus.publish(topo.dlq_subject(stream), raw.data or b"", msg_id=f"dlq-{stream}-{seq}", headers=h)
+    try:
+        await bus.js.delete_msg(stream, seq)
+    except jse.NotFoundError:
+        pass
+    return True
+
+
+async def watch_max_deliveries(bus, stream: str, durable: str, on_parked=None):
+    """Subscribe to the server's MAX_DELIVERIES advisories for stream/durable and park each
+    such message in DLQ. Returns the subscription (unsubscribe to stop). Needs the rights to
+    subscribe to $JS.EVENT.ADVISORY.> and to get/delete messages of the stream."""
+    async def on_advisory(m):
+        try:
+            adv = json.loads(m.data)
+            if await park_max_delivered(bus, adv.get("stream", stream), int(adv["stream_seq"]),
+                                        adv.get("deliveries"), adv.get("consumer", durable)):
+                log.warning("parked max-delivered message in DLQ", stream=stream, seq=adv["stream_seq"])
+                if on_parked:
+                    on_parked()
+        except Exception as e:  # next advisory (or an operator) will retry; never kill the loop
+            log.error("max-deliveries sweep failed", error=repr(e), data=m.data[:200])
+    return await bus.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}",
+                                  cb=on_advisory)

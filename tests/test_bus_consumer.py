@@ -253,8 +253,8 @@ async def test_message_whose_consumer_died_on_last_delivery_is_swept_to_dlq(fres
         async with asyncio.timeout(20):
             while deliveries < SHORT.max_deliver:          # take every delivery, never answer
                 deliveries += len(await crashy.fetch(1, timeout=0.5))
-            while loop.stats.dlq < 1:
-                await asyncio.sleep(0.05)
+            while loop.stats.dlq < 1:   # the advisory fires when the server next tries to deliver
+                assert await crashy.fetch(1, timeout=0.5) == []    # no 4th delivery
         stop.set()
         await runner
         (dead,) = await dlq_messages(bus, 1)
