@@ -145,6 +145,7 @@ class EngineMetrics:
         self.occupancy: deque[float] = deque(maxlen=window)
         self.stall_ms: deque[float] = deque(maxlen=window)
         self.apply_ms: deque[float] = deque(maxlen=window)
+        self.stall_excess_ms: deque[float] = deque(maxlen=window)   # stall minus that update's apply time
         self.tokens = 0
         self.updates = 0
         self.refused = 0
@@ -157,13 +158,15 @@ class EngineMetrics:
         self.tokens += active
         self.busy_s += dt_s
 
-    def update(self, apply_s: float, stall_s: float | None) -> None:
+    def update(self, apply_s: float, stall_s: float | None, boundary_s: float | None = None) -> None:
         """An update applied in `apply_s`; `stall_s` is the gap between the two decode steps
-        straddling it (None when no sequence was in flight, i.e. nothing stalled)."""
+        straddling it (None when no sequence was in flight, i.e. nothing stalled); `boundary_s`
+        the part of the apply done at the token boundary (default: all of it)."""
         self.updates += 1
         self.apply_ms.append(apply_s * 1e3)
         if stall_s is not None:
             self.stall_ms.append(stall_s * 1e3)
+            self.stall_excess_ms.append((stall_s - (apply_s if boundary_s is None else boundary_s)) * 1e3)
 
     def snapshot(self) -> dict:
         wall = max(time.perf_counter() - self.started, 1e-9)
@@ -175,6 +178,7 @@ class EngineMetrics:
             "decode_step_ms_p50": _pct(self.step_ms, 50),
             "update_stall_ms_p50": _pct(self.stall_ms, 50),
             "update_stall_ms_p99": _pct(self.stall_ms, 99),
+            "update_stall_excess_ms_p99": _pct(self.stall_excess_ms, 99),
             "update_apply_ms_p50": _pct(self.apply_ms, 50),
             "update_apply_ms_p99": _pct(self.apply_ms, 99),
             "updates": self.updates,

