@@ -89,15 +89,21 @@ def unzigzag(z: np.ndarray) -> np.ndarray:
 
 def to_planes(z: np.ndarray) -> bytes:
     """Byte planes (all low bytes, then all next bytes...): the high planes of small values are
-    long zero runs that zstd removes almost for free."""
-    return np.ascontiguousarray(z.view(np.uint8).reshape(-1, z.itemsize).T).tobytes()
+    long zero runs that zstd removes almost for free. Shifts, not a strided transpose: faster."""
+    if z.itemsize == 1:
+        return z.tobytes()
+    return b"".join((z >> z.dtype.type(8 * i)).astype(np.uint8).tobytes() for i in range(z.itemsize))
 
 
-def from_planes(buf: bytes, itemsize: int, count: int) -> np.ndarray:
+def from_planes(buf, itemsize: int, count: int) -> np.ndarray:
     a = np.frombuffer(buf, dtype=np.uint8)
     if a.size != itemsize * count:
         raise DeltaError(f"value stream has {a.size} bytes, expected {itemsize * count}")
-    return np.ascontiguousarray(a.reshape(itemsize, count).T).view(_UNSIGNED[itemsize]).reshape(-1)
+    ut = _UNSIGNED[itemsize]
+    z = a[:count].astype(ut)
+    for i in range(1, itemsize):
+        z |= a[i * count:(i + 1) * count].astype(ut) << ut(8 * i)
+    return z
 
 
 _HOST_CHUNK = 1 << 26  # bytes copied from a device at a time when hashing device tensors

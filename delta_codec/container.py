@@ -256,11 +256,12 @@ def _chunks(r: TensorRecord) -> list:
 
 
 def _decode_record(r: TensorRecord, t: torch.Tensor):
-    """-> [(start, positions | None, zigzag values, count)] for the whole tensor, validated.
+    """-> [(start, positions | None, zigzag values, count, base bits at positions | None)] for
+    the whole tensor, validated.
     t: the target tensor, still holding the base bits."""
     if t.device.type == "cpu":
         bits = np_bits(t)
-        base_at = lambda start, pos: bits[start + pos]
+        base_at = lambda start, pos: bits[start + pos] if start else bits[pos]
     else:
         bits = int_view(t)
         base_at = lambda start, pos: bits[torch.from_numpy(start + pos).to(t.device)].cpu().numpy().view(
@@ -268,9 +269,9 @@ def _decode_record(r: TensorRecord, t: torch.Tensor):
     out, start = [], 0
     shift = exponent_shift(dtype_from_name(r.dtype))
     for i, c in enumerate(_chunks(r)):
-        pos, z, count = decode_chunk(c, t.element_size(), f"tensor {r.name!r} chunk {i}",
-                                     lambda p, s=start: base_at(s, p), shift)
-        out.append((start, pos, z, count))
+        pos, z, count, old = decode_chunk(c, t.element_size(), f"tensor {r.name!r} chunk {i}",
+                                          lambda p, s=start: base_at(s, p), shift)
+        out.append((start, pos, z, count, old))
         start += count
     if start != r.numel:
         raise DeltaError(f"tensor {r.name!r}: chunks cover {start} elements, tensor has {r.numel}")
@@ -323,14 +324,14 @@ def _apply_tensor(t: torch.Tensor, r: TensorRecord, from_version: int, undo: lis
             apply_on_device(t, decoded, ordered, undo)
         else:
             bits_np = np_bits(t)
-            for start, pos, z, count in decoded:
+            for start, pos, z, count, old in decoded:
                 if pos is None:
                     sl = slice(start, start + count)
+                    old = bits_np[sl].copy()
+                elif pos.size:
+                    sl = pos + start if start else pos
                 else:
-                    if not pos.size:
-                        continue
-                    sl = pos + start
-                old = bits_np[sl].copy() if pos is None else bits_np[sl]  # fancy indexing copies
+                    continue
                 bits_np[sl] = value_apply(old, z, ordered)
                 undo.append(lambda b=bits_np, s=sl, o=old: b.__setitem__(s, o))
         if tensor_digest(t) != r.digest_b:

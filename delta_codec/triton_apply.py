@@ -69,11 +69,11 @@ def apply_sparse(bits: torch.Tensor, idx: torch.Tensor, d: torch.Tensor, ordered
 
 
 def apply_on_device(t: torch.Tensor, decoded, ordered: bool, undo: list) -> None:
-    """Apply decoded chunks [(start, positions | None, zigzag values, count)] to device tensor t."""
+    """Apply decoded chunks [(start, positions | None, zigzag values, count, _)] to device tensor t."""
     bits = int_view(t)
     if bits.dtype == torch.uint8:  # 1-byte dtypes: signed view for the arithmetic
         bits = bits.view(torch.int8)
-    for start, pos, z, count in decoded:
+    for start, pos, z, count, _ in decoded:
         if pos is None:
             idx = torch.arange(start, start + count, device=t.device)
         elif pos.size:
