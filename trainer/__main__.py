@@ -34,7 +34,7 @@ from .batcher import Batcher, ConsumedIds
 from .config import TrainerConfig
 from .feeding import TaskFeeder
 from .learner import Learner, pack, world
-from .lease import LeaderLease
+from .lease import LeaderLease, LeaseLost
 from .loss import LossConfig
 from .warmstart import warm_start
 
@@ -175,6 +175,7 @@ class Trainer:
             broadcast_obj(("sync",))
             sync_state(self.learner.model, self.learner.opt)
         self.published = self.learner.published_state()
+        self.full_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
         self.digest = delta_codec.state_digest(self.published)
         self.save()
         publisher = WeightPublisher(self.bus, epoch, cfg.trainer_id, load_signing_key(cfg.signing_key))
@@ -184,19 +185,25 @@ class Trainer:
         feeder = TaskFeeder(self.bus, cfg)
         feed_task = asyncio.create_task(feeder.run(stop, lambda: self.version)) if cfg.feed and cfg.mode == "async" else None
         log.info("leading", epoch=epoch, version=self.version, mode=cfg.mode)
+        batch = None
         try:
             while not stop.is_set() and not lost.is_set():
                 if cfg.max_steps and self.step_n >= cfg.max_steps:
                     break
                 if cfg.mode == "sync" and cfg.feed:
                     await feeder.publish(cfg.batch_groups, min_version=self.version)
-                batch = await batcher.next_batch(self.version, stop)
+                batch = await batcher.next_batch(self.version, lambda: stop.is_set() or lost.is_set())
                 if batch is None:
                     continue
                 await self.train_on(batch, batcher, publisher, lost)
+                batch = None
+        except LeaseLost as e:              # deposed mid-step: nothing of this step was published
+            log.error("stepping down", error=str(e))
+            lost.set()
         finally:
             if feed_task:
                 feed_task.cancel()
+            await batcher.close(held_back=batch)
             stop_keeper = stop.is_set() or lost.is_set()
             keeper.cancel()
             if not lost.is_set():
@@ -220,7 +227,7 @@ class Trainer:
         delta = delta_codec.encode_delta(self.published, new, from_version=self.version - 1,
                                          to_version=self.version) if live else None
         if not self.lease.valid() or lost.is_set():
-            raise RuntimeError("leader lease no longer valid: refusing to checkpoint or publish")
+            raise LeaseLost("leader lease no longer valid: refusing to checkpoint or publish")
         self.digest = delta_codec.state_digest(new)
         self.save()
         if delta is not None:
@@ -230,14 +237,16 @@ class Trainer:
         self.published = new
         await batcher.ack(batch)
         lags = [s.lag for s in packed]
+        delta_bytes = len(delta.to_bytes()) if delta is not None else 0
         values = {
             **{k: v for k, v in stats.items()}, "version": self.version, "epoch": self.lease.epoch,
-            "reward": float(np.mean([s.reward for s in packed])), "success": float(np.mean([s.success for s in packed])),
-            "cost": float(np.mean([s.cost for s in packed])), "lambda": float(np.mean([s.lambda_ for s in packed])),
+            "reward_mean": float(np.mean([s.reward for s in packed])),
+            "success_mean": float(np.mean([s.success for s in packed])),
+            "cost_mean": float(np.mean([s.cost for s in packed])), "lambda": float(np.mean([s.lambda_ for s in packed])),
             "samples": len(packed), "live_samples": live, "groups": batch.n_groups,
             "staleness_mean": float(np.mean(lags)), "staleness_hist": staleness_histogram(lags, cfg.max_lag),
             "dropped_stale": sum(1 for s in packed if s.weight == 0),
-            "delta_bytes": len(delta.to_bytes()) if delta is not None else 0,
+            "delta_bytes": delta_bytes, "delta_ratio": delta_bytes / self.full_bytes,
             "changed_frac": (delta.stats.changed / max(delta.stats.total, 1)) if delta is not None else 0.0,
             "duplicates": batcher.counters["duplicates"], "invalid": batcher.counters["invalid"],
             "total_s": time.perf_counter() - t0, "rollout_ids": batch.rollout_ids,
@@ -268,7 +277,11 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
     bus = await connect(cfg.bus)
     try:
         await bus.provision()
-        return await Trainer(cfg, bus, learner, mcfg).lead(stop)
+        while True:          # a deposed leader goes back to standby (and resumes from the checkpoint)
+            code = await Trainer(cfg, bus, learner, mcfg).lead(stop)
+            if code != 3 or stop.is_set():
+                return code
+            log.warning("lost the leader lease; back to standby")
     finally:
         if ws > 1:
             broadcast_obj(("stop",))

@@ -155,14 +155,16 @@ class Batcher:
                     log.debug("in_progress failed", error=str(e))
 
     async def next_batch(self, version: int, stop=None, max_wait_s: float | None = None) -> Batch | None:
-        """Block until `batch_groups` groups are complete (or stop/max_wait); None if none formed."""
+        """Block until `batch_groups` groups are complete; None when stop() (a callable or an
+        asyncio.Event) turns true or max_wait_s passes first."""
+        stopped = stop if callable(stop) else (lambda: stop is not None and stop.is_set())
         cfg = self.cfg
         deadline = None if max_wait_s is None else time.monotonic() + max_wait_s
         while True:
             ready = self._ready_groups()
             if len(ready) >= cfg.batch_groups:
                 break
-            if (stop is not None and stop.is_set()) or (deadline and time.monotonic() > deadline):
+            if stopped() or (deadline and time.monotonic() > deadline):
                 return None
             want = max(cfg.batch_groups * cfg.group_size - self.pending, cfg.group_size)
             for msg in await self.sub.fetch(want, cfg.fetch_timeout_s):
@@ -178,6 +180,19 @@ class Batcher:
         for s, w in zip(samples, stale_weights([s.lag for s in samples], cfg.max_lag, cfg.stale, cfg.stale_weight)):
             s.weight = w
         return Batch(samples, n_groups=min(len(ready), cfg.batch_groups), version=version)
+
+    async def close(self, held_back: Batch | None = None) -> None:
+        """Stepping down: hand every held message (and an unfinished batch) back at once."""
+        held = [s for g in self.groups.values() for s in g.values()] + (held_back.samples if held_back else [])
+        for s in held:
+            try:
+                await s.msg.nak()
+            except Exception as e:            # they come back after ack_wait anyway
+                log.debug("nak failed", error=str(e))
+        self.groups.clear()
+        self.inflight.clear()
+        if self.sub is not None:
+            await self.sub.unsubscribe()
 
     async def ack(self, batch: Batch) -> None:
         """After checkpoint + publication: ack every message of the batch (used or dropped)."""

@@ -111,8 +111,8 @@ class Learner:
             a = adv[mine].repeat_interleave(lens)
             w = torch.tensor([samples[i].weight for i in mine], dtype=torch.float32).repeat_interleave(lens)
             loss, stats = pg_loss(logp.float(), behav, a, w, n_tokens, self.loss_cfg, ent.float())
-        stats.update({f"mismatch_{k}": v for k, v in
-                      mismatch_metrics(behav, logp.detach().float(), C=self.loss_cfg.is_clip).items()})
+        mm = mismatch_metrics(behav, logp.detach().float(), C=self.loss_cfg.is_clip)
+        stats.update({k: mm[k] for k in ("k3_mean", "ratio_mean", "ratio_p99_abs_log", "frac_outside_C")})
         stats.update(n_tokens=n_tokens, adv=adv, entropy=float(ent.detach().float().mean()))
         return loss, stats
 

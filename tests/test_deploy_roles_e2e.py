@@ -1,0 +1,75 @@
+"""The real processes, configured only by deploy/env/*.env (as compose and systemd run them),
+against nats-server running deploy/nats/single.conf: each logs in as its own role and the
+system advances policy versions without a single permission violation.
+
+Minutes of CPU on a 2-core machine, so it runs with the long suite (make test-chaos).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bus import topology as topo
+from bus.weights import parse_version
+from tests.test_deploy_files import ENV_DIR, read_env
+from tests.test_deploy_nats import ConfServer, free_port, render_nats_configs, role_bus_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(900)
+async def test_processes_run_under_their_roles_without_violations(tmp_path):
+    server_env = read_env(ENV_DIR / "nats.env")
+    conf = render_nats_configs(tmp_path / "conf", {"0.0.0.0:7422": f"127.0.0.1:{free_port()}",
+                                                   "/var/lib/nats": str(tmp_path / "js")})
+    hub = ConfServer(conf / "single.conf", server_env, tmp_path / "nats.log")
+    hub.start("/healthz?js-enabled-only=true")
+    common = read_env(ENV_DIR / "common.env")
+    procs: dict[str, subprocess.Popen] = {}
+    observer = None
+    try:
+        for comp in ("trainer", "scorer", "rollout_worker"):   # trainer first: it declares the topology
+            env = {**os.environ, **common, **read_env(ENV_DIR / f"{comp}.env"),
+                   "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "ASYNCRL_BUS__SERVERS": hub.url,
+                   "ASYNCRL_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "ASYNCRL_RUN_DIR": str(tmp_path / "run"),
+                   "ASYNCRL_MAX_STEPS": "2", "ASYNCRL_BATCH_GROUPS": "2", "ASYNCRL_GROUP_SIZE": "2",
+                   "ASYNCRL_SLOTS": "4"}
+            with open(tmp_path / f"{comp}.log", "wb") as log:
+                procs[comp] = subprocess.Popen([sys.executable, "-m", comp], env=env, cwd=tmp_path,
+                                               stdout=log, stderr=subprocess.STDOUT)
+        observer = await asyncio.wait_for(_observer(hub.url, server_env), 60)
+        version, deadline = -1, time.monotonic() + 800
+        while version < 2 and time.monotonic() < deadline:
+            dead = {c: p.returncode for c, p in procs.items() if p.poll() is not None}
+            assert not dead, f"exited: {dead}; logs in {tmp_path}"
+            await asyncio.sleep(2)
+            try:
+                version = parse_version(await observer.kv_get(topo.KEY_VERSION))
+            except Exception:
+                pass
+        assert version >= 2, f"stuck at version {version}; logs in {tmp_path}"
+        violations = [l for l in (tmp_path / "nats.log").read_text().splitlines() if "Permissions Violation" in l]
+        assert not violations, violations[:5]
+    finally:
+        if observer is not None:
+            await observer.close()
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        hub.stop()
+
+
+async def _observer(url: str, server_env: dict):
+    from bus import connect
+    cfg = role_bus_config(url, "observer", {"observer": server_env["ASYNCRL_NATS_OBSERVER_PASSWORD"]})
+    return await connect(cfg)

