@@ -8,8 +8,11 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import zstandard
 
 FULL = -1      # mask count meaning "nothing truncated": the whole vocab was kept, nothing shipped
+ZSTD_MIN_IDS = 256          # above this many kept ids the wire form is delta-coded + zstd
+MAX_WIRE_IDS = 1 << 28      # refuse decompression bombs
 
 
 @dataclass(frozen=True)
@@ -42,11 +45,12 @@ class SamplingConfig:
 
 class SamplingMask:
     """Kept set per sampled token, CSR-like: counts[i] kept ids for row i (FULL = whole vocab,
-    no ids stored), ids = concatenation of each row's kept ids in descending-probability order."""
+    no ids stored), ids = concatenation of each row's kept ids (ascending within a row, as sample() makes them)."""
 
     def __init__(self, counts, ids):
         self.counts = np.asarray(counts, dtype=np.int32).reshape(-1)
         self.ids = np.asarray(ids, dtype=np.int32).reshape(-1)
+        self._offsets = None
         if (self.counts < FULL).any() or (self.counts == 0).any():
             raise ValueError("mask counts must be >= 1 or FULL (-1)")
         if int(np.clip(self.counts, 0, None).sum()) != len(self.ids):
@@ -61,12 +65,17 @@ class SamplingMask:
         return f"SamplingMask(rows={len(self)}, full={int((self.counts == FULL).sum())}, ids={len(self.ids)})"
 
     def __eq__(self, other) -> bool:
-        return (isinstance(other, SamplingMask) and np.array_equal(self.counts, other.counts)
-                and np.array_equal(self.ids, other.ids))
+        """Same kept sets row by row (order of ids within a row does not matter)."""
+        if not isinstance(other, SamplingMask) or not np.array_equal(self.counts, other.counts):
+            return False
+        rows = np.repeat(np.arange(len(self)), np.clip(self.counts, 0, None))
+        return np.array_equal(self.ids[np.lexsort((self.ids, rows))], other.ids[np.lexsort((other.ids, rows))])
 
     @property
     def offsets(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(np.clip(self.counts, 0, None))]).astype(np.int64)
+        if self._offsets is None:      # arrays are never mutated after construction: compute once
+            self._offsets = np.concatenate([[0], np.cumsum(np.clip(self.counts, 0, None))]).astype(np.int64)
+        return self._offsets
 
     @classmethod
     def full(cls, rows: int) -> "SamplingMask":
@@ -100,11 +109,19 @@ class SamplingMask:
         return cls(np.concatenate([m.counts for m in masks]), np.concatenate([m.ids for m in masks]))
 
     def to_wire(self) -> dict:
-        """msgpack-able primitives; an untruncated sequence ships only its length."""
+        """msgpack-able primitives; an untruncated sequence ships only its length. Large kept sets
+        (flat distributions, big vocabularies) ship as per-row sorted, delta-coded, zstd ids."""
         if (self.counts == FULL).all():
             return {"format": "full", "rows": len(self)}
-        return {"format": "csr1", "rows": len(self),
-                "counts": self.counts.astype("<i4").tobytes(), "ids": self.ids.astype("<i4").tobytes()}
+        counts = self.counts.astype("<i4").tobytes()
+        if len(self.ids) <= ZSTD_MIN_IDS:
+            return {"format": "csr1", "rows": len(self), "counts": counts, "ids": self.ids.astype("<i4").tobytes()}
+        rows = np.repeat(np.arange(len(self)), np.clip(self.counts, 0, None))
+        ids = self.ids[np.lexsort((self.ids, rows))].astype(np.int64)
+        delta = np.diff(ids, prepend=0)
+        delta[self.offsets[:-1][self.counts > 0]] = ids[self.offsets[:-1][self.counts > 0]]   # row starts absolute
+        return {"format": "csr1z", "rows": len(self), "counts": counts,
+                "ids": zstandard.ZstdCompressor(level=3).compress(delta.astype("<i4").tobytes())}
 
     @classmethod
     def from_wire(cls, d: dict) -> "SamplingMask":
@@ -113,13 +130,31 @@ class SamplingMask:
         rows = int(d["rows"])
         if d["format"] == "full":
             return cls.full(rows)
-        if d["format"] != "csr1":
+        if d["format"] not in ("csr1", "csr1z"):
             raise ValueError(f"unknown sampling mask format {d['format']!r}")
         cb, ib = d.get("counts"), d.get("ids")
-        if not isinstance(cb, (bytes, bytearray)) or not isinstance(ib, (bytes, bytearray)) \
-                or len(cb) % 4 or len(ib) % 4:
+        if not isinstance(cb, (bytes, bytearray)) or not isinstance(ib, (bytes, bytearray)):
             raise ValueError("sampling mask counts/ids must be int32 byte strings")
-        m = cls(np.frombuffer(cb, "<i4"), np.frombuffer(ib, "<i4"))
+        if d["format"] == "csr1z":
+            try:
+                ib = zstandard.ZstdDecompressor().decompress(ib, max_output_size=MAX_WIRE_IDS * 4)
+            except zstandard.ZstdError as e:
+                raise ValueError(f"sampling mask ids do not decompress: {e}") from None
+        if len(cb) % 4 or len(ib) % 4:
+            raise ValueError("sampling mask counts/ids must be int32 byte strings")
+        counts, ids = np.frombuffer(cb, "<i4"), np.frombuffer(ib, "<i4")
+        if d["format"] == "csr1z":
+            if int(np.clip(counts, 0, None).sum()) != len(ids) or (counts == 0).any() or (counts < FULL).any():
+                raise ValueError("sampling mask counts do not match its ids")
+            # undo the per-row delta coding: cumulative sum minus the running total before each row
+            c = np.cumsum(ids.astype(np.int64))
+            n = np.clip(counts, 0, None)
+            starts = np.concatenate([[0], np.cumsum(n)])[:-1][n > 0]
+            base = np.where(starts > 0, c[np.maximum(starts - 1, 0)], 0)
+            ids = c - np.repeat(base, n[n > 0])
+            if len(ids) and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+                raise ValueError("sampling mask ids out of range after decoding")
+        m = cls(counts, ids)
         if len(m) != rows:
             raise ValueError(f"sampling mask has {len(m)} rows, header says {rows}")
         return m
@@ -191,6 +226,6 @@ def sample(logits: torch.Tensor, cfg, generator: torch.Generator | None = None) 
     counts = keep_sorted.sum(-1).to(torch.int32)
     full = (top_p >= 1) & (top_k == 0) & (temperature > 0)
     counts[full] = FULL
-    ids = order[keep_sorted & ~full[:, None]]          # row-major: each truncated row's kept prefix
+    ids = keep[~full].nonzero()[:, 1]                  # row-major, ascending ids within each row
     mask = SamplingMask(counts.cpu().numpy(), ids.to(torch.int32).cpu().numpy())
     return SampleOut(tokens, logp.gather(1, tokens[:, None])[:, 0], mask)

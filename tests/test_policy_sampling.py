@@ -69,6 +69,21 @@ def test_samples_follow_the_truncated_distribution():
     assert torch.allclose(out.logprobs[out.tokens == 0], torch.tensor(np.log(0.625), dtype=torch.float32))
 
 
+def test_large_kept_sets_ship_compressed_and_exact():
+    logits = torch.randn(40, 5000, generator=torch.Generator().manual_seed(0)) * 0.5   # flat: huge nuclei
+    out = sample(logits, SamplingConfig(1.0, 0.9, 0), torch.Generator().manual_seed(1))
+    wire = out.mask.to_wire()
+    assert wire["format"] == "csr1z" and len(wire["ids"]) < len(out.mask.ids) * 4 / 3
+    back = SamplingMask.from_wire(msgpack.unpackb(msgpack.packb(wire)))
+    assert back == out.mask and torch.equal(back.keep_matrix(5000), out.mask.keep_matrix(5000))
+    mixed = SamplingMask.concat([out.mask[:3], SamplingMask.full(2), out.mask[3:5]])
+    assert SamplingMask.from_wire(mixed.to_wire()) == mixed
+    with pytest.raises(ValueError, match="decompress"):
+        SamplingMask.from_wire({**wire, "ids": wire["ids"][:-7]})
+    with pytest.raises(ValueError, match="do not match"):
+        SamplingMask.from_wire({**wire, "counts": np.array([1] * 40, "<i4").tobytes()})
+
+
 def test_untruncated_rows_ship_nothing():
     out = sample(torch.randn(8, 50), SamplingConfig(1.0, 1.0, 0), torch.Generator().manual_seed(0))
     assert out.mask.to_wire() == {"format": "full", "rows": 8}
