@@ -41,7 +41,7 @@ def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default") -> 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 50 == 0 or step == cfg.warmstart_steps - 1:
             log.info("warm start", step=step, nll=round(float(loss), 4))
     return losses
