@@ -147,3 +147,39 @@ def _run(coro):
         return loop.run_until_complete(coro)
     finally:
         loop.close()
+
+
+async def test_two_scorers_share_the_work_and_crashes_park_in_dlq(bus):
+    from envs.base import ENVS
+
+    class Crashy:
+        name = "crashy"
+
+        def verify(self, text, spec):
+            raise RuntimeError("verifier bug")
+    ENVS["crashy"] = Crashy
+    try:
+        await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.0))
+        rs = [rollout(f"m{i}-0", f"#{42 + i % 2}") for i in range(30)] + [rollout("c1-0", "#1", env="crashy")]
+        await bus.publish_many([(topo.rollout_subject(r.env), r) for r in rs])
+        stop = asyncio.Event()
+        buses = [await connect(BusConfig(servers=bus.cfg.servers, name=f"s{i}")) for i in range(2)]
+        scorers = [Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), scorer_id=f"s{i}", concurrency=4,
+                                       heartbeat_s=0.2), bus=b) for i, b in enumerate(buses)]
+        runs = [asyncio.create_task(s.run(stop, handle_signals=False)) for s in scorers]
+        try:
+            msgs = await drain(bus, topo.SCORED, topo.TRAINER_CONSUMER, 30)
+            reasons = await dlq_reasons(bus, 1)
+        finally:
+            stop.set()
+            await asyncio.gather(*runs)
+            for b in buses:
+                await b.close()
+        ids = [decode(m.data, Scored).rollout["rollout_id"] for m in msgs]
+        assert sorted(ids) == sorted(r.rollout_id for r in rs[:30])            # each exactly once
+        assert sum(s.counts["scored"] for s in scorers) == 30
+        assert len(reasons) == 1 and "RuntimeError: verifier bug" in reasons[0]
+        info = await bus.js.stream_info(topo.TELEMETRY, subjects_filter="rl.heartbeat.scorer.>")
+        assert set(info.state.subjects or {}) >= {"rl.heartbeat.scorer.s0", "rl.heartbeat.scorer.s1"}
+    finally:
+        del ENVS["crashy"]
