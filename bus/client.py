@@ -39,6 +39,10 @@ class KVConflict(Exception):
     """kv_create on an existing key, or kv_update with a stale revision (lost the race)."""
 
 
+class ConnectError(Exception):
+    """No server reachable at startup, or the server refused our credentials."""
+
+
 class PublishError(Exception):
     """A publish that JetStream did not acknowledge (no stream for the subject, server away)."""
 
@@ -56,42 +60,67 @@ def _ssl_context(cfg: BusConfig) -> ssl.SSLContext | None:
     return ctx
 
 
+def _auth_failure(e: BaseException | None) -> bool:
+    text = repr(e).lower()
+    return isinstance(e, nats.errors.AuthorizationError) or "authorization" in text or "authentication" in text
+
+
 async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
-    """Connect (retrying the first time) and return a Bus. Reconnects forever afterwards."""
+    """Connect (retrying the first time) and return a Bus. Reconnects forever afterwards.
+    Raises ConnectError when no server answers after `connect_attempts`, at once on bad credentials."""
     cfg = cfg or BusConfig()
     if overrides:
         import dataclasses
         cfg = dataclasses.replace(cfg, **overrides)
     blog = log.bind(client=cfg.name)
-    holder: list[Bus] = []
+    state: dict = {"bus": None, "err": None}
 
     async def on_disconnect():
-        if not nc.is_closed and not getattr(nc, "_asyncrl_closing", False):
+        bus = state["bus"]
+        if bus is not None and not bus.nc.is_closed and not getattr(bus.nc, "_asyncrl_closing", False):
             blog.warning("nats disconnected")
 
     async def on_reconnect():
-        if holder:
-            holder[0].reconnects += 1   # lets watchers know their server-side state is gone
-        blog.info("nats reconnected", server=str(nc.connected_url.netloc if nc.connected_url else "?"))
+        bus = state["bus"]
+        if bus is not None:
+            bus.reconnects += 1   # lets watchers know their server-side state is gone
+            blog.info("nats reconnected", server=str(bus.nc.connected_url.netloc if bus.nc.connected_url else "?"))
 
     async def on_error(e):
+        state["err"] = e
         blog.warning("nats error", error=repr(e))
 
+    # the first connection gives up (max_reconnect_attempts=1 per try, tenacity around it) so a
+    # wrong URL or password is reported; once connected we switch to reconnecting forever
     opts = dict(servers=cfg.servers, name=cfg.name, connect_timeout=cfg.connect_timeout_s,
-                max_reconnect_attempts=-1, reconnect_time_wait=cfg.reconnect_wait_s,
+                max_reconnect_attempts=1, reconnect_time_wait=cfg.reconnect_wait_s,
                 allow_reconnect=True, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
                 error_cb=on_error, tls=_ssl_context(cfg), tls_hostname=cfg.tls_hostname)
     opts.update({k: v for k, v in dict(user=cfg.user, password=cfg.password, token=cfg.token,
                                        nkeys_seed=cfg.nkeys_seed, user_credentials=cfg.creds).items() if v})
-    async for attempt_ in AsyncRetrying(stop=stop_after_attempt(cfg.connect_attempts), reraise=True,
-                                        wait=wait_random_exponential(multiplier=0.2, max=cfg.reconnect_wait_max_s),
-                                        retry=retry_if_exception_type((OSError, nats.errors.NoServersError,
-                                                                       asyncio.TimeoutError))):
-        with attempt_:
-            nc = await nats.connect(**opts)
+    try:
+        async for attempt_ in AsyncRetrying(stop=stop_after_attempt(cfg.connect_attempts), reraise=True,
+                                            wait=wait_random_exponential(multiplier=0.2, max=cfg.reconnect_wait_max_s),
+                                            retry=retry_if_exception_type(_Unreachable)):
+            with attempt_:
+                try:
+                    nc = await nats.connect(**opts)
+                except (OSError, nats.errors.NoServersError, asyncio.TimeoutError, nats.errors.Error) as e:
+                    if _auth_failure(state["err"]) or _auth_failure(e):
+                        raise ConnectError(f"NATS at {cfg.servers} refused the credentials of "
+                                           f"{cfg.name!r}: {state['err'] or e!r}") from None
+                    raise _Unreachable(repr(state["err"] or e)) from e
+    except _Unreachable as e:
+        raise ConnectError(f"no NATS server reachable at {cfg.servers} after {cfg.connect_attempts} "
+                           f"attempts: {e}") from None
+    nc.options["max_reconnect_attempts"] = -1      # from now on: reconnect forever
     blog.info("nats connected", servers=cfg.servers)
-    holder.append(Bus(nc, cfg))
-    return holder[0]
+    state["bus"] = Bus(nc, cfg)
+    return state["bus"]
+
+
+class _Unreachable(Exception):
+    pass
 
 
 class ResilientPull:
@@ -112,6 +141,7 @@ class ResilientPull:
         self._wake = asyncio.Event()
         self._token = 0
         self.rebuilds = 0
+        self.last_status = ("", "")     # status that ended the last request (404, 408, 409 ...)
 
     @property
     def _next_subject(self) -> str:
@@ -162,6 +192,7 @@ class ResilientPull:
         code, desc = self._status.get(token, ("", ""))
         if code == "409" and "deleted" in desc.lower():
             raise jse.NotFoundError(description=f"consumer {self.stream}/{self.durable}: {desc}")
+        self.last_status = (code, desc)
         return self._take(n)
 
     async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Msg]:
@@ -178,6 +209,9 @@ class ResilientPull:
                 got = await self._request(1, timeout, no_wait=False)
             if got and len(got) < batch:
                 got += await self._request(batch - len(got), timeout, no_wait=True)
+            elif not got and self.last_status[0] == "409":
+                # e.g. "Exceeded MaxAckPending": the server answers at once; don't spin on it
+                await asyncio.sleep(min(timeout, 0.25))
             return got
         except asyncio.CancelledError:
             raise

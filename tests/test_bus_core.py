@@ -178,3 +178,17 @@ async def test_kv_watch_survives_server_restart(fresh_server):
         assert seen[0] == b"0.1" and seen[-1] == b"0.3"     # 0.2 may be folded into the rebuild
     finally:
         await bus.close()
+
+
+async def test_connect_reports_bad_credentials_and_unreachable_servers(tmp_path):
+    from bus import ConnectError, EmbeddedServer
+    async with EmbeddedServer(tmp_path / "auth", extra_args=["--auth", "s3cret"]) as srv:
+        ok = await connect(BusConfig(servers=[srv.url], token="s3cret", name="tok"))
+        assert ok.nc.is_connected
+        await ok.close()
+        with pytest.raises(ConnectError, match="refused the credentials"):
+            await connect(BusConfig(servers=[srv.url], token="wrong", connect_attempts=5))
+        port = srv.port
+    with pytest.raises(ConnectError, match="no NATS server reachable"):
+        await connect(BusConfig(servers=[f"nats://127.0.0.1:{port}"], connect_attempts=2,
+                                reconnect_wait_s=0.05, reconnect_wait_max_s=0.1))
