@@ -53,6 +53,7 @@ async def snapshot(bus) -> dict:
                 snap["control"][key] = {"value": None, "revision": 0}
     except jse.BucketNotFoundError:
         snap["missing"].append(topo.CONTROL_BUCKET)
+    snap["components"] = await _components(bus)
     v = snap["control"].get(topo.KEY_VERSION, {}).get("value")
     try:
         snap["version"] = int(v) if v is not None else None
@@ -65,6 +66,26 @@ async def snapshot(bus) -> dict:
         except (jse.NotFoundError, ValueError):
             pass
     return snap
+
+
+async def _components(bus, limit: int = 200) -> list[dict]:
+    """Latest heartbeat of each component (rl.heartbeat.<component>.<id> in TELEMETRY)."""
+    from bus.events import EventError, Heartbeat, decode
+    try:
+        si = await bus.js.stream_info(topo.TELEMETRY, subjects_filter="rl.heartbeat.>")
+    except jse.NotFoundError:
+        return []
+    out = []
+    now = time.time()
+    for subject in sorted(si.state.subjects or {})[:limit]:
+        try:
+            raw = await bus.js.get_last_msg(topo.TELEMETRY, subject)
+            hb = decode(raw.data, Heartbeat)
+        except (jse.NotFoundError, EventError):
+            continue
+        out.append({"component": hb.component, "id": hb.component_id, "version": hb.version,
+                    "age_s": round(now - hb.ts, 1), "metrics": hb.metrics})
+    return out
 
 
 def _size(n: int) -> str:
@@ -87,6 +108,10 @@ def render(snap: dict, rich: bool | None = None) -> str:
             name = ""  # print the stream once
     head = ["stream", "msgs", "bytes", "consumer", "pending", "ack_pending", "redelivered"]
     ctl = [[k, "" if v["value"] is None else v["value"], str(v["revision"])] for k, v in snap["control"].items()]
+    comp = [[c["component"], c["id"], str(c["version"]), f"{c['age_s']:.1f}",
+             ", ".join(f"{k}={v}" for k, v in list(c["metrics"].items())[:6])[:60]]
+            for c in snap.get("components", [])]
+    comp_head = ["component", "id", "version", "last seen (s)", "metrics"]
     title = f"asyncrl @ {snap.get('server')}  policy version: {snap.get('version')}"
     if rich is not False:
         try:
@@ -101,6 +126,8 @@ def render(snap: dict, rich: bool | None = None) -> str:
             w = [max(len(x) for x in col) for col in zip(h, *rs)]
             return "\n".join("  ".join(c.ljust(n) for c, n in zip(r, w)) for r in [h, *rs])
         out = [title, "", table(head, rows), "", table(["key", "value", "revision"], ctl)]
+        if comp:
+            out += ["", table(comp_head, comp)]
         if snap["missing"]:
             out += ["", f"missing (not provisioned): {', '.join(snap['missing'])}"]
         return "\n".join(out)
@@ -118,6 +145,13 @@ def render(snap: dict, rich: bool | None = None) -> str:
     for r in ctl:
         k.add_row(*r)
     con.print(k)
+    if comp:
+        c = Table(title="components (last heartbeat)")
+        for h in comp_head:
+            c.add_column(h)
+        for r in comp:
+            c.add_row(*r)
+        con.print(c)
     if snap["missing"]:
         con.print(f"missing (not provisioned): {', '.join(snap['missing'])}")
     return buf.getvalue()

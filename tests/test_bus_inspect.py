@@ -12,7 +12,14 @@ async def test_snapshot_and_render(bus):
     sub = await bus.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)
     (m,) = await sub.fetch(1, timeout=1)                       # one in flight, unacked
     await bus.kv_put(topo.KEY_VERSION, b"17")
+    from bus.events import Heartbeat
+    for ts in (1, 2):   # two beats of one worker: only the latest is shown
+        await bus.publish(topo.heartbeat_subject("rollout_worker", "w9"),
+                          Heartbeat(component="rollout_worker", component_id="w9", version=ts, ts=float(ts),
+                                    metrics={"slots": 4}))
     snap = await snapshot(bus)
+    (w,) = snap["components"]
+    assert (w["id"], w["version"], w["metrics"]) == ("w9", 2, {"slots": 4})
     tasks = snap["streams"][topo.TASKS]
     assert tasks["messages"] == 3
     c = tasks["consumers"][topo.ROLLOUT_CONSUMER]
@@ -20,7 +27,7 @@ async def test_snapshot_and_render(bus):
     assert snap["version"] == 17 and snap["control"][topo.KEY_VERSION]["value"] == "17"
     assert snap["control"][topo.KEY_LEADER]["value"] is None and snap["missing"] == []
     for text in (render(snap), render(snap, rich=False)):
-        assert "TASKS" in text and "rollout" in text and "17" in text
+        assert "TASKS" in text and "rollout" in text and "17" in text and "w9" in text
     await m.ack_sync()
 
 
