@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -192,3 +194,27 @@ async def test_connect_reports_bad_credentials_and_unreachable_servers(tmp_path)
     with pytest.raises(ConnectError, match="no NATS server reachable"):
         await connect(BusConfig(servers=[f"nats://127.0.0.1:{port}"], connect_attempts=2,
                                 reconnect_wait_s=0.05, reconnect_wait_max_s=0.1))
+
+
+async def test_run_foreground_serves_until_sigterm(tmp_path):
+    """`asyncrl nats`: prints the URL, serves JetStream, exits 0 on SIGTERM and stops the server."""
+    import signal
+    import sys
+    code = "import sys; from bus.server import run_foreground; sys.exit(run_foreground(sys.argv[1], port=None))"
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, str(tmp_path / "store"),
+                                                stdout=asyncio.subprocess.PIPE,
+                                                env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        assert line.startswith("nats-server ready: nats://"), line
+        url = line.split()[2]
+        b = await connect(BusConfig(servers=[url], name="fg"))
+        assert (await b.provision())[topo.TASKS] == "created"
+        await b.close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert (tmp_path / "store" / "jetstream").is_dir()          # file store kept
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
