@@ -3,6 +3,7 @@
     handler returns          -> ack
     raises TransientError    -> nak(delay)            (DLQ once deliveries >= max_deliver)
     body fails to decode     -> DLQ with the reason, term   (never crashes the loop)
+    handler raises EventError-> DLQ with the reason, term   (bad input: retrying cannot help)
     raises anything else     -> nak(delay); DLQ + term once deliveries >= max_deliver
     while a handler runs     -> in_progress() every ack_wait/3, so long work is not redelivered
 
@@ -223,6 +224,10 @@ class ConsumerLoop:
             self.stats.drained_naks += 1
             await self._settle(msg.nak(), "nak")
             return
+        except EventError as e:  # the handler found the input invalid: retrying cannot help
+            self.stats.malformed += 1
+            await self._to_dlq(msg, f"invalid: {e}")
+            return
         except TransientError as e:
             if ctx.last_delivery:
                 await self._to_dlq(msg, f"transient error persisted through {deliveries} deliveries: {e}")
@@ -242,7 +247,8 @@ class ConsumerLoop:
             return
         finally:
             self.inflight.pop(id(msg), None)
-        await self._settle(msg.ack(), "ack")
+        if not msg.is_acked:  # the handler may have settled it itself (ctx.msg.ack / term)
+            await self._settle(msg.ack(), "ack")
         self.stats.acked += 1
 
 

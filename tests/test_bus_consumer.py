@@ -262,3 +262,23 @@ async def test_message_whose_consumer_died_on_last_delivery_is_swept_to_dlq(fres
         assert (await bus.js.stream_info(topo.TASKS)).state.messages == 0
     finally:
         await bus.close()
+
+
+async def test_handler_event_error_parks_at_once_and_self_acked_is_fine(fresh_server):
+    from bus.events import EventError
+    bus = await short_bus(fresh_server)
+    try:
+        await bus.publish(topo.task_subject("arith"), task(1))
+        await bus.publish(topo.task_subject("arith"), task(2))
+
+        async def handler(ev, ctx):
+            if ev.task_id == "t1":
+                raise EventError("spec has no answer")
+            await ctx.msg.ack_sync()           # settles it itself; the loop must not double-ack
+        loop = ConsumerLoop(bus, topo.TASKS, topo.ROLLOUT_CONSUMER, handler, Task, handle_signals=False)
+        await run_until(loop, lambda: loop.stats.dlq == 1 and loop.stats.acked == 1)
+        (dead,) = await dlq_messages(bus, 1)
+        assert "spec has no answer" in dead.headers["Rl-Reason"] and dead.headers["Rl-Deliveries"] == "1"
+        assert (await bus.js.stream_info(topo.TASKS)).state.messages == 0
+    finally:
+        await bus.close()
