@@ -36,7 +36,7 @@ from .feeding import TaskFeeder
 from .learner import Learner, pack, world
 from .lease import LeaderLease, LeaseLost
 from .loss import LossConfig
-from .warmstart import warm_start
+from .warmstart import load_tokenizer, warm_start
 
 log = get_logger("trainer")
 
@@ -47,7 +47,13 @@ def build_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:
         from policy import load_hf_checkpoint
         model = load_hf_checkpoint(cfg.init_checkpoint)
         return model, model.cfg
-    mcfg = ModelConfig.from_dict(cfg.model) if cfg.model else ModelConfig.tiny()
+    # the vocabulary defaults to the tokenizer's, so the policy cannot sample an undecodable id
+    tok_vocab = load_tokenizer(cfg.tokenizer).vocab_size
+    over = {k: v for k, v in cfg.model.items() if k != "preset"}
+    vocab = over.pop("vocab_size", tok_vocab)
+    if vocab < tok_vocab:
+        raise ValueError(f"model vocab_size {vocab} is smaller than the tokenizer's {tok_vocab}")
+    mcfg = ModelConfig.preset(cfg.model.get("preset", "tiny"), vocab_size=vocab, **over)
     return Transformer(mcfg).float(), mcfg
 
 
@@ -61,11 +67,10 @@ def build_learner(model, opt, cfg: TrainerConfig) -> Learner:
                    micro_batch=cfg.micro_batch)
 
 
-def staleness_histogram(lags: list[int], max_lag: int) -> dict[str, int]:
-    """Counts per lag 0..max_lag and one bucket '>max_lag'."""
-    lags_a = np.asarray(lags, dtype=np.int64)
-    counts = np.bincount(np.clip(lags_a, 0, max_lag + 1), minlength=max_lag + 2) if lags else np.zeros(max_lag + 2, int)
-    return {**{str(i): int(c) for i, c in enumerate(counts[:-1])}, f">{max_lag}": int(counts[-1])}
+def staleness_histogram(lags: list[int]) -> dict[str, int]:
+    """{lag: count} over the batch's samples (string keys: JSON/msgpack maps)."""
+    vals, counts = np.unique(np.asarray(lags, dtype=np.int64), return_counts=True)
+    return {str(int(v)): int(c) for v, c in zip(vals, counts)}
 
 
 def load_signing_key(path: str):
@@ -211,40 +216,43 @@ class Trainer:
             log.info("leader loop ended", version=self.version, lost=lost.is_set(), stopped=stop_keeper)
         return 3 if lost.is_set() else 0
 
+    def _step(self, packed) -> dict:
+        broadcast_obj(("step", packed))
+        return self.learner.step(packed)
+
     async def train_on(self, batch, batcher: Batcher, publisher: WeightPublisher, lost: asyncio.Event) -> None:
         cfg = self.cfg
         t0 = time.perf_counter()
         packed = pack(batch)
         live = sum(1 for s in packed if s.weight > 0 and s.completion_ids)
-        stats: dict = {}
+        # CPU/GPU-heavy parts run in a thread so the event loop keeps renewing the lease
+        stats: dict = await asyncio.to_thread(self._step, packed) if live else {}
         if live:
-            broadcast_obj(("step", packed))
-            stats = self.learner.step(packed)
             self.version += 1
             self.step_n += 1
         self.consumed.add(batch.rollout_ids)
-        new = self.learner.published_state()
-        delta = delta_codec.encode_delta(self.published, new, from_version=self.version - 1,
-                                         to_version=self.version) if live else None
+        new = await asyncio.to_thread(self.learner.published_state)
+        delta = await asyncio.to_thread(delta_codec.encode_delta, self.published, new,
+                                        from_version=self.version - 1, to_version=self.version) if live else None
         if not self.lease.valid() or lost.is_set():
             raise LeaseLost("leader lease no longer valid: refusing to checkpoint or publish")
         self.digest = delta_codec.state_digest(new)
-        self.save()
+        await asyncio.to_thread(self.save)
+        delta_bytes = 0
         if delta is not None:
-            await publisher.publish_delta(delta)
+            delta_bytes = (await publisher.publish_delta(delta)).size
             if self.version % cfg.keyframe_interval == 0:
                 await publisher.publish_keyframe(new, self.version, self.model_cfg, set_version=False)
         self.published = new
         await batcher.ack(batch)
         lags = [s.lag for s in packed]
-        delta_bytes = len(delta.to_bytes()) if delta is not None else 0
         values = {
             **{k: v for k, v in stats.items()}, "version": self.version, "epoch": self.lease.epoch,
             "reward_mean": float(np.mean([s.reward for s in packed])),
             "success_mean": float(np.mean([s.success for s in packed])),
             "cost_mean": float(np.mean([s.cost for s in packed])), "lambda": float(np.mean([s.lambda_ for s in packed])),
             "samples": len(packed), "live_samples": live, "groups": batch.n_groups,
-            "staleness_mean": float(np.mean(lags)), "staleness_hist": staleness_histogram(lags, cfg.max_lag),
+            "staleness_mean": float(np.mean(lags)), "staleness_hist": staleness_histogram(lags),
             "dropped_stale": sum(1 for s in packed if s.weight == 0),
             "delta_bytes": delta_bytes, "delta_ratio": delta_bytes / self.full_bytes,
             "changed_frac": (delta.stats.changed / max(delta.stats.total, 1)) if delta is not None else 0.0,

@@ -13,8 +13,10 @@ class TrainerConfig:
     bus: BusConfig = field(default_factory=BusConfig)
     trainer_id: str = ""                 # default: <host>-<pid>
     envs: list[str] = field(default_factory=lambda: ["arith"])
-    # model: policy.ModelConfig as a dict (empty = ModelConfig.tiny for the env tokenizer's vocab)
+    # model: {"preset": tiny|small|base50m|base100m, **ModelConfig overrides}; vocab_size defaults
+    # to the tokenizer's (workers decode with the same tokenizer)
     model: dict = field(default_factory=dict)
+    tokenizer: str = "char"              # char (policy CharTokenizer) | path to a tokenizer.json
     init_checkpoint: str = ""            # optional HF checkpoint dir (policy.load_hf_checkpoint)
     seed: int = 0
     # optimizer (fp32 master weights, AdamW)

@@ -11,9 +11,14 @@ from bus import get_logger
 from envs import get_env
 from policy.logprobs import sequence_logprobs
 from policy.sampling import SamplingConfig
-from policy.tokenizer import CharTokenizer
 
 log = get_logger(__name__)
+
+
+def load_tokenizer(spec: str):
+    """The workers' tokenizer: "char" (policy.CharTokenizer) or a tokenizer.json path."""
+    from policy.tokenizer import CharTokenizer, load_hf_tokenizer
+    return CharTokenizer.default() if spec == "char" else load_hf_tokenizer(spec)
 
 
 def demo_batch(env_names: list[str], n: int, rng: random.Random, tok, style: str = "default"):
@@ -28,7 +33,7 @@ def demo_batch(env_names: list[str], n: int, rng: random.Random, tok, style: str
 
 def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default") -> list[float]:
     """cfg.warmstart_steps AdamW steps of demonstration NLL; returns the loss per step."""
-    tok = tok or CharTokenizer.default()
+    tok = tok or load_tokenizer(cfg.tokenizer)
     rng = random.Random(cfg.seed + 7919)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr)
     losses = []
@@ -43,5 +48,5 @@ def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default") -> 
         opt.step()
         losses.append(float(loss.detach()))
         if step % 50 == 0 or step == cfg.warmstart_steps - 1:
-            log.info("warm start", step=step, nll=round(float(loss), 4))
+            log.info("warm start", step=step, nll=round(losses[-1], 4))
     return losses
