@@ -1,5 +1,7 @@
 """Trainer-side replay: on identical weights, recomputed logprobs equal behaviour logprobs
 when mask and quant are replayed, and measurably differ when either is not."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -154,3 +156,12 @@ def test_worker_side_bf16_state_gives_same_numerics():
     prompts, outs, behaviour = rollouts(worker, samplings, n_new=10)
     r = sequence_logprobs(trainer, prompts, [o.ids for o in outs], samplings, [o.mask for o in outs])
     assert mismatch_metrics(behaviour, r.logprobs, r.valid)["k3_mean"] < 1e-9
+
+
+def test_mismatch_bench_runs_and_meets_targets_at_tiny_size(capsys):
+    from bench.mismatch import main
+    out = main(["--preset", "tiny", "--vocab", "256", "--tokens", "96", "--batch", "8", "--json"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == json.loads(json.dumps(out))
+    assert out["tokens"] == 96 and set(out["results"]) == {"none", "mask", "quant", "both"}
+    assert out["targets_met"] and out["results"]["both"]["k3_mean"] < out["results"]["mask"]["k3_mean"]
