@@ -10,6 +10,7 @@ connection and WeightFeed) in this one process, fed a steady supply of tasks. Ev
 tokens_per_s                  all workers together, generated tokens / wall second (timed phase)
 slot_occupancy                mean over decode steps of busy slots / slots
 decode_step_ms_p50            one batched decode step (median over workers' medians)
+step_gap_ms_p50/p99           end of one decode step to the next when no update came between (baseline)
 update_stall_ms_p50/p99       gap between the two decode steps straddling an update (pooled)
 update_apply_ms_p50/p99       time to apply one delta in place (digests, copy into the model)
 update_stall_excess_ms_p99    stall minus that update's apply time; target <= 2 x decode p50
@@ -42,7 +43,7 @@ def perturb(state: dict, frac: float, seed: int) -> dict:
     new = {}
     for k, v in state.items():
         flat = v.clone().reshape(-1)
-        idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(frac * flat.numel()))]
+        idx = (torch.rand(flat.numel(), generator=g) < frac).nonzero()[:, 0]
         x = flat[idx].float()
         flat[idx] = (x + (x.abs() + 1e-3) * 0.05 * torch.randn(idx.numel(), generator=g)).to(v.dtype)
         new[k] = flat.reshape(v.shape)
@@ -137,6 +138,7 @@ async def run(a) -> dict:
             await b.close()
 
     stall = [x for m in ms for x in m.stall_ms]
+    gaps = [x for m in ms for x in m.gap_ms]
     excess = [x for m in ms for x in m.stall_excess_ms]
     apply_ms = [x for m in ms for x in m.apply_ms]
     decode_p50 = float(np.median([s["decode_step_ms_p50"] for s in snaps]))
@@ -146,6 +148,7 @@ async def run(a) -> dict:
         "tokens_per_s": round(sum(s["tokens"] for s in snaps) / wall, 1),
         "slot_occupancy": round(float(np.mean([s["slot_occupancy"] for s in snaps])), 4),
         "decode_step_ms_p50": round(decode_p50, 2),
+        "step_gap_ms_p50": round(pct(gaps, 50), 2), "step_gap_ms_p99": round(pct(gaps, 99), 2),
         "update_stall_ms_p50": round(pct(stall, 50), 2), "update_stall_ms_p99": round(pct(stall, 99), 2),
         "update_apply_ms_p50": round(pct(apply_ms, 50), 2), "update_apply_ms_p99": round(pct(apply_ms, 99), 2),
         "update_stall_excess_ms_p99": round(pct(excess, 99), 2),
@@ -175,9 +178,11 @@ def main(argv=None) -> int:
     ap.add_argument("--interval-s", type=float, default=1.0, help="time between two deltas")
     ap.add_argument("--warmup-s", type=float, default=2.0)
     ap.add_argument("--tail-s", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per decode call")
     ap.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     a = ap.parse_args(argv)
     setup_logging("bench", json=True, level="warning")
+    torch.set_num_threads(a.threads)
     res = asyncio.run(run(a))
     if not a.json:
         for k, v in res.items():

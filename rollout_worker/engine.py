@@ -56,8 +56,12 @@ class VersionGapError(WeightUpdateError):
 
 @runtime_checkable
 class Engine(Protocol):
-    version: int
+    version: int                 # version of the live weights (the one new tokens get)
     epoch: int
+
+    @property
+    def free_slots(self) -> int:
+        """Sequences it can start now (may be negative when requests queue); sizes task fetches."""
 
     async def generate(self, prompt_ids: list[int], sampling: "SamplingParams", seed: int) -> Generation: ...
 
@@ -142,6 +146,7 @@ class EngineMetrics:
     def __init__(self, slots: int, window: int = 4096) -> None:
         self.slots = slots
         self.step_ms: deque[float] = deque(maxlen=window)
+        self.gap_ms: deque[float] = deque(maxlen=window)      # end of one decode step to the next, no update between
         self.occupancy: deque[float] = deque(maxlen=window)
         self.stall_ms: deque[float] = deque(maxlen=window)
         self.apply_ms: deque[float] = deque(maxlen=window)
@@ -152,8 +157,10 @@ class EngineMetrics:
         self.started = time.perf_counter()
         self.busy_s = 0.0             # time with at least one active sequence
 
-    def step(self, dt_s: float, active: int) -> None:
+    def step(self, dt_s: float, active: int, gap_s: float | None = None) -> None:
         self.step_ms.append(dt_s * 1e3)
+        if gap_s is not None:
+            self.gap_ms.append(gap_s * 1e3)
         self.occupancy.append(active / max(self.slots, 1))
         self.tokens += active
         self.busy_s += dt_s
@@ -176,6 +183,8 @@ class EngineMetrics:
             "tokens_per_busy_s": self.tokens / max(self.busy_s, 1e-9),
             "slot_occupancy": float(np.mean(self.occupancy)) if self.occupancy else 0.0,
             "decode_step_ms_p50": _pct(self.step_ms, 50),
+            "step_gap_ms_p50": _pct(self.gap_ms, 50),
+            "step_gap_ms_p99": _pct(self.gap_ms, 99),
             "update_stall_ms_p50": _pct(self.stall_ms, 50),
             "update_stall_ms_p99": _pct(self.stall_ms, 99),
             "update_stall_excess_ms_p99": _pct(self.stall_excess_ms, 99),

@@ -290,7 +290,8 @@ class TorchEngine:
             logits = self.model.decode(tokens, self.cache, slots)
             self._emit(live, logits, finished)
             end = time.perf_counter()
-            self.metrics.step(end - t1, len(live) + len(admits))   # sequences that got a token this turn
+            gap = end - self._last_step_end if self._last_step_end is not None and self._stall_from is None else None
+            self.metrics.step(end - t1, len(live) + len(admits), gap)   # sequences that got a token this turn
             self._last_step_end = end
         else:
             self.metrics.tokens += len(admits)
