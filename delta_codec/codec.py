@@ -209,7 +209,7 @@ def decode_chunk(rec, itemsize: int, what: str, base_at=None, shift: int | None 
             pos = decode_gaps(int(rec[4]), rec[5], rec[6], rec[7], m, count, what)
         elif mode == BITMAP:
             mask = np.unpackbits(np.frombuffer(zd(rec[4], (count + 7) // 8, what + " bitmap"), np.uint8))[:count]
-            pos = np.flatnonzero(mask)
+            pos = np.flatnonzero(mask.view(bool))  # bool nonzero is ~4x faster than uint8
             if pos.size != m:
                 raise DeltaError(f"{what}: bitmap has {pos.size} changes, header says {m}")
         else:

@@ -11,7 +11,9 @@ the name of the tensor it belongs to.
 """
 from __future__ import annotations
 
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import msgpack
@@ -220,29 +222,48 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return (t if t.device.type == "cpu" else t.cpu()).contiguous()
 
 
-def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = None, chunk: int = CHUNK) -> Delta:
-    """Encode new - base, tensor by tensor and chunk by chunk (memory stays ~ one tensor).
+def default_threads() -> int:
+    return int(os.environ.get("ASYNCRL_DELTA_THREADS", min(8, os.cpu_count() or 1)))
+
+
+def _parallel(fn, items, threads: int | None) -> list:
+    """fn over items on a thread pool (numpy, zstd and xxhash release the GIL); waits for all,
+    then re-raises the first error, so callers can roll back knowing nothing is still running."""
+    threads = default_threads() if threads is None else threads
+    if threads <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(threads) as pool:
+        futures = [pool.submit(fn, x) for x in items]
+        wait(futures)
+    return [f.result() for f in futures]
+
+
+def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = None, chunk: int = CHUNK,
+                 threads: int | None = None) -> Delta:
+    """Encode new - base, tensor by tensor and chunk by chunk (memory stays ~ `threads` tensors).
     `chunk` (elements, a multiple of 8) is the granularity of the position-coding choice."""
     if chunk <= 0 or chunk % 8:
         raise DeltaError(f"chunk must be a positive multiple of 8, got {chunk}")
     missing, extra = [n for n in base if n not in new], [n for n in new if n not in base]
     if missing or extra:
         raise DeltaError(f"base and new differ in tensor names: only in base {missing[:5]}, only in new {extra[:5]}")
-    records = []
     for name, bt in base.items():
-        nt = new[name]
-        _check_pair(name, bt, nt)
-        bt, nt = _host(bt), _host(nt)
-        bb, nb = np_bits(bt), np_bits(nt)
-        ordered, shift = is_ordered(bt.dtype), exponent_shift(bt.dtype)
-        chunks, changed = [], 0
-        for s in range(0, bb.size, chunk):
-            rec, m = encode_chunk(bb[s:s + chunk], nb[s:s + chunk], ordered, shift)
-            chunks.append(rec)
-            changed += m
-        records.append(TensorRecord(name, dtype_name(bt.dtype), tuple(bt.shape), tensor_digest(bt),
-                                    tensor_digest(nt), msgpack.packb(chunks, use_bin_type=True), changed))
+        _check_pair(name, bt, new[name])
+    records = _parallel(lambda name: _encode_tensor(name, base[name], new[name], chunk), list(base), threads)
     return Delta(from_version, from_version + 1 if to_version is None else to_version, records)
+
+
+def _encode_tensor(name: str, bt: torch.Tensor, nt: torch.Tensor, chunk: int) -> TensorRecord:
+    bt, nt = _host(bt), _host(nt)
+    bb, nb = np_bits(bt), np_bits(nt)
+    ordered, shift = is_ordered(bt.dtype), exponent_shift(bt.dtype)
+    chunks, changed = [], 0
+    for s in range(0, bb.size, chunk):
+        rec, m = encode_chunk(bb[s:s + chunk], nb[s:s + chunk], ordered, shift)
+        chunks.append(rec)
+        changed += m
+    return TensorRecord(name, dtype_name(bt.dtype), tuple(bt.shape), tensor_digest(bt), tensor_digest(nt),
+                        msgpack.packb(chunks, use_bin_type=True), changed)
 
 
 def _chunks(r: TensorRecord) -> list:
@@ -293,7 +314,7 @@ def _validate_target(state, recs: list[TensorRecord], what: str) -> None:
             raise DeltaError(f"tensor {r.name!r}: in-place apply needs a contiguous tensor")
 
 
-def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None) -> None:
+def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None, threads: int | None = None) -> None:
     """Apply in place. Verifies signature (if public_key), per-tensor base digest before and
     result digest after writing; on any error every tensor written so far is rolled back."""
     if isinstance(delta, (bytes, bytearray, memoryview)):
@@ -303,10 +324,9 @@ def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None
     if expect_from is not None and delta.from_version != expect_from:
         raise DeltaError(f"delta goes {delta.from_version}->{delta.to_version}, but the state is version {expect_from}")
     _validate_target(state, delta.records, "delta")
-    undo: list = []
+    undo: list = []  # (list.append is atomic; chunks are disjoint, so restore order is free)
     try:
-        for r in delta.records:
-            _apply_tensor(state[r.name], r, delta.from_version, undo)
+        _parallel(lambda r: _apply_tensor(state[r.name], r, delta.from_version, undo), delta.records, threads)
     except BaseException:
         for restore in reversed(undo):
             restore()
