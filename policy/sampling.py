@@ -217,6 +217,9 @@ def sample(logits: torch.Tensor, cfg, generator: torch.Generator | None = None) 
     if logits.dim() != 2:
         raise ValueError(f"sample expects logits [B, V], got shape {tuple(logits.shape)}")
     B, V = logits.shape
+    if not torch.isfinite(logits).all():
+        bad = (~torch.isfinite(logits)).any(-1).nonzero()[:, 0][:5].tolist()
+        raise ValueError(f"non-finite logits in rows {bad}: refusing to sample from a broken distribution")
     temperature, top_p, top_k = sampling_tensors(cfg, B, logits.device)
     scaled = scale_logits(logits, temperature)
     order, keep_sorted = truncation(scaled, temperature, top_p, top_k)

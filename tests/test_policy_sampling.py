@@ -130,6 +130,8 @@ def test_bad_sampling_inputs_refused():
         sample(torch.randn(3, 10), [SamplingConfig()] * 2)
     with pytest.raises(ValueError, match=r"logits \[B, V\]"):
         sample(torch.randn(10), SamplingConfig())
+    with pytest.raises(ValueError, match=r"non-finite logits in rows \[1\]"):
+        sample(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]), SamplingConfig())
     with pytest.raises(ValueError, match="vocab size"):
         SamplingMask([1], [12]).keep_matrix(10)
     assert SamplingConfig.from_dict({"temperature": 0.5, "top_p": 0.9, "top_k": 0, "max_tokens": 9, "n": 4}) \
