@@ -45,8 +45,8 @@ def build_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:
     torch.manual_seed(cfg.seed)          # every rank builds identical initial weights
     if cfg.init_checkpoint:
         from policy import load_hf_checkpoint
-        model = load_hf_checkpoint(cfg.init_checkpoint)
-        return model, model.cfg
+        mcfg, model = load_hf_checkpoint(cfg.init_checkpoint, dtype=torch.float32, device=device(cfg))
+        return model, mcfg
     # the vocabulary defaults to the tokenizer's, so the policy cannot sample an undecodable id
     tok_vocab = load_tokenizer(cfg.tokenizer).vocab_size
     over = {k: v for k, v in cfg.model.items() if k != "preset"}
@@ -54,7 +54,15 @@ def build_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:
     if vocab < tok_vocab:
         raise ValueError(f"model vocab_size {vocab} is smaller than the tokenizer's {tok_vocab}")
     mcfg = ModelConfig.preset(cfg.model.get("preset", "tiny"), vocab_size=vocab, **over)
-    return Transformer(mcfg).float(), mcfg
+    return Transformer(mcfg).float().to(device(cfg)), mcfg
+
+
+def device(cfg: TrainerConfig) -> torch.device:
+    if cfg.device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    return torch.device(cfg.device)
 
 
 def build_optimizer(model, cfg: TrainerConfig) -> torch.optim.Optimizer:
@@ -268,7 +276,11 @@ class Trainer:
 # ---------------------------------------------------------------- entry points
 def init_distributed() -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():          # NCCL: one GPU per rank, objects travel via that GPU
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("gloo")
 
 
 async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from bus import get_logger
 from bus import topology as topo
 from bus.events import EventError, Rollout, Scored, decode
+from policy import QuantConfig, SamplingConfig, SamplingMask
 
 log = get_logger(__name__)
 
@@ -69,8 +70,6 @@ class ConsumedIds:
 
 def check_rollout(r: Rollout, vocab_size: int) -> None:
     """What the learner will need of a rollout, checked on arrival (EventError -> DLQ)."""
-    from policy.config import QuantConfig
-    from policy.sampling import SamplingConfig, SamplingMask
     try:
         if not r.prompt_ids:
             raise ValueError("empty prompt")

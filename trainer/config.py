@@ -19,6 +19,7 @@ class TrainerConfig:
     tokenizer: str = "char"              # char (policy CharTokenizer) | path to a tokenizer.json
     init_checkpoint: str = ""            # optional HF checkpoint dir (policy.load_hf_checkpoint)
     seed: int = 0
+    device: str = "auto"                 # auto (cuda if available) | cpu | cuda
     # optimizer (fp32 master weights, AdamW)
     lr: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])

@@ -15,10 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from policy.config import QuantConfig
-from policy.logprobs import mismatch_metrics, sequence_logprobs
-from policy.model import Transformer, inference_state
-from policy.sampling import SamplingConfig, SamplingMask
+from policy import (QuantConfig, SamplingConfig, SamplingMask, Transformer, inference_state, mismatch_metrics,
+                    sequence_logprobs)
 
 from .loss import LossConfig, group_advantages, pg_loss
 
@@ -95,6 +93,7 @@ class Learner:
     def loss(self, samples: list[PackedSample], grad: bool = True) -> tuple[torch.Tensor, dict]:
         """This rank's share of the batch loss (summing over ranks gives the full loss)."""
         rank, ws = world()
+        dev = next(self.model.parameters()).device
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
         adv = group_advantages(rewards, groups, self.adv_norm)
@@ -107,9 +106,9 @@ class Learner:
                 return zero, {"n_tokens": n_tokens, "adv": adv}
             logp, ent = self._logprobs([samples[i] for i in mine])
             lens = torch.tensor([len(samples[i].completion_ids) for i in mine])
-            behav = torch.tensor([x for i in mine for x in samples[i].logprobs], dtype=torch.float32)
-            a = adv[mine].repeat_interleave(lens)
-            w = torch.tensor([samples[i].weight for i in mine], dtype=torch.float32).repeat_interleave(lens)
+            behav = torch.tensor([x for i in mine for x in samples[i].logprobs], dtype=torch.float32).to(dev)
+            a = adv[mine].repeat_interleave(lens).to(dev)
+            w = torch.tensor([samples[i].weight for i in mine], dtype=torch.float32).repeat_interleave(lens).to(dev)
             loss, stats = pg_loss(logp.float(), behav, a, w, n_tokens, self.loss_cfg, ent.float())
         mm = mismatch_metrics(behav, logp.detach().float(), C=self.loss_cfg.is_clip)
         stats.update({k: mm[k] for k in ("k3_mean", "ratio_mean", "ratio_p99_abs_log", "frac_outside_C")})
@@ -148,4 +147,5 @@ class Learner:
         return stats
 
     def published_state(self) -> dict[str, torch.Tensor]:
-        return inference_state(self.model, dtype=torch.bfloat16)
+        """The bf16 bits workers will hold (on the CPU: the codec and the bus work there)."""
+        return {k: v.cpu() for k, v in inference_state(self.model, dtype=torch.bfloat16).items()}

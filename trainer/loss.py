@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from policy.logprobs import masked_is_weight, truncated_is_weight
+from policy import masked_is_weight, truncated_is_weight
 
 EPS = 1e-6
 

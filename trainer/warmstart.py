@@ -9,15 +9,13 @@ import torch
 
 from bus import get_logger
 from envs import get_env
-from policy.logprobs import sequence_logprobs
-from policy.sampling import SamplingConfig
+from policy import CharTokenizer, SamplingConfig, load_hf_tokenizer, sequence_logprobs
 
 log = get_logger(__name__)
 
 
 def load_tokenizer(spec: str):
     """The workers' tokenizer: "char" (policy.CharTokenizer) or a tokenizer.json path."""
-    from policy.tokenizer import CharTokenizer, load_hf_tokenizer
     return CharTokenizer.default() if spec == "char" else load_hf_tokenizer(spec)
 
 
