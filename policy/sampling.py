@@ -217,8 +217,10 @@ def sample(logits: torch.Tensor, cfg, generator: torch.Generator | None = None) 
     if logits.dim() != 2:
         raise ValueError(f"sample expects logits [B, V], got shape {tuple(logits.shape)}")
     B, V = logits.shape
-    if not torch.isfinite(logits).all():
-        bad = (~torch.isfinite(logits)).any(-1).nonzero()[:, 0][:5].tolist()
+    # -inf is a legitimate "banned token"; NaN, +inf or a row with nothing finite is a broken model
+    broken = (torch.isnan(logits) | torch.isposinf(logits)).any(-1) | torch.isneginf(logits).all(-1)
+    if broken.any():
+        bad = broken.nonzero()[:, 0][:5].tolist()
         raise ValueError(f"non-finite logits in rows {bad}: refusing to sample from a broken distribution")
     temperature, top_p, top_k = sampling_tensors(cfg, B, logits.device)
     scaled = scale_logits(logits, temperature)

@@ -132,6 +132,10 @@ def test_bad_sampling_inputs_refused():
         sample(torch.randn(10), SamplingConfig())
     with pytest.raises(ValueError, match=r"non-finite logits in rows \[1\]"):
         sample(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]), SamplingConfig())
+    with pytest.raises(ValueError, match=r"non-finite logits in rows \[0\]"):
+        sample(torch.full((1, 3), float("-inf")), SamplingConfig())
+    banned = sample(torch.tensor([[0.0, float("-inf"), 0.0]]).repeat(50, 1), SamplingConfig(1.0, 0.9, 0))
+    assert not (banned.tokens == 1).any() and torch.isfinite(banned.logprobs).all()
     with pytest.raises(ValueError, match="vocab size"):
         SamplingMask([1], [12]).keep_matrix(10)
     assert SamplingConfig.from_dict({"temperature": 0.5, "top_p": 0.9, "top_k": 0, "max_tokens": 9, "n": 4}) \
