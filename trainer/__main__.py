@@ -157,6 +157,19 @@ class Trainer:
         log.info("resumed from checkpoint", version=st.version, prev_epoch=st.epoch, consumed=len(st.consumed))
         return True
 
+    def prepare(self) -> None:
+        """Newly leading: resume, warm start once, checkpoint under our epoch."""
+        self.resume()
+        if not self.warmstarted and self.cfg.warmstart_steps:
+            warm_start(self.learner.model, self.cfg, self.model_cfg)
+            self.warmstarted = True
+            broadcast_obj(("sync",))
+            sync_state(self.learner.model, self.learner.opt)
+        self.published = self.learner.published_state()
+        self.full_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
+        self.digest = delta_codec.state_digest(self.published)
+        self.save()
+
     async def publish_metrics(self, values: dict) -> None:
         values = {k: v for k, v in values.items() if k != "rollout_ids"}
         try:
@@ -181,16 +194,7 @@ class Trainer:
             return 0
         lost = asyncio.Event()
         keeper = asyncio.create_task(self.lease.keep(stop, lost))
-        self.resume()
-        if not self.warmstarted and cfg.warmstart_steps:
-            warm_start(self.learner.model, cfg, self.model_cfg)
-            self.warmstarted = True
-            broadcast_obj(("sync",))
-            sync_state(self.learner.model, self.learner.opt)
-        self.published = self.learner.published_state()
-        self.full_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
-        self.digest = delta_codec.state_digest(self.published)
-        self.save()
+        await asyncio.to_thread(self.prepare)        # in a thread: the lease keeps being renewed
         publisher = WeightPublisher(self.bus, epoch, cfg.trainer_id, load_signing_key(cfg.signing_key))
         await publisher.publish_keyframe(self.published, self.version, self.model_cfg)
         batcher = Batcher(self.bus, cfg, self.consumed, self.model_cfg.vocab_size)
