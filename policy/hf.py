@@ -80,8 +80,8 @@ def load_hf_checkpoint(folder, dtype=torch.float32, device=None) -> tuple[ModelC
     missing = [h for h in names.values() if h not in tensors]
     if missing:
         raise ValueError(f"checkpoint {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    ours = set(names.values()) | {"lm_head.weight"}      # tied checkpoints may still carry lm_head
-    extra = [k for k in tensors if k not in ours and "rotary_emb" not in k]
+    known = set(names.values()) | {"lm_head.weight"}     # tied checkpoints may still carry lm_head
+    extra = [k for k in tensors if k not in known and "rotary_emb" not in k]
     if extra:
         raise ValueError(f"checkpoint {folder} has tensors we do not know: {extra[:3]}")
     with torch.device("meta"):
