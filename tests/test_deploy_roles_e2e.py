@@ -34,7 +34,7 @@ async def test_processes_run_under_their_roles_without_violations(tmp_path):
     procs: dict[str, subprocess.Popen] = {}
     observer = None
     try:
-        for comp in ("trainer", "scorer", "rollout_worker"):   # trainer first: it declares the topology
+        for comp in ("trainer", "scorer", "rollout_worker"):
             env = {**os.environ, **common, **read_env(ENV_DIR / f"{comp}.env"),
                    "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "ASYNCRL_BUS__SERVERS": hub.url,
                    "ASYNCRL_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "ASYNCRL_RUN_DIR": str(tmp_path / "run"),
@@ -43,18 +43,22 @@ async def test_processes_run_under_their_roles_without_violations(tmp_path):
             with open(tmp_path / f"{comp}.log", "wb") as log:
                 procs[comp] = subprocess.Popen([sys.executable, "-m", comp], env=env, cwd=tmp_path,
                                                stdout=log, stderr=subprocess.STDOUT)
-        observer = await asyncio.wait_for(_observer(hub.url, server_env), 60)
+            if comp == "trainer":
+                # only the trainer may declare the topology; the others need it to exist (under
+                # compose/systemd they would restart until it does)
+                observer = await asyncio.wait_for(_observer(hub.url, server_env), 60)
+                await asyncio.wait_for(_topology_ready(observer, procs["trainer"], tmp_path), 300)
         version, deadline = -1, time.monotonic() + 800
         while version < 2 and time.monotonic() < deadline:
             dead = {c: p.returncode for c, p in procs.items() if p.poll() is not None}
-            assert not dead, f"exited: {dead}; logs in {tmp_path}"
+            assert not dead, f"exited: {dead}\n{_tails(tmp_path)}"
             await asyncio.sleep(2)
             try:
                 version = parse_version(await observer.kv_get(topo.KEY_VERSION))
             except Exception:
                 pass
-        assert version >= 2, f"stuck at version {version}; logs in {tmp_path}"
-        violations = [l for l in (tmp_path / "nats.log").read_text().splitlines() if "Permissions Violation" in l]
+        assert version >= 2, f"stuck at version {version}\n{_tails(tmp_path)}"
+        violations = [l for l in (tmp_path / "nats.log").read_text().splitlines() if "Violation" in l]   # "Publish Violation", "Subscription Violation"
         assert not violations, violations[:5]
     finally:
         if observer is not None:
@@ -73,3 +77,18 @@ async def _observer(url: str, server_env: dict):
     from bus import connect
     cfg = role_bus_config(url, "observer", {"observer": server_env["ASYNCRL_NATS_OBSERVER_PASSWORD"]})
     return await connect(cfg)
+
+
+async def _topology_ready(observer, trainer: subprocess.Popen, tmp_path) -> None:
+    while True:
+        assert trainer.poll() is None, f"trainer exited {trainer.returncode}\n{_tails(tmp_path)}"
+        try:
+            await observer.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
+            await observer.js.stream_info(f"OBJ_{topo.BLOB_BUCKET}")
+            return
+        except Exception:
+            await asyncio.sleep(0.5)
+
+
+def _tails(tmp_path, n: int = 1500) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-n:]}" for p in sorted(tmp_path.glob("*.log")))
