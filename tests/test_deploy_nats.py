@@ -227,19 +227,20 @@ async def test_three_node_cluster_forms_and_serves_r3_topology(tmp_path):
         await asyncio.gather(*(asyncio.to_thread(n.stop) for n in nodes))
 
 
-async def test_leaf_region_worker_reaches_hub_and_hub_refuses_weights(tmp_path):
-    """A region's worker works through the leaf (pull tasks, publish rollouts, read KV), and the
-    hub, not just the leaf, keeps it from publishing weights: the leaf's local worker login is
-    made unrestricted here to play a compromised region."""
+@pytest.mark.parametrize("compromised", [False, True], ids=["shipped", "compromised-region"])
+async def test_leaf_region_worker_reaches_hub_and_hub_refuses_weights(tmp_path, compromised):
+    """A region's worker works through the leaf (pull tasks, publish rollouts, read KV) and
+    cannot publish weights or write the lease. With `compromised`, the leaf's local worker
+    login is unrestricted: the hub alone (user `region`) must still refuse."""
     passwords = role_passwords()
     leaf_port = free_port()
-    conf = render_nats_configs(tmp_path / "conf", {
-        "0.0.0.0:7422": f"127.0.0.1:{leaf_port}", "/var/lib/nats": str(tmp_path / "hub"),
-        "{ user: worker,   password: $ASYNCRL_NATS_WORKER_PASSWORD,   permissions: $RL_WORKER }":
+    replace = {"0.0.0.0:7422": f"127.0.0.1:{leaf_port}", "/var/lib/nats": str(tmp_path / "hub")}
+    if compromised:
+        replace["{ user: worker,   password: $ASYNCRL_NATS_WORKER_PASSWORD,   permissions: $RL_WORKER }"] = (
             "{ user: worker,   password: $ASYNCRL_NATS_WORKER_PASSWORD }\n"
             # (nats-server refuses a config with an unused variable)
-            f"{{ user: spare, password: {secrets.token_hex(8)}, permissions: $RL_WORKER }}",
-    })
+            f"{{ user: spare, password: {secrets.token_hex(8)}, permissions: $RL_WORKER }}")
+    conf = render_nats_configs(tmp_path / "conf", replace)
     hub = ConfServer(conf / "single.conf", role_env_vars(passwords), tmp_path / "hub.log")
     hub.start("/healthz?js-enabled-only=true")
     leaf = ConfServer(conf / "leaf.conf", {
