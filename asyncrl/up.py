@@ -44,11 +44,13 @@ class Telemetry:
     trainer: list = field(default_factory=list)  # trainer metrics, in order
     files: dict = field(default_factory=dict)
 
-    def record(self, component: str, cid: str, values: dict) -> None:
+    def record(self, component: str, cid: str, values: dict, persist: bool = True) -> None:
         values = {"t": round(time.time() - self.t0, 3), **values}
-        self.latest[cid] = {"component": component, **values}
-        if component == "trainer":
+        self.latest[cid] = {**self.latest.get(cid, {}), "component": component, **values}
+        if component == "trainer" and persist:
             self.trainer.append(values)
+        if not persist:
+            return
         f = self.files.get(cid)
         if f is None:
             f = self.files[cid] = open(self.run_dir / "metrics" / f"{component}-{cid}.jsonl", "a")
@@ -143,7 +145,8 @@ async def watch(bus, tel: Telemetry, steps: int, minutes: float, procs: list[Pro
         values = dict(getattr(ev, "values", None) or getattr(ev, "metrics", {}) or {})
         if getattr(ev, "version", -1) not in (None, -1):
             values.setdefault("version", ev.version)
-        tel.record(ev.component, ev.component_id, values)
+        # Metrics events are the record; heartbeats only refresh the live table
+        tel.record(ev.component, ev.component_id, values, persist=ev.KIND == "Metrics")
 
     subs = [await bus.nc.subscribe("rl.metrics.>", cb=on_msg),
             await bus.nc.subscribe("rl.heartbeat.>", cb=on_msg)]
