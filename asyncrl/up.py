@@ -47,9 +47,10 @@ class Telemetry:
     def record(self, component: str, cid: str, values: dict, persist: bool = True) -> None:
         values = {"t": round(time.time() - self.t0, 3), **values}
         self.latest[cid] = {**self.latest.get(cid, {}), "component": component, **values}
-        if component == "trainer" and persist:
-            self.trainer.append(values)
         if not persist:
+            return
+        if component == "trainer":      # the trainer writes its own metrics/trainer.jsonl (run_dir)
+            self.trainer.append(values)
             return
         f = self.files.get(cid)
         if f is None:
