@@ -83,7 +83,7 @@ class ModelConfig:
         return presets[name](vocab_size=vocab_size, **kw)
 
 
-QUANT_SITES = ("mla_rope_qk", "linear_act")
+QUANT_SITES = ("mla_rope_qk", "linear_act", "linear_weight")
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,17 @@ class RMSNorm(nn.Module):
 
 
 class QLinear(nn.Linear):
-    """nn.Linear whose input is fp8 fake-quantised per token when the 'linear_act' site is on."""
+    """nn.Linear with optional fp8 fake-quant of its input (per token, 'linear_act') and of its
+    weight (per output channel, 'linear_weight')."""
     quant: QuantConfig | None = None
 
     def forward(self, x):
-        if self.quant is not None and self.quant.on("linear_act"):
-            x = fake_quant(x, self.quant.block)
-        return F.linear(x, self.weight, self.bias)
+        w, q = self.weight, self.quant
+        if q is not None and q.on("linear_act"):
+            x = fake_quant(x, q.block)
+        if q is not None and q.on("linear_weight"):
+            w = fake_quant(w, q.block)
+        return F.linear(x, w, self.bias)
 
 
 def rope_tables(dim: int, max_len: int, theta: float):

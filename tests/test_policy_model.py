@@ -25,7 +25,7 @@ def make(attn, quant=(), **kw):
 
 CASES = [("gqa", (), {}), ("gqa", (), {"qkv_bias": True, "tie_embeddings": True}),
          ("mla", (), {}), ("mla", ("mla_rope_qk",), {}), ("mla", ("mla_rope_qk", "linear_act"), {"q_lora_rank": 32}),
-         ("gqa", ("linear_act",), {})]
+         ("gqa", ("linear_act",), {}), ("gqa", ("linear_weight",), {})]
 
 
 @pytest.mark.parametrize("attn,quant,kw", CASES)
@@ -128,3 +128,17 @@ def test_inference_state_round_trip_is_bf16_exact():
     with pytest.raises(ValueError, match="missing"):
         dst.load_inference_state({k: v for k, v in state.items() if k != "tok_emb.weight"})
     assert all(torch.equal(p, before[n]) for n, p in dst.named_parameters())
+
+
+def test_linear_weight_site_equals_prerounded_weights():
+    from policy import fp8_round
+    from policy.model import QLinear
+    m, ref = make("gqa", ("linear_weight",)), make("gqa")
+    with torch.no_grad():
+        for mod in ref.modules():
+            if isinstance(mod, QLinear):
+                mod.weight.copy_(fp8_round(mod.weight))       # per output channel scales
+        idx = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+        q, plain = m(idx), make("gqa")(idx)
+        torch.testing.assert_close(q, ref(idx), atol=1e-6, rtol=0)
+        assert (q - plain).abs().max() > 1e-4        # the site really changes the numerics
