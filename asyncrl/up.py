@@ -45,7 +45,8 @@ class Telemetry:
     files: dict = field(default_factory=dict)
 
     def record(self, component: str, cid: str, values: dict, persist: bool = True) -> None:
-        values = {"t": round(time.time() - self.t0, 3), **values}
+        now = time.time()
+        values = {"t": round(now - self.t0, 3), "ts": now, **values}
         self.latest[cid] = {**self.latest.get(cid, {}), "component": component, **values}
         if not persist:
             return

@@ -1,0 +1,93 @@
+"""Async vs sync RL on the same workload, side by side in one invocation.
+
+    python -m bench.async --json [--steps 12] [--config bench/async.toml]
+
+Runs `asyncrl up` twice through the same processes — once asynchronous (workers never wait,
+trainer consumes whatever is scored, max_lag bounds staleness) and once `--sync` (max_lag 0 and
+a barrier: the trainer publishes one batch per version and waits for all of it; workers wait for
+the new version). The env `arith-long` has a long-tailed completion length (a few tasks need
+far more tokens than the median), the setting where synchronous RL idles most.
+
+Throughput is measured on the trainer's own clock between its first and last step (start-up and
+warm start excluded), so both runs count the same number of trained samples.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_once(config: str, steps: int, sync: bool, run_dir: Path, minutes: float) -> dict:
+    cmd = [sys.executable, "-m", "asyncrl.cli", "up", "--config", config, "--steps", str(steps),
+           "--minutes", str(minutes), "--run-dir", str(run_dir), "--quiet"] + (["--sync"] if sync else [])
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    steps_rows = [r for r in read_jsonl(run_dir / "metrics" / "trainer.jsonl") if "samples" in r]
+    if len(steps_rows) < 3:
+        raise RuntimeError(f"{'sync' if sync else 'async'} run made only {len(steps_rows)} steps; see {run_dir}/logs")
+    # window: first step .. last step on the trainer's clock; samples trained after the first step
+    t0, t1 = steps_rows[0]["ts"], steps_rows[-1]["ts"]
+    samples = sum(r["live_samples"] for r in steps_rows[1:])
+    occ = []
+    for f in (run_dir / "metrics").glob("rollout_worker-*.jsonl"):
+        occ += [r["slot_occupancy"] for r in read_jsonl(f) if t0 <= r.get("ts", t0) <= t1 and "slot_occupancy" in r]
+    tail = steps_rows[-max(3, len(steps_rows) // 4):]
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    return {
+        "samples_per_s": samples / max(t1 - t0, 1e-9),
+        "worker_idle_frac": float(1 - np.mean(occ)) if occ else None,
+        "mean_staleness": float(np.mean([r["staleness_mean"] for r in steps_rows])),
+        "final_success": float(np.mean([r["success_mean"] for r in tail])),
+        "eval_success_final": summary.get("eval_success_final"),
+        "tokens_per_answer": float(np.mean([r["cost_mean"] for r in tail])),
+        "steps": len(steps_rows),
+        "run_dir": str(run_dir),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.async", description=__doc__)
+    ap.add_argument("--config", default=str(Path(__file__).with_name("async.toml")))
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--minutes", type=float, default=8.0, help="per run")
+    ap.add_argument("--out", default=None, help="run dirs go here (default: a temp dir)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    out = Path(a.out or tempfile.mkdtemp(prefix="bench-async-"))
+    res_async = run_once(a.config, a.steps, False, out / "async", a.minutes)
+    res_sync = run_once(a.config, a.steps, True, out / "sync", a.minutes)
+    result = {
+        "async_samples_per_s": res_async["samples_per_s"],
+        "sync_samples_per_s": res_sync["samples_per_s"],
+        "speedup": res_async["samples_per_s"] / res_sync["samples_per_s"],
+        "worker_idle_frac_async": res_async["worker_idle_frac"],
+        "worker_idle_frac_sync": res_sync["worker_idle_frac"],
+        "mean_staleness_async": res_async["mean_staleness"],
+        "final_success_async": res_async["final_success"],
+        "final_success_sync": res_sync["final_success"],
+        "tokens_per_answer_async": res_async["tokens_per_answer"],
+        "tokens_per_answer_sync": res_sync["tokens_per_answer"],
+        "steps": a.steps,
+        "runs": {"async": res_async, "sync": res_sync},
+    }
+    if not a.json:
+        for k, v in result.items():
+            if k != "runs":
+                print(f"{k:>26}: {v}")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
