@@ -129,6 +129,7 @@ class StateTarget:
     def __init__(self) -> None:
         self.state: dict | None = None
         self.version, self.epoch = -1, -1
+        self.model_config: dict | None = None     # set by WeightFeed.latest_state from the keyframe
 
     async def load_keyframe(self, state, version: int, epoch: int) -> None:
         self.state, self.version, self.epoch = state, version, epoch

@@ -180,7 +180,7 @@ class EngineMetrics:
         return {
             "tokens": self.tokens,
             "tokens_per_s": self.tokens / wall,
-            "tokens_per_busy_s": self.tokens / max(self.busy_s, 1e-9),
+            "tokens_per_busy_s": self.tokens / self.busy_s if self.busy_s > 0 else 0.0,
             "slot_occupancy": float(np.mean(self.occupancy)) if self.occupancy else 0.0,
             "decode_step_ms_p50": _pct(self.step_ms, 50),
             "step_gap_ms_p50": _pct(self.gap_ms, 50),

@@ -382,6 +382,8 @@ class VLLMEngine:
             self.metrics.step_ms.append((now - req.last_t) * 1e3)
         req.last_t = now
         self.metrics.tokens += len(new)
+        if self._last_out is not None:
+            self.metrics.busy_s += now - self._last_out
         self.metrics.occupancy.append(len(self._reqs) / self.slots)
         if self._stall_from is not None:       # first token after an update: the stall it caused
             self.metrics.stall_ms.append((now - self._stall_from) * 1e3)

@@ -104,6 +104,7 @@ class Worker:
         self.group_hint = 1            # n of the last task seen: sizes fetches in slots
         self.rollouts = 0
         self.tasks_done = 0
+        self.parked = 0
         self.paused = False
         self.loop: ConsumerLoop | None = None
         self.log = log.bind(worker_id=cfg.worker_id)
@@ -133,9 +134,12 @@ class Worker:
 
     # -- tasks ---------------------------------------------------------------------------
     async def handle(self, task: Task, ctx) -> None:
-        sp = parse_sampling(task.sampling)
+        try:   # a task that cannot be generated here (bad sampling, prompt outside the vocab) is parked
+            sp = parse_sampling(task.sampling)
+            prompt_ids = self.tok.encode(task.prompt, bos=True)   # as the trainer's warm start
+        except (ValueError, TypeError) as e:
+            return await self._park(ctx, task, str(e))
         self.group_hint = sp.n
-        prompt_ids = self.tok.encode(task.prompt, bos=True)   # as the trainer's warm start
         # sync mode and staleness: hold the task (the loop heartbeats it) until we may generate
         await self._wait_until(lambda: self.engine.version >= task.min_version and self.admissible())
         try:
@@ -143,6 +147,8 @@ class Worker:
                                           for i in range(sp.n)))
         except EngineClosed as e:
             raise TransientError(f"released: {e}", delay=0) from None
+        except (ValueError, TypeError) as e:    # refused by the engine: too long, bad sampling values
+            return await self._park(ctx, task, str(e))
         rollouts = [Rollout(rollout_id=f"{task.task_id}-{i}", task_id=task.task_id, env=task.env, sample_index=i,
                             group_size=sp.n, prompt=task.prompt, spec=task.spec, prompt_ids=prompt_ids,
                             completion_ids=g.completion_ids, completion_text=self.tok.decode(g.completion_ids),
@@ -156,6 +162,12 @@ class Worker:
         self.rollouts += len(rollouts)
         self.tasks_done += 1
 
+    async def _park(self, ctx, task: Task, reason: str) -> None:
+        """Bad input: DLQ with the reason at once (retrying cannot help); the loop's ack is a no-op."""
+        self.parked += 1
+        self.log.warning("task parked in DLQ", task_id=task.task_id, reason=reason)
+        await self.bus.dlq(ctx.msg, f"bad task {task.task_id}: {reason}", topo.TASKS)
+
     # -- background loops ----------------------------------------------------------------
     async def watch_version(self) -> None:
         async for value, _rev in self.bus.kv_watch(topo.KEY_VERSION):
@@ -163,7 +175,7 @@ class Worker:
 
     def snapshot(self) -> dict:
         return {**self.engine.stats(), "lag": self.lag, "latest_version": self.latest_version,
-                "paused": self.paused, "rollouts": self.rollouts, "tasks": self.tasks_done,
+                "paused": self.paused, "rollouts": self.rollouts, "tasks": self.tasks_done, "parked": self.parked,
                 "feed": self.feed.stats(), "loop": self.loop.stats.as_dict() if self.loop else {}}
 
     async def heartbeat(self) -> None:

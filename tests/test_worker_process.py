@@ -168,3 +168,30 @@ async def test_corrupted_delta_is_refused_and_generation_continues(bus, fresh_se
         if k.startswith("b-"):
             assert set(r.token_versions) == {2}
             check_replay(r, {2: states[2]})
+
+
+async def test_bad_tasks_are_parked_with_a_reason_and_good_ones_still_run(bus, fresh_server):
+    await WeightPublisher(bus, epoch=1, trainer_id="t").publish_keyframe(states_for(1, seed=4)[0], 0, CFG)
+    worker, stop = Worker(worker_cfg(fresh_server.url), bus), asyncio.Event()
+    run = asyncio.create_task(worker.run(stop, handle_signals=False))
+    bad = {"vocab": dict(prompt="caf\u00e9 = ?"), "top_p": dict(sampling={"top_p": 0.0, "max_tokens": 4}),
+           "keys": dict(sampling={"max_tokens": 4, "beams": 3}), "n": dict(sampling={"n": 0}),
+           "long": dict(sampling={"max_tokens": 500})}
+    for name, kw in bad.items():
+        await bus.publish(topo.task_subject("arith"), Task(task_id=f"bad-{name}", env="arith", **{
+            "prompt": "1+1=", "sampling": {"max_tokens": 4}, **kw}))
+    await publish_tasks(bus, 1, "good", max_tokens=6)
+    await until(lambda: worker.tasks_done == 1 and worker.parked == len(bad), timeout=60)
+    stop.set()
+    await run
+    info = await bus.js.stream_info(topo.DLQ)
+    parked = {}
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        m = await bus.js.get_msg(topo.DLQ, seq)
+        parked[decode(m.data, Task).task_id] = str(m.headers["Rl-Reason"])
+    assert set(parked) == {f"bad-{n}" for n in bad}
+    assert "CharTokenizer" in parked["bad-vocab"] and "top_p" in parked["bad-top_p"]
+    assert "beams" in parked["bad-keys"] and "exceeds" in parked["bad-long"]
+    consumer = await bus.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
+    assert consumer.num_pending == 0 and consumer.num_ack_pending == 0
+    assert {r.task_id for r in await read_stream(bus, topo.ROLLOUTS, Rollout)} == {"good-0"}
