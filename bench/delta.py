@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 
@@ -89,14 +90,16 @@ def baselines(before, after) -> dict[str, float]:
             "uint16_gap_bf16_value_zstd": gap_zstd / full}
 
 
-def median_time(fn, reps: int, setup=None) -> float:
-    ts = []
+def median_time(fn, reps: int, setup=None) -> tuple[float, float]:
+    """-> (median wall seconds, median process CPU seconds, all threads summed)."""
+    wall, cpu = [], []
     for _ in range(reps):
         arg = setup() if setup else None
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn(arg)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def run_lr(init, lr: float, args) -> dict:
@@ -109,15 +112,18 @@ def run_lr(init, lr: float, args) -> dict:
     state = {k: v.clone() for k, v in before.items()}
     apply_delta(state, Delta.from_bytes(blob))
     assert all(torch.equal(state[k].view(torch.int16), after[k].view(torch.int16)) for k in after)
-    enc_s = median_time(lambda _: encode_delta(before, after).to_bytes(), args.reps)
-    app_s = median_time(lambda s: apply_delta(s, Delta.from_bytes(blob)), args.reps,
-                        setup=lambda: {k: v.clone() for k, v in before.items()})
+    enc_s, enc_cpu = median_time(lambda _: encode_delta(before, after).to_bytes(), args.reps)
+    app_s, app_cpu = median_time(lambda s: apply_delta(s, Delta.from_bytes(blob)), args.reps,
+                                 setup=lambda: {k: v.clone() for k, v in before.items()})
     p = st.changed / st.total
     entropy_pos = (-(p * math.log2(p) + (1 - p) * math.log2(1 - p)) / p) if 0 < p < 1 else 0.0
     return {"lr": lr, "params": st.total, "full_bytes": full, "changed": st.changed, "changed_frac": p,
             "encoded_bytes": len(blob), "bits_per_changed": 8 * len(blob) / max(st.changed, 1),
             "position_entropy_bits": entropy_pos, "ratio": len(blob) / full,
             "encode_gb_s": full / enc_s / 1e9, "apply_gb_s": full / app_s / 1e9,
+            # per CPU-second: what one core does, robust to other load on a shared machine
+            "encode_gb_cpu_s": full / enc_cpu / 1e9, "apply_gb_cpu_s": full / app_cpu / 1e9,
+            "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(),
             "baselines": baselines(before, after)}
 
 
@@ -128,7 +134,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=16384)
     ap.add_argument("--ff-mult", type=int, default=4)
-    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
+    ap.add_argument("--lrs", type=float, nargs="+", default=[3e-7, 1e-6, 3e-6, 1e-5])
     ap.add_argument("--warmup", type=int, default=3, help="AdamW steps before the measured one")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
@@ -142,7 +148,8 @@ def main() -> None:
             b = r["baselines"]
             print(f"lr={lr:g} params={r['params'] / 1e6:.1f}M changed={r['changed_frac']:.3%} "
                   f"bits/changed={r['bits_per_changed']:.2f} (position entropy {r['position_entropy_bits']:.2f}) "
-                  f"ratio={r['ratio']:.4%} encode={r['encode_gb_s']:.2f} GB/s apply={r['apply_gb_s']:.2f} GB/s | "
+                  f"ratio={r['ratio']:.4%} encode={r['encode_gb_s']:.2f} GB/s ({r['encode_gb_cpu_s']:.2f}/cpu-s) "
+                  f"apply={r['apply_gb_s']:.2f} GB/s ({r['apply_gb_cpu_s']:.2f}/cpu-s) load={r['load_avg_1m']:.1f} | "
                   + " ".join(f"{k}={v:.4%}" for k, v in b.items()), flush=True)
     print(json.dumps({"runs": runs, "baselines": {str(r["lr"]): r["baselines"] for r in runs}}))
 
