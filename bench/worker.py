@@ -3,26 +3,33 @@
     python -m bench.worker --json            # last stdout line: one JSON object
 
 An embedded nats-server, a publisher playing the trainer (WeightPublisher, the real path), and
-N full rollout workers (Worker: TASKS consumer -> TorchEngine -> ROLLOUTS, each with its own
-connection and WeightFeed) in this one process, fed a steady supply of tasks. Every delta is a
-`frac` change of a `model`-sized bf16 state (pre-encoded, so encoding does not compete for CPU).
+N full rollout workers (`python -m rollout_worker` processes by default; `--mode inproc` runs
+Worker objects in this process), fed a steady supply of tasks. Every delta changes `frac` of
+the elements of a `model`-sized bf16 state (pre-encoded, so encoding does not compete for CPU).
+Worker-side numbers come from the workers' own heartbeats (percentiles over their run).
 
 tokens_per_s                  all workers together, generated tokens / wall second (timed phase)
 slot_occupancy                mean over decode steps of busy slots / slots
-decode_step_ms_p50            one batched decode step (median over workers' medians)
+decode_step_ms_p50            one batched decode step (median over workers)
 step_gap_ms_p50/p99           end of one decode step to the next when no update came between (baseline)
-update_stall_ms_p50/p99       gap between the two decode steps straddling an update (pooled)
-update_apply_ms_p50/p99       time to apply one delta in place (digests, copy into the model)
-update_stall_excess_ms_p99    stall minus that update's apply time; target <= 2 x decode p50
-publish_to_patched_ms_p50/p99 publish_delta() called -> every worker has applied it
+update_stall_ms_p50/p99       gap between the two decode steps straddling an update (p99: worst worker)
+update_apply_ms_p50/p99       preparing an update off the decode path (apply_delta + upcast copy)
+update_stall_excess_ms_p99    stall minus the part of the update done at the boundary (the swap);
+                              target <= 2 x decode_step_ms_p50
+publish_to_patched_ms_p50/p99 publish_delta() called -> every worker announced it live
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,10 +38,12 @@ import delta_codec
 import policy
 from bus import BusConfig, EmbeddedServer, connect, setup_logging
 from bus import topology as topo
-from bus.events import Task
+from bus.events import Heartbeat, Task, decode
 from bus.weights import WeightPublisher
-from rollout_worker.engine import EngineMetrics
 from rollout_worker.worker import Worker, WorkerConfig
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def perturb(state: dict, frac: float, seed: int) -> dict:
@@ -77,6 +86,68 @@ async def drain_rollouts(bus, stop: asyncio.Event) -> None:
             await m.ack()
 
 
+class Fleet:
+    """N rollout workers: separate `python -m rollout_worker` processes (mode proc, like a real
+    deployment) or Worker objects in this process (mode inproc). Each worker announces every
+    version it goes live on (a `patched` heartbeat), which is what publish->patched measures."""
+
+    def __init__(self, a, url: str, tmp: Path):
+        self.a, self.url, self.tmp = a, url, tmp
+        self.seen: dict[str, dict] = {}          # worker id -> latest heartbeat metrics
+        self.patched: dict[tuple[str, int], float] = {}   # (worker, version) -> receive time
+        self.procs, self.workers, self.runs, self.buses = [], [], [], []
+
+    async def start(self, bus, stop: asyncio.Event) -> None:
+        async def on_beat(msg):
+            hb = decode(msg.data, Heartbeat)
+            self.seen[hb.component_id] = hb.metrics
+            self.patched.setdefault((hb.component_id, hb.version), time.perf_counter())
+        await bus.nc.subscribe("rl.heartbeat.rollout_worker.>", cb=on_beat)
+        ids = [f"w{i}" for i in range(self.a.workers)]
+        for wid in ids:
+            conf = dict(worker_id=wid, slots=self.a.slots, max_lag=10 ** 6, max_len=self.a.max_len,
+                        heartbeat_s=0.5, threads=self.a.threads, grace_s=1.0, log_level="warning")
+            if self.a.mode == "proc":
+                path = self.tmp / f"{wid}.toml"
+                path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in conf.items())
+                                + f'[bus]\nservers = ["{self.url}"]\nname = "{wid}"\n')
+                env = {**os.environ, "OMP_NUM_THREADS": str(self.a.threads), "ASYNCRL_LOG_JSON": "1",
+                       "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "rollout_worker", "--config", str(path)],
+                                                   stdout=open(self.tmp / f"{wid}.log", "wb"),
+                                                   stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+            else:
+                b = await connect(BusConfig(servers=[self.url], name=wid))
+                conf.pop("log_level")
+                w = Worker(WorkerConfig(bus=b.cfg, **conf), b)
+                self.buses.append(b)
+                self.workers.append(w)
+                self.runs.append(asyncio.create_task(w.run(stop, handle_signals=False)))
+        while not all(self.seen.get(w, {}).get("tokens", 0) > 0 for w in ids):   # all loaded and generating
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"worker exited with {p.returncode}; see {self.tmp}")
+            await asyncio.sleep(0.05)
+
+    def applied(self, version: int) -> float | None:
+        """When the last worker went live on `version` (None while one has not)."""
+        ts = [self.patched.get((w, version)) for w in self.seen]
+        return None if len(ts) < self.a.workers or None in ts else max(ts)
+
+    async def stop(self, stop: asyncio.Event) -> None:
+        stop.set()
+        for p in self.procs:
+            p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        await asyncio.gather(*self.runs, return_exceptions=True)
+        for b in self.buses:
+            await b.close()
+
+
 async def run(a) -> dict:
     cfg = policy.ModelConfig.preset(a.model, vocab_size=policy.CharTokenizer.default().vocab_size,
                                     max_seq_len=a.max_len)
@@ -93,67 +164,57 @@ async def run(a) -> dict:
         prev = new
     log(f"model {a.model}: {n_params / 1e6:.1f} M params; {a.deltas} deltas of {a.frac:.1%} encoded in "
         f"{time.perf_counter() - t0:.1f}s, {deltas[0].nbytes / 1e6:.2f} MB each")
-    async with EmbeddedServer() as srv:
-        pub_bus = await connect(BusConfig(servers=[srv.url], name="bench-trainer"))
-        await pub_bus.provision()
-        pub = WeightPublisher(pub_bus, epoch=1, trainer_id="bench")
-        await pub.publish_keyframe(s0, 0, cfg)
-        stop = asyncio.Event()
-        side = [asyncio.create_task(feed_tasks(pub_bus, stop, a.workers * a.slots * 2, a.max_tokens)),
-                asyncio.create_task(drain_rollouts(pub_bus, stop))]
-        workers, runs, buses = [], [], []
-        for i in range(a.workers):
-            b = await connect(BusConfig(servers=[srv.url], name=f"bench-w{i}"))
-            w = Worker(WorkerConfig(bus=b.cfg, worker_id=f"w{i}", slots=a.slots, max_lag=10 ** 6,
-                                    max_len=a.max_len, heartbeat_s=3600), b)
-            buses.append(b)
-            workers.append(w)
-            runs.append(asyncio.create_task(w.run(stop, handle_signals=False)))
-        while not all(w.engine is not None and w.engine.version == 0 and w.engine.stats()["tokens"] > 0
-                      for w in workers):
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(a.warmup_s)
-        for w in workers:                                   # timed phase starts now
-            w.engine.metrics = EngineMetrics(a.slots)
-        p2p = []
-        t_start = time.perf_counter()
-        for d in deltas:
-            t0 = time.perf_counter()
-            await pub.publish_delta(d)
-            while not all(w.engine.version >= d.to_version for w in workers):
-                await asyncio.sleep(0.001)
-            p2p.append((time.perf_counter() - t0) * 1e3)
-            await asyncio.sleep(max(0.0, a.interval_s - (time.perf_counter() - t0)))
-        await asyncio.sleep(a.tail_s)
-        snaps = [w.engine.stats() for w in workers]
-        ms = [w.engine.metrics for w in workers]
-        wall = time.perf_counter() - t_start
-        refused = sum(sum(w.feed.refused.values()) for w in workers)
-        stop.set()
-        await asyncio.gather(*runs, return_exceptions=True)
-        for t in side:
-            t.cancel()
-        await asyncio.gather(*side, return_exceptions=True)
-        for b in [*buses, pub_bus]:
-            await b.close()
+    with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
+        async with EmbeddedServer(store_dir=Path(tmp) / "nats") as srv:
+            bus = await connect(BusConfig(servers=[srv.url], name="bench-trainer"))
+            await bus.provision()
+            pub = WeightPublisher(bus, epoch=1, trainer_id="bench")
+            await pub.publish_keyframe(s0, 0, cfg)
+            stop = asyncio.Event()
+            side = [asyncio.create_task(feed_tasks(bus, stop, a.workers * a.slots * 2, a.max_tokens)),
+                    asyncio.create_task(drain_rollouts(bus, stop))]
+            fleet = Fleet(a, srv.url, Path(tmp))
+            try:
+                await fleet.start(bus, stop)
+                await asyncio.sleep(a.warmup_s)
+                tokens0, t_start = {w: m["tokens"] for w, m in fleet.seen.items()}, time.perf_counter()
+                p2p = []
+                for d in deltas:
+                    t0 = time.perf_counter()
+                    await pub.publish_delta(d)
+                    while (t1 := fleet.applied(d.to_version)) is None:
+                        await asyncio.sleep(0.001)
+                    p2p.append((t1 - t0) * 1e3)
+                    await asyncio.sleep(max(0.0, a.interval_s - (time.perf_counter() - t0)))
+                await asyncio.sleep(a.tail_s)
+                snaps = dict(fleet.seen)
+                wall = time.perf_counter() - t_start
+            finally:
+                await fleet.stop(stop)
+                for t in side:
+                    t.cancel()
+                await asyncio.gather(*side, return_exceptions=True)
+                await bus.close()
 
-    stall = [x for m in ms for x in m.stall_ms]
-    gaps = [x for m in ms for x in m.gap_ms]
-    excess = [x for m in ms for x in m.stall_excess_ms]
-    apply_ms = [x for m in ms for x in m.apply_ms]
-    decode_p50 = float(np.median([s["decode_step_ms_p50"] for s in snaps]))
+    ws = list(snaps.values())
+    med = lambda k: float(np.median([m[k] for m in ws]))
+    decode_p50 = med("decode_step_ms_p50")
     out = {
-        "bench": "worker", "model": a.model, "params_m": round(n_params / 1e6, 1), "workers": a.workers,
-        "slots": a.slots, "deltas": a.deltas, "delta_frac": a.frac, "delta_mb": round(deltas[0].nbytes / 1e6, 3),
-        "tokens_per_s": round(sum(s["tokens"] for s in snaps) / wall, 1),
-        "slot_occupancy": round(float(np.mean([s["slot_occupancy"] for s in snaps])), 4),
+        "bench": "worker", "mode": a.mode, "model": a.model, "params_m": round(n_params / 1e6, 1),
+        "workers": a.workers, "slots": a.slots, "deltas": a.deltas, "delta_frac": a.frac,
+        "delta_mb": round(deltas[0].nbytes / 1e6, 3),
+        "tokens_per_s": round(sum(m["tokens"] - tokens0[w] for w, m in snaps.items()) / wall, 1),
+        "slot_occupancy": round(float(np.mean([m["slot_occupancy"] for m in ws])), 4),
         "decode_step_ms_p50": round(decode_p50, 2),
-        "step_gap_ms_p50": round(pct(gaps, 50), 2), "step_gap_ms_p99": round(pct(gaps, 99), 2),
-        "update_stall_ms_p50": round(pct(stall, 50), 2), "update_stall_ms_p99": round(pct(stall, 99), 2),
-        "update_apply_ms_p50": round(pct(apply_ms, 50), 2), "update_apply_ms_p99": round(pct(apply_ms, 99), 2),
-        "update_stall_excess_ms_p99": round(pct(excess, 99), 2),
+        "step_gap_ms_p50": round(med("step_gap_ms_p50"), 2),
+        "step_gap_ms_p99": round(max(m["step_gap_ms_p99"] for m in ws), 2),
+        "update_stall_ms_p50": round(med("update_stall_ms_p50"), 2),
+        "update_stall_ms_p99": round(max(m["update_stall_ms_p99"] for m in ws), 2),
+        "update_apply_ms_p50": round(med("update_apply_ms_p50"), 2),
+        "update_apply_ms_p99": round(max(m["update_apply_ms_p99"] for m in ws), 2),
+        "update_stall_excess_ms_p99": round(max(m["update_stall_excess_ms_p99"] for m in ws), 2),
         "publish_to_patched_ms_p50": round(pct(p2p, 50), 1), "publish_to_patched_ms_p99": round(pct(p2p, 99), 1),
-        "updates_applied": sum(m.updates for m in ms), "updates_refused": refused,
+        "updates_refused": int(sum(m["updates_refused"] for m in ws)),
     }
     out["stall_target_met"] = out["update_stall_excess_ms_p99"] <= 2 * decode_p50
     out["publish_target_met"] = out["publish_to_patched_ms_p99"] <= 1000.0
@@ -170,6 +231,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="base50m", help="policy.ModelConfig preset (tiny|small|base50m|base100m)")
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--mode", choices=("proc", "inproc"), default="proc",
+                    help="proc: one `python -m rollout_worker` process per worker; inproc: Worker objects here")
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--deltas", type=int, default=10)
     ap.add_argument("--frac", type=float, default=0.01, help="fraction of elements changed per delta")

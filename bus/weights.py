@@ -311,9 +311,10 @@ class WeightFeed:
         self.applied["delta"] += 1
 
     async def follow(self, target: WeightTarget, stop: asyncio.Event, start: KeyframeUpdate | None = None,
-                     resume: bool = False) -> None:
+                     resume: bool = False, on_update=None) -> None:
         """Keep `target` on the newest policy until `stop` is set: from `start` (default: the
-        latest keyframe), or with `resume` from where this feed stopped last time."""
+        latest keyframe), or with `resume` from where this feed stopped last time.
+        `on_update(version, epoch)` (async) runs after each update the target took."""
         if not resume:
             if start is None:
                 start = await self.latest_keyframe(wait=True, stop=stop)
@@ -327,12 +328,15 @@ class WeightFeed:
             if raw is None:
                 break
             self.cursor = raw.seq
+            before = (target.version, target.epoch)
             try:
                 await self._step(target, raw)
             except Refused as e:
                 self._refuse(e.reason, e.detail)
                 if e.resync:
                     await self._resync(target)
+            if on_update is not None and (target.version, target.epoch) != before:
+                await on_update(target.version, target.epoch)
 
     async def latest_state(self, stop: asyncio.Event | None = None) -> StateTarget:
         """Latest keyframe plus every delta after it, applied to a plain state dict."""

@@ -178,23 +178,37 @@ class Worker:
                 "paused": self.paused, "rollouts": self.rollouts, "tasks": self.tasks_done, "parked": self.parked,
                 "feed": self.feed.stats(), "loop": self.loop.stats.as_dict() if self.loop else {}}
 
+    async def beat(self, event: str = "heartbeat") -> None:
+        cid = self.cfg.worker_id
+        m = self.snapshot()
+        flat = {k: v for k, v in m.items() if isinstance(v, (int, float, bool, str))}
+        flat["beat"] = event
+        try:
+            await self.bus.publish(topo.heartbeat_subject("rollout_worker", cid),
+                                   Heartbeat(component="rollout_worker", component_id=cid,
+                                             version=self.engine.version, metrics=flat))
+        except Exception as e:  # telemetry must never take the worker down
+            self.log.warning("heartbeat publish failed", error=repr(e))
+        return m, flat
+
+    async def on_update(self, version: int, epoch: int) -> None:
+        """A new version is live: say so at once (operators, `inspect`, bench.worker's publish->patched)."""
+        self.log.debug("weights updated", version=version, epoch=epoch)
+        await self.beat("patched")
+
     async def heartbeat(self) -> None:
         step = 0
         while True:
             await asyncio.sleep(self.cfg.heartbeat_s)
             step += 1
-            m = self.snapshot()
-            flat = {k: v for k, v in m.items() if isinstance(v, (int, float, bool, str))}
+            m, flat = await self.beat()
             self.log.info("worker metrics", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in flat.items()})
             cid = self.cfg.worker_id
             try:
-                await self.bus.publish(topo.heartbeat_subject("rollout_worker", cid),
-                                       Heartbeat(component="rollout_worker", component_id=cid,
-                                                 version=self.engine.version, metrics=flat))
                 await self.bus.publish(topo.metrics_subject("rollout_worker", cid),
                                        Metrics(component="rollout_worker", component_id=cid, step=step, values=m))
-            except Exception as e:  # telemetry must never take the worker down
-                self.log.warning("heartbeat publish failed", error=repr(e))
+            except Exception as e:
+                self.log.warning("metrics publish failed", error=repr(e))
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start_weights(self, stop: asyncio.Event):
@@ -219,7 +233,8 @@ class Worker:
         if kf is None:
             return
         feed_stop = asyncio.Event()
-        background = [asyncio.create_task(self.feed.follow(self.engine, feed_stop, start=kf), name="feed"),
+        background = [asyncio.create_task(self.feed.follow(self.engine, feed_stop, start=kf, on_update=self.on_update),
+                                          name="feed"),
                       asyncio.create_task(self.watch_version(), name="version"),
                       asyncio.create_task(self.heartbeat(), name="heartbeat")]
         self.loop = ConsumerLoop(self.bus, topo.TASKS, topo.ROLLOUT_CONSUMER, self.handle, Task,

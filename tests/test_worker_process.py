@@ -99,6 +99,7 @@ async def test_worker_generates_with_hot_patched_weights(bus, fresh_server):
     assert consumer.num_pending == 0 and consumer.num_ack_pending == 0    # every task acked
     beats = await read_stream(bus, topo.TELEMETRY, None)
     assert any(isinstance(b, Heartbeat) and b.component_id == "w1" for b in beats)
+    assert any(isinstance(b, Heartbeat) and b.metrics.get("beat") == "patched" and b.version == 2 for b in beats)
 
 
 async def test_max_lag_stops_admission_and_min_version_waits(bus, fresh_server):
