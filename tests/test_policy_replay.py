@@ -165,3 +165,22 @@ def test_mismatch_bench_runs_and_meets_targets_at_tiny_size(capsys):
     assert json.loads(last) == json.loads(json.dumps(out))
     assert out["tokens"] == 96 and set(out["results"]) == {"none", "mask", "quant", "both"}
     assert out["targets_met"] and out["results"]["both"]["k3_mean"] < out["results"]["mask"]["k3_mean"]
+
+
+def test_greedy_generate_follows_full_forward_and_stops():
+    m = peaked_mla(4)
+    prompts = [TOK.encode("x=", bos=True), TOK.encode("abc", bos=True)]
+    outs = generate(m, prompts, SamplingConfig(0.0), 8)
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            assert o.finish_reason == "length" and len(o.ids) == 8 and o.logprobs == [0.0] * 8
+            assert list(o.mask.counts) == [1] * 8 and list(o.mask.ids) == o.ids
+            logits = m(torch.tensor([p + o.ids]))[0, len(p) - 1:-1]
+            assert logits.argmax(-1).tolist() == o.ids
+    stop = outs[0].ids[3]
+    first = outs[0].ids.index(stop)
+    again = generate(m, prompts, SamplingConfig(0.0), 8, stop_ids=[stop])
+    assert again[0].ids == outs[0].ids[:first + 1] and again[0].finish_reason == "stop"
+    assert len(again[0].mask) == first + 1
+    cut = outs[1].ids.index(stop) + 1 if stop in outs[1].ids else 8
+    assert again[1].ids == outs[1].ids[:cut]
