@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import delta_codec
+from delta_codec import signing
 from bus import BusConfig, connect
 from bus import topology as topo
 from bus.events import Rollout, Scored
@@ -57,7 +58,9 @@ def trainer_config(url, tmp_path, **kw) -> TrainerConfig:
 
 
 async def test_step_lowers_loss_and_publishes_bit_exact_delta(bus, fresh_server, tmp_path):
-    cfg = trainer_config(fresh_server.url, tmp_path, max_steps=1)
+    sk, pk = signing.generate_keypair()
+    (tmp_path / "sk.hex").write_text(sk.hex())
+    cfg = trainer_config(fresh_server.url, tmp_path, max_steps=1, signing_key=str(tmp_path / "sk.hex"))
     model, mcfg = build_model(cfg)
     learner = build_learner(model, build_optimizer(model, cfg), cfg)
     await publish_groups(bus, model, 2, 4)
@@ -74,10 +77,13 @@ async def test_step_lowers_loss_and_publishes_bit_exact_delta(bus, fresh_server,
     after = float(learner.loss(packed, grad=False)[0])
     assert tr.version == 1 and after < before
     # a worker-side state following WEIGHTS reproduces the trainer's bf16 bits exactly
-    feed = WeightFeed(bus)
+    feed = WeightFeed(bus, public_key=pk)                  # signed by the trainer's key
     target = await feed.latest_state()
     await feed.close()
     assert target.version == 1 and feed.applied["delta"] == 1 and not feed.refused
+    stranger = WeightFeed(bus, public_key=signing.generate_keypair()[1])
+    assert await stranger.latest_keyframe(wait=False) is None and stranger.refused["signature"] == 1
+    await stranger.close()
     mine = inference_state(model)
     assert all(torch.equal(target.state[k].view(torch.int16), mine[k].view(torch.int16)) for k in mine)
     assert int((await bus.kv_get(topo.KEY_VERSION)).decode()) == 1

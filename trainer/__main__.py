@@ -81,11 +81,16 @@ def staleness_histogram(lags: list[int]) -> dict[str, int]:
     return {str(int(v)): int(c) for v, c in zip(vals, counts)}
 
 
-def load_signing_key(path: str):
-    if not path:
+def load_signing_key(spec: str):
+    """ed25519 private key: raw hex, or a file holding hex or a PEM (PKCS8) key; "" = unsigned."""
+    if not spec:
         return None
-    from cryptography.hazmat.primitives.serialization import load_pem_private_key
-    return load_pem_private_key(Path(path).read_bytes(), password=None)
+    from delta_codec import signing
+    text = Path(spec).read_text().strip() if Path(spec).is_file() else spec.strip()
+    if text.startswith("-----BEGIN"):
+        from cryptography.hazmat.primitives.serialization import load_pem_private_key
+        return signing.private_key(load_pem_private_key(text.encode(), password=None))
+    return signing.private_key(text)      # a clear DeltaError on a malformed key
 
 
 # ---------------------------------------------------------------- distributed helpers

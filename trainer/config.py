@@ -44,7 +44,7 @@ class TrainerConfig:
     replay: bool = True                  # recompute logprobs with the workers' sampling masks + fp8 sites
     # publication
     keyframe_interval: int = 20          # a full keyframe every K versions
-    signing_key: str = ""                # path to an ed25519 private key (PEM); empty = unsigned
+    signing_key: str = ""                # ed25519 private key: hex, or a file with hex or PEM; "" = unsigned
     # checkpoints / outputs
     checkpoint_dir: str = "runs/trainer/ckpt"
     keep_checkpoints: int = 3
