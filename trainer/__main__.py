@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import delta_codec
-from bus import connect, get_logger, load_config, setup_logging
+from bus import RETRYABLE, BlobError, PublishError, connect, get_logger, load_config, setup_logging
 from bus import topology as topo
 from bus.events import Metrics
 from bus.weights import WeightPublisher
@@ -307,7 +307,11 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
     try:
         await bus.provision()
         while True:          # a deposed leader goes back to standby (and resumes from the checkpoint)
-            code = await Trainer(cfg, bus, learner, mcfg).lead(stop)
+            try:
+                code = await Trainer(cfg, bus, learner, mcfg).lead(stop)
+            except (*RETRYABLE, PublishError, BlobError) as e:   # bus trouble: lease released, retry as standby
+                log.error("bus failure while leading; back to standby", error=f"{type(e).__name__}: {e}")
+                code = 3
             if code != 3 or stop.is_set():
                 return code
             log.warning("lost the leader lease; back to standby")

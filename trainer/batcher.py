@@ -191,7 +191,10 @@ class Batcher:
         self.groups.clear()
         self.inflight.clear()
         if self.sub is not None:
-            await self.sub.unsubscribe()
+            try:
+                await self.sub.unsubscribe()
+            except Exception as e:
+                log.debug("unsubscribe failed", error=str(e))
 
     async def ack(self, batch: Batch) -> None:
         """After checkpoint + publication: ack every message of the batch (used or dropped)."""
