@@ -90,3 +90,16 @@ def test_checkpoint_keeps_last_n(tmp_path):
         checkpoint.save(tmp_path, _state(v, 1, float(v)), keep=2)
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == \
         ["ckpt-e00000001-v00000004.pt", "ckpt-e00000001-v00000005.pt"]
+
+
+def test_bad_configuration_is_a_clear_error(tmp_path, capsys):
+    from trainer.__main__ import main
+    assert main(["--config", str(tmp_path / "missing.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainer]\nbatch_grups = 3\n")
+    assert main(["--config", str(bad)]) == 2
+    assert "batch_grups" in capsys.readouterr().err
+    bad.write_text("[trainer]\nis_mode = 'sometimes'\n")
+    assert main(["--config", str(bad)]) == 2
+    assert "is_mode" in capsys.readouterr().err

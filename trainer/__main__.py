@@ -332,12 +332,15 @@ def parse_args(argv=None):
 
 
 def load(argv=None) -> TrainerConfig:
+    """Config from --config (its [trainer] section if it has one, else the whole file), env, flags."""
     a = parse_args(argv)
-    section = a.section
-    if a.config:
+    section = None
+    if a.config and Path(a.config).is_file():
         import tomllib
-        if section not in tomllib.loads(Path(a.config).read_text()):
-            section = None
+        try:
+            section = a.section if a.section in tomllib.loads(Path(a.config).read_text()) else None
+        except tomllib.TOMLDecodeError:
+            section = None                     # load_config reports the TOML error
     over: dict = {}
     if a.sync:
         over["mode"] = "sync"
@@ -345,11 +348,15 @@ def load(argv=None) -> TrainerConfig:
         over["max_steps"] = a.max_steps
     if a.id:
         over["trainer_id"] = a.id
-    return load_config(TrainerConfig, a.config, section=section if a.config else None, overrides=over)
+    return load_config(TrainerConfig, a.config, section=section, overrides=over)
 
 
 def main(argv=None) -> int:
-    cfg = load(argv)
+    try:
+        cfg = load(argv)
+    except ValueError as e:                    # ConfigError included: a clear message, no traceback
+        print(f"trainer: bad configuration: {e}", file=sys.stderr)
+        return 2
     setup_logging("trainer", component_id=cfg.trainer_id)
 
     async def _main() -> int:

@@ -14,6 +14,10 @@ from pathlib import Path
 
 import torch
 
+from bus import get_logger
+
+log = get_logger(__name__)
+
 NAME = re.compile(r"^ckpt-e(\d{8})-v(\d{8})\.pt$")
 
 
@@ -81,6 +85,7 @@ def load_latest(ckpt_dir: str | Path) -> TrainerState | None:
         try:
             return load(p)
         except CheckpointError as e:
+            log.warning("skipping unreadable checkpoint", error=str(e))
             errors.append(str(e))
     if errors:
         raise CheckpointError("no readable checkpoint: " + "; ".join(errors))
