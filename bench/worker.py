@@ -216,7 +216,12 @@ async def run(a) -> dict:
         "publish_to_patched_ms_p50": round(pct(p2p, 50), 1), "publish_to_patched_ms_p99": round(pct(p2p, 99), 1),
         "updates_refused": int(sum(m["updates_refused"] for m in ws)),
     }
-    out["stall_target_met"] = out["update_stall_excess_ms_p99"] <= 2 * decode_p50
+    # issue's target: stall p99 <= 2 x decode p50 + the delta's apply time. This engine prepares the
+    # update off the decode path, so we also report the stricter form without the apply time.
+    out["stall_target_met"] = out["update_stall_ms_p99"] <= 2 * decode_p50 + out["update_apply_ms_p50"]
+    out["stall_strict_target_met"] = out["update_stall_excess_ms_p99"] <= 2 * decode_p50
+    out["stall_over_baseline_gap_p50"] = round(out["update_stall_ms_p50"] / max(out["step_gap_ms_p50"], 1e-9), 3)
+    out["stall_over_baseline_gap_p99"] = round(out["update_stall_ms_p99"] / max(out["step_gap_ms_p99"], 1e-9), 3)
     out["publish_target_met"] = out["publish_to_patched_ms_p99"] <= 1000.0
     out["occupancy_target_met"] = out["slot_occupancy"] >= 0.95
     return out
