@@ -103,12 +103,17 @@ async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
                                             wait=wait_random_exponential(multiplier=0.2, max=cfg.reconnect_wait_max_s),
                                             retry=retry_if_exception_type(_Unreachable)):
             with attempt_:
+                # bounded: nats-py can hang after a failed TLS handshake on the first connect
+                limit = (cfg.connect_timeout_s + cfg.reconnect_wait_s) * 2 * len(cfg.servers) + 1
                 try:
-                    nc = await nats.connect(**opts)
+                    nc = await asyncio.wait_for(nats.connect(**opts), limit)
                 except (OSError, nats.errors.NoServersError, asyncio.TimeoutError, nats.errors.Error) as e:
                     if _auth_failure(state["err"]) or _auth_failure(e):
                         raise ConnectError(f"NATS at {cfg.servers} refused the credentials of "
                                            f"{cfg.name!r}: {state['err'] or e!r}") from None
+                    if isinstance(state["err"], ssl.SSLError) or isinstance(e, ssl.SSLError):
+                        raise ConnectError(f"TLS with NATS at {cfg.servers} failed (tls_ca / tls_cert / "
+                                           f"tls_key?): {state['err'] or e!r}") from None
                     raise _Unreachable(repr(state["err"] or e)) from e
     except _Unreachable as e:
         raise ConnectError(f"no NATS server reachable at {cfg.servers} after {cfg.connect_attempts} "

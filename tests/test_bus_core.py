@@ -218,3 +218,50 @@ async def test_run_foreground_serves_until_sigterm(tmp_path):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def _self_signed(tmp_path):
+    """A CA and a server cert for 127.0.0.1 (cryptography), written as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    def cert(subject, issuer, pub, sign_key, ca, san=None):
+        b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(pub)
+             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san:
+            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return b.sign(sign_key, hashes.SHA256())
+    ca_key, srv_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "asyncrl test CA")])
+    ca = cert(ca_name, ca_name, ca_key.public_key(), ca_key, True)
+    srv = cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]), ca_name, srv_key.public_key(),
+               ca_key, False, [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    pem = serialization.Encoding.PEM
+    (tmp_path / "ca.pem").write_bytes(ca.public_bytes(pem))
+    (tmp_path / "srv.pem").write_bytes(srv.public_bytes(pem))
+    (tmp_path / "srv.key").write_bytes(srv_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                             serialization.NoEncryption()))
+    return tmp_path / "ca.pem", tmp_path / "srv.pem", tmp_path / "srv.key"
+
+
+async def test_connect_over_tls_with_ca(tmp_path):
+    from bus import ConnectError, EmbeddedServer
+    ca, crt, key = _self_signed(tmp_path)
+    async with EmbeddedServer(tmp_path / "tls", extra_args=["--tls", "--tlscert", str(crt),
+                                                            "--tlskey", str(key)]) as srv:
+        b = await connect(BusConfig(servers=[srv.url], name="tls", tls_ca=str(ca)))
+        try:
+            await b.provision()
+            assert (await b.publish(topo.task_subject("arith"), Task(task_id="tls", env="arith", prompt="p"))).seq == 1
+        finally:
+            await b.close()
+        with pytest.raises(ConnectError, match="TLS"):   # no CA: the server certificate is not trusted
+            await connect(BusConfig(servers=[srv.url], name="notls", connect_attempts=1, connect_timeout_s=1))
