@@ -41,7 +41,7 @@ BLOB_BUCKET = "rl-blobs"
 # provisioning: one declaration of every stream / consumer / bucket, applied idempotently
 # ---------------------------------------------------------------------------------------------
 import dataclasses  # noqa: E402  (kept below the names: the names are the contract, this is the how)
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 from nats.js import api  # noqa: E402
 from nats.js.errors import BucketNotFoundError, NotFoundError  # noqa: E402

@@ -28,7 +28,6 @@ async def test_blob_small_empty_overwrite_and_missing(bus):
 
 
 async def test_blob_corruption_is_detected(bus):
-    from nats.js import api
     await bus.put_blob("c", b"x" * 5000)
     obs = await bus.js.object_store(topo.BLOB_BUCKET)
     info = await obs.get_info("c")

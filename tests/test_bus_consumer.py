@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import msgpack
-import pytest
 
 from bus import BusConfig, ConsumerLoop, TopologyConfig, TransientError, connect
 from bus import topology as topo
