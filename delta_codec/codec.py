@@ -93,12 +93,14 @@ def _unpack_low(buf, k: int, m: int) -> np.ndarray:
     if k == 0:
         return np.zeros(m, np.int64)
     if k > 8:
-        return np.frombuffer(buf, np.uint8, m).astype(np.int64) | (_unpack_low(buf[m:], k - 8, m) << 8)
+        rest = _unpack_low(buf[m:], k - 8, m) << 8
+        rest |= np.frombuffer(buf, np.uint8, m)
+        return rest
     g = np.zeros((len(buf) // k, 8), np.uint8)
     g[:, :k] = np.frombuffer(buf, np.uint8).reshape(-1, k)
     w = g.view(np.uint64)  # (groups, 1)
     vals = (w >> (np.arange(8, dtype=np.uint64) * np.uint64(k))) & np.uint64((1 << k) - 1)
-    return vals.reshape(-1)[:m].astype(np.int64)
+    return vals.reshape(-1)[:m].view(np.int64)  # values < 2^8: same bits
 
 
 def _entropy_bits(q: np.ndarray) -> float:
@@ -129,18 +131,24 @@ def encode_gaps(pos: np.ndarray, k: int) -> tuple[bytes, bytes, bytes]:
 def decode_gaps(k: int, qz: bytes, low: bytes, over: bytes, m: int, count: int, what: str) -> np.ndarray:
     if not 0 <= k <= 32:
         raise DeltaError(f"{what}: bad Rice parameter {k}")
-    q = np.frombuffer(zd(qz, m, what + " gap stream"), np.uint8).astype(np.int64)
-    esc = q == _ESC
+    q8 = np.frombuffer(zd(qz, m, what + " gap stream"), np.uint8)
     ov = np.frombuffer(over, "<u8")
-    if len(over) % 8 or ov.size != int(esc.sum()):
+    if len(over) % 8 or (ov.size and ov.size != int((q8 == _ESC).sum())):
         raise DeltaError(f"{what}: overflow stream does not match the gap stream")
     if ov.size and int(ov.max()) >= count:
         raise DeltaError(f"{what}: gap beyond the chunk")
-    q[esc] = ov.astype(np.int64)
-    gaps = (q << k) | _unpack_low(low, k, m)
-    if gaps.size and (int(gaps.max()) >= count):
+    gaps = q8.astype(np.int64)
+    if ov.size:
+        gaps[q8 == _ESC] = ov.astype(np.int64)
+    elif m and int(q8.max()) == _ESC:
+        raise DeltaError(f"{what}: overflow stream does not match the gap stream")
+    gaps <<= k
+    gaps |= _unpack_low(low, k, m)
+    if gaps.size and (int(gaps.max()) >= count):  # also rules out int64 overflow in the sum
         raise DeltaError(f"{what}: gap beyond the chunk")
-    pos = np.cumsum(gaps + 1) - 1
+    gaps += 1  # position i = sum of (gap + 1) up to i, minus 1: in place, no temporaries
+    pos = np.cumsum(gaps, out=gaps)
+    pos -= 1
     if pos.size and pos[-1] >= count:
         raise DeltaError(f"{what}: position {int(pos[-1])} beyond chunk of {count}")
     return pos

@@ -334,3 +334,23 @@ def test_stats_and_digests(pair):
     assert set(s.per_tensor) == set(base) and sum(p["changed"] for p in s.per_tensor.values()) == s.changed
     assert 0 < s.changed_frac < 1 and s.bits_per_changed > 0
     assert d.base_digest == state_digest(base) != d.new_digest == state_digest(new)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 7, 8, 9, 13, 16, 17, 24])
+def test_rice_gap_coding_round_trips_every_parameter(k):
+    """Positions with gaps spanning 0 .. far beyond 255 << k (the escape path), for every k."""
+    from delta_codec.codec import decode_gaps, encode_gaps
+    rng = np.random.default_rng(k)
+    count = 1 << 40  # only bounds-checked, never allocated
+    gaps = np.concatenate([rng.geometric(1 / (2 ** k + 1), 3000) - 1, [0, 0, 255 << k, (300 << k) + 5, 1 << 22]])
+    rng.shuffle(gaps)
+    pos = np.cumsum(gaps + 1) - 1
+    assert pos[-1] < count
+    qz, low, over = encode_gaps(pos, k)
+    assert np.array_equal(decode_gaps(k, qz, low, over, pos.size, count, "t"), pos)
+    with pytest.raises(DeltaError, match="beyond"):
+        decode_gaps(k, qz, low, over, pos.size, int(pos[-1]), "t")
+    with pytest.raises(DeltaError, match="overflow"):
+        decode_gaps(k, qz, low, over[:-8], pos.size, count, "t")
+    with pytest.raises(DeltaError, match="low-bit|zstd|decompressed"):
+        decode_gaps(k, qz, low + b"\0" if k else b"\0", over, pos.size, count, "t")
