@@ -162,6 +162,7 @@ class Delta(_Signed):
     def __init__(self, from_version: int, to_version: int, records: list[TensorRecord]):
         self.from_version, self.to_version, self.records = int(from_version), int(to_version), records
         self._nbytes: int | None = None
+        self._stats: DeltaStats | None = None
 
     @property
     def names(self) -> list[str]:
@@ -177,6 +178,11 @@ class Delta(_Signed):
 
     @property
     def stats(self) -> DeltaStats:
+        if self._stats is None:
+            self._stats = self._compute_stats()
+        return self._stats
+
+    def _compute_stats(self) -> DeltaStats:
         per = {}
         for r in self.records:
             if r.changed < 0:
@@ -307,6 +313,14 @@ def _validate_target(state, recs: list[TensorRecord], what: str) -> None:
     if missing or extra:
         raise DeltaError(f"{what} and state differ in tensor names: missing in state {sorted(missing)[:5]}, "
                          f"not in {what} {sorted(extra)[:5]}")
+    # tied weights (overlapping memory under two names): writing one would change the other.
+    # Views into one flat buffer that do not overlap are fine.
+    spans = sorted((str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), n)
+                   for n, t in ((r.name, state[r.name]) for r in recs) if t.numel())
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise DeltaError(f"tensors {a[3]!r} and {b[3]!r} overlap in memory (tied weights); "
+                             "give the state one name per tensor")
     for r in recs:
         t = state[r.name]
         if dtype_name(t.dtype) != r.dtype or tuple(t.shape) != r.shape:

@@ -288,6 +288,13 @@ def test_shape_dtype_and_name_mismatches(pair):
     del s["emb"]
     refused(s, d, "missing in state \\['emb'\\]")
     refused({**clone(base), "extra": torch.zeros(2)}, d, "not in delta \\['extra'\\]")
+    tied = clone(base)
+    tied["ln"] = tied["emb"].view(-1)[:64]  # same storage under two names
+    refused(tied, encode_delta({**base, "ln": base["emb"].view(-1)[:64].clone()}, new), "overlap in memory")
+    flat = torch.cat([base["emb"].view(-1), base["ln"]])  # disjoint views of one buffer: fine
+    views = {**clone(base), "emb": flat[:base["emb"].numel()].view(base["emb"].shape), "ln": flat[base["emb"].numel():]}
+    apply_delta(views, d)
+    assert eq(views, new)
     with pytest.raises(DeltaError, match="tensor 'ln'"):
         encode_delta(base, {**new, "ln": torch.zeros(3, dtype=torch.bfloat16)})
     with pytest.raises(DeltaError, match="only in new"):
