@@ -78,7 +78,11 @@ class LeaderLease:
             log.info("lease acquisition lost a race", error=str(e), holder=self.holder)
             return False
         self.epoch, self.renewed_mono = self.rev, t0
-        await self.renew()                         # record the epoch inside the value for operators
+        try:
+            await self.renew()                     # record the epoch inside the value for operators
+        except LeaseLost:
+            self.epoch = 0
+            return False
         log.info("leader lease acquired", epoch=self.epoch, holder=self.holder,
                  previous=(value or {}).get("holder"))
         return True
