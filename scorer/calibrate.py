@@ -37,8 +37,9 @@ class ScalingFit:
         return self.b / self.tau * np.exp(-np.asarray(c, dtype=np.float64) / self.tau)
 
 
-def _best_ab(costs: np.ndarray, succ: np.ndarray, w: np.ndarray, taus: np.ndarray):
-    """For every τ at once: weighted least squares of s = a − b·e (e = exp(−c/τ)), b clipped at 0."""
+def _best_ab(costs: np.ndarray, succ: np.ndarray, w: np.ndarray, taus: np.ndarray, a_max: float):
+    """For every τ at once: weighted least squares of s = a − b·e (e = exp(−c/τ)) with b ≥ 0 and
+    a ≤ a_max (success cannot exceed 1: without it a convex start would fit a line through a > 1)."""
     e = np.exp(-costs[None, :] / taus[:, None])                        # [T, N]
     sw, se, see = w.sum(), (w * e).sum(1), (w * e * e).sum(1)
     ss, sse_ = (w * succ).sum(), (w * succ * e).sum(1)
@@ -46,14 +47,17 @@ def _best_ab(costs: np.ndarray, succ: np.ndarray, w: np.ndarray, taus: np.ndarra
     with np.errstate(divide="ignore", invalid="ignore"):
         a = (ss * see - se * sse_) / det
         b = (ss * se - sw * sse_) / det                                 # s = a − b·e  ⇒  slope on e is −b
+    capped = np.isfinite(a) & (a > a_max)                               # a at its bound: b by LS given a
+    b = np.where(capped, (w * e * (a_max - succ[None, :])).sum(1) / see, b)
+    a = np.where(capped, a_max, a)
     flat = ~np.isfinite(b) | (b < 0)                                    # non-increasing data: flat fit
-    a = np.where(flat, ss / sw, a)
+    a = np.where(flat, min(ss / sw, a_max), a)
     b = np.where(flat, 0.0, b)
     err = (w * (succ[None, :] - (a[:, None] - b[:, None] * e)) ** 2).sum(1) / sw
     return a, b, err
 
 
-def fit_scaling_curve(costs, successes, weights=None) -> ScalingFit:
+def fit_scaling_curve(costs, successes, weights=None, a_max: float = 1.0) -> ScalingFit:
     """Monotone concave fit s(c) = a − b·exp(−c/τ) of success against cost (coarse-to-fine over τ)."""
     c = np.asarray(costs, dtype=np.float64)
     s = np.asarray(successes, dtype=np.float64)
@@ -68,7 +72,7 @@ def fit_scaling_curve(costs, successes, weights=None) -> ScalingFit:
     lo, hi = math.log(max(span, 1e-9) / 200), math.log(max(span, 1e-9) * 20)
     for _ in range(3):                       # each pass zooms in around the best τ
         taus = np.exp(np.linspace(lo, hi, 256))
-        a, b, err = _best_ab(c, s, w, taus)
+        a, b, err = _best_ab(c, s, w, taus, a_max)
         i = int(np.argmin(err))
         step = (hi - lo) / 255
         lo, hi = math.log(taus[i]) - 2 * step, math.log(taus[i]) + 2 * step
@@ -164,7 +168,7 @@ def plot(rows: list[dict], fit: ScalingFit, at: float, lam: float, path: str, ti
     ax.plot(xs, fit.success(at) + lam * (xs - at), "--", label=f"tangent at c={at:.1f}: λ={lam:.5f}/token")
     ax.axvline(at, color="grey", lw=0.5)
     ax.set(xlabel="cost (mean generated tokens)", ylabel="success", title=title, ylim=(-0.05, 1.05))
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -196,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=128, help="held-out prompts per budget")
     ap.add_argument("--temperature", type=float, default=1.0)
     op = ap.add_mutually_exclusive_group()
-    op.add_argument("--budget", type=int, help="operating point: the mean cost at this budget (default: median budget)")
+    op.add_argument("--budget", type=int, help="operating point: the mean cost at this budget (default: the largest"
+                                               " budget, i.e. the training max_tokens)")
     op.add_argument("--price", type=float, help="operating point: where the curve's slope equals this price")
     ap.add_argument("--apply", action="store_true", help="write λ to KV rl-control/lambda (needs --nats)")
     ap.add_argument("--out", default="runs/calibrate-cost.png", help="plot path (a .json summary goes next to it)")
@@ -214,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     torch.manual_seed(a.seed)
     if a.checkpoint:
-        model, source = load_policy_file(a.checkpoint)
+        try:
+            model, source = load_policy_file(a.checkpoint)
+        except Exception as e:     # missing, unreadable (pickle errors too) or not fitting the model
+            print(f"asyncrl calibrate-cost: cannot load policy: {e}", file=sys.stderr)
+            return 2
     elif a.random_init:
         from policy import CharTokenizer, ModelConfig, Transformer
         model, source = Transformer(ModelConfig.tiny(vocab_size=CharTokenizer.default().vocab_size)).eval(), "random init"
@@ -230,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.price is not None:
         at, how = cost_at_price(fit, a.price), f"slope = price {a.price}"
     else:
-        b = a.budget or budgets[len(budgets) // 2]
+        b = a.budget or budgets[-1]
         at, how = next(r["cost"] for r in rows if r["budget"] == b), f"budget {b}"
     lam = tangent_slope(fit, at)
     if fit.b == 0:

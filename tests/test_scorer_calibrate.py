@@ -30,6 +30,8 @@ def test_fit_recovers_known_slope_within_5_percent(a, b, tau, at, noise):
 def test_fit_edge_cases():
     flat = fit_scaling_curve([1, 2, 3, 4], [0.3, 0.3, 0.3, 0.3])
     assert flat.b == 0 and tangent_slope(flat, 2) == 0 and cost_at_price(flat, 0.01) == 0
+    convex = fit_scaling_curve([4, 8, 16, 24, 32, 48], [0, 0, 0, 0.1, 0.3, 0.5])
+    assert convex.a <= 1.0 and convex.b > 0 and (convex.success(np.linspace(0, 200, 20)) <= 1.0).all()
     decreasing = fit_scaling_curve([1, 2, 3], [0.5, 0.4, 0.1])
     assert tangent_slope(decreasing, 2) == 0                  # never a negative λ
     with pytest.raises(ValueError, match=">= 3 distinct costs"):
@@ -72,7 +74,7 @@ def test_calibrate_cli_measures_plots_and_applies(tmp_path, fresh_server):
     assert rc == 0 and out.stat().st_size > 1000
     summary = json.loads((tmp_path / "cal.json").read_text())
     assert [p["budget"] for p in summary["points"]] == [2, 3, 5] and summary["lambda"] >= 0
-    assert "version 7" in summary["policy"] and summary["operating_point"] == "budget 3"
+    assert "version 7" in summary["policy"] and summary["operating_point"] == "budget 5"
 
     async def read():
         bus = await connect(BusConfig(servers=[fresh_server.url], name="t"))
@@ -87,3 +89,7 @@ def test_calibrate_cli_measures_plots_and_applies(tmp_path, fresh_server):
         loop.close()
     with pytest.raises(SystemExit):
         main(["--random-init", "--apply"])                 # --apply without --nats: a clear usage error
+    (tmp_path / "empty").mkdir()
+    assert main(["--checkpoint", str(tmp_path / "empty")]) == 2
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    assert main(["--checkpoint", str(tmp_path / "bad.pt")]) == 2
