@@ -115,7 +115,9 @@ class ConsumerLoop:
         self.max_deliver = int(cfg.max_deliver or -1)
         loop = asyncio.get_running_loop()
         installed = False
-        if self.handle_signals:
+        # SIGTERM -> drain; unless the process already handles SIGTERM itself (then it is
+        # expected to set stop_event), since asyncio keeps only one handler per signal
+        if self.handle_signals and signal.SIGTERM not in getattr(loop, "_signal_handlers", {}):
             try:
                 loop.add_signal_handler(signal.SIGTERM, self._stop.set)
                 installed = True

@@ -281,3 +281,30 @@ async def test_handler_event_error_parks_at_once_and_self_acked_is_fine(fresh_se
         assert (await bus.js.stream_info(topo.TASKS)).state.messages == 0
     finally:
         await bus.close()
+
+
+async def test_sigterm_drains_the_loop(fresh_server):
+    import os
+    import signal
+    bus = await short_bus(fresh_server)
+    try:
+        await bus.publish(topo.task_subject("arith"), task(21))
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def handler(ev, ctx):
+            started.set()
+            await release.wait()
+        loop = ConsumerLoop(bus, topo.TASKS, topo.ROLLOUT_CONSUMER, handler, Task, grace_s=10)
+        runner = asyncio.create_task(loop.run())
+        await asyncio.wait_for(started.wait(), 5)
+        # never send SIGTERM unless the loop's handler is in place (it would kill pytest)
+        assert signal.SIGTERM in asyncio.get_running_loop()._signal_handlers
+        os.kill(os.getpid(), signal.SIGTERM)              # the loop stops fetching, waits for the handler
+        await asyncio.sleep(0.3)
+        assert not runner.done()
+        release.set()
+        stats = await asyncio.wait_for(runner, 5)
+        assert stats.acked == 1 and stats.drained_naks == 0
+        assert signal.SIGTERM not in asyncio.get_running_loop()._signal_handlers   # handler removed
+    finally:
+        await bus.close()
