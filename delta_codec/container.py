@@ -52,7 +52,6 @@ class TensorRecord:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
-
 @dataclass
 class DeltaStats:
     changed: int
@@ -114,7 +113,15 @@ def _unpack(blob, kind: int):
     sig_len = signing.SIGNATURE_BYTES if flags & SIGNED else 0
     body_end = len(mv) - sig_len
     off, recs = end + 8, []
-    for name, dt, shape, da, db, n, h in tensors:
+    for entry in tensors:
+        try:
+            name, dt, shape, da, db, n, h = entry
+            shape, n, h = tuple(int(s) for s in shape), int(n), int(h)
+            da, db = bytes(da), bytes(db)
+            if n < 0 or any(s < 0 for s in shape):
+                raise ValueError("negative size")
+        except (TypeError, ValueError) as e:
+            raise DeltaError(f"{what} header has a malformed tensor entry {str(entry)[:80]}: {e}") from None
         if off + n > body_end:
             raise DeltaError(f"{what} truncated: tensor {name!r} needs {n} bytes at offset {off}, "
                              f"only {max(body_end - off, 0)} remain")
@@ -122,7 +129,7 @@ def _unpack(blob, kind: int):
         if xxhash.xxh3_64_intdigest(rec) != h:
             raise DeltaError(f"tensor {name!r}: record checksum mismatch (corrupted payload)")
         dtype_from_name(dt)
-        recs.append(TensorRecord(name, dt, tuple(int(s) for s in shape), bytes(da), bytes(db), rec))
+        recs.append(TensorRecord(name, dt, shape, da, db, rec))
         off += n
     if off != body_end:
         raise DeltaError(f"{what} has {body_end - off} unexpected trailing bytes (truncated signature or garbage)")

@@ -361,3 +361,22 @@ def test_rice_gap_coding_round_trips_every_parameter(k):
         decode_gaps(k, qz, low, over[:-8], pos.size, count, "t")
     with pytest.raises(DeltaError, match="low-bit|zstd|decompressed"):
         decode_gaps(k, qz, low + b"\0" if k else b"\0", over, pos.size, count, "t")
+
+
+def test_well_checksummed_but_malformed_header_is_refused(pair):
+    """A producer bug (valid checksums, nonsense entries) still gives a DeltaError."""
+    import struct
+
+    import xxhash
+
+    from delta_codec.container import _PREFIX, FORMAT, KIND_DELTA, MAGIC
+    for meta in ({"from_version": 0, "to_version": 1, "tensors": [["w", "bfloat16", [2], b"", b"", -5, 0]]},
+                 {"from_version": 0, "to_version": 1, "tensors": [["w", "bfloat16"]]},
+                 {"from_version": 0, "to_version": 1,
+                  "tensors": [["w", "nonsense-dtype", [2], b"", b"", 0, xxhash.xxh3_64_intdigest(b"")]]},
+                 {"to_version": 1, "tensors": []}):
+        header = msgpack.packb(meta, use_bin_type=True)
+        head = _PREFIX.pack(MAGIC, FORMAT, KIND_DELTA, 0, len(header)) + header
+        blob = head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+        with pytest.raises(DeltaError, match="malformed|dtype|lacks"):
+            Delta.from_bytes(blob)
