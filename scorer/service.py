@@ -90,7 +90,7 @@ class Scorer:
         try:
             env = get_env(ro.env)
         except KeyError as e:
-            return await self._park(ctx, f"unknown environment {ro.env!r}: {e}")
+            return await self._park(ctx, e.args[0] if e.args else f"unknown environment {ro.env!r}")
         t0 = time.perf_counter()
         try:
             if getattr(env, "blocking", False):

@@ -183,3 +183,12 @@ async def test_two_scorers_share_the_work_and_crashes_park_in_dlq(bus):
         assert set(info.state.subjects or {}) >= {"rl.heartbeat.scorer.s0", "rl.heartbeat.scorer.s1"}
     finally:
         del ENVS["crashy"]
+
+
+def test_bad_config_is_refused_clearly():
+    from bus import load_config
+    for env in [{"ASYNCRL_COST_UNIT": "dollars"}, {"ASYNCRL_CONCURRENCY": "0"}, {"ASYNCRL_DEFAULT_LAMBDA": "-1"}]:
+        with pytest.raises(ValueError, match="cost_unit|concurrency|default_lambda"):
+            load_config(ScorerConfig, environ=env)
+    cfg = load_config(ScorerConfig, environ={"ASYNCRL_COST_UNIT": "wall_s", "ASYNCRL_SCORER_ID": "s9"})
+    assert cfg.cost_unit == "wall_s" and cfg.bus.name == "s9"
