@@ -6,7 +6,8 @@ Layers (each one covers a way generated code goes wrong):
     all) and a pid namespace whose init is a tiny shell, so every process the code forks dies
     with it — a child that calls setsid() or daemonises cannot outlive the sandbox;
   * when the scorer runs as root (where RLIMIT_NPROC is not enforced) the code runs under a
-    fresh random uid, so RLIMIT_NPROC caps a fork bomb at `nproc` processes;
+    fresh random uid, so RLIMIT_NPROC caps a fork bomb at `nproc` processes; as a non-root
+    user RLIMIT_NPROC is 1, so the code cannot fork or start threads at all;
   * rlimits set in-process before any untrusted byte runs: CPU seconds, address space,
     file size (caps stdout/stderr, which go to files), open files, no core dumps;
   * an audit hook that refuses every socket operation (the network guard where namespaces
@@ -106,6 +107,15 @@ def isolation() -> tuple[str, bool, bool]:
     return python, use_uid, use_ns
 
 
+def _nproc_limit(limits: SandboxLimits, uid: int | None) -> int:
+    """RLIMIT_NPROC for the code. It counts every task of the uid: under a fresh uid that is only
+    the sandbox, so `nproc`; under a shared non-root uid, 1 (the uid already has more: no fork or
+    thread at all); root ignores it (0 = not set; root uses fresh uids when it can)."""
+    if uid is not None:
+        return limits.nproc
+    return 1 if os.geteuid() != 0 else 0
+
+
 def _fresh_uid() -> int:
     # an unused uid per run: RLIMIT_NPROC counts per uid, so concurrent sandboxes never share a budget
     return 200_000 + random.SystemRandom().randrange(1 << 30)
@@ -144,7 +154,7 @@ def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None 
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)
         cmd = [python, "-I", "-S", "-c", PRELUDE, str(limits.cpu_s), str(limits.memory_mb << 20),
-               str(limits.output_bytes), str(limits.nproc if uid is not None else 0), str(limits.open_files),
+               str(limits.output_bytes), str(_nproc_limit(limits, uid)), str(limits.open_files),
                "1" if limits.network else "0", script, *(args or [])]
         if use_ns:
             # pid 1 of the namespace is a shell, so the python below it keeps normal signal
