@@ -144,6 +144,7 @@ class ResilientPull:
         self._buf: collections.deque[Msg] = collections.deque()
         self._status: dict[str, tuple[str, str]] = {}   # request token -> (code, description)
         self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()
         self._token = 0
         self.rebuilds = 0
         self.last_status = ("", "")     # status that ended the last request (404, 408, 409 ...)
@@ -204,6 +205,10 @@ class ResilientPull:
         """Up to `batch` messages; [] when none arrive within `timeout` (never raises on empty)."""
         if batch < 1:
             return []
+        async with self._lock:  # one request in flight per subscription; callers may share it
+            return await self._fetch(batch, timeout)
+
+    async def _fetch(self, batch: int, timeout: float) -> list[Msg]:
         try:
             if self._sub is None:
                 await self._bind()

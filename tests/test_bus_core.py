@@ -265,3 +265,19 @@ async def test_connect_over_tls_with_ca(tmp_path):
             await b.close()
         with pytest.raises(ConnectError, match="TLS"):   # no CA: the server certificate is not trusted
             await connect(BusConfig(servers=[srv.url], name="notls", connect_attempts=1, connect_timeout_s=1))
+
+
+async def test_pull_shared_by_concurrent_fetchers_delivers_each_message_once(bus):
+    n = 60
+    await bus.publish_many([(topo.task_subject("arith"), Task(task_id=f"cf-{i}", env="arith", prompt="p"))
+                            for i in range(n)])
+    sub = await bus.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)
+    got: list[str] = []
+
+    async def fetcher():
+        while len(got) < n:
+            for m in await sub.fetch(7, timeout=0.3):
+                got.append(m.headers["Rl-Task"])
+                await m.ack()
+    await asyncio.wait_for(asyncio.gather(*[fetcher() for _ in range(4)]), 20)
+    assert sorted(got) == sorted(f"cf-{i}" for i in range(n))
