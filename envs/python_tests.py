@@ -63,11 +63,13 @@ PROBLEMS: dict[str, tuple[str, str, str, object]] = {
                  lambda r: [_randint(r, -3, 200)]),
 }
 
+# Runs inside the sandbox. It sees only the inputs, never the expected outputs: the comparison
+# happens in the scorer, so code that forges the report must still produce the right values.
 HARNESS = r"""
 import json, os, sys
 nonce = sys.stdin.readline().strip()
 task = json.loads(sys.stdin.readline())
-out = os.dup(1)          # the result goes to our own copy of stdout, whatever the code does to sys.stdout
+out = os.dup(1)          # the report goes to our own copy of stdout, whatever the code does to sys.stdout
 
 def report(**res):
     os.write(out, ("\n" + nonce + " " + json.dumps(res) + "\n").encode())
@@ -78,18 +80,17 @@ try:
 except BaseException as e:
     report(error=f"solution does not load: {type(e).__name__}: {str(e)[:200]}")
     raise SystemExit(0)
-passed, first = 0, None
-for args, want in task["tests"]:
+results = []
+for args in task["args"]:
     try:
-        got = json.loads(json.dumps(fn(*args)))
-        ok = got == want
-        msg = f"{task['entry']}{tuple(args)!r:.80} returned {got!r:.60}, expected {want!r:.60}"
+        got = fn(*args)
+        try:
+            results.append(["ok", json.loads(json.dumps(got))])
+        except (TypeError, ValueError) as e:
+            results.append(["err", f"returned a non-JSON value {type(got).__name__}"])
     except BaseException as e:
-        ok, msg = False, f"{task['entry']}{tuple(args)!r:.80} raised {type(e).__name__}: {str(e)[:120]}"
-    passed += ok
-    if not ok and first is None:
-        first = msg
-report(passed=passed, total=len(task["tests"]), first_failure=first)
+        results.append(["err", f"raised {type(e).__name__}: {str(e)[:120]}"])
+report(results=results)
 """
 
 FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)(?:```|$)", re.S)
@@ -143,24 +144,36 @@ class PythonTestsEnv:
         if not isinstance(text, str) or not text.strip():
             return Verdict(0.0, "empty completion", tool_calls=0)
         nonce = secrets.token_hex(16)
-        task = json.dumps({"entry": spec["entry"], "tests": spec["tests"]})
-        res = run_python({"solution.py": extract_code(text), "harness.py": HARNESS}, "harness.py",
+        task = json.dumps({"entry": spec["entry"], "args": [args for args, _ in spec["tests"]]})
+        run = run_python({"solution.py": extract_code(text), "harness.py": HARNESS}, "harness.py",
                          self.limits, stdin=f"{nonce}\n{task}\n".encode())
-        line = next((ln for ln in res.stdout.decode("utf-8", "replace").splitlines()[::-1]
+        line = next((ln for ln in run.stdout.decode("utf-8", "replace").splitlines()[::-1]
                      if ln.startswith(nonce + " ")), None)
         if line is None:                             # died before reporting: the sandbox says why
-            why = res.reason if not res.ok else "exited without a test report"
-            tail = res.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+            why = run.reason if not run.ok else "exited without a test report"
+            tail = run.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
             return Verdict(0.0, f"{why}; {tail[0][:200]}".rstrip("; "), tool_calls=1)
-        r = json.loads(line[len(nonce) + 1:])
-        if "error" in r:
-            return Verdict(0.0, r["error"], tool_calls=1)
-        reason = f"passed {r['passed']}/{r['total']}"
-        if r.get("first_failure"):
-            reason += f"; first failure: {r['first_failure']}"
-        if not res.ok:
-            reason += f"; then {res.reason}"
-        return Verdict(r["passed"] / max(r["total"], 1), reason, tool_calls=1)
+        try:
+            report = json.loads(line[len(nonce) + 1:])
+            if "error" in report:
+                return Verdict(0.0, str(report["error"])[:300], tool_calls=1)
+            results = report["results"]
+            if not isinstance(results, list) or len(results) != len(spec["tests"]):
+                raise ValueError("wrong number of results")
+        except (ValueError, KeyError, TypeError) as e:
+            return Verdict(0.0, f"unreadable test report: {e}", tool_calls=1)
+        passed, first = 0, None
+        for (args, want), out in zip(spec["tests"], results):   # compared here, outside the sandbox
+            returned = isinstance(out, list) and len(out) == 2 and out[0] == "ok"
+            passed += returned and out[1] == want
+            if not (returned and out[1] == want) and first is None:
+                call = f"{spec['entry']}{tuple(args)!r:.80}"
+                first = (f"{call} returned {out[1]!r:.60}, expected {want!r:.60}" if returned
+                         else f"{call} {str(out[1] if isinstance(out, list) and len(out) == 2 else out)[:140]}")
+        reason = f"passed {passed}/{len(results)}" + (f"; first failure: {first}" if first else "")
+        if not run.ok:
+            reason += f"; then {run.reason}"
+        return Verdict(passed / len(results), reason, tool_calls=1)
 
     def demonstration(self, spec: dict, style: str = "default") -> str:
         self._check(spec)

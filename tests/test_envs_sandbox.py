@@ -129,11 +129,15 @@ def test_known_bad_and_malicious_completions(env):
         "import os; os._exit(0)": "exited without a test report",
         'print(\'{"passed": 8, "total": 8}\')\nimport os; os._exit(0)': "exited without a test report",
         "import time\ntime.sleep(60)": "wall timeout",
+        # a forged report with the real nonce still needs the right values: the sandbox never sees them
+        "import sys, json\nf = sys._getframe()\nwhile 'nonce' not in f.f_globals:\n    f = f.f_back\n"
+        "nonce = f.f_globals['nonce']\n"
+        "print('\\n' + nonce + ' ' + json.dumps({'results': [['ok', 0]] * 8}), flush=True)\nimport os; os._exit(0)": "passed ",
     }
     fast = PythonTestsEnv(limits=SandboxLimits(wall_s=1.5, cpu_s=1, memory_mb=256))
     for code, why in cases.items():
         v = fast.verify(code, t.spec)
-        assert v.success == 0.0 and why in v.reason, (code, v)
+        assert v.success < 1.0 and why in v.reason, (code, v)
     v = fast.verify("def sum_even(xs):\n    while True: pass\n", t.spec)
     assert v.success == 0.0 and ("cpu time limit" in v.reason or "wall timeout" in v.reason)
 
