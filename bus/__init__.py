@@ -10,6 +10,7 @@ from bus.server import EmbeddedServer, ServerError, run_foreground
 from bus.topology import TopologyConfig
 
 __all__ = ["EmbeddedServer", "ServerError", "run_foreground", "BusConfig", "ConfigError", "load_config",
-           "Bus", "connect", "ConnectError", "PublishError", "ResilientPull", "KVConflict", "BlobError", "RETRYABLE", "ConsumerLoop",
-           "HandlerContext", "LoopStats", "TransientError", "park_max_delivered", "watch_max_deliveries", "EventError", "setup_logging", "get_logger",
+           "Bus", "connect", "ConnectError", "PublishError", "ResilientPull", "KVConflict", "BlobError",
+           "RETRYABLE", "ConsumerLoop", "HandlerContext", "LoopStats", "TransientError",
+           "park_max_delivered", "watch_max_deliveries", "EventError", "setup_logging", "get_logger",
            "TopologyConfig"]
