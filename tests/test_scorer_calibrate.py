@@ -82,11 +82,25 @@ def test_calibrate_cli_measures_plots_and_applies(tmp_path, fresh_server):
             return await bus.kv_get(topo.KEY_LAMBDA)
         finally:
             await bus.close()
+    async def publish_keyframe():                      # the policy as workers get it: latest keyframe
+        from bus.weights import WeightPublisher
+        from policy import inference_state
+        bus = await connect(BusConfig(servers=[fresh_server.url], name="t"))
+        try:
+            await bus.provision()
+            torch.manual_seed(1)
+            await WeightPublisher(bus, epoch=1, trainer_id="t").publish_keyframe(
+                inference_state(Transformer(cfg)), version=11, model_config=cfg.to_dict())
+        finally:
+            await bus.close()
     loop = asyncio.new_event_loop()
     try:
         assert parse_lambda(loop.run_until_complete(read())) == pytest.approx(summary["lambda"])
+        loop.run_until_complete(publish_keyframe())
     finally:
         loop.close()
+    assert main(["--nats", fresh_server.url, "--budgets", "2,3,4", "--prompts", "4", "--out", str(out)]) == 0
+    assert "version 11" in json.loads((tmp_path / "cal.json").read_text())["policy"]
     with pytest.raises(SystemExit):
         main(["--random-init", "--apply"])                 # --apply without --nats: a clear usage error
     (tmp_path / "empty").mkdir()
