@@ -24,16 +24,27 @@ COMMANDS = {
 
 
 def _inspect(argv: list[str]) -> int:
-    from bus import BusConfig, connect
+    from bus import BusConfig, connect, load_config
     from asyncrl.inspect import render, snapshot
 
     ap = argparse.ArgumentParser(prog="asyncrl inspect", description=__doc__)
-    ap.add_argument("--nats", default="nats://127.0.0.1:4222", help="server URL(s), comma separated")
+    ap.add_argument("--nats", default=None, help="server URL(s), comma separated (default: ASYNCRL_BUS__SERVERS "
+                    "or nats://127.0.0.1:4222)")
+    ap.add_argument("--config", default=None, help="TOML with a [bus] table (credentials, TLS); env ASYNCRL_BUS__* too")
+    ap.add_argument("--user", default=None)
+    ap.add_argument("--password", default=None)
     ap.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     a = ap.parse_args(argv)
+    over = {"name": "asyncrl-inspect"}
+    if a.nats:
+        over["servers"] = a.nats.split(",")
+    if a.user:
+        over.update(user=a.user, password=a.password)
+    cfg = load_config(BusConfig, a.config, env_prefix="ASYNCRL_BUS__", section="bus" if a.config else None,
+                      overrides=over)
 
     async def run() -> None:
-        bus = await connect(BusConfig(servers=a.nats.split(","), name="asyncrl-inspect"))
+        bus = await connect(cfg)
         try:
             snap = await snapshot(bus)
         finally:

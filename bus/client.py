@@ -257,7 +257,7 @@ class ResilientPull:
 class Bus:
     def __init__(self, nc, cfg: BusConfig):
         self.nc, self.cfg = nc, cfg
-        self.js = nc.jetstream(timeout=cfg.request_timeout_s)
+        self.js = nc.jetstream(timeout=cfg.request_timeout_s, domain=cfg.js_domain)
         self._kv = None
         self._obs = None
         self.reconnects = 0

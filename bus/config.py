@@ -43,6 +43,7 @@ class BusConfig:
     reconnect_wait_max_s: float = 5.0     # cap of the backoff for the first connect and publish retries
     request_timeout_s: float = 10.0       # JetStream API / publish ack timeout
     publish_retries: int = 8              # a publish is retried (safe: Nats-Msg-Id dedupes)
+    js_domain: str | None = None          # JetStream domain (a worker behind a leaf node reaches the hub's "hub")
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 
 
