@@ -28,6 +28,7 @@ packed copy of the weights that only the layer's post-load processing rebuilds.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import os
@@ -287,6 +288,8 @@ class VLLMEngine:
             if ids:
                 await llm.abort(ids)
             llm.shutdown()
+            del llm
+            gc.collect()            # collect it now: its __del__ at interpreter exit would fail
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -426,7 +429,8 @@ class VLLMEngine:
             check_delta(self.version, self.epoch, delta, epoch)
             changed = [n for n, st in delta.stats.per_tensor.items() if st["changed"]]
             backup = {n: self.state[n].clone() for n in changed if n in self.state}
-            delta_codec.apply_delta(self.state, delta)      # digests checked; DeltaError -> unchanged
+            # digests checked; DeltaError -> unchanged. In a thread: vLLM's outputs keep streaming
+            await asyncio.to_thread(delta_codec.apply_delta, self.state, delta)
             try:
                 await self._push(changed, delta.to_version, epoch)
             except BaseException:
@@ -438,14 +442,7 @@ class VLLMEngine:
             if self._closed:
                 raise EngineClosed("engine is closed")
             self._check_state(state)
-            new = {k: v.detach().to(torch.bfloat16).clone() for k, v in state.items()}
-            if self.state is not None and not self._dirty:
-                changed = [k for k in new if not torch.equal(new[k], self.state[k])]
-            elif self.disk is not None and not self._dirty:   # vLLM loaded the checkpoint itself
-                changed = [k for k in new if not torch.equal(new[k], self.disk[self._hf(k)].to(torch.bfloat16))]
-                self.disk = None
-            else:
-                changed = list(new)
+            new, changed = await asyncio.to_thread(self._diff_keyframe, state)
             old = self.state
             self.state = new
             try:
@@ -453,6 +450,16 @@ class VLLMEngine:
             except BaseException:
                 self.state = old
                 raise
+
+    def _diff_keyframe(self, state) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """bf16 copy of a keyframe and the tensors vLLM does not already hold."""
+        new = {k: v.detach().to(torch.bfloat16).clone() for k, v in state.items()}
+        if self.state is not None and not self._dirty:
+            return new, [k for k in new if not torch.equal(new[k], self.state[k])]
+        if self.disk is not None and not self._dirty:      # vLLM loaded this checkpoint itself
+            disk, self.disk = self.disk, None
+            return new, [k for k in new if not torch.equal(new[k], disk[self._hf(k)].to(torch.bfloat16))]
+        return new, list(new)
 
     def _check_state(self, state) -> None:
         expect = None
@@ -471,9 +478,8 @@ class VLLMEngine:
             if bad:
                 raise ValueError(f"keyframe tensor shapes differ from the model: {bad[:5]}")
 
-    async def _push(self, changed: list[str], version: int, epoch: int) -> None:
-        """One token boundary: pause (requests and KV kept), reload the touched layers, relabel, resume."""
-        await self.start()
+    def _payload(self, changed: list[str]) -> tuple[list[str], list[list]]:
+        """Every HF tensor of every layer a changed tensor belongs to, in chunks of whole layers."""
         hf_state = {self._hf(k): k for k in self.state}
         groups = layer_groups(hf_state, self.packed)
         touched = sorted({layer_key(self._hf(k), self.packed) for k in changed})
@@ -488,6 +494,12 @@ class VLLMEngine:
                 cur, size = [], 0
         if cur:
             chunks.append(cur)
+        return touched, chunks
+
+    async def _push(self, changed: list[str], version: int, epoch: int) -> None:
+        """One token boundary: pause (requests and KV kept), reload the touched layers, relabel, resume."""
+        await self.start()
+        touched, chunks = await asyncio.to_thread(self._payload, changed)
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
         t0 = time.perf_counter()
         in_flight = bool(self._reqs)
