@@ -1,6 +1,7 @@
 """`asyncrl calibrate-cost`: λ from the policy's own test-time scaling curve.
 
-    for each budget B (max new tokens):  run the policy on held-out prompts → (mean cost, success)
+    for each budget B (max new tokens, or samples per task):  run the policy on held-out prompts
+                                                               → (mean cost in tokens, success)
     fit   s(c) = a − b·exp(−c/τ)      (b ≥ 0, τ > 0: monotone increasing and concave)
     λ   = s'(c*) = (b/τ)·exp(−c*/τ)   at the operating point c*: the mean cost at a given budget,
                                       or the cost where the slope equals a given price of compute
@@ -152,6 +153,27 @@ def measure(model, env_name: str, budgets: list[int], n_prompts: int, temperatur
     return rows
 
 
+def measure_samples(model, env_name: str, ks: list[int], n_prompts: int, temperature: float, seed: int,
+                    max_tokens: int) -> list[dict]:
+    """Samples-per-task budgets: k samples of each held-out prompt; success = any of the k correct
+    (a verifier picks), cost = tokens of all k. One generation of max(k) samples serves every k."""
+    import torch
+    from envs import get_env
+    from policy import CharTokenizer, SamplingConfig, generate
+
+    env, tok = get_env(env_name), CharTokenizer.default()
+    rng, K = random.Random(seed), max(ks)
+    tasks = [env.sample(rng, split="eval") for _ in range(n_prompts)]
+    prompts = [tok.encode(t.prompt, bos=True) for t in tasks for _ in range(K)]
+    outs = generate(model, prompts, SamplingConfig(temperature=temperature), max_tokens, [tok.eos_id],
+                    torch.Generator().manual_seed(seed))
+    ok = np.array([env.verify(tok.decode([i for i in o.ids if i != tok.eos_id]), tasks[j // K].spec).success
+                   for j, o in enumerate(outs)]).reshape(n_prompts, K)
+    toks = np.array([len(o.ids) for o in outs], dtype=np.float64).reshape(n_prompts, K)
+    return [{"budget": k, "cost": float(toks[:, :k].sum(1).mean()), "success": float(ok[:, :k].max(1).mean()),
+             "n": n_prompts} for k in ks]
+
+
 def plot(rows: list[dict], fit: ScalingFit, at: float, lam: float, path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -161,13 +183,13 @@ def plot(rows: list[dict], fit: ScalingFit, at: float, lam: float, path: str, ti
     s = np.array([r["success"] for r in rows])
     xs = np.linspace(0, max(c.max(), at) * 1.1, 200)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.scatter(c, s, color="k", zorder=3, label="measured (one point per max-tokens budget)")
+    ax.scatter(c, s, color="k", zorder=3, label="measured (one point per budget)")
     for r in rows:
         ax.annotate(f"B={r['budget']}", (r["cost"], r["success"]), textcoords="offset points", xytext=(4, -10), fontsize=7)
     ax.plot(xs, fit.success(xs), label=f"fit  {fit.a:.3f} − {fit.b:.3f}·exp(−c/{fit.tau:.1f})")
     ax.plot(xs, fit.success(at) + lam * (xs - at), "--", label=f"tangent at c={at:.1f}: λ={lam:.5f}/token")
     ax.axvline(at, color="grey", lw=0.5)
-    ax.set(xlabel="cost (mean generated tokens)", ylabel="success", title=title, ylim=(-0.05, 1.05))
+    ax.set(xlabel="cost (mean generated tokens per task)", ylabel="success", title=title, ylim=(-0.05, 1.05))
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -196,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nats", default=None, help="server URL(s): policy from the latest keyframe (when no"
                                                  " --checkpoint) and where --apply writes λ")
     ap.add_argument("--env", default="arith")
-    ap.add_argument("--budgets", default="4,6,8,12,16,20,24,32,40,48", help="max-new-token budgets, comma separated")
+    ap.add_argument("--axis", choices=("tokens", "samples"), default="tokens",
+                    help="budget = max new tokens per sample, or samples per task (at --max-tokens each)")
+    ap.add_argument("--budgets", default=None, help="budgets, comma separated (default: 4,6,8,12,16,20,24,32,40,48"
+                                                    " tokens, or 1,2,3,4,6,8 samples)")
+    ap.add_argument("--max-tokens", type=int, default=48, help="max new tokens per sample on the samples axis")
     ap.add_argument("--prompts", type=int, default=128, help="held-out prompts per budget")
     ap.add_argument("--temperature", type=float, default=1.0)
     op = ap.add_mutually_exclusive_group()
@@ -209,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.apply and not a.nats:
         ap.error("--apply needs --nats")
+    a.budgets = a.budgets or ("4,6,8,12,16,20,24,32,40,48" if a.axis == "tokens" else "1,2,3,4,6,8")
     try:
         budgets = sorted({int(x) for x in a.budgets.split(",") if x.strip()} | ({a.budget} if a.budget else set()))
     except ValueError:
@@ -232,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ap.error("give --checkpoint, --nats (latest keyframe) or --random-init")
 
-    rows = measure(model, a.env, budgets, a.prompts, a.temperature, a.seed)
+    if a.axis == "tokens":
+        rows = measure(model, a.env, budgets, a.prompts, a.temperature, a.seed)
+    else:
+        rows = measure_samples(model, a.env, budgets, a.prompts, a.temperature, a.seed, a.max_tokens)
     for r in rows:
         print(f"budget {r['budget']:4d}  cost {r['cost']:7.2f}  success {r['success']:.3f}", file=sys.stderr)
     fit = fit_scaling_curve([r["cost"] for r in rows], [r["success"] for r in rows])
@@ -245,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if fit.b == 0:
         print("warning: success does not rise with cost: λ = 0 (is the policy trained?)", file=sys.stderr)
     plot(rows, fit, at, lam, a.out, f"{a.env}: {source}")
-    summary = {"lambda": lam, "operating_cost": at, "operating_point": how, "fit": asdict(fit),
+    summary = {"lambda": lam, "operating_cost": at, "operating_point": how, "axis": a.axis, "fit": asdict(fit),
                "points": rows, "policy": source, "env": a.env, "plot": a.out}
     if a.apply:
         summary["kv_revision"] = asyncio.run(apply_lambda(a.nats, lam))

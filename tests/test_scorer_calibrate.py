@@ -101,6 +101,10 @@ def test_calibrate_cli_measures_plots_and_applies(tmp_path, fresh_server):
         loop.close()
     assert main(["--nats", fresh_server.url, "--budgets", "2,3,4", "--prompts", "4", "--out", str(out)]) == 0
     assert "version 11" in json.loads((tmp_path / "cal.json").read_text())["policy"]
+    assert main(["--checkpoint", str(tmp_path), "--axis", "samples", "--budgets", "1,2,3", "--max-tokens", "3",
+                 "--prompts", "3", "--out", str(out)]) == 0
+    rows = json.loads((tmp_path / "cal.json").read_text())["points"]
+    assert [r["budget"] for r in rows] == [1, 2, 3] and rows[0]["cost"] < rows[1]["cost"] < rows[2]["cost"]
     with pytest.raises(SystemExit):
         main(["--random-init", "--apply"])                 # --apply without --nats: a clear usage error
     (tmp_path / "empty").mkdir()
