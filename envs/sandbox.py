@@ -160,7 +160,7 @@ def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None 
             # pid 1 of the namespace is a shell, so the python below it keeps normal signal
             # semantics; when the shell exits every process left in the namespace is killed
             netns = limits.netns and not limits.network
-            cmd = ["unshare", "-rnpf" if netns else "-rpf", "--kill-child", "--", "/bin/sh", "-c",
+            cmd = [shutil.which("unshare") or "unshare", "-rnpf" if netns else "-rpf", "--kill-child", "--", "/bin/sh", "-c",
                    '"$@"; exit $?', "sh", *cmd]
             layers += ["pidns"] + (["netns"] if netns else [])
         kw = {}
