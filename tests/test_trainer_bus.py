@@ -155,3 +155,19 @@ async def test_lease_takeover_fences_epochs(bus):
     await b.release()                                      # graceful hand-over: immediate
     c = LeaderLease(bus, "C", ttl_s=1.5, renew_s=0.5)
     assert await c.try_acquire() and c.epoch > e2
+
+
+async def test_incomplete_group_used_after_timeout(bus, fresh_server, tmp_path):
+    cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=4, group_timeout_s=1.0)
+    model = Transformer(ModelConfig.from_dict(MODEL))
+    rng = random.Random(2)
+    for i in range(2):                                     # two of four siblings ever arrive
+        await bus.publish(topo.scored_subject("arith"), make_scored(model, "lonely", i, 4, 0, rng))
+    await bus.publish(topo.scored_subject("arith"), make_scored(model, "single", 0, 4, 0, rng))
+    b = Batcher(bus, cfg, ConsumedIds(), 128)
+    await b.start()
+    assert await b.next_batch(0, max_wait_s=0.5) is None  # still waiting for siblings
+    batch = await b.next_batch(0, max_wait_s=10)
+    assert sorted(batch.rollout_ids) == ["lonely-0", "lonely-1"] and [s.weight for s in batch.samples] == [1.0, 1.0]
+    batch = await b.next_batch(0, max_wait_s=10)          # a group of one: no baseline, consumed untrained
+    assert batch.rollout_ids == ["single-0"] and batch.samples[0].weight == 0.0

@@ -137,7 +137,7 @@ class Batcher:
             first = next(iter(g.values()))
             want = first.rollout.group_size or self.cfg.group_size
             timed_out = now - min(s.arrived for s in g.values()) > self.cfg.group_timeout_s
-            if len(g) >= want or (timed_out and len(g) >= 2):
+            if len(g) >= want or timed_out:
                 ready.append(tid)
         return ready
 
@@ -176,8 +176,12 @@ class Batcher:
                 s.lag = version - min(s.rollout.token_versions, default=version)
                 samples.append(s)
         self.inflight.update(s.rollout.rollout_id for s in samples)
+        sizes = {}
+        for s in samples:
+            sizes[s.group] = sizes.get(s.group, 0) + 1
         for s, w in zip(samples, stale_weights([s.lag for s in samples], cfg.max_lag, cfg.stale, cfg.stale_weight)):
-            s.weight = w
+            # a timed-out group of one has no baseline: consumed and acked, never trained on
+            s.weight = 0.0 if sizes[s.group] == 1 and (s.rollout.group_size or cfg.group_size) > 1 else w
         return Batch(samples, n_groups=min(len(ready), cfg.batch_groups), version=version)
 
     async def close(self, held_back: Batch | None = None) -> None:

@@ -28,7 +28,7 @@ class TrainerConfig:
     # batching
     batch_groups: int = 4                # groups (tasks) per optimizer step
     group_size: int = 4                  # completions per task
-    group_timeout_s: float = 120.0       # a group still incomplete after this is used as is (>= 2 samples)
+    group_timeout_s: float = 120.0       # a group still incomplete after this is used as it is
     max_lag: int = 4                     # samples with a token older than this many versions are stale
     stale: str = "drop"                  # drop | downweight
     stale_weight: float = 0.5            # downweight: weight = stale_weight ** (lag - max_lag)
