@@ -1,0 +1,731 @@
+"""Fault-injection harness: real trainer / scorer / worker processes on a real nats-server,
+faults injected with signals, and the books kept from what the processes themselves wrote.
+
+    fleet = Fleet(run_dir, servers=[srv.url])
+    await fleet.open()                       # harness bus connection, provisioned topology
+    fleet.trainer("A"); fleet.scorer("s0"); fleet.worker("w0")
+    tasks = await fleet.publish_tasks(200)
+    ... SIGKILL / SIGSTOP / server restart ...
+    books = await fleet.wait_trained(tasks, timeout_s=300)   # Books(lost, duplicates_trained)
+
+Counting (independent of the components' own dedupe):
+    trained  = rollout ids in every <run_dir>/trainer-*/metrics/trainer.jsonl line, plus the
+               newest checkpoint's consumed ids (a leader killed between checkpoint and JSONL
+               line has trained the batch without logging it)
+    lost     = tasks with fewer than group_size rollout ids trained
+    duplicates_trained = rollout ids that appear in more than one logged step
+Every scenario function returns one report row {name, tasks, lost, duplicates_trained,
+recovery_s, passed, ...} and is bounded in time (`deadline`). bench.chaos runs them all;
+tests/test_chaos_*.py run them one by one.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncrl.up import Proc, spawn
+from bus import BusConfig, EmbeddedServer, TopologyConfig, connect
+from bus import topology as topo
+from bus.events import SamplingParams
+from bus.weights import parse_version
+
+# tiny and fast: a 1-layer model and 48-token answers keep a 200-task run within minutes on 2 cores
+MODEL = {"preset": "tiny", "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,
+         "max_seq_len": 96}
+GROUP = 2              # completions per task
+BATCH_GROUPS = 4       # tasks per trainer step
+MAX_TOKENS = 48
+RATE = 5.0            # tasks published per second: a 200-task run lasts ~40 s
+ACK_WAIT_S = 6.0       # short, so a dead worker's tasks come back quickly; handlers heartbeat every 2 s
+LEASE_TTL_S = 4.0
+
+
+class ChaosError(AssertionError):
+    pass
+
+
+@dataclass
+class Books:
+    tasks: int
+    lost: int
+    duplicates_trained: int
+    trained: int
+
+    def ok(self) -> bool:
+        return self.lost == 0 and self.duplicates_trained == 0
+
+
+@dataclass
+class Fleet:
+    run_dir: Path
+    servers: list[str]
+    ack_wait_s: float = ACK_WAIT_S
+    replicas: int = 1
+    roles: dict | None = None          # role -> (user, password) on a server with per-role users
+    procs: dict = field(default_factory=dict)   # name -> Proc
+    bus: object = None
+    seed: int = 0
+
+    def __post_init__(self):
+        self.run_dir = Path(self.run_dir)
+        for sub in ("config", "logs"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        self.rng = random.Random(self.seed)
+
+    # -- configuration -----------------------------------------------------------------------
+    def topology(self) -> dict:
+        return {"ack_wait_s": self.ack_wait_s, "replicas": self.replicas}
+
+    def bus_conf(self, role: str, name: str) -> dict:
+        conf = {"servers": list(self.servers), "name": name, "topology": self.topology(),
+                "reconnect_wait_s": 0.25}
+        if self.roles:
+            user, password = self.roles[role]
+            conf |= {"user": user, "password": password}
+        return conf
+
+    async def open(self) -> "Fleet":
+        kw = {}
+        if self.roles:
+            user, password = self.roles["admin"]
+            kw = {"user": user, "password": password}
+        self.bus = await connect(BusConfig(servers=list(self.servers), name="chaos-harness",
+                                           topology=TopologyConfig(**self.topology()), **kw))
+        await self.bus.provision()
+        return self
+
+    async def close(self) -> None:
+        self.stop_all()
+        if self.bus is not None:
+            await self.bus.close()
+            self.bus = None
+
+    # -- processes -----------------------------------------------------------------------------
+    def _spawn(self, name: str, component: str, module: str, conf: dict) -> Proc:
+        p = spawn(self.run_dir, name, component, module, conf)
+        self.procs[name] = p
+        return p
+
+    def trainer(self, name: str, **over) -> Proc:
+        conf = {"trainer_id": name, "model": dict(MODEL), "batch_groups": BATCH_GROUPS, "group_size": GROUP,
+                "max_lag": 1000, "feed": False, "lr": 1e-3, "fetch_timeout_s": 0.3,
+                "keyframe_interval": 1000, "lease_ttl_s": LEASE_TTL_S, "lease_renew_s": 1.0,
+                "checkpoint_dir": str(self.run_dir / "ckpt"), "run_dir": str(self.run_dir / f"trainer-{name}"),
+                "keep_checkpoints": 3, "bus": self.bus_conf("trainer", name), **over}
+        return self._spawn(name, "trainer", "trainer", conf)
+
+    def worker(self, name: str, **over) -> Proc:
+        conf = {"worker_id": name, "slots": 8, "queue": 4, "max_len": 96, "threads": 1,
+                "heartbeat_s": 2.0, "grace_s": 2.0, "seed": self.rng.randrange(1 << 30),
+                "bus": self.bus_conf("worker", name), **over}
+        return self._spawn(name, "rollout_worker", "rollout_worker", conf)
+
+    def scorer(self, name: str, **over) -> Proc:
+        conf = {"scorer_id": name, "concurrency": 8, "heartbeat_s": 2.0,
+                "bus": self.bus_conf("scorer", name), **over}
+        if self.roles:
+            conf["provision"] = False
+        return self._spawn(name, "scorer", "scorer", conf)
+
+    def signal(self, name: str, sig: int) -> None:
+        self.procs[name].popen.send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.procs[name].popen.wait()
+
+    def alive(self, component: str | None = None) -> list[str]:
+        return [n for n, p in self.procs.items() if p.popen.poll() is None
+                and (component is None or p.component == component)]
+
+    def check_alive(self, names) -> None:
+        """A process that died by itself (not by our hand) is a finding: show its log."""
+        for n in names:
+            p = self.procs[n]
+            if p.popen.poll() is not None:
+                raise ChaosError(f"{n} exited with {p.popen.returncode}:\n{p.log_path.read_text()[-3000:]}")
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.popen.poll() is None:
+                try:
+                    p.popen.send_signal(signal.SIGCONT)     # a stopped process cannot handle SIGTERM
+                    p.popen.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs.values():
+            try:
+                p.popen.wait(timeout=20)
+            except Exception:
+                p.popen.kill()
+                p.popen.wait()
+
+    # -- work and books --------------------------------------------------------------------------
+    async def publish_tasks(self, n: int, env: str = "arith") -> list[str]:
+        from envs.feeder import publish_tasks
+        sp = SamplingParams(n=GROUP, max_tokens=MAX_TOKENS, temperature=1.0)
+        return await publish_tasks(self.bus, env, n, sp, self.rng)
+
+    async def trickle(self, n: int, over_s: float, ids: list[str]) -> None:
+        """Publish `n` tasks spread over `over_s` seconds (a run that lasts, so faults land
+        mid-run), appending their ids to `ids`. A broker that is down mid-fault: retry."""
+        chunk = max(1, round(n / max(1.0, over_s / 2)))      # a burst every ~2 s: every worker gets some
+        while len(ids) < n:
+            try:
+                ids += await self.publish_tasks(min(chunk, n - len(ids)))
+            except Exception:
+                await asyncio.sleep(0.5)
+                continue
+            await asyncio.sleep(over_s / max(1, n / chunk))
+
+    def feed(self, n: int, over_s: float) -> tuple[list[str], asyncio.Task]:
+        ids: list[str] = []
+        return ids, asyncio.create_task(self.trickle(n, over_s, ids))
+
+    def trained_counts(self) -> Counter:
+        counts: Counter = Counter()
+        for p in self.run_dir.glob("trainer-*/metrics/trainer.jsonl"):
+            for line in p.read_text().splitlines():
+                if line.strip():
+                    counts.update(json.loads(line)["rollout_ids"])
+        return counts
+
+    def consumed(self) -> set[str]:
+        from trainer import checkpoint
+        st = checkpoint.load_latest(self.run_dir / "ckpt")
+        return set(st.consumed) if st is not None else set()
+
+    def books(self, task_ids: list[str], with_checkpoint: bool = False) -> Books:
+        counts = self.trained_counts()
+        trained = set(counts) | (self.consumed() if with_checkpoint else set())
+        per_task = Counter(rid.rsplit("-", 1)[0] for rid in trained)
+        lost = sum(1 for t in task_ids if per_task[t] < GROUP)
+        return Books(tasks=len(task_ids), lost=lost, duplicates_trained=sum(c - 1 for c in counts.values() if c > 1),
+                     trained=len(trained))
+
+    async def wait_trained(self, task_ids: list[str], timeout_s: float, with_checkpoint: bool = False,
+                           watch: tuple = (), feeding: asyncio.Task | None = None) -> Books:
+        """Until every task is trained on or the time is up (then the books say what is lost)."""
+        deadline = time.monotonic() + timeout_s
+        if feeding is not None:
+            await asyncio.wait_for(feeding, timeout_s)
+        last, since = -1, time.monotonic()
+        while True:
+            b = self.books(task_ids, with_checkpoint)
+            if b.lost == 0 or time.monotonic() > deadline:
+                return b
+            self.check_alive(watch)
+            if b.lost != last:
+                last, since = b.lost, time.monotonic()
+            elif time.monotonic() - since > 10:
+                # the trainer steps on whole batches (batch_groups): pad the tail with tasks
+                # outside the books so the last real groups are not left waiting for company
+                await self.publish_tasks(BATCH_GROUPS)
+                since = time.monotonic()
+            await asyncio.sleep(1.0)
+
+    async def version(self) -> int:
+        try:
+            return parse_version(await self.bus.kv_get(topo.KEY_VERSION))
+        except Exception:              # the broker is down mid-fault: unknown, not an error
+            return -1
+
+    async def wait_version(self, at_least: int, timeout_s: float, watch: tuple = ()) -> float:
+        t0 = time.monotonic()
+        while await self.version() < at_least:
+            if time.monotonic() - t0 > timeout_s:
+                raise ChaosError(f"version stuck at {await self.version()} < {at_least} after {timeout_s}s")
+            self.check_alive(watch)
+            await asyncio.sleep(0.25)
+        return time.monotonic() - t0
+
+    async def consumer(self, stream: str, durable: str):
+        return await self.bus.js.consumer_info(stream, durable)
+
+    async def wait_held(self, stream: str, durable: str, at_least: int = 1, timeout_s: float = 120.0,
+                        until: asyncio.Task | None = None) -> bool:
+        """Until `at_least` messages of `stream` are being worked on (so a fault lands mid-work);
+        False if the feeding task `until` ends first and all is done."""
+        t0 = time.monotonic()
+        while (info := await self.consumer(stream, durable)).num_ack_pending < at_least:
+            if until is not None and until.done() and info.num_pending + info.num_ack_pending == 0:
+                return False
+            if time.monotonic() - t0 > timeout_s:
+                raise ChaosError(f"nothing in flight on {stream}/{durable} after {timeout_s}s")
+            await asyncio.sleep(0.01)
+        return True
+
+    async def wait_redelivered(self, stream: str, durable: str, delivered_seq: int, t0: float,
+                               timeout_s: float) -> tuple[float, int]:
+        """Recovery: every message delivered before the fault (stream seq <= delivered_seq, the
+        victim's included) has been acked, i.e. redelivered to a live process and finished.
+        Also returns the most messages seen in redelivery meanwhile (the server's count is of
+        pending ones only, so it is sampled)."""
+        seen = 0
+        while (info := await self.consumer(stream, durable)).ack_floor.stream_seq < delivered_seq:
+            seen = max(seen, info.num_redelivered or 0)
+            if time.monotonic() - t0 > timeout_s:
+                raise ChaosError(f"{stream}/{durable}: ack floor still below {delivered_seq} after {timeout_s}s")
+            await asyncio.sleep(0.05)
+        return time.monotonic() - t0, seen
+
+
+def row(name: str, books: Books, recovery_s: float, passed: bool, **extra) -> dict:
+    return {"name": name, "tasks": books.tasks, "lost": books.lost, "duplicates_trained": books.duplicates_trained,
+            "recovery_s": round(recovery_s, 2), "passed": bool(passed and books.ok()), **extra}
+
+
+# ------------------------------------------------------------------------------- scenarios
+READY = {"trainer": ("leading", "waiting for the leader lease"), "scorer": ("scorer started",),
+         "rollout_worker": ("weights loaded",)}
+
+
+async def pipeline(fleet: Fleet, workers: int = 2, scorers: int = 1, trainers=("A",)) -> None:
+    """Start the processes and wait until each is ready (so the work fed next meets a fleet)."""
+    for t in trainers:
+        fleet.trainer(t)
+    for i in range(scorers):
+        fleet.scorer(f"s{i}")
+    for i in range(workers):
+        fleet.worker(f"w{i}")
+    await wait_ready(fleet, list(fleet.procs))
+
+
+async def wait_ready(fleet: Fleet, names: list[str], timeout_s: float = 300.0) -> None:
+    t0 = time.monotonic()
+    for n in names:
+        p = fleet.procs[n]
+        while not any(w in p.log_path.read_text(errors="replace") for w in READY[p.component]):
+            fleet.check_alive([n])
+            if time.monotonic() - t0 > timeout_s:
+                raise ChaosError(f"{n} not ready after {timeout_s}s:\n{p.log_path.read_text()[-2000:]}")
+            await asyncio.sleep(0.2)
+
+
+async def kill_workers(run_dir: Path, tasks: int = 200, kills: int = 3, seed: int = 1) -> dict:
+    """SIGKILL a random worker at random instants (a fresh one replaces it): every task trained
+    once; recovery = kill -> every task delivered before the kill finished (ack floor)."""
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            await pipeline(fleet, workers=3)
+            ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+            rng, recoveries, spawned = random.Random(seed), [], 3
+            t0, span = time.monotonic(), tasks / RATE
+            redelivered = 0
+            for k in range(kills + 3):             # up to 3 extra kills if none hit a busy worker
+                if k >= kills and redelivered:
+                    break
+                when = t0 + span * min(k + rng.random(), kills) / (kills + 1)   # random instants in the run
+                await asyncio.sleep(max(0.0, when - time.monotonic()))
+                if not await fleet.wait_held(topo.TASKS, topo.ROLLOUT_CONSUMER, at_least=3, until=feeding):
+                    break                         # the run is over: no later instant to kill at
+                victim = rng.choice(fleet.alive("rollout_worker"))
+                info = await fleet.consumer(topo.TASKS, topo.ROLLOUT_CONSUMER)
+                fleet.signal(victim, signal.SIGKILL)
+                t_kill = time.monotonic()
+                fleet.worker(f"w{spawned}")
+                spawned += 1
+                rec, n = await fleet.wait_redelivered(topo.TASKS, topo.ROLLOUT_CONSUMER,
+                                                      info.delivered.stream_seq, t_kill, fleet.ack_wait_s + 60)
+                recoveries.append(rec)
+                redelivered += n
+            books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
+            rec = max(recoveries)
+            # a kill that hit an idle worker proves nothing: at least one must have forced redelivery
+            return row("worker_sigkill", books, rec, rec <= fleet.ack_wait_s + 10 and redelivered > 0,
+                       kills=len(recoveries),
+                       redelivered=redelivered, recovery_s_all=[round(r, 2) for r in recoveries],
+                       target_s=fleet.ack_wait_s + 10)
+        finally:
+            await fleet.close()
+
+
+async def kill_scorer(run_dir: Path, tasks: int = 100, seed: int = 2, kills: int = 4) -> dict:
+    """SIGKILL a scorer while rollouts are in flight (a fresh one replaces it), until a kill
+    has forced a redelivery; the other scorer finishes the victim's rollouts."""
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            await pipeline(fleet, workers=2, scorers=2)
+            ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+            rng, recoveries, spawned, redelivered = random.Random(seed), [], 2, 0
+            for _ in range(kills):
+                await asyncio.sleep(rng.uniform(0.2, 2.0))
+                if not await fleet.wait_held(topo.ROLLOUTS, topo.SCORER_CONSUMER, until=feeding):
+                    break
+                info = await fleet.consumer(topo.ROLLOUTS, topo.SCORER_CONSUMER)
+                victim = rng.choice(fleet.alive("scorer"))
+                fleet.signal(victim, signal.SIGKILL)
+                t_kill = time.monotonic()
+                fleet.scorer(f"s{spawned}")
+                spawned += 1
+                rec, n = await fleet.wait_redelivered(topo.ROLLOUTS, topo.SCORER_CONSUMER,
+                                                      info.delivered.stream_seq, t_kill, fleet.ack_wait_s + 60)
+                recoveries.append(rec)
+                redelivered += n
+                if redelivered:
+                    break
+            books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
+            rec = max(recoveries, default=float("nan"))
+            return row("scorer_sigkill", books, rec, rec <= fleet.ack_wait_s + 10 and redelivered > 0,
+                       kills=len(recoveries), redelivered=redelivered, target_s=fleet.ack_wait_s + 10)
+        finally:
+            await fleet.close()
+
+
+async def weights_history(bus) -> list:
+    """Every Delta/Keyframe event in WEIGHTS, in stream order."""
+    from nats.js.errors import NotFoundError
+    from bus.events import decode
+    out, seq = [], 0
+    while True:
+        try:
+            raw = await bus.js.get_msg(topo.WEIGHTS, seq=seq + 1, subject="rl.weights.>", next=True)
+        except NotFoundError:
+            return out
+        seq = raw.seq
+        out.append(decode(raw.data))
+
+
+def version_line(events) -> dict:
+    """No gap, no fork: every version 1..max reached by some delta, and each version has one
+    digest across all epochs' deltas and keyframes. Deltas from an epoch older than a keyframe
+    already in the stream are 'late' (a deposed leader woke up): workers refuse them."""
+    from bus.events import Delta, Keyframe
+    digests: dict[int, set] = {}
+    newest_epoch, late = 0, 0
+    for e in events:
+        if isinstance(e, Keyframe):
+            digests.setdefault(e.version, set()).add(e.digest)
+            newest_epoch = max(newest_epoch, e.epoch)
+        elif isinstance(e, Delta):
+            digests.setdefault(e.to_version, set()).add(e.new_digest)
+            late += e.epoch < newest_epoch
+    top = max(digests, default=0)
+    reached = {e.to_version for e in events if isinstance(e, Delta)}
+    first = min((e.from_version for e in events if isinstance(e, Delta)), default=0)   # WEIGHTS keeps the last N
+    return {"top": top, "gaps": sorted(set(range(first + 1, top + 1)) - reached),
+            "forks": sorted(v for v, d in digests.items() if len(d) > 1), "late_old_epoch": late,
+            "epochs": sorted({e.epoch for e in events})}
+
+
+async def holder(fleet: Fleet) -> str | None:
+    from trainer.lease import parse_lease
+    value, _ = await fleet.bus.kv_entry(topo.KEY_LEADER)
+    return (parse_lease(value) or {}).get("holder")
+
+
+async def wait_leader(fleet: Fleet, not_: str | None, timeout_s: float) -> tuple[str, float]:
+    t0 = time.monotonic()
+    while True:
+        h = await holder(fleet)
+        if h is not None and h != not_ and h in fleet.alive("trainer"):
+            return h, time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            raise ChaosError(f"no new leader after {timeout_s}s (holder {h})")
+        await asyncio.sleep(0.1)
+
+
+async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> list[dict]:
+    """Two trainers share a checkpoint dir. SIGKILL the leader: the standby leads within
+    TTL + 5 s. Then SIGSTOP the new leader beyond the TTL, let the restarted standby take
+    over, SIGCONT it: the woken leader publishes nothing that workers accept."""
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            await pipeline(fleet, workers=2, trainers=("A", "B"))
+            lead, _ = await wait_leader(fleet, None, 300)
+            ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+            await fleet.wait_version(3, 300, watch=fleet.alive())
+            fleet.signal(lead, signal.SIGKILL)
+            spare, failover = await wait_leader(fleet, lead, LEASE_TTL_S + 60)
+            v_kill = await fleet.version()
+            await fleet.wait_version(v_kill + 2, 300, watch=[spare])
+            fleet.trainer(lead + "2")                 # the killed machine comes back as a standby
+            if not await _wait_log(fleet.procs[lead + "2"].log_path, "waiting for the leader lease", 120):
+                raise ChaosError(f"restarted trainer {lead}2 never went on standby")
+            fleet.signal(spare, signal.SIGSTOP)       # e.g. a long GC pause or a partition
+            third, pause_failover = await wait_leader(fleet, spare, LEASE_TTL_S + 60)
+            v_new = await fleet.version()
+            await fleet.wait_version(v_new + 1, 300, watch=[third])
+            fleet.signal(spare, signal.SIGCONT)
+            stepped_down = await _wait_log(fleet.procs[spare].log_path, "back to standby", 60)
+            books = await fleet.wait_trained(ids, 600, feeding=feeding, with_checkpoint=True, watch=[third])
+            line = version_line(await weights_history(fleet.bus))
+            # workers refuse every delta the woken old leader got out (each worker sees each one)
+            refused = sum(_refused_stale(p.log_path) for p in fleet.procs.values() if p.component == "rollout_worker")
+            clean = not line["gaps"] and not line["forks"]
+            target = LEASE_TTL_S + 5
+            return [row("trainer_leader_sigkill", books, failover, clean and failover <= target, target_s=target,
+                        versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"])),
+                    row("trainer_leader_sigstop", books, pause_failover,
+                        clean and stepped_down and pause_failover <= target
+                        and (line["late_old_epoch"] == 0 or refused >= line["late_old_epoch"]),
+                        target_s=target, late_old_epoch_deltas=line["late_old_epoch"], refused_by_workers=refused,
+                        old_leader_stepped_down=stepped_down, epochs=len(line["epochs"]))]
+        finally:
+            await fleet.close()
+
+
+async def _wait_log(log_path: Path, text: str, timeout_s: float) -> bool:
+    t0 = time.monotonic()
+    while text not in log_path.read_text(errors="replace"):
+        if time.monotonic() - t0 > timeout_s:
+            return False
+        await asyncio.sleep(0.2)
+    return True
+
+
+def _refused_stale(log_path: Path) -> int:
+    return sum(1 for line in log_path.read_text(errors="replace").splitlines()
+               if "weight update refused" in line and "stale_epoch" in line)
+
+
+async def restart_nats(run_dir: Path, tasks: int = 100, seed: int = 4, down_s: float = 2.0) -> dict:
+    """Kill the nats-server mid-run and start it again on the same store dir and port."""
+    srv = EmbeddedServer(store_dir=run_dir / "nats")
+    await srv.start()
+    fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+    try:
+        await pipeline(fleet, workers=2)
+        ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+        await fleet.wait_version(2, 300, watch=fleet.alive())
+        await asyncio.sleep(random.Random(seed).uniform(0.5, 3.0))
+        before = await fleet.version()
+        await srv.restart(kill=True, down_s=down_s)
+        t_up = time.monotonic()
+        await fleet.wait_version(before + 1, 120, watch=fleet.alive())
+        rec = time.monotonic() - t_up
+        books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
+        return row("nats_restart", books, rec, True, down_s=down_s)
+    finally:
+        await fleet.close()
+        await srv.stop()
+
+
+async def cluster_node_loss(run_dir: Path, tasks: int = 100, seed: int = 5) -> dict:
+    """3-node JetStream cluster (deploy/nats configs, per-role users), R3 streams; SIGKILL the
+    node the trainer is most likely on mid-run; training continues, nothing lost."""
+    from tests.test_deploy_nats import (ConfServer, cluster_replacements, get_json, render_nats_configs,
+                                        role_env_vars, role_passwords, wait_until)
+    passwords = role_passwords()
+    conf = render_nats_configs(run_dir / "conf", cluster_replacements(run_dir))
+    nodes = [ConfServer(conf / f"cluster-{n}.conf", role_env_vars(passwords), run_dir / f"nats-{n}.log")
+             for n in "abc"]
+    fleet = None
+    try:
+        await asyncio.gather(*(asyncio.to_thread(n.start) for n in nodes))
+
+        def meta_leader():
+            leaders = {(get_json(f"{n.monitor_url}/jsz").get("meta_cluster") or {}).get("leader") for n in nodes}
+            return len(leaders) == 1 and None not in leaders
+        await asyncio.to_thread(wait_until, meta_leader, 60, "JetStream meta leader")
+        roles = {r: (r, passwords[r]) for r in ("admin", "trainer", "worker", "scorer")}
+        fleet = await Fleet(run_dir, [n.url for n in nodes], replicas=3, roles=roles, seed=seed).open()
+        await pipeline(fleet, workers=2)
+        ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+        await fleet.wait_version(2, 300, watch=fleet.alive())
+        await asyncio.sleep(random.Random(seed).uniform(0.5, 3.0))
+        victim = random.Random(seed).choice(nodes)
+        before = await fleet.version()
+        victim.stop(kill=True)
+        t_kill = time.monotonic()
+        await fleet.wait_version(before + 1, 120, watch=fleet.alive())
+        rec = time.monotonic() - t_kill
+        books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
+        return row("cluster_node_sigkill", books, rec, True, node=victim.conf.stem, replicas=3)
+    finally:
+        if fleet is not None:
+            await fleet.close()
+        await asyncio.gather(*(asyncio.to_thread(n.stop) for n in nodes))
+
+
+async def pause_worker(run_dir: Path, tasks: int = 100, seed: int = 6, tries: int = 4) -> dict:
+    """SIGSTOP a worker while tasks are in flight, beyond ack_wait: its tasks are redelivered to
+    the other worker and finished; after SIGCONT its late rollouts are dropped by Nats-Msg-Id
+    dedupe (ROLLOUTS stores each rollout id once). Retried on the other worker until a pause
+    has caught held tasks."""
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            await pipeline(fleet, workers=2)
+            ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+            rng, redelivered, rec, paused_s = random.Random(seed), 0, float("nan"), 0.0
+            for i in range(tries):
+                await asyncio.sleep(rng.uniform(0.2, 2.0))
+                if not await fleet.wait_held(topo.TASKS, topo.ROLLOUT_CONSUMER, at_least=3, until=feeding):
+                    break
+                victim = f"w{i % 2}"
+                delivered = (await fleet.consumer(topo.TASKS, topo.ROLLOUT_CONSUMER)).delivered.stream_seq
+                fleet.signal(victim, signal.SIGSTOP)
+                t_stop = time.monotonic()
+                rec, redelivered = await fleet.wait_redelivered(topo.TASKS, topo.ROLLOUT_CONSUMER, delivered,
+                                                                t_stop, fleet.ack_wait_s + 60)
+                await asyncio.sleep(max(0.0, fleet.ack_wait_s + 1 - (time.monotonic() - t_stop)))
+                paused_s = time.monotonic() - t_stop       # beyond ack_wait in any case
+                fleet.signal(victim, signal.SIGCONT)
+                if redelivered:
+                    break
+            books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
+            await asyncio.sleep(fleet.ack_wait_s)      # let the woken worker finish its late publishes
+            # every rollout id is stored once in ROLLOUTS: the late copies were dropped by Nats-Msg-Id
+            stored = (await fleet.bus.js.stream_info(topo.ROLLOUTS)).state.last_seq
+            extra = stored - len(ids) * GROUP
+            return row("worker_sigstop", books, rec, rec <= fleet.ack_wait_s + 10 and extra == 0 and redelivered > 0,
+                       paused_s=round(paused_s, 2), pauses=i + 1, redelivered=redelivered,
+                       target_s=fleet.ack_wait_s + 10, rollouts_stored_twice=extra)
+        finally:
+            await fleet.close()
+
+
+async def dlq_entries(bus) -> list[tuple[str, str]]:
+    """(subject, Rl-Reason) of every message parked in DLQ."""
+    from nats.js.errors import NotFoundError
+    out, seq = [], 0
+    while True:
+        try:
+            raw = await bus.js.get_msg(topo.DLQ, seq=seq + 1, subject="rl.dlq.>", next=True)
+        except NotFoundError:
+            return out
+        seq = raw.seq
+        out.append((raw.subject, (raw.headers or {}).get("Rl-Reason", "")))
+
+
+def bad_bodies(good) -> dict[str, bytes]:
+    """Malformed msgpack, wrong schema, a missing required field, an absurd size claim: bodies
+    that decode (or the consumer's own checks) must refuse, for the kind of event `good` is."""
+    import dataclasses
+    import msgpack
+    d = good.to_dict()
+    required = next(f.name for f in dataclasses.fields(good)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    huge = list(range(100)) * 2000                       # 200,000 prompt tokens > events.MAX_TOKENS
+    if "rollout" in d:                                   # Scored: the rollout inside claims it
+        absurd = {**d, "rollout": {**d["rollout"], "prompt_ids": huge}}
+    elif "prompt_ids" in d:
+        absurd = {**d, "prompt_ids": huge}
+    else:                                                # Task: a 10^9-token, 10^9-sample request
+        absurd = {**d, "task_id": "absurd", "sampling": {"max_tokens": 10**9, "n": 10**9}}
+    return {"malformed": b"\xc1\x00not msgpack", "wrong_schema": msgpack.packb({**d, "schema": 99}),
+            "missing_field": msgpack.packb({k: v for k, v in d.items() if k != required}),
+            "absurd_size": msgpack.packb(absurd)}
+
+
+async def bad_input(run_dir: Path, tasks: int = 40, seed: int = 7) -> dict:
+    """Bad events on every work stream and a poison task (its verifier raises on every delivery)
+    while real processes train: each bad body lands in DLQ with a reason, the poison task after
+    max_deliver deliveries; every good task is still trained once."""
+    from bus.events import Rollout, Scored, Task
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            await pipeline(fleet, workers=1)
+            ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+            ro = Rollout(rollout_id="bad-0", task_id="bad", env="arith", sample_index=0, group_size=GROUP,
+                         prompt="1+1=", spec={"answer": "2"}, prompt_ids=[1, 2], completion_ids=[3], completion_text="#2",
+                         logprobs=[-0.1], token_versions=[0], sampling={}, sampling_mask={}, quant={},
+                         finish_reason="stop", cost_tokens=1, wall_s=0.0, worker_id="x")
+            t = Task(task_id="bad-task", env="arith", prompt="1+1=", spec={"answer": "2"})
+            sc = Scored(rollout=ro.to_dict(), success=1.0, cost=1.0, lambda_=0.0, penalty=0.0, reward=1.0,
+                        reason="ok", cost_wall_s=0.0, tool_calls=0, scorer_id="x")
+            sent = 0
+            for subject, good in ((topo.task_subject("arith"), t), (topo.rollout_subject("arith"), ro),
+                                  (topo.scored_subject("arith"), sc)):
+                for kind, body in bad_bodies(good).items():
+                    await fleet.bus.publish(subject, body, msg_id=f"bad-{subject}-{kind}")
+                    sent += 1
+            # poison: int() of a 5000-digit answer raises ValueError inside the verifier, every time
+            poison = Task(task_id="poison", env="arith", prompt="1+1=", spec={"answer": "9" * 5000},
+                          sampling={"n": GROUP, "max_tokens": MAX_TOKENS})
+            await fleet.bus.publish(topo.task_subject("arith"), poison)
+            t0 = time.monotonic()
+            books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
+            want = sent + GROUP                  # the poison task's rollouts are parked one by one
+            while len(entries := await dlq_entries(fleet.bus)) < want and time.monotonic() - t0 < 120:
+                await asyncio.sleep(0.5)
+            reasons = [r for _, r in entries]
+            poison_parked = sum(1 for r in reasons if "handler failed" in r and "ValueError" in r)
+            return row("bad_input_dlq", books, time.monotonic() - t0,
+                       len(entries) == want and all(reasons) and poison_parked == GROUP,
+                       bad_events=sent, dlq=len(entries), poison_parked=poison_parked,
+                       reasons=sorted({r.split(":")[0][:60] for r in reasons}))
+        finally:
+            await fleet.close()
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def backlog(run_dir: Path, tasks: int = 10_000, seed: int = 8, watch_s: float = 20.0) -> dict:
+    """10,000 tasks queued with no consumer; a worker (re)started on that backlog holds only what
+    its slots take, and its memory stays flat while it works through it."""
+    import policy
+    from bus.weights import WeightPublisher
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            cfg = policy.ModelConfig.preset(MODEL["preset"], vocab_size=policy.CharTokenizer.default().vocab_size,
+                                            **{k: v for k, v in MODEL.items() if k != "preset"})
+            state = policy.inference_state(policy.Transformer(cfg))
+            await WeightPublisher(fleet.bus, epoch=1, trainer_id="harness").publish_keyframe(state, 0, cfg)
+            ids: list[str] = []
+            for _ in range(0, tasks, 1000):
+                ids += await fleet.publish_tasks(min(1000, tasks - len(ids)))
+            queued = (await fleet.bus.js.stream_info(topo.TASKS)).state.messages
+            fleet.worker("w0")
+            await wait_ready(fleet, ["w0"])
+            pid, t0 = fleet.procs["w0"].popen.pid, time.monotonic()
+            rss, held = [], []
+            while time.monotonic() - t0 < watch_s:
+                fleet.check_alive(["w0"])
+                rss.append(rss_mb(pid))
+                held.append((await fleet.consumer(topo.TASKS, topo.ROLLOUT_CONSUMER)).num_ack_pending)
+                await asyncio.sleep(0.25)
+            fleet.signal("w0", signal.SIGTERM)            # drain: held tasks finished or released
+            fleet.procs["w0"].popen.wait(60)
+            left = (await fleet.bus.js.stream_info(topo.TASKS)).state.messages
+            done = {r.rsplit("-", 1)[0] for r in await _rollout_ids(fleet.bus)}
+            lost = tasks - left - len(done)
+            cap = 8 + 4                                   # the worker's slots + queue (Fleet.worker)
+            half = len(rss) // 2
+            growth = max(rss[half:]) - max(rss[:half])      # second half vs first half of the watch
+            books = Books(tasks=tasks, lost=max(lost, 0), duplicates_trained=0, trained=len(done))
+            return row("backlog_10k", books, 0.0, queued == tasks and max(held) <= cap and growth < 50 and lost == 0,
+                       queued=queued, held_max=max(held), held_cap=cap, rss_mb_max=round(max(rss), 1),
+                       rss_growth_mb=round(growth, 1), finished=len(done), left_queued=left)
+        finally:
+            await fleet.close()
+
+
+async def _rollout_ids(bus) -> list[str]:
+    from bus.events import Rollout, decode
+    from nats.js.errors import NotFoundError
+    info = await bus.js.stream_info(topo.ROLLOUTS)
+    out = []
+    for seq in range(max(info.state.first_seq, 1), info.state.last_seq + 1):
+        try:
+            out.append(decode((await bus.js.get_msg(topo.ROLLOUTS, seq)).data, Rollout).rollout_id)
+        except NotFoundError:
+            continue
+    return out
+
+
+SCENARIOS = {
+    "worker_sigkill": kill_workers,
+    "scorer_sigkill": kill_scorer,
+    "trainer_leader": leader_failover,
+    "nats_restart": restart_nats,
+    "cluster_node_sigkill": cluster_node_loss,
+    "worker_sigstop": pause_worker,
+    "bad_input_dlq": bad_input,
+    "backlog_10k": backlog,
+}
