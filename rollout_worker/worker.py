@@ -170,8 +170,15 @@ class Worker:
 
     # -- background loops ----------------------------------------------------------------
     async def watch_version(self) -> None:
-        async for value, _rev in self.bus.kv_watch(topo.KEY_VERSION):
-            self.latest_version = parse_version(value)
+        while True:   # a watch broken by a reconnect is re-established
+            try:
+                async for value, _rev in self.bus.kv_watch(topo.KEY_VERSION):
+                    self.latest_version = parse_version(value)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.log.warning("version watch failed; retrying", error=repr(e))
+                await asyncio.sleep(1.0)
 
     def snapshot(self) -> dict:
         return {**self.engine.stats(), "lag": self.lag, "latest_version": self.latest_version,

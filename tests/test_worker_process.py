@@ -196,3 +196,28 @@ async def test_bad_tasks_are_parked_with_a_reason_and_good_ones_still_run(bus, f
     consumer = await bus.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
     assert consumer.num_pending == 0 and consumer.num_ack_pending == 0
     assert {r.task_id for r in await read_stream(bus, topo.ROLLOUTS, Rollout)} == {"good-0"}
+
+
+async def test_worker_rides_out_a_broker_restart(fresh_server):
+    from bus import connect
+    bus = await connect(BusConfig(servers=[fresh_server.url], name="t"))
+    await bus.provision()
+    states = states_for(3, seed=11, frac=0.01, scale=0.02)
+    pub = WeightPublisher(bus, epoch=1, trainer_id="t")
+    await pub.publish_keyframe(states[0], 0, CFG)
+    worker, stop = Worker(worker_cfg(fresh_server.url), bus), asyncio.Event()
+    run = asyncio.create_task(worker.run(stop, handle_signals=False))
+    ids = await publish_tasks(bus, 6, "r", max_tokens=60)
+    await until(lambda: worker.engine is not None and worker.engine.stats()["tokens"] > 20)
+    await fresh_server.restart()                              # file store: streams, KV and blobs survive
+    await pub.publish_delta(delta(states, 0, 1))
+    await until(lambda: worker.engine.version == 1 and worker.latest_version == 1, timeout=60)
+    await pub.publish_delta(delta(states, 1, 2))
+    await until(lambda: worker.engine.version == 2, timeout=60)
+    await until(lambda: worker.rollouts >= 2 * len(ids), timeout=120)
+    stop.set()
+    await run
+    rollouts = await read_stream(bus, topo.ROLLOUTS, Rollout)
+    assert {r.rollout_id for r in rollouts} >= {f"{t}-{i}" for t in ids for i in range(2)}
+    assert same(worker.engine.state, states[2])
+    await bus.close()
