@@ -18,7 +18,7 @@ from policy.model import Transformer, inference_state
 from policy.sampling import SamplingConfig, SamplingMask
 from trainer import checkpoint
 from trainer.__main__ import Trainer, build_learner, build_model, build_optimizer
-from trainer.batcher import Batcher, ConsumedIds
+from trainer.batcher import Batch, Batcher, ConsumedIds, Sample
 from trainer.config import TrainerConfig
 from trainer.learner import pack
 from trainer.lease import LeaderLease, LeaseLost
@@ -171,3 +171,34 @@ async def test_incomplete_group_used_after_timeout(bus, fresh_server, tmp_path):
     assert sorted(batch.rollout_ids) == ["lonely-0", "lonely-1"] and [s.weight for s in batch.samples] == [1.0, 1.0]
     batch = await b.next_batch(0, max_wait_s=10)          # a group of one: no baseline, consumed untrained
     assert batch.rollout_ids == ["single-0"] and batch.samples[0].weight == 0.0
+
+
+def test_replay_uses_each_rollouts_fp8_sites_and_kept_sets(tmp_path):
+    """Behaviour logprobs made under fp8 linear activations and top-k: the trainer's replay
+    reproduces them exactly (ratio 1, k3 0); without replay the mismatch shows."""
+    from policy import QuantConfig, SamplingMask, sample
+    cfg = trainer_config("nats://unused", tmp_path)
+    model, _ = build_model(cfg)
+    quant = QuantConfig(sites=("linear_act",))
+    sampling = SamplingConfig(temperature=0.8, top_k=5)
+    g = torch.Generator().manual_seed(0)
+    prompt, comp, lps, masks = [1, 20, 30, 40], [], [], []
+    model.quant = quant
+    with torch.no_grad():                                  # sample like a worker: fp8 sites on, top-k 5
+        for _ in range(6):
+            out = sample(model(torch.tensor([prompt + comp]))[0, -1][None], sampling, g)
+            comp.append(int(out.tokens[0]))
+            lps.append(float(out.logprobs[0]))
+            masks.append(out.mask)
+    model.quant = QuantConfig()
+    sc = make_scored(model, "q", 0, 2, 0, random.Random(0))
+    sc.rollout.update(prompt_ids=prompt, completion_ids=comp, logprobs=lps, quant=quant.to_wire(),
+                      sampling={"temperature": 0.8, "top_k": 5}, sampling_mask=SamplingMask.concat(masks).to_wire(),
+                      token_versions=[0] * 6)
+    other = make_scored(model, "q", 1, 2, 0, random.Random(1), reward=0.0)   # a sibling: non-zero advantage
+    packed = pack(Batch([Sample(s.get_rollout(), s, msg=None) for s in (sc, other)], n_groups=1, version=0))
+    _, st = build_learner(model, build_optimizer(model, cfg), cfg).loss(packed, grad=False)
+    assert st["k3_mean"] < 1e-9 and abs(st["ratio_mean"] - 1) < 1e-5
+    naive = build_learner(model, build_optimizer(model, cfg), TrainerConfig(**{**cfg.__dict__, "replay": False}))
+    _, st2 = naive.loss(packed, grad=False)
+    assert st2["k3_mean"] > 1e-4
