@@ -267,7 +267,11 @@ class WeightFeed:
         self.resyncs += 1
         kf = await self.latest_keyframe(wait=False)
         if kf is not None and (kf.epoch > target.epoch or (kf.epoch == target.epoch and kf.version > target.version)):
-            await target.load_keyframe(kf.state, kf.version, kf.epoch)
+            try:
+                await target.load_keyframe(kf.state, kf.version, kf.epoch)
+            except Exception as e:
+                self._refuse("apply", f"{kf.event.msg_id()}: {type(e).__name__}: {e}")
+                return
             self.cursor = kf.seq
             self.applied["keyframe"] += 1
             log.info("resynced from keyframe", version=kf.version, epoch=kf.epoch, feed=self.name)
@@ -282,7 +286,10 @@ class WeightFeed:
         if isinstance(ev, events.Keyframe):
             if ev.epoch > target.epoch or (ev.epoch == target.epoch and ev.version > target.version):
                 kf = await self._load_keyframe(ev, raw.seq)
-                await target.load_keyframe(kf.state, kf.version, kf.epoch)
+                try:
+                    await target.load_keyframe(kf.state, kf.version, kf.epoch)
+                except Exception as e:   # e.g. a keyframe for another model: refused, state unchanged
+                    raise Refused("apply", f"{ev.msg_id()}: {type(e).__name__}: {e}", resync=False) from None
                 self.applied["keyframe"] += 1
             return
         if not isinstance(ev, events.Delta):

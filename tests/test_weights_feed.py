@@ -161,3 +161,24 @@ async def test_new_leader_epoch_takes_over_and_old_leader_is_refused(bus):
     stop.set()
     await task
     await feed.close()
+
+
+async def test_keyframe_for_another_model_is_refused_by_an_engine(bus):
+    from rollout_worker.torch_engine import TorchEngine
+    states = trajectory(2, seed=4)
+    pub = WeightPublisher(bus, epoch=1, trainer_id="t")
+    await pub.publish_keyframe(states[0], 0, CFG)
+    engine, stop = TorchEngine(CFG, slots=1, max_len=32), asyncio.Event()
+    feed = WeightFeed(bus, name="f4")
+    task = asyncio.create_task(feed.follow(engine, stop))
+    await until(lambda: engine.version == 0)
+    other = policy.ModelConfig.tiny(vocab_size=32, max_seq_len=64)
+    await pub.publish_keyframe(policy.inference_state(policy.Transformer(other)), 5, other)
+    await until(lambda: feed.refused["apply"] == 1)
+    await pub.publish_delta(delta(states, 0, 1))              # the feed carries on
+    await until(lambda: engine.version == 1)
+    assert same(engine.state, states[1]) and "shapes differ from the model" in feed.last_refusal
+    stop.set()
+    await task
+    await engine.close()
+    await feed.close()
