@@ -106,7 +106,8 @@ class Fleet:
         ids = [f"w{i}" for i in range(self.a.workers)]
         for wid in ids:
             conf = dict(worker_id=wid, slots=self.a.slots, max_lag=10 ** 6, max_len=self.a.max_len,
-                        heartbeat_s=0.5, threads=self.a.threads, grace_s=1.0, log_level="warning")
+                        heartbeat_s=0.5, threads=self.a.threads, grace_s=1.0, log_level="warning",
+                        update_mode=self.a.update_mode)
             if self.a.mode == "proc":
                 path = self.tmp / f"{wid}.toml"
                 path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in conf.items())
@@ -200,7 +201,7 @@ async def run(a) -> dict:
     med = lambda k: float(np.median([m[k] for m in ws]))
     decode_p50 = med("decode_step_ms_p50")
     out = {
-        "bench": "worker", "mode": a.mode, "model": a.model, "params_m": round(n_params / 1e6, 1),
+        "bench": "worker", "mode": a.mode, "update_mode": a.update_mode, "model": a.model, "params_m": round(n_params / 1e6, 1),
         "workers": a.workers, "slots": a.slots, "deltas": a.deltas, "delta_frac": a.frac,
         "delta_mb": round(deltas[0].nbytes / 1e6, 3),
         "tokens_per_s": round(sum(m["tokens"] - tokens0[w] for w, m in snaps.items()) / wall, 1),
@@ -246,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--interval-s", type=float, default=1.0, help="time between two deltas")
     ap.add_argument("--warmup-s", type=float, default=2.0)
     ap.add_argument("--tail-s", type=float, default=1.0)
+    ap.add_argument("--update-mode", choices=("swap", "inline"), default="swap",
+                    help="torch engine: prepare updates off the decode path and swap, or apply at the boundary")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per decode call")
     ap.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     a = ap.parse_args(argv)

@@ -52,11 +52,14 @@ class TorchEngine:
 
     def __init__(self, model_config: policy.ModelConfig | dict, *, slots: int = 8, max_len: int = 0,
                  quant: policy.QuantConfig | None = None, eos_id: int | None = None, seed: int = 0,
-                 threads: int = 0):
+                 threads: int = 0, update_mode: str = "swap"):
         if isinstance(model_config, dict):
             model_config = policy.ModelConfig.from_dict(model_config)
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if update_mode not in ("swap", "inline"):
+            raise ValueError(f"update_mode must be 'swap' or 'inline', got {update_mode!r}")
+        self.update_mode = update_mode
         self.cfg = model_config
         self.quant = quant or policy.QuantConfig()
         self.slots = slots
@@ -160,6 +163,18 @@ class TorchEngine:
     async def _update(self, prepare, version: int, epoch: int) -> None:
         if self._closed:
             raise EngineClosed("engine is closed")
+        if self.update_mode == "inline":   # prepare at the boundary itself: stalls, but gets the whole CPU
+            def run():
+                t = time.perf_counter()
+                names = prepare()
+                self._swap(names, version, epoch, time.perf_counter() - t)
+            try:
+                return await self._submit(run)
+            except EngineClosed:
+                raise
+            except BaseException:
+                self.metrics.refused += 1
+                raise
         t0 = time.perf_counter()
         try:
             names = await asyncio.to_thread(prepare)   # DeltaError/ValueError: nothing changed

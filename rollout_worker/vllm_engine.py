@@ -185,14 +185,30 @@ def write_hf_dir(model_config: dict, folder: Path) -> Path:
     return save_hf_checkpoint(model, folder)
 
 
-def read_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def checkpoint_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF tensor name -> (safetensors file, shape), read from headers only."""
+    from safetensors import safe_open
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
-    out: dict[str, torch.Tensor] = {}
+    out = {}
     for f in files:
-        out.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                out[k] = (str(f), tuple(fh.get_slice(k).get_shape()))
+    return out
+
+
+def differs_from_checkpoint(state: dict[str, torch.Tensor], hf_names: dict[str, str], index) -> list[str]:
+    """Names whose bf16 bits differ from the checkpoint vLLM loaded (one tensor in memory at a time)."""
+    from safetensors import safe_open
+    by_file: dict[str, list[str]] = {}
+    for k in state:
+        by_file.setdefault(index[hf_names[k]][0], []).append(k)
+    out = []
+    for f, names in by_file.items():
+        with safe_open(f, framework="pt") as fh:
+            out += [k for k in names if not torch.equal(state[k], fh.get_tensor(hf_names[k]).to(torch.bfloat16))]
     return out
 
 
@@ -232,7 +248,7 @@ class VLLMEngine:
         self.max_len = int(cfg.max_len or hf.get("max_position_embeddings", 2048))
         # publisher names (policy's, as in keyframes) -> HF names vLLM loads; HF names map to themselves
         self.to_hf = hf_name_map(policy.ModelConfig.from_dict(model_config)) if model_config else {}
-        self.disk: dict[str, torch.Tensor] | None = read_checkpoint(self.model_dir) if cfg.model else None
+        self.disk = checkpoint_index(self.model_dir) if cfg.model else None   # what vLLM loads itself
         self.state: dict[str, torch.Tensor] | None = None   # bf16 shadow, publisher names (deltas apply here)
         self.version, self.epoch = -1, -1
         self.metrics = EngineMetrics(self.slots)
@@ -458,25 +474,28 @@ class VLLMEngine:
             return new, [k for k in new if not torch.equal(new[k], self.state[k])]
         if self.disk is not None and not self._dirty:      # vLLM loaded this checkpoint itself
             disk, self.disk = self.disk, None
-            return new, [k for k in new if not torch.equal(new[k], disk[self._hf(k)].to(torch.bfloat16))]
+            return new, differs_from_checkpoint(new, {k: self._hf(k) for k in new}, disk)
         return new, list(new)
 
     def _check_state(self, state) -> None:
-        expect = None
-        if self.to_hf:
-            expect = set(self.to_hf)
+        if self.state is not None:
+            expect = {k: tuple(v.shape) for k, v in self.state.items()}
         elif self.disk is not None:
-            expect = set(self.disk)
-        elif self.state is not None:
-            expect = set(self.state)
-        if expect is not None and set(state) != expect:
-            missing, extra = sorted(expect - set(state)), sorted(set(state) - expect)
+            names = list(self.to_hf or self.disk)
+            absent = sorted(self._hf(k) for k in names if self._hf(k) not in self.disk)
+            if absent:
+                raise ValueError(f"model dir {self.model_dir} does not hold this model: no {absent[:5]}")
+            expect = {k: self.disk[self._hf(k)][1] for k in names}
+        else:
+            expect = {k: None for k in self.to_hf} if self.to_hf else None
+        if expect is None:
+            return
+        missing, extra = sorted(set(expect) - set(state)), sorted(set(state) - set(expect))
+        if missing or extra:
             raise ValueError(f"keyframe does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
-        ref = self.state or ({k: self.disk[self._hf(k)] for k in state} if self.disk is not None else None)
-        if ref is not None:
-            bad = [k for k in state if tuple(state[k].shape) != tuple(ref[k].shape)]
-            if bad:
-                raise ValueError(f"keyframe tensor shapes differ from the model: {bad[:5]}")
+        bad = [k for k, shp in expect.items() if shp is not None and tuple(state[k].shape) != shp]
+        if bad:
+            raise ValueError(f"keyframe tensor shapes differ from the model: {bad[:5]}")
 
     def _payload(self, changed: list[str]) -> tuple[list[str], list[list]]:
         """Every HF tensor of every layer a changed tensor belongs to, in chunks of whole layers."""

@@ -42,6 +42,7 @@ class WorkerConfig:
     quant_block: int = 0
     seed: int = 0
     threads: int = 0                   # torch intra-op threads (0: torch default)
+    update_mode: str = "swap"          # torch: swap (prepare off the decode path) | inline (at the boundary)
     public_key: str = ""               # trainer's ed25519 public key: hex, or a file holding it; empty: no check
     heartbeat_s: float = 5.0
     grace_s: float = 30.0              # drain: time to finish held tasks before they are nak'ed
@@ -73,7 +74,7 @@ def make_engine(cfg: WorkerConfig, model_config: dict, eos_id: int | None) -> En
         return VLLMEngine(cfg, model_config=model_config, quant=quant, eos_id=eos_id)
     from .torch_engine import TorchEngine
     return TorchEngine(model_config, slots=cfg.slots, max_len=cfg.max_len, quant=quant, eos_id=eos_id,
-                       seed=cfg.seed, threads=cfg.threads)
+                       seed=cfg.seed, threads=cfg.threads, update_mode=cfg.update_mode)
 
 
 def parse_sampling(d: dict) -> SamplingParams:

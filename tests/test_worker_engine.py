@@ -53,11 +53,12 @@ async def _wait_tokens(engine: TorchEngine, n: int) -> None:
         await asyncio.sleep(0.002)
 
 
-async def test_delta_mid_sequence_switches_weights_without_restart():
+@pytest.mark.parametrize("update_mode", ["swap", "inline"])
+async def test_delta_mid_sequence_switches_weights_without_restart(update_mode):
     s0 = initial_state()
     s1 = perturb(s0, 0.3, 0.05, seed=1)
     delta = delta_codec.encode_delta(s0, s1, from_version=0, to_version=1)
-    eng = TorchEngine(CFG, slots=2, max_len=128, seed=3)
+    eng = TorchEngine(CFG, slots=2, max_len=128, seed=3, update_mode=update_mode)
     await eng.load_keyframe(s0, version=0, epoch=1)
     prompt = [1, 10, 11, 12, 13]
     gen_task = asyncio.create_task(eng.generate(prompt, SamplingParams(max_tokens=40), seed=0))
