@@ -497,20 +497,21 @@ async def restart_nats(run_dir: Path, tasks: int = 100, seed: int = 4, down_s: f
         await fleet.wait_version(2, 300, watch=fleet.alive())
         await asyncio.sleep(random.Random(seed).uniform(0.5, 3.0))
         before = await fleet.version()
-        await srv.restart(kill=True, down_s=down_s)
+        t_kill = time.monotonic()
+        await srv.restart(kill=True, down_s=down_s)      # SIGKILL: no clean shutdown of the store
         t_up = time.monotonic()
         await fleet.wait_version(before + 1, 120, watch=fleet.alive())
-        rec = time.monotonic() - t_up
+        rec = time.monotonic() - t_kill                   # includes the down_s outage
         books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
-        return row("nats_restart", books, rec, True, down_s=down_s)
+        return row("nats_restart", books, rec, True, down_s=down_s, after_up_s=round(rec - (t_up - t_kill), 2))
     finally:
         await fleet.close()
         await srv.stop()
 
 
 async def cluster_node_loss(run_dir: Path, tasks: int = 100, seed: int = 5) -> dict:
-    """3-node JetStream cluster (deploy/nats configs, per-role users), R3 streams; SIGKILL the
-    node the trainer is most likely on mid-run; training continues, nothing lost."""
+    """3-node JetStream cluster (deploy/nats configs, per-role users), R3 streams; SIGKILL a
+    random node mid-run (clients list all three); training continues, nothing lost."""
     from tests.test_deploy_nats import (ConfServer, cluster_replacements, get_json, render_nats_configs,
                                         role_env_vars, role_passwords, wait_until)
     passwords = role_passwords()
@@ -666,8 +667,8 @@ def rss_mb(pid: int) -> float:
 
 
 async def backlog(run_dir: Path, tasks: int = 10_000, seed: int = 8, watch_s: float = 20.0) -> dict:
-    """10,000 tasks queued with no consumer; a worker (re)started on that backlog holds only what
-    its slots take, and its memory stays flat while it works through it."""
+    """A worker runs, is stopped; 10,000 tasks queue up with no consumer; a worker restarted on
+    that backlog holds only what its slots take, and its memory stays flat while it works."""
     import policy
     from bus.weights import WeightPublisher
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
@@ -677,6 +678,10 @@ async def backlog(run_dir: Path, tasks: int = 10_000, seed: int = 8, watch_s: fl
                                             **{k: v for k, v in MODEL.items() if k != "preset"})
             state = policy.inference_state(policy.Transformer(cfg))
             await WeightPublisher(fleet.bus, epoch=1, trainer_id="harness").publish_keyframe(state, 0, cfg)
+            fleet.worker("w-old")                     # a worker that was running, then stopped (drained)
+            await wait_ready(fleet, ["w-old"])
+            fleet.signal("w-old", signal.SIGTERM)
+            fleet.procs["w-old"].popen.wait(60)
             ids: list[str] = []
             for _ in range(0, tasks, 1000):
                 ids += await fleet.publish_tasks(min(1000, tasks - len(ids)))

@@ -1,0 +1,60 @@
+"""The chaos harness's own detectors, on hand-made evidence: a harness that cannot see a lost
+task, a rollout trained twice, a version gap or a fork would pass every scenario. Plus one short
+real-process scenario (bad events and a poison task -> DLQ while training goes on)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bus.events import Delta, Keyframe
+from tests import chaos_harness as h
+
+
+def write_steps(fleet_dir, trainer: str, steps: list[list[str]]) -> None:
+    p = fleet_dir / f"trainer-{trainer}" / "metrics" / "trainer.jsonl"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, "a") as f:
+        for ids in steps:
+            f.write(json.dumps({"version": 1, "rollout_ids": ids}) + "\n")
+
+
+def test_books_count_lost_tasks_and_rollouts_trained_twice(tmp_path):
+    fleet = h.Fleet(tmp_path, ["nats://127.0.0.1:1"])
+    tasks = ["t1", "t2", "t3"]
+    write_steps(tmp_path, "A", [["t1-0", "t1-1", "t2-0"]])
+    b = fleet.books(tasks)
+    assert (b.lost, b.duplicates_trained) == (2, 0)           # t2 half trained, t3 not at all
+    write_steps(tmp_path, "B", [["t2-1", "t3-0", "t3-1", "t1-0"]])   # the standby reuses t1-0
+    b = fleet.books(tasks)
+    assert (b.lost, b.duplicates_trained, b.trained) == (0, 1, 6) and not b.ok()
+    write_steps(tmp_path, "B", [["t1-0"]])
+    assert fleet.books(tasks).duplicates_trained == 2
+
+
+def kf(v, epoch, digest):
+    return Keyframe(version=v, epoch=epoch, digest=digest, trainer_id="t", codec="k", size=0, model_config={})
+
+
+def dl(a, b, epoch, digest):
+    return Delta(from_version=a, to_version=b, epoch=epoch, codec="d", size=0, base_digest="", new_digest=digest,
+                 trainer_id="t")
+
+
+def test_version_line_sees_gaps_forks_and_late_deltas():
+    clean = [kf(0, 1, "d0"), dl(0, 1, 1, "d1"), dl(1, 2, 1, "d2"), kf(2, 2, "d2"), dl(2, 3, 2, "d3")]
+    assert h.version_line(clean) == {"top": 3, "gaps": [], "forks": [], "late_old_epoch": 0, "epochs": [1, 2]}
+    gap = [kf(0, 1, "d0"), dl(0, 1, 1, "d1"), dl(2, 3, 1, "d3")]
+    assert h.version_line(gap)["gaps"] == [2]
+    # a deposed leader (epoch 1) wakes up after epoch 2's keyframe and publishes a different v3
+    forked = clean + [dl(2, 3, 1, "other")]
+    line = h.version_line(forked)
+    assert line["forks"] == [3] and line["late_old_epoch"] == 1
+
+
+@pytest.mark.timeout(400)
+async def test_bad_events_and_poison_task_park_in_dlq_while_training_goes_on(tmp_path):
+    r = await h.bad_input(tmp_path, tasks=16)
+    assert r["lost"] == 0 and r["duplicates_trained"] == 0, r
+    assert r["dlq"] == r["bad_events"] + h.GROUP and r["poison_parked"] == h.GROUP, r
+    assert r["passed"], r
