@@ -112,3 +112,6 @@ class ArithEnv:
 
 register("arith")(lambda: ArithEnv("arith", 2, 4))
 register("arith-long")(lambda: ArithEnv("arith-long", 1, 12, tail=0.6))
+# the demo's env: 1–2 digit operands, which a ~1M-param char model learns (steps style) in a
+# ~1-minute warm start, leaving RL visible room: direct answers mostly wrong, steps mostly right
+register("arith-small")(lambda: ArithEnv("arith-small", 1, 2))

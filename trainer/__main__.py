@@ -31,6 +31,7 @@ from policy import ModelConfig, Transformer
 
 from . import checkpoint
 from .batcher import Batcher, ConsumedIds
+from .evaluate import evaluate
 from .config import TrainerConfig
 from .feeding import TaskFeeder
 from .learner import Learner, pack, world
@@ -184,6 +185,14 @@ class Trainer:
         except Exception as e:            # metrics are best effort; the step is already durable
             log.warning("metrics publish failed", error=str(e))
 
+    async def maybe_evaluate(self) -> dict:
+        """Held-out success of the published policy every `eval_every` versions (and at the start)."""
+        cfg = self.cfg
+        if not cfg.eval_every or self.version % cfg.eval_every:
+            return {}
+        return await asyncio.to_thread(evaluate, self.published, self.model_cfg, load_tokenizer(cfg.tokenizer),
+                                       cfg.envs, cfg.task_sampling, cfg.eval_prompts, cfg.seed)
+
     def write_jsonl(self, values: dict) -> None:
         if not self.cfg.run_dir:
             return
@@ -202,6 +211,12 @@ class Trainer:
         await asyncio.to_thread(self.prepare)        # in a thread: the lease keeps being renewed
         publisher = WeightPublisher(self.bus, epoch, cfg.trainer_id, load_signing_key(cfg.signing_key))
         await publisher.publish_keyframe(self.published, self.version, self.model_cfg)
+        ev = await self.maybe_evaluate()
+        if ev:
+            values = {**ev, "version": self.version, "epoch": epoch, "ts": time.time()}
+            log.info("eval", **values)
+            self.write_jsonl(values)
+            await self.publish_metrics(values)
         batcher = Batcher(self.bus, cfg, self.consumed, self.model_cfg.vocab_size)
         await batcher.start()
         feeder = TaskFeeder(self.bus, cfg)
@@ -274,7 +289,8 @@ class Trainer:
             "delta_bytes": delta_bytes, "delta_ratio": delta_bytes / self.full_bytes,
             "changed_frac": (delta.stats.changed / max(delta.stats.total, 1)) if delta is not None else 0.0,
             "duplicates": batcher.counters["duplicates"], "invalid": batcher.counters["invalid"],
-            "total_s": time.perf_counter() - t0, "rollout_ids": batch.rollout_ids,
+            "total_s": time.perf_counter() - t0, "rollout_ids": batch.rollout_ids, "ts": time.time(),
+            **(await self.maybe_evaluate()),
         }
         log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in values.items()
                             if k not in ("rollout_ids", "staleness_hist")})

@@ -58,6 +58,8 @@ class TrainerConfig:
     feed: bool = True                    # publish tasks (off when an external feeder runs)
     task_sampling: dict = field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 32})
     max_steps: int = 0                   # 0 = forever
+    eval_every: int = 0                  # held-out eval of the published policy every N versions (0 = off)
+    eval_prompts: int = 128
     warmstart_steps: int = 0             # supervised steps on env demonstrations before RL
     warmstart_lr: float = 1e-3
     warmstart_batch: int = 16
