@@ -200,3 +200,15 @@ def test_quant_sites_refused(ckpt):
     from rollout_worker.vllm_engine import VLLMEngine
     with pytest.raises(ValueError, match="fake-quant"):
         VLLMEngine(WorkerConfig(engine="vllm", model=str(ckpt[0])), quant=policy.QuantConfig(sites=("linear_act",)))
+
+
+async def test_keyframe_of_another_model_is_refused_before_vllm_starts(ckpt):
+    import policy
+    from rollout_worker.vllm_engine import VLLMEngine
+    cfg = policy.ModelConfig.tiny(vocab_size=VOCAB, n_layers=3)
+    eng = VLLMEngine(WorkerConfig(engine="vllm", model=str(ckpt[0])), model_config=cfg.to_dict())
+    state = policy.inference_state(policy.Transformer(cfg))
+    with pytest.raises(ValueError, match="does not hold this model"):
+        await eng.load_keyframe(state, version=0, epoch=1)
+    assert eng.llm is None and eng.version == -1
+    await eng.close()
