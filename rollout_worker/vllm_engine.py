@@ -258,7 +258,7 @@ class VLLMEngine:
         self._update_lock = asyncio.Lock()
         self._reqs: dict[str, _Req] = {}
         self._dirty = False                   # a failed push may have left vLLM half-updated
-        self._stall_from: float | None = None
+        self._stall_from: tuple[float, float] | None = None   # (apply_s, last token before it)
         self._last_out: float | None = None
         self._closed = False
 
@@ -405,7 +405,8 @@ class VLLMEngine:
             self.metrics.busy_s += now - self._last_out
         self.metrics.occupancy.append(len(self._reqs) / self.slots)
         if self._stall_from is not None:       # first token after an update: the stall it caused
-            self.metrics.stall_ms.append((now - self._stall_from) * 1e3)
+            apply_s, before = self._stall_from
+            self.metrics.update(apply_s, now - before)
             self._stall_from = None
         self._last_out = now
 
@@ -537,8 +538,12 @@ class VLLMEngine:
         finally:
             await self.llm.resume_generation()
         apply_s = time.perf_counter() - t0
-        self.metrics.update(apply_s, None)
-        if in_flight and last_out is not None:
-            self._stall_from = last_out
+        if in_flight and last_out is not None:      # recorded with the stall at the next token
+            if self._stall_from is not None:        # two updates before one token: count both
+                self.metrics.update(self._stall_from[0], None)
+                last_out = self._stall_from[1]
+            self._stall_from = (apply_s, last_out)
+        else:
+            self.metrics.update(apply_s, None)
         log.info("weights updated", version=version, epoch=epoch, layers=len(touched),
                  tensors=sum(len(c) for c in chunks), apply_ms=round(apply_s * 1e3, 1))
