@@ -259,19 +259,19 @@ class Fleet:
             await asyncio.sleep(0.01)
         return True
 
-    async def wait_redelivered(self, stream: str, durable: str, delivered_seq: int, t0: float,
+    async def wait_redelivered(self, stream: str, durable: str, before, t0: float,
                                timeout_s: float) -> tuple[float, int]:
-        """Recovery: every message delivered before the fault (stream seq <= delivered_seq, the
-        victim's included) has been acked, i.e. redelivered to a live process and finished.
-        Also returns the most messages seen in redelivery meanwhile (the server's count is of
-        pending ones only, so it is sampled)."""
-        seen = 0
-        while (info := await self.consumer(stream, durable)).ack_floor.stream_seq < delivered_seq:
-            seen = max(seen, info.num_redelivered or 0)
+        """Recovery: every message delivered before the fault (`before`: consumer info taken
+        just before it; stream seq <= its last delivered, the victim's included) has been acked,
+        i.e. redelivered to a live process and finished. Also returns how many redeliveries
+        happened meanwhile: deliveries (consumer seq) minus distinct messages (stream seq)."""
+        while (info := await self.consumer(stream, durable)).ack_floor.stream_seq < before.delivered.stream_seq:
             if time.monotonic() - t0 > timeout_s:
-                raise ChaosError(f"{stream}/{durable}: ack floor still below {delivered_seq} after {timeout_s}s")
+                raise ChaosError(f"{stream}/{durable}: ack floor still below {before.delivered.stream_seq} "
+                                 f"after {timeout_s}s")
             await asyncio.sleep(0.05)
-        return time.monotonic() - t0, seen
+        redeliveries = lambda i: i.delivered.consumer_seq - i.delivered.stream_seq   # noqa: E731
+        return time.monotonic() - t0, redeliveries(info) - redeliveries(before)
 
 
 def row(name: str, books: Books, recovery_s: float, passed: bool, **extra) -> dict:
@@ -330,8 +330,8 @@ async def kill_workers(run_dir: Path, tasks: int = 200, kills: int = 3, seed: in
                 t_kill = time.monotonic()
                 fleet.worker(f"w{spawned}")
                 spawned += 1
-                rec, n = await fleet.wait_redelivered(topo.TASKS, topo.ROLLOUT_CONSUMER,
-                                                      info.delivered.stream_seq, t_kill, fleet.ack_wait_s + 60)
+                rec, n = await fleet.wait_redelivered(topo.TASKS, topo.ROLLOUT_CONSUMER, info, t_kill,
+                                                      fleet.ack_wait_s + 60)
                 recoveries.append(rec)
                 redelivered += n
             books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
@@ -345,7 +345,7 @@ async def kill_workers(run_dir: Path, tasks: int = 200, kills: int = 3, seed: in
             await fleet.close()
 
 
-async def kill_scorer(run_dir: Path, tasks: int = 100, seed: int = 2, kills: int = 4) -> dict:
+async def kill_scorer(run_dir: Path, tasks: int = 100, seed: int = 2, kills: int = 6) -> dict:
     """SIGKILL a scorer while rollouts are in flight (a fresh one replaces it), until a kill
     has forced a redelivery; the other scorer finishes the victim's rollouts."""
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
@@ -364,8 +364,8 @@ async def kill_scorer(run_dir: Path, tasks: int = 100, seed: int = 2, kills: int
                 t_kill = time.monotonic()
                 fleet.scorer(f"s{spawned}")
                 spawned += 1
-                rec, n = await fleet.wait_redelivered(topo.ROLLOUTS, topo.SCORER_CONSUMER,
-                                                      info.delivered.stream_seq, t_kill, fleet.ack_wait_s + 60)
+                rec, n = await fleet.wait_redelivered(topo.ROLLOUTS, topo.SCORER_CONSUMER, info, t_kill,
+                                                      fleet.ack_wait_s + 60)
                 recoveries.append(rec)
                 redelivered += n
                 if redelivered:
@@ -562,10 +562,10 @@ async def pause_worker(run_dir: Path, tasks: int = 100, seed: int = 6, tries: in
                 if not await fleet.wait_held(topo.TASKS, topo.ROLLOUT_CONSUMER, at_least=3, until=feeding):
                     break
                 victim = f"w{i % 2}"
-                delivered = (await fleet.consumer(topo.TASKS, topo.ROLLOUT_CONSUMER)).delivered.stream_seq
+                info = await fleet.consumer(topo.TASKS, topo.ROLLOUT_CONSUMER)
                 fleet.signal(victim, signal.SIGSTOP)
                 t_stop = time.monotonic()
-                rec, redelivered = await fleet.wait_redelivered(topo.TASKS, topo.ROLLOUT_CONSUMER, delivered,
+                rec, redelivered = await fleet.wait_redelivered(topo.TASKS, topo.ROLLOUT_CONSUMER, info,
                                                                 t_stop, fleet.ack_wait_s + 60)
                 await asyncio.sleep(max(0.0, fleet.ack_wait_s + 1 - (time.monotonic() - t_stop)))
                 paused_s = time.monotonic() - t_stop       # beyond ack_wait in any case
@@ -686,9 +686,11 @@ async def backlog(run_dir: Path, tasks: int = 10_000, seed: int = 8, watch_s: fl
             for _ in range(0, tasks, 1000):
                 ids += await fleet.publish_tasks(min(1000, tasks - len(ids)))
             queued = (await fleet.bus.js.stream_info(topo.TASKS)).state.messages
+            t_start = time.monotonic()
             fleet.worker("w0")
             await wait_ready(fleet, ["w0"])
             pid, t0 = fleet.procs["w0"].popen.pid, time.monotonic()
+            ready_s = t0 - t_start                           # restart -> serving, with 10,000 queued
             rss, held = [], []
             while time.monotonic() - t0 < watch_s:
                 fleet.check_alive(["w0"])
@@ -704,7 +706,7 @@ async def backlog(run_dir: Path, tasks: int = 10_000, seed: int = 8, watch_s: fl
             half = len(rss) // 2
             growth = max(rss[half:]) - max(rss[:half])      # second half vs first half of the watch
             books = Books(tasks=tasks, lost=max(lost, 0), duplicates_trained=0, trained=len(done))
-            return row("backlog_10k", books, 0.0, queued == tasks and max(held) <= cap and growth < 50 and lost == 0,
+            return row("backlog_10k", books, ready_s, queued == tasks and max(held) <= cap and growth < 50 and lost == 0,
                        queued=queued, held_max=max(held), held_cap=cap, rss_mb_max=round(max(rss), 1),
                        rss_growth_mb=round(growth, 1), finished=len(done), left_queued=left)
         finally:
