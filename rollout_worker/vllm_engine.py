@@ -525,17 +525,19 @@ class VLLMEngine:
         in_flight = bool(self._reqs)
         last_out = self._last_out
         await self.llm.pause_generation(mode="keep", clear_cache=False)
+        t1 = time.perf_counter()
         try:
             self._dirty = True
             await self.llm.start_weight_update()
             for c in chunks:
                 await self.llm.update_weights(WeightTransferUpdateRequest(update_info={"tensors": c}))
+            await self.llm.finish_weight_update(weight_version=f"{version}@{epoch}")
             self.version, self.epoch = version, epoch
-            await self.llm.finish_weight_update(weight_version=self._label())
             self._dirty = False
         except Exception as e:
             raise WeightUpdateError(f"pushing v{version} into vLLM failed: {e}") from e
         finally:
+            t2 = time.perf_counter()
             await self.llm.resume_generation()
         apply_s = time.perf_counter() - t0
         if in_flight and last_out is not None:      # recorded with the stall at the next token
@@ -546,4 +548,5 @@ class VLLMEngine:
         else:
             self.metrics.update(apply_s, None)
         log.info("weights updated", version=version, epoch=epoch, layers=len(touched),
-                 tensors=sum(len(c) for c in chunks), apply_ms=round(apply_s * 1e3, 1))
+                 tensors=sum(len(c) for c in chunks), apply_ms=round(apply_s * 1e3, 1),
+                 pause_ms=round((t1 - t0) * 1e3, 1), load_ms=round((t2 - t1) * 1e3, 1))
