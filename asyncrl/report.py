@@ -39,9 +39,11 @@ def plot_run(run_dir: Path, rows: list[dict]) -> list[str]:
     for ax, keys, title in panels:
         for key, label in keys:
             t, v = _series(rows, key)
-            if len(v):
+            if len(v) and key.startswith("eval_"):      # few points: draw them all, unsmoothed
+                ax.plot(t, v, "o-", label=label)
+            elif len(v):
                 ax.plot(t, v, ".", alpha=0.3)
-                sv = _smooth(v)
+                sv = _smooth(v, 15)
                 ax.plot(t[len(t) - len(sv):], sv, label=label)
         ax.set_title(title)
         ax.set_xlabel("seconds")
@@ -80,16 +82,30 @@ def summary_table(summary: dict) -> None:
     Console(stderr=True).print(t)
 
 
-def finish_run(run_dir: Path, rows: list[dict], reason: str, conf: dict) -> dict:
+def read_trainer_metrics(run_dir: Path) -> list[dict]:
+    """The trainer's own per-step record (and eval rows), with t = seconds since its first row."""
+    p = run_dir / "metrics" / "trainer.jsonl"
+    if not p.exists():
+        return []
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    t0 = rows[0].get("ts", 0.0) if rows else 0.0
+    for r in rows:
+        r["t"] = r.get("ts", t0) - t0
+    return rows
+
+
+def finish_run(run_dir: Path, reason: str) -> dict:
+    rows = read_trainer_metrics(run_dir)
     plots = plot_run(run_dir, rows) if rows else []
-    last = rows[-1] if rows else {}
+    steps = [r for r in rows if "samples" in r]
+    last = steps[-1] if steps else {}
     first_eval = next((r for r in rows if r.get("eval_success") is not None), {})
     last_eval = next((r for r in reversed(rows) if r.get("eval_success") is not None), {})
     summary = {
         "run_dir": str(run_dir),
         "stopped": reason,
         "versions": last.get("version", 0),
-        "trainer_steps_seen": len(rows),
+        "trainer_steps": len(steps),
         "eval_success_initial": first_eval.get("eval_success"),
         "eval_success_final": last_eval.get("eval_success"),
         "eval_tokens_initial": first_eval.get("eval_tokens"),

@@ -41,7 +41,6 @@ class Telemetry:
     run_dir: Path
     t0: float = field(default_factory=time.time)
     latest: dict = field(default_factory=dict)   # component_id -> dict
-    trainer: list = field(default_factory=list)  # trainer metrics, in order
     files: dict = field(default_factory=dict)
 
     def record(self, component: str, cid: str, values: dict, persist: bool = True) -> None:
@@ -51,7 +50,6 @@ class Telemetry:
         if not persist:
             return
         if component == "trainer":      # the trainer writes its own metrics/trainer.jsonl (run_dir)
-            self.trainer.append(values)
             return
         f = self.files.get(cid)
         if f is None:
@@ -201,6 +199,9 @@ async def run(a: argparse.Namespace) -> int:
         servers = [server.url]
     bus = await connect(BusConfig(servers=servers, name="asyncrl-up"))
     await bus.provision()
+    lam = a.lam if a.lam is not None else up.get("lambda")
+    if lam is not None:           # λ for the scorers (they watch KV rl-control/lambda live)
+        await bus.kv_put(topo.KEY_LAMBDA, repr(float(lam)).encode())
     bus_conf = {"servers": servers}
 
     trainer_conf = {**conf.get("trainer", {}), "bus": bus_conf, "run_dir": str(run_dir),
@@ -213,7 +214,7 @@ async def run(a: argparse.Namespace) -> int:
     scorer_conf = {**conf.get("scorer", {}), "bus": bus_conf}
     (run_dir / "config" / "run.json").write_text(json.dumps(
         {"steps": steps, "minutes": minutes, "workers": n_workers, "scorers": n_scorers, "sync": sync,
-         "trainer": trainer_conf, "worker": worker_conf, "scorer": scorer_conf}, indent=2))
+         "lambda": lam, "trainer": trainer_conf, "worker": worker_conf, "scorer": scorer_conf}, indent=2))
 
     procs = [spawn(run_dir, "trainer", "trainer", "trainer", trainer_conf)]
     procs += [spawn(run_dir, f"scorer-{i}", "scorer", "scorer", {**scorer_conf, "scorer_id": f"scorer-{i}"})
@@ -238,9 +239,9 @@ async def run(a: argparse.Namespace) -> int:
             await server.stop()
 
     from asyncrl.report import finish_run
-    summary = finish_run(run_dir, tel.trainer, reason, conf)
+    summary = finish_run(run_dir, reason)
     print(json.dumps(summary, default=float))
-    return 0 if tel.trainer else 1
+    return 0 if summary["versions"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=None, help="stop after this many minutes")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--scorers", type=int, default=None)
+    ap.add_argument("--lambda", dest="lam", type=float, default=None,
+                    help="cost penalty λ per generated token (e.g. from `asyncrl calibrate-cost`)")
     ap.add_argument("--nats", default=None, help="use this server instead of an embedded one")
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--quiet", action="store_true", help="no live table")
