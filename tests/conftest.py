@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import pytest
 import pytest_asyncio
+import torch
 
 from bus.server import EmbeddedServer
+
+# 2-core CI box: torch's default intra-op threads thrash small matmuls (10x slower measured)
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -286,6 +286,8 @@ class Trainer:
             "samples": len(packed), "live_samples": live, "groups": batch.n_groups,
             "staleness_mean": float(np.mean(lags)), "staleness_hist": staleness_histogram(lags),
             "dropped_stale": sum(1 for s in packed if s.weight == 0),
+            # in-flight updates: trajectories whose tokens came from more than one policy version
+            "multi_version_samples": sum(1 for s in batch.samples if len(set(s.rollout.token_versions)) > 1),
             "delta_bytes": delta_bytes, "delta_ratio": delta_bytes / self.full_bytes,
             "changed_frac": (delta.stats.changed / max(delta.stats.total, 1)) if delta is not None else 0.0,
             "duplicates": batcher.counters["duplicates"], "invalid": batcher.counters["invalid"],
