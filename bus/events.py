@@ -292,7 +292,7 @@ def decode(body: bytes, cls: type[Event] | None = None) -> Event:
     try:
         d = msgpack.unpackb(body, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several exception types
-        raise EventError(f"malformed msgpack: {e}") from None
+        raise EventError(f"malformed msgpack: {str(e) or type(e).__name__}") from None   # FormatError has no text
     try:
         return from_dict(d, cls)
     except EventError:
