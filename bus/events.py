@@ -118,7 +118,8 @@ class Rollout(Event):
     def validate(self) -> None:
         n = len(self.completion_ids)
         if n > MAX_TOKENS or len(self.prompt_ids) > MAX_TOKENS:
-            raise EventError(f"Rollout {self.rollout_id}: absurd length ({n} completion tokens)")
+            raise EventError(f"Rollout {self.rollout_id}: absurd length ({len(self.prompt_ids)} prompt + "
+                             f"{n} completion tokens, limit {MAX_TOKENS} each)")
         if len(self.logprobs) != n or len(self.token_versions) != n:
             raise EventError(f"Rollout {self.rollout_id}: logprobs/token_versions length "
                              f"{len(self.logprobs)}/{len(self.token_versions)} != {n} tokens")
