@@ -654,7 +654,7 @@ async def bad_input(run_dir: Path, tasks: int = 40, seed: int = 7) -> dict:
             return row("bad_input_dlq", books, time.monotonic() - t0,
                        len(entries) == want and all(reasons) and poison_parked == GROUP,
                        bad_events=sent, dlq=len(entries), poison_parked=poison_parked,
-                       reasons=sorted({r.split(":")[0][:60] for r in reasons}))
+                       reasons=sorted({r[:90] for r in reasons}))
         finally:
             await fleet.close()
 
