@@ -23,7 +23,6 @@ generating meanwhile: it only ever sees whole, verified updates.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol

@@ -76,6 +76,17 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
 
+def check_prompt(prompt_ids, vocab_size: int) -> list[int]:
+    """Prompt ids as ints, refused with a clear error when empty or outside the vocabulary."""
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise ValueError("empty prompt")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    return ids
+
+
 def check_delta(version: int, epoch: int, delta: "delta_codec.Delta", delta_epoch: int) -> None:
     """Epoch rule: accept iff delta_epoch >= epoch and from_version == version."""
     if delta_epoch < epoch:

@@ -25,7 +25,8 @@ import policy
 from bus.events import SamplingParams
 from bus.log import get_logger
 
-from .engine import EngineClosed, EngineMetrics, Generation, UpdateQueue, WeightUpdateError, check_delta
+from .engine import (EngineClosed, EngineMetrics, Generation, UpdateQueue, WeightUpdateError, check_delta,
+                     check_prompt)
 
 log = get_logger(__name__)
 
@@ -104,12 +105,7 @@ class TorchEngine:
             raise EngineClosed("engine is closed")
         if self.state is None:
             raise RuntimeError("no weights loaded yet: call load_keyframe first")
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise ValueError("empty prompt")
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        prompt_ids = check_prompt(prompt_ids, self.cfg.vocab_size)
         if sampling.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
         if len(prompt_ids) + sampling.max_tokens > self.max_len:

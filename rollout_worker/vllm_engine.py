@@ -49,7 +49,7 @@ from policy.sampling import FULL
 from bus.events import SamplingParams
 from bus.log import get_logger
 
-from .engine import EngineClosed, EngineMetrics, Generation, WeightUpdateError, check_delta
+from .engine import EngineClosed, EngineMetrics, Generation, WeightUpdateError, check_delta, check_prompt
 
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
@@ -342,12 +342,7 @@ class VLLMEngine:
             raise EngineClosed("engine is closed")
         if self.state is None:
             raise RuntimeError("no weights loaded yet: call load_keyframe first")
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise ValueError("empty prompt")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        prompt_ids = check_prompt(prompt_ids, self.vocab_size)
         if len(prompt_ids) + sampling.max_tokens > self.max_len:
             raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({sampling.max_tokens}) exceeds "
                              f"the engine's max_len {self.max_len}")

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import socket
 import subprocess
 import time

@@ -10,13 +10,6 @@ from policy import (CharTokenizer, ModelConfig, SamplingConfig, Transformer, gen
 from policy.tokenizer import HFTokenizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The test box is a few shared cores: intra-op threads spin against each other (10x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 transformers = pytest.importorskip("transformers")

@@ -5,13 +5,6 @@ import torch
 from policy import KVCache, ModelConfig, QuantConfig, Transformer, inference_state
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The test box is a few shared cores: intra-op threads spin against each other (10x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 ATOL = 2e-5

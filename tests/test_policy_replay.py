@@ -11,13 +11,6 @@ from policy import (CharTokenizer, ModelConfig, QuantConfig, SamplingConfig, Tra
                     truncated_is_weight)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The test box is a few shared cores: intra-op threads spin against each other (10x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 TOK = CharTokenizer.default()

@@ -9,13 +9,6 @@ from hypothesis import given, settings, strategies as st
 from policy import FULL, SamplingConfig, SamplingMask, sample
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The test box is a few shared cores: intra-op threads spin against each other (10x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def reference_kept(logits_row: np.ndarray, cfg: SamplingConfig) -> set[int]:

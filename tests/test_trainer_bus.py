@@ -8,7 +8,7 @@ import torch
 
 import delta_codec
 from delta_codec import signing
-from bus import BusConfig, connect
+from bus import BusConfig
 from bus import topology as topo
 from bus.events import Rollout, Scored
 from bus.weights import WeightFeed
