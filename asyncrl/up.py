@@ -162,9 +162,11 @@ async def watch(bus, tel: Telemetry, steps: int, minutes: float, procs: list[Pro
                 return f"reached {version} versions"
             if time.time() - t0 > minutes * 60:
                 return f"time limit ({minutes} min) at version {version}"
-            dead = [p for p in procs if p.component == "trainer" and p.popen.poll() is not None]
-            if dead and not any(p.component == "trainer" and p.popen.poll() is None for p in procs):
-                return f"trainer exited with code {dead[0].popen.returncode} (see {dead[0].log_path})"
+            for component in ("trainer", "rollout_worker", "scorer"):   # a whole role gone: stop, say why
+                mine = [p for p in procs if p.component == component]
+                if mine and all(p.popen.poll() is not None for p in mine):
+                    return (f"every {component} exited (code {mine[0].popen.returncode}; "
+                            f"see {mine[0].log_path})")
     finally:
         for s in subs:
             await s.unsubscribe()
