@@ -167,7 +167,7 @@ class Trainer:
         """Newly leading: resume, warm start once, checkpoint under our epoch."""
         self.resume()
         if not self.warmstarted and self.cfg.warmstart_steps:
-            warm_start(self.learner.model, self.cfg, self.model_cfg)
+            warm_start(self.learner.model, self.cfg, self.model_cfg, style=self.cfg.warmstart_style)
             self.warmstarted = True
             broadcast_obj(("sync",))
             sync_state(self.learner.model, self.learner.opt)

@@ -33,10 +33,12 @@ class TaskFeeder:
         return ids
 
     async def backlog(self) -> int:
-        info = await self.bus.js.stream_info(topo.TASKS)
-        return int(info.state.messages)
+        """Tasks queued and not yet taken by any worker (tasks being generated do not count:
+        counting them would cap the work in flight and leave worker slots idle)."""
+        info = await self.bus.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
+        return int(info.num_pending)
 
-    async def run(self, stop: asyncio.Event, version_fn, period_s: float = 1.0) -> None:
+    async def run(self, stop: asyncio.Event, version_fn, period_s: float = 0.25) -> None:
         while not stop.is_set():
             try:
                 missing = self.cfg.feed_backlog - await self.backlog()
