@@ -32,16 +32,27 @@ class TaskFeeder:
         self.published += len(ids)
         return ids
 
-    async def backlog(self) -> int:
-        """Tasks queued and not yet taken by any worker (tasks being generated do not count:
-        counting them would cap the work in flight and leave worker slots idle)."""
-        info = await self.bus.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
-        return int(info.num_pending)
+    async def backlog(self) -> tuple[int, float]:
+        """(tasks queued and not yet taken by a worker, groups not yet trained on).
+
+        Tasks being generated do not count towards the first: counting them would cap the work
+        in flight and leave worker slots idle. Everything untrained counts towards the second:
+        work produced faster than the trainer consumes it only waits, goes stale, and is dropped."""
+        js = self.bus.js
+        pending = (await js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)).num_pending
+        tasks = (await js.stream_info(topo.TASKS)).state.messages
+        rollouts = sum([(await js.stream_info(s)).state.messages for s in (topo.ROLLOUTS, topo.SCORED)])
+        return int(pending), tasks + rollouts / max(self.cfg.group_size, 1)
+
+    def max_outstanding(self) -> int:
+        # one batch training, one ready, one being generated: keeps slots busy, lag ~2 versions
+        return self.cfg.feed_max_outstanding or 3 * self.cfg.batch_groups
 
     async def run(self, stop: asyncio.Event, version_fn, period_s: float = 0.25) -> None:
         while not stop.is_set():
             try:
-                missing = self.cfg.feed_backlog - await self.backlog()
+                pending, untrained = await self.backlog()
+                missing = min(self.cfg.feed_backlog - pending, int(self.max_outstanding() - untrained))
                 if missing > 0:
                     await self.publish(missing, min_version=0)
             except Exception as e:          # broker blip: try again next period
