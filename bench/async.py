@@ -33,24 +33,31 @@ def run_once(config: str, steps: int, sync: bool, run_dir: Path, minutes: float)
     cmd = [sys.executable, "-m", "asyncrl.cli", "up", "--config", config, "--steps", str(steps),
            "--minutes", str(minutes), "--run-dir", str(run_dir), "--quiet"] + (["--sync"] if sync else [])
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return summarize(run_dir, "sync" if sync else "async")
+
+
+def summarize(run_dir: Path, label: str = "") -> dict:
     steps_rows = [r for r in read_jsonl(run_dir / "metrics" / "trainer.jsonl") if "samples" in r]
     if len(steps_rows) < 3:
-        raise RuntimeError(f"{'sync' if sync else 'async'} run made only {len(steps_rows)} steps; see {run_dir}/logs")
+        raise RuntimeError(f"{label} run made only {len(steps_rows)} steps; see {run_dir}/logs")
     # window: first step .. last step on the trainer's clock; samples trained after the first step
     t0, t1 = steps_rows[0]["ts"], steps_rows[-1]["ts"]
     samples = sum(r["live_samples"] for r in steps_rows[1:])
+    # tokens too: async trains short completions first (they finish first), so samples/s alone
+    # flatters it when lengths are long-tailed
+    tokens = sum(r["live_samples"] * r["cost_mean"] for r in steps_rows[1:])
     occ = []
     for f in (run_dir / "metrics").glob("rollout_worker-*.jsonl"):
         occ += [r["slot_occupancy"] for r in read_jsonl(f) if t0 <= r.get("ts", t0) <= t1 and "slot_occupancy" in r]
     tail = steps_rows[-max(3, len(steps_rows) // 4):]
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     return {
         "samples_per_s": samples / max(t1 - t0, 1e-9),
+        "tokens_per_s": tokens / max(t1 - t0, 1e-9),
         "worker_idle_frac": float(1 - np.mean(occ)) if occ else None,
         "mean_staleness": float(np.mean([r["staleness_mean"] for r in steps_rows])),
+        "dropped_stale": int(sum(r["dropped_stale"] for r in steps_rows)),
         "final_success": float(np.mean([r["success_mean"] for r in tail])),
-        "eval_success_final": summary.get("eval_success_final"),
-        "tokens_per_answer": float(np.mean([r["cost_mean"] for r in tail])),
+        "tokens_per_answer": float(np.mean([r["cost_mean"] for r in steps_rows])),
         "steps": len(steps_rows),
         "run_dir": str(run_dir),
     }
@@ -63,14 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=8.0, help="per run")
     ap.add_argument("--out", default=None, help="run dirs go here (default: a temp dir)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--summarize", action="store_true", help="only re-read the runs already under --out")
     a = ap.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="bench-async-"))
-    res_async = run_once(a.config, a.steps, False, out / "async", a.minutes)
-    res_sync = run_once(a.config, a.steps, True, out / "sync", a.minutes)
+    if a.summarize:
+        res_async, res_sync = summarize(out / "async", "async"), summarize(out / "sync", "sync")
+    else:
+        res_async = run_once(a.config, a.steps, False, out / "async", a.minutes)
+        res_sync = run_once(a.config, a.steps, True, out / "sync", a.minutes)
     result = {
         "async_samples_per_s": res_async["samples_per_s"],
         "sync_samples_per_s": res_sync["samples_per_s"],
         "speedup": res_async["samples_per_s"] / res_sync["samples_per_s"],
+        "async_tokens_per_s": res_async["tokens_per_s"],
+        "sync_tokens_per_s": res_sync["tokens_per_s"],
+        "token_speedup": res_async["tokens_per_s"] / res_sync["tokens_per_s"],
         "worker_idle_frac_async": res_async["worker_idle_frac"],
         "worker_idle_frac_sync": res_sync["worker_idle_frac"],
         "mean_staleness_async": res_async["mean_staleness"],
@@ -78,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         "final_success_sync": res_sync["final_success"],
         "tokens_per_answer_async": res_async["tokens_per_answer"],
         "tokens_per_answer_sync": res_sync["tokens_per_answer"],
-        "steps": a.steps,
+        "dropped_stale_async": res_async["dropped_stale"],
+        "steps": {"async": res_async["steps"], "sync": res_sync["steps"]},
         "runs": {"async": res_async, "sync": res_sync},
     }
     if not a.json:
