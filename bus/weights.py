@@ -92,14 +92,10 @@ class WeightPublisher:
         epoch = self.epoch if epoch is None else int(epoch)
         payload = delta.to_bytes()
         inline, blob = await self._place(f"delta-e{epoch}-v{delta.to_version}", payload)
-        stats = getattr(delta, "stats", None)
-        changed_frac = 0.0
-        if stats is not None and getattr(stats, "total", 0):
-            changed_frac = float(stats.changed) / float(stats.total)
+        stats = delta.stats
+        changed_frac = stats.changed / stats.total if stats.total else 0.0
         ev = events.Delta(from_version=int(delta.from_version), to_version=int(delta.to_version), epoch=epoch,
-                          codec=CODEC, size=len(payload),
-                          base_digest=str(getattr(delta, "base_digest", "") or ""),
-                          new_digest=str(getattr(delta, "new_digest", "") or ""),
+                          codec=CODEC, size=len(payload), base_digest=delta.base_digest, new_digest=delta.new_digest,
                           signature=self._sign(payload), payload=inline, blob=blob,
                           changed_frac=changed_frac, trainer_id=self.trainer_id)
         await self.bus.publish(topo.DELTA_SUBJECT, ev)
