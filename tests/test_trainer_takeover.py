@@ -13,9 +13,8 @@ from pathlib import Path
 
 import delta_codec
 from bus import topology as topo
-from bus.events import Delta, Keyframe, decode
+from bus.events import Delta, Keyframe
 from bus.weights import WeightFeed, WeightPublisher, parse_version
-from nats.js.errors import NotFoundError
 from policy.config import ModelConfig
 from policy.model import Transformer
 from trainer import checkpoint
@@ -70,15 +69,7 @@ async def wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-async def weights_events(bus) -> list:
-    out, seq = [], 0
-    while True:
-        try:
-            raw = await bus.js.get_msg(topo.WEIGHTS, seq=seq + 1, subject="rl.weights.>", next=True)
-        except NotFoundError:
-            return out
-        seq = raw.seq
-        out.append(decode(raw.data))
+from tests.chaos_harness import weights_history as weights_events  # every Delta/Keyframe, in order
 
 
 async def test_standby_takes_over_without_gap_fork_or_reuse(bus, fresh_server, tmp_path):

@@ -15,15 +15,7 @@ from delta_codec.signing import generate_keypair, sign
 CFG = policy.ModelConfig.tiny(vocab_size=64, max_seq_len=64)
 
 
-def perturb(state: dict, frac: float, scale: float, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    new = {}
-    for k, v in state.items():
-        flat = v.clone().reshape(-1)
-        m = torch.rand(flat.shape, generator=g) < frac
-        flat[m] = (flat[m].float() + torch.randn(int(m.sum()), generator=g) * scale).to(v.dtype)
-        new[k] = flat.reshape(v.shape)
-    return new
+from tests.test_worker_engine import perturb  # noqa: E402  (a trainer step stand-in)
 
 
 def trajectory(n: int, seed: int = 0) -> list[dict]:
