@@ -331,12 +331,7 @@ class WeightFeed:
                 break
             self.cursor = raw.seq
             before = (target.version, target.epoch)
-            try:
-                await self._step(target, raw)
-            except Refused as e:
-                self._refuse(e.reason, e.detail)
-                if e.resync:
-                    await self._resync(target)
+            await self._apply_or_refuse(target, raw)
             if on_update is not None and (target.version, target.epoch) != before:
                 await on_update(target.version, target.epoch)
 
@@ -355,12 +350,16 @@ class WeightFeed:
             except NotFoundError:
                 return target
             self.cursor = raw.seq
-            try:
-                await self._step(target, raw)
-            except Refused as e:
-                self._refuse(e.reason, e.detail)
-                if e.resync:
-                    await self._resync(target)
+            await self._apply_or_refuse(target, raw)
+
+    async def _apply_or_refuse(self, target, raw) -> None:
+        """One WEIGHTS message: applied, or refused with its reason (and a resync when needed)."""
+        try:
+            await self._step(target, raw)
+        except Refused as e:
+            self._refuse(e.reason, e.detail)
+            if e.resync:
+                await self._resync(target)
 
     def stats(self) -> dict:
         return {"refused": dict(self.refused), "applied": dict(self.applied), "resyncs": self.resyncs,
