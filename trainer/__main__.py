@@ -268,7 +268,8 @@ class Trainer:
                                         from_version=self.version - 1, to_version=self.version) if live else None
         if not self.lease.valid() or lost.is_set():
             raise LeaseLost("leader lease no longer valid: refusing to checkpoint or publish")
-        self.digest = delta_codec.state_digest(new)
+        if delta is not None:       # the codec already hashed every tensor of `new`: no second pass
+            self.digest = delta.new_digest
         await asyncio.to_thread(self.save)
         delta_bytes = 0
         if delta is not None:
