@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.up import write_toml
+
 from trainer import checkpoint
 from trainer.__main__ import build_learner, build_model, build_optimizer
 from trainer.batcher import Batcher, ConsumedIds
@@ -30,23 +32,10 @@ async def test_two_process_gloo_matches_one_process(bus, fresh_server, tmp_path)
     # reference: one process, same initial weights, same batch
     build_learner(model, build_optimizer(model, cfg), cfg).step(packed)
 
-    model_toml = ", ".join(f'{k} = {v!r}'.replace("'", '"').replace("False", "false").replace("True", "true")
-                           for k, v in cfg.model.items())
     conf = tmp_path / "t.toml"
-    conf.write_text(f"""
-[trainer]
-trainer_id = "ddp"
-model = {{ {model_toml} }}
-batch_groups = 2
-group_size = 3
-feed = false
-lr = {cfg.lr}
-max_steps = 1
-checkpoint_dir = "{cfg.checkpoint_dir}"
-fetch_timeout_s = 0.2
-[trainer.bus]
-servers = ["{fresh_server.url}"]
-""")
+    write_toml(conf, {"trainer": {"trainer_id": "ddp", "model": dict(cfg.model), "batch_groups": 2, "group_size": 3,
+                                  "feed": False, "lr": cfg.lr, "max_steps": 1, "checkpoint_dir": str(cfg.checkpoint_dir),
+                                  "fetch_timeout_s": 0.2, "bus": {"servers": [fresh_server.url]}}})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           "-m", "trainer", "--config", str(conf)], cwd=ROOT, env=env, capture_output=True,
