@@ -1,4 +1,4 @@
-"""Raw-bit views of tensors: integer views, float ordering, zig-zag, digests, byte planes.
+"""Raw-bit views of tensors: integer views, zig-zag, digests, byte planes.
 
 Everything here is lossless by construction: a tensor is handled as the integer that has its
 bits, so NaN payloads, -0, Inf and subnormals round-trip exactly.
@@ -11,8 +11,8 @@ import xxhash
 
 from .errors import DeltaError
 
-_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+SIGNED_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+UNSIGNED_INT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # dtype names on the wire; a receiver refuses a name it does not know rather than guessing.
@@ -51,7 +51,7 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 def np_bits(t: torch.Tensor) -> np.ndarray:
     """Signed numpy view of a CPU tensor's bits (no copy when contiguous)."""
     v = int_view(t.detach().contiguous() if not t.is_contiguous() else t.detach())
-    return v.numpy().view(_SIGNED[v.element_size()])
+    return v.numpy().view(SIGNED_INT[v.element_size()])
 
 
 # mantissa bits of float dtypes: the exponent (bits >> mantissa) is the value-grouping context
@@ -63,43 +63,51 @@ def exponent_shift(dtype: torch.dtype) -> int | None:
     return MANTISSA.get(str(dtype).removeprefix("torch."))
 
 
-def is_ordered(dtype: torch.dtype) -> bool:
-    """Floats are differenced in their monotonic integer order, so +-1 ulp is +-1 even across 0."""
-    return dtype.is_floating_point
-
-
-def to_order(x: np.ndarray) -> np.ndarray:
-    """Sign-magnitude float bits -> two's complement order (a bijection; -0 -> -1, +0 -> 0)."""
-    mask = np.array(np.iinfo(x.dtype).max, dtype=x.dtype)
-    return x ^ ((x >> (x.itemsize * 8 - 1)) & mask)
-
-
-from_order = to_order  # the map is an involution
-
-
 def zigzag(d: np.ndarray) -> np.ndarray:
     """Signed -> unsigned with small magnitudes first: 0,-1,1,-2,... -> 0,1,2,3,..."""
-    return ((d << 1) ^ (d >> (d.itemsize * 8 - 1))).view(_UNSIGNED[d.itemsize])
+    z = d << d.dtype.type(1)
+    z ^= d >> d.dtype.type(d.itemsize * 8 - 1)
+    return z.view(UNSIGNED_INT[d.itemsize])
 
 
 def unzigzag(z: np.ndarray) -> np.ndarray:
-    s = z.dtype.type(1)
-    return ((z >> s) ^ (np.zeros_like(z) - (z & s))).view(_SIGNED[z.itemsize])
+    s = z & z.dtype.type(1)
+    np.negative(s, out=s)  # 0 or all ones (unsigned negation wraps)
+    out = z >> z.dtype.type(1)
+    out ^= s
+    return out.view(SIGNED_INT[z.itemsize])
+
+
+def unzigzag_small(lo: np.ndarray, itemsize: int) -> np.ndarray:
+    """unzigzag of zig-zag codes < 256 (uint8), widened to signed `itemsize` bytes: byte-wide
+    arithmetic, then one sign-extending cast (measured 5x faster than a 256-entry table)."""
+    out = unzigzag(lo)
+    return out if itemsize == 1 else out.astype(SIGNED_INT[itemsize])
+
+
+def planes(z: np.ndarray) -> np.ndarray:
+    """Byte planes (all low bytes, then all next bytes...) as one uint8 array: the high planes of
+    small values are long zero runs that zstd removes almost for free. Truncating assignment
+    into one buffer: one pass per plane, no joins."""
+    if z.itemsize == 1:
+        return z.view(np.uint8)
+    m = z.size
+    out = np.empty(z.itemsize * m, np.uint8)
+    out[:m] = z
+    for i in range(1, z.itemsize):
+        out[i * m:(i + 1) * m] = z >> z.dtype.type(8 * i)
+    return out
 
 
 def to_planes(z: np.ndarray) -> bytes:
-    """Byte planes (all low bytes, then all next bytes...): the high planes of small values are
-    long zero runs that zstd removes almost for free. Shifts, not a strided transpose: faster."""
-    if z.itemsize == 1:
-        return z.tobytes()
-    return b"".join((z >> z.dtype.type(8 * i)).astype(np.uint8).tobytes() for i in range(z.itemsize))
+    return planes(z).tobytes()
 
 
 def from_planes(buf, itemsize: int, count: int) -> np.ndarray:
     a = np.frombuffer(buf, dtype=np.uint8)
     if a.size != itemsize * count:
         raise DeltaError(f"value stream has {a.size} bytes, expected {itemsize * count}")
-    ut = _UNSIGNED[itemsize]
+    ut = UNSIGNED_INT[itemsize]
     z = a[:count].astype(ut)
     for i in range(1, itemsize):
         z |= a[i * count:(i + 1) * count].astype(ut) << ut(8 * i)

@@ -1,16 +1,16 @@
 """Applying decoded chunks to device tensors: one fused Triton scatter per chunk.
 
-The kernel gathers the old bits at each changed index, saves them (for rollback), maps them to
-float order, adds the ulp difference with wrap-around at the element width, maps back and
-stores. Tensors on devices without Triton use the same arithmetic in torch ops.
-Tested on the CPU with TRITON_INTERPRET=1.
+The kernel gathers the old bits at each changed index, saves them (for rollback), adds the
+difference with wrap-around at the element width and stores. (It can also add in monotonic
+float order, ORDERED; the wire format since version 2 carries raw-bit differences.) Tensors on
+devices without Triton use the same arithmetic in torch ops. Tested on the CPU with TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .bits import int_view, unzigzag
+from .bits import int_view
 
 try:
     import triton
@@ -68,18 +68,19 @@ def apply_sparse(bits: torch.Tensor, idx: torch.Tensor, d: torch.Tensor, ordered
     return old
 
 
-def apply_on_device(t: torch.Tensor, decoded, ordered: bool, undo: list) -> None:
-    """Apply decoded chunks [(start, positions | None, zigzag values, count, _)] to device tensor t."""
+def apply_on_device(t: torch.Tensor, decoded, undo: list) -> None:
+    """Apply decoded chunks [(start, positions | None, signed differences, count, _)] to device
+    tensor t."""
     bits = int_view(t)
     if bits.dtype == torch.uint8:  # 1-byte dtypes: signed view for the arithmetic
         bits = bits.view(torch.int8)
-    for start, pos, z, count, _ in decoded:
+    for start, pos, d, count, _ in decoded:
         if pos is None:
             idx = torch.arange(start, start + count, device=t.device)
         elif pos.size:
             idx = torch.from_numpy(pos + start).to(t.device, non_blocking=True)
         else:
             continue
-        d = torch.from_numpy(np.ascontiguousarray(unzigzag(z))).to(t.device, non_blocking=True)
-        old = apply_sparse(bits, idx, d, ordered)
+        dd = torch.from_numpy(np.ascontiguousarray(d)).to(t.device, non_blocking=True)
+        old = apply_sparse(bits, idx, dd, False)
         undo.append(lambda b=bits, i=idx, o=old: b.index_copy_(0, i, o))

@@ -43,7 +43,7 @@ CHECK = textwrap.dedent("""
         bits = t.view(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
         assert _use_triton(bits), r.name
         undo = []
-        apply_on_device(t, _decode_record(r, t), t.dtype.is_floating_point, undo)
+        apply_on_device(t, _decode_record(r, t), undo)
         assert torch.equal(t.view(-1).view(bits.dtype), new[r.name].view(-1).view(bits.dtype)), r.name
         for u in reversed(undo):                                     # the saved old bits restore exactly
             u()
