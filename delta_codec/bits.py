@@ -63,39 +63,72 @@ def exponent_shift(dtype: torch.dtype) -> int | None:
     return MANTISSA.get(str(dtype).removeprefix("torch."))
 
 
-def zigzag(d: np.ndarray) -> np.ndarray:
+def fresh(_key: str, n: int, dtype) -> np.ndarray:
+    """The allocator signature of Scratch, allocating anew (for results that outlive a chunk)."""
+    return np.empty(n, dtype)
+
+
+class Scratch:
+    """Reusable per-worker buffers for a chunk's temporaries, by name: `scratch(key, n, dtype)`
+    -> an n-element view, valid until the same key is asked for again. Freshly allocated
+    arrays of a few MB are handed back to the OS on free and page-faulted in again (measured:
+    up to half of the encode time at 18 % changed); reused buffers are not."""
+
+    MAX_BYTES = 1 << 26  # larger requests (huge chunks) are allocated anew, not kept
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def __call__(self, key: str, n: int, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = n * dtype.itemsize
+        if nbytes > self.MAX_BYTES:
+            return np.empty(n, dtype)
+        buf = self._bufs.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._bufs[key] = np.empty(max(nbytes, 1 << 16), np.uint8)
+        return buf[:nbytes].view(dtype)
+
+
+def zigzag(d: np.ndarray, alloc=fresh) -> np.ndarray:
     """Signed -> unsigned with small magnitudes first: 0,-1,1,-2,... -> 0,1,2,3,..."""
-    z = d << d.dtype.type(1)
-    z ^= d >> d.dtype.type(d.itemsize * 8 - 1)
+    z = np.left_shift(d, 1, out=alloc("zz", d.size, d.dtype))
+    z ^= np.right_shift(d, d.itemsize * 8 - 1, out=alloc("zz.sign", d.size, d.dtype))
     return z.view(UNSIGNED_INT[d.itemsize])
 
 
-def unzigzag(z: np.ndarray) -> np.ndarray:
-    s = z & z.dtype.type(1)
+def unzigzag(z: np.ndarray, alloc=fresh) -> np.ndarray:
+    s = np.bitwise_and(z, 1, out=alloc("uz.sign", z.size, z.dtype))
     np.negative(s, out=s)  # 0 or all ones (unsigned negation wraps)
-    out = z >> z.dtype.type(1)
+    out = np.right_shift(z, 1, out=alloc("uz", z.size, z.dtype))
     out ^= s
     return out.view(SIGNED_INT[z.itemsize])
 
 
-def unzigzag_small(lo: np.ndarray, itemsize: int) -> np.ndarray:
+def unzigzag_small(lo: np.ndarray, itemsize: int, alloc=fresh) -> np.ndarray:
     """unzigzag of zig-zag codes < 256 (uint8), widened to signed `itemsize` bytes: byte-wide
     arithmetic, then one sign-extending cast (measured 5x faster than a 256-entry table)."""
-    out = unzigzag(lo)
-    return out if itemsize == 1 else out.astype(SIGNED_INT[itemsize])
+    d8 = unzigzag(lo, alloc)
+    if itemsize == 1:
+        return d8
+    out = alloc("uz.wide", lo.size, SIGNED_INT[itemsize])
+    out[...] = d8
+    return out
 
 
-def planes(z: np.ndarray) -> np.ndarray:
+def planes(z: np.ndarray, alloc=fresh) -> np.ndarray:
     """Byte planes (all low bytes, then all next bytes...) as one uint8 array: the high planes of
     small values are long zero runs that zstd removes almost for free. Truncating assignment
     into one buffer: one pass per plane, no joins."""
     if z.itemsize == 1:
         return z.view(np.uint8)
     m = z.size
-    out = np.empty(z.itemsize * m, np.uint8)
+    out = alloc("planes", z.itemsize * m, np.uint8)
     out[:m] = z
-    for i in range(1, z.itemsize):
-        out[i * m:(i + 1) * m] = z >> z.dtype.type(8 * i)
+    if z.itemsize > 1:
+        t = alloc("planes.shift", m, z.dtype)
+        for i in range(1, z.itemsize):
+            out[i * m:(i + 1) * m] = np.right_shift(z, 8 * i, out=t)
     return out
 
 

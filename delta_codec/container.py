@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import msgpack
@@ -23,8 +24,8 @@ import xxhash
 import zstandard
 
 from . import signing
-from .bits import (SIGNED_INT, combine_digest, dtype_from_name, dtype_name, exponent_shift, from_planes, int_view,
-                   np_bits, planes, tensor_digest)
+from .bits import (SIGNED_INT, Scratch, combine_digest, dtype_from_name, dtype_name, exponent_shift, fresh,
+                   from_planes, int_view, np_bits, planes, tensor_digest)
 from .codec import CHUNK, chunk_header, decode_chunk, encode_chunk, zd
 from .errors import DeltaError
 
@@ -251,30 +252,55 @@ def default_threads() -> int:
     return max(1, min(8, cores))
 
 
+_scratch_pool: list[Scratch] = []  # one per worker at a time, kept between calls (no page faults)
+_scratch_lock = threading.Lock()
+_worker = threading.local()
+
+
+@contextmanager
+def _scratch_borrowed():
+    with _scratch_lock:
+        s = _scratch_pool.pop() if _scratch_pool else Scratch()
+    _worker.scratch = s
+    try:
+        yield s
+    finally:
+        _worker.scratch = None
+        with _scratch_lock:
+            _scratch_pool.append(s)
+
+
+def _scratch():
+    """This worker's Scratch (inside _parallel), else fresh allocation."""
+    return getattr(_worker, "scratch", None) or fresh
+
+
 def _parallel(fn, items, threads: int | None) -> list:
     """fn over items on `threads` threads (the caller's included; numpy, zstd and xxhash release
-    the GIL). After the first error no new item starts; returns only once every started item has
-    finished, then re-raises the first error (in item order), so callers can roll back knowing
-    nothing is still running."""
+    the GIL), each with a borrowed Scratch. After the first error no new item starts; returns
+    only once every started item has finished, then re-raises the first error (in item order),
+    so callers can roll back knowing nothing is still running."""
     threads = default_threads() if threads is None else threads
     if threads <= 1 or len(items) <= 1:
-        return [fn(x) for x in items]
+        with _scratch_borrowed():
+            return [fn(x) for x in items]
     results: list = [None] * len(items)
     errors: list = [None] * len(items)
     todo = iter(range(len(items)))
     lock, failed = threading.Lock(), threading.Event()
 
     def work() -> None:
-        while not failed.is_set():
-            with lock:
-                i = next(todo, None)
-            if i is None:
-                return
-            try:
-                results[i] = fn(items[i])
-            except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
-                errors[i] = e
-                failed.set()
+        with _scratch_borrowed():
+            while not failed.is_set():
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = fn(items[i])
+                except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
+                    errors[i] = e
+                    failed.set()
 
     helpers = [threading.Thread(target=work, daemon=True) for _ in range(min(threads, len(items)) - 1)]
     for h in helpers:
@@ -311,7 +337,8 @@ def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = N
         bt, nt = pairs[name]
         if s < 0:
             return tensor_digest(bt), tensor_digest(nt)
-        return encode_chunk(_bits_slice(bt, s, chunk), _bits_slice(nt, s, chunk), exponent_shift(bt.dtype))
+        return encode_chunk(_bits_slice(bt, s, chunk), _bits_slice(nt, s, chunk), exponent_shift(bt.dtype),
+                            _scratch())
 
     out = iter(_parallel(run, jobs, threads))
     records = []
@@ -449,18 +476,18 @@ def _apply_job(r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo
         from .triton_apply import apply_on_device
         apply_on_device(t, _decode_record(r, t), undo)
         return
-    what, size = f"tensor {r.name!r} chunk {i}", t.element_size()
-    shift = exponent_shift(t.dtype)
+    what, size, alloc = f"tensor {r.name!r} chunk {i}", t.element_size(), _scratch()
     view = np_bits(t)[start:start + chunk_header(chunk, what)[1]]
-    pos, d, _, old = decode_chunk(chunk, size, what, view.__getitem__, shift)
+    pos, d, _, old = decode_chunk(chunk, size, what, lambda p: np.take(view, p), exponent_shift(t.dtype), alloc)
     if pos is None:
         view += d  # dense: wraps at the element width
     elif old is not None:  # grouped (sparse) chunk: keep the old bits to restore
         view[pos] = old + d
+        pos = pos.copy()  # (may live in the scratch buffers)
         undo.append(lambda: view.__setitem__(pos, old))
         return
     elif pos.size:
-        new = view[pos]
+        new = np.take(view, pos, out=alloc("old", pos.size, view.dtype))
         new += d
         view[pos] = new
     else:
