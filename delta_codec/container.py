@@ -38,15 +38,39 @@ _PREFIX = struct.Struct("<4sHBBI")
 _KINDS = {KIND_DELTA: "delta", KIND_KEYFRAME: "keyframe"}
 
 
-@dataclass
 class TensorRecord:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    digest_a: bytes          # delta: base digest; keyframe: tensor digest
-    digest_b: bytes          # delta: result digest; keyframe: same as digest_a
-    record: bytes | memoryview
-    changed: int = -1        # known at encode time; -1 after parsing (counted on demand)
+    """One tensor's entry: name, dtype, shape, digests (delta: base and result; keyframe: the
+    tensor's, twice) and its record (delta: a msgpack list of chunk records). The encoder hands
+    the record over as a list of parts, joined only into the blob (one copy, not two)."""
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], digest_a: bytes, digest_b: bytes,
+                 record: bytes | memoryview | list, changed: int = -1):
+        self.name, self.dtype, self.shape, self.digest_a, self.digest_b = name, dtype, tuple(shape), digest_a, digest_b
+        self._parts = record if isinstance(record, list) else [record]
+        self._joined = None if isinstance(record, list) else record
+        self.nbytes = sum(len(p) for p in self._parts)
+        self._checksum: int | None = None
+        self.changed = changed  # known at encode time; -1 after parsing (counted on demand)
+
+    @property
+    def record(self) -> bytes | memoryview:
+        if self._joined is None:
+            self._joined = b"".join(self._parts)
+            self._parts = [self._joined]
+        return self._joined
+
+    @property
+    def parts(self) -> list:
+        return self._parts
+
+    @property
+    def checksum(self) -> int:
+        if self._checksum is None:
+            h = xxhash.xxh3_64()
+            for p in self._parts:
+                h.update(p)
+            self._checksum = h.intdigest()
+        return self._checksum
 
     @property
     def numel(self) -> int:
@@ -78,11 +102,11 @@ class DeltaStats:
 
 def _pack(kind: int, meta: dict, recs: list[TensorRecord], signing_key) -> bytes:
     meta = dict(meta, codec=CODEC, tensors=[
-        [r.name, r.dtype, list(r.shape), r.digest_a, r.digest_b, len(r.record), xxhash.xxh3_64_intdigest(r.record)]
+        [r.name, r.dtype, list(r.shape), r.digest_a, r.digest_b, r.nbytes, r.checksum]
         for r in recs])
     header = msgpack.packb(meta, use_bin_type=True)
     head = _PREFIX.pack(MAGIC, FORMAT, kind, SIGNED if signing_key is not None else 0, len(header)) + header
-    blob = b"".join([head, struct.pack("<Q", xxhash.xxh3_64_intdigest(head)), *(r.record for r in recs)])
+    blob = b"".join([head, struct.pack("<Q", xxhash.xxh3_64_intdigest(head)), *(p for r in recs for p in r.parts)])
     return blob + signing.sign(signing_key, blob) if signing_key is not None else blob
 
 
@@ -196,7 +220,7 @@ class Delta(_Signed):
         for r in self.records:
             if r.changed < 0:
                 r.changed = sum(int(c[2]) for c in _chunks(r))
-            per[r.name] = {"changed": r.changed, "total": r.numel, "bytes": len(r.record)}
+            per[r.name] = {"changed": r.changed, "total": r.numel, "bytes": r.nbytes}
         return DeltaStats(sum(p["changed"] for p in per.values()), sum(p["total"] for p in per.values()),
                           self.nbytes, per)
 
@@ -337,8 +361,9 @@ def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = N
         bt, nt = pairs[name]
         if s < 0:
             return tensor_digest(bt), tensor_digest(nt)
-        return encode_chunk(_bits_slice(bt, s, chunk), _bits_slice(nt, s, chunk), exponent_shift(bt.dtype),
-                            _scratch())
+        rec, m = encode_chunk(_bits_slice(bt, s, chunk), _bits_slice(nt, s, chunk), exponent_shift(bt.dtype),
+                              _scratch())
+        return msgpack.packb(rec, use_bin_type=True), m
 
     out = iter(_parallel(run, jobs, threads))
     records = []
@@ -346,9 +371,9 @@ def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = N
         bt = pairs[n][0]
         da, db = next(out)
         chunks = [next(out) for _ in range(0, bt.numel(), chunk)]
+        head = msgpack.Packer().pack_array_header(len(chunks))  # + the packed chunks: a msgpack list
         records.append(TensorRecord(n, dtype_name(bt.dtype), tuple(bt.shape), da, db,
-                                    msgpack.packb([c for c, _ in chunks], use_bin_type=True),
-                                    sum(m for _, m in chunks)))
+                                    [head, *(c for c, _ in chunks)], sum(m for _, m in chunks)))
     return Delta(from_version, from_version + 1 if to_version is None else to_version, records)
 
 
@@ -441,40 +466,39 @@ def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None
     _validate_target(state, delta.records, "delta")
     recs = delta.records
 
-    def check_base(r: TensorRecord) -> None:
-        if tensor_digest(state[r.name]) != r.digest_a:
+    def prepare(r: TensorRecord) -> list:
+        """Base digest check and the tensor's chunk jobs (record parsed, coverage checked)."""
+        t = state[r.name]
+        if tensor_digest(t) != r.digest_a:
             raise DeltaError(f"tensor {r.name!r}: base digest mismatch "
                              f"(state is not the delta's base version {delta.from_version})")
+        if t.device.type != "cpu":
+            return [(r, t, -1, 0, None)]
+        chunks = _chunks(r)
+        return [(r, t, i, s, c) for i, (c, s) in enumerate(zip(chunks, _chunk_starts(r, chunks)))]
 
     def check_result(r: TensorRecord) -> None:
         if tensor_digest(state[r.name]) != r.digest_b:
             raise DeltaError(f"tensor {r.name!r}: result digest mismatch after apply (corrupted delta); "
                              "state rolled back")
 
-    _parallel(check_base, recs, threads)
-    jobs = []  # (record, tensor, chunk index or -1 for a whole device tensor, start, chunk)
-    for r in recs:
-        t = state[r.name]
-        if t.device.type != "cpu":
-            jobs.append((r, t, -1, 0, None))
-            continue
-        chunks = _chunks(r)
-        jobs += [(r, t, i, s, c) for i, (c, s) in enumerate(zip(chunks, _chunk_starts(r, chunks)))]
+    jobs = [job for tensor_jobs in _parallel(prepare, recs, threads) for job in tensor_jobs]
     undo: list = []  # (list.append is atomic; chunks are disjoint, so restore order is free)
     try:
-        with torch.no_grad():
-            _parallel(lambda job: _apply_job(*job, undo), jobs, threads)
+        _parallel(lambda job: _apply_job(*job, undo), jobs, threads)
         _parallel(check_result, recs, threads)
     except BaseException:
-        for restore in reversed(undo):
-            restore()
+        with torch.no_grad():
+            for restore in reversed(undo):
+                restore()
         raise
 
 
 def _apply_job(r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo: list) -> None:
     if i < 0:
         from .triton_apply import apply_on_device
-        apply_on_device(t, _decode_record(r, t), undo)
+        with torch.no_grad():  # (grad mode is per thread)
+            apply_on_device(t, _decode_record(r, t), undo)
         return
     what, size, alloc = f"tensor {r.name!r} chunk {i}", t.element_size(), _scratch()
     view = np_bits(t)[start:start + chunk_header(chunk, what)[1]]
