@@ -137,6 +137,26 @@ def _unpack_low(buf, k: int, m: int) -> np.ndarray:
     return vals.reshape(-1)[:m].view(np.int64)  # values < 2^8: same bits
 
 
+def positions(mask: np.ndarray, m: int, alloc=fresh) -> np.ndarray:
+    """np.flatnonzero(mask) for a bool mask with m True. numpy's bool nonzero is branch-free from
+    ~10 % set, but below that its zero-skipping loop is slow (mispredicts most around 5 %);
+    there, nonzero over the mask's 8-byte words, then over the set words' bytes (both in numpy's
+    fast regimes), is measured 1.5x (0.1-1 % set) to 2.5x (5-9 %) faster."""
+    n = mask.size - mask.size % 8
+    if not (m * 10 < mask.size and n):
+        return np.flatnonzero(mask)
+    words = mask[:n].view(np.uint64)
+    nzw = np.flatnonzero(np.not_equal(words, 0, out=alloc("nz.words", words.size, bool)))
+    r = np.flatnonzero(np.take(words, nzw, out=alloc("nz.set", nzw.size, np.uint64)).view(bool))
+    pos = np.take(nzw, np.right_shift(r, 3, out=alloc("nz.word", r.size, r.dtype)))
+    pos <<= 3
+    r &= 7
+    pos += r
+    if n < mask.size:
+        pos = np.concatenate([pos, np.flatnonzero(mask[n:]) + n])
+    return pos
+
+
 def gaps_of(pos: np.ndarray, alloc=fresh) -> np.ndarray:
     """pos[0], then pos[i] - pos[i-1] (>= 1): positions are their cumulative sum."""
     g = alloc("gaps", pos.size, pos.dtype)
@@ -148,12 +168,12 @@ def gaps_of(pos: np.ndarray, alloc=fresh) -> np.ndarray:
 
 def rice_parameter(gaps: np.ndarray) -> int:
     """k minimising k raw bits + the entropy of the high byte + 64 bits per escape, estimated
-    on <= 16 Ki gaps. Entropy favours k = 0 except where escapes appear, which is also where
+    on <= 4 Ki gaps. Entropy favours k = 0 except where escapes appear, which is also where
     zstd's Huffman stage stops tracking it (long flat tails): sparse chunks get k > 0, dense
     ones k = 0 (the fastest to code, and to decode: one cumsum)."""
-    sample = gaps[:16384]
-    if not sample.size or sample.mean() < 16:  # escapes (gaps >= 255) are negligible
-        return 0
+    sample = gaps[:4096]
+    if not sample.size or sample.mean() < 32:  # escapes (gaps >= 255) negligible; measured: k = 0 is
+        return 0                              # then also smaller than the estimate's choice
     k0 = max(0, int(round(np.log2(max(0.69 * (sample.mean() + 1), 1.0)))))
     best, best_cost = 0, None
     for k in range(max(0, k0 - 3), k0 + 1):
@@ -239,18 +259,20 @@ def encode_chunk(b: np.ndarray, n: np.ndarray, shift: int | None = None, alloc=f
     shift: mantissa bits of a float dtype (value grouping context), None otherwise; alloc: where
     temporaries live (a Scratch reuses them across chunks)."""
     count = b.size
-    diff = np.subtract(n, b, out=alloc("diff", count, b.dtype))  # wraps: zero exactly where bits are equal
-    pos = np.flatnonzero(np.not_equal(diff, 0, out=alloc("mask", count, bool)))
-    m = pos.size
+    mask = np.not_equal(b, n, out=alloc("mask", count, bool))
+    m = int(np.count_nonzero(mask))
     if m == 0:
         return [NONE, count, 0], 0
     p = m / count
     if p >= DENSE_FROM:
-        return [DENSE, count, m, 0, encode_values(diff, alloc)], m
-    d = np.take(diff, pos, out=alloc("d", m, b.dtype))  # (take: measured 30 % faster than fancy indexing)
+        return [DENSE, count, m, 0, encode_values(np.subtract(n, b, out=alloc("d", count, b.dtype)), alloc)], m
+    pos = positions(mask, m, alloc)
+    old = np.take(b, pos, out=alloc("old", m, b.dtype))  # (take: measured 30 % faster than fancy indexing)
+    d = np.take(n, pos, out=alloc("d", m, b.dtype))
+    d -= old  # wraps at the element width: a bijection for any pair
     flags = 0
     if p < GROUP_BELOW and shift is not None and m > 1:
-        d = np.take(d, value_order(np.take(b, pos), shift), out=alloc("diff", m, b.dtype))
+        d = np.take(d, value_order(old, shift), out=alloc("old", m, b.dtype))
         flags = GROUPED
     vals = encode_values(d, alloc)
     if p >= BITMAP_FROM:
