@@ -206,6 +206,8 @@ def decode_gaps(k: int, qz, low, over, m: int, count: int, what: str, alloc=fres
         raise DeltaError(f"{what}: bad Rice parameter {k}")
     if m and count * m >= 1 << 62:  # rules out int64 overflow in the sum below
         raise DeltaError(f"{what}: chunk of {count} elements with {m} changes is out of range")
+    if not k and len(low):
+        raise DeltaError(f"{what}: low-bit stream has {len(low)} bytes, expected 0")
     q8 = np.frombuffer(zd(qz, m, what + " gap stream"), np.uint8)
     ov = np.frombuffer(over, "<u8")
     if len(over) % 8:
@@ -230,8 +232,6 @@ def decode_gaps(k: int, qz, low, over, m: int, count: int, what: str, alloc=fres
         if k:
             gaps <<= k
             gaps |= _unpack_low(low, k, m)
-        elif len(low):
-            raise DeltaError(f"{what}: low-bit stream has {len(low)} bytes, expected 0")
         if gaps.size and int(gaps.max()) >= count:
             raise DeltaError(f"{what}: gap beyond the chunk")
         if m > 1 and not int(gaps[1:].min()):
@@ -311,11 +311,11 @@ def decode_chunk(rec, itemsize: int, what: str, base_at=None, shift: int | None 
             if m:
                 raise DeltaError(f"{what}: {m} changes in an unchanged chunk")
             return np.zeros(0, np.int64), np.zeros(0, np.int8), count, None
+        flags = int(rec[3])
+        if flags & ~(0 if mode == DENSE else GROUPED):
+            raise DeltaError(f"{what}: unknown chunk flags {flags:#x}")
         if mode == DENSE:
             return None, decode_values(rec[4], itemsize, count, what, alloc), count, None
-        flags = int(rec[3])
-        if flags & ~GROUPED:
-            raise DeltaError(f"{what}: unknown chunk flags {flags:#x}")
         if mode == GAP:
             pos = decode_gaps(int(rec[5]), rec[6], rec[7], rec[8], m, count, what, alloc)
         elif mode == BITMAP:
@@ -326,6 +326,8 @@ def decode_chunk(rec, itemsize: int, what: str, base_at=None, shift: int | None 
         else:
             raise DeltaError(f"{what}: unknown position coding {mode}")
         d = decode_values(rec[4], itemsize, m, what + " values", alloc)
+    except DeltaError:
+        raise
     except (TypeError, ValueError, IndexError):
         raise DeltaError(f"{what}: malformed chunk record") from None
     if flags & GROUPED:

@@ -1,0 +1,159 @@
+"""delta_codec format 2 internals: the fast paths (word-level nonzero, k=0 byte gaps, low-byte
+values with wide fix-ups, per-worker scratch buffers, chunk-level threads) agree with the
+plain computations, and every rollback path restores the state exactly."""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from delta_codec import Delta, DeltaError, apply_delta, encode_delta
+from delta_codec.bits import Scratch, fresh, planes, zigzag
+from delta_codec.codec import (BITMAP, DENSE, GAP, GROUPED, NONE, decode_chunk, decode_gaps, decode_values,
+                               encode_chunk, encode_gaps, encode_values, positions, zc)
+from delta_codec.container import TensorRecord
+
+INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(bits(a[k]), bits(b[k])) for k in a)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 4096 + 5])
+@pytest.mark.parametrize("p", [0.0, 0.001, 0.05, 0.09, 0.2, 1.0])
+def test_positions_match_flatnonzero(n, p):
+    mask = np.random.default_rng(n).random(n) < p
+    for alloc in (fresh, Scratch()):
+        assert np.array_equal(positions(mask, int(mask.sum()), alloc), np.flatnonzero(mask))
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+@pytest.mark.parametrize("wide", [0.0, 0.01, 0.5])
+def test_values_round_trip_with_wide_codes(itemsize, wide):
+    """Low-byte fast path, sparse wide fix-ups (codes >= 256) and the full-plane path."""
+    rng = np.random.default_rng(itemsize)
+    dt = INT[itemsize]
+    d = rng.integers(-3, 4, 5000).astype(dt)
+    big = rng.random(d.size) < wide
+    d[big] = rng.integers(np.iinfo(dt).min, np.iinfo(dt).max, int(big.sum()), dtype=dt, endpoint=True)
+    s = Scratch()
+    for alloc in (fresh, s, s):  # twice through the same scratch: no stale bytes
+        assert np.array_equal(decode_values(encode_values(d, alloc), itemsize, d.size, "t", alloc), d)
+
+
+def test_gap_stream_refuses_repeated_positions_and_escapes_without_overflow():
+    pos = np.array([0, 3, 3, 9])  # a repeated position: an encoder never writes it
+    qz, low, over = encode_gaps(pos, 0)
+    with pytest.raises(DeltaError, match="repeated"):
+        decode_gaps(0, qz, low, over, pos.size, 100, "t")
+    esc = zc(np.array([5, 255], np.uint8))
+    with pytest.raises(DeltaError, match="overflow"):
+        decode_gaps(0, esc, b"", b"", 2, 10_000, "t")
+    with pytest.raises(DeltaError, match="low-bit"):
+        decode_gaps(0, encode_gaps(np.array([1, 2]), 0)[0], b"\0", b"", 2, 10, "t")
+
+
+def chunk_of(mode: int, grouped: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """bf16-like base/new bits whose chunk codes as `mode`."""
+    rng = np.random.default_rng(mode)
+    b = (torch.randn(50_000, generator=torch.Generator().manual_seed(mode)) * 0.02).to(torch.bfloat16)
+    b = bits(b).copy()
+    density = {NONE: 0.0, GAP: 0.02 if grouped else 0.15, BITMAP: 0.5, DENSE: 0.9}[mode]
+    n = b.copy()
+    m = rng.random(b.size) < density
+    n[m] = n[m] + rng.choice(np.array([-2, -1, 1, 2, 300], np.int16), int(m.sum()))
+    return b, n
+
+
+@pytest.mark.parametrize("mode,grouped", [(NONE, False), (GAP, True), (GAP, False), (BITMAP, False), (DENSE, False)])
+def test_chunk_modes_decode_to_the_changes(mode, grouped):
+    b, n = chunk_of(mode, grouped)
+    s = Scratch()
+    rec, m = encode_chunk(b, n, 7, s)
+    assert rec[0] == mode and m == int((b != n).sum())
+    if mode in (GAP, BITMAP):
+        assert bool(rec[3] & GROUPED) == grouped
+    rec = msgpack.unpackb(msgpack.packb(rec, use_bin_type=True))
+    for alloc in (fresh, s):
+        pos, d, count, _ = decode_chunk(rec, 2, "t", lambda p: b[p], 7, alloc)
+        out = b.copy()
+        if pos is None:
+            out += d
+        else:
+            out[pos] += d
+        assert count == b.size and np.array_equal(out, n)
+    if grouped:
+        with pytest.raises(DeltaError, match="grouped"):
+            decode_chunk(rec, 2, "t")  # no base: the order of the values is unknown
+        with pytest.raises(DeltaError, match="grouped"):
+            decode_chunk(rec, 2, "t", lambda p: b[p], None)
+    if mode != NONE:
+        bad = list(rec)
+        bad[3] = 4
+        with pytest.raises(DeltaError, match="flags"):
+            decode_chunk(bad, 2, "t", lambda p: b[p], 7)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_rollback_restores_every_chunk_mode(threads):
+    """A delta whose first tensors (one chunk mode each) apply fine and whose last tensor's result
+    digest fails: every mode's undo (kept old bits for grouped chunks, re-decoded inverse for
+    the others) restores the base exactly, whichever thread applied it."""
+    base, new = {}, {}
+    for mode, grouped in ((GAP, True), (GAP, False), (BITMAP, False), (DENSE, False), (NONE, False)):
+        b, n = chunk_of(mode, grouped)
+        name = f"m{mode}{'g' if grouped else ''}"
+        base[name] = torch.from_numpy(b).view(torch.bfloat16)
+        new[name] = torch.from_numpy(n).view(torch.bfloat16)
+    base["z_last"] = torch.zeros(1000, dtype=torch.float32)
+    new["z_last"] = torch.ones(1000, dtype=torch.float32)
+    good = encode_delta(base, new, chunk=4096, threads=threads)
+    other = encode_delta(base, {**new, "z_last": torch.full((1000,), 2.0)}, chunk=4096)
+    forged = Delta(0, 1, [r if r.name != "z_last" else TensorRecord(
+        r.name, r.dtype, r.shape, r.digest_a, r.digest_b, next(o.record for o in other.records if o.name == r.name))
+        for r in good.records])
+    state = {k: v.clone() for k, v in base.items()}
+    with pytest.raises(DeltaError, match="'z_last': result digest mismatch"):
+        apply_delta(state, Delta.from_bytes(forged.to_bytes()), threads=threads)
+    assert same(state, base)
+    apply_delta(state, Delta.from_bytes(good.to_bytes()), threads=threads)
+    assert same(state, new)
+
+
+def test_a_bad_chunk_midway_rolls_back_with_threads():
+    """A chunk that fails to decode (after others were written, on other threads): nothing stays."""
+    g = torch.Generator().manual_seed(0)
+    base = {f"t{i}": (torch.randn(20_000, generator=g) * 0.02).to(torch.bfloat16) for i in range(6)}
+    new = {k: (v.float() * 1.01).to(torch.bfloat16) for k, v in base.items()}
+    d = encode_delta(base, new, chunk=2048)
+    r = d.records[3]
+    chunks = msgpack.unpackb(r.record)
+    chunks[-1][4] = b"not zstd"
+    d.records[3] = TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, msgpack.packb(chunks, use_bin_type=True))
+    state = {k: v.clone() for k, v in base.items()}
+    with pytest.raises(DeltaError, match="tensor 't3' chunk 9.*zstd"):
+        apply_delta(state, Delta.from_bytes(d.to_bytes()), threads=3)
+    assert same(state, base)
+
+
+def test_threads_and_scratch_give_identical_blobs():
+    g = torch.Generator().manual_seed(1)
+    base = {f"t{i}": (torch.randn(30_000 + i, generator=g) * 0.02).to(torch.bfloat16) for i in range(5)}
+    new = {k: (v.float() * (1 + 0.003 * torch.randn(v.shape, generator=g))).to(torch.bfloat16) for k, v in base.items()}
+    blobs = {t: encode_delta(base, new, chunk=4096, threads=t).to_bytes() for t in (1, 2, 4)}
+    assert blobs[1] == blobs[2] == blobs[4]
+    assert planes(zigzag(np.array([-1, 1, 300], np.int16))).tolist() == [1, 2, 88, 0, 0, 2]
+
+
+def test_default_threads_env(monkeypatch):
+    from delta_codec.container import default_threads
+    monkeypatch.setenv("ASYNCRL_DELTA_THREADS", "3")
+    assert default_threads() == 3
+    monkeypatch.delenv("ASYNCRL_DELTA_THREADS")
+    assert 1 <= default_threads() <= 8
