@@ -92,7 +92,7 @@ def write_toml(path: Path, data: dict) -> None:
     path.write_text("\n".join(lines))
 
 
-def spawn(run_dir: Path, name: str, component: str, module: str, conf: dict) -> Proc:
+def spawn(run_dir: Path, name: str, component: str, module: str, conf: dict, nice: int = 0) -> Proc:
     cfg_path = run_dir / "config" / f"{name}.toml"
     write_toml(cfg_path, conf)
     log_path = run_dir / "logs" / f"{name}.log"
@@ -101,7 +101,8 @@ def spawn(run_dir: Path, name: str, component: str, module: str, conf: dict) -> 
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     out = open(log_path, "ab")
     p = subprocess.Popen([sys.executable, "-m", module, "--config", str(cfg_path)],
-                         stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                         stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                         preexec_fn=(lambda: os.nice(nice)) if nice else None)
     return Proc(name, component, p, log_path)
 
 
@@ -187,6 +188,9 @@ async def run(a: argparse.Namespace) -> int:
     n_workers = a.workers or up.get("workers", 2)
     n_scorers = a.scorers or up.get("scorers", 1)
     sync = a.sync or up.get("sync", False)
+    # co-located on one machine, the trainer is the serial part of async RL: workers run at a
+    # lower CPU priority so generation fills the cycles the trainer leaves instead of slowing it
+    worker_nice = int(up.get("worker_nice", 10))
     run_dir = Path(a.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}{'-sync' if sync else ''}").resolve()
     for sub in ("config", "logs", "metrics", "plots", "checkpoints"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -206,7 +210,8 @@ async def run(a: argparse.Namespace) -> int:
         await bus.kv_put(topo.KEY_LAMBDA, repr(float(lam)).encode())
     bus_conf = {"servers": servers}
 
-    trainer_conf = {**conf.get("trainer", {}), "bus": bus_conf, "run_dir": str(run_dir),
+    # a fixed trainer id seeds the task feeder the same way in every run (async vs sync see the same tasks)
+    trainer_conf = {"trainer_id": "trainer", **conf.get("trainer", {}), "bus": bus_conf, "run_dir": str(run_dir),
                     "checkpoint_dir": str(run_dir / "checkpoints"), "mode": "sync" if sync else "async"}
     if sync:
         trainer_conf["max_lag"] = 0
@@ -216,13 +221,15 @@ async def run(a: argparse.Namespace) -> int:
     scorer_conf = {**conf.get("scorer", {}), "bus": bus_conf}
     (run_dir / "config" / "run.json").write_text(json.dumps(
         {"steps": steps, "minutes": minutes, "workers": n_workers, "scorers": n_scorers, "sync": sync,
+         "worker_nice": worker_nice,
          "lambda": lam, "trainer": trainer_conf, "worker": worker_conf, "scorer": scorer_conf}, indent=2))
 
     procs = [spawn(run_dir, "trainer", "trainer", "trainer", trainer_conf)]
     procs += [spawn(run_dir, f"scorer-{i}", "scorer", "scorer", {**scorer_conf, "scorer_id": f"scorer-{i}"})
               for i in range(n_scorers)]
     procs += [spawn(run_dir, f"worker-{i}", "rollout_worker", "rollout_worker",
-                    {**worker_conf, "worker_id": f"worker-{i}", "seed": 1000 + i}) for i in range(n_workers)]
+                    {**worker_conf, "worker_id": f"worker-{i}", "seed": 1000 + i}, nice=worker_nice)
+              for i in range(n_workers)]
     tel = Telemetry(run_dir)
     reason = "interrupted"
     try:

@@ -1,19 +1,24 @@
 """Multi-digit addition where writing the intermediate steps buys accuracy.
 
-Prompt ``"123+4567="``. The policy answers in one of two styles, chosen by its first character:
+Prompt ``"123+4567="``. The policy answers in one of three styles:
 
     direct  ``#4690``                                       (5-6 tokens)
     steps   ``3+7+0=10 2+6+1=09 1+5+0=06 0+4+0=04 #4690``   (9 tokens per column + answer)
+    padded  the steps method on operands zero-padded to a fixed width (max_digits + 2 columns),
+            answer written at that width: ``... 0+0+0=00 0+0+0=00 #004690``
 
 A steps column is ``a+b+carry_in=two-digit sum``, least significant first, so each digit of the
-answer is a local, one-column computation that a ~1M-parameter char-level model learns quickly;
-the direct style must carry through all columns in one go and stays far less accurate. That gap
-is the test-time scaling curve: more generated tokens, more problems solved. Only the final
-answer (after the last ``#``) is verified.
+answer is a local, one-column computation that a ~1M-parameter char model learns quickly; the
+direct style must carry through all columns in one go and stays far less accurate. That gap is
+the test-time scaling curve: more generated tokens, more problems solved. The padded style is
+the slack a cost penalty should remove: as accurate as steps, about twice the tokens on short
+problems (the way a verbose model pads a correct answer). Only the final answer (after the last
+``#``) is verified; leading zeros are fine.
 
 Length distribution (completion tokens of the steps style, eos excluded):
   ``arith``       operands of 2..4 digits (uniform, each): 21..42 tokens, median 41;
                   direct style 3..6 tokens.
+  ``arith-small`` operands of 1..2 digits (the demo): steps 11..21 tokens, padded 39..41.
   ``arith-long``  operand digits 1..12, P(d) ∝ 0.6^(d-1) (long tail): 11..121 tokens,
                   median 31, p99 ~101 — for the async benchmark, where a few long
                   generations must not stall the short ones.
@@ -21,12 +26,13 @@ The eval split holds the operand pairs whose hash falls in `eval_fraction`: disj
 """
 from __future__ import annotations
 
+import hashlib
 import re
 
 from .base import SpecError, TaskSpec, Verdict, check_split, register, split_of
 
 ANSWER = re.compile(r"#\s*(\d{1,64})\s*$")
-STYLES = ("direct", "steps", "mixed")
+STYLES = ("direct", "steps", "padded", "mixed", "default")
 
 
 def _randint(rng, lo: int, hi: int) -> int:
@@ -36,17 +42,18 @@ def _randint(rng, lo: int, hi: int) -> int:
     return rng.randint(lo, hi)
 
 
-def steps_text(a: int, b: int) -> str:
-    """The steps-style completion for a+b."""
+def steps_text(a: int, b: int, width: int = 0) -> str:
+    """The steps-style completion for a+b; with `width`, columns continue over leading zeros up
+    to `width` columns and the answer is written zero-padded to that many digits."""
     da, db = str(a)[::-1], str(b)[::-1]
     carry, cols = 0, []
-    for i in range(max(len(da), len(db))):
+    for i in range(max(len(da), len(db), width)):
         x = int(da[i]) if i < len(da) else 0
         y = int(db[i]) if i < len(db) else 0
         s = x + y + carry
         cols.append(f"{x}+{y}+{carry}={s:02d}")
         carry = s // 10
-    return " ".join(cols) + f" #{a + b}"
+    return " ".join(cols) + (f" #{a + b:0{width}d}" if width else f" #{a + b}")
 
 
 class ArithEnv:
@@ -96,17 +103,21 @@ class ArithEnv:
         return Verdict(0.0, f"wrong answer {got} != {want}")
 
     def demonstration(self, spec: dict, style: str = "default") -> str:
+        """A correct answer in `style`. Mixtures pick the style by a hash of the problem, so the
+        warm-started policy holds several ways to answer and RL (and the cost penalty) chooses:
+        mixed = half direct / half steps; default = a third each of direct, steps, padded."""
         want = self._answer(spec)
-        if style in ("default", "mixed"):   # half direct, half steps (fixed per problem): the warm-started
-            # policy then has both styles to choose between, and the cost penalty decides the mix
-            style = "direct" if split_of(f"style:{want}:{spec.get('a')}", 0.5) == "eval" else "steps"
+        if style in ("default", "mixed"):
+            styles = ("direct", "steps") if style == "mixed" else ("direct", "steps", "padded")
+            h = hashlib.blake2b(f"style:{want}:{spec.get('a')}".encode(), digest_size=8).digest()
+            style = styles[int.from_bytes(h, "little") % len(styles)]
         if style == "direct":
             return f"#{want}"
-        if style == "steps":
+        if style in ("steps", "padded"):
             a, b = spec.get("a"), spec.get("b")
             if not isinstance(a, int) or not isinstance(b, int) or a + b != int(want):
                 raise SpecError(f"arith spec needs int 'a','b' summing to 'answer', got {spec!r:.200}")
-            return steps_text(a, b)
+            return steps_text(a, b, self.max_digits + 2 if style == "padded" else 0)
         raise ValueError(f"unknown style {style!r}; expected one of {STYLES}")
 
 

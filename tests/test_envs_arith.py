@@ -24,6 +24,7 @@ def test_registry():
 def test_steps_text_is_column_addition():
     assert steps_text(123, 4567) == "3+7+0=10 2+6+1=09 1+5+0=06 0+4+0=04 #4690"
     assert steps_text(99, 1) == "9+1+0=10 9+0+1=10 #100"
+    assert steps_text(57, 68, width=4) == "7+8+0=15 5+6+1=12 0+0+1=01 0+0+0=00 #0125"
 
 
 @pytest.mark.parametrize("rng", [random.Random(0), np.random.default_rng(0)], ids=["random", "numpy"])
@@ -36,7 +37,19 @@ def test_demonstrations_verify_and_fit_the_budget(env, rng):
         assert len(steps) + 1 <= 48 and len(direct) + 1 <= 7          # + eos
         assert env.verify(steps, t.spec).success == 1.0
         assert env.verify(direct, t.spec).success == 1.0
-        assert env.demonstration(t.spec) in (steps, direct)
+        padded = env.demonstration(t.spec, "padded")
+        assert env.verify(padded, t.spec).success == 1.0 and len(padded) > len(steps)
+        assert env.demonstration(t.spec, "mixed") in (steps, direct)
+        assert env.demonstration(t.spec) in (steps, direct, padded)
+
+
+def test_default_mixture_holds_all_three_styles():
+    from envs.arith import ArithEnv
+    small, r = ArithEnv("arith-small", 1, 2), random.Random(3)
+    kinds = [small.demonstration(small.sample(r).spec) for _ in range(600)]
+    n_direct = sum(k.startswith("#") for k in kinds)
+    n_padded = sum(k.count("=") == 4 for k in kinds)          # arith-small pads to 2 + 2 columns
+    assert 150 < n_direct < 250 and 150 < n_padded < 250
 
 
 def test_known_bad_answers(env):

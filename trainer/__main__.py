@@ -185,12 +185,12 @@ class Trainer:
         except Exception as e:            # metrics are best effort; the step is already durable
             log.warning("metrics publish failed", error=str(e))
 
-    async def maybe_evaluate(self) -> dict:
+    async def maybe_evaluate(self, version: int, published: dict) -> dict:
         """Held-out success of the published policy every `eval_every` versions (and at the start)."""
         cfg = self.cfg
-        if not cfg.eval_every or self.version % cfg.eval_every:
+        if not cfg.eval_every or version % cfg.eval_every:
             return {}
-        return await asyncio.to_thread(evaluate, self.published, self.model_cfg, load_tokenizer(cfg.tokenizer),
+        return await asyncio.to_thread(evaluate, published, self.model_cfg, load_tokenizer(cfg.tokenizer),
                                        cfg.envs, cfg.task_sampling, cfg.eval_prompts, cfg.seed)
 
     def write_jsonl(self, values: dict) -> None:
@@ -211,7 +211,7 @@ class Trainer:
         await asyncio.to_thread(self.prepare)        # in a thread: the lease keeps being renewed
         publisher = WeightPublisher(self.bus, epoch, cfg.trainer_id, load_signing_key(cfg.signing_key))
         await publisher.publish_keyframe(self.published, self.version, self.model_cfg)
-        ev = await self.maybe_evaluate()
+        ev = await self.maybe_evaluate(self.version, self.published)
         if ev:
             values = {**ev, "version": self.version, "epoch": epoch, "ts": time.time()}
             log.info("eval", **values)
@@ -222,22 +222,28 @@ class Trainer:
         feeder = TaskFeeder(self.bus, cfg)
         feed_task = asyncio.create_task(feeder.run(stop, lambda: self.version)) if cfg.feed and cfg.mode == "async" else None
         log.info("leading", epoch=epoch, version=self.version, mode=cfg.mode)
-        batch = None
+        batch, publishing = None, None
         try:
             while not stop.is_set() and not lost.is_set():
                 if cfg.max_steps and self.step_n >= cfg.max_steps:
                     break
                 if cfg.mode == "sync" and cfg.feed:
+                    if publishing is not None:      # the barrier: tasks for v only once v is out
+                        await publishing
                     await feeder.publish(cfg.batch_groups, min_version=self.version)
                 batch = await batcher.next_batch(self.version, lambda: stop.is_set() or lost.is_set())
                 if batch is None:
                     continue
-                await self.train_on(batch, batcher, publisher, lost)
+                publishing = await self.train_on(batch, batcher, publisher, lost, publishing)
                 batch = None
+            if publishing is not None:
+                await publishing
         except LeaseLost as e:              # deposed mid-step: nothing of this step was published
             log.error("stepping down", error=str(e))
             lost.set()
         finally:
+            if publishing is not None and not publishing.done():
+                publishing.cancel()         # only on an error path: its batch is redelivered
             if feed_task:
                 feed_task.cancel()
             await batcher.close(held_back=batch)
@@ -252,8 +258,13 @@ class Trainer:
         broadcast_obj(("step", packed))
         return self.learner.step(packed)
 
-    async def train_on(self, batch, batcher: Batcher, publisher: WeightPublisher, lost: asyncio.Event) -> None:
-        cfg = self.cfg
+    async def train_on(self, batch, batcher: Batcher, publisher: WeightPublisher, lost: asyncio.Event,
+                       previous: asyncio.Task | None = None) -> asyncio.Task:
+        """Compute version v+1 from `batch`; return the task that checkpoints and publishes it.
+
+        Publication (encode, checkpoint, delta, ack, metrics) overlaps the next batch's step: it
+        waits on I/O and the bus more than on the CPU. At most one publication is in flight, and
+        each starts only after the previous one finished, so versions go out in order."""
         t0 = time.perf_counter()
         packed = pack(batch)
         live = sum(1 for s in packed if s.weight > 0 and s.completion_ids)
@@ -263,24 +274,34 @@ class Trainer:
             self.version += 1
             self.step_n += 1
         self.consumed.add(batch.rollout_ids)
-        new = await asyncio.to_thread(self.learner.published_state)
-        delta = await asyncio.to_thread(delta_codec.encode_delta, self.published, new,
-                                        from_version=self.version - 1, to_version=self.version) if live else None
+        base, new = self.published, await asyncio.to_thread(self.learner.published_state)
+        # the next step updates the weights and optimizer in place: checkpoint a copy of this state
+        snapshot = await asyncio.to_thread(checkpoint.snapshot, self.state())
+        if previous is not None:
+            await previous               # v-1 is out (or raised) before v starts going out
+        self.published = new
+        return asyncio.create_task(self.publish_version(
+            batch, packed, stats, live, base, new, snapshot, batcher, publisher, lost, t0))
+
+    async def publish_version(self, batch, packed, stats, live, base, new, snapshot, batcher: Batcher,
+                              publisher: WeightPublisher, lost: asyncio.Event, t0: float) -> None:
+        cfg, version = self.cfg, snapshot.version
+        delta = await asyncio.to_thread(delta_codec.encode_delta, base, new,
+                                        from_version=version - 1, to_version=version) if live else None
         if not self.lease.valid() or lost.is_set():
             raise LeaseLost("leader lease no longer valid: refusing to checkpoint or publish")
         if delta is not None:       # the codec already hashed every tensor of `new`: no second pass
-            self.digest = delta.new_digest
-        await asyncio.to_thread(self.save)
+            self.digest = snapshot.digest = delta.new_digest
+        await asyncio.to_thread(checkpoint.save, cfg.checkpoint_dir, snapshot, cfg.keep_checkpoints)
         delta_bytes = 0
         if delta is not None:
             delta_bytes = (await publisher.publish_delta(delta)).size
-            if self.version % cfg.keyframe_interval == 0:
-                await publisher.publish_keyframe(new, self.version, self.model_cfg, set_version=False)
-        self.published = new
+            if version % cfg.keyframe_interval == 0:
+                await publisher.publish_keyframe(new, version, self.model_cfg, set_version=False)
         await batcher.ack(batch)
         lags = [s.lag for s in packed]
         values = {
-            **{k: v for k, v in stats.items()}, "version": self.version, "epoch": self.lease.epoch,
+            **{k: v for k, v in stats.items()}, "version": version, "epoch": self.lease.epoch,
             "reward_mean": float(np.mean([s.reward for s in packed])),
             "success_mean": float(np.mean([s.success for s in packed])),
             "cost_mean": float(np.mean([s.cost for s in packed])), "lambda": float(np.mean([s.lambda_ for s in packed])),
@@ -293,7 +314,7 @@ class Trainer:
             "changed_frac": (delta.stats.changed / max(delta.stats.total, 1)) if delta is not None else 0.0,
             "duplicates": batcher.counters["duplicates"], "invalid": batcher.counters["invalid"],
             "total_s": time.perf_counter() - t0, "rollout_ids": batch.rollout_ids, "ts": time.time(),
-            **(await self.maybe_evaluate()),
+            **(await self.maybe_evaluate(version, new)),
         }
         log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in values.items()
                             if k not in ("rollout_ids", "staleness_hist")})

@@ -38,6 +38,14 @@ class TrainerState:
     warmstarted: bool = False
 
 
+def snapshot(st: TrainerState) -> TrainerState:
+    """A copy that later in-place updates of the live model and optimizer cannot touch, so the
+    checkpoint can be written while the next step already runs."""
+    import copy
+    return TrainerState(**{**st.__dict__, "model": {k: v.detach().clone() for k, v in st.model.items()},
+                           "optimizer": copy.deepcopy(st.optimizer), "consumed": list(st.consumed)})
+
+
 def path_for(ckpt_dir: str | Path, epoch: int, version: int) -> Path:
     return Path(ckpt_dir) / f"ckpt-e{epoch:08d}-v{version:08d}.pt"
 

@@ -57,6 +57,29 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+def length_buckets(lengths: list[int], max_batch: int, overhead_tokens: int = 64) -> list[list[int]]:
+    """Split sequences into padded micro-batches of similar length (indices into `lengths`).
+
+    A padded forward costs about batch x longest tokens, plus a fixed per-call cost; with a
+    long-tailed length distribution one long answer would pad every short one to its length.
+    Sorted by length, the cheapest split into contiguous runs is a small dynamic programme:
+    best[j] = min_i best[i] + (j - i) * len[j-1] + overhead, with runs of at most max_batch."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    srt = [lengths[i] for i in order]
+    n, inf = len(srt), float("inf")
+    best, cut = [0.0] + [inf] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(max(0, j - max_batch), j):
+            c = best[i] + (j - i) * srt[j - 1] + overhead_tokens
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    runs, j = [], n
+    while j > 0:
+        runs.append(order[cut[j]:j])
+        j = cut[j]
+    return runs[::-1]
+
+
 class Learner:
     def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, loss_cfg: LossConfig,
                  adv_norm: str = "std", grad_clip: float = 0.0, replay: bool = True, micro_batch: int = 32):
@@ -66,8 +89,8 @@ class Learner:
     def _logprobs(self, samples: list[PackedSample]):
         """Packed [T] logprobs and entropies, replaying each rollout's kept sets and fp8 sites.
 
-        Sequences that share a quant config run as one padded batch per micro-batch; the model's
-        quant sites are switched to the rollout's (they carry no weights)."""
+        Sequences that share a quant config run as padded micro-batches of similar length; the
+        model's quant sites are switched to the rollout's (they carry no weights)."""
         logps, ents = [None] * len(samples), [None] * len(samples)
         by_quant: dict[str, list[int]] = {}
         for i, s in enumerate(samples):
@@ -76,15 +99,17 @@ class Learner:
         try:
             for idx in by_quant.values():
                 self.model.quant = QuantConfig.from_wire(samples[idx[0]].quant) if self.replay else keep_quant
-                for c in range(0, len(idx), self.micro_batch):
-                    chunk = [samples[i] for i in idx[c:c + self.micro_batch]]
+                lens = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in idx]
+                for run in length_buckets(lens, self.micro_batch):
+                    run = [idx[r] for r in run]
+                    chunk = [samples[i] for i in run]
                     res = sequence_logprobs(
                         self.model, [s.prompt_ids for s in chunk], [s.completion_ids for s in chunk],
                         [SamplingConfig.from_dict(s.sampling) for s in chunk],
                         [SamplingMask.from_wire(s.sampling_mask) if s.sampling_mask else None for s in chunk]
                         if self.replay else None,
                         replay_mask=self.replay)
-                    for k, i in enumerate(idx[c:c + self.micro_batch]):
+                    for k, i in enumerate(run):
                         logps[i], ents[i] = res.logprobs[k][res.valid[k]], res.entropy[k][res.valid[k]]
         finally:
             self.model.quant = keep_quant

@@ -11,6 +11,8 @@ from bus import get_logger
 from envs import get_env
 from policy import CharTokenizer, SamplingConfig, load_hf_tokenizer, sequence_logprobs
 
+from .learner import length_buckets
+
 log = get_logger(__name__)
 
 
@@ -38,13 +40,19 @@ def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default") -> 
     model.train()
     for step in range(cfg.warmstart_steps):
         prompts, completions = demo_batch(cfg.envs, cfg.warmstart_batch, rng, tok, style)
-        res = sequence_logprobs(model, prompts, completions, SamplingConfig(temperature=1.0), replay_mask=False)
-        loss = -(res.logprobs * res.valid).sum() / res.valid.sum()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        n_tokens = sum(len(c) for c in completions)
+        loss = 0.0
+        # padded forwards over runs of similar length: a long-tailed env would pad all to the longest
+        for run in length_buckets([len(p) + len(c) for p, c in zip(prompts, completions)], len(prompts)):
+            res = sequence_logprobs(model, [prompts[i] for i in run], [completions[i] for i in run],
+                                    SamplingConfig(temperature=1.0), replay_mask=False)
+            part = -(res.logprobs * res.valid).sum() / n_tokens
+            part.backward()
+            loss += part.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(float(loss))
         if step % 50 == 0 or step == cfg.warmstart_steps - 1:
             log.info("warm start", step=step, nll=round(losses[-1], 4))
     return losses
