@@ -24,9 +24,9 @@ import xxhash
 import zstandard
 
 from . import signing
-from .bits import (SIGNED_INT, Scratch, combine_digest, dtype_from_name, dtype_name, exponent_shift, fresh,
-                   from_planes, int_view, np_bits, planes, tensor_digest)
-from .codec import CHUNK, chunk_header, decode_chunk, encode_chunk, zd
+from .bits import (SIGNED_INT, UNSIGNED_INT, Scratch, combine_digest, dtype_from_name, dtype_name, exponent_shift,
+                   fresh, int_view, np_bits, planes, tensor_digest)
+from .codec import CHUNK, chunk_header, decode_chunk, encode_chunk, zc, zd
 from .errors import DeltaError
 
 MAGIC = b"ADLT"
@@ -256,11 +256,6 @@ def _check_pair(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
         raise DeltaError(f"tensor {name!r}: base is {a.dtype}{list(a.shape)}, new is {b.dtype}{list(b.shape)}")
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return (t if t.device.type == "cpu" else t.cpu()).contiguous()
-
-
 def default_threads() -> int:
     """All cores (at most 8); ASYNCRL_DELTA_THREADS overrides. The codec runs while its caller
     waits for it (the trainer awaits the encode before publishing, an engine applies between two
@@ -352,29 +347,42 @@ def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = N
         raise DeltaError(f"base and new differ in tensor names: only in base {missing[:5]}, only in new {extra[:5]}")
     for name, bt in base.items():
         _check_pair(name, bt, new[name])
-    names = list(base)
-    pairs = {n: (_prepared(base[n]), _prepared(new[n])) for n in names}
-    jobs = [(n, s) for n in names for s in [-1, *range(0, pairs[n][0].numel(), chunk)]]  # -1: digests
+    pairs = {n: (_prepared(base[n]), _prepared(new[n])) for n in base}
 
-    def run(job):
-        name, s = job
-        bt, nt = pairs[name]
-        if s < 0:
-            return tensor_digest(bt), tensor_digest(nt)
+    def digests(pair):
+        return tensor_digest(pair[0]), tensor_digest(pair[1])
+
+    def encode(pair, s):
+        bt, nt = pair
         rec, m = encode_chunk(_bits_slice(bt, s, chunk), _bits_slice(nt, s, chunk), exponent_shift(bt.dtype),
                               _scratch())
         return msgpack.packb(rec, use_bin_type=True), m
 
+    records = _chunked_records(pairs, chunk, threads, digests, encode)
+    return Delta(from_version, from_version + 1 if to_version is None else to_version, records)
+
+
+def _chunked_records(tensors: dict, chunk: int, threads: int | None, digests, encode) -> list[TensorRecord]:
+    """One TensorRecord per name. tensors: name -> tuple of prepared tensors (the first gives
+    dtype and shape); digests(tuple) -> (digest_a, digest_b); encode(tuple, start) -> (packed
+    chunk record, changed count). Digests and chunks run as separate jobs on the thread pool."""
+    names = list(tensors)
+    jobs = [(n, s) for n in names for s in [-1, *range(0, tensors[n][0].numel(), chunk)]]  # -1: digests
+
+    def run(job):
+        name, s = job
+        return digests(tensors[name]) if s < 0 else encode(tensors[name], s)
+
     out = iter(_parallel(run, jobs, threads))
     records = []
     for n in names:
-        bt = pairs[n][0]
+        t = tensors[n][0]
         da, db = next(out)
-        chunks = [next(out) for _ in range(0, bt.numel(), chunk)]
+        chunks = [next(out) for _ in range(0, t.numel(), chunk)]
         head = msgpack.Packer().pack_array_header(len(chunks))  # + the packed chunks: a msgpack list
-        records.append(TensorRecord(n, dtype_name(bt.dtype), tuple(bt.shape), da, db,
+        records.append(TensorRecord(n, dtype_name(t.dtype), tuple(t.shape), da, db,
                                     [head, *(c for c, _ in chunks)], sum(m for _, m in chunks)))
-    return Delta(from_version, from_version + 1 if to_version is None else to_version, records)
+    return records
 
 
 def _prepared(t: torch.Tensor) -> torch.Tensor:
@@ -390,12 +398,12 @@ def _bits_slice(t: torch.Tensor, start: int, n: int) -> np.ndarray:
     return v.numpy().view(SIGNED_INT[v.element_size()])
 
 
-def _chunks(r: TensorRecord) -> list:
+def _chunks(r: TensorRecord, fields: int = 3) -> list:
     try:
         chunks = msgpack.unpackb(r.record, raw=False)
     except Exception as e:
         raise DeltaError(f"tensor {r.name!r}: record does not parse ({e})") from None
-    if not isinstance(chunks, list) or not all(isinstance(c, list) and len(c) >= 3 for c in chunks):
+    if not isinstance(chunks, list) or not all(isinstance(c, list) and len(c) >= fields for c in chunks):
         raise DeltaError(f"tensor {r.name!r}: record is not a list of chunks")
     return chunks
 
@@ -559,39 +567,101 @@ class Keyframe(_Signed):
         return f"Keyframe(v{self.version}, {len(self.records)} tensors)"
 
 
-def make_keyframe(state, version: int) -> Keyframe:
-    records = []
-    cz = zstandard.ZstdCompressor(level=1, threads=-1)
-    for name, t in state.items():
-        t = _host(t)
-        dig = tensor_digest(t)
-        b = np_bits(t)
-        records.append(TensorRecord(name, dtype_name(t.dtype), tuple(t.shape), dig, dig, cz.compress(planes(b))))
-    return Keyframe(version, records)
+def make_keyframe(state, version: int, *, chunk: int = CHUNK, threads: int | None = None) -> Keyframe:
+    """A keyframe of `state`, built chunk by chunk on `threads` threads: each chunk's byte planes
+    zstd'd on their own (no whole-tensor temporaries; device tensors are copied to the host a
+    chunk at a time). Record of a tensor: a msgpack list of [count, zstd(planes)]."""
+    if chunk <= 0 or chunk % 8:
+        raise DeltaError(f"chunk must be a positive multiple of 8, got {chunk}")
+    tensors = {n: (_prepared(t),) for n, t in state.items()}
+
+    def digests(one):
+        dig = tensor_digest(one[0])
+        return dig, dig
+
+    def encode(one, s):
+        b = _bits_slice(one[0], s, chunk)
+        return msgpack.packb([b.size, zc(planes(b, _scratch()))], use_bin_type=True), 0
+
+    return Keyframe(version, _chunked_records(tensors, chunk, threads, digests, encode))
 
 
-def load_keyframe(kf, *, into=None, public_key=None, device=None) -> dict[str, torch.Tensor]:
-    """-> {name: tensor} with every tensor digest-checked. With `into`, copies into those tensors
-    in place (names/shapes/dtypes validated first) and returns `into`."""
+def _keyframe_chunks(r: TensorRecord):
+    """-> [(start, count, frame)] of a keyframe record, coverage checked."""
+    out, start = [], 0
+    for i, c in enumerate(_chunks(r, 2)):
+        try:
+            count, frame = int(c[0]), c[1]
+        except (TypeError, ValueError, IndexError):
+            raise DeltaError(f"tensor {r.name!r} chunk {i}: malformed keyframe chunk") from None
+        if count < 0:
+            raise DeltaError(f"tensor {r.name!r} chunk {i}: malformed keyframe chunk")
+        out.append((start, count, frame))
+        start += count
+    if start != r.numel:
+        raise DeltaError(f"tensor {r.name!r}: chunks cover {start} elements, tensor has {r.numel}")
+    return out
+
+
+def _keyframe_chunk_into(dest: np.ndarray, frame, what: str, alloc) -> None:
+    """Decode one keyframe chunk (byte planes) straight into `dest` (signed-int bits)."""
+    n, size = dest.size, dest.itemsize
+    raw = np.frombuffer(zd(frame, n * size, what), np.uint8)
+    u = dest.view(UNSIGNED_INT[size])
+    u[...] = raw[:n]
+    for i in range(1, size):
+        t = alloc("kf.plane", n, u.dtype)
+        t[...] = raw[i * n:(i + 1) * n]
+        t <<= 8 * i
+        u |= t
+
+
+def load_keyframe(kf, *, into=None, public_key=None, device=None, threads: int | None = None) -> dict[str, torch.Tensor]:
+    """-> {name: tensor} with every tensor digest-checked, decoded chunk by chunk straight into
+    the result (on `threads` threads). With `into`, writes into those tensors in place and
+    returns `into`: names, shapes and dtypes are validated, then every tensor is decoded once
+    into a chunk-sized buffer against its digest, and only then written (so a bad keyframe
+    leaves `into` unchanged, and no second copy of the state is ever held)."""
     if isinstance(kf, (bytes, bytearray, memoryview)):
         kf = Keyframe.from_bytes(kf)
     if public_key is not None:
         kf.verify_signature(public_key)
     if into is not None:
         _validate_target(into, kf.records, "keyframe")
-    out = {}
-    for r in kf.records:
-        dtype = dtype_from_name(r.dtype)
-        t = torch.empty(r.shape, dtype=dtype)
-        bits = np_bits(t)
-        raw = zd(r.record, bits.nbytes, f"tensor {r.name!r}")
-        bits[:] = from_planes(raw, bits.itemsize, bits.size).view(bits.dtype)
-        if tensor_digest(t) != r.digest_a:
-            raise DeltaError(f"tensor {r.name!r}: keyframe digest mismatch (corrupted keyframe)")
-        out[r.name] = t if device is None else t.to(device)
-    if into is None:
-        return out
-    with torch.no_grad():
-        for name, t in out.items():
-            into[name].copy_(t)
-    return into
+    recs = sorted(kf.records, key=lambda r: -r.numel)  # biggest first: balanced threads
+
+    def mismatch(r: TensorRecord) -> DeltaError:
+        return DeltaError(f"tensor {r.name!r}: keyframe digest mismatch (corrupted keyframe)")
+
+    def verify(r: TensorRecord) -> None:  # decode without keeping: streaming digest
+        size, alloc = dtype_from_name(r.dtype).itemsize, _scratch()
+        h = xxhash.xxh3_128()
+        for i, (_, count, frame) in enumerate(_keyframe_chunks(r)):
+            buf = alloc("kf.chunk", count, SIGNED_INT[size])
+            _keyframe_chunk_into(buf, frame, f"tensor {r.name!r} chunk {i}", alloc)
+            h.update(buf)
+        if h.digest() != r.digest_a:
+            raise mismatch(r)
+
+    def decode(r: TensorRecord) -> torch.Tensor:
+        target = into[r.name] if into is not None else torch.empty(r.shape, dtype=dtype_from_name(r.dtype))
+        on_host = target.device.type == "cpu"
+        bits = np_bits(target) if on_host else None
+        alloc = _scratch()
+        for i, (start, count, frame) in enumerate(_keyframe_chunks(r)):
+            what = f"tensor {r.name!r} chunk {i}"
+            if on_host:
+                _keyframe_chunk_into(bits[start:start + count], frame, what, alloc)
+            else:
+                buf = np.empty(count, SIGNED_INT[target.element_size()])
+                _keyframe_chunk_into(buf, frame, what, alloc)
+                with torch.no_grad():
+                    int_view(target)[start:start + count].copy_(torch.from_numpy(buf).view(int_view(target).dtype))
+        if tensor_digest(target) != r.digest_a:
+            raise mismatch(r)
+        return target if device is None or into is not None else target.to(device)
+
+    if into is not None:
+        _parallel(verify, recs, threads)
+    out = dict(zip((r.name for r in recs), _parallel(decode, recs, threads)))
+    return into if into is not None else {r.name: out[r.name] for r in kf.records}

@@ -157,3 +157,54 @@ def test_default_threads_env(monkeypatch):
     assert default_threads() == 3
     monkeypatch.delenv("ASYNCRL_DELTA_THREADS")
     assert 1 <= default_threads() <= 8
+
+
+def kf_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"emb": (torch.randn(5000, 7, generator=g) * 0.02).to(torch.bfloat16),
+            "w32": torch.randn(3001, generator=g),
+            "f64": torch.randn(17, generator=g, dtype=torch.float64),
+            "i8": torch.randint(-128, 127, (999,), generator=g, dtype=torch.int8),
+            "flag": torch.rand(33, generator=g) < 0.5,
+            "empty": torch.zeros(0, 4)}
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_keyframe_chunked_round_trip(threads):
+    from delta_codec import Keyframe, load_keyframe, make_keyframe
+    s = kf_state()
+    blob = make_keyframe(s, version=3, chunk=1024, threads=threads).to_bytes()
+    assert blob == make_keyframe(s, version=3, chunk=1024, threads=1).to_bytes()
+    kf = Keyframe.from_bytes(blob)
+    out = load_keyframe(kf, threads=threads)
+    assert list(out) == list(s) and same(out, s) and all(out[k].shape == s[k].shape for k in s)
+    target = {k: torch.zeros_like(v) for k, v in s.items()}
+    ids = {k: id(v) for k, v in target.items()}
+    assert load_keyframe(blob, into=target, threads=threads) is target
+    assert same(target, s) and all(id(target[k]) == ids[k] for k in target)
+
+
+def test_keyframe_with_a_wrong_digest_leaves_into_unchanged():
+    """Checksums pass (a producer bug, not corruption): every tensor is verified before any write."""
+    from delta_codec import load_keyframe, make_keyframe
+    from delta_codec.container import Keyframe
+    s = kf_state()
+    kf = make_keyframe(s, version=1, chunk=1024)
+    other = make_keyframe({**s, "w32": s["w32"] + 1}, version=1, chunk=1024)
+    forged = Keyframe(1, [r if r.name != "w32" else TensorRecord(
+        r.name, r.dtype, r.shape, r.digest_a, r.digest_b, next(o.record for o in other.records if o.name == "w32"))
+        for r in kf.records])
+    target = {k: torch.zeros_like(v) for k, v in s.items()}
+    for threads in (1, 2):
+        with pytest.raises(DeltaError, match="'w32': keyframe digest mismatch"):
+            load_keyframe(Keyframe.from_bytes(forged.to_bytes()), into=target, threads=threads)
+        assert same(target, {k: torch.zeros_like(v) for k, v in s.items()})
+        with pytest.raises(DeltaError, match="'w32': keyframe digest mismatch"):
+            load_keyframe(forged.to_bytes(), threads=threads)
+    bad = msgpack.unpackb(kf.records[0].record)
+    bad[0][0] += 1  # chunks no longer cover the tensor
+    broken = Keyframe(1, [TensorRecord(kf.records[0].name, kf.records[0].dtype, kf.records[0].shape,
+                                       kf.records[0].digest_a, kf.records[0].digest_b,
+                                       msgpack.packb(bad, use_bin_type=True)), *kf.records[1:]])
+    with pytest.raises(DeltaError, match="'emb': chunks cover"):
+        load_keyframe(broken.to_bytes(), into=target)
