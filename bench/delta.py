@@ -8,8 +8,8 @@ size ~lr, not the gradient scale). After warm-up steps, one step is measured per
 cast before vs after the step is the delta a trainer publishes.
 
 Reports per lr: changed_frac, bits_per_changed, ratio (encoded / full bf16 bytes), encode_gb_s
-and apply_gb_s (GB of bf16 weights per second, median of --reps), and the ratio of baselines
-computed on the same update. Last line: one JSON object {"runs": [...], "baselines": {...}}.
+and apply_gb_s (GB of bf16 weights per second, median of --reps; the codec's default threads,
+ASYNCRL_DELTA_THREADS overrides), and the ratio of baselines computed on the same update. Last line: one JSON object {"runs": [...], "baselines": {...}}.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import torch
 import zstandard
 
 from delta_codec import Delta, apply_delta, encode_delta
+from delta_codec.container import default_threads
 
 
 def transformer_params(d_model: int, layers: int, vocab: int, ff_mult: int, seed: int) -> dict[str, torch.Tensor]:
@@ -123,7 +124,7 @@ def run_lr(init, lr: float, args) -> dict:
             "encode_gb_s": full / enc_s / 1e9, "apply_gb_s": full / app_s / 1e9,
             # per CPU-second: what one core does, robust to other load on a shared machine
             "encode_gb_cpu_s": full / enc_cpu / 1e9, "apply_gb_cpu_s": full / app_cpu / 1e9,
-            "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(),
+            "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(), "threads": default_threads(),
             "baselines": baselines(before, after)}
 
 
@@ -149,7 +150,8 @@ def main() -> None:
             print(f"lr={lr:g} params={r['params'] / 1e6:.1f}M changed={r['changed_frac']:.3%} "
                   f"bits/changed={r['bits_per_changed']:.2f} (position entropy {r['position_entropy_bits']:.2f}) "
                   f"ratio={r['ratio']:.4%} encode={r['encode_gb_s']:.2f} GB/s ({r['encode_gb_cpu_s']:.2f}/cpu-s) "
-                  f"apply={r['apply_gb_s']:.2f} GB/s ({r['apply_gb_cpu_s']:.2f}/cpu-s) load={r['load_avg_1m']:.1f} | "
+                  f"apply={r['apply_gb_s']:.2f} GB/s ({r['apply_gb_cpu_s']:.2f}/cpu-s) threads={r['threads']} "
+                  f"load={r['load_avg_1m']:.1f} | "
                   + " ".join(f"{k}={v:.4%}" for k, v in b.items()), flush=True)
     print(json.dumps({"runs": runs, "baselines": {str(r["lr"]): r["baselines"] for r in runs}}))
 
