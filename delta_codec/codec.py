@@ -18,8 +18,9 @@ Wire record of a chunk (a msgpack list):
   [NONE, count, 0]
   [GAP, count, m, flags, values, k, high bytes (zstd), low bits, overflow (<u8)]
   [BITMAP, count, m, flags, values, bitmap (zstd)]
-  [DENSE, count, m, 0, values of all count elements]
-flags: GROUPED (values ordered by base exponent).
+  [DENSE, count, m, 0, values of all count elements (byte planes)]
+flags: GROUPED (values ordered by base exponent), NIBBLES (values as [zstd(codes < 16, two a
+byte; 0 = in the overflow), zstd(byte planes of the overflow codes)], else zstd(byte planes)).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from .errors import DeltaError
 
 CHUNK = 1 << 20
 NONE, GAP, BITMAP, DENSE = 0, 1, 2, 3
-GROUPED = 1
+GROUPED, NIBBLES = 1, 2  # chunk flags
 GROUP_BELOW = 0.04   # density below which values are grouped by base exponent
 BITMAP_FROM = 0.4    # density from which positions are a bitmap (below: gaps; within 2 % of its size
                      # up to 30 % changed, 5 % at 40 %, and 1.5-2x faster to decode)
@@ -71,13 +72,65 @@ def zd(data, size: int, what: str) -> bytes:
 
 # --- values ----------------------------------------------------------------------------------
 
-def encode_values(d: np.ndarray, alloc=fresh) -> bytes:
-    """Signed differences (wrapping) -> zstd'd byte planes of their zig-zag code."""
-    return zc(planes(zigzag(d, alloc), alloc))
+def encode_values(d: np.ndarray, alloc=fresh, nonzero: bool = False) -> tuple:
+    """Signed differences (wrapping) -> (wire field, flags). The zig-zag codes as zstd'd byte
+    planes; or, when every difference is nonzero (the changed values of a sparse chunk) and at
+    most a quarter of the codes are >= 16: NIBBLES, two codes a byte, 0 marking a code kept in an
+    overflow stream (byte planes, in order). Measured on bf16 AdamW updates: zstd codes the
+    ~4.5-bit bytes near their entropy at ~1 ns/byte, while the ~2.3-bit low plane draws chance
+    matches (4 ns/byte, and 0.3 bit/change larger)."""
+    z = zigzag(d, alloc)
+    m = z.size
+    if nonzero and m:
+        lt = np.less(z, 16, out=alloc("nib.small", m, bool))
+        over_n = m - int(np.count_nonzero(lt))
+        if over_n * 4 <= m:
+            me = m + (m & 1)
+            nib = alloc("nib", me, np.uint8)
+            nib[:m] = z  # truncating; then 0 where the code does not fit
+            np.multiply(nib[:m], lt, out=nib[:m])
+            nib[m:] = 0
+            pairs = nib.view("<u2")  # code 2i in the low byte, 2i+1 in the high byte
+            lo = np.bitwise_and(pairs, 0xF, out=alloc("nib.lo", me // 2, "<u2"))
+            lo |= np.bitwise_and(np.right_shift(pairs, 4, out=alloc("nib.hi", me // 2, "<u2")), 0xF0,
+                                 out=alloc("nib.hi", me // 2, "<u2"))
+            packed = alloc("nib.packed", me // 2, np.uint8)
+            packed[...] = lo
+            over = b""
+            if over_n:
+                esc = np.logical_not(lt, out=lt)
+                over = zc(planes(np.take(z, positions(esc, over_n, alloc))))
+            return [zc(packed), over], NIBBLES
+    return zc(planes(z, alloc)), 0
 
 
-def decode_values(buf, itemsize: int, m: int, what: str, alloc=fresh) -> np.ndarray:
+def _decode_nibbles(field, itemsize: int, m: int, what: str, alloc) -> np.ndarray:
+    if not (isinstance(field, list) and len(field) == 2):
+        raise DeltaError(f"{what}: malformed nibble-coded values")
+    me = m + (m & 1)
+    packed = np.frombuffer(zd(field[0], me // 2, what), np.uint8)
+    pairs = alloc("nib.pairs", me // 2, "<u2")
+    pairs[...] = packed
+    hi = np.left_shift(pairs, 4, out=alloc("nib.hi", me // 2, "<u2"))
+    hi &= 0xF00
+    pairs &= 0xF
+    pairs |= hi
+    codes = pairs.view(np.uint8)[:m]
+    d = unzigzag_small(codes, itemsize, alloc)
+    esc = np.equal(codes, 0, out=alloc("nib.esc", m, bool))
+    over_n = int(np.count_nonzero(esc))
+    if over_n:
+        z = from_planes(zd(field[1], over_n * itemsize, what + " overflow"), itemsize, over_n)
+        d[positions(esc, over_n, alloc)] = unzigzag(z)
+    elif len(field[1]):
+        raise DeltaError(f"{what}: overflow stream without escapes")
+    return d
+
+
+def decode_values(buf, itemsize: int, m: int, what: str, alloc=fresh, flags: int = 0) -> np.ndarray:
     """-> m signed differences (in `alloc`'s "uz.wide" buffer, or "uz" for 1-byte dtypes)."""
+    if flags & NIBBLES:
+        return _decode_nibbles(buf, itemsize, m, what, alloc)
     raw = np.frombuffer(zd(buf, m * itemsize, what), np.uint8)
     if itemsize == 1:
         return unzigzag(raw, alloc)
@@ -265,7 +318,7 @@ def encode_chunk(b: np.ndarray, n: np.ndarray, shift: int | None = None, alloc=f
         return [NONE, count, 0], 0
     p = m / count
     if p >= DENSE_FROM:
-        return [DENSE, count, m, 0, encode_values(np.subtract(n, b, out=alloc("d", count, b.dtype)), alloc)], m
+        return [DENSE, count, m, 0, encode_values(np.subtract(n, b, out=alloc("d", count, b.dtype)), alloc)[0]], m
     pos = positions(mask, m, alloc)
     old = np.take(b, pos, out=alloc("old", m, b.dtype))  # (take: measured 30 % faster than fancy indexing)
     d = np.take(n, pos, out=alloc("d", m, b.dtype))
@@ -274,7 +327,8 @@ def encode_chunk(b: np.ndarray, n: np.ndarray, shift: int | None = None, alloc=f
     if p < GROUP_BELOW and shift is not None and m > 1:
         d = np.take(d, value_order(old, shift), out=alloc("old", m, b.dtype))
         flags = GROUPED
-    vals = encode_values(d, alloc)
+    vals, vflags = encode_values(d, alloc, nonzero=True)
+    flags |= vflags
     if p >= BITMAP_FROM:
         return [BITMAP, count, m, flags, vals, _bitmap(pos, count)], m
     g = gaps_of(pos, alloc)
@@ -312,7 +366,7 @@ def decode_chunk(rec, itemsize: int, what: str, base_at=None, shift: int | None 
                 raise DeltaError(f"{what}: {m} changes in an unchanged chunk")
             return np.zeros(0, np.int64), np.zeros(0, np.int8), count, None
         flags = int(rec[3])
-        if flags & ~(0 if mode == DENSE else GROUPED):
+        if flags & ~(0 if mode == DENSE else GROUPED | NIBBLES):
             raise DeltaError(f"{what}: unknown chunk flags {flags:#x}")
         if mode == DENSE:
             return None, decode_values(rec[4], itemsize, count, what, alloc), count, None
@@ -325,7 +379,7 @@ def decode_chunk(rec, itemsize: int, what: str, base_at=None, shift: int | None 
                 raise DeltaError(f"{what}: bitmap has {pos.size} changes, header says {m}")
         else:
             raise DeltaError(f"{what}: unknown position coding {mode}")
-        d = decode_values(rec[4], itemsize, m, what + " values", alloc)
+        d = decode_values(rec[4], itemsize, m, what + " values", alloc, flags)
     except DeltaError:
         raise
     except (TypeError, ValueError, IndexError):

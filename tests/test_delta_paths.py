@@ -10,7 +10,7 @@ import torch
 
 from delta_codec import Delta, DeltaError, apply_delta, encode_delta
 from delta_codec.bits import Scratch, fresh, planes, zigzag
-from delta_codec.codec import (BITMAP, DENSE, GAP, GROUPED, NONE, decode_chunk, decode_gaps, decode_values,
+from delta_codec.codec import (BITMAP, DENSE, GAP, GROUPED, NIBBLES, NONE, decode_chunk, decode_gaps, decode_values,
                                encode_chunk, encode_gaps, encode_values, positions, zc)
 from delta_codec.container import TensorRecord
 
@@ -34,17 +34,28 @@ def test_positions_match_flatnonzero(n, p):
 
 
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
-@pytest.mark.parametrize("wide", [0.0, 0.01, 0.5])
-def test_values_round_trip_with_wide_codes(itemsize, wide):
-    """Low-byte fast path, sparse wide fix-ups (codes >= 256) and the full-plane path."""
+@pytest.mark.parametrize("wide", [0.0, 0.01, 0.2, 0.5])
+@pytest.mark.parametrize("nonzero", [False, True])
+def test_values_round_trip_with_wide_codes(itemsize, wide, nonzero):
+    """Byte planes (low-byte fast path, sparse wide fix-ups, full planes) and nibble codes with
+    and without overflow, or planes again when too many codes overflow."""
     rng = np.random.default_rng(itemsize)
     dt = INT[itemsize]
-    d = rng.integers(-3, 4, 5000).astype(dt)
+    d = rng.integers(-3, 4, 5001).astype(dt)
     big = rng.random(d.size) < wide
     d[big] = rng.integers(np.iinfo(dt).min, np.iinfo(dt).max, int(big.sum()), dtype=dt, endpoint=True)
+    if nonzero:
+        d[d == 0] = 1
     s = Scratch()
     for alloc in (fresh, s, s):  # twice through the same scratch: no stale bytes
-        assert np.array_equal(decode_values(encode_values(d, alloc), itemsize, d.size, "t", alloc), d)
+        field, flags = encode_values(d, alloc, nonzero)
+        assert bool(flags & NIBBLES) == (nonzero and wide <= 0.2)
+        assert np.array_equal(decode_values(field, itemsize, d.size, "t", alloc, flags), d)
+    if nonzero and wide == 0.01:
+        with pytest.raises(DeltaError, match="overflow"):
+            decode_values([field[0], field[1][:-1]], itemsize, d.size, "t", s, flags)
+        with pytest.raises(DeltaError, match="malformed"):
+            decode_values(field[0], itemsize, d.size, "t", s, flags)
 
 
 def test_gap_stream_refuses_repeated_positions_and_escapes_without_overflow():
