@@ -100,13 +100,18 @@ class DeltaStats:
 
 # --- container -------------------------------------------------------------------------------
 
-def _pack(kind: int, meta: dict, recs: list[TensorRecord], signing_key) -> bytes:
+def _head(kind: int, meta: dict, recs: list[TensorRecord], signed: bool) -> bytes:
+    """Prefix, header and the header's checksum: everything before the records."""
     meta = dict(meta, codec=CODEC, tensors=[
         [r.name, r.dtype, list(r.shape), r.digest_a, r.digest_b, r.nbytes, r.checksum]
         for r in recs])
     header = msgpack.packb(meta, use_bin_type=True)
-    head = _PREFIX.pack(MAGIC, FORMAT, kind, SIGNED if signing_key is not None else 0, len(header)) + header
-    blob = b"".join([head, struct.pack("<Q", xxhash.xxh3_64_intdigest(head)), *(p for r in recs for p in r.parts)])
+    head = _PREFIX.pack(MAGIC, FORMAT, kind, SIGNED if signed else 0, len(header)) + header
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+
+
+def _pack(kind: int, meta: dict, recs: list[TensorRecord], signing_key) -> bytes:
+    blob = b"".join([_head(kind, meta, recs, signing_key is not None), *(p for r in recs for p in r.parts)])
     return blob + signing.sign(signing_key, blob) if signing_key is not None else blob
 
 
@@ -227,8 +232,8 @@ class Delta(_Signed):
     @property
     def nbytes(self) -> int:
         """Size of to_bytes() without a signature."""
-        if self._nbytes is None:
-            self._nbytes = len(self.to_bytes())
+        if self._nbytes is None:  # (without building the blob)
+            self._nbytes = len(_head(KIND_DELTA, self._meta(), self.records, False)) + sum(r.nbytes for r in self.records)
         return self._nbytes
 
     def _meta(self) -> dict:
