@@ -3,6 +3,7 @@
     asyncrl up [--sync] [--steps N]       whole system locally (what `make demo` runs)
     asyncrl trainer | rollout-worker | scorer [--config FILE]   one process (same as python -m ...)
     asyncrl calibrate-cost [...]           measure the test-time scaling curve, set λ
+    asyncrl cost-demo [--config FILE]      λ = 0 vs calibrated λ on the same run: success and tokens
     asyncrl inspect [--nats URL]           streams, consumers, KV control values, latest version
     asyncrl nats [--store DIR]             a local JetStream server in the foreground
 """
@@ -20,6 +21,7 @@ COMMANDS = {
     "rollout-worker": "rollout_worker.__main__",
     "scorer": "scorer.__main__",
     "calibrate-cost": "scorer.calibrate",
+    "cost-demo": "asyncrl.cost_demo",
 }
 
 

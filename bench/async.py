@@ -8,8 +8,11 @@ a barrier: the trainer publishes one batch per version and waits for all of it; 
 the new version). The env `arith-long` has a long-tailed completion length (a few tasks need
 far more tokens than the median), the setting where synchronous RL idles most.
 
-Throughput is measured on the trainer's own clock between its first and last step (start-up and
-warm start excluded), so both runs count the same number of trained samples.
+Both runs start from the same policy: the bench warm-starts it once (supervised, on the env's
+demonstrations) and hands both trainers that checkpoint. Throughput is measured on the trainer's
+own clock between its first and last step (start-up excluded), so both runs count the same
+number of trained samples; each run's final weights are then scored on the same held-out
+prompts, so "as good as sync" is a measured number, not an assumption.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +31,57 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def warm_start_once(config: str, out: Path, eval_prompts: int) -> tuple[str, dict]:
+    """Warm-start the bench policy once; returns (a config that inits both runs from it, eval setup)."""
+    import tomllib
+
+    import torch
+
+    from asyncrl.up import write_toml
+    from bus import load_config
+    from policy import save_hf_checkpoint
+    from trainer.__main__ import build_model
+    from trainer.config import TrainerConfig
+    from trainer.warmstart import warm_start
+
+    conf = tomllib.loads(Path(config).read_text())
+    cfg = load_config(TrainerConfig, config, section="trainer")
+    torch.set_num_threads(2)
+    model, mcfg = build_model(cfg)
+    t0 = time.perf_counter()
+    warm_start(model, cfg, mcfg, style=cfg.warmstart_style)
+    warm_s = time.perf_counter() - t0
+    init = save_hf_checkpoint(model, out / "init")
+    from policy import inference_state
+    from trainer.evaluate import evaluate
+    from trainer.warmstart import load_tokenizer
+    ev = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling,
+                  eval_prompts, cfg.seed)
+    conf["trainer"] = {**conf.get("trainer", {}), "init_checkpoint": str(init), "warmstart_steps": 0}
+    derived = out / "bench-async.toml"
+    write_toml(derived, conf)
+    return str(derived), {"warmstart_steps": cfg.warmstart_steps, "warmstart_s": warm_s,
+                          "initial_eval_success": ev["eval_success"]}
+
+
+def final_eval(run_dir: Path, config: str, n: int) -> dict:
+    """Held-out success of a run's last checkpoint (bf16, as the workers would sample it)."""
+    from bus import load_config
+    from policy import ModelConfig, Transformer, inference_state
+    from trainer import checkpoint
+    from trainer.config import TrainerConfig
+    from trainer.evaluate import evaluate
+    from trainer.warmstart import load_tokenizer
+
+    cfg = load_config(TrainerConfig, config, section="trainer")
+    st = checkpoint.load_latest(run_dir / "checkpoints")
+    mcfg = ModelConfig.from_dict(st.model_config)
+    model = Transformer(mcfg).float()
+    model.load_state_dict(st.model)
+    ev = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling, n, cfg.seed)
+    return {"eval_success": ev["eval_success"], "eval_tokens": ev["eval_tokens"], "eval_version": st.version}
 
 
 def run_once(config: str, steps: int, sync: bool, run_dir: Path, minutes: float) -> dict:
@@ -66,7 +121,8 @@ def summarize(run_dir: Path, label: str = "") -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.async", description=__doc__)
     ap.add_argument("--config", default=str(Path(__file__).with_name("async.toml")))
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--eval-prompts", type=int, default=512, help="held-out prompts scored per run at the end")
     ap.add_argument("--minutes", type=float, default=8.0, help="per run")
     ap.add_argument("--out", default=None, help="run dirs go here (default: a temp dir)")
     ap.add_argument("--json", action="store_true")
@@ -74,10 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="bench-async-"))
     if a.summarize:
+        config, warm = str(out / "bench-async.toml"), {}
         res_async, res_sync = summarize(out / "async", "async"), summarize(out / "sync", "sync")
     else:
-        res_async = run_once(a.config, a.steps, False, out / "async", a.minutes)
-        res_sync = run_once(a.config, a.steps, True, out / "sync", a.minutes)
+        config, warm = warm_start_once(a.config, out, a.eval_prompts)
+        res_async = run_once(config, a.steps, False, out / "async", a.minutes)
+        res_sync = run_once(config, a.steps, True, out / "sync", a.minutes)
+    for res, name in ((res_async, "async"), (res_sync, "sync")):
+        res.update(final_eval(out / name, config, a.eval_prompts))
     result = {
         "async_samples_per_s": res_async["samples_per_s"],
         "sync_samples_per_s": res_sync["samples_per_s"],
@@ -90,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         "mean_staleness_async": res_async["mean_staleness"],
         "final_success_async": res_async["final_success"],
         "final_success_sync": res_sync["final_success"],
+        # the same held-out prompts, each run's last weights: is async as good as sync?
+        "final_eval_success_async": res_async["eval_success"],
+        "final_eval_success_sync": res_sync["eval_success"],
+        "eval_prompts": a.eval_prompts, **warm,
         "tokens_per_answer_async": res_async["tokens_per_answer"],
         "tokens_per_answer_sync": res_sync["tokens_per_answer"],
         "dropped_stale_async": res_async["dropped_stale"],

@@ -134,6 +134,7 @@ class Trainer:
         self.consumed = ConsumedIds(limit=cfg.dedupe_window)
         self.published: dict[str, torch.Tensor] = {}
         self.warmstarted = False
+        self.fed = asyncio.Event()
 
     def state(self) -> checkpoint.TrainerState:
         return checkpoint.TrainerState(
@@ -169,6 +170,9 @@ class Trainer:
         if not self.warmstarted and self.cfg.warmstart_steps:
             warm_start(self.learner.model, self.cfg, self.model_cfg, style=self.cfg.warmstart_style)
             self.warmstarted = True
+            if self.cfg.run_dir:     # the policy RL starts from (`asyncrl calibrate-cost --checkpoint` reads it)
+                torch.save({"model": self.learner.model.state_dict(), "model_config": self.model_cfg.to_dict(),
+                            "version": self.version}, Path(self.cfg.run_dir) / "warmstart.pt")
             broadcast_obj(("sync",))
             sync_state(self.learner.model, self.learner.opt)
         self.published = self.learner.published_state()
@@ -220,7 +224,9 @@ class Trainer:
         batcher = Batcher(self.bus, cfg, self.consumed, self.model_cfg.vocab_size)
         await batcher.start()
         feeder = TaskFeeder(self.bus, cfg)
-        feed_task = asyncio.create_task(feeder.run(stop, lambda: self.version)) if cfg.feed and cfg.mode == "async" else None
+        self.fed = asyncio.Event()       # set when a batch is taken or acked: the feeder tops up at once
+        feed_task = asyncio.create_task(feeder.run(stop, lambda: self.version, kick=self.fed)) \
+            if cfg.feed and cfg.mode == "async" else None
         log.info("leading", epoch=epoch, version=self.version, mode=cfg.mode)
         batch, publishing = None, None
         try:
@@ -234,6 +240,7 @@ class Trainer:
                 batch = await batcher.next_batch(self.version, lambda: stop.is_set() or lost.is_set())
                 if batch is None:
                     continue
+                self.fed.set()
                 publishing = await self.train_on(batch, batcher, publisher, lost, publishing)
                 batch = None
             if publishing is not None:
@@ -299,6 +306,7 @@ class Trainer:
             if version % cfg.keyframe_interval == 0:
                 await publisher.publish_keyframe(new, version, self.model_cfg, set_version=False)
         await batcher.ack(batch)
+        self.fed.set()
         lags = [s.lag for s in packed]
         values = {
             **{k: v for k, v in stats.items()}, "version": version, "epoch": self.lease.epoch,

@@ -55,7 +55,7 @@ class TrainerConfig:
     # loop
     mode: str = "async"                  # async | sync (publish one batch per version and wait for it)
     feed_backlog: int = 8                # async: groups kept queued (undelivered) in TASKS
-    feed_max_outstanding: int = 0        # async: cap on groups not yet trained (0 = 3 x batch_groups)
+    feed_max_outstanding: int = 0        # async: cap on generated groups not yet trained (0 = 3 x batch_groups)
     feed: bool = True                    # publish tasks (off when an external feeder runs)
     task_sampling: dict = field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 32})
     max_steps: int = 0                   # 0 = forever

@@ -33,31 +33,34 @@ class TaskFeeder:
         return ids
 
     async def backlog(self) -> tuple[int, float]:
-        """(tasks queued and not yet taken by a worker, groups not yet trained on).
+        """(tasks queued and not yet taken by a worker, groups generated but not yet trained on).
 
-        Tasks being generated do not count towards the first: counting them would cap the work
-        in flight and leave worker slots idle. Everything untrained counts towards the second:
-        work produced faster than the trainer consumes it only waits, goes stale, and is dropped."""
+        Tasks being generated count towards neither: capping them would leave worker slots idle,
+        and they are bounded by the workers' slots anyway. Finished work that waits for the
+        trainer is capped: produced faster than the trainer consumes it, it only goes stale."""
         js = self.bus.js
         pending = (await js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)).num_pending
-        tasks = (await js.stream_info(topo.TASKS)).state.messages
-        rollouts = sum([(await js.stream_info(s)).state.messages for s in (topo.ROLLOUTS, topo.SCORED)])
-        return int(pending), tasks + rollouts / max(self.cfg.group_size, 1)
+        done = sum([(await js.stream_info(s)).state.messages for s in (topo.ROLLOUTS, topo.SCORED)])
+        return int(pending), done / max(self.cfg.group_size, 1)
 
-    def max_outstanding(self) -> int:
-        # one batch training, one ready, one being generated: keeps slots busy, lag ~2 versions
+    def max_ready(self) -> int:
+        # one batch in training (held until published) + one ready + one assembling
         return self.cfg.feed_max_outstanding or 3 * self.cfg.batch_groups
 
-    async def run(self, stop: asyncio.Event, version_fn, period_s: float = 0.25) -> None:
+    async def run(self, stop: asyncio.Event, version_fn, period_s: float = 0.25,
+                  kick: asyncio.Event | None = None) -> None:
+        """Top up every period_s, and at once when `kick` is set (the trainer took a batch)."""
+        kick = kick or asyncio.Event()
         while not stop.is_set():
             try:
-                pending, untrained = await self.backlog()
-                missing = min(self.cfg.feed_backlog - pending, int(self.max_outstanding() - untrained))
+                pending, ready = await self.backlog()
+                missing = min(self.cfg.feed_backlog - pending, int(self.max_ready() - ready))
                 if missing > 0:
                     await self.publish(missing, min_version=0)
             except Exception as e:          # broker blip: try again next period
                 log.warning("task feeding failed", error=str(e))
+            kick.clear()
             try:
-                await asyncio.wait_for(stop.wait(), period_s)
+                await asyncio.wait_for(kick.wait(), period_s)
             except asyncio.TimeoutError:
                 pass
