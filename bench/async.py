@@ -33,8 +33,9 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def warm_start_once(config: str, out: Path, eval_prompts: int) -> tuple[str, dict]:
-    """Warm-start the bench policy once; returns (a config that inits both runs from it, eval setup)."""
+def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None = None) -> tuple[str, dict]:
+    """Warm-start the bench policy once (or take `init`, an HF folder an earlier run wrote);
+    returns a config that inits both runs from it, and the warm start's numbers."""
     import tomllib
 
     import torch
@@ -49,11 +50,16 @@ def warm_start_once(config: str, out: Path, eval_prompts: int) -> tuple[str, dic
     conf = tomllib.loads(Path(config).read_text())
     cfg = load_config(TrainerConfig, config, section="trainer")
     torch.set_num_threads(2)
-    model, mcfg = build_model(cfg)
     t0 = time.perf_counter()
-    warm_start(model, cfg, mcfg, style=cfg.warmstart_style)
+    if init:
+        from policy import load_hf_checkpoint
+        mcfg, model = load_hf_checkpoint(init)
+        steps = 0
+    else:
+        model, mcfg = build_model(cfg)
+        warm_start(model, cfg, mcfg, style=cfg.warmstart_style)
+        init, steps = save_hf_checkpoint(model, out / "init"), cfg.warmstart_steps
     warm_s = time.perf_counter() - t0
-    init = save_hf_checkpoint(model, out / "init")
     from policy import inference_state
     from trainer.evaluate import evaluate
     from trainer.warmstart import load_tokenizer
@@ -62,7 +68,7 @@ def warm_start_once(config: str, out: Path, eval_prompts: int) -> tuple[str, dic
     conf["trainer"] = {**conf.get("trainer", {}), "init_checkpoint": str(init), "warmstart_steps": 0}
     derived = out / "bench-async.toml"
     write_toml(derived, conf)
-    return str(derived), {"warmstart_steps": cfg.warmstart_steps, "warmstart_s": warm_s,
+    return str(derived), {"warmstart_steps": steps, "warmstart_s": warm_s,
                           "initial_eval_success": ev["eval_success"]}
 
 
@@ -125,15 +131,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-prompts", type=int, default=512, help="held-out prompts scored per run at the end")
     ap.add_argument("--minutes", type=float, default=8.0, help="per run")
     ap.add_argument("--out", default=None, help="run dirs go here (default: a temp dir)")
+    ap.add_argument("--init", default=None, help="start both runs from this HF folder (e.g. <earlier --out>/init) "
+                    "instead of warm-starting")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--summarize", action="store_true", help="only re-read the runs already under --out")
     a = ap.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="bench-async-"))
+    out.mkdir(parents=True, exist_ok=True)
     if a.summarize:
         config, warm = str(out / "bench-async.toml"), {}
         res_async, res_sync = summarize(out / "async", "async"), summarize(out / "sync", "sync")
     else:
-        config, warm = warm_start_once(a.config, out, a.eval_prompts)
+        config, warm = warm_start_once(a.config, out, a.eval_prompts, a.init)
         res_async = run_once(config, a.steps, False, out / "async", a.minutes)
         res_sync = run_once(config, a.steps, True, out / "sync", a.minutes)
     for res, name in ((res_async, "async"), (res_sync, "sync")):

@@ -82,17 +82,23 @@ class KVCache:
         self.a[layer, slots[:, None], pos] = a_new.to(self.a.dtype)
         self.b[layer, slots[:, None], pos] = b_new.to(self.b.dtype)
         n = int(pos.max()) + 1
+        first = int(slots[0])
+        if torch.equal(slots, torch.arange(first, first + len(slots), device=slots.device)):
+            # a run of neighbouring slots (a busy engine decodes all of them): views, no gather copy
+            return self.a[layer, first:first + len(slots), :n], self.b[layer, first:first + len(slots), :n]
         return self.a[layer, slots, :n], self.b[layer, slots, :n]
 
 
 def attend(q, k, v, pos, causal_full: bool):
-    """q [B,H,T,d], k [B,H,S,d], v [B,H,S,dv]. Full forward: plain causal mask. Cached: key j is
-    visible to the query at absolute position p iff j <= p (each slot has its own length)."""
+    """q [B,H,T,d], k [B,Hk,S,d], v [B,Hk,S,dv] (Hk divides H: grouped-query heads share k/v).
+    Full forward: plain causal mask. Cached: key j is visible to the query at absolute position
+    p iff j <= p (each slot has its own length)."""
+    gqa = k.shape[1] != q.shape[1]
     if causal_full:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     keys = torch.arange(k.shape[2], device=q.device)
     mask = keys[None, None, None, :] <= pos[:, None, :, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class GQAttention(nn.Module):
@@ -113,9 +119,7 @@ class GQAttention(nn.Module):
         v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
         if cache is not None:
             k, v = cache.write_and_read(layer, slots, pos, k, v)
-        rep = c.n_heads // c.n_kv_heads
-        k, v = (t.transpose(1, 2).repeat_interleave(rep, 1) for t in (k, v))
-        y = attend(q.transpose(1, 2), k, v, pos, causal_full=cache is None)
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, causal_full=cache is None)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -292,7 +292,8 @@ class TorchEngine:
             logits = self.model.prefill(torch.tensor(s.prompt_ids, dtype=torch.long), self.cache, s.slot)
             self.active[s.slot] = s
             self._emit([s], logits[None], finished)
-        live = [s for s in self.active.values() if not s.finish and s not in admits]
+        # in slot order: when every slot is busy the KV cache is read as views, not gathered
+        live = sorted((s for s in self.active.values() if not s.finish and s not in admits), key=lambda s: s.slot)
         end = None
         if live:
             t1 = time.perf_counter()
