@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import torch
 import zstandard
 
 from .bits import SIGNED_INT, UNSIGNED_INT, fresh, from_planes, planes, unzigzag, unzigzag_small, zigzag
@@ -213,6 +214,16 @@ def positions(mask: np.ndarray, m: int, alloc=fresh) -> np.ndarray:
     return pos
 
 
+def prefix_sum(q8: np.ndarray, out: np.ndarray, alloc=fresh) -> np.ndarray:
+    """out[i] = q8[0] + ... + q8[i] (uint8 -> int64). torch's cumsum, not numpy's: numpy's holds
+    the GIL (or, casting, takes it back every 8 Ki elements), which serialised the apply
+    threads; torch releases it for the whole call."""
+    src = alloc("prefix.src", q8.size, np.uint8)  # (a writable copy: q8 is read-only bytes)
+    src[...] = q8
+    torch.cumsum(torch.from_numpy(src), 0, dtype=torch.int64, out=torch.from_numpy(out))
+    return out
+
+
 def gaps_of(pos: np.ndarray, alloc=fresh) -> np.ndarray:
     """pos[0], then pos[i] - pos[i-1] (>= 1): positions are their cumulative sum."""
     g = alloc("gaps", pos.size, pos.dtype)
@@ -273,7 +284,7 @@ def decode_gaps(k: int, qz, low, over, m: int, count: int, what: str, alloc=fres
             raise DeltaError(f"{what}: overflow stream does not match the gap stream")
         if m > 1 and not int(q8[1:].min()):
             raise DeltaError(f"{what}: repeated position")
-        pos = np.cumsum(q8, dtype=np.int64, out=alloc("pos", m, np.int64))  # the dense fast path: one pass
+        pos = prefix_sum(q8, alloc("pos", m, np.int64), alloc)  # the dense fast path
     else:
         gaps = q8.astype(np.int64)
         if ov.size:

@@ -6,6 +6,10 @@
     records one per tensor, in header order (lengths and checksums are in the header)
     [sig]   ed25519 over everything before it, when flags & SIGNED
 
+    record  u32 length of its header | msgpack list of chunk records (codec.py) whose byte
+            fields are ext(1, u64 length) placeholders | those fields' bytes, in order
+            (parsed as memoryviews of the blob: no copies, no GIL-held unpacking of payload)
+
 Every tensor's name travels in the checksummed header, so a damaged record is reported by
 the name of the tensor it belongs to.
 """
@@ -40,7 +44,7 @@ _KINDS = {KIND_DELTA: "delta", KIND_KEYFRAME: "keyframe"}
 
 class TensorRecord:
     """One tensor's entry: name, dtype, shape, digests (delta: base and result; keyframe: the
-    tensor's, twice) and its record (delta: a msgpack list of chunk records). The encoder hands
+    tensor's, twice) and its record (chunk records, see the module doc). The encoder hands
     the record over as a list of parts, joined only into the blob (one copy, not two)."""
 
     def __init__(self, name: str, dtype: str, shape: tuple[int, ...], digest_a: bytes, digest_b: bytes,
@@ -361,7 +365,7 @@ def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = N
         bt, nt = pair
         rec, m = encode_chunk(_bits_slice(bt, s, chunk), _bits_slice(nt, s, chunk), exponent_shift(bt.dtype),
                               _scratch())
-        return msgpack.packb(rec, use_bin_type=True), m
+        return _hollow(rec), m
 
     records = _chunked_records(pairs, chunk, threads, digests, encode)
     return Delta(from_version, from_version + 1 if to_version is None else to_version, records)
@@ -384,10 +388,35 @@ def _chunked_records(tensors: dict, chunk: int, threads: int | None, digests, en
         t = tensors[n][0]
         da, db = next(out)
         chunks = [next(out) for _ in range(0, t.numel(), chunk)]
-        head = msgpack.Packer().pack_array_header(len(chunks))  # + the packed chunks: a msgpack list
         records.append(TensorRecord(n, dtype_name(t.dtype), tuple(t.shape), da, db,
-                                    [head, *(c for c, _ in chunks)], sum(m for _, m in chunks)))
+                                    _record_parts([c for c, _ in chunks]), sum(m for _, m in chunks)))
     return records
+
+
+_FIELD = 1  # msgpack ext code: a byte field, stored in the record's payload
+
+
+def _hollow(rec) -> tuple[bytes, list]:
+    """A chunk record -> (msgpack of it with byte fields as placeholders, those fields)."""
+    fields = []
+
+    def sub(x):
+        if isinstance(x, (bytes, bytearray, memoryview)):
+            fields.append(x)
+            return msgpack.ExtType(_FIELD, struct.pack("<Q", len(x)))
+        return [sub(y) for y in x] if isinstance(x, list) else x
+
+    return msgpack.packb(sub(rec), use_bin_type=True), fields
+
+
+def _record_parts(hollowed: list[tuple[bytes, list]]) -> list:
+    header = msgpack.Packer().pack_array_header(len(hollowed)) + b"".join(h for h, _ in hollowed)
+    return [struct.pack("<I", len(header)), header, *(f for _, fields in hollowed for f in fields)]
+
+
+def pack_record(chunks: list) -> list:
+    """Chunk records -> a tensor record (as parts)."""
+    return _record_parts([_hollow(c) for c in chunks])
 
 
 def _prepared(t: torch.Tensor) -> torch.Tensor:
@@ -404,10 +433,29 @@ def _bits_slice(t: torch.Tensor, start: int, n: int) -> np.ndarray:
 
 
 def _chunks(r: TensorRecord, fields: int = 3) -> list:
+    """A tensor record's chunk records, byte fields as memoryviews of the record."""
+    mv = memoryview(r.record).cast("B")
+    hl = struct.unpack_from("<I", mv)[0] if len(mv) >= 4 else -1
+    if not 0 <= hl <= len(mv) - 4:
+        raise DeltaError(f"tensor {r.name!r}: record does not parse (header of {hl} bytes in {len(mv)})")
+    payload, used = mv[4 + hl:], 0
+
+    def field(code: int, data: bytes):
+        nonlocal used
+        if code != _FIELD or len(data) != 8:
+            raise ValueError(f"unknown field type {code}")
+        n = struct.unpack("<Q", data)[0]
+        if used + n > len(payload):
+            raise ValueError(f"field of {n} bytes beyond the record")
+        used += n
+        return payload[used - n:used]
+
     try:
-        chunks = msgpack.unpackb(r.record, raw=False)
+        chunks = msgpack.unpackb(mv[4:4 + hl], raw=False, ext_hook=field)
     except Exception as e:
         raise DeltaError(f"tensor {r.name!r}: record does not parse ({e})") from None
+    if used != len(payload):
+        raise DeltaError(f"tensor {r.name!r}: record has {len(payload) - used} bytes beyond its fields")
     if not isinstance(chunks, list) or not all(isinstance(c, list) and len(c) >= fields for c in chunks):
         raise DeltaError(f"tensor {r.name!r}: record is not a list of chunks")
     return chunks
@@ -524,11 +572,18 @@ def _apply_job(r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo
         undo.append(lambda: view.__setitem__(pos, old))
         return
     elif pos.size:
-        np.add.at(view, pos, d)  # (numpy >= 1.25's fast path: measured 1.6x faster than take, add, scatter)
+        add_at(view, pos, d)
     else:
         return
     # the inverse, decoded again from the (small) record only if needed: nothing kept meanwhile
     undo.append(lambda: _unapply(view, chunk, size, what))
+
+
+def add_at(view: np.ndarray, pos: np.ndarray, d: np.ndarray) -> None:
+    """view[pos] += d for distinct positions, wrapping. torch's index_add_: as fast as numpy's
+    add.at (1.6x faster than take, add, scatter) but, unlike it, releases the GIL, so apply
+    threads run side by side."""
+    torch.from_numpy(view).index_add_(0, torch.from_numpy(pos), torch.from_numpy(d))
 
 
 def _unapply(view: np.ndarray, chunk, size: int, what: str) -> None:
@@ -575,7 +630,7 @@ class Keyframe(_Signed):
 def make_keyframe(state, version: int, *, chunk: int = CHUNK, threads: int | None = None) -> Keyframe:
     """A keyframe of `state`, built chunk by chunk on `threads` threads: each chunk's byte planes
     zstd'd on their own (no whole-tensor temporaries; device tensors are copied to the host a
-    chunk at a time). Record of a tensor: a msgpack list of [count, zstd(planes)]."""
+    chunk at a time). Chunk records: [count, zstd(planes)]."""
     if chunk <= 0 or chunk % 8:
         raise DeltaError(f"chunk must be a positive multiple of 8, got {chunk}")
     tensors = {n: (_prepared(t),) for n, t in state.items()}
@@ -586,7 +641,7 @@ def make_keyframe(state, version: int, *, chunk: int = CHUNK, threads: int | Non
 
     def encode(one, s):
         b = _bits_slice(one[0], s, chunk)
-        return msgpack.packb([b.size, zc(planes(b, _scratch()))], use_bin_type=True), 0
+        return _hollow([b.size, zc(planes(b, _scratch()))]), 0
 
     return Keyframe(version, _chunked_records(tensors, chunk, threads, digests, encode))
 

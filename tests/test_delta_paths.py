@@ -12,7 +12,7 @@ from delta_codec import Delta, DeltaError, apply_delta, encode_delta
 from delta_codec.bits import Scratch, fresh, planes, zigzag
 from delta_codec.codec import (BITMAP, DENSE, GAP, GROUPED, NIBBLES, NONE, decode_chunk, decode_gaps, decode_values,
                                encode_chunk, encode_gaps, encode_values, positions, zc)
-from delta_codec.container import TensorRecord
+from delta_codec.container import TensorRecord, _chunks, pack_record
 
 INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
@@ -144,9 +144,9 @@ def test_a_bad_chunk_midway_rolls_back_with_threads():
     new = {k: (v.float() * 1.01).to(torch.bfloat16) for k, v in base.items()}
     d = encode_delta(base, new, chunk=2048)
     r = d.records[3]
-    chunks = msgpack.unpackb(r.record)
+    chunks = _chunks(r)
     chunks[-1][4] = b"not zstd"
-    d.records[3] = TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, msgpack.packb(chunks, use_bin_type=True))
+    d.records[3] = TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, pack_record(chunks))
     state = {k: v.clone() for k, v in base.items()}
     with pytest.raises(DeltaError, match="tensor 't3' chunk 9.*zstd"):
         apply_delta(state, Delta.from_bytes(d.to_bytes()), threads=3)
@@ -212,10 +212,34 @@ def test_keyframe_with_a_wrong_digest_leaves_into_unchanged():
         assert same(target, {k: torch.zeros_like(v) for k, v in s.items()})
         with pytest.raises(DeltaError, match="'w32': keyframe digest mismatch"):
             load_keyframe(forged.to_bytes(), threads=threads)
-    bad = msgpack.unpackb(kf.records[0].record)
+    bad = _chunks(kf.records[0], 2)
     bad[0][0] += 1  # chunks no longer cover the tensor
     broken = Keyframe(1, [TensorRecord(kf.records[0].name, kf.records[0].dtype, kf.records[0].shape,
-                                       kf.records[0].digest_a, kf.records[0].digest_b,
-                                       msgpack.packb(bad, use_bin_type=True)), *kf.records[1:]])
+                                       kf.records[0].digest_a, kf.records[0].digest_b, pack_record(bad)),
+                          *kf.records[1:]])
     with pytest.raises(DeltaError, match="'emb': chunks cover"):
         load_keyframe(broken.to_bytes(), into=target)
+
+
+def test_malformed_record_framing_is_refused():
+    """Records with valid checksums but broken framing (a producer bug): DeltaError naming the
+    tensor, state unchanged."""
+    import struct
+    g = torch.Generator().manual_seed(3)
+    base = {"a": (torch.randn(5000, generator=g) * 0.02).to(torch.bfloat16),
+            "b": (torch.randn(5000, generator=g) * 0.02).to(torch.bfloat16)}
+    new = {k: (v.float() * 1.01).to(torch.bfloat16) for k, v in base.items()}
+    d = encode_delta(base, new, chunk=1024)
+    rec = bytes(d.records[1].record)
+    hl = struct.unpack_from("<I", rec)[0]
+    cases = {"beyond its fields": rec + b"x",
+             "header of": struct.pack("<I", len(rec)) + rec[4:],
+             "does not parse": rec[:4] + rec[4:4 + hl].replace(b"\xd7\x01", b"\xd7\x02", 1) + rec[4 + hl:],
+             "beyond the record": rec[:4 + hl] + rec[4 + hl:4 + hl + 10]}
+    for match, bad in cases.items():
+        r = d.records[1]
+        forged = Delta(0, 1, [d.records[0], TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, bad)])
+        state = {k: v.clone() for k, v in base.items()}
+        with pytest.raises(DeltaError, match=f"tensor 'b'.*{match}"):
+            apply_delta(state, Delta.from_bytes(forged.to_bytes()))
+        assert same(state, base)
