@@ -15,6 +15,7 @@ the name of the tensor it belongs to.
 """
 from __future__ import annotations
 
+import collections
 import os
 import struct
 import threading
@@ -344,6 +345,52 @@ def _parallel(fn, items, threads: int | None) -> list:
     return results
 
 
+def _run_tasks(jobs: list, threads: int | None) -> None:
+    """Run zero-argument jobs on `threads` threads (each with a borrowed Scratch); a job may
+    return follow-up jobs, which run next (depth first: a tensor's chunks right after its base
+    check, while its bits are still in cache). After the first error no new job starts; returns
+    once every started job has finished, then re-raises that error."""
+    threads = default_threads() if threads is None else threads
+    todo = collections.deque(jobs)
+    cond = threading.Condition()
+    state = {"running": 0, "error": None}
+
+    def work() -> None:
+        with _scratch_borrowed():
+            while True:
+                with cond:
+                    while not todo and state["running"] and state["error"] is None:
+                        cond.wait()
+                    if not todo or state["error"] is not None:
+                        cond.notify_all()
+                        return
+                    job = todo.popleft()
+                    state["running"] += 1
+                more, error = None, None
+                try:
+                    more = job()
+                except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
+                    error = e
+                with cond:
+                    state["running"] -= 1
+                    if error is not None and state["error"] is None:
+                        state["error"] = error
+                    if more:
+                        todo.extendleft(reversed(more))
+                    cond.notify_all()
+
+    helpers = [threading.Thread(target=work, daemon=True) for _ in range(max(threads, 1) - 1)]
+    for h in helpers:
+        h.start()
+    try:
+        work()
+    finally:
+        for h in helpers:
+            h.join()
+    if state["error"] is not None:
+        raise state["error"]
+
+
 def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = None, chunk: int = CHUNK,
                  threads: int | None = None) -> Delta:
     """Encode new - base chunk by chunk (`chunk` elements, a multiple of 8: the granularity of
@@ -515,9 +562,10 @@ def _validate_target(state, recs: list[TensorRecord], what: str) -> None:
 
 
 def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None, threads: int | None = None) -> None:
-    """Apply in place. Verifies the signature (if public_key) and every tensor's base digest
-    before writing anything, then applies chunk by chunk (on `threads` threads) and checks every
-    result digest; on any error every chunk written so far is rolled back."""
+    """Apply in place. Verifies the signature (if public_key); then, per tensor, its base digest,
+    its chunks and its result digest, tensors and chunks on `threads` threads. On any error
+    (a base or result digest, a malformed chunk) every chunk written so far is rolled back, so a
+    refused delta leaves the state as it was."""
     if isinstance(delta, (bytes, bytearray, memoryview)):
         delta = Delta.from_bytes(delta)
     if public_key is not None:
@@ -527,27 +575,38 @@ def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None
     _validate_target(state, delta.records, "delta")
     recs = delta.records
 
-    def prepare(r: TensorRecord) -> list:
-        """Base digest check and the tensor's chunk jobs (record parsed, coverage checked)."""
+    def tensor(r: TensorRecord):
+        """Base digest, then the tensor's chunks as follow-up jobs, then its result digest."""
         t = state[r.name]
         if tensor_digest(t) != r.digest_a:
             raise DeltaError(f"tensor {r.name!r}: base digest mismatch "
                              f"(state is not the delta's base version {delta.from_version})")
         if t.device.type != "cpu":
-            return [(r, t, -1, 0, None)]
+            _apply_job(r, t, -1, 0, None, undo)
+            return [lambda: check_result(r)]
         chunks = _chunks(r)
-        return [(r, t, i, s, c) for i, (c, s) in enumerate(zip(chunks, _chunk_starts(r, chunks)))]
+        left = [len(chunks)]
+        lock = threading.Lock()
+
+        def chunk_job(i: int, start: int, c):
+            _apply_job(r, t, i, start, c, undo)
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            return [lambda: check_result(r)] if last else None
+
+        jobs = [lambda i=i, s=s, c=c: chunk_job(i, s, c) for i, (c, s) in enumerate(zip(chunks, _chunk_starts(r, chunks)))]
+        return jobs or [lambda: check_result(r)]
 
     def check_result(r: TensorRecord) -> None:
         if tensor_digest(state[r.name]) != r.digest_b:
             raise DeltaError(f"tensor {r.name!r}: result digest mismatch after apply (corrupted delta); "
                              "state rolled back")
 
-    jobs = [job for tensor_jobs in _parallel(prepare, recs, threads) for job in tensor_jobs]
     undo: list = []  # (list.append is atomic; chunks are disjoint, so restore order is free)
     try:
-        _parallel(lambda job: _apply_job(*job, undo), jobs, threads)
-        _parallel(check_result, recs, threads)
+        # biggest tensors first: the threads finish together
+        _run_tasks([lambda r=r: tensor(r) for r in sorted(recs, key=lambda r: -r.numel)], threads)
     except BaseException:
         with torch.no_grad():
             for restore in reversed(undo):
