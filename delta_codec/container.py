@@ -16,6 +16,7 @@ the name of the tensor it belongs to.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import struct
 import threading
@@ -269,8 +270,8 @@ def _check_pair(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
 def default_threads() -> int:
     """All cores (at most 8); ASYNCRL_DELTA_THREADS overrides. The codec runs while its caller
     waits for it (the trainer awaits the encode before publishing, an engine applies between two
-    decode steps), so its cores are otherwise idle. Measured on the 2-core box: 2 threads make
-    dense (7-18 % changed) encode 1.7-1.9x and apply 1.5-1.8x faster than 1."""
+    decode steps), so those cores would otherwise idle. Measured on the idle 2-core box at 18 %
+    changed: 2 threads encode 1.5x and apply 1.3x faster than 1."""
     env = os.environ.get("ASYNCRL_DELTA_THREADS")
     if env:
         return max(1, int(env))
@@ -300,54 +301,14 @@ def _scratch_borrowed():
 
 
 def _scratch():
-    """This worker's Scratch (inside _parallel), else fresh allocation."""
+    """This worker's Scratch (inside _run_tasks), else fresh allocation."""
     return getattr(_worker, "scratch", None) or fresh
 
 
-def _parallel(fn, items, threads: int | None) -> list:
-    """fn over items on `threads` threads (the caller's included; numpy, zstd and xxhash release
-    the GIL), each with a borrowed Scratch. After the first error no new item starts; returns
-    only once every started item has finished, then re-raises the first error (in item order),
-    so callers can roll back knowing nothing is still running."""
-    threads = default_threads() if threads is None else threads
-    if threads <= 1 or len(items) <= 1:
-        with _scratch_borrowed():
-            return [fn(x) for x in items]
-    results: list = [None] * len(items)
-    errors: list = [None] * len(items)
-    todo = iter(range(len(items)))
-    lock, failed = threading.Lock(), threading.Event()
-
-    def work() -> None:
-        with _scratch_borrowed():
-            while not failed.is_set():
-                with lock:
-                    i = next(todo, None)
-                if i is None:
-                    return
-                try:
-                    results[i] = fn(items[i])
-                except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
-                    errors[i] = e
-                    failed.set()
-
-    helpers = [threading.Thread(target=work, daemon=True) for _ in range(min(threads, len(items)) - 1)]
-    for h in helpers:
-        h.start()
-    try:
-        work()
-    finally:
-        for h in helpers:
-            h.join()
-    for e in errors:
-        if e is not None:
-            raise e
-    return results
-
-
 def _run_tasks(jobs: list, threads: int | None) -> None:
-    """Run zero-argument jobs on `threads` threads (each with a borrowed Scratch); a job may
-    return follow-up jobs, which run next (depth first: a tensor's chunks right after its base
+    """Run zero-argument jobs on `threads` threads, the caller's included, each with a borrowed
+    Scratch (numpy, zstd, xxhash and the torch ops used release the GIL); a job may return
+    follow-up jobs, which run next (depth first: a tensor's chunks right after its base
     check, while its bits are still in cache). After the first error no new job starts; returns
     once every started job has finished, then re-raises that error."""
     threads = default_threads() if threads is None else threads
@@ -389,6 +350,17 @@ def _run_tasks(jobs: list, threads: int | None) -> None:
             h.join()
     if state["error"] is not None:
         raise state["error"]
+
+
+def _parallel(fn, items, threads: int | None) -> list:
+    """[fn(x) for x in items] on `threads` threads (see _run_tasks)."""
+    results: list = [None] * len(items)
+
+    def job(i: int) -> None:
+        results[i] = fn(items[i])
+
+    _run_tasks([functools.partial(job, i) for i in range(len(items))], threads)
+    return results
 
 
 def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = None, chunk: int = CHUNK,
