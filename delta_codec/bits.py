@@ -132,10 +132,6 @@ def planes(z: np.ndarray, alloc=fresh) -> np.ndarray:
     return out
 
 
-def to_planes(z: np.ndarray) -> bytes:
-    return planes(z).tobytes()
-
-
 def from_planes(buf, itemsize: int, count: int) -> np.ndarray:
     a = np.frombuffer(buf, dtype=np.uint8)
     if a.size != itemsize * count:
