@@ -27,7 +27,6 @@ import msgpack
 import numpy as np
 import torch
 import xxhash
-import zstandard
 
 from . import signing
 from .bits import (SIGNED_INT, UNSIGNED_INT, Scratch, combine_digest, dtype_from_name, dtype_name, exponent_shift,
