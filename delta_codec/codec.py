@@ -30,7 +30,6 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import torch
 import zstandard
 
 from .bits import SIGNED_INT, UNSIGNED_INT, fresh, from_planes, planes, unzigzag, unzigzag_small, zigzag
@@ -201,7 +200,7 @@ def positions(mask: np.ndarray, m: int, alloc=fresh) -> np.ndarray:
     there, nonzero over the mask's 8-byte words, then over the set words' bytes (both in numpy's
     fast regimes), is measured 1.5x (0.1-1 % set) to 2.5x (5-9 %) faster."""
     n = mask.size - mask.size % 8
-    if not (m * 10 < mask.size and n):
+    if not (m * 10 < mask.size and n >= 1 << 20):  # (small masks: fewer numpy calls pay more)
         return np.flatnonzero(mask)
     words = mask[:n].view(np.uint64)
     nzw = np.flatnonzero(np.not_equal(words, 0, out=alloc("nz.words", words.size, bool)))
@@ -215,14 +214,13 @@ def positions(mask: np.ndarray, m: int, alloc=fresh) -> np.ndarray:
     return pos
 
 
-def prefix_sum(q8: np.ndarray, out: np.ndarray, alloc=fresh) -> np.ndarray:
-    """out[i] = q8[0] + ... + q8[i] (uint8 -> int64). torch's cumsum, not numpy's: numpy's holds
-    the GIL (or, casting, takes it back every 8 Ki elements), which serialised the apply
-    threads; torch releases it for the whole call."""
-    src = alloc("prefix.src", q8.size, np.uint8)  # (a writable copy: q8 is read-only bytes)
-    src[...] = q8
-    torch.cumsum(torch.from_numpy(src), 0, dtype=torch.int64, out=torch.from_numpy(out))
-    return out
+def prefix_sum(q8: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[i] = q8[0] + ... + q8[i] (uint8 -> int64): widened first (one SIMD pass), then summed
+    in place (measured 1.3x faster than numpy's buffered, casting cumsum). numpy's cumsum keeps
+    the GIL while it runs; torch's releases it but runs on a second, spinning OpenMP thread that
+    the other apply thread needs (measured: no faster with 2 apply threads, 1.7x the CPU)."""
+    out[...] = q8
+    return np.cumsum(out, out=out)
 
 
 def gaps_of(pos: np.ndarray, alloc=fresh) -> np.ndarray:
@@ -285,7 +283,7 @@ def decode_gaps(k: int, qz, low, over, m: int, count: int, what: str, alloc=fres
             raise DeltaError(f"{what}: overflow stream does not match the gap stream")
         if m > 1 and not int(q8[1:].min()):
             raise DeltaError(f"{what}: repeated position")
-        pos = prefix_sum(q8, alloc("pos", m, np.int64), alloc)  # the dense fast path
+        pos = prefix_sum(q8, alloc("pos", m, np.int64))  # the dense fast path
     else:
         gaps = q8.astype(np.int64)
         if ov.size:

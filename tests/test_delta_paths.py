@@ -25,7 +25,7 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(bits(a[k]), bits(b[k])) for k in a)
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 4096 + 5])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 4096 + 5, (1 << 20) + 13])
 @pytest.mark.parametrize("p", [0.0, 0.001, 0.05, 0.09, 0.2, 1.0])
 def test_positions_match_flatnonzero(n, p):
     mask = np.random.default_rng(n).random(n) < p
