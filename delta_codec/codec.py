@@ -1,12 +1,14 @@
 """Per-chunk coding of changed positions and changed values (pure numpy, vectorised).
 
-A chunk is CHUNK consecutive elements of one tensor (4 Mi: large enough that the ~50 numpy calls
-per chunk are few, so two threads rarely wait on each other's GIL hand-offs; measured apply
-with 2 threads at 18 % changed: 2.16 / 2.51 / 2.77 GB/s with 1 / 2 / 4 Mi chunks). Its changed positions are coded one of three ways, chosen from the
-chunk's density before anything is built (measured crossovers; the sizes are close there):
+A chunk is CHUNK consecutive elements of one tensor (4 Mi: large enough that the ~50 numpy
+calls per chunk are few, so two threads rarely wait on each other's GIL hand-offs; measured
+apply with 2 threads at 18 % changed: 2.16 / 2.51 / 2.77 GB/s with 1 / 2 / 4 Mi chunks; its
+temporaries live in per-worker Scratch buffers). Its changed positions are coded one of three
+ways, chosen from the chunk's density before anything is built (measured crossovers; the sizes
+are close there):
   GAP    gaps between changes, Rice-coded: k raw low bits + the high part as bytes, zstd'd.
-         k = 0 for dense updates (the gaps themselves as bytes: zstd's Huffman stage codes them
-         near their entropy, and decoding is one zstd call and one cumsum)
+         k = 0 up to a mean gap of 32 (the gaps themselves as bytes: zstd's Huffman stage codes
+         them near their entropy, and decoding is one zstd call and one cumsum)
   BITMAP one bit per element, zstd'd (40-60 % changed)
   DENSE  no positions at all: every element gets a value (>= 60 % changed)
 Values are the difference of the raw integer bit patterns (wrapping at the element width, so a
@@ -17,7 +19,7 @@ sparse chunks (< GROUP_BELOW changed) values are grouped by the exponent of thei
 first (the decoder has the base, so this is free on the wire and saves ~0.5 bit/change); denser
 chunks skip it (a sort per side).
 
-Wire record of a chunk (a msgpack list):
+Chunk record (a list; container.py frames its byte fields after a msgpack header):
   [NONE, count, 0]
   [GAP, count, m, flags, values, k, high bytes (zstd), low bits, overflow (<u8)]
   [BITMAP, count, m, flags, values, bitmap (zstd)]
