@@ -2,8 +2,8 @@
 
 A chunk is CHUNK consecutive elements of one tensor (4 Mi: large enough that the ~50 numpy
 calls per chunk are few, so two threads rarely wait on each other's GIL hand-offs; measured
-apply with 2 threads at 18 % changed: 2.16 / 2.51 / 2.77 GB/s with 1 / 2 / 4 Mi chunks; its
-temporaries live in per-worker Scratch buffers). Its changed positions are coded one of three
+apply with 2 threads at 18 % changed, same runs: 1 -> 2 Mi chunks 2.29 -> 2.54 GB/s, 2 -> 4 Mi
+2.51 -> 2.63; its temporaries live in per-worker Scratch buffers). Its changed positions are coded one of three
 ways, chosen from the chunk's density before anything is built (measured crossovers; the sizes
 are close there):
   GAP    gaps between changes, Rice-coded: k raw low bits + the high part as bytes, zstd'd.
