@@ -202,3 +202,36 @@ def test_replay_uses_each_rollouts_fp8_sites_and_kept_sets(tmp_path):
     naive = build_learner(model, build_optimizer(model, cfg), TrainerConfig(**{**cfg.__dict__, "replay": False}))
     _, st2 = naive.loss(packed, grad=False)
     assert st2["k3_mean"] > 1e-4
+
+
+async def test_overlapped_publication_checkpoints_the_right_digest_after_a_dropped_batch(bus, fresh_server, tmp_path):
+    """Version v publishes in the background while the next batch is handled; a batch whose
+    samples are all dropped changes no weights, and its checkpoint must carry v's digest even
+    though it was prepared before v's publication had finished."""
+    from bus.weights import WeightPublisher
+    cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=4, max_lag=0)
+    model, mcfg = build_model(cfg)
+    tr = Trainer(cfg, bus, build_learner(model, build_optimizer(model, cfg), cfg), mcfg)
+    epoch = await tr.lease.acquire(asyncio.Event())
+    await asyncio.to_thread(tr.prepare)
+    publisher = WeightPublisher(bus, epoch, cfg.trainer_id, None)
+    await publisher.publish_keyframe(tr.published, 0, mcfg)
+    rng = random.Random(3)
+    for task in ("a", "b"):
+        for i in range(4):
+            await bus.publish(topo.scored_subject("arith"), make_scored(model, task, i, 4, 0, rng))
+    batcher = Batcher(bus, cfg, tr.consumed, mcfg.vocab_size)
+    await batcher.start()
+    live, stale = await batcher.next_batch(0), await batcher.next_batch(1)   # lag 1 > max_lag 0
+    assert all(s.weight == 0 for s in stale.samples)
+    lost = asyncio.Event()
+    first = await tr.train_on(live, batcher, publisher, lost)
+    second = await tr.train_on(stale, batcher, publisher, lost, first)
+    await second
+    st = checkpoint.load_latest(cfg.checkpoint_dir)
+    assert tr.version == st.version == 1
+    assert st.digest == delta_codec.state_digest(inference_state(model))
+    assert sorted(st.consumed) == sorted(live.rollout_ids + stale.rollout_ids)
+    info = await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+    await batcher.close()

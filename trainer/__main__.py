@@ -286,6 +286,7 @@ class Trainer:
         snapshot = await asyncio.to_thread(checkpoint.snapshot, self.state())
         if previous is not None:
             await previous               # v-1 is out (or raised) before v starts going out
+        snapshot.digest = self.digest    # v-1's, now final; a live step replaces it with v's below
         self.published = new
         return asyncio.create_task(self.publish_version(
             batch, packed, stats, live, base, new, snapshot, batcher, publisher, lost, t0))
