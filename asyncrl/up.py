@@ -98,7 +98,9 @@ def spawn(run_dir: Path, name: str, component: str, module: str, conf: dict, nic
     log_path = run_dir / "logs" / f"{name}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ASYNCRL_LOG_JSON": "1",
            # 2-core box: one intra-op thread per process keeps N processes from thrashing
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           # the delta codec defaults to every core; here every process shares them
+           "ASYNCRL_DELTA_THREADS": os.environ.get("ASYNCRL_DELTA_THREADS", "1")}
     out = open(log_path, "ab")
     p = subprocess.Popen([sys.executable, "-m", module, "--config", str(cfg_path)],
                          stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
