@@ -7,6 +7,7 @@ and a crash mid-write (a tmp file) never hides the previous good checkpoint.
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 from dataclasses import dataclass, field
@@ -41,7 +42,6 @@ class TrainerState:
 def snapshot(st: TrainerState) -> TrainerState:
     """A copy that later in-place updates of the live model and optimizer cannot touch, so the
     checkpoint can be written while the next step already runs."""
-    import copy
     return TrainerState(**{**st.__dict__, "model": {k: v.detach().clone() for k, v in st.model.items()},
                            "optimizer": copy.deepcopy(st.optimizer), "consumed": list(st.consumed)})
 

@@ -52,6 +52,7 @@ class TaskFeeder:
         """Top up every period_s, and at once when `kick` is set (the trainer took a batch)."""
         kick = kick or asyncio.Event()
         while not stop.is_set():
+            kick.clear()                    # before the check: a kick during it is not lost
             try:
                 pending, ready = await self.backlog()
                 missing = min(self.cfg.feed_backlog - pending, int(self.max_ready() - ready))
@@ -59,7 +60,6 @@ class TaskFeeder:
                     await self.publish(missing, min_version=0)
             except Exception as e:          # broker blip: try again next period
                 log.warning("task feeding failed", error=str(e))
-            kick.clear()
             try:
                 await asyncio.wait_for(kick.wait(), period_s)
             except asyncio.TimeoutError:
