@@ -63,7 +63,7 @@ class TrainerConfig:
     eval_prompts: int = 128
     warmstart_steps: int = 0             # supervised steps on env demonstrations before RL
     warmstart_lr: float = 1e-3
-    warmstart_style: str = "default"     # demonstration style passed to the env (arith: default | direct | steps)
+    warmstart_style: str = "default"     # demonstration style passed to the env (arith: default = direct|steps|padded, mixed = direct|steps, or one)
     warmstart_batch: int = 16
 
     def __post_init__(self) -> None:
