@@ -42,17 +42,17 @@ def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None 
 
     from asyncrl.up import write_toml
     from bus import load_config
-    from policy import save_hf_checkpoint
+    from policy import inference_state, load_hf_checkpoint, save_hf_checkpoint
     from trainer.__main__ import build_model
     from trainer.config import TrainerConfig
-    from trainer.warmstart import warm_start
+    from trainer.evaluate import evaluate
+    from trainer.warmstart import load_tokenizer, warm_start
 
     conf = tomllib.loads(Path(config).read_text())
     cfg = load_config(TrainerConfig, config, section="trainer")
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     if init:
-        from policy import load_hf_checkpoint
         mcfg, model = load_hf_checkpoint(init)
         steps = 0
     else:
@@ -60,9 +60,6 @@ def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None 
         warm_start(model, cfg, mcfg, style=cfg.warmstart_style)
         init, steps = save_hf_checkpoint(model, out / "init"), cfg.warmstart_steps
     warm_s = time.perf_counter() - t0
-    from policy import inference_state
-    from trainer.evaluate import evaluate
-    from trainer.warmstart import load_tokenizer
     ev = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling,
                   eval_prompts, cfg.seed)
     conf["trainer"] = {**conf.get("trainer", {}), "init_checkpoint": str(init), "warmstart_steps": 0}
