@@ -306,6 +306,19 @@ async def wait_ready(fleet: Fleet, names: list[str], timeout_s: float = 300.0) -
             await asyncio.sleep(0.2)
 
 
+async def kill_and_replace(fleet: "Fleet", component: str, new_name: str, rng: random.Random) -> tuple[float, int]:
+    """SIGKILL a random live worker or scorer, start `new_name` in its place, and wait until the
+    messages it held are handed out again: (recovery seconds, messages redelivered)."""
+    stream, durable, start = {"rollout_worker": (topo.TASKS, topo.ROLLOUT_CONSUMER, fleet.worker),
+                              "scorer": (topo.ROLLOUTS, topo.SCORER_CONSUMER, fleet.scorer)}[component]
+    victim = rng.choice(fleet.alive(component))
+    info = await fleet.consumer(stream, durable)
+    fleet.signal(victim, signal.SIGKILL)
+    t_kill = time.monotonic()
+    start(new_name)
+    return await fleet.wait_redelivered(stream, durable, info, t_kill, fleet.ack_wait_s + 60)
+
+
 async def kill_workers(run_dir: Path, tasks: int = 200, kills: int = 3, seed: int = 1) -> dict:
     """SIGKILL a random worker at random instants (a fresh one replaces it): every task trained
     once; recovery = kill -> every task delivered before the kill finished (ack floor)."""
@@ -324,14 +337,8 @@ async def kill_workers(run_dir: Path, tasks: int = 200, kills: int = 3, seed: in
                 await asyncio.sleep(max(0.0, when - time.monotonic()))
                 if not await fleet.wait_held(topo.TASKS, topo.ROLLOUT_CONSUMER, at_least=3, until=feeding):
                     break                         # the run is over: no later instant to kill at
-                victim = rng.choice(fleet.alive("rollout_worker"))
-                info = await fleet.consumer(topo.TASKS, topo.ROLLOUT_CONSUMER)
-                fleet.signal(victim, signal.SIGKILL)
-                t_kill = time.monotonic()
-                fleet.worker(f"w{spawned}")
+                rec, n = await kill_and_replace(fleet, "rollout_worker", f"w{spawned}", rng)
                 spawned += 1
-                rec, n = await fleet.wait_redelivered(topo.TASKS, topo.ROLLOUT_CONSUMER, info, t_kill,
-                                                      fleet.ack_wait_s + 60)
                 recoveries.append(rec)
                 redelivered += n
             books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
@@ -358,14 +365,8 @@ async def kill_scorer(run_dir: Path, tasks: int = 100, seed: int = 2, kills: int
                 await asyncio.sleep(rng.uniform(0.2, 2.0))
                 if not await fleet.wait_held(topo.ROLLOUTS, topo.SCORER_CONSUMER, until=feeding):
                     break
-                info = await fleet.consumer(topo.ROLLOUTS, topo.SCORER_CONSUMER)
-                victim = rng.choice(fleet.alive("scorer"))
-                fleet.signal(victim, signal.SIGKILL)
-                t_kill = time.monotonic()
-                fleet.scorer(f"s{spawned}")
+                rec, n = await kill_and_replace(fleet, "scorer", f"s{spawned}", rng)
                 spawned += 1
-                rec, n = await fleet.wait_redelivered(topo.ROLLOUTS, topo.SCORER_CONSUMER, info, t_kill,
-                                                      fleet.ack_wait_s + 60)
                 recoveries.append(rec)
                 redelivered += n
                 if redelivered:

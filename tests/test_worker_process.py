@@ -58,6 +58,16 @@ def worker_cfg(url: str, **kw) -> WorkerConfig:
                         slots=4, max_len=128, heartbeat_s=0.3, grace_s=2.0, **kw)
 
 
+async def generating_worker(bus, url: str, pub: WeightPublisher, state0: dict, tasks: int, tag: str, **cfg):
+    """Version 0 published, a worker running, `tasks` tasks queued and tokens flowing."""
+    await pub.publish_keyframe(state0, 0, CFG)
+    worker, stop = Worker(worker_cfg(url, **cfg), bus), asyncio.Event()
+    run = asyncio.create_task(worker.run(stop, handle_signals=False))
+    ids = await publish_tasks(bus, tasks, tag, max_tokens=60)
+    await until(lambda: worker.engine is not None and worker.engine.stats()["tokens"] > 20)
+    return worker, stop, run, ids
+
+
 def check_replay(r: Rollout, states: dict) -> None:
     """Each token's behaviour logprob is what a fresh model at the token's version gives."""
     assert len(r.completion_ids) == len(r.logprobs) == len(r.token_versions) == r.cost_tokens > 0
@@ -69,11 +79,7 @@ def check_replay(r: Rollout, states: dict) -> None:
 async def test_worker_generates_with_hot_patched_weights(bus, fresh_server):
     states = states_for(3, seed=7)
     pub = WeightPublisher(bus, epoch=1, trainer_id="t")
-    await pub.publish_keyframe(states[0], 0, CFG)
-    worker, stop = Worker(worker_cfg(fresh_server.url), bus), asyncio.Event()
-    run = asyncio.create_task(worker.run(stop, handle_signals=False))
-    ids = await publish_tasks(bus, 8, "hot", max_tokens=60)
-    await until(lambda: worker.engine is not None and worker.engine.stats()["tokens"] > 20)
+    worker, stop, run, ids = await generating_worker(bus, fresh_server.url, pub, states[0], 8, "hot")
     await pub.publish_delta(delta(states, 0, 1))
     await until(lambda: worker.engine.version == 1)
     await until(lambda: worker.engine.stats()["tokens"] > 150)
@@ -138,11 +144,8 @@ async def test_corrupted_delta_is_refused_and_generation_continues(bus, fresh_se
     sk, pk = generate_keypair()
     states = states_for(3, seed=9, frac=0.01, scale=0.02)
     pub = WeightPublisher(bus, epoch=1, trainer_id="t", signing_key=sk)
-    await pub.publish_keyframe(states[0], 0, CFG)
-    worker, stop = Worker(worker_cfg(fresh_server.url, public_key=pk.hex()), bus), asyncio.Event()
-    run = asyncio.create_task(worker.run(stop, handle_signals=False))
-    await publish_tasks(bus, 6, "a", max_tokens=60)
-    await until(lambda: worker.engine is not None and worker.engine.stats()["tokens"] > 20)
+    worker, stop, run, _ = await generating_worker(bus, fresh_server.url, pub, states[0], 6, "a",
+                                                   public_key=pk.hex())
     d = delta(states, 0, 1)
     blob = bytearray(d.to_bytes())
     blob[-100] ^= 0x01                                          # one flipped bit near the end
@@ -204,11 +207,7 @@ async def test_worker_rides_out_a_broker_restart(fresh_server):
     await bus.provision()
     states = states_for(3, seed=11, frac=0.01, scale=0.02)
     pub = WeightPublisher(bus, epoch=1, trainer_id="t")
-    await pub.publish_keyframe(states[0], 0, CFG)
-    worker, stop = Worker(worker_cfg(fresh_server.url), bus), asyncio.Event()
-    run = asyncio.create_task(worker.run(stop, handle_signals=False))
-    ids = await publish_tasks(bus, 6, "r", max_tokens=60)
-    await until(lambda: worker.engine is not None and worker.engine.stats()["tokens"] > 20)
+    worker, stop, run, ids = await generating_worker(bus, fresh_server.url, pub, states[0], 6, "r")
     await fresh_server.restart()                              # file store: streams, KV and blobs survive
     await pub.publish_delta(delta(states, 0, 1))
     await until(lambda: worker.engine.version == 1 and worker.latest_version == 1, timeout=60)
