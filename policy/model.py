@@ -78,14 +78,12 @@ class KVCache:
         self.lengths[slot] = 0     # stale entries are masked out by position, no need to zero them
 
     def write_and_read(self, layer: int, slots, pos, a_new, b_new):
-        """Store this step's entries at (slot, pos) and return each slot's history up to its end."""
-        self.a[layer, slots[:, None], pos] = a_new.to(self.a.dtype)
-        self.b[layer, slots[:, None], pos] = b_new.to(self.b.dtype)
+        """Store this step's entries at (slot, pos) and return each slot's history up to its end.
+        `slots`: an index tensor, or a slice for a run of neighbouring slots (reads are views)."""
+        rows = slots[:, None] if torch.is_tensor(slots) else torch.arange(slots.start, slots.stop)[:, None]
+        self.a[layer, rows, pos] = a_new.to(self.a.dtype)
+        self.b[layer, rows, pos] = b_new.to(self.b.dtype)
         n = int(pos.max()) + 1
-        first = int(slots[0])
-        if torch.equal(slots, torch.arange(first, first + len(slots), device=slots.device)):
-            # a run of neighbouring slots (a busy engine decodes all of them): views, no gather copy
-            return self.a[layer, first:first + len(slots), :n], self.b[layer, first:first + len(slots), :n]
         return self.a[layer, slots, :n], self.b[layer, slots, :n]
 
 
@@ -270,7 +268,12 @@ class Transformer(nn.Module):
         if int(start.max()) + T > cache.max_len:
             raise ValueError(f"KV cache full: slot length {int(start.max())} + {T} > max_len {cache.max_len}")
         pos = start[:, None] + torch.arange(T, device=idx.device)
-        logits = self._run(idx, pos, cache, slots)
+        first = int(slots[0])
+        if torch.equal(slots, torch.arange(first, first + len(slots), device=slots.device)):
+            # a run of neighbouring slots (a busy engine decodes all of them): KV read as views, no gather
+            logits = self._run(idx, pos, cache, slice(first, first + len(slots)))
+        else:
+            logits = self._run(idx, pos, cache, slots)
         cache.lengths[slots] += T
         return logits
 
