@@ -72,19 +72,17 @@ def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None 
 def final_eval(run_dir: Path, config: str, n: int) -> dict:
     """Held-out success of a run's last checkpoint (bf16, as the workers would sample it)."""
     from bus import load_config
-    from policy import ModelConfig, Transformer, inference_state
-    from trainer import checkpoint
+    from policy import inference_state
+    from scorer.calibrate import load_policy_file
     from trainer.config import TrainerConfig
     from trainer.evaluate import evaluate
     from trainer.warmstart import load_tokenizer
 
     cfg = load_config(TrainerConfig, config, section="trainer")
-    st = checkpoint.load_latest(run_dir / "checkpoints")
-    mcfg = ModelConfig.from_dict(st.model_config)
-    model = Transformer(mcfg).float()
-    model.load_state_dict(st.model)
-    ev = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling, n, cfg.seed)
-    return {"eval_success": ev["eval_success"], "eval_tokens": ev["eval_tokens"], "eval_version": st.version}
+    model, source = load_policy_file(str(run_dir / "checkpoints"))
+    ev = evaluate(inference_state(model), model.cfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling,
+                  n, cfg.seed)
+    return {"eval_success": ev["eval_success"], "eval_tokens": ev["eval_tokens"], "eval_checkpoint": source}
 
 
 def run_once(config: str, steps: int, sync: bool, run_dir: Path, minutes: float) -> dict:

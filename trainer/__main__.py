@@ -134,7 +134,7 @@ class Trainer:
         self.consumed = ConsumedIds(limit=cfg.dedupe_window)
         self.published: dict[str, torch.Tensor] = {}
         self.warmstarted = False
-        self.fed = asyncio.Event()
+        self.fed = asyncio.Event()       # set when a batch is taken or acked: the feeder tops up at once
 
     def state(self) -> checkpoint.TrainerState:
         return checkpoint.TrainerState(
@@ -224,7 +224,6 @@ class Trainer:
         batcher = Batcher(self.bus, cfg, self.consumed, self.model_cfg.vocab_size)
         await batcher.start()
         feeder = TaskFeeder(self.bus, cfg)
-        self.fed = asyncio.Event()       # set when a batch is taken or acked: the feeder tops up at once
         feed_task = asyncio.create_task(feeder.run(stop, lambda: self.version, kick=self.fed)) \
             if cfg.feed and cfg.mode == "async" else None
         log.info("leading", epoch=epoch, version=self.version, mode=cfg.mode)
