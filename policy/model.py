@@ -280,11 +280,27 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def prefill(self, prompt_ids, cache: KVCache, slot: int) -> torch.Tensor:
         """Append a prompt to `slot` (normally just reset) and return the last position's logits [V]."""
-        ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=cache.lengths.device).reshape(1, -1)
-        if ids.shape[1] == 0:
+        return self.prefill_many([prompt_ids], cache, [slot])[0]
+
+    @torch.no_grad()
+    def prefill_many(self, prompts, cache: KVCache, slots) -> torch.Tensor:
+        """Append prompts[i] to slots[i]; last-position logits [N, V] in input order. Prompts of
+        one length share a forward (a task's group arrives together with one prompt), so a busy
+        engine pays one prefill per group, not per sequence."""
+        if len(prompts) != len(slots):
+            raise ValueError(f"prefill_many got {len(prompts)} prompts for {len(slots)} slots")
+        dev = cache.lengths.device
+        ids = [torch.as_tensor(p, dtype=torch.long, device=dev).reshape(-1) for p in prompts]
+        if any(len(x) == 0 for x in ids):
             raise ValueError("prefill needs a non-empty prompt")
-        slots = torch.tensor([slot], device=ids.device)
-        return self._cached(ids, cache, slots)[0, -1]
+        out = torch.empty(len(ids), self.cfg.vocab_size, device=dev)
+        by_len: dict[int, list[int]] = {}
+        for i, x in enumerate(ids):
+            by_len.setdefault(len(x), []).append(i)
+        for rows in by_len.values():
+            batch = torch.stack([ids[i] for i in rows])
+            out[rows] = self._cached(batch, cache, torch.tensor([slots[i] for i in rows], device=dev))[:, -1]
+        return out
 
     @torch.no_grad()
     def decode(self, tokens, cache: KVCache, slots) -> torch.Tensor:

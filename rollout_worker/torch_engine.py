@@ -18,6 +18,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import delta_codec
@@ -43,7 +44,8 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    masks: list = field(default_factory=list)        # one policy.SamplingMask row per token
+    mask_counts: list[int] = field(default_factory=list)   # policy.SamplingMask rows, one per token,
+    mask_ids: list = field(default_factory=list)           # kept as raw parts (no object per token)
     finish: str = ""
     epoch: int = 0
 
@@ -287,11 +289,12 @@ class TorchEngine:
         if pending and self._run_updates(pending):
             self._stall_from = (self._prep_s, time.perf_counter() - t0, self._last_step_end)
         finished: list[_Seq] = []
-        for s in admits:           # prefill: the first completion token comes from the prompt's logits
-            self.cache.reset(s.slot)
-            logits = self.model.prefill(torch.tensor(s.prompt_ids, dtype=torch.long), self.cache, s.slot)
-            self.active[s.slot] = s
-            self._emit([s], logits[None], finished)
+        if admits:                 # prefill: the first completion token comes from the prompt's logits
+            for s in admits:
+                self.cache.reset(s.slot)
+                self.active[s.slot] = s
+            logits = self.model.prefill_many([s.prompt_ids for s in admits], self.cache, [s.slot for s in admits])
+            self._emit(admits, logits, finished)
         # in slot order: when every slot is busy the KV cache is read as views, not gathered
         live = sorted((s for s in self.active.values() if not s.finish and s not in admits), key=lambda s: s.slot)
         end = None
@@ -322,11 +325,14 @@ class TorchEngine:
         """Sample one token per sequence (each row with its own sampling config) and append it."""
         out = policy.sample(logits, [s.cfg for s in seqs], self.generator)
         toks, lps = out.tokens.tolist(), out.logprobs.tolist()
+        counts, offsets = out.mask.counts.tolist(), out.mask.offsets
         for j, s in enumerate(seqs):
             s.tokens.append(toks[j])
             s.logprobs.append(lps[j])
             s.versions.append(self.version)
-            s.masks.append(out.mask[j])
+            s.mask_counts.append(counts[j])
+            if counts[j] != policy.FULL:
+                s.mask_ids.append(out.mask.ids[offsets[j]:offsets[j + 1]])
             s.epoch = self.epoch
             if toks[j] in s.stop:
                 s.finish = "stop"
@@ -337,7 +343,8 @@ class TorchEngine:
 
     def _result(self, s: _Seq) -> Generation:
         return Generation(completion_ids=s.tokens, logprobs=s.logprobs, token_versions=s.versions,
-                          sampling_mask=policy.SamplingMask.concat(s.masks).to_wire(),
+                          sampling_mask=policy.SamplingMask(
+                              s.mask_counts, np.concatenate(s.mask_ids) if s.mask_ids else []).to_wire(),
                           finish_reason=s.finish, wall_s=time.perf_counter() - s.started,
                           epoch=s.epoch, quant=self.quant.to_wire())
 

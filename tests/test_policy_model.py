@@ -47,6 +47,28 @@ def test_incremental_decode_matches_full_forward(attn, quant, kw):
     assert cache.lengths.tolist() == [pos[0], 0, pos[2], 0, pos[4]]
 
 
+@pytest.mark.parametrize("attn", ["gqa", "mla"])
+def test_prefill_many_equals_one_by_one(attn):
+    """The engine prefills a turn's admissions together (same-length prompts share a forward):
+    logits and cache contents must match prefilling each prompt alone."""
+    m = make(attn)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 97, (n,), generator=g) for n in (5, 9, 5, 5, 2)]
+    slots = [3, 0, 5, 1, 4]
+    one, many = KVCache(m.cfg, slots=6, max_len=16), KVCache(m.cfg, slots=6, max_len=16)
+    alone = torch.stack([m.prefill(p, one, s) for p, s in zip(prompts, slots)])
+    together = m.prefill_many(prompts, many, slots)
+    torch.testing.assert_close(together, alone, atol=ATOL, rtol=0)
+    assert many.lengths.tolist() == one.lengths.tolist() == [9, 5, 0, 5, 2, 5]
+    for s, p in zip(slots, prompts):
+        torch.testing.assert_close(many.a[:, s, :len(p)], one.a[:, s, :len(p)], atol=ATOL, rtol=0)
+        torch.testing.assert_close(many.b[:, s, :len(p)], one.b[:, s, :len(p)], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="2 prompts for 1 slots"):
+        m.prefill_many(prompts[:2], many, [0])
+    with pytest.raises(ValueError, match="non-empty"):
+        m.prefill_many([prompts[0], []], many, [0, 2])
+
+
 def test_cache_reset_reuses_slot():
     m = make("mla", ("mla_rope_qk",))
     cache = KVCache(m.cfg, slots=2, max_len=16)

@@ -83,6 +83,20 @@ def test_untruncated_rows_ship_nothing():
     assert out.mask.keep_matrix(50).all()
 
 
+def test_untruncated_batch_takes_the_same_numbers_without_sorting():
+    """A batch with nothing truncated skips the sort: its logprobs are the plain log-softmax and
+    each row's draws match a batch where another row truncates (same generator stream per row)."""
+    logits = torch.randn(6, 40)
+    fast = sample(logits, SamplingConfig(0.7, 1.0, 0), torch.Generator().manual_seed(3))
+    ref = (logits / 0.7).log_softmax(-1).gather(1, fast.tokens[:, None])[:, 0]
+    torch.testing.assert_close(fast.logprobs, ref, atol=0, rtol=0)
+    slow = sample(logits, [SamplingConfig(0.7, 1.0, 0)] * 5 + [SamplingConfig(0.7, 0.5, 0)],
+                  torch.Generator().manual_seed(3))
+    assert fast.tokens[:5].tolist() == slow.tokens[:5].tolist()
+    torch.testing.assert_close(fast.logprobs[:5], slow.logprobs[:5], atol=0, rtol=0)
+    assert len(fast.mask) == 6 and (fast.mask.counts == FULL).all()
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 6), min_size=1, max_size=12), st.integers(0, 12), st.integers(0, 12))
 def test_mask_slicing_and_concat(counts, a, b):
