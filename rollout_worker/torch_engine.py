@@ -9,12 +9,15 @@ One asyncio task runs the decode loop; each turn of it is one token boundary:
     4. append token / behaviour logprob / version / mask row; a finished sequence frees its
        slot at once, so the next waiting one starts on the following turn
 
-The torch work of a turn runs in a thread (`asyncio.to_thread`) so NATS heartbeats, acks and
-the weight feed keep flowing while the model computes.
+The loop runs in its own thread, turn after turn, without a round trip through the event loop:
+NATS heartbeats, acks, rollout publishing and the weight feed stay on the event loop and only
+hand sequences and updates over (under `_cv`); finished sequences come back through
+`call_soon_threadsafe`. A busy event loop therefore no longer delays the next token.
 """
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -84,19 +87,22 @@ class TorchEngine:
         self.active: dict[int, _Seq] = {}
         self.free = list(range(slots))[::-1]
         self._closed = False
-        self._wake = asyncio.Event()
+        self._cv = threading.Condition()      # guards waiting / updates / _closed between the two threads
         self._last_step_end: float | None = None
         self._stall_from: tuple | None = None     # (prep_s, swap_s, last step end) of an update just swapped in
         self._prep = asyncio.Lock()
         self.spare: dict[str, torch.Tensor] | None = None   # fp32 buffers the next update is prepared in
         self._stale: set[str] = set()
         self._prep_s = 0.0
-        self._task: asyncio.Task | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- public interface (rollout_worker.engine.Engine) ---------------------------------
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="torch-engine")
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="torch-engine", daemon=True)
+            self._thread.start()
 
     @property
     def free_slots(self) -> int:
@@ -116,9 +122,10 @@ class TorchEngine:
         cfg = policy.SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         stop = frozenset(int(t) for t in sampling.stop) | ({self.eos_id} if self.eos_id is not None else set())
         seq = _Seq(prompt_ids, sampling, cfg, stop, asyncio.get_running_loop().create_future())
-        self.waiting.append(seq)
+        with self._cv:
+            self.waiting.append(seq)
+            self._cv.notify()
         self.start()
-        self._wake.set()
         return await seq.future
 
     async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None:
@@ -140,11 +147,12 @@ class TorchEngine:
 
     async def close(self) -> None:
         """Stop: sequences not finished fail with EngineClosed (their tasks get released)."""
-        self._closed = True
-        self._wake.set()
-        if self._task is not None:
-            await self._task
-            self._task = None
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
         exc = EngineClosed("engine closed before the sequence finished")
         for s in [*self.waiting, *self.active.values()]:
             if not s.future.done():
@@ -232,36 +240,37 @@ class TorchEngine:
     async def _submit(self, fn) -> None:
         if self._closed:
             raise EngineClosed("engine is closed")
-        fut = self.updates.submit(fn)
+        with self._cv:
+            fut = self.updates.submit(fn)
+            self._cv.notify()
         self.start()
-        self._wake.set()
         await fut
 
     # -- the decode loop -----------------------------------------------------------------
-    async def _loop(self) -> None:
-        while not self._closed:
-            if not (self.updates or self.waiting or self.active):
-                self._wake.clear()
-                self._last_step_end = None          # idle: the next update stalls nobody
-                await self._wake.wait()
-                continue
-            pending = self.updates.take()
-            admits = self._take_admits()
+    def _run(self) -> None:
+        """The decode thread: one turn after another while there is work, asleep otherwise."""
+        while True:
+            with self._cv:
+                while not (self._closed or self.updates or self.waiting or self.active):
+                    self._last_step_end = None          # idle: the next update stalls nobody
+                    self._cv.wait()
+                if self._closed:
+                    return
+                pending = self.updates.take()
+                admits = self._take_admits()
             try:
-                finished = await asyncio.to_thread(self._turn, pending, admits)
+                finished = self._turn(pending, admits)
+                results = [(s.future, None, self._result(s)) for s in finished]
             except Exception as e:  # a bug in a turn must not hang callers: fail what was in it
                 log.exception("engine turn failed", error=str(e))
+                results = [(s.future, e, None) for s in [*admits, *self.active.values()]]
                 for s in [*admits, *self.active.values()]:
-                    if not s.future.done():
-                        s.future.set_exception(e)
                     if s.slot >= 0:
                         self.free.append(s.slot)
                         s.slot = -1
                 self.active.clear()
-                continue
-            for s in finished:
-                if not s.future.done():
-                    s.future.set_result(self._result(s))
+            for fut, exc, res in results:
+                self._loop.call_soon_threadsafe(_settle, fut, exc, res)
 
     def _take_admits(self) -> list[_Seq]:
         n = min(len(self.free), len(self.waiting))
