@@ -20,8 +20,12 @@ Length distribution (completion tokens of the steps style, eos excluded):
                   direct style 3..6 tokens.
   ``arith-small`` operands of 1..2 digits (the demo): steps 11..21 tokens, padded 39..41.
   ``arith-long``  operand digits 1..12, P(d) ∝ 0.6^(d-1) (long tail): 11..121 tokens,
-                  median 31, p99 ~101 — for the async benchmark, where a few long
-                  generations must not stall the short ones.
+                  median 31, p99 ~101.
+  ``arith-tail``  arith-long's body (1..14 digits, P(d) ∝ 0.6^(d-1)) plus 3 % of operands of
+                  15..19 digits, so ~5 % of problems need 150..191 tokens: median 31, p95 151,
+                  p99 191; the longest of 32 problems averages ~163 tokens (arith-long: ~92).
+                  For the async benchmark, where a few long generations must not stall the
+                  short ones (coding RL is like this: most answers short, a few run very long).
 The eval split holds the operand pairs whose hash falls in `eval_fraction`: disjoint from train.
 """
 from __future__ import annotations
@@ -58,12 +62,19 @@ def steps_text(a: int, b: int, width: int = 0) -> str:
 
 class ArithEnv:
     def __init__(self, name: str = "arith", min_digits: int = 2, max_digits: int = 4,
-                 tail: float | None = None, eval_fraction: float = 0.1):
+                 tail: float | None = None, eval_fraction: float = 0.1, far: tuple[int, float] | None = None):
         self.name, self.min_digits, self.max_digits = name, min_digits, max_digits
         self.tail, self.eval_fraction = tail, eval_fraction
-        # digit-count weights: uniform, or geometric (long-tailed) when `tail` is given
+        # digit-count weights: uniform, or geometric (long-tailed) when `tail` is given; with
+        # far = (d, mass) the counts d..max_digits share `mass` evenly (rare, very long problems)
         ks = range(min_digits, max_digits + 1)
         w = [1.0 if tail is None else tail ** (k - min_digits) for k in ks]
+        if far is not None:
+            d, mass = far
+            if not (min_digits < d <= max_digits and 0 < mass < 1):
+                raise ValueError(f"far=(digits, mass) needs {min_digits} < digits <= {max_digits} and 0 < mass < 1")
+            body = sum(x for k, x in zip(ks, w) if k < d)
+            w = [x * (1 - mass) / body if k < d else mass / (max_digits - d + 1) for k, x in zip(ks, w)]
         self._cum = [sum(w[: i + 1]) / sum(w) for i in range(len(w))]
 
     def _digits(self, rng) -> int:
@@ -123,6 +134,8 @@ class ArithEnv:
 
 register("arith")(lambda: ArithEnv("arith", 2, 4))
 register("arith-long")(lambda: ArithEnv("arith-long", 1, 12, tail=0.6))
+# operands stay below 2**64: task specs travel as msgpack ints
+register("arith-tail")(lambda: ArithEnv("arith-tail", 1, 19, tail=0.6, far=(15, 0.03)))
 # the demo's env: 1–2 digit operands, which a ~1M-param char model learns (steps style) in a
 # ~1-minute warm start, leaving RL visible room: direct answers mostly wrong, steps mostly right
 register("arith-small")(lambda: ArithEnv("arith-small", 1, 2))

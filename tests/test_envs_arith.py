@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from envs import ENVS, SpecError, get_env
-from envs.arith import steps_text
+from envs.arith import ArithEnv, steps_text
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,17 @@ def test_eval_split_is_disjoint_and_long_env_has_a_tail(env):
     long = get_env("arith-long")
     lens = np.array([len(long.demonstration(long.sample(r).spec, "steps")) for _ in range(2000)])
     assert lens.min() < 30 and np.percentile(lens, 50) < 40 and lens.max() > 90
+
+
+def test_far_tail_puts_its_mass_on_very_long_problems():
+    """arith-tail: the arith-long body plus ~5 % of problems of 15..19 digits (150..191 tokens)."""
+    r = random.Random(2)
+    tail = get_env("arith-tail")
+    specs = [tail.sample(r).spec for _ in range(4000)]
+    lens = np.array([len(tail.demonstration(s, "steps")) for s in specs])
+    assert np.percentile(lens, 50) < 40
+    assert 0.03 < (lens >= 150).mean() < 0.08 and lens.max() > 180
+    assert max(max(s["a"], s["b"]) for s in specs) < 2**64      # specs travel as msgpack ints
+    for bad in [(1, 0.1), (30, 0.1), (10, 0.0), (10, 1.0)]:
+        with pytest.raises(ValueError, match="far="):
+            ArithEnv("x", 1, 24, tail=0.6, far=bad)
