@@ -1,6 +1,6 @@
 """Async vs sync RL on the same workload, side by side in one invocation.
 
-    python -m bench.async --json [--steps 12] [--config bench/async.toml]
+    python -m bench.async --json [--steps 100] [--config bench/async.toml] [--out DIR]
 
 Runs `asyncrl up` twice through the same processes — once asynchronous (workers never wait,
 trainer consumes whatever is scored, max_lag bounds staleness) and once `--sync` (max_lag 0 and
@@ -119,10 +119,45 @@ def summarize(run_dir: Path, label: str = "") -> dict:
     }
 
 
+def plot_compare(out: Path, result: dict) -> Path:
+    """async-vs-sync.png: trained samples over time, train success vs trained samples, and the
+    async run's staleness histogram."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name in ("async", "sync"):
+        rows = [r for r in read_jsonl(out / name / "metrics" / "trainer.jsonl") if "samples" in r]
+        t = np.array([r["ts"] for r in rows]) - rows[0]["ts"]
+        n = np.cumsum([r["live_samples"] for r in rows])
+        a.plot(t, n, label=f"{name}: {result[f'{name}_samples_per_s']:.1f} samples/s")
+        succ = np.array([r["success_mean"] for r in rows])
+        k = min(10, len(succ))
+        b.plot(n[k - 1:], np.convolve(succ, np.ones(k) / k, mode="valid"), label=f"{name} (mean of {k} versions)")
+        if name == "async":
+            hist: dict[int, int] = {}
+            for r in rows:
+                for lag, cnt in (r.get("staleness_hist") or {}).items():
+                    hist[int(lag)] = hist.get(int(lag), 0) + int(cnt)
+            c.bar(sorted(hist), [hist[x] for x in sorted(hist)])
+    a.set(title=f"trained samples (speedup {result['speedup']:.2f}x)", xlabel="seconds since first step")
+    b.set(title="success on training batches", xlabel="trained samples")
+    c.set(title=f"async staleness (mean {result['mean_staleness_async']:.2f})", xlabel="versions behind", ylabel="samples")
+    for ax in (a, b):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "async-vs-sync.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.async", description=__doc__)
     ap.add_argument("--config", default=str(Path(__file__).with_name("async.toml")))
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--eval-prompts", type=int, default=512, help="held-out prompts scored per run at the end")
     ap.add_argument("--minutes", type=float, default=8.0, help="per run")
     ap.add_argument("--out", default=None, help="run dirs go here (default: a temp dir)")
@@ -164,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": {"async": res_async["steps"], "sync": res_sync["steps"]},
         "runs": {"async": res_async, "sync": res_sync},
     }
+    result["plot"] = str(plot_compare(out, result))
     if not a.json:
         for k, v in result.items():
             if k != "runs":
