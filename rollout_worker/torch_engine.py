@@ -1,6 +1,6 @@
 """The default engine: `policy.Transformer` with a slotted KV cache and continuous batching.
 
-One asyncio task runs the decode loop; each turn of it is one token boundary:
+One thread runs the decode loop; each turn of it is one token boundary:
 
     1. apply pending weight updates (delta_codec.apply_delta on the bf16 state, then copy the
        changed tensors into the model) -- sequences in flight keep their KV cache
@@ -269,8 +269,11 @@ class TorchEngine:
                         self.free.append(s.slot)
                         s.slot = -1
                 self.active.clear()
-            for fut, exc, res in results:
-                self._loop.call_soon_threadsafe(_settle, fut, exc, res)
+            try:
+                for fut, exc, res in results:
+                    self._loop.call_soon_threadsafe(_settle, fut, exc, res)
+            except RuntimeError:    # the event loop is gone (process exiting without close()): nobody waits
+                return
 
     def _take_admits(self) -> list[_Seq]:
         n = min(len(self.free), len(self.waiting))
