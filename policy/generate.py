@@ -30,14 +30,14 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], sampling: Sam
     dev = next(model.parameters()).device
     cache = KVCache(model.cfg, B, max(len(p) for p in prompts) + max_new_tokens,
                     dtype=next(model.parameters()).dtype, device=dev)
-    logits = torch.stack([model.prefill(p, cache, i) for i, p in enumerate(prompts)])
+    logits = model.prefill_many(prompts, cache, list(range(B)))
     ids, lps, masks = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
     finish = [None] * B
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=dev)
     active = torch.arange(B, device=dev)
     for step in range(max_new_tokens):
         out = sample(logits, [cfgs[i] for i in active.tolist()], generator)
-        for i, tok, lp, row in zip(active.tolist(), out.tokens.tolist(), out.logprobs.tolist(), out.mask.split_rows()):
+        for i, tok, lp, row in zip(active.tolist(), out.tokens.tolist(), out.logprobs.tolist(), out.mask.row_parts()):
             ids[i].append(tok)
             lps[i].append(lp)
             masks[i].append(row)
@@ -49,4 +49,4 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], sampling: Sam
             break
         active, tokens = active[keep], out.tokens[keep]
         logits = model.decode(tokens, cache, active)
-    return [GenOut(ids[i], lps[i], SamplingMask.concat(masks[i]), finish[i] or "length") for i in range(B)]
+    return [GenOut(ids[i], lps[i], SamplingMask.from_rows(masks[i]), finish[i] or "length") for i in range(B)]

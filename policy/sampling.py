@@ -97,10 +97,17 @@ class SamplingMask:
         o = self.offsets
         return SamplingMask(self.counts[a:b], self.ids[o[a]:o[max(a, b)]])
 
-    def split_rows(self) -> list["SamplingMask"]:
-        """One single-row mask per row (offsets computed once: O(rows), for per-sequence accumulation)."""
-        o = self.offsets
-        return [SamplingMask(self.counts[i:i + 1], self.ids[o[i]:o[i + 1]]) for i in range(len(self))]
+    def row_parts(self) -> list[tuple[int, np.ndarray | None]]:
+        """(count, kept ids or None when the whole vocab was kept) per row: what a decode loop
+        appends to each sequence per token, without building a mask object per token."""
+        o, counts = self.offsets, self.counts.tolist()
+        return [(c, None if c == FULL else self.ids[o[i]:o[i + 1]]) for i, c in enumerate(counts)]
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[tuple[int, np.ndarray | None]]) -> "SamplingMask":
+        """The mask of rows collected from `row_parts` (one sequence's tokens, in order)."""
+        ids = [r for _, r in rows if r is not None]
+        return cls([c for c, _ in rows], np.concatenate(ids) if ids else np.zeros(0, np.int32))
 
     @classmethod
     def concat(cls, masks: Sequence["SamplingMask"]) -> "SamplingMask":

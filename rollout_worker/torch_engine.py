@@ -21,7 +21,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 import delta_codec
@@ -47,8 +46,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    mask_counts: list[int] = field(default_factory=list)   # policy.SamplingMask rows, one per token,
-    mask_ids: list = field(default_factory=list)           # kept as raw parts (no object per token)
+    mask_rows: list = field(default_factory=list)     # policy.SamplingMask.row_parts, one per token
     finish: str = ""
     epoch: int = 0
 
@@ -337,14 +335,12 @@ class TorchEngine:
         """Sample one token per sequence (each row with its own sampling config) and append it."""
         out = policy.sample(logits, [s.cfg for s in seqs], self.generator)
         toks, lps = out.tokens.tolist(), out.logprobs.tolist()
-        counts, offsets = out.mask.counts.tolist(), out.mask.offsets
+        rows = out.mask.row_parts()
         for j, s in enumerate(seqs):
             s.tokens.append(toks[j])
             s.logprobs.append(lps[j])
             s.versions.append(self.version)
-            s.mask_counts.append(counts[j])
-            if counts[j] != policy.FULL:
-                s.mask_ids.append(out.mask.ids[offsets[j]:offsets[j + 1]])
+            s.mask_rows.append(rows[j])
             s.epoch = self.epoch
             if toks[j] in s.stop:
                 s.finish = "stop"
@@ -355,8 +351,7 @@ class TorchEngine:
 
     def _result(self, s: _Seq) -> Generation:
         return Generation(completion_ids=s.tokens, logprobs=s.logprobs, token_versions=s.versions,
-                          sampling_mask=policy.SamplingMask(
-                              s.mask_counts, np.concatenate(s.mask_ids) if s.mask_ids else []).to_wire(),
+                          sampling_mask=policy.SamplingMask.from_rows(s.mask_rows).to_wire(),
                           finish_reason=s.finish, wall_s=time.perf_counter() - s.started,
                           epoch=s.epoch, quant=self.quant.to_wire())
 

@@ -105,7 +105,7 @@ def test_mask_slicing_and_concat(counts, a, b):
     m = SamplingMask(counts, ids)
     a, b = sorted((min(a, len(m)), min(b, len(m))))
     assert SamplingMask.concat([m[:a], m[a:b], m[b:]]) == m
-    assert SamplingMask.concat([m[i] for i in range(len(m))]) == m == SamplingMask.concat(m.split_rows())
+    assert SamplingMask.concat([m[i] for i in range(len(m))]) == m == SamplingMask.from_rows(m.row_parts())
     for i in range(len(m)):
         row = m.row(i)
         assert (row is None) == (counts[i] == FULL)
