@@ -21,6 +21,15 @@ def _smooth(v: np.ndarray, k: int = 5) -> np.ndarray:
     return np.convolve(v, np.ones(k) / k, mode="valid")
 
 
+def staleness_hist(rows: list[dict]) -> dict[int, int]:
+    """Trained samples per staleness (versions behind): the sum of the per-step histograms."""
+    hist: dict[int, int] = {}
+    for r in rows:
+        for lag, c in (r.get("staleness_hist") or {}).items():
+            hist[int(lag)] = hist.get(int(lag), 0) + int(c)
+    return hist
+
+
 def plot_run(run_dir: Path, rows: list[dict]) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -49,11 +58,7 @@ def plot_run(run_dir: Path, rows: list[dict]) -> list[str]:
         ax.set_xlabel("seconds")
         ax.legend(loc="best", fontsize=8)
         ax.grid(alpha=0.3)
-    # staleness histogram: sum of the per-step histograms {lag: count}
-    hist: dict[int, int] = {}
-    for r in rows:
-        for lag, c in (r.get("staleness_hist") or {}).items():
-            hist[int(lag)] = hist.get(int(lag), 0) + int(c)
+    hist = staleness_hist(rows)
     ax = axes[0, 2]
     if hist:
         lags = sorted(hist)

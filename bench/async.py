@@ -126,6 +126,8 @@ def plot_compare(out: Path, result: dict) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from asyncrl.report import staleness_hist
+
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
     for name in ("async", "sync"):
         rows = [r for r in read_jsonl(out / name / "metrics" / "trainer.jsonl") if "samples" in r]
@@ -136,10 +138,7 @@ def plot_compare(out: Path, result: dict) -> Path:
         k = min(10, len(succ))
         b.plot(n[k - 1:], np.convolve(succ, np.ones(k) / k, mode="valid"), label=f"{name} (mean of {k} versions)")
         if name == "async":
-            hist: dict[int, int] = {}
-            for r in rows:
-                for lag, cnt in (r.get("staleness_hist") or {}).items():
-                    hist[int(lag)] = hist.get(int(lag), 0) + int(cnt)
+            hist = staleness_hist(rows)
             c.bar(sorted(hist), [hist[x] for x in sorted(hist)])
     a.set(title=f"trained samples (speedup {result['speedup']:.2f}x)", xlabel="seconds since first step")
     b.set(title="success on training batches", xlabel="trained samples")
