@@ -233,15 +233,14 @@ def sample(logits: torch.Tensor, cfg, generator: torch.Generator | None = None) 
     scaled = scale_logits(logits, temperature)
     full = (top_p >= 1) & (top_k == 0) & (temperature > 0)
     if bool(full.all()):     # nothing truncated: no sort, the kept set is the vocab (same numbers as below)
-        logp = scaled.log_softmax(-1)
-        tokens = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
-        return SampleOut(tokens, logp.gather(1, tokens[:, None])[:, 0], SamplingMask.full(B))
-    order, keep_sorted = truncation(scaled, temperature, top_p, top_k)
-    keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
-    logp = truncated_logprobs(scaled, keep)
+        logp, mask = scaled.log_softmax(-1), SamplingMask.full(B)
+    else:
+        order, keep_sorted = truncation(scaled, temperature, top_p, top_k)
+        keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+        logp = truncated_logprobs(scaled, keep)
+        counts = keep_sorted.sum(-1).to(torch.int32)
+        counts[full] = FULL
+        ids = keep[~full].nonzero()[:, 1]                  # row-major, ascending ids within each row
+        mask = SamplingMask(counts.cpu().numpy(), ids.to(torch.int32).cpu().numpy())
     tokens = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
-    counts = keep_sorted.sum(-1).to(torch.int32)
-    counts[full] = FULL
-    ids = keep[~full].nonzero()[:, 1]                  # row-major, ascending ids within each row
-    mask = SamplingMask(counts.cpu().numpy(), ids.to(torch.int32).cpu().numpy())
     return SampleOut(tokens, logp.gather(1, tokens[:, None])[:, 0], mask)
