@@ -258,7 +258,8 @@ class TorchEngine:
                 admits = self._take_admits()
             try:
                 finished = self._turn(pending, admits)
-                results = [(s.future, None, self._result(s)) for s in finished]
+                # the Generation (mask wire form, maybe zstd) is built on the event loop, off the decode thread
+                results = [(s.future, None, s) for s in finished]
             except Exception as e:  # a bug in a turn must not hang callers: fail what was in it
                 log.exception("engine turn failed", error=str(e))
                 results = [(s.future, e, None) for s in [*admits, *self.active.values()]]
@@ -268,8 +269,8 @@ class TorchEngine:
                         s.slot = -1
                 self.active.clear()
             try:
-                for fut, exc, res in results:
-                    self._loop.call_soon_threadsafe(_settle, fut, exc, res)
+                for fut, exc, s in results:
+                    self._loop.call_soon_threadsafe(self._deliver, fut, exc, s)
             except RuntimeError:    # the event loop is gone (process exiting without close()): nobody waits
                 return
 
@@ -348,6 +349,15 @@ class TorchEngine:
                 s.finish = "length"
             if s.finish:
                 finished.append(s)
+
+    def _deliver(self, fut: asyncio.Future, exc, s: _Seq | None) -> None:
+        res = None
+        if exc is None and not fut.done():
+            try:
+                res = self._result(s)
+            except Exception as e:  # the caller gets the reason, not a future that never resolves
+                exc = e
+        _settle(fut, exc, res)
 
     def _result(self, s: _Seq) -> Generation:
         return Generation(completion_ids=s.tokens, logprobs=s.logprobs, token_versions=s.versions,
