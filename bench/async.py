@@ -43,7 +43,7 @@ def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None 
     from asyncrl.up import write_toml
     from bus import load_config
     from policy import inference_state, load_hf_checkpoint, save_hf_checkpoint
-    from trainer.__main__ import build_model
+    from trainer.factory import build_model
     from trainer.config import TrainerConfig
     from trainer.evaluate import evaluate
     from trainer.warmstart import load_tokenizer, warm_start

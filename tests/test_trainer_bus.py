@@ -17,7 +17,8 @@ from policy.logprobs import sequence_logprobs
 from policy.model import Transformer, inference_state
 from policy.sampling import SamplingConfig, SamplingMask
 from trainer import checkpoint
-from trainer.__main__ import Trainer, build_learner, build_model, build_optimizer
+from trainer.factory import build_learner, build_model, build_optimizer
+from trainer.leader import Trainer
 from trainer.batcher import Batch, Batcher, ConsumedIds, Sample
 from trainer.config import TrainerConfig
 from trainer.learner import pack

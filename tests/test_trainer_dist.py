@@ -10,7 +10,7 @@ import torch
 from asyncrl.up import write_toml
 
 from trainer import checkpoint
-from trainer.__main__ import build_learner, build_model, build_optimizer
+from trainer.factory import build_learner, build_model, build_optimizer
 from trainer.batcher import Batcher, ConsumedIds
 from trainer.learner import pack
 

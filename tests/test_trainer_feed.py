@@ -4,7 +4,8 @@ import random
 
 from bus import topology as topo
 from bus.events import Task, decode
-from trainer.__main__ import Trainer, build_learner, build_model, build_optimizer
+from trainer.factory import build_learner, build_model, build_optimizer
+from trainer.leader import Trainer
 from trainer.warmstart import warm_start
 
 from .test_trainer_bus import make_scored, trainer_config

@@ -1,0 +1,248 @@
+"""The leader loop: batches in, versions out (checkpoint, delta, keyframe, ack), under the lease.
+
+Per step (rank 0 talks to the bus; other ranks only compute):
+    batch   <- SCORED (complete groups, deduped, stale samples dropped / down-weighted)
+    step    <- PG loss with importance correction, gradient all-reduce, AdamW on fp32 master
+    bf16    <- policy.inference_state;  delta = encode_delta(last published bf16, bf16)
+    checkpoint (version v, epoch, consumed ids)  -> publish delta (+ keyframe every K) -> KV version
+    ack the batch's messages
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import delta_codec
+from bus import get_logger
+from bus import topology as topo
+from bus.events import Metrics
+from bus.weights import WeightPublisher
+from policy import ModelConfig
+
+from . import checkpoint
+from .batcher import Batcher, ConsumedIds
+from .config import TrainerConfig
+from .dist import broadcast_obj, sync_state
+from .evaluate import evaluate
+from .feeding import TaskFeeder
+from .keys import load_signing_key
+from .learner import Learner, pack
+from .lease import LeaderLease, LeaseLost
+from .warmstart import load_tokenizer, warm_start
+
+log = get_logger("trainer")
+
+
+def staleness_histogram(lags: list[int]) -> dict[str, int]:
+    """{lag: count} over the batch's samples (string keys: JSON/msgpack maps)."""
+    vals, counts = np.unique(np.asarray(lags, dtype=np.int64), return_counts=True)
+    return {str(int(v)): int(c) for v, c in zip(vals, counts)}
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, bus, learner: Learner, model_cfg: ModelConfig):
+        self.cfg, self.bus, self.learner, self.model_cfg = cfg, bus, learner, model_cfg
+        self.lease = LeaderLease(bus, cfg.trainer_id, cfg.lease_ttl_s, cfg.renew_s)
+        self.version, self.step_n, self.digest = 0, 0, ""
+        self.consumed = ConsumedIds(limit=cfg.dedupe_window)
+        self.published: dict[str, torch.Tensor] = {}
+        self.warmstarted = False
+        self.fed = asyncio.Event()       # set when a batch is taken or acked: the feeder tops up at once
+
+    def state(self) -> checkpoint.TrainerState:
+        return checkpoint.TrainerState(
+            version=self.version, epoch=self.lease.epoch, model=self.learner.model.state_dict(),
+            optimizer=self.learner.opt.state_dict(), consumed=self.consumed.to_list(), digest=self.digest,
+            model_config=self.model_cfg.to_dict(), step=self.step_n, warmstarted=self.warmstarted)
+
+    def save(self) -> None:
+        checkpoint.save(self.cfg.checkpoint_dir, self.state(), keep=self.cfg.keep_checkpoints)
+
+    def resume(self) -> bool:
+        st = checkpoint.load_latest(self.cfg.checkpoint_dir)
+        if st is None:
+            broadcast_obj(("sync",))
+            sync_state(self.learner.model, self.learner.opt)
+            return False
+        self.learner.model.load_state_dict(st.model)
+        self.learner.opt.load_state_dict(st.optimizer)
+        self.version, self.step_n, self.warmstarted = st.version, st.step, st.warmstarted
+        self.consumed = ConsumedIds(st.consumed, limit=self.cfg.dedupe_window)
+        broadcast_obj(("sync",))
+        sync_state(self.learner.model, self.learner.opt)
+        bits = self.learner.published_state()
+        if st.digest and delta_codec.state_digest(bits) != st.digest:
+            raise checkpoint.CheckpointError(
+                f"checkpoint v{st.version}: bf16 digest {delta_codec.state_digest(bits)} != recorded {st.digest}")
+        log.info("resumed from checkpoint", version=st.version, prev_epoch=st.epoch, consumed=len(st.consumed))
+        return True
+
+    def prepare(self) -> None:
+        """Newly leading: resume, warm start once, checkpoint under our epoch."""
+        self.resume()
+        if not self.warmstarted and self.cfg.warmstart_steps:
+            warm_start(self.learner.model, self.cfg, self.model_cfg, style=self.cfg.warmstart_style)
+            self.warmstarted = True
+            if self.cfg.run_dir:     # the policy RL starts from (`asyncrl calibrate-cost --checkpoint` reads it)
+                torch.save({"model": self.learner.model.state_dict(), "model_config": self.model_cfg.to_dict(),
+                            "version": self.version}, Path(self.cfg.run_dir) / "warmstart.pt")
+            broadcast_obj(("sync",))
+            sync_state(self.learner.model, self.learner.opt)
+        self.published = self.learner.published_state()
+        self.full_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
+        self.digest = delta_codec.state_digest(self.published)
+        self.save()
+
+    async def publish_metrics(self, values: dict) -> None:
+        values = {k: v for k, v in values.items() if k != "rollout_ids"}
+        try:
+            await self.bus.publish(topo.metrics_subject("trainer", self.cfg.trainer_id),
+                                   Metrics(component="trainer", component_id=self.cfg.trainer_id,
+                                           step=self.step_n, values=values))
+        except Exception as e:            # metrics are best effort; the step is already durable
+            log.warning("metrics publish failed", error=str(e))
+
+    async def maybe_evaluate(self, version: int, published: dict) -> dict:
+        """Held-out success of the published policy every `eval_every` versions (and at the start)."""
+        cfg = self.cfg
+        if not cfg.eval_every or version % cfg.eval_every:
+            return {}
+        return await asyncio.to_thread(evaluate, published, self.model_cfg, load_tokenizer(cfg.tokenizer),
+                                       cfg.envs, cfg.task_sampling, cfg.eval_prompts, cfg.seed)
+
+    def write_jsonl(self, values: dict) -> None:
+        if not self.cfg.run_dir:
+            return
+        p = Path(self.cfg.run_dir) / "metrics" / "trainer.jsonl"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "a") as f:
+            f.write(json.dumps(values) + "\n")
+
+    async def lead(self, stop: asyncio.Event) -> int:
+        cfg = self.cfg
+        epoch = await self.lease.acquire(stop)
+        if not epoch:
+            return 0
+        lost = asyncio.Event()
+        keeper = asyncio.create_task(self.lease.keep(stop, lost))
+        await asyncio.to_thread(self.prepare)        # in a thread: the lease keeps being renewed
+        publisher = WeightPublisher(self.bus, epoch, cfg.trainer_id, load_signing_key(cfg.signing_key))
+        await publisher.publish_keyframe(self.published, self.version, self.model_cfg)
+        ev = await self.maybe_evaluate(self.version, self.published)
+        if ev:
+            values = {**ev, "version": self.version, "epoch": epoch, "ts": time.time()}
+            log.info("eval", **values)
+            self.write_jsonl(values)
+            await self.publish_metrics(values)
+        batcher = Batcher(self.bus, cfg, self.consumed, self.model_cfg.vocab_size)
+        await batcher.start()
+        feeder = TaskFeeder(self.bus, cfg)
+        feed_task = asyncio.create_task(feeder.run(stop, lambda: self.version, kick=self.fed)) \
+            if cfg.feed and cfg.mode == "async" else None
+        log.info("leading", epoch=epoch, version=self.version, mode=cfg.mode)
+        batch, publishing = None, None
+        try:
+            while not stop.is_set() and not lost.is_set():
+                if cfg.max_steps and self.step_n >= cfg.max_steps:
+                    break
+                if cfg.mode == "sync" and cfg.feed:
+                    if publishing is not None:      # the barrier: tasks for v only once v is out
+                        await publishing
+                    await feeder.publish(cfg.batch_groups, min_version=self.version)
+                batch = await batcher.next_batch(self.version, lambda: stop.is_set() or lost.is_set())
+                if batch is None:
+                    continue
+                self.fed.set()
+                publishing = await self.train_on(batch, batcher, publisher, lost, publishing)
+                batch = None
+            if publishing is not None:
+                await publishing
+        except LeaseLost as e:              # deposed mid-step: nothing of this step was published
+            log.error("stepping down", error=str(e))
+            lost.set()
+        finally:
+            if publishing is not None and not publishing.done():
+                publishing.cancel()         # only on an error path: its batch is redelivered
+            if feed_task:
+                feed_task.cancel()
+            await batcher.close(held_back=batch)
+            stop_keeper = stop.is_set() or lost.is_set()
+            keeper.cancel()
+            if not lost.is_set():
+                await self.lease.release()
+            log.info("leader loop ended", version=self.version, lost=lost.is_set(), stopped=stop_keeper)
+        return 3 if lost.is_set() else 0
+
+    def _step(self, packed) -> dict:
+        broadcast_obj(("step", packed))
+        return self.learner.step(packed)
+
+    async def train_on(self, batch, batcher: Batcher, publisher: WeightPublisher, lost: asyncio.Event,
+                       previous: asyncio.Task | None = None) -> asyncio.Task:
+        """Compute version v+1 from `batch`; return the task that checkpoints and publishes it.
+
+        Publication (encode, checkpoint, delta, ack, metrics) overlaps the next batch's step: it
+        waits on I/O and the bus more than on the CPU. At most one publication is in flight, and
+        each starts only after the previous one finished, so versions go out in order."""
+        t0 = time.perf_counter()
+        packed = pack(batch)
+        live = sum(1 for s in packed if s.weight > 0 and s.completion_ids)
+        # CPU/GPU-heavy parts run in a thread so the event loop keeps renewing the lease
+        stats: dict = await asyncio.to_thread(self._step, packed) if live else {}
+        if live:
+            self.version += 1
+            self.step_n += 1
+        self.consumed.add(batch.rollout_ids)
+        base, new = self.published, await asyncio.to_thread(self.learner.published_state)
+        # the next step updates the weights and optimizer in place: checkpoint a copy of this state
+        snapshot = await asyncio.to_thread(checkpoint.snapshot, self.state())
+        if previous is not None:
+            await previous               # v-1 is out (or raised) before v starts going out
+        snapshot.digest = self.digest    # v-1's, now final; a live step replaces it with v's below
+        self.published = new
+        return asyncio.create_task(self.publish_version(
+            batch, packed, stats, live, base, new, snapshot, batcher, publisher, lost, t0))
+
+    async def publish_version(self, batch, packed, stats, live, base, new, snapshot, batcher: Batcher,
+                              publisher: WeightPublisher, lost: asyncio.Event, t0: float) -> None:
+        cfg, version = self.cfg, snapshot.version
+        delta = await asyncio.to_thread(delta_codec.encode_delta, base, new,
+                                        from_version=version - 1, to_version=version) if live else None
+        if not self.lease.valid() or lost.is_set():
+            raise LeaseLost("leader lease no longer valid: refusing to checkpoint or publish")
+        if delta is not None:       # the codec already hashed every tensor of `new`: no second pass
+            self.digest = snapshot.digest = delta.new_digest
+        await asyncio.to_thread(checkpoint.save, cfg.checkpoint_dir, snapshot, cfg.keep_checkpoints)
+        delta_bytes = 0
+        if delta is not None:
+            delta_bytes = (await publisher.publish_delta(delta)).size
+            if version % cfg.keyframe_interval == 0:
+                await publisher.publish_keyframe(new, version, self.model_cfg, set_version=False)
+        await batcher.ack(batch)
+        self.fed.set()
+        lags = [s.lag for s in packed]
+        values = {
+            **{k: v for k, v in stats.items()}, "version": version, "epoch": self.lease.epoch,
+            "reward_mean": float(np.mean([s.reward for s in packed])),
+            "success_mean": float(np.mean([s.success for s in packed])),
+            "cost_mean": float(np.mean([s.cost for s in packed])), "lambda": float(np.mean([s.lambda_ for s in packed])),
+            "samples": len(packed), "live_samples": live, "groups": batch.n_groups,
+            "staleness_mean": float(np.mean(lags)), "staleness_hist": staleness_histogram(lags),
+            "dropped_stale": sum(1 for s in packed if s.weight == 0),
+            # in-flight updates: trajectories whose tokens came from more than one policy version
+            "multi_version_samples": sum(1 for s in batch.samples if len(set(s.rollout.token_versions)) > 1),
+            "delta_bytes": delta_bytes, "delta_ratio": delta_bytes / self.full_bytes,
+            "changed_frac": (delta.stats.changed / max(delta.stats.total, 1)) if delta is not None else 0.0,
+            "duplicates": batcher.counters["duplicates"], "invalid": batcher.counters["invalid"],
+            "total_s": time.perf_counter() - t0, "rollout_ids": batch.rollout_ids, "ts": time.time(),
+            **(await self.maybe_evaluate(version, new)),
+        }
+        log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in values.items()
+                            if k not in ("rollout_ids", "staleness_hist")})
+        self.write_jsonl(values)
+        await self.publish_metrics(values)
