@@ -1,4 +1,4 @@
-"""Chaos benchmark: the fault scenarios of tests/chaos_harness.py in sequence, each bounded.
+"""Chaos benchmark: the fault scenarios of bench/chaos_harness.py in sequence, each bounded.
 
     python -m bench.chaos --json                      # from the repo root; last line: one JSON object
     python -m bench.chaos --only worker_sigkill,nats_restart --tasks 100
@@ -25,16 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+
 
 
 def load_harness():
-    if str(ROOT) not in sys.path:        # the harness lives with the tests (not an installed package)
-        sys.path.insert(0, str(ROOT))
-    try:
-        from tests import chaos_harness
-    except ImportError as e:
-        raise SystemExit(f"bench.chaos needs the repository checkout (tests/chaos_harness.py): {e}")
+    from bench import chaos_harness
     return chaos_harness
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bus.events import Delta, Keyframe
-from tests import chaos_harness as h
+from bench import chaos_harness as h
 
 
 def write_steps(fleet_dir, trainer: str, steps: list[list[str]]) -> None:

@@ -1,12 +1,12 @@
 """Long fault-injection scenarios (make test-chaos): real trainer / scorer / worker processes,
 real nats-server, faults by signal. Each scenario is bounded and checks its own guarantees
-(tests/chaos_harness.py); here every one must report nothing lost, nothing trained twice,
+(bench/chaos_harness.py); here every one must report nothing lost, nothing trained twice,
 recovery within its target."""
 from __future__ import annotations
 
 import pytest
 
-from tests import chaos_harness as h
+from bench import chaos_harness as h
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
