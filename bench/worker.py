@@ -14,8 +14,11 @@ decode_step_ms_p50            one batched decode step (median over workers)
 step_gap_ms_p50/p99           end of one decode step to the next when no update came between (baseline)
 update_stall_ms_p50/p99       gap between the two decode steps straddling an update (p99: worst worker)
 update_apply_ms_p50/p99       preparing an update off the decode path (apply_delta + upcast copy)
-update_stall_excess_ms_p99    stall minus the part of the update done at the boundary (the swap);
-                              target <= 2 x decode_step_ms_p50
+update_stall_excess_ms_p99    stall minus the part of the update done at the boundary (the swap)
+update_stall_total_ms_p50/p99 the stall plus what the decode steps slowed by the preparation thread
+                              lost against the baseline gap (swap mode prepares beside decoding)
+update_stall_steps_p50/p99    total stall / median baseline gap: the update's cost in decode steps
+                              (1 = no visible cost); swap-mode target: p99 <= 2
 publish_to_patched_ms_p50/p99 publish_delta() called -> every worker announced it live
 """
 from __future__ import annotations
@@ -63,16 +66,23 @@ def pct(xs, q) -> float:
     return float(np.percentile(np.asarray(xs, np.float64), q)) if len(xs) else 0.0
 
 
-async def feed_tasks(bus, stop: asyncio.Event, low: int, max_tokens: int) -> None:
+def draw_task(i: int, rng: np.random.Generator, max_tokens: int) -> Task:
+    """A prompt of 1-6 digit operands and an answer length from a long-tailed distribution
+    (lognormal, median max_tokens/4, capped at max_tokens): sequences start and end at
+    different steps, as in real rollouts, so updates land at every phase of a batch."""
+    a, b = (int(x) for x in rng.integers(0, 10 ** rng.integers(1, 7, size=2)))
+    n = int(np.clip(rng.lognormal(np.log(max(max_tokens / 4, 1)), 0.8), 1, max_tokens))
+    return Task(task_id=f"b{i}", env="bench", prompt=f"{a}+{b}=", sampling={"max_tokens": n, "n": 1})
+
+
+async def feed_tasks(bus, stop: asyncio.Event, low: int, max_tokens: int, seed: int = 0) -> None:
     """Keep at least `low` tasks waiting on TASKS (a steady supply)."""
-    i = 0
+    i, rng = 0, np.random.default_rng(seed)
     while not stop.is_set():
         info = await bus.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
         missing = 2 * low - info.num_pending if info.num_pending < low else 0
         if missing > 0:
-            batch = [(topo.task_subject("bench"), Task(task_id=f"b{i + j}", env="bench", prompt="12+30=",
-                                                       sampling={"max_tokens": max_tokens, "n": 1}))
-                     for j in range(missing)]
+            batch = [(topo.task_subject("bench"), draw_task(i + j, rng, max_tokens)) for j in range(missing)]
             i += missing
             await bus.publish_many(batch)
         await asyncio.sleep(0.05)
@@ -214,13 +224,16 @@ async def run(a) -> dict:
         "update_apply_ms_p50": round(med("update_apply_ms_p50"), 2),
         "update_apply_ms_p99": round(max(m["update_apply_ms_p99"] for m in ws), 2),
         "update_stall_excess_ms_p99": round(max(m["update_stall_excess_ms_p99"] for m in ws), 2),
+        "update_stall_total_ms_p50": round(med("update_stall_total_ms_p50"), 2),
+        "update_stall_total_ms_p99": round(max(m["update_stall_total_ms_p99"] for m in ws), 2),
+        "update_stall_steps_p50": round(med("update_stall_steps_p50"), 2),
+        "update_stall_steps_p99": round(max(m["update_stall_steps_p99"] for m in ws), 2),
         "publish_to_patched_ms_p50": round(pct(p2p, 50), 1), "publish_to_patched_ms_p99": round(pct(p2p, 99), 1),
         "updates_refused": int(sum(m["updates_refused"] for m in ws)),
     }
-    # issue's target: stall p99 <= 2 x decode p50 + the delta's apply time. This engine prepares the
-    # update off the decode path, so we also report the stricter form without the apply time.
-    out["stall_target_met"] = out["update_stall_ms_p99"] <= 2 * decode_p50 + out["update_apply_ms_p50"]
-    out["stall_strict_target_met"] = out["update_stall_excess_ms_p99"] <= 2 * decode_p50
+    # target: an update costs at most 2 decode steps at p99 (worst worker). In swap mode the apply
+    # runs beside decoding, so no apply-time allowance: the steps it slows count as stall instead.
+    out["stall_target_met"] = out["update_stall_steps_p99"] <= 2.0
     out["stall_over_baseline_gap_p50"] = round(out["update_stall_ms_p50"] / max(out["step_gap_ms_p50"], 1e-9), 3)
     out["stall_over_baseline_gap_p99"] = round(out["update_stall_ms_p99"] / max(out["step_gap_ms_p99"], 1e-9), 3)
     out["publish_target_met"] = out["publish_to_patched_ms_p99"] <= 1000.0
@@ -240,9 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("proc", "inproc"), default="proc",
                     help="proc: one `python -m rollout_worker` process per worker; inproc: Worker objects here")
     ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--deltas", type=int, default=10)
+    ap.add_argument("--deltas", type=int, default=50, help="deltas published (p99 needs >= 50)")
     ap.add_argument("--frac", type=float, default=0.01, help="fraction of elements changed per delta")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64, help="cap of the long-tailed answer length")
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--interval-s", type=float, default=1.0, help="time between two deltas")
     ap.add_argument("--warmup-s", type=float, default=2.0)

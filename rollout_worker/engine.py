@@ -162,19 +162,29 @@ class EngineMetrics:
         self.stall_ms: deque[float] = deque(maxlen=window)
         self.apply_ms: deque[float] = deque(maxlen=window)
         self.stall_excess_ms: deque[float] = deque(maxlen=window)   # stall minus that update's apply time
+        # swap mode prepares an update in a thread beside the decode loop: the decode steps it slows
+        # are part of that update's cost, so their gaps are kept out of the baseline and their excess
+        # over the baseline median is added to the update's stall
+        self._prep_gaps: list[float] = []
+        self.stall_total_ms: deque[float] = deque(maxlen=window)
+        self.stall_steps: deque[float] = deque(maxlen=window)       # total stall / median baseline gap
         self.tokens = 0
         self.updates = 0
         self.refused = 0
         self.started = time.perf_counter()
         self.busy_s = 0.0             # time with at least one active sequence
 
-    def step(self, dt_s: float, active: int, gap_s: float | None = None) -> None:
+    def step(self, dt_s: float, active: int, gap_s: float | None = None, preparing: bool = False) -> None:
         self.step_ms.append(dt_s * 1e3)
         if gap_s is not None:
-            self.gap_ms.append(gap_s * 1e3)
+            (self._prep_gaps if preparing else self.gap_ms).append(gap_s * 1e3)
         self.occupancy.append(active / max(self.slots, 1))
         self.tokens += active
         self.busy_s += dt_s
+
+    def prep_refused(self) -> None:
+        """An update refused while being prepared: the steps it slowed belong to no update."""
+        self._prep_gaps = []
 
     def update(self, apply_s: float, stall_s: float | None, boundary_s: float | None = None) -> None:
         """An update applied in `apply_s`; `stall_s` is the gap between the two decode steps
@@ -182,9 +192,15 @@ class EngineMetrics:
         the part of the apply done at the token boundary (default: all of it)."""
         self.updates += 1
         self.apply_ms.append(apply_s * 1e3)
+        slowed, self._prep_gaps = self._prep_gaps, []
         if stall_s is not None:
             self.stall_ms.append(stall_s * 1e3)
             self.stall_excess_ms.append((stall_s - (apply_s if boundary_s is None else boundary_s)) * 1e3)
+            base = float(np.median(self.gap_ms)) if self.gap_ms else 0.0
+            total = stall_s * 1e3 + max(0.0, sum(slowed) - base * len(slowed))
+            self.stall_total_ms.append(total)
+            if base > 0:
+                self.stall_steps.append(total / base)
 
     def snapshot(self) -> dict:
         wall = max(time.perf_counter() - self.started, 1e-9)
@@ -199,6 +215,10 @@ class EngineMetrics:
             "update_stall_ms_p50": _pct(self.stall_ms, 50),
             "update_stall_ms_p99": _pct(self.stall_ms, 99),
             "update_stall_excess_ms_p99": _pct(self.stall_excess_ms, 99),
+            "update_stall_total_ms_p50": _pct(self.stall_total_ms, 50),
+            "update_stall_total_ms_p99": _pct(self.stall_total_ms, 99),
+            "update_stall_steps_p50": _pct(self.stall_steps, 50),
+            "update_stall_steps_p99": _pct(self.stall_steps, 99),
             "update_apply_ms_p50": _pct(self.apply_ms, 50),
             "update_apply_ms_p99": _pct(self.apply_ms, 99),
             "updates": self.updates,

@@ -92,6 +92,7 @@ class TorchEngine:
         self.spare: dict[str, torch.Tensor] | None = None   # fp32 buffers the next update is prepared in
         self._stale: set[str] = set()
         self._prep_s = 0.0
+        self._preparing = False               # an update is being prepared beside the decode loop
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -180,11 +181,15 @@ class TorchEngine:
                 self.metrics.refused += 1
                 raise
         t0 = time.perf_counter()
+        self._preparing = True
         try:
             names = await asyncio.to_thread(prepare)   # DeltaError/ValueError: nothing changed
         except BaseException:
             self.metrics.refused += 1
+            self.metrics.prep_refused()
             raise
+        finally:
+            self._preparing = False
         prep_s = time.perf_counter() - t0
         await self._submit(lambda: self._swap(names, version, epoch, prep_s))
 
@@ -317,7 +322,8 @@ class TorchEngine:
             self._emit(live, logits, finished)
             end = time.perf_counter()
             gap = end - self._last_step_end if self._last_step_end is not None and self._stall_from is None else None
-            self.metrics.step(end - t1, len(live) + len(admits), gap)   # sequences that got a token this turn
+            self.metrics.step(end - t1, len(live) + len(admits), gap,   # sequences that got a token this turn
+                              preparing=self._preparing)
             self._last_step_end = end
         else:
             self.metrics.tokens += len(admits)
