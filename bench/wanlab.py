@@ -102,7 +102,10 @@ class Lab:
         # leaf port -1: the server picks one; read back from /varz
         self.hub = EmbeddedServer(self.root / "hub", config_file=self._conf("hub", (
             "server_name: hub\nmax_payload: 8MB\n"
-            f"jetstream {{ domain: {topo.HUB_DOMAIN} }}\nleafnodes {{ listen: 127.0.0.1:-1 }}\n")))
+            f"jetstream {{ domain: {topo.HUB_DOMAIN} }}\n"
+            # no_advertise: else a region learns the hub's own leaf address and reconnects there,
+            # around its WAN link
+            "leafnodes { listen: 127.0.0.1:-1, no_advertise: true }\n")))
         await self.hub.start()
         self.hub_leaf_port = int(_get_json(self.hub.monitor_url + "/varz")["leaf"]["port"])
         ports = await self.links.start({n: {"target": ["127.0.0.1", self.hub_leaf_port], **asdict(s)}

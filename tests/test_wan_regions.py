@@ -5,6 +5,7 @@ Two regions on loopback (bench.wanlab), each behind a bench.delayline link; ≤ 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from bench.wanlab import Lab
 from bus import topology as topo
 from bus import events
 from bus.events import Task
-from bus.regions import WeightSource
+from bus.regions import MirrorMissing, WeightSource
 from bus.weights import StateTarget, WeightFeed, WeightPublisher
 
 
@@ -220,13 +221,19 @@ async def test_blob_reader_waits_for_a_blob_the_mirror_has_not_got_yet(lab):
     hub = await lab.hub_bus("trainer")
     _, src = await lab.worker_bus("far", "w", read="mirror")
     src.blob_wait_s = 15.0
-    await lab.cut("far")
-    await hub.put_blob("late", b"x" * 700_000)                 # on the hub; the region is cut off
+    await src._blobs()                    # bound to the mirror while it exists
+    await src.js.delete_stream(topo.BLOB_STREAM)               # the region's mirror misses the put
+    data = os.urandom(700_000)            # incompressible: the leaf link compresses (s2)
+    await hub.put_blob("late", data)
+    _, fresh = await lab.worker_bus("far", "w2", read="mirror")
+    with pytest.raises(MirrorMissing, match="provision"):     # a region without mirrors: said so
+        await fresh.get_blob("late")
     got = asyncio.ensure_future(src.get_blob("late"))
     await asyncio.sleep(1.0)
-    assert not got.done()
-    await lab.restore("far")
-    assert await asyncio.wait_for(got, 20) == b"x" * 700_000
+    assert not got.done()                 # waiting, not failing (the mirror is not even there)
+    await lab.provision_region("far")     # the mirror comes back and copies the blob
+    assert await asyncio.wait_for(got, 20) == data
+    assert (await lab.counters())["far"]["down"]["bytes"] > len(data)
     src.blob_wait_s = 0.2
     from bus import BlobError
     with pytest.raises(BlobError, match="not found"):
@@ -234,10 +241,18 @@ async def test_blob_reader_waits_for_a_blob_the_mirror_has_not_got_yet(lab):
 
 
 @pytest.mark.asyncio
-async def test_region_death_reroutes_its_tasks_and_the_link_back_catches_up(lab):
-    """`far` dies holding tasks: after ack_wait `near` does them, none lost. When `far` comes
-    back its mirror catches up (past the hub's delta retention: a keyframe) and its feed resumes."""
+async def test_region_death_reroutes_its_tasks_and_its_feed_resumes_past_retention(lab):
+    """`far` dies holding tasks: after ack_wait `near` does them, none lost. Weights move on past
+    the hub's delta retention meanwhile; when `far` is back its mirror holds only what the hub
+    kept, and far's feed (the same WeightFeed, reconnected) resyncs from a keyframe."""
     hub = await lab.hub_bus("trainer")
+    pub = WeightPublisher(hub, epoch=1, trainer_id="t")
+    state = _state(20_000)
+    await pub.publish_keyframe(state, 0, {})
+    _, src = await lab.worker_bus("far", "far-feed", read="mirror")
+    target, stop, task, feed = await _follow(src, "far-feed", poll_s=0.2)
+    await _until(lambda: target.version == 0, 20, "far at v0")
+
     n_tasks = 24
     await hub.publish_many([(topo.task_subject("wan"), Task(task_id=f"t{i}", env="wan", prompt="p"))
                             for i in range(n_tasks)])
@@ -257,25 +272,48 @@ async def test_region_death_reroutes_its_tasks_and_the_link_back_catches_up(lab)
 
     far_bus, _ = await lab.worker_bus("far", "far-w")
     near_bus, _ = await lab.worker_bus("near", "near-w")
-    workers = [asyncio.ensure_future(worker("far", far_bus, 0.05)),
-               asyncio.ensure_future(worker("far", far_bus, 0.05)),
+    workers = [asyncio.ensure_future(worker("far", far_bus, 0.1)),
+               asyncio.ensure_future(worker("far", far_bus, 0.1)),
                asyncio.ensure_future(worker("near", near_bus, 0.3))]
     await _until(lambda: len(done["far"]) >= 2, 20, "far working")
     await lab.kill_region("far")
+    died_with = n_tasks - len(set(done["near"]) | set(done["far"]))
+
+    keep = lab.topology.weights_keep
+    for v in range(1, keep + 6):
+        new = _step(state, 0.01, v)
+        await pub.publish_delta(delta_codec.encode_delta(state, new, from_version=v - 1, to_version=v))
+        state = new
+        if v == keep + 2:
+            await pub.publish_keyframe(state, v, {})
+
     await _until(lambda: len(set(done["near"]) | set(done["far"])) >= n_tasks, 30, "every task done")
     stop_work.set()
     await asyncio.gather(*workers, return_exceptions=True)
     info = await hub.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
     assert info.num_ack_pending == 0 and info.num_pending == 0
-    assert len(set(done["near"]) | set(done["far"])) == n_tasks
+    assert len(set(done["near"]) | set(done["far"])) == n_tasks and died_with > 0
 
-    # near's link is cut while weights move on past the hub's delta retention (weights_keep):
-    # when it is back, near's mirror skips what the hub dropped and the feed resyncs from a keyframe
+    assert target.version == 0
+    await lab.start_region("far")         # a fresh server: its memory mirrors are declared again
+    await _until(lambda: target.version == keep + 5, 30, "far caught up")
+    assert all(torch.equal(target.state[k], state[k]) for k in state)
+    assert feed.resyncs >= 1 and feed.applied["keyframe"] >= 1, feed.stats()
+    stop.set()
+    await task
+
+
+@pytest.mark.chaos
+@pytest.mark.asyncio
+async def test_link_cut_then_back_mirror_catches_up_and_feed_resumes(lab):
+    """A region's link is cut while versions move past retention; when it is back the mirror
+    catches up on the server's own retry schedule (tens of seconds: see docs/operations.md)."""
+    hub = await lab.hub_bus("trainer")
     pub = WeightPublisher(hub, epoch=1, trainer_id="t")
     state = _state(20_000)
     await pub.publish_keyframe(state, 0, {})
     _, src = await lab.worker_bus("near", "near-feed", read="mirror")
-    target, stop, task, feed = await _follow(src, "near-feed")
+    target, stop, task, feed = await _follow(src, "near-feed", poll_s=0.2)
     await _until(lambda: target.version == 0, 20, "near at v0")
     await lab.cut("near")
     keep = lab.topology.weights_keep
@@ -285,18 +323,11 @@ async def test_region_death_reroutes_its_tasks_and_the_link_back_catches_up(lab)
         state = new
         if v == keep + 2:
             await pub.publish_keyframe(state, v, {})
+    await asyncio.sleep(2)
     assert target.version == 0
     await lab.restore("near")
-    await _until(lambda: target.version == keep + 5, 30, "near caught up")
+    await _until(lambda: target.version == keep + 5, 120, "near caught up")
     assert all(torch.equal(target.state[k], state[k]) for k in state)
-    assert feed.applied["keyframe"] >= 1 and feed.resyncs >= 1, feed.stats()
-    stop.set()
-    await task
-
-    # far comes back (a fresh server: its memory mirrors are declared again) and catches up
-    await lab.start_region("far")
-    _, src = await lab.worker_bus("far", "far-back", read="mirror")
-    target, stop, task, feed = await _follow(src, "far-back")
-    await _until(lambda: target.version == keep + 5, 20, "far caught up")
+    assert feed.resyncs >= 1, feed.stats()
     stop.set()
     await task
