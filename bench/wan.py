@@ -210,7 +210,7 @@ async def new_lab(a, root: str, **kw) -> Lab:
 
 async def run_config(a, c: Cfg, base_state: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-wan-") as root:
-        lab = await new_lab(a, root)
+        lab = await new_lab(a, root, mirrors=c.read == "mirror")   # no mirror traffic in hub runs
         procs = {r: RegionProc(lab, r, a.workers, c.read) for r in a.regions}
         try:
             hub = await lab.hub_bus("bench-trainer")

@@ -80,12 +80,14 @@ class Links:
 
 class Lab:
     def __init__(self, root: str | Path, regions: dict[str, LinkSpec], *,
-                 topology: topo.TopologyConfig | None = None, mirror: topo.MirrorConfig | None = None):
+                 topology: topo.TopologyConfig | None = None, mirror: topo.MirrorConfig | None = None,
+                 mirrors: bool = True):
         self.root = Path(root)
         self.specs = dict(regions)
         self.topology = topology or topo.TopologyConfig(storage="memory")
         self.mirror = mirror or topo.MirrorConfig(storage="memory",
                                                   weights_keep=self.topology.weights_keep)
+        self.mirrors = mirrors            # False: regions without mirrors (every read crosses the WAN)
         self.hub: EmbeddedServer | None = None
         self.regions: dict[str, EmbeddedServer] = {}
         self.links = Links()
@@ -121,7 +123,8 @@ class Lab:
         await asyncio.gather(*(s.start() for s in self.regions.values()))
         for name in self.specs:
             await self.wait_leaf(name)
-            await self.provision_region(name)
+            if self.mirrors:
+                await self.provision_region(name)
         return self
 
     async def provision_region(self, name: str) -> dict:
@@ -175,7 +178,8 @@ class Lab:
     async def start_region(self, region: str) -> None:
         await self.regions[region].start()
         await self.wait_leaf(region)
-        await self.provision_region(region)      # memory mirrors do not survive a restart
+        if self.mirrors:
+            await self.provision_region(region)      # memory mirrors do not survive a restart
 
     async def counters(self) -> dict:
         return await self.links.counters()
