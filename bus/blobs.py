@@ -11,6 +11,7 @@ import asyncio
 import base64
 import hashlib
 import io
+import time
 
 import nats.js.errors as jse
 from nats.js import api
@@ -31,14 +32,31 @@ def _sha_of(info) -> bytes:
     return base64.urlsafe_b64decode(info.digest.split("=", 1)[1] + "==")
 
 
-async def get_blob(bus, name: str, timeout_s: float = 120.0) -> bytes:
-    """Stream the chunks through a flow-controlled push consumer straight into one buffer."""
+async def _info_when_there(obs, name: str, wait_s: float):
+    """The object's meta. On a region's mirror it can arrive after the WEIGHTS event that names
+    it (two mirrors, replicated independently): wait up to `wait_s` for it. The meta is put after
+    the chunks, so once it is in the mirror, so are they."""
+    from bus.client import BlobError
+    deadline, delay = time.monotonic() + wait_s, 0.005
+    while True:
+        try:
+            return await obs.get_info(name)
+        except jse.NotFoundError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BlobError(f"blob {name!r} not found in {obs._name}"
+                                + (f" (waited {wait_s}s)" if wait_s else "")) from None
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 0.5)
+
+
+async def get_blob(bus, name: str, timeout_s: float = 120.0, wait_s: float = 0.0) -> bytes:
+    """Stream the chunks through a flow-controlled push consumer straight into one buffer.
+    The consumer is bound by stream name (`obs._stream`), never looked up by subject, so this
+    also reads a mirror of the bucket's stream (which has no subjects of its own)."""
     from bus.client import BlobError
     obs = await bus._blobs()
-    try:
-        info = await obs.get_info(name)
-    except jse.NotFoundError:
-        raise BlobError(f"blob {name!r} not found in {obs._name}") from None
+    info = await _info_when_there(obs, name, wait_s)
     if info.size == 0:
         return b""
     chunks: list[bytes] = []

@@ -44,6 +44,7 @@ class BusConfig:
     request_timeout_s: float = 10.0       # JetStream API / publish ack timeout
     publish_retries: int = 8              # a publish is retried (safe: Nats-Msg-Id dedupes)
     js_domain: str | None = None          # JetStream domain (a worker behind a leaf node reaches the hub's "hub")
+    weights_domain: str | None = None     # a region's JetStream domain: read WEIGHTS + blobs from its mirrors (bus.regions)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 
 

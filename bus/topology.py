@@ -197,3 +197,77 @@ async def provision(js, cfg: TopologyConfig | None = None, log=None) -> dict[str
             bucket=BLOB_BUCKET, ttl=cfg.blob_ttl_s, replicas=cfg.replicas, storage=storage))
         done[BLOB_BUCKET] = "created"
     return done
+
+
+# ---------------------------------------------------------------------------------------------
+# regions: a region's server (its own JetStream domain, a leaf node of the hub) mirrors WEIGHTS
+# and the blob store's stream under the same names, so the weight feed and the blob reader run
+# unchanged against the region's domain, and each update crosses the WAN once per region
+# ---------------------------------------------------------------------------------------------
+HUB_DOMAIN = "hub"                      # the trainer's JetStream domain (deploy/nats/single.conf)
+BLOB_STREAM = f"OBJ_{BLOB_BUCKET}"
+MIRRORED = (WEIGHTS, BLOB_STREAM)
+
+
+@dataclass
+class MirrorConfig:
+    """Retention of one region's mirrors. Set per region: deletes and purges on the hub are not
+    mirrored, so without limits a mirror only grows."""
+    hub_domain: str = HUB_DOMAIN
+    storage: str = "file"             # file | memory
+    weights_keep: int = 64            # last N messages per subject, like the hub's WEIGHTS
+    blob_max_age_s: float = 86400.0   # blob chunks and metas older than this are dropped
+    blob_max_bytes: int = -1          # -1: no byte cap
+
+    def __post_init__(self):
+        if self.storage not in ("file", "memory"):
+            raise ValueError(f"MirrorConfig.storage must be 'file' or 'memory', got {self.storage!r}")
+        if self.weights_keep < 1:
+            raise ValueError(f"MirrorConfig.weights_keep must be >= 1, got {self.weights_keep}")
+        if not self.hub_domain:
+            raise ValueError("MirrorConfig.hub_domain must name the hub's JetStream domain")
+
+
+def mirror_configs(m: MirrorConfig) -> list[api.StreamConfig]:
+    storage = api.StorageType.FILE if m.storage == "file" else api.StorageType.MEMORY
+    ext = api.ExternalStream(api=f"$JS.{m.hub_domain}.API")
+    return [
+        api.StreamConfig(name=WEIGHTS, mirror=api.StreamSource(name=WEIGHTS, external=ext), storage=storage,
+                         retention=api.RetentionPolicy.LIMITS, max_msgs_per_subject=m.weights_keep),
+        # allow_direct: object metas are read with direct gets, as on the hub's bucket
+        api.StreamConfig(name=BLOB_STREAM, mirror=api.StreamSource(name=BLOB_STREAM, external=ext),
+                         storage=storage, retention=api.RetentionPolicy.LIMITS, max_age=m.blob_max_age_s,
+                         max_bytes=m.blob_max_bytes, allow_direct=True),
+    ]
+
+
+_MIRROR_FIELDS = ("max_msgs_per_subject", "max_age", "max_bytes")
+
+
+async def provision_mirrors(js, m: MirrorConfig | None = None, log=None) -> dict[str, str]:
+    """On a region's server (`js` addresses the region's own domain): create the mirrors, or
+    update their retention. A stream of that name that is not a mirror of the hub's is refused
+    (a region must not hold its own WEIGHTS: two histories of one policy)."""
+    m = m or MirrorConfig()
+    done: dict[str, str] = {}
+    for want in mirror_configs(m):
+        try:
+            have = (await js.stream_info(want.name)).config
+        except NotFoundError:
+            await js.add_stream(want)
+            done[want.name] = "created"
+            continue
+        src = have.mirror
+        if src is None or src.name != want.mirror.name or (src.external is None or
+                                                            src.external.api != want.mirror.external.api):
+            raise ValueError(f"stream {want.name} on this server is not a mirror of {want.mirror.name} in "
+                             f"domain {m.hub_domain!r} (mirror={src}); remove it by hand first")
+        changed = _differs(want, have, _MIRROR_FIELDS)
+        if not changed:
+            done[want.name] = "unchanged"
+            continue
+        await js.update_stream(dataclasses.replace(have, **{f: getattr(want, f) for f in changed}))
+        done[want.name] = "updated"
+        if log:
+            log.info("mirror updated", stream=want.name, fields=changed)
+    return done

@@ -174,10 +174,14 @@ class WeightFeed:
         if self._sub is None:
             async def on_msg(_msg):
                 self._wake.set()
-            self._sub = await self.bus.nc.subscribe(WEIGHTS_SUBJECTS, cb=on_msg)
+            # a regional source (bus.regions.WeightSource) wakes us when its mirror stores a message
+            subscribe = getattr(self.bus, "subscribe_weights", None)
+            self._sub = await (subscribe(on_msg) if subscribe is not None
+                               else self.bus.nc.subscribe(WEIGHTS_SUBJECTS, cb=on_msg))
 
-    async def _wait(self, timeout: float, stop: asyncio.Event | None = None) -> None:
-        """Until a WEIGHTS message is published, `stop` is set, or `timeout` (a missed wakeup)."""
+    async def _wait(self, timeout: float, stop: asyncio.Event | None = None) -> bool:
+        """Until a WEIGHTS message is published, `stop` is set, or `timeout` (a missed wakeup).
+        True when woken by a publish."""
         waits = [asyncio.ensure_future(self._wake.wait())]
         if stop is not None:
             waits.append(asyncio.ensure_future(stop.wait()))
@@ -186,10 +190,17 @@ class WeightFeed:
         finally:
             for w in waits:
                 w.cancel()
+        return self._wake.is_set()
+
+    LAG_RETRY_S = 0.005       # first re-read after a wake-up that found nothing; doubles up to poll_s
 
     async def _next_msg(self, stop: asyncio.Event | None):
-        """The first WEIGHTS message after the cursor; waits for one. None when stopped."""
+        """The first WEIGHTS message after the cursor; waits for one. None when stopped.
+        Read by sequence, never assumed: a wake-up says a message was published somewhere, not
+        that the stream read here holds it yet (a region's mirror lags the hub's publish), so a
+        read after a wake-up that finds nothing is retried soon, backing off, not after poll_s."""
         await self._ensure_wakeup()
+        after_wake, backoff = False, self.LAG_RETRY_S
         while stop is None or not stop.is_set():
             self._wake.clear()
             try:
@@ -199,7 +210,12 @@ class WeightFeed:
                 pass
             except Exception as e:  # broker restart / reconnect: retry after a beat
                 log.warning("weights read failed; retrying", error=str(e), feed=self.name)
-            await self._wait(self.poll_s, stop)
+            if after_wake and backoff < self.poll_s:
+                timeout, backoff = backoff, backoff * 2
+            else:
+                timeout, backoff = self.poll_s, self.LAG_RETRY_S
+            woke = await self._wait(timeout, stop)
+            after_wake = woke or (after_wake and backoff < self.poll_s)
         return None
 
     async def _payload(self, ev) -> bytes:
