@@ -25,7 +25,7 @@ import torch
 import zstandard
 
 from delta_codec import Delta, apply_delta, encode_delta
-from delta_codec.container import default_threads
+from delta_codec.tasks import default_threads
 
 
 def transformer_params(d_model: int, layers: int, vocab: int, ff_mult: int, seed: int) -> dict[str, torch.Tensor]:

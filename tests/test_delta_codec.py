@@ -99,7 +99,7 @@ def test_round_trip_bit_exact(pair, chunk):
 
 
 def modes_of(d: Delta) -> set[int]:
-    from delta_codec.container import _chunks
+    from delta_codec.record import chunks_of as _chunks
     return {c[0] for r in d.records for c in _chunks(r)}
 
 
@@ -191,7 +191,7 @@ def test_keyframe_into_existing_tensors_and_bad_keyframes():
 def test_device_tensors_are_hashed_and_applied_via_the_device_path():
     """meta-free check of the non-CPU branch using a CPU tensor subclass is not possible; instead
     exercise apply_on_device's torch-ops path directly on CPU tensors (same arithmetic)."""
-    from delta_codec.container import _decode_record
+    from delta_codec.apply import decode_record as _decode_record
     from delta_codec.triton_apply import apply_on_device
     states = rl_chain(1)
     d = encode_delta(states[0], states[1], chunk=64)
