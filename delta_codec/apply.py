@@ -20,16 +20,20 @@ def decode_record(r: TensorRecord, t: torch.Tensor):
     if t.device.type == "cpu":
         bits = np_bits(t)
         base_at = lambda start, pos: bits[start + pos] if start else bits[pos]
-    else:
+        base_all = lambda start, n: bits[start:start + n]
+    else:  # (CLASSED chunks copy the chunk's base bits to the host: the class compares run there)
         bits = int_view(t)
         base_at = lambda start, pos: bits[torch.from_numpy(start + pos).to(t.device)].cpu().numpy().view(
             f"i{bits.element_size()}")
+        base_all = lambda start, n: bits[start:start + n].cpu().numpy().view(f"i{bits.element_size()}")
     chunks = chunks_of(r)
     shift = exponent_shift(dtype_from_name(r.dtype))
     out = []
     for i, (c, start) in enumerate(zip(chunks, chunk_starts(r, chunks))):
-        pos, d, count, old = decode_chunk(c, t.element_size(), f"tensor {r.name!r} chunk {i}",
-                                          lambda p, s=start: base_at(s, p), shift)
+        what = f"tensor {r.name!r} chunk {i}"
+        n = chunk_header(c, what)[1]
+        pos, d, count, old = decode_chunk(c, t.element_size(), what, lambda p, s=start: base_at(s, p), shift,
+                                          base_all=lambda s=start, n=n: base_all(s, n))
         out.append((start, pos, d, count, old))
     return out
 
@@ -118,7 +122,8 @@ def _apply_job(r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo
         return
     what, size = f"tensor {r.name!r} chunk {i}", t.element_size()
     view = np_bits(t)[start:start + chunk_header(chunk, what)[1]]
-    pos, d, _, old = decode_chunk(chunk, size, what, lambda p: np.take(view, p), exponent_shift(t.dtype), scratch())
+    pos, d, _, old = decode_chunk(chunk, size, what, lambda p: np.take(view, p), exponent_shift(t.dtype), scratch(),
+                                  lambda: view)
     if pos is None:
         view += d  # dense: wraps at the element width
     elif old is not None:  # grouped (sparse) chunk: keep the old bits to restore

@@ -25,10 +25,10 @@ from .errors import DeltaError
 from .record import TensorRecord
 
 MAGIC = b"ADLT"
-FORMAT = 2
+FORMAT = 3  # 3: positions coded in the context of the base (codec.py CLASSED chunks)
 KIND_DELTA, KIND_KEYFRAME = 1, 2
 SIGNED = 1
-CODEC = "rice-zigzag-zstd/2"
+CODEC = "ctx-rice-zigzag-zstd/3"
 _PREFIX = struct.Struct("<4sHBBI")
 _KINDS = {KIND_DELTA: "delta", KIND_KEYFRAME: "keyframe"}
 

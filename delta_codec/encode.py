@@ -17,10 +17,11 @@ def _check_pair(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = None, chunk: int = CHUNK,
-                 threads: int | None = None) -> Delta:
+                 threads: int | None = None, context: bool = True) -> Delta:
     """Encode new - base chunk by chunk (`chunk` elements, a multiple of 8: the granularity of
     the position-coding choice and of the thread pool). Device tensors are copied to the host a
-    chunk at a time."""
+    chunk at a time. context=False codes positions without the base's context (format 2's chunk
+    coding inside a format 3 container: for size comparisons)."""
     if chunk <= 0 or chunk % 8:
         raise DeltaError(f"chunk must be a positive multiple of 8, got {chunk}")
     missing, extra = [n for n in base if n not in new], [n for n in new if n not in base]
@@ -36,7 +37,7 @@ def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = N
     def encode(pair, s):
         bt, nt = pair
         rec, m = encode_chunk(bits_slice(bt, s, chunk), bits_slice(nt, s, chunk), exponent_shift(bt.dtype),
-                              scratch())
+                              scratch(), context)
         return hollow(rec), m
 
     records = chunked_records(pairs, chunk, threads, digests, encode)
