@@ -33,6 +33,20 @@ _PREFIX = struct.Struct("<4sHBBI")
 _KINDS = {KIND_DELTA: "delta", KIND_KEYFRAME: "keyframe"}
 
 
+def extra_fields(extra) -> dict:
+    """A Delta's/Keyframe's optional extra header fields (msgpack-able values, str keys): they
+    travel in the header map under "extra", so they are checksummed and signed with the blob."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise DeltaError(f"extra header fields must be a dict with str keys, got {type(extra).__name__}")
+    return dict(extra)
+
+
+def with_extra(meta: dict, extra: dict) -> dict:
+    return dict(meta, extra=extra) if extra else meta
+
+
 def _head(kind: int, meta: dict, recs: list[TensorRecord], signed: bool) -> bytes:
     """Prefix, header and the header's checksum: everything before the records."""
     meta = dict(meta, codec=CODEC, tensors=[

@@ -30,7 +30,7 @@ import numpy as np
 from .bits import UNSIGNED_INT, fresh
 from .errors import DeltaError
 
-MAX_THRESHOLDS = 4       # at most 5 classes: each threshold is one compare + packbits per chunk on both sides
+MAX_THRESHOLDS = 3       # at most 5 classes: each threshold is one compare + packbits per chunk on both sides
 MIN_CHANGES = 64         # fewer changes: the class headers cost more than they save
 CLASS_COST_BITS = 512    # a class's header and decode pass, in bits, charged when choosing thresholds
 SAMPLE_STRIDE = 16       # element counts per exponent are estimated on every 16th element
@@ -62,8 +62,9 @@ class Classes:
         lt = alloc("ctx.lt", n, bool)
         for i, t in enumerate(thresholds):
             np.less(mag2, mag2.dtype.type(t << (shift + 1)), out=lt)
-            w = np.zeros(nw * 8, np.uint8)
-            w[:-(-n // 8)] = np.packbits(lt, bitorder="little")
+            w = np.packbits(lt, bitorder="little")
+            if n % 64:  # (whole chunks are multiples of 64: no copy)
+                w = np.concatenate([w, np.zeros(nw * 8 - w.size, np.uint8)])
             self.sets.append(w.view("<u8"))
         # popcounts per word and running sums, per nested set (S_0: all elements)
         pcs = [np.full(nw, 64, np.uint8)]

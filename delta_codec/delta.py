@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .bits import combine_digest
-from .container import KIND_DELTA, SignedBlob, _head, _pack, _unpack
+from .container import KIND_DELTA, SignedBlob, _head, _pack, _unpack, extra_fields, with_extra
 from .errors import DeltaError
 from .record import TensorRecord, chunks_of
 
@@ -33,8 +33,9 @@ class DeltaStats:
 class Delta(SignedBlob):
     """Lossless sparse change from state `from_version` to `to_version`."""
 
-    def __init__(self, from_version: int, to_version: int, records: list[TensorRecord]):
+    def __init__(self, from_version: int, to_version: int, records: list[TensorRecord], extra: dict | None = None):
         self.from_version, self.to_version, self.records = int(from_version), int(to_version), records
+        self.extra = extra_fields(extra)  # caller's header fields (e.g. epoch): checksummed and signed with the blob
         self._nbytes: int | None = None
         self._stats: DeltaStats | None = None
 
@@ -73,7 +74,7 @@ class Delta(SignedBlob):
         return self._nbytes
 
     def _meta(self) -> dict:
-        return {"from_version": self.from_version, "to_version": self.to_version}
+        return with_extra({"from_version": self.from_version, "to_version": self.to_version}, self.extra)
 
     def to_bytes(self, signing_key=None) -> bytes:
         return _pack(KIND_DELTA, self._meta(), self.records, signing_key)
@@ -82,7 +83,7 @@ class Delta(SignedBlob):
     def from_bytes(cls, blob) -> "Delta":
         meta, recs, region, sig = _unpack(blob, KIND_DELTA)
         try:
-            d = cls(meta["from_version"], meta["to_version"], recs)
+            d = cls(meta["from_version"], meta["to_version"], recs, meta.get("extra"))
         except (KeyError, TypeError, ValueError):
             raise DeltaError("delta header lacks from_version/to_version") from None
         d.signature, d._signed_region = sig, region

@@ -8,7 +8,7 @@ import xxhash
 from .apply import validate_target
 from .bits import SIGNED_INT, UNSIGNED_INT, combine_digest, dtype_from_name, int_view, np_bits, planes, tensor_digest
 from .codec import CHUNK, zc, zd
-from .container import KIND_KEYFRAME, SignedBlob, _pack, _unpack
+from .container import KIND_KEYFRAME, SignedBlob, _pack, _unpack, extra_fields, with_extra
 from .encode import bits_slice, chunked_records, prepared
 from .errors import DeltaError
 from .record import TensorRecord, chunks_of, hollow
@@ -17,8 +17,9 @@ from .tasks import parallel, scratch
 class Keyframe(SignedBlob):
     """A full state, checksummed per tensor, in the same container as deltas."""
 
-    def __init__(self, version: int, records: list[TensorRecord]):
+    def __init__(self, version: int, records: list[TensorRecord], extra: dict | None = None):
         self.version, self.records = int(version), records
+        self.extra = extra_fields(extra)  # caller's header fields: checksummed and signed with the blob
 
     @property
     def names(self) -> list[str]:
@@ -29,13 +30,13 @@ class Keyframe(SignedBlob):
         return combine_digest((r.name, r.dtype, r.shape, r.digest_a) for r in self.records)
 
     def to_bytes(self, signing_key=None) -> bytes:
-        return _pack(KIND_KEYFRAME, {"version": self.version}, self.records, signing_key)
+        return _pack(KIND_KEYFRAME, with_extra({"version": self.version}, self.extra), self.records, signing_key)
 
     @classmethod
     def from_bytes(cls, blob) -> "Keyframe":
         meta, recs, region, sig = _unpack(blob, KIND_KEYFRAME)
         try:
-            kf = cls(meta["version"], recs)
+            kf = cls(meta["version"], recs, meta.get("extra"))
         except (KeyError, TypeError, ValueError):
             raise DeltaError("keyframe header lacks version") from None
         kf.signature, kf._signed_region = sig, region
