@@ -11,7 +11,7 @@ are close there):
          them near their entropy, and decoding is one zstd call and one cumsum)
   BITMAP one bit per element, zstd'd (40-60 % changed)
   DENSE  no positions at all: every element gets a value (>= 60 % changed)
-  CLASSED (format 3; float dtypes below BITMAP_FROM) positions coded per class of base magnitude
+  CLASSED (format 3; float dtypes below CONTEXT_BELOW) positions coded per class of base magnitude
          (context.py): each class's changes as ranks among its members, gaps or a bitmap over
          the members by that class's density. Chosen when the estimated saving beats the
          classes' cost; otherwise GAP.
@@ -49,6 +49,8 @@ CHUNK = 1 << 22
 NONE, GAP, BITMAP, DENSE, CLASSED = 0, 1, 2, 3, 4
 GROUPED, NIBBLES = 1, 2  # chunk flags
 GROUP_BELOW = 0.04   # density below which values are grouped by base exponent
+CONTEXT_BELOW = 0.05  # density below which positions may be CLASSED (above: its per-change rank/select
+                      # work costs more than the speed floors allow; GAP as in format 2)
 BITMAP_FROM = 0.4    # density from which positions are a bitmap (below: gaps; within 2 % of its size
                      # up to 30 % changed, 5 % at 40 %, and 1.5-2x faster to decode)
 DENSE_FROM = 0.6     # density from which every element gets a value
@@ -345,7 +347,7 @@ def encode_chunk(b: np.ndarray, n: np.ndarray, shift: int | None = None, alloc=f
     if p >= DENSE_FROM:
         return [DENSE, count, m, 0, encode_values(np.subtract(n, b, out=alloc("d", count, b.dtype)), alloc)[0]], m
     pos = positions(mask, m, alloc)
-    if context and shift is not None and p < BITMAP_FROM and m >= ctx.MIN_CHANGES:
+    if context and shift is not None and p < CONTEXT_BELOW and m >= ctx.MIN_CHANGES:
         rec = _encode_classed(b, n, pos, p, shift, alloc)
         if rec is not None:
             return rec, m
