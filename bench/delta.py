@@ -1,15 +1,24 @@
 """Delta codec on RL-realistic updates: `python -m bench.delta --json`.
 
-A transformer-shaped parameter dict of our own (default ~69 M params: weights N(0, 0.02),
-output projections scaled by 1/sqrt(2*layers) as in GPT-2, norms 1 + N(0, 0.02)) is held as fp32
-master weights and stepped with torch.optim.AdamW (betas 0.9/0.999, wd 0.01). Gradients are
-random normal per step (Adam normalises per element, so what matters for bit flips is the update
-size ~lr, not the gradient scale). After warm-up steps, one step is measured per lr: the bf16
-cast before vs after the step is the delta a trainer publishes.
+Weights: a transformer-shaped parameter dict of our own (default ~69 M params: weights
+N(0, 0.02), output projections scaled by 1/sqrt(2*layers) as in GPT-2, norms 1 + N(0, 0.02)),
+or with `--weights PATH` the floating-point tensors of a safetensors file or of every
+*.safetensors file in a folder (e.g. a Hugging Face checkpoint). They are held as fp32 master
+weights and stepped with torch.optim.AdamW (betas 0.9/0.999, wd 0.01). Gradients are random
+normal per step (Adam normalises per element, so what matters for bit flips is the update size
+~lr, not the gradient scale). After warm-up steps, one step is measured per lr: the bf16 cast
+before vs after the step is the delta a trainer publishes.
 
-Reports per lr: changed_frac, bits_per_changed, ratio (encoded / full bf16 bytes), encode_gb_s
-and apply_gb_s (GB of bf16 weights per second, median of --reps; the codec's default threads,
-ASYNCRL_DELTA_THREADS overrides), and the ratio of baselines computed on the same update. Last line: one JSON object {"runs": [...], "baselines": {...}}.
+Reports per lr, for the codec (format 3, positions coded in the context of the base) and for
+format 2's coding of the same update (`encode_delta(..., context=False)`: the same chunk
+records a format-2 build wrote): changed_frac, bits_per_changed, ratio (encoded / full bf16
+bytes); for format 3 also position_bits_per_changed (everything but the value streams) next to
+two bounds, the i.i.d. position entropy H(p)/p and the entropy of the change mask conditioned on
+each element's base exponent (per tensor), position_entropy_cond_bits; encode_gb_s and
+apply_gb_s of format 3 (GB of bf16 weights per second, median of --reps; the codec's default
+threads, ASYNCRL_DELTA_THREADS overrides); and the ratio of baselines computed on the same
+update, with our margin over the fair one (uint16 gaps + int16 raw-bit difference + zstd).
+Last line: one JSON object {"runs": [...], "baselines": {...}, "weights": ...}.
 """
 from __future__ import annotations
 
@@ -25,7 +34,9 @@ import torch
 import zstandard
 
 from delta_codec import Delta, apply_delta, encode_delta
-from delta_codec.container import default_threads
+from delta_codec.codec import NONE
+from delta_codec.record import chunks_of
+from delta_codec.tasks import default_threads
 
 
 def transformer_params(d_model: int, layers: int, vocab: int, ff_mult: int, seed: int) -> dict[str, torch.Tensor]:
@@ -44,6 +55,24 @@ def transformer_params(d_model: int, layers: int, vocab: int, ff_mult: int, seed
         p[f"h{i}.mlp.down"] = normal(d_model, ff, std=out_std)
     p["ln_f"] = 1 + normal(d_model)
     return p
+
+
+def load_weights(path: str) -> dict[str, torch.Tensor]:
+    """Floating-point tensors of a safetensors file, or of every *.safetensors file in a folder,
+    as fp32 (the master weights of the bench's AdamW step)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    if not files:
+        raise SystemExit(f"no *.safetensors under {path}")
+    out = {}
+    for f in files:
+        for k, v in load_file(str(f)).items():
+            if v.dtype.is_floating_point:
+                out[k] = v.float()
+    return out
 
 
 def bf16(params) -> dict[str, torch.Tensor]:
@@ -70,9 +99,11 @@ def bits_u16(t: torch.Tensor) -> np.ndarray:
 
 
 def baselines(before, after) -> dict[str, float]:
+    """uint16_gap_int16_diff_zstd is the fair competitor: the same gap stream, but each changed
+    element's int16 raw-bit difference (what our codec codes) instead of its new bf16 value."""
     full = sum(t.numel() * 2 for t in after.values())
     cz = zstandard.ZstdCompressor(level=3, threads=-1)
-    zstd_full = idx_val = gap_zstd = 0
+    zstd_full = idx_val = gap_zstd = gap_diff_zstd = 0
     for k in after:
         b, n = bits_u16(before[k]), bits_u16(after[k])
         zstd_full += len(cz.compress(n.tobytes()))
@@ -85,10 +116,38 @@ def baselines(before, after) -> dict[str, float]:
         first = np.r_[0, np.cumsum(fill + 1)[:-1]]
         g16 = np.full(reps.size, 65535, np.uint16)
         g16[first + fill] = (gaps % 65535).astype(np.uint16)
-        vals = n[np.minimum(pos[reps] - (fill[reps] - (np.arange(reps.size) - first[reps])) * 65535, n.size - 1)]
+        at = np.minimum(pos[reps] - (fill[reps] - (np.arange(reps.size) - first[reps])) * 65535, n.size - 1)
+        vals = n[at]
         gap_zstd += len(cz.compress(g16.tobytes() + vals.astype(np.uint16).tobytes()))
+        diff = (n[at].view(np.int16) - b[at].view(np.int16)).astype(np.int16)  # wrapping; 0 at fillers
+        gap_diff_zstd += len(cz.compress(g16.tobytes() + diff.tobytes()))
     return {"full_bf16": 1.0, "zstd_full_bf16": zstd_full / full, "int32_index_bf16_value": idx_val / full,
-            "uint16_gap_bf16_value_zstd": gap_zstd / full}
+            "uint16_gap_bf16_value_zstd": gap_zstd / full, "uint16_gap_int16_diff_zstd": gap_diff_zstd / full}
+
+
+def _entropy(c: np.ndarray, n: np.ndarray) -> float:
+    """sum of n * H(c / n) over the cells, in bits."""
+    ok = (c > 0) & (c < n)
+    p = c[ok] / n[ok]
+    return float(-(n[ok] * (p * np.log2(p) + (1 - p) * np.log2(1 - p))).sum())
+
+
+def conditional_position_entropy(before, after) -> float:
+    """Bits to code which elements changed, knowing each element's base exponent, per tensor
+    (the entropy of the change mask conditioned on the exponent): the bound format 3 aims at."""
+    total = 0.0
+    for k in after:
+        b, n = bits_u16(before[k]), bits_u16(after[k])
+        e = (b >> 7) & 0xFF
+        total += _entropy(np.bincount(e, weights=b != n, minlength=256), np.bincount(e, minlength=256).astype(float))
+    return total
+
+
+def value_bytes(d: Delta) -> int:
+    """Bytes of a delta's value streams (all of a chunk record's field 4)."""
+    def size(f) -> int:
+        return sum(size(x) for x in f) if isinstance(f, list) else len(f)
+    return sum(size(c[4]) for r in d.records for c in chunks_of(r) if int(c[0]) != NONE)
 
 
 def median_time(fn, reps: int, setup=None) -> tuple[float, float]:
@@ -117,15 +176,24 @@ def run_lr(init, lr: float, args) -> dict:
     app_s, app_cpu = median_time(lambda s: apply_delta(s, Delta.from_bytes(blob)), args.reps,
                                  setup=lambda: {k: v.clone() for k, v in before.items()})
     p = st.changed / st.total
+    m = max(st.changed, 1)
     entropy_pos = (-(p * math.log2(p) + (1 - p) * math.log2(1 - p)) / p) if 0 < p < 1 else 0.0
+    cond = conditional_position_entropy(before, after) / m
+    pos_bits = 8 * (len(blob) - value_bytes(Delta.from_bytes(blob))) / m
+    blob2 = encode_delta(before, after, context=False).to_bytes()
+    base = baselines(before, after)
     return {"lr": lr, "params": st.total, "full_bytes": full, "changed": st.changed, "changed_frac": p,
-            "encoded_bytes": len(blob), "bits_per_changed": 8 * len(blob) / max(st.changed, 1),
-            "position_entropy_bits": entropy_pos, "ratio": len(blob) / full,
+            "encoded_bytes": len(blob), "bits_per_changed": 8 * len(blob) / m,
+            "position_entropy_bits": entropy_pos, "position_entropy_cond_bits": cond,
+            "position_bits_per_changed": pos_bits, "position_bits_over_cond_bound": pos_bits - cond,
+            "ratio": len(blob) / full,
+            "format2": {"encoded_bytes": len(blob2), "bits_per_changed": 8 * len(blob2) / m, "ratio": len(blob2) / full},
+            "margin_over_fair_baseline": base["uint16_gap_int16_diff_zstd"] / (len(blob) / full),
             "encode_gb_s": full / enc_s / 1e9, "apply_gb_s": full / app_s / 1e9,
             # per CPU-second: what one core does, robust to other load on a shared machine
             "encode_gb_cpu_s": full / enc_cpu / 1e9, "apply_gb_cpu_s": full / app_cpu / 1e9,
             "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(), "threads": default_threads(),
-            "baselines": baselines(before, after)}
+            "baselines": base}
 
 
 def main() -> None:
@@ -139,8 +207,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="AdamW steps before the measured one")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--weights", help="safetensors file or folder of them (real weights; default: synthetic)")
     args = ap.parse_args()
-    init = transformer_params(args.d_model, args.layers, args.vocab, args.ff_mult, args.seed)
+    init = (load_weights(args.weights) if args.weights
+            else transformer_params(args.d_model, args.layers, args.vocab, args.ff_mult, args.seed))
     runs = []
     for lr in args.lrs:
         r = run_lr(init, lr, args)
@@ -148,12 +218,16 @@ def main() -> None:
         if not args.json:
             b = r["baselines"]
             print(f"lr={lr:g} params={r['params'] / 1e6:.1f}M changed={r['changed_frac']:.3%} "
-                  f"bits/changed={r['bits_per_changed']:.2f} (position entropy {r['position_entropy_bits']:.2f}) "
+                  f"bits/changed={r['bits_per_changed']:.2f} (format 2: {r['format2']['bits_per_changed']:.2f}; "
+                  f"positions {r['position_bits_per_changed']:.2f}, conditional bound "
+                  f"{r['position_entropy_cond_bits']:.2f}, i.i.d. {r['position_entropy_bits']:.2f}) "
+                  f"margin over fair baseline {r['margin_over_fair_baseline']:.2f}x "
                   f"ratio={r['ratio']:.4%} encode={r['encode_gb_s']:.2f} GB/s ({r['encode_gb_cpu_s']:.2f}/cpu-s) "
                   f"apply={r['apply_gb_s']:.2f} GB/s ({r['apply_gb_cpu_s']:.2f}/cpu-s) threads={r['threads']} "
                   f"load={r['load_avg_1m']:.1f} | "
                   + " ".join(f"{k}={v:.4%}" for k, v in b.items()), flush=True)
-    print(json.dumps({"runs": runs, "baselines": {str(r["lr"]): r["baselines"] for r in runs}}))
+    print(json.dumps({"runs": runs, "baselines": {str(r["lr"]): r["baselines"] for r in runs},
+                      "weights": args.weights or "synthetic"}))
 
 
 if __name__ == "__main__":

@@ -3,11 +3,19 @@
     d = encode_delta(base, new, from_version=v - 1, to_version=v)
     blob = d.to_bytes(signing_key=sk); d = Delta.from_bytes(blob)
     apply_delta(state, d, public_key=pk)      # in place, digest-checked, all-or-nothing
+
+Modules: bits (raw-bit views, digests), codec (one chunk's coding), container (the binary
+format), record (a tensor's record framing), tasks (the thread pool), delta / encode / apply,
+keyframe, verify (signatures of either kind), signing (ed25519), triton_apply (device tensors).
 """
+from .apply import apply_delta
 from .bits import state_digest
-from .container import (CODEC, Delta, DeltaStats, Keyframe, apply_delta, encode_delta, load_keyframe,
-                        make_keyframe, verify_signature)
+from .container import CODEC
+from .delta import Delta, DeltaStats
+from .encode import encode_delta
 from .errors import DeltaError
+from .keyframe import Keyframe, load_keyframe, make_keyframe
+from .verify import verify_signature
 
 __all__ = ["CODEC", "Delta", "DeltaError", "DeltaStats", "Keyframe", "apply_delta", "encode_delta",
            "load_keyframe", "make_keyframe", "state_digest", "verify_signature"]

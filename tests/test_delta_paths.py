@@ -12,7 +12,7 @@ from delta_codec import Delta, DeltaError, apply_delta, encode_delta
 from delta_codec.bits import Scratch, fresh, planes, zigzag
 from delta_codec.codec import (BITMAP, DENSE, GAP, GROUPED, NIBBLES, NONE, decode_chunk, decode_gaps, decode_values,
                                encode_chunk, encode_gaps, encode_values, positions, zc)
-from delta_codec.container import TensorRecord, _chunks, pack_record
+from delta_codec.record import TensorRecord, chunks_of as _chunks, pack_record
 
 INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
@@ -163,7 +163,7 @@ def test_threads_and_scratch_give_identical_blobs():
 
 
 def test_default_threads_env(monkeypatch):
-    from delta_codec.container import default_threads
+    from delta_codec.tasks import default_threads
     monkeypatch.setenv("ASYNCRL_DELTA_THREADS", "3")
     assert default_threads() == 3
     monkeypatch.delenv("ASYNCRL_DELTA_THREADS")
@@ -198,7 +198,7 @@ def test_keyframe_chunked_round_trip(threads):
 def test_keyframe_with_a_wrong_digest_leaves_into_unchanged():
     """Checksums pass (a producer bug, not corruption): every tensor is verified before any write."""
     from delta_codec import load_keyframe, make_keyframe
-    from delta_codec.container import Keyframe
+    from delta_codec.keyframe import Keyframe
     s = kf_state()
     kf = make_keyframe(s, version=1, chunk=1024)
     other = make_keyframe({**s, "w32": s["w32"] + 1}, version=1, chunk=1024)

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 CHECK = textwrap.dedent("""
     import numpy as np, torch
     from delta_codec import encode_delta
-    from delta_codec.container import _decode_record
+    from delta_codec.apply import decode_record as _decode_record
     from delta_codec.triton_apply import _use_triton, apply_on_device, apply_sparse
     g = torch.Generator().manual_seed(0)
     base = {

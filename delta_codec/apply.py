@@ -1,0 +1,154 @@
+"""apply_delta: in place, digest-checked, all-or-nothing (every written chunk is rolled back on
+any error)."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from .bits import dtype_from_name, dtype_name, exponent_shift, int_view, np_bits, tensor_digest
+from .codec import chunk_header, decode_chunk
+from .delta import Delta
+from .errors import DeltaError
+from .record import TensorRecord, chunk_starts, chunks_of
+from .tasks import run_tasks, scratch
+
+def decode_record(r: TensorRecord, t: torch.Tensor):
+    """-> [(start, positions | None, signed differences, count, base bits at positions | None)]
+    for the whole tensor, validated. t: the target tensor, still holding the base bits."""
+    if t.device.type == "cpu":
+        bits = np_bits(t)
+        base_at = lambda start, pos: bits[start + pos] if start else bits[pos]
+        base_all = lambda start, n: bits[start:start + n]
+    else:  # (CLASSED chunks copy the chunk's base bits to the host: the class compares run there)
+        bits = int_view(t)
+        base_at = lambda start, pos: bits[torch.from_numpy(start + pos).to(t.device)].cpu().numpy().view(
+            f"i{bits.element_size()}")
+        base_all = lambda start, n: bits[start:start + n].cpu().numpy().view(f"i{bits.element_size()}")
+    chunks = chunks_of(r)
+    shift = exponent_shift(dtype_from_name(r.dtype))
+    out = []
+    for i, (c, start) in enumerate(zip(chunks, chunk_starts(r, chunks))):
+        what = f"tensor {r.name!r} chunk {i}"
+        n = chunk_header(c, what)[1]
+        pos, d, count, old = decode_chunk(c, t.element_size(), what, lambda p, s=start: base_at(s, p), shift,
+                                          base_all=lambda s=start, n=n: base_all(s, n))
+        out.append((start, pos, d, count, old))
+    return out
+
+
+def validate_target(state, recs: list[TensorRecord], what: str) -> None:
+    names = {r.name for r in recs}
+    missing, extra = [n for n in names if n not in state], [n for n in state if n not in names]
+    if missing or extra:
+        raise DeltaError(f"{what} and state differ in tensor names: missing in state {sorted(missing)[:5]}, "
+                         f"not in {what} {sorted(extra)[:5]}")
+    # tied weights (overlapping memory under two names): writing one would change the other.
+    # Views into one flat buffer that do not overlap are fine.
+    spans = sorted((str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), n)
+                   for n, t in ((r.name, state[r.name]) for r in recs) if t.numel())
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise DeltaError(f"tensors {a[3]!r} and {b[3]!r} overlap in memory (tied weights); "
+                             "give the state one name per tensor")
+    for r in recs:
+        t = state[r.name]
+        if dtype_name(t.dtype) != r.dtype or tuple(t.shape) != r.shape:
+            raise DeltaError(f"tensor {r.name!r}: {what} is for {r.dtype}{list(r.shape)}, "
+                             f"state has {t.dtype}{list(t.shape)}")
+        if not t.is_contiguous():
+            raise DeltaError(f"tensor {r.name!r}: in-place apply needs a contiguous tensor")
+
+
+def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None, threads: int | None = None) -> None:
+    """Apply in place. Verifies the signature (if public_key); then, per tensor, its base digest,
+    its chunks and its result digest, tensors and chunks on `threads` threads. On any error
+    (a base or result digest, a malformed chunk) every chunk written so far is rolled back, so a
+    refused delta leaves the state as it was."""
+    if isinstance(delta, (bytes, bytearray, memoryview)):
+        delta = Delta.from_bytes(delta)
+    if public_key is not None:
+        delta.verify_signature(public_key)
+    if expect_from is not None and delta.from_version != expect_from:
+        raise DeltaError(f"delta goes {delta.from_version}->{delta.to_version}, but the state is version {expect_from}")
+    validate_target(state, delta.records, "delta")
+    recs = delta.records
+
+    def tensor(r: TensorRecord):
+        """Base digest, then the tensor's chunks as follow-up jobs, then its result digest."""
+        t = state[r.name]
+        if tensor_digest(t) != r.digest_a:
+            raise DeltaError(f"tensor {r.name!r}: base digest mismatch "
+                             f"(state is not the delta's base version {delta.from_version})")
+        if t.device.type != "cpu":
+            _apply_job(r, t, -1, 0, None, undo)
+            return [lambda: check_result(r)]
+        chunks = chunks_of(r)
+        left = [len(chunks)]
+        lock = threading.Lock()
+
+        def chunk_job(i: int, start: int, c):
+            _apply_job(r, t, i, start, c, undo)
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            return [lambda: check_result(r)] if last else None
+
+        jobs = [lambda i=i, s=s, c=c: chunk_job(i, s, c) for i, (c, s) in enumerate(zip(chunks, chunk_starts(r, chunks)))]
+        return jobs or [lambda: check_result(r)]
+
+    def check_result(r: TensorRecord) -> None:
+        if tensor_digest(state[r.name]) != r.digest_b:
+            raise DeltaError(f"tensor {r.name!r}: result digest mismatch after apply (corrupted delta); "
+                             "state rolled back")
+
+    undo: list = []  # (list.append is atomic; chunks are disjoint, so restore order is free)
+    try:
+        # biggest tensors first: the threads finish together
+        run_tasks([lambda r=r: tensor(r) for r in sorted(recs, key=lambda r: -r.numel)], threads)
+    except BaseException:
+        with torch.no_grad():
+            for restore in reversed(undo):
+                restore()
+        raise
+
+
+def _apply_job(r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo: list) -> None:
+    if i < 0:
+        from .triton_apply import apply_on_device
+        with torch.no_grad():  # (grad mode is per thread)
+            apply_on_device(t, decode_record(r, t), undo)
+        return
+    what, size = f"tensor {r.name!r} chunk {i}", t.element_size()
+    view = np_bits(t)[start:start + chunk_header(chunk, what)[1]]
+    pos, d, _, old = decode_chunk(chunk, size, what, lambda p: np.take(view, p), exponent_shift(t.dtype), scratch(),
+                                  lambda: view)
+    if pos is None:
+        view += d  # dense: wraps at the element width
+    elif old is not None:  # grouped (sparse) chunk: keep the old bits to restore
+        view[pos] = old + d
+        pos = pos.copy()  # (may live in the scratch buffers)
+        undo.append(lambda: view.__setitem__(pos, old))
+        return
+    elif pos.size:
+        add_at(view, pos, d)
+    else:
+        return
+    # the inverse, decoded again from the (small) record only if needed: nothing kept meanwhile
+    undo.append(lambda: _unapply(view, chunk, size, what))
+
+
+def add_at(view: np.ndarray, pos: np.ndarray, d: np.ndarray) -> None:
+    """view[pos] += d for distinct positions, wrapping. torch's index_add_: as fast as numpy's
+    add.at (1.6x faster than take, add, scatter) but, unlike it, releases the GIL, so apply
+    threads run side by side."""
+    torch.from_numpy(view).index_add_(0, torch.from_numpy(pos), torch.from_numpy(d))
+
+
+def _unapply(view: np.ndarray, chunk, size: int, what: str) -> None:
+    pos, d, _, _ = decode_chunk(chunk, size, what)
+    if pos is None:
+        view -= d
+    else:
+        np.subtract.at(view, pos, d)
