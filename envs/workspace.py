@@ -1,0 +1,188 @@
+"""Where an episode's commands run: the workspace backend interface and the local backend.
+
+A backend makes a `Workspace` for a task; the episode only ever calls the four methods below, so
+the same episode runs on this machine (LocalBackend: a directory + envs/sandbox.run_bash) or in a
+container (a backend for machines with Docker, see docs/environments.md#container-backend).
+
+Local layout of one episode (every directory outside `repo/` belongs to root, the commands run as
+a fresh uid that owns only `repo/`):
+
+    <root_dir>/ep-XXXX/          0711  traversable, not listable
+        repo/                    the workspace: the task's files, the command's cwd
+        tools/                   0755  helpers on PATH (view, replace, run_tests, submit, runners)
+        score/                   a copy of repo/ with the hidden tests restored, made at score()
+"""
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from typing import Protocol
+
+from .sandbox import SYSTEM_PYTHONS, BashLimits, SandboxResult, fresh_uid, isolation, run_bash
+from .workspace_tools import test_command, tool_files
+
+
+class Workspace(Protocol):
+    error: str                      # non-empty when the workspace could not be made (-> sandbox_error)
+
+    def run(self, command: str, limits: BashLimits) -> SandboxResult: ...
+    def over_limit(self, max_mb: int, max_files: int) -> str: ...          # "" or why
+    def run_hidden_tests(self, task, limits) -> tuple[set[str], str]: ...   # (passed test ids, detail)
+    def close(self) -> None: ...
+
+
+class WorkspaceBackend(Protocol):
+    def create(self, task, limits) -> Workspace: ...
+
+
+@functools.cache
+def sandbox_python() -> str:
+    """An interpreter the sandbox uid can run that has pytest (this one, if the uid can read it)."""
+    uid = fresh_uid()
+    kw = dict(user=uid, group=uid, extra_groups=[]) if uid is not None else {}
+    for py in (sys.executable, *SYSTEM_PYTHONS):
+        try:
+            r = subprocess.run([py, "-c", "import pytest"], capture_output=True, timeout=30, cwd="/", **kw)
+            if r.returncode == 0:
+                return py
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return isolation()[0]
+
+
+def default_root() -> str:
+    return os.path.join(tempfile.gettempdir(), "asyncrl-episodes")
+
+
+class LocalBackend:
+    """Workspaces as directories on this machine; picklable (a path and a python)."""
+
+    def __init__(self, root_dir: str | None = None, python: str | None = None):
+        self.root_dir, self.python = root_dir or default_root(), python
+
+    def create(self, task, limits) -> "LocalWorkspace":
+        return LocalWorkspace(task, self.root_dir, self.python or sandbox_python())
+
+
+class LocalWorkspace:
+    def __init__(self, task, root_dir: str, python: str):
+        self.error, self.python = "", python
+        self.uid = fresh_uid()
+        os.makedirs(root_dir, exist_ok=True)
+        os.chmod(root_dir, 0o711)
+        self.root = tempfile.mkdtemp(prefix="ep-", dir=root_dir)
+        os.chmod(self.root, 0o711)
+        self.repo, self.tools = os.path.join(self.root, "repo"), os.path.join(self.root, "tools")
+        try:
+            if task.base_dir:
+                _copy_tree(task.base_dir, self.repo)
+            os.makedirs(self.repo, exist_ok=True)
+            _write_files(self.repo, task.files)
+            _chown_tree(self.repo, self.uid)
+            os.makedirs(self.tools)
+            for name, (text, mode) in tool_files(python, task.runner, task.test_paths, self.tools).items():
+                p = os.path.join(self.tools, name)
+                with open(p, "w") as f:
+                    f.write(text)
+                os.chmod(p, mode)
+            os.chmod(self.tools, 0o755)
+        except (OSError, ValueError) as e:
+            self.error = f"workspace setup failed: {e}"
+
+    def _env(self) -> dict[str, str]:
+        return {"PATH": f"{self.tools}:/usr/local/bin:/usr/bin:/bin"}
+
+    def run(self, command: str, limits: BashLimits) -> SandboxResult:
+        return run_bash(command, self.root, self.repo, limits, self.uid, self._env())
+
+    def over_limit(self, max_mb: int, max_files: int) -> str:
+        total = n = 0
+        for d, dirs, files in os.walk(self.repo):
+            for name in dirs + files:
+                n += 1
+                try:
+                    total += os.lstat(os.path.join(d, name)).st_size
+                except OSError:
+                    pass
+                if n > max_files:
+                    return f"workspace has more than {max_files} files"
+                if total > max_mb << 20:
+                    return f"workspace is over {max_mb} MB"
+        return ""
+
+    def run_hidden_tests(self, task, limits) -> tuple[set[str], str]:
+        """Run the task's tests on a copy of the workspace with the hidden tests restored, under a
+        uid of its own (so nothing the episode left running or writable can touch it)."""
+        score = os.path.join(self.root, "score")
+        shutil.rmtree(score, ignore_errors=True)
+        try:
+            _copy_tree(self.repo, score)
+            _write_files(score, task.hidden_tests)
+            _chown_tree(score, uid := fresh_uid())
+        except (OSError, ValueError) as e:
+            return set(), f"scoring copy failed: {e}"
+        nonce = secrets.token_hex(16)
+        cmd = test_command(task.runner, task.test_paths, self.tools, nonce)
+        lim = BashLimits(**{**limits.command.__dict__, "wall_s": limits.score_wall_s,
+                            "cpu_s": int(limits.score_wall_s) + 1})
+        res = run_bash(cmd, self.root, score, lim, uid, self._env())
+        shutil.rmtree(score, ignore_errors=True)
+        return parse_report(res.stdout.decode("utf-8", "replace"), nonce), \
+            ("" if res.ok or res.reason.startswith("exit code") else f"tests: {res.reason}")
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def parse_report(output: str, nonce: str) -> set[str]:
+    """Passed test ids from a runner's report lines (the last line about a test wins)."""
+    status: dict[str, str] = {}
+    for line in output.splitlines():
+        if line.startswith(nonce + " "):
+            parts = line.split(" ", 2)
+            if len(parts) == 3:
+                status[parts[2]] = parts[1]
+    return {t for t, s in status.items() if s == "PASS"}
+
+
+def _write_files(dest: str, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = os.path.normpath(os.path.join(dest, rel))
+        if os.path.isabs(rel) or not path.startswith(os.path.normpath(dest) + os.sep):
+            raise ValueError(f"task file path {rel!r} leaves the workspace")
+        if os.path.islink(path):
+            os.unlink(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def _copy_tree(src: str, dst: str) -> None:
+    """Directories, regular files and symlinks (as links); anything else (fifos, sockets,
+    devices a command made) is skipped: opening a fifo to copy it would block forever."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        s, d = os.path.join(src, name), os.path.join(dst, name)
+        st = os.lstat(s)
+        if stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(s), d)
+        elif stat.S_ISDIR(st.st_mode):
+            _copy_tree(s, d)
+        elif stat.S_ISREG(st.st_mode):
+            shutil.copyfile(s, d)
+            os.chmod(d, stat.S_IMODE(st.st_mode) | 0o600)
+
+
+def _chown_tree(path: str, uid: int | None) -> None:
+    if uid is None:
+        return
+    os.lchown(path, uid, uid)
+    for d, dirs, files in os.walk(path):
+        for n in dirs + files:
+            os.lchown(os.path.join(d, n), uid, uid)
