@@ -203,8 +203,8 @@ class Episode:
         if self.termination == "sandbox_error":
             tests, detail = {t: False for t in ids}, self.detail       # the workspace is not trusted
         else:
-            passed, detail = self.workspace.run_hidden_tests(self.task, self.limits)
-            tests = {t: t in passed for t in ids}
+            status, detail = self.workspace.run_hidden_tests(self.task, self.limits)
+            tests = {t: status.get(t) == "PASS" for t in ids}
             detail = "; ".join(x for x in (self.detail, detail) if x)
         n_pass = sum(tests.values())
         return EpisodeResult(self.task.task_id, n_pass / len(ids) if ids else 0.0, bool(ids) and n_pass == len(ids),

@@ -33,7 +33,7 @@ class Workspace(Protocol):
 
     def run(self, command: str, limits: BashLimits) -> SandboxResult: ...
     def over_limit(self, max_mb: int, max_files: int) -> str: ...          # "" or why
-    def run_hidden_tests(self, task, limits) -> tuple[set[str], str]: ...   # (passed test ids, detail)
+    def run_hidden_tests(self, task, limits) -> tuple[dict[str, str], str]: ...   # ({test id: PASS|FAIL|SKIP}, detail)
     def close(self) -> None: ...
 
 
@@ -116,7 +116,7 @@ class LocalWorkspace:
                     return f"workspace is over {max_mb} MB"
         return ""
 
-    def run_hidden_tests(self, task, limits) -> tuple[set[str], str]:
+    def run_hidden_tests(self, task, limits) -> tuple[dict[str, str], str]:
         """Run the task's tests on a copy of the workspace with the hidden tests restored, under a
         uid of its own (so nothing the episode left running or writable can touch it)."""
         score = os.path.join(self.root, "score")
@@ -126,7 +126,7 @@ class LocalWorkspace:
             _write_files(score, task.hidden_tests)
             _chown_tree(score, uid := fresh_uid())
         except (OSError, ValueError) as e:
-            return set(), f"scoring copy failed: {e}"
+            return {}, f"scoring copy failed: {e}"
         nonce = secrets.token_hex(16)
         cmd = test_command(task.runner, task.test_paths, self.tools, nonce)
         lim = BashLimits(**{**limits.command.__dict__, "wall_s": limits.score_wall_s,
@@ -140,15 +140,15 @@ class LocalWorkspace:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def parse_report(output: str, nonce: str) -> set[str]:
-    """Passed test ids from a runner's report lines (the last line about a test wins)."""
+def parse_report(output: str, nonce: str) -> dict[str, str]:
+    """{test id: PASS|FAIL|SKIP} from a runner's report lines (the last line about a test wins)."""
     status: dict[str, str] = {}
     for line in output.splitlines():
         if line.startswith(nonce + " "):
             parts = line.split(" ", 2)
             if len(parts) == 3:
                 status[parts[2]] = parts[1]
-    return {t for t, s in status.items() if s == "PASS"}
+    return status
 
 
 def _write_files(dest: str, files: dict[str, str]) -> None:
