@@ -4,11 +4,13 @@ A backend makes a `Workspace` for a task; the episode only ever calls the four m
 the same episode runs on this machine (LocalBackend: a directory + envs/sandbox.run_bash) or in a
 container (a backend for machines with Docker, see docs/environments.md#container-backend).
 
-Local layout of one episode (every directory outside `repo/` belongs to root, the commands run as
-a fresh uid that owns only `repo/`):
+Local layout (every directory outside `repo/` belongs to root, the commands run as a fresh uid
+that owns only `repo/`; root_dir is what stays visible inside the sandbox's mount namespace):
 
-    <root_dir>/ep-XXXX/          0711  traversable, not listable
-        repo/                    the workspace: the task's files, the command's cwd
+    <root_dir>/                  0711  traversable, not listable
+      site-3.X/                  0755  pytest for the sandbox python, when it has none
+      ep-XXXX/                   0711
+        repo/                    0700  the workspace: the task's files, the command's cwd
         tools/                   0755  helpers on PATH (view, replace, run_tests, submit, runners)
         score/                   a copy of repo/ with the hidden tests restored, made at score()
 """
@@ -41,19 +43,65 @@ class WorkspaceBackend(Protocol):
     def create(self, task, limits) -> Workspace: ...
 
 
-@functools.cache
-def sandbox_python() -> str:
-    """An interpreter the sandbox uid can run that has pytest (this one, if the uid can read it)."""
-    uid = fresh_uid()
+def _runs(py: str, code: str, uid: int | None, env: dict | None = None) -> bool:
     kw = dict(user=uid, group=uid, extra_groups=[]) if uid is not None else {}
-    for py in (sys.executable, *SYSTEM_PYTHONS):
-        try:
-            r = subprocess.run([py, "-c", "import pytest"], capture_output=True, timeout=30, cwd="/", **kw)
-            if r.returncode == 0:
-                return py
-        except (OSError, subprocess.SubprocessError):
+    try:
+        return subprocess.run([py, "-c", code], capture_output=True, timeout=30, cwd="/", env=env, **kw).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@functools.cache
+def sandbox_runtime(root_dir: str) -> tuple[str, str]:
+    """(python, site dir or "") for the sandbox: this interpreter when the sandbox uid can run it
+    (it has pytest), else a system python plus a read-only copy of pytest and its (pure-Python)
+    requirements from this environment in `root_dir/site-<python version>`: this environment
+    may live where a fresh uid cannot read (a venv under /root)."""
+    uid = fresh_uid()
+    if _runs(sys.executable, "import pytest", uid):
+        return sys.executable, ""
+    py = next((p for p in SYSTEM_PYTHONS if _runs(p, "pass", uid)), isolation()[0])
+    if _runs(py, "import pytest", uid):
+        return py, ""
+    site = os.path.join(root_dir, f"site-{sys.version_info[0]}.{sys.version_info[1]}")
+    if not os.path.exists(os.path.join(site, ".complete")):
+        _copy_dists(["pytest"], site)
+    ok = _runs(py, "import pytest", uid, {"PYTHONPATH": site, "PATH": "/usr/bin:/bin"})
+    return py, site if ok else ""
+
+
+def _copy_dists(names: list[str], dest: str) -> None:
+    """Copy installed distributions and their requirements (files under site-packages only)."""
+    import re
+    from importlib import metadata
+    tmp = dest + f".tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    seen, todo = set(), list(names)
+    while todo:
+        name = re.split(r"[ ;<>=!~\[(]", todo.pop(), maxsplit=1)[0].lower().replace("_", "-")
+        if not name or name in seen:
             continue
-    return isolation()[0]
+        seen.add(name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        todo += [r for r in (dist.requires or []) if "extra ==" not in r]
+        for f in dist.files or []:
+            if f.parts[0] == ".." or f.suffix in (".pyc",) or f.parts[0].endswith(".dist-info") and f.name == "RECORD":
+                continue
+            src = f.locate()
+            if os.path.isfile(src):
+                d = os.path.join(tmp, *f.parts)
+                os.makedirs(os.path.dirname(d), exist_ok=True)
+                shutil.copyfile(src, d)
+    for d, dirs, files in os.walk(tmp):
+        os.chmod(d, 0o755)
+        for x in files:
+            os.chmod(os.path.join(d, x), 0o644)
+    open(os.path.join(tmp, ".complete"), "w").close()
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
 
 
 def default_root() -> str:
@@ -67,12 +115,15 @@ class LocalBackend:
         self.root_dir, self.python = root_dir or default_root(), python
 
     def create(self, task, limits) -> "LocalWorkspace":
-        return LocalWorkspace(task, self.root_dir, self.python or sandbox_python())
+        os.makedirs(self.root_dir, exist_ok=True)
+        os.chmod(self.root_dir, 0o711)
+        python, site = (self.python, "") if self.python else sandbox_runtime(self.root_dir)
+        return LocalWorkspace(task, self.root_dir, python, site)
 
 
 class LocalWorkspace:
-    def __init__(self, task, root_dir: str, python: str):
-        self.error, self.python = "", python
+    def __init__(self, task, root_dir: str, python: str, site: str = ""):
+        self.error, self.python, self.site, self.root_dir = "", python, site, root_dir
         self.uid = fresh_uid()
         os.makedirs(root_dir, exist_ok=True)
         os.chmod(root_dir, 0o711)
@@ -85,6 +136,7 @@ class LocalWorkspace:
             os.makedirs(self.repo, exist_ok=True)
             _write_files(self.repo, task.files)
             _chown_tree(self.repo, self.uid)
+            os.chmod(self.repo, 0o700)          # other episodes see the same root_dir: keep them out
             os.makedirs(self.tools)
             for name, (text, mode) in tool_files(python, task.runner, task.test_paths, self.tools).items():
                 p = os.path.join(self.tools, name)
@@ -96,10 +148,13 @@ class LocalWorkspace:
             self.error = f"workspace setup failed: {e}"
 
     def _env(self) -> dict[str, str]:
-        return {"PATH": f"{self.tools}:/usr/local/bin:/usr/bin:/bin"}
+        env = {"PATH": f"{self.tools}:/usr/local/bin:/usr/bin:/bin"}
+        if self.site:
+            env["PYTHONPATH"] = self.site
+        return env
 
     def run(self, command: str, limits: BashLimits) -> SandboxResult:
-        return run_bash(command, self.root, self.repo, limits, self.uid, self._env())
+        return run_bash(command, self.root_dir, self.repo, limits, self.uid, self._env())
 
     def over_limit(self, max_mb: int, max_files: int) -> str:
         total = n = 0
@@ -125,13 +180,14 @@ class LocalWorkspace:
             _copy_tree(self.repo, score)
             _write_files(score, task.hidden_tests)
             _chown_tree(score, uid := fresh_uid())
+            os.chmod(score, 0o700)
         except (OSError, ValueError) as e:
             return {}, f"scoring copy failed: {e}"
         nonce = secrets.token_hex(16)
         cmd = test_command(task.runner, task.test_paths, self.tools, nonce)
         lim = BashLimits(**{**limits.command.__dict__, "wall_s": limits.score_wall_s,
                             "cpu_s": int(limits.score_wall_s) + 1})
-        res = run_bash(cmd, self.root, score, lim, uid, self._env())
+        res = run_bash(cmd, self.root_dir, score, lim, uid, self._env())
         shutil.rmtree(score, ignore_errors=True)
         return parse_report(res.stdout.decode("utf-8", "replace"), nonce), \
             ("" if res.ok or res.reason.startswith("exit code") else f"tests: {res.reason}")

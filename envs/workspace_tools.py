@@ -133,7 +133,8 @@ def test_command(runner: str, test_paths: list[str], tools: str, report_nonce: s
         rep = f"--report {report_nonce} " if report_nonce else ""
         return f"python {tools}/minitest.py {rep}{paths}"
     if runner == "pytest":
-        rep = (f"ASYNCRL_REPORT_NONCE={report_nonce} PYTHONPATH={tools} " if report_nonce else "")
+        rep = (f"ASYNCRL_REPORT_NONCE={report_nonce} PYTHONPATH={tools}${{PYTHONPATH:+:$PYTHONPATH}} "
+               if report_nonce else "")
         extra = "-p asyncrl_report --tb=no -q" if report_nonce else "-q --tb=short"
         return f"{rep}python -m pytest -p no:cacheprovider {extra} {paths}"
     raise ValueError(f"unknown test runner {runner!r}")
