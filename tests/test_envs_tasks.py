@@ -55,6 +55,9 @@ def test_precedence_is_kept_by_parentheses():
     muts = candidates("def g(a, b):\n    if a > 0 and b > 0:\n        return 1\n    return 0\n", "g.py",
                       kinds=("invert_condition",))
     assert [m.after.strip() for m in muts] == ["if not (a > 0 and b > 0):"]
+    # b * c -> b + c inside a - ...: only parentheses keep the mutation the AST meant
+    muts = candidates("def g(a, b, c):\n    return a - b * c\n", "g.py", kinds=("swap_operator",))
+    assert sorted(m.after.strip() for m in muts) == ["return a + b * c", "return a - (b + c)"]
 
 
 # -- tier 1 -------------------------------------------------------------------------------------
