@@ -74,7 +74,8 @@ def _copy_dists(names: list[str], dest: str) -> None:
     """Copy installed distributions and their requirements (files under site-packages only)."""
     import re
     from importlib import metadata
-    tmp = dest + f".tmp{os.getpid()}"
+    import threading
+    tmp = dest + f".tmp{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(tmp, ignore_errors=True)
     seen, todo = set(), list(names)
     while todo:
@@ -100,8 +101,10 @@ def _copy_dists(names: list[str], dest: str) -> None:
         for x in files:
             os.chmod(os.path.join(d, x), 0o644)
     open(os.path.join(tmp, ".complete"), "w").close()
-    shutil.rmtree(dest, ignore_errors=True)
-    os.replace(tmp, dest)
+    try:
+        os.rename(tmp, dest)                # atomic; fails if another process or thread got there first
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def default_root() -> str:
