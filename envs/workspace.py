@@ -211,13 +211,21 @@ def parse_report(output: str, nonce: str) -> dict[str, str]:
 
 
 def _write_files(dest: str, files: dict[str, str]) -> None:
+    """Write files under dest as root, never through a symlink: a workspace the agent shaped may
+    have replaced a directory by a link to anywhere on the host."""
     for rel, text in files.items():
         path = os.path.normpath(os.path.join(dest, rel))
         if os.path.isabs(rel) or not path.startswith(os.path.normpath(dest) + os.sep):
             raise ValueError(f"task file path {rel!r} leaves the workspace")
-        if os.path.islink(path):
-            os.unlink(path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        cur = os.path.normpath(dest)
+        for part in os.path.relpath(path, cur).split(os.sep)[:-1]:
+            cur = os.path.join(cur, part)
+            if os.path.islink(cur) or (os.path.lexists(cur) and not os.path.isdir(cur)):
+                os.unlink(cur)
+            if not os.path.isdir(cur):
+                os.mkdir(cur)
+        if os.path.islink(path) or os.path.isdir(path):
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
 

@@ -240,6 +240,26 @@ def test_hidden_tests_are_out_of_reach(episode):
     assert ep.score().reward == 1.0                            # they were used for scoring
 
 
+def test_scoring_never_writes_through_a_planted_symlink(tmp_path):
+    """The hidden tests are written as root into the scoring copy: a `tests` directory the agent
+    replaced by a link to a host directory must not redirect them there."""
+    target = tmp_path / "host-dir"
+    target.mkdir()
+    task = EpisodeTask("t-link", "test", "train", "x", {"calc.py": "def add(a, b):\n    return a + b\n",
+                                                        "tests/test_calc.py": TESTS},
+                       {"tests/test_calc.py": TESTS}, "mini", ["tests/test_calc.py"], [],
+                       ["tests/test_calc.py::test_add"])
+    ep = Episode(task, FAST)
+    try:
+        ep.reset()
+        ep.step(bash(f"rm -rf tests && ln -s {target} tests && ln -s {target}/x.py calc2.py"))
+        ep.step(bash("submit"))
+        res = ep.score()
+    finally:
+        ep.close()
+    assert list(target.iterdir()) == [] and res.reward == 1.0     # tests restored in the copy, host untouched
+
+
 def test_other_episodes_are_unaffected():
     """A hostile episode (fork bomb, endless sleep) next to a normal one in the pool."""
     pool = EpisodePool(4)
