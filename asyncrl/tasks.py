@@ -25,7 +25,7 @@ import zipfile
 
 from envs.base import split_of
 from envs.episode import EpisodeLimits, EpisodeTask
-from envs.mutations import candidates
+from envs.mutations import balanced_order, candidates
 from envs.sandbox import BashLimits
 from envs.task_set import write_task_set
 from envs.task_validation import BuildReport, fail_pass_split, run_suite
@@ -136,7 +136,7 @@ def build_package(sdist: str, out_dir: str, per_package: int = 10, seed: int = 0
     for path in src:
         with open(os.path.join(repo, path), encoding="utf-8", errors="replace") as f:
             muts += candidates(f.read(), path)
-    rng.shuffle(muts)
+    muts = balanced_order(muts, rng)
     out: list[EpisodeTask] = []
     for m in muts[:per_package * tries]:
         if len(out) >= per_package:

@@ -14,7 +14,7 @@ import random
 
 from .base import split_of
 from .episode import EpisodeTask
-from .mutations import candidates
+from .mutations import balanced_order, candidates
 from .repo_bank import MODULES
 from .task_validation import BuildReport, fail_pass_split, run_suite
 
@@ -65,8 +65,8 @@ def build(n_repos: int, seed: int = 0, eval_fraction: float = 0.2, tries_per_rep
         if not original or any(s != "PASS" for s in original.values()):
             report.notes.append(f"{FAMILY} {seed}:{i}: original does not pass ({why or original})")
             continue
-        muts = [m for p in sorted(files) if not p.startswith("tests/") for m in candidates(files[p], p)]
-        rng.shuffle(muts)
+        muts = balanced_order([m for p in sorted(files) if not p.startswith("tests/")
+                               for m in candidates(files[p], p)], rng)
         for m in muts[:tries_per_repo]:
             mutant = {**files, m.path: m.source}
             status, _ = run_suite(mutant, "mini", test_paths)

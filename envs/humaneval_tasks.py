@@ -16,7 +16,7 @@ import random
 
 from .base import split_of
 from .episode import EpisodeTask
-from .mutations import candidates
+from .mutations import balanced_order, candidates
 from .task_validation import BuildReport, fail_pass_split, run_suite
 
 TEST_FILE = "test_solution.py"
@@ -85,9 +85,8 @@ def build(limit: int | None = None, seed: int = 0, eval_fraction: float = 0.2, k
                                f"`submit`."))
         if "fix" in kinds:
             rng = random.Random(f"humaneval-fix:{seed}:{pid}")
-            muts = [m for m in candidates(correct, "solution.py")
-                    if m.line > p["prompt"].count("\n")]           # in the body, not the signature/docstring
-            rng.shuffle(muts)
+            muts = balanced_order([m for m in candidates(correct, "solution.py")
+                                   if m.line > p["prompt"].count("\n")], rng)   # in the body, not the docstring
             for m in muts[:tries]:
                 status, _ = run_suite({"solution.py": m.source, TEST_FILE: tests}, "mini", [TEST_FILE])
                 f2p, p2p = fail_pass_split(original, status)

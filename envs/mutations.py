@@ -158,5 +158,19 @@ def _changed_lines(a: str, b: str) -> tuple[int, str, str]:
     return ops[0][1] + 1, "".join(al[ops[0][1]:ops[-1][2]]), "".join(bl[ops[0][3]:ops[-1][4]])
 
 
+def balanced_order(muts: list[Mutation], rng) -> list[Mutation]:
+    """The candidates shuffled, then interleaved kind by kind (in a shuffled kind order), so the
+    first few tried spread over the kinds instead of following how many sites each kind has."""
+    muts = list(muts)
+    rng.shuffle(muts)
+    by_kind = {k: [m for m in muts if m.kind == k] for k in KINDS}
+    kinds = [k for k in KINDS if by_kind[k]]
+    rng.shuffle(kinds)
+    out = []
+    for i in range(max((len(v) for v in by_kind.values()), default=0)):
+        out += [by_kind[k][i] for k in kinds if i < len(by_kind[k])]
+    return out
+
+
 def counts_by_kind(muts) -> dict[str, int]:
     return {k: sum(m.kind == k for m in muts) for k in KINDS}

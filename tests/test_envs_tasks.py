@@ -14,7 +14,7 @@ import pytest
 from asyncrl import tasks as tasks_cli
 from envs import gen_repos, humaneval_tasks
 from envs.episode import Episode, EpisodeLimits, EpisodeTask
-from envs.mutations import KINDS, candidates, counts_by_kind
+from envs.mutations import KINDS, balanced_order, candidates, counts_by_kind
 from envs.oracle import oracle_actions, run_oracle
 from envs.sandbox import BashLimits
 from envs.task_set import load_task_set, write_task_set
@@ -49,6 +49,14 @@ def test_every_kind_is_found_and_edits_one_spot():
     assert candidates(SRC, "m.py") == muts                              # deterministic
     assert not any(m.kind == "remove_statement" and m.line <= 2 for m in muts)   # module level kept
     assert candidates("def broken(:\n", "x.py") == []
+
+
+def test_balanced_order_spreads_over_kinds():
+    muts = candidates(SRC, "m.py")
+    order = balanced_order(muts, random.Random(0))
+    assert sorted(map(id, order)) == sorted(map(id, muts))
+    assert len({m.kind for m in order[:len(KINDS)]}) == len(KINDS)
+    assert order == balanced_order(muts, random.Random(0))
 
 
 def test_precedence_is_kept_by_parentheses():
