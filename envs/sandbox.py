@@ -233,3 +233,142 @@ def _kill_group(pgid: int) -> None:
 def _read_capped(path: str, cap: int) -> bytes:
     with open(path, "rb") as f:
         return f.read(cap)
+
+
+# -- bash in a persistent workspace (multi-turn episodes) ----------------------------------------
+
+# Runs as pid 1 of the namespaces (or as the group leader without them). Mount masks first: a
+# private size-capped tmpfs over every world-writable directory, so the only place a command can
+# leave anything behind is its workspace; then the episode root is bound back at its own path
+# (it may live under a masked /tmp; mount(8) must not canonicalise /proc/self/cwd, or it would
+# resolve to the masked path); then rlimits; then the command, as a child, so pid 1 keeps normal
+# signal handling and everything left in the namespace dies when it exits.
+BASH_SETUP = r"""
+root=$1 ws=$2 masks=$3 tmp_mb=$4 cpu=$5 mem_kb=$6 fsize_kb=$7 nofile=$8 nproc=$9 mark=${10}
+shift 10
+fail() { echo "sandbox setup failed: $*" >&2; exit 197; }
+cd "$root" || fail "no episode root $root"
+if [ "$masks" = 1 ]; then
+  for d in /tmp /var/tmp /dev/shm /run/lock; do
+    if [ -d "$d" ]; then mount -t tmpfs -o "size=${tmp_mb}m,mode=1777" tmpfs "$d" || fail "mask $d"; fi
+  done
+  mkdir -p "$root" && mount --no-canonicalize --bind /proc/self/cwd "$root" || fail "bind $root"
+fi
+cd "$ws" || fail "no workspace $ws"
+ulimit -c 0 && ulimit -t "$cpu" && ulimit -v "$mem_kb" && ulimit -f "$fsize_kb" && ulimit -n "$nofile" || fail "ulimit"
+if [ "$nproc" -gt 0 ]; then ulimit -u "$nproc" || fail "ulimit -u"; fi
+echo ok >&"$mark"
+exec {mark}>&-
+"$@"
+exit $?
+"""
+
+SETUP_FAILED = 197
+
+
+@dataclass
+class BashLimits:
+    wall_s: float = 10.0          # per command
+    cpu_s: int = 10
+    memory_mb: int = 1024         # address space per process
+    file_mb: int = 16             # largest file a command may write; also caps its captured output
+    nproc: int = 64               # processes + threads of the episode's uid (fork-bomb cap)
+    open_files: int = 256
+    tmp_mb: int = 64              # each private tmpfs (/tmp, /var/tmp, /dev/shm)
+    keep_bytes: int = 32 << 10    # of the output kept for the caller: this much of its head and of its tail
+
+
+def fresh_uid() -> int | None:
+    """A uid never used before for a workspace (None where we are not root: commands then run as us)."""
+    return _fresh_uid() if isolation()[1] else None
+
+
+def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None = None, uid: int | None = None,
+             env: dict[str, str] | None = None) -> SandboxResult:
+    """Run `bash -c command` in `workspace` (a directory under `root`, owned by `uid`) and return
+    its merged stdout+stderr (head and tail when long). Never raises on anything the command does.
+
+    Isolation, when root with user namespaces: fresh uid (owns nothing but the workspace), empty
+    network namespace, pid namespace (nothing outlives the command), private tmpfs over /tmp,
+    /var/tmp, /dev/shm, rlimits, process group killed at the wall limit. Without namespaces the
+    masks, the network cut and the pid namespace are missing (see docs/environments.md)."""
+    limits = limits or BashLimits()
+    _, _, use_ns = isolation()
+    layers = ["pgroup", "rlimits"]
+    t0 = time.perf_counter()
+    out_dir = tempfile.mkdtemp(prefix="asyncrl-cmd-")       # root-only: the command never sees it
+    try:
+        out_path, mark_path = os.path.join(out_dir, "out"), os.path.join(out_dir, "mark")
+        # RLIMIT_NPROC counts every task of the uid: only meaningful under a fresh uid (a shared
+        # uid already has more; root ignores it)
+        nproc = limits.nproc if uid is not None else 0
+        kw = {}
+        if uid is not None:
+            kw = dict(user=uid, group=uid, extra_groups=[])
+            layers.append("fresh-uid")
+        if use_ns:
+            layers += ["netns", "pidns", "mountns", "tmp-masks"]
+        base_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "TMPDIR": "/tmp",
+                    "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TERM": "dumb"}
+        base_env.update(env or {})
+        with open(os.devnull, "rb") as inp, open(out_path, "wb") as out, open(mark_path, "wb") as mark:
+            # the setup writes "ok" on its own fd once the isolation is in place, so a setup
+            # failure is never mistaken for the command's own exit status
+            cmd = ["/bin/bash", "-c", BASH_SETUP, "setup", root, workspace, "1" if use_ns else "0",
+                   str(limits.tmp_mb), str(limits.cpu_s), str(limits.memory_mb << 10), str(limits.file_mb << 10),
+                   str(limits.open_files), str(nproc), str(mark.fileno()), "/bin/bash", "-c", command]
+            if use_ns:
+                cmd = [shutil.which("unshare") or "unshare", "-rmnpf", "--kill-child", "--", *cmd]
+            proc = subprocess.Popen(cmd, cwd="/", stdin=inp, stdout=out, stderr=subprocess.STDOUT,
+                                    pass_fds=(mark.fileno(),), env=base_env, start_new_session=True, **kw)
+            try:
+                timed_out = not _wait_exit(proc, limits.wall_s)
+            finally:
+                _kill_group(proc.pid)
+                proc.wait()
+        rc = proc.returncode
+        size = os.path.getsize(out_path)
+        output = _head_tail(out_path, size, limits.keep_bytes)
+        setup_ok = os.path.getsize(mark_path) > 0
+        if not setup_ok and not timed_out:
+            reason = "sandbox error: " + (output.decode("utf-8", "replace").strip().splitlines() or ["setup failed"])[-1]
+        elif timed_out:
+            reason = f"wall timeout after {limits.wall_s}s"
+        elif size >= limits.file_mb << 20:
+            reason = f"output limit ({limits.file_mb} MB) exceeded"
+        elif rc < 0:
+            reason = _bash_signal_reason(-rc, limits)
+        elif rc > 128 and rc - 128 in (signal.SIGKILL, signal.SIGXCPU, signal.SIGXFSZ):
+            reason = _bash_signal_reason(rc - 128, limits)
+        elif rc != 0:
+            reason = f"exit code {rc}"
+        else:
+            reason = "ok"
+        return SandboxResult(reason, rc, output, b"", time.perf_counter() - t0, layers)
+    except OSError as e:
+        return SandboxResult(f"sandbox error: {e}", -1, wall_s=time.perf_counter() - t0, isolation=layers)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _bash_signal_reason(sig: int, limits: BashLimits) -> str:
+    if sig == signal.SIGXCPU:
+        return f"cpu time limit ({limits.cpu_s}s) exceeded"
+    if sig == signal.SIGXFSZ:
+        return f"file size limit ({limits.file_mb} MB) exceeded"
+    if sig == signal.SIGKILL:
+        return "killed (cpu hard limit or out of memory)"
+    try:
+        return f"crashed with signal {signal.Signals(sig).name}"
+    except ValueError:
+        return f"crashed with signal {sig}"
+
+
+def _head_tail(path: str, size: int, keep: int) -> bytes:
+    """The whole file when short, else its first and last `keep` bytes around an omission note."""
+    with open(path, "rb") as f:
+        if size <= 2 * keep:
+            return f.read()
+        head = f.read(keep)
+        f.seek(size - keep)
+        return head + f"\n[... {size - 2 * keep} bytes omitted ...]\n".encode() + f.read()

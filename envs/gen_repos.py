@@ -1,0 +1,85 @@
+"""Tier 1: generated repositories with one injected bug each.
+
+A repository = a few modules from envs/repo_bank.py and a test file per module, with cases
+drawn from the seed and expected values computed by the correct code. A bug is injected by one
+AST mutation (envs/mutations.py); the task is kept only if the original passes every test and the
+mutant fails at least one (fail-to-pass / pass-to-pass lists stored with the task). Everything is
+a function of the seed; the train/eval split is a function of the bug's identity, so the same
+bug never lands in both splits.
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+from .base import split_of
+from .episode import EpisodeTask
+from .mutations import balanced_order, candidates
+from .repo_bank import MODULES
+from .task_validation import BuildReport, fail_pass_split, run_suite
+
+FAMILY = "gen-repo"
+
+
+def make_repo(rng: random.Random, n_modules: int = 2, cases: int = 4) -> dict[str, str]:
+    """{path: text} of a repository: modules + tests/test_<module>.py, all tests passing."""
+    names = sorted(rng.sample(sorted(MODULES), n_modules))
+    files: dict[str, str] = {}
+    for name in names:
+        src, gens = MODULES[name]
+        ns: dict = {}
+        exec(compile(src, name, "exec"), ns)                 # trusted bank code
+        tests = [f"from {name} import {', '.join(sorted(gens))}\n"]
+        for fn in sorted(gens):
+            for k in range(cases):
+                args = gens[fn](rng)
+                try:
+                    want = ns[fn](*copy.deepcopy(args))
+                except Exception:
+                    continue
+                call = f"{fn}({', '.join(repr(a) for a in args)})"
+                tests.append(f"\n\ndef test_{fn}_{k}():\n    assert {call} == {want!r}\n")
+        files[f"{name}.py"] = src
+        files[f"tests/test_{name}.py"] = "".join(tests)
+    return files
+
+
+def instruction(files: dict[str, str], fail_to_pass: list[str]) -> str:
+    shown = ", ".join(fail_to_pass[:3]) + (f" and {len(fail_to_pass) - 3} more" if len(fail_to_pass) > 3 else "")
+    return (f"This repository has a bug: some tests fail, for example {shown}.\n"
+            f"Files: {', '.join(sorted(files))}.\n"
+            "Find the bug in the source code and fix it; do not change the tests. "
+            "Run the tests with `run_tests`, then `submit`.")
+
+
+def build(n_repos: int, seed: int = 0, eval_fraction: float = 0.2, tries_per_repo: int = 6,
+          n_modules: int = 2, cases: int = 4, report: BuildReport | None = None) -> list[EpisodeTask]:
+    """Up to `n_repos` tasks (one validated bug per repository), deterministic in `seed`."""
+    report = report if report is not None else BuildReport()
+    tasks = []
+    for i in range(n_repos):
+        rng = random.Random(f"{FAMILY}:{seed}:{i}")
+        files = make_repo(rng, n_modules, cases)
+        test_paths = sorted(p for p in files if p.startswith("tests/"))
+        original, why = run_suite(files, "mini", test_paths)
+        if not original or any(s != "PASS" for s in original.values()):
+            report.notes.append(f"{FAMILY} {seed}:{i}: original does not pass ({why or original})")
+            continue
+        muts = balanced_order([m for p in sorted(files) if not p.startswith("tests/")
+                               for m in candidates(files[p], p)], rng)
+        for m in muts[:tries_per_repo]:
+            mutant = {**files, m.path: m.source}
+            status, _ = run_suite(mutant, "mini", test_paths)
+            f2p, p2p = fail_pass_split(original, status)
+            if not f2p:
+                report.add(FAMILY, m.kind, False)
+                continue
+            split = split_of(f"{FAMILY}|{m.path}|{m.line}|{m.after}|{m.kind}", eval_fraction)
+            report.add(FAMILY, m.kind, True, split)
+            tasks.append(EpisodeTask(
+                task_id=f"{FAMILY}-{seed}-{i}", family=FAMILY, split=split, instruction=instruction(files, f2p),
+                files=mutant, hidden_tests={p: files[p] for p in test_paths}, runner="mini", test_paths=test_paths,
+                fail_to_pass=f2p, pass_to_pass=p2p,
+                meta={"kind": m.kind, "path": m.path, "line": m.line, "before": m.before, "after": m.after}))
+            break
+    return tasks

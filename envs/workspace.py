@@ -1,0 +1,255 @@
+"""Where an episode's commands run: the workspace backend interface and the local backend.
+
+A backend makes a `Workspace` for a task; the episode only ever calls the four methods below, so
+the same episode runs on this machine (LocalBackend: a directory + envs/sandbox.run_bash) or in a
+container (a backend for machines with Docker, see docs/environments.md#container-backend).
+
+Local layout (every directory outside `repo/` belongs to root, the commands run as a fresh uid
+that owns only `repo/`; root_dir is what stays visible inside the sandbox's mount namespace):
+
+    <root_dir>/                  0711  traversable, not listable
+      site-3.X/                  0755  pytest for the sandbox python, when it has none
+      ep-XXXX/                   0711
+        repo/                    0700  the workspace: the task's files, the command's cwd
+        tools/                   0755  helpers on PATH (view, replace, run_tests, submit, runners)
+        score/                   a copy of repo/ with the hidden tests restored, made at score()
+"""
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from typing import Protocol
+
+from .sandbox import SYSTEM_PYTHONS, BashLimits, SandboxResult, fresh_uid, isolation, run_bash
+from .workspace_tools import test_command, tool_files
+
+
+class Workspace(Protocol):
+    error: str                      # non-empty when the workspace could not be made (-> sandbox_error)
+
+    def run(self, command: str, limits: BashLimits) -> SandboxResult: ...
+    def over_limit(self, max_mb: int, max_files: int) -> str: ...          # "" or why
+    def run_hidden_tests(self, task, limits) -> tuple[dict[str, str], str]: ...   # ({test id: PASS|FAIL|SKIP}, detail)
+    def close(self) -> None: ...
+
+
+class WorkspaceBackend(Protocol):
+    def create(self, task, limits) -> Workspace: ...
+
+
+def _runs(py: str, code: str, uid: int | None, env: dict | None = None) -> bool:
+    kw = dict(user=uid, group=uid, extra_groups=[]) if uid is not None else {}
+    try:
+        return subprocess.run([py, "-c", code], capture_output=True, timeout=30, cwd="/", env=env, **kw).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@functools.cache
+def sandbox_runtime(root_dir: str) -> tuple[str, str]:
+    """(python, site dir or "") for the sandbox: this interpreter when the sandbox uid can run it
+    (it has pytest), else a system python plus a read-only copy of pytest and its (pure-Python)
+    requirements from this environment in `root_dir/site-<python version>`: this environment
+    may live where a fresh uid cannot read (a venv under /root)."""
+    uid = fresh_uid()
+    if _runs(sys.executable, "import pytest", uid):
+        return sys.executable, ""
+    py = next((p for p in SYSTEM_PYTHONS if _runs(p, "pass", uid)), isolation()[0])
+    if _runs(py, "import pytest", uid):
+        return py, ""
+    site = os.path.join(root_dir, f"site-{sys.version_info[0]}.{sys.version_info[1]}")
+    if not os.path.exists(os.path.join(site, ".complete")):
+        _copy_dists(["pytest"], site)
+    ok = _runs(py, "import pytest", uid, {"PYTHONPATH": site, "PATH": "/usr/bin:/bin"})
+    return py, site if ok else ""
+
+
+def _copy_dists(names: list[str], dest: str) -> None:
+    """Copy installed distributions and their requirements (files under site-packages only)."""
+    import re
+    from importlib import metadata
+    import threading
+    tmp = dest + f".tmp{os.getpid()}-{threading.get_ident()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    seen, todo = set(), list(names)
+    while todo:
+        name = re.split(r"[ ;<>=!~\[(]", todo.pop(), maxsplit=1)[0].lower().replace("_", "-")
+        if not name or name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        todo += [r for r in (dist.requires or []) if "extra ==" not in r]
+        for f in dist.files or []:
+            if f.parts[0] == ".." or f.suffix in (".pyc",) or f.parts[0].endswith(".dist-info") and f.name == "RECORD":
+                continue
+            src = f.locate()
+            if os.path.isfile(src):
+                d = os.path.join(tmp, *f.parts)
+                os.makedirs(os.path.dirname(d), exist_ok=True)
+                shutil.copyfile(src, d)
+    for d, dirs, files in os.walk(tmp):
+        os.chmod(d, 0o755)
+        for x in files:
+            os.chmod(os.path.join(d, x), 0o644)
+    open(os.path.join(tmp, ".complete"), "w").close()
+    try:
+        os.rename(tmp, dest)                # atomic; fails if another process or thread got there first
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def default_root() -> str:
+    return os.path.join(tempfile.gettempdir(), "asyncrl-episodes")
+
+
+class LocalBackend:
+    """Workspaces as directories on this machine; picklable (a path and a python)."""
+
+    def __init__(self, root_dir: str | None = None, python: str | None = None):
+        self.root_dir, self.python = root_dir or default_root(), python
+
+    def create(self, task, limits) -> "LocalWorkspace":
+        os.makedirs(self.root_dir, exist_ok=True)
+        os.chmod(self.root_dir, 0o711)
+        python, site = (self.python, "") if self.python else sandbox_runtime(self.root_dir)
+        return LocalWorkspace(task, self.root_dir, python, site)
+
+
+class LocalWorkspace:
+    def __init__(self, task, root_dir: str, python: str, site: str = ""):
+        self.error, self.python, self.site, self.root_dir = "", python, site, root_dir
+        self.uid = fresh_uid()
+        os.makedirs(root_dir, exist_ok=True)
+        os.chmod(root_dir, 0o711)
+        self.root = tempfile.mkdtemp(prefix="ep-", dir=root_dir)
+        os.chmod(self.root, 0o711)
+        self.repo, self.tools = os.path.join(self.root, "repo"), os.path.join(self.root, "tools")
+        try:
+            if task.base_dir:
+                _copy_tree(task.base_dir, self.repo)
+            os.makedirs(self.repo, exist_ok=True)
+            _write_files(self.repo, task.files)
+            _chown_tree(self.repo, self.uid)
+            os.chmod(self.repo, 0o700)          # other episodes see the same root_dir: keep them out
+            os.makedirs(self.tools)
+            for name, (text, mode) in tool_files(python, task.runner, task.test_paths, self.tools).items():
+                p = os.path.join(self.tools, name)
+                with open(p, "w") as f:
+                    f.write(text)
+                os.chmod(p, mode)
+            os.chmod(self.tools, 0o755)
+        except (OSError, ValueError) as e:
+            self.error = f"workspace setup failed: {e}"
+
+    def _env(self) -> dict[str, str]:
+        env = {"PATH": f"{self.tools}:/usr/local/bin:/usr/bin:/bin"}
+        if self.site:
+            env["PYTHONPATH"] = self.site
+        return env
+
+    def run(self, command: str, limits: BashLimits) -> SandboxResult:
+        return run_bash(command, self.root_dir, self.repo, limits, self.uid, self._env())
+
+    def over_limit(self, max_mb: int, max_files: int) -> str:
+        total = n = 0
+        for d, dirs, files in os.walk(self.repo):
+            for name in dirs + files:
+                n += 1
+                try:
+                    total += os.lstat(os.path.join(d, name)).st_size
+                except OSError:
+                    pass
+                if n > max_files:
+                    return f"workspace has more than {max_files} files"
+                if total > max_mb << 20:
+                    return f"workspace is over {max_mb} MB"
+        return ""
+
+    def run_hidden_tests(self, task, limits) -> tuple[dict[str, str], str]:
+        """Run the task's tests on a copy of the workspace with the hidden tests restored, under a
+        uid of its own (so nothing the episode left running or writable can touch it)."""
+        score = os.path.join(self.root, "score")
+        shutil.rmtree(score, ignore_errors=True)
+        try:
+            _copy_tree(self.repo, score)
+            _write_files(score, task.hidden_tests)
+            _chown_tree(score, uid := fresh_uid())
+            os.chmod(score, 0o700)
+        except (OSError, ValueError) as e:
+            return {}, f"scoring copy failed: {e}"
+        nonce = secrets.token_hex(16)
+        cmd = test_command(task.runner, task.test_paths, self.tools, nonce)
+        lim = BashLimits(**{**limits.command.__dict__, "wall_s": limits.score_wall_s,
+                            "cpu_s": int(limits.score_wall_s) + 1})
+        res = run_bash(cmd, self.root_dir, score, lim, uid, self._env())
+        shutil.rmtree(score, ignore_errors=True)
+        return parse_report(res.stdout.decode("utf-8", "replace"), nonce), \
+            ("" if res.ok or res.reason.startswith("exit code") else f"tests: {res.reason}")
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def parse_report(output: str, nonce: str) -> dict[str, str]:
+    """{test id: PASS|FAIL|SKIP} from a runner's report lines (the last line about a test wins)."""
+    status: dict[str, str] = {}
+    for line in output.splitlines():
+        if line.startswith(nonce + " "):
+            parts = line.split(" ", 2)
+            if len(parts) == 3:
+                status[parts[2]] = parts[1]
+    return status
+
+
+def _write_files(dest: str, files: dict[str, str]) -> None:
+    """Write files under dest as root, never through a symlink: a workspace the agent shaped may
+    have replaced a directory by a link to anywhere on the host."""
+    for rel, text in files.items():
+        path = os.path.normpath(os.path.join(dest, rel))
+        if os.path.isabs(rel) or not path.startswith(os.path.normpath(dest) + os.sep):
+            raise ValueError(f"task file path {rel!r} leaves the workspace")
+        cur = os.path.normpath(dest)
+        for part in os.path.relpath(path, cur).split(os.sep)[:-1]:
+            cur = os.path.join(cur, part)
+            if os.path.islink(cur) or (os.path.lexists(cur) and not os.path.isdir(cur)):
+                os.unlink(cur)
+            if not os.path.isdir(cur):
+                os.mkdir(cur)
+        if os.path.islink(path) or os.path.isdir(path):
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def _copy_tree(src: str, dst: str) -> None:
+    """Directories, regular files and symlinks (as links); anything else (fifos, sockets,
+    devices a command made) is skipped: opening a fifo to copy it would block forever."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        s, d = os.path.join(src, name), os.path.join(dst, name)
+        st = os.lstat(s)
+        if stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(s), d)
+        elif stat.S_ISDIR(st.st_mode):
+            _copy_tree(s, d)
+        elif stat.S_ISREG(st.st_mode):
+            shutil.copyfile(s, d)
+            os.chmod(d, stat.S_IMODE(st.st_mode) | 0o600)
+
+
+def _chown_tree(path: str, uid: int | None) -> None:
+    if uid is None:
+        return
+    os.lchown(path, uid, uid)
+    for d, dirs, files in os.walk(path):
+        for n in dirs + files:
+            os.lchown(os.path.join(d, n), uid, uid)

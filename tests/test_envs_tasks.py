@@ -1,0 +1,285 @@
+"""Task builders: AST mutations, generated repositories, HumanEval, real packages from a source
+distribution (a tiny package made here, no network), the task-set format and the oracle."""
+from __future__ import annotations
+
+import ast
+import io
+import json
+import os
+import random
+import tarfile
+
+import pytest
+
+from asyncrl import tasks as tasks_cli
+from envs import gen_repos, humaneval_tasks
+from envs.episode import Episode, EpisodeLimits, EpisodeTask
+from envs.mutations import KINDS, balanced_order, candidates, counts_by_kind
+from envs.oracle import oracle_actions, run_oracle
+from envs.sandbox import BashLimits
+from envs.task_set import load_task_set, write_task_set
+from envs.task_validation import BuildReport
+
+SRC = '''"""doc"""
+LIMIT = 10
+
+
+def f(xs, n):
+    """Sum of the doubled items above n at even positions."""
+    out = []  # a comment that must survive
+    for i in range(len(xs)):
+        if xs[i] > n and i % 2 == 0:
+            out.append(xs[i] * 2)
+    total = 0
+    total += sum(out)
+    return total if total < LIMIT else LIMIT
+'''
+
+# -- mutations ----------------------------------------------------------------------------------
+
+def test_every_kind_is_found_and_edits_one_spot():
+    muts = candidates(SRC, "m.py")
+    counts = counts_by_kind(muts)
+    assert all(counts[k] > 0 for k in KINDS), counts
+    for m in muts:
+        assert ast.dump(ast.parse(m.source)) != ast.dump(ast.parse(SRC))
+        assert "# a comment that must survive" in m.source or m.kind == "remove_statement"
+        changed = [a for a, b in zip(SRC.splitlines(), m.source.splitlines()) if a != b]
+        assert m.kind == "remove_statement" or len(changed) == 1, m.describe()
+    assert candidates(SRC, "m.py") == muts                              # deterministic
+    assert not any(m.kind == "remove_statement" and m.line <= 2 for m in muts)   # module level kept
+    assert candidates("def broken(:\n", "x.py") == []
+
+
+def test_balanced_order_spreads_over_kinds():
+    muts = candidates(SRC, "m.py")
+    order = balanced_order(muts, random.Random(0))
+    assert sorted(map(id, order)) == sorted(map(id, muts))
+    assert len({m.kind for m in order[:len(KINDS)]}) == len(KINDS)
+    assert order == balanced_order(muts, random.Random(0))
+
+
+def test_precedence_is_kept_by_parentheses():
+    muts = candidates("def g(a, b):\n    if a > 0 and b > 0:\n        return 1\n    return 0\n", "g.py",
+                      kinds=("invert_condition",))
+    assert [m.after.strip() for m in muts] == ["if not (a > 0 and b > 0):"]
+    # b * c -> b + c inside a - ...: only parentheses keep the mutation the AST meant
+    muts = candidates("def g(a, b, c):\n    return a - b * c\n", "g.py", kinds=("swap_operator",))
+    assert sorted(m.after.strip() for m in muts) == ["return a + b * c", "return a - (b + c)"]
+
+
+# -- tier 1 -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gen_tasks():
+    report = BuildReport()
+    return gen_repos.build(3, seed=7, report=report), report
+
+
+def test_generated_repos_are_validated_and_deterministic(gen_tasks):
+    tasks, report = gen_tasks
+    assert len(tasks) >= 2
+    for t in tasks:
+        assert t.fail_to_pass and t.meta["kind"] in KINDS and t.split in ("train", "eval")
+        assert set(t.hidden_tests) == {p for p in t.files if p.startswith("tests/")}
+        assert t.files[t.meta["path"]] != t.hidden_tests.get(t.meta["path"])
+    d = report.to_dict()["families"]["gen-repo"]
+    assert d["tasks"] == len(tasks) and d["tried"] >= len(tasks) and 0 < d["kept_fraction"] <= 1
+    assert sum(v["kept"] for v in d["by_kind"].values()) == len(tasks)
+    again = gen_repos.build(1, seed=7)
+    assert again[0].to_dict() == tasks[0].to_dict()
+    assert gen_repos.make_repo(random.Random(1)) != gen_repos.make_repo(random.Random(2))
+
+
+def test_oracle_solves_and_doing_nothing_does_not(gen_tasks):
+    tasks, _ = gen_tasks
+    for t in tasks:
+        msgs, turns, res = run_oracle(t)
+        assert res.reward == 1.0 and res.termination == "submitted" and len(turns) == 5, (t.task_id, turns)
+        assert "FAILED" in turns[0]["observation"] and "0 failed" in turns[3]["observation"]
+    ep = Episode(tasks[0])
+    try:
+        ep.reset()
+        ep.step("```bash\nsubmit\n```")
+        res = ep.score()
+        assert res.reward == len(tasks[0].pass_to_pass) / (len(tasks[0].pass_to_pass) + len(tasks[0].fail_to_pass))
+    finally:
+        ep.close()
+    assert all("```bash" in a for a in oracle_actions(tasks[0]))
+
+
+def test_oracle_needs_a_mutation_record():
+    t = EpisodeTask("x", "f", "train", "", {"a.py": "x = 1\n"}, {}, "mini", ["t.py"], ["t.py::t"], [])
+    with pytest.raises(ValueError, match="no mutation record"):
+        oracle_actions(t)
+
+
+# -- tier 2 -------------------------------------------------------------------------------------
+
+def test_humaneval_loader():
+    problems = humaneval_tasks.load_problems()
+    assert len(problems) == 164 and "HumanEval/0" in problems
+    mod = humaneval_tasks.test_module(problems["HumanEval/0"])
+    assert mod.count("def test_case_") == 7 and "from solution import has_close_elements" in mod
+    compile(mod, "test_solution.py", "exec")
+
+
+def test_humaneval_tasks():
+    report = BuildReport()
+    tasks = humaneval_tasks.build(limit=2, report=report)
+    stubs = [t for t in tasks if t.family == "humaneval-stub"]
+    fixes = [t for t in tasks if t.family == "humaneval-fix"]
+    assert len(stubs) == 2 and fixes and report.to_dict()["families"]["humaneval-stub"]["tasks"] == 2
+    assert {t.split for t in tasks if t.meta["problem"] == "HumanEval/0"} in ({"train"}, {"eval"})
+    assert run_oracle(fixes[0])[2].reward == 1.0
+    p = humaneval_tasks.load_problems()[stubs[0].meta["problem"]]
+    ep = Episode(stubs[0])
+    try:
+        ep.reset()
+        assert "0 passed" in ep.step("```bash\nrun_tests\n```").observation
+        body = (p["prompt"] + p["canonical_solution"]).replace("'", "'\"'\"'")
+        ep.step(f"```bash\nprintf '%s' '{body}' > solution.py\n```")
+        ep.step("```bash\nsubmit\n```")
+        assert ep.score().reward == 1.0
+    finally:
+        ep.close()
+
+
+# -- tier 3: a package with its own test suite ------------------------------------------------------
+
+TINY_SRC = '''"""tinypkg: a few helpers."""
+
+
+def snake(name):
+    out = []
+    for i, c in enumerate(name):
+        if c.isupper() and i > 0:
+            out.append("_")
+        out.append(c.lower())
+    return "".join(out)
+
+
+def clamp(x, lo, hi):
+    return max(lo, min(x, hi))
+
+
+def window_sums(xs, k):
+    return [sum(xs[i:i + k]) for i in range(len(xs) - k + 1)]
+'''
+TINY_TESTS = '''import pytest
+from tinypkg import snake, clamp, window_sums
+
+
+@pytest.mark.parametrize("name,want", [("FooBar", "foo_bar"), ("x", "x"), ("HTTPCode", "h_t_t_p_code")])
+def test_snake(name, want):
+    assert snake(name) == want
+
+
+def test_clamp():
+    assert clamp(5, 0, 3) == 3
+    assert clamp(-1, 0, 3) == 0
+    assert clamp(2, 0, 3) == 2
+
+
+def test_window_sums():
+    assert window_sums([1, 2, 3, 4], 2) == [3, 5, 7]
+    assert window_sums([1, 2], 3) == []
+'''
+
+
+def make_sdist(tmp_path, name="tinypkg-0.1", extra: dict | None = None) -> str:
+    files = {f"{name}/tinypkg/__init__.py": TINY_SRC, f"{name}/tests/test_tinypkg.py": TINY_TESTS,
+             f"{name}/setup.py": "from setuptools import setup\nsetup(name='tinypkg')\n",
+             f"{name}/tinypkg.egg-info/PKG-INFO": "Name: tinypkg\n", **(extra or {})}
+    path = tmp_path / f"{name}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for rel, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(rel)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_package_builder_on_a_tiny_package(tmp_path):
+    out = tmp_path / "set"
+    report = BuildReport()
+    tasks = tasks_cli.build_package(make_sdist(tmp_path), str(out), per_package=2, seed=3, report=report,
+                                    test_timeout_s=60)
+    assert 1 <= len(tasks) <= 2
+    repo = out / "repos" / "tinypkg-0.1"
+    assert (repo / "tinypkg" / "__init__.py").exists() and not (repo / "tinypkg.egg-info").exists()
+    for t in tasks:
+        assert t.runner == "pytest" and t.test_paths == ["tests/test_tinypkg.py"]
+        assert set(t.fail_to_pass) | set(t.pass_to_pass) <= {
+            "tests/test_tinypkg.py::test_snake[FooBar-foo_bar]", "tests/test_tinypkg.py::test_snake[x-x]",
+            "tests/test_tinypkg.py::test_snake[HTTPCode-h_t_t_p_code]", "tests/test_tinypkg.py::test_clamp",
+            "tests/test_tinypkg.py::test_window_sums"}
+        assert len(t.fail_to_pass) + len(t.pass_to_pass) == 5 and t.fail_to_pass
+        assert list(t.files) == ["tinypkg/__init__.py"] and t.files["tinypkg/__init__.py"] != TINY_SRC
+    d = report.to_dict()["families"]["package"]
+    assert d["tasks"] == len(tasks) and d["tried"] >= len(tasks)
+
+    write_task_set(str(out), tasks, report.to_dict())
+    loaded = load_task_set(str(out))
+    assert [t.task_id for t in loaded] == [t.task_id for t in tasks]
+    assert loaded[0].base_dir == str(repo)
+    assert load_task_set(str(out), split="eval") + load_task_set(str(out), split="train") != []
+    lim = EpisodeLimits(command=BashLimits(wall_s=60, cpu_s=60), score_wall_s=60)
+    msgs, turns, res = run_oracle(loaded[0], lim)                       # fixable in the workspace
+    assert res.reward == 1.0 and "passed" in turns[3]["observation"], turns
+    ep = Episode(loaded[0], lim)                                         # and unfixed it fails
+    try:
+        ep.reset()
+        ep.step("```bash\nsubmit\n```")
+        assert 0 <= ep.score().reward < 1.0
+    finally:
+        ep.close()
+
+
+def test_package_without_passing_tests_is_reported(tmp_path):
+    bad = make_sdist(tmp_path, "broken-0.1", {"broken-0.1/tests/test_tinypkg.py": "def test_x():\n    assert 0\n"})
+    report = BuildReport()
+    assert tasks_cli.build_package(bad, str(tmp_path / "out"), report=report, test_timeout_s=60) == []
+    assert any("no test passes" in n for n in report.notes)
+
+
+def test_unsafe_sdist_is_refused(tmp_path):
+    path = tmp_path / "evil-0.1.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        info = tarfile.TarInfo("../../escape.py")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(tarfile.TarError):
+        tasks_cli.unpack_sdist(str(path), str(tmp_path))
+    assert not (tmp_path.parent / "escape.py").exists()
+
+
+def test_cli_build_and_stats(tmp_path, capsys):
+    out = tmp_path / "cli"
+    rc = tasks_cli.main(["build", "--out", str(out), "--gen", "1", "--sdist", make_sdist(tmp_path),
+                         "--per-package", "1", "--json"])
+    assert rc == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed["families"]) <= {"gen-repo", "package"} and printed["total_tasks"] >= 1
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["tasks"] == printed["total_tasks"] == len(load_task_set(str(out)))
+    assert tasks_cli.main(["stats", str(out)]) == 0
+
+
+def test_task_set_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a task set"):
+        load_task_set(str(tmp_path))
+    t = gen_repos.build(1, seed=1)[0]
+    write_task_set(str(tmp_path), [t], {})
+    with open(tmp_path / "tasks.jsonl", "a") as f:
+        f.write('{"task_id": "broken"}\n')
+    with pytest.raises(ValueError, match=r"tasks.jsonl:2: bad task record"):
+        load_task_set(str(tmp_path))
+    write_task_set(str(tmp_path), [t, t], {})
+    with pytest.raises(ValueError, match="duplicate"):
+        load_task_set(str(tmp_path))
+    with pytest.raises(ValueError, match="unknown split"):
+        load_task_set(str(tmp_path), split="test")
+    with pytest.raises(ValueError, match="outside the task set"):
+        write_task_set(str(tmp_path / "x"), [EpisodeTask(**{**t.to_dict(), "base_dir": str(tmp_path)})], {})
