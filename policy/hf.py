@@ -38,7 +38,7 @@ def _param_names(cfg: ModelConfig) -> list[str]:
 def rope_scaling_from_hf(hf: dict) -> dict | None:
     """transformers < 5 writes `rope_scaling`, >= 5 `rope_parameters` (with rope_theta inside)."""
     raw = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    kind = raw.get("rope_type", raw.get("type"))
+    kind = raw.get("rope_type") or raw.get("type")
     if kind in (None, "default"):
         return None
     if kind not in ROPE_SCALING_KEYS:
