@@ -90,10 +90,10 @@ def install(name: str, cache=None) -> Path:
 
 def prepare(name: str, cache=None, force: bool = False) -> Path:
     """Install and convert `name` unless already done; returns the HF folder."""
-    from policy.gguf import convert_gguf
     spec, dst = _known(name), model_dir(name, cache)
     if not force and is_prepared(name, cache):
         return dst
+    from policy.gguf import convert_gguf     # torch + gguf: only when there is work to do
     src = install(name, cache)
     log.info("converting GGUF to a Hugging Face folder", src=str(src), dst=str(dst))
     convert_gguf(src, dst)
