@@ -131,10 +131,10 @@ def write_gguf(path, model, tok, quant: dict[str, str], arch="llama"):
     return decoded
 
 
-def tiny_llama(vocab: int, tie: bool):
+def tiny_llama(vocab: int, tie: bool, max_pos: int = 128):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                                    rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=0.2,
                                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
     return transformers.LlamaForCausalLM(cfg).eval()
