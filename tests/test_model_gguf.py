@@ -141,7 +141,7 @@ def tiny_llama(vocab: int, tie: bool, max_pos: int = 128):
 
 
 @pytest.mark.parametrize("tie,quant", [(True, {"token_embd": "Q8_0", "attn_q": "Q4_1", "attn_k": "Q4_1",
-                                               "ffn_up": "Q4_0"}),
+                                               "ffn_up": "Q4_0", "ffn_down": "BF16", "attn_v": "F16"}),
                                        (False, {"output": "Q8_0", "attn_k": "Q8_0"})])
 def test_converted_gguf_matches_the_model_it_came_from(tmp_path, tie, quant):
     tok = bpe_tokenizer()
