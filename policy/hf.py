@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import ModelConfig
+from .config import ROPE_SCALING_KEYS, ModelConfig
 from .model import Transformer
 
 SUPPORTED = ("llama", "qwen2", "mistral")
@@ -35,23 +35,41 @@ def _param_names(cfg: ModelConfig) -> list[str]:
         return [n for n, _ in Transformer(cfg).named_parameters()]
 
 
+def rope_scaling_from_hf(hf: dict) -> dict | None:
+    """transformers < 5 writes `rope_scaling`, >= 5 `rope_parameters` (with rope_theta inside)."""
+    raw = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = raw.get("rope_type") or raw.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind not in ROPE_SCALING_KEYS:
+        raise ValueError(f"unsupported rope_scaling {raw} (supported rope_type: default, {', '.join(ROPE_SCALING_KEYS)})")
+    return {"rope_type": kind, **{k: raw[k] for k in ROPE_SCALING_KEYS[kind] if k in raw}}
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
     mt = hf.get("model_type")
     if mt not in SUPPORTED:
         raise ValueError(f"unsupported model_type {mt!r}; supported: {SUPPORTED}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r} (only silu)")
-    scaling = hf.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"unsupported rope_scaling {scaling}")
+    if hf.get("mlp_bias"):
+        raise ValueError("unsupported mlp_bias=true (biases on the MLP projections)")
+    if mt != "qwen2" and hf.get("attention_bias"):
+        raise ValueError("unsupported attention_bias=true for Llama/Mistral (it adds an o_proj bias); "
+                         "only Qwen2's q/k/v biases are supported")
     theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta") or 10000.0
     H = hf["num_attention_heads"]
+    max_len = hf.get("max_position_embeddings", 2048)
+    # sliding-window attention is exact full attention up to the window: cap the length there
+    window = hf.get("sliding_window") if mt == "mistral" or hf.get("use_sliding_window") else None
+    if window:
+        max_len = min(max_len, int(window))
     return ModelConfig(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // H, d_ff=hf["intermediate_size"], attn="gqa",
-        max_seq_len=hf.get("max_position_embeddings", 2048), rope_theta=float(theta),
-        norm_eps=hf.get("rms_norm_eps", 1e-6), qkv_bias=mt == "qwen2" or bool(hf.get("attention_bias", False)),
+        max_seq_len=max_len, rope_theta=float(theta), rope_scaling=rope_scaling_from_hf(hf),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), qkv_bias=mt == "qwen2",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
@@ -111,5 +129,7 @@ def save_hf_checkpoint(model: Transformer, folder, dtype=None) -> Path:
           "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta,
           "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
           "attention_bias": cfg.qkv_bias, "torch_dtype": str(next(iter(tensors.values())).dtype).replace("torch.", "")}
+    if cfg.rope_scaling:
+        hf["rope_scaling"] = dict(cfg.rope_scaling)
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
     return folder

@@ -39,8 +39,27 @@ class QLinear(nn.Linear):
         return F.linear(x, w, self.bias)
 
 
-def rope_tables(dim: int, max_len: int, theta: float):
+def rope_frequencies(dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies (float64) with optional scaling. Llama 3: wavelengths beyond
+    original_len / low_freq_factor are stretched by `factor`, those below original_len /
+    high_freq_factor are kept, and the band between is interpolated smoothly."""
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    kind = (scaling or {}).get("rope_type")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        f, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        orig = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((orig / wavelen - lo) / (hi - lo)).clamp(0, 1)     # 0: long waves, 1: short waves
+        return (1 - smooth) * inv_freq / f + smooth * inv_freq
+    if kind is not None:
+        raise ValueError(f"rope_scaling {kind!r} not supported")
+    return inv_freq
+
+
+def rope_tables(dim: int, max_len: int, theta: float, scaling: dict | None = None):
+    inv_freq = rope_frequencies(dim, theta, scaling)
     freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
     emb = torch.cat([freqs, freqs], -1)          # HF "rotate_half" layout, so HF q/k weights load as is
     return emb.cos().float(), emb.sin().float()
@@ -216,7 +235,7 @@ class Transformer(nn.Module):
 
     def reset_rope(self) -> None:
         rope_dim = self.cfg.head_dim if self.cfg.attn == "gqa" else self.cfg.qk_rope_dim
-        cos, sin = rope_tables(rope_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rope_tables(rope_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg.rope_scaling)
         dev = self.rope_cos.device if self.rope_cos.device.type != "meta" else None
         self.rope_cos, self.rope_sin = cos.to(dev), sin.to(dev)
 

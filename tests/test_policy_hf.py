@@ -1,5 +1,6 @@
 """HF checkpoints: load Llama/Qwen2 folders (single file and sharded) with the real loader and
 compare logits with `transformers`; our save loads back in both; tokenizer.json files."""
+import dataclasses
 import json
 
 import pytest
@@ -113,3 +114,143 @@ def test_tokenizers(tmp_path):
     assert ids[-1] == hf.eos_id and hf.decode(ids) == "hello world"
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_hf_tokenizer(tmp_path / "nope")
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16}
+
+
+def scaled_llama(scaling: dict, tie: bool):
+    torch.manual_seed(2)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=0.2,
+                                   rope_parameters={"rope_theta": 500000.0, **scaling})
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("scaling,tie", [(LLAMA3_SCALING, True), ({"rope_type": "linear", "factor": 4.0}, False)])
+def test_rope_scaling_matches_transformers(tmp_path, scaling, tie):
+    ref = scaled_llama(scaling, tie)
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    cfg, ours = load_hf_checkpoint(tmp_path)
+    assert cfg.rope_scaling == scaling and cfg.rope_theta == 500000.0 and cfg.tie_embeddings == tie
+    assert (ours.lm_head is None) == tie
+    # positions far past original_max_position_embeddings, where the scaling changes the rotation
+    idx = torch.randint(0, 97, (2, 120), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(idx).logits.float()
+        torch.testing.assert_close(ours(idx), want, atol=2e-4, rtol=1e-4)
+        plain = Transformer(dataclasses.replace(cfg, rope_scaling=None)).eval()
+        plain.load_state_dict(ours.state_dict(), strict=False)
+        plain.reset_rope()
+        assert (plain(idx) - want).abs().max() > 1e-2        # the scaling is what makes them agree
+        # the KV-cached path uses the same tables: greedy decoding agrees with transformers'
+        prompt = idx[0, :20].tolist()
+        out = generate(ours, [prompt], SamplingConfig(0.0), 12)[0].ids
+        hf_out = ref.generate(idx[:1, :20], max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                              pad_token_id=0)[0, 20:].tolist()
+        assert out == hf_out
+    # our save writes the scaling back; transformers and we load it to the same logits
+    save_hf_checkpoint(ours, tmp_path / "again")
+    cfg2, back = load_hf_checkpoint(tmp_path / "again")
+    assert cfg2 == cfg
+    ref2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ref2(idx).logits.float(), want, atol=2e-4, rtol=1e-4)
+
+
+def test_real_checkpoint_config_features_and_refusals(tmp_path):
+    from policy.hf import config_from_hf
+    base = {"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+            "max_position_embeddings": 8192}
+    # transformers < 5 spelling of the same scaling
+    old = config_from_hf({**base, "rope_theta": 5e5, "rope_scaling": {**LLAMA3_SCALING, "rope_type": None,
+                                                                      "type": "llama3"}})
+    assert old.rope_scaling == LLAMA3_SCALING and old.rope_theta == 5e5
+    assert config_from_hf({**base, "rope_scaling": {"rope_type": "default"}}).rope_scaling is None
+    # Mistral's sliding window is exact full attention up to the window: the length is capped there
+    assert config_from_hf({**base, "model_type": "mistral", "sliding_window": 4096}).max_seq_len == 4096
+    assert config_from_hf({**base, "model_type": "qwen2", "sliding_window": 4096,
+                           "use_sliding_window": False}).max_seq_len == 8192
+    for bad, match in [({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling"),
+                       ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
+                       ({"mlp_bias": True}, "mlp_bias"),
+                       ({"attention_bias": True}, "attention_bias")]:
+        with pytest.raises(ValueError, match=match):
+            config_from_hf({**base, **bad})
+    with pytest.raises(ValueError, match="high_freq_factor > low_freq_factor"):
+        ModelConfig.tiny(rope_scaling={**LLAMA3_SCALING, "high_freq_factor": 0.5})
+    with pytest.raises(ValueError, match="unknown keys"):
+        ModelConfig.tiny(rope_scaling={"rope_type": "linear", "factor": 2.0, "extra": 1})
+    # the config travels as a dict (wire / TOML) with its scaling
+    c = ModelConfig.tiny(rope_scaling=dict(LLAMA3_SCALING))
+    assert ModelConfig.from_dict(c.to_dict()) == c
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
+
+
+def chat_tokenizer_folder(tmp_path, template=CHATML):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(["user: hello world", "assistant: def f(x): return x", "system: be brief"] * 50,
+                          trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                              "<|im_end|>"],
+                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t.save(str(tmp_path / "tokenizer.json"))
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}
+    if template is not None:
+        conf["chat_template"] = template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
+    return t
+
+
+def test_chat_template_through_the_tokenizer_matches_transformers(tmp_path):
+    t = chat_tokenizer_folder(tmp_path)
+    ours = load_hf_tokenizer(tmp_path)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    chats = [[{"role": "user", "content": "hello world"}],
+             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"},
+              {"role": "assistant", "content": "return x"}, {"role": "user", "content": "again"}]]
+    for msgs in chats:
+        for gen in (True, False):
+            text = ours.render_chat(msgs, add_generation_prompt=gen)
+            assert text == ref.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+            ids = ours.apply_chat_template(msgs, add_generation_prompt=gen)
+            want = ref.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)
+            assert ids == (want["input_ids"] if not isinstance(want, list) else want)
+            # chat markup is one special id each, not spelled out in bytes
+            assert ids.count(t.token_to_id("<|im_start|>")) == len(msgs) + gen
+    assert ours.eos_id == t.token_to_id("<|im_end|>") and ours.special_tokens["eos_token"] == "<|im_end|>"
+    # transformers >= 4.43 may keep the template in chat_template.jinja: that one wins
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}")
+    assert load_hf_tokenizer(tmp_path).render_chat(chats[0]) == "<|im_start|>hello world"
+
+
+def test_chat_template_bad_inputs(tmp_path):
+    chat_tokenizer_folder(tmp_path, template=None)
+    with pytest.raises(ValueError, match="no chat template"):
+        load_hf_tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+    chat_tokenizer_folder(tmp_path, template="{% for m in messages %}{{ m.content }")
+    with pytest.raises(ValueError, match="does not parse"):
+        load_hf_tokenizer(tmp_path).render_chat([{"role": "user", "content": "x"}])
+    chat_tokenizer_folder(tmp_path)
+    tok = load_hf_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="list of"):
+        tok.render_chat([{"content": "no role"}])
+    with pytest.raises(ValueError, match="list of"):
+        tok.render_chat("hello")
+    # templates ship with checkpoints: they run sandboxed, and may refuse a conversation
+    import jinja2
+    chat_tokenizer_folder(tmp_path, template="{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        load_hf_tokenizer(tmp_path).render_chat([{"role": "user", "content": "x"}])
+    chat_tokenizer_folder(tmp_path, template="{{ raise_exception('only user turns') }}")
+    with pytest.raises(jinja2.exceptions.TemplateError, match="only user turns"):
+        load_hf_tokenizer(tmp_path).render_chat([{"role": "user", "content": "x"}])

