@@ -25,8 +25,9 @@ CASES = [("gqa", (), {}), ("gqa", (), {"qkv_bias": True, "tie_embeddings": True}
 def test_incremental_decode_matches_full_forward(attn, quant, kw):
     m = make(attn, quant, **kw)
     # per-token fp8 on every linear input: a 1-ulp fp32 difference between the one-token and the
-    # all-token matmul can flip one fp8 rounding, so that site only matches to ~1e-4
-    atol = 1e-3 if "linear_act" in quant else ATOL
+    # all-token matmul can flip one fp8 rounding, and through the KV cache a flip reaches later
+    # positions (seen: up to 8e-3 with MLA on one CPU, 1e-4 on another); a wrong cache is off by O(0.1)
+    atol = 2e-2 if "linear_act" in quant else ATOL
     idx = torch.randint(3, 97, (3, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = m(idx)
