@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import delta_codec
 from bus import RETRYABLE, BlobError, PublishError, connect, get_logger, load_config, setup_logging
 from bus import topology as topo
 from bus.events import Metrics
+from bus.lifetime import stop_on_signals
 from bus.weights import WeightPublisher
 from policy import ModelConfig, Transformer
 
@@ -409,9 +409,8 @@ def main(argv=None) -> int:
 
     async def _main() -> int:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        # SIGTERM/SIGINT/SIGHUP: stop, and a hard exit after grace_s even if the broker is gone
+        stop_on_signals(stop, cfg.grace_s, name=cfg.trainer_id)
         return await run(cfg, stop)
 
     return asyncio.run(_main())
