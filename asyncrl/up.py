@@ -165,26 +165,30 @@ async def watch(bus, tel: Telemetry, steps: int, minutes: float, sup: Supervisor
     subs = [await bus.nc.subscribe("rl.metrics.>", cb=on_msg),
             await bus.nc.subscribe("rl.heartbeat.>", cb=on_msg)]
     t0 = time.time()
-    version, last_poll = 0, 0.0
+    seen = {"version": 0}
+
+    async def poll_version() -> None:   # its own task: a dead broker must not delay a stop signal
+        while True:
+            try:
+                raw = await asyncio.wait_for(bus.kv_get(topo.KEY_VERSION), 5.0)
+                seen["version"] = int(raw) if raw else 0
+            except Exception as e:
+                log.warning("version read failed", error=repr(e))
+            await asyncio.sleep(1.0)
+
+    poller = asyncio.create_task(poll_version())
     try:
         while True:
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
             except asyncio.TimeoutError:
                 pass
+            version = seen["version"]
             if stop.is_set():
                 return f"interrupted by {why.get('signal', 'a signal')} at version {version}"
-            for line in sup.check():
-                log.info("supervisor", event=line)
+            sup.check()                  # replaces dead children (it logs each exit and restart)
             if live is not None:
                 live.update(progress_table(tel, time.time() - t0, steps, sup))
-            if time.time() - last_poll >= 1.0:
-                last_poll = time.time()
-                try:      # bounded: a broker that went away must not freeze the supervisor
-                    raw = await asyncio.wait_for(bus.kv_get(topo.KEY_VERSION), 5.0)
-                    version = int(raw) if raw else 0
-                except Exception as e:
-                    log.warning("version read failed", error=repr(e))
             if version >= steps:
                 return f"reached {version} versions"
             if time.time() - t0 > minutes * 60:
@@ -194,6 +198,7 @@ async def watch(bus, tel: Telemetry, steps: int, minutes: float, sup: Supervisor
                 if gone:
                     return gone
     finally:
+        poller.cancel()
         for s in subs:
             try:
                 await s.unsubscribe()
