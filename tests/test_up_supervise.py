@@ -140,3 +140,40 @@ def test_up_config_is_checked_before_start(tmp_path, bad, msg):
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 2 and msg in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "run").exists()          # nothing started
+
+
+@pytest.mark.chaos
+async def test_up_survives_repeated_kills_and_a_trainer_kill(fresh_server, tmp_path):
+    """The long form (bench.chaos `up_supervisor`): with a standby trainer, SIGKILL a random worker
+    or scorer 5 times and one trainer; every child is replaced, the run finishes, nothing is
+    trained twice, and the summary counts every restart."""
+    import collections
+    import random
+    rng = random.Random(14)
+    config = SUPERVISE.replace("[up]\n", "[up]\ntrainers = 2\nmax_restarts = 8\n").replace("max_restarts = 3\n", "") \
+        .replace("[trainer]\n", "[trainer]\nlease_ttl_s = 4.0\n")
+    proc, run_dir = start_up(tmp_path, config, steps=14, nats=fresh_server.url, minutes=8)
+    out = tmp_path / "up.out"
+    kills = collections.Counter()
+    try:
+        await wait_for(lambda: trainer_version(run_dir) >= 1, 150, "version 1", proc, out)
+        names = ["worker-0", "worker-1", "scorer-0"]
+        for i in range(6):
+            name = "trainer" if i == 3 else rng.choice(names)
+            pid = await wait_for(lambda: child_pid(run_dir, name), 60, f"{name} running", proc, out)
+            os.kill(pid, signal.SIGKILL)
+            kills[{"trainer": "trainer", "scorer-0": "scorer"}.get(name, "rollout_worker")] += 1
+            v = trainer_version(run_dir)
+            await wait_for(lambda: trainer_version(run_dir) > v, 150, "progress after a kill", proc, out)
+        code = await asyncio.to_thread(proc.wait, 400)
+        assert code == 0, out.read_text()[-4000:]
+        s = summary_of(run_dir)
+        assert s["versions"] >= 14 and s["stopped"].startswith("reached"), s
+        assert {k: v for k, v in s["restarts"].items() if v} == dict(kills), (s["restarts"], kills)
+        rows = [json.loads(x) for x in (run_dir / "metrics" / "trainer.jsonl").read_text().splitlines() if x]
+        ids = [rid for r in rows if "samples" in r for rid in r["rollout_ids"]]
+        assert ids and len(ids) == len(set(ids))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_run(run_dir)
