@@ -113,8 +113,8 @@ class UpConfig:
                   ("lambda", self.lambda_ is None or self.lambda_ >= 0)]
         bad = [k for k, ok in checks if not ok]
         if bad:
-            raise ValueError("[up]: out of range: " + ", ".join(f"{k} = {getattr(self, k if k != 'lambda' else 'lambda_')!r}"
-                                                                  for k in bad))
+            attr = {"lambda": "lambda_"}
+            raise ValueError("[up]: out of range: " + ", ".join(f"{k} = {getattr(self, attr.get(k, k))!r}" for k in bad))
 
 
 def spawn(run_dir: Path, name: str, component: str, module: str, conf: dict, nice: int = 0) -> Proc:
