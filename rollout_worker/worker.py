@@ -7,6 +7,9 @@
               -> return (the loop acks the task). Killed before that: the task is redelivered,
               and Nats-Msg-Id (rollout-<task>-<i>) drops the duplicates of a partial publish.
     drain     SIGTERM: stop fetching, finish within grace_s, nak the rest (EngineClosed)
+    supervise feed, version watch and heartbeat are restarted with backoff when they fail (the
+              feed from the latest keyframe, so the engine is back on the newest policy);
+              past max_restarts in a row the worker stops and run() raises BackgroundFailed
 """
 from __future__ import annotations
 
@@ -46,6 +49,9 @@ class WorkerConfig:
     public_key: str = ""               # trainer's ed25519 public key: hex, or a file holding it; empty: no check
     heartbeat_s: float = 5.0
     grace_s: float = 30.0              # drain: time to finish held tasks before they are nak'ed
+    max_restarts: int = 5              # a background task failing this many times in a row stops the worker
+    restart_backoff_s: float = 0.5     # first restart delay; doubles per consecutive failure (max 30 s)
+    fault_feed_after: int = 0          # test hook: the feed fails once, at its Nth weight update (0: never)
     log_level: str = "info"
 
     def __post_init__(self):
@@ -59,6 +65,19 @@ class WorkerConfig:
             raise ValueError(f"max_lag must be >= 0, got {self.max_lag}")
         if self.queue < 0:
             self.queue = self.slots // 2
+        if self.max_restarts < 0 or self.restart_backoff_s <= 0:
+            raise ValueError(f"max_restarts must be >= 0 and restart_backoff_s > 0, got "
+                             f"{self.max_restarts}, {self.restart_backoff_s}")
+        if self.fault_feed_after < 0:
+            raise ValueError(f"fault_feed_after must be >= 0, got {self.fault_feed_after}")
+
+
+class BackgroundFailed(RuntimeError):
+    """A background task of the worker kept failing past max_restarts: replace the process."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the fault_feed_after test hook."""
 
 
 def load_tokenizer(spec: str):
@@ -108,6 +127,10 @@ class Worker:
         self.parked = 0
         self.paused = False
         self.loop: ConsumerLoop | None = None
+        self.restarts: dict[str, int] = {}      # background task -> restarts so far
+        self.failed: str = ""                   # set when a background task gave up
+        self.updates = 0                        # weight updates the feed applied (fault hook counts them)
+        self._closing = False                   # run() is shutting down: background tasks end, not restart
         self.log = log.bind(worker_id=cfg.worker_id)
 
     # -- admission -----------------------------------------------------------------------
@@ -184,6 +207,7 @@ class Worker:
     def snapshot(self) -> dict:
         return {**self.engine.stats(), "lag": self.lag, "latest_version": self.latest_version,
                 "paused": self.paused, "rollouts": self.rollouts, "tasks": self.tasks_done, "parked": self.parked,
+                "restarts": sum(self.restarts.values()), "restarts_by_task": dict(self.restarts),
                 "feed": self.feed.stats(), "loop": self.loop.stats.as_dict() if self.loop else {}}
 
     async def beat(self, event: str = "heartbeat") -> None:
@@ -202,7 +226,44 @@ class Worker:
     async def on_update(self, version: int, epoch: int) -> None:
         """A new version is live: say so at once (operators, `inspect`, bench.worker's publish->patched)."""
         self.log.debug("weights updated", version=version, epoch=epoch)
+        self.updates += 1
+        if self.updates == self.cfg.fault_feed_after:    # the one injection point of the test hook
+            raise InjectedFault(f"injected feed failure at weight update {self.updates} (fault_feed_after)")
         await self.beat("patched")
+
+    async def follow_weights(self, stop: asyncio.Event, start=None) -> None:
+        """The weights feed. `start` None (a restart): from the latest keyframe, then every delta
+        after it, so an engine that missed updates while the feed was down catches up."""
+        await self.feed.follow(self.engine, stop, start=start, on_update=self.on_update)
+
+    async def supervise(self, name: str, run, stop: asyncio.Event) -> None:
+        """Run `run(attempt)` until the worker closes; a failure is logged and retried with
+        exponential backoff. More than `max_restarts` failures in a row (a run that lasted 60 s
+        resets the count) set `stop`: a supervisor can do better than a worker without weights."""
+        attempt, in_a_row = 0, 0
+        while not self._closing:
+            t0 = time.monotonic()
+            try:
+                await run(attempt)
+                if self._closing:
+                    return
+                raise RuntimeError(f"{name} returned while the worker runs")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                in_a_row = 1 if time.monotonic() - t0 > 60.0 else in_a_row + 1
+                if in_a_row > self.cfg.max_restarts:
+                    self.failed = f"{name}: {type(e).__name__}: {e}"
+                    self.log.error("background task failed past max_restarts; stopping the worker",
+                                   task=name, restarts=self.restarts.get(name, 0), error=repr(e))
+                    stop.set()
+                    return
+                delay = min(self.cfg.restart_backoff_s * 2 ** (in_a_row - 1), 30.0)
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                self.log.error("background task failed; restarting", task=name, error=repr(e),
+                               restart=self.restarts[name], in_a_row=in_a_row, backoff_s=delay, exc_info=e)
+                await asyncio.sleep(delay)
+                attempt += 1
 
     async def heartbeat(self) -> None:
         step = 0
@@ -241,10 +302,11 @@ class Worker:
         if kf is None:
             return
         feed_stop = asyncio.Event()
-        background = [asyncio.create_task(self.feed.follow(self.engine, feed_stop, start=kf, on_update=self.on_update),
-                                          name="feed"),
-                      asyncio.create_task(self.watch_version(), name="version"),
-                      asyncio.create_task(self.heartbeat(), name="heartbeat")]
+        specs = {"feed": lambda attempt: self.follow_weights(feed_stop, start=kf if attempt == 0 else None),
+                 "version": lambda attempt: self.watch_version(),
+                 "heartbeat": lambda attempt: self.heartbeat()}
+        # a background task that gives up sets `stop`: the loop drains and run() raises
+        background = [asyncio.create_task(self.supervise(name, fn, stop), name=name) for name, fn in specs.items()]
         self.loop = ConsumerLoop(self.bus, topo.TASKS, topo.ROLLOUT_CONSUMER, self.handle, Task,
                                  concurrency=self.cfg.slots + self.cfg.queue, capacity=self.capacity,
                                  grace_s=self.cfg.grace_s, handle_signals=handle_signals)
@@ -252,11 +314,14 @@ class Worker:
         try:
             await self.loop.run(stop)
         finally:
+            self._closing = True
             feed_stop.set()
             await self.engine.close()
             for t in background:
                 t.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await self.feed.close()
-            self.log.info("worker stopped", wall_s=round(time.perf_counter() - t0, 2), **{
+            self.log.info("worker stopped", wall_s=round(time.perf_counter() - t0, 2), failed=self.failed, **{
                 k: v for k, v in self.snapshot().items() if isinstance(v, (int, float, bool, str))})
+        if self.failed:
+            raise BackgroundFailed(self.failed)

@@ -1,4 +1,7 @@
-"""`python -m scorer [--config FILE]` / `asyncrl scorer`: score rollouts into SCORED."""
+"""`python -m scorer [--config FILE]` / `asyncrl scorer`: score rollouts into SCORED.
+
+SIGTERM / SIGINT / SIGHUP: drain (held rollouts finish within grace_s, the rest is nak'ed); the
+process is gone grace_s + a few seconds later even if the broker is unreachable."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +9,7 @@ import asyncio
 import sys
 
 from bus import load_config, setup_logging
+from bus.lifetime import stop_on_signals
 
 from .service import Scorer, ScorerConfig
 
@@ -16,7 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     cfg = load_config(ScorerConfig, a.config)
     setup_logging("scorer", component_id=cfg.scorer_id, level=cfg.log_level)
-    asyncio.run(Scorer(cfg).run())
+
+    async def amain() -> None:
+        stop = asyncio.Event()
+        stop_on_signals(stop, cfg.grace_s, name=cfg.scorer_id)   # before connecting: see bus.lifetime
+        await Scorer(cfg).run(stop, handle_signals=False)
+
+    asyncio.run(amain())
     return 0
 
 

@@ -40,6 +40,7 @@ class ScorerConfig:
     overlong_buffer: int = 0            # >0: soft penalty over the last N tokens before max_tokens
     overlong_scale: float = 1.0         # penalty at the max length
     heartbeat_s: float = 5.0
+    grace_s: float = 10.0               # drain: time to finish held rollouts before they are nak'ed
     provision: bool = True              # declare the topology on start (off under restricted credentials)
     log_level: str = "info"
 
@@ -151,7 +152,8 @@ class Scorer:
             if value is not None:
                 self._set_lambda(value, rev)
             loop = ConsumerLoop(self.bus, topo.ROLLOUTS, topo.SCORER_CONSUMER, self.handle, Rollout,
-                                concurrency=self.cfg.concurrency, handle_signals=handle_signals)
+                                concurrency=self.cfg.concurrency, grace_s=self.cfg.grace_s,
+                                handle_signals=handle_signals)
             side = [asyncio.create_task(self.watch_lambda()), asyncio.create_task(self.heartbeat(loop))]
             self.log.info("scorer started", envs=sorted(envs.ENVS), lam=self.lam, cost_unit=self.cfg.cost_unit)
             try:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 from pathlib import Path
 
 from bus import RETRYABLE, BlobError, PublishError, connect, get_logger, load_config, setup_logging
+from bus.lifetime import stop_on_signals
 
 from .config import TrainerConfig
 from .dist import broadcast_obj, follower_loop, init_distributed
@@ -88,9 +88,8 @@ def main(argv=None) -> int:
 
     async def _main() -> int:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        # SIGTERM/SIGINT/SIGHUP: stop, and a hard exit after grace_s even if the broker is gone
+        stop_on_signals(stop, cfg.grace_s, name=cfg.trainer_id)
         return await run(cfg, stop)
 
     return asyncio.run(_main())

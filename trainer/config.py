@@ -59,6 +59,7 @@ class TrainerConfig:
     feed: bool = True                    # publish tasks (off when an external feeder runs)
     task_sampling: dict = field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 32})
     max_steps: int = 0                   # 0 = forever
+    grace_s: float = 30.0                # SIGTERM: the process is gone within grace_s + bus.lifetime.EXIT_MARGIN_S
     eval_every: int = 0                  # held-out eval of the published policy every N versions (0 = off)
     eval_prompts: int = 128
     warmstart_steps: int = 0             # supervised steps on env demonstrations before RL
