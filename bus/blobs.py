@@ -16,6 +16,9 @@ import time
 import nats.js.errors as jse
 from nats.js import api
 
+from bus import topology as topo
+from bus.errors import BlobError
+
 CHUNK = 512 * 1024        # under the server's default 1 MiB max_payload, big enough to amortise acks
 
 
@@ -36,7 +39,6 @@ async def _info_when_there(obs, name: str, wait_s: float):
     """The object's meta. On a region's mirror it can arrive after the WEIGHTS event that names
     it (two mirrors, replicated independently): wait up to `wait_s` for it. The meta is put after
     the chunks, so once it is in the mirror, so are they."""
-    from bus.client import BlobError
     deadline, delay = time.monotonic() + wait_s, 0.005
     while True:
         try:
@@ -44,7 +46,7 @@ async def _info_when_there(obs, name: str, wait_s: float):
         except jse.NotFoundError:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise BlobError(f"blob {name!r} not found in {obs._name}"
+                raise BlobError(f"blob {name!r} not found in {topo.BLOB_BUCKET}"
                                 + (f" (waited {wait_s}s)" if wait_s else "")) from None
             await asyncio.sleep(min(delay, left))
             delay = min(delay * 2, 0.5)
@@ -52,9 +54,8 @@ async def _info_when_there(obs, name: str, wait_s: float):
 
 async def get_blob(bus, name: str, timeout_s: float = 120.0, wait_s: float = 0.0) -> bytes:
     """Stream the chunks through a flow-controlled push consumer straight into one buffer.
-    The consumer is bound by stream name (`obs._stream`), never looked up by subject, so this
+    The consumer is bound by stream name (`topo.BLOB_STREAM`), never looked up by subject, so this
     also reads a mirror of the bucket's stream (which has no subjects of its own)."""
-    from bus.client import BlobError
     obs = await bus._blobs()
     info = await _info_when_there(obs, name, wait_s)
     if info.size == 0:
@@ -83,13 +84,13 @@ async def get_blob(bus, name: str, timeout_s: float = 120.0, wait_s: float = 0.0
 
     inbox = bus.nc.new_inbox()
     sub = await bus.nc.subscribe(inbox, cb=on_msg, pending_bytes_limit=256 * 1024 * 1024)
-    cfg = api.ConsumerConfig(deliver_subject=inbox, filter_subject=f"$O.{obs._name}.C.{info.nuid}",
+    cfg = api.ConsumerConfig(deliver_subject=inbox, filter_subject=f"$O.{topo.BLOB_BUCKET}.C.{info.nuid}",
                              ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
                              flow_control=True, idle_heartbeat=5.0, mem_storage=True,
                              inactive_threshold=30.0, num_replicas=1)
     consumer = None
     try:
-        consumer = (await bus.js.add_consumer(obs._stream, cfg)).name
+        consumer = (await bus.js.add_consumer(topo.BLOB_STREAM, cfg)).name
         try:
             await asyncio.wait_for(done.wait(), timeout_s)
         except asyncio.TimeoutError:
@@ -98,7 +99,7 @@ async def get_blob(bus, name: str, timeout_s: float = 120.0, wait_s: float = 0.0
         await sub.unsubscribe()
         if consumer:
             try:
-                await bus.js.delete_consumer(obs._stream, consumer)
+                await bus.js.delete_consumer(topo.BLOB_STREAM, consumer)
             except Exception:
                 pass  # inactive_threshold removes it anyway
     if state["error"] or state["pos"] != info.size:

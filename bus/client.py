@@ -24,6 +24,8 @@ from tenacity import (AsyncRetrying, retry_if_exception_type, stop_after_attempt
 
 from bus import topology as topo
 from bus.config import BusConfig
+from bus.errors import BlobError, ConnectError, KVConflict, PublishError  # noqa: F401  (re-exported)
+from bus.blobs import get_blob, put_blob
 from bus.events import Event, encode
 from bus.log import get_logger
 
@@ -33,22 +35,6 @@ log = get_logger("bus")
 RETRYABLE = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError,
              jse.NoStreamResponseError, nats.errors.ConnectionReconnectingError,
              nats.errors.StaleConnectionError, jse.ServiceUnavailableError, nats.errors.OutboundBufferLimitError)
-
-
-class KVConflict(Exception):
-    """kv_create on an existing key, or kv_update with a stale revision (lost the race)."""
-
-
-class ConnectError(Exception):
-    """No server reachable at startup, or the server refused our credentials."""
-
-
-class PublishError(Exception):
-    """A publish that JetStream did not acknowledge (no stream for the subject, server away)."""
-
-
-class BlobError(Exception):
-    """A blob that is missing or whose bytes do not match the digest recorded at put time."""
 
 
 def _ssl_context(cfg: BusConfig) -> ssl.SSLContext | None:
@@ -151,7 +137,7 @@ class ResilientPull:
 
     @property
     def _next_subject(self) -> str:
-        return f"{self.bus.js._prefix}.CONSUMER.MSG.NEXT.{self.stream}.{self.durable}"
+        return f"{topo.api_prefix(self.bus.cfg.js_domain)}.CONSUMER.MSG.NEXT.{self.stream}.{self.durable}"
 
     async def _on_msg(self, msg: Msg) -> None:
         status = msg.headers.get(api.Header.STATUS) if msg.headers else None
@@ -445,12 +431,10 @@ class Bus:
 
     async def put_blob(self, name: str, data: bytes | bytearray | memoryview) -> str:
         """Store `data` chunked in the object store; returns its sha256 hex digest."""
-        from bus.blobs import put_blob
         return await put_blob(self, name, data)
 
     async def get_blob(self, name: str) -> bytes:
         """Fetch and verify (sha256 recorded at put); raises BlobError on missing/corrupt."""
-        from bus.blobs import get_blob
         return await get_blob(self, name)
 
     async def delete_blob(self, name: str) -> None:

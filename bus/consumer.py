@@ -116,8 +116,9 @@ class ConsumerLoop:
         loop = asyncio.get_running_loop()
         installed = False
         # SIGTERM -> drain; unless the process already handles SIGTERM itself (then it is
-        # expected to set stop_event), since asyncio keeps only one handler per signal
-        if self.handle_signals and signal.SIGTERM not in getattr(loop, "_signal_handlers", {}):
+        # expected to set stop_event), since asyncio keeps only one handler per signal. Any handler
+        # (asyncio's included: it installs a no-op C-level handler) shows in signal.getsignal.
+        if self.handle_signals and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             try:
                 loop.add_signal_handler(signal.SIGTERM, self._stop.set)
                 installed = True

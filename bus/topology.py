@@ -37,6 +37,11 @@ KEY_CONFIG = "config"
 BLOB_BUCKET = "rl-blobs"
 
 
+def api_prefix(domain: str | None = None) -> str:
+    """The JetStream API subject prefix for a domain (what nats-py's JetStreamContext uses)."""
+    return f"$JS.{domain}.API" if domain else "$JS.API"
+
+
 # ---------------------------------------------------------------------------------------------
 # provisioning: one declaration of every stream / consumer / bucket, applied idempotently
 # ---------------------------------------------------------------------------------------------
