@@ -87,12 +87,17 @@ def summary_table(summary: dict) -> None:
     Console(stderr=True).print(t)
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSONL file ([] when it does not exist yet)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def read_trainer_metrics(run_dir: Path) -> list[dict]:
     """The trainer's own per-step record (and eval rows), with t = seconds since its first row."""
-    p = run_dir / "metrics" / "trainer.jsonl"
-    if not p.exists():
-        return []
-    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(run_dir / "metrics" / "trainer.jsonl")
     t0 = rows[0].get("ts", 0.0) if rows else 0.0
     for r in rows:
         r["t"] = r.get("ts", t0) - t0

@@ -26,11 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from asyncrl.report import read_jsonl
 
 
 def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None = None) -> tuple[str, dict]:
@@ -46,7 +42,8 @@ def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None 
     from trainer.factory import build_model
     from trainer.config import TrainerConfig
     from trainer.evaluate import evaluate
-    from trainer.warmstart import load_tokenizer, warm_start
+    from policy import load_tokenizer
+    from trainer.warmstart import warm_start
 
     conf = tomllib.loads(Path(config).read_text())
     cfg = load_config(TrainerConfig, config, section="trainer")
@@ -76,7 +73,7 @@ def final_eval(run_dir: Path, config: str, n: int) -> dict:
     from scorer.calibrate import load_policy_file
     from trainer.config import TrainerConfig
     from trainer.evaluate import evaluate
-    from trainer.warmstart import load_tokenizer
+    from policy import load_tokenizer
 
     cfg = load_config(TrainerConfig, config, section="trainer")
     model, source = load_policy_file(str(run_dir / "checkpoints"))

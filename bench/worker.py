@@ -45,6 +45,8 @@ from bus.events import Heartbeat, Task, decode
 from bus.weights import WeightPublisher
 from rollout_worker.worker import Worker, WorkerConfig
 
+from .stats import pct
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,10 +62,6 @@ def perturb(state: dict, frac: float, seed: int) -> dict:
         flat[idx] = (x + (x.abs() + 1e-3) * 0.05 * torch.randn(idx.numel(), generator=g)).to(v.dtype)
         new[k] = flat.reshape(v.shape)
     return new
-
-
-def pct(xs, q) -> float:
-    return float(np.percentile(np.asarray(xs, np.float64), q)) if len(xs) else 0.0
 
 
 def draw_task(i: int, rng: np.random.Generator, max_tokens: int) -> Task:

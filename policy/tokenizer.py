@@ -151,3 +151,9 @@ def load_hf_tokenizer(folder) -> HFTokenizer:
     specials = {n: token_str(n) for n in _SPECIAL_NAMES if token_str(n) is not None}
     return HFTokenizer(tok, token_id("eos_token"), token_id("bos_token"), token_id("pad_token"),
                        chat_template=template, special_tokens=specials)
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer trainer and workers share: "char" (CharTokenizer) or a tokenizer.json path /
+    HF folder (load_hf_tokenizer)."""
+    return CharTokenizer.default() if spec == "char" else load_hf_tokenizer(spec)

@@ -24,6 +24,7 @@ from bus import BusConfig, ConsumerLoop, TransientError, get_logger
 from bus import topology as topo
 from bus.events import Heartbeat, Metrics, Rollout, SamplingParams, Task
 from bus.weights import WeightFeed, parse_version
+import policy
 
 from .engine import Engine, EngineClosed
 
@@ -80,11 +81,6 @@ class InjectedFault(RuntimeError):
     """Raised by the fault_feed_after test hook."""
 
 
-def load_tokenizer(spec: str):
-    import policy
-    return policy.CharTokenizer.default() if spec == "char" else policy.load_hf_tokenizer(spec)
-
-
 def make_engine(cfg: WorkerConfig, model_config: dict, eos_id: int | None) -> Engine:
     import policy
     quant = policy.QuantConfig(sites=tuple(cfg.quant_sites), block=cfg.quant_block)
@@ -110,7 +106,7 @@ def parse_sampling(d: dict) -> SamplingParams:
 class Worker:
     def __init__(self, cfg: WorkerConfig, bus, engine: Engine | None = None):
         self.cfg, self.bus, self.engine = cfg, bus, engine
-        self.tok = load_tokenizer(cfg.tokenizer)
+        self.tok = policy.load_tokenizer(cfg.tokenizer)
         self.eos_id = getattr(self.tok, "eos_id", None)
         public_key = None
         if cfg.public_key:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+from asyncrl.report import read_jsonl
 from bus import BusConfig, connect
 from bus import topology as topo
 
@@ -35,10 +36,6 @@ heartbeat_s = 1.0
 concurrency = 8
 heartbeat_s = 1.0
 """
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 async def test_up_short_run(fresh_server, tmp_path):

@@ -5,12 +5,11 @@ import os
 
 import torch
 
-from policy import ModelConfig, Transformer
+from policy import ModelConfig, Transformer, load_tokenizer
 
 from .config import TrainerConfig
 from .learner import Learner
 from .loss import LossConfig
-from .warmstart import load_tokenizer
 
 
 def build_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:

@@ -22,7 +22,7 @@ from bus import get_logger
 from bus import topology as topo
 from bus.events import Metrics
 from bus.weights import WeightPublisher
-from policy import ModelConfig
+from policy import ModelConfig, load_tokenizer
 
 from . import checkpoint
 from .batcher import Batcher, ConsumedIds
@@ -33,7 +33,7 @@ from .feeding import TaskFeeder
 from .keys import load_signing_key
 from .learner import Learner, pack
 from .lease import LeaderLease, LeaseLost
-from .warmstart import load_tokenizer, warm_start
+from .warmstart import warm_start
 
 log = get_logger("trainer")
 

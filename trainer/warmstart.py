@@ -9,16 +9,11 @@ import torch
 
 from bus import get_logger
 from envs import get_env
-from policy import CharTokenizer, SamplingConfig, load_hf_tokenizer, sequence_logprobs
+from policy import SamplingConfig, load_tokenizer, sequence_logprobs
 
 from .learner import length_buckets
 
 log = get_logger(__name__)
-
-
-def load_tokenizer(spec: str):
-    """The workers' tokenizer: "char" (policy.CharTokenizer) or a tokenizer.json path."""
-    return CharTokenizer.default() if spec == "char" else load_hf_tokenizer(spec)
 
 
 def demo_batch(env_names: list[str], n: int, rng: random.Random, tok, style: str = "default"):
