@@ -24,6 +24,8 @@ from bus import BusConfig, EmbeddedServer, connect, get_logger, setup_logging
 from bus import topology as topo
 from bus.events import EventError, decode
 
+from asyncrl import metrics_ports
+
 log = get_logger("asyncrl.up")
 
 
@@ -94,6 +96,7 @@ def write_toml(path: Path, data: dict) -> None:
 
 def spawn(run_dir: Path, name: str, component: str, module: str, conf: dict, nice: int = 0) -> Proc:
     cfg_path = run_dir / "config" / f"{name}.toml"
+    conf = metrics_ports.assign(run_dir, name, component, conf)     # [up] metrics_port: one /metrics each
     write_toml(cfg_path, conf)
     log_path = run_dir / "logs" / f"{name}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ASYNCRL_LOG_JSON": "1",
@@ -197,6 +200,7 @@ async def run(a: argparse.Namespace) -> int:
     for sub in ("config", "logs", "metrics", "plots", "checkpoints"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     setup_logging("up", log_file=str(run_dir / "logs" / "up.log"))
+    metrics_ports.plan(run_dir, up.get("metrics_port", 0))
 
     server = None
     if a.nats:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from bus import connect, load_config, setup_logging
+from bus.metrics import start_metrics_server
 
 from .worker import Worker, WorkerConfig
 
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(WorkerConfig, a.config)
     json_logs = {"1": True, "0": False}.get(os.environ.get("ASYNCRL_LOG_JSON", ""), None)
     setup_logging("rollout_worker", json=json_logs, component_id=cfg.worker_id, level=cfg.log_level)
+    start_metrics_server(cfg.metrics_port)
     asyncio.run(amain(cfg))
     return 0
 

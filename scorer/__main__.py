@@ -6,6 +6,7 @@ import asyncio
 import sys
 
 from bus import load_config, setup_logging
+from bus.metrics import start_metrics_server
 
 from .service import Scorer, ScorerConfig
 
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     cfg = load_config(ScorerConfig, a.config)
     setup_logging("scorer", component_id=cfg.scorer_id, level=cfg.log_level)
+    start_metrics_server(cfg.metrics_port)
     asyncio.run(Scorer(cfg).run())
     return 0
 

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from bus import BusConfig, ConsumerLoop, HandlerContext, connect, get_logger
+from bus import BusConfig, ConsumerLoop, HandlerContext, connect, get_logger, metrics
 from bus import topology as topo
 from bus.events import Heartbeat, Rollout, Scored
 
@@ -41,6 +41,7 @@ class ScorerConfig:
     overlong_scale: float = 1.0         # penalty at the max length
     heartbeat_s: float = 5.0
     provision: bool = True              # declare the topology on start (off under restricted credentials)
+    metrics_port: int = 0               # Prometheus /metrics (bus.metrics); 0 = off
     log_level: str = "info"
 
     def __post_init__(self):
@@ -112,6 +113,7 @@ class Scorer:
                         tool_calls=int(verdict.tool_calls), scorer_id=self.cfg.scorer_id)
         await self.bus.publish(topo.scored_subject(ro.env), scored)
         self.counts["scored"] += 1
+        metrics.ROLLOUTS_SCORED.labels(ro.env, "success" if verdict.success else "failure").inc()
         self.counts["success_sum"] += verdict.success
         self.counts["reward_sum"] += reward
         self.log.debug("scored", rollout_id=ro.rollout_id, success=verdict.success, reward=reward,
