@@ -24,7 +24,7 @@ from bus import BusConfig, EmbeddedServer, connect, get_logger, setup_logging
 from bus import topology as topo
 from bus.events import EventError, decode
 
-from asyncrl import metrics_ports
+from asyncrl import metrics_ports, tracking
 
 log = get_logger("asyncrl.up")
 
@@ -44,11 +44,14 @@ class Telemetry:
     t0: float = field(default_factory=time.time)
     latest: dict = field(default_factory=dict)   # component_id -> dict
     files: dict = field(default_factory=dict)
+    tracker: object = None                        # asyncrl.tracking.Tracker when [up] wandb_project is set
 
     def record(self, component: str, cid: str, values: dict, persist: bool = True) -> None:
         now = time.time()
         values = {"t": round(now - self.t0, 3), "ts": now, **values}
         self.latest[cid] = {**self.latest.get(cid, {}), "component": component, **values}
+        if self.tracker is not None:     # W&B gets heartbeats too: the scorers send nothing else
+            self.tracker.log(component, cid, values)
         if not persist:
             return
         if component == "trainer":      # the trainer writes its own metrics/trainer.jsonl (run_dir)
@@ -62,6 +65,8 @@ class Telemetry:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def _toml_value(v) -> str:
@@ -236,7 +241,7 @@ async def run(a: argparse.Namespace) -> int:
     procs += [spawn(run_dir, f"worker-{i}", "rollout_worker", "rollout_worker",
                     {**worker_conf, "worker_id": f"worker-{i}", "seed": 1000 + i}, nice=worker_nice)
               for i in range(n_workers)]
-    tel = Telemetry(run_dir)
+    tel = Telemetry(run_dir, tracker=tracking.open_tracker(run_dir, up, json.loads((run_dir / "config" / "run.json").read_text())))
     reason = "interrupted"
     try:
         if sys.stdout.isatty() and not a.quiet:
