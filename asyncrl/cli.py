@@ -7,6 +7,8 @@
     asyncrl inspect [--nats URL]           streams, consumers, KV control values, latest version
     asyncrl nats [--store DIR]             a local JetStream server in the foreground
     asyncrl tasks build --out DIR [...]    build an offline task set for multi-turn episodes
+    asyncrl config check FILE              resolved config per process; cross-process settings checked
+    asyncrl keygen [--out DIR]             ed25519 pair for signed weights (private key mode 0600)
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ COMMANDS = {
     "calibrate-cost": "scorer.calibrate",
     "cost-demo": "asyncrl.cost_demo",
     "tasks": "asyncrl.tasks",
+    "config": "asyncrl.config_check",
+    "keygen": "asyncrl.keygen",
 }
 
 

@@ -24,7 +24,7 @@ from bus import BusConfig, EmbeddedServer, connect, get_logger, setup_logging
 from bus import topology as topo
 from bus.events import EventError, decode
 
-from asyncrl import metrics_ports, tracking
+from asyncrl import config_check, metrics_ports, tracking
 
 log = get_logger("asyncrl.up")
 
@@ -192,6 +192,7 @@ def load_run_config(path: str | None) -> dict:
 
 async def run(a: argparse.Namespace) -> int:
     conf = load_run_config(a.config)
+    config_check.check_run(conf, sync=a.sync)      # cross-process settings agree, [up] keys known
     up = conf.get("up", {})
     steps = a.steps or up.get("steps", 30)
     minutes = a.minutes or up.get("minutes", 9.0)
