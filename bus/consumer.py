@@ -29,6 +29,7 @@ from typing import Awaitable, Callable
 import nats.js.errors as jse
 from nats.aio.msg import Msg
 
+from bus import metrics
 from bus.events import EventError, Event, decode
 from bus.log import get_logger
 
@@ -146,6 +147,8 @@ class ConsumerLoop:
                     continue
                 msgs = await sub.fetch(n, timeout=self.fetch_timeout_s)
                 self.stats.fetched += len(msgs)
+                if msgs:
+                    metrics.observe_pending(msgs[-1], self.stream, self.durable)
                 for m in msgs:
                     t = asyncio.create_task(self._handle(m))
                     self.active.add(t)

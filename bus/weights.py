@@ -31,7 +31,7 @@ import delta_codec
 from delta_codec import signing
 from nats.js.errors import NotFoundError
 
-from . import events
+from . import events, metrics
 from . import topology as topo
 from .log import get_logger
 
@@ -82,6 +82,7 @@ class WeightPublisher:
                              digest=kf.digest, model_config=_config_dict(model_config),
                              signature=self._sign(payload), payload=inline, blob=blob, trainer_id=self.trainer_id)
         await self.bus.publish(topo.KEYFRAME_SUBJECT, ev)
+        metrics.published("keyframe", len(payload), int(version))
         if set_version:
             await self.set_version(version)
         log.info("keyframe published", version=version, epoch=self.epoch, bytes=len(payload), inline=blob == "")
@@ -99,6 +100,7 @@ class WeightPublisher:
                           signature=self._sign(payload), payload=inline, blob=blob,
                           changed_frac=changed_frac, trainer_id=self.trainer_id)
         await self.bus.publish(topo.DELTA_SUBJECT, ev)
+        metrics.published("delta", len(payload), int(delta.to_version))
         if set_version:
             await self.set_version(delta.to_version)
         log.debug("delta published", to_version=delta.to_version, epoch=epoch, bytes=len(payload),
@@ -269,6 +271,7 @@ class WeightFeed:
 
     def _refuse(self, reason: str, detail: str) -> None:
         self.refused[reason] += 1
+        metrics.DELTAS_REFUSED.labels(reason).inc()
         self.last_refusal = f"{reason}: {detail}"
         log.warning("weight update refused", reason=reason, detail=detail, feed=self.name)
 
@@ -302,6 +305,7 @@ class WeightFeed:
                 except Exception as e:   # e.g. a keyframe for another model: refused, state unchanged
                     raise Refused("apply", f"{ev.msg_id()}: {type(e).__name__}: {e}", resync=False) from None
                 self.applied["keyframe"] += 1
+                metrics.applied("keyframe", raw)
             return
         if not isinstance(ev, events.Delta):
             raise Refused("malformed", f"unexpected {ev.KIND} on WEIGHTS", resync=False)
@@ -327,6 +331,7 @@ class WeightFeed:
         except Exception as e:  # base digest mismatch, engine refusal: state unchanged
             raise Refused("apply", f"{ev.msg_id()}: {type(e).__name__}: {e}", resync=True) from None
         self.applied["delta"] += 1
+        metrics.applied("delta", raw)
 
     async def follow(self, target: WeightTarget, stop: asyncio.Event, start: KeyframeUpdate | None = None,
                      resume: bool = False, on_update=None) -> None:

@@ -27,9 +27,32 @@ def private_key(key) -> Ed25519PrivateKey:
         raise DeltaError(f"bad ed25519 private key: {e}") from None
 
 
-def public_key(key) -> Ed25519PublicKey:
-    if isinstance(key, Ed25519PublicKey):
+class KeyRing:
+    """Several accepted public keys (key rotation: old and new during a window); verifies with any."""
+
+    def __init__(self, keys: list[Ed25519PublicKey]):
+        if not keys:
+            raise DeltaError("empty public key list")
+        self.keys = keys
+
+    def verify(self, signature: bytes, data: bytes) -> None:
+        for k in self.keys:
+            try:
+                return k.verify(signature, data)
+            except InvalidSignature:
+                continue
+        raise InvalidSignature()
+
+
+def public_key(key) -> "Ed25519PublicKey | KeyRing":
+    """One key (object, raw bytes, hex) or several: a list, or hex keys separated by commas or
+    whitespace (a key file with one key per line) -> a KeyRing accepting any of them."""
+    if isinstance(key, (Ed25519PublicKey, KeyRing)):
         return key
+    if isinstance(key, str) and len(key.replace(",", " ").split()) > 1:
+        key = key.replace(",", " ").split()
+    if isinstance(key, (list, tuple)):
+        return KeyRing([public_key(k) for k in key])
     try:
         return Ed25519PublicKey.from_public_bytes(_raw(key))
     except ValueError as e:

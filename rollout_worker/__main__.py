@@ -14,6 +14,7 @@ import sys
 
 from bus import connect, get_logger, load_config, setup_logging
 from bus.lifetime import stop_on_signals
+from bus.metrics import start_metrics_server
 
 from .worker import BackgroundFailed, Worker, WorkerConfig
 
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(WorkerConfig, a.config)
     json_logs = {"1": True, "0": False}.get(os.environ.get("ASYNCRL_LOG_JSON", ""), None)
     setup_logging("rollout_worker", json=json_logs, component_id=cfg.worker_id, level=cfg.log_level)
+    start_metrics_server(cfg.metrics_port)
     return asyncio.run(amain(cfg))
 
 

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, runtime_ch
 
 import numpy as np
 
+from bus import metrics
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     import delta_codec
@@ -180,6 +182,7 @@ class EngineMetrics:
             (self._prep_gaps if preparing else self.gap_ms).append(gap_s * 1e3)
         self.occupancy.append(active / max(self.slots, 1))
         self.tokens += active
+        metrics.TOKENS_GENERATED.inc(active)
         self.busy_s += dt_s
 
     def prep_refused(self) -> None:
@@ -194,6 +197,7 @@ class EngineMetrics:
         self.apply_ms.append(apply_s * 1e3)
         slowed, self._prep_gaps = self._prep_gaps, []
         if stall_s is not None:
+            metrics.UPDATE_STALL.observe(stall_s)
             self.stall_ms.append(stall_s * 1e3)
             self.stall_excess_ms.append((stall_s - (apply_s if boundary_s is None else boundary_s)) * 1e3)
             base = float(np.median(self.gap_ms)) if self.gap_ms else 0.0

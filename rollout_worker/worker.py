@@ -20,7 +20,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from bus import BusConfig, ConsumerLoop, TransientError, get_logger
+from bus import BusConfig, ConsumerLoop, TransientError, get_logger, metrics
 from bus import topology as topo
 from bus.events import Heartbeat, Metrics, Rollout, SamplingParams, Task
 from bus.weights import WeightFeed, parse_version
@@ -48,6 +48,7 @@ class WorkerConfig:
     threads: int = 0                   # torch intra-op threads (0: torch default)
     update_mode: str = "swap"          # torch: swap (prepare off the decode path) | inline (at the boundary)
     public_key: str = ""               # trainer's ed25519 public key: hex, or a file holding it; empty: no check
+    metrics_port: int = 0              # Prometheus /metrics (bus.metrics); 0 = off
     heartbeat_s: float = 5.0
     grace_s: float = 30.0              # drain: time to finish held tasks before they are nak'ed
     max_restarts: int = 5              # a background task failing this many times in a row stops the worker
@@ -180,6 +181,7 @@ class Worker:
         subject = topo.rollout_subject(task.env)
         await asyncio.gather(*(self.bus.publish(subject, r) for r in rollouts))   # acked by JetStream
         self.rollouts += len(rollouts)
+        metrics.ROLLOUTS_PUBLISHED.inc(len(rollouts))
         self.tasks_done += 1
 
     async def _park(self, ctx, task: Task, reason: str) -> None:
@@ -209,6 +211,7 @@ class Worker:
     async def beat(self, event: str = "heartbeat") -> None:
         cid = self.cfg.worker_id
         m = self.snapshot()
+        metrics.observe_worker(m)
         flat = {k: v for k, v in m.items() if isinstance(v, (int, float, bool, str))}
         flat["beat"] = event
         try:

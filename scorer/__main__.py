@@ -10,6 +10,7 @@ import sys
 
 from bus import load_config, setup_logging
 from bus.lifetime import stop_on_signals
+from bus.metrics import start_metrics_server
 
 from .service import Scorer, ScorerConfig
 
@@ -20,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     cfg = load_config(ScorerConfig, a.config)
     setup_logging("scorer", component_id=cfg.scorer_id, level=cfg.log_level)
+    start_metrics_server(cfg.metrics_port)
 
     async def amain() -> None:
         stop = asyncio.Event()

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from bus import BusConfig, ConsumerLoop, HandlerContext, connect, get_logger
+from bus import BusConfig, ConsumerLoop, HandlerContext, connect, get_logger, metrics
 from bus import topology as topo
 from bus.events import Heartbeat, Rollout, Scored
 
@@ -42,6 +42,7 @@ class ScorerConfig:
     heartbeat_s: float = 5.0
     grace_s: float = 10.0               # drain: time to finish held rollouts before they are nak'ed
     provision: bool = True              # declare the topology on start (off under restricted credentials)
+    metrics_port: int = 0               # Prometheus /metrics (bus.metrics); 0 = off
     log_level: str = "info"
 
     def __post_init__(self):
@@ -113,6 +114,7 @@ class Scorer:
                         tool_calls=int(verdict.tool_calls), scorer_id=self.cfg.scorer_id)
         await self.bus.publish(topo.scored_subject(ro.env), scored)
         self.counts["scored"] += 1
+        metrics.ROLLOUTS_SCORED.labels(ro.env, "success" if verdict.success else "failure").inc()
         self.counts["success_sum"] += verdict.success
         self.counts["reward_sum"] += reward
         self.log.debug("scored", rollout_id=ro.rollout_id, success=verdict.success, reward=reward,

@@ -10,6 +10,8 @@ from pathlib import Path
 from bus import RETRYABLE, BlobError, PublishError, connect, get_logger, load_config, setup_logging
 from bus.lifetime import stop_on_signals
 
+from bus.metrics import start_metrics_server
+
 from .config import TrainerConfig
 from .dist import broadcast_obj, follower_loop, init_distributed
 from .factory import build_learner, build_model, build_optimizer
@@ -85,6 +87,7 @@ def main(argv=None) -> int:
         print(f"trainer: bad configuration: {e}", file=sys.stderr)
         return 2
     setup_logging("trainer", component_id=cfg.trainer_id)
+    start_metrics_server(cfg.metrics_port)
 
     async def _main() -> int:
         stop = asyncio.Event()

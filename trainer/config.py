@@ -49,6 +49,7 @@ class TrainerConfig:
     checkpoint_dir: str = "runs/trainer/ckpt"
     keep_checkpoints: int = 3
     run_dir: str = ""                    # metrics appended to <run_dir>/metrics/trainer.jsonl
+    metrics_port: int = 0                # Prometheus /metrics (bus.metrics); 0 = off
     # leader lease
     lease_ttl_s: float = 15.0
     lease_renew_s: float = 0.0           # 0 = ttl / 3

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 import delta_codec
-from bus import get_logger
+from bus import get_logger, metrics
 from bus import topology as topo
 from bus.events import Metrics
 from bus.weights import WeightPublisher
@@ -245,4 +245,5 @@ class Trainer:
         log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in values.items()
                             if k not in ("rollout_ids", "staleness_hist")})
         self.write_jsonl(values)
+        metrics.observe_trainer_step(values)
         await self.publish_metrics(values)

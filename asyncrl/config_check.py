@@ -1,0 +1,140 @@
+"""Settings that must agree across processes, checked before anything starts.
+
+    asyncrl config check FILE      the resolved config of every process, then the checks (exit 2 on a problem)
+    check_run(conf)                `asyncrl up`: the same checks; a problem stops it with one message
+
+Each process validates its own table (bus.config: unknown key, bad type, bad value). What no
+single process can see is checked here, naming both sides:
+    [up]        keys, types and ranges (asyncrl.upconfig.UpConfig), like every other table
+    tokenizer   trainer and workers decode with the same one (same spec; same file contents)
+    max_lag     the worker's admission bound equals the trainer's staleness bound: a worker
+                allowed further ahead generates samples the trainer then drops
+    signing     a worker that checks signatures must accept the trainer's key: the public key
+                derived from the trainer's private key is among the worker's public_key(s);
+                a worker checking signatures of an unsigned trainer would refuse every update
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+from bus.config import ConfigError, load_config
+
+from asyncrl.upconfig import UpConfig
+
+SECTIONS = {"up", "trainer", "worker", "scorer"}
+
+
+def resolve(conf: dict, environ=None) -> dict:
+    """{process: typed config} as each process would build it (file table + ASYNCRL_* env)."""
+    from rollout_worker.worker import WorkerConfig
+    from scorer.service import ScorerConfig
+    from trainer.config import TrainerConfig
+
+    unknown = sorted(set(conf) - SECTIONS)
+    if unknown:
+        raise ConfigError(f"unknown table(s) {unknown}; known: {sorted(SECTIONS)}")
+    up = conf.get("up", {})
+    try:
+        UpConfig.from_dict(up)          # known keys, types and ranges
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    env = os.environ if environ is None else environ
+    out = {"up": dict(up)}
+    for name, cls in (("trainer", TrainerConfig), ("worker", WorkerConfig), ("scorer", ScorerConfig)):
+        try:
+            out[name] = load_config(cls, None, overrides=conf.get(name, {}), environ=env)
+        except (ConfigError, ValueError) as e:
+            raise ConfigError(f"[{name}]: {e}") from None
+    return out
+
+
+def _file_digest(spec: str) -> str:
+    p = Path(spec)
+    return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else spec
+
+
+def _public_keys(spec: str) -> set[bytes]:
+    from delta_codec import signing
+    text = Path(spec).read_text() if os.path.isfile(spec) else spec
+    ring = signing.public_key(text.strip())
+    keys = getattr(ring, "keys", [ring])
+    from cryptography.hazmat.primitives import serialization
+    raw = serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    return {k.public_bytes(*raw) for k in keys}
+
+
+def cross_check(resolved: dict, sync: bool = False) -> None:
+    t, w = resolved["trainer"], resolved["worker"]
+    if t.tokenizer != w.tokenizer and _file_digest(t.tokenizer) != _file_digest(w.tokenizer):
+        raise ConfigError(f"tokenizer disagrees: [trainer] tokenizer = {t.tokenizer!r}, "
+                          f"[worker] tokenizer = {w.tokenizer!r} (workers must decode with the trainer's)")
+    vocab = (t.model or {}).get("vocab_size")
+    if vocab and t.tokenizer != "char" and Path(t.tokenizer).is_file():
+        import policy
+        n = policy.load_hf_tokenizer(t.tokenizer).vocab_size
+        if n > int(vocab):
+            raise ConfigError(f"vocabulary disagrees: [trainer] model.vocab_size = {vocab}, "
+                              f"tokenizer {t.tokenizer!r} has {n} ids")
+    if not sync and t.max_lag != w.max_lag:
+        raise ConfigError(f"max_lag disagrees: [trainer] max_lag = {t.max_lag}, [worker] max_lag = {w.max_lag}")
+    if w.public_key:
+        if not t.signing_key:
+            raise ConfigError(f"signing disagrees: [worker] public_key = {w.public_key!r} checks signatures, "
+                              f"but [trainer] signing_key is empty (every update would be refused)")
+        from cryptography.hazmat.primitives import serialization
+
+        from trainer.keys import load_signing_key
+        pub = load_signing_key(t.signing_key).public_key().public_bytes(serialization.Encoding.Raw,
+                                                                        serialization.PublicFormat.Raw)
+        if pub not in _public_keys(w.public_key):
+            raise ConfigError(f"signing key pair disagrees: [trainer] signing_key = {t.signing_key!r} has public "
+                              f"key {pub.hex()}, which [worker] public_key = {w.public_key!r} does not accept")
+
+
+def check_run(conf: dict, sync: bool = False) -> dict:
+    """`asyncrl up`: resolve and cross-check; raises ConfigError with one clear message."""
+    try:
+        resolved = resolve(conf)
+        cross_check(resolved, sync=sync or bool(conf.get("up", {}).get("sync")))
+        return resolved
+    except ValueError as e:      # DeltaError (a malformed key) is a ValueError; ConfigError is one too
+        raise ConfigError(str(e)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="asyncrl config", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="print the resolved config per process and check cross-process settings")
+    c.add_argument("file")
+    a = ap.parse_args(argv)
+    try:
+        conf = tomllib.loads(Path(a.file).read_text())
+        resolved = resolve(conf)
+    except (OSError, tomllib.TOMLDecodeError, ConfigError) as e:
+        print(f"asyncrl config check: {e}", file=sys.stderr)
+        return 2
+    for name, cfg in resolved.items():
+        d = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
+        for secret in ("password", "token"):
+            if isinstance(d.get("bus"), dict) and d["bus"].get(secret):
+                d["bus"][secret] = "***"
+        print(f"[{name}]\n{json.dumps(d, indent=2, default=str)}")
+    try:
+        cross_check(resolved, sync=bool(conf.get("up", {}).get("sync")))
+    except (ConfigError, ValueError) as e:
+        print(f"asyncrl config check: {e}", file=sys.stderr)
+        return 2
+    print("ok: settings agree across processes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
