@@ -86,7 +86,9 @@ def test_compose_validates_and_has_the_services():
     assert rc == 0, err
     cfg = yaml.safe_load(out)
     svc = cfg["services"]
-    assert set(svc) == {"nats", "nats-box", "trainer", "trainer-standby", "rollout_worker", "scorer"}
+    core = {k for k, v in svc.items() if not v.get("profiles")}     # optional profiles (monitoring, region)
+    assert core == {"nats", "nats-box", "trainer", "trainer-standby", "rollout_worker", "scorer"}
+    assert {"prometheus", "grafana"} <= set(svc) and svc["prometheus"]["profiles"] == ["monitoring"]
     nats = svc["nats"]
     assert nats["image"].startswith("nats:")                             # the official image
     assert any("/healthz?js-enabled-only=true" in part for part in nats["healthcheck"]["test"])
@@ -156,7 +158,8 @@ def test_systemd_units_verify(tmp_path):
 def test_systemd_units_restart_and_wait_for_the_network():
     services = [p for p in unit_files() if p.suffix == ".service"]
     assert {p.name for p in services} == {"asyncrl-nats.service", "asyncrl-trainer@.service",
-                                          "asyncrl-rollout-worker@.service", "asyncrl-scorer@.service"}
+                                          "asyncrl-rollout-worker@.service", "asyncrl-scorer@.service",
+                                          "asyncrl-nats-region.service"}
     for p in services:
         text = p.read_text()
         for need in ("Restart=always", "After=network-online.target", "Wants=network-online.target"):
