@@ -370,13 +370,13 @@ def encode_chunk(b: np.ndarray, n: np.ndarray, shift: int | None = None, alloc=f
 
 def _encode_classed(b, n, pos, p: float, shift: int, alloc) -> list | None:
     """CLASSED record, or None when the chosen split has a single class."""
-    mag2 = ctx.magnitude2(b, alloc)
-    at = np.take(mag2, pos)
-    ts = ctx.choose_thresholds(mag2, at, shift)
+    key = ctx.exponents(b, shift, alloc)
+    at = np.take(key, pos)
+    ts = ctx.choose_thresholds(key, at)
     if not ts:
         return None
-    classes = ctx.Classes(mag2, ts, shift, alloc)
-    ci = ctx.class_of(at, ts, shift)
+    classes = ctx.Classes(key, ts, alloc)
+    ci = ctx.class_of(at, ts)
     order = np.argsort(ci, kind="stable")
     pos, ci = np.take(pos, order), np.take(ci, order)
     bounds = np.searchsorted(ci, np.arange(len(ts) + 2))
@@ -435,7 +435,7 @@ def _decode_classed(rec, m: int, count: int, what: str, base_all, shift: int | N
     fields = rec[6]
     if not isinstance(fields, list) or len(fields) != len(ts) + 1:
         raise DeltaError(f"{what}: {len(ts)} thresholds need {len(ts) + 1} class records")
-    classes = ctx.Classes(ctx.magnitude2(base, alloc), ts, shift, alloc)
+    classes = ctx.Classes(ctx.exponents(base, shift, alloc), ts, alloc)
     parts = [classes.select(k, _decode_class(f, classes.sizes[k], f"{what} class {k}")) for k, f in enumerate(fields)]
     if sum(p.size for p in parts) != m:
         raise DeltaError(f"{what}: classes hold {sum(p.size for p in parts)} changes, header says {m}")
