@@ -32,7 +32,7 @@ import numpy as np
 from .bits import UNSIGNED_INT, fresh
 from .errors import DeltaError
 
-MAX_THRESHOLDS = 3       # at most 4 classes: each threshold is one compare + packbits per chunk on both sides
+MAX_THRESHOLDS = 2       # at most 3 classes: each threshold is one byte compare + packbits per chunk on both sides (3: ~0.1 bit smaller, slower)
 MIN_CHANGES = 64         # fewer changes: the class headers cost more than they save
 CLASS_COST_BITS = 512    # a class's header and decode pass, in bits, charged when choosing thresholds
 SAMPLE_STRIDE = 32       # element counts per exponent are estimated on every 32nd element
@@ -83,39 +83,33 @@ class Classes:
             for out in packed:
                 out[-(-n // 8):] = 0
         self.sets = [p.view("<u8") for p in packed]
-        pcs = [np.bitwise_count(s) for s in self.sets]  # uint8 per word
-        full = np.full(nw, 64, np.uint8)
-        if n % 64:
-            full[-1] = n % 64
-        self._pc_sets = [full, *pcs, np.zeros(nw, np.uint8)]
-        self._pc, self._cum, self._alloc = {}, {}, alloc
-        self.sizes = [int(np.sum(a, dtype=np.int64)) - int(np.sum(b, dtype=np.int64))
-                      for a, b in zip(self._pc_sets[:-1], self._pc_sets[1:])]
+        ends = [int(np.sum(np.bitwise_count(s), dtype=np.int64)) for s in self.sets]
+        self.sizes = [a - b for a, b in zip([n, *ends], [*ends, 0])]
+        self._before, self._alloc = {}, alloc
 
-    def pc(self, k: int) -> np.ndarray:
-        """Class k's members per word (int64)."""
-        if k not in self._pc:
-            p = self._alloc(f"ctx.pc{k}", self.nwords, np.int64)
-            np.subtract(self._pc_sets[k], self._pc_sets[k + 1], out=p, dtype=np.int64)
-            self._pc[k] = p
-        return self._pc[k]
+    def before(self, k: int) -> np.ndarray:
+        """nwords + 1 entries: class k's members in words 0..w-1 (computed once per class)."""
+        if k not in self._before:
+            out = self._alloc(f"ctx.before{k}", self.nwords + 1, np.int64)
+            out[0] = 0
+            pc = np.bitwise_count(self.words(k, None))
+            out[1:] = pc  # widened, then summed in place (see codec.prefix_sum)
+            np.cumsum(out[1:], out=out[1:])
+            self._before[k] = out
+        return self._before[k]
 
-    def cum(self, k: int) -> np.ndarray:
-        """Class k's members in words 0..w, inclusive."""
-        if k not in self._cum:
-            self._cum[k] = np.cumsum(self.pc(k), out=self._alloc(f"ctx.cum{k}", self.nwords, np.int64))
-        return self._cum[k]
-
-    def words(self, k: int, w: np.ndarray) -> np.ndarray:
-        """Class k's membership words at word indices w."""
+    def words(self, k: int, w: np.ndarray | None) -> np.ndarray:
+        """Class k's membership words at word indices w (None: all words)."""
+        size = self.nwords if w is None else w.size
+        pick = (lambda s: s.copy()) if w is None else (lambda s: s.take(w))
         if k == 0:
-            x = np.full(w.size, ~np.uint64(0), np.uint64)
+            x = np.full(size, ~np.uint64(0), np.uint64)
             if self.count % 64:
-                x[w == self.nwords - 1] = np.uint64((1 << (self.count % 64)) - 1)
+                x[(np.arange(size) if w is None else w) == self.nwords - 1] = np.uint64((1 << (self.count % 64)) - 1)
         else:
-            x = self.sets[k - 1].take(w)
+            x = pick(self.sets[k - 1])
         if k < len(self.sets):
-            x &= ~self.sets[k].take(w)
+            x &= ~pick(self.sets[k])
         return x
 
     def rank(self, k: int, pos: np.ndarray) -> np.ndarray:
@@ -124,8 +118,7 @@ class Classes:
         below = np.left_shift(np.uint64(1), (pos & 63).astype(np.uint64))
         below -= np.uint64(1)
         below &= self.words(k, w)
-        r = self.cum(k).take(w)
-        r -= self.pc(k).take(w)
+        r = self.before(k).take(w)
         r += np.bitwise_count(below)
         return r
 
@@ -134,10 +127,9 @@ class Classes:
         bits: the word by binary search, then in the word the byte whose running popcount
         passes the rank (byte popcounts summed across the word by one multiply), then the bit
         from a table."""
-        cum = self.cum(k)
-        w = np.searchsorted(cum, ranks, side="right")
-        j = ranks - cum.take(w)
-        j += self.pc(k).take(w)  # rank within the word, < its popcount
+        before = self.before(k)
+        w = np.searchsorted(before[1:], ranks, side="right")
+        j = ranks - before.take(w)  # rank within the word, < its popcount
         x = self.words(k, w)
         run = np.bitwise_count(x.view(np.uint8)).view(np.uint64)
         run *= _L8  # byte i: set bits in bytes 0..i (<= 64: no carries)
