@@ -10,13 +10,14 @@ normal per step (Adam normalises per element, so what matters for bit flips is t
 before vs after the step is the delta a trainer publishes.
 
 Reports per lr, for the codec (format 3, positions coded in the context of the base) and for
-format 2's coding of the same update (`encode_delta(..., context=False)`: the same chunk
-records a format-2 build wrote): changed_frac, bits_per_changed, ratio (encoded / full bf16
+format 2's coding of the same update (`encode_delta`'s default, context=False: the same chunk
+records a format-2 build wrote; format 3 here is `context=True`): changed_frac, bits_per_changed, ratio (encoded / full bf16
 bytes); for format 3 also position_bits_per_changed (everything but the value streams) next to
 two bounds, the i.i.d. position entropy H(p)/p and the entropy of the change mask conditioned on
 each element's base exponent (per tensor), position_entropy_cond_bits; encode_gb_s and
-apply_gb_s of format 3 (GB of bf16 weights per second, median of --reps; the codec's default
-threads, ASYNCRL_DELTA_THREADS overrides); and the ratio of baselines computed on the same
+apply_gb_s (and per CPU-second) of format 3, and the same for format 2 under `format2` (GB of
+bf16 weights per second, median of --reps, both in this process; the codec's default threads,
+ASYNCRL_DELTA_THREADS overrides); and the ratio of baselines computed on the same
 update, with our margin over the fair one (uint16 gaps + int16 raw-bit difference + zstd).
 Last line: one JSON object {"runs": [...], "baselines": {...}, "weights": ...}.
 """
@@ -165,29 +166,34 @@ def median_time(fn, reps: int, setup=None) -> tuple[float, float]:
 def run_lr(init, lr: float, args) -> dict:
     before, after = rl_update(init, lr, args.warmup, args.seed)
     full = sum(t.numel() * 2 for t in after.values())
-    d = encode_delta(before, after, from_version=args.warmup, to_version=args.warmup + 1)
+    d = encode_delta(before, after, from_version=args.warmup, to_version=args.warmup + 1, context=True)
     blob = d.to_bytes()
     st = d.stats
     # exactness check on the measured pair: the bench reports nothing for a lossy codec
     state = {k: v.clone() for k, v in before.items()}
     apply_delta(state, Delta.from_bytes(blob))
     assert all(torch.equal(state[k].view(torch.int16), after[k].view(torch.int16)) for k in after)
-    enc_s, enc_cpu = median_time(lambda _: encode_delta(before, after).to_bytes(), args.reps)
-    app_s, app_cpu = median_time(lambda s: apply_delta(s, Delta.from_bytes(blob)), args.reps,
-                                 setup=lambda: {k: v.clone() for k, v in before.items()})
+    blob2 = encode_delta(before, after).to_bytes()
+    fresh_state = lambda: {k: v.clone() for k, v in before.items()}  # noqa: E731
+    enc_s, enc_cpu = median_time(lambda _: encode_delta(before, after, context=True).to_bytes(), args.reps)
+    app_s, app_cpu = median_time(lambda s: apply_delta(s, Delta.from_bytes(blob)), args.reps, setup=fresh_state)
+    # format 2's coding of the same update, timed in the same process (the default encode)
+    enc2_s, enc2_cpu = median_time(lambda _: encode_delta(before, after).to_bytes(), args.reps)
+    app2_s, app2_cpu = median_time(lambda s: apply_delta(s, Delta.from_bytes(blob2)), args.reps, setup=fresh_state)
     p = st.changed / st.total
     m = max(st.changed, 1)
     entropy_pos = (-(p * math.log2(p) + (1 - p) * math.log2(1 - p)) / p) if 0 < p < 1 else 0.0
     cond = conditional_position_entropy(before, after) / m
     pos_bits = 8 * (len(blob) - value_bytes(Delta.from_bytes(blob))) / m
-    blob2 = encode_delta(before, after, context=False).to_bytes()
     base = baselines(before, after)
     return {"lr": lr, "params": st.total, "full_bytes": full, "changed": st.changed, "changed_frac": p,
             "encoded_bytes": len(blob), "bits_per_changed": 8 * len(blob) / m,
             "position_entropy_bits": entropy_pos, "position_entropy_cond_bits": cond,
             "position_bits_per_changed": pos_bits, "position_bits_over_cond_bound": pos_bits - cond,
             "ratio": len(blob) / full,
-            "format2": {"encoded_bytes": len(blob2), "bits_per_changed": 8 * len(blob2) / m, "ratio": len(blob2) / full},
+            "format2": {"encoded_bytes": len(blob2), "bits_per_changed": 8 * len(blob2) / m, "ratio": len(blob2) / full,
+                        "encode_gb_s": full / enc2_s / 1e9, "apply_gb_s": full / app2_s / 1e9,
+                        "encode_gb_cpu_s": full / enc2_cpu / 1e9, "apply_gb_cpu_s": full / app2_cpu / 1e9},
             "margin_over_fair_baseline": base["uint16_gap_int16_diff_zstd"] / (len(blob) / full),
             "encode_gb_s": full / enc_s / 1e9, "apply_gb_s": full / app_s / 1e9,
             # per CPU-second: what one core does, robust to other load on a shared machine

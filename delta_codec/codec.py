@@ -1,9 +1,8 @@
 """Per-chunk coding of changed positions and changed values (pure numpy, vectorised).
 
 A chunk is CHUNK consecutive elements of one tensor (4 Mi: large enough that the ~50 numpy
-calls per chunk are few, so two threads rarely wait on each other's GIL hand-offs; measured
-apply with 2 threads at 18 % changed, same runs: 1 -> 2 Mi chunks 2.29 -> 2.54 GB/s, 2 -> 4 Mi
-2.51 -> 2.63; its temporaries live in per-worker Scratch buffers). Its changed positions are coded one of three
+calls per chunk are few, so two threads rarely wait on each other's GIL hand-offs; see
+docs/benchmarks.md; its temporaries live in per-worker Scratch buffers). Its changed positions are coded one of three
 ways, chosen from the chunk's density before anything is built (measured crossovers; the sizes
 are close there):
   GAP    gaps between changes, Rice-coded: k raw low bits + the high part as bytes, zstd'd.
@@ -11,7 +10,7 @@ are close there):
          them near their entropy, and decoding is one zstd call and one cumsum)
   BITMAP one bit per element, zstd'd (40-60 % changed)
   DENSE  no positions at all: every element gets a value (>= 60 % changed)
-  CLASSED (format 3; float dtypes below CONTEXT_BELOW) positions coded per class of base magnitude
+  CLASSED (format 3, encode_delta(context=True); float dtypes below CONTEXT_BELOW) positions coded per class of base magnitude
          (context.py): each class's changes as ranks among its members, gaps or a bitmap over
          the members by that class's density. Chosen when the estimated saving beats the
          classes' cost; otherwise GAP.
@@ -20,8 +19,8 @@ bijection for any pair; a small float update moves the pattern by a few units ei
 zig-zag coded, then zstd'd as nibble pairs (changed values: codes < 16 two a byte, larger ones
 in an overflow stream) or as byte planes (dense chunks, or when many codes are large). In
 sparse chunks (< GROUP_BELOW changed) values are grouped by the exponent of their base value
-first (the decoder has the base, so this is free on the wire and saves ~0.5 bit/change); denser
-chunks skip it (a sort per side).
+first (the decoder has the base, so this is free on the wire and saves bits); denser chunks skip
+it (a sort per side).
 
 Chunk record (a list; container.py frames its byte fields after a msgpack header):
   [NONE, count, 0]
@@ -51,16 +50,15 @@ GROUPED, NIBBLES = 1, 2  # chunk flags
 GROUP_BELOW = 0.04   # density below which values are grouped by base exponent
 CONTEXT_BELOW = 0.05  # density below which positions may be CLASSED (above: its per-change rank/select
                       # work costs more than the speed floors allow; GAP as in format 2)
-BITMAP_FROM = 0.4    # density from which positions are a bitmap (below: gaps; within 2 % of its size
-                     # up to 30 % changed, 5 % at 40 %, and 1.5-2x faster to decode)
+BITMAP_FROM = 0.4    # density from which positions are a bitmap (below: gaps, about as small and
+                     # faster to decode)
 DENSE_FROM = 0.6     # density from which every element gets a value
 _ESC = 255  # high part of a gap >= 255 is stored in the overflow stream
 
 # zstd "fast" with long minimum matches and a tiny hash table: on these streams (value codes,
 # gap bytes, byte planes of weights) matches are rare, so level 1's match search mostly costs
-# time and its short matches cost bits. Measured on bf16 AdamW deltas: 30 % faster and ~0.3
-# bit/change smaller than level 1 on value planes, identical on gap bytes; on keyframe planes
-# 2x faster and 2 % smaller.
+# time and its short matches cost bits (measured faster and smaller than level 1 on value and
+# keyframe planes: docs/benchmarks.md).
 ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
     strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7,
     target_length=0)
@@ -92,9 +90,8 @@ def encode_values(d: np.ndarray, alloc=fresh, nonzero: bool = False) -> tuple:
     """Signed differences (wrapping) -> (wire field, flags). The zig-zag codes as zstd'd byte
     planes; or, when every difference is nonzero (the changed values of a sparse chunk) and at
     most a quarter of the codes are >= 16: NIBBLES, two codes a byte, 0 marking a code kept in an
-    overflow stream (byte planes, in order). Measured on bf16 AdamW updates: zstd codes the
-    ~4.5-bit bytes near their entropy at ~1 ns/byte, while the ~2.3-bit low plane draws chance
-    matches (4 ns/byte, and 0.3 bit/change larger)."""
+    overflow stream (byte planes, in order). zstd codes the nibble-pair bytes near their entropy,
+    while the low-entropy low plane draws chance matches (slower and larger; docs/benchmarks.md)."""
     z = zigzag(d, alloc)
     m = z.size
     if nonzero and m:
@@ -210,7 +207,7 @@ def positions(mask: np.ndarray, m: int, alloc=fresh) -> np.ndarray:
     """np.flatnonzero(mask) for a bool mask with m True. numpy's bool nonzero is branch-free from
     ~10 % set, but below that its zero-skipping loop is slow (mispredicts most around 5 %);
     there, nonzero over the mask's 8-byte words, then over the set words' bytes (both in numpy's
-    fast regimes), is measured 1.5x (0.1-1 % set) to 2.5x (5-9 %) faster."""
+    fast regimes), is faster (docs/benchmarks.md)."""
     n = mask.size - mask.size % 8
     if not (m * 10 < mask.size and n >= 1 << 16):  # (small masks: fewer numpy calls pay more)
         return np.flatnonzero(mask)
@@ -228,9 +225,9 @@ def positions(mask: np.ndarray, m: int, alloc=fresh) -> np.ndarray:
 
 def prefix_sum(q8: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out[i] = q8[0] + ... + q8[i] (uint8 -> int64): widened first (one SIMD pass), then summed
-    in place (measured 1.3x faster than numpy's buffered, casting cumsum). numpy's cumsum keeps
-    the GIL while it runs; torch's releases it but runs on a second, spinning OpenMP thread that
-    the other apply thread needs (measured: no faster with 2 apply threads, 1.7x the CPU)."""
+    in place (faster than numpy's buffered, casting cumsum). numpy's cumsum keeps the GIL while
+    it runs; torch's releases it but runs on a second, spinning OpenMP thread that the other
+    apply thread needs (no faster with 2 apply threads, more CPU)."""
     out[...] = q8
     return np.cumsum(out, out=out)
 
@@ -325,7 +322,7 @@ def decode_gaps(k: int, qz, low, over, m: int, count: int, what: str, alloc=fres
 def value_order(base_at_pos: np.ndarray, shift: int | None) -> np.ndarray | None:
     """Permutation grouping changed values by the exponent of their base value: how many units an
     update moves depends on the exponent, so zstd's per-block Huffman tables fit each group
-    (measured ~0.5 bit/change saved on AdamW updates). The decoder has the base, so it is free."""
+    (bits saved on AdamW updates: docs/benchmarks.md). The decoder has the base, so it is free."""
     if shift is None or base_at_pos.size < 2:
         return None
     exp = (base_at_pos >> base_at_pos.dtype.type(shift)).astype(np.uint8)  # exponent (+ sign): 8-bit radix sort
@@ -351,7 +348,7 @@ def encode_chunk(b: np.ndarray, n: np.ndarray, shift: int | None = None, alloc=f
         rec = _encode_classed(b, n, pos, p, shift, alloc)
         if rec is not None:
             return rec, m
-    old = np.take(b, pos, out=alloc("old", m, b.dtype))  # (take: measured 30 % faster than fancy indexing)
+    old = np.take(b, pos, out=alloc("old", m, b.dtype))  # (take: faster than fancy indexing)
     d = np.take(n, pos, out=alloc("d", m, b.dtype))
     d -= old  # wraps at the element width: a bijection for any pair
     flags = 0
@@ -370,13 +367,13 @@ def encode_chunk(b: np.ndarray, n: np.ndarray, shift: int | None = None, alloc=f
 
 def _encode_classed(b, n, pos, p: float, shift: int, alloc) -> list | None:
     """CLASSED record, or None when the chosen split has a single class."""
-    mag2 = ctx.magnitude2(b, alloc)
-    at = np.take(mag2, pos)
-    ts = ctx.choose_thresholds(mag2, at, shift)
+    key = ctx.exponents(b, shift, alloc)
+    at = np.take(key, pos)
+    ts = ctx.choose_thresholds(key, at)
     if not ts:
         return None
-    classes = ctx.Classes(mag2, ts, shift, alloc)
-    ci = ctx.class_of(at, ts, shift)
+    classes = ctx.Classes(key, ts, alloc)
+    ci = ctx.class_of(at, ts)
     order = np.argsort(ci, kind="stable")
     pos, ci = np.take(pos, order), np.take(ci, order)
     bounds = np.searchsorted(ci, np.arange(len(ts) + 2))
@@ -435,7 +432,7 @@ def _decode_classed(rec, m: int, count: int, what: str, base_all, shift: int | N
     fields = rec[6]
     if not isinstance(fields, list) or len(fields) != len(ts) + 1:
         raise DeltaError(f"{what}: {len(ts)} thresholds need {len(ts) + 1} class records")
-    classes = ctx.Classes(ctx.magnitude2(base, alloc), ts, shift, alloc)
+    classes = ctx.Classes(ctx.exponents(base, shift, alloc), ts, alloc)
     parts = [classes.select(k, _decode_class(f, classes.sizes[k], f"{what} class {k}")) for k, f in enumerate(fields)]
     if sum(p.size for p in parts) != m:
         raise DeltaError(f"{what}: classes hold {sum(p.size for p in parts)} changes, header says {m}")
@@ -483,7 +480,7 @@ def decode_chunk(rec, itemsize: int, what: str, base_at=None, shift: int | None 
             pos = decode_gaps(int(rec[5]), rec[6], rec[7], rec[8], m, count, what, alloc)
         elif mode == BITMAP:
             mask = np.unpackbits(np.frombuffer(zd(rec[5], (count + 7) // 8, what + " bitmap"), np.uint8))[:count]
-            pos = np.flatnonzero(mask.view(bool))  # bool nonzero is ~4x faster than uint8
+            pos = np.flatnonzero(mask.view(bool))  # (bool nonzero: much faster than uint8's)
             if pos.size != m:
                 raise DeltaError(f"{what}: bitmap has {pos.size} changes, header says {m}")
         elif mode == CLASSED:

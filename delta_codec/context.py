@@ -11,11 +11,13 @@ split the elements by |base bits| into nested sets S_k = {|b| < t_k << mantissa}
 the complement of S_1, class k is S_k minus S_{k+1}. A change is coded by its rank among its
 class's members (gaps, Rice-coded, or a bitmap over the members when the class is dense).
 
-Rank <-> position without listing any class's members: each S_k is one compare and one
-packbits over the chunk; popcounts of its 64-bit words and their running sum give, per
-class, how many members precede each word, so a rank is a binary search into those sums
-plus a select inside one word (encoder: a popcount below the bit). The work is K compare
-passes over the chunk plus O(changes); no sort or nonzero over the whole chunk.
+Rank <-> position without listing any class's members: the chunk's exponents are taken once
+(one narrowing shift to bytes), then each S_k is one byte compare and one packbits, in
+cache-sized blocks; popcounts of its 64-bit words and, per class that has changes, their
+running sum give how many members precede each word, so a rank is a binary search into those
+sums plus a select inside one word (branch-free, on the byte popcounts of the word; encoder:
+a popcount below the bit). The work is one shift and K compare passes over the chunk plus
+O(changes); no sort or nonzero over the whole chunk.
 
 On a GPU the same steps are data-parallel: the compares and per-word popcounts are one
 elementwise kernel, the running sums one scan, and each change's rank -> position a binary
@@ -30,22 +32,30 @@ import numpy as np
 from .bits import UNSIGNED_INT, fresh
 from .errors import DeltaError
 
-MAX_THRESHOLDS = 3       # at most 5 classes: each threshold is one compare + packbits per chunk on both sides
+MAX_THRESHOLDS = 2       # at most 3 classes: each threshold is one byte compare + packbits per chunk on both sides (3: ~0.1 bit smaller, slower)
 MIN_CHANGES = 64         # fewer changes: the class headers cost more than they save
 CLASS_COST_BITS = 512    # a class's header and decode pass, in bits, charged when choosing thresholds
-SAMPLE_STRIDE = 16       # element counts per exponent are estimated on every 16th element
+SAMPLE_STRIDE = 32       # element counts per exponent are estimated on every 32nd element
+BLOCK = 1 << 19          # elements per cache block of the class pass (its bool temporaries stay in L2)
 
-_POP8 = np.array([bin(i).count("1") for i in range(256)], np.uint8)
-_SEL8 = np.zeros((256, 8), np.uint8)  # _SEL8[byte, j]: bit index of the byte's j-th set bit
+_SEL8 = np.zeros(256 * 8, np.uint8)  # _SEL8[8 * byte + j]: bit index of the byte's j-th set bit
 for _b in range(256):
     for _j, _bit in enumerate(i for i in range(8) if _b >> i & 1):
-        _SEL8[_b, _j] = _bit
+        _SEL8[8 * _b + _j] = _bit
+_L8, _H8 = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080)
 
 
-def magnitude2(b: np.ndarray, alloc=fresh) -> np.ndarray:
-    """|bits| << 1 as unsigned (the sign bit shifted out): compares against (t << mantissa) << 1."""
+def exponents(b: np.ndarray, shift: int, alloc=fresh) -> np.ndarray:
+    """Biased exponents of the float elements whose raw bits are b (sign dropped), as uint8
+    (uint16 for float64): one shift pass that narrows as it writes (8-bit exponents: the sign
+    lands above the kept byte); |bits| < t << shift exactly when the exponent is < t."""
     u = b.view(UNSIGNED_INT[b.itemsize])
-    return np.left_shift(u, 1, out=alloc("ctx.mag", u.size, u.dtype))
+    ebits = 8 * b.itemsize - 1 - shift
+    key = alloc("ctx.exp", u.size, np.uint8 if ebits <= 8 else np.uint16)
+    np.right_shift(u, u.dtype.type(shift), out=key, casting="unsafe")
+    if ebits < 8 * key.itemsize:
+        key &= key.dtype.type((1 << ebits) - 1)
+    return key
 
 
 def max_threshold(itemsize: int, shift: int) -> int:
@@ -55,62 +65,99 @@ def max_threshold(itemsize: int, shift: int) -> int:
 class Classes:
     """Per-class member counts before each 64-element word, for one chunk and its thresholds."""
 
-    def __init__(self, mag2: np.ndarray, thresholds: list[int], shift: int, alloc=fresh):
-        self.count = n = mag2.size
+    def __init__(self, key: np.ndarray, thresholds: list[int], alloc=fresh):
+        self.count = n = key.size
         self.nwords = nw = -(-n // 64)
-        self.sets = []  # packed S_1..S_K, as uint64 words
-        lt = alloc("ctx.lt", n, bool)
-        for i, t in enumerate(thresholds):
-            np.less(mag2, mag2.dtype.type(t << (shift + 1)), out=lt)
-            w = np.packbits(lt, bitorder="little")
-            if n % 64:  # (whole chunks are multiples of 64: no copy)
-                w = np.concatenate([w, np.zeros(nw * 8 - w.size, np.uint8)])
-            self.sets.append(w.view("<u8"))
-        # popcounts per word and running sums, per nested set (S_0: all elements)
-        pcs = [np.full(nw, 64, np.uint8)]
+        # packed S_1..S_K (uint64 words), bytes past the chunk's end zero
+        packed = [alloc(f"ctx.set{i}", nw * 8, np.uint8) for i in range(len(thresholds))]
+        lt = alloc("ctx.lt", min(n, BLOCK), bool)
+        ts = [key.dtype.type(t) for t in thresholds]
+        for lo in range(0, n, BLOCK):  # (blocks: key and lt stay in cache across the K passes)
+            hi = min(n, lo + BLOCK)
+            part = lt[: hi - lo]
+            for t, out in zip(ts, packed):
+                np.less(key[lo:hi], t, out=part)
+                bits = np.packbits(part, bitorder="little")
+                out[lo // 8: lo // 8 + bits.size] = bits
         if n % 64:
-            pcs[0][-1] = n % 64
-        pcs += [np.bitwise_count(s) for s in self.sets]
-        pcs.append(np.zeros(nw, np.uint8))
-        self.pc = [(a.astype(np.int64) - b) for a, b in zip(pcs[:-1], pcs[1:])]  # class k = S_k - S_{k+1}
-        self.cum = [np.cumsum(p) for p in self.pc]  # members in words 0..w, inclusive
-        self.sizes = [int(c[-1]) if nw else 0 for c in self.cum]
+            for out in packed:
+                out[-(-n // 8):] = 0
+        self.sets = [p.view("<u8") for p in packed]
+        ends = [int(np.sum(np.bitwise_count(s), dtype=np.int64)) for s in self.sets]
+        self.sizes = [a - b for a, b in zip([n, *ends], [*ends, 0])]
+        self._before, self._alloc = {}, alloc
 
-    def words(self, k: int, w: np.ndarray) -> np.ndarray:
-        """Class k's membership words at word indices w."""
-        inner = self.sets[k].take(w) if k < len(self.sets) else None
+    def before(self, k: int) -> np.ndarray:
+        """nwords + 1 entries: class k's members in words 0..w-1 (computed once per class)."""
+        if k not in self._before:
+            out = self._alloc(f"ctx.before{k}", self.nwords + 1, np.int64)
+            out[0] = 0
+            pc = np.bitwise_count(self.words(k, None))
+            out[1:] = pc  # widened, then summed in place (see codec.prefix_sum)
+            np.cumsum(out[1:], out=out[1:])
+            self._before[k] = out
+        return self._before[k]
+
+    def words(self, k: int, w: np.ndarray | None) -> np.ndarray:
+        """Class k's membership words at word indices w (None: all words)."""
+        size = self.nwords if w is None else w.size
+        pick = (lambda s: s.copy()) if w is None else (lambda s: s.take(w))
         if k == 0:
-            x = np.full(w.size, ~np.uint64(0), np.uint64)
+            x = np.full(size, ~np.uint64(0), np.uint64)
             if self.count % 64:
-                x[w == self.nwords - 1] = np.uint64((1 << (self.count % 64)) - 1)
+                x[(np.arange(size) if w is None else w) == self.nwords - 1] = np.uint64((1 << (self.count % 64)) - 1)
         else:
-            x = self.sets[k - 1].take(w)
-        if inner is not None:
-            x &= ~inner
+            x = pick(self.sets[k - 1])
+        if k < len(self.sets):
+            x &= ~pick(self.sets[k])
         return x
 
     def rank(self, k: int, pos: np.ndarray) -> np.ndarray:
         """Ranks among class k's members of positions that are class k members."""
         w = pos >> 6
-        below = (np.uint64(1) << (pos & 63).astype(np.uint64)) - np.uint64(1)
-        return self.cum[k].take(w) - self.pc[k].take(w) + np.bitwise_count(self.words(k, w) & below)
+        below = np.left_shift(np.uint64(1), (pos & 63).astype(np.uint64))
+        below -= np.uint64(1)
+        below &= self.words(k, w)
+        r = self.before(k).take(w)
+        r += np.bitwise_count(below)
+        return r
 
     def select(self, k: int, ranks: np.ndarray) -> np.ndarray:
-        """Positions of class k's members with these ranks (each < sizes[k])."""
-        w = np.searchsorted(self.cum[k], ranks, side="right")
-        j = ranks - (self.cum[k].take(w) - self.pc[k].take(w))
-        xb = self.words(k, w).view(np.uint8).reshape(-1, 8)  # little endian: byte i = bits 8i..8i+7
-        cs = np.cumsum(_POP8.take(xb), axis=1, dtype=np.int64)
-        bi = np.count_nonzero(cs <= j[:, None], axis=1)
-        rows = np.arange(bi.size)
-        jj = j - np.where(bi > 0, cs[rows, np.maximum(bi - 1, 0)], 0)
-        return (w << 6) + (bi << 3) + _SEL8[xb[rows, bi], jj]
+        """Positions of class k's members with these ranks (each < sizes[k]), without a loop over
+        bits: the word by binary search, then in the word the byte whose running popcount
+        passes the rank (byte popcounts summed across the word by one multiply), then the bit
+        from a table."""
+        before = self.before(k)
+        w = np.searchsorted(before[1:], ranks, side="right")
+        j = ranks - before.take(w)  # rank within the word, < its popcount
+        x = self.words(k, w)
+        run = np.bitwise_count(x.view(np.uint8)).view(np.uint64)
+        run *= _L8  # byte i: set bits in bytes 0..i (<= 64: no carries)
+        ju = j.astype(np.uint64)
+        jb = ju * _L8
+        jb |= _H8
+        jb -= run  # byte i keeps its high bit where run_i <= j: those bytes precede the target
+        jb &= _H8
+        byte = np.bitwise_count(jb).astype(np.uint64)  # the target byte's index
+        sh = byte << np.uint64(3)
+        prev = np.left_shift(run, np.uint64(8))  # byte i: set bits in bytes 0..i-1
+        prev >>= sh
+        prev &= np.uint64(0xFF)
+        x >>= sh
+        x &= np.uint64(0xFF)
+        x <<= np.uint64(3)
+        x += ju
+        x -= prev  # 8 * byte value + rank within the byte
+        pos = w << 6
+        pos += sh.view(np.int64)
+        pos += _SEL8.take(x.view(np.int64))
+        return pos
 
 
-def class_of(mag2_at: np.ndarray, thresholds: list[int], shift: int) -> np.ndarray:
-    """Class index (0..K) of elements with these |bits| << 1 values."""
-    keys = np.array([t << (shift + 1) for t in thresholds[::-1]], np.uint64)  # ascending
-    return len(thresholds) - np.searchsorted(keys, mag2_at.astype(np.uint64), side="right")
+def class_of(key_at: np.ndarray, thresholds: list[int]) -> np.ndarray:
+    """Class index (0..K) of elements with these exponents."""
+    ci = np.searchsorted(np.array(thresholds[::-1], np.int64), key_at, side="right").astype(np.uint8)
+    return np.subtract(np.uint8(len(thresholds)), ci, out=ci)  # (uint8: the encoder's stable sort by class is a radix sort)
 
 
 def _h(c: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -120,18 +167,17 @@ def _h(c: np.ndarray, n: np.ndarray) -> np.ndarray:
     return np.where((c <= 0) | (c >= n), 0.0, out)
 
 
-def choose_thresholds(mag2: np.ndarray, changed_mag2: np.ndarray, shift: int) -> list[int]:
+def choose_thresholds(key: np.ndarray, changed_key: np.ndarray) -> list[int]:
     """Thresholds (descending base exponents) minimising the estimated position entropy plus
     CLASS_COST_BITS per class: an optimal split of the exponents into <= MAX_THRESHOLDS + 1
     contiguous ranges, on per-exponent change counts (exact) and element counts (sampled)."""
-    s = shift + 1
-    changed = np.bincount((changed_mag2 >> s).astype(np.int64))
-    total = np.bincount((mag2[::SAMPLE_STRIDE] >> s).astype(np.int64)).astype(np.float64) * SAMPLE_STRIDE
+    changed = np.bincount(changed_key)
+    total = np.bincount(key[::SAMPLE_STRIDE]).astype(np.float64) * SAMPLE_STRIDE
     size = max(changed.size, total.size)
     changed = np.pad(changed, (0, size - changed.size)).astype(np.float64)
     total = np.maximum(np.pad(total, (0, size - total.size)), changed)
     if total.sum():
-        total *= max(mag2.size, 1) / total.sum()
+        total *= max(key.size, 1) / total.sum()
     exps = np.flatnonzero(total)  # ranges are between present exponents
     if exps.size < 2:
         return []

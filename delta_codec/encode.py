@@ -17,11 +17,13 @@ def _check_pair(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = None, chunk: int = CHUNK,
-                 threads: int | None = None, context: bool = True) -> Delta:
+                 threads: int | None = None, context: bool = False) -> Delta:
     """Encode new - base chunk by chunk (`chunk` elements, a multiple of 8: the granularity of
     the position-coding choice and of the thread pool). Device tensors are copied to the host a
-    chunk at a time. context=False codes positions without the base's context (format 2's chunk
-    coding inside a format 3 container: for size comparisons)."""
+    chunk at a time. context=True lets sparse float chunks code their positions in the context of
+    the base (CLASSED: smaller, but its class pass and rank/select cost more CPU than the speed
+    floors allow on both sides, see docs/benchmarks.md); the default, False, is format 2's chunk
+    coding inside a format 3 container. Either decodes with the same apply_delta."""
     if chunk <= 0 or chunk % 8:
         raise DeltaError(f"chunk must be a positive multiple of 8, got {chunk}")
     missing, extra = [n for n in base if n not in new], [n for n in new if n not in base]

@@ -13,8 +13,7 @@ from .bits import Scratch, fresh
 def default_threads() -> int:
     """All cores (at most 8); ASYNCRL_DELTA_THREADS overrides. The codec runs while its caller
     waits for it (the trainer awaits the encode before publishing, an engine applies between two
-    decode steps), so those cores would otherwise idle. Measured on the idle 2-core box at 18 %
-    changed: 2 threads encode 1.6x and apply 1.4x faster than 1."""
+    decode steps), so those cores would otherwise idle (thread gains: docs/benchmarks.md)."""
     env = os.environ.get("ASYNCRL_DELTA_THREADS")
     if env:
         return max(1, int(env))

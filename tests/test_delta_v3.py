@@ -62,7 +62,7 @@ def float_update(draw):
 @given(float_update(), st.sampled_from([64, 1000, 1 << 22]))
 def test_round_trip_bit_exact(pair, chunk):
     base, new = pair
-    d = encode_delta(base, new, from_version=1, to_version=2, chunk=chunk)
+    d = encode_delta(base, new, from_version=1, to_version=2, chunk=chunk, context=True)
     state = clone(base)
     apply_delta(state, Delta.from_bytes(d.to_bytes()), expect_from=1)
     assert same(state, new)
@@ -83,7 +83,7 @@ def adam_like(n: int = 60_000, lr: float = 1e-4, seed: int = 0) -> tuple[dict, d
 
 def test_adam_like_update_is_classed_and_smaller_than_format_2():
     base, new = adam_like()
-    d3, d2 = encode_delta(base, new), encode_delta(base, new, context=False)
+    d3, d2 = encode_delta(base, new, context=True), encode_delta(base, new)
     assert CLASSED in modes(d3) and CLASSED not in modes(d2)
     assert d3.nbytes < 0.97 * d2.nbytes
     state = clone(base)
@@ -94,7 +94,7 @@ def test_adam_like_update_is_classed_and_smaller_than_format_2():
 @pytest.fixture(scope="module")
 def classed():
     base, new = adam_like(40_000)
-    d = encode_delta(base, new, chunk=16384)
+    d = encode_delta(base, new, chunk=16384, context=True)
     assert CLASSED in modes(d)
     return base, new, d.to_bytes()
 
@@ -182,9 +182,9 @@ def test_rank_and_select_agree_with_flatnonzero(n, ts, seed):
     ts = sorted(ts, reverse=True)
     rng = np.random.default_rng(seed)
     b = rng.integers(-2**15, 2**15, n).astype(np.int16)
-    mag2 = ctx.magnitude2(b)
-    classes = ctx.Classes(mag2, ts, 7)
-    ci = ctx.class_of(mag2, ts, 7)
+    key = ctx.exponents(b, 7)
+    classes = ctx.Classes(key, ts)
+    ci = ctx.class_of(key, ts)
     for k in range(len(ts) + 1):
         members = np.flatnonzero(ci == k)
         assert classes.sizes[k] == members.size
@@ -204,7 +204,7 @@ def test_extra_header_fields_round_trip_and_are_signed():
     from delta_codec.signing import generate_keypair
     base, new = adam_like(2000)
     sk, pk = generate_keypair()
-    d = encode_delta(base, new, from_version=3, to_version=4)
+    d = encode_delta(base, new, from_version=3, to_version=4, context=True)
     d.extra = {"epoch": 7, "run": "r1"}
     blob = d.to_bytes(signing_key=sk)
     back = Delta.from_bytes(blob)
@@ -215,3 +215,30 @@ def test_extra_header_fields_round_trip_and_are_signed():
     assert kf.extra == {"epoch": 2} and kf.version == 5
     with pytest.raises(DeltaError, match="extra"):
         Delta(0, 1, [], extra=["not", "a", "dict"])
+
+
+def test_rank_and_select_across_cache_blocks():
+    # a chunk longer than the class pass's cache block, not a multiple of 64
+    n = ctx.BLOCK * 2 + 77
+    b = np.random.default_rng(1).integers(-2**15, 2**15, n).astype(np.int16)
+    ts = [130, 120]
+    key = ctx.exponents(b, 7)
+    classes, ci = ctx.Classes(key, ts), ctx.class_of(key, ts)
+    for k in range(len(ts) + 1):
+        members = np.flatnonzero(ci == k)
+        assert classes.sizes[k] == members.size
+        assert np.array_equal(classes.select(k, np.arange(members.size)), members)
+        assert np.array_equal(classes.rank(k, members), np.arange(members.size))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.bfloat16])
+def test_exponents_match_the_magnitude_definition(dtype):
+    # |bits| < t << mantissa exactly when the exponent is < t (the wire's class definition)
+    from delta_codec.bits import exponent_shift, np_bits
+    t = torch.randn(5000, dtype=torch.float64).mul(torch.logspace(-30, 30, 5000, dtype=torch.float64)).to(dtype)
+    b = np_bits(t)
+    shift = exponent_shift(dtype)
+    key = ctx.exponents(b, shift)
+    mag = b.view(f"u{b.itemsize}").astype(np.uint64) & np.uint64((1 << (8 * b.itemsize - 1)) - 1)
+    for thr in np.unique(key)[:: max(1, np.unique(key).size // 20)]:
+        assert np.array_equal(key < thr, mag < np.uint64(int(thr) << shift))
