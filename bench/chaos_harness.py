@@ -9,10 +9,12 @@ faults injected with signals, and the books kept from what the processes themsel
     books = await fleet.wait_trained(tasks, timeout_s=300)   # Books(lost, duplicates_trained)
 
 Counting (independent of the components' own dedupe):
-    trained  = rollout ids in every <run_dir>/trainer-*/metrics/trainer.jsonl line, plus the
+    consumed = rollout ids in every <run_dir>/trainer-*/metrics/trainer.jsonl line, plus the
                newest checkpoint's consumed ids (a leader killed between checkpoint and JSONL
-               line has trained the batch without logging it)
-    lost     = tasks with fewer than group_size rollout ids trained
+               line has used the batch without logging it)
+    trained  = the consumed ids that entered a gradient step with weight > 0 (the line's
+               trained_ids); dropped = consumed and not trained (stale, a group of one)
+    lost     = tasks with fewer than group_size rollout ids consumed
     duplicates_trained = rollout ids that appear in more than one logged step
 Every scenario function returns one report row {name, tasks, lost, duplicates_trained,
 recovery_s, passed, ...} and is bounded in time (`deadline`). bench.chaos runs them all;
@@ -55,7 +57,9 @@ class Books:
     tasks: int
     lost: int
     duplicates_trained: int
-    trained: int
+    trained: int                 # distinct rollout ids trained with weight > 0
+    consumed: int = 0            # distinct rollout ids used up (trained or dropped)
+    dropped: int = 0             # consumed, weight 0 (never moved the weights)
 
     def ok(self) -> bool:
         return self.lost == 0 and self.duplicates_trained == 0
@@ -186,13 +190,22 @@ class Fleet:
         ids: list[str] = []
         return ids, asyncio.create_task(self.trickle(n, over_s, ids))
 
-    def trained_counts(self) -> Counter:
-        counts: Counter = Counter()
+    def step_lines(self) -> list[dict]:
+        out = []
         for p in self.run_dir.glob("trainer-*/metrics/trainer.jsonl"):
-            for line in p.read_text().splitlines():
-                if line.strip():
-                    counts.update(json.loads(line)["rollout_ids"])
+            out += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        return [d for d in out if "rollout_ids" in d]          # eval lines carry no batch
+
+    def trained_counts(self) -> Counter:
+        """Rollout id -> steps that consumed it."""
+        counts: Counter = Counter()
+        for d in self.step_lines():
+            counts.update(d["rollout_ids"])
         return counts
+
+    def weighted_ids(self) -> set[str]:
+        """Ids trained with weight > 0 (lines written before trained_ids existed: all of them)."""
+        return {rid for d in self.step_lines() for rid in d.get("trained_ids", d["rollout_ids"])}
 
     def consumed(self) -> set[str]:
         from trainer import checkpoint
@@ -201,11 +214,13 @@ class Fleet:
 
     def books(self, task_ids: list[str], with_checkpoint: bool = False) -> Books:
         counts = self.trained_counts()
-        trained = set(counts) | (self.consumed() if with_checkpoint else set())
-        per_task = Counter(rid.rsplit("-", 1)[0] for rid in trained)
+        consumed = set(counts) | (self.consumed() if with_checkpoint else set())
+        per_task = Counter(rid.rsplit("-", 1)[0] for rid in consumed)
         lost = sum(1 for t in task_ids if per_task[t] < GROUP)
+        mine = {f"{t}-{i}" for t in task_ids for i in range(GROUP)}     # padding tasks are not in the books
+        trained = self.weighted_ids() & mine
         return Books(tasks=len(task_ids), lost=lost, duplicates_trained=sum(c - 1 for c in counts.values() if c > 1),
-                     trained=len(trained))
+                     trained=len(trained), consumed=len(consumed & mine), dropped=len((consumed & mine) - trained))
 
     async def wait_trained(self, task_ids: list[str], timeout_s: float, with_checkpoint: bool = False,
                            watch: tuple = (), feeding: asyncio.Task | None = None) -> Books:
@@ -276,6 +291,7 @@ class Fleet:
 
 def row(name: str, books: Books, recovery_s: float, passed: bool, **extra) -> dict:
     return {"name": name, "tasks": books.tasks, "lost": books.lost, "duplicates_trained": books.duplicates_trained,
+            "trained": books.trained, "consumed": books.consumed, "dropped": books.dropped,
             "recovery_s": round(recovery_s, 2), "passed": bool(passed and books.ok()), **extra}
 
 
@@ -432,6 +448,30 @@ async def wait_leader(fleet: Fleet, not_: str | None, timeout_s: float) -> tuple
         await asyncio.sleep(0.1)
 
 
+async def first_version_by(fleet: Fleet, trainer_id: str, t_death: float, timeout_s: float) -> tuple[float, int]:
+    """(seconds from t_death (wall clock) until `trainer_id` has published a delta, its version):
+    the failover as workers see it, lease handover + resume + keyframe + a first step."""
+    from bus.events import Delta
+    while True:
+        mine = [e for e in await weights_history(fleet.bus) if isinstance(e, Delta) and e.trainer_id == trainer_id]
+        if mine:
+            return time.time() - t_death, min(e.to_version for e in mine)
+        if time.time() - t_death > timeout_s:
+            raise ChaosError(f"{trainer_id} published no version {timeout_s}s after the leader's death")
+        await asyncio.sleep(0.1)
+
+
+def first_trained_on(fleet: Fleet, trainer_id: str, version: int, t_death: float) -> float | None:
+    """Seconds from t_death until `trainer_id` logged a step with a rollout generated on `version`
+    or later (None: none by the end of the run)."""
+    p = fleet.run_dir / f"trainer-{trainer_id}" / "metrics" / "trainer.jsonl"
+    if not p.exists():
+        return None
+    ts = [d["ts"] for d in map(json.loads, filter(str.strip, p.read_text().splitlines()))
+          if d.get("newest_token_version", -1) >= version and "ts" in d]
+    return round(min(ts) - t_death, 2) if ts else None
+
+
 async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> list[dict]:
     """Two trainers share a checkpoint dir. SIGKILL the leader: the standby leads within
     TTL + 5 s. Then SIGSTOP the new leader beyond the TTL, let the restarted standby take
@@ -444,14 +484,18 @@ async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> lis
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
             await fleet.wait_version(3, 300, watch=fleet.alive())
             fleet.signal(lead, signal.SIGKILL)
+            t_death = time.time()
             spare, failover = await wait_leader(fleet, lead, LEASE_TTL_S + 60)
+            first_v_s, first_v = await first_version_by(fleet, spare, t_death, 300)
             v_kill = await fleet.version()
             await fleet.wait_version(v_kill + 2, 300, watch=[spare])
             fleet.trainer(lead + "2")                 # the killed machine comes back as a standby
             if not await _wait_log(fleet.procs[lead + "2"].log_path, "waiting for the leader lease", 120):
                 raise ChaosError(f"restarted trainer {lead}2 never went on standby")
             fleet.signal(spare, signal.SIGSTOP)       # e.g. a long GC pause or a partition
+            t_pause = time.time()
             third, pause_failover = await wait_leader(fleet, spare, LEASE_TTL_S + 60)
+            pause_v_s, pause_v = await first_version_by(fleet, third, t_pause, 300)
             v_new = await fleet.version()
             await fleet.wait_version(v_new + 1, 300, watch=[third])
             fleet.signal(spare, signal.SIGCONT)
@@ -463,11 +507,15 @@ async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> lis
             clean = not line["gaps"] and not line["forks"]
             target = LEASE_TTL_S + 5
             return [row("trainer_leader_sigkill", books, failover, clean and failover <= target, target_s=target,
-                        versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"])),
+                        versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"]),
+                        first_version_after_death_s=round(first_v_s, 2),
+                        first_trained_after_death_s=first_trained_on(fleet, spare, first_v, t_death)),
                     row("trainer_leader_sigstop", books, pause_failover,
                         clean and stepped_down and pause_failover <= target
                         and (line["late_old_epoch"] == 0 or refused >= line["late_old_epoch"]),
                         target_s=target, late_old_epoch_deltas=line["late_old_epoch"], refused_by_workers=refused,
+                        first_version_after_death_s=round(pause_v_s, 2),
+                        first_trained_after_death_s=first_trained_on(fleet, third, pause_v, t_pause),
                         old_leader_stepped_down=stepped_down, epochs=len(line["epochs"]))]
         finally:
             await fleet.close()
@@ -701,15 +749,23 @@ async def backlog(run_dir: Path, tasks: int = 10_000, seed: int = 8, watch_s: fl
             fleet.signal("w0", signal.SIGTERM)            # drain: held tasks finished or released
             fleet.procs["w0"].popen.wait(60)
             left = (await fleet.bus.js.stream_info(topo.TASKS)).state.messages
-            done = {r.rsplit("-", 1)[0] for r in await _rollout_ids(fleet.bus)}
+            rids = await _rollout_ids(fleet.bus)
+            done = {r.rsplit("-", 1)[0] for r in rids}
             lost = tasks - left - len(done)
             cap = 8 + 4                                   # the worker's slots + queue (Fleet.worker)
             half = len(rss) // 2
             growth = max(rss[half:]) - max(rss[:half])      # second half vs first half of the watch
-            books = Books(tasks=tasks, lost=max(lost, 0), duplicates_trained=0, trained=len(done))
-            return row("backlog_10k", books, ready_s, queued == tasks and max(held) <= cap and growth < 50 and lost == 0,
-                       queued=queued, held_max=max(held), held_cap=cap, rss_mb_max=round(max(rss), 1),
-                       rss_growth_mb=round(growth, 1), finished=len(done), left_queued=left)
+            ok = queued == tasks and max(held) <= cap and growth < 50 and lost == 0
+            # no trainer runs here: this scenario measures the worker's memory and prefetch bound.
+            # Its books come from the streams (tasks neither still queued nor finished), and
+            # nothing is claimed about training (trained / duplicates_trained: None)
+            return {"name": "backlog_10k", "tasks": tasks, "lost": lost, "duplicates_trained": None,
+                    "trained": None, "measures": "worker memory and prefetch bound under a 10k-task backlog "
+                                                 "(no trainer; lost = tasks neither queued nor finished)",
+                    "recovery_s": round(ready_s, 2), "passed": bool(ok), "queued": queued,
+                    "held_max": max(held), "held_cap": cap, "rss_mb_max": round(max(rss), 1),
+                    "rss_growth_mb": round(growth, 1), "finished": len(done), "left_queued": left,
+                    "rollouts_stored_twice": len(rids) - len(set(rids))}
         finally:
             await fleet.close()
 

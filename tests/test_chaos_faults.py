@@ -56,5 +56,6 @@ async def test_worker_sigstop_beyond_ack_wait(tmp_path):
 
 async def test_backlog_10k_worker_memory_bounded(tmp_path):
     r = await h.backlog(tmp_path, tasks=10_000)
-    check(r)
+    assert r["passed"] and r["lost"] == 0 and r["rollouts_stored_twice"] == 0, r
+    assert r["duplicates_trained"] is None and r["trained"] is None       # no trainer: no claim
     assert r["queued"] == 10_000 and r["held_max"] <= r["held_cap"] and r["rss_growth_mb"] < 50
