@@ -783,6 +783,101 @@ async def _rollout_ids(bus) -> list[str]:
     return out
 
 
+
+# ------------------------------------------------- issue 14: slow steps, sync poison, kill storm
+async def slow_step_kill(run_dir: Path, tasks: int = 40, seed: int = 9, delay_factor: float = 4.0) -> dict:
+    """The leader's step + publication is made slower than ack_wait (debug_step_delay_s); it is
+    SIGKILLed 2 x ack_wait after it took a batch (past the point where the server would have
+    redelivered that batch, before the step's checkpoint). The standby takes over and trains
+    every rollout, each exactly once: nothing of the in-flight batch was acked early."""
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            fleet.trainer("A", debug_step_delay_s=delay_factor * fleet.ack_wait_s)
+            await wait_ready(fleet, ["A"])
+            await pipeline(fleet, workers=2, trainers=("B",))       # B waits on standby
+            ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+            batch = BATCH_GROUPS * GROUP
+            await fleet.wait_held(topo.SCORED, topo.TRAINER_CONSUMER, at_least=batch, timeout_s=300)
+            await asyncio.sleep(2 * fleet.ack_wait_s)
+            info = await fleet.consumer(topo.SCORED, topo.TRAINER_CONSUMER)
+            v_before = await fleet.version()
+            fleet.signal("A", signal.SIGKILL)
+            t_death = time.time()
+            _, failover = await wait_leader(fleet, "A", LEASE_TTL_S + 60)
+            first_v_s, first_v = await first_version_by(fleet, "B", t_death, 300)
+            books = await fleet.wait_trained(ids, 600, with_checkpoint=True, feeding=feeding, watch=["B"])
+            line = version_line(await weights_history(fleet.bus))
+            a_log = run_dir / "trainer-A" / "metrics" / "trainer.jsonl"
+            a_steps = sum(1 for ln in a_log.read_text().splitlines() if '"rollout_ids"' in ln) if a_log.exists() else 0
+            return row("slow_step_kill", books, first_v_s,
+                       v_before == 0 and a_steps == 0 and info.num_ack_pending >= batch
+                       and not line["gaps"] and not line["forks"],
+                       step_delay_s=delay_factor * fleet.ack_wait_s, held_at_kill=info.num_ack_pending,
+                       version_at_kill=v_before, leader_logged_steps=a_steps, lease_failover_s=round(failover, 2),
+                       first_version_after_death_s=round(first_v_s, 2),
+                       first_trained_after_death_s=first_trained_on(fleet, "B", first_v, t_death))
+        finally:
+            await fleet.close()
+
+
+async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeout_s: float = 15.0) -> dict:
+    """A --sync trainer publishes exactly batch_groups tasks per version. One task of version 0's
+    batch is swapped for a poison copy (its verifier raises on every delivery: each rollout lands
+    in DLQ); the trainer publishes a replacement after sync_task_timeout_s and the run goes on to
+    `tasks` versions. Books: every task the trainer fed, bar the poison, trained exactly once."""
+    from bus.events import Task, decode
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            fed: list[str] = []
+
+            async def record(m):
+                try:
+                    fed.append(decode(m.data, Task).task_id)
+                except Exception:
+                    pass
+            rec = await fleet.bus.nc.subscribe("rl.tasks.>", cb=record)
+            steps = max(tasks, 2)
+            fleet.trainer("A", mode="sync", feed=True, sync_task_timeout_s=timeout_s, max_steps=steps,
+                          task_sampling={"max_tokens": MAX_TOKENS, "temperature": 1.0})
+            fleet.scorer("s0")
+            await wait_ready(fleet, ["A", "s0"])
+            t0 = time.monotonic()
+            while (await fleet.bus.js.stream_info(topo.TASKS)).state.messages < BATCH_GROUPS:
+                fleet.check_alive(["A"])
+                if time.monotonic() - t0 > 120:
+                    raise ChaosError("the sync trainer published no batch of tasks")
+                await asyncio.sleep(0.2)
+            info = await fleet.bus.js.stream_info(topo.TASKS)
+            raw = await fleet.bus.js.get_msg(topo.TASKS, seq=info.state.first_seq)
+            victim = decode(raw.data, Task)
+            await fleet.bus.js.delete_msg(topo.TASKS, raw.seq)
+            poison = Task(task_id=victim.task_id, env=victim.env, prompt=victim.prompt, spec={"answer": "9" * 5000},
+                          sampling=victim.sampling, min_version=victim.min_version)
+            await fleet.bus.publish(raw.subject, poison, msg_id=f"poison-{victim.task_id}")
+            t_poison = time.monotonic()
+            for i in range(2):
+                fleet.worker(f"w{i}")
+            await wait_ready(fleet, ["w0", "w1"])
+            await fleet.wait_version(steps, 600, watch=["s0", "w0", "w1"])
+            rec_s = time.monotonic() - t_poison
+            fleet.procs["A"].popen.wait(120)                      # max_steps: it finishes by itself
+            await rec.unsubscribe()
+            good = sorted(set(fed) - {victim.task_id})
+            books = fleet.books(good, with_checkpoint=True)
+            t1 = time.monotonic()
+            while (parked := sum(1 for _, r in await dlq_entries(fleet.bus) if "handler failed" in r)) < GROUP \
+                    and time.monotonic() - t1 < 60:
+                await asyncio.sleep(0.5)
+            replaced = max((d.get("sync_replaced", 0) for d in fleet.step_lines()), default=0)
+            return row("sync_poison_task", books, rec_s,
+                       fleet.procs["A"].popen.returncode == 0 and replaced >= 1 and parked == GROUP,
+                       versions=await fleet.version(), sync_replaced=replaced, poison_parked=parked,
+                       sync_task_timeout_s=timeout_s)
+        finally:
+            await fleet.close()
+
 SCENARIOS = {
     "worker_sigkill": kill_workers,
     "scorer_sigkill": kill_scorer,
@@ -792,4 +887,6 @@ SCENARIOS = {
     "worker_sigstop": pause_worker,
     "bad_input_dlq": bad_input,
     "backlog_10k": backlog,
+    "slow_step_kill": slow_step_kill,
+    "sync_poison_task": sync_poison_task,
 }
