@@ -878,6 +878,86 @@ async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeou
         finally:
             await fleet.close()
 
+
+async def dlq_task_ids(bus) -> dict[str, str]:
+    """task id -> Rl-Reason of every task, rollout or scored rollout parked in DLQ."""
+    from nats.js.errors import NotFoundError
+    from bus.events import EventError, Rollout, Scored, Task, decode
+    out, seq = {}, 0
+    while True:
+        try:
+            raw = await bus.js.get_msg(topo.DLQ, seq=seq + 1, subject="rl.dlq.>", next=True)
+        except NotFoundError:
+            return out
+        seq = raw.seq
+        try:
+            ev = decode(raw.data)
+        except EventError:
+            continue                                   # a malformed body has no task to account for
+        tid = (ev.task_id if isinstance(ev, (Task, Rollout)) else
+               ev.rollout.get("task_id") if isinstance(ev, Scored) else None)
+        if tid:
+            out[tid] = (raw.headers or {}).get("Rl-Reason", "")
+
+
+def _ready(fleet: Fleet, name: str) -> bool:
+    p = fleet.procs[name]
+    return p.popen.poll() is None and any(w in p.log_path.read_text(errors="replace") for w in READY[p.component])
+
+
+async def random_kill_storm(run_dir: Path, tasks: int = 0, seed: int = 11, duration_s: float = 180.0,
+                            every_s: tuple[float, float] = (5.0, 15.0)) -> dict:
+    """For `duration_s`, every 5-15 s SIGKILL one random process (worker, scorer, leader or
+    standby trainer; a trainer only while the other one is up and ready, so never both at once)
+    and start a fresh one in its place, while tasks are fed. At the end every fed task is
+    trained exactly once or parked in DLQ with a reason, and the versions have no gap or fork.
+    recovery_s: the longest time from a leader's death to the next leader's first step."""
+    tasks = tasks or int(duration_s * RATE / 2)
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            await pipeline(fleet, workers=3, scorers=2, trainers=("A", "B"))
+            ids, feeding = fleet.feed(tasks, over_s=duration_s)
+            rng, n, kills, deaths = random.Random(seed), 0, Counter(), []
+            start = {"rollout_worker": fleet.worker, "scorer": fleet.scorer, "trainer": fleet.trainer}
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < duration_s:
+                await asyncio.sleep(rng.uniform(*every_s))
+                kinds = ["rollout_worker", "scorer"]
+                trainers = fleet.alive("trainer")
+                if len(trainers) >= 2 and all(_ready(fleet, t) for t in trainers):
+                    kinds.append("trainer")
+                kind = rng.choice(kinds)
+                victim = rng.choice(fleet.alive(kind))
+                was_leader = kind == "trainer" and await holder(fleet) == victim
+                fleet.signal(victim, signal.SIGKILL)
+                if was_leader:
+                    deaths.append((time.time(), victim))
+                n += 1
+                kills["leader" if was_leader else kind] += 1
+                start[kind](f"{victim.rstrip('0123456789_')}_{n}" if kind == "trainer" else f"{victim[0]}{n + 10}")
+            books = await fleet.wait_trained(ids, 900, with_checkpoint=True, feeding=feeding)
+            parked = await dlq_task_ids(fleet.bus)
+            unaccounted = books.lost
+            if books.lost:           # a task parked in DLQ with a reason is accounted for, not lost
+                per_task = Counter(r.rsplit("-", 1)[0] for r in set(fleet.trained_counts()) | fleet.consumed())
+                unaccounted = sum(1 for t in ids if per_task[t] < GROUP and not parked.get(t))
+            books.lost = unaccounted
+            line = version_line(await weights_history(fleet.bus))
+            steps = sorted((d["ts"], d.get("epoch", 0)) for d in fleet.step_lines() if "ts" in d)
+            gaps = []
+            for t_death, _ in deaths:                  # death -> the first step logged after it
+                after = [ts for ts, _ in steps if ts > t_death]
+                if after:
+                    gaps.append(after[0] - t_death)
+            return row("random_kill_storm", books, max(gaps, default=0.0),
+                       not line["gaps"] and not line["forks"] and len(gaps) == len(deaths),
+                       duration_s=duration_s, kills=n, kills_by_kind=dict(kills), parked_in_dlq=len(parked),
+                       versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"]),
+                       first_version_after_death_s=[round(g, 2) for g in gaps])
+        finally:
+            await fleet.close()
+
 SCENARIOS = {
     "worker_sigkill": kill_workers,
     "scorer_sigkill": kill_scorer,
@@ -889,4 +969,5 @@ SCENARIOS = {
     "backlog_10k": backlog,
     "slow_step_kill": slow_step_kill,
     "sync_poison_task": sync_poison_task,
+    "random_kill_storm": random_kill_storm,
 }

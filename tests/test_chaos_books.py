@@ -73,3 +73,21 @@ async def test_bad_events_and_poison_task_park_in_dlq_while_training_goes_on(tmp
     assert r["lost"] == 0 and r["duplicates_trained"] == 0, r
     assert r["dlq"] == r["bad_events"] + h.GROUP and r["poison_parked"] == h.GROUP, r
     assert r["passed"], r
+
+
+@pytest.mark.timeout(300)
+async def test_sync_poison_task_short(tmp_path):
+    """Short default-suite run of the sync_poison_task scenario (issue 14, item 4)."""
+    r = await h.sync_poison_task(tmp_path, tasks=2, timeout_s=5.0)
+    assert r["lost"] == 0 and r["duplicates_trained"] == 0, r
+    assert r["versions"] >= 2 and r["sync_replaced"] >= 1 and r["poison_parked"] == h.GROUP, r
+    assert r["passed"], r
+
+
+@pytest.mark.timeout(300)
+async def test_slow_step_kill_short(tmp_path):
+    """Short default-suite run of the slow_step_kill scenario (issue 14, item 1)."""
+    r = await h.slow_step_kill(tmp_path, tasks=16)
+    assert r["lost"] == 0 and r["duplicates_trained"] == 0, r
+    assert r["version_at_kill"] == 0 and r["leader_logged_steps"] == 0, r
+    assert r["passed"], r

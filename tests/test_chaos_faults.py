@@ -74,3 +74,9 @@ async def test_sync_run_goes_on_past_a_poison_task(tmp_path):
     r = await h.sync_poison_task(tmp_path, tasks=4)
     check(r)
     assert r["versions"] >= 4 and r["sync_replaced"] >= 1 and r["poison_parked"] == h.GROUP
+
+
+async def test_random_kill_storm(tmp_path):
+    r = await h.random_kill_storm(tmp_path, duration_s=90, every_s=(5.0, 10.0))
+    check(r)
+    assert r["kills"] >= 5 and r["gaps"] == 0 and r["forks"] == 0
