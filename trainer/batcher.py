@@ -123,6 +123,12 @@ class Batcher:
 
     async def start(self) -> None:
         self.sub = await self.bus.pull(topo.SCORED, topo.TRAINER_CONSUMER)
+        try:      # the server's ack_wait is the truth (the consumer may be provisioned by another config)
+            server_ack_wait = (await self.sub.consumer_info()).config.ack_wait
+            if server_ack_wait:
+                self.heartbeat_s = min(self.heartbeat_s, float(server_ack_wait) / 3)
+        except Exception as e:
+            log.debug("consumer_info failed; heartbeat from the local config", error=str(e))
         self._keepalive = asyncio.create_task(self._keep_alive())
 
     def held(self) -> list[Sample]:
