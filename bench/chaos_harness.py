@@ -911,14 +911,15 @@ async def random_kill_storm(run_dir: Path, tasks: int = 0, seed: int = 11, durat
     standby trainer; a trainer only while the other one is up and ready, so never both at once)
     and start a fresh one in its place, while tasks are fed. At the end every fed task is
     trained exactly once or parked in DLQ with a reason, and the versions have no gap or fork.
-    recovery_s: the longest time from a leader's death to the next leader's first step."""
+    recovery_s: the longest lease handover after a leader's death (target TTL + 5 s);
+    first_version_after_death_s: each leader death -> the next step logged by any trainer."""
     tasks = tasks or int(duration_s * RATE / 2)
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
             await pipeline(fleet, workers=3, scorers=2, trainers=("A", "B"))
             ids, feeding = fleet.feed(tasks, over_s=duration_s)
-            rng, n, kills, deaths = random.Random(seed), 0, Counter(), []
+            rng, n, kills, deaths, failovers = random.Random(seed), 0, Counter(), [], []
             start = {"rollout_worker": fleet.worker, "scorer": fleet.scorer, "trainer": fleet.trainer}
             t0 = time.monotonic()
             while time.monotonic() - t0 < duration_s:
@@ -931,12 +932,16 @@ async def random_kill_storm(run_dir: Path, tasks: int = 0, seed: int = 11, durat
                 victim = rng.choice(fleet.alive(kind))
                 was_leader = kind == "trainer" and await holder(fleet) == victim
                 fleet.signal(victim, signal.SIGKILL)
-                if was_leader:
-                    deaths.append((time.time(), victim))
+                t_death = time.time()
                 n += 1
                 kills["leader" if was_leader else kind] += 1
                 start[kind](f"{victim.rstrip('0123456789_')}_{n}" if kind == "trainer" else f"{victim[0]}{n + 10}")
-            books = await fleet.wait_trained(ids, 900, with_checkpoint=True, feeding=feeding)
+                if was_leader:
+                    deaths.append(t_death)
+                    failovers.append(round((await wait_leader(fleet, victim, LEASE_TTL_S + 60))[1], 2))
+            await feeding
+            ids += await fleet.publish_tasks(BATCH_GROUPS)     # work after the last death: a step to time
+            books = await fleet.wait_trained(ids, 900, with_checkpoint=True)
             parked = await dlq_task_ids(fleet.bus)
             unaccounted = books.lost
             if books.lost:           # a task parked in DLQ with a reason is accounted for, not lost
@@ -946,17 +951,20 @@ async def random_kill_storm(run_dir: Path, tasks: int = 0, seed: int = 11, durat
             line = version_line(await weights_history(fleet.bus))
             steps = sorted((d["ts"], d.get("epoch", 0)) for d in fleet.step_lines() if "ts" in d)
             gaps = []
-            for t_death, _ in deaths:                  # death -> the first step logged after it
+            for t_death in deaths:                     # death -> the first step logged after it
                 after = [ts for ts, _ in steps if ts > t_death]
                 if after:
                     gaps.append(after[0] - t_death)
-            return row("random_kill_storm", books, max(gaps, default=0.0),
-                       not line["gaps"] and not line["forks"] and len(gaps) == len(deaths),
+            return row("random_kill_storm", books, max(failovers, default=0.0),
+                       not line["gaps"] and not line["forks"] and len(gaps) == len(deaths)
+                       and all(f <= LEASE_TTL_S + 5 for f in failovers),
+                       lease_failover_s=failovers, target_s=LEASE_TTL_S + 5,
                        duration_s=duration_s, kills=n, kills_by_kind=dict(kills), parked_in_dlq=len(parked),
                        versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"]),
                        first_version_after_death_s=[round(g, 2) for g in gaps])
         finally:
             await fleet.close()
+
 
 SCENARIOS = {
     "worker_sigkill": kill_workers,
