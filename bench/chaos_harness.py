@@ -452,12 +452,16 @@ async def first_version_by(fleet: Fleet, trainer_id: str, t_death: float, timeou
     """(seconds from t_death (wall clock) until `trainer_id` has published a delta, its version):
     the failover as workers see it, lease handover + resume + keyframe + a first step."""
     from bus.events import Delta
+    padded = time.time()
     while True:
         mine = [e for e in await weights_history(fleet.bus) if isinstance(e, Delta) and e.trainer_id == trainer_id]
         if mine:
             return time.time() - t_death, min(e.to_version for e in mine)
         if time.time() - t_death > timeout_s:
             raise ChaosError(f"{trainer_id} published no version {timeout_s}s after the leader's death")
+        if time.time() - padded > 15:      # a short run may have no work left: give it some (not in the books)
+            await fleet.publish_tasks(BATCH_GROUPS)
+            padded = time.time()
         await asyncio.sleep(0.1)
 
 
