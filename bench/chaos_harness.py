@@ -450,13 +450,22 @@ async def wait_leader(fleet: Fleet, not_: str | None, timeout_s: float) -> tuple
 
 async def first_version_by(fleet: Fleet, trainer_id: str, t_death: float, timeout_s: float) -> tuple[float, int]:
     """(seconds from t_death (wall clock) until `trainer_id` has published a delta, its version):
-    the failover as workers see it, lease handover + resume + keyframe + a first step."""
-    from bus.events import Delta
-    padded = time.time()
+    the failover as workers see it, lease handover + resume + keyframe + a first step. Timed by
+    the server's store time of that delta (same host clock), not by when we polled."""
+    from nats.js.errors import NotFoundError
+    from bus.events import Delta, decode
+    padded, seq = time.time(), 0
     while True:
-        mine = [e for e in await weights_history(fleet.bus) if isinstance(e, Delta) and e.trainer_id == trainer_id]
-        if mine:
-            return time.time() - t_death, min(e.to_version for e in mine)
+        try:
+            raw = await fleet.bus.js.get_msg(topo.WEIGHTS, seq=seq + 1, subject=topo.DELTA_SUBJECT, next=True)
+        except NotFoundError:
+            raw = None
+        if raw is not None:
+            seq = raw.seq
+            e = decode(raw.data)
+            if isinstance(e, Delta) and e.trainer_id == trainer_id and raw.time.timestamp() >= t_death:
+                return raw.time.timestamp() - t_death, e.to_version
+            continue
         if time.time() - t_death > timeout_s:
             raise ChaosError(f"{trainer_id} published no version {timeout_s}s after the leader's death")
         if time.time() - padded > 15:      # a short run may have no work left: give it some (not in the books)
