@@ -8,8 +8,10 @@ are SIGKILL, SIGSTOP/SIGCONT, a nats-server kill + restart on the same store, an
 3-node R3 cluster killed. Per scenario:
 
 tasks               tasks fed during the run (each a group of 2 completions)
-lost                tasks not fully trained on (must be 0)
+lost                tasks not fully consumed by the trainer (must be 0)
 duplicates_trained  rollout ids in more than one trainer step (must be 0)
+trained / dropped   rollout ids trained with weight > 0 / consumed with weight 0 (stale, group of one)
+first_version_after_death_s   leader scenarios: death -> first delta published by the new leader
 recovery_s          worker/scorer/pause: fault -> every task delivered before it is finished
                     (target ack_wait + 10 s); leader: kill/pause -> a new holder of the lease
                     (target lease TTL + 5 s); nats/cluster: fault -> next policy version

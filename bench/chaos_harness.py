@@ -9,10 +9,12 @@ faults injected with signals, and the books kept from what the processes themsel
     books = await fleet.wait_trained(tasks, timeout_s=300)   # Books(lost, duplicates_trained)
 
 Counting (independent of the components' own dedupe):
-    trained  = rollout ids in every <run_dir>/trainer-*/metrics/trainer.jsonl line, plus the
+    consumed = rollout ids in every <run_dir>/trainer-*/metrics/trainer.jsonl line, plus the
                newest checkpoint's consumed ids (a leader killed between checkpoint and JSONL
-               line has trained the batch without logging it)
-    lost     = tasks with fewer than group_size rollout ids trained
+               line has used the batch without logging it)
+    trained  = the consumed ids that entered a gradient step with weight > 0 (the line's
+               trained_ids); dropped = consumed and not trained (stale, a group of one)
+    lost     = tasks with fewer than group_size rollout ids consumed
     duplicates_trained = rollout ids that appear in more than one logged step
 Every scenario function returns one report row {name, tasks, lost, duplicates_trained,
 recovery_s, passed, ...} and is bounded in time (`deadline`). bench.chaos runs them all;
@@ -55,7 +57,9 @@ class Books:
     tasks: int
     lost: int
     duplicates_trained: int
-    trained: int
+    trained: int                 # distinct rollout ids trained with weight > 0
+    consumed: int = 0            # distinct rollout ids used up (trained or dropped)
+    dropped: int = 0             # consumed, weight 0 (never moved the weights)
 
     def ok(self) -> bool:
         return self.lost == 0 and self.duplicates_trained == 0
@@ -186,13 +190,22 @@ class Fleet:
         ids: list[str] = []
         return ids, asyncio.create_task(self.trickle(n, over_s, ids))
 
-    def trained_counts(self) -> Counter:
-        counts: Counter = Counter()
+    def step_lines(self) -> list[dict]:
+        out = []
         for p in self.run_dir.glob("trainer-*/metrics/trainer.jsonl"):
-            for line in p.read_text().splitlines():
-                if line.strip():
-                    counts.update(json.loads(line)["rollout_ids"])
+            out += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        return [d for d in out if "rollout_ids" in d]          # eval lines carry no batch
+
+    def trained_counts(self) -> Counter:
+        """Rollout id -> steps that consumed it."""
+        counts: Counter = Counter()
+        for d in self.step_lines():
+            counts.update(d["rollout_ids"])
         return counts
+
+    def weighted_ids(self) -> set[str]:
+        """Ids trained with weight > 0 (lines written before trained_ids existed: all of them)."""
+        return {rid for d in self.step_lines() for rid in d.get("trained_ids", d["rollout_ids"])}
 
     def consumed(self) -> set[str]:
         from trainer import checkpoint
@@ -201,11 +214,13 @@ class Fleet:
 
     def books(self, task_ids: list[str], with_checkpoint: bool = False) -> Books:
         counts = self.trained_counts()
-        trained = set(counts) | (self.consumed() if with_checkpoint else set())
-        per_task = Counter(rid.rsplit("-", 1)[0] for rid in trained)
+        consumed = set(counts) | (self.consumed() if with_checkpoint else set())
+        per_task = Counter(rid.rsplit("-", 1)[0] for rid in consumed)
         lost = sum(1 for t in task_ids if per_task[t] < GROUP)
+        mine = {f"{t}-{i}" for t in task_ids for i in range(GROUP)}     # padding tasks are not in the books
+        trained = self.weighted_ids() & mine
         return Books(tasks=len(task_ids), lost=lost, duplicates_trained=sum(c - 1 for c in counts.values() if c > 1),
-                     trained=len(trained))
+                     trained=len(trained), consumed=len(consumed & mine), dropped=len((consumed & mine) - trained))
 
     async def wait_trained(self, task_ids: list[str], timeout_s: float, with_checkpoint: bool = False,
                            watch: tuple = (), feeding: asyncio.Task | None = None) -> Books:
@@ -276,6 +291,7 @@ class Fleet:
 
 def row(name: str, books: Books, recovery_s: float, passed: bool, **extra) -> dict:
     return {"name": name, "tasks": books.tasks, "lost": books.lost, "duplicates_trained": books.duplicates_trained,
+            "trained": books.trained, "consumed": books.consumed, "dropped": books.dropped,
             "recovery_s": round(recovery_s, 2), "passed": bool(passed and books.ok()), **extra}
 
 
@@ -432,6 +448,43 @@ async def wait_leader(fleet: Fleet, not_: str | None, timeout_s: float) -> tuple
         await asyncio.sleep(0.1)
 
 
+async def first_version_by(fleet: Fleet, trainer_id: str, t_death: float, timeout_s: float) -> tuple[float, int]:
+    """(seconds from t_death (wall clock) until `trainer_id` has published a delta, its version):
+    the failover as workers see it, lease handover + resume + keyframe + a first step. Timed by
+    the server's store time of that delta (same host clock), not by when we polled."""
+    from nats.js.errors import NotFoundError
+    from bus.events import Delta, decode
+    padded, seq = time.time(), 0
+    while True:
+        try:
+            raw = await fleet.bus.js.get_msg(topo.WEIGHTS, seq=seq + 1, subject=topo.DELTA_SUBJECT, next=True)
+        except NotFoundError:
+            raw = None
+        if raw is not None:
+            seq = raw.seq
+            e = decode(raw.data)
+            if isinstance(e, Delta) and e.trainer_id == trainer_id and raw.time.timestamp() >= t_death:
+                return raw.time.timestamp() - t_death, e.to_version
+            continue
+        if time.time() - t_death > timeout_s:
+            raise ChaosError(f"{trainer_id} published no version {timeout_s}s after the leader's death")
+        if time.time() - padded > 15:      # a short run may have no work left: give it some (not in the books)
+            await fleet.publish_tasks(BATCH_GROUPS)
+            padded = time.time()
+        await asyncio.sleep(0.1)
+
+
+def first_trained_on(fleet: Fleet, trainer_id: str, version: int, t_death: float) -> float | None:
+    """Seconds from t_death until `trainer_id` logged a step with a rollout generated on `version`
+    or later (None: none by the end of the run)."""
+    p = fleet.run_dir / f"trainer-{trainer_id}" / "metrics" / "trainer.jsonl"
+    if not p.exists():
+        return None
+    ts = [d["ts"] for d in map(json.loads, filter(str.strip, p.read_text().splitlines()))
+          if d.get("newest_token_version", -1) >= version and "ts" in d]
+    return round(min(ts) - t_death, 2) if ts else None
+
+
 async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> list[dict]:
     """Two trainers share a checkpoint dir. SIGKILL the leader: the standby leads within
     TTL + 5 s. Then SIGSTOP the new leader beyond the TTL, let the restarted standby take
@@ -444,14 +497,18 @@ async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> lis
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
             await fleet.wait_version(3, 300, watch=fleet.alive())
             fleet.signal(lead, signal.SIGKILL)
+            t_death = time.time()
             spare, failover = await wait_leader(fleet, lead, LEASE_TTL_S + 60)
+            first_v_s, first_v = await first_version_by(fleet, spare, t_death, 300)
             v_kill = await fleet.version()
             await fleet.wait_version(v_kill + 2, 300, watch=[spare])
             fleet.trainer(lead + "2")                 # the killed machine comes back as a standby
             if not await _wait_log(fleet.procs[lead + "2"].log_path, "waiting for the leader lease", 120):
                 raise ChaosError(f"restarted trainer {lead}2 never went on standby")
             fleet.signal(spare, signal.SIGSTOP)       # e.g. a long GC pause or a partition
+            t_pause = time.time()
             third, pause_failover = await wait_leader(fleet, spare, LEASE_TTL_S + 60)
+            pause_v_s, pause_v = await first_version_by(fleet, third, t_pause, 300)
             v_new = await fleet.version()
             await fleet.wait_version(v_new + 1, 300, watch=[third])
             fleet.signal(spare, signal.SIGCONT)
@@ -463,11 +520,15 @@ async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> lis
             clean = not line["gaps"] and not line["forks"]
             target = LEASE_TTL_S + 5
             return [row("trainer_leader_sigkill", books, failover, clean and failover <= target, target_s=target,
-                        versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"])),
+                        versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"]),
+                        first_version_after_death_s=round(first_v_s, 2),
+                        first_trained_after_death_s=first_trained_on(fleet, spare, first_v, t_death)),
                     row("trainer_leader_sigstop", books, pause_failover,
                         clean and stepped_down and pause_failover <= target
                         and (line["late_old_epoch"] == 0 or refused >= line["late_old_epoch"]),
                         target_s=target, late_old_epoch_deltas=line["late_old_epoch"], refused_by_workers=refused,
+                        first_version_after_death_s=round(pause_v_s, 2),
+                        first_trained_after_death_s=first_trained_on(fleet, third, pause_v, t_pause),
                         old_leader_stepped_down=stepped_down, epochs=len(line["epochs"]))]
         finally:
             await fleet.close()
@@ -701,15 +762,23 @@ async def backlog(run_dir: Path, tasks: int = 10_000, seed: int = 8, watch_s: fl
             fleet.signal("w0", signal.SIGTERM)            # drain: held tasks finished or released
             fleet.procs["w0"].popen.wait(60)
             left = (await fleet.bus.js.stream_info(topo.TASKS)).state.messages
-            done = {r.rsplit("-", 1)[0] for r in await _rollout_ids(fleet.bus)}
+            rids = await _rollout_ids(fleet.bus)
+            done = {r.rsplit("-", 1)[0] for r in rids}
             lost = tasks - left - len(done)
             cap = 8 + 4                                   # the worker's slots + queue (Fleet.worker)
             half = len(rss) // 2
             growth = max(rss[half:]) - max(rss[:half])      # second half vs first half of the watch
-            books = Books(tasks=tasks, lost=max(lost, 0), duplicates_trained=0, trained=len(done))
-            return row("backlog_10k", books, ready_s, queued == tasks and max(held) <= cap and growth < 50 and lost == 0,
-                       queued=queued, held_max=max(held), held_cap=cap, rss_mb_max=round(max(rss), 1),
-                       rss_growth_mb=round(growth, 1), finished=len(done), left_queued=left)
+            ok = queued == tasks and max(held) <= cap and growth < 50 and lost == 0
+            # no trainer runs here: this scenario measures the worker's memory and prefetch bound.
+            # Its books come from the streams (tasks neither still queued nor finished), and
+            # nothing is claimed about training (trained / duplicates_trained: None)
+            return {"name": "backlog_10k", "tasks": tasks, "lost": lost, "duplicates_trained": None,
+                    "trained": None, "measures": "worker memory and prefetch bound under a 10k-task backlog "
+                                                 "(no trainer; lost = tasks neither queued nor finished)",
+                    "recovery_s": round(ready_s, 2), "passed": bool(ok), "queued": queued,
+                    "held_max": max(held), "held_cap": cap, "rss_mb_max": round(max(rss), 1),
+                    "rss_growth_mb": round(growth, 1), "finished": len(done), "left_queued": left,
+                    "rollouts_stored_twice": len(rids) - len(set(rids))}
         finally:
             await fleet.close()
 
@@ -727,6 +796,189 @@ async def _rollout_ids(bus) -> list[str]:
     return out
 
 
+
+# ------------------------------------------------- issue 14: slow steps, sync poison, kill storm
+async def slow_step_kill(run_dir: Path, tasks: int = 40, seed: int = 9, delay_factor: float = 4.0) -> dict:
+    """The leader's step + publication is made slower than ack_wait (debug_step_delay_s); it is
+    SIGKILLed 2 x ack_wait after it took a batch (past the point where the server would have
+    redelivered that batch, before the step's checkpoint). The standby takes over and trains
+    every rollout, each exactly once: nothing of the in-flight batch was acked early."""
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            fleet.trainer("A", debug_step_delay_s=delay_factor * fleet.ack_wait_s)
+            await wait_ready(fleet, ["A"])
+            await pipeline(fleet, workers=2, trainers=("B",))       # B waits on standby
+            ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+            batch = BATCH_GROUPS * GROUP
+            await fleet.wait_held(topo.SCORED, topo.TRAINER_CONSUMER, at_least=batch, timeout_s=300)
+            await asyncio.sleep(2 * fleet.ack_wait_s)
+            info = await fleet.consumer(topo.SCORED, topo.TRAINER_CONSUMER)
+            v_before = await fleet.version()
+            fleet.signal("A", signal.SIGKILL)
+            t_death = time.time()
+            _, failover = await wait_leader(fleet, "A", LEASE_TTL_S + 60)
+            first_v_s, first_v = await first_version_by(fleet, "B", t_death, 300)
+            books = await fleet.wait_trained(ids, 600, with_checkpoint=True, feeding=feeding, watch=["B"])
+            line = version_line(await weights_history(fleet.bus))
+            a_log = run_dir / "trainer-A" / "metrics" / "trainer.jsonl"
+            a_steps = sum(1 for ln in a_log.read_text().splitlines() if '"rollout_ids"' in ln) if a_log.exists() else 0
+            return row("slow_step_kill", books, first_v_s,
+                       v_before == 0 and a_steps == 0 and info.num_ack_pending >= batch
+                       and not line["gaps"] and not line["forks"],
+                       step_delay_s=delay_factor * fleet.ack_wait_s, held_at_kill=info.num_ack_pending,
+                       version_at_kill=v_before, leader_logged_steps=a_steps, lease_failover_s=round(failover, 2),
+                       first_version_after_death_s=round(first_v_s, 2),
+                       first_trained_after_death_s=first_trained_on(fleet, "B", first_v, t_death))
+        finally:
+            await fleet.close()
+
+
+async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeout_s: float = 15.0) -> dict:
+    """A --sync trainer publishes exactly batch_groups tasks per version. One task of version 0's
+    batch is swapped for a poison copy (its verifier raises on every delivery: each rollout lands
+    in DLQ); the trainer publishes a replacement after sync_task_timeout_s and the run goes on to
+    `tasks` versions. Books: every task the trainer fed, bar the poison, trained exactly once."""
+    from bus.events import Task, decode
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            fed: list[str] = []
+
+            async def record(m):
+                try:
+                    fed.append(decode(m.data, Task).task_id)
+                except Exception:
+                    pass
+            rec = await fleet.bus.nc.subscribe("rl.tasks.>", cb=record)
+            steps = max(tasks, 2)
+            fleet.trainer("A", mode="sync", feed=True, sync_task_timeout_s=timeout_s, max_steps=steps,
+                          task_sampling={"max_tokens": MAX_TOKENS, "temperature": 1.0})
+            fleet.scorer("s0")
+            await wait_ready(fleet, ["A", "s0"])
+            t0 = time.monotonic()
+            while (await fleet.bus.js.stream_info(topo.TASKS)).state.messages < BATCH_GROUPS:
+                fleet.check_alive(["A"])
+                if time.monotonic() - t0 > 120:
+                    raise ChaosError("the sync trainer published no batch of tasks")
+                await asyncio.sleep(0.2)
+            info = await fleet.bus.js.stream_info(topo.TASKS)
+            raw = await fleet.bus.js.get_msg(topo.TASKS, seq=info.state.first_seq)
+            victim = decode(raw.data, Task)
+            await fleet.bus.js.delete_msg(topo.TASKS, raw.seq)
+            poison = Task(task_id=victim.task_id, env=victim.env, prompt=victim.prompt, spec={"answer": "9" * 5000},
+                          sampling=victim.sampling, min_version=victim.min_version)
+            await fleet.bus.publish(raw.subject, poison, msg_id=f"poison-{victim.task_id}")
+            t_poison = time.monotonic()
+            for i in range(2):
+                fleet.worker(f"w{i}")
+            await wait_ready(fleet, ["w0", "w1"])
+            await fleet.wait_version(steps, 600, watch=["s0", "w0", "w1"])
+            rec_s = time.monotonic() - t_poison
+            fleet.procs["A"].popen.wait(120)                      # max_steps: it finishes by itself
+            await rec.unsubscribe()
+            good = sorted(set(fed) - {victim.task_id})
+            books = fleet.books(good, with_checkpoint=True)
+            t1 = time.monotonic()
+            while (parked := sum(1 for _, r in await dlq_entries(fleet.bus) if "handler failed" in r)) < GROUP \
+                    and time.monotonic() - t1 < 60:
+                await asyncio.sleep(0.5)
+            replaced = max((d.get("sync_replaced", 0) for d in fleet.step_lines()), default=0)
+            return row("sync_poison_task", books, rec_s,
+                       fleet.procs["A"].popen.returncode == 0 and replaced >= 1 and parked == GROUP,
+                       versions=await fleet.version(), sync_replaced=replaced, poison_parked=parked,
+                       sync_task_timeout_s=timeout_s)
+        finally:
+            await fleet.close()
+
+
+async def dlq_task_ids(bus) -> dict[str, str]:
+    """task id -> Rl-Reason of every task, rollout or scored rollout parked in DLQ."""
+    from nats.js.errors import NotFoundError
+    from bus.events import EventError, Rollout, Scored, Task, decode
+    out, seq = {}, 0
+    while True:
+        try:
+            raw = await bus.js.get_msg(topo.DLQ, seq=seq + 1, subject="rl.dlq.>", next=True)
+        except NotFoundError:
+            return out
+        seq = raw.seq
+        try:
+            ev = decode(raw.data)
+        except EventError:
+            continue                                   # a malformed body has no task to account for
+        tid = (ev.task_id if isinstance(ev, (Task, Rollout)) else
+               ev.rollout.get("task_id") if isinstance(ev, Scored) else None)
+        if tid:
+            out[tid] = (raw.headers or {}).get("Rl-Reason", "")
+
+
+def _ready(fleet: Fleet, name: str) -> bool:
+    p = fleet.procs[name]
+    return p.popen.poll() is None and any(w in p.log_path.read_text(errors="replace") for w in READY[p.component])
+
+
+async def random_kill_storm(run_dir: Path, tasks: int = 0, seed: int = 11, duration_s: float = 180.0,
+                            every_s: tuple[float, float] = (5.0, 15.0)) -> dict:
+    """For `duration_s`, every 5-15 s SIGKILL one random process (worker, scorer, leader or
+    standby trainer; a trainer only while the other one is up and ready, so never both at once)
+    and start a fresh one in its place, while tasks are fed. At the end every fed task is
+    trained exactly once or parked in DLQ with a reason, and the versions have no gap or fork.
+    recovery_s: the longest lease handover after a leader's death (target TTL + 5 s);
+    first_version_after_death_s: each leader death -> the next step logged by any trainer."""
+    tasks = tasks or int(duration_s * RATE / 2)
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            await pipeline(fleet, workers=3, scorers=2, trainers=("A", "B"))
+            ids, feeding = fleet.feed(tasks, over_s=duration_s)
+            rng, n, kills, deaths, failovers = random.Random(seed), 0, Counter(), [], []
+            start = {"rollout_worker": fleet.worker, "scorer": fleet.scorer, "trainer": fleet.trainer}
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < duration_s:
+                await asyncio.sleep(rng.uniform(*every_s))
+                kinds = ["rollout_worker", "scorer"]
+                trainers = fleet.alive("trainer")
+                if len(trainers) >= 2 and all(_ready(fleet, t) for t in trainers):
+                    kinds.append("trainer")
+                kind = rng.choice(kinds)
+                victim = rng.choice(fleet.alive(kind))
+                was_leader = kind == "trainer" and await holder(fleet) == victim
+                fleet.signal(victim, signal.SIGKILL)
+                t_death = time.time()
+                n += 1
+                kills["leader" if was_leader else kind] += 1
+                start[kind](f"{victim.rstrip('0123456789_')}_{n}" if kind == "trainer" else f"{victim[0]}{n + 10}")
+                if was_leader:
+                    deaths.append(t_death)
+                    failovers.append(round((await wait_leader(fleet, victim, LEASE_TTL_S + 60))[1], 2))
+            await feeding
+            ids += await fleet.publish_tasks(BATCH_GROUPS)     # work after the last death: a step to time
+            books = await fleet.wait_trained(ids, 900, with_checkpoint=True)
+            parked = await dlq_task_ids(fleet.bus)
+            unaccounted = books.lost
+            if books.lost:           # a task parked in DLQ with a reason is accounted for, not lost
+                per_task = Counter(r.rsplit("-", 1)[0] for r in set(fleet.trained_counts()) | fleet.consumed())
+                unaccounted = sum(1 for t in ids if per_task[t] < GROUP and not parked.get(t))
+            books.lost = unaccounted
+            line = version_line(await weights_history(fleet.bus))
+            steps = sorted((d["ts"], d.get("epoch", 0)) for d in fleet.step_lines() if "ts" in d)
+            gaps = []
+            for t_death in deaths:                     # death -> the first step logged after it
+                after = [ts for ts, _ in steps if ts > t_death]
+                if after:
+                    gaps.append(after[0] - t_death)
+            return row("random_kill_storm", books, max(failovers, default=0.0),
+                       not line["gaps"] and not line["forks"] and len(gaps) == len(deaths)
+                       and all(f <= LEASE_TTL_S + 5 for f in failovers),
+                       lease_failover_s=failovers, target_s=LEASE_TTL_S + 5,
+                       duration_s=duration_s, kills=n, kills_by_kind=dict(kills), parked_in_dlq=len(parked),
+                       versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"]),
+                       first_version_after_death_s=[round(g, 2) for g in gaps])
+        finally:
+            await fleet.close()
+
+
 SCENARIOS = {
     "worker_sigkill": kill_workers,
     "scorer_sigkill": kill_scorer,
@@ -736,4 +988,7 @@ SCENARIOS = {
     "worker_sigstop": pause_worker,
     "bad_input_dlq": bad_input,
     "backlog_10k": backlog,
+    "slow_step_kill": slow_step_kill,
+    "sync_poison_task": sync_poison_task,
+    "random_kill_storm": random_kill_storm,
 }

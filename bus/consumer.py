@@ -15,6 +15,8 @@ A process that dies holding a message's last allowed delivery gives no verdict, 
 server stops redelivering it. With `sweep_max_deliveries=True` the loop listens for the
 server's MAX_DELIVERIES advisory and parks such messages in DLQ (needs the rights to read
 advisories and to get/delete stream messages: give it to one trusted process per stream).
+`sweep_stranded` finds the ones given up on while nobody listened (the trainer leader runs
+both on SCORED by default).
 """
 from __future__ import annotations
 
@@ -259,7 +261,7 @@ class ConsumerLoop:
 
 
 async def park_max_delivered(bus, stream: str, seq: int, deliveries: int | None = None,
-                             consumer: str = "") -> bool:
+                             consumer: str = "", reason: str = "") -> bool:
     """Move message `seq` of `stream` to DLQ and delete it from the stream. For messages whose
     last delivery got no verdict (the process died or hung without heartbeats): the server
     stops redelivering them, so without this they would sit in the work queue forever."""
@@ -269,8 +271,8 @@ async def park_max_delivered(bus, stream: str, seq: int, deliveries: int | None 
     except jse.NotFoundError:
         return False  # already acked / parked by someone else
     h = {k: v for k, v in (raw.headers or {}).items() if not k.startswith("Nats-")}
-    h.update({"Rl-Reason": f"max_deliver reached without a verdict after {deliveries} deliveries "
-                           f"(consumer died or hung without heartbeats)",
+    h.update({"Rl-Reason": reason or f"max_deliver reached without a verdict after {deliveries} deliveries "
+                                     f"(consumer died or hung without heartbeats)",
               "Rl-Stream": stream, "Rl-Seq": str(seq), "Rl-Deliveries": str(deliveries or ""),
               "Rl-Subject": raw.subject or "", "Rl-Consumer": consumer})
     await bus.publish(topo.dlq_subject(stream), raw.data or b"", msg_id=f"dlq-{stream}-{seq}", headers=h)
@@ -297,3 +299,38 @@ async def watch_max_deliveries(bus, stream: str, durable: str, on_parked=None):
             log.error("max-deliveries sweep failed", error=repr(e), data=m.data[:200])
     return await bus.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}",
                                   cb=on_advisory)
+
+
+async def sweep_stranded(bus, stream: str, durable: str, on_parked=None) -> int:
+    """Park in DLQ every message of work-queue `stream` that `durable` will never deliver again
+    (its max_deliver used up without a verdict: e.g. naks on repeated step-downs, or consumers
+    that died holding it while no MAX_DELIVERIES advisory listener was up). Returns how many.
+
+    It decides only while the consumer holds nothing (num_ack_pending == 0: messages waiting for
+    a redelivery, nak-delayed or timed out, still count as pending). Then every message still in
+    the stream at or below the consumer's delivered sequence was given up on by the server, since
+    acked and termed messages leave a work queue. So call it where nobody else is consuming:
+    a newly elected single consumer (the trainer leader) before its first fetch."""
+    from bus import topology as topo
+    info = await bus.js.consumer_info(stream, durable)
+    if info.num_ack_pending:
+        return 0
+    upto, seq, parked = info.delivered.stream_seq, 0, 0
+    subject = topo.WORK_STREAMS.get(stream, ">")
+    while seq < upto:
+        try:
+            raw = await bus.js.get_msg(stream, seq=seq + 1, subject=subject, next=True)
+        except jse.NotFoundError:
+            break
+        seq = raw.seq
+        if seq > upto:
+            break
+        if await park_max_delivered(bus, stream, seq, info.config.max_deliver, durable,
+                                    reason=f"stranded: consumer {durable} used up max_deliver="
+                                           f"{info.config.max_deliver} deliveries without a verdict "
+                                           f"(step-downs, or consumers that died holding it)"):
+            parked += 1
+            log.warning("parked stranded message in DLQ", stream=stream, seq=seq)
+            if on_parked:
+                on_parked()
+    return parked

@@ -32,6 +32,21 @@ def test_books_count_lost_tasks_and_rollouts_trained_twice(tmp_path):
     assert fleet.books(tasks).duplicates_trained == 2
 
 
+def test_books_keep_consumed_and_trained_apart(tmp_path):
+    """A weight-0 sample (stale, a group of one) is consumed, not trained: it must not count as
+    trained, and it is not lost either (the trainer used it up on purpose)."""
+    fleet = h.Fleet(tmp_path, ["nats://127.0.0.1:1"])
+    p = tmp_path / "trainer-A" / "metrics" / "trainer.jsonl"
+    p.parent.mkdir(parents=True)
+    p.write_text(json.dumps({"version": 1, "rollout_ids": ["t1-0", "t1-1", "t2-0", "t2-1"],
+                             "trained_ids": ["t1-0", "t1-1"], "dropped_ids": ["t2-0", "t2-1"]}) + "\n"
+                 + json.dumps({"version": 1, "eval_success": 0.5}) + "\n")        # an eval line: no batch
+    b = fleet.books(["t1", "t2"])
+    assert (b.lost, b.duplicates_trained, b.consumed, b.trained, b.dropped) == (0, 0, 4, 2, 2)
+    r = h.row("x", b, 1.0, True)
+    assert (r["trained"], r["dropped"], r["consumed"]) == (2, 2, 4) and r["passed"]
+
+
 def kf(v, epoch, digest):
     return Keyframe(version=v, epoch=epoch, digest=digest, trainer_id="t", codec="k", size=0, model_config={})
 
@@ -57,4 +72,22 @@ async def test_bad_events_and_poison_task_park_in_dlq_while_training_goes_on(tmp
     r = await h.bad_input(tmp_path, tasks=16)
     assert r["lost"] == 0 and r["duplicates_trained"] == 0, r
     assert r["dlq"] == r["bad_events"] + h.GROUP and r["poison_parked"] == h.GROUP, r
+    assert r["passed"], r
+
+
+@pytest.mark.timeout(300)
+async def test_sync_poison_task_short(tmp_path):
+    """Short default-suite run of the sync_poison_task scenario (issue 14, item 4)."""
+    r = await h.sync_poison_task(tmp_path, tasks=2, timeout_s=5.0)
+    assert r["lost"] == 0 and r["duplicates_trained"] == 0, r
+    assert r["versions"] >= 2 and r["sync_replaced"] >= 1 and r["poison_parked"] == h.GROUP, r
+    assert r["passed"], r
+
+
+@pytest.mark.timeout(300)
+async def test_slow_step_kill_short(tmp_path):
+    """Short default-suite run of the slow_step_kill scenario (issue 14, item 1)."""
+    r = await h.slow_step_kill(tmp_path, tasks=16)
+    assert r["lost"] == 0 and r["duplicates_trained"] == 0, r
+    assert r["version_at_kill"] == 0 and r["leader_logged_steps"] == 0, r
     assert r["passed"], r

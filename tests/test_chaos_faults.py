@@ -56,5 +56,27 @@ async def test_worker_sigstop_beyond_ack_wait(tmp_path):
 
 async def test_backlog_10k_worker_memory_bounded(tmp_path):
     r = await h.backlog(tmp_path, tasks=10_000)
-    check(r)
+    assert r["passed"] and r["lost"] == 0 and r["rollouts_stored_twice"] == 0, r
+    assert r["duplicates_trained"] is None and r["trained"] is None       # no trainer: no claim
     assert r["queued"] == 10_000 and r["held_max"] <= r["held_cap"] and r["rss_growth_mb"] < 50
+
+
+# issue 14 (short versions in the default suite: tests/test_trainer_slow_step.py,
+# tests/test_trainer_sync_dlq.py)
+async def test_slow_step_leader_killed_before_checkpoint(tmp_path):
+    r = await h.slow_step_kill(tmp_path, tasks=40)
+    check(r)
+    assert r["version_at_kill"] == 0 and r["leader_logged_steps"] == 0 and r["held_at_kill"] >= h.BATCH_GROUPS * h.GROUP
+    assert r["first_version_after_death_s"] is not None
+
+
+async def test_sync_run_goes_on_past_a_poison_task(tmp_path):
+    r = await h.sync_poison_task(tmp_path, tasks=4)
+    check(r)
+    assert r["versions"] >= 4 and r["sync_replaced"] >= 1 and r["poison_parked"] == h.GROUP
+
+
+async def test_random_kill_storm(tmp_path):
+    r = await h.random_kill_storm(tmp_path, duration_s=90, every_s=(5.0, 10.0))
+    check(r)
+    assert r["kills"] >= 5 and r["gaps"] == 0 and r["forks"] == 0

@@ -3,9 +3,16 @@
 Nothing is acked here on arrival except true duplicates (another stream message with an id that
 is already consumed or already pending). A batch's messages are acked by the trainer loop only
 after the step's checkpoint is written and its delta published (`Batcher.ack`).
+
+Every held message (waiting in a group, or handed out in a batch that is being trained,
+checkpointed and published) is kept alive by one background task that sends `in_progress`
+every ack_wait/3, however long the step takes. If the server redelivers a held message anyway
+(a heartbeat lost in a broker blip), the new delivery replaces the handle we hold: it is never
+acked before the checkpoint that records its rollout.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -34,10 +41,18 @@ class Batch:
     samples: list[Sample]
     n_groups: int
     version: int                   # trainer version the lags are measured against
+    # the books: ids whose sample entered a gradient step with weight > 0 (set by the trainer);
+    # the rest of rollout_ids were consumed and dropped (stale, group of one, or no live step)
+    trained_ids: list[str] = field(default_factory=list)
 
     @property
     def rollout_ids(self) -> list[str]:
         return [s.rollout.rollout_id for s in self.samples]
+
+    @property
+    def dropped_ids(self) -> list[str]:
+        trained = set(self.trained_ids)
+        return [r for r in self.rollout_ids if r not in trained]
 
 
 def stale_weights(lags: list[int], max_lag: int, mode: str, stale_weight: float) -> list[float]:
@@ -96,10 +111,11 @@ class Batcher:
         self.bus, self.cfg, self.consumed, self.vocab_size = bus, cfg, consumed, vocab_size
         self.heartbeat_s = cfg.bus.topology.ack_wait_s / 3     # held messages must not time out
         self.groups: OrderedDict[str, dict[str, Sample]] = OrderedDict()   # task_id -> rollout_id -> sample
-        self.inflight: set[str] = set()      # ids handed out in a batch that is not yet acked
+        # rollout id -> sample handed out in a batch and not yet acked (trained, being checkpointed)
+        self.inflight: dict[str, Sample] = {}
         self.sub = None
-        self.counters = {"duplicates": 0, "invalid": 0, "received": 0}
-        self._last_hb = time.monotonic()
+        self.counters = {"duplicates": 0, "invalid": 0, "received": 0, "redelivered_held": 0, "heartbeats": 0}
+        self._keepalive: asyncio.Task | None = None
 
     @property
     def pending(self) -> int:
@@ -107,6 +123,17 @@ class Batcher:
 
     async def start(self) -> None:
         self.sub = await self.bus.pull(topo.SCORED, topo.TRAINER_CONSUMER)
+        try:      # the server's ack_wait is the truth (the consumer may be provisioned by another config)
+            server_ack_wait = (await self.sub.consumer_info()).config.ack_wait
+            if server_ack_wait:
+                self.heartbeat_s = min(self.heartbeat_s, float(server_ack_wait) / 3)
+        except Exception as e:
+            log.debug("consumer_info failed; heartbeat from the local config", error=str(e))
+        self._keepalive = asyncio.create_task(self._keep_alive())
+
+    def held(self) -> list[Sample]:
+        """Every message we hold and have not acked: waiting in groups and in flight in batches."""
+        return [s for g in self.groups.values() for s in g.values()] + list(self.inflight.values())
 
     async def _take(self, msg) -> None:
         self.counters["received"] += 1
@@ -120,12 +147,17 @@ class Batcher:
             await self.bus.dlq(msg, str(e), topo.SCORED)
             return
         rid = rollout.rollout_id
-        group = self.groups.get(rollout.task_id, {})
-        if rid in group and _stream_seq(group[rid].msg) == _stream_seq(msg):
-            group[rid].msg = msg                    # redelivery of the message we hold: keep newest token
+        mine = self.groups.get(rollout.task_id, {}).get(rid) or self.inflight.get(rid)
+        if mine is not None and _stream_seq(mine.msg) == _stream_seq(msg):
+            # a redelivery of a message we hold (waiting, or in a batch not yet checkpointed): keep
+            # the newest delivery's handle and ack that one after the checkpoint, never now
+            mine.msg = msg
+            self.counters["redelivered_held"] += 1
             return
-        if rid in self.consumed or rid in group or rid in self.inflight:
-            self.counters["duplicates"] += 1        # the original is used (checkpointed) or still held
+        if mine is not None or rid in self.consumed:
+            # another stream message with the same id: the original is held or used (checkpointed,
+            # since in-flight ids are found above first), so this copy is redundant
+            self.counters["duplicates"] += 1
             await msg.ack()
             return
         self.groups.setdefault(rollout.task_id, {})[rid] = Sample(rollout, scored, msg)
@@ -141,16 +173,16 @@ class Batcher:
                 ready.append(tid)
         return ready
 
-    async def _heartbeat(self) -> None:
-        """Keep held messages from being redelivered while their group waits for siblings."""
-        if time.monotonic() - self._last_hb < self.heartbeat_s:
-            return
-        self._last_hb = time.monotonic()
-        for g in self.groups.values():
-            for s in g.values():
+    async def _keep_alive(self) -> None:
+        """Until close(): every ack_wait/3, in_progress() each held message, whatever the trainer
+        loop is doing (a step, an encode, a checkpoint or a publication may outlast ack_wait)."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            for s in self.held():
                 try:
                     await s.msg.in_progress()
-                except Exception as e:       # connection blip: redelivery is deduped anyway
+                    self.counters["heartbeats"] += 1
+                except Exception as e:       # connection blip: a redelivery only swaps the handle
                     log.debug("in_progress failed", error=str(e))
 
     async def next_batch(self, version: int, stop=None, max_wait_s: float | None = None) -> Batch | None:
@@ -168,14 +200,13 @@ class Batcher:
             want = max(cfg.batch_groups * cfg.group_size - self.pending, cfg.group_size)
             for msg in await self.sub.fetch(want, cfg.fetch_timeout_s):
                 await self._take(msg)
-            await self._heartbeat()
         samples: list[Sample] = []
         for gi, tid in enumerate(ready[: cfg.batch_groups]):
             for s in self.groups.pop(tid).values():
                 s.group = gi
                 s.lag = version - min(s.rollout.token_versions, default=version)
                 samples.append(s)
-        self.inflight.update(s.rollout.rollout_id for s in samples)
+        self.inflight.update((s.rollout.rollout_id, s) for s in samples)
         sizes = {}
         for s in samples:
             sizes[s.group] = sizes.get(s.group, 0) + 1
@@ -185,9 +216,13 @@ class Batcher:
         return Batch(samples, n_groups=min(len(ready), cfg.batch_groups), version=version)
 
     async def close(self, held_back: Batch | None = None) -> None:
-        """Stepping down: hand every held message (and an unfinished batch) back at once."""
-        held = [s for g in self.groups.values() for s in g.values()] + (held_back.samples if held_back else [])
-        for s in held:
+        """Stepping down: hand every held message (waiting, in flight, and an unfinished batch)
+        back at once."""
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
+        held = {id(s): s for s in self.held() + (held_back.samples if held_back else [])}
+        for s in held.values():
             try:
                 await s.msg.nak()
             except Exception as e:            # they come back after ack_wait anyway
@@ -203,5 +238,6 @@ class Batcher:
     async def ack(self, batch: Batch) -> None:
         """After checkpoint + publication: ack every message of the batch (used or dropped)."""
         for s in batch.samples:
-            await s.msg.ack()
-        self.inflight.difference_update(batch.rollout_ids)
+            await s.msg.ack()           # the newest delivery's handle (a redelivery swapped it in)
+        for rid in batch.rollout_ids:
+            self.inflight.pop(rid, None)

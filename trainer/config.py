@@ -61,12 +61,22 @@ class TrainerConfig:
     task_sampling: dict = field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 32})
     max_steps: int = 0                   # 0 = forever
     grace_s: float = 30.0                # SIGTERM: the process is gone within grace_s + bus.lifetime.EXIT_MARGIN_S
+    # sync: a task of the version's batch that yields no group at all (every rollout parked in DLQ,
+    # or the task expired) would stall the barrier; after this long without a full batch the
+    # missing tasks are published again (0 = group_timeout_s)
+    sync_task_timeout_s: float = 0.0
+    # stranded SCORED messages (max_deliver used up without a verdict, e.g. by repeated step-downs:
+    # the server stops redelivering them) are parked in DLQ with a reason by the leader
+    sweep_stranded: bool = True
     eval_every: int = 0                  # held-out eval of the published policy every N versions (0 = off)
     eval_prompts: int = 128
     warmstart_steps: int = 0             # supervised steps on env demonstrations before RL
     warmstart_lr: float = 1e-3
     warmstart_style: str = "default"     # demonstration style passed to the env (arith: default = direct|steps|padded, mixed = direct|steps, or one)
     warmstart_batch: int = 16
+    # TESTS ONLY (chaos harness, tests/test_trainer_slow_step.py): hold each trained batch this long
+    # between its step and its checkpoint, i.e. a step + publication slower than ack_wait. 0 = off.
+    debug_step_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.trainer_id:
@@ -82,6 +92,8 @@ class TrainerConfig:
             "is_clip": self.is_clip > 0,
             "keyframe_interval": self.keyframe_interval >= 1,
             "lease_ttl_s": self.lease_ttl_s > 0,
+            "sync_task_timeout_s": self.sync_task_timeout_s >= 0,
+            "debug_step_delay_s": self.debug_step_delay_s >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

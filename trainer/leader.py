@@ -21,11 +21,12 @@ import delta_codec
 from bus import get_logger, metrics
 from bus import topology as topo
 from bus.events import Metrics
+from bus.consumer import sweep_stranded, watch_max_deliveries
 from bus.weights import WeightPublisher
 from policy import ModelConfig, load_tokenizer
 
 from . import checkpoint
-from .batcher import Batcher, ConsumedIds
+from .batcher import Batch, Batcher, ConsumedIds
 from .config import TrainerConfig
 from .dist import broadcast_obj, sync_state
 from .evaluate import evaluate
@@ -44,6 +45,33 @@ def staleness_histogram(lags: list[int]) -> dict[str, int]:
     return {str(int(v)): int(c) for v, c in zip(vals, counts)}
 
 
+async def _after(delay_s: float, coro) -> None:
+    try:
+        await asyncio.sleep(delay_s)
+    except BaseException:
+        coro.close()                     # cancelled while waiting: the publication never starts
+        raise
+    await coro
+
+
+async def start_sweeper(bus):
+    """While leading: SCORED messages whose deliveries ran out without a verdict (naks on repeated
+    step-downs, leaders killed holding them) would sit in the stream forever, never redelivered.
+    Park those given up on before we lead (one scan, before our first fetch) and those given up
+    on while we lead (the server's MAX_DELIVERIES advisory) in DLQ with a reason.
+    Returns the advisory subscription, or None where the role may not do it (logged)."""
+    sub = None
+    try:
+        sub = await watch_max_deliveries(bus, topo.SCORED, topo.TRAINER_CONSUMER)
+        await bus.nc.flush()             # subscribed before our first fetch triggers an advisory
+        parked = await sweep_stranded(bus, topo.SCORED, topo.TRAINER_CONSUMER)
+        if parked:
+            log.warning("parked stranded scored rollouts in DLQ", parked=parked)
+    except Exception as e:               # no rights (a restricted role) or a broker blip: say so, go on
+        log.warning("stranded-message sweep unavailable", error=f"{type(e).__name__}: {e}")
+    return sub
+
+
 class Trainer:
     def __init__(self, cfg: TrainerConfig, bus, learner: Learner, model_cfg: ModelConfig):
         self.cfg, self.bus, self.learner, self.model_cfg = cfg, bus, learner, model_cfg
@@ -53,6 +81,7 @@ class Trainer:
         self.published: dict[str, torch.Tensor] = {}
         self.warmstarted = False
         self.fed = asyncio.Event()       # set when a batch is taken or acked: the feeder tops up at once
+        self.sync_replaced = 0           # sync: tasks published again because theirs produced nothing
 
     def state(self) -> checkpoint.TrainerState:
         return checkpoint.TrainerState(
@@ -99,7 +128,7 @@ class Trainer:
         self.save()
 
     async def publish_metrics(self, values: dict) -> None:
-        values = {k: v for k, v in values.items() if k != "rollout_ids"}
+        values = {k: v for k, v in values.items() if k not in ("rollout_ids", "trained_ids", "dropped_ids")}
         try:
             await self.bus.publish(topo.metrics_subject("trainer", self.cfg.trainer_id),
                                    Metrics(component="trainer", component_id=self.cfg.trainer_id,
@@ -139,6 +168,7 @@ class Trainer:
             log.info("eval", **values)
             self.write_jsonl(values)
             await self.publish_metrics(values)
+        sweeper = await start_sweeper(self.bus) if cfg.sweep_stranded else None
         batcher = Batcher(self.bus, cfg, self.consumed, self.model_cfg.vocab_size)
         await batcher.start()
         feeder = TaskFeeder(self.bus, cfg)
@@ -150,11 +180,14 @@ class Trainer:
             while not stop.is_set() and not lost.is_set():
                 if cfg.max_steps and self.step_n >= cfg.max_steps:
                     break
+                stopped = lambda: stop.is_set() or lost.is_set()    # noqa: E731
                 if cfg.mode == "sync" and cfg.feed:
                     if publishing is not None:      # the barrier: tasks for v only once v is out
                         await publishing
                     await feeder.publish(cfg.batch_groups, min_version=self.version)
-                batch = await batcher.next_batch(self.version, lambda: stop.is_set() or lost.is_set())
+                    batch = await self.next_sync_batch(batcher, feeder, stopped)
+                else:
+                    batch = await batcher.next_batch(self.version, stopped)
                 if batch is None:
                     continue
                 self.fed.set()
@@ -170,6 +203,11 @@ class Trainer:
                 publishing.cancel()         # only on an error path: its batch is redelivered
             if feed_task:
                 feed_task.cancel()
+            if sweeper is not None:
+                try:
+                    await sweeper.unsubscribe()
+                except Exception as e:
+                    log.debug("sweeper unsubscribe failed", error=str(e))
             await batcher.close(held_back=batch)
             stop_keeper = stop.is_set() or lost.is_set()
             keeper.cancel()
@@ -177,6 +215,24 @@ class Trainer:
                 await self.lease.release()
             log.info("leader loop ended", version=self.version, lost=lost.is_set(), stopped=stop_keeper)
         return 3 if lost.is_set() else 0
+
+    async def next_sync_batch(self, batcher: Batcher, feeder: TaskFeeder, stopped) -> Batch | None:
+        """Sync mode: this version's `batch_groups` tasks were just published. A task none of whose
+        rollouts reaches SCORED (all parked in DLQ, or the task expired) never forms a group, and
+        group_timeout only covers groups with a member: without a top-up the barrier waits forever.
+        So after sync_task_timeout_s without a full batch, publish again the tasks that have not
+        a single rollout here (late originals are not wasted: they join the next batch)."""
+        wait_s = self.cfg.sync_task_timeout_s or self.cfg.group_timeout_s
+        while True:
+            batch = await batcher.next_batch(self.version, stopped, max_wait_s=wait_s)
+            if batch is not None or stopped():
+                return batch
+            missing = self.cfg.batch_groups - len(batcher.groups)
+            if missing > 0:
+                log.warning("sync: tasks of this version produced no rollout; publishing replacements",
+                            version=self.version, missing=missing, waited_s=wait_s)
+                await feeder.publish(missing, min_version=self.version)
+                self.sync_replaced += missing
 
     def _step(self, packed) -> dict:
         broadcast_obj(("step", packed))
@@ -197,6 +253,7 @@ class Trainer:
         if live:
             self.version += 1
             self.step_n += 1
+        batch.trained_ids = [p.rollout_id for p in packed if live and p.weight > 0 and p.completion_ids]
         self.consumed.add(batch.rollout_ids)
         base, new = self.published, await asyncio.to_thread(self.learner.published_state)
         # the next step updates the weights and optimizer in place: checkpoint a copy of this state
@@ -205,8 +262,11 @@ class Trainer:
             await previous               # v-1 is out (or raised) before v starts going out
         snapshot.digest = self.digest    # v-1's, now final; a live step replaces it with v's below
         self.published = new
-        return asyncio.create_task(self.publish_version(
-            batch, packed, stats, live, base, new, snapshot, batcher, publisher, lost, t0))
+        publication = self.publish_version(batch, packed, stats, live, base, new, snapshot, batcher, publisher,
+                                           lost, t0)
+        if self.cfg.debug_step_delay_s:       # tests only: a step + publication slower than ack_wait
+            publication = _after(self.cfg.debug_step_delay_s, publication)
+        return asyncio.create_task(publication)
 
     async def publish_version(self, batch, packed, stats, live, base, new, snapshot, batcher: Batcher,
                               publisher: WeightPublisher, lost: asyncio.Event, t0: float) -> None:
@@ -240,10 +300,12 @@ class Trainer:
             "changed_frac": (delta.stats.changed / max(delta.stats.total, 1)) if delta is not None else 0.0,
             "duplicates": batcher.counters["duplicates"], "invalid": batcher.counters["invalid"],
             "total_s": time.perf_counter() - t0, "rollout_ids": batch.rollout_ids, "ts": time.time(),
+            "trained_ids": batch.trained_ids, "dropped_ids": batch.dropped_ids, "sync_replaced": self.sync_replaced,
+            "newest_token_version": max((max(s.rollout.token_versions, default=0) for s in batch.samples), default=0),
             **(await self.maybe_evaluate(version, new)),
         }
         log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in values.items()
-                            if k not in ("rollout_ids", "staleness_hist")})
+                            if k not in ("rollout_ids", "trained_ids", "dropped_ids", "staleness_hist")})
         self.write_jsonl(values)
         metrics.observe_trainer_step(values)
         await self.publish_metrics(values)
