@@ -81,6 +81,13 @@ def weight_source(bus, **kw):
     return WeightSource(bus, domain, **kw)
 
 
+def weight_feed(bus, **feed_kw):
+    """The WeightFeed a process should follow: its region's mirrors when its BusConfig names
+    one (`weights_domain`), else the Bus. One call, so processes need no region logic."""
+    from .weights import WeightFeed
+    return WeightFeed(weight_source(bus), **feed_kw)
+
+
 async def mirror_status(js) -> dict[str, dict]:
     """Per mirror on a region's server: messages, last sequence, and the mirror's lag and
     last-contact age as the server reports them (for `inspect` and the catch-up bench)."""
