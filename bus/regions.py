@@ -102,3 +102,30 @@ async def mirror_status(js) -> dict[str, dict]:
         out[name] = {"messages": info.state.messages, "last_seq": info.state.last_seq,
                      "lag": getattr(m, "lag", None), "active_s": (m.active / 1e9) if m and m.active else None}
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bus.regions`: declare (or update) the mirrors on a region's server, once, as
+    its admin: ASYNCRL_BUS__SERVERS/USER/PASSWORD name the region's server (no js_domain: its
+    own domain), ASYNCRL_MIRROR__WEIGHTS_KEEP etc. the retention (topology.MirrorConfig)."""
+    import asyncio
+    import json
+
+    from .client import connect
+    from .config import BusConfig, load_config
+
+    bus_cfg = load_config(BusConfig, env_prefix="ASYNCRL_BUS__")     # both checked before connecting
+    mirror_cfg = load_config(topo.MirrorConfig, env_prefix="ASYNCRL_MIRROR__")
+
+    async def run() -> dict:
+        bus = await connect(bus_cfg)
+        try:
+            return await topo.provision_mirrors(bus.js, mirror_cfg, log=log)
+        finally:
+            await bus.close()
+    print(json.dumps(asyncio.run(run())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
