@@ -117,6 +117,7 @@ class TbfPath:
         self.port = 0
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
 
     # -- the namespaces ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -179,35 +180,35 @@ class TbfPath:
     async def _relay(self, b_reader: asyncio.StreamReader, b_writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         self._tasks.add(task)
+        writers = [b_writer]
+        self._writers.add(b_writer)
         try:
             t_reader, t_writer = await asyncio.open_connection(*self.target)
-        except OSError:
-            b_writer.transport.abort()
-            self._tasks.discard(task)
-            return
+            writers.append(t_writer)
+            self._writers.add(t_writer)
 
-        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            while data := await r.read(65536):
-                w.write(data)
-                await w.drain()
-        pumps = [asyncio.ensure_future(pipe(b_reader, t_writer)), asyncio.ensure_future(pipe(t_reader, b_writer))]
-        try:
+            async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            pumps = [asyncio.ensure_future(pipe(b_reader, t_writer)), asyncio.ensure_future(pipe(t_reader, b_writer))]
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            pass
-        finally:
             for p in pumps:
                 p.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
-            for w in (b_writer, t_writer):
+        except (OSError, asyncio.CancelledError):
+            pass                  # the other side went, or close(): either way both are reset
+        finally:
+            for w in writers:
+                self._writers.discard(w)
                 w.transport.abort()
             self._tasks.discard(task)
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            for t in list(self._tasks):
-                t.cancel()
+            for w in list(self._writers):      # resetting both legs ends each relay by itself
+                w.transport.abort()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._server = None
         await asyncio.to_thread(self.teardown)

@@ -106,3 +106,36 @@ async def test_delayline_process_with_tbf_deletes_its_namespaces_on_exit():
         for n in leaked:                                # killed: it could not clean up itself
             subprocess.run(["ip", "netns", "del", n])
     assert not leaked and _netns() == before
+
+
+def test_lab_link_must_be_proxy_or_tbf(tmp_path):
+    from bench.wanlab import Lab
+    with pytest.raises(ValueError, match="proxy"):
+        Lab(tmp_path, {}, link="netem")
+
+
+@needs_tbf
+async def test_region_mirror_fills_through_a_tbf_link(tmp_path):
+    """bench.wanlab with link="tbf": the region's leaf link crosses the shaped veth; a blob put on
+    the hub reaches the region's mirror at about the tbf rate (the delay line: latency only)."""
+    from bench.wanlab import Lab
+    from bus import topology as topo
+    rate_mbit, size = 16.0, 1_000_000
+    before = _netns()
+    lab = Lab(tmp_path, {"eu": LinkSpec(delay_ms=5, rate_mbit=rate_mbit)}, link="tbf")
+    try:
+        await lab.start()
+        assert len(_netns() - before) == 2
+        hub = await lab.hub_bus("trainer")
+        _, src = await lab.worker_bus("eu", "w", read="mirror")
+        data = os.urandom(size)           # incompressible: the leaf link compresses (s2)
+        t0 = time.monotonic()
+        await hub.put_blob("big", data)
+        assert await src.get_blob("big") == data
+        took = time.monotonic() - t0
+        want = size * 8 / (rate_mbit * 1e6)
+        assert 0.8 * want < took < 2.0 * want + 1.0, (took, want)
+        assert (await lab.counters())["eu"]["down"]["bytes"] > size
+    finally:
+        await lab.close()
+    assert _netns() == before
