@@ -15,7 +15,9 @@ retransmitted, about one round trip (fast retransmit); each MSS-sized segment is
 probability `loss`. Not emulated: congestion-window collapse after a loss, reordering.
 
 `cut()` resets every connection and refuses new ones (a region's link down) until `restore()`.
-No privileges needed; `bench.wan` uses this on every region link. Loopback only.
+No privileges needed; `bench.wan` uses this on every region link. Loopback only. With
+`--link tbf` (root) the rate is the kernel's `tbf` on a veth between two namespaces instead
+(`bench.wantbf`), and this line keeps the latency, loss and counters.
 """
 from __future__ import annotations
 
@@ -67,8 +69,11 @@ class Direction:
 
 class DelayLine:
     def __init__(self, target_host: str, target_port: int, spec: LinkSpec | None = None, *,
-                 listen_host: str = "127.0.0.1", seed: int = 0):
+                 listen_host: str = "127.0.0.1", seed: int = 0, connect=None):
         self.target = (target_host, target_port)
+        # connect: an async () -> (reader, writer) dialling the target another way (bench.wantbf:
+        # across a tbf-shaped veth, the kernel then does the rate and this line the latency)
+        self._connect = connect
         self.listen_host = listen_host
         self.spec = spec or LinkSpec()
         self.up, self.down = Direction(), Direction()   # up: client -> target; down: target -> client
@@ -119,7 +124,7 @@ class DelayLine:
             _abort(c_writer)
             return
         try:
-            t_reader, t_writer = await asyncio.open_connection(*self.target)
+            t_reader, t_writer = await (self._connect() if self._connect else asyncio.open_connection(*self.target))
         except OSError:
             self.refused += 1
             _abort(c_writer)
@@ -224,16 +229,35 @@ def _abort(w: asyncio.StreamWriter) -> None:
 
 # -- as a process of its own (bench.wan runs every link here, away from the measured clients) -----
 async def _serve(specs: dict) -> None:
-    """stdin: one JSON link table {name: {target: [host, port], delay_ms, rate_mbit, loss}}, then
+    """stdin: one JSON link table {name: {target: [host, port], delay_ms, rate_mbit, loss, tbf}}, then
     command lines `cut NAME` | `restore NAME` | `counters` | `spec NAME {json}`; stdout: one JSON
-    answer per line (the first: {"ports": {name: port}})."""
+    answer per line (the first: {"ports": {name: port}}). tbf: true caps rate_mbit with the kernel's
+    tbf on a veth between namespaces made here (bench.wantbf), deleted when this process ends."""
     import json
     import sys
     links: dict[str, DelayLine] = {}
-    for i, (name, s) in enumerate(specs.items()):
-        host, port = s.pop("target")
-        links[name] = DelayLine(host, int(port), LinkSpec(**s), seed=i)
-        await links[name].start()
+    paths: dict = {}
+    try:
+        for i, (name, s) in enumerate(specs.items()):
+            host, port = s.pop("target")
+            connect = None
+            if s.pop("tbf", False) and s.get("rate_mbit"):
+                from .wantbf import TbfPath
+                paths[name] = await TbfPath(s["rate_mbit"]).start(host, int(port))
+                connect, s["rate_mbit"] = paths[name].open, 0.0
+            links[name] = DelayLine(host, int(port), LinkSpec(**s), seed=i, connect=connect)
+            await links[name].start()
+        await _commands(links, paths)
+    finally:
+        for l in links.values():
+            await l.close()
+        for p in paths.values():
+            await p.close()
+
+
+async def _commands(links: dict, paths: dict) -> None:
+    import json
+    import sys
 
     def say(obj) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
@@ -256,17 +280,21 @@ async def _serve(specs: dict) -> None:
                 links[name].restore()
                 say({"ok": True})
             elif cmd == "spec":
-                links[name].spec = LinkSpec(**json.loads(arg))
+                spec = LinkSpec(**json.loads(arg))
+                if name in paths and spec.rate_mbit:        # the kernel keeps the rate
+                    paths[name].set_rate(spec.rate_mbit)
+                    spec.rate_mbit = 0.0
+                links[name].spec = spec
                 say({"ok": True})
             else:
                 say({"error": f"unknown command {cmd!r}"})
         except KeyError:
             say({"error": f"no link {name!r}"})
-    for l in links.values():
-        await l.close()
 
 
 if __name__ == "__main__":
     import json
+    import signal
     import sys
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # exit through atexit: tbf namespaces deleted
     asyncio.run(_serve(json.loads(sys.stdin.readline())))

@@ -18,7 +18,10 @@ cut for --cut-s while versions go on (catch-up time after the link returns), and
 killed while its workers hold tasks (tasks rerouted to other regions after ack_wait, lost).
 
 Defaults are the full run (3 regions 20/80/150 ms at 50/20/10 Mbit, 3 workers each, 8.4 M params);
---quick runs tiny sizes in about a minute. Last line: one JSON object.
+--quick runs tiny sizes in about a minute. --link tbf: each link's rate is capped by the kernel's
+tbf on a veth between two network namespaces (bench.wantbf; root), the delay line keeping the
+latency; where that is not available the delay line's token bucket, and the JSON says which
+("link", "link_requested"). Last line: one JSON object.
 """
 from __future__ import annotations
 
@@ -204,7 +207,8 @@ async def wait_for(pred, timeout: float) -> bool:
 
 async def new_lab(a, root: str, **kw) -> Lab:
     lab = Lab(root, a.regions, topology=topo.TopologyConfig(storage="memory", ack_wait_s=a.ack_wait_s,
-                                                            max_deliver=50, weights_keep=a.weights_keep), **kw)
+                                                            max_deliver=50, weights_keep=a.weights_keep),
+              link=a.link, **kw)
     return await lab.start()
 
 
@@ -361,7 +365,8 @@ async def main_async(a) -> dict:
     failure = await run_failures(a, base) if not a.no_failure else None
     return {"params": n, "full_bf16_bytes": 2 * n, "changed": a.changed, "versions": a.versions,
             "interval_s": a.interval_s, "keyframe_every": a.keyframe_every, "workers_per_region": a.workers,
-            "regions": {r: s.__dict__ for r, s in a.regions.items()}, "runs": runs, "failure": failure}
+            "regions": {r: s.__dict__ for r, s in a.regions.items()}, "link": a.link,
+            "link_requested": a.link_requested, "runs": runs, "failure": failure}
 
 
 def main(argv=None) -> None:
@@ -378,6 +383,9 @@ def main(argv=None) -> None:
     p.add_argument("--regions", default="r20:20:50,r80:80:20,r150:150:10")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply every link's rate")
     p.add_argument("--loss", type=float, default=0.0)
+    p.add_argument("--link", choices=("proxy", "tbf"), default="proxy",
+                   help="rate cap: the delay line's token bucket, or the kernel's tbf on a veth between "
+                        "network namespaces (root; falls back to proxy where unavailable)")
     p.add_argument("--cut-s", type=float, default=20.0)
     p.add_argument("--catchup-timeout-s", type=float, default=180.0)
     p.add_argument("--tasks", type=int, default=60)
@@ -401,6 +409,13 @@ def main(argv=None) -> None:
         a.regions, a.cut_s, a.tasks, a.task_hold_s, a.ack_wait_s = "q20:20:50,q80:80:20", 2.0, 12, 0.2, 2.0
         a.keyframe_every, a.drain_s, a.catchup_timeout_s = 3, 60.0, 90.0
     a.regions = parse_regions(a.regions, a.rate_scale, a.loss)
+    a.link_requested = a.link
+    if a.link == "tbf":
+        from .wantbf import tbf_available
+        if not tbf_available():
+            print("# --link tbf: no tbf in network namespaces here (needs root, ip, tc); "
+                  "the delay line's token bucket caps the rate", file=sys.stderr, flush=True)
+            a.link = "proxy"
     setup_logging("bench-wan", level="warning")
     torch.set_num_threads(1)
     out = asyncio.run(main_async(a))

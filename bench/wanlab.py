@@ -8,7 +8,8 @@
 The hub is a nats-server with JetStream domain `hub` and a leaf-node listener; a region is a
 nats-server with its own domain (the region's name) whose leaf remote dials the region's link in
 `bench.delayline` (one process for all links, so the links keep time while clients are busy),
-which carries the bytes to the hub's leaf port. Loopback only.
+which carries the bytes to the hub's leaf port. Loopback only (with link="tbf", also addresses
+inside the two network namespaces each link's tbf path creates; bench.wantbf).
 """
 from __future__ import annotations
 
@@ -81,7 +82,10 @@ class Links:
 class Lab:
     def __init__(self, root: str | Path, regions: dict[str, LinkSpec], *,
                  topology: topo.TopologyConfig | None = None, mirror: topo.MirrorConfig | None = None,
-                 mirrors: bool = True):
+                 mirrors: bool = True, link: str = "proxy"):
+        if link not in ("proxy", "tbf"):
+            raise ValueError(f"link must be 'proxy' (the delay line's token bucket) or 'tbf', got {link!r}")
+        self.link = link                  # tbf: the kernel caps each link's rate (bench.wantbf, root)
         self.root = Path(root)
         self.specs = dict(regions)
         self.topology = topology or topo.TopologyConfig(storage="memory")
@@ -110,8 +114,8 @@ class Lab:
             "leafnodes { listen: 127.0.0.1:-1, no_advertise: true }\n")))
         await self.hub.start()
         self.hub_leaf_port = int(_get_json(self.hub.monitor_url + "/varz")["leaf"]["port"])
-        ports = await self.links.start({n: {"target": ["127.0.0.1", self.hub_leaf_port], **asdict(s)}
-                                        for n, s in self.specs.items()})
+        ports = await self.links.start({n: {"target": ["127.0.0.1", self.hub_leaf_port], **asdict(s),
+                                            "tbf": self.link == "tbf"} for n, s in self.specs.items()})
         admin = await connect(BusConfig(servers=[self.hub.url], name="lab-admin", js_domain=topo.HUB_DOMAIN,
                                         topology=self.topology))
         await admin.provision()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 import types
 import typing
@@ -46,6 +47,21 @@ class BusConfig:
     js_domain: str | None = None          # JetStream domain (a worker behind a leaf node reaches the hub's "hub")
     weights_domain: str | None = None     # a region's JetStream domain: read WEIGHTS + blobs from its mirrors (bus.regions)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
+
+    def __post_init__(self):
+        # a domain is a subject token ($JS.<domain>.API.>): no dots, wildcards or spaces
+        for name in ("js_domain", "weights_domain"):
+            v = getattr(self, name)
+            if v is not None and not _DOMAIN_RE.fullmatch(v):
+                raise ValueError(f"{name} must be a JetStream domain name ([A-Za-z0-9_-]+), got {v!r}")
+        # a region's worker reads weights from its own server but work from the hub: without
+        # js_domain its task pulls (and provisioning) would address the region's JetStream
+        if self.weights_domain and self.weights_domain != self.js_domain and not self.js_domain:
+            raise ValueError(f"weights_domain={self.weights_domain!r} (a region's mirrors) needs js_domain "
+                             f"set to the hub's domain (e.g. 'hub'), where tasks and rollouts live")
+
+
+_DOMAIN_RE = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _is_dataclass_type(tp) -> bool:

@@ -81,6 +81,13 @@ def weight_source(bus, **kw):
     return WeightSource(bus, domain, **kw)
 
 
+def weight_feed(bus, **feed_kw):
+    """The WeightFeed a process should follow: its region's mirrors when its BusConfig names
+    one (`weights_domain`), else the Bus. One call, so processes need no region logic."""
+    from .weights import WeightFeed
+    return WeightFeed(weight_source(bus), **feed_kw)
+
+
 async def mirror_status(js) -> dict[str, dict]:
     """Per mirror on a region's server: messages, last sequence, and the mirror's lag and
     last-contact age as the server reports them (for `inspect` and the catch-up bench)."""
@@ -95,3 +102,30 @@ async def mirror_status(js) -> dict[str, dict]:
         out[name] = {"messages": info.state.messages, "last_seq": info.state.last_seq,
                      "lag": getattr(m, "lag", None), "active_s": (m.active / 1e9) if m and m.active else None}
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bus.regions`: declare (or update) the mirrors on a region's server, once, as
+    its admin: ASYNCRL_BUS__SERVERS/USER/PASSWORD name the region's server (no js_domain: its
+    own domain), ASYNCRL_MIRROR__WEIGHTS_KEEP etc. the retention (topology.MirrorConfig)."""
+    import asyncio
+    import json
+
+    from .client import connect
+    from .config import BusConfig, load_config
+
+    bus_cfg = load_config(BusConfig, env_prefix="ASYNCRL_BUS__")     # both checked before connecting
+    mirror_cfg = load_config(topo.MirrorConfig, env_prefix="ASYNCRL_MIRROR__")
+
+    async def run() -> dict:
+        bus = await connect(bus_cfg)
+        try:
+            return await topo.provision_mirrors(bus.js, mirror_cfg, log=log)
+        finally:
+            await bus.close()
+    print(json.dumps(asyncio.run(run())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from bus import BusConfig, ConsumerLoop, TransientError, get_logger, metrics
 from bus import topology as topo
 from bus.events import Heartbeat, Metrics, Rollout, SamplingParams, Task
+from bus.regions import weight_feed
 from bus.weights import WeightFeed, parse_version
 import policy
 
@@ -116,7 +117,7 @@ class Worker:
             if os.path.isfile(key):
                 key = open(key).read().strip()
             public_key = signing.public_key(key)      # raises a clear DeltaError on a bad key
-        self.feed = WeightFeed(bus, public_key=public_key, name=cfg.worker_id)
+        self.feed = weight_feed(bus, public_key=public_key, name=cfg.worker_id)   # region: its mirrors
         self.latest_version = -1
         self.group_hint = 1            # n of the last task seen: sizes fetches in slots
         self.rollouts = 0

@@ -86,9 +86,11 @@ def test_compose_validates_and_has_the_services():
     assert rc == 0, err
     cfg = yaml.safe_load(out)
     svc = cfg["services"]
-    core = {k for k, v in svc.items() if not v.get("profiles")}     # optional profiles (monitoring, region)
-    assert core == {"nats", "nats-box", "trainer", "trainer-standby", "rollout_worker", "scorer"}
-    assert {"prometheus", "grafana"} <= set(svc) and svc["prometheus"]["profiles"] == ["monitoring"]
+    # (profiled services, e.g. `region`, are listed by docker-compose v1 and left out by v2)
+    assert {n for n, s in svc.items() if not s.get("profiles")} == {
+        "nats", "nats-box", "trainer", "trainer-standby", "rollout_worker", "scorer"}
+    for name, profile in (("prometheus", "monitoring"), ("grafana", "monitoring"), ("nats-region", "region")):
+        assert name not in svc or svc[name]["profiles"] == [profile], name
     nats = svc["nats"]
     assert nats["image"].startswith("nats:")                             # the official image
     assert any("/healthz?js-enabled-only=true" in part for part in nats["healthcheck"]["test"])
@@ -182,3 +184,54 @@ def test_dockerfile_copies_every_package_and_builds_both_variants():
     pyproject = (ROOT / "pyproject.toml").read_text()
     packages = re.findall(r'"(\w+)\*"', pyproject.split("[tool.setuptools.packages.find]")[1])
     assert packages and set(packages) <= copied, set(packages) - copied
+
+
+# -- compose profile `region` ------------------------------------------------------------------
+def _region_env(service: dict) -> dict[str, str]:
+    """A service's env as compose gives it, with ${VAR:-default} at its default."""
+    env = {}
+    for f in service.get("env_file", []):
+        env.update(read_env(DEPLOY / f))
+    for k, v in (service.get("environment") or {}).items():
+        env[k] = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v))
+    return env
+
+
+def test_compose_region_profile_points_workers_at_the_region_mirrors():
+    """Profile `region`: a region nats-server running deploy/nats/region.conf, a one-shot that
+    declares its mirrors (as the region's admin, on its own domain), and workers that take work
+    from the hub's domain and weights from the region's (accepted by WorkerConfig)."""
+    from bus import BusConfig
+    from bus import topology as topo
+    from rollout_worker.worker import WorkerConfig
+    svc = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    region = {n: s for n, s in svc.items() if "region" in (s.get("profiles") or [])}
+    assert set(region) == {"nats-region", "region-mirrors", "rollout_worker-region"}
+    assert not any(s.get("profiles") for n, s in svc.items() if n not in region)    # the hub stays default
+    server = read_env(ENV_DIR / "nats.env")
+    nr = region["nats-region"]
+    assert nr["command"] == ["-c", "/etc/nats/asyncrl/region.conf"] and (DEPLOY / "nats" / "region.conf").is_file()
+    assert any(str(v).startswith("nats-region-data:/var/lib/nats") for v in nr["volumes"])
+    env = _region_env(nr)
+    assert env["ASYNCRL_NATS_HUB_LEAF_URL"] == f"nats-leaf://region:{server['ASYNCRL_NATS_REGION_PASSWORD']}@nats:7422"
+    w = load_config(WorkerConfig, environ=_region_env(region["rollout_worker-region"]))
+    assert (w.bus.servers, w.bus.js_domain, w.bus.weights_domain) == (["nats://nats-region:4222"], "hub", env["ASYNCRL_REGION"])
+    assert w.bus.user == "worker" and w.bus.password == server["ASYNCRL_NATS_WORKER_PASSWORD"]
+    assert region["rollout_worker-region"]["depends_on"] == {"region-mirrors": {"condition": "service_completed_successfully"}}
+    m = region["region-mirrors"]
+    assert m["command"] == ["python", "-m", "bus.regions"]
+    menv = _region_env(m)
+    b = load_config(BusConfig, env_prefix="ASYNCRL_BUS__", environ=menv)
+    assert b.servers == ["nats://nats-region:4222"] and b.js_domain is None
+    assert b.user == "admin" and b.password == server["ASYNCRL_NATS_ADMIN_PASSWORD"]
+    assert load_config(topo.MirrorConfig, env_prefix="ASYNCRL_MIRROR__", environ=menv).weights_keep == 64
+
+
+@needs_compose
+def test_compose_region_profile_validates():
+    args = compose_cmd() + ["-f", str(DEPLOY / "docker-compose.yml"), "--profile", "region", "config"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    svc = yaml.safe_load(r.stdout)["services"]
+    assert {"nats-region", "region-mirrors", "rollout_worker-region", "nats", "rollout_worker"} <= set(svc)
+    assert "nats" not in svc["rollout_worker-region"]["depends_on"]     # a region does not wait for a local hub

@@ -282,3 +282,101 @@ async def test_leaf_region_worker_reaches_hub_and_hub_refuses_weights(tmp_path, 
             await trainer.close()
         leaf.stop()
         hub.stop()
+
+
+@pytest.mark.parametrize("compromised", [False, True], ids=["shipped", "compromised-region"])
+async def test_region_mirrors_under_role_based_hub_and_region_stays_a_worker(tmp_path, compromised):
+    """region.conf against single.conf with its per-role users: the region's mirrors of WEIGHTS
+    and the blob store fill through the hub's `region` user (RL_REGION), a region `worker`
+    follows weights from them (weights_domain) while pulling work from the hub. A mirror of
+    anything else stays empty, and neither the region's worker nor (with `compromised`, its
+    local worker login unrestricted) the region itself can publish weights or write the lease."""
+    import torch
+
+    import delta_codec
+    from bus.regions import weight_feed
+    from bus.weights import StateTarget, WeightPublisher
+    from nats.js import api
+
+    passwords = role_passwords()
+    leaf_port = free_port()
+    hub_conf = render_nats_configs(tmp_path / "hubconf", {"0.0.0.0:7422": f"127.0.0.1:{leaf_port}",
+                                                          "/var/lib/nats": str(tmp_path / "hub")})
+    replace = {"/var/lib/nats": str(tmp_path / "eu")}
+    if compromised:
+        replace["{ user: worker,   password: $ASYNCRL_NATS_WORKER_PASSWORD,   permissions: $RL_WORKER }"] = (
+            "{ user: worker,   password: $ASYNCRL_NATS_WORKER_PASSWORD }\n"
+            f"{{ user: spare, password: {secrets.token_hex(8)}, permissions: $RL_WORKER }}")
+    region_conf = render_nats_configs(tmp_path / "euconf", replace)
+    hub = ConfServer(hub_conf / "single.conf", role_env_vars(passwords), tmp_path / "hub.log")
+    hub.start("/healthz?js-enabled-only=true")
+    region = ConfServer(region_conf / "region.conf", {
+        **role_env_vars(passwords), "ASYNCRL_REGION": "eu",
+        "ASYNCRL_NATS_HUB_LEAF_URL": f"nats-leaf://region:{passwords['region']}@127.0.0.1:{leaf_port}"},
+        tmp_path / "eu.log")
+    buses = []
+    try:
+        region.start("/healthz?js-enabled-only=true")
+        await asyncio.to_thread(region.wait_leaf_connected)
+        trainer = await connect(role_bus_config(hub.url, "trainer", passwords))
+        buses.append(trainer)
+        await trainer.provision()
+        pub = WeightPublisher(trainer, epoch=1, trainer_id="t", inline_max=16 * 1024)
+        g = torch.Generator().manual_seed(0)
+        state = {"w": torch.randn(40_000, generator=g).to(torch.bfloat16)}
+        await pub.publish_keyframe(state, 0, {})                      # 80 kB: through the blob store
+        t = Task(task_id=new_id(), env="arith", prompt="2+3")
+        await trainer.publish(topo.task_subject("arith"), t)
+        from bus.events import Heartbeat
+        await trainer.publish(topo.heartbeat_subject("trainer", "t"), Heartbeat(component="trainer",
+                                                                                component_id="t", version=0))
+
+        admin = await connect(role_bus_config(region.url, "admin", passwords))   # the region's own domain
+        buses.append(admin)
+        assert set((await topo.provision_mirrors(admin.js, topo.MirrorConfig())).values()) == {"created"}
+        ext = api.ExternalStream(api=f"$JS.{topo.HUB_DOMAIN}.API")
+        await admin.js.add_stream(api.StreamConfig(name="TELEMETRY_COPY", mirror=api.StreamSource(
+            name=topo.TELEMETRY, external=ext)))                  # not a region's to copy
+
+        worker = await connect(role_bus_config(region.url, "worker", passwords, js_domain=topo.HUB_DOMAIN,
+                                               weights_domain="eu"))
+        buses.append(worker)
+        target, stop = StateTarget(), asyncio.Event()
+        feed = weight_feed(worker, name="eu-w")
+        follow = asyncio.ensure_future(feed.follow(target, stop))
+        new = {"w": (state["w"].float() * 1.01).to(torch.bfloat16)}
+        await asyncio.to_thread(wait_until, lambda: target.version == 0, 20, "keyframe from eu's blob mirror")
+        await pub.publish_delta(delta_codec.encode_delta(state, new, from_version=0, to_version=1))
+        await asyncio.to_thread(wait_until, lambda: target.version == 1, 20, "delta from eu's WEIGHTS mirror")
+        assert torch.equal(target.state["w"], new["w"]) and not feed.refused
+        stop.set()
+        await follow
+        local = (await worker.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER))   # work: the hub's
+        assert local.num_pending == 1
+        sub = await worker.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)
+        msgs = await sub.fetch(1, timeout=5)
+        assert [m.headers["Rl-Task"] for m in msgs] == [t.task_id]
+        await msgs[0].ack_sync()
+
+        assert (await admin.js.stream_info(topo.WEIGHTS)).state.messages == 2
+        assert (await trainer.js.stream_info(topo.TELEMETRY)).state.messages >= 1
+        assert (await admin.js.stream_info("TELEMETRY_COPY")).state.messages == 0
+
+        before = (await trainer.js.stream_info(topo.WEIGHTS)).state.messages
+        raw = await nats.connect(region.url, user="worker", password=passwords["worker"])
+        try:
+            await raw.publish(topo.DELTA_SUBJECT, b"forged delta")
+            await raw.publish(f"$KV.{topo.CONTROL_BUCKET}.{topo.KEY_LEADER}", b"forged lease")
+            await raw.publish(f"$JS.{topo.HUB_DOMAIN}.API.CONSUMER.MSG.NEXT.ROLLOUTS.scorer", b"1")
+            await raw.flush()
+        finally:
+            await raw.close()
+        await asyncio.sleep(0.5)          # let anything that would cross the link arrive
+        assert (await trainer.js.stream_info(topo.WEIGHTS)).state.messages == before == 2
+        assert await trainer.kv_get(topo.KEY_LEADER) is None
+        assert (await trainer.js.consumer_info(topo.ROLLOUTS, topo.SCORER_CONSUMER)).num_waiting == 0
+    finally:
+        for b in buses:
+            await b.close()
+        region.stop()
+        hub.stop()

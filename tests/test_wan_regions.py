@@ -100,6 +100,21 @@ def test_linkspec_rejects_bad_values():
         topo.MirrorConfig(storage="tape")
 
 
+def test_a_region_worker_config_is_checked_before_start():
+    """weights_domain is a subject token, and a region's worker must address the hub for work:
+    without js_domain its task pulls (and provisioning) would go to the region's own JetStream."""
+    from bus import ConfigError, load_config
+    from rollout_worker.worker import WorkerConfig
+    env = {"ASYNCRL_BUS__JS_DOMAIN": "hub", "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu"}
+    assert load_config(WorkerConfig, environ=env).bus.weights_domain == "eu"
+    for bad, msg in (({"ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu"}, "needs js_domain"),
+                     ({**env, "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu.west"}, "weights_domain must be"),
+                     ({**env, "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu>"}, "weights_domain must be"),
+                     ({**env, "ASYNCRL_BUS__JS_DOMAIN": "h b"}, "js_domain must be")):
+        with pytest.raises(ConfigError, match=msg):
+            load_config(WorkerConfig, environ=bad)
+
+
 # -- regions ---------------------------------------------------------------------------------
 def _state(n: int = 300_000, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -331,3 +346,116 @@ async def test_link_cut_then_back_mirror_catches_up_and_feed_resumes(lab):
     assert feed.resyncs >= 1, feed.stats()
     stop.set()
     await task
+
+
+# -- a real rollout worker process in a region ------------------------------------------------
+async def test_rollout_worker_process_in_a_region_patches_from_its_mirror(tmp_path):
+    """`python -m rollout_worker` configured only by env for region `eu` (servers: eu's server,
+    js_domain: hub, weights_domain: eu): both workers load the keyframe and patch every delta,
+    and each delta crosses the link once, not once per worker (the old worker read the hub)."""
+    import subprocess
+    import sys
+
+    import policy
+    from bus.events import Heartbeat, decode as decode_event
+
+    topology = topo.TopologyConfig(storage="memory")
+    lab = Lab(tmp_path, {"eu": LinkSpec(delay_ms=10, rate_mbit=200)}, topology=topology)
+    await lab.start()
+    procs: list[subprocess.Popen] = []
+    try:
+        hub = await lab.hub_bus("trainer")
+        cfg = policy.ModelConfig.tiny(vocab_size=policy.CharTokenizer.default().vocab_size, max_seq_len=64)
+        torch.manual_seed(3)
+        state = policy.inference_state(policy.Transformer(cfg))
+        pub = WeightPublisher(hub, epoch=1, trainer_id="t", inline_max=256 * 1024)
+        await pub.publish_keyframe(state, 0, cfg)             # > inline_max: a blob, read from eu's mirror
+
+        patched: dict[str, int] = {}
+
+        async def on_beat(msg):
+            hb = decode_event(msg.data, Heartbeat)      # every beat carries the engine's version
+            patched[hb.component_id] = max(patched.get(hb.component_id, -1), hb.version)
+        await hub.nc.subscribe("rl.heartbeat.rollout_worker.>", cb=on_beat)
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        for i in range(2):
+            env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1",
+                   "ASYNCRL_BUS__SERVERS": lab.regions["eu"].url, "ASYNCRL_BUS__JS_DOMAIN": topo.HUB_DOMAIN,
+                   "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu", "ASYNCRL_BUS__TOPOLOGY__STORAGE": "memory",
+                   "ASYNCRL_WORKER_ID": f"eu-{i}", "ASYNCRL_SLOTS": "1", "ASYNCRL_MAX_LEN": "64",
+                   "ASYNCRL_HEARTBEAT_S": "0.5"}
+            log = open(tmp_path / f"eu-{i}.log", "wb")
+            procs.append(subprocess.Popen([sys.executable, "-m", "rollout_worker"], env=env, cwd=tmp_path,
+                                          stdout=log, stderr=subprocess.STDOUT))
+
+        def logs() -> str:
+            return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
+                             for p in sorted(tmp_path.glob("eu-*.log")))
+
+        async def until_all(v: int, timeout: float):
+            deadline = time.monotonic() + timeout
+            while not all(patched.get(f"eu-{i}", -1) >= v for i in range(2)):
+                dead = [p.returncode for p in procs if p.poll() is not None]
+                assert not dead and time.monotonic() < deadline, f"v{v} not everywhere: {patched}\n{logs()}"
+                await asyncio.sleep(0.05)
+        await until_all(0, 40)
+
+        for v in range(1, 2):             # (one version: two processes starting torch dominate the time)
+            new = _step(state, 0.2, v)
+            d = delta_codec.encode_delta(state, new, from_version=v - 1, to_version=v)
+            size = len(d.to_bytes())
+            await asyncio.sleep(0.6)      # heartbeats and the mirror's idle traffic only
+            before = await lab.counters()
+            await pub.publish_delta(d)
+            await until_all(v, 20)
+            await asyncio.sleep(0.3)
+            after = await lab.counters()
+            state = new
+            down = after["eu"]["down"]["bytes"] - before["eu"]["down"]["bytes"]
+            assert size < down < 1.5 * size, (v, down, size)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        await lab.close()
+
+
+async def test_python_m_bus_regions_declares_a_regions_mirrors(tmp_path):
+    """The one-shot an operator (or compose's region-mirrors) runs: env in, mirrors declared with
+    that retention on the region's own domain, idempotent; a bad retention is refused before
+    anything is touched."""
+    import json
+    import subprocess
+    import sys
+
+    from bus import BusConfig, connect
+    from bus.regions import mirror_status
+    lab = Lab(tmp_path, {"eu": LinkSpec(delay_ms=5)}, mirrors=False)
+    await lab.start()
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": root, "ASYNCRL_BUS__SERVERS": lab.regions["eu"].url,
+               "ASYNCRL_MIRROR__WEIGHTS_KEEP": "7", "ASYNCRL_MIRROR__STORAGE": "memory"}
+
+        def run(**extra):
+            return subprocess.run([sys.executable, "-m", "bus.regions"], env={**env, **extra}, cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=60)
+        bad = run(ASYNCRL_MIRROR__WEIGHTS_KEEP="0")
+        assert bad.returncode != 0 and "weights_keep" in bad.stderr
+        first, again = run(), run()
+        assert first.returncode == 0, first.stderr
+        assert json.loads(first.stdout.splitlines()[-1]) == {topo.WEIGHTS: "created", topo.BLOB_STREAM: "created"}
+        assert json.loads(again.stdout.splitlines()[-1]) == {topo.WEIGHTS: "unchanged", topo.BLOB_STREAM: "unchanged"}
+        b = await connect(BusConfig(servers=[lab.regions["eu"].url], name="check"))
+        try:
+            assert (await b.js.stream_info(topo.WEIGHTS)).config.max_msgs_per_subject == 7
+            assert not any(s.get("missing") for s in (await mirror_status(b.js)).values())
+        finally:
+            await b.close()
+    finally:
+        await lab.close()
