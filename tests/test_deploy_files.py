@@ -207,7 +207,7 @@ def test_compose_region_profile_points_workers_at_the_region_mirrors():
     svc = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
     region = {n: s for n, s in svc.items() if "region" in (s.get("profiles") or [])}
     assert set(region) == {"nats-region", "region-mirrors", "rollout_worker-region"}
-    assert not any(s.get("profiles") for n, s in svc.items() if n not in region | {"prometheus", "grafana"})  # the hub stays default
+    assert not any(s.get("profiles") for n, s in svc.items() if n not in set(region) | {"prometheus", "grafana"})  # the hub stays default
     server = read_env(ENV_DIR / "nats.env")
     nr = region["nats-region"]
     assert nr["command"] == ["-c", "/etc/nats/asyncrl/region.conf"] and (DEPLOY / "nats" / "region.conf").is_file()

@@ -106,7 +106,7 @@ async def test_redelivery_of_a_held_batch_swaps_the_handle_and_is_not_acked(fres
 
 
 def write_config(path: Path, url: str, tid: str, tmp: Path, **extra) -> None:
-    model = ", ".join(f"{k} = {json.dumps(v)}" for k, v in MODEL.items())
+    model = ", ".join(f"{k} = {json.dumps(v)}" for k, v in MODEL.items() if v is not None)  # TOML has no null
     more = "\n".join(f"{k} = {json.dumps(v)}" for k, v in extra.items())
     path.write_text(f"""
 [trainer]

@@ -27,7 +27,7 @@ TTL = 3.0
 
 
 def write_config(path: Path, url: str, tid: str, tmp: Path) -> None:
-    model = ", ".join(f"{k} = {json.dumps(v)}" for k, v in MODEL.items())
+    model = ", ".join(f"{k} = {json.dumps(v)}" for k, v in MODEL.items() if v is not None)  # TOML has no null
     path.write_text(f"""
 [trainer]
 trainer_id = "{tid}"
