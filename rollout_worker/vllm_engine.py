@@ -107,11 +107,16 @@ class VLLMEngine:
     """Engine interface over vLLM's AsyncLLM, with deltas applied between two engine steps."""
 
     def __init__(self, cfg, *, model_config: dict | None = None, quant: policy.QuantConfig | None = None,
-                 eos_id: int | None = None, **engine_kw):
+                 eos_id: int | None = None, delta_transport: str = "delta", **engine_kw):
         if quant is not None and quant.sites:
             raise ValueError(f"the vLLM engine cannot run policy fake-quant sites {list(quant.sites)}; "
                              "use engine='torch' for quantisation replay")
+        if delta_transport not in ("delta", "layers"):
+            raise ValueError(f"delta_transport must be 'delta' or 'layers', got {delta_transport!r}")
         self.cfg = cfg
+        # "delta": the compressed delta goes into vLLM's worker, which decodes it there;
+        # "layers": the touched layers are re-sent whole (the earlier way; kept for comparison)
+        self.delta_transport = delta_transport
         self.slots = int(cfg.slots)
         self.eos_id = eos_id
         self.model_config = model_config
@@ -141,6 +146,9 @@ class VLLMEngine:
         self._update_lock = asyncio.Lock()
         self._reqs: dict[str, _Req] = {}
         self._dirty = False                   # a failed push may have left vLLM half-updated
+        self._ready = asyncio.Event()         # clear while dirty: no generation until a keyframe
+        self._ready.set()
+        self.in_place = False                 # the worker applies deltas to device tensors in place
         self._stall_from: tuple[float, float] | None = None   # (apply_s, last token before it)
         self._last_out: float | None = None
         self._closed = False
@@ -172,7 +180,8 @@ class VLLMEngine:
             from vllm.v1.engine.async_llm import AsyncLLM
             t0 = time.perf_counter()
             llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._engine_args())
-            self.packed = (await llm.collective_rpc("asyncrl_packed_modules"))[0]
+            setup = (await llm.collective_rpc("asyncrl_setup", args=(dict(self.to_hf),)))[0]
+            self.packed, self.in_place = setup["packed"], bool(setup["in_place"])
             await llm.update_weight_version(self._label())
             self.llm = llm
             log.info("vllm engine started", model=str(self.model_dir), slots=self.slots,
@@ -181,6 +190,7 @@ class VLLMEngine:
     async def close(self) -> None:
         """Stop: unfinished sequences fail with EngineClosed (the worker releases their tasks)."""
         self._closed = True
+        self._ready.set()                     # waiters wake up and see the engine closed
         llm, self.llm = self.llm, None
         if llm is not None:
             ids = list(self._reqs)
@@ -194,12 +204,18 @@ class VLLMEngine:
             self._tmp = None
 
     @property
+    def needs_keyframe(self) -> bool:
+        """A push failed: only a keyframe (any version of this epoch or later) brings it back."""
+        return self._dirty
+
+    @property
     def free_slots(self) -> int:
         return self.slots - len(self._reqs)
 
     def stats(self) -> dict:
         return {**self.metrics.snapshot(), "version": self.version, "epoch": self.epoch,
-                "slots": self.slots, "active": len(self._reqs), "waiting": 0}
+                "slots": self.slots, "active": len(self._reqs), "waiting": 0,
+                "needs_keyframe": self._dirty, "delta_transport": self.delta_transport}
 
     # -- generation ----------------------------------------------------------------------
     def _label(self) -> str:
@@ -231,6 +247,11 @@ class VLLMEngine:
                              f"the engine's max_len {self.max_len}")
         vsp = self._sampling(sampling, seed)
         await self.start()
+        if not self._ready.is_set():          # a failed push: wait for the keyframe that repairs it
+            log.info("generation waits for a keyframe (a weight push failed)")
+            await self._ready.wait()
+            if self._closed or self.llm is None:
+                raise EngineClosed("engine is closed")
         from vllm.inputs import TokensPrompt
         rid, req, t0 = uuid.uuid4().hex, _Req(), time.perf_counter()
         self._reqs[rid] = req
@@ -321,13 +342,15 @@ class VLLMEngine:
                 raise EngineClosed("engine is closed")
             if self.state is None:
                 raise WeightUpdateError("no keyframe loaded: a delta needs a base")
+            if self._dirty:
+                raise WeightUpdateError("a weight push failed: the engine needs a keyframe before any delta")
             check_delta(self.version, self.epoch, delta, epoch)
             changed = [n for n, st in delta.stats.per_tensor.items() if st["changed"]]
             backup = {n: self.state[n].clone() for n in changed if n in self.state}
             # digests checked; DeltaError -> unchanged. In a thread: vLLM's outputs keep streaming
             await asyncio.to_thread(delta_codec.apply_delta, self.state, delta)
             try:
-                await self._push(changed, delta.to_version, epoch)
+                await self._push(changed, delta.to_version, epoch, delta=delta)
             except BaseException:
                 self.state.update(backup)
                 raise
@@ -376,6 +399,16 @@ class VLLMEngine:
         if bad:
             raise ValueError(f"keyframe tensor shapes differ from the model: {bad[:5]}")
 
+    async def _failed_push(self, version: int, err: BaseException) -> None:
+        """vLLM stays paused (its requests and KV kept) until a keyframe push succeeds."""
+        self.version = -1                     # no version: any keyframe moves the engine forward
+        log.error("weight push failed: generation paused until a keyframe loads", version=version,
+                  error=f"{type(err).__name__}: {err}")
+        try:                                  # close the worker's update session if it is still open
+            await self.llm.finish_weight_update()
+        except Exception:
+            pass
+
     def _payload(self, changed: list[str]) -> tuple[list[str], list[list]]:
         """Every HF tensor of every layer a changed tensor belongs to, in chunks of whole layers."""
         hf_state = {self._hf(k): k for k in self.state}
@@ -394,10 +427,25 @@ class VLLMEngine:
             chunks.append(cur)
         return touched, chunks
 
-    async def _push(self, changed: list[str], version: int, epoch: int) -> None:
-        """One token boundary: pause (requests and KV kept), reload the touched layers, relabel, resume."""
+    def _delta_payload(self, changed: list[str], delta) -> tuple[list[str], list[dict]]:
+        touched = sorted({layer_key(self._hf(k), self.packed) for k in changed})
+        return touched, [{"delta": delta.to_bytes()}]
+
+    async def _push(self, changed: list[str], version: int, epoch: int, delta=None) -> None:
+        """One token boundary: pause (requests and KV kept), update the touched layers, relabel, resume.
+
+        A delta goes as the compressed container (vLLM's worker decodes it into its own copy and
+        reloads the touched layers; `delta_transport="layers"` re-sends them whole instead);
+        keyframes send the tensors that differ. A push that fails once vLLM is paused leaves the
+        engine paused, at version -1 and dirty: nothing is generated on half-updated weights, every
+        delta is refused, and the feed's resync loads the latest keyframe (any keyframe of this
+        epoch or later is newer than version -1), which pushes every tensor and resumes."""
         await self.start()
-        touched, chunks = await asyncio.to_thread(self._payload, changed)
+        if delta is not None and self.delta_transport == "delta":
+            touched, chunks = await asyncio.to_thread(self._delta_payload, changed, delta)
+        else:
+            touched, chunks = await asyncio.to_thread(self._payload, changed)
+            chunks = [{"tensors": c} for c in chunks]
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
         t0 = time.perf_counter()
         in_flight = bool(self._reqs)
@@ -406,17 +454,22 @@ class VLLMEngine:
         t1 = time.perf_counter()
         try:
             self._dirty = True
+            self._ready.clear()
             await self.llm.start_weight_update()
             for c in chunks:
-                await self.llm.update_weights(WeightTransferUpdateRequest(update_info={"tensors": c}))
+                await self.llm.update_weights(WeightTransferUpdateRequest(update_info=c))
             await self.llm.finish_weight_update(weight_version=f"{version}@{epoch}")
             self.version, self.epoch = version, epoch
             self._dirty = False
-        except Exception as e:
-            raise WeightUpdateError(f"pushing v{version} into vLLM failed: {e}") from e
-        finally:
-            t2 = time.perf_counter()
-            await self.llm.resume_generation()
+        except BaseException as e:
+            await self._failed_push(version, e)
+            if isinstance(e, Exception):
+                raise WeightUpdateError(f"pushing v{version} into vLLM failed (engine paused until a "
+                                        f"keyframe loads): {e}") from e
+            raise
+        t2 = time.perf_counter()
+        await self.llm.resume_generation()
+        self._ready.set()
         apply_s = time.perf_counter() - t0
         if in_flight and last_out is not None:      # recorded with the stall at the next token
             if self._stall_from is not None:        # two updates before one token: count both

@@ -10,6 +10,7 @@ and reaches this code only through vLLM's RPC.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,11 +67,23 @@ class DeltaInitInfo(WeightTransferInitInfo):
 @dataclass
 class DeltaUpdateInfo(WeightTransferUpdateInfo):
     tensors: list = field(default_factory=list)    # [[hf_name, dtype, shape, bytes], ...], whole layers
+    delta: bytes | None = None                     # or one delta_codec container (publisher names)
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the test hook (`asyncrl_fail_next_push`) between two module reloads."""
 
 
 class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
-    """Loads whole layers in place: layerwise reload of just the touched modules, so their kernel
-    processing (fused q/k/v, packed CPU GEMM weights) is redone and every other layer is left alone."""
+    """Takes whole layers (keyframes) or a compressed delta and reloads only the touched modules.
+
+    On CPU it keeps a bf16 copy of the HF tensors (`shadow`): a delta is decoded into it
+    (digest-checked, all-or-nothing) and the touched modules are reloaded from it through
+    layerwise reload, which re-runs their kernel processing (fused q/k/v, the CPU GEMM's packed
+    weights); every other module is left alone. On a CUDA device with plain bf16 parameters
+    that are views of the HF tensors, the delta is applied in place to the live parameters
+    (delta_codec's device path: the Triton kernel) and nothing is reloaded.
+    """
     init_info_cls = DeltaInitInfo
     update_info_cls = DeltaUpdateInfo
     supports_draft_weight_update = False
@@ -79,29 +92,126 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
         pass                           # payloads ride the RPC itself: nothing to connect
 
     def start_weight_update(self) -> None:
-        pass                           # each update_weights call is a complete set of layers
+        pass                           # each update_weights call is complete in itself
 
     def finish_weight_update(self) -> None:
         pass
 
+    # -- setup -----------------------------------------------------------------------------
+    def setup(self, to_hf: dict[str, str]) -> None:
+        """Publisher name -> HF name map; the shadow is read from the checkpoint vLLM loaded."""
+        self.to_hf = dict(to_hf)
+        self.fail_after: int | None = None
+        self.shadow: dict[str, torch.Tensor] = {}
+        self._views: dict[str, torch.Tensor] | None = None
+        self.in_place = self.device.type == "cuda" and self.parallel_config.world_size == 1
+        if not self.in_place or self._device_views() is None:
+            self.in_place = False
+            self.shadow = read_checkpoint(self.model_config.model)
+
+    def _hf(self, name: str) -> str:
+        return self.to_hf.get(name, name)
+
+    def _device_views(self) -> dict[str, torch.Tensor] | None:
+        """HF name -> the slice of the live parameter it is (fused q/k/v and gate/up are row
+        blocks, in `packed_modules_mapping` order; a padded vocabulary is a row prefix), or None
+        when some tensor is not such a view (quantised, sharded, reshaped): then the shadow path.
+        UNTESTED here (no GPU on the project's CI box)."""
+        if self._views is not None:
+            return self._views
+        from safetensors import safe_open
+        shapes = {}
+        for f in checkpoint_files(self.model_config.model):
+            with safe_open(str(f), framework="pt") as fh:
+                shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+        packed = getattr(self.model, "packed_modules_mapping", {}) or {}
+        views = {}
+        for key, members in layer_groups(shapes, packed).items():
+            try:
+                mod = self.model.get_submodule(key)
+            except AttributeError:
+                continue                          # not loaded by vLLM (e.g. rotary buffers)
+            leaf, parent = key.rpartition(".")[2], key.rpartition(".")[0]
+            parts = packed.get(leaf, [leaf])
+            for pn, p in mod.named_parameters(recurse=False):
+                if p.dtype != torch.bfloat16 or not p.is_contiguous() or p.device.type != "cuda":
+                    return None
+                row = 0
+                for part in parts:
+                    hf = f"{parent}.{part}.{pn}" if parent else f"{part}.{pn}"
+                    if hf not in shapes:
+                        return None
+                    shp = shapes[hf]
+                    if tuple(p.shape[1:]) != shp[1:] or row + shp[0] > p.shape[0]:
+                        return None
+                    views[hf] = p.data[row:row + shp[0]]      # contiguous: a block of whole rows
+                    row += shp[0]
+                if len(parts) > 1 and row != p.shape[0]:
+                    return None
+        self._views = views
+        return views
+
+    # -- updates ---------------------------------------------------------------------------
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
         if torch.accelerator.is_available():          # GPU copies are async; CPU ones are done
             torch.accelerator.synchronize()
 
     def receive_weights(self, info: DeltaUpdateInfo) -> None:
-        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                             initialize_layerwise_reload)
+        if info.delta is not None:
+            self._apply_delta(info.delta)
+            return
         weights = [unpack_tensor(r) for r in info.tensors]
         modules = self._modules_for([n for n, _ in weights])   # validates before touching anything
-        for m in modules:
-            initialize_layerwise_reload(m)
-        self.model.load_weights(iter(weights))
-        for m in modules:
-            finalize_layerwise_reload(m, self.model_config)
+        if self.shadow:
+            for n, t in weights:
+                if n in self.shadow and self.shadow[n].shape == t.shape:
+                    self.shadow[n].copy_(t)
+                else:
+                    self.shadow[n] = t.to(torch.bfloat16)
+        self._views = None                                     # reloaded parameters are new tensors
+        self._reload(modules, dict(weights))
 
-    def _modules_for(self, names: list[str]) -> list[torch.nn.Module]:
-        packed = getattr(self.model, "packed_modules_mapping", {}) or {}
+    def _apply_delta(self, blob: bytes) -> None:
+        import delta_codec
+        d = delta_codec.Delta.from_bytes(blob)
+        changed = [n for n, st in d.stats.per_tensor.items() if st["changed"]]
+        if self.in_place:
+            views = self._device_views()
+            target = {n: views[self._hf(n)] for n in d.names if self._hf(n) in views}
+            if len(target) == len(d.names):
+                delta_codec.apply_delta(target, d)             # Triton on device; all-or-nothing
+                return
+            raise ValueError(f"delta names without a device view: "
+                             f"{sorted(n for n in d.names if self._hf(n) not in views)[:5]}")
+        absent = sorted(n for n in d.names if self._hf(n) not in self.shadow)
+        if absent:
+            raise ValueError(f"delta tensors not in the vLLM model's checkpoint: {absent[:5]}")
+        delta_codec.apply_delta({n: self.shadow[self._hf(n)] for n in d.names}, d)   # all-or-nothing
+        groups = layer_groups(self.shadow, self._packed())
+        touched = sorted({layer_key(self._hf(n), self._packed()) for n in changed})
+        members = [h for key in touched for h in groups[key]]     # whole layers: fused q/k/v, gate/up
+        modules = self._modules_for(members)
+        self._reload(modules, {h: self.shadow[h] for h in members})
+
+    def _reload(self, modules: list[tuple[torch.nn.Module, list[str]]], weights: dict[str, torch.Tensor]) -> None:
+        """Layerwise reload, one module at a time (a failure leaves whole modules, old or new)."""
+        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                             initialize_layerwise_reload)
+        for i, (mod, names) in enumerate(modules):
+            if self.fail_after is not None and i >= self.fail_after:
+                self.fail_after = None
+                raise InjectedFailure(f"test hook: push failed after {i} of {len(modules)} modules")
+            initialize_layerwise_reload(mod)
+            # copies: the loader may keep what it is given, and the shadow changes with the next delta
+            self.model.load_weights((n, weights[n].clone()) for n in names)
+            finalize_layerwise_reload(mod, self.model_config)
+
+    def _packed(self) -> dict[str, list[str]]:
+        return getattr(self.model, "packed_modules_mapping", {}) or {}
+
+    def _modules_for(self, names: list[str]) -> list[tuple[torch.nn.Module, list[str]]]:
+        packed = self._packed()
         mods = []
         for key, members in layer_groups(names, packed).items():
             try:
@@ -114,11 +224,28 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
                       for p in parts for pn, _ in mod.named_parameters(recurse=False)}
             if set(members) != expect:
                 raise ValueError(f"layer {key} needs exactly {sorted(expect)}, got {sorted(members)}")
-            mods.append(mod)
+            mods.append((mod, members))
         return mods
 
     def shutdown(self) -> None:
         pass
+
+
+def checkpoint_files(folder) -> list[Path]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    return files
+
+
+def read_checkpoint(folder) -> dict[str, torch.Tensor]:
+    """The HF tensors of a checkpoint folder, in bf16 (the dtype the engine serves)."""
+    from safetensors import safe_open
+    out = {}
+    for f in checkpoint_files(folder):
+        with safe_open(str(f), framework="pt") as fh:
+            out.update({k: fh.get_tensor(k).to(torch.bfloat16).contiguous() for k in fh.keys()})
+    return out
 
 
 try:
@@ -131,6 +258,14 @@ class DeltaWorkerExtension:
     """Mixed into vLLM's worker (worker_extension_cls): importing this module in the worker
     process registers the backend above; the methods are reachable via collective_rpc."""
 
-    def asyncrl_packed_modules(self) -> dict[str, list[str]]:
+    def asyncrl_setup(self, to_hf: dict[str, str]) -> dict:
+        """Called once after start: name map in, the model's fused-module map and mode out."""
+        eng = self.weight_transfer_engine
+        eng.setup(to_hf)
         model = self.model_runner.get_model()
-        return {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", {}) or {}).items()}
+        return {"packed": {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", {}) or {}).items()},
+                "in_place": eng.in_place}
+
+    def asyncrl_fail_next_push(self, after_modules: int) -> None:
+        """Test hook: the next push fails after reloading `after_modules` modules."""
+        self.weight_transfer_engine.fail_after = int(after_modules)
