@@ -404,10 +404,11 @@ class VLLMEngine:
         self.version = -1                     # no version: any keyframe moves the engine forward
         log.error("weight push failed: generation paused until a keyframe loads", version=version,
                   error=f"{type(err).__name__}: {err}")
-        try:                                  # close the worker's update session if it is still open
-            await self.llm.finish_weight_update()
-        except Exception:
-            pass
+        if not isinstance(err, Exception):    # cancelled mid-push: vLLM's session may still be open
+            try:                              # (a failed vLLM call has already closed it)
+                await self.llm.finish_weight_update()
+            except Exception:
+                pass
 
     def _payload(self, changed: list[str]) -> tuple[list[str], list[list]]:
         """Every HF tensor of every layer a changed tensor belongs to, in chunks of whole layers."""
