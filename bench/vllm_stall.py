@@ -11,9 +11,10 @@ so both see the same load on a shared machine.
 
 step_gap_ms_p50            median gap between two tokens of one request (includes the stalls:
                            the median is the decode step without updates)
-stall_ms_p50 / p99         per transport: last token before the update -> first token after
-stall_steps_p50 / p99      stall / step_gap_ms_p50 (the stall in decode steps)
-apply_ms_p50               per transport: pause -> push -> resume, as the client sees it
+transport_delta / _layers  per transport:
+  stall_ms_p50 / p99       last token before the update -> first token after
+  stall_steps_p50 / p99    stall / step_gap_ms_p50 (the stall in decode steps)
+  apply_ms_p50             pause -> push -> resume, as the client sees it
 ratio_stall_p50            layers / delta
 """
 from __future__ import annotations
@@ -103,16 +104,16 @@ async def run(a) -> dict:
         r.cancel()
     await asyncio.gather(*runners, return_exceptions=True)
     tmp.cleanup()
-    out = {"params": n_params, "hidden": a.hidden, "layers": a.layers, "vocab": a.vocab, "slots": a.slots,
+    out = {"params": n_params, "hidden": a.hidden, "n_layers": a.layers, "vocab": a.vocab, "slots": a.slots,
            "frac": a.frac, "delta_bytes_mean": float(np.mean([d.nbytes for d in deltas])),
            "bf16_bytes": 2 * n_params, "start_s": round(start_s, 1), "step_gap_ms_p50": round(gap, 2)}
     for mode, r in res.items():
-        out[mode] = {"n": len(r["stall"]), "stall_ms_p50": round(pct(r["stall"], 50), 1),
+        out[f"transport_{mode}"] = {"n": len(r["stall"]), "stall_ms_p50": round(pct(r["stall"], 50), 1),
                      "stall_ms_p99": round(pct(r["stall"], 99), 1),
                      "stall_steps_p50": round(pct(r["stall"], 50) / gap, 2),
                      "stall_steps_p99": round(pct(r["stall"], 99) / gap, 2),
                      "apply_ms_p50": round(pct(r["apply"], 50), 1)}
-    out["ratio_stall_p50"] = round(out["layers"]["stall_ms_p50"] / out["delta"]["stall_ms_p50"], 2)
+    out["ratio_stall_p50"] = round(out["transport_layers"]["stall_ms_p50"] / out["transport_delta"]["stall_ms_p50"], 2)
     return out
 
 

@@ -485,6 +485,8 @@ class VLLMEngine:
             self._stall_from = (apply_s, last_out)
         else:
             self.metrics.update(apply_s, None)
+        sent = sum(len(c["delta"]) if "delta" in c else sum(len(r[3]) for r in c["tensors"]) for c in chunks)
         log.info("weights updated", version=version, epoch=epoch, layers=len(touched),
-                 tensors=sum(len(c) for c in chunks), apply_ms=round(apply_s * 1e3, 1),
+                 transport="delta" if chunks and "delta" in chunks[0] else "tensors",
+                 sent_mb=round(sent / 2**20, 2), apply_ms=round(apply_s * 1e3, 1),
                  pause_ms=round((t1 - t0) * 1e3, 1), load_ms=round((t2 - t1) * 1e3, 1))
