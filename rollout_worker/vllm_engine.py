@@ -155,6 +155,7 @@ class VLLMEngine:
         self._ready = asyncio.Event()         # clear while dirty: no generation until a keyframe
         self._ready.set()
         self.in_place = False                 # the worker applies deltas to device tensors in place
+        self.last_sent_bytes = 0              # payload of the last push over vLLM's RPC
         self._stall_from: tuple[float, float] | None = None   # (apply_s, last token before it)
         self._last_out: float | None = None
         self._closed = False
@@ -221,7 +222,8 @@ class VLLMEngine:
     def stats(self) -> dict:
         return {**self.metrics.snapshot(), "version": self.version, "epoch": self.epoch,
                 "slots": self.slots, "active": len(self._reqs), "waiting": 0,
-                "needs_keyframe": self._dirty, "delta_transport": self.delta_transport, "in_place": self.in_place}
+                "needs_keyframe": self._dirty, "delta_transport": self.delta_transport, "in_place": self.in_place,
+                "update_sent_bytes": self.last_sent_bytes}
 
     # -- generation ----------------------------------------------------------------------
     def _label(self) -> str:
@@ -486,6 +488,7 @@ class VLLMEngine:
         else:
             self.metrics.update(apply_s, None)
         sent = sum(len(c["delta"]) if "delta" in c else sum(len(r[3]) for r in c["tensors"]) for c in chunks)
+        self.last_sent_bytes = sent
         log.info("weights updated", version=version, epoch=epoch, layers=len(touched),
                  transport="delta" if chunks and "delta" in chunks[0] else "tensors",
                  sent_mb=round(sent / 2**20, 2), apply_ms=round(apply_s * 1e3, 1),

@@ -161,7 +161,11 @@ async def test_delta_into_fused_layer_reloads_whole_layer(engine, ref):
     name = "model.layers.0.self_attn.q_proj.weight"
     g = torch.Generator().manual_seed(3)
     new[name] = (old[name].float() + torch.randn(old[name].shape, generator=g) * 0.3).to(torch.bfloat16)
-    await engine.apply_delta(delta_codec.encode_delta(old, new, from_version=v, to_version=v + 1), epoch=1)
+    delta = delta_codec.encode_delta(old, new, from_version=v, to_version=v + 1)
+    await engine.apply_delta(delta, epoch=1)
+    # what crossed into vLLM's worker is the compressed delta, not the q/k/v layer it touched
+    layer_bytes = sum(old[k].numel() * 2 for k in old if ".layers.0.self_attn." in k and "o_proj" not in k)
+    assert engine.stats()["update_sent_bytes"] == len(delta.to_bytes()) < layer_bytes
     out = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=16), seed=4)
     assert out.token_versions == [v + 1] * 16
     want = lp_of(ref.logits(new, PROMPT, out.completion_ids), out.completion_ids)
