@@ -203,8 +203,10 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
                 self.fail_after = None
                 raise InjectedFailure(f"test hook: push failed after {i} of {len(modules)} modules")
             initialize_layerwise_reload(mod)
-            # copies: the loader may keep what it is given, and the shadow changes with the next delta
-            self.model.load_weights((n, weights[n].clone()) for n in names)
+            # no copies: the loaders copy into the (re-materialised) parameters; and even a loader
+            # that kept a reference would only see the copy change inside a later push (vLLM
+            # paused), which reloads that module anyway or fails and waits for a keyframe
+            self.model.load_weights((n, weights[n]) for n in names)
             finalize_layerwise_reload(mod, self.model_config)
 
     def _packed(self) -> dict[str, list[str]]:
