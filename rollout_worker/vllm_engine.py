@@ -410,6 +410,7 @@ class VLLMEngine:
     async def _failed_push(self, version: int, err: BaseException) -> None:
         """vLLM stays paused (its requests and KV kept) until a keyframe push succeeds."""
         self.version = -1                     # no version: any keyframe moves the engine forward
+        self._ready.clear()
         log.error("weight push failed: generation paused until a keyframe loads", version=version,
                   error=f"{type(err).__name__}: {err}")
         if not isinstance(err, Exception):    # cancelled mid-push: vLLM's session may still be open
@@ -463,7 +464,6 @@ class VLLMEngine:
         t1 = time.perf_counter()
         try:
             self._dirty = True
-            self._ready.clear()
             await self.llm.start_weight_update()
             for c in chunks:
                 await self.llm.update_weights(WeightTransferUpdateRequest(update_info=c))
