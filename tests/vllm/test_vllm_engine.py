@@ -161,7 +161,11 @@ async def test_delta_into_fused_layer_reloads_whole_layer(engine, ref):
     name = "model.layers.0.self_attn.q_proj.weight"
     g = torch.Generator().manual_seed(3)
     new[name] = (old[name].float() + torch.randn(old[name].shape, generator=g) * 0.3).to(torch.bfloat16)
-    await engine.apply_delta(delta_codec.encode_delta(old, new, from_version=v, to_version=v + 1), epoch=1)
+    delta = delta_codec.encode_delta(old, new, from_version=v, to_version=v + 1)
+    await engine.apply_delta(delta, epoch=1)
+    # what crossed into vLLM's worker is the compressed delta, not the q/k/v layer it touched
+    layer_bytes = sum(old[k].numel() * 2 for k in old if ".layers.0.self_attn." in k and "o_proj" not in k)
+    assert engine.stats()["update_sent_bytes"] == len(delta.to_bytes()) < layer_bytes
     out = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=16), seed=4)
     assert out.token_versions == [v + 1] * 16
     want = lp_of(ref.logits(new, PROMPT, out.completion_ids), out.completion_ids)
@@ -193,6 +197,92 @@ async def test_bad_updates_are_refused_and_generation_goes_on(engine, ref):
         await engine.generate(PROMPT, SamplingParams(max_tokens=400), seed=0)
     with pytest.raises(ValueError, match="does not match"):
         await engine.load_keyframe({k: t for k, t in state.items() if k != "lm_head.weight"}, v + 5, 1)
+
+
+def perturbed(state: dict, seed: int, frac: float = 0.3, scale: float = 0.1) -> dict:
+    """Every tensor changed (so every module is reloaded), by clearly visible amounts."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, t in state.items():
+        noise = torch.randn(t.shape, generator=g) * scale * (torch.rand(t.shape, generator=g) < frac)
+        out[k] = (t.float() + noise).to(torch.bfloat16)
+    return out
+
+
+async def test_failed_push_generates_nothing_until_a_keyframe_loads(engine, ref):
+    """A push that fails half-way (test hook in vLLM's worker: after the first of the touched
+    modules is reloaded) leaves vLLM on half-updated weights: neither the in-flight request nor a
+    new one may get a token until a keyframe has been loaded, and deltas are refused meanwhile."""
+    from rollout_worker.engine import WeightUpdateError
+    v = engine.version
+    old = {k: t.clone() for k, t in engine.state.items()}
+    new = perturbed(old, seed=31)
+    sp = SamplingParams(temperature=1.0, max_tokens=64)
+    task = asyncio.create_task(engine.generate(PROMPT, sp, seed=21))
+    await _wait_tokens(engine, 4)
+    await engine.llm.collective_rpc("asyncrl_fail_next_push", args=(1,))
+    with pytest.raises(WeightUpdateError, match="test hook"):
+        await engine.apply_delta(delta_codec.encode_delta(old, new, from_version=v, to_version=v + 1), epoch=1)
+    assert engine.needs_keyframe and engine.version == -1
+    (req,) = engine._reqs.values()
+    at_fail = len(req.tokens)
+    late = asyncio.create_task(engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=12), seed=22))
+    await asyncio.sleep(3.0)
+    assert not task.done() and not late.done()
+    assert len(req.tokens) == at_fail                                  # not one token on half-updated weights
+    with pytest.raises(WeightUpdateError, match="needs a keyframe"):
+        await engine.apply_delta(delta_codec.encode_delta(old, new, from_version=v, to_version=v + 1), epoch=1)
+    kf = perturbed(new, seed=32)
+    await engine.load_keyframe(kf, version=v + 7, epoch=1)
+    assert not engine.needs_keyframe and engine.version == v + 7
+    out, fresh = await asyncio.wait_for(asyncio.gather(task, late), 120)
+    assert out.token_versions == [v] * at_fail + [v + 7] * (64 - at_fail)
+    assert fresh.token_versions == [v + 7] * 12
+    want = lp_of(ref.logits(kf, PROMPT, fresh.completion_ids), fresh.completion_ids)
+    assert close(fresh.logprobs, want), (torch.tensor(fresh.logprobs) - want).abs()
+    assert not close(want, lp_of(ref.logits(new, PROMPT, fresh.completion_ids), fresh.completion_ids))
+
+
+async def test_feed_resyncs_a_failed_push_from_an_older_keyframe(engine, ref, bus):
+    """Through the real WeightFeed: a push fails, the feed resyncs and loads the latest keyframe
+    although it is older than the engine's last version, then replays the deltas after it; the
+    weights served are then exactly the trainer's (logprobs = replay of the final state)."""
+    from bus.weights import WeightFeed, WeightPublisher
+    base = {k: t.clone() for k, t in engine.state.items()}
+    states = [perturbed(base, seed=40)]
+    for i in range(1, 3):
+        states.append(perturbed(states[-1], seed=40 + i))
+    pub = WeightPublisher(bus, epoch=2, trainer_id="t")
+    await pub.publish_keyframe(states[0], 10, {"vocab_size": VOCAB})
+    feed, stop = WeightFeed(bus, poll_s=0.2, name="vllm-test"), asyncio.Event()
+    follow = asyncio.create_task(feed.follow(engine, stop))
+    try:
+        await _until(lambda: engine.version == 10)
+        await pub.publish_delta(delta_codec.encode_delta(states[0], states[1], from_version=10, to_version=11))
+        await _until(lambda: engine.version == 11)
+        await engine.llm.collective_rpc("asyncrl_fail_next_push", args=(1,))
+        await pub.publish_delta(delta_codec.encode_delta(states[1], states[2], from_version=11, to_version=12))
+        await _until(lambda: engine.version == 12, timeout=120)
+    finally:
+        stop.set()
+        await follow
+        await feed.close()
+    assert feed.refused["apply"] >= 1 and feed.applied["keyframe"] >= 1 and feed.resyncs >= 1
+    assert not engine.needs_keyframe
+    out = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=16), seed=23)
+    assert out.token_versions == [12] * 16 and out.epoch == 2
+    want = lp_of(ref.logits(states[2], PROMPT, out.completion_ids), out.completion_ids)
+    assert close(out.logprobs, want), (torch.tensor(out.logprobs) - want).abs()
+    half = lp_of(ref.logits(states[1], PROMPT, out.completion_ids), out.completion_ids)
+    assert not close(half, want)                   # the two versions are told apart at this tolerance
+
+
+async def _until(cond, timeout: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not met in time"
+        await asyncio.sleep(0.05)
 
 
 def test_quant_sites_refused(ckpt):

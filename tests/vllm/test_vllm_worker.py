@@ -21,6 +21,8 @@ from tests.test_worker_process import CFG, TOK, publish_tasks, read_stream, stat
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
+ATOL, RTOL = 0.08, 0.05      # bf16 vLLM kernels vs policy's fp32 replay on the same bf16 weights
+
 
 async def test_vllm_worker_hot_patches_and_replays(bus, fresh_server):
     states = [{k: v.to(torch.bfloat16) for k, v in s.items()} for s in states_for(2, seed=7)]
@@ -36,6 +38,7 @@ async def test_vllm_worker_hot_patches_and_replays(bus, fresh_server):
     await run
 
     rollouts = await read_stream(bus, topo.ROLLOUTS, Rollout)
+    on_v1, old_ref_v1 = [], []
     assert sorted(r.rollout_id for r in rollouts) == sorted(f"{t}-{i}" for t in ids for i in range(2))
     for r in rollouts:
         assert len(r.completion_ids) == len(r.logprobs) == len(r.token_versions) == r.cost_tokens > 0
@@ -43,9 +46,19 @@ async def test_vllm_worker_hot_patches_and_replays(bus, fresh_server):
         assert r.prompt_ids == TOK.encode(r.prompt, bos=True) and r.finish_reason in ("stop", "length")
         ref = reference_logprobs({0: states[0], 1: states[1]}, r.prompt_ids, r.completion_ids,
                                  r.token_versions, cfg=CFG)
-        torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=0.08, rtol=0.05)
+        torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=ATOL, rtol=RTOL)
+        if 1 in r.token_versions:            # negative control: the same tokens replayed on v0 only
+            old = reference_logprobs({0: states[0]}, r.prompt_ids, r.completion_ids,
+                                     [0] * len(r.completion_ids), cfg=CFG)
+            at_v1 = torch.tensor(r.token_versions) == 1
+            on_v1.append(torch.tensor(r.logprobs)[at_v1])
+            old_ref_v1.append(old[at_v1])
         assert policy.SamplingMask.from_wire(r.sampling_mask).counts.size == len(r.completion_ids)
     assert any(1 in r.token_versions for r in rollouts)
+    # the tolerance above is tighter than the old-vs-new weights gap: v1 tokens replayed on v0 fail it
+    got, wrong = torch.cat(on_v1), torch.cat(old_ref_v1)
+    assert not torch.allclose(got, wrong, atol=ATOL, rtol=RTOL)
+    assert (got - wrong).abs().mean() > 2 * ATOL, (got - wrong).abs().mean()
     assert any(len(set(r.token_versions)) > 1 for r in rollouts)       # the delta landed mid-sequence
     st = worker.snapshot()
     assert st["version"] == 1 and st["tokens_per_s"] > 0 and st["updates"] >= 1
