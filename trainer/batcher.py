@@ -173,7 +173,7 @@ class Batcher:
         for gi, tid in enumerate(ready[: cfg.batch_groups]):
             for s in self.groups.pop(tid).values():
                 s.group = gi
-                s.lag = version - min(s.rollout.token_versions, default=version)
+                s.lag = version - min((v for v in s.rollout.token_versions if v >= 0), default=version)  # -1: observation
                 samples.append(s)
         self.inflight.update(s.rollout.rollout_id for s in samples)
         sizes = {}
