@@ -235,12 +235,18 @@ async def handle_episode_task(worker, task: Task, ctx) -> None:
         return await worker._park(ctx, task, f"bad episode task: {e}")          # noqa: SLF001
     worker.group_hint = sp.n
     await worker._wait_until(lambda: worker.engine.version >= task.min_version and worker.admissible())  # noqa: SLF001
+    subject = topo.rollout_subject(task.env)
+
+    async def one(i: int) -> None:
+        # each episode is published as soon as it ends: a stuck sibling must not hold the group's
+        # finished members back (the trainer closes a group after group_timeout_s with what came)
+        r = await runner.run(task, sp, i)
+        await worker.bus.publish(subject, r)
+        worker.rollouts += 1
     try:
-        rollouts = await asyncio.gather(*(runner.run(task, sp, i) for i in range(sp.n)))
+        await asyncio.gather(*(one(i) for i in range(sp.n)))
     except EngineClosed as e:
         raise TransientError(f"released: {e}", delay=0) from None
     except (ValueError, TypeError) as e:
         return await worker._park(ctx, task, str(e))                             # noqa: SLF001
-    await asyncio.gather(*(worker.bus.publish(topo.rollout_subject(task.env), r) for r in rollouts))
-    worker.rollouts += len(rollouts)
     worker.tasks_done += 1

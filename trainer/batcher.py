@@ -98,7 +98,8 @@ class Batcher:
         self.groups: OrderedDict[str, dict[str, Sample]] = OrderedDict()   # task_id -> rollout_id -> sample
         self.inflight: set[str] = set()      # ids handed out in a batch that is not yet acked
         self.sub = None
-        self.counters = {"duplicates": 0, "invalid": 0, "received": 0}
+        self.counters = {"duplicates": 0, "invalid": 0, "received": 0, "timed_out": 0, "late": 0}
+        self.closed: OrderedDict[str, None] = OrderedDict()   # groups closed by group_timeout_s (bounded)
         self._last_hb = time.monotonic()
 
     @property
@@ -120,6 +121,11 @@ class Batcher:
             await self.bus.dlq(msg, str(e), topo.SCORED)
             return
         rid = rollout.rollout_id
+        if rollout.task_id in self.closed and rid not in self.inflight and rid not in self.consumed:
+            self.counters["late"] += 1              # its group was used without it (timed out): never trained
+            self.consumed.add([rid])
+            await msg.ack()
+            return
         group = self.groups.get(rollout.task_id, {})
         if rid in group and _stream_seq(group[rid].msg) == _stream_seq(msg):
             group[rid].msg = msg                    # redelivery of the message we hold: keep newest token
@@ -171,6 +177,12 @@ class Batcher:
             await self._heartbeat()
         samples: list[Sample] = []
         for gi, tid in enumerate(ready[: cfg.batch_groups]):
+            missing = (next(iter(self.groups[tid].values())).rollout.group_size or cfg.group_size) - len(self.groups[tid])
+            if missing > 0:                 # closed at its deadline: baseline from the members that came
+                self.counters["timed_out"] += missing
+                self.closed[tid] = None
+                while len(self.closed) > 100_000:
+                    self.closed.popitem(last=False)
             for s in self.groups.pop(tid).values():
                 s.group = gi
                 s.lag = version - min((v for v in s.rollout.token_versions if v >= 0), default=version)  # -1: observation
