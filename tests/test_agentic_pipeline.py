@@ -197,3 +197,40 @@ def test_trainer_loss_ignores_observation_tokens():
     assert torch.allclose(g0, g2, rtol=0, atol=1e-4 * float(g0.abs().max())), (g0 - g2).abs().max()
     g3 = _grads(learner, group(behav, None))
     assert (g0 - g3).abs().max() > 0.05 * g0.abs().max()                # the mask does change the loss
+
+
+async def test_episode_task_through_worker_scorer_and_batcher(bus, fresh_server, tmp_path):
+    """A multi-turn Task through the real worker handler, scorer and trainer batcher: one Rollout
+    per episode (schema 2), the scorer's reward from the episode and its cost in model tokens,
+    the learner's packed sample carrying the loss mask."""
+    from bus import BusConfig
+    from bus import topology as topo
+    from rollout_worker.worker import Worker, WorkerConfig
+    from scorer.service import Scorer, ScorerConfig
+    from trainer.batcher import Batcher, ConsumedIds
+    from trainer.learner import pack
+    from tests.test_trainer_bus import trainer_config
+    eng = TorchEngine(CFG, slots=2, max_len=2048, seed=4, eos_id=TOK.eos_id)
+    await eng.load_keyframe(no_special_state(4), 0, 0)
+    w = Worker(WorkerConfig(bus=BusConfig(servers=[fresh_server.url]), worker_id="w1"), bus, engine=eng)
+    limits = EpisodeLimits(max_turn_tokens=16, max_format_errors=2, command=BashLimits(wall_s=2.0))
+    task = Task(task_id="epx", env="swe", prompt="Fix calc.py.", spec=episode_spec(bug_task(), limits),
+                sampling={"max_tokens": 16, "n": 2})
+    await w.handle(task, ctx=None)
+    await eng.close()
+    assert w.rollouts == 2 and w.tasks_done == 1
+    stop = asyncio.Event()
+    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=[fresh_server.url]), cost_unit="tokens"), bus)
+    st = asyncio.create_task(scorer.run(stop, handle_signals=False))
+    b = Batcher(bus, trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=2), ConsumedIds(),
+                TOK.vocab_size)
+    await b.start()
+    batch = await b.next_batch(0, max_wait_s=30)
+    stop.set()
+    await st
+    assert batch is not None and sorted(batch.rollout_ids) == ["epx-0", "epx-1"]
+    for s in batch.samples:
+        assert s.scored.success == 0.0 and s.scored.cost == 32.0 and s.rollout.termination == "format"
+        assert s.lag == 0 and "episode format" in s.scored.reason
+    packed = pack(batch)
+    assert all(p.loss_mask and sum(p.loss_mask) == 32 and len(p.loss_mask) == len(p.completion_ids) for p in packed)
