@@ -234,3 +234,29 @@ async def test_episode_task_through_worker_scorer_and_batcher(bus, fresh_server,
         assert s.lag == 0 and "episode format" in s.scored.reason
     packed = pack(batch)
     assert all(p.loss_mask and sum(p.loss_mask) == 32 and len(p.loss_mask) == len(p.completion_ids) for p in packed)
+
+
+async def test_weight_update_between_turns_is_recorded_per_token():
+    """A new policy version lands while the first command runs: turn 1's tokens keep version 3,
+    later turns' tokens carry 4; the kept KV cache goes on (no re-prefill of earlier turns)."""
+    from envs.episode_pool import EpisodePool
+    eng = TorchEngine(CFG, slots=1, max_len=2048, seed=5, eos_id=TOK.eos_id)
+    await eng.load_keyframe(no_special_state(5), 3, 0)
+    new_state = no_special_state(6)
+
+    class UpdatingPool(EpisodePool):          # the real pool; a keyframe arrives during the first step
+        async def step(self, ep, action, n_tokens=None):
+            if ep.turns == 0:
+                await eng.load_keyframe(new_state, 4, 0)
+            return await super().step(ep, action, n_tokens)
+    runner = EpisodeRunner(eng, TOK, pool=UpdatingPool(), worker_id="w")
+    limits = EpisodeLimits(max_turn_tokens=8, max_format_errors=2, command=BashLimits(wall_s=2.0))
+    task = Task(task_id="v", env="swe", prompt="Fix calc.py.", spec=episode_spec(bug_task(), limits),
+                sampling={"max_tokens": 8, "n": 1})
+    try:
+        ro = await runner.run(task, SamplingParams(max_tokens=8, n=1), 0)
+    finally:
+        await eng.close()
+    model_versions = [v for v, m in zip(ro.token_versions, ro.loss_mask) if m]
+    assert model_versions == [3] * 8 + [4] * 8
+    assert eng.free_slots == 1                       # the slot came back after the episode
