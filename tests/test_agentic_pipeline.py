@@ -4,7 +4,6 @@ the scorer prices them, and the trainer's loss ignores observation tokens."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 import torch
@@ -204,7 +203,6 @@ async def test_episode_task_through_worker_scorer_and_batcher(bus, fresh_server,
     per episode (schema 2), the scorer's reward from the episode and its cost in model tokens,
     the learner's packed sample carrying the loss mask."""
     from bus import BusConfig
-    from bus import topology as topo
     from rollout_worker.worker import Worker, WorkerConfig
     from scorer.service import Scorer, ScorerConfig
     from trainer.batcher import Batcher, ConsumedIds
