@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import msgpack
 
 SCHEMA = 1
+ROLLOUT_SCHEMA = 2            # Rollout only: 2 added multi-turn episodes (loss mask, turns, tool calls)
 MAX_TOKENS = 1 << 17          # longest sequence a Rollout may claim (absurd sizes are refused)
 MAX_BODY = 64 * 1024 * 1024    # largest body decode accepts
 
@@ -35,6 +36,7 @@ def new_id() -> str:
 @dataclass(kw_only=True)
 class Event:
     KIND: ClassVar[str] = "Event"
+    SCHEMA_VERSION: ClassVar[int] = SCHEMA      # an event kind may move on alone (Rollout: ROLLOUT_SCHEMA)
 
     def msg_id(self) -> str:
         """Deduplication id (Nats-Msg-Id). Deterministic per logical message."""
@@ -42,7 +44,7 @@ class Event:
 
     def headers(self) -> dict[str, str]:
         """Human-readable NATS headers (besides Nats-Msg-Id, which the publisher adds)."""
-        h = {"Rl-Schema": str(SCHEMA), "Rl-Kind": self.KIND}
+        h = {"Rl-Schema": str(self.SCHEMA_VERSION), "Rl-Kind": self.KIND}
         v = getattr(self, "version", None)
         if v is None:
             v = getattr(self, "to_version", None)
@@ -55,7 +57,7 @@ class Event:
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["schema"] = SCHEMA
+        d["schema"] = self.SCHEMA_VERSION
         d["kind"] = self.KIND
         return d
 
@@ -88,8 +90,13 @@ class Task(Event):
 
 @dataclass(kw_only=True)
 class Rollout(Event):
-    """One completion with everything the trainer needs to replay the sampler."""
+    """One completion, or one multi-turn episode, with everything the trainer needs to replay the
+    sampler. An episode's `completion_ids` are every id after the prompt in order: the model's
+    turns and the observations appended between them as tokens (never re-tokenised). Per token,
+    `loss_mask` is 1 on model tokens and 0 on observation tokens, whose `logprobs` are 0.0, whose
+    `token_versions` are -1 and whose sampling-mask rows keep the whole vocabulary."""
     KIND: ClassVar[str] = "Rollout"
+    SCHEMA_VERSION: ClassVar[int] = ROLLOUT_SCHEMA
     rollout_id: str               # f"{task_id}-{sample_index}": stable across redeliveries
     task_id: str
     env: str
@@ -101,19 +108,28 @@ class Rollout(Event):
     completion_ids: list[int]
     completion_text: str
     logprobs: list[float]          # behaviour logprob of each sampled token (truncated, renormalised)
-    token_versions: list[int]      # policy version that produced each token
+    token_versions: list[int]      # policy version that produced each token (-1: observation token)
     sampling: dict                 # SamplingParams as dict
     sampling_mask: dict            # policy.sampling mask in wire form (rebuilds the kept set)
     quant: dict                    # policy quant config in wire form (sites replayed by the trainer)
-    finish_reason: str             # stop | length | abort
-    cost_tokens: int
+    finish_reason: str             # stop | length | abort (an episode: its last turn's)
+    cost_tokens: int               # model tokens (an episode: loss-mask ones)
     wall_s: float
     worker_id: str
     split: str = "train"
     epoch: int = 0                 # trainer epoch of the weights used
+    loss_mask: list[int] = field(default_factory=list)   # per completion token; [] = all model tokens
+    turns: int = 1                 # model turns (an episode's)
+    tool_calls: int = 0            # commands run
+    termination: str = ""          # an episode's termination reason (envs.episode.TERMINATIONS)
+    episode: dict = field(default_factory=dict)   # envs.episode.EpisodeResult dict; {} for single-turn
 
     def msg_id(self) -> str:
         return f"rollout-{self.rollout_id}"
+
+    def model_mask(self) -> list[int]:
+        """1 per model token, 0 per observation token, over completion_ids."""
+        return list(self.loss_mask) if self.loss_mask else [1] * len(self.completion_ids)
 
     def validate(self) -> None:
         n = len(self.completion_ids)
@@ -125,6 +141,19 @@ class Rollout(Event):
                              f"{len(self.logprobs)}/{len(self.token_versions)} != {n} tokens")
         if not (0 <= self.cost_tokens <= MAX_TOKENS):
             raise EventError(f"Rollout {self.rollout_id}: absurd cost_tokens {self.cost_tokens}")
+        if self.loss_mask:
+            if len(self.loss_mask) != n:
+                raise EventError(f"Rollout {self.rollout_id}: loss_mask length {len(self.loss_mask)} != {n} tokens")
+            if any(m not in (0, 1) for m in self.loss_mask):
+                raise EventError(f"Rollout {self.rollout_id}: loss_mask values must be 0 or 1")
+            bad = [i for i, (m, v) in enumerate(zip(self.loss_mask, self.token_versions)) if (v < 0) != (m == 0)]
+            if bad:
+                raise EventError(f"Rollout {self.rollout_id}: token_versions must be -1 exactly on observation "
+                                 f"tokens (loss_mask 0); first bad positions {bad[:5]}")
+        elif any(v < 0 for v in self.token_versions):
+            raise EventError(f"Rollout {self.rollout_id}: negative token_versions without a loss_mask")
+        if not (1 <= self.turns <= MAX_TOKENS) or not (0 <= self.tool_calls <= MAX_TOKENS):
+            raise EventError(f"Rollout {self.rollout_id}: absurd turns {self.turns} / tool_calls {self.tool_calls}")
 
 
 @dataclass(kw_only=True)
@@ -254,6 +283,8 @@ def _type_ok(value: Any, tp: Any) -> bool:
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
+_UPGRADE = {("Rollout", 1): ": a rollout from a worker built before multi-turn episodes (no loss mask); "
+                            "upgrade that worker"}
 
 
 def from_dict(d: dict, cls: type[Event] | None = None) -> Event:
@@ -266,9 +297,10 @@ def from_dict(d: dict, cls: type[Event] | None = None) -> Event:
         cls = EVENTS[kind]
     elif kind is not None and kind != cls.KIND:
         raise EventError(f"expected a {cls.KIND} event, got kind {kind!r}")
-    schema = d.get("schema", SCHEMA)
-    if schema != SCHEMA:
-        raise EventError(f"{cls.KIND}: unsupported schema version {schema!r} (this build speaks {SCHEMA})")
+    schema = d.get("schema", cls.SCHEMA_VERSION)
+    if schema != cls.SCHEMA_VERSION:
+        raise EventError(f"{cls.KIND}: unsupported schema version {schema!r} (this build speaks "
+                         f"{cls.SCHEMA_VERSION}){_UPGRADE.get((cls.KIND, schema), '')}")
     hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
     kwargs = {}
     for f in dataclasses.fields(cls):

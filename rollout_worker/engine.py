@@ -38,6 +38,7 @@ class Generation:
     wall_s: float
     epoch: int = 0                 # trainer epoch of the weights that produced the last token
     quant: dict = field(default_factory=dict)   # policy.QuantConfig wire form used by the engine
+    handle: int = -1               # generate(keep=True): the kept sequence to `extend` (torch engine)
 
 
 class EngineClosed(RuntimeError):

@@ -9,6 +9,11 @@ One thread runs the decode loop; each turn of it is one token boundary:
     4. append token / behaviour logprob / version / mask row; a finished sequence frees its
        slot at once, so the next waiting one starts on the following turn
 
+Multi-turn episodes (rollout_worker/episodes.py) continue a sequence: `generate(keep=True)` keeps
+the finished sequence's slot and KV cache, `extend(handle, ids)` prefills only the appended ids
+(an observation) after it and generates on, `release(handle)` frees the slot. A kept slot is not
+free while the episode's command runs: that is the price of never re-prefilling earlier turns.
+
 The loop runs in its own thread, turn after turn, without a round trip through the event loop:
 NATS heartbeats, acks, rollout publishing and the weight feed stay on the event loop and only
 hand sequences and updates over (under `_cv`); finished sequences come back through
@@ -49,6 +54,12 @@ class _Seq:
     mask_rows: list = field(default_factory=list)     # policy.SamplingMask.row_parts, one per token
     finish: str = ""
     epoch: int = 0
+    feed: list[int] = field(default_factory=list)     # ids to prefill (the prompt, or a continuation)
+    fresh: bool = True                # a new sequence (slot reset) rather than a kept one extended
+    keep: bool = False                # finished: keep the slot and its KV cache for `extend`
+    stop_seqs: tuple = ()             # token sequences that end the sequence when generated
+    handle: int = -1
+    parked: bool = False              # finished, slot kept: `extend` may continue it
 
 
 class TorchEngine:
@@ -84,6 +95,8 @@ class TorchEngine:
         self.waiting: list[_Seq] = []
         self.active: dict[int, _Seq] = {}
         self.free = list(range(slots))[::-1]
+        self.kept: dict[int, _Seq] = {}       # handle -> finished sequence whose slot is kept for extend()
+        self._next_handle = 0
         self._closed = False
         self._cv = threading.Condition()      # guards waiting / updates / _closed between the two threads
         self._last_step_end: float | None = None
@@ -105,27 +118,91 @@ class TorchEngine:
 
     @property
     def free_slots(self) -> int:
-        return len(self.free) - len(self.waiting)
+        return len(self.free) - sum(1 for s in self.waiting if s.fresh)
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, seed: int = 0) -> Generation:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, seed: int = 0, *,
+                       keep: bool = False, stop_seqs=()) -> Generation:
+        """A completion of `prompt_ids`. keep=True: the slot and its KV cache stay with the sequence
+        after it finishes (Generation.handle) for `extend`; `release` frees them. `stop_seqs`: token
+        sequences that end it as well (finish_reason "stop_seq")."""
         if self._closed:
             raise EngineClosed("engine is closed")
         if self.state is None:
             raise RuntimeError("no weights loaded yet: call load_keyframe first")
         prompt_ids = check_prompt(prompt_ids, self.cfg.vocab_size)
-        if sampling.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
-        if len(prompt_ids) + sampling.max_tokens > self.max_len:
-            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({sampling.max_tokens}) exceeds "
-                             f"the engine's max_len {self.max_len}")
-        cfg = policy.SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-        stop = frozenset(int(t) for t in sampling.stop) | ({self.eos_id} if self.eos_id is not None else set())
-        seq = _Seq(prompt_ids, sampling, cfg, stop, asyncio.get_running_loop().create_future())
+        self._check_sampling(sampling, len(prompt_ids))
+        seq = self._new_seq(prompt_ids, sampling, stop_seqs, keep)
+        seq.feed = prompt_ids
         with self._cv:
+            if keep:
+                seq.handle, self._next_handle = self._next_handle, self._next_handle + 1
+                self.kept[seq.handle] = seq
             self.waiting.append(seq)
             self._cv.notify()
         self.start()
         return await seq.future
+
+    async def extend(self, handle: int, append_ids: list[int], sampling: SamplingParams, *,
+                     stop_seqs=()) -> Generation:
+        """Continue a kept sequence: `append_ids` (e.g. an observation, possibly empty) go after every
+        id it has so far and generation goes on. Only the last sampled token and `append_ids` are
+        prefilled: earlier ids stay in the slot's KV cache, never re-tokenised nor re-computed.
+        The Generation holds the new tokens only; the sequence stays kept (same handle)."""
+        if self._closed:
+            raise EngineClosed("engine is closed")
+        ids = [int(t) for t in append_ids]
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"appended token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        with self._cv:
+            prev = self.kept.get(handle)
+            if prev is None or not prev.parked:
+                raise ValueError(f"no kept sequence with handle {handle} (released, or still generating)")
+            length = int(self.cache.lengths[prev.slot])
+            self._check_sampling(sampling, length + 1 + len(ids))
+            seq = self._new_seq(prev.prompt_ids, sampling, stop_seqs, True)
+            # the last sampled token was never fed through the model: it goes first
+            seq.feed, seq.fresh, seq.slot, seq.handle = [prev.tokens[-1]] + ids, False, prev.slot, handle
+            prev.parked = False                   # one continuation at a time
+            self.kept[handle] = seq
+            self.waiting.insert(0, seq)           # needs no free slot: admitted on the next turn
+            self._cv.notify()
+        self.start()
+        return await seq.future
+
+    def release(self, handle: int) -> None:
+        """Free a kept sequence's slot (idempotent; the episode runner calls it in `finally`)."""
+        with self._cv:
+            s = self.kept.pop(handle, None)
+            if s is None:
+                return
+            if s.parked:
+                s.parked = False
+                self.free.append(s.slot)
+                s.slot = -1
+            elif s in self.waiting:               # released before its continuation started
+                self.waiting.remove(s)
+                if s.slot >= 0:
+                    self.free.append(s.slot)
+                s.slot = -1
+                if not s.future.done():
+                    s.future.set_exception(EngineClosed("sequence released"))
+            # else it is generating: not in `kept` any more, so its slot is freed when it finishes
+            self._cv.notify()
+
+    def _check_sampling(self, sampling: SamplingParams, used: int) -> None:
+        if sampling.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+        if used + sampling.max_tokens > self.max_len:
+            raise ValueError(f"prompt ({used}) + max_tokens ({sampling.max_tokens}) exceeds "
+                             f"the engine's max_len {self.max_len}")
+
+    def _new_seq(self, prompt_ids, sampling: SamplingParams, stop_seqs, keep: bool) -> _Seq:
+        cfg = policy.SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        stop = frozenset(int(t) for t in sampling.stop) | ({self.eos_id} if self.eos_id is not None else set())
+        seqs = tuple(tuple(int(t) for t in q) for q in stop_seqs if len(q))
+        return _Seq(prompt_ids, sampling, cfg, stop, asyncio.get_running_loop().create_future(),
+                    keep=keep, stop_seqs=seqs)
 
     async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None:
         async with self._prep:
@@ -158,6 +235,7 @@ class TorchEngine:
                 s.future.set_exception(exc)
         self.waiting.clear()
         self.active.clear()
+        self.kept.clear()
         self.updates.fail_all(exc)
 
     # -- weights ------------------------------------------------------------------------
@@ -280,11 +358,14 @@ class TorchEngine:
                 return
 
     def _take_admits(self) -> list[_Seq]:
-        n = min(len(self.free), len(self.waiting))
-        admits, self.waiting = self.waiting[:n], self.waiting[n:]
-        for s in admits:
+        # continuations of kept sequences bring their own slot; new ones take free slots in order
+        admits = [s for s in self.waiting if not s.fresh]
+        rest = [s for s in self.waiting if s.fresh]
+        n = min(len(self.free), len(rest))
+        self.waiting = rest[n:]
+        for s in rest[:n]:
             s.slot = self.free.pop()
-        return admits
+        return admits + rest[:n]
 
     def _run_updates(self, pending) -> bool:
         """Apply queued updates in order; True when the weights changed."""
@@ -307,9 +388,10 @@ class TorchEngine:
         finished: list[_Seq] = []
         if admits:                 # prefill: the first completion token comes from the prompt's logits
             for s in admits:
-                self.cache.reset(s.slot)
+                if s.fresh:
+                    self.cache.reset(s.slot)
                 self.active[s.slot] = s
-            logits = self.model.prefill_many([s.prompt_ids for s in admits], self.cache, [s.slot for s in admits])
+            logits = self.model.prefill_many([s.feed for s in admits], self.cache, [s.slot for s in admits])
             self._emit(admits, logits, finished)
         # in slot order: when every slot is busy the KV cache is read as views, not gathered
         live = sorted((s for s in self.active.values() if not s.finish and s not in admits), key=lambda s: s.slot)
@@ -332,10 +414,15 @@ class TorchEngine:
             self.metrics.update(prep_s, end - prev_end if end is not None and prev_end is not None else None,
                                 boundary_s=swap_s)
             self._stall_from = None
-        for s in finished:
-            del self.active[s.slot]
-            self.free.append(s.slot)
-            s.slot = -1
+        with self._cv:             # release() decides under the same lock whether a slot is kept
+            for s in finished:
+                del self.active[s.slot]
+                if s.keep and self.kept.get(s.handle) is s:
+                    self.kept[s.handle] = s       # not released meanwhile: the slot stays with the episode
+                    s.parked = True
+                    continue
+                self.free.append(s.slot)
+                s.slot = -1
         return finished
 
     def _emit(self, seqs: list[_Seq], logits: torch.Tensor, finished: list[_Seq]) -> None:
@@ -351,6 +438,8 @@ class TorchEngine:
             s.epoch = self.epoch
             if toks[j] in s.stop:
                 s.finish = "stop"
+            elif s.stop_seqs and any(len(s.tokens) >= len(q) and tuple(s.tokens[-len(q):]) == q for q in s.stop_seqs):
+                s.finish = "stop_seq"
             elif len(s.tokens) >= s.sampling.max_tokens:
                 s.finish = "length"
             if s.finish:
@@ -369,7 +458,7 @@ class TorchEngine:
         return Generation(completion_ids=s.tokens, logprobs=s.logprobs, token_versions=s.versions,
                           sampling_mask=policy.SamplingMask.from_rows(s.mask_rows).to_wire(),
                           finish_reason=s.finish, wall_s=time.perf_counter() - s.started,
-                          epoch=s.epoch, quant=self.quant.to_wire())
+                          epoch=s.epoch, quant=self.quant.to_wire(), handle=s.handle)
 
 
 def _settle(fut: asyncio.Future, exc, res) -> None:

@@ -28,6 +28,7 @@ from bus.weights import WeightFeed, parse_version
 import policy
 
 from .engine import Engine, EngineClosed
+from .episodes import handle_episode_task, is_episode_task
 
 log = get_logger(__name__)
 
@@ -156,6 +157,8 @@ class Worker:
 
     # -- tasks ---------------------------------------------------------------------------
     async def handle(self, task: Task, ctx) -> None:
+        if is_episode_task(task):          # multi-turn: turn by turn on the same engine
+            return await handle_episode_task(self, task, ctx)
         try:   # a task that cannot be generated here (bad sampling, prompt outside the vocab) is parked
             sp = parse_sampling(task.sampling)
             prompt_ids = self.tok.encode(task.prompt, bos=True)   # as the trainer's warm start

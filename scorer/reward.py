@@ -16,6 +16,15 @@ def overlong_penalty(n_tokens: int, max_tokens: int, buffer: int, scale: float) 
     return scale * min(1.0, max(0.0, (n_tokens - start) / buffer))
 
 
+def rollout_cost(unit: str, cost_tokens: int, wall_s: float, tool_calls: int) -> float:
+    """Cost of one rollout in `unit`: model tokens (an episode's observation tokens are not the
+    policy's doing and are not counted), tool calls (commands an episode ran, or a verifier's),
+    wall seconds (an episode's from reset to score, commands and generation included)."""
+    if unit not in COST_UNITS:
+        raise ValueError(f"cost_unit must be one of {COST_UNITS}, got {unit!r}")
+    return float({"tokens": cost_tokens, "wall_s": wall_s, "tool_calls": tool_calls}[unit])
+
+
 def compute_reward(success: float, cost: float, lam: float, shaping: float = 0.0) -> tuple[float, float]:
     """(penalty, reward) for a verified completion."""
     if not (0.0 <= success <= 1.0) or not math.isfinite(cost) or cost < 0 or not math.isfinite(lam):

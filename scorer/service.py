@@ -24,7 +24,7 @@ from bus.events import Heartbeat, Rollout, Scored
 import envs
 from envs import SpecError, get_env
 
-from .reward import COST_UNITS, compute_reward, overlong_penalty, parse_lambda
+from .reward import COST_UNITS, compute_reward, overlong_penalty, parse_lambda, rollout_cost
 
 log = get_logger("scorer")
 
@@ -89,6 +89,12 @@ class Scorer:
 
     # -- one rollout ---------------------------------------------------------------------------
     async def handle(self, ro: Rollout, ctx: HandlerContext) -> None:
+        if ro.episode:      # a multi-turn episode, scored by the worker where its workspace was
+            r = ro.episode.get("reward")
+            if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 <= r <= 1.0:
+                return await self._park(ctx, f"episode rollout {ro.rollout_id}: result without a reward "
+                                             f"in [0, 1] ({r!r})")
+            return await self._publish(ro, ro.episode, time.perf_counter())
         try:
             env = get_env(ro.env)
         except KeyError as e:
@@ -102,11 +108,19 @@ class Scorer:
                 verdict = env.verify(ro.completion_text, ro.spec)
         except SpecError as e:   # the task is broken: retrying cannot help
             return await self._park(ctx, f"bad task spec for {ro.env}: {e}")
+        await self._publish(ro, verdict, t0)
+
+    async def _publish(self, ro: Rollout, verdict, t0: float) -> None:
+        """verdict: an envs Verdict, or an episode's EpisodeResult dict (reward, termination, tool calls)."""
+        if isinstance(verdict, dict):
+            verdict = envs.Verdict(float(verdict["reward"]), f"episode {ro.termination or '?'}: "
+                                   f"{verdict.get('detail', '')}".rstrip(": "), ro.tool_calls)
+            shaping = 0.0      # overlong shaping is per completion; an episode's limits are its own
+        else:
+            max_tokens = int(ro.sampling.get("max_tokens", 0) or 0)
+            shaping = overlong_penalty(ro.cost_tokens, max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_scale)
         verify_s = time.perf_counter() - t0
-        cost = {"tokens": float(ro.cost_tokens), "wall_s": float(ro.wall_s),
-                "tool_calls": float(verdict.tool_calls)}[self.cfg.cost_unit]
-        max_tokens = int(ro.sampling.get("max_tokens", 0) or 0)
-        shaping = overlong_penalty(ro.cost_tokens, max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_scale)
+        cost = rollout_cost(self.cfg.cost_unit, ro.cost_tokens, ro.wall_s, int(verdict.tool_calls))
         lam = self.lam                                   # one λ per event, recorded in it
         penalty, reward = compute_reward(verdict.success, cost, lam, shaping)
         scored = Scored(rollout=ro.to_dict(), success=float(verdict.success), cost=cost, lambda_=lam,

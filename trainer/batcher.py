@@ -114,8 +114,10 @@ class Batcher:
         # rollout id -> sample handed out in a batch and not yet acked (trained, being checkpointed)
         self.inflight: dict[str, Sample] = {}
         self.sub = None
-        self.counters = {"duplicates": 0, "invalid": 0, "received": 0, "redelivered_held": 0, "heartbeats": 0}
+        self.counters = {"duplicates": 0, "invalid": 0, "received": 0, "redelivered_held": 0, "heartbeats": 0,
+                         "timed_out": 0, "late": 0}
         self._keepalive: asyncio.Task | None = None
+        self.closed: OrderedDict[str, None] = OrderedDict()   # groups closed by group_timeout_s (bounded)
 
     @property
     def pending(self) -> int:
@@ -147,6 +149,11 @@ class Batcher:
             await self.bus.dlq(msg, str(e), topo.SCORED)
             return
         rid = rollout.rollout_id
+        if rollout.task_id in self.closed and rid not in self.inflight and rid not in self.consumed:
+            self.counters["late"] += 1              # its group was used without it (timed out): never trained
+            self.consumed.add([rid])
+            await msg.ack()
+            return
         mine = self.groups.get(rollout.task_id, {}).get(rid) or self.inflight.get(rid)
         if mine is not None and _stream_seq(mine.msg) == _stream_seq(msg):
             # a redelivery of a message we hold (waiting, or in a batch not yet checkpointed): keep
@@ -202,9 +209,15 @@ class Batcher:
                 await self._take(msg)
         samples: list[Sample] = []
         for gi, tid in enumerate(ready[: cfg.batch_groups]):
+            missing = (next(iter(self.groups[tid].values())).rollout.group_size or cfg.group_size) - len(self.groups[tid])
+            if missing > 0:                 # closed at its deadline: baseline from the members that came
+                self.counters["timed_out"] += missing
+                self.closed[tid] = None
+                while len(self.closed) > 100_000:
+                    self.closed.popitem(last=False)
             for s in self.groups.pop(tid).values():
                 s.group = gi
-                s.lag = version - min(s.rollout.token_versions, default=version)
+                s.lag = version - min((v for v in s.rollout.token_versions if v >= 0), default=version)  # -1: observation
                 samples.append(s)
         self.inflight.update((s.rollout.rollout_id, s) for s in samples)
         sizes = {}

@@ -38,6 +38,10 @@ class PackedSample:
     success: float = 0.0
     cost: float = 0.0
     lambda_: float = 0.0
+    loss_mask: list[int] | None = None     # multi-turn: 0 on observation tokens (None: all model tokens)
+
+    def model_mask(self) -> list[int]:
+        return list(self.loss_mask) if self.loss_mask else [1] * len(self.completion_ids)
 
 
 def pack(batch) -> list[PackedSample]:
@@ -47,7 +51,7 @@ def pack(batch) -> list[PackedSample]:
         out.append(PackedSample(r.rollout_id, s.group, float(sc.reward), float(s.weight), int(s.lag),
                                 list(r.prompt_ids), list(r.completion_ids), list(r.logprobs), dict(r.sampling),
                                 dict(r.sampling_mask), dict(r.quant), float(sc.success), float(sc.cost),
-                                float(sc.lambda_)))
+                                float(sc.lambda_), list(r.loss_mask) or None))
     return out
 
 
@@ -123,7 +127,8 @@ class Learner:
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
         adv = group_advantages(rewards, groups, self.adv_norm)
         live = [i for i, s in enumerate(samples) if s.weight > 0 and s.completion_ids]
-        n_tokens = sum(len(samples[i].completion_ids) for i in live)
+        # only model tokens are trained on: observation tokens (loss mask 0) count nowhere
+        n_tokens = sum(sum(samples[i].model_mask()) for i in live)
         mine = live[rank::ws]
         with torch.set_grad_enabled(grad):
             if not mine:       # this rank has no tokens: a zero loss that still touches every param
@@ -134,10 +139,12 @@ class Learner:
             behav = torch.tensor([x for i in mine for x in samples[i].logprobs], dtype=torch.float32).to(dev)
             a = adv[mine].repeat_interleave(lens).to(dev)
             w = torch.tensor([samples[i].weight for i in mine], dtype=torch.float32).repeat_interleave(lens).to(dev)
+            model = torch.tensor([m for i in mine for m in samples[i].model_mask()], dtype=torch.bool).to(dev)
+            w = w * model                 # IS weights, entropy and the PG term only on model tokens
             loss, stats = pg_loss(logp.float(), behav, a, w, n_tokens, self.loss_cfg, ent.float())
-        mm = mismatch_metrics(behav, logp.detach().float(), C=self.loss_cfg.is_clip)
+        mm = mismatch_metrics(behav[model], logp.detach().float()[model], C=self.loss_cfg.is_clip)
         stats.update({k: mm[k] for k in ("k3_mean", "ratio_mean", "ratio_p99_abs_log", "frac_outside_C")})
-        stats.update(n_tokens=n_tokens, adv=adv, entropy=float(ent.detach().float().mean()))
+        stats.update(n_tokens=n_tokens, adv=adv, entropy=float(ent.detach().float()[model].mean()))
         return loss, stats
 
     def _all_reduce_grads(self) -> None:
