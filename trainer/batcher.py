@@ -44,10 +44,13 @@ class Batch:
     # the books: ids whose sample entered a gradient step with weight > 0 (set by the trainer);
     # the rest of rollout_ids were consumed and dropped (stale, group of one, or no live step)
     trained_ids: list[str] = field(default_factory=list)
+    # members of groups closed at their deadline that arrived after: consumed (acked after this
+    # batch's checkpoint, like every sample) but never part of a gradient step
+    late: list[Sample] = field(default_factory=list)
 
     @property
     def rollout_ids(self) -> list[str]:
-        return [s.rollout.rollout_id for s in self.samples]
+        return [s.rollout.rollout_id for s in self.samples + self.late]
 
     @property
     def dropped_ids(self) -> list[str]:
@@ -118,6 +121,7 @@ class Batcher:
                          "timed_out": 0, "late": 0}
         self._keepalive: asyncio.Task | None = None
         self.closed: OrderedDict[str, None] = OrderedDict()   # groups closed by group_timeout_s (bounded)
+        self.late: dict[str, Sample] = {}    # late members of closed groups, ride along with the next batch
 
     @property
     def pending(self) -> int:
@@ -135,7 +139,8 @@ class Batcher:
 
     def held(self) -> list[Sample]:
         """Every message we hold and have not acked: waiting in groups and in flight in batches."""
-        return [s for g in self.groups.values() for s in g.values()] + list(self.inflight.values())
+        return ([s for g in self.groups.values() for s in g.values()] + list(self.inflight.values())
+                + list(self.late.values()))
 
     async def _take(self, msg) -> None:
         self.counters["received"] += 1
@@ -150,9 +155,11 @@ class Batcher:
             return
         rid = rollout.rollout_id
         if rollout.task_id in self.closed and rid not in self.inflight and rid not in self.consumed:
-            self.counters["late"] += 1              # its group was used without it (timed out): never trained
-            self.consumed.add([rid])
-            await msg.ack()
+            if rid in self.late:                    # a redelivery of one we hold: keep the newest handle
+                self.late[rid].msg = msg
+                return
+            self.counters["late"] += 1              # its group was used without it (timed out): never trained,
+            self.late[rid] = Sample(rollout, scored, msg)   # consumed with the next batch (acked after its checkpoint)
             return
         mine = self.groups.get(rollout.task_id, {}).get(rid) or self.inflight.get(rid)
         if mine is not None and _stream_seq(mine.msg) == _stream_seq(msg):
@@ -226,7 +233,9 @@ class Batcher:
         for s, w in zip(samples, stale_weights([s.lag for s in samples], cfg.max_lag, cfg.stale, cfg.stale_weight)):
             # a timed-out group of one has no baseline: consumed and acked, never trained on
             s.weight = 0.0 if sizes[s.group] == 1 and (s.rollout.group_size or cfg.group_size) > 1 else w
-        return Batch(samples, n_groups=min(len(ready), cfg.batch_groups), version=version)
+        late, self.late = list(self.late.values()), {}
+        self.inflight.update((s.rollout.rollout_id, s) for s in late)
+        return Batch(samples, n_groups=min(len(ready), cfg.batch_groups), version=version, late=late)
 
     async def close(self, held_back: Batch | None = None) -> None:
         """Stepping down: hand every held message (waiting, in flight, and an unfinished batch)
@@ -234,7 +243,7 @@ class Batcher:
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None
-        held = {id(s): s for s in self.held() + (held_back.samples if held_back else [])}
+        held = {id(s): s for s in self.held() + (held_back.samples + held_back.late if held_back else [])}
         for s in held.values():
             try:
                 await s.msg.nak()
@@ -242,6 +251,7 @@ class Batcher:
                 log.debug("nak failed", error=str(e))
         self.groups.clear()
         self.inflight.clear()
+        self.late.clear()
         if self.sub is not None:
             try:
                 await self.sub.unsubscribe()
@@ -250,7 +260,7 @@ class Batcher:
 
     async def ack(self, batch: Batch) -> None:
         """After checkpoint + publication: ack every message of the batch (used or dropped)."""
-        for s in batch.samples:
+        for s in batch.samples + batch.late:
             await s.msg.ack()           # the newest delivery's handle (a redelivery swapped it in)
         for rid in batch.rollout_ids:
             self.inflight.pop(rid, None)

@@ -295,7 +295,9 @@ class Trainer:
             "staleness_mean": float(np.mean(lags)), "staleness_hist": staleness_histogram(lags),
             "dropped_stale": sum(1 for s in packed if s.weight == 0),
             # in-flight updates: trajectories whose tokens came from more than one policy version
-            "multi_version_samples": sum(1 for s in batch.samples if len(set(s.rollout.token_versions)) > 1),
+            "multi_version_samples": sum(1 for s in batch.samples   # -1 marks observation tokens (no version)
+                                         if len({v for v in s.rollout.token_versions if v >= 0}) > 1),
+            "late_members": len(batch.late), "timed_out_members": batcher.counters["timed_out"],
             "delta_bytes": delta_bytes, "delta_ratio": delta_bytes / self.full_bytes,
             "changed_frac": (delta.stats.changed / max(delta.stats.total, 1)) if delta is not None else 0.0,
             "duplicates": batcher.counters["duplicates"], "invalid": batcher.counters["invalid"],
