@@ -46,7 +46,8 @@ def write_toml(path: Path, data: dict) -> None:
     lines: list[str] = []
 
     def emit(prefix: str, d: dict) -> None:
-        scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
+        # TOML has no null: a None value is left out (the reader's default applies)
+        scalars = {k: v for k, v in d.items() if not isinstance(v, dict) and v is not None}
         tables = {k: v for k, v in d.items() if isinstance(v, dict)}
         if prefix:
             lines.append(f"[{prefix}]")
