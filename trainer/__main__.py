@@ -14,7 +14,7 @@ from .config import TrainerConfig
 from .dist import broadcast_obj, follower_loop, init_distributed
 from .factory import build_learner, build_model, build_optimizer
 from .leader import Trainer
-from .learner import world
+from .commands import world
 
 log = get_logger("trainer")
 
