@@ -32,6 +32,7 @@ def main() -> None:
         ref = torch.load(spec["resume"], weights_only=False)
         learner.load_payload(spec["ckpt_dir"], ref["model"], ref["optimizer"])
     stats = []
+    learner.mark_published()
     for _ in range(spec.get("steps", 1)):
         broadcast_obj(("step", samples))
         stats.append(learner.step(samples))
@@ -39,8 +40,7 @@ def main() -> None:
     state = learner.published_state()
     extra = {}
     if spec.get("parts"):          # sharded publication: every rank encodes the rows it owns
-        base = torch.load(spec["parts_base"], weights_only=False)
-        extra["parts"] = learner.publish_parts(base, 0, 1)
+        extra["parts"] = learner.publish_parts(0, 1)
     fp32 = learner.full_fp32()
     broadcast_obj(("stop",))
     torch.save({"state": state, "stats": stats, "payload": payload, "fp32": fp32, **extra}, out / "result.pt")

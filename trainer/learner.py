@@ -245,3 +245,24 @@ class Learner:
         announce("full_fp32")
         out = {n: full_tensor(p.detach()).cpu() for n, p in self.model.named_parameters()}
         return out if world()[0] == 0 else None
+
+    def mark_published(self) -> None:
+        """Remember this rank's bf16 rows as the base of its next sharded part (no communication)."""
+        from .publish_shards import local_rows
+        announce("mark_published")
+        self._rows_base = local_rows(self.model)[0]
+
+    def publish_parts(self, from_version: int, to_version: int) -> list[bytes] | None:
+        """Sharded publication: every rank encodes the delta of its own rows since mark_published /
+        the last part; rank 0 gets all parts in rank order, the others None. Only the encoded
+        parts travel (gather_object), never the weights."""
+        from .publish_shards import encode_local_part
+        if getattr(self, "_rows_base", None) is None:
+            raise RuntimeError("publish_parts before mark_published: no base rows")
+        announce("publish_parts", from_version, to_version)
+        part, self._rows_base = encode_local_part(self.model, self._rows_base, from_version, to_version)
+        if not is_sharded(self.model):
+            return [part]
+        box = [None] * world()[1] if world()[0] == 0 else None
+        dist.gather_object(part, box, dst=0)
+        return box

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict,
+                                                     set_state_dict)
 
 from .commands import world
 
@@ -41,9 +42,12 @@ def save_shards(model, opt, ckpt_dir: str | Path, epoch: int, version: int) -> d
             shutil.rmtree(path)
     if world()[1] > 1:
         dist.barrier()
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
-    return {"__dcp__": name}
+    # an optimizer that has not stepped has no state; asking for its state dict would create it
+    # with a zero-lr step that counts as a step (AdamW's bias correction would be off after)
+    has_optim = any(opt.state.values())            # the same on every rank: they step together
+    msd, osd = get_state_dict(model, opt) if has_optim else (get_model_state_dict(model), None)
+    dcp.save({"model": msd, **({"optim": osd} if has_optim else {})}, checkpoint_id=str(path))
+    return {"__dcp__": name, "optim": has_optim}
 
 
 def load_any(model, opt, ckpt_dir: str | Path, model_state: dict | None, opt_state: dict | None) -> None:
@@ -53,10 +57,15 @@ def load_any(model, opt, ckpt_dir: str | Path, model_state: dict | None, opt_sta
         path = Path(ckpt_dir) / model_state["__dcp__"]
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"sharded checkpoint {path} is incomplete (no .metadata)")
-        msd, osd = get_state_dict(model, opt)
-        sd = {"model": msd, "optim": osd}
-        dcp.load(sd, checkpoint_id=str(path))      # without a process group: one process reads every shard
-        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        if model_state.get("optim", True):
+            msd, osd = get_state_dict(model, opt)
+            sd = {"model": msd, "optim": osd}
+            dcp.load(sd, checkpoint_id=str(path))  # without a process group: one process reads every shard
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        else:                                      # saved before the first step: a fresh optimizer
+            sd = {"model": get_model_state_dict(model)}
+            dcp.load(sd, checkpoint_id=str(path))
+            set_model_state_dict(model, sd["model"])
         return
     if ws == 1:
         model.load_state_dict(model_state)
