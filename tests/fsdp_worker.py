@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from trainer.commands import world
-from trainer.dist import broadcast_obj, follower_loop, init_distributed
+from trainer.dist import broadcast_obj, follower_loop, init_distributed, shutdown_distributed
 from trainer.factory import build_learner, build_model, build_optimizer
 from trainer.config import TrainerConfig
 
@@ -26,6 +26,7 @@ def main() -> None:
     learner = build_learner(model, opt, cfg)
     if rank > 0:                   # the followers replay rank 0's commands, as in `python -m trainer`
         asyncio.run(follower_loop(learner))
+        shutdown_distributed()
         return
     samples = torch.load(spec["samples"], weights_only=False)
     if spec.get("resume"):
@@ -44,6 +45,7 @@ def main() -> None:
     fp32 = learner.full_fp32()
     broadcast_obj(("stop",))
     torch.save({"state": state, "stats": stats, "payload": payload, "fp32": fp32, **extra}, out / "result.pt")
+    shutdown_distributed()
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,7 @@ from bus import RETRYABLE, BlobError, PublishError, connect, get_logger, load_co
 from bus.lifetime import stop_on_signals
 
 from .config import TrainerConfig
-from .dist import broadcast_obj, follower_loop, init_distributed
+from .dist import broadcast_obj, follower_loop, init_distributed, shutdown_distributed
 from .factory import build_learner, build_model, build_optimizer
 from .leader import Trainer
 from .commands import world
@@ -28,6 +28,7 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
     learner = build_learner(model, opt, cfg)
     if rank > 0:
         await follower_loop(learner)
+        shutdown_distributed()
         return 0
     cfg.bus.name = cfg.trainer_id
     bus = await connect(cfg.bus)
@@ -45,6 +46,7 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
     finally:
         if ws > 1:
             broadcast_obj(("stop",))
+            shutdown_distributed()
         await bus.close()
 
 

@@ -44,3 +44,11 @@ async def follower_loop(learner: Learner) -> None:
             learner.step(cmd[1])
         elif cmd[0] == "call":                 # a collective method rank 0 announced (commands.announce)
             getattr(learner, cmd[1])(*cmd[2])
+
+
+def shutdown_distributed() -> None:
+    """Leave the group together: a rank exiting while a peer's gloo pair is still open can abort
+    (`terminate called without an active exception`)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
