@@ -2,13 +2,13 @@
 
 `asyncrl up` resolves these before it writes the children's configs, so the processes only ever
 see plain paths: `init_checkpoint = "model:smollm2"` -> the HF folder, `tokenizer = "model:smollm2"`
--> its tokenizer.json, a worker's `model = "model:smollm2"` (vLLM) -> the folder."""
+-> the folder (its tokenizer.json), a worker's `model = "model:smollm2"` (vLLM) -> the folder."""
 from __future__ import annotations
 
 from .model import is_prepared, model_dir
 
 PREFIX = "model:"
-KEYS = {"init_checkpoint": "", "model": "", "tokenizer": "tokenizer.json"}
+KEYS = {"init_checkpoint": "", "model": "", "tokenizer": ""}
 
 
 def resolve(conf: dict) -> dict:
