@@ -22,6 +22,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncrl.model_refs import resolve as resolve_model_refs
 from asyncrl.supervisor import ChildSpec, Supervisor, write_toml
 from bus import BusConfig, EmbeddedServer, connect, get_logger, setup_logging
 from bus import topology as topo
@@ -230,12 +231,12 @@ async def run(a: argparse.Namespace) -> int:
     drain = {"grace_s": up.grace_s}      # each child drains within this (its own section may override)
 
     # a fixed trainer id seeds the task feeder the same way in every run (async vs sync see the same tasks)
-    trainer_conf = {"trainer_id": "trainer", **drain, **conf.get("trainer", {}), "bus": bus_conf,
+    trainer_conf = {"trainer_id": "trainer", **drain, **resolve_model_refs(conf.get("trainer", {})), "bus": bus_conf,
                     "run_dir": str(run_dir), "checkpoint_dir": str(run_dir / "checkpoints"),
                     "mode": "sync" if sync else "async"}
     if sync:
         trainer_conf["max_lag"] = 0
-    worker_conf = {**drain, **conf.get("worker", {}), "bus": bus_conf}
+    worker_conf = {**drain, **resolve_model_refs(conf.get("worker", {})), "bus": bus_conf}
     if sync:
         worker_conf["max_lag"] = 0
     scorer_conf = {**drain, **conf.get("scorer", {}), "bus": bus_conf}

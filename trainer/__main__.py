@@ -13,10 +13,10 @@ from bus.lifetime import stop_on_signals
 from bus.metrics import start_metrics_server
 
 from .config import TrainerConfig
-from .dist import broadcast_obj, follower_loop, init_distributed
+from .dist import broadcast_obj, follower_loop, init_distributed, shutdown_distributed
 from .factory import build_learner, build_model, build_optimizer
 from .leader import Trainer
-from .learner import world
+from .commands import world
 
 log = get_logger("trainer")
 
@@ -30,6 +30,7 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
     learner = build_learner(model, opt, cfg)
     if rank > 0:
         await follower_loop(learner)
+        shutdown_distributed()
         return 0
     cfg.bus.name = cfg.trainer_id
     bus = await connect(cfg.bus)
@@ -47,6 +48,7 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
     finally:
         if ws > 1:
             broadcast_obj(("stop",))
+            shutdown_distributed()
         await bus.close()
 
 

@@ -1,6 +1,8 @@
 """Atomic trainer checkpoints: tmp file + fsync + rename + directory fsync.
 
-One file per (epoch, version) (`ckpt-e00000007-v00000012.pt`). Resume takes the readable one
+One file per (epoch, version) (`ckpt-e00000007-v00000012.pt`). A sharded (FSDP2) run writes its
+model and optimizer with torch.distributed.checkpoint (trainer/shards.py) and the file names that
+folder instead of holding the state dicts; the file stays the commit point. Resume takes the readable one
 with the highest epoch, then the highest version: a deposed leader that still managed to write
 a checkpoint after a takeover (lower epoch) can never be resumed over the new leader's line,
 and a crash mid-write (a tmp file) never hides the previous good checkpoint.
@@ -30,7 +32,7 @@ class CheckpointError(RuntimeError):
 class TrainerState:
     version: int
     epoch: int
-    model: dict                    # fp32 master state_dict
+    model: dict                    # fp32 master state_dict, or {"__dcp__": shard folder name}
     optimizer: dict
     consumed: list[str] = field(default_factory=list)   # rollout ids used or dropped, oldest first
     digest: str = ""               # delta_codec.state_digest of the published bf16 weights at `version`
@@ -42,7 +44,8 @@ class TrainerState:
 def snapshot(st: TrainerState) -> TrainerState:
     """A copy that later in-place updates of the live model and optimizer cannot touch, so the
     checkpoint can be written while the next step already runs."""
-    return TrainerState(**{**st.__dict__, "model": {k: v.detach().clone() for k, v in st.model.items()},
+    return TrainerState(**{**st.__dict__, "model": {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                                    for k, v in st.model.items()},
                            "optimizer": copy.deepcopy(st.optimizer), "consumed": list(st.consumed)})
 
 
@@ -67,7 +70,28 @@ def save(ckpt_dir: str | Path, st: TrainerState, keep: int = 3) -> Path:
         os.close(fd)
     for old in list_checkpoints(d)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
+    if keep > 0:
+        _prune_shard_folders(d)
     return final
+
+
+def _prune_shard_folders(d: Path) -> None:
+    """Shard folders older than the oldest kept checkpoint that no kept checkpoint names."""
+    from .shards import prune_shards
+    kept = list_checkpoints(d)
+    if not kept:
+        return
+    oldest = tuple(int(x) for x in NAME.match(kept[0].name).groups())
+    referenced = set()
+    for p in kept:
+        try:
+            ref = torch.load(p, map_location="cpu", weights_only=False).get("model", {})
+        except Exception:              # unreadable: it names nothing we can keep for it
+            continue
+        if isinstance(ref, dict) and isinstance(ref.get("__dcp__"), str):
+            referenced.add(ref["__dcp__"])
+    if referenced:                     # only sharded runs write shard folders
+        prune_shards(d, oldest, referenced)
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:

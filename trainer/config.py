@@ -22,6 +22,10 @@ class TrainerConfig:
     device: str = "auto"                 # auto (cuda if available) | cpu | cuda
     # optimizer (fp32 master weights, AdamW)
     lr: float = 1e-4
+    lr_warmup_steps: int = 0             # linear warmup from lr/warmup to lr
+    lr_schedule: str = "constant"        # constant | cosine (after warmup)
+    lr_decay_steps: int = 0              # cosine: steps to the floor (0 = max_steps - warmup; 0 there = no decay)
+    lr_min_ratio: float = 0.0            # cosine floor, fraction of lr
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
     grad_clip: float = 1.0               # 0 = off
@@ -41,6 +45,10 @@ class TrainerConfig:
     micro_batch: int = 32                # sequences per forward pass
     ppo_clip: float = 0.0                # eps of the optional PPO-style clip (0 = off)
     entropy_coef: float = 0.0
+    kl_coef: float = 0.0                 # KL penalty (k3 per token) to the frozen initial weights; 0 = off
+    # distributed (torchrun: FSDP2 over all ranks)
+    activation_checkpointing: bool = False   # recompute block activations in backward
+    mixed_precision: str = "auto"        # auto (bf16 params on CUDA, fp32 on CPU) | bf16 | fp32
     replay: bool = True                  # recompute logprobs with the workers' sampling masks + fp8 sites
     # publication
     keyframe_interval: int = 20          # a full keyframe every K versions
@@ -94,6 +102,12 @@ class TrainerConfig:
             "lease_ttl_s": self.lease_ttl_s > 0,
             "sync_task_timeout_s": self.sync_task_timeout_s >= 0,
             "debug_step_delay_s": self.debug_step_delay_s >= 0,
+            "lr_schedule": self.lr_schedule in ("constant", "cosine"),
+            "lr_warmup_steps": self.lr_warmup_steps >= 0,
+            "lr_decay_steps": self.lr_decay_steps >= 0,
+            "lr_min_ratio": 0.0 <= self.lr_min_ratio <= 1.0,
+            "kl_coef": self.kl_coef >= 0,
+            "mixed_precision": self.mixed_precision in ("auto", "bf16", "fp32"),
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

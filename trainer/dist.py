@@ -6,7 +6,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from .learner import Learner, world
+from .commands import broadcast_obj, world
+from .fsdp import is_sharded
+from .learner import Learner
+
+__all__ = ["broadcast_obj", "follower_loop", "init_distributed", "sync_state", "world"]
 
 
 def init_distributed() -> None:
@@ -18,18 +22,10 @@ def init_distributed() -> None:
             dist.init_process_group("gloo")
 
 
-def broadcast_obj(obj=None):
-    """Rank 0's object to every rank (identity with one process)."""
-    if world()[1] == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def sync_state(model, opt) -> None:
-    """After rank 0 loaded a checkpoint: every rank gets its model and optimizer state."""
-    if world()[1] == 1:
+    """After rank 0 changed its weights alone (an unsharded group): every rank gets its model and
+    optimizer state. A sharded model is only ever changed by collectives: nothing to do."""
+    if world()[1] == 1 or is_sharded(model):
         return
     for p in model.state_dict().values():
         dist.broadcast(p, src=0)
@@ -46,3 +42,13 @@ async def follower_loop(learner: Learner) -> None:
             sync_state(learner.model, learner.opt)
         elif cmd[0] == "step":
             learner.step(cmd[1])
+        elif cmd[0] == "call":                 # a collective method rank 0 announced (commands.announce)
+            getattr(learner, cmd[1])(*cmd[2])
+
+
+def shutdown_distributed() -> None:
+    """Leave the group together: a rank exiting while a peer's gloo pair is still open can abort
+    (`terminate called without an active exception`)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -7,12 +7,40 @@ import torch
 
 from policy import ModelConfig, Transformer, load_tokenizer
 
+from .commands import world
 from .config import TrainerConfig
+from .fsdp import checkpoint_blocks, shard
 from .learner import Learner
 from .loss import LossConfig
+from .schedule import LRSchedule
 
 
 def build_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:
+    """The model every rank trains: whole with one process, sharded by FSDP2 in a group."""
+    model, mcfg = _initial_model(cfg)
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model)
+    if world()[1] > 1:
+        shard(model, device(cfg), mixed_precision=_mixed_precision(cfg))
+    return model, mcfg
+
+
+def build_reference(cfg: TrainerConfig) -> Transformer | None:
+    """The frozen initial policy of the KL penalty (kl_coef > 0), sharded like the model."""
+    if cfg.kl_coef <= 0:
+        return None
+    ref, _ = _initial_model(cfg)
+    ref.requires_grad_(False).eval()
+    if world()[1] > 1:
+        shard(ref, device(cfg), mixed_precision=_mixed_precision(cfg))
+    return ref
+
+
+def _mixed_precision(cfg: TrainerConfig) -> bool | None:
+    return None if cfg.mixed_precision == "auto" else cfg.mixed_precision == "bf16"
+
+
+def _initial_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:
     torch.manual_seed(cfg.seed)          # every rank builds identical initial weights
     if cfg.init_checkpoint:
         from policy import load_hf_checkpoint
@@ -40,7 +68,16 @@ def build_optimizer(model, cfg: TrainerConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
 
-def build_learner(model, opt, cfg: TrainerConfig) -> Learner:
+def build_schedule(cfg: TrainerConfig) -> LRSchedule:
+    decay = cfg.lr_decay_steps or max(cfg.max_steps - cfg.lr_warmup_steps, 0)
+    return LRSchedule(cfg.lr, cfg.lr_warmup_steps, cfg.lr_schedule, decay, cfg.lr_min_ratio)
+
+
+def build_learner(model, opt, cfg: TrainerConfig, reference: Transformer | None = None) -> Learner:
+    """`reference` (the frozen initial policy) is built here when kl_coef > 0 and none is given."""
     lc = LossConfig(is_mode=cfg.is_mode, is_clip=cfg.is_clip, ppo_clip=cfg.ppo_clip, entropy_coef=cfg.entropy_coef)
+    if reference is None and cfg.kl_coef > 0:
+        reference = build_reference(cfg)
     return Learner(model, opt, lc, adv_norm=cfg.adv_norm, grad_clip=cfg.grad_clip, replay=cfg.replay,
-                   micro_batch=cfg.micro_batch)
+                   micro_batch=cfg.micro_batch, schedule=build_schedule(cfg), kl_coef=cfg.kl_coef,
+                   reference=reference)

@@ -85,8 +85,9 @@ class Trainer:
 
     def state(self) -> checkpoint.TrainerState:
         return checkpoint.TrainerState(
-            version=self.version, epoch=self.lease.epoch, model=self.learner.model.state_dict(),
-            optimizer=self.learner.opt.state_dict(), consumed=self.consumed.to_list(), digest=self.digest,
+            version=self.version, epoch=self.lease.epoch,
+            **self.learner.checkpoint_payload(self.cfg.checkpoint_dir, self.lease.epoch, self.version),
+            consumed=self.consumed.to_list(), digest=self.digest,
             model_config=self.model_cfg.to_dict(), step=self.step_n, warmstarted=self.warmstarted)
 
     def save(self) -> None:
@@ -98,8 +99,7 @@ class Trainer:
             broadcast_obj(("sync",))
             sync_state(self.learner.model, self.learner.opt)
             return False
-        self.learner.model.load_state_dict(st.model)
-        self.learner.opt.load_state_dict(st.optimizer)
+        self.learner.load_payload(self.cfg.checkpoint_dir, st.model, st.optimizer)
         self.version, self.step_n, self.warmstarted = st.version, st.step, st.warmstarted
         self.consumed = ConsumedIds(st.consumed, limit=self.cfg.dedupe_window)
         broadcast_obj(("sync",))
@@ -257,7 +257,7 @@ class Trainer:
         self.consumed.add(batch.rollout_ids)
         base, new = self.published, await asyncio.to_thread(self.learner.published_state)
         # the next step updates the weights and optimizer in place: checkpoint a copy of this state
-        snapshot = await asyncio.to_thread(checkpoint.snapshot, self.state())
+        snapshot = await asyncio.to_thread(lambda: checkpoint.snapshot(self.state()))
         if previous is not None:
             await previous               # v-1 is out (or raised) before v starts going out
         snapshot.digest = self.digest    # v-1's, now final; a live step replaces it with v's below

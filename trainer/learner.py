@@ -1,11 +1,12 @@
-"""One learner step: recompute logprobs under the workers' sampler, PG loss, all-reduce, AdamW.
+"""One learner step: recompute logprobs under the workers' sampler, PG loss (+ optional KL to
+the initial weights), gradients reduced by torch FSDP2, AdamW with an LR schedule.
 
-Data parallel: every rank holds the whole batch (rank 0 broadcasts it) and works on samples
-i ≡ rank (mod world). Each rank's loss is its share of the global token sum over the global
-token count, so summing gradients across ranks gives exactly the 1-process gradient. Gradients
-are summed with one flat all-reduce, which is what DDP's reducer does; done by hand so that the
-normalisation is global (DDP would average per-rank means) and a rank that drew no tokens in a
-small batch still takes part in the collective.
+Data parallel over FSDP2 (trainer/fsdp.py): every rank holds the whole batch (rank 0 broadcasts
+it) and works on samples i ≡ rank (mod world). Each rank's loss is its share of the global token
+sum over the global token count, so the sum of the ranks' gradients is the 1-process gradient;
+FSDP2 reduce-scatters the mean, so each rank scales its loss by the world size. FSDP2 runs
+collectives inside every forward and backward, so every rank runs the same number of
+micro-batches: a rank with fewer (or none) runs zero-weighted one-token passes.
 """
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from policy import (QuantConfig, SamplingConfig, SamplingMask, Transformer, inference_state, mismatch_metrics,
                     sequence_logprobs)
 
+from .commands import announce, world
+from .fsdp import full_tensor, is_sharded
 from .loss import LossConfig, group_advantages, pg_loss
+from .schedule import LRSchedule, apply_schedule
 
 
 @dataclass
@@ -55,12 +60,6 @@ def pack(batch) -> list[PackedSample]:
     return out
 
 
-def world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def length_buckets(lengths: list[int], max_batch: int, overhead_tokens: int = 64) -> list[list[int]]:
     """Split sequences into padded micro-batches of similar length (indices into `lengths`).
 
@@ -86,41 +85,55 @@ def length_buckets(lengths: list[int], max_batch: int, overhead_tokens: int = 64
 
 class Learner:
     def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, loss_cfg: LossConfig,
-                 adv_norm: str = "std", grad_clip: float = 0.0, replay: bool = True, micro_batch: int = 32):
+                 adv_norm: str = "std", grad_clip: float = 0.0, replay: bool = True, micro_batch: int = 32,
+                 schedule: LRSchedule | None = None, kl_coef: float = 0.0, reference: Transformer | None = None):
         self.model, self.opt, self.loss_cfg = model, optimizer, loss_cfg
         self.adv_norm, self.grad_clip, self.replay, self.micro_batch = adv_norm, grad_clip, replay, micro_batch
+        self.schedule, self.kl_coef, self.reference = schedule, kl_coef, reference
+        if kl_coef > 0 and reference is None:
+            raise ValueError("kl_coef > 0 needs a frozen reference model")
 
-    def _logprobs(self, samples: list[PackedSample]):
-        """Packed [T] logprobs and entropies, replaying each rollout's kept sets and fp8 sites.
-
-        Sequences that share a quant config run as padded micro-batches of similar length; the
-        model's quant sites are switched to the rollout's (they carry no weights)."""
-        logps, ents = [None] * len(samples), [None] * len(samples)
+    def _runs(self, samples: list[PackedSample], idx: list[int]) -> list[tuple[dict, list[int]]]:
+        """(quant, sample indices) of each micro-batch: shared quant config, similar lengths."""
         by_quant: dict[str, list[int]] = {}
-        for i, s in enumerate(samples):
-            by_quant.setdefault(repr(sorted(s.quant.items())), []).append(i)
-        keep_quant = self.model.quant
-        try:
-            for idx in by_quant.values():
-                self.model.quant = QuantConfig.from_wire(samples[idx[0]].quant) if self.replay else keep_quant
-                lens = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in idx]
-                for run in length_buckets(lens, self.micro_batch):
-                    run = [idx[r] for r in run]
-                    chunk = [samples[i] for i in run]
-                    res = sequence_logprobs(
-                        self.model, [s.prompt_ids for s in chunk], [s.completion_ids for s in chunk],
-                        [SamplingConfig.from_dict(s.sampling) for s in chunk],
-                        [SamplingMask.from_wire(s.sampling_mask) if s.sampling_mask else None for s in chunk]
-                        if self.replay else None,
-                        replay_mask=self.replay)
-                    for k, i in enumerate(run):
-                        logps[i], ents[i] = res.logprobs[k][res.valid[k]], res.entropy[k][res.valid[k]]
-        finally:
-            self.model.quant = keep_quant
-        return torch.cat(logps), torch.cat(ents)
+        for i in idx:
+            by_quant.setdefault(repr(sorted(samples[i].quant.items())), []).append(i)
+        out = []
+        for group in by_quant.values():
+            lens = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in group]
+            out += [(samples[group[0]].quant, [group[r] for r in run]) for run in length_buckets(lens, self.micro_batch)]
+        return out
 
-    def loss(self, samples: list[PackedSample], grad: bool = True) -> tuple[torch.Tensor, dict]:
-        """This rank's share of the batch loss (summing over ranks gives the full loss)."""
+    def _run_logprobs(self, model, chunk: list[PackedSample], quant: dict):
+        """Packed [T] logprobs and entropies of one micro-batch, replaying its kept sets and fp8
+        sites (quant sites carry no weights: switched on the model for the call)."""
+        keep = model.quant
+        model.quant = QuantConfig.from_wire(quant) if self.replay else keep
+        try:
+            res = sequence_logprobs(
+                model, [s.prompt_ids for s in chunk], [s.completion_ids for s in chunk],
+                [SamplingConfig.from_dict(s.sampling) for s in chunk],
+                [SamplingMask.from_wire(s.sampling_mask) if s.sampling_mask else None for s in chunk]
+                if self.replay else None,
+                replay_mask=self.replay)
+        finally:
+            model.quant = keep
+        return (torch.cat([res.logprobs[k][res.valid[k]] for k in range(len(chunk))]),
+                torch.cat([res.entropy[k][res.valid[k]] for k in range(len(chunk))]))
+
+    def _idle_pass(self, dev) -> torch.Tensor:
+        """A one-token forward whose loss is zero: keeps this rank in step with FSDP2's collectives."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        if self.reference is not None:
+            with torch.no_grad():
+                self.reference(ids)
+        return self.model(ids).sum() * 0.0
+
+    def loss(self, samples: list[PackedSample], grad: bool = True, backward: bool = False
+             ) -> tuple[torch.Tensor, dict]:
+        """This rank's share of the batch loss (summing over ranks gives the full loss).
+        backward=True: gradients are accumulated micro-batch by micro-batch (activations of one
+        micro-batch alive at a time) and the returned loss is detached."""
         rank, ws = world()
         dev = next(self.model.parameters()).device
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -129,55 +142,135 @@ class Learner:
         live = [i for i, s in enumerate(samples) if s.weight > 0 and s.completion_ids]
         # only model tokens are trained on: observation tokens (loss mask 0) count nowhere
         n_tokens = sum(sum(samples[i].model_mask()) for i in live)
-        mine = live[rank::ws]
-        with torch.set_grad_enabled(grad):
-            if not mine:       # this rank has no tokens: a zero loss that still touches every param
-                zero = sum(p.sum() * 0 for p in self.model.parameters())
-                return zero, {"n_tokens": n_tokens, "adv": adv}
-            logp, ent = self._logprobs([samples[i] for i in mine])
-            lens = torch.tensor([len(samples[i].completion_ids) for i in mine])
-            behav = torch.tensor([x for i in mine for x in samples[i].logprobs], dtype=torch.float32).to(dev)
-            a = adv[mine].repeat_interleave(lens).to(dev)
-            w = torch.tensor([samples[i].weight for i in mine], dtype=torch.float32).repeat_interleave(lens).to(dev)
-            model = torch.tensor([m for i in mine for m in samples[i].model_mask()], dtype=torch.bool).to(dev)
-            w = w * model                 # IS weights, entropy and the PG term only on model tokens
-            loss, stats = pg_loss(logp.float(), behav, a, w, n_tokens, self.loss_cfg, ent.float())
-        mm = mismatch_metrics(behav[model], logp.detach().float()[model], C=self.loss_cfg.is_clip)
-        stats.update({k: mm[k] for k in ("k3_mean", "ratio_mean", "ratio_p99_abs_log", "frac_outside_C")})
-        stats.update(n_tokens=n_tokens, adv=adv, entropy=float(ent.detach().float()[model].mean()))
-        return loss, stats
-
-    def _all_reduce_grads(self) -> None:
-        _, ws = world()
-        if ws == 1:
-            return
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        off = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[off:off + n].view_as(p).clone()
-            off += n
+        runs = self._runs(samples, live[rank::ws])
+        # every rank computes every rank's plan: the longest decides how many passes all make
+        n_pass = max(len(self._runs(samples, live[r::ws])) for r in range(ws)) if is_sharded(self.model) else len(runs)
+        scale = float(ws) if is_sharded(self.model) else 1.0
+        total = torch.zeros((), device=dev)
+        keep: dict[str, list[torch.Tensor]] = {"logp": [], "behav": [], "adv": [], "w": [], "ent": [], "kl": [],
+                                              "model": []}
+        with torch.set_grad_enabled(grad or backward):
+            for k in range(n_pass):
+                if k >= len(runs):
+                    part = self._idle_pass(dev)
+                    if backward:
+                        part.backward()
+                    else:
+                        total = total + part
+                    continue
+                quant, run = runs[k]
+                chunk = [samples[i] for i in run]
+                logp, ent = self._run_logprobs(self.model, chunk, quant)
+                lens = torch.tensor([len(s.completion_ids) for s in chunk])
+                behav = torch.tensor([x for s in chunk for x in s.logprobs], dtype=torch.float32).to(dev)
+                a = adv[run].repeat_interleave(lens).to(dev)
+                w = torch.tensor([s.weight for s in chunk], dtype=torch.float32).repeat_interleave(lens).to(dev)
+                model = torch.tensor([m for s in chunk for m in s.model_mask()], dtype=torch.bool).to(dev)
+                w = w * model             # IS weights, entropy, KL and the PG term only on model tokens
+                part, _ = pg_loss(logp.float(), behav, a, w, n_tokens, self.loss_cfg, ent.float())
+                if self.kl_coef > 0:
+                    with torch.no_grad():
+                        ref, _ = self._run_logprobs(self.reference, chunk, quant)
+                    # k3 = exp(ref - logp) - (ref - logp) - 1 >= 0, an unbiased KL(pi||ref) estimate per token
+                    d = ref.float() - logp.float()
+                    k3 = d.exp() - d - 1
+                    part = part + self.kl_coef * (w * k3).sum() / max(float(n_tokens), 1.0)
+                    keep["kl"].append(k3.detach()[model])
+                if backward:
+                    (part * scale).backward()
+                    part = part.detach()
+                total = total + part
+                for key, v in (("logp", logp.detach().float()), ("behav", behav), ("adv", a), ("w", w),
+                               ("ent", ent.detach().float()), ("model", model)):
+                    keep[key].append(v)
+        stats: dict = {"n_tokens": n_tokens, "adv": adv}
+        if keep["logp"]:
+            cat = {k: torch.cat(v) for k, v in keep.items() if v}
+            with torch.no_grad():
+                _, st = pg_loss(cat["logp"], cat["behav"], cat["adv"], cat["w"], n_tokens, self.loss_cfg)
+            stats.update(st)
+            mm = mismatch_metrics(cat["behav"][cat["model"]], cat["logp"][cat["model"]], C=self.loss_cfg.is_clip)
+            stats.update({k: mm[k] for k in ("k3_mean", "ratio_mean", "ratio_p99_abs_log", "frac_outside_C")})
+            stats["entropy"] = float(cat["ent"][cat["model"]].mean())
+            if "kl" in cat:
+                stats["kl_ref"] = float(cat["kl"].mean())
+        return total, stats
 
     def step(self, samples: list[PackedSample]) -> dict:
         t0 = time.perf_counter()
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
-        loss, stats = self.loss(samples, grad=True)
-        loss.backward()
-        self._all_reduce_grads()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or float("inf"))
+        loss, stats = self.loss(samples, grad=True, backward=True)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip or float("inf"))
+        gnorm = full_tensor(gnorm)
+        lr = apply_schedule(self.opt, self.schedule)
         self.opt.step()
         full_loss = loss.detach().clone()
         if world()[1] > 1:
             dist.all_reduce(full_loss, op=dist.ReduceOp.SUM)
         adv = stats.pop("adv")
-        stats.update(loss=float(full_loss), grad_norm=float(gnorm), step_s=time.perf_counter() - t0,
+        stats.update(loss=float(full_loss), grad_norm=float(gnorm), lr=lr, step_s=time.perf_counter() - t0,
                      adv_mean=float(adv.mean()), adv_std=float(adv.std()) if adv.numel() > 1 else 0.0,
                      adv_abs_max=float(adv.abs().max()) if adv.numel() else 0.0)
         return stats
 
-    def published_state(self) -> dict[str, torch.Tensor]:
-        """The bf16 bits workers will hold (on the CPU: the codec and the bus work there)."""
-        return {k: v.cpu() for k, v in inference_state(self.model, dtype=torch.bfloat16).items()}
+    def published_state(self) -> dict[str, torch.Tensor] | None:
+        """The bf16 bits workers will hold (on the CPU: the codec and the bus work there). Sharded:
+        a collective that gathers each parameter; rank 0 gets the dict, the others None."""
+        if not is_sharded(self.model):
+            return {k: v.cpu() for k, v in inference_state(self.model, dtype=torch.bfloat16).items()}
+        announce("published_state")
+        out = {}
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                full = full_tensor(p.detach()).to(torch.bfloat16).cpu()
+                if world()[0] == 0:
+                    out[n] = full
+        return out if world()[0] == 0 else None
+
+    def checkpoint_payload(self, ckpt_dir: str, epoch: int, version: int) -> dict:
+        """The model and optimizer part of a trainer checkpoint. One process: the state dicts
+        (single-file format). Sharded: every rank writes its shards with torch.distributed.checkpoint
+        into a folder named after (epoch, version) and the checkpoint file records that name."""
+        if not is_sharded(self.model):
+            return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
+        from .shards import save_shards
+        announce("checkpoint_payload", ckpt_dir, epoch, version)
+        return {"model": save_shards(self.model, self.opt, ckpt_dir, epoch, version), "optimizer": {}}
+
+    def load_payload(self, ckpt_dir: str, model_state: dict | None, opt_state: dict | None) -> None:
+        """Inverse of checkpoint_payload, whatever world size wrote it (collective when sharded;
+        the followers pass None: rank 0 read the checkpoint file)."""
+        from .shards import load_any
+        announce("load_payload", ckpt_dir, model_state if model_state and "__dcp__" in model_state else None, None)
+        load_any(self.model, self.opt, ckpt_dir, model_state, opt_state)
+
+    def full_fp32(self) -> dict[str, torch.Tensor] | None:
+        """The fp32 master weights gathered on rank 0 (a collective when sharded; tests, export)."""
+        if not is_sharded(self.model):
+            return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+        announce("full_fp32")
+        out = {n: full_tensor(p.detach()).cpu() for n, p in self.model.named_parameters()}
+        return out if world()[0] == 0 else None
+
+    def mark_published(self) -> None:
+        """Remember this rank's bf16 rows as the base of its next sharded part (no communication)."""
+        from .publish_shards import local_rows
+        announce("mark_published")
+        self._rows_base = local_rows(self.model)[0]
+
+    def publish_parts(self, from_version: int, to_version: int) -> list[bytes] | None:
+        """Sharded publication: every rank encodes the delta of its own rows since mark_published /
+        the last part; rank 0 gets all parts in rank order, the others None. Only the encoded
+        parts travel (gather_object), never the weights."""
+        from .publish_shards import encode_local_part
+        if getattr(self, "_rows_base", None) is None:
+            raise RuntimeError("publish_parts before mark_published: no base rows")
+        announce("publish_parts", from_version, to_version)
+        part, self._rows_base = encode_local_part(self.model, self._rows_base, from_version, to_version)
+        if not is_sharded(self.model):
+            return [part]
+        box = [None] * world()[1] if world()[0] == 0 else None
+        dist.gather_object(part, box, dst=0)
+        return box

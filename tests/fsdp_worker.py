@@ -1,0 +1,51 @@
+"""Run under torchrun by tests/test_trainer_fsdp.py: FSDP2 learner steps, sharded checkpoints,
+sharded publication parts. Not collected by pytest (no test_ prefix)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from trainer.commands import world
+from trainer.dist import broadcast_obj, follower_loop, init_distributed, shutdown_distributed
+from trainer.factory import build_learner, build_model, build_optimizer
+from trainer.config import TrainerConfig
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    init_distributed()
+    rank, ws = world()
+    cfg = TrainerConfig(**spec["cfg"])
+    model, _ = build_model(cfg)
+    opt = build_optimizer(model, cfg)
+    learner = build_learner(model, opt, cfg)
+    if rank > 0:                   # the followers replay rank 0's commands, as in `python -m trainer`
+        asyncio.run(follower_loop(learner))
+        shutdown_distributed()
+        return
+    samples = torch.load(spec["samples"], weights_only=False)
+    if spec.get("resume"):
+        ref = torch.load(spec["resume"], weights_only=False)
+        learner.load_payload(spec["ckpt_dir"], ref["model"], ref["optimizer"])
+    stats = []
+    learner.mark_published()
+    for _ in range(spec.get("steps", 1)):
+        broadcast_obj(("step", samples))
+        stats.append(learner.step(samples))
+    payload = learner.checkpoint_payload(spec["ckpt_dir"], 1, spec.get("version", 1)) if spec.get("save") else None
+    state = learner.published_state()
+    extra = {}
+    if spec.get("parts"):          # sharded publication: every rank encodes the rows it owns
+        extra["parts"] = learner.publish_parts(0, 1)
+    fp32 = learner.full_fp32()
+    broadcast_obj(("stop",))
+    torch.save({"state": state, "stats": stats, "payload": payload, "fp32": fp32, **extra}, out / "result.pt")
+    shutdown_distributed()
+
+if __name__ == "__main__":
+    main()
