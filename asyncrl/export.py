@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         pk = signing.public_key(p.read_text().strip() if p.is_file() else a.public_key)
     try:
         res = write_export(a.run_dir, a.out, a.version, pk)
-    except (ExportError, delta_codec.DeltaError) as e:
+    except (ExportError, delta_codec.DeltaError, ValueError) as e:   # ValueError: e.g. an MLA model (no HF layout)
         print(f"asyncrl export: {e}", file=sys.stderr)
         return 2
     print(json.dumps(res))
