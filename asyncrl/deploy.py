@@ -1,0 +1,81 @@
+"""`asyncrl deploy init [--dir deploy/env] [--keys deploy/keys]`: the secrets a deployment needs.
+
+deploy/env/*.env ship placeholders (CHANGE-ME-<role>) that no process accepts (bus.BusConfig
+refuses them). `init` replaces every one with a random password, the same value for the same
+role in every file (the server's nats.env and the component's own env file must agree), makes
+the files private (0600), and writes the ed25519 weight-signing pair (asyncrl.keygen) to
+--keys unless one is there. Running it again changes nothing: filled files keep their values.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import secrets
+import sys
+from pathlib import Path
+
+from asyncrl.keygen import write_keypair
+
+PLACEHOLDER_RE = re.compile(r"CHANGE-ME-([a-z0-9]+)")
+
+
+def fill_env_dir(env_dir: Path) -> dict[str, list[str]]:
+    """Replace the placeholders in env_dir/*.env. -> {file name: [roles filled]}."""
+    files = sorted(env_dir.glob("*.env"))
+    if not files:
+        raise FileNotFoundError(f"no *.env files in {env_dir}")
+    texts = {f: f.read_text() for f in files}
+    roles = sorted({r for t in texts.values() for r in PLACEHOLDER_RE.findall(t)})
+    # hex: safe inside a nats-leaf:// URL and a nats-server config variable without quoting
+    secret = {r: secrets.token_hex(24) for r in roles}
+    filled = {}
+    for f, text in texts.items():
+        found = PLACEHOLDER_RE.findall(text)
+        if not found:
+            continue
+        tmp = f.with_suffix(".env.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(PLACEHOLDER_RE.sub(lambda m: secret[m.group(1)], text))
+        os.replace(tmp, f)            # whole file or nothing: a crash never leaves half a file
+        filled[f.name] = sorted(set(found))
+    return filled
+
+
+def init(env_dir: Path, keys_dir: Path) -> dict:
+    filled = fill_env_dir(env_dir)
+    key = keys_dir / "trainer-signing.key"
+    if key.exists():
+        keys = f"kept {key}"
+    else:
+        k, p = write_keypair(keys_dir)
+        keys = f"wrote {k} (0600) and {p}"
+    return {"filled": filled, "keys": keys}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="asyncrl deploy", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    i = sub.add_parser("init", help="random passwords into the env files, and the signing key pair")
+    i.add_argument("--dir", default="deploy/env", help="env files to fill (default: deploy/env)")
+    i.add_argument("--keys", default=None, help="key pair directory (default: <dir>/../keys)")
+    a = ap.parse_args(argv)
+    env_dir = Path(a.dir)
+    keys_dir = Path(a.keys) if a.keys else env_dir.resolve().parent / "keys"
+    try:
+        res = init(env_dir, keys_dir)
+    except (FileNotFoundError, FileExistsError) as e:
+        print(f"asyncrl deploy init: {e}", file=sys.stderr)
+        return 2
+    for name, roles in res["filled"].items():
+        print(f"{env_dir / name}: {', '.join(roles)}")
+    if not res["filled"]:
+        print(f"{env_dir}: no placeholders left (already initialised)")
+    print(res["keys"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
