@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from policy import (QuantConfig, SamplingConfig, SamplingMask, Transformer, inference_state, mismatch_metrics,
                     sequence_logprobs)
