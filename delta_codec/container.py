@@ -1,7 +1,8 @@
 """Delta and Keyframe: one checksummed, optionally signed binary container.
 
     prefix  "ADLT" | u16 format | u8 kind | u8 flags | u32 header length      (little endian)
-    header  msgpack {versions, tensors: [[name, dtype, shape, digest_a, digest_b, len, xxh64]]}
+    header  msgpack {versions, tensors: [[name, dtype, shape, digest_a, digest_b, len, xxh64]],
+                     x: caller's fields (optional map, e.g. the bus epoch; covered by checksum and sig)}
     u64     xxh3-64 of prefix + header
     records one per tensor, in header order (lengths and checksums are in the header)
     [sig]   ed25519 over everything before it, when flags & SIGNED
@@ -173,6 +174,18 @@ def _unpack(blob, kind: int):
     return meta, recs, mv[:body_end], sig
 
 
+def _with_extra(meta: dict, extra: dict | None) -> dict:
+    return dict(meta, x=extra) if extra else meta
+
+
+def _extra(meta: dict, what: str) -> dict | None:
+    """The caller's header fields ("x"), or None; not a map -> DeltaError."""
+    x = meta.get("x")
+    if x is not None and not isinstance(x, dict):
+        raise DeltaError(f"{what} header field 'x' is a {type(x).__name__}, not a map")
+    return x
+
+
 class _Signed:
     signature: bytes | None = None
     _signed_region = None
@@ -202,8 +215,9 @@ def verify_signature(blob_or_obj, public_key) -> None:
 class Delta(_Signed):
     """Lossless sparse change from state `from_version` to `to_version`."""
 
-    def __init__(self, from_version: int, to_version: int, records: list[TensorRecord]):
+    def __init__(self, from_version: int, to_version: int, records: list[TensorRecord], extra: dict | None = None):
         self.from_version, self.to_version, self.records = int(from_version), int(to_version), records
+        self.extra = extra       # caller's header fields (e.g. the bus epoch): inside the checksummed, signed header
         self._nbytes: int | None = None
         self._stats: DeltaStats | None = None
 
@@ -242,7 +256,7 @@ class Delta(_Signed):
         return self._nbytes
 
     def _meta(self) -> dict:
-        return {"from_version": self.from_version, "to_version": self.to_version}
+        return _with_extra({"from_version": self.from_version, "to_version": self.to_version}, self.extra)
 
     def to_bytes(self, signing_key=None) -> bytes:
         return _pack(KIND_DELTA, self._meta(), self.records, signing_key)
@@ -250,8 +264,9 @@ class Delta(_Signed):
     @classmethod
     def from_bytes(cls, blob) -> "Delta":
         meta, recs, region, sig = _unpack(blob, KIND_DELTA)
+        extra = _extra(meta, "delta")
         try:
-            d = cls(meta["from_version"], meta["to_version"], recs)
+            d = cls(meta["from_version"], meta["to_version"], recs, extra)
         except (KeyError, TypeError, ValueError):
             raise DeltaError("delta header lacks from_version/to_version") from None
         d.signature, d._signed_region = sig, region
@@ -629,8 +644,8 @@ def _unapply(view: np.ndarray, chunk, size: int, what: str) -> None:
 class Keyframe(_Signed):
     """A full state, checksummed per tensor, in the same container as deltas."""
 
-    def __init__(self, version: int, records: list[TensorRecord]):
-        self.version, self.records = int(version), records
+    def __init__(self, version: int, records: list[TensorRecord], extra: dict | None = None):
+        self.version, self.records, self.extra = int(version), records, extra
 
     @property
     def names(self) -> list[str]:
@@ -641,13 +656,14 @@ class Keyframe(_Signed):
         return combine_digest((r.name, r.dtype, r.shape, r.digest_a) for r in self.records)
 
     def to_bytes(self, signing_key=None) -> bytes:
-        return _pack(KIND_KEYFRAME, {"version": self.version}, self.records, signing_key)
+        return _pack(KIND_KEYFRAME, _with_extra({"version": self.version}, self.extra), self.records, signing_key)
 
     @classmethod
     def from_bytes(cls, blob) -> "Keyframe":
         meta, recs, region, sig = _unpack(blob, KIND_KEYFRAME)
+        extra = _extra(meta, "keyframe")
         try:
-            kf = cls(meta["version"], recs)
+            kf = cls(meta["version"], recs, extra)
         except (KeyError, TypeError, ValueError):
             raise DeltaError("keyframe header lacks version") from None
         kf.signature, kf._signed_region = sig, region
