@@ -397,19 +397,19 @@ def version_line(events) -> dict:
     """No gap, no fork: every version 1..max reached by some delta, and each version has one
     digest across all epochs' deltas and keyframes. Deltas from an epoch older than a keyframe
     already in the stream are 'late' (a deposed leader woke up): workers refuse them."""
-    from bus.events import Delta, Keyframe
+    from bus.events import DeltaEvent, KeyframeEvent
     digests: dict[int, set] = {}
     newest_epoch, late = 0, 0
     for e in events:
-        if isinstance(e, Keyframe):
+        if isinstance(e, KeyframeEvent):
             digests.setdefault(e.version, set()).add(e.digest)
             newest_epoch = max(newest_epoch, e.epoch)
-        elif isinstance(e, Delta):
+        elif isinstance(e, DeltaEvent):
             digests.setdefault(e.to_version, set()).add(e.new_digest)
             late += e.epoch < newest_epoch
     top = max(digests, default=0)
-    reached = {e.to_version for e in events if isinstance(e, Delta)}
-    first = min((e.from_version for e in events if isinstance(e, Delta)), default=0)   # WEIGHTS keeps the last N
+    reached = {e.to_version for e in events if isinstance(e, DeltaEvent)}
+    first = min((e.from_version for e in events if isinstance(e, DeltaEvent)), default=0)   # WEIGHTS keeps the last N
     return {"top": top, "gaps": sorted(set(range(first + 1, top + 1)) - reached),
             "forks": sorted(v for v, d in digests.items() if len(d) > 1), "late_old_epoch": late,
             "epochs": sorted({e.epoch for e in events})}

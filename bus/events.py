@@ -1,6 +1,7 @@
 """Typed events that travel on the bus, encoded as msgpack with an explicit schema version.
 
-Every body is a msgpack map ``{"schema": SCHEMA, "kind": <class name>, **fields}``.
+Every body is a msgpack map ``{"schema": <the class's SCHEMA>, "kind": <KIND>, **fields}``;
+each event type has its own schema version and `decode` refuses any other.
 `decode` validates kind, schema, required fields, field types and size limits and raises
 `EventError` with a reason a person can act on; consumer loops park such messages in DLQ.
 
@@ -19,7 +20,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-SCHEMA = 1
+SCHEMA = 1                     # default schema version; an event type that changes shape bumps its own
 MAX_TOKENS = 1 << 17          # longest sequence a Rollout may claim (absurd sizes are refused)
 MAX_BODY = 64 * 1024 * 1024    # largest body decode accepts
 
@@ -35,6 +36,7 @@ def new_id() -> str:
 @dataclass(kw_only=True)
 class Event:
     KIND: ClassVar[str] = "Event"
+    SCHEMA: ClassVar[int] = SCHEMA
 
     def msg_id(self) -> str:
         """Deduplication id (Nats-Msg-Id). Deterministic per logical message."""
@@ -42,7 +44,7 @@ class Event:
 
     def headers(self) -> dict[str, str]:
         """Human-readable NATS headers (besides Nats-Msg-Id, which the publisher adds)."""
-        h = {"Rl-Schema": str(SCHEMA), "Rl-Kind": self.KIND}
+        h = {"Rl-Schema": str(self.SCHEMA), "Rl-Kind": self.KIND}
         v = getattr(self, "version", None)
         if v is None:
             v = getattr(self, "to_version", None)
@@ -55,7 +57,7 @@ class Event:
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["schema"] = SCHEMA
+        d["schema"] = self.SCHEMA
         d["kind"] = self.KIND
         return d
 
@@ -156,21 +158,28 @@ class Scored(Event):
 
 
 @dataclass(kw_only=True)
-class Delta(Event):
+class WeightEvent(Event):
+    """What deltas and keyframes share. Schema 2: `epoch` (and the versions) are also inside the
+    payload's signed container header; a reader refuses an event whose fields disagree with it."""
+    SCHEMA: ClassVar[int] = 2
+    epoch: int                     # the publishing leader's lease revision
+    codec: str
+    size: int                      # payload bytes
+    signature: bytes = b""         # ed25519 over the payload (which carries the signed header)
+    payload: bytes | None = None   # inline when small
+    blob: str = ""                 # object-store name otherwise
+    trainer_id: str = ""
+
+
+@dataclass(kw_only=True)
+class DeltaEvent(WeightEvent):
     """Announces policy version `to_version`; payload inline or in the object store."""
     KIND: ClassVar[str] = "Delta"
     from_version: int
     to_version: int
-    epoch: int
-    codec: str
-    size: int                      # payload bytes
     base_digest: str
     new_digest: str
-    signature: bytes = b""         # ed25519 over the payload
-    payload: bytes | None = None   # inline when small
-    blob: str = ""                 # object-store name otherwise
     changed_frac: float = 0.0
-    trainer_id: str = ""
 
     @property
     def version(self) -> int:
@@ -181,18 +190,12 @@ class Delta(Event):
 
 
 @dataclass(kw_only=True)
-class Keyframe(Event):
+class KeyframeEvent(WeightEvent):
+    """A full policy state `version`; model_config lets a worker build the model from it."""
     KIND: ClassVar[str] = "Keyframe"
     version: int
-    epoch: int
-    codec: str
-    size: int
     digest: str
-    model_config: dict             # policy.ModelConfig as dict: workers build the model from it
-    signature: bytes = b""
-    payload: bytes | None = None
-    blob: str = ""
-    trainer_id: str = ""
+    model_config: dict             # policy.ModelConfig as dict
 
     def msg_id(self) -> str:
         return f"keyframe-e{self.epoch}-v{self.version}"
@@ -224,7 +227,8 @@ class Metrics(Event):
         return f"metrics-{self.component_id}-{self.step}-{self.ts:.6f}"
 
 
-EVENTS: dict[str, type[Event]] = {c.KIND: c for c in (Task, Rollout, Scored, Delta, Keyframe, Heartbeat, Metrics)}
+EVENTS: dict[str, type[Event]] = {c.KIND: c for c in (Task, Rollout, Scored, DeltaEvent, KeyframeEvent,
+                                                          Heartbeat, Metrics)}
 
 
 def encode(ev: Event) -> bytes:
@@ -266,9 +270,11 @@ def from_dict(d: dict, cls: type[Event] | None = None) -> Event:
         cls = EVENTS[kind]
     elif kind is not None and kind != cls.KIND:
         raise EventError(f"expected a {cls.KIND} event, got kind {kind!r}")
-    schema = d.get("schema", SCHEMA)
-    if schema != SCHEMA:
-        raise EventError(f"{cls.KIND}: unsupported schema version {schema!r} (this build speaks {SCHEMA})")
+    schema = d.get("schema", cls.SCHEMA)
+    if schema != cls.SCHEMA:
+        hint = " (an older build: its fields are not covered by the signature; upgrade the publisher)" \
+            if isinstance(schema, int) and schema < cls.SCHEMA else ""
+        raise EventError(f"{cls.KIND}: unsupported schema version {schema!r} (this build speaks {cls.SCHEMA}){hint}")
     hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
     kwargs = {}
     for f in dataclasses.fields(cls):
