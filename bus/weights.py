@@ -18,7 +18,7 @@ update is checked before it touches the weights:
                to_version <= mine, same epoch     -> replay, skipped
                from_version != mine               -> gap: resync from the latest keyframe
                bad signature / payload / codec    -> refused: resync
-               fields != the signed header        -> refused: resync
+               fields != the signed header        -> refused (a forgery: the real one is in the stream)
                newer epoch the lease never issued -> refused
                target refuses (base digest)       -> refused: resync
 
@@ -312,7 +312,7 @@ class WeightFeed:
         if got != want:
             diff = {k: (want[k], got[k]) for k in want if want[k] != got[k]}
             raise Refused("fields", f"{ev.msg_id()}: event fields disagree with the payload's signed header "
-                                    f"(event, payload): {str(diff)[:300]}", resync=True)
+                                    f"(event, payload): {str(diff)[:300]}", resync=False)
 
     async def _check_epoch(self, ev: events.WeightEvent) -> None:
         """An epoch ahead of what this feed has seen issued is verified against the KV leader
