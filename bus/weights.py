@@ -118,29 +118,31 @@ class WeightPublisher:
         return int((await self.bus.js.stream_info(topo.WEIGHTS)).state.last_seq)
 
     async def _write(self, subject: str, ev: events.WeightEvent) -> int:
-        """Publish `ev` only if WEIGHTS is still where this publisher left it; -> its sequence."""
-        if self.last_seq is None:
-            self.last_seq = await self._stream_last_seq()
+        """Publish `ev` only if WEIGHTS is still where this publisher left it; -> its sequence.
+        Order: read the position, fence (lease CAS), write. A pause anywhere in between is caught
+        by the CAS or by the server; a position read after a refusal is adopted only once the
+        fence passed, so a deposed publisher never holds a fresh one."""
+        expected = self.last_seq if self.last_seq is not None else await self._stream_last_seq()
         for _ in range(self.max_conflicts + 1):
             if self.fence is not None:
                 await self.fence()           # raises once deposed: a refused write is not retried
             if self.before_write is not None:
                 await self.before_write(ev)
             try:
-                ack = await self.bus.publish(subject, ev, headers={EXPECTED_LAST_SEQ: str(self.last_seq)})
+                ack = await self.bus.publish(subject, ev, headers={EXPECTED_LAST_SEQ: str(expected)})
             except APIError as e:
                 if e.err_code != WRONG_LAST_SEQUENCE:
                     raise
                 self.refusals += 1
                 seen = await self._stream_last_seq()
                 log.warning("weights write refused by the server: the stream moved on", msg=ev.msg_id(),
-                            expected_last_seq=self.last_seq, stream_last_seq=seen, epoch=self.epoch)
-                self.last_seq = seen
+                            expected_last_seq=expected, stream_last_seq=seen, epoch=self.epoch)
+                expected = seen
                 continue
-            self.last_seq = max(self.last_seq, int(ack.seq))   # a duplicate ack is our own earlier write
+            self.last_seq = max(expected, int(ack.seq))   # a duplicate ack is our own earlier write
             return int(ack.seq)
-        raise Fenced(f"{ev.msg_id()}: refused by the server {self.max_conflicts + 1} times "
-                     f"(another publisher keeps writing WEIGHTS)")
+        raise Fenced(f"{ev.msg_id()}: refused by the server ({self.max_conflicts + 1} attempts): WEIGHTS "
+                     f"moved on since this publisher's last write")
 
     async def publish_keyframe(self, state, version: int, model_config, *, set_version: bool = True) -> events.KeyframeEvent:
         kf = delta_codec.make_keyframe(state, version=version)

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from bus import topology as topo
-from bus.weights import StateTarget, WeightFeed, WeightPublisher
+from bus.weights import Fenced, StateTarget, WeightFeed, WeightPublisher
 from tests.test_weights_feed import CFG, delta, same, trajectory, until
 from trainer.lease import LeaderLease, LeaseLost
 
@@ -61,6 +61,12 @@ async def test_leader_paused_between_its_lease_check_and_its_write_is_refused_by
     with pytest.raises(LeaseLost):
         await late
     assert pub_a.refusals == 1                       # the server refused the write itself
+    # even skipping every check of its own, the deposed publisher cannot write: it never adopted
+    # the stream's new position (that happens only after its fence passed)
+    pub_a.fence, pub_a.before_write, pub_a.max_conflicts = None, None, 0
+    with pytest.raises(Fenced):
+        await pub_a.publish_delta(delta(states, 1, 2))
+    assert pub_a.refusals == 2
     written = [(e.KIND, e.epoch, e.version) for e in await stream_events(bus)]
     assert ("Delta", a.epoch, 2) not in written
 
