@@ -762,6 +762,20 @@ async def worker_beats(fleet: Fleet) -> dict[str, dict]:
     return out
 
 
+async def _weights_by_seq(bus) -> list:
+    """(stream sequence, event) of every WEIGHTS message, in order."""
+    from nats.js.errors import NotFoundError
+    from bus.events import decode
+    out, seq = [], 0
+    while True:
+        try:
+            raw = await bus.js.get_msg(topo.WEIGHTS, seq=seq + 1, subject="rl.weights.>", next=True)
+        except NotFoundError:
+            return out
+        seq = raw.seq
+        out.append((seq, decode(raw.data)))
+
+
 def _refusals(log_path: Path) -> Counter:
     out = Counter()
     for line in log_path.read_text(errors="replace").splitlines():
@@ -814,8 +828,7 @@ async def forged_weights(run_dir: Path, tasks: int = 60, seed: int = 9) -> dict:
                     base_digest=d.base_digest, new_digest=d.new_digest, signature=sign(sk, payload),
                     payload=None, blob="forged-swap", epoch=epoch), "forged-swap")]
             t0 = time.monotonic()
-            for subject, ev, mid in forgeries:
-                await fleet.bus.publish(subject, ev, msg_id=mid)
+            forged_seqs = {(await fleet.bus.publish(subject, ev, msg_id=mid)).seq for subject, ev, mid in forgeries}
             v_forged = await fleet.version()
             await fleet.wait_version(v_forged + 2, 300, watch=fleet.alive())
             # every worker back on the real line: newest versions, the real epoch
@@ -834,8 +847,9 @@ async def forged_weights(run_dir: Path, tasks: int = 60, seed: int = 9) -> dict:
             # each worker examined the forged keyframe (newer epoch) and the forged future version
             each = all(r.get("fields", 0) + r.get("epoch", 0) >= 1 and r.get("corrupt", 0) >= 1
                        for r in refusals.values())
-            line = version_line(await weights_history(fleet.bus))
-            return row("forged_weights", books, recovery, each and not line["forks"], forgeries=len(forgeries),
+            line = version_line([e for seq, e in await _weights_by_seq(fleet.bus) if seq not in forged_seqs])
+            return row("forged_weights", books, recovery, each and not line["forks"] and not line["gaps"],
+                       forgeries=len(forgeries), versions=line["top"],
                        refusals=refusals, worker_epochs=sorted({b.get("epoch") for b in beats.values()}),
                        real_epoch=epoch)
         finally:
