@@ -44,6 +44,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from . import events
 from . import topology as topo
+from .client import PublishError
 from .log import get_logger
 
 log = get_logger(__name__)
@@ -72,9 +73,10 @@ EXPECTED_LAST_SEQ = "Nats-Expected-Last-Sequence"
 WRONG_LAST_SEQUENCE = 10071          # JetStream API error code: the stream's last sequence differs
 
 
-class Fenced(RuntimeError):
+class Fenced(PublishError):
     """The server refused a WEIGHTS write: the stream moved on since this publisher last wrote
-    (a newer leader published), and the publisher may not retry (no fence, or out of tries)."""
+    (a newer leader published), and the publisher may not retry (no fence, or out of tries).
+    A PublishError: the trainer goes back to standby on it."""
 
 
 def signed_fields(epoch: int, trainer_id: str, model_config: dict | None = None) -> dict:
