@@ -112,9 +112,9 @@ async def replay(store_dir: Path, version: int, public_key=None) -> tuple[dict, 
                 signing.verify(public_key, data, ev.signature)     # DeltaError names the failure
             return data
 
-        kfs = [(i, ev) for i, (_, ev) in enumerate(msgs) if isinstance(ev, events.Keyframe) and ev.version <= version]
+        kfs = [(i, ev) for i, (_, ev) in enumerate(msgs) if isinstance(ev, events.KeyframeEvent) and ev.version <= version]
         if not kfs:
-            have = sorted({ev.version for _, ev in msgs if isinstance(ev, events.Keyframe)})
+            have = sorted({ev.version for _, ev in msgs if isinstance(ev, events.KeyframeEvent)})
             raise ExportError(f"no keyframe at or below v{version} is retained in {store_dir} "
                               f"(keyframes held: {have or 'none'}); retention dropped what v{version} needs")
         start, kev = kfs[-1]       # the newest in stream order: a takeover's line wins over the deposed one
@@ -126,7 +126,7 @@ async def replay(store_dir: Path, version: int, public_key=None) -> tuple[dict, 
         for _, ev in msgs[start + 1:]:
             if cur == version:
                 break
-            if not isinstance(ev, events.Delta) or ev.epoch < kev.epoch or ev.to_version <= cur:
+            if not isinstance(ev, events.DeltaEvent) or ev.epoch < kev.epoch or ev.to_version <= cur:
                 continue
             if ev.from_version != cur:
                 raise ExportError(f"delta v{cur}->v{cur + 1} is not retained in {store_dir} (next held: "

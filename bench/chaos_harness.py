@@ -413,19 +413,22 @@ def version_line(events) -> dict:
     """No gap, no fork: every version 1..max reached by some delta, and each version has one
     digest across all epochs' deltas and keyframes. Deltas from an epoch older than a keyframe
     already in the stream are 'late' (a deposed leader woke up): workers refuse them."""
-    from bus.events import Delta, Keyframe
+    from bus.events import DeltaEvent, KeyframeEvent
     digests: dict[int, set] = {}
     newest_epoch, late = 0, 0
     for e in events:
-        if isinstance(e, Keyframe):
+        if isinstance(e, KeyframeEvent):
             digests.setdefault(e.version, set()).add(e.digest)
             newest_epoch = max(newest_epoch, e.epoch)
-        elif isinstance(e, Delta):
+        elif isinstance(e, DeltaEvent):
             digests.setdefault(e.to_version, set()).add(e.new_digest)
             late += e.epoch < newest_epoch
     top = max(digests, default=0)
-    reached = {e.to_version for e in events if isinstance(e, Delta)}
-    first = min((e.from_version for e in events if isinstance(e, Delta)), default=0)   # WEIGHTS keeps the last N
+    # a version is out once a delta or a keyframe carries it (a new leader's first keyframe can be
+    # the only announcement of a version its deposed predecessor checkpointed but never published)
+    reached = {e.to_version for e in events if isinstance(e, DeltaEvent)} | \
+        {e.version for e in events if isinstance(e, KeyframeEvent)}
+    first = min((e.from_version for e in events if isinstance(e, DeltaEvent)), default=0)   # WEIGHTS keeps the last N
     return {"top": top, "gaps": sorted(set(range(first + 1, top + 1)) - reached),
             "forks": sorted(v for v, d in digests.items() if len(d) > 1), "late_old_epoch": late,
             "epochs": sorted({e.epoch for e in events})}
@@ -453,7 +456,7 @@ async def first_version_by(fleet: Fleet, trainer_id: str, t_death: float, timeou
     the failover as workers see it, lease handover + resume + keyframe + a first step. Timed by
     the server's store time of that delta (same host clock), not by when we polled."""
     from nats.js.errors import NotFoundError
-    from bus.events import Delta, decode
+    from bus.events import DeltaEvent, decode
     padded, seq = time.time(), 0
     while True:
         try:
@@ -463,7 +466,7 @@ async def first_version_by(fleet: Fleet, trainer_id: str, t_death: float, timeou
         if raw is not None:
             seq = raw.seq
             e = decode(raw.data)
-            if isinstance(e, Delta) and e.trainer_id == trainer_id and raw.time.timestamp() >= t_death:
+            if isinstance(e, DeltaEvent) and e.trainer_id == trainer_id and raw.time.timestamp() >= t_death:
                 return raw.time.timestamp() - t_death, e.to_version
             continue
         if time.time() - t_death > timeout_s:
@@ -488,11 +491,14 @@ def first_trained_on(fleet: Fleet, trainer_id: str, version: int, t_death: float
 async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> list[dict]:
     """Two trainers share a checkpoint dir. SIGKILL the leader: the standby leads within
     TTL + 5 s. Then SIGSTOP the new leader beyond the TTL, let the restarted standby take
-    over, SIGCONT it: the woken leader publishes nothing that workers accept."""
+    over, SIGCONT it: the woken leader is made to attempt a publication (`probe_when_deposed`)
+    and the server refuses every attempt, so nothing of it reaches the stream or a worker."""
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
-            await pipeline(fleet, workers=2, trainers=("A", "B"))
+            for t in ("A", "B"):
+                fleet.trainer(t, probe_when_deposed=True)
+            await pipeline(fleet, workers=2, trainers=())
             lead, _ = await wait_leader(fleet, None, 300)
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
             await fleet.wait_version(3, 300, watch=fleet.alive())
@@ -502,7 +508,7 @@ async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> lis
             first_v_s, first_v = await first_version_by(fleet, spare, t_death, 300)
             v_kill = await fleet.version()
             await fleet.wait_version(v_kill + 2, 300, watch=[spare])
-            fleet.trainer(lead + "2")                 # the killed machine comes back as a standby
+            fleet.trainer(lead + "2", probe_when_deposed=True)   # the killed machine comes back as a standby
             if not await _wait_log(fleet.procs[lead + "2"].log_path, "waiting for the leader lease", 120):
                 raise ChaosError(f"restarted trainer {lead}2 never went on standby")
             fleet.signal(spare, signal.SIGSTOP)       # e.g. a long GC pause or a partition
@@ -518,17 +524,19 @@ async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> lis
             # workers refuse every delta the woken old leader got out (each worker sees each one)
             refused = sum(_refused_stale(p.log_path) for p in fleet.procs.values() if p.component == "rollout_worker")
             clean = not line["gaps"] and not line["forks"]
+            deposed = deposed_publishes(fleet.procs[spare].log_path)
             target = LEASE_TTL_S + 5
             return [row("trainer_leader_sigkill", books, failover, clean and failover <= target, target_s=target,
                         versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"]),
                         first_version_after_death_s=round(first_v_s, 2),
                         first_trained_after_death_s=first_trained_on(fleet, spare, first_v, t_death)),
                     row("trainer_leader_sigstop", books, pause_failover,
-                        clean and stepped_down and pause_failover <= target
-                        and (line["late_old_epoch"] == 0 or refused >= line["late_old_epoch"]),
+                        clean and stepped_down and pause_failover <= target and line["late_old_epoch"] == 0
+                        and deposed["attempts"] >= 1 and deposed["refused"] == deposed["attempts"],
                         target_s=target, late_old_epoch_deltas=line["late_old_epoch"], refused_by_workers=refused,
                         first_version_after_death_s=round(pause_v_s, 2),
                         first_trained_after_death_s=first_trained_on(fleet, third, pause_v, t_pause),
+                        deposed_publish_attempts=deposed["attempts"], deposed_publish_refused=deposed["refused"],
                         old_leader_stepped_down=stepped_down, epochs=len(line["epochs"]))]
         finally:
             await fleet.close()
@@ -979,6 +987,166 @@ async def random_kill_storm(run_dir: Path, tasks: int = 0, seed: int = 11, durat
             await fleet.close()
 
 
+# ------------------------------------------------------------- weights: forgery and fencing
+HUGE_EPOCH = 10 ** 9
+
+
+def deposed_publishes(log_path: Path) -> dict:
+    """A deposed leader's publication attempts, from its log: each must be refused by the server."""
+    text = log_path.read_text(errors="replace")
+    refused = text.count("weights write refused by the server")      # every refused write (probe included)
+    other = text.count("deposed leader publish ACCEPTED") + text.count("deposed leader publish failed")
+    return {"attempts": refused + other, "refused": refused}
+
+
+async def worker_beats(fleet: Fleet) -> dict[str, dict]:
+    """The latest heartbeat metrics of every live worker (version, epoch, ...)."""
+    from bus.events import Heartbeat, decode
+    out = {}
+    for name in fleet.alive("rollout_worker"):
+        try:
+            raw = await fleet.bus.js.get_last_msg(topo.TELEMETRY, topo.heartbeat_subject("rollout_worker", name))
+            hb = decode(raw.data, Heartbeat)
+        except Exception:
+            continue
+        out[name] = {**hb.metrics, "version": hb.version}
+    return out
+
+
+async def _weights_by_seq(bus) -> list:
+    """(stream sequence, event) of every WEIGHTS message, in order."""
+    from nats.js.errors import NotFoundError
+    from bus.events import decode
+    out, seq = [], 0
+    while True:
+        try:
+            raw = await bus.js.get_msg(topo.WEIGHTS, seq=seq + 1, subject="rl.weights.>", next=True)
+        except NotFoundError:
+            return out
+        seq = raw.seq
+        out.append((seq, decode(raw.data)))
+
+
+def _refusals(log_path: Path) -> Counter:
+    out = Counter()
+    for line in log_path.read_text(errors="replace").splitlines():
+        if "weight update refused" in line:
+            try:
+                out[json.loads(line).get("reason", "?")] += 1
+            except ValueError:
+                out["?"] += 1
+    return out
+
+
+async def forged_weights(run_dir: Path, tasks: int = 60, seed: int = 9) -> dict:
+    """A signed run; a hostile publisher on rl.weights.> replays the first keyframe with a huge
+    epoch, re-labels it as a future version, and swaps a validly signed payload of another epoch
+    into a delta announcement. Every worker refuses each one and keeps following the real leader
+    (its versions keep rising on the real epoch); every task is trained exactly once."""
+    import dataclasses
+
+    import delta_codec
+    from bus.weights import signed_fields
+    from delta_codec.signing import generate_keypair, sign
+    sk, pk = generate_keypair()
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            fleet.trainer("A", signing_key=sk.hex())
+            for i in range(2):
+                fleet.worker(f"w{i}", public_key=pk.hex())
+            fleet.scorer("s0")
+            await wait_ready(fleet, list(fleet.procs))
+            ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+            await fleet.wait_version(2, 300, watch=fleet.alive())
+            history = await weights_history(fleet.bus)
+            kf0 = next(e for e in history if e.KIND == "Keyframe")
+            last = [e for e in history if e.KIND == "Delta"][-1]
+            epoch = kf0.epoch
+            # a payload validly signed by the trainer's key, but for another (deposed) epoch
+            base = {k: v.clone() for k, v in delta_codec.load_keyframe(delta_codec.Keyframe.from_bytes(
+                kf0.payload if kf0.payload is not None else await fleet.bus.get_blob(kf0.blob))).items()}
+            other = {k: (v + 1).to(v.dtype) if v.is_floating_point() else v for k, v in base.items()}
+            d = delta_codec.encode_delta(base, other, from_version=last.to_version, to_version=last.to_version + 1)
+            payload = delta_codec.Delta(d.from_version, d.to_version, d.records,
+                                        extra=signed_fields(epoch - 1, kf0.trainer_id)).to_bytes()
+            await fleet.bus.put_blob("forged-swap", payload)
+            forgeries = [
+                (topo.KEYFRAME_SUBJECT, dataclasses.replace(kf0, epoch=HUGE_EPOCH), "forged-epoch"),
+                (topo.KEYFRAME_SUBJECT, dataclasses.replace(kf0, version=last.to_version + 50), "forged-version"),
+                (topo.DELTA_SUBJECT, dataclasses.replace(
+                    last, from_version=d.from_version, to_version=d.to_version, size=len(payload),
+                    base_digest=d.base_digest, new_digest=d.new_digest, signature=sign(sk, payload),
+                    payload=None, blob="forged-swap", epoch=epoch), "forged-swap")]
+            t0 = time.monotonic()
+            forged_seqs = {(await fleet.bus.publish(subject, ev, msg_id=mid)).seq for subject, ev, mid in forgeries}
+            v_forged = await fleet.version()
+            await fleet.wait_version(v_forged + 2, 300, watch=fleet.alive())
+            # every worker back on the real line: newest versions, the real epoch
+            while True:
+                beats = await worker_beats(fleet)
+                if len(beats) == 2 and all(b["version"] >= v_forged + 1 and b.get("epoch") == epoch
+                                           for b in beats.values()):
+                    break
+                if time.monotonic() - t0 > 120:
+                    raise ChaosError(f"workers not back on the real leader: {beats}")
+                await asyncio.sleep(0.5)
+            recovery = time.monotonic() - t0
+            books = await fleet.wait_trained(ids, 600, feeding=feeding, with_checkpoint=True, watch=["A"])
+            refusals = {n: dict(_refusals(p.log_path)) for n, p in fleet.procs.items()
+                        if p.component == "rollout_worker"}
+            # each worker examined the forged keyframe (newer epoch) and the forged future version
+            each = all(r.get("fields", 0) + r.get("epoch", 0) >= 1 and r.get("corrupt", 0) >= 1
+                       for r in refusals.values())
+            line = version_line([e for seq, e in await _weights_by_seq(fleet.bus) if seq not in forged_seqs])
+            return row("forged_weights", books, recovery, each and not line["forks"] and not line["gaps"],
+                       forgeries=len(forgeries), versions=line["top"],
+                       refusals=refusals, worker_epochs=sorted({b.get("epoch") for b in beats.values()}),
+                       real_epoch=epoch)
+        finally:
+            await fleet.close()
+
+
+async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10, stop_at: int = 3) -> dict:
+    """The leader freezes itself exactly between its lease CAS and the WEIGHTS write of version
+    `stop_at` (`stop_before_publish`); the standby takes over and publishes; the old leader is
+    resumed and its write must be refused by the server: nothing of its epoch after the takeover
+    is in the stream, so no worker can apply it."""
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            fleet.trainer("A", stop_before_publish=stop_at, probe_when_deposed=True)
+            await wait_ready(fleet, ["A"])
+            fleet.trainer("B")
+            await pipeline(fleet, workers=2, trainers=())
+            ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+            a = fleet.procs["A"]
+            if not await _wait_log(a.log_path, "fault injection: stopping before publish", 300):
+                raise ChaosError(f"leader A never reached its publication of v{stop_at}")
+            t_stop = time.monotonic()
+            new, failover = await wait_leader(fleet, "A", LEASE_TTL_S + 60)
+            await fleet.wait_version(stop_at + 1, 300, watch=[new])     # the new leader published
+            first_version_s = time.monotonic() - t_stop
+            fleet.signal("A", signal.SIGCONT)
+            stepped_down = await _wait_log(a.log_path, "back to standby", 60)
+            books = await fleet.wait_trained(ids, 600, feeding=feeding, with_checkpoint=True, watch=[new])
+            events = await weights_history(fleet.bus)
+            epochs = [e.epoch for e in events]
+            e_old = min(epochs)
+            takeover = next(i for i, e in enumerate(events) if e.epoch > e_old)
+            late = [e.msg_id() for e in events[takeover:] if e.epoch == e_old]
+            line = version_line(events)
+            deposed = deposed_publishes(a.log_path)
+            passed = (stepped_down and not late and not line["gaps"] and not line["forks"]
+                      and deposed["attempts"] >= 1 and deposed["refused"] == deposed["attempts"])
+            return row("deposed_leader_publish", books, failover, passed, target_s=LEASE_TTL_S + 5,
+                       first_version_after_stop_s=round(first_version_s, 2),
+                       deposed_publish_attempts=deposed["attempts"], deposed_publish_refused=deposed["refused"],
+                       old_epoch_after_takeover=late, old_leader_stepped_down=stepped_down,
+                       versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"]))
+        finally:
+            await fleet.close()          # SIGCONT + SIGTERM to everyone, A included
+
 SCENARIOS = {
     "worker_sigkill": kill_workers,
     "scorer_sigkill": kill_scorer,
@@ -991,4 +1159,6 @@ SCENARIOS = {
     "slow_step_kill": slow_step_kill,
     "sync_poison_task": sync_poison_task,
     "random_kill_storm": random_kill_storm,
+    "forged_weights": forged_weights,
+    "deposed_leader_publish": deposed_leader_publish,
 }

@@ -1,6 +1,7 @@
 """Typed events that travel on the bus, encoded as msgpack with an explicit schema version.
 
-Every body is a msgpack map ``{"schema": SCHEMA, "kind": <class name>, **fields}``.
+Every body is a msgpack map ``{"schema": <the class's SCHEMA_VERSION>, "kind": <KIND>, **fields}``;
+each event type has its own schema version and `decode` refuses any other.
 `decode` validates kind, schema, required fields, field types and size limits and raises
 `EventError` with a reason a person can act on; consumer loops park such messages in DLQ.
 
@@ -185,21 +186,28 @@ class Scored(Event):
 
 
 @dataclass(kw_only=True)
-class Delta(Event):
+class WeightEvent(Event):
+    """What deltas and keyframes share. Schema 2: `epoch` (and the versions) are also inside the
+    payload's signed container header; a reader refuses an event whose fields disagree with it."""
+    SCHEMA_VERSION: ClassVar[int] = 2
+    epoch: int                     # the publishing leader's lease revision
+    codec: str
+    size: int                      # payload bytes
+    signature: bytes = b""         # ed25519 over the payload (which carries the signed header)
+    payload: bytes | None = None   # inline when small
+    blob: str = ""                 # object-store name otherwise
+    trainer_id: str = ""
+
+
+@dataclass(kw_only=True)
+class DeltaEvent(WeightEvent):
     """Announces policy version `to_version`; payload inline or in the object store."""
     KIND: ClassVar[str] = "Delta"
     from_version: int
     to_version: int
-    epoch: int
-    codec: str
-    size: int                      # payload bytes
     base_digest: str
     new_digest: str
-    signature: bytes = b""         # ed25519 over the payload
-    payload: bytes | None = None   # inline when small
-    blob: str = ""                 # object-store name otherwise
     changed_frac: float = 0.0
-    trainer_id: str = ""
 
     @property
     def version(self) -> int:
@@ -210,18 +218,12 @@ class Delta(Event):
 
 
 @dataclass(kw_only=True)
-class Keyframe(Event):
+class KeyframeEvent(WeightEvent):
+    """A full policy state `version`; model_config lets a worker build the model from it."""
     KIND: ClassVar[str] = "Keyframe"
     version: int
-    epoch: int
-    codec: str
-    size: int
     digest: str
-    model_config: dict             # policy.ModelConfig as dict: workers build the model from it
-    signature: bytes = b""
-    payload: bytes | None = None
-    blob: str = ""
-    trainer_id: str = ""
+    model_config: dict             # policy.ModelConfig as dict
 
     def msg_id(self) -> str:
         return f"keyframe-e{self.epoch}-v{self.version}"
@@ -253,7 +255,8 @@ class Metrics(Event):
         return f"metrics-{self.component_id}-{self.step}-{self.ts:.6f}"
 
 
-EVENTS: dict[str, type[Event]] = {c.KIND: c for c in (Task, Rollout, Scored, Delta, Keyframe, Heartbeat, Metrics)}
+EVENTS: dict[str, type[Event]] = {c.KIND: c for c in (Task, Rollout, Scored, DeltaEvent, KeyframeEvent,
+                                                          Heartbeat, Metrics)}
 
 
 def encode(ev: Event) -> bytes:
@@ -284,7 +287,9 @@ def _type_ok(value: Any, tp: Any) -> bool:
 
 _HINTS: dict[type, dict[str, Any]] = {}
 _UPGRADE = {("Rollout", 1): ": a rollout from a worker built before multi-turn episodes (no loss mask); "
-                            "upgrade that worker"}
+                            "upgrade that worker",
+            **{(kind, 1): " (an older build: its fields are not covered by the signature; upgrade the publisher)"
+               for kind in ("Delta", "Keyframe")}}
 
 
 def from_dict(d: dict, cls: type[Event] | None = None) -> Event:

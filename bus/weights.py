@@ -3,18 +3,28 @@
 Trainer side, `WeightPublisher`: a keyframe (full bf16 state) every K versions and a sparse
 lossless delta for every version in between, signed, inline when small and in the object
 store otherwise; then the KV key `version` is bumped so workers can measure their lag.
+The epoch, trainer id (and a keyframe's model config) also travel inside the payload's
+container header, which the signature covers. Every write is conditional on the server
+(expected last sequence of WEIGHTS): a deposed leader's write is refused, see `_write`.
 
 Worker side, `WeightFeed`: each reader keeps its own cursor (a stream sequence) on `WEIGHTS`
 and walks the stream in order with direct gets (`next_by_subj`), woken by a plain NATS
 subscription, so there is no consumer state on the server to lose on reconnect. Every
 update is checked before it touches the weights:
 
-    keyframe   accepted iff newer epoch, or same epoch and newer version; digest + signature
+    keyframe   accepted iff newer epoch, or same epoch and newer version; digest + signature;
+               fields == the payload's signed header; epoch issued by the KV leader lease
     delta      epoch <  mine                      -> refused (deposed leader), no resync
                to_version <= mine, same epoch     -> replay, skipped
                from_version != mine               -> gap: resync from the latest keyframe
                bad signature / payload / codec    -> refused: resync
+               fields != the signed header        -> refused (a forgery: the real one is in the stream)
+               newer epoch the lease never issued -> refused
                target refuses (base digest)       -> refused: resync
+
+Signing is what stops forgery: without a public key the field check only catches accidental
+mismatches (anyone able to publish on rl.weights.> can then build a consistent payload), and
+the lease check only bounds the epoch to one the KV has issued.
 
 Resync loads the latest keyframe if it moves us forward and continues from it; otherwise
 the reader keeps walking until a newer keyframe shows up. The target (an engine) keeps
@@ -23,16 +33,18 @@ generating meanwhile: it only ever sees whole, verified updates.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import delta_codec
 from delta_codec import signing
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from . import events, metrics
 from . import topology as topo
+from .errors import PublishError
 from .log import get_logger
 
 log = get_logger(__name__)
@@ -57,12 +69,42 @@ def _config_dict(model_config: Any) -> dict:
     return model_config.to_dict() if hasattr(model_config, "to_dict") else dict(model_config)
 
 
-class WeightPublisher:
-    """Publishes keyframes and deltas for one trainer epoch (the leader lease revision)."""
+EXPECTED_LAST_SEQ = "Nats-Expected-Last-Sequence"
+WRONG_LAST_SEQUENCE = 10071          # JetStream API error code: the stream's last sequence differs
 
-    def __init__(self, bus, epoch: int, trainer_id: str, signing_key=None, inline_max: int = 256 * 1024):
+
+class Fenced(PublishError):
+    """The server refused a WEIGHTS write: the stream moved on since this publisher last wrote
+    (a newer leader published), and the publisher may not retry (no fence, or out of tries).
+    A PublishError: the trainer goes back to standby on it."""
+
+
+def signed_fields(epoch: int, trainer_id: str, model_config: dict | None = None) -> dict:
+    """The event fields a publisher also puts inside the payload's signed container header."""
+    d = {"epoch": int(epoch), "trainer_id": trainer_id}
+    if model_config is not None:
+        d["model_config"] = model_config
+    return d
+
+
+class WeightPublisher:
+    """Publishes keyframes and deltas for one trainer epoch (the leader lease revision).
+
+    Every write is conditional on the server (Nats-Expected-Last-Sequence = the WEIGHTS sequence
+    this publisher last wrote or read), so once a newer leader has published, a deposed one's
+    write is refused by the server however long it was paused. A refused write is retried only
+    after `fence()` (the lease's compare-and-set) confirms this publisher still leads; without
+    a fence (tools, tests: no lease) it re-reads the stream's position and retries."""
+
+    def __init__(self, bus, epoch: int, trainer_id: str, signing_key=None, inline_max: int = 256 * 1024,
+                 fence=None, before_write=None, max_conflicts: int = 5):
         self.bus, self.epoch, self.trainer_id = bus, int(epoch), trainer_id
         self.signing_key, self.inline_max = signing_key, inline_max
+        self.fence = fence                  # async (): raises unless we still lead (a server-side CAS)
+        self.before_write = before_write    # async (event): test hook, between the fence and the write
+        self.max_conflicts = max_conflicts
+        self.last_seq: int | None = None    # WEIGHTS sequence this publisher last wrote or read
+        self.refusals = 0                   # writes the server refused (wrong last sequence)
 
     def _sign(self, payload: bytes) -> bytes:
         return signing.sign(self.signing_key, payload) if self.signing_key is not None else b""
@@ -74,14 +116,46 @@ class WeightPublisher:
         await self.bus.put_blob(name, payload)
         return None, name
 
-    async def publish_keyframe(self, state, version: int, model_config, *, set_version: bool = True) -> events.Keyframe:
+    async def _stream_last_seq(self) -> int:
+        return int((await self.bus.js.stream_info(topo.WEIGHTS)).state.last_seq)
+
+    async def _write(self, subject: str, ev: events.WeightEvent) -> int:
+        """Publish `ev` only if WEIGHTS is still where this publisher left it; -> its sequence.
+        Order: read the position, fence (lease CAS), write. A pause anywhere in between is caught
+        by the CAS or by the server; a position read after a refusal is adopted only once the
+        fence passed, so a deposed publisher never holds a fresh one."""
+        expected = self.last_seq if self.last_seq is not None else await self._stream_last_seq()
+        for _ in range(self.max_conflicts + 1):
+            if self.fence is not None:
+                await self.fence()           # raises once deposed: a refused write is not retried
+            if self.before_write is not None:
+                await self.before_write(ev)
+            try:
+                ack = await self.bus.publish(subject, ev, headers={EXPECTED_LAST_SEQ: str(expected)})
+            except APIError as e:
+                if e.err_code != WRONG_LAST_SEQUENCE:
+                    raise
+                self.refusals += 1
+                seen = await self._stream_last_seq()
+                log.warning("weights write refused by the server: the stream moved on", msg=ev.msg_id(),
+                            expected_last_seq=expected, stream_last_seq=seen, epoch=self.epoch)
+                expected = seen
+                continue
+            self.last_seq = max(expected, int(ack.seq))   # a duplicate ack is our own earlier write
+            return int(ack.seq)
+        raise Fenced(f"{ev.msg_id()}: refused by the server ({self.max_conflicts + 1} attempts): WEIGHTS "
+                     f"moved on since this publisher's last write")
+
+    async def publish_keyframe(self, state, version: int, model_config, *, set_version: bool = True) -> events.KeyframeEvent:
         kf = delta_codec.make_keyframe(state, version=version)
+        config = _config_dict(model_config)
+        kf.extra = signed_fields(self.epoch, self.trainer_id, config)
         payload = kf.to_bytes()
         inline, blob = await self._place(f"keyframe-e{self.epoch}-v{version}", payload)
-        ev = events.Keyframe(version=int(version), epoch=self.epoch, codec=CODEC, size=len(payload),
-                             digest=kf.digest, model_config=_config_dict(model_config),
-                             signature=self._sign(payload), payload=inline, blob=blob, trainer_id=self.trainer_id)
-        await self.bus.publish(topo.KEYFRAME_SUBJECT, ev)
+        ev = events.KeyframeEvent(version=int(version), epoch=self.epoch, codec=CODEC, size=len(payload),
+                                  digest=kf.digest, model_config=config, signature=self._sign(payload),
+                                  payload=inline, blob=blob, trainer_id=self.trainer_id)
+        await self._write(topo.KEYFRAME_SUBJECT, ev)
         metrics.published("keyframe", len(payload), int(version))
         if set_version:
             await self.set_version(version)
@@ -89,17 +163,19 @@ class WeightPublisher:
         return ev
 
     async def publish_delta(self, delta: "delta_codec.Delta", epoch: int | None = None, *,
-                            set_version: bool = True) -> events.Delta:
+                            set_version: bool = True) -> events.DeltaEvent:
         epoch = self.epoch if epoch is None else int(epoch)
-        payload = delta.to_bytes()
+        signed = delta_codec.Delta(delta.from_version, delta.to_version, delta.records,
+                                   extra=signed_fields(epoch, self.trainer_id))
+        payload = signed.to_bytes()
         inline, blob = await self._place(f"delta-e{epoch}-v{delta.to_version}", payload)
         stats = delta.stats
         changed_frac = stats.changed / stats.total if stats.total else 0.0
-        ev = events.Delta(from_version=int(delta.from_version), to_version=int(delta.to_version), epoch=epoch,
-                          codec=CODEC, size=len(payload), base_digest=delta.base_digest, new_digest=delta.new_digest,
-                          signature=self._sign(payload), payload=inline, blob=blob,
-                          changed_frac=changed_frac, trainer_id=self.trainer_id)
-        await self.bus.publish(topo.DELTA_SUBJECT, ev)
+        ev = events.DeltaEvent(from_version=int(delta.from_version), to_version=int(delta.to_version), epoch=epoch,
+                               codec=CODEC, size=len(payload), base_digest=delta.base_digest,
+                               new_digest=delta.new_digest, signature=self._sign(payload), payload=inline,
+                               blob=blob, changed_frac=changed_frac, trainer_id=self.trainer_id)
+        await self._write(topo.DELTA_SUBJECT, ev)
         metrics.published("delta", len(payload), int(delta.to_version))
         if set_version:
             await self.set_version(delta.to_version)
@@ -109,6 +185,15 @@ class WeightPublisher:
 
     async def set_version(self, v: int) -> int:
         return await self.bus.kv_put(topo.KEY_VERSION, encode_version(v))
+
+
+def _lease_epoch(value: bytes | None) -> int:
+    """The epoch recorded in the KV `leader` value (trainer/lease.py writes it); 0 if unreadable."""
+    try:
+        e = json.loads(value).get("epoch") if value else 0
+    except (ValueError, AttributeError):
+        return 0
+    return e if isinstance(e, int) and not isinstance(e, bool) and e > 0 else 0
 
 
 class WeightTarget(Protocol):
@@ -138,7 +223,7 @@ class StateTarget:
 
 @dataclass
 class KeyframeUpdate:
-    event: events.Keyframe
+    event: events.KeyframeEvent
     state: dict
     seq: int                      # stream sequence of the keyframe message
 
@@ -163,6 +248,7 @@ class WeightFeed:
 
     def __init__(self, bus, public_key=None, poll_s: float = 1.0, name: str = ""):
         self.bus, self.public_key, self.poll_s, self.name = bus, public_key, poll_s, name
+        self.issued_epoch = 0                        # highest epoch the KV leader lease is known to have issued
         self.refused: Counter[str] = Counter()       # reason -> count
         self.applied = Counter()                     # "delta" / "keyframe" / "replay"
         self.resyncs = 0
@@ -238,12 +324,47 @@ class WeightFeed:
                 raise Refused("signature", f"{ev.msg_id()}: {e}", resync=True) from None
         return data
 
-    async def _load_keyframe(self, ev: events.Keyframe, seq: int) -> KeyframeUpdate:
+    def _check_signed(self, ev: events.WeightEvent, container) -> None:
+        """The event's fields must be the ones inside the payload's (signed) container header.
+        With a public key this stops forgery; without one it still catches mismatches."""
+        x = container.extra or {}
+        want = signed_fields(ev.epoch, ev.trainer_id,
+                             ev.model_config if isinstance(ev, events.KeyframeEvent) else None)
+        got = {k: x.get(k) for k in want}
+        if got != want:
+            diff = {k: (want[k], got[k]) for k in want if want[k] != got[k]}
+            raise Refused("fields", f"{ev.msg_id()}: event fields disagree with the payload's signed header "
+                                    f"(event, payload): {str(diff)[:300]}", resync=False)
+
+    async def _check_epoch(self, ev: events.WeightEvent) -> None:
+        """An epoch ahead of what this feed has seen issued is verified against the KV leader
+        lease before anything acts on it: epochs the lease never issued are refused."""
+        if ev.epoch <= self.issued_epoch:
+            return
+        try:
+            value, rev = await self.bus.kv_entry(topo.KEY_LEADER)
+        except Exception as e:
+            raise Refused("epoch", f"{ev.msg_id()}: cannot read the leader lease to verify epoch "
+                                   f"{ev.epoch}: {e}", resync=True) from None
+        if value is None and rev == 0:       # no lease in use (a publisher without a trainer: tools, tests)
+            return
+        issued = _lease_epoch(value) or rev
+        self.issued_epoch = max(self.issued_epoch, issued)
+        if ev.epoch > self.issued_epoch:
+            raise Refused("epoch", f"{ev.msg_id()}: epoch {ev.epoch} was never issued by the leader lease "
+                                   f"(lease epoch {issued}, revision {rev})", resync=False)
+
+    async def _load_keyframe(self, ev: events.KeyframeEvent, seq: int) -> KeyframeUpdate:
         data = await self._payload(ev)
         try:
             kf = delta_codec.Keyframe.from_bytes(data)
             if kf.version != ev.version or (ev.digest and kf.digest != ev.digest):
                 raise ValueError(f"payload is v{kf.version} digest {kf.digest}, event says v{ev.version} {ev.digest}")
+        except Exception as e:
+            raise Refused("corrupt", f"keyframe v{ev.version}: {e}", resync=False) from None
+        self._check_signed(ev, kf)
+        await self._check_epoch(ev)
+        try:
             state = delta_codec.load_keyframe(kf)          # checks every tensor's digest
         except Exception as e:
             raise Refused("corrupt", f"keyframe v{ev.version}: {e}", resync=False) from None
@@ -256,7 +377,7 @@ class WeightFeed:
             self._wake.clear()
             try:
                 raw = await self.bus.js.get_last_msg(topo.WEIGHTS, topo.KEYFRAME_SUBJECT)
-                ev = events.decode(raw.data, events.Keyframe)
+                ev = events.decode(raw.data, events.KeyframeEvent)
                 return await self._load_keyframe(ev, raw.seq)
             except NotFoundError:
                 pass
@@ -297,7 +418,7 @@ class WeightFeed:
             ev = events.decode(raw.data)
         except events.EventError as e:
             raise Refused("malformed", str(e), resync=False) from None
-        if isinstance(ev, events.Keyframe):
+        if isinstance(ev, events.KeyframeEvent):
             if ev.epoch > target.epoch or (ev.epoch == target.epoch and ev.version > target.version):
                 kf = await self._load_keyframe(ev, raw.seq)
                 try:
@@ -307,7 +428,7 @@ class WeightFeed:
                 self.applied["keyframe"] += 1
                 metrics.applied("keyframe", raw)
             return
-        if not isinstance(ev, events.Delta):
+        if not isinstance(ev, events.DeltaEvent):
             raise Refused("malformed", f"unexpected {ev.KIND} on WEIGHTS", resync=False)
         if ev.epoch < target.epoch:
             raise Refused("stale_epoch", f"{ev.msg_id()} from epoch {ev.epoch} < {target.epoch}", resync=False)
@@ -326,6 +447,9 @@ class WeightFeed:
             raise Refused("corrupt", f"{ev.msg_id()}: payload says v{d.from_version}->v{d.to_version}", resync=True)
         if ev.base_digest and (d.base_digest, d.new_digest) != (ev.base_digest, ev.new_digest):
             raise Refused("digest", f"{ev.msg_id()}: payload digests differ from the announced ones", resync=True)
+        self._check_signed(ev, d)
+        if ev.epoch > target.epoch:
+            await self._check_epoch(ev)
         try:
             await target.apply_delta(d, ev.epoch)
         except Exception as e:  # base digest mismatch, engine refusal: state unchanged

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bus.events import Delta, Keyframe
+from bus.events import DeltaEvent as Delta, KeyframeEvent as Keyframe
 from bench import chaos_harness as h
 
 

@@ -38,6 +38,10 @@ async def test_trainer_leader_sigkill_then_sigstop(tmp_path):
     assert killed["gaps"] == 0 and killed["forks"] == 0
     assert paused["old_leader_stepped_down"] and paused["epochs"] >= 3
     assert paused["refused_by_workers"] >= paused["late_old_epoch_deltas"]
+    # the woken leader is made to publish: every attempt refused by the server, none in the stream
+    assert paused["deposed_publish_attempts"] >= 1
+    assert paused["deposed_publish_refused"] == paused["deposed_publish_attempts"]
+    assert paused["late_old_epoch_deltas"] == 0
 
 
 async def test_nats_server_restart_same_store(tmp_path):

@@ -107,7 +107,7 @@ def drop_delta(store, to_version):
             info = await bus.js.stream_info(topo.WEIGHTS)
             for seq in range(info.state.first_seq, info.state.last_seq + 1):
                 ev = events.decode((await bus.js.get_msg(topo.WEIGHTS, seq)).data)
-                if isinstance(ev, events.Delta) and ev.to_version == to_version:
+                if isinstance(ev, events.DeltaEvent) and ev.to_version == to_version:
                     await bus.js.delete_msg(topo.WEIGHTS, seq)
             await bus.close()
         finally:

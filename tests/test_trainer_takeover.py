@@ -13,7 +13,7 @@ from pathlib import Path
 
 import delta_codec
 from bus import topology as topo
-from bus.events import Delta, Keyframe
+from bus.events import DeltaEvent as Delta, KeyframeEvent as Keyframe
 from bus.weights import WeightFeed, WeightPublisher, parse_version
 from policy.config import ModelConfig
 from policy.model import Transformer

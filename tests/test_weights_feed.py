@@ -8,7 +8,7 @@ import torch
 import delta_codec
 import policy
 from bus import topology as topo
-from bus.events import Delta as DeltaEvent
+from bus.events import DeltaEvent
 from bus.weights import StateTarget, WeightFeed, WeightPublisher, parse_version
 from delta_codec.signing import generate_keypair, sign
 

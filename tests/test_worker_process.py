@@ -11,7 +11,7 @@ import delta_codec
 import policy
 from bus import BusConfig
 from bus import topology as topo
-from bus.events import Delta as DeltaEvent, Heartbeat, Rollout, Task, decode
+from bus.events import DeltaEvent, Heartbeat, Rollout, Task, decode
 from bus.weights import WeightPublisher
 from delta_codec.signing import generate_keypair, sign
 from rollout_worker.worker import Worker, WorkerConfig

@@ -53,6 +53,9 @@ class TrainerConfig:
     # publication
     keyframe_interval: int = 20          # a full keyframe every K versions
     signing_key: str = ""                # ed25519 private key: hex, or a file with hex or PEM; "" = unsigned
+    # fault injection (bench.chaos, tests; off in production)
+    stop_before_publish: int = 0         # SIGSTOP itself after the lease CAS, just before writing version N
+    probe_when_deposed: bool = False     # once deposed, try one more publication skipping its own checks
     # checkpoints / outputs
     checkpoint_dir: str = "runs/trainer/ckpt"
     keep_checkpoints: int = 3

@@ -5,12 +5,16 @@ Per step (rank 0 talks to the bus; other ranks only compute):
     step    <- PG loss with importance correction, gradient all-reduce, AdamW on fp32 master
     bf16    <- policy.inference_state;  delta = encode_delta(last published bf16, bf16)
     checkpoint (version v, epoch, consumed ids)  -> publish delta (+ keyframe every K) -> KV version
+              (each write: lease CAS, then a write the server refuses once another leader wrote)
     ack the batch's messages
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +26,7 @@ from bus import get_logger, metrics
 from bus import topology as topo
 from bus.events import Metrics
 from bus.consumer import sweep_stranded, watch_max_deliveries
-from bus.weights import WeightPublisher
+from bus.weights import Fenced, WeightPublisher
 from policy import ModelConfig, load_tokenizer
 
 from . import checkpoint
@@ -160,7 +164,7 @@ class Trainer:
         lost = asyncio.Event()
         keeper = asyncio.create_task(self.lease.keep(stop, lost))
         await asyncio.to_thread(self.prepare)        # in a thread: the lease keeps being renewed
-        publisher = WeightPublisher(self.bus, epoch, cfg.trainer_id, load_signing_key(cfg.signing_key))
+        publisher = self.make_publisher(epoch)
         await publisher.publish_keyframe(self.published, self.version, self.model_cfg)
         ev = await self.maybe_evaluate(self.version, self.published)
         if ev:
@@ -214,6 +218,8 @@ class Trainer:
             if not lost.is_set():
                 await self.lease.release()
             log.info("leader loop ended", version=self.version, lost=lost.is_set(), stopped=stop_keeper)
+        if lost.is_set() and cfg.probe_when_deposed:
+            await self.probe_deposed(publisher)
         return 3 if lost.is_set() else 0
 
     async def next_sync_batch(self, batcher: Batcher, feeder: TaskFeeder, stopped) -> Batch | None:
@@ -233,6 +239,50 @@ class Trainer:
                             version=self.version, missing=missing, waited_s=wait_s)
                 await feeder.publish(missing, min_version=self.version)
                 self.sync_replaced += missing
+
+    def make_publisher(self, epoch: int) -> WeightPublisher:
+        """Every write fenced twice: the lease CAS (`confirm`) just before it, and the server's
+        expected-last-sequence check in it, so a deposed leader's write is refused however long
+        it was paused, and a standby takes over only versions already checkpointed."""
+        cfg = self.cfg
+        pub = WeightPublisher(self.bus, epoch, cfg.trainer_id, load_signing_key(cfg.signing_key),
+                              fence=self.lease.confirm)
+        if cfg.stop_before_publish:
+            pub.before_write = self._stop_before(cfg.stop_before_publish)
+        return pub
+
+    def _stop_before(self, version: int):
+        """Fault injection: freeze this process between the lease CAS and the write of `version`."""
+        done = False
+
+        async def hook(ev) -> None:
+            nonlocal done
+            if not done and ev.version == version:
+                done = True
+                log.warning("fault injection: stopping before publish", version=version, msg=ev.msg_id(),
+                            epoch=ev.epoch)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGSTOP)
+        return hook
+
+    async def probe_deposed(self, publisher: WeightPublisher) -> None:
+        """Fault injection: a deposed leader publishes its next version anyway, skipping its own
+        lease checks; the server must refuse the write (bench.chaos counts these log lines)."""
+        if publisher.last_seq is None:
+            log.info("deposed leader never published: nothing to probe")
+            return
+        publisher.fence, publisher.before_write, publisher.max_conflicts = None, None, 0
+        v = self.version + 1
+        try:
+            await publisher.publish_keyframe(self.published, v, self.model_cfg, set_version=False)
+        except Fenced as e:
+            log.warning("deposed leader publish refused by the server", version=v, epoch=publisher.epoch,
+                        error=str(e))
+        except Exception as e:
+            log.warning("deposed leader publish failed", version=v, error=f"{type(e).__name__}: {e}")
+        else:
+            log.error("deposed leader publish ACCEPTED by the server", version=v, epoch=publisher.epoch)
 
     def _step(self, packed) -> dict:
         broadcast_obj(("step", packed))

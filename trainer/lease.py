@@ -8,8 +8,10 @@ monotonic clock* (no cross-host clock comparison), or at once when the holder re
 KV revisions are stream sequences, so every takeover's epoch is higher than all before it.
 
 A leader that cannot renew for ttl_s (partition, SIGSTOP) considers itself deposed
-(`valid()` is false) and must not publish; if it publishes anyway, workers refuse its deltas
-because a newer epoch exists.
+(`valid()` is false) and must not publish. That is only a local check: the fence is on the
+server. Before every WEIGHTS write the leader `confirm()`s the lease with a CAS (refused once
+a standby took over), and the write itself expects the stream's last sequence to be the one
+this leader last wrote (bus/weights.py), so a leader paused between the two is refused too.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class LeaderLease:
         self.rev = 0                    # revision we last wrote
         self.renewed_mono = 0.0         # monotonic time of our last successful write
         self._seen: tuple[int, float] = (-1, 0.0)   # (revision observed, when first observed)
+        self._cas = asyncio.Lock()      # renewals (keeper, confirm) each CAS on the revision the last one wrote
 
     async def _read(self) -> tuple[dict | None, int]:
         value, rev = await self.bus.kv_entry(self.key)
@@ -99,7 +102,17 @@ class LeaderLease:
             await asyncio.sleep(poll_s)
         return 0
 
+    async def confirm(self) -> None:
+        """The fence before a publication: a CAS on the lease (raises LeaseLost once deposed)."""
+        if not self.epoch:
+            raise LeaseLost("not holding the leader lease")
+        await self.renew()
+
     async def renew(self) -> None:
+        async with self._cas:
+            await self._renew()
+
+    async def _renew(self) -> None:
         t0 = time.monotonic()
         try:
             self.rev = await self.bus.kv_update(self.key, lease_value(self.holder, self.epoch, self.ttl_s), self.rev)
@@ -135,7 +148,8 @@ class LeaderLease:
         """Hand over at once (graceful stop): a standby sees released=true and takes over."""
         if self.epoch and self.valid():
             try:
-                await self.bus.kv_update(self.key, lease_value(self.holder, self.epoch, self.ttl_s, True), self.rev)
+                async with self._cas:
+                    await self.bus.kv_update(self.key, lease_value(self.holder, self.epoch, self.ttl_s, True), self.rev)
             except Exception as e:
                 log.warning("lease release failed (it will expire)", error=str(e))
         self.epoch = 0
