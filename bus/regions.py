@@ -47,6 +47,11 @@ class WeightSource:
     def name(self) -> str:
         return self.bus.name
 
+    async def kv_entry(self, key: str):
+        """Control values (the leader lease that vouches for an epoch) live on the hub, not in the
+        region: read them through the hub's KV like every other client."""
+        return await self.bus.kv_entry(key)
+
     async def _blobs(self):
         # never provisions: a region's mirrors are declared by its operator (provision_mirrors)
         if self._obs is None:
