@@ -41,6 +41,7 @@ import numpy as np
 import zstandard
 
 from . import context as ctx
+from . import context_jit as ctx_jit
 from .bits import SIGNED_INT, UNSIGNED_INT, fresh, from_planes, planes, unzigzag, unzigzag_small, zigzag
 from .errors import DeltaError
 
@@ -367,18 +368,23 @@ def encode_chunk(b: np.ndarray, n: np.ndarray, shift: int | None = None, alloc=f
 
 def _encode_classed(b, n, pos, p: float, shift: int, alloc) -> list | None:
     """CLASSED record, or None when the chosen split has a single class."""
-    key = ctx.exponents(b, shift, alloc)
-    at = np.take(key, pos)
-    ts = ctx.choose_thresholds(key, at)
+    sample = ctx.exponents(b[::ctx.SAMPLE_STRIDE], shift)
+    at = ctx.exponents(np.take(b, pos), shift)
+    ts = ctx.choose_thresholds(sample, b.size, at)
     if not ts:
         return None
-    classes = ctx.Classes(key, ts, alloc)
-    ci = ctx.class_of(at, ts)
-    order = np.argsort(ci, kind="stable")
-    pos, ci = np.take(pos, order), np.take(ci, order)
-    bounds = np.searchsorted(ci, np.arange(len(ts) + 2))
-    fields = [_encode_class(classes.rank(k, pos[lo:hi]), classes.sizes[k]) if hi > lo else [0]
-              for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    if ctx_jit.enabled:
+        pos, ranks, bounds, sizes = ctx_jit.encode_ranks(b, pos, shift, ts)
+        parts = [ranks[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    else:
+        classes = ctx.Classes(ctx.exponents(b, shift, alloc), ts, alloc)
+        ci = ctx.class_of(at, ts)
+        order = np.argsort(ci, kind="stable")
+        pos, ci = np.take(pos, order), np.take(ci, order)
+        bounds = np.searchsorted(ci, np.arange(len(ts) + 2))
+        parts = [classes.rank(k, pos[lo:hi]) for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        sizes = classes.sizes
+    fields = [_encode_class(r, sizes[k]) if r.size else [0] for k, r in enumerate(parts)]
     old = np.take(b, pos)
     d = np.take(n, pos)
     d -= old
@@ -432,12 +438,27 @@ def _decode_classed(rec, m: int, count: int, what: str, base_all, shift: int | N
     fields = rec[6]
     if not isinstance(fields, list) or len(fields) != len(ts) + 1:
         raise DeltaError(f"{what}: {len(ts)} thresholds need {len(ts) + 1} class records")
+    if ctx_jit.enabled:
+        # class sizes only where a bitmap needs them; gap-coded ranks are checked by the select
+        sizes = ctx_jit.class_sizes(base, shift, ts) if any(_is_bitmap(f) for f in fields) else [count] * len(fields)
+        ranks = [_decode_class(f, sizes[k], f"{what} class {k}") for k, f in enumerate(fields)]
+        if sum(r.size for r in ranks) != m:
+            raise DeltaError(f"{what}: classes hold {sum(r.size for r in ranks)} changes, header says {m}")
+        pos, found = ctx_jit.select(base, shift, ts, ranks)
+        for k, (f, r) in enumerate(zip(found, ranks)):
+            if f != r.size:
+                raise DeltaError(f"{what} class {k}: rank {int(r[f])} beyond the class")
+        return pos, np.take(base, pos)
     classes = ctx.Classes(ctx.exponents(base, shift, alloc), ts, alloc)
     parts = [classes.select(k, _decode_class(f, classes.sizes[k], f"{what} class {k}")) for k, f in enumerate(fields)]
     if sum(p.size for p in parts) != m:
         raise DeltaError(f"{what}: classes hold {sum(p.size for p in parts)} changes, header says {m}")
     pos = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     return pos, np.take(base, pos)
+
+
+def _is_bitmap(field) -> bool:
+    return isinstance(field, list) and len(field) > 1 and field[1] == BITMAP
 
 
 def _bitmap(pos: np.ndarray, count: int) -> bytes:
