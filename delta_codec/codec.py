@@ -73,14 +73,15 @@ def zc(data) -> bytes:
     return _tls.c.compress(data)
 
 
-def zd(data, size: int, what: str) -> bytes:
+def zd(data, size: int, what: str, exact: bool = True) -> bytes:
+    """zstd-decompressed data of `size` bytes (exact=False: at most size; the caller checks)."""
     if not hasattr(_tls, "d"):
         _tls.d = zstandard.ZstdDecompressor()
     try:
         out = _tls.d.decompress(data, max_output_size=size)
     except zstandard.ZstdError as e:
         raise DeltaError(f"{what}: zstd stream is corrupt ({e})") from None
-    if len(out) != size:
+    if exact and len(out) != size:
         raise DeltaError(f"{what}: decompressed {len(out)} bytes, expected {size}")
     return out
 
@@ -406,25 +407,28 @@ def _encode_class(ranks: np.ndarray, size: int) -> list:
     return [int(ranks.size), GAP, k, *encode_gaps(None, k, g)]
 
 
-def _decode_class(field, size: int, what: str) -> np.ndarray:
-    """-> strictly increasing ranks in [0, size)."""
+def _decode_class(field, size: int, what: str, exact: bool = True):
+    """-> strictly increasing ranks in [0, size) (exact=False: size only bounds them; -> (ranks,
+    a bitmap's byte count or None), for the caller to check against the class size)."""
     mk = int(field[0])
     if not 0 <= mk <= size:
         raise DeltaError(f"{what}: {mk} changes in a class of {size}")
+    nbytes = None
     if mk == 0:
         if len(field) != 1:
             raise DeltaError(f"{what}: malformed class record")
-        return np.zeros(0, np.int64)
-    mode = int(field[1])
-    if mode == GAP and len(field) == 6:
-        return decode_gaps(int(field[2]), field[3], field[4], field[5], mk, size, what)
-    if mode == BITMAP and len(field) == 3:
-        bits = np.unpackbits(np.frombuffer(zd(field[2], (size + 7) // 8, what + " bitmap"), np.uint8))[:size]
-        ranks = np.flatnonzero(bits.view(bool))
+        ranks = np.zeros(0, np.int64)
+    elif (mode := int(field[1])) == GAP and len(field) == 6:
+        ranks = decode_gaps(int(field[2]), field[3], field[4], field[5], mk, size, what)
+    elif mode == BITMAP and len(field) == 3:
+        raw = zd(field[2], (size + 7) // 8, what + " bitmap", exact)
+        nbytes = len(raw)
+        ranks = np.flatnonzero(np.unpackbits(np.frombuffer(raw, np.uint8))[:size].view(bool))
         if ranks.size != mk:
             raise DeltaError(f"{what}: bitmap has {ranks.size} changes, header says {mk}")
-        return ranks
-    raise DeltaError(f"{what}: malformed class record")
+    else:
+        raise DeltaError(f"{what}: malformed class record")
+    return ranks if exact else (ranks, nbytes)
 
 
 def _decode_classed(rec, m: int, count: int, what: str, base_all, shift: int | None, itemsize: int, alloc):
@@ -439,15 +443,21 @@ def _decode_classed(rec, m: int, count: int, what: str, base_all, shift: int | N
     if not isinstance(fields, list) or len(fields) != len(ts) + 1:
         raise DeltaError(f"{what}: {len(ts)} thresholds need {len(ts) + 1} class records")
     if ctx_jit.enabled:
-        # class sizes only where a bitmap needs them; gap-coded ranks are checked by the select
-        sizes = ctx_jit.class_sizes(base, shift, ts) if any(_is_bitmap(f) for f in fields) else [count] * len(fields)
-        ranks = [_decode_class(f, sizes[k], f"{what} class {k}") for k, f in enumerate(fields)]
+        # class sizes come out of the select pass: until then ranks are only bounded by the
+        # chunk (a bitmap by its bytes), and checked against the sizes after it
+        ranks, nbytes = [], []
+        for k, f in enumerate(fields):
+            r, nb = _decode_class(f, count, f"{what} class {k}", exact=False)
+            ranks.append(r)
+            nbytes.append(nb)
         if sum(r.size for r in ranks) != m:
             raise DeltaError(f"{what}: classes hold {sum(r.size for r in ranks)} changes, header says {m}")
-        pos, found = ctx_jit.select(base, shift, ts, ranks)
-        for k, (f, r) in enumerate(zip(found, ranks)):
+        pos, found, sizes = ctx_jit.select(base, shift, ts, ranks)
+        for k, (f, r, nb, size) in enumerate(zip(found, ranks, nbytes, sizes)):
             if f != r.size:
-                raise DeltaError(f"{what} class {k}: rank {int(r[f])} beyond the class")
+                raise DeltaError(f"{what} class {k}: rank {int(r[f])} beyond the class of {size}")
+            if nb is not None and nb != (size + 7) // 8:
+                raise DeltaError(f"{what} class {k}: bitmap of {nb} bytes for a class of {size}")
         return pos, np.take(base, pos)
     classes = ctx.Classes(ctx.exponents(base, shift, alloc), ts, alloc)
     parts = [classes.select(k, _decode_class(f, classes.sizes[k], f"{what} class {k}")) for k, f in enumerate(fields)]
@@ -455,10 +465,6 @@ def _decode_classed(rec, m: int, count: int, what: str, base_all, shift: int | N
         raise DeltaError(f"{what}: classes hold {sum(p.size for p in parts)} changes, header says {m}")
     pos = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     return pos, np.take(base, pos)
-
-
-def _is_bitmap(field) -> bool:
-    return isinstance(field, list) and len(field) > 1 and field[1] == BITMAP
 
 
 def _bitmap(pos: np.ndarray, count: int) -> bytes:

@@ -65,12 +65,12 @@ BLOCK = 512  # elements per class pass block (its byte flags stay in L1)
 _GATHER = np.uint64(0x0102040810204080)  # (w * _GATHER) >> 56: bit i = byte i's low bit
 
 
-def _flags(u, lo, sh, em, t1, t2, f1, f2):
+def _flags(u, lo, em, t1, t2, f1, f2):
     """f1[i], f2[i]: element lo + i is in S_1, S_2 (0 past the end); one vectorised pass."""
     cnt = min(BLOCK, u.size - lo)
     if cnt == BLOCK:
         for i in range(BLOCK):
-            e = (u[lo + i] >> sh) & em
+            e = u[lo + i] & em
             f1[i] = e < t1
             f2[i] = e < t2
     else:
@@ -78,7 +78,7 @@ def _flags(u, lo, sh, em, t1, t2, f1, f2):
             f1[i] = 0
             f2[i] = 0
         for i in range(cnt):
-            e = (u[lo + i] >> sh) & em
+            e = u[lo + i] & em
             f1[i] = e < t1
             f2[i] = e < t2
 
@@ -97,7 +97,7 @@ def _full(n, lo):
     return _ALL if left >= 64 else ((np.uint64(1) << np.uint64(max(left, 0))) - np.uint64(1))
 
 
-def _enc(u, sh, em, t1, t2, pos, out_pos, out_rank, starts, sizes):
+def _enc(u, em, t1, t2, pos, out_pos, out_rank, starts, sizes):
     """pos: sorted changed positions -> out_pos/out_rank in class order (class 0's by position,
     then class 1's ...), starts[k]: class k's first index there; sizes: class member counts."""
     m = pos.size
@@ -116,7 +116,7 @@ def _enc(u, sh, em, t1, t2, pos, out_pos, out_rank, starts, sizes):
     for w in range((n + 63) // 64):
         lo = w * 64
         if lo % BLOCK == 0:
-            _flags(u, lo, sh, em, t1, t2, f1, f2)
+            _flags(u, lo, em, t1, t2, f1, f2)
         m1 = _word(g1, (lo % BLOCK) // 64)
         m2 = _word(g2, (lo % BLOCK) // 64)
         k0 = _full(n, lo) & ~m1
@@ -153,22 +153,11 @@ def _enc(u, sh, em, t1, t2, pos, out_pos, out_rank, starts, sizes):
         f[c] += 1
 
 
-def _sizes(u, sh, em, t1, t2, sizes):
-    s1 = 0
-    s2 = 0
-    for i in range(u.size):
-        e = (u[i] >> sh) & em
-        s1 += e < t1
-        s2 += e < t2
-    sizes[0] = u.size - s1
-    sizes[1] = s1 - s2
-    sizes[2] = s2
-
-
-def _dec(u, sh, em, t1, t2, ranks, starts, out, found, tab):
+def _dec(u, em, t1, t2, ranks, starts, out, found, sizes, tab):
     """ranks: each class's strictly increasing ranks, class k's at starts[k]:starts[k+1] ->
     out: their positions, same layout; found[k]: how many of class k's ranks were found (fewer
-    than given: a rank beyond the class)."""
+    than given: a rank beyond the class); sizes: class member counts (the pass runs to the
+    chunk's end for them)."""
     n = u.size
     c0 = 0
     c1 = 0
@@ -189,9 +178,7 @@ def _dec(u, sh, em, t1, t2, ranks, starts, out, found, tab):
     for w in range((n + 63) // 64):
         lo = w * 64
         if lo % BLOCK == 0:
-            if w0 == _BIG and w1 == _BIG and w2 == _BIG:
-                break
-            _flags(u, lo, sh, em, t1, t2, f1, f2)
+            _flags(u, lo, em, t1, t2, f1, f2)
         m1 = _word(g1, (lo % BLOCK) // 64)
         m2 = _word(g2, (lo % BLOCK) // 64)
         k0 = _full(n, lo) & ~m1
@@ -214,6 +201,9 @@ def _dec(u, sh, em, t1, t2, ranks, starts, out, found, tab):
         c0 += p0
         c1 += p1
         c2 += p2
+    sizes[0] = c0
+    sizes[1] = c1
+    sizes[2] = c2
     found[0] = i0 - starts[0]
     found[1] = i1 - starts[1]
     found[2] = i2 - starts[2]
@@ -223,49 +213,45 @@ if available:
     _jit = numba.njit(nogil=True, cache=True)
     _inl = numba.njit(nogil=True, cache=True, inline="always")  # (helpers: calls between compiled functions are not inlined otherwise)
     _bytepop, _pop, _sel, _flags, _word, _full = (_inl(f) for f in (_bytepop, _pop, _sel, _flags, _word, _full))
-    _enc, _sizes, _dec = _jit(_enc), _jit(_sizes), _jit(_dec)
+    _enc, _dec = _jit(_enc), _jit(_dec)
 
 
 def _args(b: np.ndarray, shift: int, thresholds: list[int]):
+    """Unsigned view, |bits| mask, thresholds on |bits| (|bits| < t << shift: exponent < t; one
+    mask and compare per element, no shift)."""
     u = b.view(UNSIGNED_INT[b.itemsize])
     t = u.dtype.type
-    ebits = 8 * b.itemsize - 1 - shift
     t1 = thresholds[0]
     t2 = thresholds[1] if len(thresholds) > 1 else 0
-    return u, t(shift), t((1 << ebits) - 1), t(t1), t(t2)
+    return u, t((1 << (8 * b.itemsize - 1)) - 1), t(t1 << shift), t(t2 << shift)
 
 
 def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[int]):
     """-> (positions in class order, their ranks within their class, class bounds (K + 2),
     class sizes (K + 1))."""
-    u, sh, em, t1, t2 = _args(b, shift, thresholds)
+    u, em, t1, t2 = _args(b, shift, thresholds)
     out_pos = np.empty(pos.size, np.int64)
     out_rank = np.empty(pos.size, np.int64)
     starts = np.empty(4, np.int64)
     sizes = np.empty(3, np.int64)
-    _enc(u, sh, em, t1, t2, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes)
+    _enc(u, em, t1, t2, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes)
     k = len(thresholds) + 1
     return out_pos, out_rank, starts[:k + 1].tolist(), sizes[:k].tolist()
 
 
-def class_sizes(b: np.ndarray, shift: int, thresholds: list[int]) -> list[int]:
-    u, sh, em, t1, t2 = _args(b, shift, thresholds)
-    sizes = np.empty(3, np.int64)
-    _sizes(u, sh, em, t1, t2, sizes)
-    return sizes[:len(thresholds) + 1].tolist()
-
-
 def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndarray]):
-    """parts[k]: class k's strictly increasing ranks -> (positions in class order, found per
-    class)."""
-    u, sh, em, t1, t2 = _args(b, shift, thresholds)
+    """parts[k]: class k's strictly increasing ranks -> (positions in class order, ranks found
+    per class, class sizes)."""
+    u, em, t1, t2 = _args(b, shift, thresholds)
     parts = [*parts, *[np.zeros(0, np.int64)] * (3 - len(parts))]
     starts = np.cumsum([0, *(p.size for p in parts)]).astype(np.int64)
     ranks = np.concatenate(parts).astype(np.int64, copy=False)
     out = np.empty(ranks.size, np.int64)
     found = np.zeros(3, np.int64)
-    _dec(u, sh, em, t1, t2, ranks, starts, out, found, _SEL8)
-    return out, found[:len(thresholds) + 1].tolist()
+    sizes = np.zeros(3, np.int64)
+    _dec(u, em, t1, t2, ranks, starts, out, found, sizes, _SEL8)
+    k = len(thresholds) + 1
+    return out, found[:k].tolist(), sizes[:k].tolist()
 
 
 def warm() -> None:
@@ -277,5 +263,4 @@ def warm() -> None:
         eb = 8 * b.itemsize - 1 - shift
         ts = [3, 1] if eb > 2 else [1]
         op, r, st, sz = encode_ranks(b, np.array([1, 5], np.int64), shift, ts)
-        class_sizes(b, shift, ts)
         select(b, shift, ts, [r[st[k]:st[k + 1]] for k in range(len(ts) + 1)])
