@@ -91,6 +91,15 @@ def _word(g, w):
     return a
 
 
+def _cnt(g, w):
+    """How many of the 64 byte flags g[8 w: 8 w + 8] (as words) are set: bytes summed (each
+    <= 8) across the words, then across the bytes by one multiply."""
+    a = g[w * 8]
+    for k in range(1, 8):
+        a += g[w * 8 + k]
+    return np.int64((a * _L8) >> np.uint64(56))
+
+
 def _full(n, lo):
     """Mask of the word at lo's elements that exist."""
     left = n - lo
@@ -117,8 +126,16 @@ def _enc(u, em, t1, t2, pos, out_pos, out_rank, starts, sizes):
         lo = w * 64
         if lo % BLOCK == 0:
             _flags(u, lo, em, t1, t2, f1, f2)
-        m1 = _word(g1, (lo % BLOCK) // 64)
-        m2 = _word(g2, (lo % BLOCK) // 64)
+        q = (lo % BLOCK) // 64
+        s1 = _cnt(g1, q)
+        s2 = _cnt(g2, q)
+        if not (j < m and pos[j] < lo + 64):  # no change in this word
+            c0 += min(64, n - lo) - s1
+            c1 += s1 - s2
+            c2 += s2
+            continue
+        m1 = _word(g1, q)
+        m2 = _word(g2, q)
         k0 = _full(n, lo) & ~m1
         k1 = m1 & ~m2
         while j < m and pos[j] < lo + 64:
@@ -179,13 +196,20 @@ def _dec(u, em, t1, t2, ranks, starts, out, found, sizes, tab):
         lo = w * 64
         if lo % BLOCK == 0:
             _flags(u, lo, em, t1, t2, f1, f2)
-        m1 = _word(g1, (lo % BLOCK) // 64)
-        m2 = _word(g2, (lo % BLOCK) // 64)
+        q = (lo % BLOCK) // 64
+        s1 = _cnt(g1, q)
+        p2 = _cnt(g2, q)
+        p0 = min(64, n - lo) - s1
+        p1 = s1 - p2
+        if w0 >= c0 + p0 and w1 >= c1 + p1 and w2 >= c2 + p2:  # no wanted rank in this word
+            c0 += p0
+            c1 += p1
+            c2 += p2
+            continue
+        m1 = _word(g1, q)
+        m2 = _word(g2, q)
         k0 = _full(n, lo) & ~m1
         k1 = m1 & ~m2
-        p0 = _pop(k0)
-        p1 = _pop(k1)
-        p2 = _pop(m2)
         while w0 < c0 + p0:
             out[i0] = lo + _sel(k0, w0 - c0, tab)
             i0 += 1
@@ -212,7 +236,7 @@ def _dec(u, em, t1, t2, ranks, starts, out, found, sizes, tab):
 if available:
     _jit = numba.njit(nogil=True, cache=True)
     _inl = numba.njit(nogil=True, cache=True, inline="always")  # (helpers: calls between compiled functions are not inlined otherwise)
-    _bytepop, _pop, _sel, _flags, _word, _full = (_inl(f) for f in (_bytepop, _pop, _sel, _flags, _word, _full))
+    _bytepop, _pop, _sel, _flags, _word, _cnt, _full = (_inl(f) for f in (_bytepop, _pop, _sel, _flags, _word, _cnt, _full))
     _enc, _dec = _jit(_enc), _jit(_dec)
 
 
