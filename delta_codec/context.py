@@ -17,7 +17,9 @@ cache-sized blocks; popcounts of its 64-bit words and, per class that has change
 running sum give how many members precede each word, so a rank is a binary search into those
 sums plus a select inside one word (branch-free, on the byte popcounts of the word; encoder:
 a popcount below the bit). The work is one shift and K compare passes over the chunk plus
-O(changes); no sort or nonzero over the whole chunk.
+O(changes); no sort or nonzero over the whole chunk. This numpy path is the fallback and the
+reference: with numba installed, context_jit.py does the same in one compiled pass per chunk
+(no masks kept, no running sums, no binary search), with the same bytes and results.
 
 On a GPU the same steps are data-parallel: the compares and per-word popcounts are one
 elementwise kernel, the running sums one scan, and each change's rank -> position a binary
