@@ -206,22 +206,24 @@ def _dec(u, em, t1, t2, ranks, starts, out, found, sizes, tab):
             c1 += p1
             c2 += p2
             continue
-        m1 = _word(g1, q)
-        m2 = _word(g2, q)
-        k0 = _full(n, lo) & ~m1
-        k1 = m1 & ~m2
-        while w0 < c0 + p0:
-            out[i0] = lo + _sel(k0, w0 - c0, tab)
-            i0 += 1
-            w0 = ranks[i0] if i0 < e0 else _BIG
-        while w1 < c1 + p1:
-            out[i1] = lo + _sel(k1, w1 - c1, tab)
-            i1 += 1
-            w1 = ranks[i1] if i1 < e1 else _BIG
-        while w2 < c2 + p2:
-            out[i2] = lo + _sel(m2, w2 - c2, tab)
-            i2 += 1
-            w2 = ranks[i2] if i2 < e2 else _BIG
+        if w0 < c0 + p0:  # (each class's mask only where it has a wanted rank here)
+            k0 = _full(n, lo) & ~_word(g1, q)
+            while w0 < c0 + p0:
+                out[i0] = lo + _sel(k0, w0 - c0, tab)
+                i0 += 1
+                w0 = ranks[i0] if i0 < e0 else _BIG
+        if w1 < c1 + p1:
+            k1 = _word(g1, q) & ~_word(g2, q)
+            while w1 < c1 + p1:
+                out[i1] = lo + _sel(k1, w1 - c1, tab)
+                i1 += 1
+                w1 = ranks[i1] if i1 < e1 else _BIG
+        if w2 < c2 + p2:
+            m2 = _word(g2, q)
+            while w2 < c2 + p2:
+                out[i2] = lo + _sel(m2, w2 - c2, tab)
+                i2 += 1
+                w2 = ranks[i2] if i2 < e2 else _BIG
         c0 += p0
         c1 += p1
         c2 += p2
