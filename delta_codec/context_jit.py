@@ -284,7 +284,7 @@ def warm() -> None:
     """Compile (or load from the cache) for every float width, outside any timed region."""
     if not available:
         return
-    for dt, shift in ((np.int16, 7), (np.int32, 23), (np.int64, 52)):
+    for dt, shift in ((np.int8, 3), (np.int16, 7), (np.int32, 23), (np.int64, 52)):
         b = np.arange(64, dtype=dt)
         eb = 8 * b.itemsize - 1 - shift
         ts = [3, 1] if eb > 2 else [1]
