@@ -18,7 +18,8 @@ each element's base exponent (per tensor), position_entropy_cond_bits; encode_gb
 apply_gb_s (and per CPU-second) of format 3, and the same for format 2 under `format2` (GB of
 bf16 weights per second, median of --reps, both in this process; the codec's default threads,
 ASYNCRL_DELTA_THREADS overrides); and the ratio of baselines computed on the same
-update, with our margin over the fair one (uint16 gaps + int16 raw-bit difference + zstd).
+update, with our margin over the fair one (uint16 gaps + int16 raw-bit difference + zstd);
+format3_kernels: "numba" or "numpy" (format 3's rank/select; numba's compile is warmed first).
 Last line: one JSON object {"runs": [...], "baselines": {...}, "weights": ...}.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 import zstandard
 
 from delta_codec import Delta, apply_delta, encode_delta
+from delta_codec import context_jit
 from delta_codec.codec import NONE
 from delta_codec.record import chunks_of
 from delta_codec.tasks import default_threads
@@ -198,6 +200,7 @@ def run_lr(init, lr: float, args) -> dict:
             "encode_gb_s": full / enc_s / 1e9, "apply_gb_s": full / app_s / 1e9,
             # per CPU-second: what one core does, robust to other load on a shared machine
             "encode_gb_cpu_s": full / enc_cpu / 1e9, "apply_gb_cpu_s": full / app_cpu / 1e9,
+            "format3_kernels": "numba" if context_jit.enabled else "numpy",
             "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(), "threads": default_threads(),
             "baselines": base}
 
@@ -215,6 +218,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weights", help="safetensors file or folder of them (real weights; default: synthetic)")
     args = ap.parse_args()
+    context_jit.warm()  # compile (or load the cached kernels) before anything is timed
     init = (load_weights(args.weights) if args.weights
             else transformer_params(args.d_model, args.layers, args.vocab, args.ff_mult, args.seed))
     runs = []

@@ -41,6 +41,7 @@ import numpy as np
 import zstandard
 
 from . import context as ctx
+from . import context_jit as ctx_jit
 from .bits import SIGNED_INT, UNSIGNED_INT, fresh, from_planes, planes, unzigzag, unzigzag_small, zigzag
 from .errors import DeltaError
 
@@ -72,14 +73,15 @@ def zc(data) -> bytes:
     return _tls.c.compress(data)
 
 
-def zd(data, size: int, what: str) -> bytes:
+def zd(data, size: int, what: str, exact: bool = True) -> bytes:
+    """zstd-decompressed data of `size` bytes (exact=False: at most size; the caller checks)."""
     if not hasattr(_tls, "d"):
         _tls.d = zstandard.ZstdDecompressor()
     try:
         out = _tls.d.decompress(data, max_output_size=size)
     except zstandard.ZstdError as e:
         raise DeltaError(f"{what}: zstd stream is corrupt ({e})") from None
-    if len(out) != size:
+    if exact and len(out) != size:
         raise DeltaError(f"{what}: decompressed {len(out)} bytes, expected {size}")
     return out
 
@@ -367,18 +369,23 @@ def encode_chunk(b: np.ndarray, n: np.ndarray, shift: int | None = None, alloc=f
 
 def _encode_classed(b, n, pos, p: float, shift: int, alloc) -> list | None:
     """CLASSED record, or None when the chosen split has a single class."""
-    key = ctx.exponents(b, shift, alloc)
-    at = np.take(key, pos)
-    ts = ctx.choose_thresholds(key, at)
+    sample = ctx.exponents(b[::ctx.SAMPLE_STRIDE], shift)
+    at = ctx.exponents(np.take(b, pos), shift)
+    ts = ctx.choose_thresholds(sample, b.size, at)
     if not ts:
         return None
-    classes = ctx.Classes(key, ts, alloc)
-    ci = ctx.class_of(at, ts)
-    order = np.argsort(ci, kind="stable")
-    pos, ci = np.take(pos, order), np.take(ci, order)
-    bounds = np.searchsorted(ci, np.arange(len(ts) + 2))
-    fields = [_encode_class(classes.rank(k, pos[lo:hi]), classes.sizes[k]) if hi > lo else [0]
-              for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    if ctx_jit.enabled:
+        pos, ranks, bounds, sizes = ctx_jit.encode_ranks(b, pos, shift, ts)
+        parts = [ranks[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    else:
+        classes = ctx.Classes(ctx.exponents(b, shift, alloc), ts, alloc)
+        ci = ctx.class_of(at, ts)
+        order = np.argsort(ci, kind="stable")
+        pos, ci = np.take(pos, order), np.take(ci, order)
+        bounds = np.searchsorted(ci, np.arange(len(ts) + 2))
+        parts = [classes.rank(k, pos[lo:hi]) for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        sizes = classes.sizes
+    fields = [_encode_class(r, sizes[k]) if r.size else [0] for k, r in enumerate(parts)]
     old = np.take(b, pos)
     d = np.take(n, pos)
     d -= old
@@ -400,25 +407,28 @@ def _encode_class(ranks: np.ndarray, size: int) -> list:
     return [int(ranks.size), GAP, k, *encode_gaps(None, k, g)]
 
 
-def _decode_class(field, size: int, what: str) -> np.ndarray:
-    """-> strictly increasing ranks in [0, size)."""
+def _decode_class(field, size: int, what: str, exact: bool = True):
+    """-> strictly increasing ranks in [0, size) (exact=False: size only bounds them; -> (ranks,
+    a bitmap's byte count or None), for the caller to check against the class size)."""
     mk = int(field[0])
     if not 0 <= mk <= size:
         raise DeltaError(f"{what}: {mk} changes in a class of {size}")
+    nbytes = None
     if mk == 0:
         if len(field) != 1:
             raise DeltaError(f"{what}: malformed class record")
-        return np.zeros(0, np.int64)
-    mode = int(field[1])
-    if mode == GAP and len(field) == 6:
-        return decode_gaps(int(field[2]), field[3], field[4], field[5], mk, size, what)
-    if mode == BITMAP and len(field) == 3:
-        bits = np.unpackbits(np.frombuffer(zd(field[2], (size + 7) // 8, what + " bitmap"), np.uint8))[:size]
-        ranks = np.flatnonzero(bits.view(bool))
+        ranks = np.zeros(0, np.int64)
+    elif (mode := int(field[1])) == GAP and len(field) == 6:
+        ranks = decode_gaps(int(field[2]), field[3], field[4], field[5], mk, size, what)
+    elif mode == BITMAP and len(field) == 3:
+        raw = zd(field[2], (size + 7) // 8, what + " bitmap", exact)
+        nbytes = len(raw)
+        ranks = np.flatnonzero(np.unpackbits(np.frombuffer(raw, np.uint8))[:size].view(bool))
         if ranks.size != mk:
             raise DeltaError(f"{what}: bitmap has {ranks.size} changes, header says {mk}")
-        return ranks
-    raise DeltaError(f"{what}: malformed class record")
+    else:
+        raise DeltaError(f"{what}: malformed class record")
+    return ranks if exact else (ranks, nbytes)
 
 
 def _decode_classed(rec, m: int, count: int, what: str, base_all, shift: int | None, itemsize: int, alloc):
@@ -432,6 +442,23 @@ def _decode_classed(rec, m: int, count: int, what: str, base_all, shift: int | N
     fields = rec[6]
     if not isinstance(fields, list) or len(fields) != len(ts) + 1:
         raise DeltaError(f"{what}: {len(ts)} thresholds need {len(ts) + 1} class records")
+    if ctx_jit.enabled:
+        # class sizes come out of the select pass: until then ranks are only bounded by the
+        # chunk (a bitmap by its bytes), and checked against the sizes after it
+        ranks, nbytes = [], []
+        for k, f in enumerate(fields):
+            r, nb = _decode_class(f, count, f"{what} class {k}", exact=False)
+            ranks.append(r)
+            nbytes.append(nb)
+        if sum(r.size for r in ranks) != m:
+            raise DeltaError(f"{what}: classes hold {sum(r.size for r in ranks)} changes, header says {m}")
+        pos, found, sizes = ctx_jit.select(base, shift, ts, ranks)
+        for k, (f, r, nb, size) in enumerate(zip(found, ranks, nbytes, sizes)):
+            if f != r.size:
+                raise DeltaError(f"{what} class {k}: rank {int(r[f])} beyond the class of {size}")
+            if nb is not None and nb != (size + 7) // 8:
+                raise DeltaError(f"{what} class {k}: bitmap of {nb} bytes for a class of {size}")
+        return pos, np.take(base, pos)
     classes = ctx.Classes(ctx.exponents(base, shift, alloc), ts, alloc)
     parts = [classes.select(k, _decode_class(f, classes.sizes[k], f"{what} class {k}")) for k, f in enumerate(fields)]
     if sum(p.size for p in parts) != m:

@@ -17,7 +17,9 @@ cache-sized blocks; popcounts of its 64-bit words and, per class that has change
 running sum give how many members precede each word, so a rank is a binary search into those
 sums plus a select inside one word (branch-free, on the byte popcounts of the word; encoder:
 a popcount below the bit). The work is one shift and K compare passes over the chunk plus
-O(changes); no sort or nonzero over the whole chunk.
+O(changes); no sort or nonzero over the whole chunk. This numpy path is the fallback and the
+reference: with numba installed, context_jit.py does the same in one compiled pass per chunk
+(no masks kept, no running sums, no binary search), with the same bytes and results.
 
 On a GPU the same steps are data-parallel: the compares and per-word popcounts are one
 elementwise kernel, the running sums one scan, and each change's rank -> position a binary
@@ -167,17 +169,18 @@ def _h(c: np.ndarray, n: np.ndarray) -> np.ndarray:
     return np.where((c <= 0) | (c >= n), 0.0, out)
 
 
-def choose_thresholds(key: np.ndarray, changed_key: np.ndarray) -> list[int]:
+def choose_thresholds(sample_key: np.ndarray, n: int, changed_key: np.ndarray) -> list[int]:
     """Thresholds (descending base exponents) minimising the estimated position entropy plus
     CLASS_COST_BITS per class: an optimal split of the exponents into <= MAX_THRESHOLDS + 1
-    contiguous ranges, on per-exponent change counts (exact) and element counts (sampled)."""
+    contiguous ranges, on per-exponent change counts (exact) and element counts (sampled:
+    sample_key holds the exponents of every SAMPLE_STRIDE-th of the chunk's n elements)."""
     changed = np.bincount(changed_key)
-    total = np.bincount(key[::SAMPLE_STRIDE]).astype(np.float64) * SAMPLE_STRIDE
+    total = np.bincount(sample_key).astype(np.float64) * SAMPLE_STRIDE
     size = max(changed.size, total.size)
     changed = np.pad(changed, (0, size - changed.size)).astype(np.float64)
     total = np.maximum(np.pad(total, (0, size - total.size)), changed)
     if total.sum():
-        total *= max(key.size, 1) / total.sum()
+        total *= max(n, 1) / total.sum()
     exps = np.flatnonzero(total)  # ranges are between present exponents
     if exps.size < 2:
         return []
