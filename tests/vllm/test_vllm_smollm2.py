@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 # bf16 vLLM kernels (30 layers) vs policy's fp32 replay on the same bf16 weights, per token
-MEAN_TOL, MAX_TOL, K3_TOL = 0.05, 0.35, 5e-3
+MEAN_TOL, MAX_TOL, K3_TOL = 0.08, 0.5, 1e-2
 
 
 def smollm2_dir() -> Path:
