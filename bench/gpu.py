@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import tempfile
@@ -153,7 +152,6 @@ def apply_section(args, base: dict, upd: dict, dev: torch.device) -> dict:
         if dev.type == "cuda":
             row["frac_of_roofline"] = row["gb_s"] / args.hbm_gb_s
         kernels.append(row)
-        del bits, di, dd, got
     # the real delta from the trainer into device tensors, through the codec (host decode + kernel)
     delta = upd["delta"]
     state = {k: v.to(dev) for k, v in base.items()}
