@@ -183,8 +183,11 @@ async def vllm_section(args, folder: Path, base: dict, upd: dict, dev: torch.dev
         sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.gen_tokens)
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(eng.generate(p, sp, seed=i)) for i, p in enumerate(prompts)]
-        while not all(len(r.tokens) >= args.gen_tokens // 3 for r in eng._reqs.values()) or len(eng._reqs) < len(tasks):
-            await asyncio.sleep(0.002)
+        async def a_third_decoded():
+            while len(eng._reqs) < len(tasks) or not all(len(r.tokens) >= args.gen_tokens // 3
+                                                         for r in eng._reqs.values()):
+                await asyncio.sleep(0.002)
+        await asyncio.wait_for(a_third_decoded(), timeout=180)
         await eng.apply_delta(delta_codec.Delta.from_bytes(upd["delta"].to_bytes()), epoch=1)
         gens = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
