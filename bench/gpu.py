@@ -154,7 +154,7 @@ def apply_section(args, base: dict, upd: dict, dev: torch.device) -> dict:
         kernels.append(row)
     # the real delta from the trainer into device tensors, through the codec (host decode + kernel)
     delta = upd["delta"]
-    state = {k: v.to(dev) for k, v in base.items()}
+    state = {k: v.to(dev, copy=True) for k, v in base.items()}      # copy: on the CPU .to() would alias base
     sync(dev)
     t0 = time.perf_counter()
     delta_codec.apply_delta(state, delta_codec.Delta.from_bytes(delta.to_bytes()))
