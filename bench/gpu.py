@@ -211,7 +211,11 @@ async def vllm_section(args, folder: Path, base: dict, upd: dict, dev: torch.dev
                 "in_place": eng.in_place, "switched_mid_sequence": switched, "versions_ordered": ordered,
                 "update_sent_bytes": st.get("update_sent_bytes"), "update_stall_ms_p50": st["update_stall_ms_p50"],
                 "update_stall_steps_p50": st["update_stall_steps_p50"], "decode_step_ms_p50": st["decode_step_ms_p50"],
-                "update_apply_ms_p50": st["update_apply_ms_p50"], "k3_vs_replay": mm["k3_mean"]}
+                "update_apply_ms_p50": st["update_apply_ms_p50"], "step_gap_ms_p50": st["step_gap_ms_p50"],
+                # the stall in decode steps, from the two medians (the engine's own figure needs a longer window)
+                "update_stall_decode_steps": st["update_stall_ms_p50"] / st["step_gap_ms_p50"]
+                if st["step_gap_ms_p50"] else None,
+                "k3_vs_replay": mm["k3_mean"]}
     finally:
         await eng.close()
 
