@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import time
@@ -1147,6 +1148,127 @@ async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10,
         finally:
             await fleet.close()          # SIGCONT + SIGTERM to everyone, A included
 
+# ------------------------------------------------- supervision: a worker's feed, `asyncrl up`
+async def worker_feed_crash(run_dir: Path, tasks: int = 60, seed: int = 12, fault_after: int = 3) -> dict:
+    """A worker's weights feed raises at its `fault_after`-th update (the worker's one test hook);
+    the worker restarts the feed with backoff, resyncs from the latest keyframe and is back on the
+    latest version; every task trained exactly once. recovery_s: the feed's failure (its log
+    line) -> the worker's heartbeat shows the latest version."""
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            fleet.trainer("A")
+            fleet.scorer("s0")
+            fleet.worker("w0", fault_feed_after=fault_after, restart_backoff_s=0.5)
+            fleet.worker("w1")
+            await wait_ready(fleet, ["A", "s0", "w0", "w1"])
+            ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+            seen: dict = {}
+
+            async def watch() -> None:       # failure (w0's log) -> first heartbeat on the latest version
+                while "ok" not in seen:
+                    log = fleet.procs["w0"].log_path.read_text(errors="replace")
+                    if "fail" not in seen and "background task failed; restarting" in log:
+                        seen["fail"] = time.time()
+                    if "fail" in seen:
+                        w = (await worker_beats(fleet)).get("w0", {})
+                        if w.get("restarts", 0) >= 1 and w.get("version") == await fleet.version():
+                            seen["ok"] = time.time()
+                    await asyncio.sleep(0.25)
+            watcher = asyncio.create_task(watch())
+            books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
+            try:
+                await asyncio.wait_for(watcher, 60)
+            except asyncio.TimeoutError:
+                pass
+            top = await fleet.version()
+            w0 = (await worker_beats(fleet)).get("w0", {})
+            failed = "fail" in seen
+            rec = round(seen["ok"] - seen["fail"], 2) if "ok" in seen else None
+            ok = (failed and rec is not None and w0.get("version") == top and w0.get("restarts", 0) >= 1
+                  and fleet.procs["w0"].popen.poll() is None)
+            return row("worker_feed_crash", books, rec if rec is not None else -1.0, ok, latest_version=top,
+                       worker_version=w0.get("version"), feed_restarts=w0.get("restarts"), fault_after=fault_after)
+        finally:
+            await fleet.close()
+
+
+async def _up_books(up_dir: Path, counts: Counter, group: int) -> Books:
+    """The books of a finished `asyncrl up` run, from its own JetStream store: every rollout of
+    every task the trainer fed (TASKS' last sequence) is trained, or still queued (its task in
+    TASKS, or it in ROLLOUTS / SCORED: durable, not lost; the run stopped at its step count), or
+    parked in DLQ; whatever is none of these is lost."""
+    from nats.js.errors import NotFoundError
+    from bus.events import EventError, Rollout, Scored, Task, decode
+    async with EmbeddedServer(store_dir=up_dir / "nats") as srv:
+        bus = await connect(BusConfig(servers=[srv.url], name="chaos-books"))
+        try:
+            fed = int((await bus.js.stream_info(topo.TASKS)).state.last_seq)
+            queued: set[str] = set()
+            for stream, subjects in ((topo.TASKS, "rl.tasks.>"), (topo.ROLLOUTS, "rl.rollouts.>"),
+                                     (topo.SCORED, "rl.scored.>"), (topo.DLQ, "rl.dlq.>")):
+                seq = 0
+                while True:
+                    try:
+                        raw = await bus.js.get_msg(stream, seq=seq + 1, subject=subjects, next=True)
+                    except NotFoundError:
+                        break
+                    seq = raw.seq
+                    try:
+                        ev = decode(raw.data)
+                    except EventError:
+                        continue
+                    if isinstance(ev, Task):
+                        queued |= {f"{ev.task_id}-{i}" for i in range(group)}
+                    elif isinstance(ev, Rollout):
+                        queued.add(ev.rollout_id)
+                    elif isinstance(ev, Scored):
+                        queued.add(ev.rollout.get("rollout_id", ""))
+        finally:
+            await bus.close()
+    accounted = len(set(counts) | queued)
+    return Books(tasks=fed, lost=max(0, fed * group - accounted),
+                 duplicates_trained=sum(c - 1 for c in counts.values() if c > 1),
+                 trained=len(counts), consumed=len(counts), dropped=0)
+
+
+async def up_supervisor(run_dir: Path, tasks: int = 0, seed: int = 13, kills: int = 5, steps: int = 80) -> dict:
+    """`asyncrl up` supervises its children: SIGKILL a random worker or scorer of a running run
+    `kills` times; each is restarted with backoff, the run finishes its steps, summary.json counts
+    every restart, nothing is trained twice. recovery_s: the longest kill -> replacement running."""
+    from bench.up_driver import SMALL_RUN, child_pid, kill_run, start_up, summary_of, trainer_version, wait_for
+    rng = random.Random(seed)
+    config = SMALL_RUN.replace("[up]\n", "[up]\ngrace_s = 3.0\nmax_restarts = 8\nrestart_backoff_s = 0.5\n") \
+        .replace("eval_every = 3", "eval_every = 0")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    proc, up_dir = start_up(run_dir, config, steps=steps, minutes=8)
+    out, done, recs = run_dir / "up.out", Counter(), []
+    try:
+        await wait_for(lambda: trainer_version(up_dir) >= 1, 240, "version 1", proc, out)
+        for _ in range(kills):
+            await asyncio.sleep(rng.uniform(0.5, 2.0))
+            name = rng.choice(["worker-0", "worker-1", "scorer-0"])
+            pid = await wait_for(lambda: child_pid(up_dir, name), 60, f"{name} running", proc, out)
+            os.kill(pid, signal.SIGKILL)
+            t = time.monotonic()
+            done["scorer" if name.startswith("scorer") else "rollout_worker"] += 1
+            await wait_for(lambda: child_pid(up_dir, name) not in (None, pid), 60, f"{name} replaced", proc, out)
+            recs.append(time.monotonic() - t)
+        code = await asyncio.to_thread(proc.wait, 600)
+        s = summary_of(up_dir)
+        rows = [json.loads(x) for x in (up_dir / "metrics" / "trainer.jsonl").read_text().splitlines() if x]
+        counts = Counter(rid for r in rows if "samples" in r for rid in r["rollout_ids"])
+        restarts = {k: v for k, v in s.get("restarts", {}).items() if v}
+        books = await _up_books(up_dir, counts, group=4)
+        ok = code == 0 and s.get("versions", 0) >= steps and restarts == dict(done)
+        return row("up_supervisor", books, max(recs, default=0.0), ok, kills=dict(done), restarts=restarts,
+                   versions=s.get("versions"), exit_code=code, replacement_s=[round(r, 2) for r in recs])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_run(up_dir)
+
+
 SCENARIOS = {
     "worker_sigkill": kill_workers,
     "scorer_sigkill": kill_scorer,
@@ -1161,4 +1283,6 @@ SCENARIOS = {
     "random_kill_storm": random_kill_storm,
     "forged_weights": forged_weights,
     "deposed_leader_publish": deposed_leader_publish,
+    "worker_feed_crash": worker_feed_crash,
+    "up_supervisor": up_supervisor,
 }

@@ -84,3 +84,17 @@ async def test_random_kill_storm(tmp_path):
     r = await h.random_kill_storm(tmp_path, duration_s=90, every_s=(5.0, 10.0))
     check(r)
     assert r["kills"] >= 5 and r["gaps"] == 0 and r["forks"] == 0
+
+
+# supervision (short versions in the default suite: tests/test_worker_supervise.py,
+# tests/test_up_supervise.py)
+async def test_worker_feed_crash_recovers_to_the_latest_version(tmp_path):
+    r = await h.worker_feed_crash(tmp_path, tasks=60)
+    check(r)
+    assert r["feed_restarts"] >= 1 and r["worker_version"] == r["latest_version"] and r["recovery_s"] >= 0
+
+
+async def test_up_supervisor_replaces_killed_children(tmp_path):
+    r = await h.up_supervisor(tmp_path, kills=5)
+    check(r)
+    assert r["restarts"] == r["kills"] and sum(r["kills"].values()) == 5 and r["exit_code"] == 0

@@ -7,35 +7,11 @@ import subprocess
 import sys
 
 from asyncrl.report import read_jsonl
+from bench.up_driver import SMALL_RUN
 from bus import BusConfig, connect
 from bus import topology as topo
 
-CONFIG = """
-[up]
-workers = 2
-scorers = 1
-
-[trainer]
-envs = ["arith-small"]
-lr = 1e-3
-batch_groups = 2
-group_size = 4
-max_lag = 8
-feed_backlog = 6
-eval_every = 3
-eval_prompts = 16
-task_sampling = {temperature = 1.0, max_tokens = 40}
-
-[worker]
-slots = 8
-max_lag = 8
-threads = 1
-heartbeat_s = 1.0
-
-[scorer]
-concurrency = 8
-heartbeat_s = 1.0
-"""
+CONFIG = SMALL_RUN      # (bench/up_driver.py: shared with the chaos harness's up_supervisor)
 
 
 async def test_up_short_run(fresh_server, tmp_path):
