@@ -48,6 +48,11 @@ def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default") -> 
     model.train()
     for step in range(cfg.warmstart_steps):
         prompts, completions, masks = demo_batch(cfg.envs, cfg.warmstart_batch, rng, tok, style)
+        # a demonstration longer than the model's context cannot be trained on (nor played by it)
+        fits = [i for i, (p, c) in enumerate(zip(prompts, completions)) if len(p) + len(c) <= model.cfg.max_seq_len]
+        if not fits:
+            raise ValueError(f"no demonstration fits max_seq_len {model.cfg.max_seq_len}")
+        prompts, completions, masks = ([x[i] for i in fits] for x in (prompts, completions, masks))
         opt.zero_grad(set_to_none=True)
         n_tokens = max(sum(map(sum, masks)), 1)
         loss = 0.0
