@@ -88,6 +88,12 @@ class EpisodeRunner:
         # the closing fence as a stop sequence only where it is one token run whatever precedes it
         self.fence = [tok.encode(FENCE)] if fence_stop and type(self.fmt) is PlainFormat else []
         self.stats = {"episodes": 0, "turns": 0, "tool_calls": 0, "tool_wall_s": 0.0, "wall_s": 0.0}
+        self.ended: list[dict] = []        # per episode since the last drain (bench.agentic's distributions)
+
+    def drain(self) -> list[dict]:
+        """The episodes that ended since the last call (the worker's metrics carry them)."""
+        ended, self.ended = self.ended, []
+        return ended
 
     def parse(self, task: Task) -> tuple[EpisodeTask, EpisodeLimits]:
         """The task's EpisodeTask and limits; ValueError/TypeError (-> parked) when malformed."""
@@ -152,6 +158,11 @@ class EpisodeRunner:
         self.stats["tool_calls"] += result.tool_calls
         self.stats["tool_wall_s"] += result.tool_wall_s
         self.stats["wall_s"] += time.perf_counter() - t0
+        if len(self.ended) < 4096:
+            self.ended.append({"turns": result.turns, "tool_calls": result.tool_calls, "tokens": len(traj.ids),
+                               "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
+                               "tool_wall_s": result.tool_wall_s, "termination": result.termination,
+                               "reward": result.reward})
         import policy
         return Rollout(rollout_id=f"{task.task_id}-{index}", task_id=task.task_id, env=task.env, sample_index=index,
                        group_size=sp.n, prompt=task.prompt, spec=task.spec, prompt_ids=traj.prompt_ids,
