@@ -11,8 +11,8 @@ the episode's command runs: the two things synchronous RL waits on.
 Reported per run: trained samples/s (= episodes/s) on the trainer's clock (first to last step),
 the async/sync ratio, the distributions of episode length (tokens: model turns + observations)
 and of turns per episode, termination reasons, the share of episode wall time spent in tools
-(commands and scoring, from the worker's per-episode records), the worker's idle fraction
-(1 - slot occupancy: a slot held by an episode whose command runs counts as occupied), and
+(the commands the agent ran, from the worker's per-episode records; scoring not included), the
+worker's idle fraction (1 - slot occupancy: a slot held by an episode whose command runs counts as occupied), and
 held-out success of each run's last weights (episodes on eval-split tasks).
 
 Tiny settings check that it runs: `--steps 3 --minutes 2 --warmstart-steps 2 --eval-prompts 2`.
