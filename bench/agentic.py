@@ -81,6 +81,16 @@ def episode_stats(run_dir: Path) -> dict:
     }
 
 
+def summarize(config: str, run_dir: Path, name: str, sync: bool, a, run: bool = False) -> dict:
+    """Run (`run`) or re-read one side: bench.async's throughput numbers, held-out success of its
+    last weights, the episode distributions."""
+    res = bench_async.run_once(config, a.steps, sync, run_dir, a.minutes) if run else \
+        bench_async.summarize(run_dir, name)
+    res.update(bench_async.final_eval(run_dir, config, a.eval_prompts))
+    res.update(episode_stats(run_dir))
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.agentic", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,17 +102,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="run dirs go here (default: a temp dir)")
     ap.add_argument("--init", default=None, help="start both runs from this HF folder instead of warm-starting")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--summarize", action="store_true", help="only re-read the runs already under --out")
     a = ap.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="bench-agentic-"))
     out.mkdir(parents=True, exist_ok=True)
-    base = with_overrides(a.config, out, warmstart_steps=a.warmstart_steps, eval_every=0)
-    config, warm = bench_async.warm_start_once(base, out, a.eval_prompts, a.init)
     runs = {}
+    if a.summarize:
+        config, warm = str(out / "bench-async.toml"), {}
+    else:
+        base = with_overrides(a.config, out, warmstart_steps=a.warmstart_steps, eval_every=0)
+        config, warm = bench_async.warm_start_once(base, out, a.eval_prompts, a.init)
     for name, sync in (("async", False), ("sync", True)):
-        res = bench_async.run_once(config, a.steps, sync, out / name, a.minutes)
-        res.update(bench_async.final_eval(out / name, config, a.eval_prompts))
-        res.update(episode_stats(out / name))
-        runs[name] = res
+        runs[name] = summarize(config, out / name, name, sync, a) if a.summarize else \
+            summarize(config, out / name, name, sync, a, run=True)
     ra, rs = runs["async"], runs["sync"]
     result = {
         "async_samples_per_s": ra["samples_per_s"],
