@@ -62,6 +62,8 @@ def evaluate_episodes(model, tok, specs: list[dict], sc: SamplingConfig, seed: i
             ep = Episode(EpisodeTask.from_dict(spec["episode"]), lim, token_counter=lambda t: len(tok.encode(t)))
             eps.append(ep)
             ctx.append(tok.encode(fmt.prompt(ep.reset()), bos=True))
+            if not ep.done and len(ctx[-1]) > room:
+                ep._end("context_limit", f"prompt of {len(ctx[-1])} tokens > {room}")      # noqa: SLF001
         while live := [i for i, ep in enumerate(eps) if not ep.done]:
             outs = generate(model, [ctx[i] for i in live], sc, max(eps[i].limits.max_turn_tokens for i in live),
                             [tok.eos_id], gen)
