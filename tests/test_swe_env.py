@@ -8,7 +8,6 @@ import torch
 
 from envs import get_env
 from envs.base import SpecError
-from envs.conversation import PlainFormat
 from envs.episode import EpisodeLimits, EpisodeTask
 from envs.swe_env import SweGenEnv
 from policy import CharTokenizer, ModelConfig, SamplingConfig, Transformer
