@@ -24,6 +24,7 @@ import zlib
 from bus.events import Rollout, SamplingParams, Task
 from envs.episode import Episode, EpisodeLimits, EpisodeTask
 from envs.episode_pool import EpisodePool
+from envs.conversation import PlainFormat, TemplateFormat, chat_format, episode_spec  # noqa: F401  (shared with the warm start)
 
 OBS_VERSION = -1
 FENCE = "\n```"          # a turn may end at its bash block's closing fence (a stop sequence)
@@ -31,11 +32,6 @@ FENCE = "\n```"          # a turn may end at its bash block's closing fence (a s
 
 def is_episode_task(task: Task) -> bool:
     return isinstance(task.spec, dict) and "episode" in task.spec
-
-
-def episode_spec(task: EpisodeTask, limits: EpisodeLimits | None = None) -> dict:
-    """Task.spec of a multi-turn task: the EpisodeTask and its limits (JSON/msgpack-able)."""
-    return {"episode": task.to_dict(), "limits": dataclasses.asdict(limits or EpisodeLimits())}
 
 
 class TokenCounter:
@@ -46,49 +42,6 @@ class TokenCounter:
 
     def __call__(self, text: str) -> int:
         return len(self.tok.encode(text))
-
-
-class PlainFormat:
-    """Conversation layout for tokenizers without a chat template (the char tokenizer). The whole
-    conversation is `prompt(messages) + turn_1 + observation(obs_1) + turn_2 + ...`, so its
-    tokenisation is defined and equals the stored ids (tests/test_agentic_pipeline.py)."""
-
-    def prompt(self, messages: list[dict]) -> str:
-        return "".join(f"{m['role'].upper()}:\n{m['content']}\n\n" for m in messages) + "ASSISTANT:\n"
-
-    def observation(self, obs: str, ended_with_eos: bool) -> str:
-        return f"\n\nOBSERVATION:\n{obs}\n\nASSISTANT:\n"
-
-
-class TemplateFormat:
-    """A tokenizer's chat template: the observation's text is what the template puts between the
-    end of the assistant turn and the next assistant turn, found by rendering the conversation
-    with and without it (the template's end-of-turn text is left out when the model sampled it)."""
-
-    def __init__(self, tok):
-        self.tok = tok
-
-    def prompt(self, messages: list[dict]) -> str:
-        return self.tok.render_chat(messages, add_generation_prompt=True)
-
-    def observation(self, obs: str, ended_with_eos: bool) -> str:
-        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
-        head = self.tok.render_chat(probe, add_generation_prompt=False)
-        full = self.tok.render_chat(probe + [{"role": "user", "content": obs}], add_generation_prompt=True)
-        if not full.startswith(head):
-            raise ValueError("the chat template renders earlier turns differently once a turn follows: "
-                             "observations cannot be appended as tokens")
-        text = full[len(head):]
-        cut = head[head.rindex(_MARK) + len(_MARK):]   # what the template writes after the assistant text
-        eos = self.tok.decode([self.tok.eos_id]) if ended_with_eos and self.tok.eos_id is not None else ""
-        return cut[len(eos):] + text if cut.startswith(eos) else cut + text
-
-
-_MARK = "@@assistant-turn@@"
-
-
-def chat_format(tok):
-    return TemplateFormat(tok) if getattr(tok, "chat_template", None) else PlainFormat()
 
 
 @dataclasses.dataclass
@@ -135,6 +88,12 @@ class EpisodeRunner:
         # the closing fence as a stop sequence only where it is one token run whatever precedes it
         self.fence = [tok.encode(FENCE)] if fence_stop and type(self.fmt) is PlainFormat else []
         self.stats = {"episodes": 0, "turns": 0, "tool_calls": 0, "tool_wall_s": 0.0, "wall_s": 0.0}
+        self.ended: list[dict] = []        # per episode since the last drain (bench.agentic's distributions)
+
+    def drain(self) -> list[dict]:
+        """The episodes that ended since the last call (the worker's metrics carry them)."""
+        ended, self.ended = self.ended, []
+        return ended
 
     def parse(self, task: Task) -> tuple[EpisodeTask, EpisodeLimits]:
         """The task's EpisodeTask and limits; ValueError/TypeError (-> parked) when malformed."""
@@ -199,6 +158,11 @@ class EpisodeRunner:
         self.stats["tool_calls"] += result.tool_calls
         self.stats["tool_wall_s"] += result.tool_wall_s
         self.stats["wall_s"] += time.perf_counter() - t0
+        if len(self.ended) < 4096:
+            self.ended.append({"turns": result.turns, "tool_calls": result.tool_calls, "tokens": len(traj.ids),
+                               "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
+                               "tool_wall_s": result.tool_wall_s, "termination": result.termination,
+                               "reward": result.reward})
         import policy
         return Rollout(rollout_id=f"{task.task_id}-{index}", task_id=task.task_id, env=task.env, sample_index=index,
                        group_size=sp.n, prompt=task.prompt, spec=task.spec, prompt_ids=traj.prompt_ids,

@@ -210,7 +210,8 @@ class Worker:
         return {**self.engine.stats(), "lag": self.lag, "latest_version": self.latest_version,
                 "paused": self.paused, "rollouts": self.rollouts, "tasks": self.tasks_done, "parked": self.parked,
                 "restarts": sum(self.restarts.values()), "restarts_by_task": dict(self.restarts),
-                "feed": self.feed.stats(), "loop": self.loop.stats.as_dict() if self.loop else {}}
+                "feed": self.feed.stats(), "loop": self.loop.stats.as_dict() if self.loop else {},
+                **({"episodes": dict(self.episode_runner.stats)} if getattr(self, "episode_runner", None) else {})}
 
     async def beat(self, event: str = "heartbeat") -> None:
         cid = self.cfg.worker_id
@@ -274,6 +275,8 @@ class Worker:
             await asyncio.sleep(self.cfg.heartbeat_s)
             step += 1
             m, flat = await self.beat()
+            if getattr(self, "episode_runner", None):     # per-episode records ride on the metrics only
+                m = {**m, "episodes_ended": self.episode_runner.drain()}
             self.log.info("worker metrics", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in flat.items()})
             cid = self.cfg.worker_id
             try:

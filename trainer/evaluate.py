@@ -1,9 +1,11 @@
 """Held-out evaluation: the published (bf16) policy on the eval split, as workers would sample it.
 
 Reports success and tokens per answer on a fixed set of eval prompts, so runs and versions
-are comparable (same prompts, same sampling seed)."""
+are comparable (same prompts, same sampling seed). Multi-turn envs (a spec with an `episode`) are
+played as episodes, turn by turn, in this process (`evaluate_episodes`)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -30,6 +32,8 @@ def evaluate(published: dict, model_cfg, tok, env_names: list[str], sampling: di
     model.eval()
     specs = eval_specs(env_names, n, seed)
     sc = SamplingConfig.from_dict(sampling)
+    if all("episode" in s.spec for _, s in specs):
+        return evaluate_episodes(model, tok, [s.spec for _, s in specs], sc, seed)
     outs = generate(model, [tok.encode(s.prompt, bos=True) for _, s in specs], sc,
                     int(sampling.get("max_tokens", 64)), [tok.eos_id], torch.Generator().manual_seed(seed))
     success, tokens = [], []
@@ -38,3 +42,49 @@ def evaluate(published: dict, model_cfg, tok, env_names: list[str], sampling: di
         success.append(env.verify(tok.decode(ids), spec.spec).success)
         tokens.append(len(o.ids))
     return {"eval_success": float(np.mean(success)), "eval_tokens": float(np.mean(tokens)), "eval_n": n}
+
+
+def evaluate_episodes(model, tok, specs: list[dict], sc: SamplingConfig, seed: int = 0) -> dict:
+    """Play one episode per spec with `model`, all in lockstep: each round generates the next turn
+    of every live episode in one batch (from the whole conversation so far, laid out as the worker
+    lays it out: envs.conversation), cut at the closing fence of its bash block, and steps it in
+    the sandbox. Success = resolved (every hidden test passes)."""
+    from envs.actions import BASH_BLOCK
+    from envs.conversation import chat_format
+    from envs.episode import Episode, EpisodeLimits, EpisodeTask
+    fmt, gen = chat_format(tok), torch.Generator().manual_seed(seed)
+    eps, ctx = [], []
+    try:
+        for spec in specs:
+            lim = EpisodeLimits(**spec["limits"])
+            room = model.cfg.max_seq_len - lim.max_turn_tokens - 1       # a turn always fits the model
+            lim = dataclasses.replace(lim, max_context_tokens=max(1, min(lim.max_context_tokens, room)))
+            ep = Episode(EpisodeTask.from_dict(spec["episode"]), lim, token_counter=lambda t: len(tok.encode(t)))
+            eps.append(ep)
+            ctx.append(tok.encode(fmt.prompt(ep.reset()), bos=True))
+            if not ep.done and len(ctx[-1]) > room:
+                ep._end("context_limit", f"prompt of {len(ctx[-1])} tokens > {room}")      # noqa: SLF001
+        while live := [i for i, ep in enumerate(eps) if not ep.done]:
+            outs = generate(model, [ctx[i] for i in live], sc, max(eps[i].limits.max_turn_tokens for i in live),
+                            [tok.eos_id], gen)
+            for i, o in zip(live, outs):
+                text = tok.decode(o.ids[:-1] if o.finish_reason == "stop" else o.ids)
+                m = BASH_BLOCK.search(text)
+                action = text[:m.end()] if m else text
+                r = eps[i].step(action, len(tok.encode(action)))
+                if not r.done:
+                    ctx[i] = ctx[i] + tok.encode(action) + tok.encode(fmt.observation(r.observation, False))
+                    if len(ctx[i]) + eps[i].limits.max_turn_tokens > model.cfg.max_seq_len:
+                        eps[i]._end("context_limit", "the model's context is full")     # noqa: SLF001
+        results = [ep.score() for ep in eps]
+    finally:
+        for ep in eps:
+            ep.close()
+    out = {"eval_success": float(np.mean([r.resolved for r in results])),
+           "eval_reward": float(np.mean([r.reward for r in results])),
+           "eval_turns": float(np.mean([r.turns for r in results])),
+           "eval_tool_calls": float(np.mean([r.tool_calls for r in results])),
+           "eval_tokens": float(np.mean([r.tokens for r in results])), "eval_n": len(results)}
+    for r in results:      # termination reasons as fractions (flat numbers: the metrics stream)
+        out[f"eval_term_{r.termination}"] = out.get(f"eval_term_{r.termination}", 0.0) + 1 / len(results)
+    return out

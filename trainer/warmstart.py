@@ -1,6 +1,8 @@
 """Short supervised warm start on the environments' demonstrations, so RL starts from a policy
 with non-trivial success (0 steps by default). Teacher-forced next-token NLL of the
-demonstration given the prompt, with its own AdamW so the RL optimizer state stays untouched."""
+demonstration given the prompt, with its own AdamW so the RL optimizer state stays untouched.
+Multi-turn envs (`demonstration_turns`: oracle episodes) are laid out as the worker lays them out
+(envs.conversation) and trained with the loss mask: observation tokens are context, never targets."""
 from __future__ import annotations
 
 import random
@@ -9,6 +11,7 @@ import torch
 
 from bus import get_logger
 from envs import get_env
+from envs.conversation import chat_format
 from policy import SamplingConfig, load_tokenizer, sequence_logprobs
 
 from .learner import length_buckets
@@ -17,13 +20,23 @@ log = get_logger(__name__)
 
 
 def demo_batch(env_names: list[str], n: int, rng: random.Random, tok, style: str = "default"):
-    prompts, completions = [], []
+    """(prompts, completions, loss masks): ids of n demonstrations; mask 1 where the policy is
+    trained (the whole single-turn answer; an episode's model turns)."""
+    prompts, completions, masks = [], [], []
     for i in range(n):
         env = get_env(env_names[i % len(env_names)])
         ts = env.sample(rng, split="train")
+        if hasattr(env, "demonstration_turns"):
+            prompt, parts = env.demonstration_turns(ts.spec, chat_format(tok))
+            prompts.append(tok.encode(prompt, bos=True))
+            ids = [tok.encode(text) for text, _ in parts]
+            completions.append([t for x in ids for t in x])
+            masks.append([int(model) for x, (_, model) in zip(ids, parts) for _ in x])
+            continue
         prompts.append(tok.encode(ts.prompt, bos=True))
         completions.append(tok.encode(env.demonstration(ts.spec, style), eos=True))
-    return prompts, completions
+        masks.append([1] * len(completions[-1]))
+    return prompts, completions, masks
 
 
 def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default") -> list[float]:
@@ -34,15 +47,20 @@ def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default") -> 
     losses = []
     model.train()
     for step in range(cfg.warmstart_steps):
-        prompts, completions = demo_batch(cfg.envs, cfg.warmstart_batch, rng, tok, style)
+        prompts, completions, masks = demo_batch(cfg.envs, cfg.warmstart_batch, rng, tok, style)
+        # a demonstration longer than the model's context cannot be trained on (nor played by it)
+        fits = [i for i, (p, c) in enumerate(zip(prompts, completions)) if len(p) + len(c) <= model.cfg.max_seq_len]
+        if not fits:
+            raise ValueError(f"no demonstration fits max_seq_len {model.cfg.max_seq_len}")
+        prompts, completions, masks = ([x[i] for i in fits] for x in (prompts, completions, masks))
         opt.zero_grad(set_to_none=True)
-        n_tokens = sum(len(c) for c in completions)
+        n_tokens = max(sum(map(sum, masks)), 1)
         loss = 0.0
         # padded forwards over runs of similar length: a long-tailed env would pad all to the longest
         for run in length_buckets([len(p) + len(c) for p, c in zip(prompts, completions)], len(prompts)):
             res = sequence_logprobs(model, [prompts[i] for i in run], [completions[i] for i in run],
                                     SamplingConfig(temperature=1.0), replay_mask=False)
-            part = -(res.logprobs * res.valid).sum() / n_tokens
+            part = -(res.logprobs * res.valid * _pad([masks[i] for i in run], res.logprobs)).sum() / n_tokens
             part.backward()
             loss += part.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -51,3 +69,11 @@ def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default") -> 
         if step % 50 == 0 or step == cfg.warmstart_steps - 1:
             log.info("warm start", step=step, nll=round(losses[-1], 4))
     return losses
+
+
+def _pad(masks: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """Loss masks as a [B, T] tensor aligned with sequence_logprobs' completion positions."""
+    out = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    for i, m in enumerate(masks):
+        out[i, :len(m)] = torch.tensor(m, dtype=like.dtype)
+    return out
