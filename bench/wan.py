@@ -2,7 +2,7 @@
 
 A hub and N regions on one machine (bench.wanlab): each region a nats-server with its own
 JetStream domain behind a bench.delayline link (one-way delay, rate, loss), K workers per region
-in one process per region, each running the real WeightFeed + apply on a bf16 state. A publisher
+in one process per region, each running the real WeightFollower + apply on a bf16 state. A publisher
 on the hub sends versions of a transformer-shaped bf16 model (~`--changed` of the elements moved
 per version) at a fixed interval. The 2 x 2:
 
@@ -42,7 +42,7 @@ from bus import BusConfig, connect, events, setup_logging
 from bus import topology as topo
 from bus.events import Task
 from bus.regions import weight_source
-from bus.weights import StateTarget, WeightFeed, WeightPublisher
+from bus.weights import StateTarget, WeightFollower, WeightPublisher
 
 from .delayline import LinkSpec
 from .wanlab import Lab
@@ -105,7 +105,7 @@ async def region_main(a) -> None:
         bus = await connect(BusConfig(servers=[a.url], name=name, js_domain=topo.HUB_DOMAIN,
                                       weights_domain=a.region if a.read == "mirror" else None,
                                       connect_attempts=5))
-        feed = WeightFeed(weight_source(bus), name=name, poll_s=0.5)
+        feed = WeightFollower(weight_source(bus), name=name, poll_s=0.5)
         target = ThreadedTarget(lambda v, name=name: say(w=name, v=v, t=time.time()))
         tasks.append(asyncio.ensure_future(feed.follow(target, stop)))
         if a.task_hold_s > 0:

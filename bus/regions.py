@@ -9,9 +9,9 @@ queue after ack_wait and other regions take them.
 
     bus = await connect(BusConfig(servers=["nats://region-eu:4222"], js_domain="hub",
                                   weights_domain="eu"))
-    feed = WeightFeed(weight_source(bus), public_key=...)   # WEIGHTS + blobs from eu's mirrors
+    feed = WeightFollower(weight_source(bus), public_key=...)   # WEIGHTS + blobs from eu's mirrors
 
-`WeightSource` stands in for the Bus in what WeightFeed uses (nc, js, get_blob) and adds the
+`WeightSource` stands in for the Bus in what WeightFollower uses (nc, js, get_blob) and adds the
 wake-up: a headers-only ordered push consumer on the local WEIGHTS mirror, so a worker is woken
 when the mirror (not the hub) has the message, and no payload crosses the WAN a second time for
 the wake-up (the hub's plain `rl.weights.>` subjects carry inline deltas). The feed still reads
@@ -68,7 +68,7 @@ class WeightSource:
         return await get_blob(self, name, wait_s=self.blob_wait_s)
 
     async def subscribe_weights(self, cb):
-        """Wake-ups for WeightFeed. "mirror": when the local mirror stores a WEIGHTS message
+        """Wake-ups for WeightFollower. "mirror": when the local mirror stores a WEIGHTS message
         (headers only, ordered: the client recreates it after a gap or a server restart)."""
         if self.wake_on == "hub":
             return await self.nc.subscribe("rl.weights.>", cb=cb)
@@ -86,11 +86,11 @@ def weight_source(bus, **kw):
     return WeightSource(bus, domain, **kw)
 
 
-def weight_feed(bus, **feed_kw):
-    """The WeightFeed a process should follow: its region's mirrors when its BusConfig names
+def weight_follower(bus, **feed_kw):
+    """The WeightFollower a process should follow: its region's mirrors when its BusConfig names
     one (`weights_domain`), else the Bus. One call, so processes need no region logic."""
-    from .weights import WeightFeed
-    return WeightFeed(weight_source(bus), **feed_kw)
+    from .weights import WeightFollower
+    return WeightFollower(weight_source(bus), **feed_kw)
 
 
 async def mirror_status(js) -> dict[str, dict]:

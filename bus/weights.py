@@ -7,7 +7,7 @@ The epoch, trainer id (and a keyframe's model config) also travel inside the pay
 container header, which the signature covers. Every write is conditional on the server
 (expected last sequence of WEIGHTS): a deposed leader's write is refused, see `_write`.
 
-Worker side, `WeightFeed`: each reader keeps its own cursor (a stream sequence) on `WEIGHTS`
+Worker side, `WeightFollower`: each reader keeps its own cursor (a stream sequence) on `WEIGHTS`
 and walks the stream in order with direct gets (`next_by_subj`), woken by a plain NATS
 subscription, so there is no consumer state on the server to lose on reconnect. Every
 update is checked before it touches the weights:
@@ -197,7 +197,7 @@ def _lease_epoch(value: bytes | None) -> int:
 
 
 class WeightTarget(Protocol):
-    """What a feed drives: an engine, or `StateTarget` (a plain state dict)."""
+    """What a weight follower drives: an engine, or `StateTarget` (a plain state dict)."""
     version: int
     epoch: int
 
@@ -206,12 +206,12 @@ class WeightTarget(Protocol):
 
 
 class StateTarget:
-    """A bf16 state dict kept up to date by a feed (calibrate-cost, tests, tools)."""
+    """A bf16 state dict kept up to date by a weight follower (calibrate-cost, tests, tools)."""
 
     def __init__(self) -> None:
         self.state: dict | None = None
         self.version, self.epoch = -1, -1
-        self.model_config: dict | None = None     # set by WeightFeed.latest_state from the keyframe
+        self.model_config: dict | None = None     # set by WeightFollower.latest_state from the keyframe
 
     async def load_keyframe(self, state, version: int, epoch: int) -> None:
         self.state, self.version, self.epoch = state, version, epoch
@@ -243,7 +243,7 @@ class Refused(Exception):
         self.reason, self.detail, self.resync = reason, detail, resync
 
 
-class WeightFeed:
+class WeightFollower:
     """Verified policy updates for one reader, in stream order, from its own position."""
 
     def __init__(self, bus, public_key=None, poll_s: float = 1.0, name: str = ""):
@@ -297,7 +297,7 @@ class WeightFeed:
             except NotFoundError:
                 pass
             except Exception as e:  # broker restart / reconnect: retry after a beat
-                log.warning("weights read failed; retrying", error=str(e), feed=self.name)
+                log.warning("weights read failed; retrying", error=str(e), follower=self.name)
             if after_wake and backoff < self.poll_s:
                 timeout, backoff = backoff, backoff * 2
             else:
@@ -337,7 +337,7 @@ class WeightFeed:
                                     f"(event, payload): {str(diff)[:300]}", resync=False)
 
     async def _check_epoch(self, ev: events.WeightEvent) -> None:
-        """An epoch ahead of what this feed has seen issued is verified against the KV leader
+        """An epoch ahead of what this follower has seen issued is verified against the KV leader
         lease before anything acts on it: epochs the lease never issued are refused."""
         if ev.epoch <= self.issued_epoch:
             return
@@ -384,7 +384,7 @@ class WeightFeed:
             except (events.EventError, Refused) as e:
                 self._refuse(getattr(e, "reason", "malformed"), str(e))
             except Exception as e:
-                log.warning("keyframe read failed; retrying", error=str(e), feed=self.name)
+                log.warning("keyframe read failed; retrying", error=str(e), follower=self.name)
             if not wait:
                 return None
             await self._wait(self.poll_s, stop)
@@ -394,7 +394,7 @@ class WeightFeed:
         self.refused[reason] += 1
         metrics.DELTAS_REFUSED.labels(reason).inc()
         self.last_refusal = f"{reason}: {detail}"
-        log.warning("weight update refused", reason=reason, detail=detail, feed=self.name)
+        log.warning("weight update refused", reason=reason, detail=detail, follower=self.name)
 
     # -- following ---------------------------------------------------------------------
     async def _resync(self, target: WeightTarget) -> None:
@@ -409,9 +409,9 @@ class WeightFeed:
                 return
             self.cursor = kf.seq
             self.applied["keyframe"] += 1
-            log.info("resynced from keyframe", version=kf.version, epoch=kf.epoch, feed=self.name)
+            log.info("resynced from keyframe", version=kf.version, epoch=kf.epoch, follower=self.name)
         else:
-            log.info("no newer keyframe yet; waiting for one", version=target.version, feed=self.name)
+            log.info("no newer keyframe yet; waiting for one", version=target.version, follower=self.name)
 
     async def _step(self, target: WeightTarget, raw) -> None:
         try:

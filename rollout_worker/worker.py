@@ -1,14 +1,14 @@
 """The rollout worker: tasks in, rollouts out, weights hot-patched underneath.
 
-    weights   WeightFeed.follow(engine): latest keyframe, then every verified delta in order
+    weights   WeightFollower.follow(engine): latest keyframe, then every verified delta in order
     lag       KV `version` watched; no new task is admitted while latest - mine > max_lag
     tasks     ConsumerLoop on TASKS/`rollout`, fetching only what free slots can take
     handler   n completions of the task concurrently -> one Rollout each -> publish (acked)
               -> return (the loop acks the task). Killed before that: the task is redelivered,
               and Nats-Msg-Id (rollout-<task>-<i>) drops the duplicates of a partial publish.
     drain     SIGTERM: stop fetching, finish within grace_s, nak the rest (EngineClosed)
-    supervise feed, version watch and heartbeat are restarted with backoff when they fail (the
-              feed from the latest keyframe, so the engine is back on the newest policy);
+    supervise weight follower, version watch and heartbeat are restarted with backoff when they fail (the
+              follower from the latest keyframe, so the engine is back on the newest policy);
               past max_restarts in a row the worker stops and run() raises BackgroundFailed
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from bus import BusConfig, ConsumerLoop, TransientError, get_logger, metrics
 from bus import topology as topo
 from bus.events import Heartbeat, Metrics, Rollout, SamplingParams, Task
-from bus.regions import weight_feed
-from bus.weights import WeightFeed, parse_version
+from bus.regions import weight_follower
+from bus.weights import parse_version
 import policy
 
 from .engine import Engine, EngineClosed
@@ -55,7 +55,7 @@ class WorkerConfig:
     grace_s: float = 30.0              # drain: time to finish held tasks before they are nak'ed
     max_restarts: int = 5              # a background task failing this many times in a row stops the worker
     restart_backoff_s: float = 0.5     # first restart delay; doubles per consecutive failure (max 30 s)
-    fault_feed_after: int = 0          # test hook: the feed fails once, at its Nth weight update (0: never)
+    fault_weights_after: int = 0          # test hook: the weight follower fails once, at its Nth update (0: never)
     log_level: str = "info"
 
     def __post_init__(self):
@@ -72,8 +72,8 @@ class WorkerConfig:
         if self.max_restarts < 0 or self.restart_backoff_s <= 0:
             raise ValueError(f"max_restarts must be >= 0 and restart_backoff_s > 0, got "
                              f"{self.max_restarts}, {self.restart_backoff_s}")
-        if self.fault_feed_after < 0:
-            raise ValueError(f"fault_feed_after must be >= 0, got {self.fault_feed_after}")
+        if self.fault_weights_after < 0:
+            raise ValueError(f"fault_weights_after must be >= 0, got {self.fault_weights_after}")
 
 
 class BackgroundFailed(RuntimeError):
@@ -81,7 +81,7 @@ class BackgroundFailed(RuntimeError):
 
 
 class InjectedFault(RuntimeError):
-    """Raised by the fault_feed_after test hook."""
+    """Raised by the fault_weights_after test hook."""
 
 
 def make_engine(cfg: WorkerConfig, model_config: dict, eos_id: int | None) -> Engine:
@@ -118,7 +118,7 @@ class Worker:
             if os.path.isfile(key):
                 key = open(key).read().strip()
             public_key = signing.public_key(key)      # raises a clear DeltaError on a bad key
-        self.feed = weight_feed(bus, public_key=public_key, name=cfg.worker_id)   # region: its mirrors
+        self.weights = weight_follower(bus, public_key=public_key, name=cfg.worker_id)   # region: its mirrors
         self.latest_version = -1
         self.group_hint = 1            # n of the last task seen: sizes fetches in slots
         self.rollouts = 0
@@ -128,7 +128,7 @@ class Worker:
         self.loop: ConsumerLoop | None = None
         self.restarts: dict[str, int] = {}      # background task -> restarts so far
         self.failed: str = ""                   # set when a background task gave up
-        self.updates = 0                        # weight updates the feed applied (fault hook counts them)
+        self.updates = 0                        # weight updates the follower applied (fault hook counts them)
         self._closing = False                   # run() is shutting down: background tasks end, not restart
         self.log = log.bind(worker_id=cfg.worker_id)
 
@@ -210,7 +210,7 @@ class Worker:
         return {**self.engine.stats(), "lag": self.lag, "latest_version": self.latest_version,
                 "paused": self.paused, "rollouts": self.rollouts, "tasks": self.tasks_done, "parked": self.parked,
                 "restarts": sum(self.restarts.values()), "restarts_by_task": dict(self.restarts),
-                "feed": self.feed.stats(), "loop": self.loop.stats.as_dict() if self.loop else {},
+                "weights": self.weights.stats(), "loop": self.loop.stats.as_dict() if self.loop else {},
                 **({"episodes": dict(self.episode_runner.stats)} if getattr(self, "episode_runner", None) else {})}
 
     async def beat(self, event: str = "heartbeat") -> None:
@@ -231,14 +231,14 @@ class Worker:
         """A new version is live: say so at once (operators, `inspect`, bench.worker's publish->patched)."""
         self.log.debug("weights updated", version=version, epoch=epoch)
         self.updates += 1
-        if self.updates == self.cfg.fault_feed_after:    # the one injection point of the test hook
-            raise InjectedFault(f"injected feed failure at weight update {self.updates} (fault_feed_after)")
+        if self.updates == self.cfg.fault_weights_after:    # the one injection point of the test hook
+            raise InjectedFault(f"injected weights-follower failure at weight update {self.updates} (fault_weights_after)")
         await self.beat("patched")
 
     async def follow_weights(self, stop: asyncio.Event, start=None) -> None:
-        """The weights feed. `start` None (a restart): from the latest keyframe, then every delta
-        after it, so an engine that missed updates while the feed was down catches up."""
-        await self.feed.follow(self.engine, stop, start=start, on_update=self.on_update)
+        """The weight follower. `start` None (a restart): from the latest keyframe, then every delta
+        after it, so an engine that missed updates while the follower was down catches up."""
+        await self.weights.follow(self.engine, stop, start=start, on_update=self.on_update)
 
     async def supervise(self, name: str, run, stop: asyncio.Event) -> None:
         """Run `run(attempt)` until the worker closes; a failure is logged and retried with
@@ -289,7 +289,7 @@ class Worker:
     async def start_weights(self, stop: asyncio.Event):
         """Wait for a keyframe, build the engine from its model config, load it."""
         self.log.info("waiting for a keyframe")
-        kf = await self.feed.latest_keyframe(wait=True, stop=stop)
+        kf = await self.weights.latest_keyframe(wait=True, stop=stop)
         if kf is None:
             return None
         vocab = int(kf.model_config.get("vocab_size", 0))
@@ -307,8 +307,8 @@ class Worker:
         kf = await self.start_weights(stop)
         if kf is None:
             return
-        feed_stop = asyncio.Event()
-        specs = {"feed": lambda attempt: self.follow_weights(feed_stop, start=kf if attempt == 0 else None),
+        follow_stop = asyncio.Event()
+        specs = {"weights": lambda attempt: self.follow_weights(follow_stop, start=kf if attempt == 0 else None),
                  "version": lambda attempt: self.watch_version(),
                  "heartbeat": lambda attempt: self.heartbeat()}
         # a background task that gives up sets `stop`: the loop drains and run() raises
@@ -321,12 +321,12 @@ class Worker:
             await self.loop.run(stop)
         finally:
             self._closing = True
-            feed_stop.set()
+            follow_stop.set()
             await self.engine.close()
             for t in background:
                 t.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            await self.feed.close()
+            await self.weights.close()
             self.log.info("worker stopped", wall_s=round(time.perf_counter() - t0, 2), failed=self.failed, **{
                 k: v for k, v in self.snapshot().items() if isinstance(v, (int, float, bool, str))})
         if self.failed:

@@ -117,12 +117,12 @@ def load_policy_file(path: str):
 
 async def load_policy_bus(url: str):
     from bus import BusConfig, connect
-    from bus.weights import WeightFeed
+    from bus.weights import WeightFollower
     from policy import ModelConfig, Transformer
 
     bus = await connect(BusConfig(servers=url.split(","), name="calibrate-cost"))
     try:
-        target = await asyncio.wait_for(WeightFeed(bus, name="calibrate").latest_state(), 60)
+        target = await asyncio.wait_for(WeightFollower(bus, name="calibrate").latest_state(), 60)
     finally:
         await bus.close()
     if target.state is None:

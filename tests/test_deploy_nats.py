@@ -294,7 +294,7 @@ async def test_region_mirrors_under_role_based_hub_and_region_stays_a_worker(tmp
     import torch
 
     import delta_codec
-    from bus.regions import weight_feed
+    from bus.regions import weight_follower
     from bus.weights import StateTarget, WeightPublisher
     from nats.js import api
 
@@ -342,7 +342,7 @@ async def test_region_mirrors_under_role_based_hub_and_region_stays_a_worker(tmp
                                                weights_domain="eu"))
         buses.append(worker)
         target, stop = StateTarget(), asyncio.Event()
-        feed = weight_feed(worker, name="eu-w")
+        feed = weight_follower(worker, name="eu-w")
         follow = asyncio.ensure_future(feed.follow(target, stop))
         new = {"w": (state["w"].float() * 1.01).to(torch.bfloat16)}
         await asyncio.to_thread(wait_until, lambda: target.version == 0, 20, "keyframe from eu's blob mirror")

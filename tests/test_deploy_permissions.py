@@ -2,7 +2,7 @@
 
 Positive: every role can do its job through the real bus code (trainer provisions, feeds
 tasks, publishes weights through WeightPublisher and the object store, holds the lease;
-worker pulls tasks, follows weights with WeightFeed, publishes rollouts; scorer pulls
+worker pulls tasks, follows weights with WeightFollower, publishes rollouts; scorer pulls
 rollouts, reads λ, publishes scored; observer reads). Negative: what a role must not do is
 refused by the server ("Permissions Violation") and changes nothing anywhere.
 """
@@ -19,7 +19,7 @@ from asyncrl.inspect import snapshot as inspect_snapshot
 from bus import BlobError, BusConfig, KVConflict, connect
 from bus import topology as topo
 from bus.events import Rollout, Scored, Task, new_id
-from bus.weights import WeightFeed, WeightPublisher, parse_version
+from bus.weights import WeightFollower, WeightPublisher, parse_version
 from tests.test_deploy_nats import (ConfServer, free_port, render_nats_configs, role_bus_config, role_env_vars,
                                     role_passwords)
 
@@ -70,7 +70,7 @@ async def test_each_role_can_do_its_job(hub):
         assert set((await worker.provision()).values()) == {"unchanged"}
         assert set((await scorer.provision()).values()) == {"unchanged"}
 
-        announced = asyncio.Event()     # WeightFeed wakes on a plain subscription to rl.weights.>
+        announced = asyncio.Event()     # WeightFollower wakes on a plain subscription to rl.weights.>
 
         async def on_weights(_msg):
             announced.set()
@@ -91,7 +91,7 @@ async def test_each_role_can_do_its_job(hub):
         await trainer.publish(topo.task_subject("arith"), task)
 
         # worker: weights (blob + stream reads + wake-up subscription), KV, a task, a rollout
-        feed = WeightFeed(worker, name="perm-test")
+        feed = WeightFollower(worker, name="perm-test")
         state = await asyncio.wait_for(feed.latest_state(), 20)
         await feed.close()
         assert state.version == 2 and torch.equal(state.state["w"], new["w"]), feed.stats()

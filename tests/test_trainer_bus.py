@@ -11,7 +11,7 @@ from delta_codec import signing
 from bus import BusConfig
 from bus import topology as topo
 from bus.events import Rollout, Scored
-from bus.weights import WeightFeed
+from bus.weights import WeightFollower
 from policy.config import ModelConfig
 from policy.logprobs import sequence_logprobs
 from policy.model import Transformer, inference_state
@@ -78,11 +78,11 @@ async def test_step_lowers_loss_and_publishes_bit_exact_delta(bus, fresh_server,
     after = float(learner.loss(packed, grad=False)[0])
     assert tr.version == 1 and after < before
     # a worker-side state following WEIGHTS reproduces the trainer's bf16 bits exactly
-    feed = WeightFeed(bus, public_key=pk)                  # signed by the trainer's key
+    feed = WeightFollower(bus, public_key=pk)                  # signed by the trainer's key
     target = await feed.latest_state()
     await feed.close()
     assert target.version == 1 and feed.applied["delta"] == 1 and not feed.refused
-    stranger = WeightFeed(bus, public_key=signing.generate_keypair()[1])
+    stranger = WeightFollower(bus, public_key=signing.generate_keypair()[1])
     assert await stranger.latest_keyframe(wait=False) is None and stranger.refused["signature"] == 1
     await stranger.close()
     mine = inference_state(model)

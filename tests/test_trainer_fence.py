@@ -11,8 +11,8 @@ import asyncio
 import pytest
 
 from bus import topology as topo
-from bus.weights import Fenced, StateTarget, WeightFeed, WeightPublisher
-from tests.test_weights_feed import CFG, delta, same, trajectory, until
+from bus.weights import Fenced, StateTarget, WeightFollower, WeightPublisher
+from tests.test_weights_follower import CFG, delta, same, trajectory, until
 from trainer.lease import LeaderLease, LeaseLost
 
 TTL = 1.0
@@ -28,7 +28,7 @@ async def following(bus, name: str):
 
     async def on_update(v, e):
         seen.append((v, e))
-    feed = WeightFeed(bus, name=name)
+    feed = WeightFollower(bus, name=name)
     task = asyncio.create_task(feed.follow(target, stop, on_update=on_update))
     return target, stop, seen, feed, task
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import delta_codec
 from bus import topology as topo
 from bus.events import DeltaEvent as Delta, KeyframeEvent as Keyframe
-from bus.weights import WeightFeed, WeightPublisher, parse_version
+from bus.weights import WeightFollower, WeightPublisher, parse_version
 from policy.config import ModelConfig
 from policy.model import Transformer
 from trainer import checkpoint
@@ -142,7 +142,7 @@ async def test_standby_takes_over_without_gap_fork_or_reuse(bus, fresh_server, t
     assert len(used) == len(set(used)) and set(used) <= set(published)
 
     # a paused old leader waking up: its delta (epoch e1) is refused by a worker-side feed
-    feed_ = WeightFeed(bus)
+    feed_ = WeightFollower(bus)
     target = await feed_.latest_state()
     assert target.version == 8 and target.epoch == e2
     forked = {k: v.clone() for k, v in target.state.items()}
@@ -151,7 +151,7 @@ async def test_standby_takes_over_without_gap_fork_or_reuse(bus, fresh_server, t
     d = delta_codec.encode_delta(target.state, forked, from_version=8, to_version=9)
     await WeightPublisher(bus, e1, "A").publish_delta(d, set_version=False)
     await asyncio.sleep(0.2)
-    feed2 = WeightFeed(bus)
+    feed2 = WeightFollower(bus)
     t2 = await feed2.latest_state()
     assert feed2.refused["stale_epoch"] == 1 and t2.version == 8 and t2.epoch == e2
     await feed_.close()

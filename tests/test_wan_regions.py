@@ -18,7 +18,7 @@ from bus import topology as topo
 from bus import events
 from bus.events import Task
 from bus.regions import MirrorMissing, WeightSource
-from bus.weights import StateTarget, WeightFeed, WeightPublisher
+from bus.weights import StateTarget, WeightFollower, WeightPublisher
 
 
 
@@ -145,7 +145,7 @@ async def lab(tmp_path):
 
 async def _follow(src, name, **kw):
     target, stop = StateTarget(), asyncio.Event()
-    feed = WeightFeed(src, name=name, **kw)
+    feed = WeightFollower(src, name=name, **kw)
     task = asyncio.ensure_future(feed.follow(target, stop))
     return target, stop, task, feed
 
@@ -259,7 +259,7 @@ async def test_blob_reader_waits_for_a_blob_the_mirror_has_not_got_yet(lab):
 async def test_region_death_reroutes_its_tasks_and_its_feed_resumes_past_retention(lab):
     """`far` dies holding tasks: after ack_wait `near` does them, none lost. Weights move on past
     the hub's delta retention meanwhile; when `far` is back its mirror holds only what the hub
-    kept, and far's feed (the same WeightFeed, reconnected) resyncs from a keyframe."""
+    kept, and far's feed (the same WeightFollower, reconnected) resyncs from a keyframe."""
     hub = await lab.hub_bus("trainer")
     pub = WeightPublisher(hub, epoch=1, trainer_id="t")
     state = _state(20_000)

@@ -15,9 +15,9 @@ import delta_codec
 import policy
 from bus import topology as topo
 from bus.events import DeltaEvent, EventError, Heartbeat, KeyframeEvent, decode, encode
-from bus.weights import StateTarget, WeightFeed, WeightPublisher, signed_fields
+from bus.weights import StateTarget, WeightFollower, WeightPublisher, signed_fields
 from delta_codec.signing import generate_keypair, sign
-from tests.test_weights_feed import CFG, delta, same, trajectory, until
+from tests.test_weights_follower import CFG, delta, same, trajectory, until
 from trainer.lease import LeaderLease
 
 HUGE = 10 ** 9
@@ -79,7 +79,7 @@ async def test_forged_epoch_version_and_swapped_payload_are_refused_signed(bus):
 
     async def on_update(v, ep):
         seen.append((v, ep))
-    feed = WeightFeed(bus, public_key=pk, name="signed")
+    feed = WeightFollower(bus, public_key=pk, name="signed")
     task = asyncio.create_task(feed.follow(target, stop, on_update=on_update))
     await until(lambda: target.version == 0)
     await pub.publish_delta(delta(states, 0, 1))
@@ -119,7 +119,7 @@ async def test_unsigned_fields_must_agree_and_unissued_epochs_are_refused(bus):
     pub = WeightPublisher(bus, e, "real", inline_max=1 << 20, fence=lease.confirm)
     kf0 = await pub.publish_keyframe(states[0], 0, CFG)
     target, stop = StateTarget(), asyncio.Event()
-    feed = WeightFeed(bus, name="unsigned")
+    feed = WeightFollower(bus, name="unsigned")
     task = asyncio.create_task(feed.follow(target, stop))
     await until(lambda: target.version == 0)
     await pub.publish_delta(delta(states, 0, 1))
@@ -156,7 +156,7 @@ async def test_a_new_leader_epoch_is_accepted_once_the_lease_issued_it(bus):
     states = trajectory(3, seed=16)
     await WeightPublisher(bus, a.epoch, "a", fence=a.confirm).publish_keyframe(states[0], 0, CFG)
     target, stop = StateTarget(), asyncio.Event()
-    feed = WeightFeed(bus, name="takeover")
+    feed = WeightFollower(bus, name="takeover")
     task = asyncio.create_task(feed.follow(target, stop))
     await until(lambda: target.version == 0)
     await a.release()

@@ -15,7 +15,7 @@ from bus.events import DeltaEvent, Heartbeat, Rollout, Task, decode
 from bus.weights import WeightPublisher
 from delta_codec.signing import generate_keypair, sign
 from rollout_worker.worker import Worker, WorkerConfig
-from tests.test_weights_feed import delta, same, until
+from tests.test_weights_follower import delta, same, until
 from tests.test_worker_engine import perturb, reference_logprobs
 
 TOK = policy.CharTokenizer.default()
@@ -153,7 +153,7 @@ async def test_corrupted_delta_is_refused_and_generation_continues(bus, fresh_se
         from_version=0, to_version=1, epoch=1, codec=delta_codec.CODEC, size=len(blob),
         base_digest=d.base_digest, new_digest=d.new_digest, signature=sign(sk, bytes(blob)), payload=bytes(blob)))
     await pub.set_version(1)
-    await until(lambda: worker.feed.refused["corrupt"] == 1)
+    await until(lambda: worker.weights.refused["corrupt"] == 1)
     tokens_at_refusal = worker.engine.stats()["tokens"]
     await until(lambda: worker.engine.stats()["tokens"] > tokens_at_refusal + 20)   # still generating
     assert worker.engine.version == 0 and same(worker.engine.state, states[0])
@@ -165,7 +165,7 @@ async def test_corrupted_delta_is_refused_and_generation_continues(bus, fresh_se
     await until(lambda: worker.tasks_done == 8, timeout=120)
     stop.set()
     await run
-    assert same(worker.engine.state, states[2]) and worker.feed.resyncs >= 1
+    assert same(worker.engine.state, states[2]) and worker.weights.resyncs >= 1
     rollouts = {r.rollout_id: r for r in await read_stream(bus, topo.ROLLOUTS, Rollout)}
     assert len(rollouts) == 16
     for k, r in rollouts.items():

@@ -2,7 +2,7 @@
 with backoff and the engine is back on the newest policy; a feed that keeps failing past
 `max_restarts` stops the worker with exit code 1, so a supervisor (`asyncrl up`) replaces it.
 
-The failure is injected by the worker's one test hook, `fault_feed_after` (the feed raises at
+The failure is injected by the worker's one test hook, `fault_weights_after` (the feed raises at
 its Nth weight update), so no sleep or patch touches the production path.
 Reusable by the chaos harness: `feed_crash_worker` and `wait_version`.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bus.weights import WeightPublisher
 from rollout_worker.worker import Worker
-from tests.test_weights_feed import delta, same, until
+from tests.test_weights_follower import delta, same, until
 from tests.test_worker_process import CFG, states_for, worker_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 async def feed_crash_worker(bus, url: str, fault_after: int, **cfg):
     """A worker (in this process) whose feed fails at weight update `fault_after`."""
-    worker, stop = Worker(worker_cfg(url, fault_feed_after=fault_after, restart_backoff_s=0.05, **cfg), bus), \
+    worker, stop = Worker(worker_cfg(url, fault_weights_after=fault_after, restart_backoff_s=0.05, **cfg), bus), \
         asyncio.Event()
     run = asyncio.create_task(worker.run(stop, handle_signals=False))
     return worker, stop, run
@@ -42,9 +42,9 @@ async def test_crashed_feed_is_restarted_and_catches_up(bus, fresh_server):
             await pub.publish_delta(delta(states, v - 1, v))
         await until(lambda: worker.engine.version == 5, timeout=30)
         assert same(worker.engine.state, states[5])       # bit-exact on the newest policy
-        assert worker.restarts == {"feed": 1}
+        assert worker.restarts == {"weights": 1}
         snap = worker.snapshot()
-        assert snap["restarts"] == 1 and snap["feed"]["resyncs"] == 0
+        assert snap["restarts"] == 1 and snap["weights"]["resyncs"] == 0
         # and it keeps following after the restart
         states.append(states_for(2, seed=12)[1])
         await pub.publish_delta(delta(states, 5, 6))
@@ -61,7 +61,7 @@ async def test_feed_failing_past_max_restarts_exits_nonzero(bus, fresh_server, t
     await pub.publish_keyframe(states[0], 0, CFG)
     conf = tmp_path / "w.toml"
     conf.write_text(f'worker_id = "wf"\nslots = 2\nmax_len = 128\nheartbeat_s = 0.5\ngrace_s = 1.0\n'
-                    f'max_restarts = 0\nfault_feed_after = 1\n[bus]\nservers = ["{fresh_server.url}"]\n')
+                    f'max_restarts = 0\nfault_weights_after = 1\n[bus]\nservers = ["{fresh_server.url}"]\n')
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ASYNCRL_LOG_JSON": "1"}
     log = tmp_path / "wf.log"
     with open(log, "wb") as out:
@@ -78,7 +78,7 @@ async def test_feed_failing_past_max_restarts_exits_nonzero(bus, fresh_server, t
         assert code == 1, log.read_text()[-3000:]
         lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
         assert any(r.get("event") == "background task failed past max_restarts; stopping the worker"
-                   and r.get("task") == "feed" for r in lines), log.read_text()[-3000:]
+                   and r.get("task") == "weights" for r in lines), log.read_text()[-3000:]
     finally:
         if p.poll() is None:
             p.kill()

@@ -244,17 +244,17 @@ async def test_failed_push_generates_nothing_until_a_keyframe_loads(engine, ref)
 
 
 async def test_feed_resyncs_a_failed_push_from_an_older_keyframe(engine, ref, bus):
-    """Through the real WeightFeed: a push fails, the feed resyncs and loads the latest keyframe
+    """Through the real WeightFollower: a push fails, the feed resyncs and loads the latest keyframe
     although it is older than the engine's last version, then replays the deltas after it; the
     weights served are then exactly the trainer's (logprobs = replay of the final state)."""
-    from bus.weights import WeightFeed, WeightPublisher
+    from bus.weights import WeightFollower, WeightPublisher
     base = {k: t.clone() for k, t in engine.state.items()}
     states = [perturbed(base, seed=40)]
     for i in range(1, 3):
         states.append(perturbed(states[-1], seed=40 + i))
     pub = WeightPublisher(bus, epoch=2, trainer_id="t")
     await pub.publish_keyframe(states[0], 10, {"vocab_size": VOCAB})
-    feed, stop = WeightFeed(bus, poll_s=0.2, name="vllm-test"), asyncio.Event()
+    feed, stop = WeightFollower(bus, poll_s=0.2, name="vllm-test"), asyncio.Event()
     follow = asyncio.create_task(feed.follow(engine, stop))
     try:
         await _until(lambda: engine.version == 10)

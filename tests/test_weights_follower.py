@@ -9,7 +9,7 @@ import delta_codec
 import policy
 from bus import topology as topo
 from bus.events import DeltaEvent
-from bus.weights import StateTarget, WeightFeed, WeightPublisher, parse_version
+from bus.weights import StateTarget, WeightFollower, WeightPublisher, parse_version
 from delta_codec.signing import generate_keypair, sign
 
 CFG = policy.ModelConfig.tiny(vocab_size=64, max_seq_len=64)
@@ -51,7 +51,7 @@ async def test_follow_and_late_reader_are_bit_exact(bus):
     kf = await pub.publish_keyframe(states[0], 0, CFG)
     assert kf.blob == "keyframe-e1-v0" and kf.model_config == CFG.to_dict()
     target, stop = StateTarget(), asyncio.Event()
-    feed = WeightFeed(bus, public_key=pk, name="f1")
+    feed = WeightFollower(bus, public_key=pk, name="f1")
     task = asyncio.create_task(feed.follow(target, stop))
     await until(lambda: target.version == 0)
     ev1 = await pub.publish_delta(delta(states, 0, 1))
@@ -63,7 +63,7 @@ async def test_follow_and_late_reader_are_bit_exact(bus):
     assert same(target.state, states[3]) and target.epoch == 1
     assert feed.applied["delta"] == 3 and not feed.refused
     assert parse_version(await bus.kv_get(topo.KEY_VERSION)) == 3
-    late = await WeightFeed(bus, public_key=pk).latest_state()     # keyframe + deltas after it
+    late = await WeightFollower(bus, public_key=pk).latest_state()     # keyframe + deltas after it
     assert late.version == 3 and same(late.state, states[3]) and late.model_config == CFG.to_dict()
     stop.set()
     await task
@@ -77,7 +77,7 @@ async def test_bad_updates_are_refused_and_the_feed_resyncs(bus):
     pub = WeightPublisher(bus, epoch=2, trainer_id="t1", signing_key=sk, inline_max=1 << 20)
     await pub.publish_keyframe(states[0], 0, CFG)
     target, stop = StateTarget(), asyncio.Event()
-    feed = WeightFeed(bus, public_key=pk, name="f2")
+    feed = WeightFollower(bus, public_key=pk, name="f2")
     task = asyncio.create_task(feed.follow(target, stop))
     await pub.publish_delta(delta(states, 0, 1))
     await until(lambda: target.version == 1)
@@ -137,7 +137,7 @@ async def test_new_leader_epoch_takes_over_and_old_leader_is_refused(bus):
     old = WeightPublisher(bus, epoch=1, trainer_id="old")
     await old.publish_keyframe(old_states[0], 0, CFG)
     target, stop = StateTarget(), asyncio.Event()
-    feed = WeightFeed(bus, name="f3")
+    feed = WeightFollower(bus, name="f3")
     task = asyncio.create_task(feed.follow(target, stop))
     await old.publish_delta(delta(old_states, 0, 1))
     await old.publish_delta(delta(old_states, 1, 2))
@@ -161,7 +161,7 @@ async def test_keyframe_for_another_model_is_refused_by_an_engine(bus):
     pub = WeightPublisher(bus, epoch=1, trainer_id="t")
     await pub.publish_keyframe(states[0], 0, CFG)
     engine, stop = TorchEngine(CFG, slots=1, max_len=32), asyncio.Event()
-    feed = WeightFeed(bus, name="f4")
+    feed = WeightFollower(bus, name="f4")
     task = asyncio.create_task(feed.follow(engine, stop))
     await until(lambda: engine.version == 0)
     other = policy.ModelConfig.tiny(vocab_size=32, max_seq_len=64)
