@@ -396,18 +396,23 @@ async def kill_scorer(run_dir: Path, tasks: int = 100, seed: int = 2, kills: int
             await fleet.close()
 
 
-async def weights_history(bus) -> list:
-    """Every Delta/Keyframe event in WEIGHTS, in stream order."""
+async def stream_messages(bus, stream: str, subjects: str) -> list:
+    """Every message stored in `stream` (on `subjects`), in sequence order, read by sequence."""
     from nats.js.errors import NotFoundError
-    from bus.events import decode
     out, seq = [], 0
     while True:
         try:
-            raw = await bus.js.get_msg(topo.WEIGHTS, seq=seq + 1, subject="rl.weights.>", next=True)
+            raw = await bus.js.get_msg(stream, seq=seq + 1, subject=subjects, next=True)
         except NotFoundError:
             return out
         seq = raw.seq
-        out.append(decode(raw.data))
+        out.append(raw)
+
+
+async def weights_history(bus) -> list:
+    """Every Delta/Keyframe event in WEIGHTS, in stream order."""
+    from bus.events import decode
+    return [decode(raw.data) for raw in await stream_messages(bus, topo.WEIGHTS, "rl.weights.>")]
 
 
 def version_line(events) -> dict:
@@ -657,15 +662,8 @@ async def pause_worker(run_dir: Path, tasks: int = 100, seed: int = 6, tries: in
 
 async def dlq_entries(bus) -> list[tuple[str, str]]:
     """(subject, Rl-Reason) of every message parked in DLQ."""
-    from nats.js.errors import NotFoundError
-    out, seq = [], 0
-    while True:
-        try:
-            raw = await bus.js.get_msg(topo.DLQ, seq=seq + 1, subject="rl.dlq.>", next=True)
-        except NotFoundError:
-            return out
-        seq = raw.seq
-        out.append((raw.subject, (raw.headers or {}).get("Rl-Reason", "")))
+    return [(raw.subject, (raw.headers or {}).get("Rl-Reason", ""))
+            for raw in await stream_messages(bus, topo.DLQ, "rl.dlq.>")]
 
 
 def bad_bodies(good) -> dict[str, bytes]:
@@ -903,15 +901,9 @@ async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeou
 
 async def dlq_task_ids(bus) -> dict[str, str]:
     """task id -> Rl-Reason of every task, rollout or scored rollout parked in DLQ."""
-    from nats.js.errors import NotFoundError
     from bus.events import EventError, Rollout, Scored, Task, decode
-    out, seq = {}, 0
-    while True:
-        try:
-            raw = await bus.js.get_msg(topo.DLQ, seq=seq + 1, subject="rl.dlq.>", next=True)
-        except NotFoundError:
-            return out
-        seq = raw.seq
+    out = {}
+    for raw in await stream_messages(bus, topo.DLQ, "rl.dlq.>"):
         try:
             ev = decode(raw.data)
         except EventError:
@@ -920,6 +912,7 @@ async def dlq_task_ids(bus) -> dict[str, str]:
                ev.rollout.get("task_id") if isinstance(ev, Scored) else None)
         if tid:
             out[tid] = (raw.headers or {}).get("Rl-Reason", "")
+    return out
 
 
 def _ready(fleet: Fleet, name: str) -> bool:
@@ -1016,16 +1009,8 @@ async def worker_beats(fleet: Fleet) -> dict[str, dict]:
 
 async def _weights_by_seq(bus) -> list:
     """(stream sequence, event) of every WEIGHTS message, in order."""
-    from nats.js.errors import NotFoundError
     from bus.events import decode
-    out, seq = [], 0
-    while True:
-        try:
-            raw = await bus.js.get_msg(topo.WEIGHTS, seq=seq + 1, subject="rl.weights.>", next=True)
-        except NotFoundError:
-            return out
-        seq = raw.seq
-        out.append((seq, decode(raw.data)))
+    return [(raw.seq, decode(raw.data)) for raw in await stream_messages(bus, topo.WEIGHTS, "rl.weights.>")]
 
 
 def _refusals(log_path: Path) -> Counter:
@@ -1198,22 +1183,14 @@ async def _up_books(up_dir: Path, counts: Counter, group: int) -> Books:
     every task the trainer fed (TASKS' last sequence) is trained, or still queued (its task in
     TASKS, or it in ROLLOUTS / SCORED: durable, not lost; the run stopped at its step count), or
     parked in DLQ; whatever is none of these is lost."""
-    from nats.js.errors import NotFoundError
     from bus.events import EventError, Rollout, Scored, Task, decode
     async with EmbeddedServer(store_dir=up_dir / "nats") as srv:
         bus = await connect(BusConfig(servers=[srv.url], name="chaos-books"))
         try:
             fed = int((await bus.js.stream_info(topo.TASKS)).state.last_seq)
             queued: set[str] = set()
-            for stream, subjects in ((topo.TASKS, "rl.tasks.>"), (topo.ROLLOUTS, "rl.rollouts.>"),
-                                     (topo.SCORED, "rl.scored.>"), (topo.DLQ, "rl.dlq.>")):
-                seq = 0
-                while True:
-                    try:
-                        raw = await bus.js.get_msg(stream, seq=seq + 1, subject=subjects, next=True)
-                    except NotFoundError:
-                        break
-                    seq = raw.seq
+            for stream, subjects in (*topo.WORK_STREAMS.items(), (topo.DLQ, "rl.dlq.>")):
+                for raw in await stream_messages(bus, stream, subjects):
                     try:
                         ev = decode(raw.data)
                     except EventError:

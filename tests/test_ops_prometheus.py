@@ -14,31 +14,11 @@ import urllib.request
 
 import pytest
 
-CONFIG = """
-[up]
-workers = 1
-scorers = 1
-metrics_port = {port}
+from bench.up_driver import SMALL_RUN
 
-[trainer]
-envs = ["arith-small"]
-lr = 1e-3
-batch_groups = 2
-group_size = 4
-max_lag = 8
-feed_backlog = 6
-task_sampling = {{temperature = 1.0, max_tokens = 24}}
-
-[worker]
-slots = 8
-max_lag = 8
-threads = 1
-heartbeat_s = 1.0
-
-[scorer]
-concurrency = 8
-heartbeat_s = 1.0
-"""
+# the shared small run (bench/up_driver.py) with one worker, no evals and shorter answers
+CONFIG = SMALL_RUN.replace("workers = 2", "workers = 1\nmetrics_port = {port}") \
+    .replace("eval_every = 3\neval_prompts = 16\n", "").replace("max_tokens = 40", "max_tokens = 24")
 
 PROM_CONFIG = """
 global:
@@ -96,7 +76,7 @@ def query(prom: str, expr: str) -> list[dict]:
 def test_prometheus_scrapes_a_running_up(fresh_server, tmp_path):
     base = consecutive_free(3)
     cfg = tmp_path / "up.toml"
-    cfg.write_text(CONFIG.format(port=base))
+    cfg.write_text(CONFIG.replace("{port}", str(base)))
     run_dir = tmp_path / "run"
     up = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "up", "--config", str(cfg), "--steps", "40",
                            "--minutes", "5", "--nats", fresh_server.url, "--run-dir", str(run_dir), "--quiet"],

@@ -11,34 +11,13 @@ import sys
 
 import pytest
 
+from bench.up_driver import SMALL_RUN
+
 wandb = pytest.importorskip("wandb", reason="wandb is a dev extra (pip install -e .[dev])")
 
-CONFIG = """
-[up]
-workers = 1
-scorers = 1
-wandb_project = "asyncrl-test"
-wandb_mode = "offline"
-
-[trainer]
-envs = ["arith-small"]
-lr = 1e-3
-batch_groups = 2
-group_size = 4
-max_lag = 8
-feed_backlog = 6
-task_sampling = {temperature = 1.0, max_tokens = 24}
-
-[worker]
-slots = 8
-max_lag = 8
-threads = 1
-heartbeat_s = 1.0
-
-[scorer]
-concurrency = 8
-heartbeat_s = 1.0
-"""
+# the shared small run (bench/up_driver.py) with one worker, no evals and shorter answers
+CONFIG = SMALL_RUN.replace("workers = 2", "workers = 1\nwandb_project = \"asyncrl-test\"\nwandb_mode = \"offline\"") \
+    .replace("eval_every = 3\neval_prompts = 16\n", "").replace("max_tokens = 40", "max_tokens = 24")
 
 
 def wandb_records(path):

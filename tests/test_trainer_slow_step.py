@@ -8,11 +8,9 @@ than ack_wait (debug_step_delay_s), SIGKILLed after ack_wait and before its chec
 standby trains every rollout, each exactly once."""
 import asyncio
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,8 +21,8 @@ from policy.model import Transformer
 from trainer.batcher import Batcher, ConsumedIds
 
 from .test_trainer_bus import MODEL, make_scored, trainer_config
+from .test_trainer_takeover import start as start_trainer
 
-ROOT = Path(__file__).resolve().parents[1]
 ACK_WAIT = 2.0
 
 
@@ -105,39 +103,8 @@ async def test_redelivery_of_a_held_batch_swaps_the_handle_and_is_not_acked(fres
         await bus.close()
 
 
-def write_config(path: Path, url: str, tid: str, tmp: Path, **extra) -> None:
-    model = ", ".join(f"{k} = {json.dumps(v)}" for k, v in MODEL.items() if v is not None)  # TOML has no null
-    more = "\n".join(f"{k} = {json.dumps(v)}" for k, v in extra.items())
-    path.write_text(f"""
-[trainer]
-trainer_id = "{tid}"
-model = {{ {model} }}
-batch_groups = 1
-group_size = 2
-max_lag = 1000
-feed = false
-lr = 0.01
-checkpoint_dir = "{tmp / 'ckpt'}"
-run_dir = "{tmp / ('run-' + tid)}"
-lease_ttl_s = 3.0
-lease_renew_s = 1.0
-fetch_timeout_s = 0.2
-keyframe_interval = 1000
-{more}
-[trainer.bus]
-servers = ["{url}"]
-[trainer.bus.topology]
-ack_wait_s = {ACK_WAIT}
-""")
-
-
 def start(tmp: Path, url: str, tid: str, **extra) -> subprocess.Popen:
-    cfg = tmp / f"{tid}.toml"
-    write_config(cfg, url, tid, tmp, **extra)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    log = open(tmp / f"{tid}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(cfg)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    return start_trainer(tmp, url, tid, ack_wait_s=ACK_WAIT, **extra)
 
 
 async def wait_log(path: Path, text: str, timeout: float, proc: subprocess.Popen) -> None:
