@@ -3,12 +3,17 @@
 Sections, each timed and recorded on its own (one failing does not lose the others):
 
   trainer   the current trainer (trainer.learner.Learner: replayed logprobs, truncated-IS policy
-            gradient, AdamW) for --train-steps steps on SmolLM2-135M on CUDA, bf16 autocast;
-            the bf16 delta between published states is kept for the sections below
+            gradient, AdamW) for --train-steps steps on SmolLM2-135M on CUDA, sharded by FSDP2
+            (trainer.fsdp.shard: a world-1 NCCL group, bf16 parameters, fp32 reduction; --no-fsdp:
+            unsharded with bf16 autocast); the bf16 delta between published states is kept for
+            the sections below
   apply     the Triton delta-apply kernel on device tensors: `apply_sparse` on one flat bf16
             buffer the size of the model at several changed fractions, bytes touched / time vs
             the HBM roofline (--hbm-gb-s, H200 ~4800), checked bit-exact against the CPU path;
             and `delta_codec.apply_delta` of the trainer's real delta into device tensors
+  engine    the torch engine (rollout_worker.torch_engine, device=cuda): decode tokens/s at 1, 8
+            and 32 slots, then the trainer's delta applied on the device while 32 sequences
+            decode: update stall in decode steps, versions switching mid-sequence
   vllm      the vLLM engine on the same folder: --slots sequences, the trainer's delta applied
             while they decode (every later token labelled with the new version), update stall in
             decode steps, and the mismatch k3 of a generation on the new weights vs the trainer's
@@ -16,7 +21,9 @@ Sections, each timed and recorded on its own (one failing does not lose the othe
 
 Without CUDA it exits at once with status 2 and says why. `--dry-run` runs the same code on the
 CPU with a tiny random Llama-layout model (vLLM only with --vllm: it takes minutes to start on a
-CPU). Last line: one JSON object (also written to --out)."""
+CPU). `--random-init CONFIG.json` builds the model of an HF config.json with random weights, for
+machines the prepared weights cannot reach (timings depend on the shapes, not the values).
+Last line: one JSON object (also written to --out)."""
 from __future__ import annotations
 
 import argparse
@@ -47,6 +54,12 @@ def model_folder(args, tmp: Path) -> Path:
     """The converted SmolLM2 folder, or (dry run) a tiny random Llama-layout model saved the same way."""
     if args.folder:
         return Path(args.folder)
+    if args.random_init:
+        from policy.hf import config_from_hf
+        cfg = config_from_hf(json.loads(Path(args.random_init).read_text()))
+        torch.manual_seed(args.seed)
+        model = policy.Transformer(cfg).to(torch.bfloat16)
+        return policy.save_hf_checkpoint(model, tmp / "random")
     if not args.dry_run:
         from asyncrl.model import prepare
         return prepare(args.model, args.cache)
@@ -85,11 +98,17 @@ def trainer_section(args, folder: Path, dev: torch.device) -> tuple[dict, dict, 
     from trainer.loss import LossConfig
     cfg, model = policy.load_hf_checkpoint(folder, device=dev)
     base = {k: v.cpu() for k, v in policy.inference_state(model).items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    learner = Learner(model, opt, LossConfig(), micro_batch=args.batch)
     batch = samples(cfg, model, args.batch, args.group, args.prompt_len, args.completion_len, args.seed)
+    if args.fsdp:
+        world_one(dev)
+        from trainer.fsdp import shard
+        shard(model, dev, mixed_precision=dev.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    learner = Learner(model, opt, LossConfig(), micro_batch=args.micro_batch or args.batch)
     steps = []
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    # FSDP2's mixed-precision policy casts the parameters itself; unsharded runs use autocast
+    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" and not args.fsdp
+           else torch.autocast("cpu", enabled=False))
     for i in range(args.train_steps):
         sync(dev)
         t0 = time.perf_counter()
@@ -107,7 +126,9 @@ def trainer_section(args, folder: Path, dev: torch.device) -> tuple[dict, dict, 
     res = {"params": sum(t.numel() for t in base.values()), "steps": steps, "batch": args.batch,
            "tokens_per_step": tokens, "step_s_mean": sum(s["step_s"] for s in warm) / len(warm),
            "tokens_per_s": tokens / (sum(s["step_s"] for s in warm) / len(warm)),
-           "autocast": "bf16" if dev.type == "cuda" else "off",
+           "fsdp": args.fsdp, "micro_batch": args.micro_batch or args.batch,
+           "precision": ("fsdp2 bf16 params, fp32 reduce" if args.fsdp and dev.type == "cuda" else
+                         "bf16 autocast" if dev.type == "cuda" else "fp32"),
            "delta": {"changed_frac": delta.stats.changed / delta.stats.total, "bytes": len(delta.to_bytes()),
                      "encode_s": enc_s}}
     if dev.type == "cuda":
@@ -116,6 +137,20 @@ def trainer_section(args, folder: Path, dev: torch.device) -> tuple[dict, dict, 
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return res, base, {"delta": delta, "new": new, "cfg": cfg}
+
+
+def world_one(dev: torch.device) -> None:
+    """A one-process group (NCCL on CUDA) so trainer.fsdp shards exactly as under torchrun."""
+    import os
+    import socket
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
 
 
 def time_it(fn, dev: torch.device, reps: int) -> float:
@@ -152,19 +187,108 @@ def apply_section(args, base: dict, upd: dict, dev: torch.device) -> dict:
         if dev.type == "cuda":
             row["frac_of_roofline"] = row["gb_s"] / args.hbm_gb_s
         kernels.append(row)
+    big = large_buffer_rows(args, dev) if dev.type == "cuda" and args.apply_elems > n else []
     # the real delta from the trainer into device tensors, through the codec (host decode + kernel)
     delta = upd["delta"]
+    blob = delta.to_bytes()
+    delta_codec.apply_delta({k: v.to(dev, copy=True) for k, v in base.items()}, delta_codec.Delta.from_bytes(blob))
     state = {k: v.to(dev, copy=True) for k, v in base.items()}      # copy: on the CPU .to() would alias base
     sync(dev)
     t0 = time.perf_counter()
-    delta_codec.apply_delta(state, delta_codec.Delta.from_bytes(delta.to_bytes()))
+    delta_codec.apply_delta(state, delta_codec.Delta.from_bytes(blob))
     sync(dev)
     s = time.perf_counter() - t0
     exact = all(torch.equal(state[k].cpu().view(torch.int16), upd["new"][k].view(torch.int16)) for k in state)
     full = 2 * n
     return {"device": str(dev), "hbm_gb_s": args.hbm_gb_s if dev.type == "cuda" else None, "kernel": kernels,
+            "kernel_large": big,
             "codec_apply": {"s": s, "model_gb_s": full / s / 1e9, "changed_frac": delta.stats.changed / delta.stats.total,
                             "bit_exact": exact}}
+
+
+def large_buffer_rows(args, dev: torch.device) -> list[dict]:
+    """The kernel on a buffer of --apply-elems bf16 elements (a multi-billion-parameter model's
+    size), indices drawn on the device; checked against the same arithmetic in plain torch ops."""
+    from delta_codec.triton_apply import apply_sparse
+    N = args.apply_elems
+    g = torch.Generator(device=dev).manual_seed(args.seed)
+    bits = torch.randint(-2**15, 2**15, (N,), generator=g, dtype=torch.int32, device=dev).to(torch.int16)
+    rows = []
+    for frac in args.fracs:
+        k = max(1, int(N * frac))
+        idx = torch.randperm(N, generator=g, device=dev)[:k].sort().values
+        d = torch.randint(-64, 64, (k,), generator=g, dtype=torch.int32, device=dev).to(torch.int16)
+        want = bits.clone()
+        w = want[idx].to(torch.int32) + d.to(torch.int32)
+        want[idx] = (((w + 2**15) % 2**16) - 2**15).to(torch.int16)      # wrap at 16 bits
+        got = bits.clone()
+        apply_sparse(got, idx, d, False)
+        exact = bool(torch.equal(got, want))
+        del want, got
+        touched = k * (8 + 2 + 2 + 2 + 2)
+        s = time_it(lambda: apply_sparse(bits, idx, d, False), dev, args.reps)
+        rows.append({"elements": N, "changed_frac": frac, "changed": k, "bytes_touched": touched, "s": s,
+                     "gb_s": touched / s / 1e9, "frac_of_roofline": touched / s / 1e9 / args.hbm_gb_s,
+                     "bit_exact": exact})
+        del idx, d
+        torch.cuda.empty_cache()
+    return rows
+
+
+async def engine_section(args, base: dict, upd: dict, dev: torch.device) -> dict:
+    """The torch engine on the device: tokens/s per slot count, then a delta applied mid-decode."""
+    from rollout_worker.torch_engine import TorchEngine
+    cfg = upd["cfg"]
+    max_len = args.prompt_len + args.gen_tokens + 8
+    g = torch.Generator().manual_seed(args.seed)
+
+    def prompts(n):
+        return [torch.randint(3, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
+    sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.gen_tokens)
+    out = {"device": str(dev), "prompt_len": args.prompt_len, "gen_tokens": args.gen_tokens, "throughput": []}
+    for slots in args.engine_slots:
+        eng = TorchEngine(cfg, slots=slots, max_len=max_len, seed=args.seed, device=dev)
+        try:
+            await eng.load_keyframe(base, version=0, epoch=1)
+            await eng.generate(prompts(1)[0], SamplingParams(temperature=1.0, max_tokens=4))   # warm-up
+            sync(dev)
+            t0 = time.perf_counter()
+            gens = await asyncio.gather(*(eng.generate(p, sp, seed=i) for i, p in enumerate(prompts(slots))))
+            wall = time.perf_counter() - t0
+            st = eng.stats()
+            tok = sum(len(x.completion_ids) for x in gens)
+            out["throughput"].append({"slots": slots, "tokens": tok, "tokens_per_s": tok / wall,
+                                      "decode_step_ms_p50": st["decode_step_ms_p50"]})
+        finally:
+            await eng.close()
+    # the in-flight delta: applied on the device (Triton) while every slot decodes
+    slots = max(args.engine_slots)
+    eng = TorchEngine(cfg, slots=slots, max_len=max_len, seed=args.seed, device=dev)
+    try:
+        await eng.load_keyframe(base, version=0, epoch=1)
+        before = eng.stats()["tokens"]
+        tasks = [asyncio.create_task(eng.generate(p, sp, seed=i)) for i, p in enumerate(prompts(slots))]
+        while eng.stats()["tokens"] - before < slots * args.gen_tokens // 3:
+            await asyncio.sleep(0.002)
+        t0 = time.perf_counter()
+        await eng.apply_delta(delta_codec.Delta.from_bytes(upd["delta"].to_bytes()), epoch=1)
+        call_s = time.perf_counter() - t0
+        gens = await asyncio.gather(*tasks)
+        st = eng.stats()
+        exact = all(torch.equal(eng.state[k].cpu().view(torch.int16), upd["new"][k].view(torch.int16))
+                    for k in eng.state)
+        out["inflight_delta"] = {
+            "slots": slots, "state_on": str(next(iter(eng.state.values())).device), "bit_exact": exact,
+            "switched_mid_sequence": sum(1 for x in gens if 0 in x.token_versions and 1 in x.token_versions),
+            "versions_ordered": all(x.token_versions == sorted(x.token_versions) for x in gens),
+            "apply_call_s": call_s, "update_apply_ms_p50": st["update_apply_ms_p50"],
+            "update_stall_ms_p50": st["update_stall_ms_p50"], "update_stall_steps_p50": st["update_stall_steps_p50"],
+            "step_gap_ms_p50": st["step_gap_ms_p50"], "decode_step_ms_p50": st["decode_step_ms_p50"],
+            "update_stall_decode_steps": st["update_stall_ms_p50"] / st["step_gap_ms_p50"]
+            if st["update_stall_ms_p50"] is not None and st["step_gap_ms_p50"] else None}
+    finally:
+        await eng.close()
+    return out
 
 
 async def vllm_section(args, folder: Path, base: dict, upd: dict, dev: torch.device) -> dict:
@@ -266,6 +390,7 @@ def run(args) -> dict:
         else:
             out["sections"]["trainer"], base, upd = tr
             section("apply", lambda: apply_section(args, base, upd, dev))
+            section("engine", lambda: asyncio.run(engine_section(args, base, upd, dev)))
             why = vllm_importable() or (None if (dev.type == "cuda" or args.vllm) else
                                         "dry run without --vllm (vLLM takes minutes to start on a CPU)")
             if why:
@@ -303,6 +428,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--hbm-gb-s", type=float, default=4800.0, help="HBM roofline (H200: ~4.8 TB/s)")
     ap.add_argument("--slots", type=int, default=None)
+    ap.add_argument("--engine-slots", type=int, nargs="+", default=None, help="torch engine slot counts")
+    ap.add_argument("--apply-elems", type=int, default=None, help="CUDA: also time the kernel on a buffer this big")
+    ap.add_argument("--random-init", default=None, help="an HF config.json: random weights of that model")
+    ap.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="unsharded trainer with bf16 autocast")
+    ap.add_argument("--micro-batch", type=int, default=0)
     ap.add_argument("--gen-tokens", type=int, default=None)
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM's gpu_memory_utilization")
@@ -310,9 +440,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # tiny on the CPU, real on the GPU; explicit flags win
     sizes = ({"train_steps": 2, "batch": 4, "prompt_len": 8, "completion_len": 8, "reps": 2, "slots": 2,
-              "gen_tokens": 12} if args.dry_run else
+              "gen_tokens": 12, "engine_slots": [1, 2], "apply_elems": 0} if args.dry_run else
              {"train_steps": 5, "batch": 32, "prompt_len": 128, "completion_len": 256, "reps": 20, "slots": 32,
-              "gen_tokens": 256})
+              "gen_tokens": 256, "engine_slots": [1, 8, 32], "apply_elems": 1 << 30})
     for k, v in sizes.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

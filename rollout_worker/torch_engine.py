@@ -67,7 +67,7 @@ class TorchEngine:
 
     def __init__(self, model_config: policy.ModelConfig | dict, *, slots: int = 8, max_len: int = 0,
                  quant: policy.QuantConfig | None = None, eos_id: int | None = None, seed: int = 0,
-                 threads: int = 0, update_mode: str = "swap"):
+                 threads: int = 0, update_mode: str = "swap", device: str | torch.device = "cpu"):
         if isinstance(model_config, dict):
             model_config = policy.ModelConfig.from_dict(model_config)
         if slots < 1:
@@ -82,12 +82,15 @@ class TorchEngine:
         if self.max_len > model_config.max_seq_len:
             raise ValueError(f"max_len {self.max_len} exceeds the model's max_seq_len {model_config.max_seq_len}")
         self.eos_id = eos_id
-        self.model = policy.Transformer(model_config, quant=self.quant).eval()
-        self.cache = policy.KVCache(model_config, slots=slots, max_len=self.max_len)
+        # on a GPU the weights, the KV cache and the published bf16 state live on the device, so a
+        # delta is applied there (delta_codec's Triton kernel) and only the compressed bytes cross PCIe
+        self.device = torch.device(device)
+        self.model = policy.Transformer(model_config, quant=self.quant).to(self.device).eval()
+        self.cache = policy.KVCache(model_config, slots=slots, max_len=self.max_len, device=self.device)
         self.state: dict[str, torch.Tensor] | None = None   # bf16 bits as published (deltas apply here)
         self.params = dict(self.model.named_parameters())
         self.version, self.epoch = -1, -1
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         if threads:
             torch.set_num_threads(threads)
         self.metrics = EngineMetrics(slots)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import time
 import zlib
@@ -49,6 +50,7 @@ class WorkerConfig:
     seed: int = 0
     threads: int = 0                   # torch intra-op threads (0: torch default)
     update_mode: str = "swap"          # torch: swap (prepare off the decode path) | inline (at the boundary)
+    device: str = "cpu"                # torch engine: cpu | cuda | cuda:N (weights, KV cache and delta apply there)
     public_key: str = ""               # trainer's ed25519 public key: hex, or a file holding it; empty: no check
     metrics_port: int = 0              # Prometheus /metrics (bus.metrics); 0 = off
     heartbeat_s: float = 5.0
@@ -74,6 +76,8 @@ class WorkerConfig:
                              f"{self.max_restarts}, {self.restart_backoff_s}")
         if self.fault_weights_after < 0:
             raise ValueError(f"fault_weights_after must be >= 0, got {self.fault_weights_after}")
+        if not (self.device == "cpu" or self.device == "cuda" or re.fullmatch(r"cuda:\d+", self.device)):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
 
 class BackgroundFailed(RuntimeError):
@@ -92,7 +96,7 @@ def make_engine(cfg: WorkerConfig, model_config: dict, eos_id: int | None) -> En
         return VLLMEngine(cfg, model_config=model_config, quant=quant, eos_id=eos_id)
     from .torch_engine import TorchEngine
     return TorchEngine(model_config, slots=cfg.slots, max_len=cfg.max_len, quant=quant, eos_id=eos_id,
-                       seed=cfg.seed, threads=cfg.threads, update_mode=cfg.update_mode)
+                       seed=cfg.seed, threads=cfg.threads, update_mode=cfg.update_mode, device=cfg.device)
 
 
 def parse_sampling(d: dict) -> SamplingParams:

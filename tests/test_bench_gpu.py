@@ -35,6 +35,12 @@ def test_dry_run_runs_the_sections_on_cpu(tmp_path):
     assert [k["changed_frac"] for k in ap["kernel"]] == [0.01, 0.1, 1.0]
     assert all(k["bit_exact"] and k["gb_s"] > 0 for k in ap["kernel"])
     assert ap["codec_apply"]["bit_exact"]
+    assert tr["fsdp"]                                   # the trainer ran sharded (a world-1 gloo group)
+    eng = res["sections"]["engine"]
+    assert [r["slots"] for r in eng["throughput"]] == [1, 2] and all(r["tokens"] > 0 for r in eng["throughput"])
+    inf = eng["inflight_delta"]
+    # the trainer's delta reached the engine's own state bit-exact while sequences decoded, in order
+    assert inf["bit_exact"] and inf["versions_ordered"] and inf["state_on"] == "cpu"
     v = res["sections"]["vllm"]
     assert "skipped" in v and ("vllm" in v["skipped"])        # says why, never silently absent
 

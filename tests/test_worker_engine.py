@@ -178,3 +178,15 @@ async def test_decoding_goes_on_while_the_event_loop_is_busy():
     await eng.close()
     assert during >= 20, f"only {during} tokens while the loop was blocked"
     assert len(g.completion_ids) == 100 and g.token_versions == [0] * 100
+
+
+def test_engine_device_is_checked_and_used():
+    """`device` puts weights and KV cache there; a worker config names only cpu or cuda[:N]."""
+    from rollout_worker.worker import WorkerConfig
+    eng = TorchEngine(CFG, slots=1, max_len=16, device="cpu")
+    assert eng.device.type == "cpu" and eng.cache.lengths.device.type == "cpu"
+    assert all(p.device.type == "cpu" for p in eng.model.parameters())
+    assert WorkerConfig(device="cuda:1").device == "cuda:1"
+    for bad in ("gpu", "cuda:x", "meta"):
+        with pytest.raises(ValueError, match="device must be"):
+            WorkerConfig(device=bad)
