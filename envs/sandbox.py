@@ -65,7 +65,7 @@ class SandboxLimits:
     output_bytes: int = 1 << 20   # stdout + stderr, each
     open_files: int = 64
     network: bool = False         # True only for trusted experiments
-    netns: bool = True            # an empty network namespace as well as the audit hook (~40 ms per run)
+    netns: bool = True            # an empty network namespace as well as the audit hook (costs a namespace per run)
     python: str | None = None     # interpreter; default: a system python the sandbox uid can run
 
 
