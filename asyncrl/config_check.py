@@ -86,8 +86,9 @@ def cross_check(resolved: dict, sync: bool = False) -> None:
     if t.chat_template:
         import policy
         from envs.feeder import chat_renderer
-        try:
-            chat_renderer(policy.load_tokenizer(t.tokenizer))
+        from asyncrl.model_refs import resolve as resolve_model_refs
+        try:         # (`asyncrl up` checks before it resolves model:NAME for the children)
+            chat_renderer(policy.load_tokenizer(resolve_model_refs({"tokenizer": t.tokenizer})["tokenizer"]))
         except (OSError, ValueError) as e:
             raise ConfigError(f"[trainer] chat_template = true: {e}") from None
     if not sync and t.max_lag != w.max_lag:

@@ -96,7 +96,7 @@ def test_llvmlite_guard_lets_vllm_scan_module_attributes():
     pytest.importorskip("llvmlite.binding")
     from llvmlite.binding import ffi
 
-    from rollout_worker.vllm_compat import guard_llvmlite_lib
+    from delta_codec.llvmlite_guard import guard_llvmlite_lib
     ffi.lib._fntab.pop("__dict__", None)          # as a fresh process has it
     assert hasattr(ffi.lib, "__dict__") and not isinstance(vars(ffi.lib), dict)
     assert guard_llvmlite_lib() is True
