@@ -32,6 +32,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -250,7 +251,6 @@ def vllm_subprocess(python: str, folder: Path, args) -> dict:
     """The vLLM part in the vLLM venv's interpreter (this one lacks vllm): same folder, slots,
     prompt and settings; its last stdout line is the part's JSON. Our code comes first on its path."""
     import subprocess
-    import sys
     repo = str(Path(__file__).resolve().parents[1])
     cmd = [python, "-m", "bench.realmodel", "--vllm-part", "--folder", str(folder), "--slots", *map(str, args.slots),
            "--decode-tokens", str(args.decode_tokens), "--max-new", str(args.max_new), "--tasks", str(args.tasks),
@@ -359,6 +359,10 @@ def main(argv=None) -> int:
     if args.vllm_part:
         if not args.folder:
             ap.error("--vllm-part needs --folder")
+        why = vllm_missing()
+        if why:
+            print(f"vLLM part: {why}", file=sys.stderr)
+            return 1
         print(json.dumps(asyncio.run(vllm_part(args))))
         return 0
     res = asyncio.run(amain(args))
