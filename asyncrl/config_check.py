@@ -6,7 +6,8 @@
 Each process validates its own table (bus.config: unknown key, bad type, bad value). What no
 single process can see is checked here, naming both sides:
     [up]        keys, types and ranges (asyncrl.upconfig.UpConfig), like every other table
-    tokenizer   trainer and workers decode with the same one (same spec; same file contents)
+    tokenizer   trainer and workers decode with the same one (same spec; same file contents);
+                with [trainer] chat_template = true it has a chat template
     max_lag     the worker's admission bound equals the trainer's staleness bound: a worker
                 allowed further ahead generates samples the trainer then drops
     signing     a worker that checks signatures must accept the trainer's key: the public key
@@ -82,6 +83,14 @@ def cross_check(resolved: dict, sync: bool = False) -> None:
         if n > int(vocab):
             raise ConfigError(f"vocabulary disagrees: [trainer] model.vocab_size = {vocab}, "
                               f"tokenizer {t.tokenizer!r} has {n} ids")
+    if t.chat_template:
+        import policy
+        from envs.feeder import chat_renderer
+        from asyncrl.model_refs import resolve as resolve_model_refs
+        try:         # (`asyncrl up` checks before it resolves model:NAME for the children)
+            chat_renderer(policy.load_tokenizer(resolve_model_refs({"tokenizer": t.tokenizer})["tokenizer"]))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"[trainer] chat_template = true: {e}") from None
     if not sync and t.max_lag != w.max_lag:
         raise ConfigError(f"max_lag disagrees: [trainer] max_lag = {t.max_lag}, [worker] max_lag = {w.max_lag}")
     if w.public_key:

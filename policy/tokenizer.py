@@ -53,8 +53,11 @@ class HFTokenizer:
         self._template = None
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        """With bos, a text that already starts with the bos token (a chat template that writes it,
+        or ChatML's <|im_start|> where that is the bos) does not get a second one."""
         ids = self.tok.encode(text, add_special_tokens=False).ids
-        return [self.bos_id] * (bos and self.bos_id is not None) + ids + [self.eos_id] * (eos and self.eos_id is not None)
+        bos = bos and self.bos_id is not None and not (ids and ids[0] == self.bos_id)
+        return [self.bos_id] * bos + ids + [self.eos_id] * (eos and self.eos_id is not None)
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)

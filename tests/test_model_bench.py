@@ -39,7 +39,7 @@ def test_bench_runs_end_to_end_on_a_tiny_converted_model(tmp_path, capsys):
     # lr 0.5: AdamW's weight decay alone (0.5 % a step) moves bf16 weights, so deltas really reach the engine
     assert realmodel.main(["--json", "--folder", str(folder), "--lrs", "0.5", "--steps", "2", "--tasks", "1",
                            "--group", "2", "--max-new", "6", "--max-len", "400", "--slots", "1", "2",
-                           "--decode-tokens", "3", "--out", str(tmp_path / "states")]) == 0
+                           "--decode-tokens", "3", "--out", str(tmp_path / "states"), "--no-vllm"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     (run,) = res["runs"]
     assert run["lr"] == 0.5 and len(run["steps"]) == 2 and run["cumulative"]["changed_frac"] > 0
@@ -47,6 +47,38 @@ def test_bench_runs_end_to_end_on_a_tiny_converted_model(tmp_path, capsys):
     # the second step samples from the delta-updated engine: still the trainer's numbers
     assert run["k3_published_max"] <= 1e-6
     assert [d["slots"] for d in res["decode"]] == [1, 2] and all(d["tokens"] == 3 * d["slots"] for d in res["decode"])
+    assert res["vllm"] == {"skipped": "--no-vllm"}
+    assert [(r["slots"], r["vllm_tokens_per_s"], r["faster"]) for r in res["decode_side_by_side"]] == [(1, None, None), (2, None, None)]
     base, new = load_file(str(tmp_path / "states" / "base.safetensors")), load_file(str(tmp_path / "states" / "lr0.5.safetensors"))
     assert base.keys() == new.keys() and all(v.dtype == torch.bfloat16 for v in new.values())
     assert any(not torch.equal(base[k], new[k]) for k in base)
+
+
+def test_side_by_side_rows_name_the_faster_engine():
+    rows = realmodel.side_by_side([{"slots": 1, "tokens_per_s": 10.0}, {"slots": 8, "tokens_per_s": 40.0},
+                                   {"slots": 32, "tokens_per_s": 50.0}],
+                                  [{"slots": 1, "tokens_per_s": 5.0}, {"slots": 8, "tokens_per_s": 80.0}])
+    assert [(r["slots"], r["vllm_over_torch"], r["faster"]) for r in rows] == [(1, 0.5, "torch"), (8, 2.0, "vllm"),
+                                                                                (32, None, None)]
+
+
+def test_a_failing_vllm_interpreter_is_reported_and_torch_numbers_stay(tmp_path, capsys):
+    """The vLLM part runs in the vLLM venv's interpreter when vllm does not import here; one that
+    cannot run it (missing, or without vllm) gives a reason, not a crash or a silent gap."""
+    import sys
+    if realmodel.vllm_missing() is None:
+        pytest.skip("vllm imports here: the bench runs the vLLM part in-process")
+    tok = bpe_tokenizer()
+    write_gguf(tmp_path / "m.gguf", tiny_llama(tok.get_vocab_size(), True, max_pos=512), tok, {})
+    folder = convert_gguf(tmp_path / "m.gguf", tmp_path / "hf")
+    common = ["--json", "--folder", str(folder), "--lrs", "--slots", "1", "--decode-tokens", "2", "--max-new", "2"]
+    assert realmodel.main([*common, "--vllm-python", str(tmp_path / "no-python")]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["vllm"] == {"skipped": f"no vLLM interpreter at {tmp_path / 'no-python'}"}
+    assert res["decode_side_by_side"][0]["torch_tokens_per_s"] > 0
+    # this interpreter has no vllm: the subprocess fails, and says where to look
+    assert realmodel.main([*common, "--vllm-python", sys.executable]) == 0
+    out = capsys.readouterr()
+    res = json.loads(out.out.strip().splitlines()[-1])
+    assert res["vllm"]["skipped"].startswith(f"the vLLM part failed (exit 1) in {sys.executable}")
+    assert "vllm" in out.err.lower()

@@ -70,6 +70,7 @@ class TrainerConfig:
     feed_max_outstanding: int = 0        # async: cap on generated groups not yet trained (0 = 3 x batch_groups)
     feed: bool = True                    # publish tasks (off when an external feeder runs)
     task_sampling: dict = field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 32})
+    chat_template: bool = False          # send each task's prompt as the user turn of the tokenizer's chat template
     max_steps: int = 0                   # 0 = forever
     grace_s: float = 30.0                # SIGTERM: the process is gone within grace_s + bus.lifetime.EXIT_MARGIN_S
     # sync: a task of the version's batch that yields no group at all (every rollout parked in DLQ,
@@ -111,6 +112,7 @@ class TrainerConfig:
             "lr_min_ratio": 0.0 <= self.lr_min_ratio <= 1.0,
             "kl_coef": self.kl_coef >= 0,
             "mixed_precision": self.mixed_precision in ("auto", "bf16", "fp32"),
+            "chat_template": not self.chat_template or self.tokenizer != "char",   # char has no template
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

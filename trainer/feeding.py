@@ -18,6 +18,11 @@ class TaskFeeder:
         self.published = 0
         self._next_env = 0
         self.rng = random.Random(f"{cfg.seed}-{cfg.trainer_id}")
+        self.render = None
+        if cfg.chat_template:       # instruct models: prompts go out as the chat template's user turn
+            import policy
+            from envs.feeder import chat_renderer
+            self.render = chat_renderer(policy.load_tokenizer(cfg.tokenizer))
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(**{**self.cfg.task_sampling, "n": self.cfg.group_size})
@@ -28,7 +33,8 @@ class TaskFeeder:
         for _ in range(n_groups):                 # round-robin over the configured environments
             env = self.cfg.envs[self._next_env % len(self.cfg.envs)]
             self._next_env += 1
-            ids += await publish_tasks(self.bus, env, 1, self.sampling(), self.rng, min_version=min_version)
+            ids += await publish_tasks(self.bus, env, 1, self.sampling(), self.rng, min_version=min_version,
+                                       render=self.render)
         self.published += len(ids)
         return ids
 

@@ -1,0 +1,105 @@
+"""Tasks for an instruct model go out through its chat template ([trainer] chat_template = true):
+the feeder renders each prompt as the template's user turn, the worker's tokenisation of it equals
+transformers' apply_chat_template (one bos, markup as special ids); the arith-chat env scores the
+model's own chat answers; a template-less tokenizer is refused before start."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import transformers
+
+from asyncrl import config_check
+from bus import topology as topo
+from bus.config import ConfigError
+from bus.events import Task, decode
+from envs import get_env
+from envs.base import SpecError
+from envs.feeder import chat_renderer, make_tasks
+from policy import load_hf_tokenizer, load_tokenizer
+from tests.test_policy_hf import chat_tokenizer_folder
+from trainer.config import TrainerConfig
+from trainer.feeding import TaskFeeder
+
+
+async def test_feeder_renders_prompts_through_the_chat_template(bus, tmp_path):
+    chat_tokenizer_folder(tmp_path)          # ChatML, bos = <|im_start|> (as SmolLM2's)
+    cfg = TrainerConfig(tokenizer=str(tmp_path), chat_template=True, envs=["arith-chat"], group_size=2,
+                        task_sampling={"temperature": 0.7, "max_tokens": 24})
+    ids = await TaskFeeder(bus, cfg).publish(3)
+    msgs = await (await bus.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)).fetch(10, timeout=2)
+    tasks = [decode(m.data, Task) for m in msgs]
+    assert sorted(t.task_id for t in tasks) == sorted(ids)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tok = load_hf_tokenizer(tmp_path)
+    for t in tasks:
+        question = f"What is {t.spec['a']} + {t.spec['b']}? Answer with the number."
+        chat = [{"role": "user", "content": question}]
+        assert t.prompt == ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        want = ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if not isinstance(want, list) else want
+        got = tok.encode(t.prompt, bos=True)          # what the worker does with Task.prompt
+        assert got == want and got.count(tok.bos_id) == 2     # the user turn's and the assistant's
+        await msgs[tasks.index(t)].ack()
+    # without the flag the prompt goes out as the env wrote it, and plain text still gets its bos
+    plain = make_tasks("arith-chat", 1, TaskFeeder(bus, TrainerConfig(tokenizer=str(tmp_path))).sampling(),
+                       random.Random(0))[0]
+    assert plain.prompt.startswith("What is ")
+    assert tok.encode(plain.prompt, bos=True)[0] == tok.bos_id
+
+
+def test_chat_template_without_a_template_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="chat_template"):
+        TrainerConfig(chat_template=True)            # the char tokenizer has no template
+    chat_tokenizer_folder(tmp_path, template=None)
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+        chat_renderer(load_tokenizer(str(tmp_path)))
+    conf = {"up": {"workers": 1, "steps": 3}, "worker": {"max_lag": 4, "tokenizer": str(tmp_path)}, "scorer": {},
+            "trainer": {"max_lag": 4, "tokenizer": str(tmp_path), "chat_template": True}}
+    with pytest.raises(ConfigError, match=r"\[trainer\] chat_template = true: .*chat template"):
+        config_check.cross_check(config_check.resolve(conf, environ={}))
+    missing = str(tmp_path / "nope")
+    conf["trainer"]["tokenizer"] = conf["worker"]["tokenizer"] = missing
+    with pytest.raises(ConfigError, match=r"\[trainer\] chat_template = true: no tokenizer.json"):
+        config_check.cross_check(config_check.resolve(conf, environ={}))
+    chat_tokenizer_folder(tmp_path)                   # with a template: passes
+    conf["trainer"]["tokenizer"] = conf["worker"]["tokenizer"] = str(tmp_path)
+    config_check.cross_check(config_check.resolve(conf, environ={}))
+
+
+def test_arith_chat_scores_chat_answers():
+    env = get_env("arith-chat")
+    rng = random.Random(0)
+    specs = [env.sample(rng) for _ in range(50)]
+    assert all(0 <= s.spec["a"] <= 9 and 0 <= s.spec["b"] <= 9 for s in specs)
+    assert all(s.prompt == f"What is {s.spec['a']} + {s.spec['b']}? Answer with the number." for s in specs)
+    assert {env.sample(random.Random(i), "eval").spec["answer"] for i in range(5)}   # both splits draw
+    spec = {"a": 8, "b": 6, "answer": "14"}
+    for good in ("14", "The answer is 14.", "8 + 6 = 14", "8 + 6 = 14\n", "**14**", "It is 14!"):
+        assert env.verify(good, spec).success == 1.0, good
+    for bad, why in [("The answer is 15.", "wrong answer 15 != 14"), ("14 is wrong, it is 12", "wrong answer 12"),
+                     ("fourteen", "no number"), ("x14", "no number"), ("14.5", "no number"),
+                     ("-14", "wrong answer -14"), ("", "no number")]:
+        v = env.verify(bad, spec)
+        assert v.success == 0.0 and why in v.reason, (bad, v)
+    assert env.verify(None, spec).success == 0.0
+    assert env.verify("1,234", {"a": 1000, "b": 234, "answer": "1234"}).success == 1.0
+    for s in specs:
+        assert env.verify(env.demonstration(s.spec), s.spec).success == 1.0
+    with pytest.raises(SpecError):
+        env.verify("14", {"answer": "fourteen"})
+
+
+def test_llvmlite_guard_lets_vllm_scan_module_attributes():
+    """vLLM's CPU worker reads vars(x).get("kernel") of every module attribute at start; llvmlite's
+    ffi.lib (numba, via delta_codec) answers `__dict__` with a C-function wrapper unless guarded."""
+    pytest.importorskip("llvmlite.binding")
+    from llvmlite.binding import ffi
+
+    from delta_codec.llvmlite_guard import guard_llvmlite_lib
+    ffi.lib._fntab.pop("__dict__", None)          # as a fresh process has it
+    assert hasattr(ffi.lib, "__dict__") and not isinstance(vars(ffi.lib), dict)
+    assert guard_llvmlite_lib() is True
+    assert vars(ffi.lib).get("kernel") is None
+    assert guard_llvmlite_lib() is False           # once is enough
+    assert callable(ffi.lib.LLVMPY_GetVersionInfo)  # llvmlite's own lookups are untouched
