@@ -13,7 +13,8 @@ sampling-mask row (observation tokens: 0.0 and a whole-vocabulary row), policy v
 update may land between two tokens or two turns; observation tokens: -1).
 
 The worker scores the episode (the workspace lives here); the scorer only turns the result into
-a reward and a cost (scorer/service.py). Needs an engine with `extend` (the torch engine).
+a reward and a cost (scorer/service.py). Needs an engine with `extend`: the torch engine (kept slot
+and KV cache) or the vLLM engine (a new request on the exact ids so far, KV from its prefix cache).
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ class EpisodeRunner:
                  fence_stop: bool = True):
         if not hasattr(engine, "extend"):
             raise ValueError(f"engine {type(engine).__name__} cannot continue a sequence (no extend): "
-                             f"multi-turn episodes need the torch engine")
+                             f"multi-turn episodes need the torch or vLLM engine")
         self.engine, self.tok, self.worker_id = engine, tok, worker_id
         self.pool = pool or EpisodePool()
         self.fmt = fmt or chat_format(tok)
