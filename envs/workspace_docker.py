@@ -169,7 +169,7 @@ def _ids(user: str) -> tuple[int, int]:
 # -- the workspace ---------------------------------------------------------------------------------
 class DockerWorkspace:
     def __init__(self, task, backend: DockerBackend):
-        self.b, self.error = backend, ""
+        self.b, self.error, self.created = backend, "", False
         self.name = f"asyncrl-ep-{secrets.token_hex(6)}"
         meta = task.meta or {}
         self.image, self.workdir = meta.get("image") or backend.image, meta.get("workdir") or backend.workdir
@@ -181,7 +181,6 @@ class DockerWorkspace:
         entries.update({f"{self.workdir}/{rel}": (text.encode(), 0o644, uid, gid) for rel, text in task.files.items()})
         entries.update({f"{TOOLS}/{n}": (text.encode(), mode, 0, 0)
                         for n, (text, mode) in tool_files(backend.python, task.runner, task.test_paths, TOOLS).items()})
-        self.created = False
         try:
             self._docker(create_argv(backend, self.name, self.image), timeout=300)
             self.created = True

@@ -85,6 +85,7 @@ def test_tar_carries_paths_modes_and_owners_and_refuses_escapes():
 def test_a_task_with_a_base_dir_is_refused_clearly():
     ws = wd.DockerBackend(docker="/nonexistent/docker").create(task(base_dir="/srv/repo"), EpisodeLimits())
     assert "meta['image']" in ws.error
+    ws.close()                                            # nothing was created: nothing to remove
     ws = wd.DockerBackend(docker="/nonexistent/docker").create(task(), EpisodeLimits())
     assert ws.error.startswith("workspace setup failed") and "create" in ws.error
     ws.close()
