@@ -164,7 +164,7 @@ class EpisodeRunner:
             self.ended.append({"turns": result.turns, "tool_calls": result.tool_calls, "tokens": len(traj.ids),
                                "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
                                "tool_wall_s": result.tool_wall_s, "termination": result.termination,
-                               "reward": result.reward})
+                               "reward": result.reward, "resolved": result.resolved})
         import policy
         return Rollout(rollout_id=f"{task.task_id}-{index}", task_id=task.task_id, env=task.env, sample_index=index,
                        group_size=sp.n, prompt=task.prompt, spec=task.spec, prompt_ids=traj.prompt_ids,
