@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--eval-fraction", type=float, default=0.2)
     b.add_argument("--gen", type=int, default=0, help="generated repositories (tier 1)")
+    b.add_argument("--min-eval", type=int, default=None,
+                   help="tier 1: add eval repositories until the eval split holds this many tasks (default 16)")
     b.add_argument("--humaneval", type=int, default=0, help="HumanEval problems (tier 2), -1 for all 164")
     b.add_argument("--packages", default="", help="comma-separated PyPI names (tier 3), fetched now")
     b.add_argument("--sdist", action="append", default=[], help="a local source distribution (tier 3), repeatable")
@@ -191,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     from envs import gen_repos
     report, tasks = BuildReport(), []
     if a.gen:
-        tasks += gen_repos.build(a.gen, seed=a.seed, eval_fraction=a.eval_fraction, report=report)
+        tasks += gen_repos.build(a.gen, seed=a.seed, eval_fraction=a.eval_fraction, report=report,
+                                 min_eval=gen_repos.MIN_EVAL if a.min_eval is None else a.min_eval)
     if a.humaneval:
         from envs import humaneval_tasks
         tasks += humaneval_tasks.build(None if a.humaneval < 0 else a.humaneval, seed=a.seed,

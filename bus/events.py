@@ -161,11 +161,11 @@ class Rollout(Event):
 class Scored(Event):
     KIND: ClassVar[str] = "Scored"
     rollout: dict                  # the Rollout, as its dict
-    success: float                 # 0..1
+    success: float                 # 0..1 (an episode: 1 iff all its tests pass)
     cost: float                    # cost units (generated tokens by default)
     lambda_: float                 # λ used
     penalty: float                 # λ·cost (+ overlong shaping)
-    reward: float                  # success - penalty
+    reward: float                  # success - penalty (an episode: fraction of tests passing - penalty)
     reason: str = ""               # verifier verdict / failure reason
     cost_wall_s: float = 0.0
     tool_calls: int = 0

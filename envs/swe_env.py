@@ -6,7 +6,8 @@ Tasks come from a task set on disk (`ASYNCRL_SWE_TASKS`, default `tasks/swe-gen`
 missing the env builds one (`ASYNCRL_SWE_GEN` generated repositories, default 48) and writes it
 there, so the processes of a run (trainer, eval) read the same tasks; `asyncrl tasks build --out
 tasks/swe-gen --gen 48` builds it ahead of time (the build runs every mutant's tests: minutes).
-The split is the builder's (a function of the bug's identity): eval tasks are never trained on.
+The split is the builder's (a function of the bug's identity, with at least `gen_repos.MIN_EVAL`
+eval tasks): eval tasks are never trained on.
 
 Limits are sized for the char-level toy policy: few turns, short observations, so an episode fits
 its context (the worker caps `max_context_tokens` to its engine's slot as well).
@@ -56,8 +57,8 @@ class SweGenEnv:
             from .task_validation import BuildReport
             log.info("building the swe-gen task set", dir=self.task_dir, repos=self.n_gen)
             report = BuildReport()
-            write_task_set(self.task_dir, gen_repos.build(self.n_gen, seed=self.seed, report=report),
-                           report.to_dict())
+            write_task_set(self.task_dir, gen_repos.build(self.n_gen, seed=self.seed, report=report,
+                                                          min_eval=gen_repos.MIN_EVAL), report.to_dict())
         tasks = [t for t in load_task_set(self.task_dir) if t.family == "gen-repo"]
         by = {s: sorted((t for t in tasks if t.split == s), key=lambda t: t.task_id) for s in ("train", "eval")}
         if not by["train"] or not by["eval"]:

@@ -2,7 +2,7 @@
 
 A backend makes a `Workspace` for a task; the episode only ever calls the four methods below, so
 the same episode runs on this machine (LocalBackend: a directory + envs/sandbox.run_bash) or in a
-container (a backend for machines with Docker, see docs/environments.md#container-backend).
+container (envs/workspace_docker.py: DockerBackend, see docs/environments.md#container-backend).
 
 Local layout (every directory outside `repo/` belongs to root, the commands run as a fresh uid
 that owns only `repo/`; root_dir is what stays visible inside the sandbox's mount namespace):

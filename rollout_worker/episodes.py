@@ -13,7 +13,8 @@ sampling-mask row (observation tokens: 0.0 and a whole-vocabulary row), policy v
 update may land between two tokens or two turns; observation tokens: -1).
 
 The worker scores the episode (the workspace lives here); the scorer only turns the result into
-a reward and a cost (scorer/service.py). Needs an engine with `extend` (the torch engine).
+a reward and a cost (scorer/service.py). Needs an engine with `extend`: the torch engine (kept slot
+and KV cache) or the vLLM engine (a new request on the exact ids so far, KV from its prefix cache).
 """
 from __future__ import annotations
 
@@ -78,11 +79,12 @@ class EpisodeRunner:
     """Runs the episodes of multi-turn tasks on an engine that supports `extend`."""
 
     def __init__(self, engine, tok, pool: EpisodePool | None = None, worker_id: str = "", fmt=None,
-                 fence_stop: bool = True):
+                 fence_stop: bool = True, backend=None):
         if not hasattr(engine, "extend"):
             raise ValueError(f"engine {type(engine).__name__} cannot continue a sequence (no extend): "
-                             f"multi-turn episodes need the torch engine")
+                             f"multi-turn episodes need the torch or vLLM engine")
         self.engine, self.tok, self.worker_id = engine, tok, worker_id
+        self.backend = backend           # envs WorkspaceBackend; None: LocalBackend
         self.pool = pool or EpisodePool()
         self.fmt = fmt or chat_format(tok)
         # the closing fence as a stop sequence only where it is one token run whatever precedes it
@@ -112,7 +114,7 @@ class EpisodeRunner:
             raise ValueError(f"max_turn_tokens {limits.max_turn_tokens} leaves no room in the engine's "
                              f"max_len {eng.max_len}")
         limits = dataclasses.replace(limits, max_context_tokens=min(limits.max_context_tokens, room))
-        ep = Episode(et, limits, token_counter=TokenCounter(self.tok))
+        ep = Episode(et, limits, backend=self.backend, token_counter=TokenCounter(self.tok))
         seed = zlib.crc32(f"{task.task_id}-{index}".encode())
         turn_sp = dataclasses.replace(sp, n=1, max_tokens=min(sp.max_tokens, limits.max_turn_tokens))
         handle, t0 = None, time.perf_counter()
@@ -162,7 +164,7 @@ class EpisodeRunner:
             self.ended.append({"turns": result.turns, "tool_calls": result.tool_calls, "tokens": len(traj.ids),
                                "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
                                "tool_wall_s": result.tool_wall_s, "termination": result.termination,
-                               "reward": result.reward})
+                               "reward": result.reward, "resolved": result.resolved})
         import policy
         return Rollout(rollout_id=f"{task.task_id}-{index}", task_id=task.task_id, env=task.env, sample_index=index,
                        group_size=sp.n, prompt=task.prompt, spec=task.spec, prompt_ids=traj.prompt_ids,
@@ -173,6 +175,14 @@ class EpisodeRunner:
                        worker_id=self.worker_id, split=task.split, epoch=traj.epoch, loss_mask=traj.mask,
                        turns=max(result.turns, 1), tool_calls=result.tool_calls, termination=result.termination,
                        episode={**result.to_dict(), "turn_log": [{"finish": t["finish"]} for t in traj.turns]})
+
+
+def workspace_backend(cfg):
+    """The worker config's workspace backend (None: the episode's default, LocalBackend)."""
+    if getattr(cfg, "workspace", "local") == "docker":
+        from envs.workspace_docker import DockerBackend
+        return DockerBackend(image=cfg.docker_image) if cfg.docker_image else DockerBackend()
+    return None
 
 
 def _block_closed(text: str) -> bool:
@@ -193,7 +203,8 @@ async def handle_episode_task(worker, task: Task, ctx) -> None:
         sp = parse_sampling(task.sampling)
         runner = getattr(worker, "episode_runner", None)
         if runner is None:           # one per worker: its thread pool hosts every episode's commands
-            runner = worker.episode_runner = EpisodeRunner(worker.engine, worker.tok, worker_id=worker.cfg.worker_id)
+            runner = worker.episode_runner = EpisodeRunner(worker.engine, worker.tok, worker_id=worker.cfg.worker_id,
+                                                           backend=workspace_backend(worker.cfg))
         runner.parse(task)
     except (ValueError, TypeError, KeyError) as e:
         return await worker._park(ctx, task, f"bad episode task: {e}")          # noqa: SLF001

@@ -33,6 +33,10 @@ processing rebuilds. Keyframes send the tensors that differ, whole.
 
 A push that fails once vLLM is paused leaves it paused (no token on half-updated weights), at
 version -1, until a keyframe loads (see `_push`).
+
+Multi-turn episodes: `generate(keep=True)` / `extend(handle, ids)` / `release(handle)` as on the
+torch engine; a continuation is a new request whose prompt is the exact ids so far plus the
+appended ones, its earlier turns' KV found in vLLM's prefix cache (`vllm_requests.py`).
 """
 from __future__ import annotations
 
@@ -44,21 +48,19 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import delta_codec
 import policy
 from policy.hf import hf_name_map, save_hf_checkpoint
-from policy.sampling import FULL
 from bus.events import SamplingParams
 from bus.log import get_logger
 
 from .engine import EngineClosed, EngineMetrics, Generation, WeightUpdateError, check_delta, check_prompt
 from .vllm_extension import BACKEND, EXTENSION, layer_groups, layer_key, pack_tensor
+from .vllm_requests import KeptSequences, RequestState, token_versions
 
 log = get_logger(__name__)
 
@@ -99,14 +101,6 @@ def differs_from_checkpoint(state: dict[str, torch.Tensor], hf_names: dict[str, 
         with safe_open(f, framework="pt") as fh:
             out += [k for k in names if not torch.equal(state[k], fh.get_tensor(hf_names[k]).to(torch.bfloat16))]
     return out
-
-
-@dataclass
-class _Req:
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    kept: list[np.ndarray | None] = field(default_factory=list)
-    last_t: float = 0.0
 
 
 class VLLMEngine:
@@ -150,7 +144,8 @@ class VLLMEngine:
         self.packed: dict[str, list[str]] = {}
         self._start_lock = asyncio.Lock()
         self._update_lock = asyncio.Lock()
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, RequestState] = {}
+        self.kept = KeptSequences()           # multi-turn: handle -> the exact ids so far
         self._dirty = False                   # a failed push may have left vLLM half-updated
         self._ready = asyncio.Event()         # clear while dirty: no generation until a keyframe
         self._ready.set()
@@ -159,13 +154,14 @@ class VLLMEngine:
         self._stall_from: tuple[float, float] | None = None   # (apply_s, last token before it)
         self._last_out: float | None = None
         self._closed = False
+        self.last_cached_tokens = 0           # prefix-cache hits of the last request (tests, stats)
 
     # -- lifecycle -----------------------------------------------------------------------
     def _engine_args(self):
         from vllm import AsyncEngineArgs
         kw = dict(model=str(self.model_dir), dtype="bfloat16", skip_tokenizer_init=True,
                   max_model_len=self.max_len, max_num_seqs=self.slots, seed=int(self.cfg.seed),
-                  logprobs_mode="processed_logprobs", max_logprobs=-1, enable_prefix_caching=False,
+                  logprobs_mode="processed_logprobs", max_logprobs=-1, enable_prefix_caching=True,
                   worker_extension_cls=EXTENSION, weight_transfer_config={"backend": BACKEND})
         kw.update(self.engine_kw)
         return AsyncEngineArgs(**kw)
@@ -221,7 +217,7 @@ class VLLMEngine:
 
     def stats(self) -> dict:
         return {**self.metrics.snapshot(), "version": self.version, "epoch": self.epoch,
-                "slots": self.slots, "active": len(self._reqs), "waiting": 0,
+                "slots": self.slots, "active": len(self._reqs), "waiting": 0, "kept": len(self.kept),
                 "needs_keyframe": self._dirty, "delta_transport": self.delta_transport, "in_place": self.in_place,
                 "update_sent_bytes": self.last_sent_bytes}
 
@@ -244,12 +240,48 @@ class VLLMEngine:
                    max_tokens=sp.max_tokens, seed=int(seed) & 0x7FFFFFFF, stop_token_ids=stop,
                    ignore_eos=True, logprobs=n_lp, detokenize=False, output_kind=RequestOutputKind.DELTA)
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, seed: int = 0) -> Generation:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, seed: int = 0, *,
+                       keep: bool = False, stop_seqs=()) -> Generation:
+        """A completion of `prompt_ids`. keep=True: the sequence stays continuable (Generation.handle)
+        by `extend` until `release`. `stop_seqs`: token sequences that end it too ("stop_seq")."""
+        prompt_ids = check_prompt(prompt_ids, self.vocab_size)
+        salt = KeptSequences.new_salt()      # unique unless kept: no KV shared across requests
+        g = await self._run(prompt_ids, sampling, seed, salt, stop_seqs)
+        if keep:
+            g.handle = self.kept.add(prompt_ids + g.completion_ids, seed, salt)
+        return g
+
+    async def extend(self, handle: int, append_ids: list[int], sampling: SamplingParams, *,
+                     stop_seqs=()) -> Generation:
+        """Continue a kept sequence: `append_ids` (an observation, possibly empty) go after every id
+        it has so far and generation goes on; the earlier ids' KV comes from vLLM's prefix cache.
+        The Generation holds the new tokens only; the sequence stays kept (same handle)."""
+        ids = [int(t) for t in append_ids]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"appended token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        k = self.kept.begin(handle)
+        done = None
+        try:
+            prompt = k.ids + ids
+            # a new seed per turn (vLLM seeds each request): turn 2 must not replay turn 1's draws
+            g = await self._run(prompt, sampling, (k.seed + 0x9E3779B1 * k.turns) & 0x7FFFFFFF, k.salt, stop_seqs)
+            done = prompt + g.completion_ids
+        finally:
+            self.kept.end(handle, k, done)
+        g.handle = handle
+        return g
+
+    def release(self, handle: int) -> None:
+        """Forget a kept sequence (idempotent; the episode runner calls it in `finally`)."""
+        self.kept.release(handle)
+
+    async def _run(self, prompt_ids: list[int], sampling: SamplingParams, seed: int, salt: str,
+                   stop_seqs=()) -> Generation:
         if self._closed:
             raise EngineClosed("engine is closed")
         if self.state is None:
             raise RuntimeError("no weights loaded yet: call load_keyframe first")
-        prompt_ids = check_prompt(prompt_ids, self.vocab_size)
         if len(prompt_ids) + sampling.max_tokens > self.max_len:
             raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({sampling.max_tokens}) exceeds "
                              f"the engine's max_len {self.max_len}")
@@ -261,49 +293,47 @@ class VLLMEngine:
             if self._closed or self.llm is None:
                 raise EngineClosed("engine is closed")
         from vllm.inputs import TokensPrompt
-        rid, req, t0 = uuid.uuid4().hex, _Req(), time.perf_counter()
+        seqs = tuple(tuple(int(t) for t in q) for q in stop_seqs if len(q))
+        rid, req, t0 = uuid.uuid4().hex, RequestState(seqs), time.perf_counter()
         self._reqs[rid] = req
-        final = None
+        final, aborted = None, False
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), vsp, request_id=rid):
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=salt), vsp,
+                                               request_id=rid):
                 self._on_output(req, out.outputs[0], sampling)
                 final = out.outputs[0]
+                self.last_cached_tokens = out.num_cached_tokens or 0
+                if req.stop_at is not None and final.finish_reason is None and not aborted:
+                    aborted = True            # a stop sequence: end it here (the abort output follows)
+                    await self.llm.abort(rid)
         except asyncio.CancelledError:
             if self.llm is not None:
                 await self.llm.abort(rid)
             raise
         finally:
             self._reqs.pop(rid, None)
-        if final is None or final.finish_reason is None or final.finish_reason == "abort" or self._closed:
+        if final is None or final.finish_reason is None or self._closed or \
+                (final.finish_reason == "abort" and req.stop_at is None):
             raise EngineClosed(f"vLLM request {rid} ended without finishing ({getattr(final, 'finish_reason', None)})")
-        versions, epoch = self._token_versions(final.weight_versions, len(req.tokens))
+        versions, epoch = token_versions(final.weight_versions, len(req.tokens))
+        finish = final.finish_reason
+        if req.stop_at is not None:
+            # vLLM's own finish stands only when its last token is the one that completed the match
+            if finish == "abort" or req.stop_at < len(req.tokens) or finish == "length":
+                finish = "stop_seq"
+            req.cut()
+            del versions[req.stop_at:]
         return Generation(completion_ids=req.tokens, logprobs=req.logprobs, token_versions=versions,
-                          sampling_mask=self._mask(req, sampling).to_wire(), finish_reason=final.finish_reason,
+                          sampling_mask=req.mask().to_wire(), finish_reason=finish,
                           wall_s=time.perf_counter() - t0, epoch=epoch, quant=policy.QuantConfig().to_wire())
 
-    def _on_output(self, req: _Req, c, sp: SamplingParams) -> None:
+    def _on_output(self, req: RequestState, c, sp: SamplingParams) -> None:
         """One streamed step of one request: its new token(s), logprobs, kept sets; step metrics."""
         now = time.perf_counter()
         new = list(c.token_ids)
         if not new:
             return
-        greedy = sp.temperature == 0
-        for i, tok in enumerate(new):
-            lp = c.logprobs[i] if c.logprobs else None
-            if greedy:                  # the kept set of a greedy step is its one token: logprob 0
-                req.logprobs.append(0.0)
-                req.kept.append(np.array([tok], np.int32))
-                continue
-            if lp is None or tok not in lp:
-                raise RuntimeError(f"vLLM returned no logprob for sampled token {tok}")
-            req.logprobs.append(float(lp[tok].logprob))
-            if sp.top_k > 0 or sp.top_p < 1:
-                ids = np.fromiter((t for t, v in lp.items() if math.isfinite(v.logprob)), np.int64)
-                vals = np.fromiter((lp[t].logprob for t in ids), np.float64, len(ids))
-                req.kept.append(ids[np.argsort(-vals, kind="stable")].astype(np.int32))
-            else:
-                req.kept.append(None)
-        req.tokens.extend(new)
+        req.add(new, c.logprobs, sp.temperature == 0, sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1))
         if req.last_t:
             self.metrics.step_ms.append((now - req.last_t) * 1e3)
         req.last_t = now
@@ -316,28 +346,6 @@ class VLLMEngine:
             self.metrics.update(apply_s, now - before)
             self._stall_from = None
         self._last_out = now
-
-    @staticmethod
-    def _mask(req: _Req, sp: SamplingParams) -> policy.SamplingMask:
-        if all(k is None for k in req.kept):
-            return policy.SamplingMask.full(len(req.kept))
-        counts = [FULL if k is None else len(k) for k in req.kept]
-        ids = [k for k in req.kept if k is not None]
-        return policy.SamplingMask(counts, np.concatenate(ids) if ids else np.zeros(0, np.int32))
-
-    @staticmethod
-    def _token_versions(spans, n: int) -> tuple[list[int], int]:
-        if not spans:
-            raise RuntimeError("vLLM reported no weight-version spans for a finished request")
-        out = np.empty(n, np.int64)
-        epoch = -1
-        for s in spans:
-            v, _, e = s.version.partition("@")
-            out[s.start:s.end] = int(v)
-            epoch = int(e or -1)
-        if spans[0].start != 0 or spans[-1].end != n:
-            raise RuntimeError(f"weight-version spans {spans} do not cover the {n} tokens")
-        return out.tolist(), epoch
 
     # -- weights -------------------------------------------------------------------------
     def _hf(self, name: str) -> str:

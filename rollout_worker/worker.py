@@ -57,6 +57,8 @@ class WorkerConfig:
     grace_s: float = 30.0              # drain: time to finish held tasks before they are nak'ed
     max_restarts: int = 5              # a background task failing this many times in a row stops the worker
     restart_backoff_s: float = 0.5     # first restart delay; doubles per consecutive failure (max 30 s)
+    workspace: str = "local"           # episodes' workspaces: local (directories + sandbox) | docker (containers)
+    docker_image: str = ""             # workspace="docker": the default image (a task's meta["image"] wins)
     fault_weights_after: int = 0          # test hook: the weight follower fails once, at its Nth update (0: never)
     log_level: str = "info"
 
@@ -67,6 +69,8 @@ class WorkerConfig:
             raise ValueError(f"engine must be 'torch' or 'vllm', got {self.engine!r}")
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
+        if self.workspace not in ("local", "docker"):
+            raise ValueError(f"workspace must be 'local' or 'docker', got {self.workspace!r}")
         if self.max_lag < 0:
             raise ValueError(f"max_lag must be >= 0, got {self.max_lag}")
         if self.queue < 0:

@@ -113,16 +113,22 @@ class Scorer:
     async def _publish(self, ro: Rollout, verdict, t0: float) -> None:
         """verdict: an envs Verdict, or an episode's EpisodeResult dict (reward, termination, tool calls)."""
         if isinstance(verdict, dict):
-            verdict = envs.Verdict(float(verdict["reward"]), f"episode {ro.termination or '?'}: "
+            # an episode is trained on the fraction of its tests that pass (a denser signal than
+            # all-or-nothing); its success is all of them passing, as held-out eval_success counts it
+            score = float(verdict["reward"])
+            resolved = verdict.get("resolved")
+            resolved = score >= 1.0 if not isinstance(resolved, bool) else resolved
+            verdict = envs.Verdict(1.0 if resolved else 0.0, f"episode {ro.termination or '?'}: "
                                    f"{verdict.get('detail', '')}".rstrip(": "), ro.tool_calls)
             shaping = 0.0      # overlong shaping is per completion; an episode's limits are its own
         else:
+            score = verdict.success
             max_tokens = int(ro.sampling.get("max_tokens", 0) or 0)
             shaping = overlong_penalty(ro.cost_tokens, max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_scale)
         verify_s = time.perf_counter() - t0
         cost = rollout_cost(self.cfg.cost_unit, ro.cost_tokens, ro.wall_s, int(verdict.tool_calls))
         lam = self.lam                                   # one λ per event, recorded in it
-        penalty, reward = compute_reward(verdict.success, cost, lam, shaping)
+        penalty, reward = compute_reward(score, cost, lam, shaping)
         scored = Scored(rollout=ro.to_dict(), success=float(verdict.success), cost=cost, lambda_=lam,
                         penalty=penalty, reward=reward, reason=verdict.reason, cost_wall_s=float(ro.wall_s),
                         tool_calls=int(verdict.tool_calls), scorer_id=self.cfg.scorer_id)

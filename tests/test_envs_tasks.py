@@ -14,7 +14,7 @@ import pytest
 from asyncrl import tasks as tasks_cli
 from envs import gen_repos, humaneval_tasks
 from envs.episode import Episode, EpisodeLimits, EpisodeTask
-from envs.mutations import KINDS, balanced_order, candidates, counts_by_kind
+from envs.mutations import KINDS, Mutation, balanced_order, candidates, counts_by_kind
 from envs.oracle import oracle_actions, run_oracle
 from envs.sandbox import BashLimits
 from envs.task_set import load_task_set, write_task_set
@@ -89,6 +89,28 @@ def test_generated_repos_are_validated_and_deterministic(gen_tasks):
     again = gen_repos.build(1, seed=7)
     assert again[0].to_dict() == tasks[0].to_dict()
     assert gen_repos.make_repo(random.Random(1)) != gen_repos.make_repo(random.Random(2))
+
+
+def test_eval_split_is_an_exact_quota_topped_up_to_min_eval(gen_tasks):
+    """Repositories target a split by an exact quota of their index (48 repos at 0.2: 9 eval, not the
+    ~5 a per-bug hash left); min_eval adds eval repositories after the n requested, leaving the
+    training tasks as they were; every task's bug identity still falls in its own split."""
+    targets = [gen_repos.target_split(i, 0.2) for i in range(48)]
+    assert targets.count("eval") == 9 and targets[:5] == ["train"] * 4 + ["eval"]
+    assert [gen_repos.target_split(i, 1 / 3) for i in range(48)].count("eval") == 16
+    assert all(gen_repos.target_split(i, 0.0) == "train" for i in range(48))
+    tasks, _ = gen_tasks
+    report = BuildReport()
+    topped = gen_repos.build(3, seed=7, min_eval=2, report=report)
+    assert [t.to_dict() for t in topped[:len(tasks)]] == [t.to_dict() for t in tasks]   # n repos unchanged
+    extra = topped[len(tasks):]
+    assert sum(t.split == "eval" for t in topped) >= 2 and extra and all(t.split == "eval" for t in extra)
+    assert all(int(t.task_id.rsplit("-", 1)[1]) >= 3 for t in extra)
+    for t in topped:
+        assert gen_repos.bug_split(Mutation(t.meta["kind"], t.meta["path"], t.meta["line"], t.meta["before"],
+                                            t.meta["after"], ""), 0.2) == t.split
+    with pytest.raises(ValueError, match="eval_fraction"):
+        gen_repos.build(1, eval_fraction=1.0)
 
 
 def test_oracle_solves_and_doing_nothing_does_not(gen_tasks):

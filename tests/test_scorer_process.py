@@ -192,3 +192,32 @@ def test_bad_config_is_refused_clearly():
             load_config(ScorerConfig, environ=env)
     cfg = load_config(ScorerConfig, environ={"ASYNCRL_COST_UNIT": "wall_s", "ASYNCRL_SCORER_ID": "s9"})
     assert cfg.cost_unit == "wall_s" and cfg.bus.name == "s9"
+
+
+async def test_episode_success_means_all_tests_pass_and_reward_is_the_fraction(bus):
+    """An episode's Scored.success is 1 only when all its tests pass (as eval_success counts it);
+    its reward is the fraction of tests passing minus λ·cost, so the trainer's success_mean and
+    reward_mean are two different figures."""
+    import dataclasses
+    await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.001))
+
+    def episode(rid: str, result: dict) -> Rollout:
+        return dataclasses.replace(rollout(rid, "x"), env="swe", turns=3, tool_calls=2, termination="submitted",
+                                   episode={"detail": "", **result})
+    items = [episode("e1-0", {"reward": 0.5, "resolved": False}), episode("e2-0", {"reward": 1.0, "resolved": True}),
+             episode("e3-0", {"reward": 0.75})]           # a result without `resolved`: all pass iff reward 1
+    for r in items:
+        await bus.publish(topo.rollout_subject(r.env), r)
+    stop = asyncio.Event()
+    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), heartbeat_s=0.2), bus=bus)
+    run = asyncio.create_task(scorer.run(stop, handle_signals=False))
+    try:
+        s = await scored_events(bus, 3)
+    finally:
+        stop.set()
+        await run
+    cost = items[0].cost_tokens
+    assert [s[r].success for r in ("e1-0", "e2-0", "e3-0")] == [0.0, 1.0, 0.0]
+    for rid, frac in (("e1-0", 0.5), ("e2-0", 1.0), ("e3-0", 0.75)):
+        assert s[rid].reward == pytest.approx(frac - 0.001 * cost) and s[rid].cost == cost
+    assert scorer.counts["success_sum"] == 1.0
