@@ -19,7 +19,7 @@ TTL = 1.0
 
 
 async def stream_events(bus) -> list:
-    from bench.chaos_harness import weights_history
+    from bench.chaoskit.streams import weights_history
     return await weights_history(bus)
 
 

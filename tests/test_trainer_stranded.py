@@ -14,7 +14,7 @@ from trainer.leader import Trainer
 
 from .test_trainer_slow_step import publish_group
 from .test_trainer_bus import trainer_config
-from bench.chaos_harness import dlq_entries
+from bench.chaoskit.streams import dlq_entries
 
 MAX_DELIVER = 2
 

@@ -72,7 +72,7 @@ async def wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-from bench.chaos_harness import weights_history as weights_events  # every Delta/Keyframe, in order
+from bench.chaoskit.streams import weights_history as weights_events  # every Delta/Keyframe, in order
 
 
 async def test_standby_takes_over_without_gap_fork_or_reuse(bus, fresh_server, tmp_path):
