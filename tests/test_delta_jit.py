@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from delta_codec import Delta, DeltaError, apply_delta, encode_delta
 from delta_codec import context as ctx
-from delta_codec.codec import BITMAP, CLASSED, GAP, encode_gaps, zc
+from delta_codec.compress import zc
+from delta_codec.modes import BITMAP, CLASSED, GAP
+from delta_codec.positions import encode_gaps
 
 from .test_delta_v3 import adam_like, clone, first_classed, float_update, forge, modes, refused, same
 

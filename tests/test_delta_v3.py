@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from delta_codec import Delta, DeltaError, Keyframe, apply_delta, encode_delta, make_keyframe
 from delta_codec import context as ctx
 from delta_codec.bits import exponent_shift
-from delta_codec.codec import CLASSED, GAP, decode_chunk, encode_chunk
+from delta_codec.codec import decode_chunk, encode_chunk
+from delta_codec.modes import CLASSED, GAP
 from delta_codec.record import TensorRecord, chunks_of, pack_record
 
 FLOATS = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn]
