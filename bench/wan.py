@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,10 @@ from bus.regions import weight_source
 from bus.weights import StateTarget, WeightFollower, WeightPublisher
 
 from .delayline import LinkSpec
+from .stats import pct
 from .wanlab import Lab
+
+NEAREST = "inverted_cdf"   # percentiles by nearest rank: a patch latency that was measured
 
 
 # -- the model and its updates ------------------------------------------------------------------
@@ -189,13 +191,6 @@ class Cfg:
     read: str          # hub | mirror
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
-
-
 async def wait_for(pred, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -258,7 +253,7 @@ async def run_config(a, c: Cfg, base_state: dict) -> dict:
             for r, p in procs.items():
                 lat = [p.patched[(w, v)] - acked[v] for (w, v) in p.patched if v in acked]
                 wan = after[r]["down"]["bytes"] - before[r]["down"]["bytes"]
-                per_region[r] = {"patch_p50_s": pct(lat, 0.5), "patch_p95_s": pct(lat, 0.95),
+                per_region[r] = {"patch_p50_s": pct(lat, 50, NEAREST), "patch_p95_s": pct(lat, 95, NEAREST),
                                  "wan_bytes_per_version": wan / a.versions,
                                  "wan_per_payload": round(wan / max(1, sum(sizes)), 3),
                                  "max_lag": max((s[r] for s in lag), default=0),

@@ -12,7 +12,7 @@ import pytest
 
 from bus import topology as topo
 from bus.weights import Fenced, StateTarget, WeightFollower, WeightPublisher
-from tests.test_weights_follower import CFG, delta, same, trajectory, until
+from tests.helpers.weights import CFG, delta, same, trajectory, until
 from trainer.lease import LeaderLease, LeaseLost
 
 TTL = 1.0
