@@ -18,6 +18,7 @@ and returns `books.row(name, fleet.books(ids), recovery_s, passed, **extra)`, bo
 
 Adding a scenario (e.g. `trainer_rank_kill`): write `async def rank_kill(run_dir, tasks=..., seed=...)`
 in the scenarios_<target>.py module of what it faults (or a new scenarios_<target>.py), add
-`"trainer_rank_kill": rank_kill,` (and its import) to registry.py, and a short test in
-tests/test_chaos_*.py. `python -m bench.chaos --only trainer_rank_kill` then runs it.
+`"trainer_rank_kill": rank_kill,` (and its import) to registry.py, and a test in tests/test_chaos_*.py
+(long: @pytest.mark.chaos; a short version in the default suite). `python -m bench.chaos --only
+trainer_rank_kill` then runs it (its --tasks goes to `tasks=`; backlog_10k keeps its own size).
 """
