@@ -1,4 +1,4 @@
-"""Chaos benchmark: the fault scenarios of bench/chaos_harness.py in sequence, each bounded.
+"""Chaos benchmark: the fault scenarios of bench/chaoskit (registry.py) in sequence, each bounded.
 
     python -m bench.chaos --json                      # from the repo root; last line: one JSON object
     python -m bench.chaos --only worker_sigkill,nats_restart --tasks 100
@@ -27,16 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.chaoskit.registry import SCENARIOS
 
 
-
-def load_harness():
-    from bench import chaos_harness
-    return chaos_harness
-
-
-async def run_one(h, name: str, run_dir: Path, tasks: int | None, timeout_s: float) -> list[dict]:
-    fn = h.SCENARIOS[name]
+async def run_one(name: str, run_dir: Path, tasks: int | None, timeout_s: float) -> list[dict]:
+    fn = SCENARIOS[name]
     kw = {"tasks": tasks} if tasks and name != "backlog_10k" else {}
     t0 = time.monotonic()
     try:
@@ -51,32 +46,30 @@ async def run_one(h, name: str, run_dir: Path, tasks: int | None, timeout_s: flo
 
 
 async def run(names: list[str], tasks: int | None, timeout_s: float, keep: str | None) -> dict:
-    h = load_harness()
     base = Path(keep or tempfile.mkdtemp(prefix="asyncrl-chaos-"))
     rows = []
     for name in names:
         d = base / name
         d.mkdir(parents=True, exist_ok=True)
-        rows += await run_one(h, name, d, tasks, timeout_s)
+        rows += await run_one(name, d, tasks, timeout_s)
         print(f"{rows[-1]['name']}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     return {"scenarios": rows, "passed": all(r["passed"] for r in rows), "run_dir": str(base)}
 
 
 def main(argv=None) -> int:
     from bus import setup_logging
-    h = load_harness()
     ap = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
-    ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(h.SCENARIOS)}")
+    ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(SCENARIOS)}")
     ap.add_argument("--tasks", type=int, default=None, help="tasks per scenario (default: each scenario's own)")
     ap.add_argument("--timeout", type=float, default=900.0, help="bound per scenario, seconds")
     ap.add_argument("--keep", default=None, help="directory for run dirs and logs (default: a temp dir)")
     a = ap.parse_args(argv)
-    names = [n for n in a.only.split(",") if n] or list(h.SCENARIOS)
-    unknown = sorted(set(names) - set(h.SCENARIOS))
+    names = [n for n in a.only.split(",") if n] or list(SCENARIOS)
+    unknown = sorted(set(names) - set(SCENARIOS))
     if unknown:
-        ap.error(f"unknown scenario(s) {unknown}; known: {list(h.SCENARIOS)}")
+        ap.error(f"unknown scenario(s) {unknown}; known: {list(SCENARIOS)}")
     setup_logging("bench.chaos", json=False, level="warning")
     res = asyncio.run(run(names, a.tasks, a.timeout, a.keep))
     if not a.json:

@@ -37,7 +37,7 @@ import zstandard
 
 from delta_codec import Delta, apply_delta, encode_delta
 from delta_codec import context_jit
-from delta_codec.codec import NONE
+from delta_codec.modes import NONE
 from delta_codec.record import chunks_of
 from delta_codec.tasks import default_threads
 

@@ -28,6 +28,8 @@ import time
 import numpy as np
 import torch
 
+from .stats import pct
+
 
 def make_checkpoint(folder, hidden: int, layers: int, vocab: int) -> dict[str, torch.Tensor]:
     import transformers
@@ -49,10 +51,6 @@ def changed(state: dict, frac: float, seed: int) -> dict:
         hit = torch.rand(t.shape, generator=g) < frac
         out[k] = torch.where(hit, (t.float() * (1 + 0.01 * torch.randn(t.shape, generator=g))).to(t.dtype), t)
     return out
-
-
-def pct(xs, q) -> float:
-    return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
 async def run(a) -> dict:

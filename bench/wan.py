@@ -2,7 +2,7 @@
 
 A hub and N regions on one machine (bench.wanlab): each region a nats-server with its own
 JetStream domain behind a bench.delayline link (one-way delay, rate, loss), K workers per region
-in one process per region, each running the real WeightFollower + apply on a bf16 state. A publisher
+in one process per region (bench.wan_region), each running the real WeightFollower + apply on a bf16 state. A publisher
 on the hub sends versions of a transformer-shaped bf16 model (~`--changed` of the elements moved
 per version) at a fixed interval. The 2 x 2:
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -38,14 +37,17 @@ from dataclasses import dataclass
 import torch
 
 import delta_codec
-from bus import BusConfig, connect, events, setup_logging
+from bus import setup_logging
 from bus import topology as topo
 from bus.events import Task
-from bus.regions import weight_source
-from bus.weights import StateTarget, WeightFollower, WeightPublisher
+from bus.weights import WeightPublisher
 
 from .delayline import LinkSpec
+from .stats import pct
+from .wan_region import RegionProc
 from .wanlab import Lab
+
+NEAREST = "inverted_cdf"   # percentiles by nearest rank: a patch latency that was measured
 
 
 # -- the model and its updates ------------------------------------------------------------------
@@ -72,128 +74,11 @@ def step(state: dict, frac: float, seed: int) -> dict:
     return new
 
 
-# -- one region's workers (a process of its own) ------------------------------------------------
-class ThreadedTarget(StateTarget):
-    """apply_delta off the event loop, so K workers in one process do not queue on it; reports
-    every version it reaches (keyframes included) to `report(version)`."""
-
-    def __init__(self, report):
-        super().__init__()
-        self.report = report
-
-    async def load_keyframe(self, state, version: int, epoch: int) -> None:
-        await super().load_keyframe(state, version, epoch)
-        self.report(version)
-
-    async def apply_delta(self, delta, epoch: int) -> None:
-        await asyncio.to_thread(delta_codec.apply_delta, self.state, delta)
-        self.version, self.epoch = delta.to_version, epoch
-        self.report(self.version)
-
-
-async def region_main(a) -> None:
-    out = sys.stdout
-
-    def say(**kw):
-        out.write(json.dumps(kw) + "\n")
-        out.flush()
-
-    stop = asyncio.Event()
-    tasks = []
-    for i in range(a.workers):
-        name = f"{a.region}-w{i}"
-        bus = await connect(BusConfig(servers=[a.url], name=name, js_domain=topo.HUB_DOMAIN,
-                                      weights_domain=a.region if a.read == "mirror" else None,
-                                      connect_attempts=5))
-        feed = WeightFollower(weight_source(bus), name=name, poll_s=0.5)
-        target = ThreadedTarget(lambda v, name=name: say(w=name, v=v, t=time.time()))
-        tasks.append(asyncio.ensure_future(feed.follow(target, stop)))
-        if a.task_hold_s > 0:
-            tasks.append(asyncio.ensure_future(task_worker(bus, name, a.task_hold_s, say)))
-    say(ready=a.region)
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    await reader.readline()               # the bench closes stdin to stop us
-    stop.set()
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def task_worker(bus, name: str, hold_s: float, say) -> None:
-    sub = await bus.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)
-    while True:
-        for m in await sub.fetch(1, timeout=0.5):
-            await asyncio.sleep(hold_s)
-            tid = events.decode(m.data, Task).task_id
-            try:   # as a worker does: the result first (deduped by id), then the ack
-                await bus.publish(topo.rollout_subject("wan"), tid.encode(), msg_id=f"rollout-{tid}")
-                await m.ack_sync(timeout=2)
-                say(task=tid, w=name, deliveries=m.metadata.num_delivered)
-            except Exception:
-                pass                      # our region is gone: the hub redelivers after ack_wait
-
-
-class RegionProc:
-    def __init__(self, lab: Lab, region: str, workers: int, read: str, task_hold_s: float = 0.0):
-        self.lab, self.region, self.workers, self.read, self.task_hold_s = lab, region, workers, read, task_hold_s
-        self.patched: dict[tuple[str, int], float] = {}     # (worker, version) -> wall time
-        self.version: dict[str, int] = {}
-        self.tasks: list[dict] = []
-        self.proc = None
-        self._ready = asyncio.Event()
-        self._reader = None
-
-    async def start(self):
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.wan", "--region-worker", self.region, "--url",
-            self.lab.regions[self.region].url, "--workers", str(self.workers), "--read", self.read,
-            "--task-hold-s", str(self.task_hold_s), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-        self._reader = asyncio.ensure_future(self._read())
-        await asyncio.wait_for(self._ready.wait(), 60)
-
-    async def _read(self):
-        while line := await self.proc.stdout.readline():
-            try:
-                m = json.loads(line)
-            except ValueError:
-                continue
-            if "ready" in m:
-                self._ready.set()
-            elif "task" in m:
-                self.tasks.append(m)
-            elif "v" in m:
-                self.patched.setdefault((m["w"], m["v"]), m["t"])
-                self.version[m["w"]] = max(self.version.get(m["w"], -1), m["v"])
-
-    def min_version(self) -> int:
-        return min((self.version.get(f"{self.region}-w{i}", -1) for i in range(self.workers)), default=-1)
-
-    async def stop(self):
-        if self.proc and self.proc.returncode is None:
-            try:
-                self.proc.stdin.close()
-                await asyncio.wait_for(self.proc.wait(), 15)
-            except (asyncio.TimeoutError, ConnectionError):
-                self.proc.kill()
-                await self.proc.wait()
-        if self._reader:
-            await asyncio.wait_for(self._reader, 5)
-
-
 # -- one configuration ----------------------------------------------------------------------------
 @dataclass
 class Cfg:
     weights: str       # full | delta
     read: str          # hub | mirror
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
 async def wait_for(pred, timeout: float) -> bool:
@@ -258,7 +143,7 @@ async def run_config(a, c: Cfg, base_state: dict) -> dict:
             for r, p in procs.items():
                 lat = [p.patched[(w, v)] - acked[v] for (w, v) in p.patched if v in acked]
                 wan = after[r]["down"]["bytes"] - before[r]["down"]["bytes"]
-                per_region[r] = {"patch_p50_s": pct(lat, 0.5), "patch_p95_s": pct(lat, 0.95),
+                per_region[r] = {"patch_p50_s": pct(lat, 50, NEAREST), "patch_p95_s": pct(lat, 95, NEAREST),
                                  "wan_bytes_per_version": wan / a.versions,
                                  "wan_per_payload": round(wan / max(1, sum(sizes)), 3),
                                  "max_lag": max((s[r] for s in lag), default=0),
@@ -394,16 +279,7 @@ def main(argv=None) -> None:
     p.add_argument("--drain-s", type=float, default=120.0)
     p.add_argument("--no-failure", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    # internal: one region's workers
-    p.add_argument("--region-worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--url", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--read", default="mirror", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.region_worker:
-        setup_logging("bench-wan-region", level="warning")     # stderr: stdout is the pipe to the bench
-        a.region = a.region_worker
-        asyncio.run(region_main(a))
-        return
     if a.quick:
         a.params, a.versions, a.interval_s, a.workers = 300_000, 4, 0.5, 2
         a.regions, a.cut_s, a.tasks, a.task_hold_s, a.ack_wait_s = "q20:20:50,q80:80:20", 2.0, 12, 0.2, 2.0

@@ -4,9 +4,11 @@
     blob = d.to_bytes(signing_key=sk); d = Delta.from_bytes(blob)
     apply_delta(state, d, public_key=pk)      # in place, digest-checked, all-or-nothing
 
-Modules: bits (raw-bit views, digests), codec (one chunk's coding), container (the binary
-format), record (a tensor's record framing), tasks (the thread pool), delta / encode / apply,
-keyframe, verify (signatures of either kind), signing (ed25519), triton_apply (device tensors).
+Modules: bits (raw-bit views, digests), codec (one chunk's record) with modes (its codings and
+thresholds), values, positions (gaps, Rice, bitmaps), classed (positions by base magnitude, with
+context / context_jit) and compress (zstd); container (the binary format), record (a tensor's
+record framing), tasks (the thread pool), delta / encode / apply, keyframe, verify (signatures
+of either kind), signing (ed25519), triton_apply (device tensors).
 """
 from .apply import apply_delta
 from .bits import state_digest

@@ -5,9 +5,10 @@ import numpy as np
 import torch
 
 from .bits import SIGNED_INT, dtype_name, exponent_shift, int_view, tensor_digest
-from .codec import CHUNK, encode_chunk
+from .codec import encode_chunk
 from .delta import Delta
 from .errors import DeltaError
+from .modes import CHUNK
 from .record import TensorRecord, hollow, record_parts
 from .tasks import parallel, scratch
 

@@ -7,10 +7,11 @@ import xxhash
 
 from .apply import validate_target
 from .bits import SIGNED_INT, UNSIGNED_INT, combine_digest, dtype_from_name, int_view, np_bits, planes, tensor_digest
-from .codec import CHUNK, zc, zd
+from .compress import zc, zd
 from .container import KIND_KEYFRAME, SignedBlob, _pack, _unpack, extra_fields, with_extra
 from .encode import bits_slice, chunked_records, prepared
 from .errors import DeltaError
+from .modes import CHUNK
 from .record import TensorRecord, chunks_of, hollow
 from .tasks import parallel, scratch
 

@@ -10,7 +10,7 @@ from policy.config import ModelConfig
 from policy.model import Transformer
 from trainer.batcher import Batcher, ConsumedIds
 
-from tests.test_trainer_bus import MODEL, make_scored, trainer_config
+from tests.helpers.trainer import MODEL, make_scored, trainer_config
 
 
 async def test_stuck_member_times_out_and_its_late_rollout_is_not_trained(bus, fresh_server, tmp_path):

@@ -207,7 +207,7 @@ async def test_episode_task_through_worker_scorer_and_batcher(bus, fresh_server,
     from scorer.service import Scorer, ScorerConfig
     from trainer.batcher import Batcher, ConsumedIds
     from trainer.learner import pack
-    from tests.test_trainer_bus import trainer_config
+    from tests.helpers.trainer import trainer_config
     eng = TorchEngine(CFG, slots=2, max_len=2048, seed=4, eos_id=TOK.eos_id)
     await eng.load_keyframe(no_special_state(4), 0, 0)
     w = Worker(WorkerConfig(bus=BusConfig(servers=[fresh_server.url]), worker_id="w1"), bus, engine=eng)

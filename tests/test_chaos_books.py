@@ -8,7 +8,12 @@ import json
 import pytest
 
 from bus.events import DeltaEvent as Delta, KeyframeEvent as Keyframe
-from bench import chaos_harness as h
+from bench.chaoskit.books import row
+from bench.chaoskit.fleet import Fleet
+from bench.chaoskit.observe import version_line
+from bench.chaoskit.params import GROUP
+from bench.chaoskit.scenarios_bus import bad_input
+from bench.chaoskit.scenarios_trainer import slow_step_kill, sync_poison_task
 
 
 def write_steps(fleet_dir, trainer: str, steps: list[list[str]]) -> None:
@@ -20,7 +25,7 @@ def write_steps(fleet_dir, trainer: str, steps: list[list[str]]) -> None:
 
 
 def test_books_count_lost_tasks_and_rollouts_trained_twice(tmp_path):
-    fleet = h.Fleet(tmp_path, ["nats://127.0.0.1:1"])
+    fleet = Fleet(tmp_path, ["nats://127.0.0.1:1"])
     tasks = ["t1", "t2", "t3"]
     write_steps(tmp_path, "A", [["t1-0", "t1-1", "t2-0"]])
     b = fleet.books(tasks)
@@ -35,7 +40,7 @@ def test_books_count_lost_tasks_and_rollouts_trained_twice(tmp_path):
 def test_books_keep_consumed_and_trained_apart(tmp_path):
     """A weight-0 sample (stale, a group of one) is consumed, not trained: it must not count as
     trained, and it is not lost either (the trainer used it up on purpose)."""
-    fleet = h.Fleet(tmp_path, ["nats://127.0.0.1:1"])
+    fleet = Fleet(tmp_path, ["nats://127.0.0.1:1"])
     p = tmp_path / "trainer-A" / "metrics" / "trainer.jsonl"
     p.parent.mkdir(parents=True)
     p.write_text(json.dumps({"version": 1, "rollout_ids": ["t1-0", "t1-1", "t2-0", "t2-1"],
@@ -43,7 +48,7 @@ def test_books_keep_consumed_and_trained_apart(tmp_path):
                  + json.dumps({"version": 1, "eval_success": 0.5}) + "\n")        # an eval line: no batch
     b = fleet.books(["t1", "t2"])
     assert (b.lost, b.duplicates_trained, b.consumed, b.trained, b.dropped) == (0, 0, 4, 2, 2)
-    r = h.row("x", b, 1.0, True)
+    r = row("x", b, 1.0, True)
     assert (r["trained"], r["dropped"], r["consumed"]) == (2, 2, 4) and r["passed"]
 
 
@@ -58,36 +63,36 @@ def dl(a, b, epoch, digest):
 
 def test_version_line_sees_gaps_forks_and_late_deltas():
     clean = [kf(0, 1, "d0"), dl(0, 1, 1, "d1"), dl(1, 2, 1, "d2"), kf(2, 2, "d2"), dl(2, 3, 2, "d3")]
-    assert h.version_line(clean) == {"top": 3, "gaps": [], "forks": [], "late_old_epoch": 0, "epochs": [1, 2]}
+    assert version_line(clean) == {"top": 3, "gaps": [], "forks": [], "late_old_epoch": 0, "epochs": [1, 2]}
     gap = [kf(0, 1, "d0"), dl(0, 1, 1, "d1"), dl(2, 3, 1, "d3")]
-    assert h.version_line(gap)["gaps"] == [2]
+    assert version_line(gap)["gaps"] == [2]
     # a deposed leader (epoch 1) wakes up after epoch 2's keyframe and publishes a different v3
     forked = clean + [dl(2, 3, 1, "other")]
-    line = h.version_line(forked)
+    line = version_line(forked)
     assert line["forks"] == [3] and line["late_old_epoch"] == 1
 
 
 @pytest.mark.timeout(400)
 async def test_bad_events_and_poison_task_park_in_dlq_while_training_goes_on(tmp_path):
-    r = await h.bad_input(tmp_path, tasks=16)
+    r = await bad_input(tmp_path, tasks=16)
     assert r["lost"] == 0 and r["duplicates_trained"] == 0, r
-    assert r["dlq"] == r["bad_events"] + h.GROUP and r["poison_parked"] == h.GROUP, r
+    assert r["dlq"] == r["bad_events"] + GROUP and r["poison_parked"] == GROUP, r
     assert r["passed"], r
 
 
 @pytest.mark.timeout(300)
 async def test_sync_poison_task_short(tmp_path):
     """Short default-suite run of the sync_poison_task scenario (issue 14, item 4)."""
-    r = await h.sync_poison_task(tmp_path, tasks=2, timeout_s=5.0)
+    r = await sync_poison_task(tmp_path, tasks=2, timeout_s=5.0)
     assert r["lost"] == 0 and r["duplicates_trained"] == 0, r
-    assert r["versions"] >= 2 and r["sync_replaced"] >= 1 and r["poison_parked"] == h.GROUP, r
+    assert r["versions"] >= 2 and r["sync_replaced"] >= 1 and r["poison_parked"] == GROUP, r
     assert r["passed"], r
 
 
 @pytest.mark.timeout(300)
 async def test_slow_step_kill_short(tmp_path):
     """Short default-suite run of the slow_step_kill scenario (issue 14, item 1)."""
-    r = await h.slow_step_kill(tmp_path, tasks=16)
+    r = await slow_step_kill(tmp_path, tasks=16)
     assert r["lost"] == 0 and r["duplicates_trained"] == 0, r
     assert r["version_at_kill"] == 0 and r["leader_logged_steps"] == 0, r
     assert r["passed"], r

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench import chaos_harness as h
+from bench.chaoskit.params import LEASE_TTL_S
+from bench.chaoskit.scenarios_bus import forged_weights
+from bench.chaoskit.scenarios_trainer import deposed_leader_publish
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
@@ -16,7 +18,7 @@ def check(r: dict) -> None:
 
 
 async def test_forged_weights_are_refused_and_workers_follow_the_real_leader(tmp_path):
-    r = await h.forged_weights(tmp_path, tasks=60)
+    r = await forged_weights(tmp_path, tasks=60)
     check(r)
     assert r["worker_epochs"] == [r["real_epoch"]]
     for reasons in r["refusals"].values():
@@ -24,8 +26,8 @@ async def test_forged_weights_are_refused_and_workers_follow_the_real_leader(tmp
 
 
 async def test_deposed_leader_publish_is_refused_by_the_server(tmp_path):
-    r = await h.deposed_leader_publish(tmp_path, tasks=80)
+    r = await deposed_leader_publish(tmp_path, tasks=80)
     check(r)
     assert r["deposed_publish_attempts"] >= 1 and r["deposed_publish_refused"] == r["deposed_publish_attempts"]
     assert r["old_epoch_after_takeover"] == [] and r["gaps"] == 0 and r["forks"] == 0
-    assert r["recovery_s"] <= h.LEASE_TTL_S + 5
+    assert r["recovery_s"] <= LEASE_TTL_S + 5

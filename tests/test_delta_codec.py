@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from delta_codec import (Delta, DeltaError, Keyframe, apply_delta, encode_delta, load_keyframe, make_keyframe,
                          state_digest, verify_signature)
-from delta_codec.codec import BITMAP, DENSE, GAP, NONE
+from delta_codec.modes import BITMAP, DENSE, GAP, NONE
 from delta_codec.signing import generate_keypair, sign, verify
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.int8,
@@ -348,7 +348,7 @@ def test_stats_and_digests(pair):
 @pytest.mark.parametrize("k", [0, 1, 3, 7, 8, 9, 13, 16, 17, 24])
 def test_rice_gap_coding_round_trips_every_parameter(k):
     """Positions with gaps spanning 0 .. far beyond 255 << k (the escape path), for every k."""
-    from delta_codec.codec import decode_gaps, encode_gaps
+    from delta_codec.positions import decode_gaps, encode_gaps
     rng = np.random.default_rng(k)
     count = 1 << 40  # only bounds-checked, never allocated
     gaps = np.concatenate([rng.geometric(1 / (2 ** k + 1), 3000) - 1, [0, 0, 255 << k, (300 << k) + 5, 1 << 22]])

@@ -9,11 +9,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from delta_codec import Delta, DeltaError, apply_delta, encode_delta
+from delta_codec import Delta, apply_delta, encode_delta
 from delta_codec import context as ctx
-from delta_codec.codec import BITMAP, CLASSED, GAP, encode_gaps, zc
+from delta_codec.compress import zc
+from delta_codec.modes import BITMAP, CLASSED, GAP
+from delta_codec.positions import encode_gaps
 
-from .test_delta_v3 import adam_like, clone, first_classed, float_update, forge, modes, refused, same
+from tests.helpers.delta import adam_like, clone, first_classed, float_update, forge, modes, refused, same
 
 pytest.importorskip("numba")
 from delta_codec import context_jit as cj  # noqa: E402

@@ -7,64 +7,22 @@ No Docker engine runs here; `docker-compose config` (Debian package docker-compo
 """
 from __future__ import annotations
 
-import atexit
 import re
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
 
 from bus import load_config
-
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
-SHIPPED_ENV = DEPLOY / "env"
+from tests.helpers.deploy import DEPLOY, ENV_DIR, INIT_DEPLOY, ROOT, compose_cmd, needs_compose, read_env
 
 
-def initialized_deploy() -> Path:
-    """A copy of deploy/env after `asyncrl deploy init` (<tmp>/env, <tmp>/keys): the shipped
-    files hold placeholders that no process accepts."""
-    from asyncrl.deploy import init
-    root = Path(tempfile.mkdtemp(prefix="asyncrl-deploy-"))
-    shutil.copytree(SHIPPED_ENV, root / "env")
-    init(root / "env", root / "keys")
-    atexit.register(shutil.rmtree, root, True)
-    return root
-
-
-INIT_DEPLOY = initialized_deploy()
-ENV_DIR = INIT_DEPLOY / "env"
-KEYS_DIR = INIT_DEPLOY / "keys"
 UNITS = DEPLOY / "systemd"
 COMPONENTS = {"trainer": "trainer", "rollout_worker": "worker", "scorer": "scorer"}   # env file -> NATS user
 
 
-def read_env(path: Path) -> dict[str, str]:
-    out = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        assert "=" in line, f"{path.name}:{n}: not KEY=VALUE: {line!r}"
-        k, v = line.split("=", 1)
-        assert re.fullmatch(r"[A-Z_][A-Z0-9_]*", k), f"{path.name}:{n}: bad variable name {k!r}"
-        out[k] = v
-    return out
-
-
-def compose_cmd() -> list[str] | None:
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
-                                                 capture_output=True).returncode == 0:
-        return ["docker", "compose"]
-    return None
-
-
-needs_compose = pytest.mark.skipif(compose_cmd() is None, reason="no compose validator: apt-get install docker-compose")
 needs_systemd = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                                    reason="no systemd-analyze: apt-get install systemd")
 

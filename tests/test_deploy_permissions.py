@@ -20,8 +20,8 @@ from bus import BlobError, BusConfig, KVConflict, connect
 from bus import topology as topo
 from bus.events import Rollout, Scored, Task, new_id
 from bus.weights import WeightFollower, WeightPublisher, parse_version
-from tests.test_deploy_nats import (ConfServer, free_port, render_nats_configs, role_bus_config, role_env_vars,
-                                    role_passwords)
+from bench.chaoskit.nats_configs import (ConfServer, free_port, render_nats_configs, role_bus_config, role_env_vars,
+                                           role_passwords)
 
 KV = f"$KV.{topo.CONTROL_BUCKET}"
 

@@ -17,8 +17,8 @@ import pytest
 
 from bus import topology as topo
 from bus.weights import parse_version
-from tests.test_deploy_files import ENV_DIR, KEYS_DIR, read_env
-from tests.test_deploy_nats import ConfServer, free_port, render_nats_configs, role_bus_config
+from tests.helpers.deploy import ENV_DIR, KEYS_DIR, read_env
+from bench.chaoskit.nats_configs import ConfServer, free_port, render_nats_configs, role_bus_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

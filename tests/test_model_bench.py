@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from bench import realmodel  # noqa: E402
 from policy.gguf import convert_gguf  # noqa: E402
-from tests.test_model_gguf import bpe_tokenizer, tiny_llama, write_gguf  # noqa: E402
+from tests.helpers.gguf import bpe_tokenizer, tiny_llama, write_gguf  # noqa: E402
 
 
 def test_advantages_are_group_relative_and_ties_give_none():

@@ -11,7 +11,7 @@ import yaml
 from asyncrl.cli import main as cli_main
 from bus import BusConfig, ConfigError, load_config
 from delta_codec import signing
-from tests.test_deploy_files import DEPLOY, ROOT, SHIPPED_ENV, compose_cmd, needs_compose, read_env
+from tests.helpers.deploy import DEPLOY, ROOT, SHIPPED_ENV, compose_cmd, needs_compose, read_env
 
 
 def test_placeholder_password_is_refused_naming_the_env_var():

@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 from asyncrl.report import read_jsonl
-from tests.test_up_supervise import ROOT, SUPERVISE, kill_run, start_up, trainer_version, wait_for
+from bench.up_driver import ROOT, kill_run, start_up, trainer_version, wait_for
+from tests.helpers.up import SUPERVISE
 
 
 def steps_of(run_dir) -> list[dict]:

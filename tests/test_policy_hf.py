@@ -9,6 +9,7 @@ import torch
 from policy import (CharTokenizer, ModelConfig, SamplingConfig, Transformer, generate, hf_name_map,
                     load_hf_checkpoint, load_hf_tokenizer, save_hf_checkpoint)
 from policy.tokenizer import HFTokenizer
+from tests.helpers.bpe import CHATML, bpe_tokenizer
 
 
 
@@ -189,20 +190,8 @@ def test_real_checkpoint_config_features_and_refusals(tmp_path):
     assert ModelConfig.from_dict(c.to_dict()) == c
 
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-          "{% endif %}")
-
-
 def chat_tokenizer_folder(tmp_path, template=CHATML):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(["user: hello world", "assistant: def f(x): return x", "system: be brief"] * 50,
-                          trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>",
-                                                                              "<|im_end|>"],
-                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t = bpe_tokenizer(["user: hello world", "assistant: def f(x): return x", "system: be brief"] * 50, vocab_size=300)
     t.save(str(tmp_path / "tokenizer.json"))
     conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}
     if template is not None:

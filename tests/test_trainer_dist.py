@@ -15,7 +15,7 @@ from trainer.factory import build_learner, build_model, build_optimizer
 from trainer.batcher import Batcher, ConsumedIds
 from trainer.learner import pack
 
-from .test_trainer_bus import publish_groups, trainer_config
+from tests.helpers.trainer import publish_groups, trainer_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ from trainer.factory import build_learner, build_model, build_optimizer
 from trainer.leader import Trainer
 from trainer.warmstart import warm_start
 
-from .test_trainer_bus import make_scored, trainer_config
+from tests.helpers.trainer import make_scored, trainer_config
 
 
 async def tasks_in_stream(bus) -> list[Task]:

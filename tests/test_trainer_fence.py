@@ -12,14 +12,14 @@ import pytest
 
 from bus import topology as topo
 from bus.weights import Fenced, StateTarget, WeightFollower, WeightPublisher
-from tests.test_weights_follower import CFG, delta, same, trajectory, until
+from tests.helpers.weights import CFG, delta, same, trajectory, until
 from trainer.lease import LeaderLease, LeaseLost
 
 TTL = 1.0
 
 
 async def stream_events(bus) -> list:
-    from bench.chaos_harness import weights_history
+    from bench.chaoskit.streams import weights_history
     return await weights_history(bus)
 
 

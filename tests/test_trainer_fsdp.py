@@ -4,11 +4,6 @@
 written by 2 ranks resumes on 1 process and continues exactly as an uninterrupted run."""
 from __future__ import annotations
 
-import json
-import os
-import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,38 +11,7 @@ import torch
 
 from trainer.config import TrainerConfig
 from trainer.factory import build_learner, build_model, build_optimizer
-from trainer.learner import PackedSample
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def make_samples(n: int = 7, seed: int = 0) -> list[PackedSample]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        k = rng.choice([2, 5, 30])
-        out.append(PackedSample(str(i), i // 3, rng.random(), 1.0, 0, [1, 2, 3], [rng.randrange(4, 40) for _ in range(k)],
-                                [-1.5 - 0.1 * j for j in range(k)], {"temperature": 1.0, "top_p": 0.9}, {}, {}))
-    return out
-
-
-def cfg_dict(tmp_path: Path, **over) -> dict:
-    d = {"model": {"preset": "tiny"}, "lr": 1e-3, "micro_batch": 2, "kl_coef": 0.1, "activation_checkpointing": True,
-         "lr_warmup_steps": 3, "grad_clip": 1.0, "device": "cpu", "checkpoint_dir": str(tmp_path / "ckpt"),
-         "trainer_id": "t"}
-    return {**d, **over}
-
-
-def torchrun(tmp_path: Path, spec: dict, nproc: int = 2) -> dict:
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                        str(ROOT / "tests" / "fsdp_worker.py"), str(tmp_path / "spec.json"), str(out)],
-                       cwd=ROOT, env=env, capture_output=True, timeout=240)
-    assert r.returncode == 0, r.stderr.decode()[-4000:]
-    return torch.load(out / "result.pt", weights_only=False)
+from tests.helpers.fsdp import cfg_dict, make_samples, torchrun
 
 
 def one_process(cfg: dict, samples, steps: int):

@@ -13,7 +13,7 @@ from policy import inference_state
 from trainer.config import TrainerConfig
 from trainer.factory import build_model
 
-from .test_trainer_fsdp import cfg_dict, make_samples, torchrun
+from tests.helpers.fsdp import cfg_dict, make_samples, torchrun
 
 
 def clone(state):

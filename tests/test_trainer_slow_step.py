@@ -8,7 +8,6 @@ than ack_wait (debug_step_delay_s), SIGKILLed after ack_wait and before its chec
 standby trains every rollout, each exactly once."""
 import asyncio
 import json
-import random
 import signal
 import subprocess
 import time
@@ -16,12 +15,10 @@ from pathlib import Path
 
 from bus import BusConfig, TopologyConfig, connect
 from bus import topology as topo
-from policy.config import ModelConfig
-from policy.model import Transformer
 from trainer.batcher import Batcher, ConsumedIds
 
-from .test_trainer_bus import MODEL, make_scored, trainer_config
-from .test_trainer_takeover import start as start_trainer
+from tests.helpers.trainer import publish_group, trainer_config
+from tests.helpers.trainer_process import start as start_trainer
 
 ACK_WAIT = 2.0
 
@@ -31,17 +28,6 @@ async def short_ack_bus(url: str, ack_wait_s: float = ACK_WAIT):
     b = await connect(BusConfig(servers=[url], name="slow-step", topology=TopologyConfig(ack_wait_s=ack_wait_s)))
     await b.provision()
     return b
-
-
-async def publish_group(bus, task: str, n: int = 2, seed: int = 0) -> list[str]:
-    model = Transformer(ModelConfig.from_dict(MODEL))
-    rng = random.Random(seed)
-    ids = []
-    for i in range(n):
-        sc = make_scored(model, task, i, n, 0, rng)
-        ids.append(sc.rollout["rollout_id"])
-        await bus.publish(topo.scored_subject("arith"), sc)
-    return ids
 
 
 async def pending(bus) -> tuple[int, int, int]:

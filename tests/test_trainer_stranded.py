@@ -12,9 +12,8 @@ from trainer.batcher import Batcher, ConsumedIds
 from trainer.factory import build_learner, build_model, build_optimizer
 from trainer.leader import Trainer
 
-from .test_trainer_slow_step import publish_group
-from .test_trainer_bus import trainer_config
-from bench.chaos_harness import dlq_entries
+from bench.chaoskit.streams import dlq_entries
+from tests.helpers.trainer import publish_group, trainer_config
 
 MAX_DELIVER = 2
 

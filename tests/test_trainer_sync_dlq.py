@@ -11,8 +11,8 @@ from policy.model import Transformer
 from trainer.factory import build_learner, build_model, build_optimizer
 from trainer.leader import Trainer
 
-from .test_trainer_bus import MODEL, make_scored, trainer_config
-from bench.chaos_harness import dlq_entries
+from tests.helpers.trainer import MODEL, make_scored, trainer_config
+from bench.chaoskit.streams import dlq_entries
 
 
 async def generate(bus, group_size: int, poison: list[str], stop: asyncio.Event) -> None:

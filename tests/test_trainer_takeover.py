@@ -3,11 +3,8 @@ the checkpoint; the version sequence has no gap or fork, no rollout is used twic
 published afterwards under the old epoch is refused by a worker-side feed."""
 import asyncio
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,46 +17,7 @@ from policy.model import Transformer
 from trainer import checkpoint
 from trainer.lease import parse_lease
 
-from .test_trainer_bus import MODEL, make_scored
-
-ROOT = Path(__file__).resolve().parents[1]
-TTL = 3.0
-
-
-def write_config(path: Path, url: str, tid: str, tmp: Path, ack_wait_s: float = 4.0, **extra) -> None:
-    """A trainer process's config (tests/test_trainer_slow_step.py passes its own ack_wait and knobs)."""
-    model = ", ".join(f"{k} = {json.dumps(v)}" for k, v in MODEL.items() if v is not None)  # TOML has no null
-    more = "\n".join(f"{k} = {json.dumps(v)}" for k, v in extra.items())
-    path.write_text(f"""
-[trainer]
-trainer_id = "{tid}"
-model = {{ {model} }}
-batch_groups = 1
-group_size = 2
-max_lag = 1000
-feed = false
-lr = 0.01
-checkpoint_dir = "{tmp / 'ckpt'}"
-run_dir = "{tmp / ('run-' + tid)}"
-lease_ttl_s = {TTL}
-lease_renew_s = 1.0
-fetch_timeout_s = 0.2
-keyframe_interval = 1000
-{more}
-[trainer.bus]
-servers = ["{url}"]
-[trainer.bus.topology]
-ack_wait_s = {ack_wait_s}
-""")
-
-
-def start(tmp: Path, url: str, tid: str, **kw) -> subprocess.Popen:
-    cfg = tmp / f"{tid}.toml"
-    write_config(cfg, url, tid, tmp, **kw)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    log = open(tmp / f"{tid}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(cfg)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+from tests.helpers.trainer import MODEL, make_scored
 
 
 async def wait_for(pred, timeout: float, what: str):
@@ -72,7 +30,8 @@ async def wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-from bench.chaos_harness import weights_history as weights_events  # every Delta/Keyframe, in order
+from bench.chaoskit.streams import weights_history as weights_events  # every Delta/Keyframe, in order
+from tests.helpers.trainer_process import TTL, start
 
 
 async def test_standby_takes_over_without_gap_fork_or_reuse(bus, fresh_server, tmp_path):

@@ -17,8 +17,8 @@ import os
 import signal
 import time
 
-from tests.test_up_supervise import (SUPERVISE, kill_run, run_pids, start_up, summary_of, trainer_version,
-                                     wait_for)
+from bench.up_driver import kill_run, run_pids, start_up, summary_of, trainer_version, wait_for
+from tests.helpers.up import SUPERVISE
 
 GRACE_S = 3.0
 CONFIG = SUPERVISE          # grace_s = 3.0 in [up]

@@ -18,10 +18,7 @@ import pytest
 
 from bench.up_driver import (ROOT, child_pid, kill_run, run_pids, start_up, summary_of, trainer_version,
                              wait_for)
-from tests.test_up import CONFIG
-
-SUPERVISE = CONFIG.replace("[up]\n", "[up]\ngrace_s = 3.0\nmax_restarts = 3\nrestart_backoff_s = 0.5\n") \
-    .replace("eval_every = 3", "eval_every = 0")
+from tests.helpers.up import SUPERVISE
 
 
 async def test_up_restarts_killed_worker_and_scorer(fresh_server, tmp_path):

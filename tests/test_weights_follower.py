@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
 
 import delta_codec
 import policy
@@ -12,36 +11,8 @@ from bus.events import DeltaEvent
 from bus.weights import StateTarget, WeightFollower, WeightPublisher, parse_version
 from delta_codec.signing import generate_keypair, sign
 
-CFG = policy.ModelConfig.tiny(vocab_size=64, max_seq_len=64)
 
-
-from tests.test_worker_engine import perturb  # noqa: E402  (a trainer step stand-in)
-
-
-def trajectory(n: int, seed: int = 0) -> list[dict]:
-    """bf16 states v0..v(n-1), as a trainer would publish them."""
-    torch.manual_seed(seed)
-    states = [policy.inference_state(policy.Transformer(CFG))]
-    for v in range(1, n):
-        states.append(perturb(states[-1], 0.01, 0.02, seed=seed * 1000 + v))
-    return states
-
-
-def delta(states, a: int, b: int) -> delta_codec.Delta:
-    return delta_codec.encode_delta(states[a], states[b], from_version=a, to_version=b)
-
-
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-async def until(cond, timeout: float = 30.0) -> None:
-    """Poll `cond` (the feed runs concurrently); fail with a clear message if it never holds."""
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
+from tests.helpers.weights import CFG, delta, same, trajectory, until
 
 
 async def test_follow_and_late_reader_are_bit_exact(bus):

@@ -17,7 +17,7 @@ from bus import topology as topo
 from bus.events import DeltaEvent, EventError, Heartbeat, KeyframeEvent, decode, encode
 from bus.weights import StateTarget, WeightFollower, WeightPublisher, signed_fields
 from delta_codec.signing import generate_keypair, sign
-from tests.test_weights_follower import CFG, delta, same, trajectory, until
+from tests.helpers.weights import CFG, delta, same, trajectory, until
 from trainer.lease import LeaderLease
 
 HUGE = 10 ** 9
@@ -227,7 +227,7 @@ async def test_a_worker_process_refuses_forgeries_and_follows_the_real_leader(bu
 
 def trajectory_for(cfg, n: int, seed: int = 21) -> list[dict]:
     import torch
-    from tests.test_worker_engine import perturb
+    from tests.helpers.engine import perturb
     torch.manual_seed(seed)
     out = [policy.inference_state(policy.Transformer(cfg))]
     for v in range(1, n):

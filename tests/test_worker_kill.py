@@ -16,7 +16,7 @@ from bus import BusConfig, TopologyConfig, connect
 from bus import topology as topo
 from bus.events import Rollout
 from bus.weights import WeightPublisher
-from tests.test_worker_process import CFG, publish_tasks, read_stream, states_for
+from tests.helpers.worker import CFG, publish_tasks, read_stream, states_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPO = TopologyConfig(ack_wait_s=2.0)

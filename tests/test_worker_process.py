@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import torch
-from nats.js.errors import NotFoundError
 
 import delta_codec
 import policy
@@ -14,48 +13,10 @@ from bus import topology as topo
 from bus.events import DeltaEvent, Heartbeat, Rollout, Task, decode
 from bus.weights import WeightPublisher
 from delta_codec.signing import generate_keypair, sign
-from rollout_worker.worker import Worker, WorkerConfig
-from tests.test_weights_follower import delta, same, until
-from tests.test_worker_engine import perturb, reference_logprobs
-
-TOK = policy.CharTokenizer.default()
-CFG = policy.ModelConfig.tiny(vocab_size=TOK.vocab_size, max_seq_len=128)
-
-
-def states_for(n: int, seed: int, frac: float = 0.3, scale: float = 0.05) -> list[dict]:
-    """Big steps, so tokens from different versions have clearly different distributions."""
-    torch.manual_seed(seed)
-    out = [policy.inference_state(policy.Transformer(CFG))]
-    for v in range(1, n):
-        out.append(perturb(out[-1], frac, scale, seed=seed * 100 + v))
-    return out
-
-
-async def publish_tasks(bus, n: int, tag: str, *, max_tokens=40, group=2, min_version=0) -> list[str]:
-    ids = [f"{tag}-{i}" for i in range(n)]
-    for tid in ids:
-        await bus.publish(topo.task_subject("arith"), Task(
-            task_id=tid, env="arith", prompt=f"{tid}: 12+30=", spec={"answer": "42"}, min_version=min_version,
-            sampling={"max_tokens": max_tokens, "n": group, "temperature": 1.0}))
-    return ids
-
-
-async def read_stream(bus, stream: str, cls) -> list:
-    """Every event stored in `stream` (read by sequence, consuming nothing)."""
-    info = await bus.js.stream_info(stream)
-    out = []
-    for seq in range(max(info.state.first_seq, 1), info.state.last_seq + 1):
-        try:
-            m = await bus.js.get_msg(stream, seq)
-        except NotFoundError:
-            continue
-        out.append(decode(m.data, cls))
-    return out
-
-
-def worker_cfg(url: str, **kw) -> WorkerConfig:
-    return WorkerConfig(bus=BusConfig(servers=[url], name="w"), worker_id=kw.pop("worker_id", "w1"),
-                        slots=4, max_len=128, heartbeat_s=0.3, grace_s=2.0, **kw)
+from rollout_worker.worker import Worker
+from tests.helpers.weights import delta, same, until
+from tests.helpers.engine import reference_logprobs
+from tests.helpers.worker import CFG, TOK, publish_tasks, read_stream, states_for, worker_cfg
 
 
 async def generating_worker(bus, url: str, pub: WeightPublisher, state0: dict, tasks: int, tag: str, **cfg):

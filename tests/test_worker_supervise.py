@@ -17,8 +17,8 @@ from pathlib import Path
 
 from bus.weights import WeightPublisher
 from rollout_worker.worker import Worker
-from tests.test_weights_follower import delta, same, until
-from tests.test_worker_process import CFG, states_for, worker_cfg
+from tests.helpers.weights import delta, same, until
+from tests.helpers.worker import CFG, states_for, worker_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 

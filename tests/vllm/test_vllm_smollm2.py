@@ -25,7 +25,7 @@ import delta_codec  # noqa: E402
 import policy  # noqa: E402
 from bus.events import SamplingParams  # noqa: E402
 from rollout_worker.worker import WorkerConfig  # noqa: E402
-from tests.test_worker_engine import reference_logprobs  # noqa: E402
+from tests.helpers.engine import reference_logprobs  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -1,0 +1,1 @@
+"""Helpers shared by several test modules, one module per topic (no test module imports another)."""
