@@ -17,7 +17,7 @@ from envs import get_env
 from envs.base import SpecError
 from envs.feeder import chat_renderer, make_tasks
 from policy import load_hf_tokenizer, load_tokenizer
-from tests.test_policy_hf import chat_tokenizer_folder
+from tests.helpers.bpe import chat_tokenizer_folder
 from trainer.config import TrainerConfig
 from trainer.feeding import TaskFeeder
 

@@ -9,7 +9,7 @@ import torch
 from policy import (CharTokenizer, ModelConfig, SamplingConfig, Transformer, generate, hf_name_map,
                     load_hf_checkpoint, load_hf_tokenizer, save_hf_checkpoint)
 from policy.tokenizer import HFTokenizer
-from tests.helpers.bpe import CHATML, bpe_tokenizer
+from tests.helpers.bpe import chat_tokenizer_folder
 
 
 
@@ -188,16 +188,6 @@ def test_real_checkpoint_config_features_and_refusals(tmp_path):
     # the config travels as a dict (wire / TOML) with its scaling
     c = ModelConfig.tiny(rope_scaling=dict(LLAMA3_SCALING))
     assert ModelConfig.from_dict(c.to_dict()) == c
-
-
-def chat_tokenizer_folder(tmp_path, template=CHATML):
-    t = bpe_tokenizer(["user: hello world", "assistant: def f(x): return x", "system: be brief"] * 50, vocab_size=300)
-    t.save(str(tmp_path / "tokenizer.json"))
-    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}
-    if template is not None:
-        conf["chat_template"] = template
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
-    return t
 
 
 def test_chat_template_through_the_tokenizer_matches_transformers(tmp_path):

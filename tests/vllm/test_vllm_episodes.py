@@ -19,7 +19,7 @@ from envs.episode import SYSTEM_PROMPT, EpisodeLimits  # noqa: E402
 from envs.sandbox import BashLimits  # noqa: E402
 from rollout_worker.episodes import EpisodeRunner, PlainFormat, episode_spec  # noqa: E402
 from rollout_worker.worker import WorkerConfig  # noqa: E402
-from tests.test_agentic_pipeline import CFG, TOK, bug_task, no_special_state  # noqa: E402
+from tests.helpers.agentic import CFG, TOK, bug_task, no_special_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
