@@ -6,7 +6,9 @@ components' own dedupe), and the report row every scenario returns.
                line has used the batch without logging it)
     trained  = the consumed ids that entered a gradient step with weight > 0 (the line's
                trained_ids); dropped = consumed and not trained (stale, a group of one)
-    lost     = tasks with fewer than group_size rollout ids consumed
+    lost     = tasks with fewer than group_size rollout ids consumed (or, where the scenario asks,
+               still queued in a work stream: a run that stops at its step count leaves the late
+               members of its last groups durable in SCORED, for the next trainer)
     duplicates_trained = rollout ids that appear in more than one logged step
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Books:
     trained: int                 # distinct rollout ids trained with weight > 0
     consumed: int = 0            # distinct rollout ids used up (trained or dropped)
     dropped: int = 0             # consumed, weight 0 (never moved the weights)
+    queued: int = 0              # not consumed, still durable in TASKS / ROLLOUTS / SCORED
 
     def ok(self) -> bool:
         return self.lost == 0 and self.duplicates_trained == 0
@@ -40,7 +43,7 @@ class Books:
 
 def row(name: str, books: Books, recovery_s: float, passed: bool, **extra) -> dict:
     return {"name": name, "tasks": books.tasks, "lost": books.lost, "duplicates_trained": books.duplicates_trained,
-            "trained": books.trained, "consumed": books.consumed, "dropped": books.dropped,
+            "trained": books.trained, "consumed": books.consumed, "dropped": books.dropped, "queued": books.queued,
             "recovery_s": round(recovery_s, 2), "passed": bool(passed and books.ok()), **extra}
 
 
@@ -71,15 +74,37 @@ def checkpoint_consumed(run_dir: Path) -> set[str]:
     return set(st.consumed) if st is not None else set()
 
 
-def tally(run_dir: Path, task_ids: list[str], with_checkpoint: bool = False) -> Books:
+def tally(run_dir: Path, task_ids: list[str], with_checkpoint: bool = False, queued: set[str] = frozenset()) -> Books:
     counts = trained_counts(run_dir)
     consumed = set(counts) | (checkpoint_consumed(run_dir) if with_checkpoint else set())
-    per_task = Counter(rid.rsplit("-", 1)[0] for rid in consumed)
+    waiting = set(queued) - consumed
+    per_task = Counter(rid.rsplit("-", 1)[0] for rid in consumed | waiting)
     lost = sum(1 for t in task_ids if per_task[t] < GROUP)
     mine = {f"{t}-{i}" for t in task_ids for i in range(GROUP)}     # padding tasks are not in the books
     trained = weighted_ids(run_dir) & mine
     return Books(tasks=len(task_ids), lost=lost, duplicates_trained=sum(c - 1 for c in counts.values() if c > 1),
-                 trained=len(trained), consumed=len(consumed & mine), dropped=len((consumed & mine) - trained))
+                 trained=len(trained), consumed=len(consumed & mine), dropped=len((consumed & mine) - trained),
+                 queued=len(waiting & mine))
+
+
+async def queued_ids(bus, group: int, dlq: bool = False) -> set[str]:
+    """Rollout ids still durable in the work streams (a task there stands for its `group` rollouts;
+    with `dlq`, parked ones count too)."""
+    queued: set[str] = set()
+    streams = (*topo.WORK_STREAMS.items(), *(((topo.DLQ, "rl.dlq.>"),) if dlq else ()))
+    for stream, subjects in streams:
+        for raw in await stream_messages(bus, stream, subjects):
+            try:
+                ev = decode(raw.data)
+            except EventError:
+                continue
+            if isinstance(ev, Task):
+                queued |= {f"{ev.task_id}-{i}" for i in range(group)}
+            elif isinstance(ev, Rollout):
+                queued.add(ev.rollout_id)
+            elif isinstance(ev, Scored):
+                queued.add(ev.rollout.get("rollout_id", ""))
+    return queued
 
 
 async def up_books(up_dir: Path, counts: Counter, group: int) -> Books:
@@ -91,19 +116,7 @@ async def up_books(up_dir: Path, counts: Counter, group: int) -> Books:
         bus = await connect(BusConfig(servers=[srv.url], name="chaos-books"))
         try:
             fed = int((await bus.js.stream_info(topo.TASKS)).state.last_seq)
-            queued: set[str] = set()
-            for stream, subjects in (*topo.WORK_STREAMS.items(), (topo.DLQ, "rl.dlq.>")):
-                for raw in await stream_messages(bus, stream, subjects):
-                    try:
-                        ev = decode(raw.data)
-                    except EventError:
-                        continue
-                    if isinstance(ev, Task):
-                        queued |= {f"{ev.task_id}-{i}" for i in range(group)}
-                    elif isinstance(ev, Rollout):
-                        queued.add(ev.rollout_id)
-                    elif isinstance(ev, Scored):
-                        queued.add(ev.rollout.get("rollout_id", ""))
+            queued = await queued_ids(bus, group, dlq=True)
         finally:
             await bus.close()
     accounted = len(set(counts) | queued)

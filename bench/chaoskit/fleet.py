@@ -168,8 +168,8 @@ class Fleet:
     def consumed(self) -> set[str]:
         return ledger.checkpoint_consumed(self.run_dir)
 
-    def books(self, task_ids: list[str], with_checkpoint: bool = False) -> Books:
-        return ledger.tally(self.run_dir, task_ids, with_checkpoint)
+    def books(self, task_ids: list[str], with_checkpoint: bool = False, queued: set[str] = frozenset()) -> Books:
+        return ledger.tally(self.run_dir, task_ids, with_checkpoint, queued)
 
     async def wait_trained(self, task_ids: list[str], timeout_s: float, with_checkpoint: bool = False,
                            watch: tuple = (), feeding: asyncio.Task | None = None) -> Books:

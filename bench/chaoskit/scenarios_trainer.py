@@ -12,7 +12,7 @@ from bus import EmbeddedServer
 from bus import topology as topo
 from bus.events import Task, decode
 
-from .books import row
+from .books import queued_ids, row
 from .fleet import ChaosError, Fleet, pipeline, wait_ready
 from .observe import (deposed_publishes, first_trained_on, first_version_by, refused_stale, version_line, wait_leader,
                       wait_log)
@@ -194,7 +194,9 @@ async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeou
             fleet.procs["A"].popen.wait(120)                      # max_steps: it finishes by itself
             await rec.unsubscribe()
             good = sorted(set(fed) - {victim.task_id})
-            books = fleet.books(good, with_checkpoint=True)
+            # under load a slow task gets a replacement too (sync_task_timeout_s); its late rollouts
+            # join the next batch, and those of the last version stay durable in SCORED: not lost
+            books = fleet.books(good, with_checkpoint=True, queued=await queued_ids(fleet.bus, GROUP))
             t1 = time.monotonic()
             while (parked := sum(1 for _, r in await dlq_entries(fleet.bus) if "handler failed" in r)) < GROUP \
                     and time.monotonic() - t1 < 60:
