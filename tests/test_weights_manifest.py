@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from nats.js.errors import NotFoundError
 
 from bus import topology as topo
-from bus.events import ManifestEvent
+from bus.events import ManifestEvent, SamplingParams
 from bus.weight_manifest import part_blob_name, publish_sharded
 from bus.weights import Fenced, StateTarget, WeightFollower, WeightPublisher, parse_version, signed_fields
 from delta_codec import CODEC
@@ -162,3 +163,28 @@ async def test_a_deposed_leader_cannot_publish_a_manifest(bus):
     await publish_sharded(pub_b, rank_parts(states_b, 0, 1), from_version=0, to_version=1, model_config=CFG)
     late = await WeightFollower(bus).latest_state()
     assert (late.epoch, late.version, same(late.state, states_b[1])) == (b.epoch, 1, True)
+
+
+async def test_the_torch_engine_takes_a_sharded_version_whole_or_not_at_all(bus):
+    from rollout_worker.torch_engine import TorchEngine
+    states = trajectory(2, seed=47)
+    pub = WeightPublisher(bus, epoch=1, trainer_id="t1")
+    await pub.publish_keyframe(states[0], 0, CFG)
+    eng = TorchEngine(CFG, slots=1, max_len=32)
+    feed = WeightFollower(bus, name="eng")
+    kf = await feed.latest_keyframe()
+    await eng.load_keyframe(kf.state, 0, 1)
+    bad = WeightPublisher(bus, epoch=2, trainer_id="t1")     # a lone part (rows that do not cover the state);
+    # an epoch of its own: the server dedupes a message id (per epoch and version)
+    await hand_made(bus, bad, rank_parts(states, 0, 1)[:1], 0, 1, tag="lone")
+    await feed._apply_or_refuse(eng, await bus.js.get_last_msg(topo.WEIGHTS, topo.MANIFEST_SUBJECT))
+    assert feed.refused["apply"] == 1 and eng.version == 0 and same(eng.state, states[0])
+    await publish_sharded(pub, rank_parts(states, 0, 1), from_version=0, to_version=1, model_config=CFG,
+                          set_version=False)
+    await feed._apply_or_refuse(eng, await bus.js.get_last_msg(topo.WEIGHTS, topo.MANIFEST_SUBJECT))
+    assert feed.applied["manifest"] == 1 and eng.version == 1 and same(eng.state, states[1])
+    live = {n: p.data for n, p in eng.model.named_parameters()} if hasattr(eng, "model") else eng.params
+    assert all(torch.equal(live[n], states[1][n]) for n in states[1] if n in live)    # the live weights moved
+    g = await eng.generate([1, 5], SamplingParams(max_tokens=3))
+    assert g.token_versions == [1] * 3
+    await eng.close()
