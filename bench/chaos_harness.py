@@ -418,9 +418,12 @@ async def weights_history(bus) -> list:
 def version_line(events) -> dict:
     """No gap, no fork: every version 1..max reached by some delta, and each version has one
     digest across all epochs' deltas and keyframes. Deltas from an epoch older than a keyframe
-    already in the stream are 'late' (a deposed leader woke up): workers refuse them."""
-    from bus.events import DeltaEvent, KeyframeEvent
+    already in the stream are 'late' (a deposed leader woke up): workers refuse them. A manifest
+    (a version published from shards) counts as a delta; its digest is per part, so a fork
+    between manifests shows as two manifests of one version in the same epoch line."""
+    from bus.events import DeltaEvent, KeyframeEvent, ManifestEvent
     digests: dict[int, set] = {}
+    manifests: dict[int, set] = {}
     newest_epoch, late = 0, 0
     for e in events:
         if isinstance(e, KeyframeEvent):
@@ -429,14 +432,19 @@ def version_line(events) -> dict:
         elif isinstance(e, DeltaEvent):
             digests.setdefault(e.to_version, set()).add(e.new_digest)
             late += e.epoch < newest_epoch
-    top = max(digests, default=0)
+        elif isinstance(e, ManifestEvent):
+            manifests.setdefault(e.to_version, set()).add(e.epoch)
+            late += e.epoch < newest_epoch
+    top = max([*digests, *manifests], default=0)
     # a version is out once a delta or a keyframe carries it (a new leader's first keyframe can be
     # the only announcement of a version its deposed predecessor checkpointed but never published)
-    reached = {e.to_version for e in events if isinstance(e, DeltaEvent)} | \
+    reached = {e.to_version for e in events if isinstance(e, (DeltaEvent, ManifestEvent))} | \
         {e.version for e in events if isinstance(e, KeyframeEvent)}
-    first = min((e.from_version for e in events if isinstance(e, DeltaEvent)), default=0)   # WEIGHTS keeps the last N
+    first = min((e.from_version for e in events if isinstance(e, (DeltaEvent, ManifestEvent))),
+                default=0)   # WEIGHTS keeps the last N
     return {"top": top, "gaps": sorted(set(range(first + 1, top + 1)) - reached),
-            "forks": sorted(v for v, d in digests.items() if len(d) > 1), "late_old_epoch": late,
+            "forks": sorted({v for v, d in digests.items() if len(d) > 1}
+                            | {v for v, ep in manifests.items() if len(ep) > 1}), "late_old_epoch": late,
             "epochs": sorted({e.epoch for e in events})}
 
 
@@ -1093,17 +1101,18 @@ async def forged_weights(run_dir: Path, tasks: int = 60, seed: int = 9) -> dict:
             await fleet.close()
 
 
-async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10, stop_at: int = 3) -> dict:
+async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10, stop_at: int = 3,
+                                 publish: str = "gathered") -> dict:
     """The leader freezes itself exactly between its lease CAS and the WEIGHTS write of version
     `stop_at` (`stop_before_publish`); the standby takes over and publishes; the old leader is
     resumed and its write must be refused by the server: nothing of its epoch after the takeover
-    is in the stream, so no worker can apply it."""
+    is in the stream, so no worker can apply it. `publish = "sharded"`: the same for a manifest."""
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
-            fleet.trainer("A", stop_before_publish=stop_at, probe_when_deposed=True)
+            fleet.trainer("A", stop_before_publish=stop_at, probe_when_deposed=True, publish=publish)
             await wait_ready(fleet, ["A"])
-            fleet.trainer("B")
+            fleet.trainer("B", publish=publish)
             await pipeline(fleet, workers=2, trainers=())
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
             a = fleet.procs["A"]
