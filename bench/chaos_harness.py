@@ -1138,7 +1138,7 @@ async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10,
                        first_version_after_stop_s=round(first_version_s, 2),
                        deposed_publish_attempts=deposed["attempts"], deposed_publish_refused=deposed["refused"],
                        old_epoch_after_takeover=late, old_leader_stepped_down=stepped_down,
-                       versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"]))
+                       manifests=sum(1 for e in events if e.KIND == "Manifest"), versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"]))
         finally:
             await fleet.close()          # SIGCONT + SIGTERM to everyone, A included
 
