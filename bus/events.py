@@ -230,6 +230,33 @@ class KeyframeEvent(WeightEvent):
 
 
 @dataclass(kw_only=True)
+class ManifestEvent(WeightEvent):
+    """Announces policy version `to_version` published from shards: the payload is the signed
+    manifest (delta_codec.sharded.Manifest: per-part sha256 and size, object-store names, epoch,
+    trainer id, model config); the parts themselves are blobs. Schema 1: a kind of its own."""
+    KIND: ClassVar[str] = "Manifest"
+    SCHEMA_VERSION: ClassVar[int] = 1
+    from_version: int
+    to_version: int
+    parts: int                     # how many parts the manifest lists (one per trainer rank)
+    part_bytes: int = 0            # their total size
+    model_config: dict = field(default_factory=dict)   # policy.ModelConfig as dict
+    changed_frac: float = 0.0
+
+    @property
+    def version(self) -> int:
+        return self.to_version
+
+    def msg_id(self) -> str:
+        return f"manifest-e{self.epoch}-v{self.to_version}"
+
+    def validate(self) -> None:
+        if self.parts < 1 or self.part_bytes < 0 or self.to_version <= self.from_version:
+            raise EventError(f"Manifest {self.msg_id()}: {self.parts} parts, {self.part_bytes} bytes, "
+                             f"v{self.from_version}->v{self.to_version}")
+
+
+@dataclass(kw_only=True)
 class Heartbeat(Event):
     KIND: ClassVar[str] = "Heartbeat"
     component: str                 # trainer | rollout_worker | scorer
@@ -256,7 +283,7 @@ class Metrics(Event):
 
 
 EVENTS: dict[str, type[Event]] = {c.KIND: c for c in (Task, Rollout, Scored, DeltaEvent, KeyframeEvent,
-                                                          Heartbeat, Metrics)}
+                                                          ManifestEvent, Heartbeat, Metrics)}
 
 
 def encode(ev: Event) -> bytes:

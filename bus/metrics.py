@@ -116,13 +116,13 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
 def published(kind: str, nbytes: int, version: int) -> None:
     VERSIONS_PUBLISHED.labels(kind).inc()
     WEIGHT_BYTES_PUBLISHED.labels(kind).inc(nbytes)
-    if kind == "delta":
+    if kind in ("delta", "manifest"):           # a manifest is a version published from shards
         POLICY_VERSION.set(version)
 
 
 def applied(kind: str, raw) -> None:
     VERSIONS_APPLIED.labels(kind).inc()
-    if kind == "delta":
+    if kind in ("delta", "manifest"):
         observe_patched(raw)
 
 

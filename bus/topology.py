@@ -22,6 +22,7 @@ def heartbeat_subject(component: str, cid: str) -> str: return f"rl.heartbeat.{c
 def metrics_subject(component: str, cid: str) -> str: return f"rl.metrics.{component}.{cid}"
 DELTA_SUBJECT = "rl.weights.delta"
 KEYFRAME_SUBJECT = "rl.weights.keyframe"
+MANIFEST_SUBJECT = "rl.weights.manifest"    # a version published from shards (bus/weight_manifest.py)
 
 # durable consumers
 ROLLOUT_CONSUMER = "rollout"    # on TASKS, shared by all workers
@@ -87,7 +88,7 @@ def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
                   duplicate_window=cfg.duplicate_window_s)
     out = [api.StreamConfig(name=s, subjects=[subj], retention=api.RetentionPolicy.WORK_QUEUE,
                             max_age=cfg.max_age_s, **common) for s, subj in WORK_STREAMS.items()]
-    out.append(api.StreamConfig(name=WEIGHTS, subjects=[DELTA_SUBJECT, KEYFRAME_SUBJECT],
+    out.append(api.StreamConfig(name=WEIGHTS, subjects=[DELTA_SUBJECT, KEYFRAME_SUBJECT, MANIFEST_SUBJECT],
                                 retention=api.RetentionPolicy.LIMITS,
                                 max_msgs_per_subject=cfg.weights_keep, **common))
     out.append(api.StreamConfig(name=DLQ, subjects=["rl.dlq.>"], retention=api.RetentionPolicy.LIMITS,

@@ -21,6 +21,8 @@ update is checked before it touches the weights:
                fields != the signed header        -> refused (a forgery: the real one is in the stream)
                newer epoch the lease never issued -> refused
                target refuses (base digest)       -> refused: resync
+    manifest   a version published from shards: the delta rules, then every part checked and the
+               version applied whole or not at all (bus/weight_manifest.py)
 
 Signing is what stops forgery: without a public key the field check only catches accidental
 mismatches (anyone able to publish on rl.weights.> can then build a consistent payload), and
@@ -40,6 +42,7 @@ from typing import Any, Protocol
 
 import delta_codec
 from delta_codec import signing
+from delta_codec.sharded import apply_parts
 from nats.js.errors import APIError, NotFoundError
 
 from . import events, metrics
@@ -203,6 +206,8 @@ class WeightTarget(Protocol):
 
     async def load_keyframe(self, state, version: int, epoch: int) -> None: ...
     async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None: ...
+    # optional: async apply_parts(manifest, parts, epoch), a version published from shards
+    # (bus/weight_manifest.py), all-or-nothing; a target without it follows keyframes only
 
 
 class StateTarget:
@@ -219,6 +224,10 @@ class StateTarget:
     async def apply_delta(self, delta, epoch: int) -> None:
         delta_codec.apply_delta(self.state, delta)
         self.version, self.epoch = delta.to_version, epoch
+
+    async def apply_parts(self, manifest, parts: dict[int, bytes], epoch: int) -> None:
+        apply_parts(self.state, manifest, parts, expect_from=self.version)    # all-or-nothing
+        self.version, self.epoch = manifest.to_version, epoch
 
 
 @dataclass
@@ -329,7 +338,7 @@ class WeightFollower:
         With a public key this stops forgery; without one it still catches mismatches."""
         x = container.extra or {}
         want = signed_fields(ev.epoch, ev.trainer_id,
-                             ev.model_config if isinstance(ev, events.KeyframeEvent) else None)
+                             ev.model_config if isinstance(ev, (events.KeyframeEvent, events.ManifestEvent)) else None)
         got = {k: x.get(k) for k in want}
         if got != want:
             diff = {k: (want[k], got[k]) for k in want if want[k] != got[k]}
@@ -428,6 +437,9 @@ class WeightFollower:
                 self.applied["keyframe"] += 1
                 metrics.applied("keyframe", raw)
             return
+        if isinstance(ev, events.ManifestEvent):          # a version published from shards
+            from .weight_manifest import step_manifest
+            return await step_manifest(self, target, ev, raw)
         if not isinstance(ev, events.DeltaEvent):
             raise Refused("malformed", f"unexpected {ev.KIND} on WEIGHTS", resync=False)
         if ev.epoch < target.epoch:

@@ -19,6 +19,7 @@ import torch
 
 from . import signing
 from .apply import apply_delta
+from .bits import state_digest
 from .delta import Delta
 from .encode import encode_delta
 from .errors import DeltaError
@@ -91,11 +92,51 @@ class Manifest:
         signing.verify(public_key, self._body(), self.signature)
 
 
-def make_manifest(blobs: list[bytes], *, from_version: int, to_version: int, extra: dict | None = None) -> Manifest:
-    """The manifest of parts blobs[i] (part i = rank i)."""
-    return Manifest(from_version, to_version,
-                    [{"index": i, "sha256": hashlib.sha256(b).hexdigest(), "nbytes": len(b)} for i, b in enumerate(blobs)],
-                    dict(extra or {}))
+def make_manifest(blobs: list[bytes], *, from_version: int, to_version: int, extra: dict | None = None,
+                  names: list[str] | None = None) -> Manifest:
+    """The manifest of parts blobs[i] (part i = rank i); `names`: where each part is stored (an
+    object-store name), signed with the rest."""
+    parts = [{"index": i, "sha256": hashlib.sha256(b).hexdigest(), "nbytes": len(b)} for i, b in enumerate(blobs)]
+    for p, n in zip(parts, names or []):
+        p["blob"] = n
+    return Manifest(from_version, to_version, parts, dict(extra or {}))
+
+
+def check_part(manifest: Manifest, index: int, blob: bytes) -> Delta:
+    """Part `index` against its manifest entry: size, sha256, and the versions inside it."""
+    want = next((p for p in manifest.parts if p.get("index") == index), None)
+    if want is None:
+        raise DeltaError(f"version {manifest.to_version}: part {index} is not in the manifest")
+    if len(blob) != want["nbytes"] or hashlib.sha256(bytes(blob)).hexdigest() != want["sha256"]:
+        raise DeltaError(f"version {manifest.to_version}: part {index} does not match the manifest digest")
+    d = Delta.from_bytes(blob)
+    if (d.from_version, d.to_version) != (manifest.from_version, manifest.to_version):
+        raise DeltaError(f"part {index} goes {d.from_version}->{d.to_version}, the manifest "
+                         f"{manifest.from_version}->{manifest.to_version}")
+    return d
+
+
+def sharded_digest(state: dict[str, torch.Tensor], world: int) -> str:
+    """The digest of a whole bf16 state as `world` ranks publish it: one state digest per rank's
+    rows (= that part's Delta.new_digest), combined. Rank 0 records it from the parts alone, and a
+    process holding the full state (a resume, any world size) recomputes it."""
+    per_rank = []
+    for r in range(world):
+        rows = {n: (t, shard_rows(t.shape[0] if t.dim() else 1, r, world)) for n, t in state.items()}
+        per_rank.append(state_digest({part_name(n, r0, r1): (t[r0:r1] if t.dim() else t)
+                                      for n, (t, (r0, r1)) in rows.items() if r1 > r0}))
+    return parts_digest(per_rank)
+
+
+def parts_digest(new_digests: list[str]) -> str:
+    """`shards<N>:<sha256>` over the parts' new digests in rank order."""
+    return f"shards{len(new_digests)}:" + hashlib.sha256("|".join(new_digests).encode()).hexdigest()
+
+
+def digest_matches(state: dict[str, torch.Tensor], digest: str) -> bool:
+    """`state` has `digest`, a whole-state digest or a sharded one (parts_digest)."""
+    m = re.match(r"^shards(\d+):", digest)
+    return (sharded_digest(state, int(m[1])) if m else state_digest(state)) == digest
 
 
 def check_parts(state: dict[str, torch.Tensor], manifest: Manifest, blobs: dict[int, bytes]) -> list[Delta]:
@@ -105,15 +146,7 @@ def check_parts(state: dict[str, torch.Tensor], manifest: Manifest, blobs: dict[
     if set(blobs) != set(want):
         raise DeltaError(f"version {manifest.to_version}: parts {sorted(set(want) - set(blobs))} missing, "
                          f"{sorted(set(blobs) - set(want))} not in the manifest")
-    parts = []
-    for i in sorted(want):
-        if hashlib.sha256(bytes(blobs[i])).hexdigest() != want[i]["sha256"] or len(blobs[i]) != want[i]["nbytes"]:
-            raise DeltaError(f"version {manifest.to_version}: part {i} does not match the manifest digest")
-        d = Delta.from_bytes(blobs[i])
-        if (d.from_version, d.to_version) != (manifest.from_version, manifest.to_version):
-            raise DeltaError(f"part {i} goes {d.from_version}->{d.to_version}, the manifest "
-                             f"{manifest.from_version}->{manifest.to_version}")
-        parts.append(d)
+    parts = [check_part(manifest, i, blobs[i]) for i in sorted(want)]
     cover: dict[str, list[tuple[int, int]]] = {}
     for d in parts:
         for r in d.records:

@@ -216,6 +216,17 @@ class TorchEngine:
                 raise
             await self._update(lambda: self._prepare_delta(delta), delta.to_version, epoch)
 
+    async def apply_parts(self, manifest, parts: dict[int, bytes], epoch: int) -> None:
+        """A version published from shards (bus/weight_manifest.py), verified by the follower:
+        every part applies, in any order, or none (state unchanged)."""
+        async with self._prep:
+            try:
+                check_delta(self.version, self.epoch, manifest, epoch)
+            except WeightUpdateError:
+                self.metrics.refused += 1
+                raise
+            await self._update(lambda: self._prepare_parts(manifest, parts), manifest.to_version, epoch)
+
     async def load_keyframe(self, state: dict[str, torch.Tensor], version: int, epoch: int) -> None:
         async with self._prep:
             await self._update(lambda: self._prepare_keyframe(state), int(version), int(epoch))
@@ -284,6 +295,17 @@ class TorchEngine:
     def _prepare_delta(self, delta) -> list[str]:
         delta_codec.apply_delta(self.state, delta)         # verifies digests; refused -> state unchanged
         names = set(self._changed_names(delta)) | self._stale
+        spare = self._spare_for(names)
+        for k in names:
+            spare[k].copy_(self.state[k])
+        return sorted(names)
+
+    def _prepare_parts(self, manifest, parts: dict[int, bytes]) -> list[str]:
+        from delta_codec.sharded import PART_NAME, apply_parts
+        apply_parts(self.state, manifest, parts, expect_from=self.version)   # all-or-nothing
+        changed = {PART_NAME.match(n)[1] for blob in parts.values()
+                   for n, st in delta_codec.Delta.from_bytes(blob).stats.per_tensor.items() if st["changed"]}
+        names = changed | self._stale
         spare = self._spare_for(names)
         for k in names:
             spare[k].copy_(self.state[k])

@@ -31,3 +31,12 @@ async def test_deposed_leader_publish_is_refused_by_the_server(tmp_path):
     assert r["deposed_publish_attempts"] >= 1 and r["deposed_publish_refused"] == r["deposed_publish_attempts"]
     assert r["old_epoch_after_takeover"] == [] and r["gaps"] == 0 and r["forks"] == 0
     assert r["recovery_s"] <= LEASE_TTL_S + 5
+
+
+async def test_deposed_leader_manifest_is_refused_by_the_server(tmp_path):
+    """The same with `publish = "sharded"`: the frozen leader's manifest, and its probe, refused."""
+    r = await deposed_leader_publish(tmp_path, tasks=60, publish="sharded")
+    check(r)
+    assert r["manifests"] >= r["versions"] - 1 > 0, r            # versions went out as manifests
+    assert r["deposed_publish_attempts"] >= 1 and r["deposed_publish_refused"] == r["deposed_publish_attempts"]
+    assert r["old_epoch_after_takeover"] == [] and r["gaps"] == 0 and r["forks"] == 0

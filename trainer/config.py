@@ -52,6 +52,10 @@ class TrainerConfig:
     replay: bool = True                  # recompute logprobs with the workers' sampling masks + fp8 sites
     # publication
     keyframe_interval: int = 20          # a full keyframe every K versions
+    # gathered: rank 0 gathers the bf16 state and publishes one delta per version; sharded: every
+    # rank encodes the delta of the rows it owns, rank 0 stores the parts and signs one manifest
+    # (bus/weight_manifest.py; docs/trainer.md). Keyframes are gathered either way.
+    publish: str = "gathered"
     signing_key: str = ""                # ed25519 private key: hex, or a file with hex or PEM; "" = unsigned
     # fault injection (bench.chaos, tests; off in production)
     stop_before_publish: int = 0         # SIGSTOP itself after the lease CAS, just before writing version N
@@ -113,6 +117,7 @@ class TrainerConfig:
             "kl_coef": self.kl_coef >= 0,
             "mixed_precision": self.mixed_precision in ("auto", "bf16", "fp32"),
             "chat_template": not self.chat_template or self.tokenizer != "char",   # char has no template
+            "publish": self.publish in ("gathered", "sharded"),
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

@@ -5,6 +5,8 @@ Per step (rank 0 talks to the bus; other ranks only compute):
     step    <- PG loss with importance correction, gradient all-reduce, AdamW on fp32 master
     bf16    <- policy.inference_state;  delta = encode_delta(last published bf16, bf16)
     checkpoint (version v, epoch, consumed ids)  -> publish delta (+ keyframe every K) -> KV version
+    (publish = "sharded": every rank encodes the delta of its own rows instead, and rank 0 publishes
+     the parts with one signed manifest: bus/weight_manifest.py)
               (each write: lease CAS, then a write the server refuses once another leader wrote)
     ack the batch's messages
 """
@@ -26,7 +28,9 @@ from bus import get_logger, metrics
 from bus import topology as topo
 from bus.events import Metrics
 from bus.consumer import sweep_stranded, watch_max_deliveries
+from bus.weight_manifest import publish_sharded
 from bus.weights import Fenced, WeightPublisher
+from delta_codec.sharded import digest_matches
 from policy import ModelConfig, load_tokenizer
 
 from . import checkpoint
@@ -37,6 +41,7 @@ from .evaluate import evaluate
 from .feeding import TaskFeeder
 from .keys import load_signing_key
 from .learner import Learner, pack
+from .publish_shards import ShardedVersion
 from .lease import LeaderLease, LeaseLost
 from .warmstart import warm_start
 
@@ -86,6 +91,8 @@ class Trainer:
         self.warmstarted = False
         self.fed = asyncio.Event()       # set when a batch is taken or acked: the feeder tops up at once
         self.sync_replaced = 0           # sync: tasks published again because theirs produced nothing
+        self.sharded = cfg.publish == "sharded"
+        self.last_parts: ShardedVersion | None = None
 
     def state(self) -> checkpoint.TrainerState:
         return checkpoint.TrainerState(
@@ -109,9 +116,9 @@ class Trainer:
         broadcast_obj(("sync",))
         sync_state(self.learner.model, self.learner.opt)
         bits = self.learner.published_state()
-        if st.digest and delta_codec.state_digest(bits) != st.digest:
+        if st.digest and not digest_matches(bits, st.digest):     # whole-state or sharded (parts) digest
             raise checkpoint.CheckpointError(
-                f"checkpoint v{st.version}: bf16 digest {delta_codec.state_digest(bits)} != recorded {st.digest}")
+                f"checkpoint v{st.version}: bf16 state does not match the recorded digest {st.digest}")
         log.info("resumed from checkpoint", version=st.version, prev_epoch=st.epoch, consumed=len(st.consumed))
         return True
 
@@ -127,6 +134,8 @@ class Trainer:
             broadcast_obj(("sync",))
             sync_state(self.learner.model, self.learner.opt)
         self.published = self.learner.published_state()
+        if self.sharded:                 # every rank's rows now: the base of its next part
+            self.learner.mark_published()
         self.full_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
         self.digest = delta_codec.state_digest(self.published)
         self.save()
@@ -275,7 +284,11 @@ class Trainer:
         publisher.fence, publisher.before_write, publisher.max_conflicts = None, None, 0
         v = self.version + 1
         try:
-            await publisher.publish_keyframe(self.published, v, self.model_cfg, set_version=False)
+            if self.last_parts is not None:   # sharded: a manifest (of the last parts) for v
+                await publish_sharded(publisher, self.last_parts.parts, from_version=v - 1, to_version=v,
+                                      model_config=self.model_cfg, set_version=False)
+            else:
+                await publisher.publish_keyframe(self.published, v, self.model_cfg, set_version=False)
         except Fenced as e:
             log.warning("deposed leader publish refused by the server", version=v, epoch=publisher.epoch,
                         error=str(e))
@@ -305,31 +318,55 @@ class Trainer:
             self.step_n += 1
         batch.trained_ids = [p.rollout_id for p in packed if live and p.weight > 0 and p.completion_ids]
         self.consumed.add(batch.rollout_ids)
-        base, new = self.published, await asyncio.to_thread(self.learner.published_state)
+        if self.sharded:                 # parts now (a collective: not while the next step runs)
+            base, new = None, None
+            if live:
+                parts = await asyncio.to_thread(self.learner.publish_parts, self.version - 1, self.version)
+                base = self.last_parts = ShardedVersion.of(parts, self.version - 1, self.version)
+            if self._needs_full_state(live):
+                new = await asyncio.to_thread(self.learner.published_state)
+        else:
+            base, new = self.published, await asyncio.to_thread(self.learner.published_state)
         # the next step updates the weights and optimizer in place: checkpoint a copy of this state
         snapshot = await asyncio.to_thread(lambda: checkpoint.snapshot(self.state()))
         if previous is not None:
             await previous               # v-1 is out (or raised) before v starts going out
         snapshot.digest = self.digest    # v-1's, now final; a live step replaces it with v's below
-        self.published = new
+        if new is not None:
+            self.published = new
         publication = self.publish_version(batch, packed, stats, live, base, new, snapshot, batcher, publisher,
                                            lost, t0)
         if self.cfg.debug_step_delay_s:       # tests only: a step + publication slower than ack_wait
             publication = _after(self.cfg.debug_step_delay_s, publication)
         return asyncio.create_task(publication)
 
+    def _needs_full_state(self, live: bool) -> bool:
+        """Sharded publication still gathers the whole state for a keyframe or an evaluation."""
+        v, cfg = self.version, self.cfg
+        return (live and v % cfg.keyframe_interval == 0) or bool(cfg.eval_every and v % cfg.eval_every == 0)
+
     async def publish_version(self, batch, packed, stats, live, base, new, snapshot, batcher: Batcher,
                               publisher: WeightPublisher, lost: asyncio.Event, t0: float) -> None:
+        """`base`: the published state of v-1 (gathered), or v's parts (a ShardedVersion)."""
         cfg, version = self.cfg, snapshot.version
-        delta = await asyncio.to_thread(delta_codec.encode_delta, base, new,
-                                        from_version=version - 1, to_version=version) if live else None
+        if isinstance(base, ShardedVersion) or not live:
+            delta = base if live else None
+        else:
+            delta = await asyncio.to_thread(delta_codec.encode_delta, base, new,
+                                            from_version=version - 1, to_version=version)
         if not self.lease.valid() or lost.is_set():
             raise LeaseLost("leader lease no longer valid: refusing to checkpoint or publish")
         if delta is not None:       # the codec already hashed every tensor of `new`: no second pass
             self.digest = snapshot.digest = delta.new_digest
         await asyncio.to_thread(checkpoint.save, cfg.checkpoint_dir, snapshot, cfg.keep_checkpoints)
         delta_bytes = 0
-        if delta is not None:
+        if isinstance(delta, ShardedVersion):
+            delta_bytes = (await publish_sharded(publisher, delta.parts, from_version=version - 1, to_version=version,
+                                                 model_config=self.model_cfg,
+                                                 changed_frac=delta.stats.changed_frac)).part_bytes
+            if version % cfg.keyframe_interval == 0:
+                await publisher.publish_keyframe(new, version, self.model_cfg, set_version=False)
+        elif delta is not None:
             delta_bytes = (await publisher.publish_delta(delta)).size
             if version % cfg.keyframe_interval == 0:
                 await publisher.publish_keyframe(new, version, self.model_cfg, set_version=False)

@@ -6,9 +6,12 @@ delta of those rows from the rows it published at v-1; rank 0 collects the parts
 compressed deltas, not weights) and signs one manifest (delta_codec.sharded)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from delta_codec.sharded import encode_part, shard_rows
+from delta_codec import Delta, DeltaStats
+from delta_codec.sharded import encode_part, parts_digest, shard_rows
 
 from .commands import world
 
@@ -35,3 +38,21 @@ def encode_local_part(model, base_rows: dict[str, torch.Tensor], from_version: i
     rows, ranges = local_rows(model)
     blob = encode_part(base_rows, rows, ranges, from_version=from_version, to_version=to_version).to_bytes()
     return blob, rows
+
+
+@dataclass
+class ShardedVersion:
+    """What the leader publishes for a version from shards: the parts (rank order), the digest it
+    records in the checkpoint (delta_codec.sharded.parts_digest) and the delta's stats."""
+    parts: list[bytes]
+    from_version: int
+    to_version: int
+    new_digest: str
+    stats: DeltaStats
+
+    @classmethod
+    def of(cls, parts: list[bytes], from_version: int, to_version: int) -> "ShardedVersion":
+        deltas = [Delta.from_bytes(p) for p in parts]        # headers only: no tensor is decoded
+        st = [d.stats for d in deltas]
+        return cls(parts, from_version, to_version, parts_digest([d.new_digest for d in deltas]),
+                   DeltaStats(sum(s.changed for s in st), sum(s.total for s in st), sum(len(p) for p in parts)))

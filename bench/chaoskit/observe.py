@@ -11,7 +11,7 @@ from pathlib import Path
 from nats.js.errors import NotFoundError
 
 from bus import topology as topo
-from bus.events import DeltaEvent, Heartbeat, KeyframeEvent, decode
+from bus.events import DeltaEvent, Heartbeat, KeyframeEvent, ManifestEvent, decode
 from trainer.lease import parse_lease
 
 from .fleet import ChaosError, Fleet
@@ -21,8 +21,11 @@ from .params import BATCH_GROUPS
 def version_line(events) -> dict:
     """No gap, no fork: every version 1..max reached by some delta, and each version has one
     digest across all epochs' deltas and keyframes. Deltas from an epoch older than a keyframe
-    already in the stream are 'late' (a deposed leader woke up): workers refuse them."""
+    already in the stream are 'late' (a deposed leader woke up): workers refuse them. A manifest
+    (a version published from shards) counts as a delta; its digest is per part, so a fork
+    between manifests shows as manifests of one version from two epochs."""
     digests: dict[int, set] = {}
+    manifests: dict[int, set] = {}
     newest_epoch, late = 0, 0
     for e in events:
         if isinstance(e, KeyframeEvent):
@@ -31,14 +34,19 @@ def version_line(events) -> dict:
         elif isinstance(e, DeltaEvent):
             digests.setdefault(e.to_version, set()).add(e.new_digest)
             late += e.epoch < newest_epoch
-    top = max(digests, default=0)
+        elif isinstance(e, ManifestEvent):
+            manifests.setdefault(e.to_version, set()).add(e.epoch)
+            late += e.epoch < newest_epoch
+    top = max([*digests, *manifests], default=0)
     # a version is out once a delta or a keyframe carries it (a new leader's first keyframe can be
     # the only announcement of a version its deposed predecessor checkpointed but never published)
-    reached = {e.to_version for e in events if isinstance(e, DeltaEvent)} | \
+    reached = {e.to_version for e in events if isinstance(e, (DeltaEvent, ManifestEvent))} | \
         {e.version for e in events if isinstance(e, KeyframeEvent)}
-    first = min((e.from_version for e in events if isinstance(e, DeltaEvent)), default=0)   # WEIGHTS keeps the last N
+    first = min((e.from_version for e in events if isinstance(e, (DeltaEvent, ManifestEvent))),
+                default=0)   # WEIGHTS keeps the last N
     return {"top": top, "gaps": sorted(set(range(first + 1, top + 1)) - reached),
-            "forks": sorted(v for v, d in digests.items() if len(d) > 1), "late_old_epoch": late,
+            "forks": sorted({v for v, d in digests.items() if len(d) > 1}
+                            | {v for v, ep in manifests.items() if len(ep) > 1}), "late_old_epoch": late,
             "epochs": sorted({e.epoch for e in events})}
 
 

@@ -110,17 +110,18 @@ async def slow_step_kill(run_dir: Path, tasks: int = 40, seed: int = 9, delay_fa
             await fleet.close()
 
 
-async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10, stop_at: int = 3) -> dict:
+async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10, stop_at: int = 3,
+                                 publish: str = "gathered") -> dict:
     """The leader freezes itself exactly between its lease CAS and the WEIGHTS write of version
     `stop_at` (`stop_before_publish`); the standby takes over and publishes; the old leader is
     resumed and its write must be refused by the server: nothing of its epoch after the takeover
-    is in the stream, so no worker can apply it."""
+    is in the stream, so no worker can apply it. `publish = "sharded"`: the same for a manifest."""
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
-            fleet.trainer("A", stop_before_publish=stop_at, probe_when_deposed=True)
+            fleet.trainer("A", stop_before_publish=stop_at, probe_when_deposed=True, publish=publish)
             await wait_ready(fleet, ["A"])
-            fleet.trainer("B")
+            fleet.trainer("B", publish=publish)
             await pipeline(fleet, workers=2, trainers=())
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
             a = fleet.procs["A"]
@@ -146,6 +147,7 @@ async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10,
                        first_version_after_stop_s=round(first_version_s, 2),
                        deposed_publish_attempts=deposed["attempts"], deposed_publish_refused=deposed["refused"],
                        old_epoch_after_takeover=late, old_leader_stepped_down=stepped_down,
+                       manifests=sum(1 for e in events if e.KIND == "Manifest"),
                        versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"]))
         finally:
             await fleet.close()          # SIGCONT + SIGTERM to everyone, A included
