@@ -21,11 +21,20 @@ def main() -> None:
     init_distributed()
     rank, ws = world()
     cfg = TrainerConfig(**spec["cfg"])
-    model, _ = build_model(cfg)
+    model, mcfg = build_model(cfg)
     opt = build_optimizer(model, cfg)
     learner = build_learner(model, opt, cfg)
     if rank > 0:                   # the followers replay rank 0's commands, as in `python -m trainer`
         asyncio.run(follower_loop(learner))
+        shutdown_distributed()
+        return
+    if spec.get("prepare"):        # the leader's start: resume, warm start, first checkpoint
+        from trainer.leader import Trainer
+        tr = Trainer(cfg, None, learner, mcfg)
+        tr.prepare()
+        fp32 = learner.full_fp32()
+        broadcast_obj(("stop",))
+        torch.save({"fp32": fp32, "digest": tr.digest, "version": tr.version}, out / "result.pt")
         shutdown_distributed()
         return
     samples = torch.load(spec["samples"], weights_only=False)

@@ -38,14 +38,14 @@ def cfg_dict(tmp_path: Path, **over) -> dict:
     return {**d, **over}
 
 
-def torchrun(tmp_path: Path, spec: dict, nproc: int = 2) -> dict:
+def torchrun(tmp_path: Path, spec: dict, nproc: int = 2, timeout_s: float = 240) -> dict:
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                         str(ROOT / "tests" / "fsdp_worker.py"), str(tmp_path / "spec.json"), str(out)],
-                       cwd=ROOT, env=env, capture_output=True, timeout=240)
+                       cwd=ROOT, env=env, capture_output=True, timeout=timeout_s)
     assert r.returncode == 0, r.stderr.decode()[-4000:]
     return torch.load(out / "result.pt", weights_only=False)
 
@@ -108,3 +108,30 @@ def test_sharded_checkpoint_resumes_on_one_process(tmp_path):
     (folder / ".metadata").unlink()
     with pytest.raises(FileNotFoundError, match="incomplete"):
         learner.load_payload(cfg["checkpoint_dir"], ref_payload["model"], {})
+
+
+def test_warm_start_under_world2_matches_one_process(tmp_path):
+    """The leader's start (Trainer.prepare) with warm-start steps in a 2-rank sharded group: every
+    rank takes part in the warm start (it used to run on rank 0 alone and hang the group), and the
+    result is the one-process warm start (fp32 weights within fp32 tolerance)."""
+    from trainer.leader import Trainer
+    cfg = cfg_dict(tmp_path, kl_coef=0.0, activation_checkpointing=False, warmstart_steps=2, warmstart_batch=4,
+                   run_dir=str(tmp_path / "run2"))
+    Path(cfg["run_dir"]).mkdir()
+    res = torchrun(tmp_path, {"cfg": cfg, "prepare": True}, timeout_s=150)
+    one = {**cfg, "checkpoint_dir": str(tmp_path / "ckpt1"), "run_dir": str(tmp_path / "run1")}
+    Path(one["run_dir"]).mkdir()
+    c = TrainerConfig(**one)
+    model, mcfg = build_model(c)
+    tr = Trainer(c, None, build_learner(model, build_optimizer(model, c), c), mcfg)
+    tr.prepare()
+    init, _ = build_model(c := TrainerConfig(**cfg))
+    moved = False
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(res["fp32"][n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+        moved |= not torch.equal(p.detach(), dict(init.named_parameters())[n].detach())
+    assert moved                                                   # the warm start did train
+    assert res["version"] == tr.version == 0 and res["digest"]
+    saved = torch.load(Path(cfg["run_dir"]) / "warmstart.pt", weights_only=False)["model"]
+    for n, v in res["fp32"].items():                               # rank 0 saved the whole model
+        assert torch.equal(saved[n], v), n

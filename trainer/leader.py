@@ -38,7 +38,6 @@ from .feeding import TaskFeeder
 from .keys import load_signing_key
 from .learner import Learner, pack
 from .lease import LeaderLease, LeaseLost
-from .warmstart import warm_start
 
 log = get_logger("trainer")
 
@@ -119,10 +118,11 @@ class Trainer:
         """Newly leading: resume, warm start once, checkpoint under our epoch."""
         self.resume()
         if not self.warmstarted and self.cfg.warmstart_steps:
-            warm_start(self.learner.model, self.cfg, self.model_cfg, style=self.cfg.warmstart_style)
+            # every rank takes part (a sharded forward is a collective): see Learner.warm_start
+            self.learner.warm_start(self.cfg, self.model_cfg, self.cfg.warmstart_style)
             self.warmstarted = True
             if self.cfg.run_dir:     # the policy RL starts from (`asyncrl calibrate-cost --checkpoint` reads it)
-                torch.save({"model": self.learner.model.state_dict(), "model_config": self.model_cfg.to_dict(),
+                torch.save({"model": self.learner.full_state(), "model_config": self.model_cfg.to_dict(),
                             "version": self.version}, Path(self.cfg.run_dir) / "warmstart.pt")
             broadcast_obj(("sync",))
             sync_state(self.learner.model, self.learner.opt)

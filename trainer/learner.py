@@ -253,6 +253,24 @@ class Learner:
         out = {n: full_tensor(p.detach()).cpu() for n, p in self.model.named_parameters()}
         return out if world()[0] == 0 else None
 
+    def warm_start(self, cfg, model_cfg, style: str = "default") -> list[float]:
+        """Supervised warm start (trainer/warmstart.py) on every rank: a sharded model's forward and
+        backward are collectives, so rank 0 alone would wait forever for its peers. Every rank
+        draws the same demonstrations (same seed) and FSDP2 averages identical gradients: the
+        same update as one process."""
+        from .warmstart import warm_start
+        announce("warm_start", cfg, model_cfg, style)
+        return warm_start(self.model, cfg, model_cfg, style=style)
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model state dict on rank 0 (a collective when sharded; others get None)."""
+        if not is_sharded(self.model):
+            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        announce("full_state")
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if world()[0] == 0 else None
+
     def mark_published(self) -> None:
         """Remember this rank's bf16 rows as the base of its next sharded part (no communication)."""
         from .publish_shards import local_rows
