@@ -37,6 +37,27 @@ def main() -> None:
         torch.save({"fp32": fp32, "digest": tr.digest, "version": tr.version}, out / "result.pt")
         shutdown_distributed()
         return
+    if spec.get("async_kill"):     # an async save of v2 in flight when rank 0 dies
+        import os
+        import signal
+        from trainer import checkpoint
+        from trainer.leader import Trainer
+        samples = torch.load(spec["samples"], weights_only=False)
+        tr = Trainer(cfg, None, learner, mcfg)
+        tr.lease.epoch = 1
+        broadcast_obj(("step", samples))
+        learner.step(samples)
+        tr.version = 1
+        tr.save()                  # waits for the background save, then names it
+        ref = checkpoint.load_latest(cfg.checkpoint_dir).model["__dcp__"]
+        torch.save({"fp32": learner.full_fp32(), "complete": (Path(cfg.checkpoint_dir) / ref / ".metadata").is_file()},
+                   out / "v1.pt")
+        broadcast_obj(("step", samples))
+        learner.step(samples)
+        tr.version = 2
+        tr.state()                 # starts the v2 save in the background ...
+        (out / "v2-started").write_text(repr(learner._pending_saves))
+        os.kill(os.getpid(), signal.SIGKILL)       # ... and dies before it could name it
     samples = torch.load(spec["samples"], weights_only=False)
     if spec.get("resume"):
         ref = torch.load(spec["resume"], weights_only=False)

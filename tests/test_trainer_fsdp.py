@@ -38,15 +38,25 @@ def cfg_dict(tmp_path: Path, **over) -> dict:
     return {**d, **over}
 
 
-def torchrun(tmp_path: Path, spec: dict, nproc: int = 2, timeout_s: float = 240) -> dict:
+def torchrun(tmp_path: Path, spec: dict, nproc: int = 2, timeout_s: float = 240, ok: bool = True) -> dict:
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                        str(ROOT / "tests" / "fsdp_worker.py"), str(tmp_path / "spec.json"), str(out)],
-                       cwd=ROOT, env=env, capture_output=True, timeout=timeout_s)
-    assert r.returncode == 0, r.stderr.decode()[-4000:]
+    # a session of its own: a hung group is killed whole on timeout (torchrun's workers included)
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                          str(ROOT / "tests" / "fsdp_worker.py"), str(tmp_path / "spec.json"), str(out)],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        p.communicate()
+        raise
+    if not ok:
+        assert p.returncode != 0
+        return {}
+    assert p.returncode == 0, err.decode()[-4000:]
     return torch.load(out / "result.pt", weights_only=False)
 
 
@@ -135,3 +145,30 @@ def test_warm_start_under_world2_matches_one_process(tmp_path):
     saved = torch.load(Path(cfg["run_dir"]) / "warmstart.pt", weights_only=False)["model"]
     for n, v in res["fp32"].items():                               # rank 0 saved the whole model
         assert torch.equal(saved[n], v), n
+
+
+def test_async_save_in_flight_then_kill_resumes_from_last_complete(tmp_path):
+    """async_checkpoint: v1 is saved in the background and named by its checkpoint file only once
+    complete; rank 0 dies with the v2 save in flight. Resume finds v1 (complete, exact), never v2."""
+    from trainer import checkpoint
+    samples = make_samples(seed=2)
+    torch.save(samples, tmp_path / "samples.pt")
+    cfg = cfg_dict(tmp_path, kl_coef=0.0, activation_checkpointing=False, async_checkpoint=True)
+    torchrun(tmp_path, {"cfg": cfg, "samples": str(tmp_path / "samples.pt"), "async_kill": True}, ok=False)
+    out = tmp_path / "out"
+    assert "Future" in (out / "v2-started").read_text()              # the v2 save was a background one
+    v1 = torch.load(out / "v1.pt", weights_only=False)
+    assert v1["complete"]                                            # named only once complete
+    st = checkpoint.load_latest(cfg["checkpoint_dir"])
+    assert (st.version, st.epoch) == (1, 1)
+    c = TrainerConfig(**cfg)
+    model, _ = build_model(c)
+    learner = build_learner(model, build_optimizer(model, c), c)
+    learner.load_payload(cfg["checkpoint_dir"], st.model, st.optimizer)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), v1["fp32"][n]), n
+    # and it continues like an uninterrupted run
+    learner.step(samples)
+    straight, _ = one_process(cfg, samples, 2)
+    for (n, p), q in zip(model.named_parameters(), straight.model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=n)

@@ -59,6 +59,9 @@ class TrainerConfig:
     # checkpoints / outputs
     checkpoint_dir: str = "runs/trainer/ckpt"
     keep_checkpoints: int = 3
+    # sharded (torchrun) runs: write the DCP shards in the background (torch.distributed.checkpoint.
+    # async_save); the checkpoint file naming them is written only once they are complete
+    async_checkpoint: bool = False
     run_dir: str = ""                    # metrics appended to <run_dir>/metrics/trainer.jsonl
     metrics_port: int = 0                # Prometheus /metrics (bus.metrics); 0 = off
     # leader lease

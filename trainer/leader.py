@@ -94,7 +94,9 @@ class Trainer:
             model_config=self.model_cfg.to_dict(), step=self.step_n, warmstarted=self.warmstarted)
 
     def save(self) -> None:
-        checkpoint.save(self.cfg.checkpoint_dir, self.state(), keep=self.cfg.keep_checkpoints)
+        st = self.state()
+        self.learner.wait_checkpoint()   # the shards complete before the file that names them
+        checkpoint.save(self.cfg.checkpoint_dir, st, keep=self.cfg.keep_checkpoints)
 
     def resume(self) -> bool:
         st = checkpoint.load_latest(self.cfg.checkpoint_dir)
@@ -327,6 +329,7 @@ class Trainer:
             raise LeaseLost("leader lease no longer valid: refusing to checkpoint or publish")
         if delta is not None:       # the codec already hashed every tensor of `new`: no second pass
             self.digest = snapshot.digest = delta.new_digest
+        await asyncio.to_thread(self.learner.wait_checkpoint)   # async shard save: complete before named
         await asyncio.to_thread(checkpoint.save, cfg.checkpoint_dir, snapshot, cfg.keep_checkpoints)
         delta_bytes = 0
         if delta is not None:
