@@ -1263,3 +1263,11 @@ SCENARIOS = {
     "worker_feed_crash": worker_feed_crash,
     "up_supervisor": up_supervisor,
 }
+
+
+async def _trainer_rank_kill(run_dir: Path, **kw) -> dict:      # bench/chaos_rank_kill.py (imports this module)
+    from .chaos_rank_kill import trainer_rank_kill
+    return await trainer_rank_kill(run_dir, **kw)
+
+
+SCENARIOS["trainer_rank_kill"] = _trainer_rank_kill
