@@ -3,11 +3,11 @@ node mid-step and re-forms with the spare.
 
 Three elastic agents (`python -m trainer --elastic`, nnodes 2:2, one rank each, gloo on CPU,
 c10d rendezvous on loopback) train as one sharded (FSDP2) group of two; the third waits as a
-spare. When the group is busy (the victim rank is burning CPU) we SIGKILL one rank together with
-its agent (the node is gone; the agent hosting the rendezvous store is never the victim). The
-surviving rank's next collective fails, its agent re-rendezvouses, the spare joins; the new rank 0
-takes the leader lease (after the TTL: the dead rank may have held it), resumes from the last
-complete sharded checkpoint and goes on. Reported: seconds from the kill to the next published
+spare; the rendezvous store runs in a process of its own. When the group is busy (the victim rank
+is burning CPU) we SIGKILL one rank together with its agent (the node is gone): first rank 0, the
+leader, then (a replacement spare waiting) rank 1. The surviving rank's next collective fails, its
+agent re-rendezvouses, the spare joins; the new rank 0 takes the leader lease (after the TTL when
+the dead rank held it), resumes from the last complete sharded checkpoint and goes on. Reported: seconds from the kill to the next published
 version, lost / duplicated rollouts (books as in bench/chaos_harness.py), gaps and forks in the
 version line, epochs, whether the spare took part."""
 from __future__ import annotations
@@ -103,48 +103,84 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+STORE = ("import sys, time, datetime\n"
+         "from torch.distributed import TCPStore\n"
+         "s = TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, multi_tenant=True, wait_for_workers=False,\n"
+         "             timeout=datetime.timedelta(seconds=300))\n"
+         "print('rendezvous store up', flush=True)\n"
+         "while True: time.sleep(3600)\n")
+
+
+def rank_of(pid: int) -> int | None:
+    """RANK from a torchrun worker's environment."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+
+
+async def kill_node(fleet: Fleet, agents: list, rank: int) -> tuple[str, bool]:
+    """SIGKILL the node whose worker has `rank`, agent and rank, once that rank is computing."""
+    for a in agents:
+        if a.popen.poll() is None:
+            kids = children(a.popen.pid)
+            if kids and rank_of(kids[0]) == rank:
+                busy = await wait_busy(kids[0])
+                a.popen.send_signal(signal.SIGKILL)       # the node: its agent ...
+                os.kill(kids[0], signal.SIGKILL)          # ... and its rank, mid-step
+                a.popen.wait()
+                return a.name, busy
+    raise ChaosError(f"no live node runs rank {rank}: {[(a.name, children(a.popen.pid)) for a in agents]}")
+
+
 async def trainer_rank_kill(run_dir: Path, tasks: int = 60, seed: int = 14) -> dict:
-    """SIGKILL one rank of the elastic trainer group (and its node's agent) mid-step: the group
-    re-forms with the spare from the last sharded checkpoint; versions go on with no gap or fork,
-    no rollout lost or trained twice. recovery_s = kill -> next published version."""
+    """SIGKILL one rank of the elastic trainer group (and its node's agent) mid-step, twice: first
+    the leader's node (rank 0: the lease it held must expire), then, once a replacement spare
+    waits, the other rank's node. Each time the group re-forms with the spare from the last sharded
+    checkpoint; versions go on with no gap or fork, no rollout lost or trained twice.
+    recovery_s = the longer kill -> next published version. The rendezvous store runs in a process
+    of its own (as on a cluster: a stable host), so any node may die."""
     run_dir = Path(run_dir)
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
-        agents = []
+        agents, store = [], None
         try:
             port = free_port()
+            store = subprocess.Popen([sys.executable, "-c", STORE, str(port)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
             conf = agent_conf(fleet, port)
-            agents.append(start_agent(fleet, "node0", {**conf, "elastic_rdzv_host": True}))   # hosts the store
-            await asyncio.sleep(1.0)
-            agents += [start_agent(fleet, f"node{i}", conf) for i in (1, 2)]
+            agents += [start_agent(fleet, f"node{i}", conf) for i in range(3)]
             fleet.scorer("s0")
             fleet.worker("w0")
             await wait_ready(fleet, ["s0", "w0"])
             await wait_log([a.log_path for a in agents], '"leading"', 300)
-            ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+            ids, feeding = fleet.feed(tasks, over_s=max(tasks / RATE, 45.0))     # work left for both kills
             await fleet.wait_version(3, 300, watch=[a.name for a in agents])
-            members = {a.name: children(a.popen.pid) for a in agents}
-            spare = [n for n, kids in members.items() if not kids]
-            if len(spare) != 1:
-                raise ChaosError(f"expected 2 nodes with a rank and 1 spare, got {members}")
-            victim = next(a for a in agents[1:] if members[a.name])      # never the store's host
-            rank_pid = members[victim.name][0]
-            busy = await wait_busy(rank_pid)
-            victim.popen.send_signal(signal.SIGKILL)        # the node: its agent ...
-            os.kill(rank_pid, signal.SIGKILL)               # ... and its rank, mid-step
-            victim.popen.wait()
-            t_kill = time.time()
-            v_kill = await fleet.version()
-            first_s, first_v = await first_version_by(fleet, GROUP_ID, t_kill, 300)
-            await fleet.wait_version(first_v + 2, 300, watch=[spare[0]])
-            books = await fleet.wait_trained(ids, 600, feeding=feeding, with_checkpoint=True, watch=[spare[0]])
+            kills = []
+            for n, rank in enumerate((0, 1)):
+                spare = [a.name for a in agents if a.popen.poll() is None and not children(a.popen.pid)]
+                if len(spare) != 1:
+                    raise ChaosError(f"expected 1 spare, got {[(a.name, children(a.popen.pid)) for a in agents]}")
+                victim, busy = await kill_node(fleet, agents, rank)
+                t_kill = time.time()
+                v_kill = await fleet.version()
+                # the re-formed group (the spare in it: min 2 nodes) published a version
+                first_s, first_v = await first_version_by(fleet, GROUP_ID, t_kill, 300)
+                kills.append({"rank": rank, "node": victim, "version_at_kill": v_kill, "first_version": first_v,
+                              "kill_to_next_version_s": round(first_s, 2), "busy": busy,
+                              "spare_joined": bool(children(fleet.procs[spare[0]].popen.pid))})
+                if n == 0:                       # the dead machine comes back as the next spare
+                    agents.append(start_agent(fleet, "node3", conf))
+                    await asyncio.sleep(3.0)
+            books = await fleet.wait_trained(ids, 600, feeding=feeding, with_checkpoint=True)
             line = version_line(await weights_history(fleet.bus))
-            spare_joined = bool(children(fleet.procs[spare[0]].popen.pid))
-            clean = not line["gaps"] and not line["forks"] and len(line["epochs"]) >= 2
-            return row("trainer_rank_kill", books, first_s, clean and spare_joined, versions=line["top"],
-                       gaps=len(line["gaps"]), forks=len(line["forks"]), epochs=len(line["epochs"]),
-                       version_at_kill=v_kill, first_version_after_kill=first_v,
-                       kill_to_next_version_s=round(first_s, 2), killed_while_busy=busy, spare_joined=spare_joined)
+            clean = not line["gaps"] and not line["forks"] and len(line["epochs"]) >= 3
+            swapped = all(k["spare_joined"] for k in kills)
+            return row("trainer_rank_kill", books, max(k["kill_to_next_version_s"] for k in kills), clean and swapped,
+                       versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"]),
+                       epochs=len(line["epochs"]), spare_joined=swapped, kills=kills,
+                       kill_to_next_version_s=[k["kill_to_next_version_s"] for k in kills])
         finally:
             ranks = [k for a in agents for k in children(a.popen.pid)]
             await fleet.close()                              # SIGTERM to the agents (they stop their ranks)
@@ -153,3 +189,6 @@ async def trainer_rank_kill(run_dir: Path, tasks: int = 60, seed: int = 14) -> d
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+            if store is not None:
+                store.kill()
+                store.wait()
