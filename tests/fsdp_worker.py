@@ -21,13 +21,43 @@ def main() -> None:
     init_distributed()
     rank, ws = world()
     cfg = TrainerConfig(**spec["cfg"])
-    model, _ = build_model(cfg)
+    model, mcfg = build_model(cfg)
     opt = build_optimizer(model, cfg)
     learner = build_learner(model, opt, cfg)
     if rank > 0:                   # the followers replay rank 0's commands, as in `python -m trainer`
         asyncio.run(follower_loop(learner))
         shutdown_distributed()
         return
+    if spec.get("prepare"):        # the leader's start: resume, warm start, first checkpoint
+        from trainer.leader import Trainer
+        tr = Trainer(cfg, None, learner, mcfg)
+        tr.prepare()
+        fp32 = learner.full_fp32()
+        broadcast_obj(("stop",))
+        torch.save({"fp32": fp32, "digest": tr.digest, "version": tr.version}, out / "result.pt")
+        shutdown_distributed()
+        return
+    if spec.get("async_kill"):     # an async save of v2 in flight when rank 0 dies
+        import os
+        import signal
+        from trainer import checkpoint
+        from trainer.leader import Trainer
+        samples = torch.load(spec["samples"], weights_only=False)
+        tr = Trainer(cfg, None, learner, mcfg)
+        tr.lease.epoch = 1
+        broadcast_obj(("step", samples))
+        learner.step(samples)
+        tr.version = 1
+        tr.save()                  # waits for the background save, then names it
+        ref = checkpoint.load_latest(cfg.checkpoint_dir).model["__dcp__"]
+        torch.save({"fp32": learner.full_fp32(), "complete": (Path(cfg.checkpoint_dir) / ref / ".metadata").is_file()},
+                   out / "v1.pt")
+        broadcast_obj(("step", samples))
+        learner.step(samples)
+        tr.version = 2
+        tr.state()                 # starts the v2 save in the background ...
+        (out / "v2-started").write_text(repr(learner._pending_saves))
+        os.kill(os.getpid(), signal.SIGKILL)       # ... and dies before it could name it
     samples = torch.load(spec["samples"], weights_only=False)
     if spec.get("resume"):
         ref = torch.load(spec["resume"], weights_only=False)

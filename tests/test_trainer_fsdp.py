@@ -72,3 +72,57 @@ def test_sharded_checkpoint_resumes_on_one_process(tmp_path):
     (folder / ".metadata").unlink()
     with pytest.raises(FileNotFoundError, match="incomplete"):
         learner.load_payload(cfg["checkpoint_dir"], ref_payload["model"], {})
+
+
+def test_warm_start_under_world2_matches_one_process(tmp_path):
+    """The leader's start (Trainer.prepare) with warm-start steps in a 2-rank sharded group: every
+    rank takes part in the warm start (it used to run on rank 0 alone and hang the group), and the
+    result is the one-process warm start (fp32 weights within fp32 tolerance)."""
+    from trainer.leader import Trainer
+    cfg = cfg_dict(tmp_path, kl_coef=0.0, activation_checkpointing=False, warmstart_steps=2, warmstart_batch=4,
+                   run_dir=str(tmp_path / "run2"))
+    Path(cfg["run_dir"]).mkdir()
+    res = torchrun(tmp_path, {"cfg": cfg, "prepare": True}, timeout_s=150)
+    one = {**cfg, "checkpoint_dir": str(tmp_path / "ckpt1"), "run_dir": str(tmp_path / "run1")}
+    Path(one["run_dir"]).mkdir()
+    c = TrainerConfig(**one)
+    model, mcfg = build_model(c)
+    tr = Trainer(c, None, build_learner(model, build_optimizer(model, c), c), mcfg)
+    tr.prepare()
+    init, _ = build_model(c := TrainerConfig(**cfg))
+    moved = False
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(res["fp32"][n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+        moved |= not torch.equal(p.detach(), dict(init.named_parameters())[n].detach())
+    assert moved                                                   # the warm start did train
+    assert res["version"] == tr.version == 0 and res["digest"]
+    saved = torch.load(Path(cfg["run_dir"]) / "warmstart.pt", weights_only=False)["model"]
+    for n, v in res["fp32"].items():                               # rank 0 saved the whole model
+        assert torch.equal(saved[n], v), n
+
+
+def test_async_save_in_flight_then_kill_resumes_from_last_complete(tmp_path):
+    """async_checkpoint: v1 is saved in the background and named by its checkpoint file only once
+    complete; rank 0 dies with the v2 save in flight. Resume finds v1 (complete, exact), never v2."""
+    from trainer import checkpoint
+    samples = make_samples(seed=2)
+    torch.save(samples, tmp_path / "samples.pt")
+    cfg = cfg_dict(tmp_path, kl_coef=0.0, activation_checkpointing=False, async_checkpoint=True)
+    torchrun(tmp_path, {"cfg": cfg, "samples": str(tmp_path / "samples.pt"), "async_kill": True}, ok=False)
+    out = tmp_path / "out"
+    assert "Future" in (out / "v2-started").read_text()              # the v2 save was a background one
+    v1 = torch.load(out / "v1.pt", weights_only=False)
+    assert v1["complete"]                                            # named only once complete
+    st = checkpoint.load_latest(cfg["checkpoint_dir"])
+    assert (st.version, st.epoch) == (1, 1)
+    c = TrainerConfig(**cfg)
+    model, _ = build_model(c)
+    learner = build_learner(model, build_optimizer(model, c), c)
+    learner.load_payload(cfg["checkpoint_dir"], st.model, st.optimizer)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), v1["fp32"][n]), n
+    # and it continues like an uninterrupted run
+    learner.step(samples)
+    straight, _ = one_process(cfg, samples, 2)
+    for (n, p), q in zip(model.named_parameters(), straight.model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=n)

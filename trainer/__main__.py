@@ -29,11 +29,12 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
     opt = build_optimizer(model, cfg)
     learner = build_learner(model, opt, cfg)
     if rank > 0:
-        await follower_loop(learner)
+        await follower_loop(learner)       # a peer's death raises here: exit non-zero, the agent restarts us
         shutdown_distributed()
         return 0
     cfg.bus.name = cfg.trainer_id
     bus = await connect(cfg.bus)
+    clean = False
     try:
         await bus.provision()
         while True:          # a deposed leader goes back to standby (and resumes from the checkpoint)
@@ -43,10 +44,13 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
                 log.error("bus failure while leading; back to standby", error=f"{type(e).__name__}: {e}")
                 code = 3
             if code != 3 or stop.is_set():
+                clean = True
                 return code
             log.warning("lost the leader lease; back to standby")
     finally:
-        if ws > 1:
+        # a failed collective (a peer died: torchrun's agent re-forms the group) leaves the group
+        # unusable: no goodbye to the followers, just exit non-zero and let the agent restart us
+        if ws > 1 and clean:
             broadcast_obj(("stop",))
             shutdown_distributed()
         await bus.close()
@@ -59,6 +63,8 @@ def parse_args(argv=None):
     ap.add_argument("--sync", action="store_true", help="synchronous baseline: one task batch per version")
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--id", help="trainer id (lease holder name)")
+    ap.add_argument("--elastic", action="store_true",
+                    help="run this node's torchrun elastic agent (elastic_* settings) instead: see docs/trainer.md")
     return ap.parse_args(argv)
 
 
@@ -88,6 +94,14 @@ def main(argv=None) -> int:
     except ValueError as e:                    # ConfigError included: a clear message, no traceback
         print(f"trainer: bad configuration: {e}", file=sys.stderr)
         return 2
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--elastic" in argv:            # become this node's elastic agent; its workers run us without the flag
+        import os
+
+        from .elastic import agent_env, torchrun_argv
+        cmd = torchrun_argv(cfg, [a for a in argv if a != "--elastic"])
+        sys.stdout.flush()
+        os.execve(cmd[0], cmd, agent_env(dict(os.environ)))
     setup_logging("trainer", component_id=cfg.trainer_id)
     start_metrics_server(cfg.metrics_port)
 

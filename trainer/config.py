@@ -63,8 +63,20 @@ class TrainerConfig:
     # checkpoints / outputs
     checkpoint_dir: str = "runs/trainer/ckpt"
     keep_checkpoints: int = 3
+    # sharded (torchrun) runs: write the DCP shards in the background (torch.distributed.checkpoint.
+    # async_save); the checkpoint file naming them is written only once they are complete
+    async_checkpoint: bool = False
     run_dir: str = ""                    # metrics appended to <run_dir>/metrics/trainer.jsonl
     metrics_port: int = 0                # Prometheus /metrics (bus.metrics); 0 = off
+    # elastic launch (`python -m trainer --elastic`, trainer/elastic.py): torchrun's elastic agent,
+    # one agent per node; agents beyond the MAX of nnodes wait as spares and join when a node fails
+    elastic_nnodes: str = "2:2"          # MIN:MAX agents (nodes), or N
+    elastic_nproc_per_node: int = 1      # ranks per agent (one per GPU)
+    elastic_rdzv_endpoint: str = "127.0.0.1:29400"   # host:port of the c10d rendezvous store (first agent there hosts it)
+    elastic_rdzv_id: str = "asyncrl-trainer"         # the same on every agent of one group
+    elastic_max_restarts: int = 3        # worker-group restarts (re-rendezvous) before an agent gives up
+    elastic_rdzv_host: bool = False      # this node hosts the rendezvous store (exactly one node: it cannot be swapped)
+    elastic_rdzv_conf: str = ""          # more torchrun --rdzv_conf, e.g. "join_timeout=120,keep_alive_interval=1"
     # leader lease
     lease_ttl_s: float = 15.0
     lease_renew_s: float = 0.0           # 0 = ttl / 3
@@ -118,6 +130,10 @@ class TrainerConfig:
             "mixed_precision": self.mixed_precision in ("auto", "bf16", "fp32"),
             "chat_template": not self.chat_template or self.tokenizer != "char",   # char has no template
             "publish": self.publish in ("gathered", "sharded"),
+            "elastic_nnodes": _nnodes_ok(self.elastic_nnodes),
+            "elastic_nproc_per_node": self.elastic_nproc_per_node >= 1,
+            "elastic_max_restarts": self.elastic_max_restarts >= 0,
+            "elastic_rdzv_endpoint": ":" in self.elastic_rdzv_endpoint,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -127,3 +143,12 @@ class TrainerConfig:
     @property
     def renew_s(self) -> float:
         return self.lease_renew_s or self.lease_ttl_s / 3
+
+
+def _nnodes_ok(v: str) -> bool:
+    """torchrun's --nnodes: N or MIN:MAX with 1 <= MIN <= MAX."""
+    parts = str(v).split(":")
+    if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
+        return False
+    lo, hi = int(parts[0]), int(parts[-1])
+    return 1 <= lo <= hi

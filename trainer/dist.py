@@ -37,6 +37,7 @@ async def follower_loop(learner: Learner) -> None:
     while True:
         cmd = broadcast_obj()
         if cmd[0] == "stop":
+            learner.wait_checkpoint()      # a background shard save of ours finishes before we leave
             return
         if cmd[0] == "sync":
             sync_state(learner.model, learner.opt)

@@ -80,4 +80,4 @@ def build_learner(model, opt, cfg: TrainerConfig, reference: Transformer | None 
         reference = build_reference(cfg)
     return Learner(model, opt, lc, adv_norm=cfg.adv_norm, grad_clip=cfg.grad_clip, replay=cfg.replay,
                    micro_batch=cfg.micro_batch, schedule=build_schedule(cfg), kl_coef=cfg.kl_coef,
-                   reference=reference)
+                   reference=reference, async_checkpoint=cfg.async_checkpoint)

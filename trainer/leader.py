@@ -43,7 +43,6 @@ from .keys import load_signing_key
 from .learner import Learner, pack
 from .publish_shards import ShardedVersion
 from .lease import LeaderLease, LeaseLost
-from .warmstart import warm_start
 
 log = get_logger("trainer")
 
@@ -102,7 +101,9 @@ class Trainer:
             model_config=self.model_cfg.to_dict(), step=self.step_n, warmstarted=self.warmstarted)
 
     def save(self) -> None:
-        checkpoint.save(self.cfg.checkpoint_dir, self.state(), keep=self.cfg.keep_checkpoints)
+        st = self.state()
+        self.learner.wait_checkpoint()   # the shards complete before the file that names them
+        checkpoint.save(self.cfg.checkpoint_dir, st, keep=self.cfg.keep_checkpoints)
 
     def resume(self) -> bool:
         st = checkpoint.load_latest(self.cfg.checkpoint_dir)
@@ -126,10 +127,11 @@ class Trainer:
         """Newly leading: resume, warm start once, checkpoint under our epoch."""
         self.resume()
         if not self.warmstarted and self.cfg.warmstart_steps:
-            warm_start(self.learner.model, self.cfg, self.model_cfg, style=self.cfg.warmstart_style)
+            # every rank takes part (a sharded forward is a collective): see Learner.warm_start
+            self.learner.warm_start(self.cfg, self.model_cfg, self.cfg.warmstart_style)
             self.warmstarted = True
             if self.cfg.run_dir:     # the policy RL starts from (`asyncrl calibrate-cost --checkpoint` reads it)
-                torch.save({"model": self.learner.model.state_dict(), "model_config": self.model_cfg.to_dict(),
+                torch.save({"model": self.learner.full_state(), "model_config": self.model_cfg.to_dict(),
                             "version": self.version}, Path(self.cfg.run_dir) / "warmstart.pt")
             broadcast_obj(("sync",))
             sync_state(self.learner.model, self.learner.opt)
@@ -358,6 +360,7 @@ class Trainer:
             raise LeaseLost("leader lease no longer valid: refusing to checkpoint or publish")
         if delta is not None:       # the codec already hashed every tensor of `new`: no second pass
             self.digest = snapshot.digest = delta.new_digest
+        await asyncio.to_thread(self.learner.wait_checkpoint)   # async shard save: complete before named
         await asyncio.to_thread(checkpoint.save, cfg.checkpoint_dir, snapshot, cfg.keep_checkpoints)
         delta_bytes = 0
         if isinstance(delta, ShardedVersion):

@@ -10,6 +10,7 @@ micro-batches: a rank with fewer (or none) runs zero-weighted one-token passes.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -85,10 +86,12 @@ def length_buckets(lengths: list[int], max_batch: int, overhead_tokens: int = 64
 class Learner:
     def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, loss_cfg: LossConfig,
                  adv_norm: str = "std", grad_clip: float = 0.0, replay: bool = True, micro_batch: int = 32,
-                 schedule: LRSchedule | None = None, kl_coef: float = 0.0, reference: Transformer | None = None):
+                 schedule: LRSchedule | None = None, kl_coef: float = 0.0, reference: Transformer | None = None,
+                 async_checkpoint: bool = False):
         self.model, self.opt, self.loss_cfg = model, optimizer, loss_cfg
         self.adv_norm, self.grad_clip, self.replay, self.micro_batch = adv_norm, grad_clip, replay, micro_batch
         self.schedule, self.kl_coef, self.reference = schedule, kl_coef, reference
+        self.async_checkpoint, self._pending_saves, self._saves_lock = async_checkpoint, [], threading.Lock()
         if kl_coef > 0 and reference is None:
             raise ValueError("kl_coef > 0 needs a frozen reference model")
 
@@ -236,7 +239,24 @@ class Learner:
             return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
         from .shards import save_shards
         announce("checkpoint_payload", ckpt_dir, epoch, version)
-        return {"model": save_shards(self.model, self.opt, ckpt_dir, epoch, version), "optimizer": {}}
+        self.wait_checkpoint()           # one background save at a time (and its staging memory)
+        ref, pending = save_shards(self.model, self.opt, ckpt_dir, epoch, version, async_save=self.async_checkpoint)
+        if pending is not None:
+            self._pending_saves.append(pending)
+        return {"model": ref, "optimizer": {}}
+
+    def wait_checkpoint(self) -> None:
+        """Block until this rank's background shard save (async_checkpoint) is complete; raises
+        its error. The trainer checkpoint file that names the folder is written only after this
+        (on rank 0, whose save completes last: it writes `.metadata` once every rank wrote)."""
+        # the leader's publication of v-1 and the step of v may both wait (two threads): saves
+        # complete in order, so waiting for every pending one is never early for either
+        while self._pending_saves:
+            f = self._pending_saves[0]
+            f.result()
+            with self._saves_lock:
+                if self._pending_saves and self._pending_saves[0] is f:
+                    self._pending_saves.pop(0)
 
     def load_payload(self, ckpt_dir: str, model_state: dict | None, opt_state: dict | None) -> None:
         """Inverse of checkpoint_payload, whatever world size wrote it (collective when sharded;
@@ -252,6 +272,24 @@ class Learner:
         announce("full_fp32")
         out = {n: full_tensor(p.detach()).cpu() for n, p in self.model.named_parameters()}
         return out if world()[0] == 0 else None
+
+    def warm_start(self, cfg, model_cfg, style: str = "default") -> list[float]:
+        """Supervised warm start (trainer/warmstart.py) on every rank: a sharded model's forward and
+        backward are collectives, so rank 0 alone would wait forever for its peers. Every rank
+        draws the same demonstrations (same seed) and FSDP2 averages identical gradients: the
+        same update as one process."""
+        from .warmstart import warm_start
+        announce("warm_start", cfg, model_cfg, style)
+        return warm_start(self.model, cfg, model_cfg, style=style)
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model state dict on rank 0 (a collective when sharded; others get None)."""
+        if not is_sharded(self.model):
+            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        announce("full_state")
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if world()[0] == 0 else None
 
     def mark_published(self) -> None:
         """Remember this rank's bf16 rows as the base of its next sharded part (no communication)."""

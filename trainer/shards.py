@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch.distributed as dist
@@ -31,8 +32,25 @@ def shards_name(epoch: int, version: int) -> str:
     return f"shards-e{epoch:08d}-v{version:08d}"
 
 
-def save_shards(model, opt, ckpt_dir: str | Path, epoch: int, version: int) -> dict:
-    """Collective: all ranks write their shards. Returns the reference the checkpoint file keeps."""
+_CKPT_GROUP = None
+
+
+def _checkpoint_group():
+    """A gloo group of its own for background saves: their collectives run in DCP's thread while
+    the training thread issues its own on the default group, and two threads must never share
+    one group's collective order. Created on the first async save (all ranks get there together)."""
+    global _CKPT_GROUP
+    if _CKPT_GROUP is None and world()[1] > 1:
+        _CKPT_GROUP = dist.new_group(backend="gloo")
+    return _CKPT_GROUP
+
+
+def save_shards(model, opt, ckpt_dir: str | Path, epoch: int, version: int,
+                async_save: bool = False) -> tuple[dict, Future | None]:
+    """Collective: all ranks write their shards. Returns the reference the checkpoint file keeps
+    and, with async_save, the future of the write: the shards are staged (copied) before this
+    returns, so the next step may change the weights at once, but the folder is complete (its
+    `.metadata` written) only once the future is done; nothing may name it before that."""
     name = shards_name(epoch, version)
     path = Path(ckpt_dir) / name
     if world()[0] == 0:
@@ -45,8 +63,13 @@ def save_shards(model, opt, ckpt_dir: str | Path, epoch: int, version: int) -> d
     # with a zero-lr step that counts as a step (AdamW's bias correction would be off after)
     has_optim = any(opt.state.values())            # the same on every rank: they step together
     msd, osd = get_state_dict(model, opt) if has_optim else (get_model_state_dict(model), None)
-    dcp.save({"model": msd, **({"optim": osd} if has_optim else {})}, checkpoint_id=str(path))
-    return {"__dcp__": name, "optim": has_optim}
+    sd = {"model": msd, **({"optim": osd} if has_optim else {})}
+    ref = {"__dcp__": name, "optim": has_optim}
+    if async_save and hasattr(dcp, "async_save"):
+        res = dcp.async_save(sd, checkpoint_id=str(path), process_group=_checkpoint_group())
+        return ref, getattr(res, "upload_completion", res)     # an AsyncSaveResponse or a Future
+    dcp.save(sd, checkpoint_id=str(path))
+    return ref, None
 
 
 def load_any(model, opt, ckpt_dir: str | Path, model_state: dict | None, opt_state: dict | None) -> None:

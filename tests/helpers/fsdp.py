@@ -33,13 +33,23 @@ def cfg_dict(tmp_path: Path, **over) -> dict:
     return {**d, **over}
 
 
-def torchrun(tmp_path: Path, spec: dict, nproc: int = 2) -> dict:
+def torchrun(tmp_path: Path, spec: dict, nproc: int = 2, timeout_s: float = 240, ok: bool = True) -> dict:
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                        str(ROOT / "tests" / "fsdp_worker.py"), str(tmp_path / "spec.json"), str(out)],
-                       cwd=ROOT, env=env, capture_output=True, timeout=240)
-    assert r.returncode == 0, r.stderr.decode()[-4000:]
+    # a session of its own: a hung group is killed whole on timeout (torchrun's workers included)
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                          str(ROOT / "tests" / "fsdp_worker.py"), str(tmp_path / "spec.json"), str(out)],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        p.communicate()
+        raise
+    if not ok:
+        assert p.returncode != 0
+        return {}
+    assert p.returncode == 0, err.decode()[-4000:]
     return torch.load(out / "result.pt", weights_only=False)
