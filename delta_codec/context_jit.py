@@ -1,16 +1,20 @@
-"""Compiled (numba) rank <-> position for CLASSED chunks: one pass over the chunk's base bits,
-no class masks, running sums or binary search (context.py's numpy path is the fallback and the
-reference; both give the same bytes and the same applied state).
+"""Compiled (numba) rank <-> position for CLASSED chunks (context.py's numpy path is the
+fallback and the reference; both give the same bytes and the same applied state).
 
 Classes as in context.py, with at most two thresholds t1 > t2 (one threshold: t2 = 0, so
 class 2 is empty): class 0 has exponent >= t1, class 1 t2 <= exponent < t1, class 2 < t2.
-Both kernels count S_1 = {e < t1} and S_2 = {e < t2} in straight-line loops that LLVM
-vectorises; a class-k rank is then a difference of those counts:
-  encoder: walk the changes in order; the counts over the gap before each change give its rank.
-  decoder: walk the chunk in small blocks; a block is counted whole (vectorised) unless it holds
-           a class's next wanted rank, and only those blocks are walked element by element.
-O(chunk + changes); nogil, so apply threads run side by side; cache=True keeps the compiled
-code across processes.
+Two passes, both sides:
+  1. over the chunk: per 64-element word, the membership bits of S_1 = {e < t1} and
+     S_2 = {e < t2} and the counts of each before the word (compares into byte flags, which
+     LLVM vectorises, then 8 flags to 8 bits by one multiply);
+  2. over the changes only: a class-k rank is a difference of those counts plus a popcount
+     inside the word (encoder, branch-free per change); the decoder walks each class's
+     increasing ranks over the word counts and selects the bit inside the word.
+Pass 1 costs about a fifth of a nanosecond per element; pass 2 is O(changes + words), with no
+per-word branch that depends on where the changes are (those mispredicted on most words at
+~1 % changed). nogil, so apply threads run side by side; cache=True keeps the compiled code
+across processes. Temporaries (2 words + 2 counts per 64 elements) live in the worker's
+Scratch.
 """
 from __future__ import annotations
 
@@ -18,9 +22,12 @@ import numpy as np
 
 from .bits import UNSIGNED_INT
 from .context import MAX_THRESHOLDS
+from .tasks import scratch
 
 try:
     import numba
+    from numba import types
+    from numba.extending import intrinsic
 except ImportError:  # (numpy fallback in context.py)
     numba = None
 
@@ -31,15 +38,16 @@ enabled = available  # (tests switch it off to compare with the numpy path)
 _L8, _H8 = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080)
 _M1, _M2, _M4 = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333), np.uint64(0x0F0F0F0F0F0F0F0F)
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+_BIG = 1 << 62
+_GATHER = np.uint64(0x0102040810204080)  # (w * _GATHER) >> 56: bit i = byte i's low bit
 _SEL8 = np.zeros(256 * 8, np.uint8)  # _SEL8[8 * byte + j]: bit index of the byte's j-th set bit
 for _b in range(256):
     for _j, _bit in enumerate(i for i in range(8) if _b >> i & 1):
         _SEL8[8 * _b + _j] = _bit
-_BIG = 1 << 62
 
 
 def _bytepop(x):
-    """Per-byte popcounts of a 64-bit word (SWAR: no popcount instruction needed)."""
+    """Per-byte popcounts of a 64-bit word (SWAR)."""
     x = x - ((x >> np.uint64(1)) & _M1)
     x = (x & _M2) + ((x >> np.uint64(2)) & _M2)
     return (x + (x >> np.uint64(4))) & _M4
@@ -47,6 +55,20 @@ def _bytepop(x):
 
 def _pop(x):
     return np.int64((_bytepop(x) * _L8) >> np.uint64(56))
+
+
+if numba is not None:
+    @intrinsic
+    def _ctpop(typingctx, x):
+        """LLVM's popcount: one instruction where the CPU has it (the SWAR above otherwise)."""
+        def codegen(context, builder, signature, args):
+            return builder.ctpop(args[0])
+        return types.uint64(types.uint64), codegen
+
+    def _popc(x):
+        return np.int64(_ctpop(x))
+else:
+    _popc = _pop
 
 
 def _sel(x, j, tab):
@@ -61,106 +83,81 @@ def _sel(x, j, tab):
     return np.int64(sh) + np.int64(tab[np.int64(xb * np.uint64(8) + ju - prev)])
 
 
-BLOCK = 512  # elements per class pass block (its byte flags stay in L1)
-_GATHER = np.uint64(0x0102040810204080)  # (w * _GATHER) >> 56: bit i = byte i's low bit
+def _masks(u, em, t1, t2, m1, m2, cum1, cum2):
+    """Pass 1: m1[w], m2[w]: S_1, S_2 membership bits of word w (0 past the chunk's end);
+    cum1[w], cum2[w]: members of S_1, S_2 before word w (w <= number of words)."""
+    n = u.size
+    nw = (n + 63) // 64
+    f1 = np.zeros(64, np.uint8)
+    f2 = np.zeros(64, np.uint8)
+    g1 = f1.view(np.uint64)
+    g2 = f2.view(np.uint64)
+    s1 = 0
+    s2 = 0
+    for w in range(nw):
+        lo = w * 64
+        if lo + 64 <= n:
+            for i in range(64):  # (fixed trip count: vectorised)
+                e = u[lo + i] & em
+                f1[i] = e < t1
+                f2[i] = e < t2
+        else:
+            for i in range(64):
+                f1[i] = 0
+                f2[i] = 0
+            for i in range(n - lo):
+                e = u[lo + i] & em
+                f1[i] = e < t1
+                f2[i] = e < t2
+        a1 = np.uint64(0)
+        a2 = np.uint64(0)
+        for k in range(8):
+            a1 |= ((g1[k] * _GATHER) >> np.uint64(56)) << np.uint64(8 * k)
+            a2 |= ((g2[k] * _GATHER) >> np.uint64(56)) << np.uint64(8 * k)
+        m1[w] = a1
+        m2[w] = a2
+        cum1[w] = s1
+        cum2[w] = s2
+        s1 += _popc(a1)
+        s2 += _popc(a2)
+    cum1[nw] = s1
+    cum2[nw] = s2
 
 
-def _flags(u, lo, em, t1, t2, f1, f2):
-    """f1[i], f2[i]: element lo + i is in S_1, S_2 (0 past the end); one vectorised pass."""
-    cnt = min(BLOCK, u.size - lo)
-    if cnt == BLOCK:
-        for i in range(BLOCK):
-            e = u[lo + i] & em
-            f1[i] = e < t1
-            f2[i] = e < t2
-    else:
-        for i in range(BLOCK):
-            f1[i] = 0
-            f2[i] = 0
-        for i in range(cnt):
-            e = u[lo + i] & em
-            f1[i] = e < t1
-            f2[i] = e < t2
-
-
-def _word(g, w):
-    """8 byte flags g[8 w: 8 w + 8] (as words) to 64 bits, a byte per multiply."""
-    a = np.uint64(0)
-    for k in range(8):
-        a |= ((g[w * 8 + k] * _GATHER) >> np.uint64(56)) << np.uint64(8 * k)
-    return a
-
-
-def _cnt(g, w):
-    """How many of the 64 byte flags g[8 w: 8 w + 8] (as words) are set: bytes summed (each
-    <= 8) across the words, then across the bytes by one multiply."""
-    a = g[w * 8]
-    for k in range(1, 8):
-        a += g[w * 8 + k]
-    return np.int64((a * _L8) >> np.uint64(56))
-
-
-def _full(n, lo):
-    """Mask of the word at lo's elements that exist."""
-    left = n - lo
-    return _ALL if left >= 64 else ((np.uint64(1) << np.uint64(max(left, 0))) - np.uint64(1))
-
-
-def _enc(u, em, t1, t2, pos, out_pos, out_rank, starts, sizes):
+def _enc(u, em, t1, t2, pos, out_pos, out_rank, starts, sizes, m1, m2, cum1, cum2):
     """pos: sorted changed positions -> out_pos/out_rank in class order (class 0's by position,
     then class 1's ...), starts[k]: class k's first index there; sizes: class member counts."""
     m = pos.size
     n = u.size
+    _masks(u, em, t1, t2, m1, m2, cum1, cum2)
     ci = np.empty(m, np.uint8)
     rk = np.empty(m, np.int64)
-    c0 = 0
-    c1 = 0
-    c2 = 0
-    nk = np.zeros(3, np.int64)
-    j = 0
-    f1 = np.empty(BLOCK, np.uint8)
-    f2 = np.empty(BLOCK, np.uint8)
-    g1 = f1.view(np.uint64)
-    g2 = f2.view(np.uint64)
-    for w in range((n + 63) // 64):
-        lo = w * 64
-        if lo % BLOCK == 0:
-            _flags(u, lo, em, t1, t2, f1, f2)
-        q = (lo % BLOCK) // 64
-        s1 = _cnt(g1, q)
-        s2 = _cnt(g2, q)
-        if not (j < m and pos[j] < lo + 64):  # no change in this word
-            c0 += min(64, n - lo) - s1
-            c1 += s1 - s2
-            c2 += s2
-            continue
-        m1 = _word(g1, q)
-        m2 = _word(g2, q)
-        k0 = _full(n, lo) & ~m1
-        k1 = m1 & ~m2
-        while j < m and pos[j] < lo + 64:
-            b = np.uint64(pos[j] - lo)
-            below = (np.uint64(1) << b) - np.uint64(1)
-            if (k0 >> b) & np.uint64(1):
-                ci[j] = 0
-                rk[j] = c0 + _pop(k0 & below)
-            elif (k1 >> b) & np.uint64(1):
-                ci[j] = 1
-                rk[j] = c1 + _pop(k1 & below)
-            else:
-                ci[j] = 2
-                rk[j] = c2 + _pop(m2 & below)
-            nk[ci[j]] += 1
-            j += 1
-        c0 += _pop(k0)
-        c1 += _pop(k1)
-        c2 += _pop(m2)
-    sizes[0] = c0
-    sizes[1] = c1
-    sizes[2] = c2
+    n1 = 0
+    n2 = 0
+    for j in range(m):
+        p = pos[j]
+        w = p >> 6
+        b = np.uint64(p & 63)
+        below = (np.uint64(1) << b) - np.uint64(1)
+        a1 = m1[w]
+        a2 = m2[w]
+        x1 = np.int64((a1 >> b) & np.uint64(1))
+        x2 = np.int64((a2 >> b) & np.uint64(1))
+        s1 = cum1[w] + _popc(a1 & below)  # members of S_1, S_2 before p
+        s2 = cum2[w] + _popc(a2 & below)
+        r0 = p - s1
+        r1 = s1 - s2
+        rk[j] = r0 + x1 * (r1 - r0) + x2 * (s2 - r1)  # (class 0, 1, 2: x1 + x2)
+        ci[j] = x1 + x2
+        n1 += x1
+        n2 += x2
+    nw = (n + 63) // 64
+    sizes[0] = n - cum1[nw]
+    sizes[1] = cum1[nw] - cum2[nw]
+    sizes[2] = cum2[nw]
     starts[0] = 0
-    starts[1] = nk[0]
-    starts[2] = nk[0] + nk[1]
+    starts[1] = m - n1
+    starts[2] = m - n2
     starts[3] = m
     f = starts[:3].copy()
     for j in range(m):
@@ -170,75 +167,88 @@ def _enc(u, em, t1, t2, pos, out_pos, out_rank, starts, sizes):
         f[c] += 1
 
 
-def _dec(u, em, t1, t2, ranks, starts, out, found, sizes, tab):
+SB = 4  # words per superblock of the decoder's rank -> word search
+
+
+def _before(k, w, n, cum1, cum2):
+    """Class k's members before word w (w <= number of words)."""
+    if k == 0:
+        return min(w * 64, n) - cum1[w]
+    if k == 1:
+        return cum1[w] - cum2[w]
+    return cum2[w]
+
+
+def _word_k(k, w, n, m1, m2):
+    """Class k's membership bits of word w (0 past the chunk's end: the words are padded)."""
+    if k == 0:
+        left = min(max(n - w * 64, 0), 64)
+        valid = ((np.uint64(1) << np.uint64(left & 63)) - np.uint64(1)) | (_ALL * np.uint64(left >= 64))
+        return ~m1[w] & valid
+    if k == 1:
+        return m1[w] & ~m2[w]
+    return m2[w]
+
+
+def _dec(u, em, t1, t2, ranks, starts, out, found, sizes, tab, m1, m2, cum1, cum2, sbk, sbi):
     """ranks: each class's strictly increasing ranks, class k's at starts[k]:starts[k+1] ->
     out: their positions, same layout; found[k]: how many of class k's ranks were found (fewer
-    than given: a rank beyond the class); sizes: class member counts (the pass runs to the
-    chunk's end for them)."""
+    than given: a rank beyond the class); sizes: class member counts.
+    Per class, without a branch that depends on the data: a merge of the ranks with the class's
+    counts before each superblock of SB words (sbk) gives each rank's superblock (sbi); then
+    the word inside it from SB popcounts, and the bit from _sel."""
     n = u.size
-    c0 = 0
-    c1 = 0
-    c2 = 0
-    i0 = starts[0]
-    i1 = starts[1]
-    i2 = starts[2]
-    e0 = starts[1]
-    e1 = starts[2]
-    e2 = starts[3]
-    w0 = ranks[i0] if i0 < e0 else _BIG
-    w1 = ranks[i1] if i1 < e1 else _BIG
-    w2 = ranks[i2] if i2 < e2 else _BIG
-    f1 = np.empty(BLOCK, np.uint8)
-    f2 = np.empty(BLOCK, np.uint8)
-    g1 = f1.view(np.uint64)
-    g2 = f2.view(np.uint64)
-    for w in range((n + 63) // 64):
-        lo = w * 64
-        if lo % BLOCK == 0:
-            _flags(u, lo, em, t1, t2, f1, f2)
-        q = (lo % BLOCK) // 64
-        s1 = _cnt(g1, q)
-        p2 = _cnt(g2, q)
-        p0 = min(64, n - lo) - s1
-        p1 = s1 - p2
-        if w0 >= c0 + p0 and w1 >= c1 + p1 and w2 >= c2 + p2:  # no wanted rank in this word
-            c0 += p0
-            c1 += p1
-            c2 += p2
-            continue
-        if w0 < c0 + p0:  # (each class's mask only where it has a wanted rank here)
-            k0 = _full(n, lo) & ~_word(g1, q)
-            while w0 < c0 + p0:
-                out[i0] = lo + _sel(k0, w0 - c0, tab)
-                i0 += 1
-                w0 = ranks[i0] if i0 < e0 else _BIG
-        if w1 < c1 + p1:
-            k1 = _word(g1, q) & ~_word(g2, q)
-            while w1 < c1 + p1:
-                out[i1] = lo + _sel(k1, w1 - c1, tab)
-                i1 += 1
-                w1 = ranks[i1] if i1 < e1 else _BIG
-        if w2 < c2 + p2:
-            m2 = _word(g2, q)
-            while w2 < c2 + p2:
-                out[i2] = lo + _sel(m2, w2 - c2, tab)
-                i2 += 1
-                w2 = ranks[i2] if i2 < e2 else _BIG
-        c0 += p0
-        c1 += p1
-        c2 += p2
-    sizes[0] = c0
-    sizes[1] = c1
-    sizes[2] = c2
-    found[0] = i0 - starts[0]
-    found[1] = i1 - starts[1]
-    found[2] = i2 - starts[2]
+    nw = (n + 63) // 64
+    nsb = (nw + SB - 1) // SB
+    _masks(u, em, t1, t2, m1, m2, cum1, cum2)
+    for w in range(nw, nsb * SB):
+        m1[w] = 0
+        m2[w] = 0
+    for k in range(3):
+        s = starts[k]
+        e = starts[k + 1]
+        sizes[k] = _before(k, nw, n, cum1, cum2)
+        for q in range(nsb):
+            sbk[q] = _before(k, q * SB, n, cum1, cum2)
+        sbk[nsb] = sizes[k]
+        sbk[nsb + 1] = _BIG  # (the merge stops at nsb: beyond the class)
+        q = 0
+        i = s
+        while i < e:  # (at most e - s + nsb steps)
+            r = ranks[i]
+            adv = np.int64(sbk[q + 1] <= r)
+            sbi[i] = q
+            q += adv
+            i += 1 - adv
+        f = e - s
+        for i in range(s, e):
+            q = sbi[i]
+            if q == nsb:
+                f = i - s
+                break
+            j = ranks[i] - sbk[q]
+            w0 = q * SB
+            x0 = _word_k(k, w0, n, m1, m2)
+            x1 = _word_k(k, w0 + 1, n, m1, m2)
+            x2 = _word_k(k, w0 + 2, n, m1, m2)
+            x3 = _word_k(k, w0 + 3, n, m1, m2)
+            p1 = _popc(x0)
+            p2 = p1 + _popc(x1)
+            p3 = p2 + _popc(x2)
+            h1 = np.int64(p1 <= j)
+            h2 = np.int64(p2 <= j)
+            h3 = np.int64(p3 <= j)
+            x = x0 + np.uint64(h1) * (x1 - x0) + np.uint64(h2) * (x2 - x1) + np.uint64(h3) * (x3 - x2)
+            pre = h1 * p1 + h2 * (p2 - p1) + h3 * (p3 - p2)
+            out[i] = (w0 + h1 + h2 + h3) * 64 + _sel(x, j - pre, tab)
+        found[k] = f
 
 
 if available:
     _jit = numba.njit(nogil=True, cache=True)
     _inl = numba.njit(nogil=True, cache=True, inline="always")  # (helpers: calls between compiled functions are not inlined otherwise)
-    _bytepop, _pop, _sel, _flags, _word, _cnt, _full = (_inl(f) for f in (_bytepop, _pop, _sel, _flags, _word, _cnt, _full))
+    _bytepop, _pop, _popc, _sel, _masks, _before, _word_k = (
+        _inl(f) for f in (_bytepop, _pop, _popc, _sel, _masks, _before, _word_k))
     _enc, _dec = _jit(_enc), _jit(_dec)
 
 
@@ -252,6 +262,14 @@ def _args(b: np.ndarray, shift: int, thresholds: list[int]):
     return u, t((1 << (8 * b.itemsize - 1)) - 1), t(t1 << shift), t(t2 << shift)
 
 
+def _temps(n: int):
+    """Pass 1's words (padded to whole superblocks) and counts, in the worker's Scratch."""
+    alloc, nw = scratch(), (n + 63) // 64
+    nwp = -(-nw // SB) * SB
+    return (alloc("jit.m1", nwp, np.uint64), alloc("jit.m2", nwp, np.uint64),
+            alloc("jit.cum1", nw + 1, np.int64), alloc("jit.cum2", nw + 1, np.int64))
+
+
 def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[int]):
     """-> (positions in class order, their ranks within their class, class bounds (K + 2),
     class sizes (K + 1))."""
@@ -260,7 +278,7 @@ def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[in
     out_rank = np.empty(pos.size, np.int64)
     starts = np.empty(4, np.int64)
     sizes = np.empty(3, np.int64)
-    _enc(u, em, t1, t2, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes)
+    _enc(u, em, t1, t2, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes, *_temps(u.size))
     k = len(thresholds) + 1
     return out_pos, out_rank, starts[:k + 1].tolist(), sizes[:k].tolist()
 
@@ -275,7 +293,9 @@ def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndar
     out = np.empty(ranks.size, np.int64)
     found = np.zeros(3, np.int64)
     sizes = np.zeros(3, np.int64)
-    _dec(u, em, t1, t2, ranks, starts, out, found, sizes, _SEL8)
+    alloc, nsb = scratch(), -(-u.size // (64 * SB))
+    _dec(u, em, t1, t2, ranks, starts, out, found, sizes, _SEL8, *_temps(u.size), alloc("jit.sbk", nsb + 2, np.int64),
+         alloc("jit.sbi", ranks.size, np.int64))
     k = len(thresholds) + 1
     return out, found[:k].tolist(), sizes[:k].tolist()
 
