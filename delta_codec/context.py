@@ -34,7 +34,7 @@ import numpy as np
 from .bits import UNSIGNED_INT, fresh
 from .errors import DeltaError
 
-MAX_THRESHOLDS = 2       # at most 3 classes: each threshold is one byte compare + packbits per chunk on both sides (3: ~0.1 bit smaller, slower)
+MAX_THRESHOLDS = 3       # at most 4 classes: each threshold is one more vector compare per 64 elements on both sides and one more class pass in the decoder; 2 leave a clearly wider gap to the conditional bound (docs/benchmarks.md)
 MIN_CHANGES = 64         # fewer changes: the class headers cost more than they save
 CLASS_COST_BITS = 512    # a class's header and decode pass, in bits, charged when choosing thresholds
 SAMPLE_STRIDE = 32       # element counts per exponent are estimated on every 32nd element

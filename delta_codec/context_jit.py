@@ -5,8 +5,8 @@ Classes as in context.py, with at most two thresholds t1 > t2 (one threshold: t2
 class 2 is empty): class 0 has exponent >= t1, class 1 t2 <= exponent < t1, class 2 < t2.
 Two passes, both sides:
   1. over the chunk: per 64-element word, the membership bits of S_1 = {e < t1} and
-     S_2 = {e < t2} and the counts of each before the word (compares into byte flags, which
-     LLVM vectorises, then 8 flags to 8 bits by one multiply);
+     S_2 = {e < t2} (each one 64-lane vector compare, _lt64) and the counts of each before
+     the word;
   2. over the changes only: a class-k rank is a difference of those counts plus a popcount
      inside the word (encoder, branch-free per change); the decoder walks each class's
      increasing ranks over the word counts and selects the bit inside the word.
@@ -31,7 +31,8 @@ try:
 except ImportError:  # (numpy fallback in context.py)
     numba = None
 
-available = numba is not None and MAX_THRESHOLDS <= 2  # (the kernels have three classes)
+KMAX = 4  # thresholds the kernels handle (their per-thread arrays are this size)
+available = numba is not None and MAX_THRESHOLDS <= KMAX
 enabled = available  # (tests switch it off to compare with the numpy path)
 
 
@@ -39,7 +40,6 @@ _L8, _H8 = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080)
 _M1, _M2, _M4 = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333), np.uint64(0x0F0F0F0F0F0F0F0F)
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 _BIG = 1 << 62
-_GATHER = np.uint64(0x0102040810204080)  # (w * _GATHER) >> 56: bit i = byte i's low bit
 _SEL8 = np.zeros(256 * 8, np.uint8)  # _SEL8[8 * byte + j]: bit index of the byte's j-th set bit
 for _b in range(256):
     for _j, _bit in enumerate(i for i in range(8) if _b >> i & 1):
@@ -58,6 +58,8 @@ def _pop(x):
 
 
 if numba is not None:
+    from llvmlite import ir
+
     @intrinsic
     def _ctpop(typingctx, x):
         """LLVM's popcount: one instruction where the CPU has it (the SWAR above otherwise)."""
@@ -67,11 +69,57 @@ if numba is not None:
 
     def _popc(x):
         return np.int64(_ctpop(x))
+
+    @intrinsic
+    def _lt64(typingctx, arr, start, em, t):
+        """Bit i: (arr[start + i] & em) < t (unsigned), for i < 64; arr[start: start + 64] must
+        exist. One compare of a 64-lane vector, its lane bits as the word: LLVM makes it a few
+        vector compares into mask registers (AVX-512) or compares and movemasks (AVX2); the
+        loop over byte flags it replaces cost twice as much."""
+        def codegen(context, builder, signature, args):
+            arrty = signature.args[0]
+            lty = context.get_value_type(arrty.dtype)
+            vty = ir.VectorType(lty, 64)
+            data = context.make_array(arrty)(context, builder, args[0]).data
+            v = builder.load(builder.bitcast(builder.gep(data, [args[1]]), vty.as_pointer()), align=1)
+
+            def splat(val, ty):
+                one = builder.insert_element(ir.Constant(vty, ir.Undefined), context.cast(builder, val, ty, arrty.dtype),
+                                             ir.Constant(ir.IntType(32), 0))
+                return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
+                                              ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64))
+            lt = builder.icmp_unsigned("<", builder.and_(v, splat(args[2], signature.args[2])),
+                                       splat(args[3], signature.args[3]))
+            return builder.bitcast(lt, ir.IntType(64))
+        return types.uint64(arr, types.intp, em, t), codegen
+
+    @intrinsic
+    def _pdep(typingctx, src, mask):
+        """BMI2's parallel bit deposit (only compiled where the CPU has it: see _sel)."""
+        def codegen(context, builder, signature, args):
+            from numba.core import cgutils
+            fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(64)])
+            return builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.bmi.pdep.64"), args)
+        return types.uint64(types.uint64, types.uint64), codegen
+
+    @intrinsic
+    def _cttz(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+        return types.uint64(types.uint64), codegen
+
+    try:
+        import llvmlite.binding as _llvm
+        # (Zen 1/2 have BMI2 but a microcoded pdep, slower than the portable select)
+        _BMI2 = bool(_llvm.get_host_cpu_features().get("bmi2")) and _llvm.get_host_cpu_name() not in ("znver1", "znver2")
+    except Exception:  # (unknown host: the portable select)
+        _BMI2 = False
 else:
     _popc = _pop
+    _BMI2 = False
 
 
-def _sel(x, j, tab):
+def _sel_swar(x, j, tab):
     """Bit index of x's j-th set bit (j < popcount(x)), branch-free: the byte whose running
     popcount passes j, then a table."""
     run = _bytepop(x) * _L8  # byte i: set bits in bytes 0..i (<= 64: no carries)
@@ -83,84 +131,93 @@ def _sel(x, j, tab):
     return np.int64(sh) + np.int64(tab[np.int64(xb * np.uint64(8) + ju - prev)])
 
 
-def _masks(u, em, t1, t2, m1, m2, cum1, cum2):
-    """Pass 1: m1[w], m2[w]: S_1, S_2 membership bits of word w (0 past the chunk's end);
-    cum1[w], cum2[w]: members of S_1, S_2 before word w (w <= number of words)."""
+def _sel_bmi2(x, j, tab):
+    """The same with BMI2: deposit bit j into x's set bits, then its index (two instructions)."""
+    return np.int64(_cttz(_pdep(np.uint64(1) << np.uint64(j), x)))
+
+
+_sel = _sel_bmi2 if _BMI2 else _sel_swar
+
+
+def _masks(u, em, ts, nt, m, cum):
+    """Pass 1: m[t, w]: membership bits of S_t = {e < ts[t]} in word w (0 past the chunk's end);
+    cum[t, w]: members of S_t before word w (w <= number of words); t < nt."""
     n = u.size
     nw = (n + 63) // 64
-    f1 = np.zeros(64, np.uint8)
-    f2 = np.zeros(64, np.uint8)
-    g1 = f1.view(np.uint64)
-    g2 = f2.view(np.uint64)
-    s1 = 0
-    s2 = 0
-    for w in range(nw):
-        lo = w * 64
-        if lo + 64 <= n:
-            for i in range(64):  # (fixed trip count: vectorised)
-                e = u[lo + i] & em
-                f1[i] = e < t1
-                f2[i] = e < t2
-        else:
-            for i in range(64):
-                f1[i] = 0
-                f2[i] = 0
+    s = np.zeros(KMAX, np.int64)
+    for w in range(n // 64):
+        for t in range(nt):
+            a = _lt64(u, w * 64, em, ts[t])
+            m[t, w] = a
+            cum[t, w] = s[t]
+            s[t] += _popc(a)
+    if n % 64:  # the last, partial word
+        lo = n - n % 64
+        for t in range(nt):
+            a = np.uint64(0)
             for i in range(n - lo):
-                e = u[lo + i] & em
-                f1[i] = e < t1
-                f2[i] = e < t2
-        a1 = np.uint64(0)
-        a2 = np.uint64(0)
-        for k in range(8):
-            a1 |= ((g1[k] * _GATHER) >> np.uint64(56)) << np.uint64(8 * k)
-            a2 |= ((g2[k] * _GATHER) >> np.uint64(56)) << np.uint64(8 * k)
-        m1[w] = a1
-        m2[w] = a2
-        cum1[w] = s1
-        cum2[w] = s2
-        s1 += _popc(a1)
-        s2 += _popc(a2)
-    cum1[nw] = s1
-    cum2[nw] = s2
+                a |= np.uint64((u[lo + i] & em) < ts[t]) << np.uint64(i)
+            m[t, nw - 1] = a
+            cum[t, nw - 1] = s[t]
+            s[t] += _popc(a)
+    for t in range(nt):
+        cum[t, nw] = s[t]
+        for w in range(nw, m.shape[1]):  # (padding to whole superblocks)
+            m[t, w] = 0
 
 
-def _enc(u, em, t1, t2, pos, out_pos, out_rank, starts, sizes, m1, m2, cum1, cum2):
+def _before(k, w, n, nt, cum):
+    """Class k's members before word w (w <= number of words)."""
+    if k == 0:
+        return min(w * 64, n) - cum[0, w]
+    if k < nt:
+        return cum[k - 1, w] - cum[k, w]
+    return cum[nt - 1, w]
+
+
+def _word_k(k, w, nt, m):
+    """Class k's membership bits of word w (words past the chunk are padded with 0s)."""
+    if k == 0:  # (bits past the chunk's end are set here, but never selected: they are above
+        return ~m[0, w]  # every member of the last word, and the counts come from cum)
+    if k < nt:
+        return m[k - 1, w] & ~m[k, w]
+    return m[nt - 1, w]
+
+
+def _enc(u, em, ts, nt, pos, out_pos, out_rank, starts, sizes, m, cum):
     """pos: sorted changed positions -> out_pos/out_rank in class order (class 0's by position,
-    then class 1's ...), starts[k]: class k's first index there; sizes: class member counts."""
-    m = pos.size
+    then class 1's ...), starts[k]: class k's first index there; sizes: class member counts.
+    A change's class c is how many S_t hold it; with S[0] = p, S[t + 1] = members of S_t before
+    p and S[nt + 1] = 0, its rank is S[c] - S[c + 1] (no branch)."""
+    mm = pos.size
     n = u.size
-    _masks(u, em, t1, t2, m1, m2, cum1, cum2)
-    ci = np.empty(m, np.uint8)
-    rk = np.empty(m, np.int64)
-    n1 = 0
-    n2 = 0
-    for j in range(m):
+    nw = (n + 63) // 64
+    _masks(u, em, ts, nt, m, cum)
+    ci = np.empty(mm, np.uint8)
+    rk = np.empty(mm, np.int64)
+    nk = np.zeros(KMAX + 1, np.int64)
+    S = np.zeros(KMAX + 2, np.int64)
+    for j in range(mm):
         p = pos[j]
         w = p >> 6
         b = np.uint64(p & 63)
         below = (np.uint64(1) << b) - np.uint64(1)
-        a1 = m1[w]
-        a2 = m2[w]
-        x1 = np.int64((a1 >> b) & np.uint64(1))
-        x2 = np.int64((a2 >> b) & np.uint64(1))
-        s1 = cum1[w] + _popc(a1 & below)  # members of S_1, S_2 before p
-        s2 = cum2[w] + _popc(a2 & below)
-        r0 = p - s1
-        r1 = s1 - s2
-        rk[j] = r0 + x1 * (r1 - r0) + x2 * (s2 - r1)  # (class 0, 1, 2: x1 + x2)
-        ci[j] = x1 + x2
-        n1 += x1
-        n2 += x2
-    nw = (n + 63) // 64
-    sizes[0] = n - cum1[nw]
-    sizes[1] = cum1[nw] - cum2[nw]
-    sizes[2] = cum2[nw]
+        c = 0
+        S[0] = p
+        for t in range(nt):
+            a = m[t, w]
+            c += np.int64((a >> b) & np.uint64(1))
+            S[t + 1] = cum[t, w] + _popc(a & below)
+        S[nt + 1] = 0
+        rk[j] = S[c] - S[c + 1]
+        ci[j] = c
+        nk[c] += 1
     starts[0] = 0
-    starts[1] = m - n1
-    starts[2] = m - n2
-    starts[3] = m
-    f = starts[:3].copy()
-    for j in range(m):
+    for k in range(nt + 1):
+        sizes[k] = _before(k, nw, n, nt, cum)
+        starts[k + 1] = starts[k] + nk[k]
+    f = starts[:nt + 1].copy()
+    for j in range(mm):
         c = ci[j]
         out_pos[f[c]] = pos[j]
         out_rank[f[c]] = rk[j]
@@ -170,27 +227,7 @@ def _enc(u, em, t1, t2, pos, out_pos, out_rank, starts, sizes, m1, m2, cum1, cum
 SB = 4  # words per superblock of the decoder's rank -> word search
 
 
-def _before(k, w, n, cum1, cum2):
-    """Class k's members before word w (w <= number of words)."""
-    if k == 0:
-        return min(w * 64, n) - cum1[w]
-    if k == 1:
-        return cum1[w] - cum2[w]
-    return cum2[w]
-
-
-def _word_k(k, w, n, m1, m2):
-    """Class k's membership bits of word w (0 past the chunk's end: the words are padded)."""
-    if k == 0:
-        left = min(max(n - w * 64, 0), 64)
-        valid = ((np.uint64(1) << np.uint64(left & 63)) - np.uint64(1)) | (_ALL * np.uint64(left >= 64))
-        return ~m1[w] & valid
-    if k == 1:
-        return m1[w] & ~m2[w]
-    return m2[w]
-
-
-def _dec(u, em, t1, t2, ranks, starts, out, found, sizes, tab, m1, m2, cum1, cum2, sbk, sbi):
+def _dec(u, em, ts, nt, ranks, starts, out, found, sizes, m, cum, sbk, sbi):
     """ranks: each class's strictly increasing ranks, class k's at starts[k]:starts[k+1] ->
     out: their positions, same layout; found[k]: how many of class k's ranks were found (fewer
     than given: a rank beyond the class); sizes: class member counts.
@@ -200,16 +237,16 @@ def _dec(u, em, t1, t2, ranks, starts, out, found, sizes, tab, m1, m2, cum1, cum
     n = u.size
     nw = (n + 63) // 64
     nsb = (nw + SB - 1) // SB
-    _masks(u, em, t1, t2, m1, m2, cum1, cum2)
-    for w in range(nw, nsb * SB):
-        m1[w] = 0
-        m2[w] = 0
-    for k in range(3):
+    _masks(u, em, ts, nt, m, cum)
+    for k in range(nt + 1):
         s = starts[k]
         e = starts[k + 1]
-        sizes[k] = _before(k, nw, n, cum1, cum2)
+        sizes[k] = _before(k, nw, n, nt, cum)
+        if s == e:
+            found[k] = 0
+            continue
         for q in range(nsb):
-            sbk[q] = _before(k, q * SB, n, cum1, cum2)
+            sbk[q] = _before(k, q * SB, n, nt, cum)
         sbk[nsb] = sizes[k]
         sbk[nsb + 1] = _BIG  # (the merge stops at nsb: beyond the class)
         q = 0
@@ -228,10 +265,10 @@ def _dec(u, em, t1, t2, ranks, starts, out, found, sizes, tab, m1, m2, cum1, cum
                 break
             j = ranks[i] - sbk[q]
             w0 = q * SB
-            x0 = _word_k(k, w0, n, m1, m2)
-            x1 = _word_k(k, w0 + 1, n, m1, m2)
-            x2 = _word_k(k, w0 + 2, n, m1, m2)
-            x3 = _word_k(k, w0 + 3, n, m1, m2)
+            x0 = _word_k(k, w0, nt, m)
+            x1 = _word_k(k, w0 + 1, nt, m)
+            x2 = _word_k(k, w0 + 2, nt, m)
+            x3 = _word_k(k, w0 + 3, nt, m)
             p1 = _popc(x0)
             p2 = p1 + _popc(x1)
             p3 = p2 + _popc(x2)
@@ -240,7 +277,7 @@ def _dec(u, em, t1, t2, ranks, starts, out, found, sizes, tab, m1, m2, cum1, cum
             h3 = np.int64(p3 <= j)
             x = x0 + np.uint64(h1) * (x1 - x0) + np.uint64(h2) * (x2 - x1) + np.uint64(h3) * (x3 - x2)
             pre = h1 * p1 + h2 * (p2 - p1) + h3 * (p3 - p2)
-            out[i] = (w0 + h1 + h2 + h3) * 64 + _sel(x, j - pre, tab)
+            out[i] = (w0 + h1 + h2 + h3) * 64 + _sel(x, j - pre, _SEL8)
         found[k] = f
 
 
@@ -254,50 +291,45 @@ if available:
 
 def _args(b: np.ndarray, shift: int, thresholds: list[int]):
     """Unsigned view, |bits| mask, thresholds on |bits| (|bits| < t << shift: exponent < t; one
-    mask and compare per element, no shift)."""
+    mask and compare per element, no shift), their count."""
     u = b.view(UNSIGNED_INT[b.itemsize])
-    t = u.dtype.type
-    t1 = thresholds[0]
-    t2 = thresholds[1] if len(thresholds) > 1 else 0
-    return u, t((1 << (8 * b.itemsize - 1)) - 1), t(t1 << shift), t(t2 << shift)
+    ts = np.zeros(KMAX, u.dtype)
+    ts[:len(thresholds)] = [t << shift for t in thresholds]
+    return u, u.dtype.type((1 << (8 * b.itemsize - 1)) - 1), ts, len(thresholds)
 
 
-def _temps(n: int):
+def _temps(n: int, nt: int):
     """Pass 1's words (padded to whole superblocks) and counts, in the worker's Scratch."""
     alloc, nw = scratch(), (n + 63) // 64
     nwp = -(-nw // SB) * SB
-    return (alloc("jit.m1", nwp, np.uint64), alloc("jit.m2", nwp, np.uint64),
-            alloc("jit.cum1", nw + 1, np.int64), alloc("jit.cum2", nw + 1, np.int64))
+    return (alloc("jit.m", nt * nwp, np.uint64).reshape(nt, nwp), alloc("jit.cum", nt * (nw + 1), np.int64).reshape(nt, nw + 1))
 
 
 def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[int]):
     """-> (positions in class order, their ranks within their class, class bounds (K + 2),
     class sizes (K + 1))."""
-    u, em, t1, t2 = _args(b, shift, thresholds)
+    u, em, ts, nt = _args(b, shift, thresholds)
     out_pos = np.empty(pos.size, np.int64)
     out_rank = np.empty(pos.size, np.int64)
-    starts = np.empty(4, np.int64)
-    sizes = np.empty(3, np.int64)
-    _enc(u, em, t1, t2, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes, *_temps(u.size))
-    k = len(thresholds) + 1
-    return out_pos, out_rank, starts[:k + 1].tolist(), sizes[:k].tolist()
+    starts = np.zeros(KMAX + 2, np.int64)
+    sizes = np.zeros(KMAX + 1, np.int64)
+    _enc(u, em, ts, nt, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes, *_temps(u.size, nt))
+    return out_pos, out_rank, starts[:nt + 2].tolist(), sizes[:nt + 1].tolist()
 
 
 def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndarray]):
-    """parts[k]: class k's strictly increasing ranks -> (positions in class order, ranks found
-    per class, class sizes)."""
-    u, em, t1, t2 = _args(b, shift, thresholds)
-    parts = [*parts, *[np.zeros(0, np.int64)] * (3 - len(parts))]
+    """parts[k]: class k's strictly increasing ranks (K + 1 of them) -> (positions in class
+    order, ranks found per class, class sizes)."""
+    u, em, ts, nt = _args(b, shift, thresholds)
     starts = np.cumsum([0, *(p.size for p in parts)]).astype(np.int64)
     ranks = np.concatenate(parts).astype(np.int64, copy=False)
     out = np.empty(ranks.size, np.int64)
-    found = np.zeros(3, np.int64)
-    sizes = np.zeros(3, np.int64)
+    found = np.zeros(KMAX + 1, np.int64)
+    sizes = np.zeros(KMAX + 1, np.int64)
     alloc, nsb = scratch(), -(-u.size // (64 * SB))
-    _dec(u, em, t1, t2, ranks, starts, out, found, sizes, _SEL8, *_temps(u.size), alloc("jit.sbk", nsb + 2, np.int64),
+    _dec(u, em, ts, nt, ranks, starts, out, found, sizes, *_temps(u.size, nt), alloc("jit.sbk", nsb + 2, np.int64),
          alloc("jit.sbi", ranks.size, np.int64))
-    k = len(thresholds) + 1
-    return out, found[:k].tolist(), sizes[:k].tolist()
+    return out, found[:nt + 1].tolist(), sizes[:nt + 1].tolist()
 
 
 def warm() -> None:
