@@ -34,7 +34,7 @@ import numpy as np
 from .bits import UNSIGNED_INT, fresh
 from .errors import DeltaError
 
-MAX_THRESHOLDS = 3       # at most 4 classes: each threshold is one more vector compare per 64 elements on both sides and one more class pass in the decoder; 2 leave a clearly wider gap to the conditional bound (docs/benchmarks.md)
+MAX_THRESHOLDS = 4       # at most 5 classes: each threshold is one more vector compare per 64 elements on both sides and one more class pass in the decoder; fewer leave more than half a bit per change to the conditional bound at ~1 % changed (tests/test_delta_context_bits.py)
 MIN_CHANGES = 64         # fewer changes: the class headers cost more than they save
 CLASS_COST_BITS = 512    # a class's header and decode pass, in bits, charged when choosing thresholds
 SAMPLE_STRIDE = 32       # element counts per exponent are estimated on every 32nd element
