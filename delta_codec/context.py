@@ -18,8 +18,9 @@ running sum give how many members precede each word, so a rank is a binary searc
 sums plus a select inside one word (branch-free, on the byte popcounts of the word; encoder:
 a popcount below the bit). The work is one shift and K compare passes over the chunk plus
 O(changes); no sort or nonzero over the whole chunk. This numpy path is the fallback and the
-reference: with numba installed, context_jit.py does the same in one compiled pass per chunk
-(no masks kept, no running sums, no binary search), with the same bytes and results.
+reference: with numba installed, context_jit.py does the same in two compiled passes per chunk
+(the class words by vector compares, then work per change only), with the same bytes and
+results.
 
 On a GPU the same steps are data-parallel: the compares and per-word popcounts are one
 elementwise kernel, the running sums one scan, and each change's rank -> position a binary

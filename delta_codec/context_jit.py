@@ -1,20 +1,20 @@
 """Compiled (numba) rank <-> position for CLASSED chunks (context.py's numpy path is the
 fallback and the reference; both give the same bytes and the same applied state).
 
-Classes as in context.py, with at most two thresholds t1 > t2 (one threshold: t2 = 0, so
-class 2 is empty): class 0 has exponent >= t1, class 1 t2 <= exponent < t1, class 2 < t2.
+Classes as in context.py: thresholds t_1 > ... > t_K (K <= KMAX), nested sets
+S_t = {e < t_t}; class 0 is outside S_1, class k in S_k but not S_{k+1}, class K in S_K.
 Two passes, both sides:
-  1. over the chunk: per 64-element word, the membership bits of S_1 = {e < t1} and
-     S_2 = {e < t2} (each one 64-lane vector compare, _lt64) and the counts of each before
-     the word;
-  2. over the changes only: a class-k rank is a difference of those counts plus a popcount
-     inside the word (encoder, branch-free per change); the decoder walks each class's
-     increasing ranks over the word counts and selects the bit inside the word.
-Pass 1 costs about a fifth of a nanosecond per element; pass 2 is O(changes + words), with no
-per-word branch that depends on where the changes are (those mispredicted on most words at
-~1 % changed). nogil, so apply threads run side by side; cache=True keeps the compiled code
-across processes. Temporaries (2 words + 2 counts per 64 elements) live in the worker's
-Scratch.
+  1. over the chunk: per 64-element word, the membership bits of each S_t (one 64-lane vector
+     compare each, _lt64) and the members of each before the word;
+  2. over the changes only. Encoder: a change's class is how many S_t hold it, its rank a
+     difference of two of those counts plus popcounts inside its word (no branch per change).
+     Decoder, per class: a branch-free merge of its increasing ranks with its counts per
+     superblock of SB words, then the word inside the superblock from SB popcounts and the
+     bit from a select (BMI2's pdep where the CPU has a fast one, else a SWAR select).
+O(chunk / 64 + changes) after the compares; no branch that depends on where the changes are
+(the earlier single pass mispredicted on most words at ~1 % changed). nogil, so apply threads
+run side by side; cache=True keeps the compiled code across processes. Temporaries (K words
+and K counts per 64 elements) live in the worker's Scratch.
 """
 from __future__ import annotations
 
