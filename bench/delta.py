@@ -9,6 +9,11 @@ normal per step (Adam normalises per element, so what matters for bit flips is t
 ~lr, not the gradient scale). After warm-up steps, one step is measured per lr: the bf16 cast
 before vs after the step is the delta a trainer publishes.
 
+With `--states DIR` nothing is stepped here: DIR holds real before/after states as
+`bench.realmodel --out DIR` saves them (base.safetensors and one lr<lr>.safetensors per lr, the
+state after that run's RL steps from the base), and each lr's row is the delta base -> that
+state (the cumulative change of the run's steps, what a worker that missed them fetches).
+
 Reports per lr, for the codec (format 3, positions coded in the context of the base) and for
 format 2's coding of the same update (`encode_delta`'s default, context=False: the same chunk
 records a format-2 build wrote; format 3 here is `context=True`): changed_frac, bits_per_changed, ratio (encoded / full bf16
@@ -37,6 +42,7 @@ import zstandard
 
 from delta_codec import Delta, apply_delta, encode_delta
 from delta_codec import context_jit
+from delta_codec.bits import exponent_shift, int_view
 from delta_codec.modes import NONE
 from delta_codec.record import chunks_of
 from delta_codec.tasks import default_threads
@@ -76,6 +82,32 @@ def load_weights(path: str) -> dict[str, torch.Tensor]:
             if v.dtype.is_floating_point:
                 out[k] = v.float()
     return out
+
+
+def load_states(folder: str) -> tuple[dict[str, torch.Tensor], list[tuple[float, dict[str, torch.Tensor]]]]:
+    """-> (base state, [(lr, state after that lr's run)] by lr) from a `bench.realmodel --out`
+    folder: base.safetensors and lr<lr>.safetensors."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    p = Path(folder)
+    if not (p / "base.safetensors").is_file():
+        raise SystemExit(f"{folder}: no base.safetensors (save states with `python -m bench.realmodel --out DIR`)")
+    base = load_file(str(p / "base.safetensors"))
+    runs = []
+    for f in p.glob("lr*.safetensors"):
+        try:
+            lr = float(f.name[2:-len(".safetensors")])
+        except ValueError:
+            continue
+        after = load_file(str(f))
+        if after.keys() != base.keys() or any(after[k].dtype != base[k].dtype or after[k].shape != base[k].shape
+                                              for k in base):
+            raise SystemExit(f"{f}: tensor names, dtypes or shapes differ from base.safetensors")
+        runs.append((lr, after))
+    if not runs:
+        raise SystemExit(f"{folder}: no lr<lr>.safetensors next to base.safetensors")
+    return base, sorted(runs, key=lambda r: r[0])
 
 
 def bf16(params) -> dict[str, torch.Tensor]:
@@ -137,12 +169,20 @@ def _entropy(c: np.ndarray, n: np.ndarray) -> float:
 
 def conditional_position_entropy(before, after) -> float:
     """Bits to code which elements changed, knowing each element's base exponent, per tensor
-    (the entropy of the change mask conditioned on the exponent): the bound format 3 aims at."""
+    (the entropy of the change mask conditioned on the exponent): the bound format 3 aims at.
+    Float tensors of any width (the exponent of |bits|); other dtypes by the i.i.d. entropy."""
     total = 0.0
     for k in after:
-        b, n = bits_u16(before[k]), bits_u16(after[k])
-        e = (b >> 7) & 0xFF
-        total += _entropy(np.bincount(e, weights=b != n, minlength=256), np.bincount(e, minlength=256).astype(float))
+        bt, nt = before[k].reshape(-1), after[k].reshape(-1)
+        w = bt.element_size()
+        b = int_view(bt).numpy().view(f"u{w}")
+        ch = b != int_view(nt).numpy().view(f"u{w}")
+        shift = exponent_shift(bt.dtype)
+        if shift is None:
+            total += _entropy(np.array([ch.sum()]), np.array([float(ch.size)]))
+            continue
+        e = ((b & b.dtype.type((1 << (8 * w - 1)) - 1)) >> b.dtype.type(shift)).astype(np.int64)
+        total += _entropy(np.bincount(e, weights=ch), np.bincount(e).astype(float))
     return total
 
 
@@ -167,14 +207,19 @@ def median_time(fn, reps: int, setup=None) -> tuple[float, float]:
 
 def run_lr(init, lr: float, args) -> dict:
     before, after = rl_update(init, lr, args.warmup, args.seed)
-    full = sum(t.numel() * 2 for t in after.values())
-    d = encode_delta(before, after, from_version=args.warmup, to_version=args.warmup + 1, context=True)
+    return measure(before, after, lr, args)
+
+
+def measure(before, after, lr: float, args) -> dict:
+    """One row: format 3 and format 2 on the update before -> after (same names and dtypes)."""
+    full = sum(t.numel() * t.element_size() for t in after.values())
+    d = encode_delta(before, after, from_version=0, to_version=1, context=True)
     blob = d.to_bytes()
     st = d.stats
     # exactness check on the measured pair: the bench reports nothing for a lossy codec
     state = {k: v.clone() for k, v in before.items()}
     apply_delta(state, Delta.from_bytes(blob))
-    assert all(torch.equal(state[k].view(torch.int16), after[k].view(torch.int16)) for k in after)
+    assert all(torch.equal(int_view(state[k]), int_view(after[k])) for k in after)
     blob2 = encode_delta(before, after).to_bytes()
     fresh_state = lambda: {k: v.clone() for k, v in before.items()}  # noqa: E731
     enc_s, enc_cpu = median_time(lambda _: encode_delta(before, after, context=True).to_bytes(), args.reps)
@@ -187,7 +232,7 @@ def run_lr(init, lr: float, args) -> dict:
     entropy_pos = (-(p * math.log2(p) + (1 - p) * math.log2(1 - p)) / p) if 0 < p < 1 else 0.0
     cond = conditional_position_entropy(before, after) / m
     pos_bits = 8 * (len(blob) - value_bytes(Delta.from_bytes(blob))) / m
-    base = baselines(before, after)
+    base = baselines(before, after) if all(t.element_size() == 2 for t in after.values()) else {}
     return {"lr": lr, "params": st.total, "full_bytes": full, "changed": st.changed, "changed_frac": p,
             "encoded_bytes": len(blob), "bits_per_changed": 8 * len(blob) / m,
             "position_entropy_bits": entropy_pos, "position_entropy_cond_bits": cond,
@@ -196,7 +241,7 @@ def run_lr(init, lr: float, args) -> dict:
             "format2": {"encoded_bytes": len(blob2), "bits_per_changed": 8 * len(blob2) / m, "ratio": len(blob2) / full,
                         "encode_gb_s": full / enc2_s / 1e9, "apply_gb_s": full / app2_s / 1e9,
                         "encode_gb_cpu_s": full / enc2_cpu / 1e9, "apply_gb_cpu_s": full / app2_cpu / 1e9},
-            "margin_over_fair_baseline": base["uint16_gap_int16_diff_zstd"] / (len(blob) / full),
+            "margin_over_fair_baseline": (base["uint16_gap_int16_diff_zstd"] / (len(blob) / full)) if base else None,
             "encode_gb_s": full / enc_s / 1e9, "apply_gb_s": full / app_s / 1e9,
             # per CPU-second: what one core does, robust to other load on a shared machine
             "encode_gb_cpu_s": full / enc_cpu / 1e9, "apply_gb_cpu_s": full / app_cpu / 1e9,
@@ -205,7 +250,7 @@ def run_lr(init, lr: float, args) -> dict:
             "baselines": base}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print only the JSON result line")
     ap.add_argument("--d-model", type=int, default=768)
@@ -217,13 +262,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weights", help="safetensors file or folder of them (real weights; default: synthetic)")
-    args = ap.parse_args()
+    ap.add_argument("--states", help="folder of real before/after states from `bench.realmodel --out` (no AdamW "
+                                     "step here; --lrs, --weights and the model sizes are ignored)")
+    args = ap.parse_args(argv)
     context_jit.warm()  # compile (or load the cached kernels) before anything is timed
-    init = (load_weights(args.weights) if args.weights
-            else transformer_params(args.d_model, args.layers, args.vocab, args.ff_mult, args.seed))
+    if args.states:
+        base, pairs = load_states(args.states)
+        rows = ((lr, lambda after=after, lr=lr: measure(base, after, lr, args)) for lr, after in pairs)
+    else:
+        init = (load_weights(args.weights) if args.weights
+                else transformer_params(args.d_model, args.layers, args.vocab, args.ff_mult, args.seed))
+        rows = ((lr, lambda lr=lr: run_lr(init, lr, args)) for lr in args.lrs)
     runs = []
-    for lr in args.lrs:
-        r = run_lr(init, lr, args)
+    for lr, row in rows:
+        r = row()
         runs.append(r)
         if not args.json:
             b = r["baselines"]
@@ -231,13 +283,14 @@ def main() -> None:
                   f"bits/changed={r['bits_per_changed']:.2f} (format 2: {r['format2']['bits_per_changed']:.2f}; "
                   f"positions {r['position_bits_per_changed']:.2f}, conditional bound "
                   f"{r['position_entropy_cond_bits']:.2f}, i.i.d. {r['position_entropy_bits']:.2f}) "
-                  f"margin over fair baseline {r['margin_over_fair_baseline']:.2f}x "
-                  f"ratio={r['ratio']:.4%} encode={r['encode_gb_s']:.2f} GB/s ({r['encode_gb_cpu_s']:.2f}/cpu-s) "
+                  + (f"margin over fair baseline {r['margin_over_fair_baseline']:.2f}x " if b else "")
+                  + f"ratio={r['ratio']:.4%} encode={r['encode_gb_s']:.2f} GB/s ({r['encode_gb_cpu_s']:.2f}/cpu-s) "
                   f"apply={r['apply_gb_s']:.2f} GB/s ({r['apply_gb_cpu_s']:.2f}/cpu-s) threads={r['threads']} "
                   f"load={r['load_avg_1m']:.1f} | "
                   + " ".join(f"{k}={v:.4%}" for k, v in b.items()), flush=True)
     print(json.dumps({"runs": runs, "baselines": {str(r["lr"]): r["baselines"] for r in runs},
-                      "weights": args.weights or "synthetic"}))
+                      "weights": args.states or args.weights or "synthetic",
+                      "source": "states" if args.states else "adamw_step"}))
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ running sum give how many members precede each word, so a rank is a binary searc
 sums plus a select inside one word (branch-free, on the byte popcounts of the word; encoder:
 a popcount below the bit). The work is one shift and K compare passes over the chunk plus
 O(changes); no sort or nonzero over the whole chunk. This numpy path is the fallback and the
-reference: with numba installed, context_jit.py does the same in one compiled pass per chunk
-(no masks kept, no running sums, no binary search), with the same bytes and results.
+reference: with numba installed, context_jit.py does the same in two compiled passes per chunk
+(the class words by vector compares, then work per change only), with the same bytes and
+results.
 
 On a GPU the same steps are data-parallel: the compares and per-word popcounts are one
 elementwise kernel, the running sums one scan, and each change's rank -> position a binary
@@ -34,7 +35,7 @@ import numpy as np
 from .bits import UNSIGNED_INT, fresh
 from .errors import DeltaError
 
-MAX_THRESHOLDS = 2       # at most 3 classes: each threshold is one byte compare + packbits per chunk on both sides (3: ~0.1 bit smaller, slower)
+MAX_THRESHOLDS = 4       # at most 5 classes: each threshold is one more vector compare per 64 elements on both sides and one more class pass in the decoder; fewer leave more than half a bit per change to the conditional bound at ~1 % changed (tests/test_delta_context_bits.py)
 MIN_CHANGES = 64         # fewer changes: the class headers cost more than they save
 CLASS_COST_BITS = 512    # a class's header and decode pass, in bits, charged when choosing thresholds
 SAMPLE_STRIDE = 32       # element counts per exponent are estimated on every 32nd element
@@ -95,7 +96,7 @@ class Classes:
             out = self._alloc(f"ctx.before{k}", self.nwords + 1, np.int64)
             out[0] = 0
             pc = np.bitwise_count(self.words(k, None))
-            out[1:] = pc  # widened, then summed in place (see codec.prefix_sum)
+            out[1:] = pc  # widened, then summed in place (see positions.prefix_sum)
             np.cumsum(out[1:], out=out[1:])
             self._before[k] = out
         return self._before[k]

@@ -1,16 +1,20 @@
-"""Compiled (numba) rank <-> position for CLASSED chunks: one pass over the chunk's base bits,
-no class masks, running sums or binary search (context.py's numpy path is the fallback and the
-reference; both give the same bytes and the same applied state).
+"""Compiled (numba) rank <-> position for CLASSED chunks (context.py's numpy path is the
+fallback and the reference; both give the same bytes and the same applied state).
 
-Classes as in context.py, with at most two thresholds t1 > t2 (one threshold: t2 = 0, so
-class 2 is empty): class 0 has exponent >= t1, class 1 t2 <= exponent < t1, class 2 < t2.
-Both kernels count S_1 = {e < t1} and S_2 = {e < t2} in straight-line loops that LLVM
-vectorises; a class-k rank is then a difference of those counts:
-  encoder: walk the changes in order; the counts over the gap before each change give its rank.
-  decoder: walk the chunk in small blocks; a block is counted whole (vectorised) unless it holds
-           a class's next wanted rank, and only those blocks are walked element by element.
-O(chunk + changes); nogil, so apply threads run side by side; cache=True keeps the compiled
-code across processes.
+Classes as in context.py: thresholds t_1 > ... > t_K (K <= KMAX), nested sets
+S_t = {e < t_t}; class 0 is outside S_1, class k in S_k but not S_{k+1}, class K in S_K.
+Two passes, both sides:
+  1. over the chunk: per 64-element word, the membership bits of each S_t (one 64-lane vector
+     compare each, _lt64) and the members of each before the word;
+  2. over the changes only. Encoder: a change's class is how many S_t hold it, its rank a
+     difference of two of those counts plus popcounts inside its word (no branch per change).
+     Decoder, per class: a branch-free merge of its increasing ranks with its counts per
+     superblock of SB words, then the word inside the superblock from SB popcounts and the
+     bit from a select (BMI2's pdep where the CPU has a fast one, else a SWAR select).
+O(chunk / 64 + changes) after the compares; no branch that depends on where the changes are
+(the earlier single pass mispredicted on most words at ~1 % changed). nogil, so apply threads
+run side by side; cache=True keeps the compiled code across processes. Temporaries (K words
+and K counts per 64 elements) live in the worker's Scratch.
 """
 from __future__ import annotations
 
@@ -18,31 +22,35 @@ import numpy as np
 
 from .bits import UNSIGNED_INT
 from .context import MAX_THRESHOLDS
+from .tasks import scratch
 
 try:
     import numba
+    from numba import types
+    from numba.extending import intrinsic
 
     from .llvmlite_guard import guard_llvmlite_lib
     guard_llvmlite_lib()  # (else vLLM's CPU workers fail to start in a process that imported us)
 except ImportError:  # (numpy fallback in context.py)
     numba = None
 
-available = numba is not None and MAX_THRESHOLDS <= 2  # (the kernels have three classes)
+KMAX = 4  # thresholds the kernels handle (their per-thread arrays are this size)
+available = numba is not None and MAX_THRESHOLDS <= KMAX
 enabled = available  # (tests switch it off to compare with the numpy path)
 
 
 _L8, _H8 = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080)
 _M1, _M2, _M4 = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333), np.uint64(0x0F0F0F0F0F0F0F0F)
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+_BIG = 1 << 62
 _SEL8 = np.zeros(256 * 8, np.uint8)  # _SEL8[8 * byte + j]: bit index of the byte's j-th set bit
 for _b in range(256):
     for _j, _bit in enumerate(i for i in range(8) if _b >> i & 1):
         _SEL8[8 * _b + _j] = _bit
-_BIG = 1 << 62
 
 
 def _bytepop(x):
-    """Per-byte popcounts of a 64-bit word (SWAR: no popcount instruction needed)."""
+    """Per-byte popcounts of a 64-bit word (SWAR)."""
     x = x - ((x >> np.uint64(1)) & _M1)
     x = (x & _M2) + ((x >> np.uint64(2)) & _M2)
     return (x + (x >> np.uint64(4))) & _M4
@@ -52,7 +60,69 @@ def _pop(x):
     return np.int64((_bytepop(x) * _L8) >> np.uint64(56))
 
 
-def _sel(x, j, tab):
+if numba is not None:
+    from llvmlite import ir
+
+    @intrinsic
+    def _ctpop(typingctx, x):
+        """LLVM's popcount: one instruction where the CPU has it (the SWAR above otherwise)."""
+        def codegen(context, builder, signature, args):
+            return builder.ctpop(args[0])
+        return types.uint64(types.uint64), codegen
+
+    def _popc(x):
+        return np.int64(_ctpop(x))
+
+    @intrinsic
+    def _lt64(typingctx, arr, start, em, t):
+        """Bit i: (arr[start + i] & em) < t (unsigned), for i < 64; arr[start: start + 64] must
+        exist. One compare of a 64-lane vector, its lane bits as the word: LLVM makes it a few
+        vector compares into mask registers (AVX-512) or compares and movemasks (AVX2); the
+        loop over byte flags it replaces cost twice as much."""
+        def codegen(context, builder, signature, args):
+            arrty = signature.args[0]
+            lty = context.get_value_type(arrty.dtype)
+            vty = ir.VectorType(lty, 64)
+            data = context.make_array(arrty)(context, builder, args[0]).data
+            v = builder.load(builder.bitcast(builder.gep(data, [args[1]]), vty.as_pointer()), align=1)
+
+            def splat(val, ty):
+                one = builder.insert_element(ir.Constant(vty, ir.Undefined), context.cast(builder, val, ty, arrty.dtype),
+                                             ir.Constant(ir.IntType(32), 0))
+                return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
+                                              ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64))
+            lt = builder.icmp_unsigned("<", builder.and_(v, splat(args[2], signature.args[2])),
+                                       splat(args[3], signature.args[3]))
+            return builder.bitcast(lt, ir.IntType(64))
+        return types.uint64(arr, types.intp, em, t), codegen
+
+    @intrinsic
+    def _pdep(typingctx, src, mask):
+        """BMI2's parallel bit deposit (only compiled where the CPU has it: see _sel)."""
+        def codegen(context, builder, signature, args):
+            from numba.core import cgutils
+            fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(64)])
+            return builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.bmi.pdep.64"), args)
+        return types.uint64(types.uint64, types.uint64), codegen
+
+    @intrinsic
+    def _cttz(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+        return types.uint64(types.uint64), codegen
+
+    try:
+        import llvmlite.binding as _llvm
+        # (Zen 1/2 have BMI2 but a microcoded pdep, slower than the portable select)
+        _BMI2 = bool(_llvm.get_host_cpu_features().get("bmi2")) and _llvm.get_host_cpu_name() not in ("znver1", "znver2")
+    except Exception:  # (unknown host: the portable select)
+        _BMI2 = False
+else:
+    _popc = _pop
+    _BMI2 = False
+
+
+def _sel_swar(x, j, tab):
     """Bit index of x's j-th set bit (j < popcount(x)), branch-free: the byte whose running
     popcount passes j, then a table."""
     run = _bytepop(x) * _L8  # byte i: set bits in bytes 0..i (<= 64: no carries)
@@ -64,223 +134,205 @@ def _sel(x, j, tab):
     return np.int64(sh) + np.int64(tab[np.int64(xb * np.uint64(8) + ju - prev)])
 
 
-BLOCK = 512  # elements per class pass block (its byte flags stay in L1)
-_GATHER = np.uint64(0x0102040810204080)  # (w * _GATHER) >> 56: bit i = byte i's low bit
+def _sel_bmi2(x, j, tab):
+    """The same with BMI2: deposit bit j into x's set bits, then its index (two instructions)."""
+    return np.int64(_cttz(_pdep(np.uint64(1) << np.uint64(j), x)))
 
 
-def _flags(u, lo, em, t1, t2, f1, f2):
-    """f1[i], f2[i]: element lo + i is in S_1, S_2 (0 past the end); one vectorised pass."""
-    cnt = min(BLOCK, u.size - lo)
-    if cnt == BLOCK:
-        for i in range(BLOCK):
-            e = u[lo + i] & em
-            f1[i] = e < t1
-            f2[i] = e < t2
-    else:
-        for i in range(BLOCK):
-            f1[i] = 0
-            f2[i] = 0
-        for i in range(cnt):
-            e = u[lo + i] & em
-            f1[i] = e < t1
-            f2[i] = e < t2
+_sel = _sel_bmi2 if _BMI2 else _sel_swar
 
 
-def _word(g, w):
-    """8 byte flags g[8 w: 8 w + 8] (as words) to 64 bits, a byte per multiply."""
-    a = np.uint64(0)
-    for k in range(8):
-        a |= ((g[w * 8 + k] * _GATHER) >> np.uint64(56)) << np.uint64(8 * k)
-    return a
-
-
-def _cnt(g, w):
-    """How many of the 64 byte flags g[8 w: 8 w + 8] (as words) are set: bytes summed (each
-    <= 8) across the words, then across the bytes by one multiply."""
-    a = g[w * 8]
-    for k in range(1, 8):
-        a += g[w * 8 + k]
-    return np.int64((a * _L8) >> np.uint64(56))
-
-
-def _full(n, lo):
-    """Mask of the word at lo's elements that exist."""
-    left = n - lo
-    return _ALL if left >= 64 else ((np.uint64(1) << np.uint64(max(left, 0))) - np.uint64(1))
-
-
-def _enc(u, em, t1, t2, pos, out_pos, out_rank, starts, sizes):
-    """pos: sorted changed positions -> out_pos/out_rank in class order (class 0's by position,
-    then class 1's ...), starts[k]: class k's first index there; sizes: class member counts."""
-    m = pos.size
+def _masks(u, em, ts, nt, m, cum):
+    """Pass 1: m[t, w]: membership bits of S_t = {e < ts[t]} in word w (0 past the chunk's end);
+    cum[t, w]: members of S_t before word w (w <= number of words); t < nt."""
     n = u.size
-    ci = np.empty(m, np.uint8)
-    rk = np.empty(m, np.int64)
-    c0 = 0
-    c1 = 0
-    c2 = 0
-    nk = np.zeros(3, np.int64)
-    j = 0
-    f1 = np.empty(BLOCK, np.uint8)
-    f2 = np.empty(BLOCK, np.uint8)
-    g1 = f1.view(np.uint64)
-    g2 = f2.view(np.uint64)
-    for w in range((n + 63) // 64):
-        lo = w * 64
-        if lo % BLOCK == 0:
-            _flags(u, lo, em, t1, t2, f1, f2)
-        q = (lo % BLOCK) // 64
-        s1 = _cnt(g1, q)
-        s2 = _cnt(g2, q)
-        if not (j < m and pos[j] < lo + 64):  # no change in this word
-            c0 += min(64, n - lo) - s1
-            c1 += s1 - s2
-            c2 += s2
-            continue
-        m1 = _word(g1, q)
-        m2 = _word(g2, q)
-        k0 = _full(n, lo) & ~m1
-        k1 = m1 & ~m2
-        while j < m and pos[j] < lo + 64:
-            b = np.uint64(pos[j] - lo)
-            below = (np.uint64(1) << b) - np.uint64(1)
-            if (k0 >> b) & np.uint64(1):
-                ci[j] = 0
-                rk[j] = c0 + _pop(k0 & below)
-            elif (k1 >> b) & np.uint64(1):
-                ci[j] = 1
-                rk[j] = c1 + _pop(k1 & below)
-            else:
-                ci[j] = 2
-                rk[j] = c2 + _pop(m2 & below)
-            nk[ci[j]] += 1
-            j += 1
-        c0 += _pop(k0)
-        c1 += _pop(k1)
-        c2 += _pop(m2)
-    sizes[0] = c0
-    sizes[1] = c1
-    sizes[2] = c2
+    nw = (n + 63) // 64
+    s = np.zeros(KMAX, np.int64)
+    for w in range(n // 64):
+        for t in range(nt):
+            a = _lt64(u, w * 64, em, ts[t])
+            m[t, w] = a
+            cum[t, w] = s[t]
+            s[t] += _popc(a)
+    if n % 64:  # the last, partial word
+        lo = n - n % 64
+        for t in range(nt):
+            a = np.uint64(0)
+            for i in range(n - lo):
+                a |= np.uint64((u[lo + i] & em) < ts[t]) << np.uint64(i)
+            m[t, nw - 1] = a
+            cum[t, nw - 1] = s[t]
+            s[t] += _popc(a)
+    for t in range(nt):
+        cum[t, nw] = s[t]
+        for w in range(nw, m.shape[1]):  # (padding to whole superblocks)
+            m[t, w] = 0
+
+
+def _before(k, w, n, nt, cum):
+    """Class k's members before word w (w <= number of words)."""
+    if k == 0:
+        return min(w * 64, n) - cum[0, w]
+    if k < nt:
+        return cum[k - 1, w] - cum[k, w]
+    return cum[nt - 1, w]
+
+
+def _word_k(k, w, nt, m):
+    """Class k's membership bits of word w (words past the chunk are padded with 0s)."""
+    if k == 0:  # (bits past the chunk's end are set here, but never selected: they are above
+        return ~m[0, w]  # every member of the last word, and the counts come from cum)
+    if k < nt:
+        return m[k - 1, w] & ~m[k, w]
+    return m[nt - 1, w]
+
+
+def _enc(u, em, ts, nt, pos, out_pos, out_rank, starts, sizes, m, cum):
+    """pos: sorted changed positions -> out_pos/out_rank in class order (class 0's by position,
+    then class 1's ...), starts[k]: class k's first index there; sizes: class member counts.
+    A change's class c is how many S_t hold it; with S[0] = p, S[t + 1] = members of S_t before
+    p and S[nt + 1] = 0, its rank is S[c] - S[c + 1] (no branch)."""
+    mm = pos.size
+    n = u.size
+    nw = (n + 63) // 64
+    _masks(u, em, ts, nt, m, cum)
+    ci = np.empty(mm, np.uint8)
+    rk = np.empty(mm, np.int64)
+    nk = np.zeros(KMAX + 1, np.int64)
+    S = np.zeros(KMAX + 2, np.int64)
+    for j in range(mm):
+        p = pos[j]
+        w = p >> 6
+        b = np.uint64(p & 63)
+        below = (np.uint64(1) << b) - np.uint64(1)
+        c = 0
+        S[0] = p
+        for t in range(nt):
+            a = m[t, w]
+            c += np.int64((a >> b) & np.uint64(1))
+            S[t + 1] = cum[t, w] + _popc(a & below)
+        S[nt + 1] = 0
+        rk[j] = S[c] - S[c + 1]
+        ci[j] = c
+        nk[c] += 1
     starts[0] = 0
-    starts[1] = nk[0]
-    starts[2] = nk[0] + nk[1]
-    starts[3] = m
-    f = starts[:3].copy()
-    for j in range(m):
+    for k in range(nt + 1):
+        sizes[k] = _before(k, nw, n, nt, cum)
+        starts[k + 1] = starts[k] + nk[k]
+    f = starts[:nt + 1].copy()
+    for j in range(mm):
         c = ci[j]
         out_pos[f[c]] = pos[j]
         out_rank[f[c]] = rk[j]
         f[c] += 1
 
 
-def _dec(u, em, t1, t2, ranks, starts, out, found, sizes, tab):
+SB = 4  # words per superblock of the decoder's rank -> word search
+
+
+def _dec(u, em, ts, nt, ranks, starts, out, found, sizes, m, cum, sbk, sbi):
     """ranks: each class's strictly increasing ranks, class k's at starts[k]:starts[k+1] ->
     out: their positions, same layout; found[k]: how many of class k's ranks were found (fewer
-    than given: a rank beyond the class); sizes: class member counts (the pass runs to the
-    chunk's end for them)."""
+    than given: a rank beyond the class); sizes: class member counts.
+    Per class, without a branch that depends on the data: a merge of the ranks with the class's
+    counts before each superblock of SB words (sbk) gives each rank's superblock (sbi); then
+    the word inside it from SB popcounts, and the bit from _sel."""
     n = u.size
-    c0 = 0
-    c1 = 0
-    c2 = 0
-    i0 = starts[0]
-    i1 = starts[1]
-    i2 = starts[2]
-    e0 = starts[1]
-    e1 = starts[2]
-    e2 = starts[3]
-    w0 = ranks[i0] if i0 < e0 else _BIG
-    w1 = ranks[i1] if i1 < e1 else _BIG
-    w2 = ranks[i2] if i2 < e2 else _BIG
-    f1 = np.empty(BLOCK, np.uint8)
-    f2 = np.empty(BLOCK, np.uint8)
-    g1 = f1.view(np.uint64)
-    g2 = f2.view(np.uint64)
-    for w in range((n + 63) // 64):
-        lo = w * 64
-        if lo % BLOCK == 0:
-            _flags(u, lo, em, t1, t2, f1, f2)
-        q = (lo % BLOCK) // 64
-        s1 = _cnt(g1, q)
-        p2 = _cnt(g2, q)
-        p0 = min(64, n - lo) - s1
-        p1 = s1 - p2
-        if w0 >= c0 + p0 and w1 >= c1 + p1 and w2 >= c2 + p2:  # no wanted rank in this word
-            c0 += p0
-            c1 += p1
-            c2 += p2
+    nw = (n + 63) // 64
+    nsb = (nw + SB - 1) // SB
+    _masks(u, em, ts, nt, m, cum)
+    for k in range(nt + 1):
+        s = starts[k]
+        e = starts[k + 1]
+        sizes[k] = _before(k, nw, n, nt, cum)
+        if s == e:
+            found[k] = 0
             continue
-        if w0 < c0 + p0:  # (each class's mask only where it has a wanted rank here)
-            k0 = _full(n, lo) & ~_word(g1, q)
-            while w0 < c0 + p0:
-                out[i0] = lo + _sel(k0, w0 - c0, tab)
-                i0 += 1
-                w0 = ranks[i0] if i0 < e0 else _BIG
-        if w1 < c1 + p1:
-            k1 = _word(g1, q) & ~_word(g2, q)
-            while w1 < c1 + p1:
-                out[i1] = lo + _sel(k1, w1 - c1, tab)
-                i1 += 1
-                w1 = ranks[i1] if i1 < e1 else _BIG
-        if w2 < c2 + p2:
-            m2 = _word(g2, q)
-            while w2 < c2 + p2:
-                out[i2] = lo + _sel(m2, w2 - c2, tab)
-                i2 += 1
-                w2 = ranks[i2] if i2 < e2 else _BIG
-        c0 += p0
-        c1 += p1
-        c2 += p2
-    sizes[0] = c0
-    sizes[1] = c1
-    sizes[2] = c2
-    found[0] = i0 - starts[0]
-    found[1] = i1 - starts[1]
-    found[2] = i2 - starts[2]
+        for q in range(nsb):
+            sbk[q] = _before(k, q * SB, n, nt, cum)
+        sbk[nsb] = sizes[k]
+        sbk[nsb + 1] = _BIG  # (the merge stops at nsb: beyond the class)
+        q = 0
+        i = s
+        while i < e:  # (at most e - s + nsb steps)
+            r = ranks[i]
+            adv = np.int64(sbk[q + 1] <= r)
+            sbi[i] = q
+            q += adv
+            i += 1 - adv
+        f = e - s
+        for i in range(s, e):
+            q = sbi[i]
+            if q == nsb:
+                f = i - s
+                break
+            j = ranks[i] - sbk[q]
+            w0 = q * SB
+            x0 = _word_k(k, w0, nt, m)
+            x1 = _word_k(k, w0 + 1, nt, m)
+            x2 = _word_k(k, w0 + 2, nt, m)
+            x3 = _word_k(k, w0 + 3, nt, m)
+            p1 = _popc(x0)
+            p2 = p1 + _popc(x1)
+            p3 = p2 + _popc(x2)
+            h1 = np.int64(p1 <= j)
+            h2 = np.int64(p2 <= j)
+            h3 = np.int64(p3 <= j)
+            x = x0 + np.uint64(h1) * (x1 - x0) + np.uint64(h2) * (x2 - x1) + np.uint64(h3) * (x3 - x2)
+            pre = h1 * p1 + h2 * (p2 - p1) + h3 * (p3 - p2)
+            out[i] = (w0 + h1 + h2 + h3) * 64 + _sel(x, j - pre, _SEL8)
+        found[k] = f
 
 
 if available:
     _jit = numba.njit(nogil=True, cache=True)
     _inl = numba.njit(nogil=True, cache=True, inline="always")  # (helpers: calls between compiled functions are not inlined otherwise)
-    _bytepop, _pop, _sel, _flags, _word, _cnt, _full = (_inl(f) for f in (_bytepop, _pop, _sel, _flags, _word, _cnt, _full))
+    _bytepop, _pop, _popc, _sel, _masks, _before, _word_k = (
+        _inl(f) for f in (_bytepop, _pop, _popc, _sel, _masks, _before, _word_k))
     _enc, _dec = _jit(_enc), _jit(_dec)
 
 
 def _args(b: np.ndarray, shift: int, thresholds: list[int]):
     """Unsigned view, |bits| mask, thresholds on |bits| (|bits| < t << shift: exponent < t; one
-    mask and compare per element, no shift)."""
+    mask and compare per element, no shift), their count."""
     u = b.view(UNSIGNED_INT[b.itemsize])
-    t = u.dtype.type
-    t1 = thresholds[0]
-    t2 = thresholds[1] if len(thresholds) > 1 else 0
-    return u, t((1 << (8 * b.itemsize - 1)) - 1), t(t1 << shift), t(t2 << shift)
+    ts = np.zeros(KMAX, u.dtype)
+    ts[:len(thresholds)] = [t << shift for t in thresholds]
+    return u, u.dtype.type((1 << (8 * b.itemsize - 1)) - 1), ts, len(thresholds)
+
+
+def _temps(n: int, nt: int):
+    """Pass 1's words (padded to whole superblocks) and counts, in the worker's Scratch."""
+    alloc, nw = scratch(), (n + 63) // 64
+    nwp = -(-nw // SB) * SB
+    return (alloc("jit.m", nt * nwp, np.uint64).reshape(nt, nwp), alloc("jit.cum", nt * (nw + 1), np.int64).reshape(nt, nw + 1))
 
 
 def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[int]):
     """-> (positions in class order, their ranks within their class, class bounds (K + 2),
     class sizes (K + 1))."""
-    u, em, t1, t2 = _args(b, shift, thresholds)
+    u, em, ts, nt = _args(b, shift, thresholds)
     out_pos = np.empty(pos.size, np.int64)
     out_rank = np.empty(pos.size, np.int64)
-    starts = np.empty(4, np.int64)
-    sizes = np.empty(3, np.int64)
-    _enc(u, em, t1, t2, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes)
-    k = len(thresholds) + 1
-    return out_pos, out_rank, starts[:k + 1].tolist(), sizes[:k].tolist()
+    starts = np.zeros(KMAX + 2, np.int64)
+    sizes = np.zeros(KMAX + 1, np.int64)
+    _enc(u, em, ts, nt, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes, *_temps(u.size, nt))
+    return out_pos, out_rank, starts[:nt + 2].tolist(), sizes[:nt + 1].tolist()
 
 
 def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndarray]):
-    """parts[k]: class k's strictly increasing ranks -> (positions in class order, ranks found
-    per class, class sizes)."""
-    u, em, t1, t2 = _args(b, shift, thresholds)
-    parts = [*parts, *[np.zeros(0, np.int64)] * (3 - len(parts))]
+    """parts[k]: class k's strictly increasing ranks (K + 1 of them) -> (positions in class
+    order, ranks found per class, class sizes)."""
+    u, em, ts, nt = _args(b, shift, thresholds)
     starts = np.cumsum([0, *(p.size for p in parts)]).astype(np.int64)
     ranks = np.concatenate(parts).astype(np.int64, copy=False)
     out = np.empty(ranks.size, np.int64)
-    found = np.zeros(3, np.int64)
-    sizes = np.zeros(3, np.int64)
-    _dec(u, em, t1, t2, ranks, starts, out, found, sizes, _SEL8)
-    k = len(thresholds) + 1
-    return out, found[:k].tolist(), sizes[:k].tolist()
+    found = np.zeros(KMAX + 1, np.int64)
+    sizes = np.zeros(KMAX + 1, np.int64)
+    alloc, nsb = scratch(), -(-u.size // (64 * SB))
+    _dec(u, em, ts, nt, ranks, starts, out, found, sizes, *_temps(u.size, nt), alloc("jit.sbk", nsb + 2, np.int64),
+         alloc("jit.sbi", ranks.size, np.int64))
+    return out, found[:nt + 1].tolist(), sizes[:nt + 1].tolist()
 
 
 def warm() -> None:

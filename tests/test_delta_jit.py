@@ -174,3 +174,23 @@ def test_first_classed_chunk_is_chunk_0(classed_blob):
     _, d = classed_blob
     rec = next(r for r in d.records if r.name == "a")
     assert chunks_of(rec)[0][0] == CLASSED
+
+
+
+@pytest.fixture(scope="module")
+def selects():
+    import numba
+    swar = numba.njit(cj._sel_swar)
+    used = numba.njit(lambda x, j: cj._sel(x, j, cj._SEL8))
+    return swar, used
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(x=st.integers(1, 2**64 - 1), data=st.data())
+def test_both_in_word_selects_find_the_jth_set_bit(selects, x, data):
+    """The SWAR select (CPUs without a fast pdep) and the compiled one in use agree with the
+    definition, so the kernels' choice between them cannot change a position."""
+    swar, used = selects
+    bits = [i for i in range(64) if x >> i & 1]
+    j = data.draw(st.integers(0, len(bits) - 1))
+    assert swar(np.uint64(x), j, cj._SEL8) == bits[j] == used(np.uint64(x), j)
