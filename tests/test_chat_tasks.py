@@ -103,3 +103,17 @@ def test_llvmlite_guard_lets_vllm_scan_module_attributes():
     assert vars(ffi.lib).get("kernel") is None
     assert guard_llvmlite_lib() is False           # once is enough
     assert callable(ffi.lib.LLVMPY_GetVersionInfo)  # llvmlite's own lookups are untouched
+
+
+def test_held_out_prompts_go_through_the_chat_template_like_the_feeders(tmp_path):
+    """trainer/evaluate.py tokenises held-out prompts as the workers do the feeder's: rendered
+    through the chat template when the trainer's config says so."""
+    from trainer.evaluate import prompt_ids
+    chat_tokenizer_folder(tmp_path)
+    tok = load_hf_tokenizer(tmp_path)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    q = "What is 2 + 3? Answer with the number."
+    want = ref.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if not isinstance(want, list) else want
+    assert prompt_ids(tok, [q], chat_template=True) == [want]
+    assert prompt_ids(tok, [q])[0][0] == tok.bos_id and prompt_ids(tok, [q]) != [want]

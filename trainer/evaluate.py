@@ -26,7 +26,7 @@ def eval_specs(env_names: list[str], n: int, seed: int):
 
 @torch.no_grad()
 def evaluate(published: dict, model_cfg, tok, env_names: list[str], sampling: dict, n: int = 128,
-             seed: int = 0) -> dict:
+             seed: int = 0, chat_template: bool = False) -> dict:
     model = Transformer(model_cfg).float()
     model.load_inference_state(published)     # exactly the bits the workers hold
     model.eval()
@@ -34,7 +34,7 @@ def evaluate(published: dict, model_cfg, tok, env_names: list[str], sampling: di
     sc = SamplingConfig.from_dict(sampling)
     if all("episode" in s.spec for _, s in specs):
         return evaluate_episodes(model, tok, [s.spec for _, s in specs], sc, seed)
-    outs = generate(model, [tok.encode(s.prompt, bos=True) for _, s in specs], sc,
+    outs = generate(model, prompt_ids(tok, [s.prompt for _, s in specs], chat_template), sc,
                     int(sampling.get("max_tokens", 64)), [tok.eos_id], torch.Generator().manual_seed(seed))
     success, tokens = [], []
     for (env, spec), o in zip(specs, outs):
@@ -42,6 +42,16 @@ def evaluate(published: dict, model_cfg, tok, env_names: list[str], sampling: di
         success.append(env.verify(tok.decode(ids), spec.spec).success)
         tokens.append(len(o.ids))
     return {"eval_success": float(np.mean(success)), "eval_tokens": float(np.mean(tokens)), "eval_n": n}
+
+
+def prompt_ids(tok, prompts: list[str], chat_template: bool = False) -> list[list[int]]:
+    """Held-out prompts as the workers see them: through the chat template when the trainer's
+    feeder renders them so (instruct models), then tokenised with bos."""
+    if chat_template:
+        from envs.feeder import chat_renderer
+        render = chat_renderer(tok)
+        prompts = [render(p) for p in prompts]
+    return [tok.encode(p, bos=True) for p in prompts]
 
 
 def evaluate_episodes(model, tok, specs: list[dict], sc: SamplingConfig, seed: int = 0) -> dict:

@@ -157,7 +157,7 @@ class Trainer:
         if not cfg.eval_every or version % cfg.eval_every:
             return {}
         return await asyncio.to_thread(evaluate, published, self.model_cfg, load_tokenizer(cfg.tokenizer),
-                                       cfg.envs, cfg.task_sampling, cfg.eval_prompts, cfg.seed)
+                                       cfg.envs, cfg.task_sampling, cfg.eval_prompts, cfg.seed, cfg.chat_template)
 
     def write_jsonl(self, values: dict) -> None:
         if not self.cfg.run_dir:
