@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 import delta_codec
-from delta_codec.sharded import PART_NAME, Manifest, apply_parts
+from delta_codec.sharded import PART_NAME, Manifest, apply_parts, check_parts
 
 
 def part_deltas(parts: dict[int, bytes]) -> list[delta_codec.Delta]:
@@ -35,8 +35,9 @@ def apply_to_shadow(state: dict[str, torch.Tensor], manifest: Manifest, parts: d
                     ) -> tuple[list[str], dict[str, torch.Tensor]]:
     """Client side: the whole version onto the shadow (manifest digests, row tiling of every
     tensor, base digests; raises with the shadow unchanged). -> (changed names, their old values)."""
-    changed = changed_names(parts)
-    backup = {n: state[n].clone() for n in changed if n in state}
+    deltas = check_parts(state, manifest, parts)      # the manifest first: a clear error for a bad part
+    changed = sorted({PART_NAME.match(n)[1] for d in deltas for n, st in d.stats.per_tensor.items() if st["changed"]})
+    backup = {n: state[n].clone() for n in changed}
     apply_parts(state, manifest, parts)
     return changed, backup
 
