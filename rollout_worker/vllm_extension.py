@@ -68,6 +68,8 @@ class DeltaInitInfo(WeightTransferInitInfo):
 class DeltaUpdateInfo(WeightTransferUpdateInfo):
     tensors: list = field(default_factory=list)    # [[hf_name, dtype, shape, bytes], ...], whole layers
     delta: bytes | None = None                     # or one delta_codec container (publisher names)
+    manifest: bytes | None = None                  # or a version published from shards: its manifest
+    parts: list | None = None                      # and its parts, [[index, container bytes], ...]
 
 
 class InjectedFailure(RuntimeError):
@@ -161,6 +163,9 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
         if info.delta is not None:
             self._apply_delta(info.delta)
             return
+        if info.parts is not None:
+            self._apply_parts(info.manifest, info.parts)
+            return
         weights = [unpack_tensor(r) for r in info.tensors]
         modules = self._modules_for([n for n, _ in weights])   # validates before touching anything
         if self.shadow:
@@ -188,6 +193,21 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
         if absent:
             raise ValueError(f"delta tensors not in the vLLM model's checkpoint: {absent[:5]}")
         delta_codec.apply_delta({n: self.shadow[self._hf(n)] for n in d.names}, d)   # all-or-nothing
+        self._reload_changed(changed)
+
+    def _apply_parts(self, manifest: bytes | None, parts: list) -> None:
+        """A version published from shards: every part's row ranges, all-or-nothing, onto the
+        live device views (in place) or the bf16 copy, whose touched layers are then reloaded."""
+        from .vllm_parts import apply_in_worker
+        if manifest is None:
+            raise ValueError("parts without their manifest")
+        tensors = self._device_views() if self.in_place else self.shadow
+        changed = apply_in_worker(manifest, parts, tensors, self._hf)
+        if not self.in_place:
+            self._reload_changed(changed)
+
+    def _reload_changed(self, changed: list[str]) -> None:
+        """Reload every layer a changed tensor (publisher name) belongs to, from the bf16 copy."""
         groups = layer_groups(self.shadow, self._packed())
         touched = sorted({layer_key(self._hf(n), self._packed()) for n in changed})
         members = [h for key in touched for h in groups[key]]     # whole layers: fused q/k/v, gate/up
@@ -288,6 +308,21 @@ class DeltaWorkerExtension:
         model = self.model_runner.get_model()
         return {"packed": {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", {}) or {}).items()},
                 "in_place": eng.in_place}
+
+    def asyncrl_weights_digest(self) -> dict:
+        """Test hook: sha256 of the bf16 copy and of every live parameter, to compare two ways of
+        reaching one version bit for bit."""
+        import hashlib
+
+        def digest(named) -> str:
+            h = hashlib.sha256()
+            for n, t in sorted(named, key=lambda x: x[0]):
+                t = t.detach().contiguous().cpu()
+                h.update(f"{n}:{t.dtype}:{tuple(t.shape)};".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            return h.hexdigest()
+        eng = self.weight_transfer_engine
+        return {"shadow": digest(eng.shadow.items()), "params": digest(self.model_runner.get_model().named_parameters())}
 
     def asyncrl_fail_next_push(self, after_modules: int) -> None:
         """Test hook: the next push fails after reloading `after_modules` modules."""
