@@ -55,54 +55,19 @@ import torch
 
 import delta_codec
 import policy
-from policy.hf import hf_name_map, save_hf_checkpoint
+from policy.hf import hf_name_map
 from bus.events import SamplingParams
 from bus.log import get_logger
 
 from . import vllm_parts
 from .engine import EngineClosed, EngineMetrics, Generation, WeightUpdateError, check_delta, check_prompt
+from .vllm_checkpoint import checkpoint_index, differs_from_checkpoint, write_hf_dir
 from .vllm_extension import BACKEND, EXTENSION, layer_groups, layer_key, pack_tensor
 from .vllm_requests import KeptSequences, RequestState, token_versions
 
 log = get_logger(__name__)
 
 CHUNK_BYTES = 256 << 20          # one update_weights call carries whole layers up to about this much
-
-
-def write_hf_dir(model_config: dict, folder: Path) -> Path:
-    """An HF checkpoint folder for a policy model config (weights arrive with the first keyframe)."""
-    cfg = policy.ModelConfig.from_dict(model_config)
-    with torch.device("meta"):
-        model = policy.Transformer(cfg)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
-    return save_hf_checkpoint(model, folder)
-
-
-def checkpoint_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """HF tensor name -> (safetensors file, shape), read from headers only."""
-    from safetensors import safe_open
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
-    out = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                out[k] = (str(f), tuple(fh.get_slice(k).get_shape()))
-    return out
-
-
-def differs_from_checkpoint(state: dict[str, torch.Tensor], hf_names: dict[str, str], index) -> list[str]:
-    """Names whose bf16 bits differ from the checkpoint vLLM loaded (one tensor in memory at a time)."""
-    from safetensors import safe_open
-    by_file: dict[str, list[str]] = {}
-    for k in state:
-        by_file.setdefault(index[hf_names[k]][0], []).append(k)
-    out = []
-    for f, names in by_file.items():
-        with safe_open(f, framework="pt") as fh:
-            out += [k for k in names if not torch.equal(state[k], fh.get_tensor(hf_names[k]).to(torch.bfloat16))]
-    return out
 
 
 class VLLMEngine:
