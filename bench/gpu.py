@@ -230,7 +230,6 @@ def large_buffer_rows(args, dev: torch.device) -> list[dict]:
         rows.append({"elements": N, "changed_frac": frac, "changed": k, "bytes_touched": touched, "s": s,
                      "gb_s": touched / s / 1e9, "frac_of_roofline": touched / s / 1e9 / args.hbm_gb_s,
                      "bit_exact": exact})
-        del idx, d
         torch.cuda.empty_cache()
     return rows
 

@@ -18,7 +18,7 @@ from bus import BusConfig, connect, events, setup_logging
 from bus import topology as topo
 from bus.events import Task
 from bus.regions import weight_source
-from bus.weights import StateTarget, WeightFollower
+from bus.weight_follower import StateTarget, WeightFollower
 
 from .wanlab import Lab
 

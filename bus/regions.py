@@ -89,7 +89,7 @@ def weight_source(bus, **kw):
 def weight_follower(bus, **feed_kw):
     """The WeightFollower a process should follow: its region's mirrors when its BusConfig names
     one (`weights_domain`), else the Bus. One call, so processes need no region logic."""
-    from .weights import WeightFollower
+    from .weight_follower import WeightFollower
     return WeightFollower(weight_source(bus), **feed_kw)
 
 

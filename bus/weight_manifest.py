@@ -36,7 +36,9 @@ from . import topology as topo
 from .log import get_logger
 
 if TYPE_CHECKING:
-    from .weights import WeightFollower, WeightPublisher
+    from .weight_follower import WeightFollower
+
+    from .weights import WeightPublisher
 
 log = get_logger(__name__)
 
@@ -75,7 +77,7 @@ async def publish_sharded(pub: "WeightPublisher", parts: list[bytes], *, from_ve
 
 async def fetch_parts(bus, manifest: Manifest) -> dict[int, bytes]:
     """Every part the manifest lists, checked against it (size, sha256, versions). Raises Refused."""
-    from .weights import Refused
+    from .weight_follower import Refused
     want = {}
     for p in manifest.parts:
         if not isinstance(p.get("index"), int) or not isinstance(p.get("blob"), str) or p["index"] in want:
@@ -97,7 +99,7 @@ async def fetch_parts(bus, manifest: Manifest) -> dict[int, bytes]:
 
 async def step_manifest(f: "WeightFollower", target, ev: events.ManifestEvent, raw) -> None:
     """One ManifestEvent for `target`: applied whole, skipped as a replay, or Refused."""
-    from .weights import Refused
+    from .weight_follower import Refused
     if ev.epoch < target.epoch:
         raise Refused("stale_epoch", f"{ev.msg_id()} from epoch {ev.epoch} < {target.epoch}", resync=False)
     if ev.to_version <= target.version and ev.epoch == target.epoch:

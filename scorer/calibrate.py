@@ -117,7 +117,7 @@ def load_policy_file(path: str):
 
 async def load_policy_bus(url: str):
     from bus import BusConfig, connect
-    from bus.weights import WeightFollower
+    from bus.weight_follower import WeightFollower
     from policy import ModelConfig, Transformer
 
     bus = await connect(BusConfig(servers=url.split(","), name="calibrate-cost"))

@@ -151,7 +151,8 @@ async def test_region_mirrors_under_role_based_hub_and_region_stays_a_worker(tmp
 
     import delta_codec
     from bus.regions import weight_follower
-    from bus.weights import StateTarget, WeightPublisher
+    from bus.weight_follower import StateTarget
+    from bus.weights import WeightPublisher
     from nats.js import api
 
     passwords = role_passwords()

@@ -19,7 +19,8 @@ from asyncrl.inspect import snapshot as inspect_snapshot
 from bus import BlobError, BusConfig, KVConflict, connect
 from bus import topology as topo
 from bus.events import Rollout, Scored, Task, new_id
-from bus.weights import WeightFollower, WeightPublisher, parse_version
+from bus.weight_follower import WeightFollower
+from bus.weights import WeightPublisher, parse_version
 from bench.chaoskit.nats_configs import (ConfServer, free_port, render_nats_configs, role_bus_config, role_env_vars,
                                            role_passwords)
 

@@ -9,7 +9,7 @@ import torch
 import delta_codec
 from delta_codec import signing
 from bus import topology as topo
-from bus.weights import WeightFollower
+from bus.weight_follower import WeightFollower
 from policy.config import ModelConfig
 from policy.model import Transformer, inference_state
 from policy.sampling import SamplingConfig, SamplingMask

@@ -11,7 +11,8 @@ import asyncio
 import pytest
 
 from bus import topology as topo
-from bus.weights import Fenced, StateTarget, WeightFollower, WeightPublisher
+from bus.weight_follower import StateTarget, WeightFollower
+from bus.weights import Fenced, WeightPublisher
 from tests.helpers.weights import CFG, delta, same, trajectory, until
 from trainer.lease import LeaderLease, LeaseLost
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import delta_codec
 from bus import topology as topo
 from bus.events import DeltaEvent as Delta, KeyframeEvent as Keyframe
-from bus.weights import WeightFollower, WeightPublisher, parse_version
+from bus.weight_follower import WeightFollower
+from bus.weights import WeightPublisher, parse_version
 from policy.config import ModelConfig
 from policy.model import Transformer
 from trainer import checkpoint

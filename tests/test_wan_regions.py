@@ -18,7 +18,13 @@ from bus import topology as topo
 from bus import events
 from bus.events import Task
 from bus.regions import MirrorMissing, WeightSource
-from bus.weights import StateTarget, WeightFollower, WeightPublisher
+from bus.weight_follower import StateTarget, WeightFollower
+
+
+
+
+# -- the delay line ---------------------------------------------------------------------------
+from bus.weights import WeightPublisher
 
 
 

@@ -8,7 +8,8 @@ import delta_codec
 import policy
 from bus import topology as topo
 from bus.events import DeltaEvent
-from bus.weights import StateTarget, WeightFollower, WeightPublisher, parse_version
+from bus.weight_follower import StateTarget, WeightFollower
+from bus.weights import WeightPublisher, parse_version
 from delta_codec.signing import generate_keypair, sign
 
 

@@ -14,7 +14,8 @@ from nats.js.errors import NotFoundError
 from bus import topology as topo
 from bus.events import ManifestEvent, SamplingParams
 from bus.weight_manifest import part_blob_name, publish_sharded
-from bus.weights import Fenced, StateTarget, WeightFollower, WeightPublisher, parse_version, signed_fields
+from bus.weight_follower import StateTarget, WeightFollower
+from bus.weights import Fenced, WeightPublisher, parse_version, signed_fields
 from delta_codec import CODEC
 from delta_codec.sharded import encode_part, make_manifest, shard_rows
 from delta_codec.signing import generate_keypair, sign

@@ -247,7 +247,8 @@ async def test_feed_resyncs_a_failed_push_from_an_older_keyframe(engine, ref, bu
     """Through the real WeightFollower: a push fails, the feed resyncs and loads the latest keyframe
     although it is older than the engine's last version, then replays the deltas after it; the
     weights served are then exactly the trainer's (logprobs = replay of the final state)."""
-    from bus.weights import WeightFollower, WeightPublisher
+    from bus.weight_follower import WeightFollower
+    from bus.weights import WeightPublisher
     base = {k: t.clone() for k, t in engine.state.items()}
     states = [perturbed(base, seed=40)]
     for i in range(1, 3):
