@@ -25,10 +25,11 @@ from .errors import DeltaError
 from .record import TensorRecord
 
 MAGIC = b"ADLT"
-FORMAT = 3  # 3: positions coded in the context of the base (codec.py CLASSED chunks)
+FORMAT = 4  # 3: positions coded in the context of the base (codec.py CLASSED chunks); 4: a CLASSED
+            # chunk's class streams in one zstd frame, byte-field lengths in 1-8 bytes (record.py)
 KIND_DELTA, KIND_KEYFRAME = 1, 2
 SIGNED = 1
-CODEC = "ctx-rice-zigzag-zstd/3"
+CODEC = "ctx-rice-zigzag-zstd/4"
 _PREFIX = struct.Struct("<4sHBBI")
 _KINDS = {KIND_DELTA: "delta", KIND_KEYFRAME: "keyframe"}
 

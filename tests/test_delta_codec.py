@@ -250,8 +250,9 @@ def test_corrupt_record_names_the_tensor(pair):
 def test_wrong_format_version_and_kind(pair):
     base, new, _ = pair
     blob = bytearray(encode_delta(base, new).to_bytes())
-    # format 1: before raw-bit differences; 2: positions without the base's context
-    for version, age in ((1, "older"), (2, "older"), (4, "newer")):
+    # format 1: before raw-bit differences; 2: positions without the base's context; 3: a frame
+    # per class stream
+    for version, age in ((1, "older"), (2, "older"), (3, "older"), (5, "newer")):
         other = bytearray(blob)
         other[4] = version
         refused(clone(base), bytes(other), f"unsupported delta format version {version} \\({age}")
