@@ -37,7 +37,7 @@ from .errors import DeltaError
 
 MAX_THRESHOLDS = 4       # at most 5 classes: each threshold is one more vector compare per 64 elements on both sides and one more class pass in the decoder; fewer leave more than half a bit per change to the conditional bound at ~1 % changed (tests/test_delta_context_bits.py)
 MIN_CHANGES = 64         # fewer changes: the class headers cost more than they save
-CLASS_COST_BITS = 512    # a class's header and decode pass, in bits, charged when choosing thresholds
+CLASS_COST_BITS = 256    # a class's header entry, its block in the shared frame (3 bytes + a literal table) and its decode pass, in bits, charged when choosing thresholds
 SAMPLE_STRIDE = 32       # element counts per exponent are estimated on every 32nd element
 BLOCK = 1 << 19          # elements per cache block of the class pass (its bool temporaries stay in L2)
 
