@@ -372,13 +372,13 @@ def test_well_checksummed_but_malformed_header_is_refused(pair):
 
     import xxhash
 
-    from delta_codec.container import _PREFIX, FORMAT, KIND_DELTA, MAGIC
+    from delta_codec.container import _PREFIX, FORMAT, KIND_DELTA, MAGIC, header_bytes
     for meta in ({"from_version": 0, "to_version": 1, "tensors": [["w", "bfloat16", [2], b"", b"", -5, 0]]},
                  {"from_version": 0, "to_version": 1, "tensors": [["w", "bfloat16"]]},
                  {"from_version": 0, "to_version": 1,
                   "tensors": [["w", "nonsense-dtype", [2], b"", b"", 0, xxhash.xxh3_64_intdigest(b"")]]},
                  {"to_version": 1, "tensors": []}):
-        header = msgpack.packb(meta, use_bin_type=True)
+        header = header_bytes(meta)
         head = _PREFIX.pack(MAGIC, FORMAT, KIND_DELTA, 0, len(header)) + header
         blob = head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
         with pytest.raises(DeltaError, match="malformed|dtype|lacks"):
