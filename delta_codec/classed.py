@@ -18,7 +18,7 @@ from .values import encode_values, value_order
 
 def encode_classed(b, n, pos, p: float, shift: int, alloc) -> list | None:
     """CLASSED record, or None when the chosen split has a single class."""
-    sample = ctx.exponents(b[::ctx.SAMPLE_STRIDE], shift)
+    sample = ctx.exponents(ctx.sample(b), shift)
     at = ctx.exponents(np.take(b, pos), shift)
     ts = ctx.choose_thresholds(sample, b.size, at)
     if not ts:
