@@ -1,23 +1,24 @@
 """CLASSED position coding (format 3): the changed positions of a float chunk coded per class of
 base magnitude (context.py picks the classes, context_jit.py runs rank/select when numba is
 there): each class's changes as ranks among its members, gaps or a bitmap over the members by
-that class's density. encode_classed returns None when one class would do (then GAP)."""
+that class's density, all classes' streams in one zstd frame (codec.py documents the record).
+encode_classed returns None when one class would do (then GAP)."""
 from __future__ import annotations
 
 import numpy as np
 
 from . import context as ctx
 from . import context_jit as ctx_jit
-from .compress import zc, zd
+from .compress import zc_blocks, zd
 from .errors import DeltaError
-from .modes import BITMAP, BITMAP_FROM, CLASSED, GAP, GROUP_BELOW, GROUPED
-from .positions import decode_gaps, encode_gaps, gaps_of, rice_parameter
+from .modes import BITMAP_FROM, CLASSED, GROUP_BELOW, GROUPED
+from .positions import _ESC, check_gap_header, gap_streams, gaps_from, gaps_of, low_len, rice_parameter
 from .values import encode_values, value_order
 
 
 def encode_classed(b, n, pos, p: float, shift: int, alloc) -> list | None:
     """CLASSED record, or None when the chosen split has a single class."""
-    sample = ctx.exponents(b[::ctx.SAMPLE_STRIDE], shift)
+    sample = ctx.exponents(ctx.sample(b), shift)
     at = ctx.exponents(np.take(b, pos), shift)
     ts = ctx.choose_thresholds(sample, b.size, at)
     if not ts:
@@ -33,7 +34,8 @@ def encode_classed(b, n, pos, p: float, shift: int, alloc) -> list | None:
         bounds = np.searchsorted(ci, np.arange(len(ts) + 2))
         parts = [classes.rank(k, pos[lo:hi]) for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
         sizes = classes.sizes
-    fields = [_encode_class(r, sizes[k]) if r.size else [0] for k, r in enumerate(parts)]
+    streams = []
+    entries = [_encode_class(r, sizes[k], streams) for k, r in enumerate(parts)]
     old = np.take(b, pos)
     d = np.take(n, pos)
     d -= old
@@ -42,41 +44,84 @@ def encode_classed(b, n, pos, p: float, shift: int, alloc) -> list | None:
         d = np.take(d, value_order(old, shift))
         flags = GROUPED
     vals, vflags = encode_values(d, alloc, nonzero=True)
-    return [CLASSED, b.size, pos.size, flags | vflags, vals, ts, fields]
+    return [CLASSED, b.size, pos.size, flags | vflags, vals, ts, entries, zc_blocks(streams)]
 
 
-def _encode_class(ranks: np.ndarray, size: int) -> list:
+_BITMAP_CLASS = -1  # class entry [m_k, -1, bitmap bytes]; [m_k, k] is GAP with Rice parameter k
+
+
+def _encode_class(ranks: np.ndarray, size: int, streams: list) -> list:
+    """A class's entry; its byte streams appended to `streams` (high bytes, low bits, overflow;
+    or the bitmap)."""
+    if not ranks.size:
+        return [0]
     if ranks.size >= BITMAP_FROM * size:
         mask = np.zeros(size, bool)
         mask[ranks] = True
-        return [int(ranks.size), BITMAP, zc(np.packbits(mask))]
+        bits = np.packbits(mask)
+        streams.append(bits)
+        return [int(ranks.size), _BITMAP_CLASS, int(bits.size)]
     g = gaps_of(ranks)
     k = rice_parameter(g)
-    return [int(ranks.size), GAP, k, *encode_gaps(None, k, g)]
+    streams.extend(gap_streams(k, g))
+    return [int(ranks.size), k]
 
 
-def _decode_class(field, size: int, what: str, exact: bool = True):
-    """-> strictly increasing ranks in [0, size) (exact=False: size only bounds them; -> (ranks,
-    a bitmap's byte count or None), for the caller to check against the class size)."""
-    mk = int(field[0])
-    if not 0 <= mk <= size:
-        raise DeltaError(f"{what}: {mk} changes in a class of {size}")
-    nbytes = None
-    if mk == 0:
-        if len(field) != 1:
-            raise DeltaError(f"{what}: malformed class record")
-        ranks = np.zeros(0, np.int64)
-    elif (mode := int(field[1])) == GAP and len(field) == 6:
-        ranks = decode_gaps(int(field[2]), field[3], field[4], field[5], mk, size, what)
-    elif mode == BITMAP and len(field) == 3:
-        raw = zd(field[2], (size + 7) // 8, what + " bitmap", exact)
-        nbytes = len(raw)
-        ranks = np.flatnonzero(np.unpackbits(np.frombuffer(raw, np.uint8))[:size].view(bool))
-        if ranks.size != mk:
-            raise DeltaError(f"{what}: bitmap has {ranks.size} changes, header says {mk}")
-    else:
-        raise DeltaError(f"{what}: malformed class record")
-    return ranks if exact else (ranks, nbytes)
+def _class_entries(entries, count: int, what: str) -> tuple[list, int]:
+    """Checked class entries -> ([(m_k, k or None for a bitmap, bitmap bytes)], the most bytes
+    their streams can take)."""
+    out, most = [], 0
+    for i, e in enumerate(entries):
+        w = f"{what} class {i}"
+        if not isinstance(e, list) or not 1 <= len(e) <= 3:
+            raise DeltaError(f"{w}: malformed class record")
+        mk = int(e[0])
+        if not 0 <= mk <= count:
+            raise DeltaError(f"{w}: {mk} changes in a class of at most {count}")
+        if len(e) == 1 and mk == 0:
+            out.append((0, None, 0))
+        elif len(e) == 2 and mk and 0 <= (k := int(e[1])) <= 32:
+            check_gap_header(k, mk, count, w)
+            out.append((mk, k, 0))
+            most += mk + low_len(k, mk) + 8 * mk
+        elif len(e) == 3 and mk and int(e[1]) == _BITMAP_CLASS and 0 < (nb := int(e[2])) <= (count + 7) // 8:
+            out.append((mk, None, nb))
+            most += nb
+        else:
+            raise DeltaError(f"{w}: malformed class record")
+    return out, most
+
+
+def _decode_classes(entries, raw, count: int, what: str) -> list:
+    """-> per class (strictly increasing ranks, each < count, a bitmap's byte count or None) from
+    the decompressed streams (every byte of them used)."""
+    mv, off, out = memoryview(raw), 0, []
+
+    def take(n: int, w: str):
+        nonlocal off
+        if off + n > len(mv):
+            raise DeltaError(f"{w}: class streams end early")
+        off += n
+        return mv[off - n:off]
+
+    for i, (mk, k, nb) in enumerate(entries):
+        w = f"{what} class {i}"
+        if mk == 0:
+            out.append((np.zeros(0, np.int64), None))
+        elif k is None:
+            bits = np.unpackbits(np.frombuffer(take(nb, w), np.uint8))[:count]
+            ranks = np.flatnonzero(bits.view(bool))
+            if ranks.size != mk:
+                raise DeltaError(f"{w}: bitmap has {ranks.size} changes, header says {mk}")
+            out.append((ranks, nb))
+        else:
+            q8 = np.frombuffer(take(mk, w), np.uint8)
+            low = take(low_len(k, mk), w)
+            over = take(8 * int(np.count_nonzero(q8 == _ESC)), w)
+            out.append((gaps_from(k, q8, low, over, mk, count, w), None))
+    if off != len(mv):
+        raise DeltaError(f"{what}: {len(mv) - off} bytes beyond the class streams")
+    return out
 
 
 def decode_classed(rec, m: int, count: int, what: str, base_all, shift: int | None, itemsize: int, alloc):
@@ -87,29 +132,32 @@ def decode_classed(rec, m: int, count: int, what: str, base_all, shift: int | No
     if base.size != count or base.itemsize != itemsize:
         raise DeltaError(f"{what}: base chunk of {base.size} elements, record says {count}")
     ts = ctx.check_thresholds(rec[5], itemsize, shift, what)
-    fields = rec[6]
-    if not isinstance(fields, list) or len(fields) != len(ts) + 1:
+    if not isinstance(rec[6], list) or len(rec[6]) != len(ts) + 1 or len(rec) != 8:
         raise DeltaError(f"{what}: {len(ts)} thresholds need {len(ts) + 1} class records")
+    entries, most = _class_entries(rec[6], count, what)
+    if not most:  # (zstd reads a bound of 0 as none)
+        raise DeltaError(f"{what}: classed chunk without changes")
+    if sum(e[0] for e in entries) != m:
+        raise DeltaError(f"{what}: classes hold {sum(e[0] for e in entries)} changes, header says {m}")
+    decoded = _decode_classes(entries, zd(rec[7], most, what + " class streams", exact=False), count, what)
     if ctx_jit.enabled:
         # class sizes come out of the select pass: until then ranks are only bounded by the
         # chunk (a bitmap by its bytes), and checked against the sizes after it
-        ranks, nbytes = [], []
-        for k, f in enumerate(fields):
-            r, nb = _decode_class(f, count, f"{what} class {k}", exact=False)
-            ranks.append(r)
-            nbytes.append(nb)
-        if sum(r.size for r in ranks) != m:
-            raise DeltaError(f"{what}: classes hold {sum(r.size for r in ranks)} changes, header says {m}")
+        ranks = [r for r, _ in decoded]
         pos, found, sizes = ctx_jit.select(base, shift, ts, ranks)
-        for k, (f, r, nb, size) in enumerate(zip(found, ranks, nbytes, sizes)):
+        for k, ((r, nb), f, size) in enumerate(zip(decoded, found, sizes)):
             if f != r.size:
                 raise DeltaError(f"{what} class {k}: rank {int(r[f])} beyond the class of {size}")
             if nb is not None and nb != (size + 7) // 8:
                 raise DeltaError(f"{what} class {k}: bitmap of {nb} bytes for a class of {size}")
         return pos, np.take(base, pos)
     classes = ctx.Classes(ctx.exponents(base, shift, alloc), ts, alloc)
-    parts = [classes.select(k, _decode_class(f, classes.sizes[k], f"{what} class {k}")) for k, f in enumerate(fields)]
-    if sum(p.size for p in parts) != m:
-        raise DeltaError(f"{what}: classes hold {sum(p.size for p in parts)} changes, header says {m}")
+    parts = []
+    for k, ((r, nb), size) in enumerate(zip(decoded, classes.sizes)):
+        if r.size and int(r[-1]) >= size:
+            raise DeltaError(f"{what} class {k}: rank {int(r[-1])} beyond the class of {size}")
+        if nb is not None and nb != (size + 7) // 8:
+            raise DeltaError(f"{what} class {k}: bitmap of {nb} bytes for a class of {size}")
+        parts.append(classes.select(k, r))
     pos = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     return pos, np.take(base, pos)

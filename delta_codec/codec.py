@@ -27,9 +27,13 @@ Chunk record (a list; container.py frames its byte fields after a msgpack header
   [GAP, count, m, flags, values, k, high bytes (zstd), low bits, overflow (<u8)]
   [BITMAP, count, m, flags, values, bitmap (zstd)]
   [DENSE, count, m, 0, values of all count elements (byte planes)]
-  [CLASSED, count, m, flags, values, [t_1 > ... > t_K], [class 0, ..., class K]]
-    class: [m_k, GAP, k, high bytes (zstd), low bits, overflow] | [m_k, BITMAP, bitmap (zstd)]
-           | [0]; values in class order (class 0's changes by position, then class 1's ...)
+  [CLASSED, count, m, flags, values, [t_1 > ... > t_K], [class 0, ..., class K], streams]
+    class: [m_k, k] (gaps, Rice parameter k) | [m_k, -1, bitmap bytes] | [0] (no changes);
+    streams: ONE zstd frame (a block per stream, compress.zc_blocks) holding, class by class,
+    high bytes (m_k), low bits and overflow (lengths follow from m_k, k and the escapes in the
+    high bytes) or the bitmap: a class costs a few header bytes, not three fields and a frame
+    (format 4; format 3 had a frame per class). Values in class order (class 0's changes by
+    position, then class 1's ...)
 flags: GROUPED (values ordered by base exponent), NIBBLES (values as [zstd(codes < 16, two a
 byte; 0 = in the overflow), zstd(byte planes of the overflow codes)], else zstd(byte planes)).
 

@@ -28,6 +28,22 @@ def zc(data) -> bytes:
     return _tls.c.compress(data)
 
 
+def zc_blocks(parts) -> bytes:
+    """One zstd frame holding the parts back to back, each non-empty part in its own block(s):
+    each keeps its own literal (Huffman) table, or raw literals where coding would not pay,
+    while the parts share one frame header (small streams cost a few bytes, not a frame)."""
+    if not hasattr(_tls, "c"):
+        _tls.c = zstandard.ZstdCompressor(compression_params=ZSTD_PARAMS)
+    parts = [p for p in parts if len(p)]
+    o = _tls.c.compressobj(size=sum(len(p) for p in parts))
+    out = []
+    for p in parts:
+        out.append(o.compress(p))
+        out.append(o.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+    out.append(o.flush())
+    return b"".join(out)
+
+
 def zd(data, size: int, what: str, exact: bool = True) -> bytes:
     """zstd-decompressed data of `size` bytes (exact=False: at most size; the caller checks)."""
     if not hasattr(_tls, "d"):

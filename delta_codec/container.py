@@ -2,7 +2,9 @@
 checksums and the optional signature.
 
     prefix  "ADLT" | u16 format | u8 kind | u8 flags | u32 header length      (little endian)
-    header  msgpack {versions, tensors: [[name, dtype, shape, digest_a, digest_b, len, xxh64]]}
+    header  zstd(msgpack {versions, tensors: [[name, dtype, shape, digest_a, digest_b, len, xxh64]]})
+            (format 4: tensor names repeat their prefixes and suffixes, and at a few hundred
+            changes per tensor the uncompressed header was a third of a sparse delta)
     u64     xxh3-64 of prefix + header
     records one per tensor, in header order (lengths and checksums are in the header)
     [sig]   ed25519 over everything before it, when flags & SIGNED
@@ -18,6 +20,7 @@ import struct
 
 import msgpack
 import xxhash
+import zstandard
 
 from . import signing
 from .bits import dtype_from_name
@@ -25,12 +28,21 @@ from .errors import DeltaError
 from .record import TensorRecord
 
 MAGIC = b"ADLT"
-FORMAT = 3  # 3: positions coded in the context of the base (codec.py CLASSED chunks)
+FORMAT = 4  # 3: positions coded in the context of the base (codec.py CLASSED chunks); 4: a CLASSED
+            # chunk's class streams in one zstd frame, byte-field lengths in 1-8 bytes (record.py),
+            # the header zstd'd
 KIND_DELTA, KIND_KEYFRAME = 1, 2
 SIGNED = 1
-CODEC = "ctx-rice-zigzag-zstd/3"
+CODEC = "ctx-rice-zigzag-zstd/4"
 _PREFIX = struct.Struct("<4sHBBI")
 _KINDS = {KIND_DELTA: "delta", KIND_KEYFRAME: "keyframe"}
+_HEADER_LEVEL = 3  # (the header is small: a real match search pays, unlike on the payload streams)
+_HEADER_MAX_RATIO = 256  # a header decompresses to at most this many times its size (no zip bombs)
+
+
+def header_bytes(meta: dict) -> bytes:
+    """The header as it travels: zstd(msgpack(meta))."""
+    return zstandard.ZstdCompressor(level=_HEADER_LEVEL).compress(msgpack.packb(meta, use_bin_type=True))
 
 
 def extra_fields(extra) -> dict:
@@ -52,7 +64,7 @@ def _head(kind: int, meta: dict, recs: list[TensorRecord], signed: bool) -> byte
     meta = dict(meta, codec=CODEC, tensors=[
         [r.name, r.dtype, list(r.shape), r.digest_a, r.digest_b, r.nbytes, r.checksum]
         for r in recs])
-    header = msgpack.packb(meta, use_bin_type=True)
+    header = header_bytes(meta)
     head = _PREFIX.pack(MAGIC, FORMAT, kind, SIGNED if signed else 0, len(header)) + header
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
 
@@ -82,7 +94,8 @@ def _unpack(blob, kind: int):
     if xxhash.xxh3_64_intdigest(mv[:end]) != struct.unpack_from("<Q", mv, end)[0]:
         raise DeltaError(f"{what} header checksum mismatch (corrupted header)")
     try:
-        meta = msgpack.unpackb(mv[_PREFIX.size:end], raw=False)
+        raw = zstandard.ZstdDecompressor().decompress(mv[_PREFIX.size:end], max_output_size=_HEADER_MAX_RATIO * hlen)
+        meta = msgpack.unpackb(raw, raw=False)
         tensors = meta["tensors"]
     except Exception as e:  # a checksummed header that does not parse is a producer bug
         raise DeltaError(f"{what} header does not parse: {e}") from None

@@ -37,8 +37,10 @@ from .errors import DeltaError
 
 MAX_THRESHOLDS = 4       # at most 5 classes: each threshold is one more vector compare per 64 elements on both sides and one more class pass in the decoder; fewer leave more than half a bit per change to the conditional bound at ~1 % changed (tests/test_delta_context_bits.py)
 MIN_CHANGES = 64         # fewer changes: the class headers cost more than they save
-CLASS_COST_BITS = 512    # a class's header and decode pass, in bits, charged when choosing thresholds
-SAMPLE_STRIDE = 32       # element counts per exponent are estimated on every 32nd element
+CLASS_COST_BITS = 256    # a class's header entry, its block in the shared frame (3 bytes + a literal table) and its decode pass, in bits, charged when choosing thresholds
+SAMPLE_STRIDE = 32       # element counts per exponent are estimated on 1/32 of the elements: every 32nd
+SAMPLE_RUN = 512         # run of 512 (1 KiB of bf16: contiguous, so 1/32 of the cache lines are read,
+                         # not all of them as with every 32nd element), in chunks of >= 64 * 32 such runs (fewer runs: measured larger on real weights, whose rows differ)
 BLOCK = 1 << 19          # elements per cache block of the class pass (its bool temporaries stay in L2)
 
 _SEL8 = np.zeros(256 * 8, np.uint8)  # _SEL8[8 * byte + j]: bit index of the byte's j-th set bit
@@ -59,6 +61,15 @@ def exponents(b: np.ndarray, shift: int, alloc=fresh) -> np.ndarray:
     if ebits < 8 * key.itemsize:
         key &= key.dtype.type((1 << ebits) - 1)
     return key
+
+
+def sample(b: np.ndarray) -> np.ndarray:
+    """About 1/SAMPLE_STRIDE of b's elements for choose_thresholds' counts: every SAMPLE_STRIDE-th
+    run of SAMPLE_RUN elements (every SAMPLE_STRIDE-th element in small chunks)."""
+    runs = b.size // SAMPLE_RUN
+    if runs < 64 * SAMPLE_STRIDE:
+        return b[::SAMPLE_STRIDE]
+    return b[: runs * SAMPLE_RUN].reshape(runs, SAMPLE_RUN)[::SAMPLE_STRIDE].reshape(-1)
 
 
 def max_threshold(itemsize: int, shift: int) -> int:
@@ -174,9 +185,9 @@ def choose_thresholds(sample_key: np.ndarray, n: int, changed_key: np.ndarray) -
     """Thresholds (descending base exponents) minimising the estimated position entropy plus
     CLASS_COST_BITS per class: an optimal split of the exponents into <= MAX_THRESHOLDS + 1
     contiguous ranges, on per-exponent change counts (exact) and element counts (sampled:
-    sample_key holds the exponents of every SAMPLE_STRIDE-th of the chunk's n elements)."""
+    sample_key holds the exponents of a sample of the chunk's n elements, see sample())."""
     changed = np.bincount(changed_key)
-    total = np.bincount(sample_key).astype(np.float64) * SAMPLE_STRIDE
+    total = np.bincount(sample_key).astype(np.float64) * (n / max(sample_key.size, 1))
     size = max(changed.size, total.size)
     changed = np.pad(changed, (0, size - changed.size)).astype(np.float64)
     total = np.maximum(np.pad(total, (0, size - total.size)), changed)

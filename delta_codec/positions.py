@@ -30,13 +30,13 @@ def _pack_low(low: np.ndarray, k: int) -> bytes:
     return w.view(np.uint8).reshape(-1, 8)[:, :k].tobytes()
 
 
-def _low_len(k: int, m: int) -> int:
-    return 0 if k == 0 else (m + _low_len(k - 8, m) if k > 8 else -(-m // 8) * k)
+def low_len(k: int, m: int) -> int:
+    return 0 if k == 0 else (m + low_len(k - 8, m) if k > 8 else -(-m // 8) * k)
 
 
 def _unpack_low(buf, k: int, m: int) -> np.ndarray:
-    if len(buf) != _low_len(k, m):
-        raise DeltaError(f"low-bit stream has {len(buf)} bytes, expected {_low_len(k, m)}")
+    if len(buf) != low_len(k, m):
+        raise DeltaError(f"low-bit stream has {len(buf)} bytes, expected {low_len(k, m)}")
     if k == 0:
         return np.zeros(m, np.int64)
     if k > 8:
@@ -108,9 +108,9 @@ def rice_parameter(gaps: np.ndarray) -> int:
     return best
 
 
-def encode_gaps(pos: np.ndarray | None, k: int, gaps: np.ndarray | None = None, alloc=fresh) -> tuple[bytes, bytes, bytes]:
-    """-> (zstd'd high bytes, packed low bits, overflow high parts as <u8)."""
-    g = gaps_of(pos) if gaps is None else gaps
+def gap_streams(k: int, g: np.ndarray, alloc=fresh) -> tuple[np.ndarray, bytes, bytes]:
+    """Gaps -> (high parts as bytes, 255 = escape (uncompressed), packed low bits, overflow high
+    parts as <u8)."""
     q = np.right_shift(g, k, out=alloc("gaps.q", g.size, g.dtype)) if k else g
     q8 = alloc("gaps.q8", q.size, np.uint8)
     if q.size and int(q.max()) >= _ESC:
@@ -119,18 +119,32 @@ def encode_gaps(pos: np.ndarray | None, k: int, gaps: np.ndarray | None = None, 
     else:
         over = b""
         q8[...] = q  # truncating: all < 255
-    return zc(q8), _pack_low(g & ((1 << k) - 1), k) if k else b"", over
+    return q8, _pack_low(g & ((1 << k) - 1), k) if k else b"", over
+
+
+def encode_gaps(pos: np.ndarray | None, k: int, gaps: np.ndarray | None = None, alloc=fresh) -> tuple[bytes, bytes, bytes]:
+    """-> (zstd'd high bytes, packed low bits, overflow high parts as <u8)."""
+    q8, low, over = gap_streams(k, gaps_of(pos) if gaps is None else gaps, alloc)
+    return zc(q8), low, over
 
 
 def decode_gaps(k: int, qz, low, over, m: int, count: int, what: str, alloc=fresh) -> np.ndarray:
     """-> m strictly increasing positions in [0, count), or DeltaError."""
+    check_gap_header(k, m, count, what)
+    return gaps_from(k, np.frombuffer(zd(qz, m, what + " gap stream"), np.uint8), low, over, m, count, what, alloc)
+
+
+def check_gap_header(k: int, m: int, count: int, what: str) -> None:
     if not 0 <= k <= 32:
         raise DeltaError(f"{what}: bad Rice parameter {k}")
     if m and count * m >= 1 << 62:  # rules out int64 overflow in the sum below
         raise DeltaError(f"{what}: chunk of {count} elements with {m} changes is out of range")
+
+
+def gaps_from(k: int, q8: np.ndarray, low, over, m: int, count: int, what: str, alloc=fresh) -> np.ndarray:
+    """decode_gaps on the decompressed high bytes (m of them; k and m checked by check_gap_header)."""
     if not k and len(low):
         raise DeltaError(f"{what}: low-bit stream has {len(low)} bytes, expected 0")
-    q8 = np.frombuffer(zd(qz, m, what + " gap stream"), np.uint8)
     ov = np.frombuffer(over, "<u8")
     if len(over) % 8:
         raise DeltaError(f"{what}: overflow stream does not match the gap stream")

@@ -2,7 +2,8 @@
 framing of its chunk records.
 
     record  u32 length of its header | msgpack list of chunk records (codec.py) whose byte
-            fields are ext(1, u64 length) placeholders | those fields' bytes, in order
+            fields are ext(1, length) placeholders (little endian in 1, 2, 4 or 8 bytes: msgpack's
+            fixext sizes, the smallest that holds it) | those fields' bytes, in order
             (parsed as memoryviews of the blob: no copies, no GIL-held unpacking of payload)
 """
 from __future__ import annotations
@@ -66,7 +67,8 @@ def hollow(rec) -> tuple[bytes, list]:
     def sub(x):
         if isinstance(x, (bytes, bytearray, memoryview)):
             fields.append(x)
-            return msgpack.ExtType(_FIELD, struct.pack("<Q", len(x)))
+            n = len(x)
+            return msgpack.ExtType(_FIELD, n.to_bytes(next(w for w in (1, 2, 4, 8) if n < 1 << 8 * w), "little"))
         return [sub(y) for y in x] if isinstance(x, list) else x
 
     return msgpack.packb(sub(rec), use_bin_type=True), fields
@@ -92,9 +94,9 @@ def chunks_of(r: TensorRecord, fields: int = 3) -> list:
 
     def field(code: int, data: bytes):
         nonlocal used
-        if code != _FIELD or len(data) != 8:
+        if code != _FIELD or len(data) not in (1, 2, 4, 8):
             raise ValueError(f"unknown field type {code}")
-        n = struct.unpack("<Q", data)[0]
+        n = int.from_bytes(data, "little")
         if used + n > len(payload):
             raise ValueError(f"field of {n} bytes beyond the record")
         used += n

@@ -250,8 +250,9 @@ def test_corrupt_record_names_the_tensor(pair):
 def test_wrong_format_version_and_kind(pair):
     base, new, _ = pair
     blob = bytearray(encode_delta(base, new).to_bytes())
-    # format 1: before raw-bit differences; 2: positions without the base's context
-    for version, age in ((1, "older"), (2, "older"), (4, "newer")):
+    # format 1: before raw-bit differences; 2: positions without the base's context; 3: a frame
+    # per class stream
+    for version, age in ((1, "older"), (2, "older"), (3, "older"), (5, "newer")):
         other = bytearray(blob)
         other[4] = version
         refused(clone(base), bytes(other), f"unsupported delta format version {version} \\({age}")
@@ -371,13 +372,13 @@ def test_well_checksummed_but_malformed_header_is_refused(pair):
 
     import xxhash
 
-    from delta_codec.container import _PREFIX, FORMAT, KIND_DELTA, MAGIC
+    from delta_codec.container import _PREFIX, FORMAT, KIND_DELTA, MAGIC, header_bytes
     for meta in ({"from_version": 0, "to_version": 1, "tensors": [["w", "bfloat16", [2], b"", b"", -5, 0]]},
                  {"from_version": 0, "to_version": 1, "tensors": [["w", "bfloat16"]]},
                  {"from_version": 0, "to_version": 1,
                   "tensors": [["w", "nonsense-dtype", [2], b"", b"", 0, xxhash.xxh3_64_intdigest(b"")]]},
                  {"to_version": 1, "tensors": []}):
-        header = msgpack.packb(meta, use_bin_type=True)
+        header = header_bytes(meta)
         head = _PREFIX.pack(MAGIC, FORMAT, KIND_DELTA, 0, len(header)) + header
         blob = head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
         with pytest.raises(DeltaError, match="malformed|dtype|lacks"):

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from delta_codec import Delta, apply_delta, encode_delta
 from delta_codec import context as ctx
-from delta_codec.compress import zc
-from delta_codec.modes import BITMAP, CLASSED, GAP
-from delta_codec.positions import encode_gaps
+from delta_codec import classed
+from delta_codec.compress import zc_blocks, zd
+from delta_codec.modes import CLASSED
+from delta_codec.positions import gap_streams, gaps_of
 
 from tests.helpers.delta import adam_like, clone, first_classed, float_update, forge, modes, refused, same
 
@@ -120,13 +121,26 @@ def test_select_reports_ranks_beyond_the_class():
 
 
 def set_class(c, k, ranks: np.ndarray, size_bits: int | None = None):
-    """Class k's record replaced by these ranks (GAP), or by a bitmap of size_bits bits."""
-    if size_bits is None:
-        c[6][k] = [int(ranks.size), GAP, 0, *encode_gaps(ranks, 0)]
-    else:
-        mask = np.zeros(size_bits, bool)
-        mask[ranks] = True
-        c[6][k] = [int(ranks.size), BITMAP, zc(np.packbits(mask))]
+    """Class k's record replaced by these ranks (GAP), or by a bitmap of size_bits bits; the
+    other classes re-coded as they were (their streams share one frame)."""
+    entries, most = classed._class_entries(c[6], c[1], "t")
+    old = classed._decode_classes(entries, zd(bytes(c[7]), most, "t", exact=False), c[1], "t")
+    streams, out = [], []
+    for i, ((r, nb), e) in enumerate(zip(old, c[6])):
+        bits_ = (size_bits if i == k else 8 * nb if nb is not None else None)
+        r = ranks if i == k else r
+        if not r.size:
+            out.append([0])
+        elif bits_ is None:
+            rk = 0 if i == k else int(e[1])
+            streams.extend(gap_streams(rk, gaps_of(r)))
+            out.append([int(r.size), rk])
+        else:
+            mask = np.zeros(bits_, bool)
+            mask[r] = True
+            streams.append(np.packbits(mask))
+            out.append([int(r.size), -1, int(streams[-1].size)])
+    c[6], c[7] = out, zc_blocks(streams)
 
 
 def test_forged_rank_beyond_its_class_is_refused(classed_blob, path):

@@ -13,6 +13,7 @@ from delta_codec import Delta, DeltaError, Keyframe, apply_delta, encode_delta, 
 from delta_codec import context as ctx
 from delta_codec.bits import exponent_shift
 from delta_codec.codec import decode_chunk, encode_chunk
+from delta_codec.compress import zc_blocks, zd
 from delta_codec.modes import CLASSED
 from tests.helpers.delta import adam_like, bits, clone, first_classed, float_update, forge, modes, refused, same
 
@@ -69,6 +70,11 @@ def test_every_bit_flip_is_refused(classed):
         refused(state, bytes(bad), "checksum|magic|format|kind|flags|truncated|trailing|parse")
 
 
+def _streams(c) -> bytes:
+    """A CLASSED record's class streams, decompressed."""
+    return zd(bytes(c[7]), 1 << 24, "t", exact=False)
+
+
 @pytest.mark.parametrize("edit,match", [
     (lambda c: c.__setitem__(5, [c[5][0], c[5][0]]), "bad class thresholds"),
     (lambda c: c.__setitem__(5, [1, 2]), "bad class thresholds"),
@@ -79,6 +85,10 @@ def test_every_bit_flip_is_refused(classed):
     (lambda c: c[6].__setitem__(0, [c[6][0][0] + 1, *c[6][0][1:]]), "class 0|header says"),
     (lambda c: c[6].__setitem__(0, [10**9, *c[6][0][1:]]), "changes in a class"),
     (lambda c: c[6].__setitem__(0, [c[6][0][0], 99, *c[6][0][2:]]), "malformed class record"),
+    (lambda c: c.__setitem__(7, zc_blocks([_streams(c), b"\0"])), "beyond the class streams"),
+    (lambda c: c.__setitem__(7, zc_blocks([_streams(c)[:-1]])), "end early|bitmap|low-bit"),
+    (lambda c: c.__setitem__(7, b""), "zstd|class streams"),
+    (lambda c: c.__setitem__(7, [c[7]]), "malformed"),
     (lambda c: c.__setitem__(2, c[2] + 1), "header says|values"),
     (lambda c: c.__setitem__(5, [c[5][0] + 1, *c[5][1:]]), "digest mismatch|class|beyond|values"),
 ])
@@ -123,7 +133,7 @@ def test_format_2_blob_is_refused_with_the_clear_error(classed):
     base, _, blob = classed
     old = bytearray(blob)
     old[4] = 2
-    refused(clone(base), bytes(old), "unsupported delta format version 2 \\(older than this build's 3: "
+    refused(clone(base), bytes(old), "unsupported delta format version 2 \\(older than this build's 4: "
                                      "encode with a matching build, or resync from a keyframe\\)")
 
 
