@@ -53,6 +53,9 @@ def evaluate_episodes(model, tok, specs: list[dict], sc: SamplingConfig, seed: i
     from envs.conversation import chat_format
     from envs.episode import Episode, EpisodeLimits, EpisodeTask
     fmt, gen = chat_format(tok), torch.Generator().manual_seed(seed)
+
+    def closed(ids: list[int]) -> bool:      # a turn ends with its bash block, as on the workers
+        return "`" in tok.decode(ids[-1:]) and BASH_BLOCK.search(tok.decode(ids)) is not None
     eps, ctx = [], []
     try:
         for spec in specs:
@@ -66,7 +69,7 @@ def evaluate_episodes(model, tok, specs: list[dict], sc: SamplingConfig, seed: i
                 ep._end("context_limit", f"prompt of {len(ctx[-1])} tokens > {room}")      # noqa: SLF001
         while live := [i for i, ep in enumerate(eps) if not ep.done]:
             outs = generate(model, [ctx[i] for i in live], sc, max(eps[i].limits.max_turn_tokens for i in live),
-                            [tok.eos_id], gen)
+                            [tok.eos_id], gen, stop_fn=closed)
             for i, o in zip(live, outs):
                 text = tok.decode(o.ids[:-1] if o.finish_reason == "stop" else o.ids)
                 m = BASH_BLOCK.search(text)
