@@ -3,9 +3,9 @@ the trainer's feeder. `sample` returns a multi-turn task spec (an EpisodeTask an
 worker plays the episode and scores it); `demonstration` is the scripted oracle's transcript.
 
 Tasks come from a task set on disk (`ASYNCRL_SWE_TASKS`, default `tasks/swe-gen`). When it is
-missing the env builds one (`ASYNCRL_SWE_GEN` generated repositories, default 48) and writes it
+missing the env builds one (`ASYNCRL_SWE_GEN` generated repositories, default 120) and writes it
 there, so the processes of a run (trainer, eval) read the same tasks; `asyncrl tasks build --out
-tasks/swe-gen --gen 48` builds it ahead of time (the build runs every mutant's tests: minutes).
+tasks/swe-gen --gen 120` builds it ahead of time (the build runs every mutant's tests: minutes).
 The split is the builder's (a function of the bug's identity): eval tasks are never trained on.
 
 Limits are sized for the char-level toy policy: few turns, short observations, so an episode fits
@@ -27,7 +27,7 @@ from .sandbox import BashLimits
 
 log = get_logger(__name__)
 
-TOY_LIMITS = EpisodeLimits(max_turns=6, episode_wall_s=120.0, max_turn_tokens=320, max_format_errors=2,
+TOY_LIMITS = EpisodeLimits(max_turns=6, episode_wall_s=120.0, max_turn_tokens=720, max_format_errors=2,
                            command=BashLimits(wall_s=10.0), obs_head_lines=10, obs_tail_lines=4,
                            obs_line_chars=120, score_wall_s=60.0)
 
@@ -37,7 +37,7 @@ class SweGenEnv:
                  seed: int = 0, limits: EpisodeLimits = TOY_LIMITS):
         self.name, self.seed, self.limits = name, seed, limits
         self.task_dir = task_dir or os.environ.get("ASYNCRL_SWE_TASKS", "tasks/swe-gen")
-        self.n_gen = int(n_gen if n_gen is not None else os.environ.get("ASYNCRL_SWE_GEN", "48"))
+        self.n_gen = int(n_gen if n_gen is not None else os.environ.get("ASYNCRL_SWE_GEN", "120"))
         self._tasks: dict[str, list[EpisodeTask]] | None = None
         self._demos: dict[str, tuple[str, list[tuple[str, bool]]]] = {}
         self._lock = threading.Lock()      # the trainer samples from its loop and from eval threads
