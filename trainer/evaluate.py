@@ -61,7 +61,11 @@ def evaluate_episodes(model, tok, specs: list[dict], sc: SamplingConfig, seed: i
         for spec in specs:
             lim = EpisodeLimits(**spec["limits"])
             room = model.cfg.max_seq_len - lim.max_turn_tokens - 1       # a turn always fits the model
-            lim = dataclasses.replace(lim, max_context_tokens=max(1, min(lim.max_context_tokens, room)))
+            # no episode wall clock: in lockstep an episode's clock counts every other episode's
+            # generation, so held-out success would depend on the eval batch and the box's load
+            # (turns, tokens and each command's own limit still bound an episode)
+            lim = dataclasses.replace(lim, max_context_tokens=max(1, min(lim.max_context_tokens, room)),
+                                      episode_wall_s=float("inf"))
             ep = Episode(EpisodeTask.from_dict(spec["episode"]), lim, token_counter=lambda t: len(tok.encode(t)))
             eps.append(ep)
             ctx.append(tok.encode(fmt.prompt(ep.reset()), bos=True))
