@@ -4,6 +4,8 @@ command runs in the sandbox) and come back as text turns: (action, observation) 
 warm-start a policy on exactly the action format it will be trained on."""
 from __future__ import annotations
 
+import ast
+
 from .episode import Episode, EpisodeLimits, EpisodeResult, EpisodeTask
 
 
@@ -25,16 +27,53 @@ def fix_block(task: EpisodeTask) -> tuple[str, str, str]:
     raise ValueError(f"task {task.task_id}: no unique context for the fix")
 
 
-def oracle_actions(task: EpisodeTask) -> list[str]:
+def function_fix(task: EpisodeTask) -> tuple[str, str, int, int, str, str] | None:
+    """(path, function name, first line, last line, SEARCH, REPLACE) that rewrites the whole
+    function holding the mutation (its mutated text -> its original text); None when the mutation
+    is not inside a function. A toy policy can learn this fix for bugs it never saw: the original
+    function is the same whichever of its lines was mutated, while the mutated line only has to be
+    copied from the `view` it just read."""
     path, search, replace = fix_block(task)
-    line = task.meta["line"]
+    mutant = task.files[path]
+    original = mutant.replace(search, replace, 1)
+    a = task.meta["line"]
+    b = a + max(len(task.meta["before"].splitlines()), 1) - 1       # original line numbers
+    try:
+        fns = [n for n in ast.walk(ast.parse(original)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and min([n.lineno] + [d.lineno for d in n.decorator_list]) <= a and b <= n.end_lineno]
+    except SyntaxError:
+        return None
+    if not fns:
+        return None
+    f = max(fns, key=lambda n: n.lineno)                                # the innermost
+    start = min([f.lineno] + [d.lineno for d in f.decorator_list])
+    end = f.end_lineno + len(task.meta["after"].splitlines()) - len(task.meta["before"].splitlines())
+    mut = "".join(mutant.splitlines(keepends=True)[start - 1:end])
+    orig = "".join(original.splitlines(keepends=True)[start - 1:f.end_lineno])
+    if mutant.count(mut) != 1 or mutant.replace(mut, orig, 1) != original:
+        return None
+    return path, f.name, start, end, mut, orig
+
+
+def oracle_actions(task: EpisodeTask) -> list[str]:
+    """run_tests -> view the function that holds the bug -> rewrite that function -> run_tests ->
+    submit (a bug outside any function: view around its line, replace just the changed lines)."""
     nl = lambda s: s if s.endswith("\n") else s + "\n"          # noqa: E731
+    fx = function_fix(task)
+    if fx is not None:
+        path, name, start, end, search, replace = fx
+        read = f"The bug is in {name}. Let me read it.\n```bash\nview {path} {start} {end}\n```"
+        fix = f"I'll fix {name}.\n"
+    else:
+        path, search, replace = fix_block(task)
+        line = task.meta["line"]
+        read = (f"The failures point at {path}. Let me read the code around line {line}.\n"
+                f"```bash\nview {path} {max(1, line - 6)} {line + 6}\n```")
+        fix = f"Line {line} of {path} is wrong. I'll fix it.\n"
     return [
-        "Let me run the tests to see what fails.\n```bash\nrun_tests\n```",
-        f"The failures point at {path}. Let me read the code around line {line}.\n"
-        f"```bash\nview {path} {max(1, line - 6)} {line + 6}\n```",
-        f"Line {line} of {path} is wrong. I'll fix it.\n```bash\nreplace {path} <<'EOF'\n"
-        f"<<<<<<< SEARCH\n{nl(search)}=======\n{nl(replace)}>>>>>>> REPLACE\nEOF\n```",
+        "Let me run the tests.\n```bash\nrun_tests\n```",
+        read,
+        fix + f"```bash\nreplace {path} <<'EOF'\n<<<<<<< SEARCH\n{nl(search)}=======\n{nl(replace)}>>>>>>> REPLACE\nEOF\n```",
         "Now the tests again.\n```bash\nrun_tests\n```",
         "All tests pass.\n```bash\nsubmit\n```",
     ]

@@ -103,7 +103,9 @@ for i, path in enumerate(files(args)):
             n_fail += 1
             print(f"FAILED {tid}")
             tb = traceback.extract_tb(e.__traceback__)[1:]
-            print("".join(traceback.format_list(tb[-3:])) + f"{type(e).__name__}: {e}".rstrip())
+            # paths relative to the repository root: the episode's temp dir is noise to the policy
+            print("".join(traceback.format_list(tb[-3:])).replace(os.getcwd() + os.sep, "")
+                  + f"{type(e).__name__}: {e}".rstrip())
             report("FAIL", tid)
         else:
             n_pass += 1

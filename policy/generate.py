@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -15,12 +15,14 @@ class GenOut:
     ids: list[int]             # completion ids (the stop id included when it ended the sequence)
     logprobs: list[float]      # behaviour logprob of each id
     mask: SamplingMask         # one row per id
-    finish_reason: str         # "stop" | "length"
+    finish_reason: str         # "stop" | "stop_fn" | "length"
 
 
 @torch.no_grad()
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Sequence[SamplingConfig],
-             max_new_tokens: int, stop_ids: Sequence[int] = (), generator: torch.Generator | None = None) -> list[GenOut]:
+             max_new_tokens: int, stop_ids: Sequence[int] = (), generator: torch.Generator | None = None,
+             stop_fn: Callable[[list[int]], bool] | None = None) -> list[GenOut]:
+    """`stop_fn(ids so far)` true ends a sequence too (finish "stop_fn"): e.g. a closed action block."""
     B = len(prompts)
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
@@ -44,6 +46,13 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], sampling: Sam
         done = torch.isin(out.tokens, stop)
         for i in active[done].tolist():
             finish[i] = "stop"
+        if stop_fn is not None:
+            ended = [j for j, i in enumerate(active.tolist()) if finish[i] is None and stop_fn(ids[i])]
+            for j in ended:
+                finish[active[j].item()] = "stop_fn"
+            if ended:
+                done = done.clone()
+                done[ended] = True
         keep = ~done
         if step == max_new_tokens - 1 or not keep.any():
             break

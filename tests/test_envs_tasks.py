@@ -15,7 +15,7 @@ from asyncrl import tasks as tasks_cli
 from envs import gen_repos, humaneval_tasks
 from envs.episode import Episode, EpisodeLimits, EpisodeTask
 from envs.mutations import KINDS, Mutation, balanced_order, candidates, counts_by_kind
-from envs.oracle import oracle_actions, run_oracle
+from envs.oracle import function_fix, oracle_actions, run_oracle
 from envs.sandbox import BashLimits
 from envs.task_set import load_task_set, write_task_set
 from envs.task_validation import BuildReport
@@ -119,6 +119,7 @@ def test_oracle_solves_and_doing_nothing_does_not(gen_tasks):
         msgs, turns, res = run_oracle(t)
         assert res.reward == 1.0 and res.termination == "submitted" and len(turns) == 5, (t.task_id, turns)
         assert "FAILED" in turns[0]["observation"] and "0 failed" in turns[3]["observation"]
+        assert 'File "tests/test_' in turns[0]["observation"] and "asyncrl-episodes" not in turns[0]["observation"]
     ep = Episode(tasks[0])
     try:
         ep.reset()
@@ -128,6 +129,32 @@ def test_oracle_solves_and_doing_nothing_does_not(gen_tasks):
     finally:
         ep.close()
     assert all("```bash" in a for a in oracle_actions(tasks[0]))
+
+
+def _mutant_task(m) -> EpisodeTask:
+    return EpisodeTask("t", "gen-repo", "train", "", {m.path: m.source}, {}, "mini", [], [], [],
+                       meta={"kind": m.kind, "path": m.path, "line": m.line, "before": m.before, "after": m.after})
+
+
+def test_oracle_rewrites_the_whole_function_that_holds_the_bug():
+    """Every bug inside a function gets the same fix text (the original function), so a policy can
+    learn it from other bugs of that function; the SEARCH text is the mutant's function, once."""
+    from envs.repo_bank import MODULES
+    src = MODULES["mathutil"][0]
+    fn = src[src.index("def digit_sum"):]
+    inside = [m for m in candidates(src, "mathutil.py") if src.index("def digit_sum") < src.find(m.before)]
+    assert {m.kind for m in inside} >= {"remove_statement", "change_constant", "swap_operator"}
+    for m in inside:
+        t = _mutant_task(m)
+        path, name, start, end, search, replace = function_fix(t)
+        assert (path, name, replace) == ("mathutil.py", "digit_sum", fn), m.describe()
+        assert m.source.count(search) == 1 and m.source.replace(search, replace) == src
+        assert m.source.splitlines(keepends=True)[start - 1:end] == search.splitlines(keepends=True)
+        acts = oracle_actions(t)
+        assert f"view mathutil.py {start} {end}\n" in acts[1] and replace in acts[2]
+    outside = [m for m in candidates(MODULES["roman"][0], "roman.py") if m.line <= 4]      # the VALUES table
+    assert outside and all(function_fix(_mutant_task(m)) is None for m in outside)
+    assert f"around line {outside[0].line}" in oracle_actions(_mutant_task(outside[0]))[1]
 
 
 def test_oracle_needs_a_mutation_record():

@@ -177,3 +177,16 @@ def test_greedy_generate_follows_full_forward_and_stops():
     assert len(again[0].mask) == first + 1
     cut = outs[1].ids.index(stop) + 1 if stop in outs[1].ids else 8
     assert again[1].ids == outs[1].ids[:cut]
+
+
+def test_generate_stop_fn_ends_each_sequence_where_it_first_holds():
+    """stop_fn (e.g. "the bash block is closed") ends a sequence with the id that made it true,
+    the others run on: the held-out eval of episodes stops a turn where the workers stop it."""
+    m = peaked_mla(4)
+    prompts = [TOK.encode("x=", bos=True), TOK.encode("abc", bos=True)]
+    outs = generate(m, prompts, SamplingConfig(0.0), 8)
+    want = outs[0].ids[:3]
+    again = generate(m, prompts, SamplingConfig(0.0), 8, stop_fn=lambda ids: ids[:3] == want)
+    assert again[0].ids == want and again[0].finish_reason == "stop_fn" and len(again[0].mask) == 3
+    if outs[1].ids[:3] != want:
+        assert again[1].ids == outs[1].ids and again[1].finish_reason == "length"

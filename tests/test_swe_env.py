@@ -106,3 +106,16 @@ def test_evaluate_episodes_plays_held_out_episodes(env):
     assert out["eval_n"] == 2 and out["eval_success"] == 0.0      # an untrained model fixes nothing
     assert 1 <= out["eval_turns"] <= 2
     assert sum(v for k, v in out.items() if k.startswith("eval_term_")) == pytest.approx(1.0)
+
+
+def test_evaluate_episodes_has_no_episode_wall_clock(env):
+    """Held-out episodes are played in lockstep, so an episode's wall clock would count the others'
+    generation: the eval ends episodes by turns and tokens, never by `timeout`."""
+    tok = CharTokenizer.default()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(tok.vocab_size, n_layers=1, max_seq_len=2048)).float().eval()
+    specs = [env.sample(random.Random(1), "eval").spec]
+    specs[0]["limits"].update(max_turns=2, max_turn_tokens=32, episode_wall_s=1e-6)
+    with torch.no_grad():
+        out = evaluate_episodes(model, tok, specs, SamplingConfig(temperature=1.0), seed=0)
+    assert out["eval_n"] == 1 and "eval_term_timeout" not in out, out

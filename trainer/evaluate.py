@@ -63,12 +63,19 @@ def evaluate_episodes(model, tok, specs: list[dict], sc: SamplingConfig, seed: i
     from envs.conversation import chat_format
     from envs.episode import Episode, EpisodeLimits, EpisodeTask
     fmt, gen = chat_format(tok), torch.Generator().manual_seed(seed)
+
+    def closed(ids: list[int]) -> bool:      # a turn ends with its bash block, as on the workers
+        return "`" in tok.decode(ids[-1:]) and BASH_BLOCK.search(tok.decode(ids)) is not None
     eps, ctx = [], []
     try:
         for spec in specs:
             lim = EpisodeLimits(**spec["limits"])
             room = model.cfg.max_seq_len - lim.max_turn_tokens - 1       # a turn always fits the model
-            lim = dataclasses.replace(lim, max_context_tokens=max(1, min(lim.max_context_tokens, room)))
+            # no episode wall clock: in lockstep an episode's clock counts every other episode's
+            # generation, so held-out success would depend on the eval batch and the box's load
+            # (turns, tokens and each command's own limit still bound an episode)
+            lim = dataclasses.replace(lim, max_context_tokens=max(1, min(lim.max_context_tokens, room)),
+                                      episode_wall_s=float("inf"))
             ep = Episode(EpisodeTask.from_dict(spec["episode"]), lim, token_counter=lambda t: len(tok.encode(t)))
             eps.append(ep)
             ctx.append(tok.encode(fmt.prompt(ep.reset()), bos=True))
@@ -76,7 +83,7 @@ def evaluate_episodes(model, tok, specs: list[dict], sc: SamplingConfig, seed: i
                 ep._end("context_limit", f"prompt of {len(ctx[-1])} tokens > {room}")      # noqa: SLF001
         while live := [i for i, ep in enumerate(eps) if not ep.done]:
             outs = generate(model, [ctx[i] for i in live], sc, max(eps[i].limits.max_turn_tokens for i in live),
-                            [tok.eos_id], gen)
+                            [tok.eos_id], gen, stop_fn=closed)
             for i, o in zip(live, outs):
                 text = tok.decode(o.ids[:-1] if o.finish_reason == "stop" else o.ids)
                 m = BASH_BLOCK.search(text)
