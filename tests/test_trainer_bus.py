@@ -8,6 +8,7 @@ import torch
 
 import delta_codec
 from delta_codec import signing
+from bus import BusConfig, EmbeddedServer, connect
 from bus import topology as topo
 from bus.weight_follower import WeightFollower
 from policy.config import ModelConfig
@@ -201,3 +202,36 @@ async def test_overlapped_publication_checkpoints_the_right_digest_after_a_dropp
     info = await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
     assert info.num_ack_pending == 0 and info.num_pending == 0
     await batcher.close()
+
+
+async def test_delta_context_publishes_classed_positions_a_follower_applies(bus, fresh_server, tmp_path):
+    """`delta_context = true`: the leader codes sparse float chunks by base class (CLASSED); a
+    follower applies the version bit-exact. Off (the default), no chunk is CLASSED."""
+    from bus.events import DeltaEvent, decode
+    from delta_codec.modes import CLASSED
+    from delta_codec.record import chunks_of
+    for on in (True, False):
+        async with EmbeddedServer(store_dir=tmp_path / f"nats-{on}") as srv:
+            b = await connect(BusConfig(servers=[srv.url], name="t"))
+            try:
+                await b.provision()
+                cfg = trainer_config(srv.url, tmp_path / f"run-{on}", max_steps=1, lr=3e-5, delta_context=on)
+                model, mcfg = build_model(cfg)
+                learner = build_learner(model, build_optimizer(model, cfg), cfg)
+                await publish_groups(b, model, 2, 4)
+                tr = Trainer(cfg, b, learner, mcfg)
+                assert await asyncio.wait_for(tr.lead(asyncio.Event()), 120) == 0 and tr.version == 1
+                raw = await b.js.get_last_msg(topo.WEIGHTS, "rl.weights.delta")
+                ev = decode(raw.data, DeltaEvent)
+                data = ev.payload if ev.payload is not None else await b.get_blob(ev.blob)
+                d = delta_codec.Delta.from_bytes(data)
+                modes = {int(c[0]) for r in d.records for c in chunks_of(r)}
+                assert (CLASSED in modes) == on, modes
+                feed = WeightFollower(b)
+                target = await feed.latest_state()
+                await feed.close()
+                mine = inference_state(model)
+                assert target.version == 1
+                assert all(torch.equal(target.state[k].view(torch.int16), mine[k].view(torch.int16)) for k in mine)
+            finally:
+                await b.close()

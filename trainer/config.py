@@ -56,6 +56,8 @@ class TrainerConfig:
     # rank encodes the delta of the rows it owns, rank 0 stores the parts and signs one manifest
     # (bus/weight_manifest.py; docs/trainer.md). Keyframes are gathered either way.
     publish: str = "gathered"
+    delta_context: bool = False       # code delta positions in the context of the base weights (format 4 CLASSED:
+                                      # smaller on real weights, slower to encode and apply; docs/benchmarks.md#delta)
     signing_key: str = ""                # ed25519 private key: hex, or a file with hex or PEM; "" = unsigned
     # fault injection (bench.chaos, tests; off in production)
     stop_before_publish: int = 0         # SIGSTOP itself after the lease CAS, just before writing version N

@@ -78,6 +78,8 @@ def build_learner(model, opt, cfg: TrainerConfig, reference: Transformer | None 
     lc = LossConfig(is_mode=cfg.is_mode, is_clip=cfg.is_clip, ppo_clip=cfg.ppo_clip, entropy_coef=cfg.entropy_coef)
     if reference is None and cfg.kl_coef > 0:
         reference = build_reference(cfg)
-    return Learner(model, opt, lc, adv_norm=cfg.adv_norm, grad_clip=cfg.grad_clip, replay=cfg.replay,
-                   micro_batch=cfg.micro_batch, schedule=build_schedule(cfg), kl_coef=cfg.kl_coef,
-                   reference=reference, async_checkpoint=cfg.async_checkpoint)
+    learner = Learner(model, opt, lc, adv_norm=cfg.adv_norm, grad_clip=cfg.grad_clip, replay=cfg.replay,
+                      micro_batch=cfg.micro_batch, schedule=build_schedule(cfg), kl_coef=cfg.kl_coef,
+                      reference=reference, async_checkpoint=cfg.async_checkpoint)
+    learner.delta_context = cfg.delta_context      # sharded parts are coded the same way
+    return learner

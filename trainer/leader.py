@@ -355,7 +355,8 @@ class Trainer:
             delta = base if live else None
         else:
             delta = await asyncio.to_thread(delta_codec.encode_delta, base, new,
-                                            from_version=version - 1, to_version=version)
+                                            from_version=version - 1, to_version=version,
+                                            context=cfg.delta_context)
         if not self.lease.valid() or lost.is_set():
             raise LeaseLost("leader lease no longer valid: refusing to checkpoint or publish")
         if delta is not None:       # the codec already hashed every tensor of `new`: no second pass

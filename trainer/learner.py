@@ -92,6 +92,7 @@ class Learner:
         self.adv_norm, self.grad_clip, self.replay, self.micro_batch = adv_norm, grad_clip, replay, micro_batch
         self.schedule, self.kl_coef, self.reference = schedule, kl_coef, reference
         self.async_checkpoint, self._pending_saves, self._saves_lock = async_checkpoint, [], threading.Lock()
+        self.delta_context = False        # sharded parts: code positions in the context of the base (factory sets it)
         if kl_coef > 0 and reference is None:
             raise ValueError("kl_coef > 0 needs a frozen reference model")
 
@@ -305,7 +306,8 @@ class Learner:
         if getattr(self, "_rows_base", None) is None:
             raise RuntimeError("publish_parts before mark_published: no base rows")
         announce("publish_parts", from_version, to_version)
-        part, self._rows_base = encode_local_part(self.model, self._rows_base, from_version, to_version)
+        part, self._rows_base = encode_local_part(self.model, self._rows_base, from_version, to_version,
+                                                  context=self.delta_context)
         if not is_sharded(self.model):
             return [part]
         box = [None] * world()[1] if world()[0] == 0 else None

@@ -31,12 +31,13 @@ def local_rows(model) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, int
     return rows, ranges
 
 
-def encode_local_part(model, base_rows: dict[str, torch.Tensor], from_version: int, to_version: int
-                      ) -> tuple[bytes, dict[str, torch.Tensor]]:
+def encode_local_part(model, base_rows: dict[str, torch.Tensor], from_version: int, to_version: int,
+                      context: bool = False) -> tuple[bytes, dict[str, torch.Tensor]]:
     """This rank's part (unsigned: the manifest carries the signature) against its previous rows;
     -> (part bytes, the new rows: the next part's base)."""
     rows, ranges = local_rows(model)
-    blob = encode_part(base_rows, rows, ranges, from_version=from_version, to_version=to_version).to_bytes()
+    blob = encode_part(base_rows, rows, ranges, from_version=from_version, to_version=to_version,
+                       context=context).to_bytes()
     return blob, rows
 
 
