@@ -17,7 +17,8 @@ from nats.js.errors import NotFoundError
 from . import events, metrics
 from . import topology as topo
 from .log import get_logger
-from .weights import CODEC, WEIGHTS_SUBJECTS, signed_fields
+from .weight_manifest import step_manifest
+from .weights import CODEC, WEIGHTS_SUBJECTS, Refused, is_replay, signed_fields
 
 log = get_logger(__name__)
 
@@ -76,12 +77,6 @@ class KeyframeUpdate:
 
     @property
     def model_config(self) -> dict: return self.event.model_config
-
-
-class Refused(Exception):
-    def __init__(self, reason: str, detail: str, resync: bool):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail, self.resync = reason, detail, resync
 
 
 class WeightFollower:
@@ -270,18 +265,12 @@ class WeightFollower:
                 metrics.applied("keyframe", raw)
             return
         if isinstance(ev, events.ManifestEvent):          # a version published from shards
-            from .weight_manifest import step_manifest
             return await step_manifest(self, target, ev, raw)
         if not isinstance(ev, events.DeltaEvent):
             raise Refused("malformed", f"unexpected {ev.KIND} on WEIGHTS", resync=False)
-        if ev.epoch < target.epoch:
-            raise Refused("stale_epoch", f"{ev.msg_id()} from epoch {ev.epoch} < {target.epoch}", resync=False)
-        if ev.to_version <= target.version and ev.epoch == target.epoch:
+        if is_replay(ev, target):
             self.applied["replay"] += 1
             return
-        if ev.from_version != target.version:
-            raise Refused("gap", f"{ev.msg_id()} starts at v{ev.from_version}, target at v{target.version}",
-                          resync=True)
         data = await self._payload(ev)
         try:
             d = delta_codec.Delta.from_bytes(data)

@@ -34,11 +34,10 @@ from delta_codec.sharded import Manifest, check_part, make_manifest
 from . import events, metrics
 from . import topology as topo
 from .log import get_logger
+from .weights import CODEC, Refused, WeightPublisher, _config_dict, is_replay, signed_fields
 
 if TYPE_CHECKING:
     from .weight_follower import WeightFollower
-
-    from .weights import WeightPublisher
 
 log = get_logger(__name__)
 
@@ -50,7 +49,6 @@ def part_blob_name(epoch: int, version: int, index: int) -> str:
 async def publish_sharded(pub: "WeightPublisher", parts: list[bytes], *, from_version: int, to_version: int,
                           model_config, changed_frac: float = 0.0, set_version: bool = True) -> events.ManifestEvent:
     """Store the parts, then announce them with one signed manifest through the fenced write."""
-    from .weights import CODEC, _config_dict, signed_fields
     if not parts:
         raise ValueError("a sharded version needs at least one part")
     names = [part_blob_name(pub.epoch, to_version, i) for i in range(len(parts))]
@@ -77,7 +75,6 @@ async def publish_sharded(pub: "WeightPublisher", parts: list[bytes], *, from_ve
 
 async def fetch_parts(bus, manifest: Manifest) -> dict[int, bytes]:
     """Every part the manifest lists, checked against it (size, sha256, versions). Raises Refused."""
-    from .weight_follower import Refused
     want = {}
     for p in manifest.parts:
         if not isinstance(p.get("index"), int) or not isinstance(p.get("blob"), str) or p["index"] in want:
@@ -99,14 +96,9 @@ async def fetch_parts(bus, manifest: Manifest) -> dict[int, bytes]:
 
 async def step_manifest(f: "WeightFollower", target, ev: events.ManifestEvent, raw) -> None:
     """One ManifestEvent for `target`: applied whole, skipped as a replay, or Refused."""
-    from .weight_follower import Refused
-    if ev.epoch < target.epoch:
-        raise Refused("stale_epoch", f"{ev.msg_id()} from epoch {ev.epoch} < {target.epoch}", resync=False)
-    if ev.to_version <= target.version and ev.epoch == target.epoch:
+    if is_replay(ev, target):
         f.applied["replay"] += 1
         return
-    if ev.from_version != target.version:
-        raise Refused("gap", f"{ev.msg_id()} starts at v{ev.from_version}, target at v{target.version}", resync=True)
     data = await f._payload(ev)             # codec, size, signature over the manifest bytes
     try:
         m = Manifest.from_bytes(data)

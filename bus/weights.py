@@ -183,3 +183,24 @@ class WeightPublisher:
 
     async def set_version(self, v: int) -> int:
         return await self.bus.kv_put(topo.KEY_VERSION, encode_version(v))
+
+
+class Refused(Exception):
+    """A weight update a follower will not apply: `reason` (a metrics label), and whether the
+    follower must resync from the latest keyframe."""
+    def __init__(self, reason: str, detail: str, resync: bool):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail, self.resync = reason, detail, resync
+
+
+def is_replay(ev: events.WeightEvent, target) -> bool:
+    """The version rules a delta or a manifest meets before its payload is read: an older epoch
+    is refused, a version the target has (same epoch) is a replay to skip (True), and one that
+    does not start at the target's version is a gap (resync)."""
+    if ev.epoch < target.epoch:
+        raise Refused("stale_epoch", f"{ev.msg_id()} from epoch {ev.epoch} < {target.epoch}", resync=False)
+    if ev.to_version <= target.version and ev.epoch == target.epoch:
+        return True
+    if ev.from_version != target.version:
+        raise Refused("gap", f"{ev.msg_id()} starts at v{ev.from_version}, target at v{target.version}", resync=True)
+    return False
