@@ -208,24 +208,22 @@ class TorchEngine:
                     keep=keep, stop_seqs=seqs)
 
     async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None:
-        async with self._prep:
-            try:
-                check_delta(self.version, self.epoch, delta, epoch)
-            except WeightUpdateError:
-                self.metrics.refused += 1
-                raise
-            await self._update(lambda: self._prepare_delta(delta), delta.to_version, epoch)
+        await self._checked_update(delta, epoch, lambda: self._prepare_delta(delta))
 
     async def apply_parts(self, manifest, parts: dict[int, bytes], epoch: int) -> None:
         """A version published from shards (bus/weight_manifest.py), verified by the follower:
         every part applies, in any order, or none (state unchanged)."""
+        await self._checked_update(manifest, epoch, lambda: self._prepare_parts(manifest, parts))
+
+    async def _checked_update(self, update, epoch: int, prepare) -> None:
+        """A delta or a sharded version: the epoch/version rule first, then prepare and swap."""
         async with self._prep:
             try:
-                check_delta(self.version, self.epoch, manifest, epoch)
+                check_delta(self.version, self.epoch, update, epoch)
             except WeightUpdateError:
                 self.metrics.refused += 1
                 raise
-            await self._update(lambda: self._prepare_parts(manifest, parts), manifest.to_version, epoch)
+            await self._update(prepare, update.to_version, epoch)
 
     async def load_keyframe(self, state: dict[str, torch.Tensor], version: int, epoch: int) -> None:
         async with self._prep:
