@@ -163,6 +163,28 @@ class Scorer:
                 self.log.warning("heartbeat publish failed", error=repr(e))
 
     # -- process ------------------------------------------------------------------------------
+    async def _end(self, tasks: list[asyncio.Task], retry_s: float = 0.1) -> None:
+        """Cancel `tasks` and wait until they have ended, cancelling again while one runs on.
+        One cancel() is not enough on Python < 3.12: asyncio.wait_for (under nats-py's request,
+        so under every publish and KV read) returns the result instead of raising when the
+        cancel lands after the awaited reply arrived but before the task resumed. The heartbeat
+        then publishes on forever and a single gather() never returns (a stop that hangs)."""
+        pending = {t for t in tasks if not t.done()}
+        try:
+            while pending:
+                for t in pending:
+                    t.cancel()
+                _, pending = await asyncio.wait(pending, timeout=retry_s)
+                for t in pending:
+                    self.log.info("task still running after cancel (a lost cancel?); cancelling again",
+                                  task=t.get_coro().__qualname__)
+        finally:
+            for t in pending:       # we were cancelled ourselves: don't leave them running
+                t.cancel()
+        for t in tasks:             # retrieve results so nothing logs "exception never retrieved"
+            if not t.cancelled():
+                t.exception()
+
     async def run(self, stop: asyncio.Event | None = None, handle_signals: bool = True) -> None:
         own_bus = self.bus is None
         if own_bus:
@@ -181,9 +203,7 @@ class Scorer:
             try:
                 await loop.run(stop)
             finally:
-                for t in side:
-                    t.cancel()
-                await asyncio.gather(*side, return_exceptions=True)
+                await self._end(side)
         finally:
             self.pool.shutdown(wait=False, cancel_futures=True)
             if own_bus:
