@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -221,3 +222,32 @@ async def test_episode_success_means_all_tests_pass_and_reward_is_the_fraction(b
     for rid, frac in (("e1-0", 0.5), ("e2-0", 1.0), ("e3-0", 0.75)):
         assert s[rid].reward == pytest.approx(frac - 0.001 * cost) and s[rid].cost == cost
     assert scorer.counts["success_sum"] == 1.0
+
+
+async def test_run_ends_even_when_its_heartbeat_loses_a_cancel(bus):
+    """Scorer.run ends its side tasks before returning. On Python 3.11 a cancel can be lost:
+    nats-py's request (asyncio.wait_for) returns the pub-ack instead of raising when the cancel
+    lands after the ack arrived but before the task resumed; a heartbeat that lost its cancel
+    publishes on forever, and run() used to wait for it forever (a 300 s hang in make test).
+    heartbeat_s=0 keeps a heartbeat publish in flight at every moment, and a cancel of run()
+    at a random moment lands in that window in a good part of the stops (the stop event takes
+    the same path, less often: there the last wake-up is the fetch's, phase-locked to the acks)."""
+    rng = random.Random(7)
+    leftovers: list[asyncio.Task] = []
+    try:
+        for i in range(25):
+            scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), heartbeat_s=0.0,
+                                         provision=False), bus=bus)
+            run = asyncio.create_task(scorer.run(asyncio.Event(), handle_signals=False))
+            await asyncio.sleep(rng.uniform(0.05, 0.1))    # past startup: the heartbeat is publishing
+            run.cancel()
+            done, _ = await asyncio.wait({run}, timeout=5)
+            leftovers = [t for t in asyncio.all_tasks() if "Scorer.heartbeat" in repr(t.get_coro())]
+            assert done and not leftovers, (
+                f"stop {i}: run() {'returned' if done else 'still waiting'}, "
+                f"heartbeat tasks still running: {[t.cancelling() for t in leftovers]}")
+    finally:
+        while leftovers:                 # the old code's stuck heartbeats: don't let them outlive the test
+            for t in leftovers:
+                t.cancel()
+            _, leftovers = await asyncio.wait(leftovers, timeout=0.2)
