@@ -33,6 +33,7 @@ from nats.aio.msg import Msg
 
 from bus import metrics
 from bus.events import EventError, Event, decode
+from bus.lifetime import cancel_and_wait
 from bus.log import get_logger
 
 log = get_logger("bus.consumer")
@@ -159,7 +160,7 @@ class ConsumerLoop:
                     await asyncio.sleep(0)
         finally:
             await self._drain()
-            beats.cancel()
+            await cancel_and_wait([beats], log=self.log)
             if sweeper is not None:
                 try:
                     await sweeper.unsubscribe()

@@ -5,6 +5,8 @@
                                      (a dead broker, a reconnect loop, a stuck step)
     die_with_parent(sig)             a Popen preexec_fn: the child gets `sig` when its parent dies,
                                      even by SIGKILL (Linux PR_SET_PDEATHSIG; no-op elsewhere)
+    await cancel_and_wait(tasks)     cancel background tasks and wait until they have ended, even
+                                     when a cancel is lost (Python 3.11's wait_for, under nats-py)
 
 The drain itself stays graceful (finish or nak held work, flush, close); the deadline is the
 backstop that makes `grace_s` a promise instead of a hope.
@@ -83,3 +85,28 @@ def die_with_parent(sig: int = signal.SIGTERM):
         if os.getppid() != parent:      # the parent died before prctl: nobody will signal us
             os._exit(1)
     return preexec
+
+
+async def cancel_and_wait(tasks, retry_s: float = 0.1, log=log) -> None:
+    """Cancel `tasks` and wait until every one has ended, cancelling again while one runs on.
+    One cancel() is not enough on Python < 3.12: asyncio.wait_for (under nats-py's request, so
+    under every JetStream publish and KV read) returns the result instead of raising when the
+    cancel lands after the reply arrived but before the task resumed; a `while True` heartbeat
+    then publishes on forever and a plain gather() never returns (a stop that hangs). If we are
+    cancelled ourselves meanwhile, what is left is cancelled once more before we go."""
+    tasks = [t for t in tasks if t is not None]
+    pending = {t for t in tasks if not t.done()}
+    try:
+        while pending:
+            for t in pending:
+                t.cancel()
+            _, pending = await asyncio.wait(pending, timeout=retry_s)
+            for t in pending:
+                log.info("task still running after cancel (a lost cancel?); cancelling again",
+                         task=t.get_coro().__qualname__)
+    finally:
+        for t in pending:
+            t.cancel()
+    for t in tasks:             # retrieve results so nothing logs "exception never retrieved"
+        if t.done() and not t.cancelled():
+            t.exception()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from bus import BusConfig, ConsumerLoop, TransientError, get_logger, metrics
 from bus import topology as topo
 from bus.events import Heartbeat, Metrics, Rollout, SamplingParams, Task
+from bus.lifetime import cancel_and_wait
 from bus.regions import weight_follower
 from bus.weights import parse_version
 import policy
@@ -331,9 +332,7 @@ class Worker:
             self._closing = True
             follow_stop.set()
             await self.engine.close()
-            for t in background:
-                t.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            await cancel_and_wait(background, log=self.log)   # (a heartbeat that lost its cancel must not hang the stop)
             await self.weights.close()
             self.log.info("worker stopped", wall_s=round(time.perf_counter() - t0, 2), failed=self.failed, **{
                 k: v for k, v in self.snapshot().items() if isinstance(v, (int, float, bool, str))})

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from bus import BusConfig, ConsumerLoop, HandlerContext, connect, get_logger, metrics
 from bus import topology as topo
 from bus.events import Heartbeat, Rollout, Scored
+from bus.lifetime import cancel_and_wait
 
 import envs
 from envs import SpecError, get_env
@@ -163,28 +164,6 @@ class Scorer:
                 self.log.warning("heartbeat publish failed", error=repr(e))
 
     # -- process ------------------------------------------------------------------------------
-    async def _end(self, tasks: list[asyncio.Task], retry_s: float = 0.1) -> None:
-        """Cancel `tasks` and wait until they have ended, cancelling again while one runs on.
-        One cancel() is not enough on Python < 3.12: asyncio.wait_for (under nats-py's request,
-        so under every publish and KV read) returns the result instead of raising when the
-        cancel lands after the awaited reply arrived but before the task resumed. The heartbeat
-        then publishes on forever and a single gather() never returns (a stop that hangs)."""
-        pending = {t for t in tasks if not t.done()}
-        try:
-            while pending:
-                for t in pending:
-                    t.cancel()
-                _, pending = await asyncio.wait(pending, timeout=retry_s)
-                for t in pending:
-                    self.log.info("task still running after cancel (a lost cancel?); cancelling again",
-                                  task=t.get_coro().__qualname__)
-        finally:
-            for t in pending:       # we were cancelled ourselves: don't leave them running
-                t.cancel()
-        for t in tasks:             # retrieve results so nothing logs "exception never retrieved"
-            if not t.cancelled():
-                t.exception()
-
     async def run(self, stop: asyncio.Event | None = None, handle_signals: bool = True) -> None:
         own_bus = self.bus is None
         if own_bus:
@@ -203,7 +182,7 @@ class Scorer:
             try:
                 await loop.run(stop)
             finally:
-                await self._end(side)
+                await cancel_and_wait(side, log=self.log)   # (a lost cancel must not hang the stop)
         finally:
             self.pool.shutdown(wait=False, cancel_futures=True)
             if own_bus:

@@ -27,6 +27,7 @@ import delta_codec
 from bus import get_logger, metrics
 from bus import topology as topo
 from bus.events import Metrics
+from bus.lifetime import cancel_and_wait
 from bus.consumer import sweep_stranded, watch_max_deliveries
 from bus.weight_manifest import publish_sharded
 from bus.weights import Fenced, WeightPublisher
@@ -216,8 +217,7 @@ class Trainer:
         finally:
             if publishing is not None and not publishing.done():
                 publishing.cancel()         # only on an error path: its batch is redelivered
-            if feed_task:
-                feed_task.cancel()
+            await cancel_and_wait([feed_task])
             if sweeper is not None:
                 try:
                     await sweeper.unsubscribe()
@@ -225,7 +225,7 @@ class Trainer:
                     log.debug("sweeper unsubscribe failed", error=str(e))
             await batcher.close(held_back=batch)
             stop_keeper = stop.is_set() or lost.is_set()
-            keeper.cancel()
+            await cancel_and_wait([keeper])      # (a keeper that lost its cancel would renew a released lease)
             if not lost.is_set():
                 await self.lease.release()
             log.info("leader loop ended", version=self.version, lost=lost.is_set(), stopped=stop_keeper)
