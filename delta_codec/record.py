@@ -117,6 +117,8 @@ def split_heads(buf, names: list[str]) -> list[tuple[bytes, int]]:
         try:
             unpacker.unpack()
         except msgpack.OutOfData:
+            if at < len(buf):
+                raise DeltaError(f"tensor {name!r}: record does not parse (its chunk records end early)") from None
             raise DeltaError(f"header has chunk records for {len(out)} of {len(names)} tensors") from None
         except Exception as e:
             raise DeltaError(f"tensor {name!r}: record does not parse ({e})") from None
