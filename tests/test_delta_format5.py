@@ -58,6 +58,24 @@ def test_a_delta_on_the_wrong_base_is_refused_naming_the_base_and_the_state_is_u
     assert same(state, newer)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(float_update(), st.integers(0, 2**32 - 1), st.booleans())
+def test_any_one_bit_off_the_base_is_refused_naming_the_base(pair, seed, context):
+    base, new = pair
+    if not base["w"].numel():
+        return
+    d = Delta.from_bytes(encode_delta(base, new, from_version=4, to_version=5, chunk=1024, context=context).to_bytes())
+    rng = np.random.default_rng(seed)
+    wrong = clone(base)
+    flat = wrong["w"].view(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        wrong["w"].element_size()])
+    flat[int(rng.integers(flat.numel()))] ^= 1 << int(rng.integers(8 * wrong["w"].element_size() - 1))
+    state = clone(wrong)
+    with pytest.raises(DeltaError, match=BASE_MSG):
+        apply_delta(state, d)
+    assert same(state, wrong)
+
+
 def _swap(good: Delta, other: Delta, name: str) -> Delta:
     """`good` with tensor `name`'s record taken from `other` (valid framing and checksums: a
     producer bug or a corruption the checksum missed), keeping good's state digests."""
@@ -173,3 +191,18 @@ def test_fixed_cost_per_unchanged_tensor():
                        {"layers.0.mlp.weight": new["layers.0.mlp.weight"]}).nbytes
     per_tensor = (encode_delta(base, new).nbytes - one) / 199
     assert per_tensor < 8, per_tensor
+
+
+def test_a_parsed_delta_rewrapped_keeps_its_state_digests_only_when_given():
+    """A parsed delta's records carry no tensor digests: re-wrapping them (new extra fields, as
+    the bus's publisher does) needs the state digests passed on, else a clear error."""
+    base, new, _ = states()
+    p = Delta.from_bytes(encode_delta(base, new, from_version=4, to_version=5).to_bytes())
+    with pytest.raises(DeltaError, match="no tensor digests: give the new state digest"):
+        Delta(4, 5, p.records, extra={"epoch": 2}).new_digest
+    again = Delta.from_bytes(Delta(4, 5, p.records, extra={"epoch": 2}, base_digest=p.base_digest,
+                                   new_digest=p.new_digest).to_bytes())
+    assert (again.base_digest, again.new_digest, again.extra) == (state_digest(base), state_digest(new), {"epoch": 2})
+    state = clone(base)
+    apply_delta(state, again)
+    assert same(state, new)
