@@ -370,7 +370,6 @@ def test_well_checksummed_but_malformed_header_is_refused(pair):
     """A producer bug (valid checksums, nonsense entries) still gives a DeltaError."""
     import struct
 
-    import msgpack
     import xxhash
 
     empty = msgpack.packb([])  # a tensor record without chunks: a zero-length body
