@@ -206,3 +206,26 @@ def test_a_parsed_delta_rewrapped_keeps_its_state_digests_only_when_given():
     state = clone(base)
     apply_delta(state, again)
     assert same(state, new)
+
+
+@pytest.mark.parametrize("context", [False, True])
+def test_the_device_path_undo_restores_a_wrong_base_exactly(context):
+    """On device tensors a wrong base is now found after writing (no base digest up front), so
+    the device path's undo must restore whatever state it wrote to: its torch-ops twin on CPU
+    tensors, applied to the wrong base and undone."""
+    from delta_codec.apply import decode_record
+    from delta_codec.triton_apply import apply_on_device
+    base, new, newer = states()
+    d = encode_delta(new, newer, chunk=4096, context=context)
+    state = clone(base)
+    undo: list = []
+    for r in d.records:
+        try:
+            decoded = decode_record(r, state[r.name])
+        except DeltaError:  # (a CLASSED chunk may not decode on the wrong base: nothing written)
+            continue
+        apply_on_device(state[r.name], decoded, undo)
+    assert undo and not same(state, base)
+    for restore in reversed(undo):
+        restore()
+    assert same(state, base)
