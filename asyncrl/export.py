@@ -134,7 +134,7 @@ async def replay(store_dir: Path, version: int, public_key=None) -> tuple[dict, 
             d = delta_codec.Delta.from_bytes(await payload(ev))
             if (d.base_digest, d.new_digest) != (ev.base_digest, ev.new_digest):
                 raise ExportError(f"{ev.msg_id()}: payload digests differ from the announced ones")
-            delta_codec.apply_delta(state, d)          # checks base and result digests per tensor
+            delta_codec.apply_delta(state, d)          # checks the result's state digest (names a wrong base)
             cur, digest = d.to_version, d.new_digest
         if cur != version:
             raise ExportError(f"the retained deltas end at v{cur}, v{version} was asked for")

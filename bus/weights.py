@@ -164,7 +164,8 @@ class WeightPublisher:
                             set_version: bool = True) -> events.DeltaEvent:
         epoch = self.epoch if epoch is None else int(epoch)
         signed = delta_codec.Delta(delta.from_version, delta.to_version, delta.records,
-                                   extra=signed_fields(epoch, self.trainer_id))
+                                   extra=signed_fields(epoch, self.trainer_id),
+                                   base_digest=delta.base_digest, new_digest=delta.new_digest)
         payload = signed.to_bytes()
         inline, blob = await self._place(f"delta-e{epoch}-v{delta.to_version}", payload)
         stats = delta.stats

@@ -1,5 +1,5 @@
 """apply_delta: in place, digest-checked, all-or-nothing (every written chunk is rolled back on
-any error)."""
+any error, a wrong result digest included)."""
 from __future__ import annotations
 
 import threading
@@ -7,12 +7,12 @@ import threading
 import numpy as np
 import torch
 
-from .bits import dtype_from_name, dtype_name, exponent_shift, int_view, np_bits, tensor_digest
+from .bits import combine_digest, dtype_from_name, dtype_name, exponent_shift, int_view, np_bits, tensor_digest
 from .codec import chunk_header, decode_chunk
 from .delta import Delta
 from .errors import DeltaError
 from .record import TensorRecord, chunk_starts, chunks_of
-from .tasks import run_tasks, scratch
+from .tasks import parallel, run_tasks, scratch
 
 def decode_record(r: TensorRecord, t: torch.Tensor):
     """-> [(start, positions | None, signed differences, count, base bits at positions | None)]
@@ -62,10 +62,13 @@ def validate_target(state, recs: list[TensorRecord], what: str) -> None:
 
 
 def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None, threads: int | None = None) -> None:
-    """Apply in place. Verifies the signature (if public_key); then, per tensor, its base digest,
-    its chunks and its result digest, tensors and chunks on `threads` threads. On any error
-    (a base or result digest, a malformed chunk) every chunk written so far is rolled back, so a
-    refused delta leaves the state as it was."""
+    """Apply in place. Verifies the signature (if public_key); then applies every tensor's
+    chunks and hashes each result tensor (tensors and chunks on `threads` threads), and compares
+    the result's state digest, combined from those, with the delta's new digest. On any error
+    (a malformed chunk, that digest) every chunk written so far is rolled back, so a refused
+    delta leaves the state as it was; only then is the restored state hashed, to say whether it
+    was the wrong base version or the delta that was bad. (The base is not hashed up front: a
+    delta applied to its base, the only case that matters for speed, hashes the state once.)"""
     if isinstance(delta, (bytes, bytearray, memoryview)):
         delta = Delta.from_bytes(delta)
     if public_key is not None:
@@ -74,16 +77,15 @@ def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None
         raise DeltaError(f"delta goes {delta.from_version}->{delta.to_version}, but the state is version {expect_from}")
     validate_target(state, delta.records, "delta")
     recs = delta.records
+    want_new, want_base = delta.new_digest, delta.base_digest  # (before anything is written)
+    result: dict[str, bytes] = {}  # name -> result tensor digest (dict stores are atomic)
 
     def tensor(r: TensorRecord):
-        """Base digest, then the tensor's chunks as follow-up jobs, then its result digest."""
+        """The tensor's chunks as jobs; the last one to finish queues its result digest."""
         t = state[r.name]
-        if tensor_digest(t) != r.digest_a:
-            raise DeltaError(f"tensor {r.name!r}: base digest mismatch "
-                             f"(state is not the delta's base version {delta.from_version})")
         if t.device.type != "cpu":
             _apply_job(r, t, -1, 0, None, undo)
-            return [lambda: check_result(r)]
+            return [lambda: hash_result(r)]
         chunks = chunks_of(r)
         left = [len(chunks)]
         lock = threading.Lock()
@@ -93,25 +95,35 @@ def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None
             with lock:
                 left[0] -= 1
                 last = left[0] == 0
-            return [lambda: check_result(r)] if last else None
+            return [lambda: hash_result(r)] if last else None
 
         jobs = [lambda i=i, s=s, c=c: chunk_job(i, s, c) for i, (c, s) in enumerate(zip(chunks, chunk_starts(r, chunks)))]
-        return jobs or [lambda: check_result(r)]
+        return jobs or [lambda: hash_result(r)]
 
-    def check_result(r: TensorRecord) -> None:
-        if tensor_digest(state[r.name]) != r.digest_b:
-            raise DeltaError(f"tensor {r.name!r}: result digest mismatch after apply (corrupted delta); "
-                             "state rolled back")
+    def hash_result(r: TensorRecord) -> None:
+        result[r.name] = tensor_digest(state[r.name])
 
     undo: list = []  # (list.append is atomic; chunks are disjoint, so restore order is free)
     try:
         # biggest tensors first: the threads finish together
         run_tasks([lambda r=r: tensor(r) for r in sorted(recs, key=lambda r: -r.numel)], threads)
-    except BaseException:
+        if combine_digest((r.name, r.dtype, r.shape, result[r.name]) for r in recs) != want_new:
+            raise DeltaError("result digest mismatch after apply (corrupted delta); state rolled back")
+    except BaseException as e:
         with torch.no_grad():
             for restore in reversed(undo):
                 restore()
+        # a chunk that does not decode, or a wrong result, on the wrong base says nothing about
+        # the delta: name the real cause
+        if isinstance(e, Exception) and _state_root(state, recs, threads) != want_base:
+            raise DeltaError(f"base digest mismatch: the state is not the delta's base version {delta.from_version} "
+                             "(state unchanged)") from None
         raise
+
+
+def _state_root(state, recs: list[TensorRecord], threads: int | None) -> str:
+    digs = parallel(lambda r: tensor_digest(state[r.name]), recs, threads)
+    return combine_digest((r.name, r.dtype, r.shape, d) for r, d in zip(recs, digs))
 
 
 def _apply_job(r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo: list) -> None:

@@ -22,7 +22,8 @@ sparse chunks (< GROUP_BELOW changed) values are grouped by the exponent of thei
 first (the decoder has the base, so this is free on the wire and saves bits); denser chunks skip
 it (a sort per side).
 
-Chunk record (a list; container.py frames its byte fields after a msgpack header):
+Chunk record (a list; record.py splits it into a msgpack head, in the container header, and its
+byte fields, the tensor's record body):
   [NONE, count, 0]
   [GAP, count, m, flags, values, k, high bytes (zstd), low bits, overflow (<u8)]
   [BITMAP, count, m, flags, values, bitmap (zstd)]

@@ -2,17 +2,27 @@
 checksums and the optional signature.
 
     prefix  "ADLT" | u16 format | u8 kind | u8 flags | u32 header length      (little endian)
-    header  zstd(msgpack {versions, tensors: [[name, dtype, shape, digest_a, digest_b, len, xxh64]]})
-            (format 4: tensor names repeat their prefixes and suffixes, and at a few hundred
-            changes per tensor the uncompressed header was a third of a sparse delta)
+    header  zstd(msgpack {meta..., codec, tensors: [[name, dtype, shape]], heads, sums,
+                          delta: base, new | keyframe: digests})
     u64     xxh3-64 of prefix + header
-    records one per tensor, in header order (lengths and checksums are in the header)
+    records one body per tensor, in header order (record.py; lengths follow from the heads)
     [sig]   ed25519 over everything before it, when flags & SIGNED
 
-The header is a msgpack map: `meta` (the caller's fields, e.g. versions) plus codec and tensors;
-all of it is checksummed and signed with the records. The tensor records' framing is record.py.
-Every tensor's name travels in the checksummed header, so a damaged record is reported by
-the name of the tensor it belongs to.
+The header is a msgpack map: the caller's fields (versions, `extra`) plus codec and the tensors,
+column by column: `tensors` (name, dtype, shape), `heads` (every tensor's chunk-record head,
+concatenated: record.py), `sums` (a u32 checksum per record body). A delta carries the two
+state digests, `base` and `new` (16 bytes each: bits.combine_digest over name, dtype, shape and
+each tensor's digest, in name order: the values the bus announces and checkpoints record); a
+keyframe carries each tensor's digest (`digests`, 16 bytes each), so a damaged keyframe names
+its tensor. All of it is checksummed and signed with the records.
+
+Format 5 cut a delta's fixed cost per tensor, which dominates the position bytes of small
+updates (a few hundred changes per tensor; figures in docs/benchmarks.md "## delta"): two
+16-byte digests per tensor became two per state (apply hashes each result tensor and combines,
+apply.py); each record's own u32-framed head moved into the zstd'd header, where the heads'
+shared structure compresses; a record's length is no longer stored (its head gives it); the
+record checksum is 32 bits, not 64 (see _SUM). Every tensor's name travels in the checksummed
+header, so a damaged record is reported by the name of the tensor it belongs to.
 """
 from __future__ import annotations
 
@@ -25,19 +35,29 @@ import zstandard
 from . import signing
 from .bits import dtype_from_name
 from .errors import DeltaError
-from .record import TensorRecord
+from .record import TensorRecord, body_checksum, split_heads
 
 MAGIC = b"ADLT"
-FORMAT = 4  # 3: positions coded in the context of the base (codec.py CLASSED chunks); 4: a CLASSED
+FORMAT = 5  # 3: positions coded in the context of the base (codec.py CLASSED chunks); 4: a CLASSED
             # chunk's class streams in one zstd frame, byte-field lengths in 1-8 bytes (record.py),
-            # the header zstd'd
+            # the header zstd'd; 5: state digests instead of tensor digests in deltas, record
+            # heads in the header, 32-bit record checksums
 KIND_DELTA, KIND_KEYFRAME = 1, 2
 SIGNED = 1
-CODEC = "ctx-rice-zigzag-zstd/4"
+CODEC = "ctx-rice-zigzag-zstd/5"
 _PREFIX = struct.Struct("<4sHBBI")
 _KINDS = {KIND_DELTA: "delta", KIND_KEYFRAME: "keyframe"}
 _HEADER_LEVEL = 3  # (the header is small: a real match search pays, unlike on the payload streams)
 _HEADER_MAX_RATIO = 256  # a header decompresses to at most this many times its size (no zip bombs)
+# The per-record checksum is 32 bits: it is there to catch accidental damage (storage, a
+# transport bug) early and to name the tensor, not to stop an attacker (that is the ed25519
+# signature over the whole blob, which no checksum width replaces). A random corruption passes
+# 32 bits with probability 2^-32, and then still has to pass the decoders' validation and the
+# 128-bit state digest of the applied result (deltas) or the tensor's digest (keyframes), which
+# cover every byte that reaches the weights. (The 4 bytes saved per tensor are measurable on a
+# small update: docs/benchmarks.md "## delta".)
+_SUM = struct.Struct("<I")
+_DIGEST = 16  # bytes of a tensor or state digest (xxh3-128)
 
 
 def header_bytes(meta: dict) -> bytes:
@@ -60,10 +80,12 @@ def with_extra(meta: dict, extra: dict) -> dict:
 
 
 def _head(kind: int, meta: dict, recs: list[TensorRecord], signed: bool) -> bytes:
-    """Prefix, header and the header's checksum: everything before the records."""
-    meta = dict(meta, codec=CODEC, tensors=[
-        [r.name, r.dtype, list(r.shape), r.digest_a, r.digest_b, r.nbytes, r.checksum]
-        for r in recs])
+    """Prefix, header and the header's checksum: everything before the records. meta: the
+    caller's fields; a delta's also holds `base` and `new` (its state digests, 16 bytes each)."""
+    meta = dict(meta, codec=CODEC, tensors=[[r.name, r.dtype, list(r.shape)] for r in recs],
+                heads=b"".join(r.head for r in recs), sums=b"".join(_SUM.pack(r.checksum) for r in recs))
+    if kind == KIND_KEYFRAME:
+        meta["digests"] = b"".join(r.digest_a for r in recs)
     header = header_bytes(meta)
     head = _PREFIX.pack(MAGIC, FORMAT, kind, SIGNED if signed else 0, len(header)) + header
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
@@ -96,31 +118,44 @@ def _unpack(blob, kind: int):
     try:
         raw = zstandard.ZstdDecompressor().decompress(mv[_PREFIX.size:end], max_output_size=_HEADER_MAX_RATIO * hlen)
         meta = msgpack.unpackb(raw, raw=False)
-        tensors = meta["tensors"]
+        tensors, heads, sums = meta["tensors"], meta["heads"], meta["sums"]
+        digests = meta["digests"] if kind == KIND_KEYFRAME else b""
+        if not isinstance(tensors, list) or not all(isinstance(b, bytes) for b in (heads, sums, digests)):
+            raise TypeError("tensors is not a list, or heads, sums or digests are not bytes")
+        digests = digests if kind == KIND_KEYFRAME else None
     except Exception as e:  # a checksummed header that does not parse is a producer bug
         raise DeltaError(f"{what} header does not parse: {e}") from None
     if flags & ~SIGNED:
         raise DeltaError(f"{what} has unknown flags {flags:#x}")
+    entries = []
+    for entry in tensors:
+        try:
+            name, dt, shape = entry
+            if not isinstance(name, str):
+                raise TypeError("name is not a string")
+            shape = tuple(int(s) for s in shape)
+            if any(s < 0 for s in shape):
+                raise ValueError("negative size")
+            if not isinstance(dt, str):
+                raise TypeError("dtype is not a string")
+        except (TypeError, ValueError) as e:
+            raise DeltaError(f"{what} header has a malformed tensor entry {str(entry)[:80]}: {e}") from None
+        dtype_from_name(dt)
+        entries.append((name, dt, shape))
+    if len(sums) != _SUM.size * len(entries) or digests is not None and len(digests) != _DIGEST * len(entries):
+        raise DeltaError(f"{what} header's checksums or digests do not match its {len(entries)} tensors")
     sig_len = signing.SIGNATURE_BYTES if flags & SIGNED else 0
     body_end = len(mv) - sig_len
     off, recs = end + 8, []
-    for entry in tensors:
-        try:
-            name, dt, shape, da, db, n, h = entry
-            shape, n, h = tuple(int(s) for s in shape), int(n), int(h)
-            da, db = bytes(da), bytes(db)
-            if n < 0 or any(s < 0 for s in shape):
-                raise ValueError("negative size")
-        except (TypeError, ValueError) as e:
-            raise DeltaError(f"{what} header has a malformed tensor entry {str(entry)[:80]}: {e}") from None
+    for i, ((name, dt, shape), (head, n)) in enumerate(zip(entries, split_heads(heads, [e[0] for e in entries]))):
         if off + n > body_end:
             raise DeltaError(f"{what} truncated: tensor {name!r} needs {n} bytes at offset {off}, "
                              f"only {max(body_end - off, 0)} remain")
-        rec = mv[off:off + n]
-        if xxhash.xxh3_64_intdigest(rec) != h:
+        body = mv[off:off + n]
+        if body_checksum([body]) != _SUM.unpack_from(sums, _SUM.size * i)[0]:
             raise DeltaError(f"tensor {name!r}: record checksum mismatch (corrupted payload)")
-        dtype_from_name(dt)
-        recs.append(TensorRecord(name, dt, shape, da, db, rec))
+        dig = digests[_DIGEST * i:_DIGEST * (i + 1)] if digests is not None else None
+        recs.append(TensorRecord(name, dt, shape, dig, dig, head, body))
         off += n
     if off != body_end:
         raise DeltaError(f"{what} has {body_end - off} unexpected trailing bytes (truncated signature or garbage)")

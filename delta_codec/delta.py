@@ -8,6 +8,8 @@ from .container import KIND_DELTA, SignedBlob, _head, _pack, _unpack, extra_fiel
 from .errors import DeltaError
 from .record import TensorRecord, chunks_of
 
+_STATE_DIGEST = 16  # bytes (bits.combine_digest: xxh3-128)
+
 @dataclass
 class DeltaStats:
     changed: int
@@ -33,9 +35,14 @@ class DeltaStats:
 class Delta(SignedBlob):
     """Lossless sparse change from state `from_version` to `to_version`."""
 
-    def __init__(self, from_version: int, to_version: int, records: list[TensorRecord], extra: dict | None = None):
+    def __init__(self, from_version: int, to_version: int, records: list[TensorRecord], extra: dict | None = None,
+                 *, base_digest: str | None = None, new_digest: str | None = None):
+        """base_digest / new_digest: the state digests (bits.state_digest of the base and of the
+        result); by default combined from the records' tensor digests, which encode_delta's
+        records have and a parsed delta's do not (its state digests travel in the header)."""
         self.from_version, self.to_version, self.records = int(from_version), int(to_version), records
         self.extra = extra_fields(extra)  # caller's header fields (e.g. epoch): checksummed and signed with the blob
+        self._digests = {"base": base_digest, "new": new_digest}
         self._nbytes: int | None = None
         self._stats: DeltaStats | None = None
 
@@ -45,11 +52,21 @@ class Delta(SignedBlob):
 
     @property
     def base_digest(self) -> str:
-        return combine_digest((r.name, r.dtype, r.shape, r.digest_a) for r in self.records)
+        """bits.state_digest of the state this delta applies to."""
+        return self._digest("base")
 
     @property
     def new_digest(self) -> str:
-        return combine_digest((r.name, r.dtype, r.shape, r.digest_b) for r in self.records)
+        """bits.state_digest of the state it produces."""
+        return self._digest("new")
+
+    def _digest(self, which: str) -> str:
+        if self._digests[which] is None:
+            digs = [r.digest_a if which == "base" else r.digest_b for r in self.records]
+            if any(d is None for d in digs):
+                raise DeltaError(f"delta records carry no tensor digests: give the {which} state digest")
+            self._digests[which] = combine_digest((r.name, r.dtype, r.shape, d) for r, d in zip(self.records, digs))
+        return self._digests[which]
 
     @property
     def stats(self) -> DeltaStats:
@@ -74,7 +91,8 @@ class Delta(SignedBlob):
         return self._nbytes
 
     def _meta(self) -> dict:
-        return with_extra({"from_version": self.from_version, "to_version": self.to_version}, self.extra)
+        return with_extra({"from_version": self.from_version, "to_version": self.to_version,
+                           "base": bytes.fromhex(self.base_digest), "new": bytes.fromhex(self.new_digest)}, self.extra)
 
     def to_bytes(self, signing_key=None) -> bytes:
         return _pack(KIND_DELTA, self._meta(), self.records, signing_key)
@@ -83,9 +101,13 @@ class Delta(SignedBlob):
     def from_bytes(cls, blob) -> "Delta":
         meta, recs, region, sig = _unpack(blob, KIND_DELTA)
         try:
-            d = cls(meta["from_version"], meta["to_version"], recs, meta.get("extra"))
+            digests = [meta[k] for k in ("base", "new")]
+            if not all(isinstance(d, bytes) and len(d) == _STATE_DIGEST for d in digests):
+                raise ValueError("state digests are not 16 bytes each")
+            d = cls(meta["from_version"], meta["to_version"], recs, meta.get("extra"),
+                    base_digest=digests[0].hex(), new_digest=digests[1].hex())
         except (KeyError, TypeError, ValueError):
-            raise DeltaError("delta header lacks from_version/to_version") from None
+            raise DeltaError("delta header lacks from_version/to_version or its base/new state digests") from None
         d.signature, d._signed_region = sig, region
         return d
 

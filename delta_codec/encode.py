@@ -24,7 +24,7 @@ def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = N
     chunk at a time. context=True lets sparse float chunks code their positions in the context of
     the base (CLASSED: smaller, but its class pass and rank/select cost more CPU than the speed
     floors allow on both sides, see docs/benchmarks.md); the default, False, is format 2's chunk
-    coding inside a format 3 container. Either decodes with the same apply_delta."""
+    coding inside the current container. Either decodes with the same apply_delta."""
     if chunk <= 0 or chunk % 8:
         raise DeltaError(f"chunk must be a positive multiple of 8, got {chunk}")
     missing, extra = [n for n in base if n not in new], [n for n in new if n not in base]
@@ -65,7 +65,7 @@ def chunked_records(tensors: dict, chunk: int, threads: int | None, digests, enc
         da, db = next(out)
         chunks = [next(out) for _ in range(0, t.numel(), chunk)]
         records.append(TensorRecord(n, dtype_name(t.dtype), tuple(t.shape), da, db,
-                                    record_parts([c for c, _ in chunks]), sum(m for _, m in chunks)))
+                                    *record_parts([c for c, _ in chunks]), sum(m for _, m in chunks)))
     return records
 
 

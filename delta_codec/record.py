@@ -1,14 +1,16 @@
 """One tensor's record inside a container: its entry (name, dtype, shape, digests) and the
-framing of its chunk records.
+framing of its chunk records, split in two:
 
-    record  u32 length of its header | msgpack list of chunk records (codec.py) whose byte
-            fields are ext(1, length) placeholders (little endian in 1, 2, 4 or 8 bytes: msgpack's
-            fixext sizes, the smallest that holds it) | those fields' bytes, in order
-            (parsed as memoryviews of the blob: no copies, no GIL-held unpacking of payload)
+    head    msgpack list of chunk records (codec.py) whose byte fields are ext(1, length)
+            placeholders (little endian in 1, 2, 4 or 8 bytes: msgpack's fixext sizes, the
+            smallest that holds it). It travels in the container's zstd'd header, next to the
+            other tensors' heads (format 5: a few dozen bytes of near-identical structure per
+            tensor, a fifth of a sparse delta's position bytes when each tensor framed its own)
+    body    those fields' bytes, in order: the tensor's record in the blob. Its length follows
+            from the head's placeholders (parsed as memoryviews of the blob: no copies, no
+            GIL-held unpacking of payload)
 """
 from __future__ import annotations
-
-import struct
 
 import msgpack
 import numpy as np
@@ -17,22 +19,27 @@ import xxhash
 from .codec import chunk_header
 from .errors import DeltaError
 
-class TensorRecord:
-    """One tensor's entry: name, dtype, shape, digests (delta: base and result; keyframe: the
-    tensor's, twice) and its record (chunk records, see the module doc). The encoder hands
-    the record over as a list of parts, joined only into the blob (one copy, not two)."""
 
-    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], digest_a: bytes, digest_b: bytes,
-                 record: bytes | memoryview | list, changed: int = -1):
+class TensorRecord:
+    """One tensor's entry: name, dtype, shape, digests (a delta built by encode_delta: the
+    tensor's base and result digests, from which the state digests are combined; a parsed
+    delta: None, only the state digests travel; a keyframe: the tensor's, twice), the head
+    (msgpack of its chunk records, byte fields as placeholders) and the body (those fields;
+    the encoder hands them over as a list of parts, joined only into the blob: one copy, not
+    two)."""
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], digest_a: bytes | None,
+                 digest_b: bytes | None, head: bytes, body: bytes | memoryview | list, changed: int = -1):
         self.name, self.dtype, self.shape, self.digest_a, self.digest_b = name, dtype, tuple(shape), digest_a, digest_b
-        self._parts = record if isinstance(record, list) else [record]
-        self._joined = None if isinstance(record, list) else record
+        self.head = bytes(head)
+        self._parts = body if isinstance(body, list) else [body]
+        self._joined = None if isinstance(body, list) else body
         self.nbytes = sum(len(p) for p in self._parts)
         self._checksum: int | None = None
         self.changed = changed  # known at encode time; -1 after parsing (counted on demand)
 
     @property
-    def record(self) -> bytes | memoryview:
+    def body(self) -> bytes | memoryview:
         if self._joined is None:
             self._joined = b"".join(self._parts)
             self._parts = [self._joined]
@@ -44,17 +51,22 @@ class TensorRecord:
 
     @property
     def checksum(self) -> int:
+        """32 bits of the body's xxh3-64: what the container stores per record (see container.py
+        for why 32 bits are enough)."""
         if self._checksum is None:
-            h = xxhash.xxh3_64()
-            for p in self._parts:
-                h.update(p)
-            self._checksum = h.intdigest()
+            self._checksum = body_checksum(self._parts)
         return self._checksum
 
     @property
     def numel(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
+
+def body_checksum(parts) -> int:
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return h.intdigest() & 0xFFFFFFFF
 
 
 _FIELD = 1  # msgpack ext code: a byte field, stored in the record's payload
@@ -74,36 +86,64 @@ def hollow(rec) -> tuple[bytes, list]:
     return msgpack.packb(sub(rec), use_bin_type=True), fields
 
 
-def record_parts(hollowed: list[tuple[bytes, list]]) -> list:
-    header = msgpack.Packer().pack_array_header(len(hollowed)) + b"".join(h for h, _ in hollowed)
-    return [struct.pack("<I", len(header)), header, *(f for _, fields in hollowed for f in fields)]
+def record_parts(hollowed: list[tuple[bytes, list]]) -> tuple[bytes, list]:
+    """Hollowed chunk records -> (head, body parts)."""
+    head = msgpack.Packer().pack_array_header(len(hollowed)) + b"".join(h for h, _ in hollowed)
+    return head, [f for _, fields in hollowed for f in fields]
 
 
-def pack_record(chunks: list) -> list:
-    """Chunk records -> a tensor record (as parts)."""
+def pack_record(chunks: list) -> tuple[bytes, list]:
+    """Chunk records -> a tensor record's (head, body parts)."""
     return record_parts([hollow(c) for c in chunks])
 
 
+def _field_length(code: int, data: bytes) -> int:
+    if code != _FIELD or len(data) not in (1, 2, 4, 8):
+        raise ValueError(f"unknown field type {code}")
+    return int.from_bytes(data, "little")
+
+
+def split_heads(buf, names: list[str]) -> list[tuple[bytes, int]]:
+    """The container's concatenated heads (one msgpack object per tensor, in entry order) ->
+    [(head, body length)]. Every placeholder is checked here, so a body's length is known
+    before its bytes are read."""
+    lengths: list[int] = []
+    unpacker = msgpack.Unpacker(raw=False, ext_hook=lambda code, data: lengths.append(_field_length(code, data)),
+                                max_buffer_size=max(len(buf), 1))
+    unpacker.feed(buf)
+    out, at = [], 0
+    for name in names:
+        lengths.clear()
+        try:
+            unpacker.unpack()
+        except msgpack.OutOfData:
+            if at < len(buf):
+                raise DeltaError(f"tensor {name!r}: record does not parse (its chunk records end early)") from None
+            raise DeltaError(f"header has chunk records for {len(out)} of {len(names)} tensors") from None
+        except Exception as e:
+            raise DeltaError(f"tensor {name!r}: record does not parse ({e})") from None
+        end = unpacker.tell()
+        out.append((bytes(buf[at:end]), sum(lengths)))
+        at = end
+    if at != len(buf):
+        raise DeltaError(f"header has {len(buf) - at} bytes of chunk records beyond its {len(names)} tensors")
+    return out
+
+
 def chunks_of(r: TensorRecord, fields: int = 3) -> list:
-    """A tensor record's chunk records, byte fields as memoryviews of the record."""
-    mv = memoryview(r.record).cast("B")
-    hl = struct.unpack_from("<I", mv)[0] if len(mv) >= 4 else -1
-    if not 0 <= hl <= len(mv) - 4:
-        raise DeltaError(f"tensor {r.name!r}: record does not parse (header of {hl} bytes in {len(mv)})")
-    payload, used = mv[4 + hl:], 0
+    """A tensor record's chunk records, byte fields as memoryviews of its body."""
+    payload, used = memoryview(r.body).cast("B"), 0
 
     def field(code: int, data: bytes):
         nonlocal used
-        if code != _FIELD or len(data) not in (1, 2, 4, 8):
-            raise ValueError(f"unknown field type {code}")
-        n = int.from_bytes(data, "little")
+        n = _field_length(code, data)
         if used + n > len(payload):
             raise ValueError(f"field of {n} bytes beyond the record")
         used += n
         return payload[used - n:used]
 
     try:
-        chunks = msgpack.unpackb(mv[4:4 + hl], raw=False, ext_hook=field)
+        chunks = msgpack.unpackb(r.head, raw=False, ext_hook=field)
     except Exception as e:
         raise DeltaError(f"tensor {r.name!r}: record does not parse ({e})") from None
     if used != len(payload):

@@ -241,7 +241,7 @@ def test_corrupt_record_names_the_tensor(pair):
     base, new, _ = pair
     blob = bytearray(encode_delta(base, new).to_bytes())
     d = Delta.from_bytes(bytes(blob))
-    off = len(blob) - sum(len(r.record) for r in d.records)  # first record starts here
+    off = len(blob) - sum(r.nbytes for r in d.records)  # first record starts here
     blob[off + 3] ^= 0xFF
     with pytest.raises(DeltaError, match=f"tensor '{d.records[0].name}': record checksum mismatch"):
         Delta.from_bytes(bytes(blob))
@@ -251,8 +251,8 @@ def test_wrong_format_version_and_kind(pair):
     base, new, _ = pair
     blob = bytearray(encode_delta(base, new).to_bytes())
     # format 1: before raw-bit differences; 2: positions without the base's context; 3: a frame
-    # per class stream
-    for version, age in ((1, "older"), (2, "older"), (3, "older"), (5, "newer")):
+    # per class stream; 4: tensor digests, record heads in the records
+    for version, age in ((1, "older"), (2, "older"), (3, "older"), (4, "older"), (6, "newer")):
         other = bytearray(blob)
         other[4] = version
         refused(clone(base), bytes(other), f"unsupported delta format version {version} \\({age}")
@@ -275,11 +275,11 @@ def test_payload_that_decodes_to_wrong_weights_is_rolled_back(pair):
     base, new, newer = pair
     good = encode_delta(base, new)
     other = encode_delta(base, {k: (newer[k] if k == "w" else new[k]) for k in new})
-    forged = Delta(0, 1, [r if r.name != "w" else type(r)(r.name, r.dtype, r.shape, r.digest_a, r.digest_b,
-                                                           next(o.record for o in other.records if o.name == "w"))
+    o = next(o for o in other.records if o.name == "w")
+    forged = Delta(0, 1, [r if r.name != "w" else type(r)(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, o.head, o.body)
                           for r in good.records])
     assert list(forged.names)[-2:] == ["w", "step"] and forged.names[0] == "emb"
-    refused(clone(base), forged.to_bytes(), "tensor 'w': result digest mismatch")
+    refused(clone(base), forged.to_bytes(), "^result digest mismatch after apply \\(corrupted delta\\); state rolled back$")
 
 
 def test_shape_dtype_and_name_mismatches(pair):
@@ -372,14 +372,39 @@ def test_well_checksummed_but_malformed_header_is_refused(pair):
 
     import xxhash
 
+    empty = msgpack.packb([])  # a tensor record without chunks: a zero-length body
+    ok = {"from_version": 0, "to_version": 1, "base": bytes(16), "new": bytes(16), "tensors": [["w", "bfloat16", [0]]],
+          "heads": empty, "sums": struct.pack("<I", xxhash.xxh3_64_intdigest(b"") & 0xFFFFFFFF)}
+    cases = [({"tensors": [["w", "bfloat16", [-2]]]}, "malformed tensor entry"),
+             ({"tensors": [["w", "bfloat16"]]}, "malformed tensor entry"),
+             ({"tensors": [["w", "nonsense-dtype", [0]]]}, "unknown dtype"),
+             ({"tensors": [["w", ["bfloat16"], [0]]]}, "malformed tensor entry"),
+             ({"tensors": "w"}, "does not parse"),
+             ({"heads": 5}, "does not parse"),
+             ({"heads": b""}, "chunk records for 0 of 1 tensors"),
+             ({"heads": empty + empty}, "beyond its 1 tensors"),
+             ({"heads": b"\xc1"}, "tensor 'w': record does not parse"),
+             ({"heads": msgpack.packb([[1, 8, 1, 0, msgpack.ExtType(2, b"\x01")]])}, "unknown field type"),
+             ({"sums": b""}, "checksums or digests do not match"),
+             ({"base": bytes(15)}, "lacks"),
+             ({"new": None}, "lacks"),
+             ({"from_version": None}, "lacks")]
+    assert Delta.from_bytes(_blob(ok)).records[0].nbytes == 0  # the unbroken header parses
+    for change, match in cases:
+        meta = {k: v for k, v in {**ok, **change}.items() if v is not None}
+        with pytest.raises(DeltaError, match=match):
+            Delta.from_bytes(_blob(meta))
+    with pytest.raises(DeltaError, match="does not parse"):
+        Delta.from_bytes(_blob([1, 2]))
+
+
+def _blob(meta) -> bytes:
+    """A delta blob of just a prefix and this header, with a valid header checksum."""
+    import struct
+
+    import xxhash
+
     from delta_codec.container import _PREFIX, FORMAT, KIND_DELTA, MAGIC, header_bytes
-    for meta in ({"from_version": 0, "to_version": 1, "tensors": [["w", "bfloat16", [2], b"", b"", -5, 0]]},
-                 {"from_version": 0, "to_version": 1, "tensors": [["w", "bfloat16"]]},
-                 {"from_version": 0, "to_version": 1,
-                  "tensors": [["w", "nonsense-dtype", [2], b"", b"", 0, xxhash.xxh3_64_intdigest(b"")]]},
-                 {"to_version": 1, "tensors": []}):
-        header = header_bytes(meta)
-        head = _PREFIX.pack(MAGIC, FORMAT, KIND_DELTA, 0, len(header)) + header
-        blob = head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
-        with pytest.raises(DeltaError, match="malformed|dtype|lacks"):
-            Delta.from_bytes(blob)
+    header = header_bytes(meta)
+    head = _PREFIX.pack(MAGIC, FORMAT, KIND_DELTA, 0, len(header)) + header
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))

@@ -129,11 +129,11 @@ def test_rollback_restores_every_chunk_mode(threads):
     new["z_last"] = torch.ones(1000, dtype=torch.float32)
     good = encode_delta(base, new, chunk=4096, threads=threads)
     other = encode_delta(base, {**new, "z_last": torch.full((1000,), 2.0)}, chunk=4096)
+    o = next(o for o in other.records if o.name == "z_last")
     forged = Delta(0, 1, [r if r.name != "z_last" else TensorRecord(
-        r.name, r.dtype, r.shape, r.digest_a, r.digest_b, next(o.record for o in other.records if o.name == r.name))
-        for r in good.records])
+        r.name, r.dtype, r.shape, r.digest_a, r.digest_b, o.head, o.body) for r in good.records])
     state = {k: v.clone() for k, v in base.items()}
-    with pytest.raises(DeltaError, match="'z_last': result digest mismatch"):
+    with pytest.raises(DeltaError, match="^result digest mismatch after apply"):
         apply_delta(state, Delta.from_bytes(forged.to_bytes()), threads=threads)
     assert same(state, base)
     apply_delta(state, Delta.from_bytes(good.to_bytes()), threads=threads)
@@ -149,7 +149,7 @@ def test_a_bad_chunk_midway_rolls_back_with_threads():
     r = d.records[3]
     chunks = _chunks(r)
     chunks[-1][4] = b"not zstd"
-    d.records[3] = TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, pack_record(chunks))
+    d.records[3] = TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, *pack_record(chunks))
     state = {k: v.clone() for k, v in base.items()}
     with pytest.raises(DeltaError, match="tensor 't3' chunk 9.*zstd"):
         apply_delta(state, Delta.from_bytes(d.to_bytes()), threads=3)
@@ -205,9 +205,9 @@ def test_keyframe_with_a_wrong_digest_leaves_into_unchanged():
     s = kf_state()
     kf = make_keyframe(s, version=1, chunk=1024)
     other = make_keyframe({**s, "w32": s["w32"] + 1}, version=1, chunk=1024)
+    o = next(o for o in other.records if o.name == "w32")
     forged = Keyframe(1, [r if r.name != "w32" else TensorRecord(
-        r.name, r.dtype, r.shape, r.digest_a, r.digest_b, next(o.record for o in other.records if o.name == "w32"))
-        for r in kf.records])
+        r.name, r.dtype, r.shape, r.digest_a, r.digest_b, o.head, o.body) for r in kf.records])
     target = {k: torch.zeros_like(v) for k, v in s.items()}
     for threads in (1, 2):
         with pytest.raises(DeltaError, match="'w32': keyframe digest mismatch"):
@@ -218,7 +218,7 @@ def test_keyframe_with_a_wrong_digest_leaves_into_unchanged():
     bad = _chunks(kf.records[0], 2)
     bad[0][0] += 1  # chunks no longer cover the tensor
     broken = Keyframe(1, [TensorRecord(kf.records[0].name, kf.records[0].dtype, kf.records[0].shape,
-                                       kf.records[0].digest_a, kf.records[0].digest_b, pack_record(bad)),
+                                       kf.records[0].digest_a, kf.records[0].digest_b, *pack_record(bad)),
                           *kf.records[1:]])
     with pytest.raises(DeltaError, match="'emb': chunks cover"):
         load_keyframe(broken.to_bytes(), into=target)
@@ -226,25 +226,29 @@ def test_keyframe_with_a_wrong_digest_leaves_into_unchanged():
 
 def test_malformed_record_framing_is_refused():
     """Records with valid checksums but broken framing (a producer bug): DeltaError naming the
-    tensor, state unchanged."""
+    tensor, state unchanged; sent (heads in the header, body lengths from them) or handed over
+    in memory (head and body that disagree)."""
     import re
-    import struct
+
+    import msgpack
     g = torch.Generator().manual_seed(3)
     base = {"a": (torch.randn(5000, generator=g) * 0.02).to(torch.bfloat16),
             "b": (torch.randn(5000, generator=g) * 0.02).to(torch.bfloat16)}
     new = {k: (v.float() * 1.01).to(torch.bfloat16) for k, v in base.items()}
     d = encode_delta(base, new, chunk=1024)
-    rec = bytes(d.records[1].record)
-    hl = struct.unpack_from("<I", rec)[0]
-    cases = {"beyond its fields": rec + b"x",
-             "header of": struct.pack("<I", len(rec)) + rec[4:],
-             # a byte field's placeholder (msgpack fixext 1-8, type 1) with an unknown type
-             "does not parse": rec[:4] + re.sub(rb"([\xd4-\xd7])\x01", lambda f: f[1] + b"\x02", rec[4:4 + hl], count=1) + rec[4 + hl:],
-             "beyond the record": rec[:4 + hl] + rec[4 + hl:4 + hl + 10]}
-    for match, bad in cases.items():
-        r = d.records[1]
-        forged = Delta(0, 1, [d.records[0], TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, bad)])
+    r = d.records[1]
+    head, body = r.head, bytes(r.body)
+    cases = {  # match: (head, body, sent as a blob)
+        "beyond its fields": (head, body + b"x", False),
+        "beyond the record": (head, body[:10], False),
+        # a byte field's placeholder (msgpack fixext 1-8, type 1) with an unknown type
+        "does not parse.*unknown field type 2": (re.sub(rb"([\xd4-\xd7])\x01", lambda f: f[1] + b"\x02", head, count=1),
+                                                  body, True),
+        "does not parse": (head[:-1], body, True),
+        "not a list of chunks": (msgpack.packb([[0, 5000]]), b"", True)}
+    for match, (h, b, sent) in cases.items():
+        forged = Delta(0, 1, [d.records[0], TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, h, b)])
         state = {k: v.clone() for k, v in base.items()}
         with pytest.raises(DeltaError, match=f"tensor 'b'.*{match}"):
-            apply_delta(state, Delta.from_bytes(forged.to_bytes()))
+            apply_delta(state, Delta.from_bytes(forged.to_bytes()) if sent else forged)
         assert same(state, base)

@@ -133,7 +133,7 @@ def test_format_2_blob_is_refused_with_the_clear_error(classed):
     base, _, blob = classed
     old = bytearray(blob)
     old[4] = 2
-    refused(clone(base), bytes(old), "unsupported delta format version 2 \\(older than this build's 4: "
+    refused(clone(base), bytes(old), "unsupported delta format version 2 \\(older than this build's 5: "
                                      "encode with a matching build, or resync from a keyframe\\)")
 
 

@@ -77,9 +77,9 @@ def forge(d: Delta, name: str, edit) -> bytes:
         if r.name == name:
             chunks = chunks_of(r)
             edit(chunks)
-            r = TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, pack_record(chunks))
+            r = TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, *pack_record(chunks))
         recs.append(r)
-    return Delta(d.from_version, d.to_version, recs).to_bytes()
+    return Delta(d.from_version, d.to_version, recs, base_digest=d.base_digest, new_digest=d.new_digest).to_bytes()
 
 
 def first_classed(chunks) -> list:
