@@ -18,17 +18,19 @@ from .values import encode_values, value_order
 
 def encode_classed(b, n, pos, p: float, shift: int, alloc) -> list | None:
     """CLASSED record, or None when the chosen split has a single class."""
-    sample = ctx.exponents(ctx.sample(b), shift)
-    at = ctx.exponents(np.take(b, pos), shift)
-    ts = ctx.choose_thresholds(sample, b.size, at)
+    if ctx_jit.enabled:
+        ts = ctx.choose_thresholds(*ctx_jit.exponent_counts(b, pos, shift), b.size, split=ctx_jit.split)
+    else:
+        ts = ctx.choose_thresholds(*ctx.exponent_counts(b, pos, shift), b.size)
     if not ts:
         return None
     if ctx_jit.enabled:
         pos, ranks, bounds, sizes = ctx_jit.encode_ranks(b, pos, shift, ts)
         parts = [ranks[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
     else:
-        classes = ctx.Classes(ctx.exponents(b, shift, alloc), ts, alloc)
-        ci = ctx.class_of(at, ts)
+        key = ctx.exponents(b, shift, alloc)
+        classes = ctx.Classes(key, ts, alloc)
+        ci = ctx.class_of(np.take(key, pos), ts)
         order = np.argsort(ci, kind="stable")
         pos, ci = np.take(pos, order), np.take(ci, order)
         bounds = np.searchsorted(ci, np.arange(len(ts) + 2))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from .bits import UNSIGNED_INT
-from .context import MAX_THRESHOLDS
+from .context import MAX_THRESHOLDS, SAMPLE_RUN, SAMPLE_STRIDE, max_threshold
 from .tasks import scratch
 
 try:
@@ -325,12 +325,79 @@ def _dec(u, em, ts, nt, ranks, starts, out, found, sizes, m, sbc, sbk, sbi):
         found[k] = f
 
 
+def _counts(u, shift, ebits, pos, changed, sampled):
+    """context.exponent_counts in one pass: changes per exponent, and elements per exponent in
+    context.sample()'s elements (every SAMPLE_STRIDE-th run of SAMPLE_RUN, or every
+    SAMPLE_STRIDE-th element in small chunks) -> the sample's size. Four partial counts, summed
+    at the end (neighbours often share an exponent: one count would wait on its last store)."""
+    sh = u.dtype.type(shift)
+    em = u.dtype.type((1 << ebits) - 1)
+    h = np.zeros((4, 1 << ebits), np.int64)
+    mm = pos.size
+    for j in range(0, mm - mm % 4, 4):
+        h[0, (u[pos[j]] >> sh) & em] += 1
+        h[1, (u[pos[j + 1]] >> sh) & em] += 1
+        h[2, (u[pos[j + 2]] >> sh) & em] += 1
+        h[3, (u[pos[j + 3]] >> sh) & em] += 1
+    for j in range(mm - mm % 4, mm):
+        h[0, (u[pos[j]] >> sh) & em] += 1
+    for x in range(1 << ebits):
+        changed[x] = h[0, x] + h[1, x] + h[2, x] + h[3, x]
+    h[:] = 0
+    runs = u.size // SAMPLE_RUN
+    size = 0
+    if runs < 64 * SAMPLE_STRIDE:
+        for i in range(0, u.size, SAMPLE_STRIDE):
+            h[i & 3, (u[i] >> sh) & em] += 1
+            size += 1
+    else:
+        for r in range(0, runs, SAMPLE_STRIDE):
+            for i in range(r * SAMPLE_RUN, r * SAMPLE_RUN + SAMPLE_RUN, 4):  # (SAMPLE_RUN: a multiple of 4)
+                h[0, (u[i] >> sh) & em] += 1
+                h[1, (u[i + 1] >> sh) & em] += 1
+                h[2, (u[i + 2] >> sh) & em] += 1
+                h[3, (u[i + 3] >> sh) & em] += 1
+            size += SAMPLE_RUN
+    for x in range(1 << ebits):
+        sampled[x] = h[0, x] + h[1, x] + h[2, x] + h[3, x]
+    return size
+
+
+def _split(cost, e, kmax, cuts, bounds):
+    """context.split, compiled: the same sums in the same order, the first minimum on ties ->
+    number of cut points (in bounds)."""
+    best = cost[0].copy()
+    best_total = best[e]
+    best_g = 0
+    for g in range(1, min(kmax, e - 1) + 1):
+        nb = np.empty(e + 1)
+        for j in range(e + 1):
+            a = 0
+            v = best[0] + cost[0, j]
+            for i in range(1, e + 1):
+                x = best[i] + cost[i, j]
+                if x < v:
+                    v = x
+                    a = i
+            nb[j] = v
+            cuts[g, j] = a
+        best = nb
+        if best[e] < best_total:
+            best_total = best[e]
+            best_g = g
+    j2 = e
+    for g in range(best_g, 0, -1):
+        j2 = cuts[g, j2]
+        bounds[best_g - g] = j2
+    return best_g
+
+
 if available:
     _jit = numba.njit(nogil=True, cache=True)
     _inl = numba.njit(nogil=True, cache=True, inline="always")  # (helpers: calls between compiled functions are not inlined otherwise)
     _bytepop, _pop, _popc, _sel, _masks, _sb_before, _upto, _ones = (
         _inl(f) for f in (_bytepop, _pop, _popc, _sel, _masks, _sb_before, _upto, _ones))
-    _enc, _dec = _jit(_enc), _jit(_dec)
+    _enc, _dec, _counts, _split = _jit(_enc), _jit(_dec), _jit(_counts), _jit(_split)
 
 
 def _args(b: np.ndarray, shift: int, thresholds: list[int]):
@@ -377,6 +444,23 @@ def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndar
     return out, found[:nt + 1].tolist(), sizes[:nt + 1].tolist()
 
 
+def exponent_counts(b: np.ndarray, pos: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """context.exponent_counts (the same counts), without a pass over the chunk: the sample's
+    runs and the changed elements only."""
+    u = b.view(UNSIGNED_INT[b.itemsize])
+    bins = max_threshold(b.itemsize, shift)
+    changed, sampled = np.zeros(bins, np.int64), np.zeros(bins, np.int64)
+    size = _counts(u, shift, (bins - 1).bit_length(), pos.astype(np.int64, copy=False), changed, sampled)
+    return changed, sampled, size
+
+
+def split(cost: np.ndarray, e: int) -> list[int]:
+    """context.split, compiled (the same cut points)."""
+    cuts = np.zeros((MAX_THRESHOLDS + 1, e + 1), np.int64)
+    bounds = np.zeros(MAX_THRESHOLDS, np.int64)
+    return bounds[:_split(cost, e, MAX_THRESHOLDS, cuts, bounds)].tolist()
+
+
 def warm() -> None:
     """Compile (or load from the cache) for every float width, outside any timed region."""
     if not available:
@@ -387,3 +471,5 @@ def warm() -> None:
         ts = [3, 1] if eb > 2 else [1]
         op, r, st, sz = encode_ranks(b, np.array([1, 5], np.int64), shift, ts)
         select(b, shift, ts, [r[st[k]:st[k + 1]] for k in range(len(ts) + 1)])
+        exponent_counts(b, np.array([1, 5], np.int64), shift)
+    split(np.zeros((3, 3)), 2)
