@@ -111,6 +111,32 @@ def test_kernels_agree_with_the_numpy_classes(itemsize, n, seed, density, data):
     assert np.array_equal(sel, np.concatenate([classes.select(k, r) for k, r in enumerate(every)]))
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([0, 1, 63, 3000, 1 << 20, (1 << 20) + 777]),
+       st.integers(0, 2**32 - 1), st.floats(0, 0.2))
+def test_compiled_exponent_counts_are_the_numpy_ones(itemsize, n, seed, density):
+    """Both sample regimes (every 32nd element; every 32nd run in large chunks) and the counts of
+    the changed elements, for every float width."""
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(INTS[itemsize])
+    b = rng.integers(info.min, info.max, n, dtype=INTS[itemsize], endpoint=True)
+    pos = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+    ref, got = ctx.exponent_counts(b, pos, SHIFT[itemsize]), cj.exponent_counts(b, pos, SHIFT[itemsize])
+    assert np.array_equal(ref[0], got[0]) and np.array_equal(ref[1], got[1]) and ref[2] == got[2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.integers(0, 2**32 - 1), st.booleans())
+def test_compiled_split_cuts_where_the_numpy_one_does(e, seed, ties):
+    """Same cut points on any costs, ties included (small integer costs tie often: both take the
+    first minimum)."""
+    rng = np.random.default_rng(seed)
+    cost = np.full((e + 1, e + 1), np.inf)
+    i, j = np.triu_indices(e + 1, 1)
+    cost[i, j] = rng.integers(0, 4, i.size) if ties else rng.random(i.size) * 1000
+    assert cj.split(cost, e) == ctx.split(cost, e)
+
+
 def test_select_reports_ranks_beyond_the_class():
     b = np.random.default_rng(3).integers(-2**15, 2**15, 1000).astype(np.int16)
     ts = [120]
