@@ -181,13 +181,13 @@ def _h(c: np.ndarray, n: np.ndarray) -> np.ndarray:
     return np.where((c <= 0) | (c >= n), 0.0, out)
 
 
-def exponent_counts(b: np.ndarray, pos: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """-> (changes per base exponent (exact), elements per exponent in sample(b), the sample's
-    size), counts over every exponent (context_jit.exponent_counts: the same in one pass)."""
+def exponent_counts(b: np.ndarray, old: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """-> (changes per base exponent (exact; old: the base bits of the changed elements),
+    elements per exponent in sample(b), the sample's size), counts over every exponent
+    (context_jit.exponent_counts: the same in one pass)."""
     bins = max_threshold(b.itemsize, shift)
     sampled = exponents(sample(b), shift)
-    return (np.bincount(exponents(np.take(b, pos), shift), minlength=bins), np.bincount(sampled, minlength=bins),
-            sampled.size)
+    return (np.bincount(exponents(old, shift), minlength=bins), np.bincount(sampled, minlength=bins), sampled.size)
 
 
 def split(cost: np.ndarray, e: int) -> list[int]:

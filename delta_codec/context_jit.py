@@ -214,11 +214,12 @@ def _ones(flag):
     return np.uint64(0) - np.uint64(flag)
 
 
-def _enc(u, em, ts, nt, pos, out_pos, out_rank, starts, sizes, m, sbc):
+def _enc(u, em, ts, nt, pos, out_pos, out_rank, starts, sizes, m, sbc, old, d, out_old, out_d):
     """pos: sorted changed positions -> out_pos/out_rank in class order (class 0's by position,
     then class 1's ...), starts[k]: class k's first index there; sizes: class member counts.
     A change's class c is how many S_t hold it; with S_{-1} = p, S_t = members of S_t before p
-    (0 for the empty sets past nt), its rank is S_{c-1} - S_c (no branch)."""
+    (0 for the empty sets past nt), its rank is S_{c-1} - S_c (no branch). old, d (values per
+    change, position order; or empty) are put in class order too (out_old, out_d)."""
     mm = pos.size
     n = u.size
     nw = (n + 63) // 64
@@ -255,6 +256,13 @@ def _enc(u, em, ts, nt, pos, out_pos, out_rank, starts, sizes, m, sbc):
         out_pos[f[c]] = pos[j]
         out_rank[f[c]] = rk[j]
         f[c] += 1
+    if old.size:
+        f[:] = starts[:nt + 1]
+        for j in range(mm):
+            c = ci[j]
+            out_old[f[c]] = old[j]
+            out_d[f[c]] = d[j]
+            f[c] += 1
 
 
 def _dec(u, em, ts, nt, ranks, starts, out, found, sizes, m, sbc, sbk, sbi):
@@ -325,7 +333,7 @@ def _dec(u, em, ts, nt, ranks, starts, out, found, sizes, m, sbc, sbk, sbi):
         found[k] = f
 
 
-def _counts(u, shift, ebits, pos, changed, sampled):
+def _counts(u, shift, ebits, old, changed, sampled):
     """context.exponent_counts in one pass: changes per exponent, and elements per exponent in
     context.sample()'s elements (every SAMPLE_STRIDE-th run of SAMPLE_RUN, or every
     SAMPLE_STRIDE-th element in small chunks) -> the sample's size. Four partial counts, summed
@@ -333,14 +341,14 @@ def _counts(u, shift, ebits, pos, changed, sampled):
     sh = u.dtype.type(shift)
     em = u.dtype.type((1 << ebits) - 1)
     h = np.zeros((4, 1 << ebits), np.int64)
-    mm = pos.size
+    mm = old.size
     for j in range(0, mm - mm % 4, 4):
-        h[0, (u[pos[j]] >> sh) & em] += 1
-        h[1, (u[pos[j + 1]] >> sh) & em] += 1
-        h[2, (u[pos[j + 2]] >> sh) & em] += 1
-        h[3, (u[pos[j + 3]] >> sh) & em] += 1
+        h[0, (old[j] >> sh) & em] += 1
+        h[1, (old[j + 1] >> sh) & em] += 1
+        h[2, (old[j + 2] >> sh) & em] += 1
+        h[3, (old[j + 3] >> sh) & em] += 1
     for j in range(mm - mm % 4, mm):
-        h[0, (u[pos[j]] >> sh) & em] += 1
+        h[0, (old[j] >> sh) & em] += 1
     for x in range(1 << ebits):
         changed[x] = h[0, x] + h[1, x] + h[2, x] + h[3, x]
     h[:] = 0
@@ -417,16 +425,22 @@ def _temps(n: int):
             alloc("jit.sbc", KMAX * (nsb + 1), np.int64).reshape(KMAX, nsb + 1))
 
 
-def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[int]):
+def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[int], old=None, d=None):
     """-> (positions in class order, their ranks within their class, class bounds (K + 2),
-    class sizes (K + 1))."""
+    class sizes (K + 1)); with old and d (b's dtype, one per position): also them in class
+    order."""
     u, em, ts, nt = _args(b, shift, thresholds)
     out_pos = np.empty(pos.size, np.int64)
     out_rank = np.empty(pos.size, np.int64)
     starts = np.zeros(KMAX + 2, np.int64)
     sizes = np.zeros(KMAX + 1, np.int64)
-    _enc(u, em, ts, nt, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes, *_temps(u.size))
-    return out_pos, out_rank, starts[:nt + 2].tolist(), sizes[:nt + 1].tolist()
+    carry = old is not None
+    old, d = (old, d) if carry else (b[:0], b[:0])
+    out_old, out_d = np.empty_like(old), np.empty_like(d)
+    _enc(u, em, ts, nt, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes, *_temps(u.size),
+         old, d, out_old, out_d)
+    res = out_pos, out_rank, starts[:nt + 2].tolist(), sizes[:nt + 1].tolist()
+    return (*res, out_old, out_d) if carry else res
 
 
 def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndarray]):
@@ -444,13 +458,13 @@ def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndar
     return out, found[:nt + 1].tolist(), sizes[:nt + 1].tolist()
 
 
-def exponent_counts(b: np.ndarray, pos: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """context.exponent_counts (the same counts), without a pass over the chunk: the sample's
-    runs and the changed elements only."""
-    u = b.view(UNSIGNED_INT[b.itemsize])
+def exponent_counts(b: np.ndarray, old: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """context.exponent_counts (the same counts) in one compiled pass over the sample's runs and
+    the changed elements' base bits."""
+    ut = UNSIGNED_INT[b.itemsize]
     bins = max_threshold(b.itemsize, shift)
     changed, sampled = np.zeros(bins, np.int64), np.zeros(bins, np.int64)
-    size = _counts(u, shift, (bins - 1).bit_length(), pos.astype(np.int64, copy=False), changed, sampled)
+    size = _counts(b.view(ut), shift, (bins - 1).bit_length(), old.view(ut), changed, sampled)
     return changed, sampled, size
 
 
@@ -471,5 +485,6 @@ def warm() -> None:
         ts = [3, 1] if eb > 2 else [1]
         op, r, st, sz = encode_ranks(b, np.array([1, 5], np.int64), shift, ts)
         select(b, shift, ts, [r[st[k]:st[k + 1]] for k in range(len(ts) + 1)])
-        exponent_counts(b, np.array([1, 5], np.int64), shift)
+        encode_ranks(b, np.array([1, 5], np.int64), shift, ts, b[[1, 5]], b[[1, 5]])
+        exponent_counts(b, b[[1, 5]], shift)
     split(np.zeros((3, 3)), 2)

@@ -102,6 +102,8 @@ def test_kernels_agree_with_the_numpy_classes(itemsize, n, seed, density, data):
     out_pos, ranks, bounds, sizes = cj.encode_ranks(b, pos, shift, ts)
     assert np.array_equal(out_pos, ref_pos) and np.array_equal(ranks, ref_ranks)
     assert bounds == ref_bounds and sizes == classes.sizes
+    *_, old, d = cj.encode_ranks(b, pos, shift, ts, b[pos], ~b[pos])  # carried into class order too
+    assert np.array_equal(old, b[ref_pos]) and np.array_equal(d, ~b[ref_pos])
     parts = [ranks[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
     sel, found, sizes2 = cj.select(b, shift, ts, parts)
     assert np.array_equal(sel, out_pos) and found == [p.size for p in parts] and sizes2 == classes.sizes
@@ -121,7 +123,7 @@ def test_compiled_exponent_counts_are_the_numpy_ones(itemsize, n, seed, density)
     info = np.iinfo(INTS[itemsize])
     b = rng.integers(info.min, info.max, n, dtype=INTS[itemsize], endpoint=True)
     pos = np.flatnonzero(rng.random(n) < density).astype(np.int64)
-    ref, got = ctx.exponent_counts(b, pos, SHIFT[itemsize]), cj.exponent_counts(b, pos, SHIFT[itemsize])
+    ref, got = ctx.exponent_counts(b, b[pos], SHIFT[itemsize]), cj.exponent_counts(b, b[pos], SHIFT[itemsize])
     assert np.array_equal(ref[0], got[0]) and np.array_equal(ref[1], got[1]) and ref[2] == got[2]
 
 
