@@ -5,16 +5,23 @@ Classes as in context.py: thresholds t_1 > ... > t_K (K <= KMAX), nested sets
 S_t = {e < t_t}; class 0 is outside S_1, class k in S_k but not S_{k+1}, class K in S_K.
 Two passes, both sides:
   1. over the chunk: per 64-element word, the membership bits of each S_t (one 64-lane vector
-     compare each, _lt64) and the members of each before the word;
+     compare each, _lt64; always KMAX compares, unrolled, unused thresholds 0 = empty sets),
+     and the members of each before every superblock of SB words (counts in registers, stored
+     once per superblock: the pass writes the words and little else);
   2. over the changes only. Encoder: a change's class is how many S_t hold it, its rank a
-     difference of two of those counts plus popcounts inside its word (no branch per change).
-     Decoder, per class: a branch-free merge of its increasing ranks with its counts per
-     superblock of SB words, then the word inside the superblock from SB popcounts and the
-     bit from a select (BMI2's pdep where the CPU has a fast one, else a SWAR select).
+     difference of two of those counts plus popcounts inside its superblock (masks from
+     compares: no branch per change). Decoder, per class: a branch-free merge of its
+     increasing ranks with its counts per group of BB superblocks, BB - 1 compares for the
+     superblock, then the word from SB popcounts and the bit from a select (BMI2's pdep where
+     the CPU has a fast one, else a SWAR select).
 O(chunk / 64 + changes) after the compares; no branch that depends on where the changes are
 (the earlier single pass mispredicted on most words at ~1 % changed). nogil, so apply threads
-run side by side; cache=True keeps the compiled code across processes. Temporaries (K words
-and K counts per 64 elements) live in the worker's Scratch.
+run side by side; cache=True keeps the compiled code across processes. Temporaries (KMAX words
+per 64 elements, KMAX counts per superblock) live in the worker's Scratch. Pass 1 reads the
+whole base chunk, which format 2's coding never does on apply: that read is most of what
+CLASSED still costs over GAP there.
+Also compiled here, with results equal to context.py's: the exponent counts that
+choose_thresholds works on, and its split of the exponents (the same sums in the same order).
 """
 from __future__ import annotations
 
