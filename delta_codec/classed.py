@@ -18,27 +18,29 @@ from .values import encode_values, value_order
 
 def encode_classed(b, n, pos, p: float, shift: int, alloc) -> list | None:
     """CLASSED record, or None when the chosen split has a single class."""
-    sample = ctx.exponents(ctx.sample(b), shift)
-    at = ctx.exponents(np.take(b, pos), shift)
-    ts = ctx.choose_thresholds(sample, b.size, at)
+    old = np.take(b, pos)  # (base and difference gathered once, in position order, as GAP does;
+    d = np.take(n, pos)    # the class order permutes them)
+    d -= old
+    if ctx_jit.enabled:
+        ts = ctx.choose_thresholds(*ctx_jit.exponent_counts(b, old, shift), b.size, split=ctx_jit.split)
+    else:
+        ts = ctx.choose_thresholds(*ctx.exponent_counts(b, old, shift), b.size)
     if not ts:
         return None
     if ctx_jit.enabled:
-        pos, ranks, bounds, sizes = ctx_jit.encode_ranks(b, pos, shift, ts)
+        pos, ranks, bounds, sizes, old, d = ctx_jit.encode_ranks(b, pos, shift, ts, old, d)
         parts = [ranks[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
     else:
-        classes = ctx.Classes(ctx.exponents(b, shift, alloc), ts, alloc)
-        ci = ctx.class_of(at, ts)
+        key = ctx.exponents(b, shift, alloc)
+        classes = ctx.Classes(key, ts, alloc)
+        ci = ctx.class_of(np.take(key, pos), ts)
         order = np.argsort(ci, kind="stable")
-        pos, ci = np.take(pos, order), np.take(ci, order)
+        pos, ci, old, d = np.take(pos, order), np.take(ci, order), np.take(old, order), np.take(d, order)
         bounds = np.searchsorted(ci, np.arange(len(ts) + 2))
         parts = [classes.rank(k, pos[lo:hi]) for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
         sizes = classes.sizes
     streams = []
     entries = [_encode_class(r, sizes[k], streams) for k, r in enumerate(parts)]
-    old = np.take(b, pos)
-    d = np.take(n, pos)
-    d -= old
     flags = 0
     if p < GROUP_BELOW:
         d = np.take(d, value_order(old, shift))

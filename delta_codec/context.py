@@ -181,16 +181,47 @@ def _h(c: np.ndarray, n: np.ndarray) -> np.ndarray:
     return np.where((c <= 0) | (c >= n), 0.0, out)
 
 
-def choose_thresholds(sample_key: np.ndarray, n: int, changed_key: np.ndarray) -> list[int]:
+def exponent_counts(b: np.ndarray, old: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """-> (changes per base exponent (exact; old: the base bits of the changed elements),
+    elements per exponent in sample(b), the sample's size), counts over every exponent
+    (context_jit.exponent_counts: the same in one pass)."""
+    bins = max_threshold(b.itemsize, shift)
+    sampled = exponents(sample(b), shift)
+    return (np.bincount(exponents(old, shift), minlength=bins), np.bincount(sampled, minlength=bins), sampled.size)
+
+
+def split(cost: np.ndarray, e: int) -> list[int]:
+    """Cut points (indices into 1..e-1) of the cheapest split of e items into <= MAX_THRESHOLDS + 1
+    contiguous ranges, cost[i, j] the cost of one range over items i..j-1 (context_jit.split:
+    the same, compiled)."""
+    best = cost[0].copy()  # best[j]: items[:j] in g ranges
+    cuts = [np.zeros(e + 1, np.int64)]
+    results = [(best[e], [])]
+    for _ in range(min(MAX_THRESHOLDS, e - 1)):
+        tot = best[:, None] + cost  # previous ranges over items[:i], one more over items[i:j]
+        arg = np.argmin(tot, axis=0)
+        best = tot[arg, np.arange(e + 1)]
+        cuts.append(arg)
+        # walk back the cut points for the full range
+        bounds, j2 = [], e
+        for c in reversed(cuts[1:]):
+            j2 = int(c[j2])
+            bounds.append(j2)
+        results.append((best[e], bounds))
+    return min(results, key=lambda r: r[0])[1]
+
+
+def choose_thresholds(changed: np.ndarray, sampled: np.ndarray, sample_size: int, n: int, split=split) -> list[int]:
     """Thresholds (descending base exponents) minimising the estimated position entropy plus
     CLASS_COST_BITS per class: an optimal split of the exponents into <= MAX_THRESHOLDS + 1
-    contiguous ranges, on per-exponent change counts (exact) and element counts (sampled:
-    sample_key holds the exponents of a sample of the chunk's n elements, see sample())."""
-    changed = np.bincount(changed_key)
-    total = np.bincount(sample_key).astype(np.float64) * (n / max(sample_key.size, 1))
-    size = max(changed.size, total.size)
-    changed = np.pad(changed, (0, size - changed.size)).astype(np.float64)
-    total = np.maximum(np.pad(total, (0, size - total.size)), changed)
+    contiguous ranges, on per-exponent change counts (exact) and element counts (sampled: of
+    sample_size of the chunk's n elements, see sample() and exponent_counts())."""
+    hi = np.flatnonzero(changed | sampled)
+    if not hi.size:
+        return []
+    size = int(hi[-1]) + 1  # (the exponents present: sums over them round as they always did)
+    changed = changed[:size].astype(np.float64)
+    total = np.maximum(sampled[:size].astype(np.float64) * (n / max(sample_size, 1)), changed)
     if total.sum():
         total *= max(n, 1) / total.sum()
     exps = np.flatnonzero(total)  # ranges are between present exponents
@@ -203,21 +234,7 @@ def choose_thresholds(sample_key: np.ndarray, n: int, changed_key: np.ndarray) -
     i, j = np.triu_indices(e + 1, 1)
     cost = np.full((e + 1, e + 1), np.inf)
     cost[i, j] = _h(cc[j] - cc[i], nn[j] - nn[i]) + CLASS_COST_BITS
-    best = cost[0].copy()  # best[j]: exps[:j] in g classes
-    cuts = [np.zeros(e + 1, np.int64)]
-    results = [(best[e], [])]
-    for _ in range(min(MAX_THRESHOLDS, e - 1)):
-        tot = best[:, None] + cost  # previous classes over exps[:i], one more over exps[i:j]
-        arg = np.argmin(tot, axis=0)
-        best = tot[arg, np.arange(e + 1)]
-        cuts.append(arg)
-        # walk back the cut points for the full range
-        bounds, j2 = [], e
-        for c in reversed(cuts[1:]):
-            j2 = int(c[j2])
-            bounds.append(j2)
-        results.append((best[e], bounds))
-    _, bounds = min(results, key=lambda r: r[0])
+    bounds = split(cost, e)
     # a cut at index i: classes below exps[i] and from exps[i] on -> threshold exponent exps[i]
     return sorted((int(exps[b]) for b in bounds), reverse=True)
 

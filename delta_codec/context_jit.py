@@ -5,23 +5,30 @@ Classes as in context.py: thresholds t_1 > ... > t_K (K <= KMAX), nested sets
 S_t = {e < t_t}; class 0 is outside S_1, class k in S_k but not S_{k+1}, class K in S_K.
 Two passes, both sides:
   1. over the chunk: per 64-element word, the membership bits of each S_t (one 64-lane vector
-     compare each, _lt64) and the members of each before the word;
+     compare each, _lt64; always KMAX compares, unrolled, unused thresholds 0 = empty sets),
+     and the members of each before every superblock of SB words (counts in registers, stored
+     once per superblock: the pass writes the words and little else);
   2. over the changes only. Encoder: a change's class is how many S_t hold it, its rank a
-     difference of two of those counts plus popcounts inside its word (no branch per change).
-     Decoder, per class: a branch-free merge of its increasing ranks with its counts per
-     superblock of SB words, then the word inside the superblock from SB popcounts and the
-     bit from a select (BMI2's pdep where the CPU has a fast one, else a SWAR select).
+     difference of two of those counts plus popcounts inside its superblock (masks from
+     compares: no branch per change). Decoder, per class: a branch-free merge of its
+     increasing ranks with its counts per group of BB superblocks, BB - 1 compares for the
+     superblock, then the word from SB popcounts and the bit from a select (BMI2's pdep where
+     the CPU has a fast one, else a SWAR select).
 O(chunk / 64 + changes) after the compares; no branch that depends on where the changes are
 (the earlier single pass mispredicted on most words at ~1 % changed). nogil, so apply threads
-run side by side; cache=True keeps the compiled code across processes. Temporaries (K words
-and K counts per 64 elements) live in the worker's Scratch.
+run side by side; cache=True keeps the compiled code across processes. Temporaries (KMAX words
+per 64 elements, KMAX counts per superblock) live in the worker's Scratch. Pass 1 reads the
+whole base chunk, which format 2's coding never does on apply: that read is most of what
+CLASSED still costs over GAP there.
+Also compiled here, with results equal to context.py's: the exponent counts that
+choose_thresholds works on, and its split of the exponents (the same sums in the same order).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .bits import UNSIGNED_INT
-from .context import MAX_THRESHOLDS
+from .context import MAX_THRESHOLDS, SAMPLE_RUN, SAMPLE_STRIDE, max_threshold
 from .tasks import scratch
 
 try:
@@ -142,82 +149,113 @@ def _sel_bmi2(x, j, tab):
 _sel = _sel_bmi2 if _BMI2 else _sel_swar
 
 
-def _masks(u, em, ts, nt, m, cum):
-    """Pass 1: m[t, w]: membership bits of S_t = {e < ts[t]} in word w (0 past the chunk's end);
-    cum[t, w]: members of S_t before word w (w <= number of words); t < nt."""
+SB = 4  # words per superblock: members are counted per superblock, popcounts find the word inside
+BB = 8  # superblocks per group of the decoder's merge (fewer merge steps; compares find the superblock)
+
+
+def _masks(u, em, ts, m, sbc):
+    """Pass 1: m[t, w]: membership bits of S_t = {|bits| < ts[t]} in word w (0 past the chunk's
+    end), t < KMAX (thresholds past the chunk's are 0: empty sets, so every chunk runs the same
+    four compares, unrolled, with the counts in registers); sbc[t, q]: members of S_t before
+    superblock q (q <= number of superblocks; the last entry counts the whole chunk)."""
     n = u.size
     nw = (n + 63) // 64
-    s = np.zeros(KMAX, np.int64)
-    for w in range(n // 64):
-        for t in range(nt):
-            a = _lt64(u, w * 64, em, ts[t])
-            m[t, w] = a
-            cum[t, w] = s[t]
-            s[t] += _popc(a)
-    if n % 64:  # the last, partial word
+    nsb = (nw + SB - 1) // SB
+    t0, t1, t2, t3 = ts[0], ts[1], ts[2], ts[3]
+    s0 = s1 = s2 = s3 = np.int64(0)
+    full = n // 64
+    for q in range(nsb):
+        sbc[0, q] = s0
+        sbc[1, q] = s1
+        sbc[2, q] = s2
+        sbc[3, q] = s3
+        for w in range(q * SB, min(q * SB + SB, full)):
+            a0 = _lt64(u, w * 64, em, t0)
+            a1 = _lt64(u, w * 64, em, t1)
+            a2 = _lt64(u, w * 64, em, t2)
+            a3 = _lt64(u, w * 64, em, t3)
+            m[0, w] = a0
+            m[1, w] = a1
+            m[2, w] = a2
+            m[3, w] = a3
+            s0 += _popc(a0)
+            s1 += _popc(a1)
+            s2 += _popc(a2)
+            s3 += _popc(a3)
+    if n % 64:  # the last, partial word (in the last superblock: its count is already stored)
         lo = n - n % 64
-        for t in range(nt):
+        for t in range(KMAX):
             a = np.uint64(0)
             for i in range(n - lo):
                 a |= np.uint64((u[lo + i] & em) < ts[t]) << np.uint64(i)
             m[t, nw - 1] = a
-            cum[t, nw - 1] = s[t]
-            s[t] += _popc(a)
-    for t in range(nt):
-        cum[t, nw] = s[t]
+        s0 += _popc(m[0, nw - 1])
+        s1 += _popc(m[1, nw - 1])
+        s2 += _popc(m[2, nw - 1])
+        s3 += _popc(m[3, nw - 1])
+    sbc[0, nsb] = s0
+    sbc[1, nsb] = s1
+    sbc[2, nsb] = s2
+    sbc[3, nsb] = s3
+    for t in range(KMAX):
         for w in range(nw, m.shape[1]):  # (padding to whole superblocks)
             m[t, w] = 0
 
 
-def _before(k, w, n, nt, cum):
-    """Class k's members before word w (w <= number of words)."""
-    if k == 0:
-        return min(w * 64, n) - cum[0, w]
-    if k < nt:
-        return cum[k - 1, w] - cum[k, w]
-    return cum[nt - 1, w]
+def _sb_before(k, q, n, sbc):
+    """Class k's members before superblock q (q <= number of superblocks)."""
+    hi = min(q * SB * 64, n) if k == 0 else sbc[k - 1, q]
+    return hi - (sbc[k, q] if k < KMAX else 0)
 
 
-def _word_k(k, w, nt, m):
-    """Class k's membership bits of word w (words past the chunk are padded with 0s)."""
-    if k == 0:  # (bits past the chunk's end are set here, but never selected: they are above
-        return ~m[0, w]  # every member of the last word, and the counts come from cum)
-    if k < nt:
-        return m[k - 1, w] & ~m[k, w]
-    return m[nt - 1, w]
+def _upto(a0, a1, a2, a3, r, below):
+    """Set bits of words a0..a3 of a superblock before bit `below` of word r (< SB): whole words
+    before r, `below`'s bits of word r, none after (masks from compares: no branch)."""
+    f0, f1, f2 = _ones(0 < r), _ones(1 < r), _ones(2 < r)  # word i wholly before
+    return (_popc(a0 & (f0 | (_ones(r == 0) & below))) + _popc(a1 & (f1 | (_ones(r == 1) & below)))
+            + _popc(a2 & (f2 | (_ones(r == 2) & below))) + _popc(a3 & _ones(r == 3) & below))
 
 
-def _enc(u, em, ts, nt, pos, out_pos, out_rank, starts, sizes, m, cum):
+def _ones(flag):
+    """All ones where flag, else 0."""
+    return np.uint64(0) - np.uint64(flag)
+
+
+def _enc(u, em, ts, nt, pos, out_pos, out_rank, starts, sizes, m, sbc, old, d, out_old, out_d):
     """pos: sorted changed positions -> out_pos/out_rank in class order (class 0's by position,
     then class 1's ...), starts[k]: class k's first index there; sizes: class member counts.
-    A change's class c is how many S_t hold it; with S[0] = p, S[t + 1] = members of S_t before
-    p and S[nt + 1] = 0, its rank is S[c] - S[c + 1] (no branch)."""
+    A change's class c is how many S_t hold it; with S_{-1} = p, S_t = members of S_t before p
+    (0 for the empty sets past nt), its rank is S_{c-1} - S_c (no branch). old, d (values per
+    change, position order; or empty) are put in class order too (out_old, out_d)."""
     mm = pos.size
     n = u.size
     nw = (n + 63) // 64
-    _masks(u, em, ts, nt, m, cum)
+    nsb = (nw + SB - 1) // SB
+    _masks(u, em, ts, m, sbc)
     ci = np.empty(mm, np.uint8)
     rk = np.empty(mm, np.int64)
     nk = np.zeros(KMAX + 1, np.int64)
-    S = np.zeros(KMAX + 2, np.int64)
     for j in range(mm):
         p = pos[j]
         w = p >> 6
+        q = w >> 2
+        r = w & 3
+        w0 = q * SB
         b = np.uint64(p & 63)
         below = (np.uint64(1) << b) - np.uint64(1)
-        c = 0
-        S[0] = p
-        for t in range(nt):
-            a = m[t, w]
-            c += np.int64((a >> b) & np.uint64(1))
-            S[t + 1] = cum[t, w] + _popc(a & below)
-        S[nt + 1] = 0
-        rk[j] = S[c] - S[c + 1]
+        c0 = sbc[0, q] + _upto(m[0, w0], m[0, w0 + 1], m[0, w0 + 2], m[0, w0 + 3], r, below)
+        c1 = sbc[1, q] + _upto(m[1, w0], m[1, w0 + 1], m[1, w0 + 2], m[1, w0 + 3], r, below)
+        c2 = sbc[2, q] + _upto(m[2, w0], m[2, w0 + 1], m[2, w0 + 2], m[2, w0 + 3], r, below)
+        c3 = sbc[3, q] + _upto(m[3, w0], m[3, w0 + 1], m[3, w0 + 2], m[3, w0 + 3], r, below)
+        c = np.int64((m[0, w] >> b) & np.uint64(1)) + np.int64((m[1, w] >> b) & np.uint64(1)) + \
+            np.int64((m[2, w] >> b) & np.uint64(1)) + np.int64((m[3, w] >> b) & np.uint64(1))
+        e0, e1, e2, e3, e4 = np.int64(c == 0), np.int64(c == 1), np.int64(c == 2), np.int64(c == 3), np.int64(c == 4)
+        rk[j] = (p * e0 + c0 * e1 + c1 * e2 + c2 * e3 + c3 * e4) - (c0 * e0 + c1 * e1 + c2 * e2 + c3 * e3)
         ci[j] = c
         nk[c] += 1
     starts[0] = 0
     for k in range(nt + 1):
-        sizes[k] = _before(k, nw, n, nt, cum)
+        sizes[k] = _sb_before(k, nsb, n, sbc)
         starts[k + 1] = starts[k] + nk[k]
     f = starts[:nt + 1].copy()
     for j in range(mm):
@@ -225,41 +263,59 @@ def _enc(u, em, ts, nt, pos, out_pos, out_rank, starts, sizes, m, cum):
         out_pos[f[c]] = pos[j]
         out_rank[f[c]] = rk[j]
         f[c] += 1
+    if old.size:
+        f[:] = starts[:nt + 1]
+        for j in range(mm):
+            c = ci[j]
+            out_old[f[c]] = old[j]
+            out_d[f[c]] = d[j]
+            f[c] += 1
 
 
-SB = 4  # words per superblock of the decoder's rank -> word search
-
-
-def _dec(u, em, ts, nt, ranks, starts, out, found, sizes, m, cum, sbk, sbi):
+def _dec(u, em, ts, nt, ranks, starts, out, found, sizes, m, sbc, sbk, sbi):
     """ranks: each class's strictly increasing ranks, class k's at starts[k]:starts[k+1] ->
     out: their positions, same layout; found[k]: how many of class k's ranks were found (fewer
     than given: a rank beyond the class); sizes: class member counts.
     Per class, without a branch that depends on the data: a merge of the ranks with the class's
-    counts before each superblock of SB words (sbk) gives each rank's superblock (sbi); then
-    the word inside it from SB popcounts, and the bit from _sel."""
+    counts before each superblock (sbk) gives each rank's superblock (sbi); then the word
+    inside it from SB popcounts, and the bit from _sel."""
     n = u.size
     nw = (n + 63) // 64
     nsb = (nw + SB - 1) // SB
-    _masks(u, em, ts, nt, m, cum)
+    ng = nsb // BB + 1  # groups, the last holding superblock nsb (counts at the chunk's end)
+    _masks(u, em, ts, m, sbc)
     for k in range(nt + 1):
         s = starts[k]
         e = starts[k + 1]
-        sizes[k] = _before(k, nw, n, nt, cum)
+        sizes[k] = _sb_before(k, nsb, n, sbc)
         if s == e:
             found[k] = 0
             continue
         for q in range(nsb):
-            sbk[q] = _before(k, q * SB, n, nt, cum)
+            sbk[q] = _sb_before(k, q, n, sbc)
         sbk[nsb] = sizes[k]
-        sbk[nsb + 1] = _BIG  # (the merge stops at nsb: beyond the class)
-        q = 0
+        for q in range(nsb + 1, ng * BB + 1):
+            sbk[q] = _BIG  # (a rank lands at nsb at most: beyond the class)
+        g = 0
         i = s
-        while i < e:  # (at most e - s + nsb steps)
+        while i < e:  # merge with every BB-th count (at most e - s + ng steps)
             r = ranks[i]
-            adv = np.int64(sbk[q + 1] <= r)
-            sbi[i] = q
-            q += adv
+            adv = np.int64(sbk[(g + 1) * BB] <= r)
+            sbi[i] = g
+            g += adv
             i += 1 - adv
+        for i in range(s, e):  # the superblock inside the group: BB - 1 compares
+            r = ranks[i]
+            q0 = sbi[i] * BB
+            h = np.int64(0)
+            for t in range(1, BB):
+                h += np.int64(sbk[q0 + t] <= r)
+            sbi[i] = q0 + h
+        # class k's words: (row hi, or all ones for class 0) and not (row lo, none past KMAX)
+        rh = max(k - 1, 0)
+        ah = _ALL if k == 0 else np.uint64(0)
+        rl = min(k, KMAX - 1)
+        al = _ALL if k < KMAX else np.uint64(0)
         f = e - s
         for i in range(s, e):
             q = sbi[i]
@@ -268,10 +324,10 @@ def _dec(u, em, ts, nt, ranks, starts, out, found, sizes, m, cum, sbk, sbi):
                 break
             j = ranks[i] - sbk[q]
             w0 = q * SB
-            x0 = _word_k(k, w0, nt, m)
-            x1 = _word_k(k, w0 + 1, nt, m)
-            x2 = _word_k(k, w0 + 2, nt, m)
-            x3 = _word_k(k, w0 + 3, nt, m)
+            x0 = (m[rh, w0] | ah) & ~(m[rl, w0] & al)
+            x1 = (m[rh, w0 + 1] | ah) & ~(m[rl, w0 + 1] & al)
+            x2 = (m[rh, w0 + 2] | ah) & ~(m[rl, w0 + 2] & al)
+            x3 = (m[rh, w0 + 3] | ah) & ~(m[rl, w0 + 3] & al)
             p1 = _popc(x0)
             p2 = p1 + _popc(x1)
             p3 = p2 + _popc(x2)
@@ -284,12 +340,79 @@ def _dec(u, em, ts, nt, ranks, starts, out, found, sizes, m, cum, sbk, sbi):
         found[k] = f
 
 
+def _counts(u, shift, ebits, old, changed, sampled):
+    """context.exponent_counts in one pass: changes per exponent, and elements per exponent in
+    context.sample()'s elements (every SAMPLE_STRIDE-th run of SAMPLE_RUN, or every
+    SAMPLE_STRIDE-th element in small chunks) -> the sample's size. Four partial counts, summed
+    at the end (neighbours often share an exponent: one count would wait on its last store)."""
+    sh = u.dtype.type(shift)
+    em = u.dtype.type((1 << ebits) - 1)
+    h = np.zeros((4, 1 << ebits), np.int64)
+    mm = old.size
+    for j in range(0, mm - mm % 4, 4):
+        h[0, (old[j] >> sh) & em] += 1
+        h[1, (old[j + 1] >> sh) & em] += 1
+        h[2, (old[j + 2] >> sh) & em] += 1
+        h[3, (old[j + 3] >> sh) & em] += 1
+    for j in range(mm - mm % 4, mm):
+        h[0, (old[j] >> sh) & em] += 1
+    for x in range(1 << ebits):
+        changed[x] = h[0, x] + h[1, x] + h[2, x] + h[3, x]
+    h[:] = 0
+    runs = u.size // SAMPLE_RUN
+    size = 0
+    if runs < 64 * SAMPLE_STRIDE:
+        for i in range(0, u.size, SAMPLE_STRIDE):
+            h[i & 3, (u[i] >> sh) & em] += 1
+            size += 1
+    else:
+        for r in range(0, runs, SAMPLE_STRIDE):
+            for i in range(r * SAMPLE_RUN, r * SAMPLE_RUN + SAMPLE_RUN, 4):  # (SAMPLE_RUN: a multiple of 4)
+                h[0, (u[i] >> sh) & em] += 1
+                h[1, (u[i + 1] >> sh) & em] += 1
+                h[2, (u[i + 2] >> sh) & em] += 1
+                h[3, (u[i + 3] >> sh) & em] += 1
+            size += SAMPLE_RUN
+    for x in range(1 << ebits):
+        sampled[x] = h[0, x] + h[1, x] + h[2, x] + h[3, x]
+    return size
+
+
+def _split(cost, e, kmax, cuts, bounds):
+    """context.split, compiled: the same sums in the same order, the first minimum on ties ->
+    number of cut points (in bounds)."""
+    best = cost[0].copy()
+    best_total = best[e]
+    best_g = 0
+    for g in range(1, min(kmax, e - 1) + 1):
+        nb = np.empty(e + 1)
+        for j in range(e + 1):
+            a = 0
+            v = best[0] + cost[0, j]
+            for i in range(1, e + 1):
+                x = best[i] + cost[i, j]
+                if x < v:
+                    v = x
+                    a = i
+            nb[j] = v
+            cuts[g, j] = a
+        best = nb
+        if best[e] < best_total:
+            best_total = best[e]
+            best_g = g
+    j2 = e
+    for g in range(best_g, 0, -1):
+        j2 = cuts[g, j2]
+        bounds[best_g - g] = j2
+    return best_g
+
+
 if available:
     _jit = numba.njit(nogil=True, cache=True)
     _inl = numba.njit(nogil=True, cache=True, inline="always")  # (helpers: calls between compiled functions are not inlined otherwise)
-    _bytepop, _pop, _popc, _sel, _masks, _before, _word_k = (
-        _inl(f) for f in (_bytepop, _pop, _popc, _sel, _masks, _before, _word_k))
-    _enc, _dec = _jit(_enc), _jit(_dec)
+    _bytepop, _pop, _popc, _sel, _masks, _sb_before, _upto, _ones = (
+        _inl(f) for f in (_bytepop, _pop, _popc, _sel, _masks, _sb_before, _upto, _ones))
+    _enc, _dec, _counts, _split = _jit(_enc), _jit(_dec), _jit(_counts), _jit(_split)
 
 
 def _args(b: np.ndarray, shift: int, thresholds: list[int]):
@@ -301,23 +424,30 @@ def _args(b: np.ndarray, shift: int, thresholds: list[int]):
     return u, u.dtype.type((1 << (8 * b.itemsize - 1)) - 1), ts, len(thresholds)
 
 
-def _temps(n: int, nt: int):
-    """Pass 1's words (padded to whole superblocks) and counts, in the worker's Scratch."""
-    alloc, nw = scratch(), (n + 63) // 64
-    nwp = -(-nw // SB) * SB
-    return (alloc("jit.m", nt * nwp, np.uint64).reshape(nt, nwp), alloc("jit.cum", nt * (nw + 1), np.int64).reshape(nt, nw + 1))
+def _temps(n: int):
+    """Pass 1's words (padded to whole superblocks) and counts per superblock, in the worker's
+    Scratch."""
+    alloc, nsb = scratch(), -(-n // (64 * SB))
+    return (alloc("jit.m", KMAX * nsb * SB, np.uint64).reshape(KMAX, nsb * SB),
+            alloc("jit.sbc", KMAX * (nsb + 1), np.int64).reshape(KMAX, nsb + 1))
 
 
-def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[int]):
+def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[int], old=None, d=None):
     """-> (positions in class order, their ranks within their class, class bounds (K + 2),
-    class sizes (K + 1))."""
+    class sizes (K + 1)); with old and d (b's dtype, one per position): also them in class
+    order."""
     u, em, ts, nt = _args(b, shift, thresholds)
     out_pos = np.empty(pos.size, np.int64)
     out_rank = np.empty(pos.size, np.int64)
     starts = np.zeros(KMAX + 2, np.int64)
     sizes = np.zeros(KMAX + 1, np.int64)
-    _enc(u, em, ts, nt, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes, *_temps(u.size, nt))
-    return out_pos, out_rank, starts[:nt + 2].tolist(), sizes[:nt + 1].tolist()
+    carry = old is not None
+    old, d = (old, d) if carry else (b[:0], b[:0])
+    out_old, out_d = np.empty_like(old), np.empty_like(d)
+    _enc(u, em, ts, nt, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes, *_temps(u.size),
+         old, d, out_old, out_d)
+    res = out_pos, out_rank, starts[:nt + 2].tolist(), sizes[:nt + 1].tolist()
+    return (*res, out_old, out_d) if carry else res
 
 
 def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndarray]):
@@ -330,9 +460,26 @@ def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndar
     found = np.zeros(KMAX + 1, np.int64)
     sizes = np.zeros(KMAX + 1, np.int64)
     alloc, nsb = scratch(), -(-u.size // (64 * SB))
-    _dec(u, em, ts, nt, ranks, starts, out, found, sizes, *_temps(u.size, nt), alloc("jit.sbk", nsb + 2, np.int64),
+    _dec(u, em, ts, nt, ranks, starts, out, found, sizes, *_temps(u.size), alloc("jit.sbk", (nsb // BB + 1) * BB + 1, np.int64),
          alloc("jit.sbi", ranks.size, np.int64))
     return out, found[:nt + 1].tolist(), sizes[:nt + 1].tolist()
+
+
+def exponent_counts(b: np.ndarray, old: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """context.exponent_counts (the same counts) in one compiled pass over the sample's runs and
+    the changed elements' base bits."""
+    ut = UNSIGNED_INT[b.itemsize]
+    bins = max_threshold(b.itemsize, shift)
+    changed, sampled = np.zeros(bins, np.int64), np.zeros(bins, np.int64)
+    size = _counts(b.view(ut), shift, (bins - 1).bit_length(), old.view(ut), changed, sampled)
+    return changed, sampled, size
+
+
+def split(cost: np.ndarray, e: int) -> list[int]:
+    """context.split, compiled (the same cut points)."""
+    cuts = np.zeros((MAX_THRESHOLDS + 1, e + 1), np.int64)
+    bounds = np.zeros(MAX_THRESHOLDS, np.int64)
+    return bounds[:_split(cost, e, MAX_THRESHOLDS, cuts, bounds)].tolist()
 
 
 def warm() -> None:
@@ -345,3 +492,6 @@ def warm() -> None:
         ts = [3, 1] if eb > 2 else [1]
         op, r, st, sz = encode_ranks(b, np.array([1, 5], np.int64), shift, ts)
         select(b, shift, ts, [r[st[k]:st[k + 1]] for k in range(len(ts) + 1)])
+        encode_ranks(b, np.array([1, 5], np.int64), shift, ts, b[[1, 5]], b[[1, 5]])
+        exponent_counts(b, b[[1, 5]], shift)
+    split(np.zeros((3, 3)), 2)

@@ -102,6 +102,8 @@ def test_kernels_agree_with_the_numpy_classes(itemsize, n, seed, density, data):
     out_pos, ranks, bounds, sizes = cj.encode_ranks(b, pos, shift, ts)
     assert np.array_equal(out_pos, ref_pos) and np.array_equal(ranks, ref_ranks)
     assert bounds == ref_bounds and sizes == classes.sizes
+    *_, old, d = cj.encode_ranks(b, pos, shift, ts, b[pos], ~b[pos])  # carried into class order too
+    assert np.array_equal(old, b[ref_pos]) and np.array_equal(d, ~b[ref_pos])
     parts = [ranks[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
     sel, found, sizes2 = cj.select(b, shift, ts, parts)
     assert np.array_equal(sel, out_pos) and found == [p.size for p in parts] and sizes2 == classes.sizes
@@ -109,6 +111,32 @@ def test_kernels_agree_with_the_numpy_classes(itemsize, n, seed, density, data):
     every = [np.arange(s, dtype=np.int64) for s in classes.sizes]
     sel, found, _ = cj.select(b, shift, ts, every)
     assert np.array_equal(sel, np.concatenate([classes.select(k, r) for k, r in enumerate(every)]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([0, 1, 63, 3000, 1 << 20, (1 << 20) + 777]),
+       st.integers(0, 2**32 - 1), st.floats(0, 0.2))
+def test_compiled_exponent_counts_are_the_numpy_ones(itemsize, n, seed, density):
+    """Both sample regimes (every 32nd element; every 32nd run in large chunks) and the counts of
+    the changed elements, for every float width."""
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(INTS[itemsize])
+    b = rng.integers(info.min, info.max, n, dtype=INTS[itemsize], endpoint=True)
+    pos = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+    ref, got = ctx.exponent_counts(b, b[pos], SHIFT[itemsize]), cj.exponent_counts(b, b[pos], SHIFT[itemsize])
+    assert np.array_equal(ref[0], got[0]) and np.array_equal(ref[1], got[1]) and ref[2] == got[2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.integers(0, 2**32 - 1), st.booleans())
+def test_compiled_split_cuts_where_the_numpy_one_does(e, seed, ties):
+    """Same cut points on any costs, ties included (small integer costs tie often: both take the
+    first minimum)."""
+    rng = np.random.default_rng(seed)
+    cost = np.full((e + 1, e + 1), np.inf)
+    i, j = np.triu_indices(e + 1, 1)
+    cost[i, j] = rng.integers(0, 4, i.size) if ties else rng.random(i.size) * 1000
+    assert cj.split(cost, e) == ctx.split(cost, e)
 
 
 def test_select_reports_ranks_beyond_the_class():
