@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncrl.report import read_jsonl
+from bench.stats import pct
 
 bench_async = importlib.import_module("bench.async")      # `async` is a keyword: no plain import
 
@@ -52,32 +53,64 @@ def with_overrides(config: str, out: Path, **trainer) -> str:
 def pcts(xs: list[float]) -> dict:
     if not xs:
         return {}
-    a = np.asarray(xs, dtype=float)
-    return {"n": len(xs), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
-            "p90": float(np.percentile(a, 90)), "max": float(a.max())}
+    return {"n": len(xs), "mean": float(np.mean(xs)), "p50": pct(xs, 50), "p90": pct(xs, 90),
+            "p99": pct(xs, 99), "max": float(np.max(xs))}
+
+
+def worker_slots(run_dir: Path) -> int:
+    """Engine slots over all the run's workers, from the configs `up` wrote for them."""
+    from bus import load_config
+    from rollout_worker.worker import WorkerConfig
+    confs = sorted((run_dir / "config").glob("worker-*.toml"))
+    if not confs:
+        raise RuntimeError(f"{run_dir}/config has no worker-*.toml: not an `asyncrl up` run dir")
+    return sum(load_config(WorkerConfig, c).slots for c in confs)
+
+
+def busy_fraction(intervals: list[tuple[float, float]], slots: int, t0: float, t1: float) -> float:
+    """Mean over [t0, t1] of min(episodes in flight, slots) / slots: the share of slot-time held by
+    an episode (its model turns, its commands, its scoring). A worker may start an episode before a
+    slot is free (its queue), so in-flight episodes are capped at the slots."""
+    if t1 <= t0 or slots < 1:
+        return 0.0
+    ev = sorted([(max(a, t0), 1) for a, b in intervals if b > t0 and a < t1] +
+                [(min(b, t1), -1) for a, b in intervals if b > t0 and a < t1])
+    busy, n, last = 0.0, 0, t0
+    for t, d in ev:                      # at equal times an end (-1) sorts before a start (+1)
+        busy += min(n, slots) * (t - last)
+        n, last = n + d, t
+    return busy / (slots * (t1 - t0))
 
 
 def episode_stats(run_dir: Path) -> dict:
-    """From the workers' per-episode records (metrics/rollout_worker-*.jsonl, `episodes_ended`),
-    between the trainer's first and last step."""
+    """From the workers' per-episode records (metrics/rollout_worker-*.jsonl, `episodes_ended`):
+    the episodes that ended between the trainer's first and last step (the window the samples/s
+    is measured on), and the worker's idle fraction over that window."""
     steps = [r for r in read_jsonl(run_dir / "metrics" / "trainer.jsonl") if "samples" in r]
-    t0, t1 = (steps[0]["ts"], steps[-1]["ts"]) if steps else (0.0, float("inf"))
-    eps = []
+    if len(steps) < 2:
+        raise RuntimeError(f"{run_dir}: {len(steps)} trainer steps; no window to measure episodes in")
+    t0, t1 = steps[0]["ts"], steps[-1]["ts"]
+    every = []
     for f in (run_dir / "metrics").glob("rollout_worker-*.jsonl"):
         for r in read_jsonl(f):
-            if t0 <= r.get("ts", t0) <= t1 + 60:       # an episode is recorded up to a beat after it ends
-                eps += r.get("episodes_ended") or []
+            every += r.get("episodes_ended") or []
+    if every and "ended_at" not in every[0]:
+        raise RuntimeError(f"{run_dir}: episode records without ended_at (a worker older than this bench)")
+    eps = [e for e in every if t0 <= e["ended_at"] <= t1]
     wall = sum(e["wall_s"] for e in eps)
+    spans = [(e["ended_at"] - e["wall_s"], e["ended_at"]) for e in every]
     return {
         "episodes": len(eps),
         "episode_tokens": pcts([e["tokens"] for e in eps]),
         "episode_model_tokens": pcts([e["model_tokens"] for e in eps]),
+        "episode_wall_s": pcts([e["wall_s"] for e in eps]),
         "turns": pcts([e["turns"] for e in eps]),
-        "turns_hist": dict(sorted(Counter(int(e["turns"]) for e in eps).items())),
+        "turns_hist": {str(k): v for k, v in sorted(Counter(int(e["turns"]) for e in eps).items())},
         "tool_calls": pcts([e["tool_calls"] for e in eps]),
         "terminations": dict(Counter(e["termination"] for e in eps)),
+        "resolved_frac": float(np.mean([bool(e["resolved"]) for e in eps])) if eps else None,
         "tool_wall_share": sum(e["tool_wall_s"] for e in eps) / wall if wall else None,
-        "episode_wall_s": pcts([e["wall_s"] for e in eps]),
+        "worker_idle_frac": 1.0 - busy_fraction(spans, worker_slots(run_dir), t0, t1),
     }
 
 
@@ -86,8 +119,16 @@ def summarize(config: str, run_dir: Path, name: str, sync: bool, a, run: bool = 
     last weights, the episode distributions."""
     res = bench_async.run_once(config, a.steps, sync, run_dir, a.minutes) if run else \
         bench_async.summarize(run_dir, name)
-    res.update(bench_async.final_eval(run_dir, config, a.eval_prompts))
+    rows = [r for r in read_jsonl(run_dir / "metrics" / "trainer.jsonl") if "samples" in r]
+    res["trainer_step_s"] = pcts([r["total_s"] for r in rows])
+    # sync: each interval = waiting for the version's whole batch + scoring + the step + the publish
+    res["step_interval_s"] = pcts(list(np.diff([r["ts"] for r in rows])))
+    # bench.async's idle fraction is 1 - the engine's mean busy share per decode step: blind to
+    # a slot held by an episode whose command runs and to time with no decode step at all
+    res["decode_slot_occupancy"] = None if res["worker_idle_frac"] is None else 1.0 - res.pop("worker_idle_frac")
     res.update(episode_stats(run_dir))
+    if a.eval_prompts:
+        res.update(bench_async.final_eval(run_dir, config, a.eval_prompts))
     return res
 
 
@@ -111,27 +152,28 @@ def main(argv: list[str] | None = None) -> int:
         config, warm = str(out / "bench-async.toml"), {}
     else:
         base = with_overrides(a.config, out, warmstart_steps=a.warmstart_steps, eval_every=0)
-        config, warm = bench_async.warm_start_once(base, out, a.eval_prompts, a.init)
+        # the initial eval always runs (bench.async's warm start): at least one episode
+        config, warm = bench_async.warm_start_once(base, out, max(a.eval_prompts, 1), a.init)
     for name, sync in (("async", False), ("sync", True)):
         runs[name] = summarize(config, out / name, name, sync, a) if a.summarize else \
             summarize(config, out / name, name, sync, a, run=True)
     ra, rs = runs["async"], runs["sync"]
+    both = lambda key: {"async": ra[key], "sync": rs[key]}          # noqa: E731
     result = {
         "async_samples_per_s": ra["samples_per_s"],
         "sync_samples_per_s": rs["samples_per_s"],
         "speedup": ra["samples_per_s"] / rs["samples_per_s"],
-        "worker_idle_frac_async": ra["worker_idle_frac"],
-        "worker_idle_frac_sync": rs["worker_idle_frac"],
-        "tool_wall_share_async": ra["tool_wall_share"],
-        "tool_wall_share_sync": rs["tool_wall_share"],
-        "turns_async": ra["turns"], "turns_sync": rs["turns"],
-        "episode_tokens_async": ra["episode_tokens"], "episode_tokens_sync": rs["episode_tokens"],
-        "terminations_async": ra["terminations"], "terminations_sync": rs["terminations"],
+        "token_speedup": ra["tokens_per_s"] / rs["tokens_per_s"],
+        "worker_idle_frac": both("worker_idle_frac"),
+        "tool_wall_share": both("tool_wall_share"),
+        "turns": both("turns"), "turns_hist": both("turns_hist"),
+        "episode_tokens": both("episode_tokens"), "episode_wall_s": both("episode_wall_s"),
+        "tool_calls": both("tool_calls"), "terminations": both("terminations"),
+        "trainer_step_s": both("trainer_step_s"), "step_interval_s": both("step_interval_s"),
         "mean_staleness_async": ra["mean_staleness"],
-        "final_eval_success_async": ra["eval_success"],
-        "final_eval_success_sync": rs["eval_success"],
+        "final_eval_success": both("eval_success") if a.eval_prompts else None,
         "eval_episodes": a.eval_prompts, **warm,
-        "steps": {"async": ra["steps"], "sync": rs["steps"]},
+        "steps": both("steps"), "episodes": both("episodes"),
         "runs": runs,
     }
     if not a.json:

@@ -161,7 +161,8 @@ class EpisodeRunner:
         self.stats["tool_wall_s"] += result.tool_wall_s
         self.stats["wall_s"] += time.perf_counter() - t0
         if len(self.ended) < 4096:
-            self.ended.append({"turns": result.turns, "tool_calls": result.tool_calls, "tokens": len(traj.ids),
+            # ended_at: wall clock, the trainer's `ts` clock (bench.agentic places episodes in its window)
+            self.ended.append({"ended_at": time.time(), "turns": result.turns, "tool_calls": result.tool_calls, "tokens": len(traj.ids),
                                "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
                                "tool_wall_s": result.tool_wall_s, "termination": result.termination,
                                "reward": result.reward, "resolved": result.resolved})
