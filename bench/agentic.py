@@ -1,22 +1,34 @@
 """Async vs sync RL on the multi-turn workload (swe-gen episodes), side by side in one invocation.
 
-    python -m bench.agentic --json [--steps 40] [--minutes 3.5] [--config deploy/swe-demo.toml] [--out DIR]
+    python -m bench.agentic --json [--minutes 3] [--warmstart-steps 60] [--out DIR] [--init DIR/init]
 
-The same procedure as bench.async (one warm start, then `asyncrl up` twice from that checkpoint:
-asynchronous, then `--sync`), on deploy/swe-demo.toml's workload: tier-1 bug-fix episodes played
-by the worker turn by turn, their commands run in the sandbox. An episode's length varies with
-its turns (a policy that submits at once vs one that runs out of turns), and a slot waits while
-the episode's command runs: the two things synchronous RL waits on.
+The same procedure as bench.async (one warm start, then `asyncrl up` twice from that checkpoint
+through the same processes: asynchronous, then `--sync`), on deploy/swe-demo.toml's workload:
+tier-1 bug-fix episodes played by the worker turn by turn, every command run in the sandbox.
+`--sync` is the same trainer, worker and scorer with max_lag 0 and a barrier: the trainer
+publishes one batch of tasks per version and steps only when every episode of it has ended (the
+longest one included, its commands included); the worker starts them only on the new version.
 
-Reported per run: trained samples/s (= episodes/s) on the trainer's clock (first to last step),
-the async/sync ratio, the distributions of episode length (tokens: model turns + observations)
-and of turns per episode, termination reasons, the share of episode wall time spent in tools
-(the commands the agent ran, from the worker's per-episode records; scoring not included), the
-worker's idle fraction (1 - slot occupancy: a slot held by an episode whose command runs counts as occupied), and
-held-out success of each run's last weights (episodes on eval-split tasks).
+The policy is warm-started for only --warmstart-steps (default 60 of the demo's) oracle batches:
+part-way through the warm start it plays the turn format on some episodes (commands run,
+observations read, up to max_turns) and breaks it early on others (two format errors end the
+episode): the long-tailed mix of episode lengths that synchronous RL waits on. Each run is
+bounded by --minutes (--steps is a cap); throughput is counted on the trainer's clock between its
+first and last step, so the two runs need not train the same number of versions.
 
-Tiny settings check that it runs: `--steps 3 --minutes 2 --warmstart-steps 2 --eval-prompts 2`.
-The defaults are sized for a quiet-box run of ~10 minutes in all.
+Reported per run (async, sync): trained samples/s (= episodes/s) and the ratio; the episodes that
+ended inside that window: tokens (model turns + observations), turns (percentiles and histogram),
+tool calls, wall seconds, termination reasons, tool_wall_share (seconds in the agent's commands /
+episode wall seconds; scoring not included); worker_idle_frac (the share of slot-time over the
+window that no episode held: an episode holds its slot while its command runs; from each
+episode's end time and wall seconds); trainer_step_s and step_interval_s (sync: the interval is
+the wait for the whole batch + scoring + the step + the weight publish); decode_slot_occupancy
+(the engine's busy slots per decode step, blind to slots waiting on a command); optionally
+held-out success of each run's last weights (--eval-prompts, eval-split tasks).
+
+Tiny settings check that it runs (minutes): `--steps 3 --minutes 2 --warmstart-steps 2 --eval-prompts 0`.
+The defaults are sized for ~10 minutes in all on a quiet 2-core box (a first run also builds the
+task set, ~1.5 min); `--init OUT/init` reuses an earlier run's warm start.
 """
 from __future__ import annotations
 
@@ -38,13 +50,14 @@ bench_async = importlib.import_module("bench.async")      # `async` is a keyword
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "deploy" / "swe-demo.toml")
 
 
-def with_overrides(config: str, out: Path, **trainer) -> str:
-    """A copy of `config` with [trainer] keys replaced (those given and not None)."""
+def with_overrides(config: str, out: Path, worker: dict | None = None, **trainer) -> str:
+    """A copy of `config` with [trainer] (and [worker]) keys replaced (those given and not None)."""
     import tomllib
 
     from asyncrl.up import write_toml
     conf = tomllib.loads(Path(config).read_text())
-    conf["trainer"] = {**conf.get("trainer", {}), **{k: v for k, v in trainer.items() if v is not None}}
+    for section, keys in (("trainer", trainer), ("worker", worker or {})):
+        conf[section] = {**conf.get(section, {}), **{k: v for k, v in keys.items() if v is not None}}
     path = out / "bench-agentic-base.toml"
     write_toml(path, conf)
     return str(path)
@@ -136,10 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.agentic", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=DEFAULT_CONFIG)
-    ap.add_argument("--steps", type=int, default=40, help="versions per run")
-    ap.add_argument("--minutes", type=float, default=3.5, help="per run")
-    ap.add_argument("--warmstart-steps", type=int, default=None, help="default: the config's")
-    ap.add_argument("--eval-prompts", type=int, default=16, help="held-out episodes per evaluation")
+    ap.add_argument("--steps", type=int, default=1000, help="versions per run at most (--minutes ends it first)")
+    ap.add_argument("--minutes", type=float, default=3.0, help="per run, start-up included")
+    ap.add_argument("--warmstart-steps", type=int, default=60,
+                    help="supervised oracle batches before both runs (0: the config's)")
+    ap.add_argument("--slots", type=int, default=None, help="[worker] slots (default: the config's)")
+    ap.add_argument("--group-size", type=int, default=None, help="[trainer] group_size (default: the config's)")
+    ap.add_argument("--batch-groups", type=int, default=None, help="[trainer] batch_groups (default: the config's)")
+    ap.add_argument("--max-lag", type=int, default=None, help="async staleness bound, trainer and worker "
+                    "(default: the config's)")
+    ap.add_argument("--eval-prompts", type=int, default=0,
+                    help="held-out episodes to score each run's last weights on (0: skip; minutes each)")
     ap.add_argument("--out", default=None, help="run dirs go here (default: a temp dir)")
     ap.add_argument("--init", default=None, help="start both runs from this HF folder instead of warm-starting")
     ap.add_argument("--json", action="store_true")
@@ -151,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.summarize:
         config, warm = str(out / "bench-async.toml"), {}
     else:
-        base = with_overrides(a.config, out, warmstart_steps=a.warmstart_steps, eval_every=0)
+        base = with_overrides(a.config, out, worker={"slots": a.slots, "max_lag": a.max_lag},
+                              warmstart_steps=a.warmstart_steps or None, eval_every=0, group_size=a.group_size,
+                              batch_groups=a.batch_groups, max_lag=a.max_lag)
         # the initial eval always runs (bench.async's warm start): at least one episode
         config, warm = bench_async.warm_start_once(base, out, max(a.eval_prompts, 1), a.init)
     for name, sync in (("async", False), ("sync", True)):
