@@ -136,6 +136,9 @@ def summarize(config: str, run_dir: Path, name: str, sync: bool, a, run: bool = 
     res["trainer_step_s"] = pcts([r["total_s"] for r in rows])
     # sync: each interval = waiting for the version's whole batch + scoring + the step + the publish
     res["step_interval_s"] = pcts(list(np.diff([r["ts"] for r in rows])))
+    # the share of the window the trainer spent stepping: near 1, the run is trainer-bound (more
+    # overlap cannot help it); in sync, 1 - this is the barrier's wait for the batch's episodes
+    res["trainer_busy_frac"] = sum(r["total_s"] for r in rows[1:]) / max(rows[-1]["ts"] - rows[0]["ts"], 1e-9)
     # bench.async's idle fraction is 1 - the engine's mean busy share per decode step: blind to
     # a slot held by an episode whose command runs and to time with no decode step at all
     res["decode_slot_occupancy"] = None if res["worker_idle_frac"] is None else 1.0 - res.pop("worker_idle_frac")
@@ -143,6 +146,24 @@ def summarize(config: str, run_dir: Path, name: str, sync: bool, a, run: bool = 
     if a.eval_prompts:
         res.update(bench_async.final_eval(run_dir, config, a.eval_prompts))
     return res
+
+
+def caveats(ra: dict, rs: dict) -> list[str]:
+    """What makes this run's ratio mean less than it says, from its own numbers."""
+    out = []
+    if min(ra["steps"], rs["steps"]) < 8:
+        out.append(f"few versions ({ra['steps']} async, {rs['steps']} sync): the ratio is noisy; more --minutes")
+    share = {k: r["terminations"].get("timeout", 0) / max(r["episodes"], 1) for k, r in (("async", ra), ("sync", rs))}
+    if abs(share["async"] - share["sync"]) > 0.1:
+        out.append(f"episodes ended by the episode wall clock: {share['async']:.0%} async vs {share['sync']:.0%} sync: "
+                   "decode too slow for episode_wall_s (a loaded box?), the runs saw different episodes")
+    if ra["trainer_busy_frac"] > 0.85:
+        out.append(f"async is trainer-bound (trainer busy {ra['trainer_busy_frac']:.0%} of the window)")
+    calls = [r["tool_calls"]["mean"] for r in (ra, rs) if r["tool_calls"]]
+    if calls and max(calls) < 1.0:
+        out.append(f"the policy rarely runs a command ({max(calls):.2f} per episode): more --warmstart-steps "
+                   "(or --init a better warm start) for a tool-using workload")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,10 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         "episode_tokens": both("episode_tokens"), "episode_wall_s": both("episode_wall_s"),
         "tool_calls": both("tool_calls"), "terminations": both("terminations"),
         "trainer_step_s": both("trainer_step_s"), "step_interval_s": both("step_interval_s"),
+        "trainer_busy_frac": both("trainer_busy_frac"),
         "mean_staleness_async": ra["mean_staleness"],
         "final_eval_success": both("eval_success") if a.eval_prompts else None,
         "eval_episodes": a.eval_prompts, **warm,
         "steps": both("steps"), "episodes": both("episodes"),
+        "caveats": caveats(ra, rs),
         "runs": runs,
     }
     if not a.json:
