@@ -102,13 +102,15 @@ def test_records_without_their_end_time_are_a_clear_error(tmp_path):
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(1500)
 def test_tiny_bench_prints_one_sane_json_object(tmp_path):
-    """The whole bench at tiny size (minutes): one warm-start step, 3 versions each way on a small
-    task set. Structure and sanity only; its speeds mean nothing at this size."""
+    """The whole bench at tiny size (minutes): one warm-start step, 3 versions of 2 episodes each
+    way on a small task set. Structure and sanity only; its speeds mean nothing at this size."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ASYNCRL_SWE_TASKS": str(tmp_path / "tasks"),
            "ASYNCRL_SWE_GEN": "10"}
     proc = subprocess.run([sys.executable, "-m", "bench.agentic", "--json", "--steps", "3", "--minutes", "3",
-                           "--warmstart-steps", "1", "--eval-prompts", "0", "--out", str(tmp_path / "out")],
+                           "--warmstart-steps", "1", "--eval-prompts", "0", "--slots", "2", "--group-size", "2",
+                           "--batch-groups", "1", "--out", str(tmp_path / "out")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
