@@ -161,7 +161,8 @@ class EpisodeRunner:
         self.stats["tool_wall_s"] += result.tool_wall_s
         self.stats["wall_s"] += time.perf_counter() - t0
         if len(self.ended) < 4096:
-            self.ended.append({"turns": result.turns, "tool_calls": result.tool_calls, "tokens": len(traj.ids),
+            # ended_at: wall clock, the trainer's `ts` clock (bench.agentic places episodes in its window)
+            self.ended.append({"ended_at": time.time(), "turns": result.turns, "tool_calls": result.tool_calls, "tokens": len(traj.ids),
                                "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
                                "tool_wall_s": result.tool_wall_s, "termination": result.termination,
                                "reward": result.reward, "resolved": result.resolved})
@@ -209,19 +210,28 @@ async def handle_episode_task(worker, task: Task, ctx) -> None:
     except (ValueError, TypeError, KeyError) as e:
         return await worker._park(ctx, task, f"bad episode task: {e}")          # noqa: SLF001
     worker.group_hint = sp.n
-    await worker._wait_until(lambda: worker.engine.version >= task.min_version and worker.admissible())  # noqa: SLF001
     subject = topo.rollout_subject(task.env)
+    worker.episodes_in_flight += sp.n        # counted from here: capacity() must see them at once
+    unstarted = [sp.n]
 
     async def one(i: int) -> None:
         # each episode is published as soon as it ends: a stuck sibling must not hold the group's
         # finished members back (the trainer closes a group after group_timeout_s with what came)
-        r = await runner.run(task, sp, i)
+        unstarted[0] -= 1
+        try:
+            r = await runner.run(task, sp, i)
+        finally:
+            worker.episodes_in_flight -= 1
         await worker.bus.publish(subject, r)
         worker.rollouts += 1
     try:
+        await worker._wait_until(lambda: worker.engine.version >= task.min_version and worker.admissible())  # noqa: SLF001
         await asyncio.gather(*(one(i) for i in range(sp.n)))
     except EngineClosed as e:
         raise TransientError(f"released: {e}", delay=0) from None
     except (ValueError, TypeError) as e:
         return await worker._park(ctx, task, str(e))                             # noqa: SLF001
+    finally:
+        worker.episodes_in_flight -= unstarted[0]    # never started (cancelled in the version wait)
+        unstarted[0] = 0
     worker.tasks_done += 1

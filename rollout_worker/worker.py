@@ -129,7 +129,10 @@ class Worker:
             public_key = signing.public_key(key)      # raises a clear DeltaError on a bad key
         self.weights = weight_follower(bus, public_key=public_key, name=cfg.worker_id)   # region: its mirrors
         self.latest_version = -1
-        self.group_hint = 1            # n of the last task seen: sizes fetches in slots
+        self.group_hint = 0            # n of the last task seen: sizes fetches in slots (0: none seen yet)
+        # episodes accepted and not ended: one holds no engine slot while its workspace is set up
+        # (or its task waits for a version), so free_slots alone would admit far more than fit
+        self.episodes_in_flight = 0
         self.rollouts = 0
         self.tasks_done = 0
         self.parked = 0
@@ -157,8 +160,11 @@ class Worker:
     def capacity(self) -> int:
         if not self.admissible():
             return 0
-        free = getattr(self.engine, "free_slots", self.cfg.slots)
-        return max(0, free + self.cfg.queue) // max(self.group_hint, 1)
+        free = min(getattr(self.engine, "free_slots", self.cfg.slots), self.cfg.slots - self.episodes_in_flight)
+        room = max(0, free + self.cfg.queue)
+        if not self.group_hint:        # a task's n is unknown until one is seen: one at a time till then
+            return min(room, 1)
+        return room // self.group_hint
 
     async def _wait_until(self, cond) -> None:
         while not cond():
