@@ -33,7 +33,7 @@ def is_run_tests(command: str) -> bool:
     return (c == "run_tests" or c.startswith("run_tests ")) and not re.search(r"[\n;&|<>`$()]", c)
 
 
-def test_failures(output: str) -> str:
+def failures_summary(output: str) -> str:
     """A test run's output cut to what names the failures: the runners' `FAILED <id>` / `ERROR ...`
     lines and the last line (the summary, e.g. `3 passed, 1 failed`). Tracebacks are dropped."""
     lines = [ln for ln in output.splitlines() if ln.strip()]

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from .actions import (command_observation, format_error_observation, is_run_tests, is_submit, parse_action,
-                      test_failures)
+                      failures_summary)
 from .sandbox import BashLimits
 
 TERMINATIONS = ("submitted", "max_turns", "context_limit", "timeout", "format", "sandbox_error")
@@ -82,7 +82,7 @@ class EpisodeLimits:
     # helpers, for the char-level toy policy whose every prompt character costs a forward/backward
     prompt_style: str = "full"
     # "full": a command's whole (cut) output; "failures": `run_tests` observations keep only the
-    # failing tests' lines and the summary (envs/actions.py: test_failures), for the toy policy
+    # failing tests' lines and the summary (envs/actions.py: failures_summary), for the toy policy
     test_output: str = "full"
 
     def __post_init__(self):
@@ -260,7 +260,7 @@ class Episode:
             warning = (warning + "; " if warning else "") + over
         out = res.stdout.decode("utf-8", "replace")
         if L.test_output == "failures" and is_run_tests(command):
-            out = test_failures(out)
+            out = failures_summary(out)
         return command_observation(res.returncode, out, warning,
                                    L.obs_head_lines, L.obs_tail_lines, L.obs_line_chars)
 
