@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--eval-n", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--save", default="", help="write the final warm-started state here (torch.save)")
+    ap.add_argument("--load", default="", help="start from this --save file (with --steps 0: evaluate it alone)")
+    ap.add_argument("--temperature", type=float, default=None, help="eval sampling temperature (default: the config's)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
@@ -47,6 +49,9 @@ def main() -> None:
     cfg = dataclasses.replace(cfg, **over)
     tok = load_tokenizer(cfg.tokenizer)
     model, mcfg = build_model(cfg)
+    if a.load:
+        model.load_state_dict(torch.load(a.load)["model"])
+    sampling = {**cfg.task_sampling, **({"temperature": a.temperature} if a.temperature is not None else {})}
     specs = [s.spec for _, s in eval_specs(cfg.envs, a.eval_n, cfg.seed)]
     at = {int(x) for x in a.eval_at.split(",") if x}
     evals, t0, train_s = [], time.perf_counter(), [0.0]
@@ -54,19 +59,26 @@ def main() -> None:
 
     def after_step(step: int, losses: list[float]) -> None:
         train_s[0] += time.perf_counter() - last[0]
+        if (step + 1) % 10 == 0:
+            print(json.dumps({"step": step + 1, "nll": round(losses[-1], 4), "train_s": round(train_s[0], 1)}),
+                  flush=True)
         if step + 1 in at:
             model.eval()
             t = time.perf_counter()
             with torch.no_grad():
-                ev = evaluate_episodes(model, tok, specs, SamplingConfig.from_dict(cfg.task_sampling), cfg.seed)
-            ev.update(step=step + 1, nll_last10=sum(losses[-10:]) / len(losses[-10:]),
+                ev = evaluate_episodes(model, tok, specs, SamplingConfig.from_dict(sampling), cfg.seed)
+            ev.update(step=step + 1, temperature=sampling["temperature"], nll_last10=sum(losses[-10:]) / len(losses[-10:]),
                       train_s=round(train_s[0], 1), eval_s=round(time.perf_counter() - t, 1))
             evals.append(ev)
             print(json.dumps(ev), flush=True)
             model.train()
         last[0] = time.perf_counter()
 
-    losses = warm_start(model, cfg, mcfg, tok, cfg.warmstart_style, after_step=after_step)
+    if cfg.warmstart_steps:
+        losses = warm_start(model, cfg, mcfg, tok, cfg.warmstart_style, after_step=after_step)
+    else:                                   # evaluate a saved policy as it is
+        at, losses = {0}, [float("nan")]
+        after_step(-1, losses)
     if a.save:
         torch.save({"model": model.state_dict(), "model_config": mcfg.to_dict()}, a.save)
     out = {"steps": cfg.warmstart_steps, "lr": cfg.warmstart_lr, "batch": cfg.warmstart_batch,

@@ -16,6 +16,7 @@ ids it generated; the episode never re-renders earlier turns.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -157,8 +158,17 @@ EOF
 submit                end"""
 
 
-def system_prompt(limits: "EpisodeLimits") -> str:
-    return TOY_SYSTEM_PROMPT if limits.prompt_style == "toy" else SYSTEM_PROMPT
+def initial_messages(task: EpisodeTask, limits: "EpisodeLimits") -> list[dict]:
+    """[system, user]: the full prompt and the task's instruction, or for the toy style the toy
+    prompt and a one-line brief built from the task (its first failing tests and source files):
+    the toy policy's warm start pays a forward and backward for every prompt character."""
+    if limits.prompt_style != "toy":
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.instruction}]
+    f2p = task.fail_to_pass or task.pass_to_pass
+    more = f" and {len(f2p) - 2} more" if len(f2p) > 2 else ""
+    src = sorted(p for p in task.files if not os.path.basename(p).startswith("test"))
+    brief = f"Failing: {', '.join(f2p[:2])}{more}.\nFiles: {', '.join(src)}."
+    return [{"role": "system", "content": TOY_SYSTEM_PROMPT}, {"role": "user", "content": brief}]
 
 
 class Episode:
@@ -180,8 +190,7 @@ class Episode:
             raise RuntimeError("reset() twice: make a new Episode per rollout")
         self.t0 = time.monotonic()
         self.workspace = self.backend.create(self.task, self.limits)
-        msgs = [{"role": "system", "content": system_prompt(self.limits)},
-                {"role": "user", "content": self.task.instruction}]
+        msgs = initial_messages(self.task, self.limits)
         self.tokens = sum(self.count_tokens(m["content"]) for m in msgs)
         if self.workspace.error:
             self._end("sandbox_error", self.workspace.error)

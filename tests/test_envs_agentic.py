@@ -439,7 +439,8 @@ def test_toy_system_prompt_is_short_and_names_the_helpers():
     assert toy == TOY_SYSTEM_PROMPT and len(toy) < len(msgs["full"][0]["content"]) / 3
     for helper in ("run_tests", "view", "rewrite", "submit"):
         assert helper in toy and helper in msgs["full"][0]["content"]
-    assert msgs["toy"][1] == msgs["full"][1] == {"role": "user", "content": "Fix calc.py."}
+    assert msgs["full"][1] == {"role": "user", "content": "Fix calc.py."}          # the task's instruction
+    assert msgs["toy"][1] == {"role": "user", "content": "Failing: test_calc.py::test_add.\nFiles: calc.py."}
     with pytest.raises(ValueError, match="prompt_style"):
         EpisodeLimits(prompt_style="tiny")
     with pytest.raises(ValueError, match="test_output"):
