@@ -27,6 +27,20 @@ def is_submit(command: str) -> bool:
     return command.strip() == SUBMIT
 
 
+def is_run_tests(command: str) -> bool:
+    """A command that is just the test helper (with its arguments): one line, no shell operators."""
+    c = command.strip()
+    return (c == "run_tests" or c.startswith("run_tests ")) and not re.search(r"[\n;&|<>`$()]", c)
+
+
+def failures_summary(output: str) -> str:
+    """A test run's output cut to what names the failures: the runners' `FAILED <id>` / `ERROR ...`
+    lines and the last line (the summary, e.g. `3 passed, 1 failed`). Tracebacks are dropped."""
+    lines = [ln for ln in output.splitlines() if ln.strip()]
+    keep = [ln for ln in lines[:-1] if ln.startswith(("FAILED ", "ERROR "))]
+    return "\n".join(keep + lines[-1:])
+
+
 def cut_lines(text: str, head: int, tail: int, max_line_chars: int) -> str:
     """The first `head` and last `tail` lines (each at most `max_line_chars`), the middle replaced
     by a note, so a chatty command cannot blow up the context."""

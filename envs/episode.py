@@ -16,14 +16,18 @@ ids it generated; the episode never re-renders earlier turns.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 
-from .actions import command_observation, format_error_observation, is_submit, parse_action
+from .actions import (command_observation, format_error_observation, is_run_tests, is_submit, parse_action,
+                      failures_summary)
 from .sandbox import BashLimits
 
 TERMINATIONS = ("submitted", "max_turns", "context_limit", "timeout", "format", "sandbox_error")
 SPLITS = ("train", "eval")
+PROMPT_STYLES = ("full", "toy")
+TEST_OUTPUTS = ("full", "failures")
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,17 @@ class EpisodeLimits:
     obs_tail_lines: int = 40
     obs_line_chars: int = 300
     score_wall_s: float = 120.0
+    # "full": SYSTEM_PROMPT (for real models); "toy": TOY_SYSTEM_PROMPT, a few lines naming the
+    # helpers, for the char-level toy policy whose every prompt character costs a forward/backward
+    prompt_style: str = "full"
+    # "full": a command's whole (cut) output; "failures": `run_tests` observations keep only the
+    # failing tests' lines and the summary (envs/actions.py: failures_summary), for the toy policy
+    test_output: str = "full"
 
     def __post_init__(self):
+        if self.prompt_style not in PROMPT_STYLES or self.test_output not in TEST_OUTPUTS:
+            raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, test_output one of {TEST_OUTPUTS}: "
+                             f"got {self.prompt_style!r}, {self.test_output!r}")
         if min(self.max_turns, self.max_context_tokens, self.max_turn_tokens, self.max_format_errors,
                self.workspace_mb, self.workspace_files) < 1 or self.episode_wall_s <= 0:
             raise ValueError(f"episode limits must be positive: {self}")
@@ -127,9 +140,35 @@ Helpers:
   (new lines)
   >>>>>>> REPLACE
   EOF
+  rewrite FILE <<'EOF'           replace the function (or method) of the same name in FILE:
+  def name(...):
+      (the whole new function)
+  EOF
   run_tests [ARGS]               run the tests
   submit                         end the episode (alone in its block)
 There is no network. Do not edit the tests."""
+
+# The toy policy's prompt (EpisodeLimits.prompt_style = "toy"): the helpers and nothing else.
+TOY_SYSTEM_PROMPT = """Fix the bug. Each reply: one ```bash block.
+run_tests             run the tests
+view FILE [START END] show lines
+rewrite FILE <<'EOF'  replace the function of the same name
+def ...
+EOF
+submit                end"""
+
+
+def initial_messages(task: EpisodeTask, limits: "EpisodeLimits") -> list[dict]:
+    """[system, user]: the full prompt and the task's instruction, or for the toy style the toy
+    prompt and a one-line brief built from the task (its first failing tests and source files):
+    the toy policy's warm start pays a forward and backward for every prompt character."""
+    if limits.prompt_style != "toy":
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.instruction}]
+    f2p = task.fail_to_pass or task.pass_to_pass
+    more = f" and {len(f2p) - 2} more" if len(f2p) > 2 else ""
+    src = sorted(p for p in task.files if not os.path.basename(p).startswith("test"))
+    brief = f"Failing: {', '.join(f2p[:2])}{more}.\nFiles: {', '.join(src)}."
+    return [{"role": "system", "content": TOY_SYSTEM_PROMPT}, {"role": "user", "content": brief}]
 
 
 class Episode:
@@ -151,8 +190,7 @@ class Episode:
             raise RuntimeError("reset() twice: make a new Episode per rollout")
         self.t0 = time.monotonic()
         self.workspace = self.backend.create(self.task, self.limits)
-        msgs = [{"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": self.task.instruction}]
+        msgs = initial_messages(self.task, self.limits)
         self.tokens = sum(self.count_tokens(m["content"]) for m in msgs)
         if self.workspace.error:
             self._end("sandbox_error", self.workspace.error)
@@ -229,7 +267,10 @@ class Episode:
         if over and not self.done:
             self._end("sandbox_error", over)
             warning = (warning + "; " if warning else "") + over
-        return command_observation(res.returncode, res.stdout.decode("utf-8", "replace"), warning,
+        out = res.stdout.decode("utf-8", "replace")
+        if L.test_output == "failures" and is_run_tests(command):
+            out = failures_summary(out)
+        return command_observation(res.returncode, out, warning,
                                    L.obs_head_lines, L.obs_tail_lines, L.obs_line_chars)
 
     def _end(self, termination: str, detail: str = "") -> None:

@@ -1,5 +1,7 @@
 """Scripted oracle episodes for bug-fix tasks: run the tests, read the failing code, replace the
-mutated lines with the original ones, run the tests again, submit. They are real episodes (every
+mutated lines with the original ones, run the tests again, submit (style "full"); or, for the toy
+policy (style "toy"), run the tests, `rewrite` the function the failing tests name with its
+original text, run the tests again, submit. They are real episodes (every
 command runs in the sandbox) and come back as text turns: (action, observation) pairs that can
 warm-start a policy on exactly the action format it will be trained on."""
 from __future__ import annotations
@@ -79,14 +81,34 @@ def oracle_actions(task: EpisodeTask) -> list[str]:
     ]
 
 
+def toy_oracle_actions(task: EpisodeTask) -> list[str]:
+    """run_tests -> rewrite the function that holds the bug -> run_tests -> submit. No `view`: the
+    failing tests' names (test_<function>_<k>) say which function, and the fix is that function's
+    original text, the same whichever of its lines was mutated, so a policy can learn it by heart.
+    A bug outside any function falls back to oracle_actions."""
+    fx = function_fix(task)
+    if fx is None:
+        return oracle_actions(task)
+    path, name, _, _, _, original = fx
+    body = original if original.endswith("\n") else original + "\n"
+    return [
+        "Run the tests.\n```bash\nrun_tests\n```",
+        f"Fix {name}.\n```bash\nrewrite {path} <<'EOF'\n{body}EOF\n```",
+        "Again.\n```bash\nrun_tests\n```",
+        "Done.\n```bash\nsubmit\n```",
+    ]
+
+
 def run_oracle(task: EpisodeTask, limits: EpisodeLimits | None = None, backend=None
                ) -> tuple[list[dict], list[dict], EpisodeResult]:
-    """Play the oracle in a real episode: (initial messages, [{action, observation}], result)."""
+    """Play the oracle in a real episode: (initial messages, [{action, observation}], result);
+    the toy oracle when the limits' prompt_style is "toy" (its prompt names `rewrite`)."""
     ep = Episode(task, limits, backend)
+    actions = toy_oracle_actions(task) if ep.limits.prompt_style == "toy" else oracle_actions(task)
     try:
         msgs = ep.reset()
         turns = []
-        for action in oracle_actions(task):
+        for action in actions:
             r = ep.step(action)
             turns.append({"action": action, "observation": r.observation})
             if r.done:

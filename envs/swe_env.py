@@ -28,9 +28,9 @@ from .sandbox import BashLimits
 
 log = get_logger(__name__)
 
-TOY_LIMITS = EpisodeLimits(max_turns=6, episode_wall_s=120.0, max_turn_tokens=720, max_format_errors=2,
+TOY_LIMITS = EpisodeLimits(max_turns=6, episode_wall_s=120.0, max_turn_tokens=400, max_format_errors=2,
                            command=BashLimits(wall_s=10.0), obs_head_lines=10, obs_tail_lines=4,
-                           obs_line_chars=120, score_wall_s=60.0)
+                           obs_line_chars=120, score_wall_s=60.0, prompt_style="toy", test_output="failures")
 
 
 class SweGenEnv:

@@ -45,6 +45,63 @@ with open(path, "w", encoding="utf-8") as f:
 print(f"replaced {old.count(chr(10)) + 1} line(s) with {new.count(chr(10)) + 1 if new else 0} in {path}")
 '''
 
+# rewrite FILE <<'EOF' / def name(...): ... / EOF: the function (or a class's method) called `name`
+# in FILE becomes the given one, decorators included. A fix is then the whole corrected function,
+# with nothing copied from the file (no SEARCH block), so a small policy can learn it by heart.
+REWRITE = r'''
+import ast, os, sys, textwrap
+FN = (ast.FunctionDef, ast.AsyncFunctionDef)
+MAX = 200_000
+if len(sys.argv) != 2:
+    sys.exit("usage: rewrite FILE <<'EOF'\ndef name(...):\n    ...\nEOF  (replaces the function or method `name` in FILE)")
+path = sys.argv[1]
+root = os.path.realpath(os.getcwd())
+real = os.path.realpath(path)
+if not real.startswith(root + os.sep):
+    sys.exit(f"rewrite: {path} is outside the repository")
+if not os.path.isfile(real):
+    sys.exit(f"rewrite: {path} is not a file")
+body = sys.stdin.read(MAX + 1)
+if len(body) > MAX:
+    sys.exit(f"rewrite: the new function is longer than {MAX} characters")
+body = textwrap.dedent(body.strip("\n")) + "\n"
+try:
+    new = ast.parse(body)
+except SyntaxError as e:
+    sys.exit(f"rewrite: the new function does not parse: {e.msg} (its line {e.lineno})")
+if len(new.body) != 1 or not isinstance(new.body[0], FN):
+    sys.exit("rewrite: stdin must be exactly one function (def NAME(...): ...) and nothing else")
+name = new.body[0].name
+try:
+    text = open(real, encoding="utf-8").read()
+    tree = ast.parse(text)
+except (OSError, UnicodeDecodeError) as e:
+    sys.exit(f"rewrite: {e}")
+except SyntaxError as e:
+    sys.exit(f"rewrite: {path} does not parse ({e.msg}, line {e.lineno}): use replace")
+found = [n for n in tree.body if isinstance(n, FN) and n.name == name]
+found += [m for c in tree.body if isinstance(c, ast.ClassDef) for m in c.body if isinstance(m, FN) and m.name == name]
+if len(found) != 1:
+    names = sorted({n.name for n in ast.walk(tree) if isinstance(n, FN)})
+    sys.exit(f"rewrite: {path} defines {name} {len(found)} times (it must be exactly once); "
+             f"its functions: {', '.join(names) or 'none'}")
+f = found[0]
+start, end = min([f.lineno] + [d.lineno for d in f.decorator_list]), f.end_lineno
+lines = text.splitlines(keepends=True)
+indent = lines[start - 1][:len(lines[start - 1]) - len(lines[start - 1].lstrip())]
+repl = [indent + ln if ln.strip() else ln for ln in body.splitlines(keepends=True)]
+if not lines[end - 1].endswith("\n"):
+    repl[-1] = repl[-1].rstrip("\n")
+out = "".join(lines[:start - 1] + repl + lines[end:])
+try:
+    ast.parse(out)
+except SyntaxError as e:
+    sys.exit(f"rewrite: {path} would not parse with it ({e.msg}, line {e.lineno}); nothing changed")
+with open(real, "w", encoding="utf-8") as fh:
+    fh.write(out)
+print(f"rewrote {name}")
+'''
+
 SUBMIT = r'''#!/bin/sh
 echo "submit must be the only command of its turn (a block containing just: submit)" >&2
 exit 2
@@ -149,7 +206,8 @@ def tool_files(python: str, runner: str, test_paths: list[str], tools: str) -> d
     wrapper = f'#!/bin/sh\nexec {python} "$@"\n'
     return {
         "python": (wrapper, 0o755), "python3": (wrapper, 0o755),
-        "view": (py(VIEW), 0o755), "replace": (py(REPLACE), 0o755), "submit": (SUBMIT, 0o755),
+        "view": (py(VIEW), 0o755), "replace": (py(REPLACE), 0o755),
+        "rewrite": (py(REWRITE), 0o755), "submit": (SUBMIT, 0o755),
         "run_tests": (f'#!/bin/sh\nexec {test_command(runner, test_paths, tools)} "$@"\n', 0o755),
         "minitest.py": (MINITEST, 0o644), "asyncrl_report.py": (PYTEST_REPORT, 0o644),
     }

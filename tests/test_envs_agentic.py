@@ -10,8 +10,10 @@ import time
 
 import pytest
 
-from envs.actions import cut_lines, parse_action
-from envs.episode import Episode, EpisodeLimits, EpisodeTask
+from dataclasses import replace
+
+from envs.actions import cut_lines, is_run_tests, parse_action, failures_summary
+from envs.episode import TOY_SYSTEM_PROMPT, Episode, EpisodeLimits, EpisodeTask
 from envs.episode_pool import EpisodePool
 from envs.sandbox import BashLimits, isolation
 from envs.workspace import LocalBackend, default_root
@@ -334,3 +336,112 @@ def test_workspace_setup_failure_is_a_sandbox_error(tmp_path):
 def test_backend_is_picklable():
     b = pickle.loads(pickle.dumps(LocalBackend()))
     assert b.root_dir == default_root()
+
+
+# -- the rewrite helper -------------------------------------------------------------------------
+
+MODULE = ('"""A module."""\nimport functools\n\n\ndef add(a, b):\n    return a - b\n\n\n'
+          'class Box:\n    @functools.cache\n    def size(self):\n        return 0\n\n\n'
+          'def other():\n    return "x"\n')
+
+
+def rewrite(path: str, body: str) -> str:
+    return bash(f"rewrite {path} <<'EOF'\n{body}EOF")
+
+
+def file_text(ep, rel: str) -> str:
+    with open(os.path.join(ep.workspace.repo, rel)) as f:
+        return f.read()
+
+
+def module_task() -> EpisodeTask:
+    t = bug_task()
+    return EpisodeTask(t.task_id, t.family, t.split, t.instruction, {**t.files, "calc.py": MODULE},
+                       t.hidden_tests, t.runner, t.test_paths, t.fail_to_pass, t.pass_to_pass)
+
+
+def test_rewrite_replaces_the_function_of_the_same_name(episode):
+    ep = episode(module_task())
+    r = ep.step(rewrite("calc.py", "def add(a, b):\n    s = a + b\n    return s\n"))
+    assert "<returncode>0</returncode>" in r.observation and "rewrote add" in r.observation
+    assert file_text(ep, "calc.py") == MODULE.replace("    return a - b\n", "    s = a + b\n    return s\n")
+    assert "2 passed, 0 failed" in ep.step(bash("run_tests")).observation
+    # a method: indented to its class, its decorator replaced by the new one's (none here)
+    r = ep.step(rewrite("calc.py", "def size(self):\n    return 1\n"))
+    assert "rewrote size" in r.observation
+    assert "class Box:\n    def size(self):\n        return 1\n\n\ndef other" in file_text(ep, "calc.py")
+    ep.step(bash("submit"))
+    assert ep.score().reward == 1.0
+
+
+@pytest.mark.parametrize("path, body, why", [
+    ("calc.py", "def add(a, b:\n    return a + b\n", "does not parse"),
+    ("calc.py", "def nope(a, b):\n    return a + b\n", "defines nope 0 times"),
+    ("calc.py", "def add(a, b):\n    return a + b\n\n\ndef other():\n    pass\n", "exactly one function"),
+    ("calc.py", "x = 1\n", "exactly one function"),
+    ("calc.py", "", "exactly one function"),
+    ("calc.py", "def add(a, b):\n    return a + b\n  x = 1\n", "does not parse"),
+    ("missing.py", "def add(a, b):\n    return a + b\n", "is not a file"),
+    (".", "def add(a, b):\n    return a + b\n", "outside the repository"),
+    ("../tools/view", "def add(a, b):\n    return a + b\n", "outside the repository"),
+    ("/etc/passwd", "def add(a, b):\n    return a + b\n", "outside the repository"),
+    ("link.py", "def add(a, b):\n    return a + b\n", "outside the repository"),     # -> /etc/hostname
+    ("dup.py", "def f():\n    return 2\n", "defines f 2 times"),
+    ("broken.py", "def f():\n    return 2\n", "broken.py does not parse"),
+])
+def test_rewrite_bad_input_is_a_clear_error_and_changes_nothing(episode, path, body, why):
+    ep = episode(module_task())
+    ep.step(bash("ln -s /etc/hostname link.py; printf 'def f():\\n    return 1\\n\\n\\ndef f():\\n    return 1\\n' "
+                 "> dup.py; printf 'def f(:\\n' > broken.py"))
+    before = {p: file_text(ep, p) for p in ("calc.py", "dup.py", "broken.py")}
+    r = ep.step(rewrite(path, body))
+    assert "<returncode>1</returncode>" in r.observation and why in r.observation, r.observation
+    assert {p: file_text(ep, p) for p in before} == before and not r.done
+    assert "1 passed, 1 failed" in ep.step(bash("run_tests")).observation
+
+
+def test_rewrite_refuses_endless_input(episode):
+    ep = episode(module_task(), EpisodeLimits(command=BashLimits(wall_s=5.0, cpu_s=5), score_wall_s=20.0))
+    r = ep.step(bash("yes | rewrite calc.py"))
+    assert "longer than 200000 characters" in r.observation and file_text(ep, "calc.py") == MODULE
+
+
+# -- toy prompt and observations ----------------------------------------------------------------
+
+def test_test_failures_keeps_failing_names_and_summary():
+    out = ("FAILED t.py::test_a\n  File \"x.py\", line 3, in f\nAssertionError: 1 != 2\n"
+           "ERROR collecting t2.py\nTraceback ...\n\n3 passed, 2 failed\n")
+    assert failures_summary(out) == "FAILED t.py::test_a\nERROR collecting t2.py\n3 passed, 2 failed"
+    assert failures_summary("2 passed, 0 failed\n") == "2 passed, 0 failed"
+    assert is_run_tests("run_tests") and is_run_tests("run_tests tests/test_a.py")
+    assert not is_run_tests("run_tests | cat") and not is_run_tests("cat x; run_tests") and not is_run_tests("run_testsx")
+
+
+def test_toy_style_prompt_and_run_tests_observation(episode):
+    full, toy = episode(), episode(limits=replace(FAST, prompt_style="toy", test_output="failures"))
+    obs_full, obs_toy = (ep.step(bash("run_tests")).observation for ep in (full, toy))
+    assert "AssertionError" in obs_full and "AssertionError" not in obs_toy
+    assert "FAILED test_calc.py::test_add" in obs_toy and "1 passed, 1 failed" in obs_toy
+    assert len(obs_toy) < len(obs_full) / 2
+    # any other command's output is whole in the toy style too
+    assert "AssertionError" in toy.step(bash("run_tests 2>&1 | cat")).observation
+
+
+def test_toy_system_prompt_is_short_and_names_the_helpers():
+    msgs = {}
+    for style in ("full", "toy"):
+        ep = Episode(bug_task(), replace(FAST, prompt_style=style))
+        try:
+            msgs[style] = ep.reset()
+        finally:
+            ep.close()
+    toy = msgs["toy"][0]["content"]
+    assert toy == TOY_SYSTEM_PROMPT and len(toy) < len(msgs["full"][0]["content"]) / 3
+    for helper in ("run_tests", "view", "rewrite", "submit"):
+        assert helper in toy and helper in msgs["full"][0]["content"]
+    assert msgs["full"][1] == {"role": "user", "content": "Fix calc.py."}          # the task's instruction
+    assert msgs["toy"][1] == {"role": "user", "content": "Failing: test_calc.py::test_add.\nFiles: calc.py."}
+    with pytest.raises(ValueError, match="prompt_style"):
+        EpisodeLimits(prompt_style="tiny")
+    with pytest.raises(ValueError, match="test_output"):
+        EpisodeLimits(test_output="none")

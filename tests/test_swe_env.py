@@ -119,3 +119,43 @@ def test_evaluate_episodes_has_no_episode_wall_clock(env):
     with torch.no_grad():
         out = evaluate_episodes(model, tok, specs, SamplingConfig(temperature=1.0), seed=0)
     assert out["eval_n"] == 1 and "eval_term_timeout" not in out, out
+
+
+def test_toy_oracle_rewrites_the_named_function_with_its_original_text(env):
+    """The toy limits' oracle: run_tests -> rewrite FILE (the bank's original function, the same
+    text whichever of its lines the bug is on) -> run_tests -> submit, on the toy prompt, with
+    run_tests observations cut to the failing tests' names."""
+    import ast
+
+    from envs.episode import TOY_SYSTEM_PROMPT
+    from envs.oracle import function_fix
+    from envs.repo_bank import MODULES
+    bank = {(f"{m}.py", n.name): ast.get_source_segment(src, n) + "\n"
+            for m, (src, _) in MODULES.items() for n in ast.parse(src).body if isinstance(n, ast.FunctionDef)}
+    tasks = [t for t in env.tasks("train") if function_fix(t) is not None][:3]
+    assert tasks
+    for t in tasks:
+        prompt, parts = env.demonstration_turns(env_spec(env, t))
+        assert TOY_SYSTEM_PROMPT in prompt
+        model = [x for x, m in parts if m]
+        obs = [x for x, m in parts if not m]
+        path, name = function_fix(t)[:2]
+        assert len(model) == 4 and "run_tests" in model[0] and "run_tests" in model[2] and "submit" in model[3]
+        assert model[1] == f"Fix {name}.\n```bash\nrewrite {path} <<'EOF'\n{bank[(path, name)]}EOF\n```"
+        assert not any("view " in x for x in model)
+        assert "FAILED tests/" in obs[0] and "Traceback" not in obs[0] and "File \"" not in obs[0]
+        assert f"rewrote {name}" in obs[1]
+
+
+def test_full_limits_keep_the_view_replace_oracle(env):
+    from envs.oracle import run_oracle
+    t = env.tasks("train")[0]
+    msgs, turns, res = run_oracle(t, EpisodeLimits(max_turns=6))
+    assert res.reward == 1.0 and "rewrite FILE" in msgs[0]["content"]
+    assert [a["action"].split("```bash\n")[1].split()[0] for a in turns] == \
+        ["run_tests", "view", "replace", "run_tests", "submit"]
+
+
+def env_spec(env, task) -> dict:
+    from envs.conversation import episode_spec
+    return episode_spec(task, env.limits)

@@ -39,8 +39,10 @@ def demo_batch(env_names: list[str], n: int, rng: random.Random, tok, style: str
     return prompts, completions, masks
 
 
-def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default") -> list[float]:
-    """cfg.warmstart_steps AdamW steps of demonstration NLL; returns the loss per step."""
+def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default", after_step=None) -> list[float]:
+    """cfg.warmstart_steps AdamW steps of demonstration NLL; returns the loss per step.
+    `after_step(step, losses)`, when given, runs after each step (bench/swe_warmstart.py evaluates
+    the policy on its way: it must leave the model in train mode)."""
     tok = tok or load_tokenizer(cfg.tokenizer)
     rng = random.Random(cfg.seed + 7919)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr)
@@ -68,6 +70,8 @@ def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default") -> 
         losses.append(float(loss))
         if step % 50 == 0 or step == cfg.warmstart_steps - 1:
             log.info("warm start", step=step, nll=round(losses[-1], 4))
+        if after_step is not None:
+            after_step(step, losses)
     return losses
 
 
