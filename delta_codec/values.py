@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import sparse_jit
 from .bits import SIGNED_INT, UNSIGNED_INT, fresh, from_planes, planes, unzigzag, unzigzag_small, zigzag
 from .compress import zc, zd
 from .errors import DeltaError
@@ -100,4 +101,4 @@ def value_order(base_at_pos: np.ndarray, shift: int | None) -> np.ndarray | None
     if shift is None or base_at_pos.size < 2:
         return None
     exp = (base_at_pos >> base_at_pos.dtype.type(shift)).astype(np.uint8)  # exponent (+ sign): 8-bit radix sort
-    return np.argsort(exp, kind="stable")
+    return sparse_jit.group_order(exp) if sparse_jit.enabled else np.argsort(exp, kind="stable")
