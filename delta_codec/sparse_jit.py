@@ -1,9 +1,9 @@
 """Compiled (numba) kernels for the per-change work of a sparse chunk, each with the result of
 the numpy code it replaces (positions.py, values.py, apply.py stay the reference and the
 fallback without numba):
-  - group_order: the stable argsort of the changed values' base exponents (value grouping),
+  - group_order / ungroup: the stable argsort of the changed values' base exponents (value grouping),
     as a counting sort over 256 keys (numpy's stable sort of uint8 is a radix sort too, but a
-    general one, ~10x slower on a chunk's ~10^4-10^5 changes);
+    general one), and the decoder's inverse of it without the permutation;
   - rice_gaps: Rice-coded gaps (high bytes with escapes, packed low bits, overflow) -> positions
     in one pass, with the statistics the decoder checks (escapes seen, largest gap, smallest
     gap after the first), so the checks cost no extra passes;
@@ -37,6 +37,20 @@ def _group_order(keys, out):
     for i in range(keys.size):
         k = keys[i]
         out[counts[k]] = i
+        counts[k] += 1
+
+
+def _ungroup(old, shift, d, out):
+    """out[perm[j]] = d[j], perm = the stable order of the keys (old >> shift) & 0xFF, without
+    the permutation: element i takes the next value of its key's run."""
+    counts = np.zeros(257, np.int64)
+    for i in range(old.size):
+        counts[((old[i] >> shift) & 0xFF) + 1] += 1
+    for k in range(256):
+        counts[k + 1] += counts[k]
+    for i in range(old.size):
+        k = (old[i] >> shift) & 0xFF
+        out[i] = d[counts[k]]
         counts[k] += 1
 
 
@@ -92,13 +106,20 @@ def _set_at(view, pos, old, d):
 
 if available:
     _jit = numba.njit(nogil=True, cache=True)
-    _group_order, _rice_gaps, _set_at = _jit(_group_order), _jit(_rice_gaps), _jit(_set_at)
+    _group_order, _ungroup, _rice_gaps, _set_at = _jit(_group_order), _jit(_ungroup), _jit(_rice_gaps), _jit(_set_at)
 
 
 def group_order(keys: np.ndarray) -> np.ndarray:
     """np.argsort(keys, kind="stable") for uint8 keys."""
     out = np.empty(keys.size, np.int64)
     _group_order(keys, out)
+    return out
+
+
+def ungroup(old: np.ndarray, shift: int, d: np.ndarray) -> np.ndarray:
+    """d (in value_order(old, shift)'s order) back in the positions' order."""
+    out = np.empty_like(d)
+    _ungroup(old, old.dtype.type(shift), d, out)
     return out
 
 
@@ -119,6 +140,8 @@ def warm() -> None:
     if not available:
         return
     group_order(np.arange(4, dtype=np.uint8))
+    for dt in (np.int8, np.int16, np.int32, np.int64):
+        ungroup(np.arange(4, dtype=dt), {1: 3, 2: 7, 4: 23, 8: 52}[np.dtype(dt).itemsize], np.arange(4, dtype=dt))
     for k in (0, 3, 11):
         rice_gaps(np.ones(3, np.uint8), bytes(_low_len(k, 3)), k, np.zeros(0, "<u8"), np.empty(3, np.int64))
     for dt in (np.int8, np.int16, np.int32, np.int64):

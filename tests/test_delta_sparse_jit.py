@@ -133,3 +133,16 @@ def test_encode_and_apply_same_bytes_and_state_with_and_without_the_kernels(pair
         states.append(state)
     assert blobs[0] == blobs[1]
     assert same(states[0], new) and same(states[1], new)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([(np.int8, 3), (np.int16, 7), (np.int32, 23), (np.int64, 52)]), st.data())
+def test_ungroup_inverts_value_order(dt_shift, data):
+    dt, shift = dt_shift
+    info = np.iinfo(dt)
+    old = np.array(data.draw(st.lists(st.integers(info.min, info.max), min_size=2, max_size=400)), dt)
+    d = np.arange(old.size).astype(dt)
+    perm = np.argsort((old >> dt(shift)).astype(np.uint8), kind="stable")
+    want = np.empty_like(d)
+    want[perm] = d
+    assert np.array_equal(sj.ungroup(old, shift, d), want)
