@@ -4,6 +4,7 @@ fallback without numba):
   - group_order / ungroup: the stable argsort of the changed values' base exponents (value grouping),
     as a counting sort over 256 keys (numpy's stable sort of uint8 is a radix sort too, but a
     general one), and the decoder's inverse of it without the permutation;
+  - nibbles: nibble-pair coded values -> signed values and the escapes' places, one pass;
   - rice_gaps: Rice-coded gaps (high bytes with escapes, packed low bits, overflow) -> positions
     in one pass, with the statistics the decoder checks (escapes seen, largest gap, smallest
     gap after the first), so the checks cost no extra passes;
@@ -52,6 +53,19 @@ def _ungroup(old, shift, d, out):
         k = (old[i] >> shift) & 0xFF
         out[i] = d[counts[k]]
         counts[k] += 1
+
+
+def _nibbles(packed, out, esc):
+    """Nibble-pair codes (code 2i low, 2i+1 high nibble of byte i) -> out: the signed values
+    (unzigzag), 0 where the code is 0 (an escape: its value is in the overflow stream);
+    esc: the escapes' indices. -> how many."""
+    n = 0
+    for i in range(out.size):
+        c = (packed[i >> 1] >> ((i & 1) * 4)) & 0xF
+        out[i] = (c >> 1) ^ -(c & 1)
+        esc[n] = i
+        n += c == 0
+    return n
 
 
 def _rice_gaps(q8, low, k, ov, out):
@@ -106,7 +120,8 @@ def _set_at(view, pos, old, d):
 
 if available:
     _jit = numba.njit(nogil=True, cache=True)
-    _group_order, _ungroup, _rice_gaps, _set_at = _jit(_group_order), _jit(_ungroup), _jit(_rice_gaps), _jit(_set_at)
+    _group_order, _ungroup, _nibbles, _rice_gaps, _set_at = (
+        _jit(_group_order), _jit(_ungroup), _jit(_nibbles), _jit(_rice_gaps), _jit(_set_at))
 
 
 def group_order(keys: np.ndarray) -> np.ndarray:
@@ -121,6 +136,12 @@ def ungroup(old: np.ndarray, shift: int, d: np.ndarray) -> np.ndarray:
     out = np.empty_like(d)
     _ungroup(old, old.dtype.type(shift), d, out)
     return out
+
+
+def nibbles(packed: np.ndarray, out: np.ndarray, esc: np.ndarray) -> int:
+    """values._decode_nibbles' expansion: codes -> signed values in out (escapes 0), escape
+    indices in esc (>= out.size entries). -> the number of escapes."""
+    return _nibbles(packed, out, esc)
 
 
 def rice_gaps(q8: np.ndarray, low, k: int, ov: np.ndarray, out: np.ndarray) -> tuple[int, int, int]:
@@ -142,6 +163,8 @@ def warm() -> None:
     group_order(np.arange(4, dtype=np.uint8))
     for dt in (np.int8, np.int16, np.int32, np.int64):
         ungroup(np.arange(4, dtype=dt), {1: 3, 2: 7, 4: 23, 8: 52}[np.dtype(dt).itemsize], np.arange(4, dtype=dt))
+    for dt in (np.int8, np.int16, np.int32, np.int64):
+        nibbles(np.arange(2, dtype=np.uint8), np.empty(4, dt), np.empty(4, np.int64))
     for k in (0, 3, 11):
         rice_gaps(np.ones(3, np.uint8), bytes(_low_len(k, 3)), k, np.zeros(0, "<u8"), np.empty(3, np.int64))
     for dt in (np.int8, np.int16, np.int32, np.int64):

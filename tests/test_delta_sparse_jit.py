@@ -146,3 +146,31 @@ def test_ungroup_inverts_value_order(dt_shift, data):
     want = np.empty_like(d)
     want[perm] = d
     assert np.array_equal(sj.ungroup(old, shift, d), want)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([np.int8, np.int16, np.int32, np.int64]), st.data())
+def test_nibble_values_decode_like_numpy(dt, data):
+    info = np.iinfo(dt)
+    small = st.integers(-7, 8).filter(bool)
+    vals = data.draw(st.lists(st.one_of(small, small, small, st.integers(info.min, info.max).filter(bool)),
+                              min_size=1, max_size=300))
+    d = np.array(vals, dt)
+    field, flags = values.encode_values(d, nonzero=True)
+    got = []
+    for on in (True, False):
+        sj.enabled = on
+        try:
+            got.append(values.decode_values(field, d.itemsize, d.size, "t", flags=flags).copy())
+        finally:
+            sj.enabled = sj.available
+    assert np.array_equal(got[0], d) and np.array_equal(got[1], d)
+
+
+def test_nibble_overflow_stream_without_escapes_is_refused_by_both(monkeypatch):
+    d = np.array([1, -1, 2, 3], np.int16)
+    field, flags = values.encode_values(d, nonzero=True)
+    assert flags and not len(field[1])
+    forged = [field[0], np.zeros(2, np.uint8).tobytes()]
+    a, b = both(monkeypatch, lambda: values.decode_values(forged, 2, 4, "t", flags=flags))
+    assert a == b and "overflow stream without escapes" in a
