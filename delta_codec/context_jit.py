@@ -272,10 +272,9 @@ def _enc(u, em, ts, nt, pos, out_pos, out_rank, starts, sizes, m, sbc, old, d, o
             f[c] += 1
 
 
-def _dec(u, em, ts, nt, ranks, starts, out, olds, found, sizes, m, sbc, sbk, sbi):
+def _dec(u, em, ts, nt, ranks, starts, out, found, sizes, m, sbc, sbk, sbi):
     """ranks: each class's strictly increasing ranks, class k's at starts[k]:starts[k+1] ->
-    out: their positions, same layout, olds: the base bits there (gathered here, while the
-    word is at hand: no second pass); found[k]: how many of class k's ranks were found (fewer
+    out: their positions, same layout; found[k]: how many of class k's ranks were found (fewer
     than given: a rank beyond the class); sizes: class member counts.
     Per class, without a branch that depends on the data: a merge of the ranks with the class's
     counts before each superblock (sbk) gives each rank's superblock (sbi); then the word
@@ -337,9 +336,7 @@ def _dec(u, em, ts, nt, ranks, starts, out, olds, found, sizes, m, sbc, sbk, sbi
             h3 = np.int64(p3 <= j)
             x = x0 + np.uint64(h1) * (x1 - x0) + np.uint64(h2) * (x2 - x1) + np.uint64(h3) * (x3 - x2)
             pre = h1 * p1 + h2 * (p2 - p1) + h3 * (p3 - p2)
-            p = (w0 + h1 + h2 + h3) * 64 + _sel(x, j - pre, _SEL8)
-            out[i] = p
-            olds[i] = u[p]
+            out[i] = (w0 + h1 + h2 + h3) * 64 + _sel(x, j - pre, _SEL8)
         found[k] = f
 
 
@@ -455,19 +452,17 @@ def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[in
 
 def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndarray]):
     """parts[k]: class k's strictly increasing ranks (K + 1 of them) -> (positions in class
-    order, ranks found per class, class sizes, b at the positions; the last two valid only
-    where every rank was found)."""
+    order, ranks found per class, class sizes)."""
     u, em, ts, nt = _args(b, shift, thresholds)
     starts = np.cumsum([0, *(p.size for p in parts)]).astype(np.int64)
     ranks = np.concatenate(parts).astype(np.int64, copy=False)
     out = np.empty(ranks.size, np.int64)
-    olds = np.empty(ranks.size, u.dtype)
     found = np.zeros(KMAX + 1, np.int64)
     sizes = np.zeros(KMAX + 1, np.int64)
     alloc, nsb = scratch(), -(-u.size // (64 * SB))
-    _dec(u, em, ts, nt, ranks, starts, out, olds, found, sizes, *_temps(u.size), alloc("jit.sbk", (nsb // BB + 1) * BB + 1, np.int64),
+    _dec(u, em, ts, nt, ranks, starts, out, found, sizes, *_temps(u.size), alloc("jit.sbk", (nsb // BB + 1) * BB + 1, np.int64),
          alloc("jit.sbi", ranks.size, np.int64))
-    return out, found[:nt + 1].tolist(), sizes[:nt + 1].tolist(), olds.view(b.dtype)
+    return out, found[:nt + 1].tolist(), sizes[:nt + 1].tolist()
 
 
 def exponent_counts(b: np.ndarray, old: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray, int]:
