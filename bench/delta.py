@@ -41,7 +41,7 @@ import torch
 import zstandard
 
 from delta_codec import Delta, apply_delta, encode_delta
-from delta_codec import context_jit
+from delta_codec import context_jit, sparse_jit
 from delta_codec.bits import exponent_shift, int_view
 from delta_codec.modes import NONE
 from delta_codec.record import chunks_of
@@ -266,6 +266,7 @@ def main(argv=None) -> None:
                                      "step here; --lrs, --weights and the model sizes are ignored)")
     args = ap.parse_args(argv)
     context_jit.warm()  # compile (or load the cached kernels) before anything is timed
+    sparse_jit.warm()
     if args.states:
         base, pairs = load_states(args.states)
         rows = ((lr, lambda after=after, lr=lr: measure(base, after, lr, args)) for lr, after in pairs)

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import torch
 
+from . import sparse_jit
 from .bits import combine_digest, dtype_from_name, dtype_name, exponent_shift, int_view, np_bits, tensor_digest
 from .codec import chunk_header, decode_chunk
 from .delta import Delta
@@ -139,7 +140,10 @@ def _apply_job(r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo
     if pos is None:
         view += d  # dense: wraps at the element width
     elif old is not None:  # grouped (sparse) chunk: keep the old bits to restore
-        view[pos] = old + d
+        if not sparse_jit.enabled:
+            view[pos] = old + d
+        elif (bad := sparse_jit.set_at(view, pos, old, d)) >= 0:
+            raise DeltaError(f"{what}: position {int(pos[bad])} beyond the chunk of {view.size}")
         pos = pos.copy()  # (may live in the scratch buffers)
         undo.append(lambda: view.__setitem__(pos, old))
         return

@@ -46,6 +46,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import context as ctx
+from . import sparse_jit
 from .bits import fresh
 from .classed import decode_classed, encode_classed
 from .compress import zd
@@ -143,7 +144,9 @@ def decode_chunk(rec, itemsize: int, what: str, base_at=None, shift: int | None 
             raise DeltaError(f"{what}: values grouped by exponent, but no base or not a float dtype")
         if old is None:
             old = base_at(pos)
-        if (perm := value_order(old, shift)) is not None:
+        if sparse_jit.enabled and old.size > 1 and old.dtype == d.dtype:
+            d = sparse_jit.ungroup(old, shift, d)
+        elif (perm := value_order(old, shift)) is not None:
             out = np.empty_like(d)
             out[perm] = d
             d = out

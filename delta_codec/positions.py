@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import sparse_jit
 from .bits import fresh
 from .compress import zc, zd
 from .errors import DeltaError
@@ -34,9 +35,13 @@ def low_len(k: int, m: int) -> int:
     return 0 if k == 0 else (m + low_len(k - 8, m) if k > 8 else -(-m // 8) * k)
 
 
-def _unpack_low(buf, k: int, m: int) -> np.ndarray:
+def _unpack_check(buf, k: int, m: int) -> None:
     if len(buf) != low_len(k, m):
         raise DeltaError(f"low-bit stream has {len(buf)} bytes, expected {low_len(k, m)}")
+
+
+def _unpack_low(buf, k: int, m: int) -> np.ndarray:
+    _unpack_check(buf, k, m)
     if k == 0:
         return np.zeros(m, np.int64)
     if k > 8:
@@ -154,6 +159,19 @@ def gaps_from(k: int, q8: np.ndarray, low, over, m: int, count: int, what: str, 
         if m > 1 and not int(q8[1:].min()):
             raise DeltaError(f"{what}: repeated position")
         pos = prefix_sum(q8, alloc("pos", m, np.int64))  # the dense fast path
+    elif sparse_jit.enabled:
+        n_esc = int(np.count_nonzero(q8 == _ESC))
+        if ov.size != n_esc:
+            raise DeltaError(f"{what}: overflow stream does not match the gap stream")
+        if ov.size and int(ov.max()) >= count:
+            raise DeltaError(f"{what}: gap beyond the chunk")
+        _unpack_check(low, k, m)
+        pos = alloc("pos", m, np.int64)
+        _, big, small = sparse_jit.rice_gaps(q8, low, k, ov, pos)
+        if big >= count:
+            raise DeltaError(f"{what}: gap beyond the chunk")
+        if m > 1 and not small:
+            raise DeltaError(f"{what}: repeated position")
     else:
         gaps = q8.astype(np.int64)
         if ov.size:

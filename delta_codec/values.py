@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import sparse_jit
 from .bits import SIGNED_INT, UNSIGNED_INT, fresh, from_planes, planes, unzigzag, unzigzag_small, zigzag
 from .compress import zc, zd
 from .errors import DeltaError
@@ -51,6 +52,16 @@ def _decode_nibbles(field, itemsize: int, m: int, what: str, alloc) -> np.ndarra
         raise DeltaError(f"{what}: malformed nibble-coded values")
     me = m + (m & 1)
     packed = np.frombuffer(zd(field[0], me // 2, what), np.uint8)
+    if sparse_jit.enabled:
+        d = alloc("uz.wide" if itemsize > 1 else "uz", m, SIGNED_INT[itemsize])
+        esc_at = alloc("nib.escat", m, np.int64)
+        over_n = sparse_jit.nibbles(packed, d, esc_at)
+        if over_n:
+            z = from_planes(zd(field[1], over_n * itemsize, what + " overflow"), itemsize, over_n)
+            d[esc_at[:over_n]] = unzigzag(z)
+        elif len(field[1]):
+            raise DeltaError(f"{what}: overflow stream without escapes")
+        return d
     pairs = alloc("nib.pairs", me // 2, "<u2")
     pairs[...] = packed
     hi = np.left_shift(pairs, 4, out=alloc("nib.hi", me // 2, "<u2"))
@@ -100,4 +111,4 @@ def value_order(base_at_pos: np.ndarray, shift: int | None) -> np.ndarray | None
     if shift is None or base_at_pos.size < 2:
         return None
     exp = (base_at_pos >> base_at_pos.dtype.type(shift)).astype(np.uint8)  # exponent (+ sign): 8-bit radix sort
-    return np.argsort(exp, kind="stable")
+    return sparse_jit.group_order(exp) if sparse_jit.enabled else np.argsort(exp, kind="stable")
