@@ -85,6 +85,8 @@ class WorkerConfig:
             raise ValueError(f"max_lag must be >= 0, got {self.max_lag}")
         if self.queue < 0:
             self.queue = self.slots // 2
+        if isinstance(self.sandbox_latency, dict):
+            self.sandbox_latency = SandboxLatency(**self.sandbox_latency)
         if self.max_inflight == 0:
             self.max_inflight = self.slots
         if self.max_inflight < self.slots:
