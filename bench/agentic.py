@@ -170,16 +170,21 @@ def summarize(config: str, run_dir: Path, name: str, sync: bool, a, run: bool = 
 def workload(run_dir: Path) -> dict:
     """Which workload a run had, from the configs `up` wrote for it: default (the repositories' own
     commands) or long-tail (a modelled remote test-suite time per task), and the knobs that shape it."""
+    import tomllib
+
     from bus import load_config
     from rollout_worker.worker import WorkerConfig
     from trainer.config import TrainerConfig
-    wc = load_config(WorkerConfig, sorted((run_dir / "config").glob("worker-*.toml"))[0], env_prefix="")
-    tcs = sorted((run_dir / "config").glob("trainer*.toml"))
-    tc = load_config(TrainerConfig, tcs[0], env_prefix="") if tcs else None
+    confs = sorted((run_dir / "config").glob("worker-*.toml"))
+    if not confs:
+        raise RuntimeError(f"{run_dir}/config has no worker-*.toml: not an `asyncrl up` run dir")
+    wc = load_config(WorkerConfig, confs[0], env_prefix="")
+    trainer = run_dir / "config" / "trainer.toml"
+    tc = tomllib.loads(trainer.read_text()) if trainer.exists() else {}
     lat = wc.sandbox_latency
     w = {"name": "long-tail" if lat.enabled else "default", "slots": wc.slots, "max_inflight": wc.max_inflight,
          "queue": wc.queue, "episode_wall_s": wc.episode_wall_s or None,
-         "group_timeout_s": tc.group_timeout_s if tc else None}
+         "group_timeout_s": tc.get("group_timeout_s", TrainerConfig.group_timeout_s)}
     if lat.enabled:
         w["test_latency"] = {"median_s": lat.median_s, "p99_s": lat.p99_s, "cap_s": lat.cap_s, "seed": lat.seed,
                              "sigma": lat.sigma, "mean_s": lat.median_s * float(np.exp(lat.sigma ** 2 / 2))}
