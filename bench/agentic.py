@@ -141,6 +141,9 @@ def episode_stats(run_dir: Path) -> dict:
         "terminations": dict(Counter(e["termination"] for e in eps)),
         "resolved_frac": float(np.mean([bool(e["resolved"]) for e in eps])) if eps else None,
         "tool_wall_share": sum(e["tool_wall_s"] for e in eps) / wall if wall else None,
+        # long-tail workload: seconds waiting on the modelled suites (run_tests and scoring) / wall
+        "suite_wait_share": sum(e.get("suite_wait_s", 0.0) for e in eps) / wall if wall else None,
+        "suite_runs": pcts([e.get("suite_runs", 0) for e in eps]),
         "worker_idle_frac": 1.0 - busy_fraction(spans, worker_slots(run_dir), t0, t1),
         "decoder_idle_frac": 1.0 - float(np.mean(busy)) if busy else None,
     }
@@ -215,6 +218,11 @@ def caveats(ra: dict, rs: dict, work: dict | None = None) -> list[str]:
                    f"median {lat['median_s']} s, p99 {lat['p99_s']} s, cap {lat['cap_s']} s, waited without local "
                    "CPU as on a remote sandbox, on every run_tests and scoring run); the suites' results are "
                    "still the tiny generated repositories' own")
+        runs = [r["suite_runs"]["mean"] for r in (ra, rs) if r.get("suite_runs")]
+        if runs and min(runs) < 1.5:
+            out.append(f"the policy rarely runs the tests itself ({min(runs) - 1:.2f} run_tests per episode besides the "
+                       "scoring run): the long tail is mostly the scoring run's; a longer warm start "
+                       "(--warmstart-steps 400) plays run_tests as the oracle does")
     elif work:
         out.append("default workload: the generated repositories' tests run in tenths of a second, far from the "
                    "seconds-to-minutes suites of real SWE episodes (see --test-latency)")
@@ -297,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "token_speedup": ra["tokens_per_s"] / rs["tokens_per_s"],
         "worker_idle_frac": both("worker_idle_frac"),
         "tool_wall_share": both("tool_wall_share"), "decoder_idle_frac": both("decoder_idle_frac"),
+        "suite_wait_share": both("suite_wait_share"), "suite_runs": both("suite_runs"),
         "turns": both("turns"), "turns_hist": both("turns_hist"),
         "episode_tokens": both("episode_tokens"), "episode_wall_s": both("episode_wall_s"),
         "tool_calls": both("tool_calls"), "terminations": both("terminations"),

@@ -79,6 +79,7 @@ class LatencyWorkspace:
     def __init__(self, inner, suite_s: float):
         self.inner, self.suite_s = inner, suite_s
         self.waited_s = 0.0            # seconds of modelled remote time so far
+        self.suite_runs = 0            # test-suite runs (agent's and scoring) so far
 
     @property
     def error(self) -> str:
@@ -86,6 +87,7 @@ class LatencyWorkspace:
 
     def _wait(self) -> float:
         time.sleep(self.suite_s)       # a remote machine's time: no local CPU
+        self.suite_runs += 1
         self.waited_s += self.suite_s
         return self.suite_s
 

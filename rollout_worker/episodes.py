@@ -170,7 +170,10 @@ class EpisodeRunner:
             self.ended.append({"ended_at": time.time(), "turns": result.turns, "tool_calls": result.tool_calls, "tokens": len(traj.ids),
                                "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
                                "tool_wall_s": result.tool_wall_s, "termination": result.termination,
-                               "reward": result.reward, "resolved": result.resolved})
+                               "reward": result.reward, "resolved": result.resolved,
+                               # modelled remote test-suite time (envs/sandbox_latency.py), scoring run included
+                               "suite_wait_s": getattr(ep.workspace, "waited_s", 0.0),
+                               "suite_runs": getattr(ep.workspace, "suite_runs", 0)})
         import policy
         return Rollout(rollout_id=f"{task.task_id}-{index}", task_id=task.task_id, env=task.env, sample_index=index,
                        group_size=sp.n, prompt=task.prompt, spec=task.spec, prompt_ids=traj.prompt_ids,

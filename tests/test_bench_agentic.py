@@ -75,6 +75,7 @@ async def test_episode_stats_read_the_records_a_real_worker_writes(tmp_path):
     base = 1_000_000.0
     eps[0]["ended_at"], eps[1]["ended_at"], eps[2]["ended_at"] = base - 5, base + 10, base + 100
     eps[1]["tool_wall_s"], eps[1]["wall_s"] = 1.5, 6.0        # as if its commands had run 1.5 s of 6
+    eps[1]["suite_wait_s"], eps[1]["suite_runs"] = 3.0, 2     # and a modelled suite 1.5 s, twice
     write_run(tmp_path, eps, base, base + 20, slots=2)
     st = bench.episode_stats(tmp_path)
     assert st["episodes"] == 1
@@ -82,6 +83,7 @@ async def test_episode_stats_read_the_records_a_real_worker_writes(tmp_path):
     assert st["terminations"] == {"format": 1}
     assert st["episode_tokens"]["max"] == eps[1]["tokens"] and st["episode_model_tokens"]["max"] == eps[1]["model_tokens"]
     assert st["tool_wall_share"] == pytest.approx(0.25)
+    assert st["suite_wait_share"] == pytest.approx(0.5) and st["suite_runs"]["mean"] == 2
     # slot-time held over the 20 s window by episodes: the middle one's 6 s, the first one's
     # overlap (if it reached into the window), the last one's overlap
     spans = [(e["ended_at"] - e["wall_s"], e["ended_at"]) for e in eps]
@@ -123,6 +125,9 @@ def test_workload_is_read_from_the_run_configs_and_named_in_the_caveats(tmp_path
     assert (lat["median_s"], lat["p99_s"]) == (3.0, 60.0) and lat["mean_s"] > lat["median_s"]
     assert lat["sigma"] == pytest.approx(1.2878, abs=1e-3)          # ln(60 / 3) / z(0.99)
     assert any("modelled" in c and "median 3.0 s" in c for c in bench.caveats(side, side, w))
+    assert not any("rarely runs the tests" in c for c in bench.caveats(side, side, w))
+    scoring_only = {**side, "suite_runs": {"mean": 1.0}}    # one suite run an episode: the scoring run
+    assert any("rarely runs the tests" in c for c in bench.caveats(scoring_only, side, w))
 
 
 def test_test_latency_flag_is_checked():

@@ -86,6 +86,8 @@ async def test_the_runner_frees_its_kv_row_before_the_scoring_run():
             await asyncio.sleep(0.02)
         r = await run
         assert r.termination == "format" and r.wall_s >= 1.5
+        rec = runner.drain()[-1]                   # the worker's episode record carries the modelled wait
+        assert rec["suite_runs"] == 1 and rec["suite_wait_s"] == pytest.approx(1.5)
         assert 0 in seen                                   # the slot was held while the model decoded
         i = seen.index(0)
         assert 1 in seen[i:], "the KV row stayed held through the scoring run"

@@ -75,6 +75,6 @@ def test_an_episode_waits_the_suite_time_on_run_tests_and_scoring_without_local_
         assert time.monotonic() - t_score >= wait and res.reward == 0.0     # scoring runs the suite too
         assert time.monotonic() - t >= 2 * wait
         assert time.thread_time() - cpu < wait / 2          # waited in sleep, not burning this machine's CPU
-        assert ep.workspace.waited_s == pytest.approx(2 * wait)
+        assert ep.workspace.waited_s == pytest.approx(2 * wait) and ep.workspace.suite_runs == 2
     finally:
         ep.close()
