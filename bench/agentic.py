@@ -220,7 +220,7 @@ def caveats(ra: dict, rs: dict, work: dict | None = None) -> list[str]:
                    "still the tiny generated repositories' own")
         runs = [r["suite_runs"]["mean"] for r in (ra, rs) if r.get("suite_runs")]
         if runs and min(runs) < 1.5:
-            out.append(f"the policy rarely runs the tests itself ({min(runs) - 1:.2f} run_tests per episode besides the "
+            out.append(f"the policy rarely runs the tests itself ({max(min(runs) - 1, 0):.2f} run_tests per episode besides the "
                        "scoring run): the long tail is mostly the scoring run's; a longer warm start "
                        "(--warmstart-steps 400) plays run_tests as the oracle does")
     elif work:
