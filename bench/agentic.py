@@ -21,7 +21,9 @@ ended inside that window: tokens (model turns + observations), turns (percentile
 tool calls, wall seconds, termination reasons, tool_wall_share (seconds in the agent's commands /
 episode wall seconds; scoring not included); worker_idle_frac (the share of slot-time over the
 window that no episode held: an episode holds its slot while its command runs; from each
-episode's end time and wall seconds); trainer_step_s and step_interval_s (sync: the interval is
+episode's end time and wall seconds); decoder_idle_frac (the share of the window without a decode
+step, from the engines' decode seconds); suite_wait_share and suite_runs (long-tail: seconds waiting
+on the modelled suites, scoring included, / episode wall seconds; suite runs per episode); trainer_step_s and step_interval_s (sync: the interval is
 the wait for the whole batch + scoring + the step + the weight publish); decode_slot_occupancy
 (the engine's busy slots per decode step, blind to slots waiting on a command); optionally
 held-out success of each run's last weights (--eval-prompts, eval-split tasks).
