@@ -21,10 +21,23 @@ ended inside that window: tokens (model turns + observations), turns (percentile
 tool calls, wall seconds, termination reasons, tool_wall_share (seconds in the agent's commands /
 episode wall seconds; scoring not included); worker_idle_frac (the share of slot-time over the
 window that no episode held: an episode holds its slot while its command runs; from each
-episode's end time and wall seconds); trainer_step_s and step_interval_s (sync: the interval is
+episode's end time and wall seconds); decoder_idle_frac (the share of the window without a decode
+step, from the engines' decode seconds); suite_wait_share and suite_runs (long-tail: seconds waiting
+on the modelled suites, scoring included, / episode wall seconds; suite runs per episode); trainer_step_s and step_interval_s (sync: the interval is
 the wait for the whole batch + scoring + the step + the weight publish); decode_slot_occupancy
 (the engine's busy slots per decode step, blind to slots waiting on a command); optionally
 held-out success of each run's last weights (--eval-prompts, eval-split tasks).
+
+Workloads (the JSON's `workload` says which ran, with its caveats):
+  default     the tier-1 repositories' own commands: tests in tenths of a second (tools < 1 % of an
+              episode's wall time), which is not the long tail SWE episodes have
+  long-tail   `--test-latency MEDIAN_S,P99_S` (e.g. 3,60): every test-suite run (the agent's
+              run_tests and the scoring run) also waits a remote sandbox's suite time, one
+              deterministic lognormal draw per task (envs/sandbox_latency.py: a sleep, no local
+              CPU, as a suite on another machine), in both runs alike; the episode wall limit and
+              the trainer's group timeout are raised to fit (--episode-wall-s, --group-timeout-s).
+              `--max-inflight N` (both runs) lets N episodes be in flight on `slots` decode rows:
+              an episode waiting on its command holds a KV row, not a decode row.
 
 Tiny settings check that it runs (minutes): `--steps 3 --minutes 2 --warmstart-steps 2 --eval-prompts 0`.
 The defaults are sized for ~10 minutes in all on a quiet 2-core box (a first run also builds the
@@ -110,6 +123,13 @@ def episode_stats(run_dir: Path) -> dict:
     if every and "ended_at" not in every[0]:
         raise RuntimeError(f"{run_dir}: episode records without ended_at (a worker older than this bench)")
     eps = [e for e in every if t0 <= e["ended_at"] <= t1]
+    # the decoder's idle share: window seconds without a decode step (episodes all waiting on
+    # commands, on the barrier, on admission), from the engines' cumulative decode-step seconds
+    busy = []
+    for f in (run_dir / "metrics").glob("rollout_worker-*.jsonl"):
+        beats = [r for r in read_jsonl(f) if "busy_s" in r and t0 <= r.get("ts", -1) <= t1]
+        if len(beats) >= 2:
+            busy.append((beats[-1]["busy_s"] - beats[0]["busy_s"]) / max(beats[-1]["ts"] - beats[0]["ts"], 1e-9))
     wall = sum(e["wall_s"] for e in eps)
     spans = [(e["ended_at"] - e["wall_s"], e["ended_at"]) for e in every]
     return {
@@ -123,7 +143,11 @@ def episode_stats(run_dir: Path) -> dict:
         "terminations": dict(Counter(e["termination"] for e in eps)),
         "resolved_frac": float(np.mean([bool(e["resolved"]) for e in eps])) if eps else None,
         "tool_wall_share": sum(e["tool_wall_s"] for e in eps) / wall if wall else None,
+        # long-tail workload: seconds waiting on the modelled suites (run_tests and scoring) / wall
+        "suite_wait_share": sum(e.get("suite_wait_s", 0.0) for e in eps) / wall if wall else None,
+        "suite_runs": pcts([e.get("suite_runs", 0) for e in eps]),
         "worker_idle_frac": 1.0 - busy_fraction(spans, worker_slots(run_dir), t0, t1),
+        "decoder_idle_frac": 1.0 - float(np.mean(busy)) if busy else None,
     }
 
 
@@ -148,9 +172,62 @@ def summarize(config: str, run_dir: Path, name: str, sync: bool, a, run: bool = 
     return res
 
 
-def caveats(ra: dict, rs: dict) -> list[str]:
+def workload(run_dir: Path) -> dict:
+    """Which workload a run had, from the configs `up` wrote for it: default (the repositories' own
+    commands) or long-tail (a modelled remote test-suite time per task), and the knobs that shape it."""
+    import tomllib
+
+    from bus import load_config
+    from rollout_worker.worker import WorkerConfig
+    from trainer.config import TrainerConfig
+    confs = sorted((run_dir / "config").glob("worker-*.toml"))
+    if not confs:
+        raise RuntimeError(f"{run_dir}/config has no worker-*.toml: not an `asyncrl up` run dir")
+    wc = load_config(WorkerConfig, confs[0], env_prefix="")
+    trainer = run_dir / "config" / "trainer.toml"
+    tc = tomllib.loads(trainer.read_text()) if trainer.exists() else {}
+    lat = wc.sandbox_latency
+    w = {"name": "long-tail" if lat.enabled else "default", "slots": wc.slots, "max_inflight": wc.max_inflight,
+         "queue": wc.queue, "episode_wall_s": wc.episode_wall_s or None,
+         "group_timeout_s": tc.get("group_timeout_s", TrainerConfig.group_timeout_s)}
+    if lat.enabled:
+        w["test_latency"] = {"median_s": lat.median_s, "p99_s": lat.p99_s, "cap_s": lat.cap_s, "seed": lat.seed,
+                             "sigma": lat.sigma, "mean_s": lat.median_s * float(np.exp(lat.sigma ** 2 / 2))}
+    return w
+
+
+def parse_latency(text: str) -> tuple[float, float]:
+    """`MEDIAN_S,P99_S` (or `0`: off) -> (median, p99), checked."""
+    parts = [float(x) for x in text.split(",")]
+    if parts == [0.0]:
+        return 0.0, 0.0
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"--test-latency takes MEDIAN_S,P99_S (or 0), got {text!r}")
+    from envs.sandbox_latency import SandboxLatency
+    try:
+        SandboxLatency(median_s=parts[0], p99_s=parts[1])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return parts[0], parts[1]
+
+
+def caveats(ra: dict, rs: dict, work: dict | None = None) -> list[str]:
     """What makes this run's ratio mean less than it says, from its own numbers."""
     out = []
+    if work and work["name"] == "long-tail":
+        lat = work["test_latency"]
+        out.append(f"long-tail workload: the test-suite time is modelled, not measured (a lognormal draw per task, "
+                   f"median {lat['median_s']} s, p99 {lat['p99_s']} s, cap {lat['cap_s']} s, waited without local "
+                   "CPU as on a remote sandbox, on every run_tests and scoring run); the suites' results are "
+                   "still the tiny generated repositories' own")
+        runs = [r["suite_runs"]["mean"] for r in (ra, rs) if r.get("suite_runs")]
+        if runs and min(runs) < 1.5:
+            out.append(f"the policy rarely runs the tests itself ({max(min(runs) - 1, 0):.2f} run_tests per episode besides the "
+                       "scoring run): the long tail is mostly the scoring run's; a longer warm start "
+                       "(--warmstart-steps 400) plays run_tests as the oracle does")
+    elif work:
+        out.append("default workload: the generated repositories' tests run in tenths of a second, far from the "
+                   "seconds-to-minutes suites of real SWE episodes (see --test-latency)")
     if min(ra["steps"], rs["steps"]) < 8:
         out.append(f"few versions ({ra['steps']} async, {rs['steps']} sync): the ratio is noisy; more --minutes")
     share = {k: r["terminations"].get("timeout", 0) / max(r["episodes"], 1) for k, r in (("async", ra), ("sync", rs))}
@@ -179,6 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-groups", type=int, default=None, help="[trainer] batch_groups (default: the config's)")
     ap.add_argument("--max-lag", type=int, default=None, help="async staleness bound, trainer and worker "
                     "(default: the config's)")
+    ap.add_argument("--test-latency", type=parse_latency, default=(0.0, 0.0), metavar="MEDIAN_S,P99_S",
+                    help="long-tail workload: each task's test suite also takes a lognormal time with this "
+                    "median and p99 (a remote sandbox; both runs alike). 0: off (default workload)")
+    ap.add_argument("--latency-cap-s", type=float, default=300.0, help="no suite takes longer (long-tail)")
+    ap.add_argument("--max-inflight", type=int, default=None,
+                    help="[worker] max_inflight: episodes in flight on the slots (default: the config's / slots)")
+    ap.add_argument("--episode-wall-s", type=float, default=None,
+                    help="[worker] episode_wall_s (long-tail default 900: the toy limits' 120 s assume fast tests)")
+    ap.add_argument("--group-timeout-s", type=float, default=None,
+                    help="[trainer] group_timeout_s (long-tail default 1200)")
     ap.add_argument("--eval-prompts", type=int, default=0,
                     help="held-out episodes to score each run's last weights on (0: skip; minutes each)")
     ap.add_argument("--out", default=None, help="run dirs go here (default: a temp dir)")
@@ -186,29 +273,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--summarize", action="store_true", help="only re-read the runs already under --out")
     a = ap.parse_args(argv)
+    if a.test_latency[0] > 0:        # the toy limits were sized for tests in tenths of a second
+        a.episode_wall_s = a.episode_wall_s or 900.0
+        a.group_timeout_s = a.group_timeout_s or 1200.0
+    latency = {"median_s": a.test_latency[0], "p99_s": a.test_latency[1], "cap_s": a.latency_cap_s} \
+        if a.test_latency[0] > 0 else None
     out = Path(a.out or tempfile.mkdtemp(prefix="bench-agentic-"))
     out.mkdir(parents=True, exist_ok=True)
     runs = {}
     if a.summarize:
         config, warm = str(out / "bench-async.toml"), {}
     else:
-        base = with_overrides(a.config, out, worker={"slots": a.slots, "max_lag": a.max_lag},
+        base = with_overrides(a.config, out, worker={"slots": a.slots, "max_lag": a.max_lag,
+                                                     "max_inflight": a.max_inflight, "sandbox_latency": latency,
+                                                     "episode_wall_s": a.episode_wall_s},
                               warmstart_steps=a.warmstart_steps or None, eval_every=0, group_size=a.group_size,
-                              batch_groups=a.batch_groups, max_lag=a.max_lag)
+                              batch_groups=a.batch_groups, max_lag=a.max_lag, group_timeout_s=a.group_timeout_s)
         # the initial eval always runs (bench.async's warm start): at least one episode
         config, warm = bench_async.warm_start_once(base, out, max(a.eval_prompts, 1), a.init)
     for name, sync in (("async", False), ("sync", True)):
         runs[name] = summarize(config, out / name, name, sync, a) if a.summarize else \
             summarize(config, out / name, name, sync, a, run=True)
     ra, rs = runs["async"], runs["sync"]
+    work = workload(out / "async")
+    if workload(out / "sync") != work:
+        raise RuntimeError(f"{out}: the async and sync runs had different workloads")
     both = lambda key: {"async": ra[key], "sync": rs[key]}          # noqa: E731
     result = {
+        "workload": work,
         "async_samples_per_s": ra["samples_per_s"],
         "sync_samples_per_s": rs["samples_per_s"],
         "speedup": ra["samples_per_s"] / rs["samples_per_s"],
         "token_speedup": ra["tokens_per_s"] / rs["tokens_per_s"],
         "worker_idle_frac": both("worker_idle_frac"),
-        "tool_wall_share": both("tool_wall_share"),
+        "tool_wall_share": both("tool_wall_share"), "decoder_idle_frac": both("decoder_idle_frac"),
+        "suite_wait_share": both("suite_wait_share"), "suite_runs": both("suite_runs"),
         "turns": both("turns"), "turns_hist": both("turns_hist"),
         "episode_tokens": both("episode_tokens"), "episode_wall_s": both("episode_wall_s"),
         "tool_calls": both("tool_calls"), "terminations": both("terminations"),
@@ -218,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         "final_eval_success": both("eval_success") if a.eval_prompts else None,
         "eval_episodes": a.eval_prompts, **warm,
         "steps": both("steps"), "episodes": both("episodes"),
-        "caveats": caveats(ra, rs),
+        "caveats": caveats(ra, rs, work),
         "runs": runs,
     }
     if not a.json:

@@ -213,6 +213,7 @@ class EngineMetrics:
             "tokens": self.tokens,
             "tokens_per_s": self.tokens / wall,
             "tokens_per_busy_s": self.tokens / self.busy_s if self.busy_s > 0 else 0.0,
+            "busy_s": self.busy_s,    # decode-step seconds so far (bench.agentic: the decoder's idle share)
             "slot_occupancy": float(np.mean(self.occupancy)) if self.occupancy else 0.0,
             "decode_step_ms_p50": _pct(self.step_ms, 50),
             "step_gap_ms_p50": _pct(self.gap_ms, 50),

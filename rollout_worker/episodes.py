@@ -79,12 +79,13 @@ class EpisodeRunner:
     """Runs the episodes of multi-turn tasks on an engine that supports `extend`."""
 
     def __init__(self, engine, tok, pool: EpisodePool | None = None, worker_id: str = "", fmt=None,
-                 fence_stop: bool = True, backend=None):
+                 fence_stop: bool = True, backend=None, episode_wall_s: float = 0.0):
         if not hasattr(engine, "extend"):
             raise ValueError(f"engine {type(engine).__name__} cannot continue a sequence (no extend): "
                              f"multi-turn episodes need the torch or vLLM engine")
         self.engine, self.tok, self.worker_id = engine, tok, worker_id
         self.backend = backend           # envs WorkspaceBackend; None: LocalBackend
+        self.episode_wall_s = episode_wall_s   # > 0: replaces the task's episode wall limit
         self.pool = pool or EpisodePool()
         self.fmt = fmt or chat_format(tok)
         # the closing fence as a stop sequence only where it is one token run whatever precedes it
@@ -113,7 +114,8 @@ class EpisodeRunner:
         if room < 1:
             raise ValueError(f"max_turn_tokens {limits.max_turn_tokens} leaves no room in the engine's "
                              f"max_len {eng.max_len}")
-        limits = dataclasses.replace(limits, max_context_tokens=min(limits.max_context_tokens, room))
+        limits = dataclasses.replace(limits, max_context_tokens=min(limits.max_context_tokens, room),
+                                     episode_wall_s=self.episode_wall_s or limits.episode_wall_s)
         ep = Episode(et, limits, backend=self.backend, token_counter=TokenCounter(self.tok))
         seed = zlib.crc32(f"{task.task_id}-{index}".encode())
         turn_sp = dataclasses.replace(sp, n=1, max_tokens=min(sp.max_tokens, limits.max_turn_tokens))
@@ -150,6 +152,9 @@ class EpisodeRunner:
                     ep._end("context_limit", "the engine's slot is full")          # noqa: SLF001
                     break
                 traj.add_observation(append)
+            if handle is not None:       # no more turns: the KV row is not held through the scoring run
+                eng.release(handle)
+                handle = None
             result = await self.pool.score(ep)
         finally:
             if handle is not None:
@@ -165,7 +170,10 @@ class EpisodeRunner:
             self.ended.append({"ended_at": time.time(), "turns": result.turns, "tool_calls": result.tool_calls, "tokens": len(traj.ids),
                                "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
                                "tool_wall_s": result.tool_wall_s, "termination": result.termination,
-                               "reward": result.reward, "resolved": result.resolved})
+                               "reward": result.reward, "resolved": result.resolved,
+                               # modelled remote test-suite time (envs/sandbox_latency.py), scoring run included
+                               "suite_wait_s": getattr(ep.workspace, "waited_s", 0.0),
+                               "suite_runs": getattr(ep.workspace, "suite_runs", 0)})
         import policy
         return Rollout(rollout_id=f"{task.task_id}-{index}", task_id=task.task_id, env=task.env, sample_index=index,
                        group_size=sp.n, prompt=task.prompt, spec=task.spec, prompt_ids=traj.prompt_ids,
@@ -179,11 +187,18 @@ class EpisodeRunner:
 
 
 def workspace_backend(cfg):
-    """The worker config's workspace backend (None: the episode's default, LocalBackend)."""
+    """The worker config's workspace backend (None: the episode's default, LocalBackend), with the
+    modelled remote test-suite time around it when `sandbox_latency` is on."""
+    backend = None
     if getattr(cfg, "workspace", "local") == "docker":
         from envs.workspace_docker import DockerBackend
-        return DockerBackend(image=cfg.docker_image) if cfg.docker_image else DockerBackend()
-    return None
+        backend = DockerBackend(image=cfg.docker_image) if cfg.docker_image else DockerBackend()
+    latency = getattr(cfg, "sandbox_latency", None)
+    if latency is not None and latency.enabled:
+        from envs.sandbox_latency import LatencyBackend
+        from envs.workspace import LocalBackend
+        backend = LatencyBackend(backend or LocalBackend(), latency)
+    return backend
 
 
 def _block_closed(text: str) -> bool:
@@ -204,8 +219,13 @@ async def handle_episode_task(worker, task: Task, ctx) -> None:
         sp = parse_sampling(task.sampling)
         runner = getattr(worker, "episode_runner", None)
         if runner is None:           # one per worker: its thread pool hosts every episode's commands
-            runner = worker.episode_runner = EpisodeRunner(worker.engine, worker.tok, worker_id=worker.cfg.worker_id,
-                                                           backend=workspace_backend(worker.cfg))
+            # a pool thread per episode that can be in flight: one waiting on a slow command must
+            # not hold another's reset or step back (8 threads served 12 episodes before)
+            cfg = worker.cfg
+            runner = worker.episode_runner = EpisodeRunner(
+                worker.engine, worker.tok, pool=EpisodePool(max(getattr(cfg, "max_inflight", cfg.slots) + cfg.queue, 1)),
+                worker_id=cfg.worker_id, backend=workspace_backend(cfg),
+                episode_wall_s=getattr(cfg, "episode_wall_s", 0.0))
         runner.parse(task)
     except (ValueError, TypeError, KeyError) as e:
         return await worker._park(ctx, task, f"bad episode task: {e}")          # noqa: SLF001

@@ -13,6 +13,9 @@ Multi-turn episodes (rollout_worker/episodes.py) continue a sequence: `generate(
 the finished sequence's slot and KV cache, `extend(handle, ids)` prefills only the appended ids
 (an observation) after it and generates on, `release(handle)` frees the slot. A kept slot is not
 free while the episode's command runs: that is the price of never re-prefilling earlier turns.
+`kv_slots` (>= `slots`) sizes the KV cache apart from the decode batch: a kept sequence holds a KV
+row but no decode row, so with kv_slots > slots more episodes can wait on their commands while
+`slots` sequences still decode (at most `slots` sequences get a token per step).
 
 The loop runs in its own thread, turn after turn, without a round trip through the event loop:
 NATS heartbeats, acks, rollout publishing and the weight feed stay on the event loop and only
@@ -67,17 +70,22 @@ class TorchEngine:
 
     def __init__(self, model_config: policy.ModelConfig | dict, *, slots: int = 8, max_len: int = 0,
                  quant: policy.QuantConfig | None = None, eos_id: int | None = None, seed: int = 0,
-                 threads: int = 0, update_mode: str = "swap", device: str | torch.device = "cpu"):
+                 threads: int = 0, update_mode: str = "swap", device: str | torch.device = "cpu",
+                 kv_slots: int = 0):
         if isinstance(model_config, dict):
             model_config = policy.ModelConfig.from_dict(model_config)
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        kv_slots = kv_slots or slots
+        if kv_slots < slots:
+            raise ValueError(f"kv_slots ({kv_slots}) must be >= slots ({slots}): every decoding sequence needs a KV row")
         if update_mode not in ("swap", "inline"):
             raise ValueError(f"update_mode must be 'swap' or 'inline', got {update_mode!r}")
         self.update_mode = update_mode
         self.cfg = model_config
         self.quant = quant or policy.QuantConfig()
-        self.slots = slots
+        self.slots = slots                    # decode rows: sequences that get a token per step
+        self.kv_slots = kv_slots              # KV cache rows: decoding + kept (parked) sequences
         self.max_len = max_len or model_config.max_seq_len
         if self.max_len > model_config.max_seq_len:
             raise ValueError(f"max_len {self.max_len} exceeds the model's max_seq_len {model_config.max_seq_len}")
@@ -86,7 +94,7 @@ class TorchEngine:
         # delta is applied there (delta_codec's Triton kernel) and only the compressed bytes cross PCIe
         self.device = torch.device(device)
         self.model = policy.Transformer(model_config, quant=self.quant).to(self.device).eval()
-        self.cache = policy.KVCache(model_config, slots=slots, max_len=self.max_len, device=self.device)
+        self.cache = policy.KVCache(model_config, slots=kv_slots, max_len=self.max_len, device=self.device)
         self.state: dict[str, torch.Tensor] | None = None   # bf16 bits as published (deltas apply here)
         self.params = dict(self.model.named_parameters())
         self.version, self.epoch = -1, -1
@@ -97,7 +105,7 @@ class TorchEngine:
         self.updates = UpdateQueue()
         self.waiting: list[_Seq] = []
         self.active: dict[int, _Seq] = {}
-        self.free = list(range(slots))[::-1]
+        self.free = list(range(kv_slots))[::-1]
         self.kept: dict[int, _Seq] = {}       # handle -> finished sequence whose slot is kept for extend()
         self._next_handle = 0
         self._closed = False
@@ -121,6 +129,7 @@ class TorchEngine:
 
     @property
     def free_slots(self) -> int:
+        """KV rows a new sequence could take (minus the new ones already waiting for one)."""
         return len(self.free) - sum(1 for s in self.waiting if s.fresh)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, seed: int = 0, *,
@@ -231,7 +240,8 @@ class TorchEngine:
 
     def stats(self) -> dict:
         return {**self.metrics.snapshot(), "version": self.version, "epoch": self.epoch,
-                "slots": self.slots, "active": len(self.active), "waiting": len(self.waiting)}
+                "slots": self.slots, "kv_slots": self.kv_slots, "kept": len(self.kept), "active": len(self.active),
+                "waiting": len(self.waiting)}
 
     async def close(self) -> None:
         """Stop: sequences not finished fail with EngineClosed (their tasks get released)."""
@@ -355,7 +365,9 @@ class TorchEngine:
         """The decode thread: one turn after another while there is work, asleep otherwise."""
         while True:
             with self._cv:
-                while not (self._closed or self.updates or self.waiting or self.active):
+                # asleep unless a turn can do something: a new sequence waiting for a KV row that
+                # every kept episode holds (all waiting on their commands) must not spin this loop
+                while not (self._closed or self.updates or self.active or self._admissible()):
                     self._last_step_end = None          # idle: the next update stalls nobody
                     self._cv.wait()
                 if self._closed:
@@ -380,12 +392,20 @@ class TorchEngine:
             except RuntimeError:    # the event loop is gone (process exiting without close()): nobody waits
                 return
 
+    def _admissible(self) -> bool:
+        """A waiting sequence could start now (under _cv): a decode row is free and it is a
+        continuation (it brings its KV row) or a KV row is free."""
+        return len(self.active) < self.slots and any(not s.fresh or self.free for s in self.waiting)
+
     def _take_admits(self) -> list[_Seq]:
-        # continuations of kept sequences bring their own slot; new ones take free slots in order
-        admits = [s for s in self.waiting if not s.fresh]
+        # at most `slots` sequences decode; continuations of kept sequences bring their own KV row
+        # and go first (their episode is mid-way), new ones take free KV rows in order
+        room = self.slots - len(self.active)
+        conts = [s for s in self.waiting if not s.fresh]
         rest = [s for s in self.waiting if s.fresh]
-        n = min(len(self.free), len(rest))
-        self.waiting = rest[n:]
+        admits = conts[:max(room, 0)]
+        n = max(0, min(len(self.free), len(rest), room - len(admits)))
+        self.waiting = conts[len(admits):] + rest[n:]
         for s in rest[:n]:
             s.slot = self.free.pop()
         return admits + rest[:n]

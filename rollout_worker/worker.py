@@ -27,6 +27,7 @@ from bus.events import Heartbeat, Metrics, Rollout, SamplingParams, Task
 from bus.lifetime import cancel_and_wait
 from bus.regions import weight_follower
 from bus.weights import parse_version
+from envs.sandbox_latency import SandboxLatency
 import policy
 
 from .engine import Engine, EngineClosed
@@ -42,6 +43,10 @@ class WorkerConfig:
     engine: str = "torch"              # torch | vllm
     slots: int = 8                     # concurrent sequences (KV cache slots)
     queue: int = -1                    # sequences allowed to wait for a slot (-1: slots // 2), keeps slots full
+    # episodes in flight at most (0: slots). An episode waiting on its command holds a KV row but
+    # no decode row (torch engine: kv_slots = this), so > slots keeps the decoder busy while
+    # episodes wait on slow tools, at the memory of the extra KV rows
+    max_inflight: int = 0
     max_lag: int = 4                   # stop admitting while latest_version - my_version > max_lag
     max_len: int = 0                   # KV positions per slot (0: the model's max_seq_len)
     model: str = ""                    # vllm: HF model dir; torch: unused (the model comes from the keyframe)
@@ -60,6 +65,10 @@ class WorkerConfig:
     restart_backoff_s: float = 0.5     # first restart delay; doubles per consecutive failure (max 30 s)
     workspace: str = "local"           # episodes' workspaces: local (directories + sandbox) | docker (containers)
     docker_image: str = ""             # workspace="docker": the default image (a task's meta["image"] wins)
+    # a remote sandbox's test-suite time, modelled (envs/sandbox_latency.py; median_s 0: off):
+    # every run_tests and scoring run of a task waits its deterministic lognormal draw, no local CPU
+    sandbox_latency: SandboxLatency = field(default_factory=SandboxLatency)
+    episode_wall_s: float = 0.0        # > 0: replaces the tasks' episode wall limit (slow sandboxes)
     fault_weights_after: int = 0          # test hook: the weight follower fails once, at its Nth update (0: never)
     log_level: str = "info"
 
@@ -76,6 +85,14 @@ class WorkerConfig:
             raise ValueError(f"max_lag must be >= 0, got {self.max_lag}")
         if self.queue < 0:
             self.queue = self.slots // 2
+        if isinstance(self.sandbox_latency, dict):
+            self.sandbox_latency = SandboxLatency(**self.sandbox_latency)
+        if self.max_inflight == 0:
+            self.max_inflight = self.slots
+        if self.max_inflight < self.slots:
+            raise ValueError(f"max_inflight must be 0 or >= slots ({self.slots}), got {self.max_inflight}")
+        if self.episode_wall_s < 0:
+            raise ValueError(f"episode_wall_s must be >= 0, got {self.episode_wall_s}")
         if self.max_restarts < 0 or self.restart_backoff_s <= 0:
             raise ValueError(f"max_restarts must be >= 0 and restart_backoff_s > 0, got "
                              f"{self.max_restarts}, {self.restart_backoff_s}")
@@ -101,7 +118,8 @@ def make_engine(cfg: WorkerConfig, model_config: dict, eos_id: int | None) -> En
         return VLLMEngine(cfg, model_config=model_config, quant=quant, eos_id=eos_id)
     from .torch_engine import TorchEngine
     return TorchEngine(model_config, slots=cfg.slots, max_len=cfg.max_len, quant=quant, eos_id=eos_id,
-                       seed=cfg.seed, threads=cfg.threads, update_mode=cfg.update_mode, device=cfg.device)
+                       seed=cfg.seed, threads=cfg.threads, update_mode=cfg.update_mode, device=cfg.device,
+                       kv_slots=cfg.max_inflight)
 
 
 def parse_sampling(d: dict) -> SamplingParams:
@@ -160,7 +178,7 @@ class Worker:
     def capacity(self) -> int:
         if not self.admissible():
             return 0
-        free = min(getattr(self.engine, "free_slots", self.cfg.slots), self.cfg.slots - self.episodes_in_flight)
+        free = min(getattr(self.engine, "free_slots", self.cfg.slots), self.cfg.max_inflight - self.episodes_in_flight)
         room = max(0, free + self.cfg.queue)
         if not self.group_hint:        # a task's n is unknown until one is seen: one at a time till then
             return min(room, 1)
@@ -329,7 +347,7 @@ class Worker:
         # a background task that gives up sets `stop`: the loop drains and run() raises
         background = [asyncio.create_task(self.supervise(name, fn, stop), name=name) for name, fn in specs.items()]
         self.loop = ConsumerLoop(self.bus, topo.TASKS, topo.ROLLOUT_CONSUMER, self.handle, Task,
-                                 concurrency=self.cfg.slots + self.cfg.queue, capacity=self.capacity,
+                                 concurrency=self.cfg.max_inflight + self.cfg.queue, capacity=self.capacity,
                                  grace_s=self.cfg.grace_s, handle_signals=handle_signals)
         t0 = time.perf_counter()
         try:

@@ -75,6 +75,7 @@ async def test_episode_stats_read_the_records_a_real_worker_writes(tmp_path):
     base = 1_000_000.0
     eps[0]["ended_at"], eps[1]["ended_at"], eps[2]["ended_at"] = base - 5, base + 10, base + 100
     eps[1]["tool_wall_s"], eps[1]["wall_s"] = 1.5, 6.0        # as if its commands had run 1.5 s of 6
+    eps[1]["suite_wait_s"], eps[1]["suite_runs"] = 3.0, 2     # and a modelled suite 1.5 s, twice
     write_run(tmp_path, eps, base, base + 20, slots=2)
     st = bench.episode_stats(tmp_path)
     assert st["episodes"] == 1
@@ -82,6 +83,7 @@ async def test_episode_stats_read_the_records_a_real_worker_writes(tmp_path):
     assert st["terminations"] == {"format": 1}
     assert st["episode_tokens"]["max"] == eps[1]["tokens"] and st["episode_model_tokens"]["max"] == eps[1]["model_tokens"]
     assert st["tool_wall_share"] == pytest.approx(0.25)
+    assert st["suite_wait_share"] == pytest.approx(0.5) and st["suite_runs"]["mean"] == 2
     # slot-time held over the 20 s window by episodes: the middle one's 6 s, the first one's
     # overlap (if it reached into the window), the last one's overlap
     spans = [(e["ended_at"] - e["wall_s"], e["ended_at"]) for e in eps]
@@ -99,6 +101,51 @@ def test_records_without_their_end_time_are_a_clear_error(tmp_path):
     (tmp_path / "metrics" / "rollout_worker-worker-0.jsonl").write_text(json.dumps(rows[0]) + "\n")
     with pytest.raises(RuntimeError, match="without ended_at"):
         bench.episode_stats(tmp_path)
+
+
+def test_workload_is_read_from_the_run_configs_and_named_in_the_caveats(tmp_path):
+    """The JSON says which workload ran (from the configs `up` wrote, not the flags) and, for the
+    long-tail one, that its test-suite time is modelled."""
+    side = {"steps": 20, "terminations": {"submitted": 8}, "episodes": 8, "trainer_busy_frac": 0.3,
+            "tool_calls": {"mean": 2.0}}
+    default, longtail = tmp_path / "default", tmp_path / "longtail"
+    write_run(default, [], 0.0, 10.0, slots=8)
+    w = bench.workload(default)
+    assert w["name"] == "default" and w["slots"] == w["max_inflight"] == 8 and "test_latency" not in w
+    assert w["group_timeout_s"] == 120.0 and w["episode_wall_s"] is None
+    assert any("default workload" in c for c in bench.caveats(side, side, w))
+    write_run(longtail, [], 0.0, 10.0, slots=8)
+    with open(longtail / "config" / "worker-0.toml", "a") as f:
+        f.write("max_inflight = 16\nepisode_wall_s = 900.0\n[sandbox_latency]\nmedian_s = 3.0\np99_s = 60.0\n")
+    (longtail / "config" / "trainer.toml").write_text("group_timeout_s = 1200.0\n")
+    w = bench.workload(longtail)
+    assert w["name"] == "long-tail" and w["max_inflight"] == 16 and w["episode_wall_s"] == 900.0
+    assert w["group_timeout_s"] == 1200.0
+    lat = w["test_latency"]
+    assert (lat["median_s"], lat["p99_s"]) == (3.0, 60.0) and lat["mean_s"] > lat["median_s"]
+    assert lat["sigma"] == pytest.approx(1.2878, abs=1e-3)          # ln(60 / 3) / z(0.99)
+    assert any("modelled" in c and "median 3.0 s" in c for c in bench.caveats(side, side, w))
+    assert not any("rarely runs the tests" in c for c in bench.caveats(side, side, w))
+    scoring_only = {**side, "suite_runs": {"mean": 1.0}}    # one suite run an episode: the scoring run
+    assert any("rarely runs the tests" in c for c in bench.caveats(scoring_only, side, w))
+
+
+def test_test_latency_flag_is_checked():
+    assert bench.parse_latency("3,60") == (3.0, 60.0) and bench.parse_latency("0") == (0.0, 0.0)
+    for bad in ("3", "3,1", "-1,5", "3,60,9"):
+        with pytest.raises(Exception):
+            bench.parse_latency(bad)
+    with pytest.raises(SystemExit):       # argparse turns it into a usage error, before any run
+        bench.main(["--test-latency", "3,1", "--out", "/nonexistent/never-made"])
+
+
+def test_decoder_idle_share_comes_from_the_engines_decode_seconds(tmp_path):
+    write_run(tmp_path, [], 100.0, 130.0, slots=2)
+    # decode steps ran 6 of the 20 s between the first and last beat in the window
+    beats = [{"ts": 90.0, "busy_s": 0.0}, {"ts": 105.0, "busy_s": 1.0}, {"ts": 115.0, "busy_s": 4.0},
+             {"ts": 125.0, "busy_s": 7.0}, {"ts": 140.0, "busy_s": 20.0}]
+    (tmp_path / "metrics" / "rollout_worker-worker-0.jsonl").write_text("".join(json.dumps(b) + "\n" for b in beats))
+    assert bench.episode_stats(tmp_path)["decoder_idle_frac"] == pytest.approx(1 - 6 / 20)
 
 
 @pytest.mark.chaos
@@ -125,3 +172,4 @@ def test_tiny_bench_prints_one_sane_json_object(tmp_path):
         assert res["episode_tokens"][side]["max"] >= res["episode_tokens"][side]["p50"] > 0
         assert res["trainer_step_s"][side]["mean"] > 0 and 0.0 < res["trainer_busy_frac"][side] <= 1.2
     assert res["final_eval_success"] is None
+    assert res["workload"]["name"] == "default" and res["workload"]["slots"] == 2
