@@ -36,6 +36,8 @@ COPY asyncrl ./asyncrl
 COPY bench ./bench
 COPY deploy ./deploy
 RUN if [ "$VARIANT" = "cuda" ]; then pip install ".[vllm]"; else pip install .; fi
+# delta_codec's numba kernels compiled into the image (else every container compiles them at start)
+RUN python -c "import delta_codec; delta_codec.warm()"
 # unprivileged; state (checkpoints, run dirs) lives on a volume
 RUN useradd --system --create-home --home-dir /var/lib/asyncrl --uid 10001 asyncrl
 USER asyncrl

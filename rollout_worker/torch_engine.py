@@ -103,6 +103,7 @@ class TorchEngine:
             torch.set_num_threads(threads)
         self.metrics = EngineMetrics(slots)
         self.updates = UpdateQueue()
+        delta_codec.warm()   # the codec's compiled kernels now, not at the first delta (between two decode steps)
         self.waiting: list[_Seq] = []
         self.active: dict[int, _Seq] = {}
         self.free = list(range(kv_slots))[::-1]

@@ -107,6 +107,7 @@ class VLLMEngine:
         self.state: dict[str, torch.Tensor] | None = None   # bf16 shadow, publisher names (deltas apply here)
         self.version, self.epoch = -1, -1
         self.metrics = EngineMetrics(self.slots)
+        delta_codec.warm()   # the codec's compiled kernels now, not at the first delta
         self.llm = None
         self.packed: dict[str, list[str]] = {}
         self._start_lock = asyncio.Lock()
