@@ -109,6 +109,6 @@ register("swe-gen")(SweGenEnv)
 def swe_demo() -> SweGenEnv:
     """The second demo's tasks: one-module repositories drawn from DEMO_FUNCTIONS (a task set of its
     own: `ASYNCRL_SWE_DEMO_TASKS`, default tasks/swe-demo; `asyncrl tasks build --out tasks/swe-demo
-    --gen 48 --functions DEMO --modules 1 --eval-fraction 0.25` builds the same one ahead of time)."""
-    return SweGenEnv("swe-demo", task_dir=os.environ.get("ASYNCRL_SWE_DEMO_TASKS", "tasks/swe-demo"), n_gen=48,
+    --gen 160 --functions DEMO --modules 1 --eval-fraction 0.25` builds the same one ahead of time)."""
+    return SweGenEnv("swe-demo", task_dir=os.environ.get("ASYNCRL_SWE_DEMO_TASKS", "tasks/swe-demo"), n_gen=160,
                      functions=DEMO_FUNCTIONS, n_modules=1, eval_fraction=0.25)

@@ -170,7 +170,7 @@ def test_swe_demo_env_builds_its_task_set_from_the_demo_bank(tmp_path, monkeypat
     monkeypatch.setenv("ASYNCRL_SWE_DEMO_TASKS", str(tmp_path / "demo"))
     e = base.ENVS["swe-demo"]()          # a fresh instance: get_env's shared one reads tasks/swe-demo
     assert e.name == "swe-demo" and e.task_dir == str(tmp_path / "demo")
-    e.n_gen = 4                          # a small set (the demo's is 48 repositories + eval top-up)
+    e.n_gen = 4                          # a small set (the demo's is 160 repositories + eval top-up)
     train, ev = e.tasks("train"), e.tasks("eval")
     assert train and ev and (tmp_path / "demo" / "manifest.json").exists()
     for t in train + ev:
