@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--gen", type=int, default=0, help="generated repositories (tier 1)")
     b.add_argument("--min-eval", type=int, default=None,
                    help="tier 1: add eval repositories until the eval split holds this many tasks (default 16)")
+    b.add_argument("--functions", default="",
+                   help="tier 1: comma-separated bank functions (envs/repo_bank.py), or DEMO for the swe-demo bank")
+    b.add_argument("--modules", type=int, default=2, help="tier 1: modules per generated repository")
     b.add_argument("--humaneval", type=int, default=0, help="HumanEval problems (tier 2), -1 for all 164")
     b.add_argument("--packages", default="", help="comma-separated PyPI names (tier 3), fetched now")
     b.add_argument("--sdist", action="append", default=[], help="a local source distribution (tier 3), repeatable")
@@ -193,8 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     from envs import gen_repos
     report, tasks = BuildReport(), []
     if a.gen:
-        tasks += gen_repos.build(a.gen, seed=a.seed, eval_fraction=a.eval_fraction, report=report,
-                                 min_eval=gen_repos.MIN_EVAL if a.min_eval is None else a.min_eval)
+        from envs.swe_env import DEMO_FUNCTIONS
+        fns = DEMO_FUNCTIONS if a.functions == "DEMO" else tuple(f.strip() for f in a.functions.split(",") if f.strip())
+        try:
+            tasks += gen_repos.build(a.gen, seed=a.seed, eval_fraction=a.eval_fraction, report=report,
+                                     min_eval=gen_repos.MIN_EVAL if a.min_eval is None else a.min_eval,
+                                     n_modules=a.modules, functions=fns or None)
+        except ValueError as e:
+            ap.error(f"--functions / --modules: {e}")
     if a.humaneval:
         from envs import humaneval_tasks
         tasks += humaneval_tasks.build(None if a.humaneval < 0 else a.humaneval, seed=a.seed,

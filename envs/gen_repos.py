@@ -17,6 +17,7 @@ do not depend on it, and `build(n)` is a prefix of `build(n + k)`'s repositories
 """
 from __future__ import annotations
 
+import ast
 import copy
 import random
 
@@ -29,12 +30,48 @@ from .task_validation import BuildReport, fail_pass_split, run_suite
 FAMILY = "gen-repo"
 
 
-def make_repo(rng: random.Random, n_modules: int = 2, cases: int = 4) -> dict[str, str]:
-    """{path: text} of a repository: modules + tests/test_<module>.py, all tests passing."""
-    names = sorted(rng.sample(sorted(MODULES), n_modules))
+def function_bank(functions: tuple[str, ...] | None = None) -> dict[str, tuple[str, dict]]:
+    """The modules repositories are drawn from: MODULES, or, for a small bank (a demo a toy policy
+    can learn by heart), each module cut down to the named functions (its docstring and other
+    top-level statements kept; modules holding none of them left out)."""
+    if functions is None:
+        return MODULES
+    known = {fn: name for name, (_, gens) in MODULES.items() for fn in gens}
+    unknown = sorted(set(functions) - set(known))
+    if unknown or not functions:
+        raise ValueError(f"unknown bank functions {unknown or '(none given)'}; known: {sorted(known)}")
+    out = {}
+    for name in sorted({known[fn] for fn in functions}):
+        src, gens = MODULES[name]
+        keep = {fn for fn in gens if fn in functions}
+        tree = ast.parse(src)
+        lines = src.splitlines(keepends=True)
+        defs = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        head, fns = [], []
+        for node in tree.body:
+            text = "".join(lines[node.lineno - 1:node.end_lineno])
+            if not isinstance(node, ast.FunctionDef):
+                head.append(text)
+            elif node.name in keep:
+                used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & (defs - keep)
+                if used:
+                    raise ValueError(f"bank function {node.name} calls {sorted(used)}: add them to the bank")
+                fns.append(text)
+        out[name] = ("\n".join(head) + "\n\n" + "\n\n".join(fns), {fn: gens[fn] for fn in sorted(keep)})
+    return out
+
+
+def make_repo(rng: random.Random, n_modules: int = 2, cases: int = 4,
+              functions: tuple[str, ...] | None = None) -> dict[str, str]:
+    """{path: text} of a repository: modules + tests/test_<module>.py, all tests passing;
+    modules from function_bank(functions)."""
+    modules = function_bank(functions)
+    if not 1 <= n_modules <= len(modules):
+        raise ValueError(f"n_modules must be in [1, {len(modules)}] for this bank, got {n_modules}")
+    names = sorted(rng.sample(sorted(modules), n_modules))
     files: dict[str, str] = {}
     for name in names:
-        src, gens = MODULES[name]
+        src, gens = modules[name]
         ns: dict = {}
         exec(compile(src, name, "exec"), ns)                 # trusted bank code
         tests = [f"from {name} import {', '.join(sorted(gens))}\n"]
@@ -74,20 +111,23 @@ def bug_split(m, eval_fraction: float) -> str:
 
 def build(n_repos: int, seed: int = 0, eval_fraction: float = 0.2, tries_per_repo: int = 6,
           n_modules: int = 2, cases: int = 4, report: BuildReport | None = None,
-          min_eval: int = 0) -> list[EpisodeTask]:
+          min_eval: int = 0, functions: tuple[str, ...] | None = None) -> list[EpisodeTask]:
     """Up to `n_repos` tasks (one validated bug per repository), then eval repositories until the
-    eval split holds `min_eval` tasks (at most 4·min_eval + 8 more tried); deterministic in `seed`."""
+    eval split holds `min_eval` tasks (at most 4·min_eval + 8 more tried); deterministic in `seed`.
+    `functions`: draw the repositories from that small bank (function_bank) instead of every module."""
     if not 0 <= eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if not 1 <= n_modules <= len(function_bank(functions)):     # a bad bank fails before any test runs
+        raise ValueError(f"n_modules must be in [1, {len(function_bank(functions))}] for this bank, got {n_modules}")
     report = report if report is not None else BuildReport()
     tasks = []
     for i in range(n_repos):
         task = build_repo(i, target_split(i, eval_fraction), seed, eval_fraction, tries_per_repo, n_modules,
-                          cases, report)
+                          cases, report, functions)
         tasks += [task] if task else []
     extra = n_repos
     while eval_fraction > 0 and sum(t.split == "eval" for t in tasks) < min_eval and extra < n_repos + 4 * min_eval + 8:
-        task = build_repo(extra, "eval", seed, eval_fraction, tries_per_repo, n_modules, cases, report)
+        task = build_repo(extra, "eval", seed, eval_fraction, tries_per_repo, n_modules, cases, report, functions)
         tasks += [task] if task else []
         extra += 1
     if sum(t.split == "eval" for t in tasks) < min_eval:
@@ -96,10 +136,10 @@ def build(n_repos: int, seed: int = 0, eval_fraction: float = 0.2, tries_per_rep
 
 
 def build_repo(i: int, split: str, seed: int, eval_fraction: float, tries_per_repo: int, n_modules: int,
-               cases: int, report: BuildReport) -> EpisodeTask | None:
+               cases: int, report: BuildReport, functions: tuple[str, ...] | None = None) -> EpisodeTask | None:
     """Repository i with one validated bug whose identity falls in `split`, or None."""
     rng = random.Random(f"{FAMILY}:{seed}:{i}")
-    files = make_repo(rng, n_modules, cases)
+    files = make_repo(rng, n_modules, cases, functions)
     test_paths = sorted(p for p in files if p.startswith("tests/"))
     original, why = run_suite(files, "mini", test_paths)
     if not original or any(s != "PASS" for s in original.values()):

@@ -33,10 +33,18 @@ TOY_LIMITS = EpisodeLimits(max_turns=6, episode_wall_s=120.0, max_turn_tokens=40
                            obs_line_chars=120, score_wall_s=60.0, prompt_style="toy", test_output="failures")
 
 
+# `swe-demo`'s function bank: 8 short functions (61-163 chars) with several mutation sites each, so
+# the toy policy can learn every original function by heart in a few hundred warm-start steps and
+# the eval split still holds bugs (other sites / mutations of the same functions) never trained on.
+DEMO_FUNCTIONS = ("clamp", "count_words", "gcd", "is_prime", "median_low", "overlaps", "rotate", "total")
+
+
 class SweGenEnv:
     def __init__(self, name: str = "swe-gen", task_dir: str | None = None, n_gen: int | None = None,
-                 seed: int = 0, limits: EpisodeLimits = TOY_LIMITS):
+                 seed: int = 0, limits: EpisodeLimits = TOY_LIMITS, functions: tuple[str, ...] | None = None,
+                 n_modules: int = 2, eval_fraction: float = 0.2):
         self.name, self.seed, self.limits = name, seed, limits
+        self.functions, self.n_modules, self.eval_fraction = functions, n_modules, eval_fraction
         self.task_dir = task_dir or os.environ.get("ASYNCRL_SWE_TASKS", "tasks/swe-gen")
         self.n_gen = int(n_gen if n_gen is not None else os.environ.get("ASYNCRL_SWE_GEN", "48"))
         self._tasks: dict[str, list[EpisodeTask]] | None = None
@@ -55,14 +63,15 @@ class SweGenEnv:
         if not os.path.exists(os.path.join(self.task_dir, "manifest.json")):
             from . import gen_repos
             from .task_validation import BuildReport
-            log.info("building the swe-gen task set", dir=self.task_dir, repos=self.n_gen)
+            log.info("building the task set", env=self.name, dir=self.task_dir, repos=self.n_gen)
             report = BuildReport()
-            write_task_set(self.task_dir, gen_repos.build(self.n_gen, seed=self.seed, report=report,
-                                                          min_eval=gen_repos.MIN_EVAL), report.to_dict())
+            write_task_set(self.task_dir, gen_repos.build(
+                self.n_gen, seed=self.seed, eval_fraction=self.eval_fraction, n_modules=self.n_modules,
+                report=report, min_eval=gen_repos.MIN_EVAL, functions=self.functions), report.to_dict())
         tasks = [t for t in load_task_set(self.task_dir) if t.family == "gen-repo"]
         by = {s: sorted((t for t in tasks if t.split == s), key=lambda t: t.task_id) for s in ("train", "eval")}
         if not by["train"] or not by["eval"]:
-            raise ValueError(f"{self.task_dir}: swe-gen needs gen-repo tasks in both splits, "
+            raise ValueError(f"{self.task_dir}: {self.name} needs gen-repo tasks in both splits, "
                              f"got {len(by['train'])} train and {len(by['eval'])} eval")
         return by
 
@@ -94,3 +103,12 @@ class SweGenEnv:
 
 
 register("swe-gen")(SweGenEnv)
+
+
+@register("swe-demo")
+def swe_demo() -> SweGenEnv:
+    """The second demo's tasks: one-module repositories drawn from DEMO_FUNCTIONS (a task set of its
+    own: `ASYNCRL_SWE_DEMO_TASKS`, default tasks/swe-demo; `asyncrl tasks build --out tasks/swe-demo
+    --gen 160 --functions DEMO --modules 1 --eval-fraction 0.25` builds the same one ahead of time)."""
+    return SweGenEnv("swe-demo", task_dir=os.environ.get("ASYNCRL_SWE_DEMO_TASKS", "tasks/swe-demo"), n_gen=160,
+                     functions=DEMO_FUNCTIONS, n_modules=1, eval_fraction=0.25)

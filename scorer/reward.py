@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 COST_UNITS = ("tokens", "wall_s", "tool_calls")
+EPISODE_REWARDS = ("fraction", "resolved")     # an episode's score: tests passing, or all of them
 
 
 def overlong_penalty(n_tokens: int, max_tokens: int, buffer: int, scale: float) -> float:

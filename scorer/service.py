@@ -25,7 +25,7 @@ from bus.lifetime import cancel_and_wait
 import envs
 from envs import SpecError, get_env
 
-from .reward import COST_UNITS, compute_reward, overlong_penalty, parse_lambda, rollout_cost
+from .reward import COST_UNITS, EPISODE_REWARDS, compute_reward, overlong_penalty, parse_lambda, rollout_cost
 
 log = get_logger("scorer")
 
@@ -40,6 +40,9 @@ class ScorerConfig:
     default_lambda: float = 0.0         # until KV rl-control/lambda has a value
     overlong_buffer: int = 0            # >0: soft penalty over the last N tokens before max_tokens
     overlong_scale: float = 1.0         # penalty at the max length
+    # an episode's training score: "fraction" of its tests passing (denser), or "resolved" (1 when all
+    # pass, else 0: an untouched repository's ~0.8 of passing tests says nothing of the policy's fix)
+    episode_reward: str = "fraction"
     heartbeat_s: float = 5.0
     grace_s: float = 10.0               # drain: time to finish held rollouts before they are nak'ed
     provision: bool = True              # declare the topology on start (off under restricted credentials)
@@ -47,6 +50,8 @@ class ScorerConfig:
     log_level: str = "info"
 
     def __post_init__(self):
+        if self.episode_reward not in EPISODE_REWARDS:
+            raise ValueError(f"episode_reward must be one of {EPISODE_REWARDS}, got {self.episode_reward!r}")
         if self.cost_unit not in COST_UNITS:
             raise ValueError(f"cost_unit must be one of {COST_UNITS}, got {self.cost_unit!r}")
         if self.concurrency < 1 or self.verify_threads < 1:
@@ -114,11 +119,13 @@ class Scorer:
     async def _publish(self, ro: Rollout, verdict, t0: float) -> None:
         """verdict: an envs Verdict, or an episode's EpisodeResult dict (reward, termination, tool calls)."""
         if isinstance(verdict, dict):
-            # an episode is trained on the fraction of its tests that pass (a denser signal than
-            # all-or-nothing); its success is all of them passing, as held-out eval_success counts it
+            # an episode is trained on the fraction of its tests that pass (episode_reward "fraction")
+            # or on its success; its success is all of them passing, as held-out eval_success counts it
             score = float(verdict["reward"])
             resolved = verdict.get("resolved")
             resolved = score >= 1.0 if not isinstance(resolved, bool) else resolved
+            if self.cfg.episode_reward == "resolved":
+                score = 1.0 if resolved else 0.0
             verdict = envs.Verdict(1.0 if resolved else 0.0, f"episode {ro.termination or '?'}: "
                                    f"{verdict.get('detail', '')}".rstrip(": "), ro.tool_calls)
             shaping = 0.0      # overlong shaping is per completion; an episode's limits are its own

@@ -332,3 +332,55 @@ def test_task_set_errors(tmp_path):
         load_task_set(str(tmp_path), split="test")
     with pytest.raises(ValueError, match="outside the task set"):
         write_task_set(str(tmp_path / "x"), [EpisodeTask(**{**t.to_dict(), "base_dir": str(tmp_path)})], {})
+
+
+# -- a small function bank (the swe-demo tasks) ------------------------------------------------
+
+def test_function_bank_cuts_modules_to_the_named_functions():
+    bank = gen_repos.function_bank(("gcd", "clamp", "to_roman"))
+    assert sorted(bank) == ["mathutil", "roman"]
+    for name, (src, gens) in bank.items():
+        defs = [n.name for n in ast.parse(src).body if isinstance(n, ast.FunctionDef)]
+        assert sorted(defs) == sorted(gens) == sorted({"mathutil": ["clamp", "gcd"], "roman": ["to_roman"]}[name])
+        ns: dict = {}
+        exec(compile(src, name, "exec"), ns)          # runs: the module's other statements are kept
+    assert "VALUES = [" in bank["roman"][0] and bank["mathutil"][0].startswith('"""Integer helpers."""')
+    assert gen_repos.function_bank(None) is gen_repos.MODULES
+    with pytest.raises(ValueError, match=r"unknown bank functions \['nope'\]"):
+        gen_repos.function_bank(("gcd", "nope"))
+    with pytest.raises(ValueError, match=r"covered calls \['merge'\]"):
+        gen_repos.function_bank(("covered",))        # it would not run without merge
+    with pytest.raises(ValueError, match="unknown bank functions"):
+        gen_repos.function_bank(())
+
+
+def test_build_from_a_function_bank_bugs_only_its_functions():
+    from envs.swe_env import TOY_LIMITS
+    fns = ("gcd", "clamp", "median_low")
+    tasks = gen_repos.build(4, seed=3, n_modules=1, functions=fns, eval_fraction=0.25)
+    assert tasks and [t.to_dict() for t in tasks] == [t.to_dict() for t in
+                                                    gen_repos.build(4, seed=3, n_modules=1, functions=fns,
+                                                                    eval_fraction=0.25)]
+    for t in tasks:
+        src = [p for p in t.files if not p.startswith("tests/")]
+        assert len(src) == 1 and src[0] in ("mathutil.py", "stats.py")
+        assert function_fix(t)[1] in fns
+        assert {x.split("::test_")[1].rsplit("_", 1)[0] for x in t.fail_to_pass + t.pass_to_pass} <= set(fns)
+        msgs, turns, res = run_oracle(t, TOY_LIMITS)
+        assert res.resolved and res.termination == "submitted"
+    with pytest.raises(ValueError, match=r"n_modules must be in \[1, 2\]"):
+        gen_repos.build(1, n_modules=3, functions=fns)
+
+
+def test_cli_build_with_a_function_bank(tmp_path, capsys):
+    from envs.swe_env import DEMO_FUNCTIONS
+    out = tmp_path / "demo"
+    assert tasks_cli.main(["build", "--out", str(out), "--gen", "2", "--functions", "DEMO", "--modules", "1",
+                           "--min-eval", "0"]) == 0
+    ts = load_task_set(str(out))
+    assert ts and all(function_fix(t)[1] in DEMO_FUNCTIONS and len(t.files) == 2 for t in ts)
+    for bad in (["--functions", "gcd,nope"], ["--functions", "gcd", "--modules", "2"]):
+        with pytest.raises(SystemExit):
+            tasks_cli.main(["build", "--out", str(tmp_path / "bad"), "--gen", "1", *bad])
+        assert "--functions / --modules" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

@@ -188,8 +188,9 @@ async def test_two_scorers_share_the_work_and_crashes_park_in_dlq(bus):
 
 def test_bad_config_is_refused_clearly():
     from bus import load_config
-    for env in [{"ASYNCRL_COST_UNIT": "dollars"}, {"ASYNCRL_CONCURRENCY": "0"}, {"ASYNCRL_DEFAULT_LAMBDA": "-1"}]:
-        with pytest.raises(ValueError, match="cost_unit|concurrency|default_lambda"):
+    for env in [{"ASYNCRL_COST_UNIT": "dollars"}, {"ASYNCRL_CONCURRENCY": "0"}, {"ASYNCRL_DEFAULT_LAMBDA": "-1"},
+                {"ASYNCRL_EPISODE_REWARD": "tests"}]:
+        with pytest.raises(ValueError, match="cost_unit|concurrency|default_lambda|episode_reward"):
             load_config(ScorerConfig, environ=env)
     cfg = load_config(ScorerConfig, environ={"ASYNCRL_COST_UNIT": "wall_s", "ASYNCRL_SCORER_ID": "s9"})
     assert cfg.cost_unit == "wall_s" and cfg.bus.name == "s9"
@@ -222,6 +223,31 @@ async def test_episode_success_means_all_tests_pass_and_reward_is_the_fraction(b
     for rid, frac in (("e1-0", 0.5), ("e2-0", 1.0), ("e3-0", 0.75)):
         assert s[rid].reward == pytest.approx(frac - 0.001 * cost) and s[rid].cost == cost
     assert scorer.counts["success_sum"] == 1.0
+
+
+async def test_episode_reward_resolved_trains_on_success_alone(bus):
+    """episode_reward = "resolved": an episode's reward is 1 (all tests pass) or 0, minus λ·cost; an
+    untouched repository's fraction of passing tests no longer reaches the trainer."""
+    import dataclasses
+    await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.001))
+    items = [dataclasses.replace(rollout(rid, "x"), env="swe", turns=3, tool_calls=2, termination="submitted",
+                                 episode={"detail": "", **res})
+             for rid, res in (("r1-0", {"reward": 0.8, "resolved": False}), ("r2-0", {"reward": 1.0, "resolved": True}),
+                              ("r3-0", {"reward": 1.0}), ("r4-0", {"reward": 0.9}))]
+    for r in items:
+        await bus.publish(topo.rollout_subject(r.env), r)
+    stop = asyncio.Event()
+    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), heartbeat_s=0.2, episode_reward="resolved"),
+                    bus=bus)
+    run = asyncio.create_task(scorer.run(stop, handle_signals=False))
+    try:
+        s = await scored_events(bus, 4)
+    finally:
+        stop.set()
+        await run
+    cost = items[0].cost_tokens
+    for rid, won in (("r1-0", 0.0), ("r2-0", 1.0), ("r3-0", 1.0), ("r4-0", 0.0)):
+        assert s[rid].success == won and s[rid].reward == pytest.approx(won - 0.001 * cost)
 
 
 async def test_run_ends_even_when_its_heartbeat_loses_a_cancel(bus):

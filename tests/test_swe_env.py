@@ -159,3 +159,21 @@ def test_full_limits_keep_the_view_replace_oracle(env):
 def env_spec(env, task) -> dict:
     from envs.conversation import episode_spec
     return episode_spec(task, env.limits)
+
+
+def test_swe_demo_env_builds_its_task_set_from_the_demo_bank(tmp_path, monkeypatch):
+    """`swe-demo`: the same episodes as swe-gen over one-module repositories of DEMO_FUNCTIONS, in a
+    task set of its own (built on first use, read as is afterwards)."""
+    from envs import base
+    from envs.oracle import function_fix
+    from envs.swe_env import DEMO_FUNCTIONS
+    monkeypatch.setenv("ASYNCRL_SWE_DEMO_TASKS", str(tmp_path / "demo"))
+    e = base.ENVS["swe-demo"]()          # a fresh instance: get_env's shared one reads tasks/swe-demo
+    assert e.name == "swe-demo" and e.task_dir == str(tmp_path / "demo")
+    e.n_gen = 4                          # a small set (the demo's is 160 repositories + eval top-up)
+    train, ev = e.tasks("train"), e.tasks("eval")
+    assert train and ev and (tmp_path / "demo" / "manifest.json").exists()
+    for t in train + ev:
+        assert function_fix(t)[1] in DEMO_FUNCTIONS and len([p for p in t.files if not p.startswith("tests/")]) == 1
+    ts = e.sample(random.Random(0), "eval")
+    assert ts.spec["limits"]["prompt_style"] == "toy"
