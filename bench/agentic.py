@@ -1,4 +1,4 @@
-"""Async vs sync RL on the multi-turn workload (swe-gen episodes), side by side in one invocation.
+"""Async vs sync RL on the multi-turn workload (deploy/swe-demo.toml's env), side by side in one invocation.
 
     python -m bench.agentic --json [--minutes 3] [--warmstart-steps 60] [--out DIR] [--init DIR/init]
 
