@@ -26,24 +26,31 @@ def max_overlap(spans: list[tuple[float, float]]) -> int:
     return best
 
 
-async def test_episodes_in_flight_never_exceed_slots_plus_queue(bus, fresh_server):
+async def play_four_tasks(bus, server, n: int, **cfg) -> Worker:
+    """A worker (cfg: its sizes) plays 4 episode tasks of n samples each (format errors end them
+    fast) until done; -> the stopped worker, its episode records on its runner."""
     pub = WeightPublisher(bus, epoch=1, trainer_id="t")
     await pub.publish_keyframe(no_special_state(4), 0, CFG)
     # no heartbeat during the test: the episode records stay on the runner to be read here
-    cfg = WorkerConfig(bus=BusConfig(servers=[fresh_server.url], name="w"), worker_id="w1", slots=2, queue=0,
-                       max_len=2048, heartbeat_s=600.0, grace_s=2.0)
-    worker, stop = Worker(cfg, bus), asyncio.Event()
+    wc = WorkerConfig(bus=BusConfig(servers=[server.url], name="w"), worker_id="w1", queue=0, max_len=2048,
+                      heartbeat_s=600.0, grace_s=2.0, **cfg)
+    worker, stop = Worker(wc, bus), asyncio.Event()
     run = asyncio.create_task(worker.run(stop, handle_signals=False))
     limits = EpisodeLimits(max_turn_tokens=16, max_format_errors=2, command=BashLimits(wall_s=2.0))
     for i in range(4):
         await bus.publish(topo.task_subject("swe"), Task(
             task_id=f"ep{i}", env="swe", prompt="Fix calc.py.", spec=episode_spec(bug_task(), limits),
-            sampling={"max_tokens": 16, "n": 2, "temperature": 1.0}))
+            sampling={"max_tokens": 16, "n": n, "temperature": 1.0}))
     try:
         await until(lambda: worker.tasks_done == 4, timeout=120)
     finally:
         stop.set()
         await run
+    return worker
+
+
+async def test_episodes_in_flight_never_exceed_slots_plus_queue(bus, fresh_server):
+    worker = await play_four_tasks(bus, fresh_server, 2, slots=2)
     eps = worker.episode_runner.ended
     assert len(eps) == 8 and all(e["termination"] == "format" for e in eps)
     # each episode from its reset to its end: never more at once than the worker's 2 slots
@@ -55,23 +62,8 @@ async def test_max_inflight_lets_episodes_wait_on_slow_suites_beyond_the_decode_
     """One decode slot, max_inflight 3, a modelled 2 s suite per scoring run ([worker]
     sandbox_latency): episodes waiting on their suite hold no decode row, so up to 3 are in flight
     (with max_inflight = slots the worker ran them one by one)."""
-    pub = WeightPublisher(bus, epoch=1, trainer_id="t")
-    await pub.publish_keyframe(no_special_state(4), 0, CFG)
-    cfg = WorkerConfig(bus=BusConfig(servers=[fresh_server.url], name="w"), worker_id="w1", slots=1, queue=0,
-                       max_inflight=3, max_len=2048, heartbeat_s=600.0, grace_s=2.0,
-                       sandbox_latency={"median_s": 2.0, "p99_s": 2.0})
-    worker, stop = Worker(cfg, bus), asyncio.Event()
-    run = asyncio.create_task(worker.run(stop, handle_signals=False))
-    limits = EpisodeLimits(max_turn_tokens=16, max_format_errors=2, command=BashLimits(wall_s=2.0))
-    for i in range(4):
-        await bus.publish(topo.task_subject("swe"), Task(
-            task_id=f"ep{i}", env="swe", prompt="Fix calc.py.", spec=episode_spec(bug_task(), limits),
-            sampling={"max_tokens": 16, "n": 1, "temperature": 1.0}))
-    try:
-        await until(lambda: worker.tasks_done == 4, timeout=120)
-    finally:
-        stop.set()
-        await run
+    worker = await play_four_tasks(bus, fresh_server, 1, slots=1, max_inflight=3,
+                                   sandbox_latency={"median_s": 2.0, "p99_s": 2.0})
     eps = worker.episode_runner.ended
     assert len(eps) == 4 and all(e["termination"] == "format" and e["wall_s"] >= 2.0 for e in eps)
     assert 2 <= max_overlap([(e["ended_at"] - e["wall_s"], e["ended_at"]) for e in eps]) <= 3
