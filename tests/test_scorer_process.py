@@ -44,6 +44,21 @@ async def scored_events(bus, want: int) -> dict[str, Scored]:
     return {(s := decode(m.data, Scored)).rollout["rollout_id"]: s for m in msgs}
 
 
+async def score(bus, items: list[Rollout], **cfg) -> tuple[dict[str, Scored], Scorer]:
+    """Publish the rollouts, run a real Scorer (cfg: its config) until each is scored; -> the
+    scored events by rollout id, the stopped scorer."""
+    for r in items:
+        await bus.publish(topo.rollout_subject(r.env), r)
+    stop = asyncio.Event()
+    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), heartbeat_s=0.2, **cfg), bus=bus)
+    run = asyncio.create_task(scorer.run(stop, handle_signals=False))
+    try:
+        return await scored_events(bus, len(items)), scorer
+    finally:
+        stop.set()
+        await run
+
+
 async def dlq_reasons(bus, want: int) -> list[str]:
     sub = await bus.js.pull_subscribe(topo.dlq_subject(topo.ROLLOUTS), durable=None, stream=topo.DLQ)
     out = []
@@ -208,16 +223,7 @@ async def test_episode_success_means_all_tests_pass_and_reward_is_the_fraction(b
                                    episode={"detail": "", **result})
     items = [episode("e1-0", {"reward": 0.5, "resolved": False}), episode("e2-0", {"reward": 1.0, "resolved": True}),
              episode("e3-0", {"reward": 0.75})]           # a result without `resolved`: all pass iff reward 1
-    for r in items:
-        await bus.publish(topo.rollout_subject(r.env), r)
-    stop = asyncio.Event()
-    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), heartbeat_s=0.2), bus=bus)
-    run = asyncio.create_task(scorer.run(stop, handle_signals=False))
-    try:
-        s = await scored_events(bus, 3)
-    finally:
-        stop.set()
-        await run
+    s, scorer = await score(bus, items)
     cost = items[0].cost_tokens
     assert [s[r].success for r in ("e1-0", "e2-0", "e3-0")] == [0.0, 1.0, 0.0]
     for rid, frac in (("e1-0", 0.5), ("e2-0", 1.0), ("e3-0", 0.75)):
@@ -234,17 +240,7 @@ async def test_episode_reward_resolved_trains_on_success_alone(bus):
                                  episode={"detail": "", **res})
              for rid, res in (("r1-0", {"reward": 0.8, "resolved": False}), ("r2-0", {"reward": 1.0, "resolved": True}),
                               ("r3-0", {"reward": 1.0}), ("r4-0", {"reward": 0.9}))]
-    for r in items:
-        await bus.publish(topo.rollout_subject(r.env), r)
-    stop = asyncio.Event()
-    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), heartbeat_s=0.2, episode_reward="resolved"),
-                    bus=bus)
-    run = asyncio.create_task(scorer.run(stop, handle_signals=False))
-    try:
-        s = await scored_events(bus, 4)
-    finally:
-        stop.set()
-        await run
+    s, _ = await score(bus, items, episode_reward="resolved")
     cost = items[0].cost_tokens
     for rid, won in (("r1-0", 0.0), ("r2-0", 1.0), ("r3-0", 1.0), ("r4-0", 0.0)):
         assert s[rid].success == won and s[rid].reward == pytest.approx(won - 0.001 * cost)
