@@ -159,38 +159,29 @@ def gaps_from(k: int, q8: np.ndarray, low, over, m: int, count: int, what: str, 
         if m > 1 and not int(q8[1:].min()):
             raise DeltaError(f"{what}: repeated position")
         pos = prefix_sum(q8, alloc("pos", m, np.int64))  # the dense fast path
-    elif sparse_jit.enabled:
-        n_esc = int(np.count_nonzero(q8 == _ESC))
-        if ov.size != n_esc:
+    else:
+        esc = q8 == _ESC
+        if ov.size != int(np.count_nonzero(esc)):
             raise DeltaError(f"{what}: overflow stream does not match the gap stream")
         if ov.size and int(ov.max()) >= count:
             raise DeltaError(f"{what}: gap beyond the chunk")
         _unpack_check(low, k, m)
         pos = alloc("pos", m, np.int64)
-        _, big, small = sparse_jit.rice_gaps(q8, low, k, ov, pos)
+        if sparse_jit.enabled:  # one compiled pass: positions and the gaps' statistics
+            _, big, small = sparse_jit.rice_gaps(q8, low, k, ov, pos)
+        else:
+            gaps = pos
+            gaps[...] = q8
+            gaps[esc] = ov.astype(np.int64)
+            if k:
+                gaps <<= k
+                gaps |= _unpack_low(low, k, m)
+            big, small = (int(gaps.max()) if m else 0), (int(gaps[1:].min()) if m > 1 else 1)
+            np.cumsum(gaps, out=pos)
         if big >= count:
             raise DeltaError(f"{what}: gap beyond the chunk")
         if m > 1 and not small:
             raise DeltaError(f"{what}: repeated position")
-    else:
-        gaps = q8.astype(np.int64)
-        if ov.size:
-            esc = q8 == _ESC
-            if ov.size != int(np.count_nonzero(esc)):
-                raise DeltaError(f"{what}: overflow stream does not match the gap stream")
-            if int(ov.max()) >= count:
-                raise DeltaError(f"{what}: gap beyond the chunk")
-            gaps[esc] = ov.astype(np.int64)
-        elif m and int(q8.max()) == _ESC:
-            raise DeltaError(f"{what}: overflow stream does not match the gap stream")
-        if k:
-            gaps <<= k
-            gaps |= _unpack_low(low, k, m)
-        if gaps.size and int(gaps.max()) >= count:
-            raise DeltaError(f"{what}: gap beyond the chunk")
-        if m > 1 and not int(gaps[1:].min()):
-            raise DeltaError(f"{what}: repeated position")
-        pos = np.cumsum(gaps, out=gaps)
     if pos.size and pos[-1] >= count:
         raise DeltaError(f"{what}: position {int(pos[-1])} beyond chunk of {count}")
     return pos
