@@ -52,29 +52,26 @@ def _decode_nibbles(field, itemsize: int, m: int, what: str, alloc) -> np.ndarra
         raise DeltaError(f"{what}: malformed nibble-coded values")
     me = m + (m & 1)
     packed = np.frombuffer(zd(field[0], me // 2, what), np.uint8)
-    if sparse_jit.enabled:
+    if sparse_jit.enabled:  # one compiled pass: values, and where the escapes are
         d = alloc("uz.wide" if itemsize > 1 else "uz", m, SIGNED_INT[itemsize])
         esc_at = alloc("nib.escat", m, np.int64)
         over_n = sparse_jit.nibbles(packed, d, esc_at)
-        if over_n:
-            z = from_planes(zd(field[1], over_n * itemsize, what + " overflow"), itemsize, over_n)
-            d[esc_at[:over_n]] = unzigzag(z)
-        elif len(field[1]):
-            raise DeltaError(f"{what}: overflow stream without escapes")
-        return d
-    pairs = alloc("nib.pairs", me // 2, "<u2")
-    pairs[...] = packed
-    hi = np.left_shift(pairs, 4, out=alloc("nib.hi", me // 2, "<u2"))
-    hi &= 0xF00
-    pairs &= 0xF
-    pairs |= hi
-    codes = pairs.view(np.uint8)[:m]
-    d = unzigzag_small(codes, itemsize, alloc)
-    esc = np.equal(codes, 0, out=alloc("nib.esc", m, bool))
-    over_n = int(np.count_nonzero(esc))
+        esc_at = esc_at[:over_n]
+    else:
+        pairs = alloc("nib.pairs", me // 2, "<u2")
+        pairs[...] = packed
+        hi = np.left_shift(pairs, 4, out=alloc("nib.hi", me // 2, "<u2"))
+        hi &= 0xF00
+        pairs &= 0xF
+        pairs |= hi
+        codes = pairs.view(np.uint8)[:m]
+        d = unzigzag_small(codes, itemsize, alloc)
+        esc = np.equal(codes, 0, out=alloc("nib.esc", m, bool))
+        over_n = int(np.count_nonzero(esc))
+        esc_at = positions(esc, over_n, alloc) if over_n else None
     if over_n:
         z = from_planes(zd(field[1], over_n * itemsize, what + " overflow"), itemsize, over_n)
-        d[positions(esc, over_n, alloc)] = unzigzag(z)
+        d[esc_at] = unzigzag(z)
     elif len(field[1]):
         raise DeltaError(f"{what}: overflow stream without escapes")
     return d
