@@ -16,11 +16,10 @@ from .positions import _ESC, check_gap_header, gap_streams, gaps_from, gaps_of, 
 from .values import encode_values, value_order
 
 
-def encode_classed(b, n, pos, p: float, shift: int, alloc) -> list | None:
-    """CLASSED record, or None when the chosen split has a single class."""
-    old = np.take(b, pos)  # (base and difference gathered once, in position order, as GAP does;
-    d = np.take(n, pos)    # the class order permutes them)
-    d -= old
+def encode_classed(b, pos, old, d, p: float, shift: int, alloc) -> list | None:
+    """CLASSED record, or None when the chosen split has a single class. pos: the changed
+    positions, old and d the base bits and differences there (position order; the class order
+    permutes them into new arrays)."""
     if ctx_jit.enabled:
         ts = ctx.choose_thresholds(*ctx_jit.exponent_counts(b, old, shift), b.size, split=ctx_jit.split)
     else:

@@ -64,21 +64,26 @@ def encode_chunk(b: np.ndarray, n: np.ndarray, shift: int | None = None, alloc=f
     alloc: where temporaries live (a Scratch reuses them across chunks); context: False codes
     positions without the base (format 2's chunk coding, kept for comparisons)."""
     count = b.size
-    mask = np.not_equal(b, n, out=alloc("mask", count, bool))
-    m = int(np.count_nonzero(mask))
+    if sparse_jit.enabled:  # (positions, base bits there and differences in one pass)
+        pos, old, d = sparse_jit.diff(b, n, alloc)
+        m = pos.size
+    else:
+        mask = np.not_equal(b, n, out=alloc("mask", count, bool))
+        m = int(np.count_nonzero(mask))
     if m == 0:
         return [NONE, count, 0], 0
     p = m / count
     if p >= DENSE_FROM:
         return [DENSE, count, m, 0, encode_values(np.subtract(n, b, out=alloc("d", count, b.dtype)), alloc)[0]], m
-    pos = positions(mask, m, alloc)
+    if not sparse_jit.enabled:
+        pos = positions(mask, m, alloc)
+        old = np.take(b, pos, out=alloc("old", m, b.dtype))  # (take: faster than fancy indexing)
+        d = np.take(n, pos, out=alloc("d", m, b.dtype))
+        d -= old  # wraps at the element width: a bijection for any pair
     if context and shift is not None and p < CONTEXT_BELOW and m >= ctx.MIN_CHANGES:
-        rec = encode_classed(b, n, pos, p, shift, alloc)
+        rec = encode_classed(b, pos, old, d, p, shift, alloc)
         if rec is not None:
             return rec, m
-    old = np.take(b, pos, out=alloc("old", m, b.dtype))  # (take: faster than fancy indexing)
-    d = np.take(n, pos, out=alloc("d", m, b.dtype))
-    d -= old  # wraps at the element width: a bijection for any pair
     flags = 0
     if p < GROUP_BELOW and shift is not None and m > 1:
         d = np.take(d, value_order(old, shift), out=alloc("old", m, b.dtype))

@@ -9,14 +9,21 @@ fallback without numba):
     in one pass, with the statistics the decoder checks (escapes seen, largest gap, smallest
     gap after the first), so the checks cost no extra passes;
   - set_at: view[pos] = old + d, wrapping, without the GIL (numpy's fancy assignment holds it,
-    so two apply threads serialise on it).
+    so two apply threads serialise on it);
+  - diff: the encoder's first pass, base and new bits -> changed positions, base bits there and
+    differences, in one read of both (numpy: a compare pass, a count, a nonzero and two gathers;
+    the 64-lane compare is context_jit's vector-compare idea for !=, then one step per change).
 All nogil and cache=True, like context_jit."""
 from __future__ import annotations
 
 import numpy as np
 
+from .bits import fresh
+
 try:
     import numba
+    from numba import types
+    from numba.extending import intrinsic
 
     from .llvmlite_guard import guard_llvmlite_lib
     guard_llvmlite_lib()
@@ -109,6 +116,52 @@ def _rice_gaps(q8, low, k, ov, out):
     return n_esc, big, small
 
 
+if numba is not None:
+    from llvmlite import ir
+
+    @intrinsic
+    def _ne64(typingctx, a, b, start):
+        """Bit i: a[start + i] != b[start + i], for i < 64 (both must hold start + 64 elements):
+        one 64-lane vector compare, its lane bits as the word."""
+        def codegen(context, builder, signature, args):
+            vty = ir.VectorType(context.get_value_type(signature.args[0].dtype), 64)
+
+            def lanes(arrty, arr):
+                data = context.make_array(arrty)(context, builder, arr).data
+                return builder.load(builder.bitcast(builder.gep(data, [args[2]]), vty.as_pointer()), align=1)
+            ne = builder.icmp_unsigned("!=", lanes(signature.args[0], args[0]), lanes(signature.args[1], args[1]))
+            return builder.bitcast(ne, ir.IntType(64))
+        return types.uint64(a, b, types.intp), codegen
+
+    from .context_jit import _cttz as _tz
+
+
+def _diff(b, n, pos, old, d):
+    """Changed positions of b vs n into pos, b there into old, n - b (wrapping) into d; -> how
+    many. A word of 64 compares at a time, then one step per set bit (~1 % changed: most words
+    have none)."""
+    size = b.size
+    full = size - size % 64
+    m = 0
+    for w in range(0, full, 64):
+        x = _ne64(b, n, w)
+        while x:
+            i = w + np.int64(_tz(x))
+            o = b[i]
+            pos[m] = i
+            old[m] = o
+            d[m] = n[i] - o
+            m += 1
+            x &= x - np.uint64(1)
+    for i in range(full, size):
+        if b[i] != n[i]:
+            pos[m] = i
+            old[m] = b[i]
+            d[m] = n[i] - b[i]
+            m += 1
+    return m
+
+
 def _set_at(view, pos, old, d):
     for i in range(pos.size):  # (checked first: nothing is written unless every position is in range)
         if pos[i] < 0 or pos[i] >= view.size:
@@ -120,8 +173,8 @@ def _set_at(view, pos, old, d):
 
 if available:
     _jit = numba.njit(nogil=True, cache=True)
-    _group_order, _ungroup, _nibbles, _rice_gaps, _set_at = (
-        _jit(_group_order), _jit(_ungroup), _jit(_nibbles), _jit(_rice_gaps), _jit(_set_at))
+    _group_order, _ungroup, _nibbles, _rice_gaps, _set_at, _diff = (
+        _jit(_group_order), _jit(_ungroup), _jit(_nibbles), _jit(_rice_gaps), _jit(_set_at), _jit(_diff))
 
 
 def group_order(keys: np.ndarray) -> np.ndarray:
@@ -156,6 +209,16 @@ def set_at(view: np.ndarray, pos: np.ndarray, old: np.ndarray, d: np.ndarray) ->
     return _set_at(view, pos, old.view(view.dtype), d.view(view.dtype))
 
 
+def diff(b: np.ndarray, n: np.ndarray, alloc) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> (positions where b != n, b there, n - b there, wrapping): np.flatnonzero(b != n) and
+    two gathers in one pass. b, n: same-size signed-int views; the results live in `alloc`'s
+    buffers (sized for every element changed; only the changed part is touched)."""
+    pos = alloc("diff.pos", b.size, np.int64)
+    old, d = alloc("diff.old", b.size, b.dtype), alloc("diff.d", b.size, b.dtype)
+    m = _diff(b, n, pos, old, d)
+    return pos[:m], old[:m], d[:m]
+
+
 def warm() -> None:
     """Compile (or load from the cache) outside any timed region."""
     if not available:
@@ -169,6 +232,7 @@ def warm() -> None:
         rice_gaps(np.ones(3, np.uint8), bytes(_low_len(k, 3)), k, np.zeros(0, "<u8"), np.empty(3, np.int64))
     for dt in (np.int8, np.int16, np.int32, np.int64):
         set_at(np.zeros(4, dt), np.arange(2), np.ones(2, dt), np.ones(2, dt))
+        diff(np.zeros(70, dt), np.ones(70, dt), fresh)
 
 
 def _low_len(k: int, m: int) -> int:

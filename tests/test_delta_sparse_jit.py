@@ -1,5 +1,6 @@
 """delta_codec.sparse_jit's kernels agree with the numpy code they replace: value grouping order,
-Rice-coded gaps (every k, escapes, every refusal with the same message), and the sparse write;
+Rice-coded gaps (every k, escapes, every refusal with the same message), the sparse write and the
+encoder's diff pass;
 encode/apply give the same bytes and state with them on and off."""
 from __future__ import annotations
 
@@ -48,6 +49,24 @@ def test_value_order_same_with_and_without_the_kernel(dt, vals):
     finally:
         sj.enabled = sj.available
     assert np.array_equal(a, np.argsort((old >> dt(7)).astype(np.uint8), kind="stable"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([np.int8, np.int16, np.int32, np.int64]), st.integers(0, 700), st.floats(0, 1),
+       st.randoms(use_true_random=False))
+def test_diff_is_nonzero_and_two_gathers(dt, size, frac, rnd):
+    """Every size around the 64-element words (the tail is a separate loop), every density from
+    none to all changed, wrapping differences at the extremes of the dtype."""
+    info = np.iinfo(dt)
+    b = np.array([rnd.randint(info.min, info.max) for _ in range(size)], dt)
+    n = b.copy()
+    hit = [i for i in range(size) if rnd.random() < frac]
+    n[hit] = [rnd.choice([info.min, info.max, rnd.randint(info.min, info.max)]) for _ in hit]
+    pos, old, d = sj.diff(b, n, sj.fresh)
+    want = np.flatnonzero(b != n)
+    assert np.array_equal(pos, want)
+    assert np.array_equal(old, b[want]) and old.dtype == b.dtype
+    assert np.array_equal(d, (n[want] - b[want]).astype(dt)) and d.dtype == b.dtype
 
 
 def rice(pos: np.ndarray, k: int):
