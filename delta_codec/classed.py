@@ -145,13 +145,13 @@ def decode_classed(rec, m: int, count: int, what: str, base_all, shift: int | No
         # class sizes come out of the select pass: until then ranks are only bounded by the
         # chunk (a bitmap by its bytes), and checked against the sizes after it
         ranks = [r for r, _ in decoded]
-        pos, found, sizes = ctx_jit.select(base, shift, ts, ranks)
+        pos, old, found, sizes = ctx_jit.select(base, shift, ts, ranks)
         for k, ((r, nb), f, size) in enumerate(zip(decoded, found, sizes)):
             if f != r.size:
                 raise DeltaError(f"{what} class {k}: rank {int(r[f])} beyond the class of {size}")
             if nb is not None and nb != (size + 7) // 8:
                 raise DeltaError(f"{what} class {k}: bitmap of {nb} bytes for a class of {size}")
-        return pos, np.take(base, pos)
+        return pos, old
     classes = ctx.Classes(ctx.exponents(base, shift, alloc), ts, alloc)
     parts = []
     for k, ((r, nb), size) in enumerate(zip(decoded, classes.sizes)):

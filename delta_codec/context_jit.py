@@ -113,6 +113,21 @@ if numba is not None:
         return types.uint64(types.uint64, types.uint64), codegen
 
     @intrinsic
+    def _prefetch(typingctx, arr, byte):
+        """Ask the cache for the line at byte `byte` of arr's data (a read, to be kept); past the
+        end is harmless (a prefetch never faults)."""
+        def codegen(context, builder, signature, args):
+            from numba.core import cgutils
+            i8p = ir.IntType(8).as_pointer()
+            data = builder.bitcast(context.make_array(signature.args[0])(context, builder, args[0]).data, i8p)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+            i32 = lambda v: ir.Constant(ir.IntType(32), v)
+            builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8"),
+                         [builder.gep(data, [args[1]]), i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+        return types.void(arr, types.intp), codegen
+
+    @intrinsic
     def _cttz(typingctx, x):
         def codegen(context, builder, signature, args):
             return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
@@ -149,8 +164,12 @@ def _sel_bmi2(x, j, tab):
 _sel = _sel_bmi2 if _BMI2 else _sel_swar
 
 
+PREFETCH = 8192  # bytes ahead that pass 1 asks the cache for
 SB = 4  # words per superblock: members are counted per superblock, popcounts find the word inside
 BB = 8  # superblocks per group of the decoder's merge (fewer merge steps; compares find the superblock)
+BLOCK_SB = 512  # superblocks per block of the decoder (128 Ki elements: 256 KiB of bf16 and 64 KiB of
+                # words, in L2 from the block's compares to its gathers; a chunk-wide pass read the
+                # chunk from memory twice and wrote its words there)
 
 
 def _masks(u, em, ts, m, sbc):
@@ -170,6 +189,8 @@ def _masks(u, em, ts, m, sbc):
         sbc[2, q] = s2
         sbc[3, q] = s3
         for w in range(q * SB, min(q * SB + SB, full)):
+            for c in range(0, 64 * u.itemsize, 64):  # (the word's lines, PREFETCH bytes ahead)
+                _prefetch(u, (w * 64) * u.itemsize + PREFETCH + c)
             a0 = _lt64(u, w * 64, em, t0)
             a1 = _lt64(u, w * 64, em, t1)
             a2 = _lt64(u, w * 64, em, t2)
@@ -272,72 +293,87 @@ def _enc(u, em, ts, nt, pos, out_pos, out_rank, starts, sizes, m, sbc, old, d, o
             f[c] += 1
 
 
-def _dec(u, em, ts, nt, ranks, starts, out, found, sizes, m, sbc, sbk, sbi):
+def _dec(u, em, ts, nt, ranks, starts, out, old, found, sizes, m, sbc, sbk, sbi, cur, tot):
     """ranks: each class's strictly increasing ranks, class k's at starts[k]:starts[k+1] ->
-    out: their positions, same layout; found[k]: how many of class k's ranks were found (fewer
-    than given: a rank beyond the class); sizes: class member counts.
-    Per class, without a branch that depends on the data: a merge of the ranks with the class's
-    counts before each superblock (sbk) gives each rank's superblock (sbi); then the word
-    inside it from SB popcounts, and the bit from _sel."""
+    out: their positions, same layout, and old: the base bits there; found[k]: how many of class
+    k's ranks were found (fewer than given: a rank beyond the class); sizes: class member counts.
+    Block by block (BLOCK_SB superblocks, so the block's bits and words stay in cache from its
+    compares to the gathers of its changes' base bits): pass 1 on the block, then per class the
+    ranks that fall in it, without a branch that depends on the data: a merge of those ranks with
+    the class's counts before each superblock (sbk) per group of BB gives each rank's superblock
+    (sbi); then the word inside it from SB popcounts, and the bit from _sel. cur[k]: class k's
+    next rank; tot[k]: its members before the block."""
     n = u.size
-    nw = (n + 63) // 64
-    nsb = (nw + SB - 1) // SB
-    ng = nsb // BB + 1  # groups, the last holding superblock nsb (counts at the chunk's end)
-    _masks(u, em, ts, m, sbc)
+    nsb = (n + 64 * SB - 1) // (64 * SB)
     for k in range(nt + 1):
-        s = starts[k]
-        e = starts[k + 1]
-        sizes[k] = _sb_before(k, nsb, n, sbc)
-        if s == e:
-            found[k] = 0
-            continue
-        for q in range(nsb):
-            sbk[q] = _sb_before(k, q, n, sbc)
-        sbk[nsb] = sizes[k]
-        for q in range(nsb + 1, ng * BB + 1):
-            sbk[q] = _BIG  # (a rank lands at nsb at most: beyond the class)
-        g = 0
-        i = s
-        while i < e:  # merge with every BB-th count (at most e - s + ng steps)
-            r = ranks[i]
-            adv = np.int64(sbk[(g + 1) * BB] <= r)
-            sbi[i] = g
-            g += adv
-            i += 1 - adv
-        for i in range(s, e):  # the superblock inside the group: BB - 1 compares
-            r = ranks[i]
-            q0 = sbi[i] * BB
-            h = np.int64(0)
-            for t in range(1, BB):
-                h += np.int64(sbk[q0 + t] <= r)
-            sbi[i] = q0 + h
-        # class k's words: (row hi, or all ones for class 0) and not (row lo, none past KMAX)
-        rh = max(k - 1, 0)
-        ah = _ALL if k == 0 else np.uint64(0)
-        rl = min(k, KMAX - 1)
-        al = _ALL if k < KMAX else np.uint64(0)
-        f = e - s
-        for i in range(s, e):
-            q = sbi[i]
-            if q == nsb:
-                f = i - s
-                break
-            j = ranks[i] - sbk[q]
-            w0 = q * SB
-            x0 = (m[rh, w0] | ah) & ~(m[rl, w0] & al)
-            x1 = (m[rh, w0 + 1] | ah) & ~(m[rl, w0 + 1] & al)
-            x2 = (m[rh, w0 + 2] | ah) & ~(m[rl, w0 + 2] & al)
-            x3 = (m[rh, w0 + 3] | ah) & ~(m[rl, w0 + 3] & al)
-            p1 = _popc(x0)
-            p2 = p1 + _popc(x1)
-            p3 = p2 + _popc(x2)
-            h1 = np.int64(p1 <= j)
-            h2 = np.int64(p2 <= j)
-            h3 = np.int64(p3 <= j)
-            x = x0 + np.uint64(h1) * (x1 - x0) + np.uint64(h2) * (x2 - x1) + np.uint64(h3) * (x3 - x2)
-            pre = h1 * p1 + h2 * (p2 - p1) + h3 * (p3 - p2)
-            out[i] = (w0 + h1 + h2 + h3) * 64 + _sel(x, j - pre, _SEL8)
-        found[k] = f
+        cur[k] = starts[k]
+        tot[k] = 0
+    for b0 in range(0, nsb, BLOCK_SB):
+        lo = b0 * SB * 64
+        hi = min(n, lo + BLOCK_SB * SB * 64)
+        blk = u[lo:hi]
+        nb = hi - lo
+        nq = (nb + 64 * SB - 1) // (64 * SB)
+        ng = nq // BB + 1  # groups, the last holding superblock nq (counts at the block's end)
+        _masks(blk, em, ts, m, sbc)
+        for k in range(nt + 1):
+            before = tot[k]
+            end = before + _sb_before(k, nq, nb, sbc)
+            tot[k] = end
+            s = cur[k]
+            e = s
+            while e < starts[k + 1] and ranks[e] < end:
+                e += 1
+            if s == e:
+                continue
+            cur[k] = e
+            for q in range(nq):
+                sbk[q] = before + _sb_before(k, q, nb, sbc)
+            sbk[nq] = end
+            for q in range(nq + 1, ng * BB + 1):
+                sbk[q] = _BIG
+            g = 0
+            i = s
+            while i < e:  # merge with every BB-th count (at most e - s + ng steps)
+                r = ranks[i]
+                adv = np.int64(sbk[(g + 1) * BB] <= r)
+                sbi[i] = g
+                g += adv
+                i += 1 - adv
+            for i in range(s, e):  # the superblock inside the group: BB - 1 compares
+                r = ranks[i]
+                q0 = sbi[i] * BB
+                h = np.int64(0)
+                for t in range(1, BB):
+                    h += np.int64(sbk[q0 + t] <= r)
+                sbi[i] = q0 + h
+            # class k's words: (row hi, or all ones for class 0) and not (row lo, none past KMAX)
+            rh = max(k - 1, 0)
+            ah = _ALL if k == 0 else np.uint64(0)
+            rl = min(k, KMAX - 1)
+            al = _ALL if k < KMAX else np.uint64(0)
+            for i in range(s, e):
+                q = sbi[i]
+                j = ranks[i] - sbk[q]
+                w0 = q * SB
+                x0 = (m[rh, w0] | ah) & ~(m[rl, w0] & al)
+                x1 = (m[rh, w0 + 1] | ah) & ~(m[rl, w0 + 1] & al)
+                x2 = (m[rh, w0 + 2] | ah) & ~(m[rl, w0 + 2] & al)
+                x3 = (m[rh, w0 + 3] | ah) & ~(m[rl, w0 + 3] & al)
+                p1 = _popc(x0)
+                p2 = p1 + _popc(x1)
+                p3 = p2 + _popc(x2)
+                h1 = np.int64(p1 <= j)
+                h2 = np.int64(p2 <= j)
+                h3 = np.int64(p3 <= j)
+                x = x0 + np.uint64(h1) * (x1 - x0) + np.uint64(h2) * (x2 - x1) + np.uint64(h3) * (x3 - x2)
+                pre = h1 * p1 + h2 * (p2 - p1) + h3 * (p3 - p2)
+                p = lo + (w0 + h1 + h2 + h3) * 64 + _sel(x, j - pre, _SEL8)
+                out[i] = p
+                old[i] = u[p]
+    for k in range(nt + 1):
+        sizes[k] = tot[k]
+        found[k] = cur[k] - starts[k]
 
 
 def _counts(u, shift, ebits, old, changed, sampled):
@@ -452,17 +488,20 @@ def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[in
 
 def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndarray]):
     """parts[k]: class k's strictly increasing ranks (K + 1 of them) -> (positions in class
-    order, ranks found per class, class sizes)."""
+    order, b there, ranks found per class, class sizes)."""
     u, em, ts, nt = _args(b, shift, thresholds)
     starts = np.cumsum([0, *(p.size for p in parts)]).astype(np.int64)
     ranks = np.concatenate(parts).astype(np.int64, copy=False)
     out = np.empty(ranks.size, np.int64)
+    old = np.empty(ranks.size, u.dtype)
     found = np.zeros(KMAX + 1, np.int64)
     sizes = np.zeros(KMAX + 1, np.int64)
-    alloc, nsb = scratch(), -(-u.size // (64 * SB))
-    _dec(u, em, ts, nt, ranks, starts, out, found, sizes, *_temps(u.size), alloc("jit.sbk", (nsb // BB + 1) * BB + 1, np.int64),
-         alloc("jit.sbi", ranks.size, np.int64))
-    return out, found[:nt + 1].tolist(), sizes[:nt + 1].tolist()
+    alloc = scratch()
+    _dec(u, em, ts, nt, ranks, starts, out, old, found, sizes, alloc("jit.bm", KMAX * BLOCK_SB * SB, np.uint64).reshape(
+        KMAX, BLOCK_SB * SB), alloc("jit.bsbc", KMAX * (BLOCK_SB + 1), np.int64).reshape(KMAX, BLOCK_SB + 1),
+         alloc("jit.sbk", (BLOCK_SB // BB + 1) * BB + 1, np.int64), alloc("jit.sbi", ranks.size, np.int64),
+         np.zeros(KMAX + 1, np.int64), np.zeros(KMAX + 1, np.int64))
+    return out, old.view(b.dtype), found[:nt + 1].tolist(), sizes[:nt + 1].tolist()
 
 
 def exponent_counts(b: np.ndarray, old: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray, int]:

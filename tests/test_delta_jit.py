@@ -86,9 +86,13 @@ def numpy_ranks(b, pos, shift, ts):
     return classes, pos, ranks, bounds
 
 
+BLOCK = cj.BLOCK_SB * cj.SB * 64  # elements per block of the decoder's select
+
+
 @settings(max_examples=150, deadline=None)
-@given(st.sampled_from([1, 2, 4, 8]), st.integers(0, 3000), st.integers(0, 2**32 - 1),
-       st.floats(0, 1), st.data())
+@given(st.sampled_from([1, 2, 4, 8]),
+       st.one_of(st.integers(0, 3000), st.sampled_from([BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 777])),
+       st.integers(0, 2**32 - 1), st.floats(0, 1), st.data())
 def test_kernels_agree_with_the_numpy_classes(itemsize, n, seed, density, data):
     rng = np.random.default_rng(seed)
     info = np.iinfo(INTS[itemsize])
@@ -105,12 +109,14 @@ def test_kernels_agree_with_the_numpy_classes(itemsize, n, seed, density, data):
     *_, old, d = cj.encode_ranks(b, pos, shift, ts, b[pos], ~b[pos])  # carried into class order too
     assert np.array_equal(old, b[ref_pos]) and np.array_equal(d, ~b[ref_pos])
     parts = [ranks[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-    sel, found, sizes2 = cj.select(b, shift, ts, parts)
+    sel, old, found, sizes2 = cj.select(b, shift, ts, parts)
     assert np.array_equal(sel, out_pos) and found == [p.size for p in parts] and sizes2 == classes.sizes
+    assert old.dtype == b.dtype and np.array_equal(old, b[sel])
     # every member of every class, across the select's block and word edges
     every = [np.arange(s, dtype=np.int64) for s in classes.sizes]
-    sel, found, _ = cj.select(b, shift, ts, every)
+    sel, old, found, _ = cj.select(b, shift, ts, every)
     assert np.array_equal(sel, np.concatenate([classes.select(k, r) for k, r in enumerate(every)]))
+    assert np.array_equal(old, b[sel]) and found == classes.sizes
 
 
 @settings(max_examples=100, deadline=None)
@@ -144,7 +150,7 @@ def test_select_reports_ranks_beyond_the_class():
     ts = [120]
     _, _, _, sizes = cj.encode_ranks(b, np.zeros(0, np.int64), 7, ts)
     parts = [np.array([0, sizes[0]]), np.array([sizes[1] - 1])]
-    _, found, _ = cj.select(b, 7, ts, parts)
+    _, _, found, _ = cj.select(b, 7, ts, parts)
     assert found == [1, 1]
 
 
