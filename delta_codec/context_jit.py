@@ -13,11 +13,14 @@ Two passes, both sides:
      compares: no branch per change). Decoder, per class: a branch-free merge of its
      increasing ranks with its counts per group of BB superblocks, BB - 1 compares for the
      superblock, then the word from SB popcounts and the bit from a select (BMI2's pdep where
-     the CPU has a fast one, else a SWAR select).
+     the CPU has a fast one, else a SWAR select). The decoder runs both passes block by block
+     (BLOCK_SB superblocks), so each block's base bits are still in cache when its changes'
+     base bits are gathered, and its words never leave the cache.
 O(chunk / 64 + changes) after the compares; no branch that depends on where the changes are
 (the earlier single pass mispredicted on most words at ~1 % changed). nogil, so apply threads
 run side by side; cache=True keeps the compiled code across processes. Temporaries (KMAX words
-per 64 elements, KMAX counts per superblock) live in the worker's Scratch. Pass 1 reads the
+per 64 elements, KMAX counts per superblock) live in the worker's Scratch. Pass 1 asks for the
+lines it reads PREFETCH bytes ahead (measured: the cold pass ran ~30 % faster). Pass 1 reads the
 whole base chunk, which format 2's coding never does on apply: that read is most of what
 CLASSED still costs over GAP there.
 Also compiled here, with results equal to context.py's: the exponent counts that
