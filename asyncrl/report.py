@@ -120,7 +120,7 @@ def finish_run(run_dir: Path, reason: str, extra: dict | None = None) -> dict:
     first_eval = next((r for r in rows if r.get("eval_success") is not None), {})
     last_eval = next((r for r in reversed(rows) if r.get("eval_success") is not None), {})
     ws = next((r for r in rows if r.get("warmstart_steps_done") is not None), {})
-    checks = [(r["warmstart_step"], r["warmstart_check_success"]) for r in rows if "warmstart_check_success" in r]
+    checks = [[r["warmstart_step"], r["warmstart_check_success"]] for r in rows if "warmstart_check_success" in r]
     summary = {
         "run_dir": str(run_dir),
         "stopped": reason,
