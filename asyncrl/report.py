@@ -39,7 +39,9 @@ def plot_run(run_dir: Path, rows: list[dict]) -> list[str]:
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     panels = [
         (axes[0, 0], [("reward_mean", "reward"), ("success_mean", "success (train)"),
-                      ("eval_success", "success (held-out)")], "reward / success vs time"),
+                      ("eval_success", "success (held-out)"),
+                      ("warmstart_check_success", "success (warm-start check, train split)")],
+         "reward / success vs time"),
         (axes[0, 1], [("cost_mean", "tokens per answer")], "tokens per answer vs time"),
         (axes[1, 0], [("k3_mean", "mismatch KL (k3)")], "trainer/sampler mismatch"),
         (axes[1, 1], [("changed_frac", "changed fraction")], "delta: changed fraction of bf16 weights"),
@@ -48,7 +50,7 @@ def plot_run(run_dir: Path, rows: list[dict]) -> list[str]:
     for ax, keys, title in panels:
         for key, label in keys:
             t, v = _series(rows, key)
-            if len(v) and key.startswith("eval_"):      # few points: draw them all, unsmoothed
+            if len(v) and key.startswith(("eval_", "warmstart_")):      # few points: draw them all, unsmoothed
                 ax.plot(t, v, "o-", label=label)
             elif len(v):
                 ax.plot(t, v, ".", alpha=0.3)
@@ -58,6 +60,11 @@ def plot_run(run_dir: Path, rows: list[dict]) -> list[str]:
         ax.set_xlabel("seconds")
         ax.legend(loc="best", fontsize=8)
         ax.grid(alpha=0.3)
+    ws = next((r for r in rows if r.get("warmstart_steps_done") is not None), None)
+    if ws is not None:          # RL starts here
+        axes[0, 0].axvline(ws["t"], color="gray", ls="--", lw=1)
+        axes[0, 0].annotate(f"warm start: {ws['warmstart_steps_done']} steps", (ws["t"], 0.02), fontsize=7,
+                            rotation=90, xycoords=("data", "axes fraction"))
     hist = staleness_hist(rows)
     ax = axes[0, 2]
     if hist:
@@ -112,11 +119,17 @@ def finish_run(run_dir: Path, reason: str, extra: dict | None = None) -> dict:
     last = steps[-1] if steps else {}
     first_eval = next((r for r in rows if r.get("eval_success") is not None), {})
     last_eval = next((r for r in reversed(rows) if r.get("eval_success") is not None), {})
+    ws = next((r for r in rows if r.get("warmstart_steps_done") is not None), {})
+    checks = [[r["warmstart_step"], r["warmstart_check_success"]] for r in rows if "warmstart_check_success" in r]
     summary = {
         "run_dir": str(run_dir),
         "stopped": reason,
         "versions": last.get("version", 0),
         "trainer_steps": len(steps),
+        "warmstart_steps_done": ws.get("warmstart_steps_done"),
+        "warmstart_stopped": ws.get("warmstart_stopped"),
+        "warmstart_check_success_last": ws.get("warmstart_check_success_last"),
+        "warmstart_checks": checks,        # [step, train-split success] of each stop check
         "eval_success_initial": first_eval.get("eval_success"),
         "eval_success_final": last_eval.get("eval_success"),
         "eval_tokens_initial": first_eval.get("eval_tokens"),

@@ -87,6 +87,17 @@ def spawn(run_dir: Path, name: str, component: str, module: str, conf: dict, nic
     return Proc(name, component, child.popen, child.log_path)
 
 
+def warmstart_line(tel: Telemetry) -> str:
+    """Where the trainer's warm start stopped ("" before it is done or without one)."""
+    m = next((m for m in tel.latest.values() if m.get("warmstart_steps_done") is not None), None)
+    if m is None:
+        return ""
+    line = f"warm start: {m['warmstart_steps_done']} steps ({m.get('warmstart_stopped')})"
+    if m.get("warmstart_check_success_last") is not None:
+        line += f", train-split check {m['warmstart_check_success_last']:.2f} (until {m.get('warmstart_until')})"
+    return line
+
+
 def progress_table(tel: Telemetry, elapsed: float, steps: int, sup: Supervisor | None = None):
     from rich.table import Table
 
@@ -96,6 +107,9 @@ def progress_table(tel: Telemetry, elapsed: float, steps: int, sup: Supervisor |
         down = [c.name for c in sup.children if not c.alive and not c.finished]
         if down:
             caption += "  ·  down: " + ", ".join(down)
+    ws = warmstart_line(tel)
+    if ws:
+        caption = f"{caption}  ·  {ws}" if caption else ws
     t = Table(title=f"asyncrl up — {elapsed:5.0f}s", expand=False, caption=caption)
     for col in ("component", "version", "reward", "success", "tokens/answer", "λ",
                 "staleness", "tok/s", "slots", "stall p99 ms", "delta KB"):

@@ -104,6 +104,15 @@ class TrainerConfig:
     warmstart_lr: float = 1e-3
     warmstart_style: str = "default"     # demonstration style passed to the env (arith: default = direct|steps|padded, mixed = direct|steps, or one)
     warmstart_batch: int = 16
+    # stop the warm start on a measured success instead of a step count (0 = off: warmstart_steps
+    # steps). On: every warmstart_check_every steps from warmstart_check_from, play
+    # warmstart_check_n TRAIN-split tasks at task_sampling (the eval split stays unseen: choosing
+    # the stop point on it would leak the held-out metric) and stop once success >= warmstart_until;
+    # warmstart_steps is then the cap. Aim: RL starts where a group's outcomes are mixed.
+    warmstart_until: float = 0.0
+    warmstart_check_every: int = 10
+    warmstart_check_from: int = 0        # first step (1-based count of steps done) that may be checked
+    warmstart_check_n: int = 16
     # TESTS ONLY (chaos harness, tests/test_trainer_slow_step.py): hold each trained batch this long
     # between its step and its checkpoint, i.e. a step + publication slower than ack_wait. 0 = off.
     debug_step_delay_s: float = 0.0
@@ -136,6 +145,13 @@ class TrainerConfig:
             "elastic_nproc_per_node": self.elastic_nproc_per_node >= 1,
             "elastic_max_restarts": self.elastic_max_restarts >= 0,
             "elastic_rdzv_endpoint": ":" in self.elastic_rdzv_endpoint,
+            "warmstart_steps": self.warmstart_steps >= 0,
+            "warmstart_batch": self.warmstart_batch >= 1,
+            "warmstart_until": 0.0 <= self.warmstart_until <= 1.0
+                               and (self.warmstart_until == 0 or self.warmstart_steps > 0),   # the cap
+            "warmstart_check_every": self.warmstart_check_every >= 1,
+            "warmstart_check_from": self.warmstart_check_from >= 0,
+            "warmstart_check_n": self.warmstart_check_n >= 1,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

@@ -15,12 +15,12 @@ from envs import get_env
 from policy import SamplingConfig, Transformer, generate
 
 
-def eval_specs(env_names: list[str], n: int, seed: int):
+def eval_specs(env_names: list[str], n: int, seed: int, split: str = "eval"):
     rng = random.Random(seed)
     out = []
     for i in range(n):
         env = get_env(env_names[i % len(env_names)])
-        out.append((env, env.sample(rng, split="eval")))
+        out.append((env, env.sample(rng, split=split)))
     return out
 
 
@@ -30,7 +30,14 @@ def evaluate(published: dict, model_cfg, tok, env_names: list[str], sampling: di
     model = Transformer(model_cfg).float()
     model.load_inference_state(published)     # exactly the bits the workers hold
     model.eval()
-    specs = eval_specs(env_names, n, seed)
+    return evaluate_model(model, tok, env_names, sampling, n, seed, chat_template)
+
+
+@torch.no_grad()
+def evaluate_model(model, tok, env_names: list[str], sampling: dict, n: int, seed: int = 0,
+                   chat_template: bool = False, split: str = "eval") -> dict:
+    """`model` (in eval mode) on n tasks of `split`: episodes for multi-turn envs, else one answer each."""
+    specs = eval_specs(env_names, n, seed, split)
     sc = SamplingConfig.from_dict(sampling)
     if all("episode" in s.spec for _, s in specs):
         return evaluate_episodes(model, tok, [s.spec for _, s in specs], sc, seed)

@@ -81,6 +81,21 @@ async def start_sweeper(bus):
     return sub
 
 
+def warmstart_record(cfg: TrainerConfig, steps_done: int, checks: list[dict]) -> dict:
+    """Flat metrics of a finished warm start: steps done, why it stopped (steps: a plain step
+    count; until: a success check passed; cap: warmstart_steps reached first) and the last check."""
+    stopped = "steps"
+    if cfg.warmstart_until > 0:
+        passed = checks and checks[-1]["warmstart_step"] == steps_done \
+            and checks[-1]["warmstart_check_success"] >= cfg.warmstart_until
+        stopped = "until" if passed else "cap"
+    out = {"warmstart_steps_done": steps_done, "warmstart_stopped": stopped}
+    if checks:
+        out.update(warmstart_checks=len(checks), warmstart_check_success_last=checks[-1]["warmstart_check_success"],
+                   warmstart_until=cfg.warmstart_until)
+    return out
+
+
 class Trainer:
     def __init__(self, cfg: TrainerConfig, bus, learner: Learner, model_cfg: ModelConfig):
         self.cfg, self.bus, self.learner, self.model_cfg = cfg, bus, learner, model_cfg
@@ -89,6 +104,7 @@ class Trainer:
         self.consumed = ConsumedIds(limit=cfg.dedupe_window)
         self.published: dict[str, torch.Tensor] = {}
         self.warmstarted = False
+        self.warmstart_record: dict = {}     # where this leader's warm start stopped (metrics, once)
         self.fed = asyncio.Event()       # set when a batch is taken or acked: the feeder tops up at once
         self.sync_replaced = 0           # sync: tasks published again because theirs produced nothing
         self.sharded = cfg.publish == "sharded"
@@ -129,8 +145,16 @@ class Trainer:
         self.resume()
         if not self.warmstarted and self.cfg.warmstart_steps:
             # every rank takes part (a sharded forward is a collective): see Learner.warm_start
-            self.learner.warm_start(self.cfg, self.model_cfg, self.cfg.warmstart_style)
+            checks: list[dict] = []
+
+            def on_check(rec: dict) -> None:     # each stop check, as it happens (the run's record)
+                checks.append(rec)
+                self.write_jsonl({**rec, "ts": time.time()})
+            losses = self.learner.warm_start(self.cfg, self.model_cfg, self.cfg.warmstart_style, on_check=on_check)
             self.warmstarted = True
+            self.warmstart_record = warmstart_record(self.cfg, len(losses), checks)
+            log.info("warm start done", **self.warmstart_record)
+            self.write_jsonl({**self.warmstart_record, "ts": time.time()})
             if self.cfg.run_dir:     # the policy RL starts from (`asyncrl calibrate-cost --checkpoint` reads it)
                 torch.save({"model": self.learner.full_state(), "model_config": self.model_cfg.to_dict(),
                             "version": self.version}, Path(self.cfg.run_dir) / "warmstart.pt")
@@ -178,6 +202,9 @@ class Trainer:
         await asyncio.to_thread(self.prepare)        # in a thread: the lease keeps being renewed
         publisher = self.make_publisher(epoch)
         await publisher.publish_keyframe(self.published, self.version, self.model_cfg)
+        if self.warmstart_record:          # the live table says where the warm start stopped
+            await self.publish_metrics({**self.warmstart_record, "version": self.version})
+            self.warmstart_record = {}
         ev = await self.maybe_evaluate(self.version, self.published)
         if ev:
             values = {**ev, "version": self.version, "epoch": epoch, "ts": time.time()}

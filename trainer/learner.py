@@ -274,14 +274,16 @@ class Learner:
         out = {n: full_tensor(p.detach()).cpu() for n, p in self.model.named_parameters()}
         return out if world()[0] == 0 else None
 
-    def warm_start(self, cfg, model_cfg, style: str = "default") -> list[float]:
+    def warm_start(self, cfg, model_cfg, style: str = "default", on_check=None) -> list[float]:
         """Supervised warm start (trainer/warmstart.py) on every rank: a sharded model's forward and
         backward are collectives, so rank 0 alone would wait forever for its peers. Every rank
         draws the same demonstrations (same seed) and FSDP2 averages identical gradients: the
-        same update as one process."""
+        same update as one process. A success-stopped warm start (warmstart_until) checks on every
+        rank alike: same tasks, same sampling seed, identical logits, so every rank stops at the
+        same step. `on_check` (rank 0's record of each check) is not sent to the followers."""
         from .warmstart import warm_start
         announce("warm_start", cfg, model_cfg, style)
-        return warm_start(self.model, cfg, model_cfg, style=style)
+        return warm_start(self.model, cfg, model_cfg, style=style, on_check=on_check)
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model state dict on rank 0 (a collective when sharded; others get None)."""

@@ -6,6 +6,8 @@ Multi-turn envs (`demonstration_turns`: oracle episodes) are laid out as the wor
 from __future__ import annotations
 
 import random
+import time
+from typing import Callable
 
 import torch
 
@@ -39,11 +41,53 @@ def demo_batch(env_names: list[str], n: int, rng: random.Random, tok, style: str
     return prompts, completions, masks
 
 
-def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default", after_step=None) -> list[float]:
-    """cfg.warmstart_steps AdamW steps of demonstration NLL; returns the loss per step.
+class SuccessStop:
+    """The stop criterion of a warm start with `warmstart_until` > 0: after every
+    `warmstart_check_every` steps from `warmstart_check_from`, the policy plays `warmstart_check_n`
+    train-split tasks (the same ones each check: checks are comparable) at the config's
+    task_sampling; the warm start stops once their success >= `warmstart_until`. Train split on
+    purpose: picking the stop point on the eval split would leak the held-out metric."""
+
+    def __init__(self, cfg, tok, on_check: Callable[[dict], None] | None = None):
+        self.cfg, self.tok, self.on_check = cfg, tok, on_check
+        self.until = float(getattr(cfg, "warmstart_until", 0.0))
+        self.every = int(getattr(cfg, "warmstart_check_every", 10))
+        self.start = int(getattr(cfg, "warmstart_check_from", 0))
+        self.checks: list[dict] = []
+
+    def due(self, done: int) -> bool:
+        return self.until > 0 and done >= max(self.start, 1) and (done - self.start) % self.every == 0
+
+    def __call__(self, model, done: int) -> bool:
+        """Check the policy after `done` steps; True = stop here. Leaves the model in train mode."""
+        from .evaluate import evaluate_model
+        cfg, t = self.cfg, time.perf_counter()
+        model.eval()
+        try:
+            ev = evaluate_model(model, self.tok, cfg.envs, cfg.task_sampling, int(getattr(cfg, "warmstart_check_n", 16)),
+                                cfg.seed + 104729, bool(getattr(cfg, "chat_template", False)), split="train")
+        finally:
+            model.train()
+        # not eval_* keys: the run's summary takes its held-out figures from those
+        rec = {"warmstart_step": done, "warmstart_check_success": ev["eval_success"],
+               "warmstart_check_n": ev["eval_n"], "warmstart_check_s": round(time.perf_counter() - t, 2)}
+        self.checks.append(rec)
+        log.info("warm start check", step=done, success=round(ev["eval_success"], 4), until=self.until,
+                 n=ev["eval_n"], seconds=rec["warmstart_check_s"])
+        if self.on_check is not None:
+            self.on_check(rec)
+        return ev["eval_success"] >= self.until
+
+
+def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default", after_step=None,
+               on_check: Callable[[dict], None] | None = None) -> list[float]:
+    """cfg.warmstart_steps AdamW steps of demonstration NLL; returns the loss per step (its length
+    is the number of steps done). With cfg.warmstart_until > 0 the warm start stops early once a
+    SuccessStop check passes (warmstart_steps is the cap); `on_check(record)` gets each check.
     `after_step(step, losses)`, when given, runs after each step (bench/swe_warmstart.py evaluates
     the policy on its way: it must leave the model in train mode)."""
     tok = tok or load_tokenizer(cfg.tokenizer)
+    stop = SuccessStop(cfg, tok, on_check)
     rng = random.Random(cfg.seed + 7919)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr)
     losses = []
@@ -72,6 +116,10 @@ def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default", aft
             log.info("warm start", step=step, nll=round(losses[-1], 4))
         if after_step is not None:
             after_step(step, losses)
+        if stop.due(step + 1) and step + 1 < cfg.warmstart_steps and stop(model, step + 1):
+            log.info("warm start stopped", step=step + 1, success=stop.checks[-1]["warmstart_check_success"],
+                     until=stop.until, cap=cfg.warmstart_steps)
+            break
     return losses
 
 
