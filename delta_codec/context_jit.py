@@ -20,7 +20,7 @@ O(chunk / 64 + changes) after the compares; no branch that depends on where the 
 (the earlier single pass mispredicted on most words at ~1 % changed). nogil, so apply threads
 run side by side; cache=True keeps the compiled code across processes. Temporaries (KMAX words
 per 64 elements, KMAX counts per superblock) live in the worker's Scratch. Pass 1 asks for the
-lines it reads PREFETCH bytes ahead (measured: the cold pass ran ~30 % faster). Pass 1 reads the
+lines it reads PREFETCH bytes ahead (docs/benchmarks.md: the cold pass is faster). Pass 1 reads the
 whole base chunk, which format 2's coding never does on apply: that read is most of what
 CLASSED still costs over GAP there.
 Also compiled here, with results equal to context.py's: the exponent counts that
