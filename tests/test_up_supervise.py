@@ -76,9 +76,12 @@ async def test_up_survives_repeated_kills_and_a_trainer_kill(fresh_server, tmp_p
     try:
         await wait_for(lambda: trainer_version(run_dir) >= 1, 150, "version 1", proc, out)
         names = ["worker-0", "worker-1", "scorer-0"]
+        killed = set()  # (a pid file can still name the child just killed: wait for its replacement)
         for i in range(6):
             name = "trainer" if i == 3 else rng.choice(names)
-            pid = await wait_for(lambda: child_pid(run_dir, name), 60, f"{name} running", proc, out)
+            pid = await wait_for(lambda: (p if (p := child_pid(run_dir, name)) not in killed else None), 60,
+                                 f"{name} running", proc, out)
+            killed.add(pid)
             os.kill(pid, signal.SIGKILL)
             kills[{"trainer": "trainer", "scorer-0": "scorer"}.get(name, "rollout_worker")] += 1
             v = trainer_version(run_dir)
