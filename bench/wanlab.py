@@ -189,11 +189,14 @@ class Lab:
         return await self.links.counters()
 
     async def close(self) -> None:
-        for b in self._buses:
-            try:
-                await asyncio.wait_for(b.close(), 5)
-            except Exception:
-                pass
+        # bounded without waiting on cancellation: a nats-py client caught mid-reconnect can
+        # swallow a cancel, and `wait_for` would then wait for it forever
+        if self._buses:
+            closing = [asyncio.ensure_future(b.close()) for b in self._buses]
+            _, stuck = await asyncio.wait(closing, timeout=10)
+            for t in stuck:
+                t.cancel()
+            self._buses.clear()
         await self.links.close()
         for s in [*self.regions.values(), self.hub]:
             if s is not None:

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import nats.errors
 import pytest
 
 from bus import (BusConfig, ConfigError, KVConflict, TopologyConfig, connect, load_config,
@@ -129,6 +130,47 @@ def test_logging_json_lines_with_component():
     assert rec["component"] == "scorer" and rec["component_id"] == "scorer-7" and rec["level"] == "info"
     with pytest.raises(ValueError, match="log level"):
         setup_logging("x", level="loud")
+
+
+class _SlowClusterJS:
+    """A JetStream context whose stream creates time out the way an R3 create does on a loaded
+    cluster: the call took effect on the server, the reply came too late."""
+
+    def __init__(self, js, fail: int, info_times_out: bool = False):
+        self._js, self.fail, self.calls, self.info_times_out = js, fail, 0, info_times_out
+
+    def __getattr__(self, name):
+        return getattr(self._js, name)
+
+    async def stream_info(self, name, *a, **kw):
+        if self.info_times_out:
+            raise nats.errors.TimeoutError
+        return await self._js.stream_info(name, *a, **kw)
+
+    async def add_stream(self, config):
+        res = await self._js.add_stream(config)
+        self.calls += 1
+        if self.calls <= self.fail:
+            raise nats.errors.TimeoutError
+        return res
+
+
+async def test_provision_retries_a_timed_out_create_that_took_effect(fresh_server, monkeypatch):
+    bus = await connect(BusConfig(servers=[fresh_server.url], name="prov-retry"))
+    try:
+        js = _SlowClusterJS(bus.js, fail=2)
+        res = await topo.provision(js, TopologyConfig())
+        assert js.calls >= 2                      # two creates timed out; the retries saw them done
+        for s in topo.stream_configs(TopologyConfig()):
+            assert (await bus.js.stream_info(s.name)).config.name == s.name
+        assert set(res.values()) <= {"created", "unchanged"}
+        assert set((await bus.provision()).values()) == {"unchanged"}
+        # a server that never answers is reported after the last attempt, not swallowed
+        monkeypatch.setattr(topo, "PROVISION_ATTEMPTS", 2)
+        with pytest.raises(nats.errors.TimeoutError):
+            await topo.provision(_SlowClusterJS(bus.js, fail=0, info_times_out=True), TopologyConfig())
+    finally:
+        await bus.close()
 
 
 async def test_publish_to_unprovisioned_subject_is_a_clear_error(fresh_server):

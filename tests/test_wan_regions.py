@@ -325,6 +325,7 @@ async def test_region_death_reroutes_its_tasks_and_its_feed_resumes_past_retenti
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(600)
 @pytest.mark.asyncio
 async def test_link_cut_then_back_mirror_catches_up_and_feed_resumes(lab):
     """A region's link is cut while versions move past retention; when it is back the mirror

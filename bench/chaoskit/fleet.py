@@ -70,7 +70,11 @@ class Fleet:
             kw = {"user": user, "password": password}
         self.bus = await connect(BusConfig(servers=list(self.servers), name="chaos-harness",
                                            topology=TopologyConfig(**self.topology()), **kw))
-        await self.bus.provision()
+        try:
+            await self.bus.provision()
+        except BaseException:
+            await self.close()     # else its client reconnects forever to servers the caller stops
+            raise
         return self
 
     async def close(self) -> None:

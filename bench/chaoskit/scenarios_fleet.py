@@ -82,15 +82,17 @@ async def random_kill_storm(run_dir: Path, tasks: int = 0, seed: int = 11, durat
             await fleet.close()
 
 
-async def up_supervisor(run_dir: Path, tasks: int = 0, seed: int = 13, kills: int = 5, steps: int = 80) -> dict:
+async def up_supervisor(run_dir: Path, tasks: int = 0, seed: int = 13, kills: int = 5, steps: int = 10) -> dict:
     """`asyncrl up` supervises its children: SIGKILL a random worker or scorer of a running run
-    `kills` times; each is restarted with backoff, the run finishes its steps, summary.json counts
-    every restart, nothing is trained twice. recovery_s: the longest kill -> replacement running."""
+    `kills` times; each is restarted with backoff, the run trains `steps` more versions after the
+    last replacement and is then stopped by SIGTERM (not by a step count: on a loaded machine
+    replacements are slow, and a fixed count can end the run mid-kill), summary.json counts every
+    restart, nothing is trained twice. recovery_s: the longest kill -> replacement running."""
     rng = random.Random(seed)
     config = SMALL_RUN.replace("[up]\n", "[up]\ngrace_s = 3.0\nmax_restarts = 8\nrestart_backoff_s = 0.5\n") \
         .replace("eval_every = 3", "eval_every = 0")
     run_dir.mkdir(parents=True, exist_ok=True)
-    proc, up_dir = start_up(run_dir, config, steps=steps, minutes=8)
+    proc, up_dir = start_up(run_dir, config, steps=100_000, minutes=12)
     out, done, recs = run_dir / "up.out", Counter(), []
     try:
         await wait_for(lambda: trainer_version(up_dir) >= 1, 240, "version 1", proc, out)
@@ -103,13 +105,17 @@ async def up_supervisor(run_dir: Path, tasks: int = 0, seed: int = 13, kills: in
             done["scorer" if name.startswith("scorer") else "rollout_worker"] += 1
             await wait_for(lambda: child_pid(up_dir, name) not in (None, pid), 60, f"{name} replaced", proc, out)
             recs.append(time.monotonic() - t)
-        code = await asyncio.to_thread(proc.wait, 600)
+        last = trainer_version(up_dir)
+        await wait_for(lambda: trainer_version(up_dir) >= last + steps, 300, f"{steps} versions after the kills",
+                       proc, out)
+        proc.send_signal(signal.SIGTERM)               # an orderly stop: drains, summary, exit 0
+        code = await asyncio.to_thread(proc.wait, 120)
         s = summary_of(up_dir)
         rows = [json.loads(x) for x in (up_dir / "metrics" / "trainer.jsonl").read_text().splitlines() if x]
         counts = Counter(rid for r in rows if "samples" in r for rid in r["rollout_ids"])
         restarts = {k: v for k, v in s.get("restarts", {}).items() if v}
         books = await up_books(up_dir, counts, group=4)
-        ok = code == 0 and s.get("versions", 0) >= steps and restarts == dict(done)
+        ok = code == 0 and s.get("versions", 0) >= last + steps and restarts == dict(done)
         return row("up_supervisor", books, max(recs, default=0.0), ok, kills=dict(done), restarts=restarts,
                    versions=s.get("versions"), exit_code=code, replacement_s=[round(r, 2) for r in recs])
     finally:
