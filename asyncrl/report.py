@@ -58,7 +58,8 @@ def plot_run(run_dir: Path, rows: list[dict]) -> list[str]:
                 ax.plot(t[len(t) - len(sv):], sv, label=label)
         ax.set_title(title)
         ax.set_xlabel("seconds")
-        ax.legend(loc="best", fontsize=8)
+        if ax.get_legend_handles_labels()[1]:      # (a panel with no series yet: no legend, no warning)
+            ax.legend(loc="best", fontsize=8)
         ax.grid(alpha=0.3)
     ws = next((r for r in rows if r.get("warmstart_steps_done") is not None), None)
     if ws is not None:          # RL starts here

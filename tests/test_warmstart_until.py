@@ -83,6 +83,7 @@ def test_check_window_and_cap(tmp_path, say_digit):
     assert [c["warmstart_step"] for c in checks] == [3, 7, 11]
 
 
+@pytest.mark.filterwarnings("error:No artists with labels")    # (its plot has panels with no series yet)
 def test_leader_records_where_the_warm_start_stopped(tmp_path, say_digit):
     cfg = config(tmp_path)
     model, mcfg = build_model(cfg)
