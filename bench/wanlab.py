@@ -23,6 +23,7 @@ from pathlib import Path
 from bus import BusConfig, EmbeddedServer, connect
 from bus import topology as topo
 from bus.regions import weight_source
+from bus.lifetime import cancel_and_wait
 
 from .delayline import LinkSpec
 
@@ -189,13 +190,12 @@ class Lab:
         return await self.links.counters()
 
     async def close(self) -> None:
-        # bounded without waiting on cancellation: a nats-py client caught mid-reconnect can
-        # swallow a cancel, and `wait_for` would then wait for it forever
+        # bounded: a nats-py close caught mid-reconnect can lose a cancel, and `wait_for` would then
+        # wait for it forever; cancel_and_wait cancels again until it has ended
         if self._buses:
             closing = [asyncio.ensure_future(b.close()) for b in self._buses]
             _, stuck = await asyncio.wait(closing, timeout=10)
-            for t in stuck:
-                t.cancel()
+            await cancel_and_wait(stuck)
             self._buses.clear()
         await self.links.close()
         for s in [*self.regions.values(), self.hub]:

@@ -126,7 +126,14 @@ class Bus:
         return self.cfg.name
 
     async def provision(self, cfg: topo.TopologyConfig | None = None) -> dict[str, str]:
-        return await topo.provision(self.js, cfg or self.cfg.topology, log=log)
+        """topology.provision, retried as a publish is (RETRYABLE): a clustered server can time out
+        an API call (an R3 stream create waits for its peers) or answer 503 while it elects a
+        leader, and the call may still have taken effect; the pass is idempotent, so a retry sees
+        what is there."""
+        async for attempt in self._retrying():
+            with attempt:
+                return await topo.provision(self.js, cfg or self.cfg.topology, log=log)
+        raise AssertionError("unreachable")
 
     # -- publishing ------------------------------------------------------------------------
     def _headers(self, event: Event | bytes, msg_id: str | None, headers: dict | None) -> dict[str, str]:

@@ -49,15 +49,8 @@ def api_prefix(domain: str | None = None) -> str:
 import dataclasses  # noqa: E402  (kept below the names: the names are the contract, this is the how)
 from dataclasses import dataclass  # noqa: E402
 
-import asyncio  # noqa: E402
-
-import nats.errors  # noqa: E402
 from nats.js import api  # noqa: E402
-from nats.js.errors import BucketNotFoundError, NotFoundError, ServiceUnavailableError  # noqa: E402
-from tenacity import (AsyncRetrying, retry_if_exception_type, stop_after_attempt,  # noqa: E402
-                      wait_random_exponential)
-
-PROVISION_ATTEMPTS = 6
+from nats.js.errors import BucketNotFoundError, NotFoundError  # noqa: E402
 
 WORK_STREAMS = {TASKS: "rl.tasks.>", ROLLOUTS: "rl.rollouts.>", SCORED: "rl.scored.>"}
 WORK_CONSUMERS = {TASKS: ROLLOUT_CONSUMER, ROLLOUTS: SCORER_CONSUMER, SCORED: TRAINER_CONSUMER}
@@ -135,23 +128,8 @@ def _differs(want, have, fields) -> list[str]:
 
 
 async def provision(js, cfg: TopologyConfig | None = None, log=None) -> dict[str, str]:
-    """Create what is missing, update what changed. Returns {name: created|updated|unchanged}.
-
-    A clustered server can time out an API call (an R3 stream create waits for its peers, slow
-    on a loaded machine) or answer 503 while it elects a leader; the call may still have taken
-    effect, so the whole pass is retried: it is idempotent, and the retry sees what is there."""
-    async for attempt in AsyncRetrying(stop=stop_after_attempt(PROVISION_ATTEMPTS), reraise=True,
-                                       wait=wait_random_exponential(multiplier=0.5, max=5.0),
-                                       retry=retry_if_exception_type((nats.errors.TimeoutError, asyncio.TimeoutError,
-                                                                      ServiceUnavailableError))):
-        with attempt:
-            if log and attempt.retry_state.attempt_number > 1:
-                log.warning("provision retried", attempt=attempt.retry_state.attempt_number)
-            return await _provision_once(js, cfg or TopologyConfig(), log)
-    raise AssertionError("unreachable")
-
-
-async def _provision_once(js, cfg: TopologyConfig, log=None) -> dict[str, str]:
+    """Create what is missing, update what changed. Returns {name: created|updated|unchanged}."""
+    cfg = cfg or TopologyConfig()
     done: dict[str, str] = {}
     for want in stream_configs(cfg):
         try:

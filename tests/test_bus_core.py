@@ -155,21 +155,23 @@ class _SlowClusterJS:
         return res
 
 
-async def test_provision_retries_a_timed_out_create_that_took_effect(fresh_server, monkeypatch):
-    bus = await connect(BusConfig(servers=[fresh_server.url], name="prov-retry"))
+async def test_provision_retries_a_timed_out_create_that_took_effect(fresh_server):
+    bus = await connect(BusConfig(servers=[fresh_server.url], name="prov-retry", publish_retries=3))
+    js = bus.js
     try:
-        js = _SlowClusterJS(bus.js, fail=2)
-        res = await topo.provision(js, TopologyConfig())
-        assert js.calls >= 2                      # two creates timed out; the retries saw them done
+        bus.js = slow = _SlowClusterJS(js, fail=2)
+        res = await bus.provision()
+        assert slow.calls >= 2                    # two creates timed out; the retries saw them done
         for s in topo.stream_configs(TopologyConfig()):
-            assert (await bus.js.stream_info(s.name)).config.name == s.name
+            assert (await js.stream_info(s.name)).config.name == s.name
         assert set(res.values()) <= {"created", "unchanged"}
         assert set((await bus.provision()).values()) == {"unchanged"}
         # a server that never answers is reported after the last attempt, not swallowed
-        monkeypatch.setattr(topo, "PROVISION_ATTEMPTS", 2)
+        bus.js = _SlowClusterJS(js, fail=0, info_times_out=True)
         with pytest.raises(nats.errors.TimeoutError):
-            await topo.provision(_SlowClusterJS(bus.js, fail=0, info_times_out=True), TopologyConfig())
+            await bus.provision()
     finally:
+        bus.js = js
         await bus.close()
 
 
