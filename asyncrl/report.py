@@ -133,6 +133,7 @@ def finish_run(run_dir: Path, reason: str, extra: dict | None = None) -> dict:
         "warmstart_checks": checks,        # [step, train-split success] of each stop check
         "eval_success_initial": first_eval.get("eval_success"),
         "eval_success_final": last_eval.get("eval_success"),
+        "eval_version_final": last_eval.get("version"),     # ([up] final_eval: the version the run ended at)
         "eval_tokens_initial": first_eval.get("eval_tokens"),
         "eval_tokens_final": last_eval.get("eval_tokens"),
         "reward_last": last.get("reward_mean"),

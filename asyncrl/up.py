@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -183,6 +184,34 @@ async def watch(bus, tel: Telemetry, steps: int, minutes: float, sup: Supervisor
                 pass  # connection already gone
 
 
+async def final_eval(run_dir: Path, stop: asyncio.Event) -> dict:
+    """[up] final_eval: `python -m trainer --eval-final` on the run's trainer config, once every
+    child has stopped (the eval row lands in metrics/trainer.jsonl before the summary reads it).
+    Skipped when a signal stopped the run; a signal during it stops it."""
+    if stop.is_set():
+        return {"final_eval": "skipped: a signal stopped the run"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ASYNCRL_LOG_JSON": "1",
+           # the in-run evals' thread count: the same sampling numerics, so the same episodes
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    log.info("final eval of the last checkpoint")
+    t0 = time.monotonic()
+    with open(run_dir / "logs" / "trainer-final-eval.log", "ab") as out:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "trainer", "--config", str(run_dir / "config" / "trainer.toml"), "--eval-final",
+            stdout=out, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL, env=env)
+        waiter, stopper = asyncio.create_task(proc.wait()), asyncio.create_task(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiter.done():
+            proc.terminate()
+        rc = await waiter
+        stopper.cancel()
+    took = round(time.monotonic() - t0, 1)
+    if rc != 0:
+        log.error("final eval failed", returncode=rc, log=str(run_dir / "logs" / "trainer-final-eval.log"))
+        return {"final_eval": f"failed (exit {rc}): see logs/trainer-final-eval.log", "final_eval_s": took}
+    return {"final_eval": "done", "final_eval_s": took}
+
+
 def load_run_config(path: str | None) -> dict:
     if not path:
         return {}
@@ -301,8 +330,11 @@ async def run(a: argparse.Namespace) -> int:
         if server is not None:
             server.stop_sync()
 
+    extra = sup.report()
+    if up.final_eval:
+        extra.update(await final_eval(run_dir, stop))
     from asyncrl.report import finish_run
-    summary = finish_run(run_dir, reason, extra=sup.report())
+    summary = finish_run(run_dir, reason, extra=extra)
     print(json.dumps(summary, default=float), flush=True)
     return 0 if summary["versions"] else 1
 

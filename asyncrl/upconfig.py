@@ -18,6 +18,9 @@ class UpConfig:
     max_restarts: int = 5        # per child; an unexpected exit past this stays dead
     restart_backoff_s: float = 1.0   # first restart delay, doubling per restart (max 30 s)
     lambda_: float | None = None
+    # after the run: the trainer's held-out eval of the last checkpoint (a `python -m trainer
+    # --eval-final` child), so the final policy is measured without spending the run's time on it
+    final_eval: bool = False
     metrics_port: int = 0        # > 0: the trainer serves /metrics here, scorers and workers on the next ports
     wandb_project: str = ""      # set: log the run to Weights & Biases (asyncrl/tracking.py)
     wandb_entity: str = ""
@@ -36,7 +39,7 @@ class UpConfig:
                              f"{sorted(k.rstrip('_') for k in cls.__dataclass_fields__)}")
         for k, v in d.items():
             number = isinstance(v, (int, float)) and not isinstance(v, bool)
-            if k == "sync":
+            if k in ("sync", "final_eval"):
                 ok, want = isinstance(v, bool), "a bool"
             elif k.startswith("wandb_"):
                 ok, want = (isinstance(v, list), "a list") if k == "wandb_tags" else (isinstance(v, str), "a string")

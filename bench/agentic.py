@@ -288,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
                                                      "max_inflight": a.max_inflight, "sandbox_latency": latency,
                                                      "episode_wall_s": a.episode_wall_s},
                               warmstart_steps=a.warmstart_steps or None, eval_every=0, group_size=a.group_size,
-                              batch_groups=a.batch_groups, max_lag=a.max_lag, group_timeout_s=a.group_timeout_s)
+                              batch_groups=a.batch_groups, max_lag=a.max_lag, group_timeout_s=a.group_timeout_s,
+                              # both sides train every group (sync cannot skip: its barrier waits for
+                              # exactly batch_groups tasks), so trained samples/s compare like for like
+                              skip_uniform_groups=False)
         # the initial eval always runs (bench.async's warm start): at least one episode
         config, warm = bench_async.warm_start_once(base, out, max(a.eval_prompts, 1), a.init)
     for name, sync in (("async", False), ("sync", True)):

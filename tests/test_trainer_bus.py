@@ -235,3 +235,33 @@ async def test_delta_context_publishes_classed_positions_a_follower_applies(bus,
                 assert all(torch.equal(target.state[k].view(torch.int16), mine[k].view(torch.int16)) for k in mine)
             finally:
                 await b.close()
+
+
+async def test_uniform_groups_skipped_acked_at_once_and_recorded(bus, fresh_server, tmp_path):
+    """skip_uniform_groups: a group whose rewards are all equal is acked at once and recorded with
+    the next version; the step trains on the mixed groups only, and its success counts every episode."""
+    cfg = trainer_config(fresh_server.url, tmp_path, max_steps=1, skip_uniform_groups=True)
+    model, mcfg = build_model(cfg)
+    learner = build_learner(model, build_optimizer(model, cfg), cfg)
+    rng = random.Random(3)
+    for tid, rewards in (("zero", [0, 0, 0, 0]), ("mixA", [0, 1, 0, 1]), ("one", [1, 1, 1, 1]), ("mixB", [1, 0, 0, 0])):
+        for i, r in enumerate(rewards):
+            await bus.publish(topo.scored_subject("arith"), make_scored(model, tid, i, 4, 0, rng, reward=float(r)))
+    tr = Trainer(cfg, bus, learner, mcfg)
+    assert await asyncio.wait_for(tr.lead(asyncio.Event()), 120) == 0
+    assert tr.version == 1
+    st = checkpoint.load_latest(cfg.checkpoint_dir)
+    assert sorted(st.consumed) == sorted(f"{t}-{i}" for t in ("zero", "mixA", "one", "mixB") for i in range(4))
+    info = await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
+    assert info.num_pending == 0 and info.num_ack_pending == 0
+    import json
+    row = [json.loads(x) for x in (tmp_path / "run" / "metrics" / "trainer.jsonl").read_text().splitlines()][-1]
+    assert sorted(row["trained_ids"]) == sorted(f"{t}-{i}" for t in ("mixA", "mixB") for i in range(4))
+    assert row["uniform_groups_skipped"] == 2 and row["groups"] == 2
+    assert row["success_mean"] == pytest.approx(7 / 16)          # every episode the version consumed
+    assert sorted(row["dropped_ids"]) == sorted(f"{t}-{i}" for t in ("zero", "one") for i in range(4))
+
+
+def test_skip_uniform_groups_refused_in_sync_mode():
+    with pytest.raises(ValueError, match="skip_uniform_groups"):
+        TrainerConfig(mode="sync", skip_uniform_groups=True)

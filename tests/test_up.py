@@ -11,7 +11,9 @@ from bench.up_driver import SMALL_RUN
 from bus import BusConfig, connect
 from bus import topology as topo
 
-CONFIG = SMALL_RUN      # (bench/up_driver.py: shared with the chaos harness's up_supervisor)
+# bench/up_driver.py's run (shared with the chaos harness's up_supervisor), with the final eval
+# on and in-run evals every 4 versions: the run stops at version 6 or 7, between two of them
+CONFIG = SMALL_RUN.replace("eval_every = 3", "eval_every = 4").replace("[up]\n", "[up]\nfinal_eval = true\n")
 
 
 async def test_up_short_run(fresh_server, tmp_path):
@@ -37,8 +39,13 @@ async def test_up_short_run(fresh_server, tmp_path):
     assert set(groups.values()) == {4}, groups
     # in-flight updates: some trajectories were generated across two or more policy versions
     assert sum(r["multi_version_samples"] for r in steps) > 0
-    # held-out eval ran at version 0 and later
-    assert [r["version"] for r in rows if "eval_success" in r][:2] == [0, 3]
+    # held-out eval ran at version 0 and later; after the run, the final eval measured the last
+    # checkpoint (the version the run ended at), and the summary reports that one
+    evals = [r for r in rows if "eval_success" in r]
+    assert [r["version"] for r in evals][:2] == [0, 4]
+    assert evals[-1].get("eval_final") and evals[-1]["version"] == summary["versions"] and summary["versions"] % 4
+    assert summary["final_eval"] == "done" and summary["eval_success_final"] == evals[-1]["eval_success"]
+    assert summary["eval_version_final"] == summary["versions"]
     # every component wrote metrics and logs; plots exist
     assert (run_dir / "plots" / "run.png").stat().st_size > 10_000
     assert len(list((run_dir / "metrics").glob("rollout_worker-*.jsonl"))) == 2

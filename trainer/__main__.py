@@ -63,6 +63,9 @@ def parse_args(argv=None):
     ap.add_argument("--sync", action="store_true", help="synchronous baseline: one task batch per version")
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--id", help="trainer id (lease holder name)")
+    ap.add_argument("--eval-final", action="store_true",
+                    help="evaluate the newest checkpoint in checkpoint_dir on the eval split and exit "
+                         "(no bus; `asyncrl up` runs it after a run with [up] final_eval)")
     ap.add_argument("--elastic", action="store_true",
                     help="run this node's torchrun elastic agent (elastic_* settings) instead: see docs/trainer.md")
     return ap.parse_args(argv)
@@ -103,6 +106,16 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         os.execve(cmd[0], cmd, agent_env(dict(os.environ)))
     setup_logging("trainer", component_id=cfg.trainer_id)
+    if "--eval-final" in argv:
+        from .checkpoint import CheckpointError
+        from .final_eval import FinalEvalError, evaluate_checkpoint
+        try:
+            row = evaluate_checkpoint(cfg)
+        except (FinalEvalError, CheckpointError, OSError, ValueError) as e:
+            log.error("final eval failed", error=str(e))
+            return 1
+        log.info("final eval", **(row or {"skipped": "the run already evaluated its last version"}))
+        return 0
     start_metrics_server(cfg.metrics_port)
 
     async def _main() -> int:

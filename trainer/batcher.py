@@ -47,10 +47,13 @@ class Batch:
     # members of groups closed at their deadline that arrived after: consumed (acked after this
     # batch's checkpoint, like every sample) but never part of a gradient step
     late: list[Sample] = field(default_factory=list)
+    # complete groups skipped since the previous batch because their rewards were all equal
+    # (skip_uniform_groups): already acked, never part of a gradient step
+    skipped: list[Sample] = field(default_factory=list)
 
     @property
     def rollout_ids(self) -> list[str]:
-        return [s.rollout.rollout_id for s in self.samples + self.late]
+        return [s.rollout.rollout_id for s in self.samples + self.late + self.skipped]
 
     @property
     def dropped_ids(self) -> list[str]:
@@ -118,10 +121,11 @@ class Batcher:
         self.inflight: dict[str, Sample] = {}
         self.sub = None
         self.counters = {"duplicates": 0, "invalid": 0, "received": 0, "redelivered_held": 0, "heartbeats": 0,
-                         "timed_out": 0, "late": 0}
+                         "timed_out": 0, "late": 0, "uniform_groups": 0}
         self._keepalive: asyncio.Task | None = None
         self.closed: OrderedDict[str, None] = OrderedDict()   # groups closed by group_timeout_s (bounded)
         self.late: dict[str, Sample] = {}    # late members of closed groups, ride along with the next batch
+        self.skipped: list[Sample] = []      # uniform groups (acked), recorded with the next batch
 
     @property
     def pending(self) -> int:
@@ -187,6 +191,26 @@ class Batcher:
                 ready.append(tid)
         return ready
 
+    async def _skip_uniform(self, ready: list[str]) -> list[str]:
+        """Complete groups whose rewards are all equal carry no advantage: ack them now (held,
+        they would count against the feeder's cap on finished work and starve the workers) and
+        keep them for the next batch's books; -> the ready groups left. A group closed at its
+        deadline is left to the normal path (its late members must find it closed)."""
+        keep = []
+        for tid in ready:
+            g = self.groups[tid]
+            first = next(iter(g.values()))
+            full = len(g) >= (first.rollout.group_size or self.cfg.group_size)
+            if not full or len(g) < 2 or len({s.scored.reward for s in g.values()}) > 1:
+                keep.append(tid)
+                continue
+            for s in self.groups.pop(tid).values():
+                await s.msg.ack()
+                self.consumed.add([s.rollout.rollout_id])
+                self.skipped.append(s)
+            self.counters["uniform_groups"] += 1
+        return keep
+
     async def _keep_alive(self) -> None:
         """Until close(): every ack_wait/3, in_progress() each held message, whatever the trainer
         loop is doing (a step, an encode, a checkpoint or a publication may outlast ack_wait)."""
@@ -207,6 +231,8 @@ class Batcher:
         deadline = None if max_wait_s is None else time.monotonic() + max_wait_s
         while True:
             ready = self._ready_groups()
+            if cfg.skip_uniform_groups and ready:
+                ready = await self._skip_uniform(ready)
             if len(ready) >= cfg.batch_groups:
                 break
             if stopped() or (deadline and time.monotonic() > deadline):
@@ -235,7 +261,9 @@ class Batcher:
             s.weight = 0.0 if sizes[s.group] == 1 and (s.rollout.group_size or cfg.group_size) > 1 else w
         late, self.late = list(self.late.values()), {}
         self.inflight.update((s.rollout.rollout_id, s) for s in late)
-        return Batch(samples, n_groups=min(len(ready), cfg.batch_groups), version=version, late=late)
+        skipped, self.skipped = self.skipped, []
+        return Batch(samples, n_groups=min(len(ready), cfg.batch_groups), version=version, late=late,
+                     skipped=skipped)
 
     async def close(self, held_back: Batch | None = None) -> None:
         """Stepping down: hand every held message (waiting, in flight, and an unfinished batch)

@@ -38,6 +38,10 @@ class TrainerConfig:
     stale_weight: float = 0.5            # downweight: weight = stale_weight ** (lag - max_lag)
     dedupe_window: int = 200_000         # consumed rollout ids remembered (in the checkpoint)
     fetch_timeout_s: float = 1.0
+    # skip groups whose rewards are all equal (DAPO's dynamic sampling): their advantages are 0, so
+    # they add no gradient, only dilute the token mean and cost a step and a version; skipped
+    # groups are acked at once and recorded with the next version (async mode only)
+    skip_uniform_groups: bool = False
     # loss
     adv_norm: str = "std"                # std: (r - mean_g) / (std_g + eps) | mean: r - mean_g
     is_mode: str = "truncated"           # truncated | masked | none
@@ -125,6 +129,8 @@ class TrainerConfig:
             "is_mode": self.is_mode in ("truncated", "masked", "none"),
             "adv_norm": self.adv_norm in ("std", "mean"),
             "mode": self.mode in ("async", "sync"),
+            # sync publishes exactly batch_groups tasks per version: a skipped group would stall it
+            "skip_uniform_groups": not (self.skip_uniform_groups and self.mode == "sync"),
             "batch_groups": self.batch_groups >= 1,
             "group_size": self.group_size >= 1,
             "max_lag": self.max_lag >= 0,

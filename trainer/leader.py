@@ -404,11 +404,15 @@ class Trainer:
         await batcher.ack(batch)
         self.fed.set()
         lags = [s.lag for s in packed]
+        # outcomes of every episode this version consumed: skipped uniform groups included
+        outcome = [(s.reward, s.success, s.cost) for s in packed] + \
+            [(x.scored.reward, x.scored.success, x.scored.cost) for x in batch.skipped]
         values = {
             **{k: v for k, v in stats.items()}, "version": version, "epoch": self.lease.epoch,
-            "reward_mean": float(np.mean([s.reward for s in packed])),
-            "success_mean": float(np.mean([s.success for s in packed])),
-            "cost_mean": float(np.mean([s.cost for s in packed])), "lambda": float(np.mean([s.lambda_ for s in packed])),
+            "reward_mean": float(np.mean([o[0] for o in outcome])),
+            "success_mean": float(np.mean([o[1] for o in outcome])),
+            "cost_mean": float(np.mean([o[2] for o in outcome])), "lambda": float(np.mean([s.lambda_ for s in packed])),
+            "uniform_groups_skipped": len({x.rollout.task_id for x in batch.skipped}),
             "samples": len(packed), "live_samples": live, "groups": batch.n_groups,
             "staleness_mean": float(np.mean(lags)), "staleness_hist": staleness_histogram(lags),
             "dropped_stale": sum(1 for s in packed if s.weight == 0),

@@ -1,0 +1,62 @@
+"""`python -m trainer --eval-final`: the held-out eval of the run's last checkpoint, after the run.
+
+`asyncrl up` with `[up] final_eval = true` runs it once the processes have stopped, so the policy
+the run ended with is measured although the time limit fell between two `eval_every` versions,
+and the training budget is not spent on it. The eval is the trainer's own (trainer/evaluate.py:
+the same eval-split tasks, sampling and seed as every in-run eval) on the checkpoint's published
+bf16 bits, checked against the digest the checkpoint recorded for them. Its row goes to
+metrics/trainer.jsonl like an in-run eval, marked `eval_final`."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import delta_codec
+from policy import Transformer, inference_state, load_tokenizer
+
+from . import checkpoint
+from .config import TrainerConfig
+from .evaluate import evaluate
+
+
+class FinalEvalError(RuntimeError):
+    pass
+
+
+def evaluate_checkpoint(cfg: TrainerConfig) -> dict:
+    """-> the eval row of the newest checkpoint in cfg.checkpoint_dir (also appended to
+    <run_dir>/metrics/trainer.jsonl); {} when the run already evaluated that version."""
+    if cfg.eval_prompts < 1:
+        raise FinalEvalError("eval_prompts must be >= 1 for a final eval")
+    st = checkpoint.load_latest(cfg.checkpoint_dir)
+    if st is None:
+        raise FinalEvalError(f"no checkpoint in {cfg.checkpoint_dir}: nothing to evaluate")
+    if "__dcp__" in st.model:
+        raise FinalEvalError("the final eval reads whole-state checkpoints; this one is sharded (DCP)")
+    rows = _rows(cfg)
+    if any(r.get("eval_success") is not None and r.get("version") == st.version for r in rows):
+        return {}
+    from policy import ModelConfig
+    mcfg = ModelConfig.from_dict(st.model_config)
+    model = Transformer(mcfg)
+    model.load_state_dict(st.model)
+    published = inference_state(model)
+    if st.digest and delta_codec.state_digest(published) != st.digest:
+        raise FinalEvalError(f"checkpoint v{st.version}: bf16 state does not match its recorded digest")
+    t0 = time.time()
+    ev = evaluate(published, mcfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling, cfg.eval_prompts,
+                  cfg.seed, cfg.chat_template)
+    row = {**ev, "version": st.version, "epoch": st.epoch, "eval_final": True, "eval_s": time.time() - t0,
+           "ts": time.time()}
+    if cfg.run_dir:
+        with open(Path(cfg.run_dir) / "metrics" / "trainer.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+def _rows(cfg: TrainerConfig) -> list[dict]:
+    p = Path(cfg.run_dir) / "metrics" / "trainer.jsonl" if cfg.run_dir else None
+    if p is None or not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
