@@ -4,8 +4,9 @@ fallback and the reference; both give the same bytes and the same applied state)
 Classes as in context.py: thresholds t_1 > ... > t_K (K <= KMAX), nested sets
 S_t = {e < t_t}; class 0 is outside S_1, class k in S_k but not S_{k+1}, class K in S_K.
 Two passes, both sides:
-  1. over the chunk: per 64-element word, the membership bits of each S_t (one 64-lane vector
-     compare each, _lt64; always KMAX compares, unrolled, unused thresholds 0 = empty sets),
+  1. over the chunk: per 64-element word, its exponents narrowed to bytes once, then the
+     membership bits of each S_t (one 64-lane byte compare each, _lt64; always KMAX compares,
+     unrolled, unused thresholds 0 = empty sets),
      and the members of each before every superblock of SB words (counts in registers, stored
      once per superblock: the pass writes the words and little else);
   2. over the changes only. Encoder: a change's class is how many S_t hold it, its rank a
@@ -84,15 +85,18 @@ if numba is not None:
         return np.int64(_ctpop(x))
 
     @intrinsic
-    def _lt64(typingctx, arr, start, em, t):
-        """Bit i: (arr[start + i] & em) < t (unsigned), for i < 64; arr[start: start + 64] must
-        exist. One compare of a 64-lane vector, its lane bits as the word: LLVM makes it a few
-        vector compares into mask registers (AVX-512) or compares and movemasks (AVX2); the
-        loop over byte flags it replaces cost twice as much."""
+    def _lt64(typingctx, arr, start, em, sh, t):
+        """Bit i: ((arr[start + i] & em) >> sh) < (t >> sh) (unsigned: exponent < threshold
+        exponent), for i < 64; arr[start: start + 64] must exist. One compare of a 64-lane
+        vector, its lane bits as the word: the exponents are narrowed to bytes first (16 bits for
+        float64's 11-bit exponents), so a 16-bit element's 64 lanes are one byte compare into a
+        64-bit mask register (AVX-512BW) per threshold, not two word compares and a merge;
+        inlined side by side, the four thresholds share the load, mask, shift and narrowing."""
         def codegen(context, builder, signature, args):
             arrty = signature.args[0]
             lty = context.get_value_type(arrty.dtype)
-            vty = ir.VectorType(lty, 64)
+            nty = ir.IntType(16 if lty.width > 32 else min(8, lty.width))
+            vty, nvty = ir.VectorType(lty, 64), ir.VectorType(nty, 64)
             data = context.make_array(arrty)(context, builder, args[0]).data
             v = builder.load(builder.bitcast(builder.gep(data, [args[1]]), vty.as_pointer()), align=1)
 
@@ -101,10 +105,13 @@ if numba is not None:
                                              ir.Constant(ir.IntType(32), 0))
                 return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
                                               ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64))
-            lt = builder.icmp_unsigned("<", builder.and_(v, splat(args[2], signature.args[2])),
-                                       splat(args[3], signature.args[3]))
-            return builder.bitcast(lt, ir.IntType(64))
-        return types.uint64(arr, types.intp, em, t), codegen
+            sh = splat(args[3], signature.args[3])
+            e = builder.lshr(builder.and_(v, splat(args[2], signature.args[2])), sh)
+            te = builder.lshr(splat(args[4], signature.args[4]), sh)
+            if nty.width < lty.width:
+                e, te = builder.trunc(e, nvty), builder.trunc(te, nvty)
+            return builder.bitcast(builder.icmp_unsigned("<", e, te), ir.IntType(64))
+        return types.uint64(arr, types.intp, em, sh, t), codegen
 
     @intrinsic
     def _pdep(typingctx, src, mask):
@@ -175,7 +182,7 @@ BLOCK_SB = 512  # superblocks per block of the decoder (128 Ki elements: 256 KiB
                 # chunk from memory twice and wrote its words there)
 
 
-def _masks(u, em, ts, m, sbc):
+def _masks(u, em, sh, ts, m, sbc):
     """Pass 1: m[t, w]: membership bits of S_t = {|bits| < ts[t]} in word w (0 past the chunk's
     end), t < KMAX (thresholds past the chunk's are 0: empty sets, so every chunk runs the same
     four compares, unrolled, with the counts in registers); sbc[t, q]: members of S_t before
@@ -194,10 +201,10 @@ def _masks(u, em, ts, m, sbc):
         for w in range(q * SB, min(q * SB + SB, full)):
             for c in range(0, 64 * u.itemsize, 64):  # (the word's lines, PREFETCH bytes ahead)
                 _prefetch(u, (w * 64) * u.itemsize + PREFETCH + c)
-            a0 = _lt64(u, w * 64, em, t0)
-            a1 = _lt64(u, w * 64, em, t1)
-            a2 = _lt64(u, w * 64, em, t2)
-            a3 = _lt64(u, w * 64, em, t3)
+            a0 = _lt64(u, w * 64, em, sh, t0)
+            a1 = _lt64(u, w * 64, em, sh, t1)
+            a2 = _lt64(u, w * 64, em, sh, t2)
+            a3 = _lt64(u, w * 64, em, sh, t3)
             m[0, w] = a0
             m[1, w] = a1
             m[2, w] = a2
@@ -245,7 +252,7 @@ def _ones(flag):
     return np.uint64(0) - np.uint64(flag)
 
 
-def _enc(u, em, ts, nt, pos, out_pos, out_rank, starts, sizes, m, sbc, old, d, out_old, out_d):
+def _enc(u, em, sh, ts, nt, pos, out_pos, out_rank, starts, sizes, m, sbc, old, d, out_old, out_d):
     """pos: sorted changed positions -> out_pos/out_rank in class order (class 0's by position,
     then class 1's ...), starts[k]: class k's first index there; sizes: class member counts.
     A change's class c is how many S_t hold it; with S_{-1} = p, S_t = members of S_t before p
@@ -255,7 +262,7 @@ def _enc(u, em, ts, nt, pos, out_pos, out_rank, starts, sizes, m, sbc, old, d, o
     n = u.size
     nw = (n + 63) // 64
     nsb = (nw + SB - 1) // SB
-    _masks(u, em, ts, m, sbc)
+    _masks(u, em, sh, ts, m, sbc)
     ci = np.empty(mm, np.uint8)
     rk = np.empty(mm, np.int64)
     nk = np.zeros(KMAX + 1, np.int64)
@@ -296,7 +303,7 @@ def _enc(u, em, ts, nt, pos, out_pos, out_rank, starts, sizes, m, sbc, old, d, o
             f[c] += 1
 
 
-def _dec(u, em, ts, nt, ranks, starts, out, old, found, sizes, m, sbc, sbk, sbi, cur, tot):
+def _dec(u, em, sh, ts, nt, ranks, starts, out, old, found, sizes, m, sbc, sbk, sbi, cur, tot):
     """ranks: each class's strictly increasing ranks, class k's at starts[k]:starts[k+1] ->
     out: their positions, same layout, and old: the base bits there; found[k]: how many of class
     k's ranks were found (fewer than given: a rank beyond the class); sizes: class member counts.
@@ -318,7 +325,7 @@ def _dec(u, em, ts, nt, ranks, starts, out, old, found, sizes, m, sbc, sbk, sbi,
         nb = hi - lo
         nq = (nb + 64 * SB - 1) // (64 * SB)
         ng = nq // BB + 1  # groups, the last holding superblock nq (counts at the block's end)
-        _masks(blk, em, ts, m, sbc)
+        _masks(blk, em, sh, ts, m, sbc)
         for k in range(nt + 1):
             before = tot[k]
             end = before + _sb_before(k, nq, nb, sbc)
@@ -455,12 +462,12 @@ if available:
 
 
 def _args(b: np.ndarray, shift: int, thresholds: list[int]):
-    """Unsigned view, |bits| mask, thresholds on |bits| (|bits| < t << shift: exponent < t; one
-    mask and compare per element, no shift), their count."""
+    """Unsigned view, |bits| mask, the shift to the exponent, thresholds on |bits| (|bits| < t <<
+    shift exactly when the exponent is < t), their count."""
     u = b.view(UNSIGNED_INT[b.itemsize])
     ts = np.zeros(KMAX, u.dtype)
     ts[:len(thresholds)] = [t << shift for t in thresholds]
-    return u, u.dtype.type((1 << (8 * b.itemsize - 1)) - 1), ts, len(thresholds)
+    return u, u.dtype.type((1 << (8 * b.itemsize - 1)) - 1), u.dtype.type(shift), ts, len(thresholds)
 
 
 def _temps(n: int):
@@ -475,7 +482,7 @@ def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[in
     """-> (positions in class order, their ranks within their class, class bounds (K + 2),
     class sizes (K + 1)); with old and d (b's dtype, one per position): also them in class
     order."""
-    u, em, ts, nt = _args(b, shift, thresholds)
+    u, em, sh, ts, nt = _args(b, shift, thresholds)
     out_pos = np.empty(pos.size, np.int64)
     out_rank = np.empty(pos.size, np.int64)
     starts = np.zeros(KMAX + 2, np.int64)
@@ -483,7 +490,7 @@ def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[in
     carry = old is not None
     old, d = (old, d) if carry else (b[:0], b[:0])
     out_old, out_d = np.empty_like(old), np.empty_like(d)
-    _enc(u, em, ts, nt, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes, *_temps(u.size),
+    _enc(u, em, sh, ts, nt, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes, *_temps(u.size),
          old, d, out_old, out_d)
     res = out_pos, out_rank, starts[:nt + 2].tolist(), sizes[:nt + 1].tolist()
     return (*res, out_old, out_d) if carry else res
@@ -492,7 +499,7 @@ def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[in
 def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndarray]):
     """parts[k]: class k's strictly increasing ranks (K + 1 of them) -> (positions in class
     order, b there, ranks found per class, class sizes)."""
-    u, em, ts, nt = _args(b, shift, thresholds)
+    u, em, sh, ts, nt = _args(b, shift, thresholds)
     starts = np.cumsum([0, *(p.size for p in parts)]).astype(np.int64)
     ranks = np.concatenate(parts).astype(np.int64, copy=False)
     out = np.empty(ranks.size, np.int64)
@@ -500,7 +507,7 @@ def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndar
     found = np.zeros(KMAX + 1, np.int64)
     sizes = np.zeros(KMAX + 1, np.int64)
     alloc = scratch()
-    _dec(u, em, ts, nt, ranks, starts, out, old, found, sizes, alloc("jit.bm", KMAX * BLOCK_SB * SB, np.uint64).reshape(
+    _dec(u, em, sh, ts, nt, ranks, starts, out, old, found, sizes, alloc("jit.bm", KMAX * BLOCK_SB * SB, np.uint64).reshape(
         KMAX, BLOCK_SB * SB), alloc("jit.bsbc", KMAX * (BLOCK_SB + 1), np.int64).reshape(KMAX, BLOCK_SB + 1),
          alloc("jit.sbk", (BLOCK_SB // BB + 1) * BB + 1, np.int64), alloc("jit.sbi", ranks.size, np.int64),
          np.zeros(KMAX + 1, np.int64), np.zeros(KMAX + 1, np.int64))
