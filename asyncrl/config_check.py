@@ -91,6 +91,9 @@ def cross_check(resolved: dict, sync: bool = False) -> None:
             chat_renderer(policy.load_tokenizer(resolve_model_refs({"tokenizer": t.tokenizer})["tokenizer"]))
         except (OSError, ValueError) as e:
             raise ConfigError(f"[trainer] chat_template = true: {e}") from None
+    if sync and t.skip_uniform_groups:
+        raise ConfigError("[trainer] skip_uniform_groups = true is async only (a sync run's barrier waits for exactly "
+                          "batch_groups tasks per version): set it false for --sync")
     if not sync and t.max_lag != w.max_lag:
         raise ConfigError(f"max_lag disagrees: [trainer] max_lag = {t.max_lag}, [worker] max_lag = {w.max_lag}")
     if w.public_key:

@@ -34,6 +34,13 @@ def test_max_lag_disagreement_names_both_sides():
     config_check.cross_check(config_check.resolve({**GOOD, "worker": {"max_lag": 8}}, environ={}), sync=True)
 
 
+def test_skip_uniform_groups_is_refused_for_a_sync_run():
+    skip = {**GOOD, "trainer": {"max_lag": 4, "skip_uniform_groups": True}}
+    check(skip)                                     # async: fine
+    with pytest.raises(ConfigError, match=r"skip_uniform_groups = true is async only"):
+        config_check.cross_check(config_check.resolve(skip, environ={}), sync=True)
+
+
 def test_tokenizer_disagreement(tmp_path):
     tok = tmp_path / "tokenizer.json"
     tok.write_text("{}")
