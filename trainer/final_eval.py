@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import delta_codec
-from policy import Transformer, inference_state, load_tokenizer
+from policy import ModelConfig, Transformer, inference_state, load_tokenizer
 
 from . import checkpoint
 from .config import TrainerConfig
@@ -37,7 +37,6 @@ def evaluate_checkpoint(cfg: TrainerConfig) -> dict:
     rows = _rows(cfg)
     if any(r.get("eval_success") is not None and r.get("version") == st.version for r in rows):
         return {}
-    from policy import ModelConfig
     mcfg = ModelConfig.from_dict(st.model_config)
     model = Transformer(mcfg)
     model.load_state_dict(st.model)
