@@ -60,6 +60,15 @@ def write_toml(path: Path, data: dict) -> None:
     path.write_text("\n".join(lines))
 
 
+def child_env() -> dict[str, str]:
+    """The environment of every process `up` starts (children, and the final eval after them)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "ASYNCRL_LOG_JSON": "1",
+            # 2-core box: one intra-op thread per process keeps N processes from thrashing
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            # the delta codec defaults to every core; here every process shares them
+            "ASYNCRL_DELTA_THREADS": os.environ.get("ASYNCRL_DELTA_THREADS", "1")}
+
+
 @dataclass
 class ChildSpec:
     name: str              # process name: config/<name>.toml, logs/<name>.log
@@ -106,11 +115,7 @@ class Supervisor:
         cfg_path = self.run_dir / "config" / f"{spec.name}.toml"
         write_toml(cfg_path, spec.conf)
         log_path = self.run_dir / "logs" / f"{spec.name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "ASYNCRL_LOG_JSON": "1",
-               # 2-core box: one intra-op thread per process keeps N processes from thrashing
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               # the delta codec defaults to every core; here every process shares them
-               "ASYNCRL_DELTA_THREADS": os.environ.get("ASYNCRL_DELTA_THREADS", "1")}
+        env = child_env()
         pdeath = die_with_parent(signal.SIGTERM)   # SIGTERM: the child drains within its grace_s
 
         def preexec() -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.model_refs import resolve as resolve_model_refs
-from asyncrl.supervisor import ChildSpec, Supervisor, write_toml
+from asyncrl.supervisor import ChildSpec, Supervisor, child_env, write_toml
 from bus import BusConfig, EmbeddedServer, connect, get_logger, setup_logging
 from bus import topology as topo
 from bus.events import EventError, decode
@@ -190,15 +189,13 @@ async def final_eval(run_dir: Path, stop: asyncio.Event) -> dict:
     Skipped when a signal stopped the run; a signal during it stops it."""
     if stop.is_set():
         return {"final_eval": "skipped: a signal stopped the run"}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ASYNCRL_LOG_JSON": "1",
-           # the in-run evals' thread count: the same sampling numerics, so the same episodes
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     log.info("final eval of the last checkpoint")
     t0 = time.monotonic()
     with open(run_dir / "logs" / "trainer-final-eval.log", "ab") as out:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "trainer", "--config", str(run_dir / "config" / "trainer.toml"), "--eval-final",
-            stdout=out, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL, env=env)
+            # the children's environment: the in-run evals' thread count, so the same sampling numerics
+            stdout=out, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL, env=child_env())
         waiter, stopper = asyncio.create_task(proc.wait()), asyncio.create_task(stop.wait())
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not waiter.done():
