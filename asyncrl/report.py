@@ -118,8 +118,9 @@ def finish_run(run_dir: Path, reason: str, extra: dict | None = None) -> dict:
     plots = plot_run(run_dir, rows) if rows else []
     steps = [r for r in rows if "samples" in r]
     last = steps[-1] if steps else {}
-    first_eval = next((r for r in rows if r.get("eval_success") is not None), {})
-    last_eval = next((r for r in reversed(rows) if r.get("eval_success") is not None), {})
+    # by version (the after-run evals of the initial and the last policy land in either order), then row order
+    evals = sorted((r for r in rows if r.get("eval_success") is not None), key=lambda r: r.get("version", 0))
+    first_eval, last_eval = (evals[0], evals[-1]) if evals else ({}, {})
     ws = next((r for r in rows if r.get("warmstart_steps_done") is not None), {})
     checks = [[r["warmstart_step"], r["warmstart_check_success"]] for r in rows if "warmstart_check_success" in r]
     summary = {

@@ -184,16 +184,28 @@ async def watch(bus, tel: Telemetry, steps: int, minutes: float, sup: Supervisor
 
 
 async def final_eval(run_dir: Path, stop: asyncio.Event) -> dict:
-    """[up] final_eval: `python -m trainer --eval-final` on the run's trainer config, once every
-    child has stopped (the eval row lands in metrics/trainer.jsonl before the summary reads it).
-    Skipped when a signal stopped the run; a signal during it stops it."""
+    """[up] final_eval: `python -m trainer --eval-final` (the last checkpoint) and `--eval-initial`
+    (the warm start, unless the run evaluated v0) on the run's trainer config, side by side (one
+    thread each), once every child has stopped: their rows land in metrics/trainer.jsonl before the
+    summary reads it. Skipped when a signal stopped the run; a signal during them stops them."""
     if stop.is_set():
         return {"final_eval": "skipped: a signal stopped the run"}
-    log.info("final eval of the last checkpoint")
+    log.info("final eval of the last checkpoint and of the initial policy")
     t0 = time.monotonic()
-    with open(run_dir / "logs" / "trainer-final-eval.log", "ab") as out:
+    rcs = await asyncio.gather(*(_eval_process(run_dir, which, stop) for which in ("final", "initial")))
+    took = round(time.monotonic() - t0, 1)
+    failed = [f"{which} (exit {rc}): see logs/trainer-{which}-eval.log"
+              for which, rc in zip(("final", "initial"), rcs) if rc != 0]
+    if failed:
+        log.error("final eval failed", failed=failed)
+        return {"final_eval": "failed: " + "; ".join(failed), "final_eval_s": took}
+    return {"final_eval": "done", "final_eval_s": took}
+
+
+async def _eval_process(run_dir: Path, which: str, stop: asyncio.Event) -> int:
+    with open(run_dir / "logs" / f"trainer-{which}-eval.log", "ab") as out:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "trainer", "--config", str(run_dir / "config" / "trainer.toml"), "--eval-final",
+            sys.executable, "-m", "trainer", "--config", str(run_dir / "config" / "trainer.toml"), f"--eval-{which}",
             # the children's environment: the in-run evals' thread count, so the same sampling numerics
             stdout=out, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL, env=child_env())
         waiter, stopper = asyncio.create_task(proc.wait()), asyncio.create_task(stop.wait())
@@ -202,11 +214,7 @@ async def final_eval(run_dir: Path, stop: asyncio.Event) -> dict:
             proc.terminate()
         rc = await waiter
         stopper.cancel()
-    took = round(time.monotonic() - t0, 1)
-    if rc != 0:
-        log.error("final eval failed", returncode=rc, log=str(run_dir / "logs" / "trainer-final-eval.log"))
-        return {"final_eval": f"failed (exit {rc}): see logs/trainer-final-eval.log", "final_eval_s": took}
-    return {"final_eval": "done", "final_eval_s": took}
+    return rc
 
 
 def load_run_config(path: str | None) -> dict:

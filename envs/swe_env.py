@@ -80,6 +80,10 @@ class SweGenEnv:
         t = pool[rng.randrange(len(pool)) if hasattr(rng, "randrange") else int(rng.integers(len(pool)))]
         return TaskSpec(prompt=t.instruction, spec=episode_spec(t, self.limits))
 
+    def split_specs(self, split: str = "eval") -> list[TaskSpec]:
+        """Every task of the split (a finite set: the held-out eval plays each in turn)."""
+        return [TaskSpec(prompt=t.instruction, spec=episode_spec(t, self.limits)) for t in self.tasks(split)]
+
     def verify(self, text: str, spec: dict) -> Verdict:
         raise SpecError("swe-gen tasks are episodes: the worker plays and scores them (Rollout.episode)")
 

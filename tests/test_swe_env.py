@@ -11,7 +11,7 @@ from envs.base import SpecError
 from envs.episode import EpisodeLimits, EpisodeTask
 from envs.swe_env import SweGenEnv
 from policy import CharTokenizer, ModelConfig, SamplingConfig, Transformer
-from trainer.evaluate import evaluate_episodes
+from trainer.evaluate import eval_specs, evaluate_episodes
 from trainer.warmstart import demo_batch, warm_start
 
 
@@ -46,6 +46,19 @@ def test_samples_are_episode_specs_of_their_split(env):
     assert not {t.task_id for t in env.tasks("train")} & {t.task_id for t in env.tasks("eval")}
     with pytest.raises(SpecError):
         env.verify("anything", ts.spec)
+
+
+def test_held_out_eval_plays_every_eval_task_once_per_pass(env):
+    pool = [t.task_id for t in env.tasks("eval")]
+    n = 2 * len(pool) + 1
+    ids = [EpisodeTask.from_dict(s.spec["episode"]).task_id for _, s in eval_specs(["swe-gen"], n, seed=3)]
+    assert sorted(ids[:len(pool)]) == sorted(pool) and ids[len(pool):2 * len(pool)] == ids[:len(pool)]
+    assert ids[-1] == ids[0]
+    assert ids == [EpisodeTask.from_dict(s.spec["episode"]).task_id for _, s in eval_specs(["swe-gen"], n, seed=3)]
+    # an env without a finite split (arith) still draws at random, the envs in turn
+    mixed = eval_specs(["swe-gen", "arith"], 4, seed=3)
+    assert [type(e).__name__ for e, _ in mixed] == ["SweGenEnv", "ArithEnv"] * 2
+    assert EpisodeTask.from_dict(mixed[2][1].spec["episode"]).task_id == ids[1]
 
 
 def test_demonstration_is_the_worker_layout_with_model_turns_masked(env):

@@ -66,6 +66,9 @@ def parse_args(argv=None):
     ap.add_argument("--eval-final", action="store_true",
                     help="evaluate the newest checkpoint in checkpoint_dir on the eval split and exit "
                          "(no bus; `asyncrl up` runs it after a run with [up] final_eval)")
+    ap.add_argument("--eval-initial", action="store_true",
+                    help="evaluate the policy the run started from (run_dir/warmstart.pt, else the initial "
+                         "model) unless the run evaluated version 0, and exit (no bus; [up] final_eval)")
     ap.add_argument("--elastic", action="store_true",
                     help="run this node's torchrun elastic agent (elastic_* settings) instead: see docs/trainer.md")
     return ap.parse_args(argv)
@@ -106,15 +109,16 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         os.execve(cmd[0], cmd, agent_env(dict(os.environ)))
     setup_logging("trainer", component_id=cfg.trainer_id)
-    if "--eval-final" in argv:
+    if "--eval-final" in argv or "--eval-initial" in argv:
         from .checkpoint import CheckpointError
-        from .final_eval import FinalEvalError, evaluate_checkpoint
+        from .final_eval import FinalEvalError, evaluate_checkpoint, evaluate_initial
+        which = "final" if "--eval-final" in argv else "initial"
         try:
-            row = evaluate_checkpoint(cfg)
+            row = (evaluate_checkpoint if which == "final" else evaluate_initial)(cfg)
         except (FinalEvalError, CheckpointError, OSError, ValueError) as e:
-            log.error("final eval failed", error=str(e))
+            log.error(f"{which} eval failed", error=str(e))
             return 1
-        log.info("final eval", **(row or {"skipped": "the run already evaluated its last version"}))
+        log.info(f"{which} eval", **(row or {"skipped": "the run already evaluated that version"}))
         return 0
     start_metrics_server(cfg.metrics_port)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bus import BusConfig
 
@@ -108,6 +109,8 @@ class TrainerConfig:
     warmstart_lr: float = 1e-3
     warmstart_style: str = "default"     # demonstration style passed to the env (arith: default = direct|steps|padded, mixed = direct|steps, or one)
     warmstart_batch: int = 16
+    warmstart_threads: int = 0           # torch intra-op threads while warm-starting (0: the process's own;
+                                         # `up` gives children 1, but workers and scorers idle until v0)
     # stop the warm start on a measured success instead of a step count (0 = off: warmstart_steps
     # steps). On: every warmstart_check_every steps from warmstart_check_from, play
     # warmstart_check_n TRAIN-split tasks at task_sampling (the eval split stays unseen: choosing
@@ -117,6 +120,9 @@ class TrainerConfig:
     warmstart_check_every: int = 10
     warmstart_check_from: int = 0        # first step (1-based count of steps done) that may be checked
     warmstart_check_n: int = 16
+    # the warmstart.pt of an earlier run (same model config): loaded instead of running a warm start
+    # (RL experiments from one fixed starting policy; the warm start steps above are then not run)
+    warmstart_from: str = ""
     # TESTS ONLY (chaos harness, tests/test_trainer_slow_step.py): hold each trained batch this long
     # between its step and its checkpoint, i.e. a step + publication slower than ack_wait. 0 = off.
     debug_step_delay_s: float = 0.0
@@ -153,11 +159,13 @@ class TrainerConfig:
             "elastic_rdzv_endpoint": ":" in self.elastic_rdzv_endpoint,
             "warmstart_steps": self.warmstart_steps >= 0,
             "warmstart_batch": self.warmstart_batch >= 1,
+            "warmstart_threads": self.warmstart_threads >= 0,
             "warmstart_until": 0.0 <= self.warmstart_until <= 1.0
                                and (self.warmstart_until == 0 or self.warmstart_steps > 0),   # the cap
             "warmstart_check_every": self.warmstart_check_every >= 1,
             "warmstart_check_from": self.warmstart_check_from >= 0,
             "warmstart_check_n": self.warmstart_check_n >= 1,
+            "warmstart_from": not self.warmstart_from or Path(self.warmstart_from).is_file(),
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

@@ -16,11 +16,25 @@ from policy import SamplingConfig, Transformer, generate
 
 
 def eval_specs(env_names: list[str], n: int, seed: int, split: str = "eval"):
+    """n (env, TaskSpec) pairs, the envs in turn. An env with a finite split (`split_specs`) gives
+    each of its tasks in turn, in a seeded order, so every task counts once per pass (random draws
+    from 36 tasks left some out and doubled others: the eval moved with the draw, not the policy);
+    any other env draws at random."""
     rng = random.Random(seed)
+    envs = [get_env(name) for name in env_names]
+    orders: dict[int, list] = {}
     out = []
     for i in range(n):
-        env = get_env(env_names[i % len(env_names)])
-        out.append((env, env.sample(rng, split=split)))
+        k = i % len(envs)
+        env = envs[k]
+        if hasattr(env, "split_specs"):
+            if k not in orders:
+                orders[k] = list(env.split_specs(split))
+                random.Random(seed + k).shuffle(orders[k])
+            order = orders[k]
+            out.append((env, order[(i // len(envs)) % len(order)]))
+        else:
+            out.append((env, env.sample(rng, split=split)))
     return out
 
 

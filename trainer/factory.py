@@ -17,7 +17,7 @@ from .schedule import LRSchedule
 
 def build_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:
     """The model every rank trains: whole with one process, sharded by FSDP2 in a group."""
-    model, mcfg = _initial_model(cfg)
+    model, mcfg = initial_model(cfg)
     if cfg.activation_checkpointing:
         checkpoint_blocks(model)
     if world()[1] > 1:
@@ -29,7 +29,7 @@ def build_reference(cfg: TrainerConfig) -> Transformer | None:
     """The frozen initial policy of the KL penalty (kl_coef > 0), sharded like the model."""
     if cfg.kl_coef <= 0:
         return None
-    ref, _ = _initial_model(cfg)
+    ref, _ = initial_model(cfg)
     ref.requires_grad_(False).eval()
     if world()[1] > 1:
         shard(ref, device(cfg), mixed_precision=_mixed_precision(cfg))
@@ -40,7 +40,7 @@ def _mixed_precision(cfg: TrainerConfig) -> bool | None:
     return None if cfg.mixed_precision == "auto" else cfg.mixed_precision == "bf16"
 
 
-def _initial_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:
+def initial_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:
     torch.manual_seed(cfg.seed)          # every rank builds identical initial weights
     if cfg.init_checkpoint:
         from policy import load_hf_checkpoint

@@ -143,21 +143,29 @@ class Trainer:
     def prepare(self) -> None:
         """Newly leading: resume, warm start once, checkpoint under our epoch."""
         self.resume()
-        if not self.warmstarted and self.cfg.warmstart_steps:
-            # every rank takes part (a sharded forward is a collective): see Learner.warm_start
-            checks: list[dict] = []
+        if not self.warmstarted and (self.cfg.warmstart_from or self.cfg.warmstart_steps):
+            if self.cfg.warmstart_from:          # an earlier run's warm start, as it saved it
+                saved = self.learner.load_warm_start(self.cfg.warmstart_from, self.model_cfg)
+                self.warmstart_record = {"warmstart_steps_done": saved.get("warmstart_steps_done"),
+                                         "warmstart_stopped": "loaded", "warmstart_from": self.cfg.warmstart_from}
+            else:
+                # every rank takes part (a sharded forward is a collective): see Learner.warm_start
+                checks: list[dict] = []
 
-            def on_check(rec: dict) -> None:     # each stop check, as it happens (the run's record)
-                checks.append(rec)
-                self.write_jsonl({**rec, "ts": time.time()})
-            losses = self.learner.warm_start(self.cfg, self.model_cfg, self.cfg.warmstart_style, on_check=on_check)
+                def on_check(rec: dict) -> None:     # each stop check, as it happens (the run's record)
+                    checks.append(rec)
+                    self.write_jsonl({**rec, "ts": time.time()})
+                losses = self.learner.warm_start(self.cfg, self.model_cfg, self.cfg.warmstart_style, on_check=on_check)
+                self.warmstart_record = warmstart_record(self.cfg, len(losses), checks)
             self.warmstarted = True
-            self.warmstart_record = warmstart_record(self.cfg, len(losses), checks)
             log.info("warm start done", **self.warmstart_record)
             self.write_jsonl({**self.warmstart_record, "ts": time.time()})
-            if self.cfg.run_dir:     # the policy RL starts from (`asyncrl calibrate-cost --checkpoint` reads it)
+            if self.cfg.run_dir:     # the policy RL starts from (`asyncrl calibrate-cost --checkpoint` and
+                # the final eval's initial row read it)
                 torch.save({"model": self.learner.full_state(), "model_config": self.model_cfg.to_dict(),
-                            "version": self.version}, Path(self.cfg.run_dir) / "warmstart.pt")
+                            "version": self.version,
+                            "warmstart_steps_done": self.warmstart_record["warmstart_steps_done"]},
+                           Path(self.cfg.run_dir) / "warmstart.pt")
             broadcast_obj(("sync",))
             sync_state(self.learner.model, self.learner.opt)
         self.published = self.learner.published_state()

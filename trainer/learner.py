@@ -285,6 +285,18 @@ class Learner:
         announce("warm_start", cfg, model_cfg, style)
         return warm_start(self.model, cfg, model_cfg, style=style, on_check=on_check)
 
+    def load_warm_start(self, path: str, model_cfg) -> dict:
+        """An earlier run's warmstart.pt into the model (whole-state file, unsharded trainer); -> the
+        saved record. A file of another model shape is refused before anything is loaded."""
+        if is_sharded(self.model):
+            raise ValueError("warmstart_from loads a whole-model warmstart.pt; a sharded trainer cannot use it")
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved.get("model_config") != model_cfg.to_dict():
+            raise ValueError(f"warmstart_from {path}: saved for model {saved.get('model_config')}, "
+                             f"this trainer's is {model_cfg.to_dict()}")
+        self.model.load_state_dict(saved["model"])
+        return saved
+
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model state dict on rank 0 (a collective when sharded; others get None)."""
         if not is_sharded(self.model):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -92,35 +93,53 @@ def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default", aft
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr)
     losses = []
     model.train()
-    for step in range(cfg.warmstart_steps):
-        prompts, completions, masks = demo_batch(cfg.envs, cfg.warmstart_batch, rng, tok, style)
-        # a demonstration longer than the model's context cannot be trained on (nor played by it)
-        fits = [i for i, (p, c) in enumerate(zip(prompts, completions)) if len(p) + len(c) <= model.cfg.max_seq_len]
-        if not fits:
-            raise ValueError(f"no demonstration fits max_seq_len {model.cfg.max_seq_len}")
-        prompts, completions, masks = ([x[i] for i in fits] for x in (prompts, completions, masks))
-        opt.zero_grad(set_to_none=True)
-        n_tokens = max(sum(map(sum, masks)), 1)
-        loss = 0.0
-        # padded forwards over runs of similar length: a long-tailed env would pad all to the longest
-        for run in length_buckets([len(p) + len(c) for p, c in zip(prompts, completions)], len(prompts)):
-            res = sequence_logprobs(model, [prompts[i] for i in run], [completions[i] for i in run],
-                                    SamplingConfig(temperature=1.0), replay_mask=False)
-            part = -(res.logprobs * res.valid * _pad([masks[i] for i in run], res.logprobs)).sum() / n_tokens
-            part.backward()
-            loss += part.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss))
-        if step % 50 == 0 or step == cfg.warmstart_steps - 1:
-            log.info("warm start", step=step, nll=round(losses[-1], 4))
-        if after_step is not None:
-            after_step(step, losses)
-        if stop.due(step + 1) and step + 1 < cfg.warmstart_steps and stop(model, step + 1):
-            log.info("warm start stopped", step=step + 1, success=stop.checks[-1]["warmstart_check_success"],
-                     until=stop.until, cap=cfg.warmstart_steps)
-            break
+    threads = torch.get_num_threads()
+    if getattr(cfg, "warmstart_threads", 0):      # nothing else computes while the policy warm-starts
+        torch.set_num_threads(cfg.warmstart_threads)
+    # the next step's demonstrations are drawn (multi-turn: oracle episodes played in the sandbox, the
+    # first time a task comes up) while this step trains; one thread, so the draws keep their order
+    pool = ThreadPoolExecutor(1, thread_name_prefix="warmstart-demos")
+    try:
+        nxt = pool.submit(demo_batch, cfg.envs, cfg.warmstart_batch, rng, tok, style)
+        for step in range(cfg.warmstart_steps):
+            prompts, completions, masks = nxt.result()
+            if step + 1 < cfg.warmstart_steps:
+                nxt = pool.submit(demo_batch, cfg.envs, cfg.warmstart_batch, rng, tok, style)
+            losses.append(_step(model, opt, prompts, completions, masks))
+            if step % 50 == 0 or step == cfg.warmstart_steps - 1:
+                log.info("warm start", step=step, nll=round(losses[-1], 4))
+            if after_step is not None:
+                after_step(step, losses)
+            if stop.due(step + 1) and step + 1 < cfg.warmstart_steps and stop(model, step + 1):
+                log.info("warm start stopped", step=step + 1, success=stop.checks[-1]["warmstart_check_success"],
+                         until=stop.until, cap=cfg.warmstart_steps)
+                break
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(threads)
     return losses
+
+
+def _step(model, opt, prompts, completions, masks) -> float:
+    """One AdamW step of masked demonstration NLL; -> the loss."""
+    # a demonstration longer than the model's context cannot be trained on (nor played by it)
+    fits = [i for i, (p, c) in enumerate(zip(prompts, completions)) if len(p) + len(c) <= model.cfg.max_seq_len]
+    if not fits:
+        raise ValueError(f"no demonstration fits max_seq_len {model.cfg.max_seq_len}")
+    prompts, completions, masks = ([x[i] for i in fits] for x in (prompts, completions, masks))
+    opt.zero_grad(set_to_none=True)
+    n_tokens = max(sum(map(sum, masks)), 1)
+    loss = 0.0
+    # padded forwards over runs of similar length: a long-tailed env would pad all to the longest
+    for run in length_buckets([len(p) + len(c) for p, c in zip(prompts, completions)], len(prompts)):
+        res = sequence_logprobs(model, [prompts[i] for i in run], [completions[i] for i in run],
+                                SamplingConfig(temperature=1.0), replay_mask=False)
+        part = -(res.logprobs * res.valid * _pad([masks[i] for i in run], res.logprobs)).sum() / n_tokens
+        part.backward()
+        loss += part.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return float(loss)
 
 
 def _pad(masks: list[list[int]], like: torch.Tensor) -> torch.Tensor:

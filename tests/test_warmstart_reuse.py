@@ -1,0 +1,122 @@
+"""Reusing a warm start (warmstart_from), the warm start's own thread count and demonstration
+prefetch, and the after-run eval of the initial policy (`python -m trainer --eval-initial`)."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from asyncrl import config_check
+from asyncrl.report import finish_run
+from bus.config import ConfigError
+from trainer import warmstart as ws
+from trainer.config import TrainerConfig
+from trainer.evaluate import evaluate
+from trainer.factory import build_learner, build_model, build_optimizer, initial_model
+from trainer.final_eval import evaluate_initial
+from trainer.leader import Trainer
+from policy import inference_state, load_tokenizer
+
+from .test_warmstart_until import config, say_digit  # noqa: F401  (the fixture)
+
+
+def leader(cfg) -> Trainer:
+    model, mcfg = build_model(cfg)
+    return Trainer(cfg, None, build_learner(model, build_optimizer(model, cfg), cfg), mcfg)
+
+
+def rows(run) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics" / "trainer.jsonl").read_text().splitlines()]
+
+
+def test_warmstart_from_loads_an_earlier_runs_warm_start(tmp_path, say_digit):
+    first = leader(config(tmp_path / "a", warmstart_until=0.0, warmstart_steps=20))
+    first.prepare()
+    saved = tmp_path / "a" / "run" / "warmstart.pt"
+    assert torch.load(saved, weights_only=True)["warmstart_steps_done"] == 20
+    # another run from it: no warm start step runs (the seeded model would differ), same bits as the first
+    cfg = config(tmp_path / "b", warmstart_until=0.0, warmstart_steps=20, warmstart_from=str(saved), seed=5)
+    second = leader(cfg)
+    second.prepare()
+    assert second.warmstart_record == {"warmstart_steps_done": 20, "warmstart_stopped": "loaded",
+                                       "warmstart_from": str(saved)}
+    assert second.digest == first.digest
+    assert [r.get("warmstart_stopped") for r in rows(tmp_path / "b" / "run")] == ["loaded"]
+    assert (tmp_path / "b" / "run" / "warmstart.pt").exists()     # this run's starting policy, as ever
+    (tmp_path / "b" / "run" / "plots").mkdir()
+    summary = finish_run(tmp_path / "b" / "run", "test")
+    assert summary["warmstart_stopped"] == "loaded" and summary["warmstart_steps_done"] == 20
+
+
+def test_warmstart_from_another_model_shape_is_refused(tmp_path, say_digit):
+    first = leader(config(tmp_path / "a", warmstart_until=0.0, warmstart_steps=2))
+    first.prepare()
+    other = config(tmp_path / "b", warmstart_from=str(tmp_path / "a" / "run" / "warmstart.pt"),
+                   model={"preset": "tiny", "d_model": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
+                          "d_ff": 32, "max_seq_len": 64})
+    tr = leader(other)
+    before = {k: v.clone() for k, v in tr.learner.model.state_dict().items()}
+    with pytest.raises(ValueError, match="warmstart_from .* saved for model"):
+        tr.prepare()
+    assert all(torch.equal(before[k], v) for k, v in tr.learner.model.state_dict().items())   # nothing loaded
+    assert not (tmp_path / "b" / "run" / "warmstart.pt").exists()
+
+
+def test_missing_warmstart_file_is_refused_before_start(tmp_path):
+    with pytest.raises(ValueError, match="warmstart_from"):
+        TrainerConfig(trainer_id="t", warmstart_from=str(tmp_path / "nope.pt"))
+    with pytest.raises(ValueError, match="warmstart_threads"):
+        TrainerConfig(trainer_id="t", warmstart_threads=-1)
+    with pytest.raises(ConfigError, match=r"\[trainer\].*warmstart_from"):
+        config_check.resolve({"trainer": {"warmstart_from": str(tmp_path / "nope.pt")}}, environ={})
+
+
+def test_prefetched_demonstrations_keep_their_order_and_threads_are_restored(tmp_path, say_digit, monkeypatch):
+    cfg = config(tmp_path, warmstart_until=0.0, warmstart_steps=6, warmstart_threads=2,
+                 envs=[say_digit, say_digit])
+    seen, threads = [], []
+    real_step = ws._step
+
+    def step(model, opt, prompts, completions, masks):
+        seen.append(prompts)
+        threads.append(torch.get_num_threads())
+        return real_step(model, opt, prompts, completions, masks)
+    monkeypatch.setattr(ws, "_step", step)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, _ = build_model(cfg)
+        ws.warm_start(model, cfg)
+        assert torch.get_num_threads() == 1 and threads == [2] * 6
+    finally:
+        torch.set_num_threads(before)
+    # the same draws, in the same order, as one serial stream of demo_batch calls
+    import random
+    rng, tok = random.Random(cfg.seed + 7919), load_tokenizer(cfg.tokenizer)
+    assert seen == [ws.demo_batch(cfg.envs, cfg.warmstart_batch, rng, tok)[0] for _ in range(6)]
+
+
+def test_initial_eval_after_the_run(tmp_path, say_digit):
+    cfg = config(tmp_path, warmstart_until=0.0, warmstart_steps=30, eval_prompts=8)
+    tr = leader(cfg)
+    tr.prepare()
+    run = tmp_path / "run"
+    # the final eval of the last version has landed first: the summary still orders them by version
+    tr.write_jsonl({"eval_success": 0.25, "eval_tokens": 3.0, "version": 7, "eval_final": True})
+    row = evaluate_initial(cfg)
+    assert row["version"] == 0 and row["eval_initial"] and rows(run)[-1] == row
+    want = evaluate(tr.published, tr.model_cfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling,
+                    8, cfg.seed, cfg.chat_template)
+    assert row["eval_success"] == want["eval_success"]          # the warm start's published bits
+    assert evaluate_initial(cfg) == {}                           # v0 is evaluated once
+    (run / "plots").mkdir()
+    summary = finish_run(run, "test")
+    assert summary["eval_success_initial"] == row["eval_success"] and summary["eval_version_final"] == 7
+    assert summary["eval_success_final"] == 0.25
+    # without a warm start the initial policy is the trainer's seeded initial model
+    plain = dataclasses.replace(cfg, run_dir=str(tmp_path / "plain"), warmstart_steps=0)
+    row = evaluate_initial(plain)
+    model, mcfg = initial_model(plain)
+    want = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling,
+                    8, cfg.seed, cfg.chat_template)
+    assert row["eval_success"] == want["eval_success"] and row["eval_tokens"] == want["eval_tokens"]
