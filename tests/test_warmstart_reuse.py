@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+import delta_codec
 from asyncrl import config_check
 from asyncrl.report import finish_run
 from bus.config import ConfigError
@@ -120,3 +121,27 @@ def test_initial_eval_after_the_run(tmp_path, say_digit):
     want = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling,
                     8, cfg.seed, cfg.chat_template)
     assert row["eval_success"] == want["eval_success"] and row["eval_tokens"] == want["eval_tokens"]
+
+
+def test_kl_reference_is_the_warm_started_policy_also_after_a_resume(tmp_path, say_digit):
+    cfg = config(tmp_path, warmstart_until=0.0, warmstart_steps=20, kl_coef=0.1)
+    tr = leader(cfg)
+    initial = {k: v.clone() for k, v in tr.learner.reference.state_dict().items()}
+    tr.prepare()
+    ref, pol = tr.learner.reference.state_dict(), tr.learner.model.state_dict()
+    assert all(torch.equal(ref[k], pol[k]) for k in pol)                 # not the random initial weights
+    assert not all(torch.equal(ref[k], initial[k]) for k in initial)
+    assert not any(p.requires_grad for p in tr.learner.reference.parameters())
+    # a restarted trainer resumes from the checkpoint: its reference is reloaded from warmstart.pt
+    with torch.no_grad():
+        for p in tr.learner.model.parameters():
+            p.add_(0.01)                                                 # RL moved the policy
+    tr.published = tr.learner.published_state()
+    tr.digest = delta_codec.state_digest(tr.published)
+    tr.save()
+    again = leader(cfg)
+    again.prepare()
+    assert again.warmstarted and not again.warmstart_record             # resumed, no second warm start
+    ref2 = again.learner.reference.state_dict()
+    assert all(torch.equal(ref2[k], ref[k]) for k in ref)
+    assert not torch.equal(again.learner.model.state_dict()["tok_emb.weight"], ref["tok_emb.weight"])

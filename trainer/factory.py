@@ -26,7 +26,8 @@ def build_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:
 
 
 def build_reference(cfg: TrainerConfig) -> Transformer | None:
-    """The frozen initial policy of the KL penalty (kl_coef > 0), sharded like the model."""
+    """The frozen reference of the KL penalty (kl_coef > 0), sharded like the model: the initial
+    weights here; a warm start moves it to the warm-started policy (Learner.anchor_reference)."""
     if cfg.kl_coef <= 0:
         return None
     ref, _ = initial_model(cfg)

@@ -130,6 +130,10 @@ class Trainer:
             return False
         self.learner.load_payload(self.cfg.checkpoint_dir, st.model, st.optimizer)
         self.version, self.step_n, self.warmstarted = st.version, st.step, st.warmstarted
+        saved = Path(self.cfg.run_dir) / "warmstart.pt" if self.cfg.run_dir else None
+        if st.warmstarted and self.learner.reference is not None and not (
+                saved and saved.exists() and self.learner.load_reference(str(saved))):
+            log.warning("resumed a warm-started run: its KL reference is the initial weights, not the warm start")
         self.consumed = ConsumedIds(st.consumed, limit=self.cfg.dedupe_window)
         broadcast_obj(("sync",))
         sync_state(self.learner.model, self.learner.opt)
@@ -158,6 +162,7 @@ class Trainer:
                 losses = self.learner.warm_start(self.cfg, self.model_cfg, self.cfg.warmstart_style, on_check=on_check)
                 self.warmstart_record = warmstart_record(self.cfg, len(losses), checks)
             self.warmstarted = True
+            self.learner.anchor_reference()        # kl_coef: the penalty keeps RL near this policy
             log.info("warm start done", **self.warmstart_record)
             self.write_jsonl({**self.warmstart_record, "ts": time.time()})
             if self.cfg.run_dir:     # the policy RL starts from (`asyncrl calibrate-cost --checkpoint` and

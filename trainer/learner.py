@@ -285,6 +285,24 @@ class Learner:
         announce("warm_start", cfg, model_cfg, style)
         return warm_start(self.model, cfg, model_cfg, style=style, on_check=on_check)
 
+    def anchor_reference(self) -> None:
+        """The KL penalty's reference becomes the current policy: after a warm start RL is kept near
+        the warm-started policy, not the random initial weights. Every rank copies its own shard."""
+        if self.reference is None:
+            return
+        announce("anchor_reference")
+        with torch.no_grad():
+            for r, p in zip(self.reference.parameters(), self.model.parameters()):
+                r.copy_(p)
+
+    def load_reference(self, path: str) -> bool:
+        """A resumed run's KL reference from its saved warmstart.pt (whole state, unsharded trainer);
+        False where that cannot be done (the reference then stays the initial weights)."""
+        if self.reference is None or is_sharded(self.reference):
+            return False
+        self.reference.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["model"])
+        return True
+
     def load_warm_start(self, path: str, model_cfg) -> dict:
         """An earlier run's warmstart.pt into the model (whole-state file, unsharded trainer); -> the
         saved record. A file of another model shape is refused before anything is loaded."""
