@@ -4,11 +4,12 @@ evaluated version 0 itself.
 
 `asyncrl up` with `[up] final_eval = true` runs both, side by side, once the processes have stopped,
 so the policy the run ended with is measured although the time limit fell between two `eval_every`
-versions, and the training budget is not spent on either (`eval_every = 0`: no eval in the run). The eval is the trainer's own (trainer/evaluate.py:
-the same eval-split tasks, sampling and seed as every in-run eval) on the checkpoint's published
-bf16 bits, checked against the digest the checkpoint recorded for them. Each row goes to
-metrics/trainer.jsonl like an in-run eval, marked `eval_final` or `eval_initial`. The initial policy is
-the run's warmstart.pt, or without one the trainer's seeded initial model (trainer/factory.py)."""
+versions, and the training budget is not spent on either (`eval_every = 0`: no eval in the run).
+The eval is the trainer's own (trainer/evaluate.py: the same eval-split tasks, sampling and seed
+as every in-run eval) on the checkpoint's published bf16 bits, checked against the digest the
+checkpoint recorded for them. Each row goes to metrics/trainer.jsonl like an in-run eval, marked
+`eval_final` or `eval_initial`. The initial policy is the run's warmstart.pt, or without one the
+trainer's seeded initial model (trainer/factory.py)."""
 from __future__ import annotations
 
 import json
