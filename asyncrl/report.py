@@ -15,6 +15,17 @@ def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(t, float), np.asarray(v, float)
 
 
+def at_version_time(rows: list[dict]) -> list[dict]:
+    """Rows to plot: an eval run after the run (`eval_initial`, `eval_final`) placed at the time its
+    version was made (v0: where RL started), not at the end, sorted by that time."""
+    made = {r["version"]: r["t"] for r in rows if "samples" in r}
+    ws = next((r for r in rows if r.get("warmstart_steps_done") is not None), None)
+    made.setdefault(0, ws["t"] if ws is not None else 0.0)
+    out = [{**r, "t": made.get(r.get("version"), r["t"])} if r.get("eval_initial") or r.get("eval_final") else r
+           for r in rows]
+    return sorted(out, key=lambda r: r["t"])
+
+
 def _smooth(v: np.ndarray, k: int = 5) -> np.ndarray:
     if len(v) < k:
         return v
@@ -36,6 +47,7 @@ def plot_run(run_dir: Path, rows: list[dict]) -> list[str]:
     import matplotlib.pyplot as plt
 
     out = []
+    rows = at_version_time(rows)
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     panels = [
         (axes[0, 0], [("reward_mean", "reward"), ("success_mean", "success (train)"),

@@ -8,7 +8,7 @@ import torch
 
 import delta_codec
 from asyncrl import config_check
-from asyncrl.report import finish_run
+from asyncrl.report import at_version_time, finish_run
 from bus.config import ConfigError
 from trainer import warmstart as ws
 from trainer.config import TrainerConfig
@@ -145,3 +145,14 @@ def test_kl_reference_is_the_warm_started_policy_also_after_a_resume(tmp_path, s
     ref2 = again.learner.reference.state_dict()
     assert all(torch.equal(ref2[k], ref[k]) for k in ref)
     assert not torch.equal(again.learner.model.state_dict()["tok_emb.weight"], ref["tok_emb.weight"])
+
+
+def test_after_run_evals_are_plotted_where_their_versions_were_made():
+    rows = [{"warmstart_steps_done": 250, "t": 3.0}, {"samples": 16, "version": 1, "t": 10.0},
+            {"samples": 16, "version": 2, "t": 20.0}, {"eval_success": 0.4, "version": 2, "eval_final": True, "t": 50.0},
+            {"eval_success": 0.2, "version": 0, "eval_initial": True, "t": 55.0},
+            {"eval_success": 0.3, "version": 1, "t": 12.0}]                    # an in-run eval stays put
+    placed = at_version_time(rows)
+    evals = [(r["version"], r["t"]) for r in placed if "eval_success" in r]
+    assert evals == [(0, 3.0), (1, 12.0), (2, 20.0)]
+    assert [r["t"] for r in placed] == sorted(r["t"] for r in placed) and rows[3]["t"] == 50.0    # input untouched
