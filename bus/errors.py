@@ -15,3 +15,8 @@ class PublishError(Exception):
 
 class BlobError(Exception):
     """A blob that is missing or whose bytes do not match the digest recorded at put time."""
+
+
+class EventError(ValueError):
+    """A body that is not a valid event: malformed msgpack, wrong schema, missing/wrong fields,
+    a number out of its range. Bad input: consumers park it in DLQ at once, never retry it."""

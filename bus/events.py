@@ -4,6 +4,12 @@ Every body is a msgpack map ``{"schema": <the class's SCHEMA_VERSION>, "kind": <
 each event type has its own schema version and `decode` refuses any other.
 `decode` validates kind, schema, required fields, field types and size limits and raises
 `EventError` with a reason a person can act on; consumer loops park such messages in DLQ.
+Every number is checked, whole lists included (vectorised, `validation.py`): every element of a
+list has its declared type, every float field is finite, every int fits int64, and each kind's
+`validate` adds its ranges (a Rollout's logprobs finite and <= 0, token ids >= 0, versions
+monotone, wall_s finite and >= 0; a Scored's rewards and costs finite and bounded). A reason
+names the field and the index (`Rollout r-0: logprobs[3] = nan is not finite`). Token ids are
+checked against the vocabulary by the consumer that knows it (the trainer: check_rollout).
 
 Large arrays (token ids, logprobs) travel as lists: msgpack packs small ints in 1 byte and
 floats as float64, so float32 logprobs round-trip exactly.
@@ -11,6 +17,7 @@ floats as float64, so float32 logprobs round-trip exactly.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import types
 import typing
@@ -19,15 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgpack
+import numpy as np
+
+from .errors import EventError
+from .validation import (INT64, MAX_ID, MAX_REWARD, MAX_VERSION, MAX_WALL_S, MIN_LOGPROB, check_float,
+                         check_int, float_array, int_array, list_type_problem)
 
 SCHEMA = 1
 ROLLOUT_SCHEMA = 2            # Rollout only: 2 added multi-turn episodes (loss mask, turns, tool calls)
 MAX_TOKENS = 1 << 17          # longest sequence a Rollout may claim (absurd sizes are refused)
 MAX_BODY = 64 * 1024 * 1024    # largest body decode accepts
-
-
-class EventError(ValueError):
-    """A body that is not a valid event: malformed msgpack, wrong schema, missing/wrong fields."""
 
 
 def new_id() -> str:
@@ -133,28 +141,45 @@ class Rollout(Event):
         return list(self.loss_mask) if self.loss_mask else [1] * len(self.completion_ids)
 
     def validate(self) -> None:
+        """Every number, whole lists (vectorised: bus/validation.py); EventError names field and index."""
+        where = f"Rollout {self.rollout_id}"
         n = len(self.completion_ids)
         if n > MAX_TOKENS or len(self.prompt_ids) > MAX_TOKENS:
-            raise EventError(f"Rollout {self.rollout_id}: absurd length ({len(self.prompt_ids)} prompt + "
+            raise EventError(f"{where}: absurd length ({len(self.prompt_ids)} prompt + "
                              f"{n} completion tokens, limit {MAX_TOKENS} each)")
         if len(self.logprobs) != n or len(self.token_versions) != n:
-            raise EventError(f"Rollout {self.rollout_id}: logprobs/token_versions length "
+            raise EventError(f"{where}: logprobs/token_versions length "
                              f"{len(self.logprobs)}/{len(self.token_versions)} != {n} tokens")
-        if not (0 <= self.cost_tokens <= MAX_TOKENS):
-            raise EventError(f"Rollout {self.rollout_id}: absurd cost_tokens {self.cost_tokens}")
+        check_int(where, "cost_tokens", self.cost_tokens, 0, MAX_TOKENS + 1)
+        if not (1 <= self.turns <= MAX_TOKENS) or not (0 <= self.tool_calls <= MAX_TOKENS):
+            raise EventError(f"{where}: absurd turns {self.turns} / tool_calls {self.tool_calls}")
+        check_int(where, "sample_index", self.sample_index, 0, MAX_TOKENS)
+        check_int(where, "group_size", self.group_size, 0, MAX_TOKENS + 1)     # 0: the trainer's default
+        check_int(where, "epoch", self.epoch, 0, MAX_VERSION)
+        check_float(where, "wall_s", self.wall_s, 0.0, MAX_WALL_S)
+        int_array(where, "prompt_ids", self.prompt_ids, 0, MAX_ID)
+        int_array(where, "completion_ids", self.completion_ids, 0, MAX_ID)
+        float_array(where, "logprobs", self.logprobs, MIN_LOGPROB, 0.0)
+        versions = int_array(where, "token_versions", self.token_versions, -1, MAX_VERSION)
         if self.loss_mask:
             if len(self.loss_mask) != n:
-                raise EventError(f"Rollout {self.rollout_id}: loss_mask length {len(self.loss_mask)} != {n} tokens")
-            if any(m not in (0, 1) for m in self.loss_mask):
-                raise EventError(f"Rollout {self.rollout_id}: loss_mask values must be 0 or 1")
-            bad = [i for i, (m, v) in enumerate(zip(self.loss_mask, self.token_versions)) if (v < 0) != (m == 0)]
-            if bad:
-                raise EventError(f"Rollout {self.rollout_id}: token_versions must be -1 exactly on observation "
-                                 f"tokens (loss_mask 0); first bad positions {bad[:5]}")
-        elif any(v < 0 for v in self.token_versions):
-            raise EventError(f"Rollout {self.rollout_id}: negative token_versions without a loss_mask")
-        if not (1 <= self.turns <= MAX_TOKENS) or not (0 <= self.tool_calls <= MAX_TOKENS):
-            raise EventError(f"Rollout {self.rollout_id}: absurd turns {self.turns} / tool_calls {self.tool_calls}")
+                raise EventError(f"{where}: loss_mask length {len(self.loss_mask)} != {n} tokens")
+            try:
+                mask = int_array(where, "loss_mask", self.loss_mask, 0, 2)
+            except EventError as e:
+                raise EventError(f"{e}: loss_mask values must be 0 or 1") from None
+            bad = np.flatnonzero((versions < 0) != (mask == 0))
+            if bad.size:
+                raise EventError(f"{where}: token_versions must be -1 exactly on observation "
+                                 f"tokens (loss_mask 0); first bad positions {bad[:5].tolist()}")
+        elif (versions < 0).any():
+            raise EventError(f"{where}: negative token_versions without a loss_mask "
+                             f"(token_versions[{int(np.flatnonzero(versions < 0)[0])}])")
+        model = versions[versions >= 0]            # observation tokens (-1) carry no version
+        if model.size > 1 and (back := np.flatnonzero(np.diff(model) < 0)).size:
+            i = int(np.flatnonzero(versions >= 0)[back[0] + 1])
+            raise EventError(f"{where}: token_versions[{i}] = {int(versions[i])} goes back from "
+                             f"{int(model[back[0]])}: versions must not decrease within a rollout")
 
 
 @dataclass(kw_only=True)
@@ -182,7 +207,19 @@ class Scored(Event):
         return typing.cast(Rollout, from_dict(self.rollout, Rollout))
 
     def validate(self) -> None:
-        self.get_rollout()
+        """The scores finite and bounded (the trainer's advantages are made of them), then the rollout."""
+        where = f"Scored {self.rollout.get('rollout_id') if isinstance(self.rollout, dict) else '?'}"
+        check_float(where, "success", self.success, 0.0, 1.0)
+        check_float(where, "cost", self.cost, 0.0, max(MAX_REWARD, MAX_WALL_S))
+        check_float(where, "lambda_", self.lambda_, 0.0, MAX_REWARD)
+        check_float(where, "penalty", self.penalty, -MAX_REWARD, MAX_REWARD)
+        check_float(where, "reward", self.reward, -MAX_REWARD, MAX_REWARD)
+        check_float(where, "cost_wall_s", self.cost_wall_s, 0.0, MAX_WALL_S)
+        check_int(where, "tool_calls", self.tool_calls, 0, MAX_TOKENS + 1)
+        try:
+            self.get_rollout()
+        except EventError as e:
+            raise EventError(f"{where}: in its rollout: {e}") from None
 
 
 @dataclass(kw_only=True)
@@ -298,9 +335,8 @@ def _type_ok(value: Any, tp: Any) -> bool:
         return any(_type_ok(value, a) for a in typing.get_args(tp))
     if tp is type(None):
         return value is None
-    if origin is list:
-        (inner,) = typing.get_args(tp) or (Any,)
-        return isinstance(value, list) and (inner is Any or all(_type_ok(v, inner) for v in value[:8]))
+    if origin is list:       # the elements: from_dict checks every one (list_type_problem)
+        return isinstance(value, list)
     if origin is dict:
         return isinstance(value, dict)
     if tp is float:
@@ -335,19 +371,40 @@ def from_dict(d: dict, cls: type[Event] | None = None) -> Event:
                          f"{cls.SCHEMA_VERSION}){_UPGRADE.get((cls.KIND, schema), '')}")
     hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
     kwargs = {}
+    label = f"{cls.KIND} {str(d.get('rollout_id') or d.get('task_id') or '')[:80]}".rstrip()
     for f in dataclasses.fields(cls):
         if f.name in d:
             v = d[f.name]
-            if not _type_ok(v, hints[f.name]):
-                raise EventError(f"{cls.KIND}: field {f.name!r} has type {type(v).__name__}, "
-                                 f"expected {hints[f.name]}")
+            tp = hints[f.name]
+            if not _type_ok(v, tp):
+                raise EventError(f"{label}: field {f.name!r} has type {type(v).__name__}, "
+                                 f"expected {tp}")
+            _check_value(label, f.name, v, tp)
             kwargs[f.name] = v
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise EventError(f"{cls.KIND}: missing required field {f.name!r}")
     ev = cls(**kwargs)
     if hasattr(ev, "validate"):
-        ev.validate()
+        try:
+            ev.validate()
+        except EventError:
+            raise
+        except Exception as e:     # a check that met a value of a shape it did not expect: still bad input
+            raise EventError(f"{cls.KIND}: invalid: {type(e).__name__}: {e}") from None
     return ev
+
+
+def _check_value(kind: str, name: str, v: Any, tp: Any) -> None:
+    """Whatever the kind: every element of a typed list has its type, a float is finite, an
+    int fits int64 (the kind's `validate` then checks its ranges)."""
+    if typing.get_origin(tp) is list:
+        inner = (typing.get_args(tp) or (Any,))[0]
+        if inner in (int, float) and (p := list_type_problem(v, inner)) is not None:
+            raise EventError(f"{kind}: field {name}{p}")
+    elif tp is float and not math.isfinite(v):
+        raise EventError(f"{kind}: field {name!r} = {v} is not finite")
+    elif tp is int and not -INT64 <= v < INT64:
+        raise EventError(f"{kind}: field {name!r} = {v} does not fit int64")
 
 
 def decode(body: bytes, cls: type[Event] | None = None) -> Event:
