@@ -2,6 +2,9 @@
 
     asyncrl tasks build --out tasks/swe --gen 200 --humaneval 164 --packages inflection,toolz --per-package 20
     asyncrl tasks build --out DIR --sdist ./mypkg-1.0.tar.gz          # a local sdist, no network
+    asyncrl tasks import swe.jsonl --out DIR [--repos CLONES]        # SWE-bench-format instances in
+    asyncrl tasks export DIR --out OUT                               # OUT/instances.jsonl + OUT/repos/
+    asyncrl tasks evaluate preds.jsonl --tasks DIR | --instances swe.jsonl   # resolved, as SWE-bench
 
 Tiers: generated repositories (envs/gen_repos.py), HumanEval stub and bug-fix tasks
 (envs/humaneval_tasks.py) and real packages with their own test suites (here): the source
@@ -161,6 +164,64 @@ def build_package(sdist: str, out_dir: str, per_package: int = 10, seed: int = 0
     return out
 
 
+def add_swebench_commands(sub) -> None:
+    """`import`, `export`, `evaluate`: SWE-bench-format data (envs/swebench.py)."""
+    i = sub.add_parser("import", help="SWE-bench / SWE-Gym / SWE-smith instances (JSONL) -> a task set")
+    i.add_argument("instances")
+    i.add_argument("--out", required=True)
+    i.add_argument("--repos", default=None, help="directory of git clones named <owner>__<name>")
+    i.add_argument("--split", default="train", help="split of instances that name none (train | eval)")
+    e = sub.add_parser("export", help="a task set -> SWE-bench instances (DIR/instances.jsonl + DIR/repos/)")
+    e.add_argument("tasks")
+    e.add_argument("--out", required=True)
+    e.add_argument("--split", default=None)
+    v = sub.add_parser("evaluate", help="score model_patch predictions as the SWE-bench harness does")
+    v.add_argument("predictions")
+    src = v.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tasks", help="an imported (or built) task set")
+    src.add_argument("--instances", help="an instance file (imported into a temporary task set first)")
+    v.add_argument("--repos", default=None, help="with --instances: directory of <owner>__<name> clones")
+    v.add_argument("--report", default=None, help="also write the report (JSON) here")
+
+
+def swebench_command(a) -> int:
+    from envs import swebench
+    from envs.task_set import load_task_set
+    try:
+        if a.cmd == "import":
+            if a.split not in ("train", "eval"):
+                raise swebench.InstanceError(f"--split must be train or eval, got {a.split!r}")
+            fresh = not os.path.exists(a.out)
+            try:
+                tasks = swebench.import_instances(a.instances, a.out, a.repos, a.split)
+            except (ValueError, OSError):
+                if fresh:                  # all or nothing: no half-imported set left behind
+                    shutil.rmtree(a.out, ignore_errors=True)
+                raise
+            write_task_set(a.out, tasks, {"imported_from": os.path.abspath(a.instances), "instances": len(tasks)})
+            print(f"imported {len(tasks)} instances into {a.out}", file=sys.stderr)
+            return 0
+        if a.cmd == "export":
+            path, notes = swebench.export_tasks(load_task_set(a.tasks, split=a.split), a.out)
+            for n in notes:
+                print(n, file=sys.stderr)
+            print(path)
+            return 0
+        preds = swebench.read_jsonl(a.predictions)
+        with tempfile.TemporaryDirectory(prefix="swebench-eval-") as tmp:
+            tasks = (load_task_set(a.tasks) if a.tasks else swebench.import_instances(a.instances, tmp, a.repos))
+            report = swebench.evaluate_predictions(tasks, preds)
+    except (ValueError, FileNotFoundError) as e:      # InstanceError is a ValueError
+        print(f"asyncrl tasks {a.cmd}: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(report, indent=2, sort_keys=True)
+    if a.report:
+        with open(a.report, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="asyncrl tasks", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true", help="print the build report as JSON")
     s = sub.add_parser("stats", help="counts of a built task set")
     s.add_argument("path")
+    add_swebench_commands(sub)
     a = ap.parse_args(argv)
+    if a.cmd in ("import", "export", "evaluate"):
+        return swebench_command(a)
     if a.cmd == "stats":
         from envs.task_set import load_task_set
         from collections import Counter
