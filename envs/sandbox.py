@@ -1,10 +1,18 @@
 """Run untrusted Python in a subprocess that cannot hang, flood or take down its caller.
 
-Layers (each one covers a way generated code goes wrong):
+Layers (each one covers a way generated code goes wrong; docs/environments.md#containment):
   * own session / process group, killed as a whole at the wall timeout;
-  * `unshare -rnpf --kill-child` when available: an empty network namespace (no network at
-    all) and a pid namespace whose init is a tiny shell, so every process the code forks dies
-    with it — a child that calls setsid() or daemonises cannot outlive the sandbox;
+  * `unshare -rmnpif --kill-child --mount-proc` when available (envs/isolation.py checks it at
+    start-up): a user namespace whose root is the run's fresh uid; an empty network namespace;
+    a pid namespace whose init is a tiny shell (every process the code forks dies with it) and a
+    fresh /proc of that namespace (no other process of the host is visible); a private IPC
+    namespace (SysV shm capped and gone with the run); a private mount namespace with ONE
+    size-capped tmpfs behind /tmp, /var/tmp, /dev/shm and /run/lock (scratch RAM is bounded
+    and nothing is left on the host);
+  * after that setup the code has no capability at all (bounding set, effective, permitted,
+    inheritable and ambient sets cleared, no_new_privs) and cannot make a nested user
+    namespace (max_user_namespaces = 0 inside), so it can neither unmount the masks nor mount
+    a tmpfs of its own; the launcher dies with its caller (PR_SET_PDEATHSIG);
   * when the scorer runs as root (where RLIMIT_NPROC is not enforced) the code runs under a
     fresh random uid, so RLIMIT_NPROC caps a fork bomb at `nproc` processes; as a non-root
     user RLIMIT_NPROC is 1, so the code cannot fork or start threads at all;
@@ -29,10 +37,35 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-# Runs first inside the sandbox: limits and guards, then the script. Parameters come as argv.
+# Runs first inside the sandbox: containment (when in the namespaces: it is their root until it
+# drops every capability here), limits and guards, then the script. Parameters come as argv.
 PRELUDE = r"""
-import resource, sys
-cpu, mem, fsize, nproc, nofile, net, script = sys.argv[1:8]
+import resource, sys, os
+cpu, mem, fsize, nproc, nofile, net, contain, tmp_mb, mark, script = sys.argv[1:11]
+if contain == "1":
+    import ctypes
+    _libc = ctypes.CDLL(None, use_errno=True)
+    def _ok(rc, what):
+        if rc != 0:
+            os.write(2, f"sandbox setup failed: {what}: {os.strerror(ctypes.get_errno())}\n".encode())
+            os._exit(197)
+    _cwd = os.getcwd().encode()          # under /tmp: bound back at its own path once masked
+    _ok(_libc.mount(b"sandbox-tmp", b"/tmp", b"tmpfs", 6, f"size={tmp_mb}m,mode=1777".encode()), "mask /tmp")
+    for _d in (b"/var/tmp", b"/dev/shm", b"/run/lock"):
+        if os.path.isdir(_d):
+            _ok(_libc.mount(b"/tmp", _d, None, 4096, None), f"mask {_d.decode()}")
+    os.makedirs(_cwd, exist_ok=True)
+    _ok(_libc.mount(b"/proc/self/cwd", _cwd, None, 4096, None), "bind the run's directory")
+    os.chdir(_cwd)
+    for _k, _v in (("user/max_user_namespaces", "0"), ("kernel/shmall", str(int(tmp_mb) << 8))):
+        with open("/proc/sys/" + _k, "w") as _f:
+            _f.write(_v)
+    for _c in range(int(open("/proc/sys/kernel/cap_last_cap").read()) + 1):
+        _ok(_libc.prctl(24, _c, 0, 0, 0), "drop bounding set")          # PR_CAPBSET_DROP
+    _ok(_libc.prctl(47, 4, 0, 0, 0), "clear ambient caps")               # PR_CAP_AMBIENT_CLEAR_ALL
+    _ok(_libc.prctl(38, 1, 0, 0, 0), "no_new_privs")                     # PR_SET_NO_NEW_PRIVS
+    _ok(_libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()), "capset")
+    del ctypes, _libc, _ok, _d, _k, _v, _f, _c, _cwd
 for lim, v in ((resource.RLIMIT_CPU, (int(cpu), int(cpu) + 1)), (resource.RLIMIT_AS, (int(mem),) * 2),
                (resource.RLIMIT_FSIZE, (int(fsize),) * 2), (resource.RLIMIT_NOFILE, (int(nofile),) * 2),
                (resource.RLIMIT_CORE, (0, 0))):
@@ -44,14 +77,26 @@ if net == "0":
         if event.startswith("socket.") and event != "socket.gethostname":
             raise PermissionError("network access is disabled in the sandbox")
     sys.addaudithook(_no_network)
-del resource, cpu, mem, fsize, nproc, nofile, net
-sys.argv = [script] + sys.argv[8:]
+os.write(int(mark), b"ok")
+os.close(int(mark))
+del resource, cpu, mem, fsize, nproc, nofile, net, contain, tmp_mb, mark
+sys.argv = [script] + sys.argv[11:]
 sys.path.insert(0, ".")
 with open(script) as f:
     code = compile(f.read(), script, "exec")
 del f
 exec(code, {"__name__": "__main__", "__file__": script, "__builtins__": __builtins__})
 """
+
+# the namespaces of both sandboxes; --mount-proc: a /proc of the new pid namespace only
+UNSHARE_FLAGS = ["-rmnpif", "--kill-child", "--mount-proc"]
+# the sandbox's launcher gets SIGKILL when the thread that started it dies (a worker SIGKILLed
+# mid-command leaves no process behind: unshare's --kill-child takes the namespace down with it)
+PDEATHSIG = ["--pdeathsig", "KILL", "--"]
+# what the command runs under after setup: no capability in any set, none to gain by execve
+DROP_CAPS = ["--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--"]
+# what a run in the namespaces has (SandboxResult.isolation; "netns" apart: it can be turned off)
+NS_LAYERS = ["pidns", "proc", "mountns", "tmp-masks", "ipcns", "no-caps", "no-userns", "pdeathsig"]
 
 SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
 
@@ -64,6 +109,7 @@ class SandboxLimits:
     nproc: int = 16               # processes + threads the code may have (fork-bomb cap)
     output_bytes: int = 1 << 20   # stdout + stderr, each
     open_files: int = 64
+    tmp_mb: int = 16              # the one private tmpfs behind /tmp, /var/tmp, /dev/shm (RAM)
     network: bool = False         # True only for trusted experiments
     netns: bool = True            # an empty network namespace as well as the audit hook (costs a namespace per run)
     python: str | None = None     # interpreter; default: a system python the sandbox uid can run
@@ -83,12 +129,18 @@ class SandboxResult:
         return self.reason == "ok"
 
 
+def _tool(name: str) -> str | None:
+    return shutil.which(name, path="/usr/bin:/bin:/usr/sbin:/sbin")
+
+
 @functools.cache
 def isolation() -> tuple[str, bool, bool]:
-    """(python, use a fresh uid, use namespaces) — probed once per process."""
+    """(python, use a fresh uid, use namespaces) — probed once per process. Namespaces are used
+    only when the whole stack works: setpriv, unshare with user/mount/net/pid/ipc namespaces and
+    a fresh /proc (which a container may forbid); envs/isolation.py checks what they give."""
     root = os.geteuid() == 0
     python = next((p for p in SYSTEM_PYTHONS if os.access(p, os.X_OK)), sys.executable) if root else sys.executable
-    unshare = shutil.which("unshare")
+    unshare, setpriv = _tool("unshare"), _tool("setpriv")
     probe_uid = _fresh_uid() if root else None
 
     def works(cmd: list[str], uid: int | None) -> bool:
@@ -102,9 +154,16 @@ def isolation() -> tuple[str, bool, bool]:
     use_uid = root and works([python, "-I", "-S", "-c", "pass"], probe_uid)
     if root and not use_uid:
         python = sys.executable
-    ns_cmd = [unshare, "-rnpf", "--kill-child", "--", python, "-I", "-S", "-c", "pass"] if unshare else []
-    use_ns = bool(unshare) and works(ns_cmd, probe_uid if use_uid else None)
+    ns_cmd = ([setpriv, *PDEATHSIG, unshare, *UNSHARE_FLAGS, "--", setpriv, *DROP_CAPS, python, "-I", "-S", "-c",
+               "pass"] if unshare and setpriv else [])
+    use_ns = bool(ns_cmd) and works(ns_cmd, probe_uid if use_uid else None)
     return python, use_uid, use_ns
+
+
+def _launcher(netns: bool) -> list[str]:
+    """The namespaces' launcher: setpriv (death signal) exec'ing unshare; one process spawn."""
+    flags = UNSHARE_FLAGS if netns else [UNSHARE_FLAGS[0].replace("n", "")] + UNSHARE_FLAGS[1:]
+    return [_tool("setpriv") or "setpriv", *PDEATHSIG, _tool("unshare") or "unshare", *flags, "--"]
 
 
 def _nproc_limit(limits: SandboxLimits, uid: int | None) -> int:
@@ -118,7 +177,10 @@ def _nproc_limit(limits: SandboxLimits, uid: int | None) -> int:
 
 def _fresh_uid() -> int:
     # an unused uid per run: RLIMIT_NPROC counts per uid, so concurrent sandboxes never share a budget
-    return 200_000 + random.SystemRandom().randrange(1 << 30)
+    return FRESH_UID_BASE + random.SystemRandom().randrange(1 << 30)
+
+
+FRESH_UID_BASE = 200_000
 
 
 def _signal_reason(sig: int, limits: SandboxLimits) -> str:
@@ -153,16 +215,19 @@ def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None 
                 os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)
+        out_path, err_path, in_path = (os.path.join(tmp, n) for n in (".stdout", ".stderr", ".stdin"))
+        mark_r, mark_w = os.pipe()          # the prelude writes "ok" here once contained and limited
         cmd = [python, "-I", "-S", "-c", PRELUDE, str(limits.cpu_s), str(limits.memory_mb << 20),
                str(limits.output_bytes), str(_nproc_limit(limits, uid)), str(limits.open_files),
-               "1" if limits.network else "0", script, *(args or [])]
+               "1" if limits.network else "0", "1" if use_ns else "0", str(limits.tmp_mb), str(mark_w),
+               script, *(args or [])]
         if use_ns:
             # pid 1 of the namespace is a shell, so the python below it keeps normal signal
             # semantics; when the shell exits every process left in the namespace is killed
             netns = limits.netns and not limits.network
-            cmd = [shutil.which("unshare") or "unshare", "-rnpf" if netns else "-rpf", "--kill-child", "--", "/bin/sh", "-c",
-                   '"$@"; exit $?', "sh", *cmd]
-            layers += ["pidns"] + (["netns"] if netns else [])
+            cmd = [*_launcher(netns), "/bin/sh", "-c", '"$@"; exit $?', "sh", *cmd]
+            layers += NS_LAYERS
+            layers += ["netns"] if netns else []
         kw = {}
         if uid is not None:
             os.chown(tmp, uid, uid)
@@ -171,22 +236,33 @@ def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None 
                     os.chown(os.path.join(dirpath, n), uid, uid)
             kw = dict(user=uid, group=uid, extra_groups=[])
             layers.append("fresh-uid")
-        out_path, err_path, in_path = (os.path.join(tmp, n) for n in (".stdout", ".stderr", ".stdin"))
         with open(in_path, "wb") as f:        # a file, not a pipe: feeding it can never block us
             f.write(stdin)
-        with open(in_path, "rb") as inp, open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(cmd, cwd=tmp, stdin=inp, stdout=out, stderr=err,
-                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp},
-                                    start_new_session=True, close_fds=True, **kw)
-            try:
-                timed_out = not _wait_exit(proc, limits.wall_s)
-            finally:
-                _kill_group(proc.pid)       # stragglers in the group, on every path
-                proc.wait()
+        try:
+            with open(in_path, "rb") as inp, open(out_path, "wb") as out, open(err_path, "wb") as err:
+                proc = subprocess.Popen(cmd, cwd=tmp, stdin=inp, stdout=out, stderr=err, pass_fds=(mark_w,),
+                                        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp},
+                                        start_new_session=True, close_fds=True, **kw)
+                os.close(mark_w)
+                mark_w = -1
+                try:
+                    timed_out = not _wait_exit(proc, limits.wall_s)
+                finally:
+                    _kill_group(proc.pid)       # stragglers in the group, on every path
+                    proc.wait()
+            setup_ok = _read_mark(mark_r)
+        finally:
+            os.close(mark_r)
+            if mark_w >= 0:
+                os.close(mark_w)
         rc = proc.returncode
         stdout, stderr = _read_capped(out_path, limits.output_bytes), _read_capped(err_path, limits.output_bytes)
         over = max(os.path.getsize(out_path), os.path.getsize(err_path)) >= limits.output_bytes
-        if timed_out:
+        if not setup_ok and not timed_out:
+            # only the prelude, before any untrusted byte, can end here: never the code's own exit
+            why = (stderr.decode("utf-8", "replace").strip().splitlines() or ["setup failed"])[-1]
+            reason = f"sandbox error: {why}"
+        elif timed_out:
             reason = f"wall timeout after {limits.wall_s}s"
         elif over:
             reason = f"output limit ({limits.output_bytes} bytes) exceeded"
@@ -203,6 +279,15 @@ def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None 
         return SandboxResult(f"sandbox error: {e}", -1, wall_s=time.perf_counter() - t0, isolation=layers)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_mark(fd: int) -> bool:
+    """Whether the sandbox's setup wrote its "ok" (every writer is gone: the read cannot block)."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 2) == b"ok"
+    except BlockingIOError:
+        return False
 
 
 def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
@@ -237,22 +322,27 @@ def _read_capped(path: str, cap: int) -> bytes:
 
 # -- bash in a persistent workspace (multi-turn episodes) ----------------------------------------
 
-# Runs as pid 1 of the namespaces (or as the group leader without them). Mount masks first: a
-# private size-capped tmpfs over every world-writable directory, so the only place a command can
-# leave anything behind is its workspace; then the episode root is bound back at its own path
-# (it may live under a masked /tmp; mount(8) must not canonicalise /proc/self/cwd, or it would
-# resolve to the masked path); then rlimits; then the command, as a child, so pid 1 keeps normal
-# signal handling and everything left in the namespace dies when it exits.
+# Runs as pid 1 of the namespaces (or as the group leader without them), as root of the user
+# namespace. Mount masks first: ONE private size-capped tmpfs behind every world-writable
+# directory (all the scratch RAM a command has), so the only place a command can leave anything
+# behind is its workspace; then the episode root is bound back at its own path, with the mounts
+# under it (it may live under a masked /tmp; mount(8) must not canonicalise /proc/self/cwd, or it
+# would resolve to the masked path); no nested user namespace, SysV shm capped; then rlimits;
+# then the command (under setpriv: without any capability), as a child, so pid 1 keeps normal signal
+# handling and everything left in the namespace dies when it exits.
 BASH_SETUP = r"""
-root=$1 ws=$2 masks=$3 tmp_mb=$4 cpu=$5 mem_kb=$6 fsize_kb=$7 nofile=$8 nproc=$9 mark=${10}
+root=$1 ws=$2 ns=$3 tmp_mb=$4 cpu=$5 mem_kb=$6 fsize_kb=$7 nofile=$8 nproc=$9 mark=${10}
 shift 10
 fail() { echo "sandbox setup failed: $*" >&2; exit 197; }
 cd "$root" || fail "no episode root $root"
-if [ "$masks" = 1 ]; then
-  for d in /tmp /var/tmp /dev/shm /run/lock; do
-    if [ -d "$d" ]; then mount -t tmpfs -o "size=${tmp_mb}m,mode=1777" tmpfs "$d" || fail "mask $d"; fi
+if [ "$ns" = 1 ]; then
+  mount -t tmpfs -o "size=${tmp_mb}m,mode=1777,nosuid,nodev" sandbox-tmp /tmp || fail "mask /tmp"
+  for d in /var/tmp /dev/shm /run/lock; do
+    if [ -d "$d" ]; then mount --bind /tmp "$d" || fail "mask $d"; fi
   done
-  mkdir -p "$root" && mount --no-canonicalize --bind /proc/self/cwd "$root" || fail "bind $root"
+  mkdir -p "$root" && mount --no-canonicalize --rbind /proc/self/cwd "$root" || fail "bind $root"
+  echo 0 >/proc/sys/user/max_user_namespaces || fail "nested user namespaces"
+  echo $((tmp_mb << 8)) >/proc/sys/kernel/shmall || fail "shm cap"
 fi
 cd "$ws" || fail "no workspace $ws"
 ulimit -c 0 && ulimit -t "$cpu" && ulimit -v "$mem_kb" && ulimit -f "$fsize_kb" && ulimit -n "$nofile" || fail "ulimit"
@@ -274,7 +364,7 @@ class BashLimits:
     file_mb: int = 16             # largest file a command may write; also caps its captured output
     nproc: int = 64               # processes + threads of the episode's uid (fork-bomb cap)
     open_files: int = 256
-    tmp_mb: int = 64              # each private tmpfs (/tmp, /var/tmp, /dev/shm)
+    tmp_mb: int = 64              # the one private tmpfs behind /tmp, /var/tmp, /dev/shm (RAM)
     keep_bytes: int = 32 << 10    # of the output kept for the caller: this much of its head and of its tail
 
 
@@ -289,9 +379,11 @@ def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None 
     its merged stdout+stderr (head and tail when long). Never raises on anything the command does.
 
     Isolation, when root with user namespaces: fresh uid (owns nothing but the workspace), empty
-    network namespace, pid namespace (nothing outlives the command), private tmpfs over /tmp,
-    /var/tmp, /dev/shm, rlimits, process group killed at the wall limit. Without namespaces the
-    masks, the network cut and the pid namespace are missing (see docs/environments.md)."""
+    network namespace, pid namespace with its own /proc (nothing outlives the command, nothing
+    else is visible), one private size-capped tmpfs behind /tmp, /var/tmp, /dev/shm, private
+    IPC, no capability and no nested user namespace for the command, rlimits, process group
+    killed at the wall limit. Without namespaces all of that but the uid, the rlimits and the
+    group is missing: envs/isolation.py refuses to start a process there unless allowed."""
     limits = limits or BashLimits()
     _, _, use_ns = isolation()
     layers = ["pgroup", "rlimits"]
@@ -307,18 +399,21 @@ def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None 
             kw = dict(user=uid, group=uid, extra_groups=[])
             layers.append("fresh-uid")
         if use_ns:
-            layers += ["netns", "pidns", "mountns", "tmp-masks"]
+            layers += ["netns", *NS_LAYERS]
         base_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "TMPDIR": "/tmp",
                     "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TERM": "dumb"}
         base_env.update(env or {})
         with open(os.devnull, "rb") as inp, open(out_path, "wb") as out, open(mark_path, "wb") as mark:
             # the setup writes "ok" on its own fd once the isolation is in place, so a setup
             # failure is never mistaken for the command's own exit status
+            tail = ["/bin/bash", "-c", command]
+            if use_ns:
+                tail = [_tool("setpriv") or "setpriv", *DROP_CAPS, *tail]
             cmd = ["/bin/bash", "-c", BASH_SETUP, "setup", root, workspace, "1" if use_ns else "0",
                    str(limits.tmp_mb), str(limits.cpu_s), str(limits.memory_mb << 10), str(limits.file_mb << 10),
-                   str(limits.open_files), str(nproc), str(mark.fileno()), "/bin/bash", "-c", command]
+                   str(limits.open_files), str(nproc), str(mark.fileno()), *tail]
             if use_ns:
-                cmd = [shutil.which("unshare") or "unshare", "-rmnpf", "--kill-child", "--", *cmd]
+                cmd = [*_launcher(True), *cmd]
             proc = subprocess.Popen(cmd, cwd="/", stdin=inp, stdout=out, stderr=subprocess.STDOUT,
                                     pass_fds=(mark.fileno(),), env=base_env, start_new_session=True, **kw)
             try:

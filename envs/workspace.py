@@ -12,13 +12,13 @@ that owns only `repo/`; root_dir is what stays visible inside the sandbox's moun
       ep-XXXX/                   0711
         repo/                    0700  the workspace: the task's files, the command's cwd
         tools/                   0755  helpers on PATH (view, replace, run_tests, submit, runners)
-        score/                   a copy of repo/ with the hidden tests restored, made at score()
+        score/                   the scoring copy, made at score(): the task's snapshot plus the
+                                 agent's source changes (envs/scoring_run.py)
 """
 from __future__ import annotations
 
 import functools
 import os
-import secrets
 import shutil
 import stat
 import subprocess
@@ -26,8 +26,11 @@ import sys
 import tempfile
 from typing import Protocol
 
+from .isolation import claim
 from .sandbox import SYSTEM_PYTHONS, BashLimits, SandboxResult, fresh_uid, isolation, run_bash
-from .workspace_tools import test_command, tool_files
+from . import scoring_run
+from .test_report import ScoreInfo, parse_report  # noqa: F401  (parse_report: re-exported)
+from .workspace_tools import tool_files
 
 
 class Workspace(Protocol):
@@ -127,10 +130,12 @@ class LocalBackend:
 class LocalWorkspace:
     def __init__(self, task, root_dir: str, python: str, site: str = ""):
         self.error, self.python, self.site, self.root_dir = "", python, site, root_dir
+        self.score_info = ScoreInfo()          # what the last scoring run found (Episode.score reads it)
         self.uid = fresh_uid()
         os.makedirs(root_dir, exist_ok=True)
         os.chmod(root_dir, 0o711)
         self.root = tempfile.mkdtemp(prefix="ep-", dir=root_dir)
+        self._claim = claim(self.root)       # held while we live: a restart's reap() spares it
         os.chmod(self.root, 0o711)
         self.repo, self.tools = os.path.join(self.root, "repo"), os.path.join(self.root, "tools")
         try:
@@ -178,36 +183,27 @@ class LocalWorkspace:
         """Run the task's tests on a copy of the workspace with the hidden tests restored, under a
         uid of its own (so nothing the episode left running or writable can touch it)."""
         score = os.path.join(self.root, "score")
-        shutil.rmtree(score, ignore_errors=True)
-        try:
-            _copy_tree(self.repo, score)
-            _write_files(score, task.hidden_tests)
-            _chown_tree(score, uid := fresh_uid())
-            os.chmod(score, 0o700)
-        except (OSError, ValueError) as e:
-            return {}, f"scoring copy failed: {e}"
-        nonce = secrets.token_hex(16)
-        cmd = test_command(task.runner, task.test_paths, self.tools, nonce)
+        uid = fresh_uid()
         lim = BashLimits(**{**limits.command.__dict__, "wall_s": limits.score_wall_s,
-                            "cpu_s": int(limits.score_wall_s) + 1})
-        res = run_bash(cmd, self.root_dir, score, lim, uid, self._env())
-        shutil.rmtree(score, ignore_errors=True)
-        return parse_report(res.stdout.decode("utf-8", "replace"), nonce), \
-            ("" if res.ok or res.reason.startswith("exit code") else f"tests: {res.reason}")
+                            "cpu_s": int(limits.score_wall_s) + 1,
+                            "keep_bytes": max(limits.command.keep_bytes, 4 << 20)})   # every report line
+
+        def prepare(d: str) -> None:
+            _chown_tree(d, uid)
+            os.chmod(d, 0o700)
+        try:
+            status, detail, self.score_info = scoring_run.score(
+                task, self.repo, score, self.tools, lambda cmd: run_bash(cmd, self.root_dir, score, lim, uid, self._env()),
+                prepare)
+        finally:
+            shutil.rmtree(score, ignore_errors=True)
+        return status, detail
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def parse_report(output: str, nonce: str) -> dict[str, str]:
-    """{test id: PASS|FAIL|SKIP} from a runner's report lines (the last line about a test wins)."""
-    status: dict[str, str] = {}
-    for line in output.splitlines():
-        if line.startswith(nonce + " "):
-            parts = line.split(" ", 2)
-            if len(parts) == 3:
-                status[parts[2]] = parts[1]
-    return status
+        if self._claim >= 0:
+            os.close(self._claim)
+            self._claim = -1
 
 
 def _write_files(dest: str, files: dict[str, str]) -> None:

@@ -1,0 +1,252 @@
+"""The sandbox's isolation, checked at start-up, and the leftovers of a killed process cleaned.
+
+`check()` runs one real command in each sandbox (`run_bash`, `run_python`) and asks, from inside,
+for every layer the containment promises (docs/environments.md#containment):
+
+    fresh-uid   the code runs as an unused uid (owns nothing but its workspace)
+    netns       an empty network namespace (no interface but lo)
+    pidns       its own pid namespace with its own /proc: no other process of the host visible
+    mountns     its own mount namespace (what it mounts or unmounts is its own)
+    tmp-masks   /tmp, /var/tmp, /dev/shm are a private tmpfs: a marker written there is not on the host
+    tmp-cap     that tmpfs is size-capped (scratch RAM bounded; the code cannot mount another)
+    ipcns       its own IPC namespace (SysV shm gone with the run)
+    no-caps     no capability in the effective, permitted or bounding set
+    no-mount    `umount /tmp` and `mount -t tmpfs` are refused
+    no-userns   a nested user namespace (where it would be root again) is refused
+    pdeathsig   the launcher dies with its caller (static: setpriv --pdeathsig is used)
+
+`require(allow_weak)` raises WeakSandbox naming the missing layers unless weak isolation is
+allowed. `reap(root_dir)` removes the `ep-*` workspaces no live process holds (a workspace's
+creator holds a lock on its directory: `claim()`), killing any process still working in them.
+"""
+from __future__ import annotations
+
+import fcntl
+import functools
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import tempfile
+import time
+
+from .sandbox import FRESH_UID_BASE, BashLimits, SandboxLimits, isolation, run_bash, run_python, fresh_uid
+
+LAYERS = ("fresh-uid", "netns", "pidns", "mountns", "tmp-masks", "tmp-cap", "ipcns", "no-caps", "no-mount",
+          "no-userns", "pdeathsig")
+HOW = ("run the worker/scorer as root where user namespaces are allowed (container: cap_add SYS_ADMIN, "
+       "seccomp and apparmor unconfined, see deploy/docker-compose.yml), or set allow_weak_sandbox = true")
+
+# Runs in run_bash; $1: our mount namespace, $2: a marker name. Mount attempts only in a mount
+# namespace known to be its own (in ours, as root, an `umount /tmp` would be real).
+BASH_PROBE = r"""
+for n in net pid mnt ipc; do echo "ns_$n=$(readlink /proc/self/ns/$n)"; done
+echo "uid=$(id -u) map=$(head -n1 /proc/self/uid_map | tr -s ' ' ' ')"
+echo "caps=$(grep -E '^Cap(Eff|Prm|Bnd)' /proc/self/status | tr -s '\t ' ' ' | cut -d' ' -f2 | tr '\n' ,)"
+echo "pids=$(ls /proc | grep -c '^[0-9]')"
+echo "ifaces=$(tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\n' ,)"
+echo "shm_kb=$(df -k /dev/shm | tail -n1 | tr -s ' ' | cut -d' ' -f2)"
+for d in /tmp /var/tmp /dev/shm; do echo x > "$d/$2"; done
+if [ "$1" != unknown ] && [ "$(readlink /proc/self/ns/mnt)" != "$1" ]; then
+  umount -l /tmp 2>/dev/null && echo mounted=umount
+  mkdir -p m && mount -t tmpfs probe m 2>/dev/null && echo mounted=tmpfs
+  unshare -r true 2>/dev/null && echo nested=userns
+fi
+exit 0
+"""
+
+# Runs in run_python; argv[1]: a marker name
+PYTHON_PROBE = r"""
+import os, sys
+print("ns_" + " ns_".join(f"{n}={os.readlink('/proc/self/ns/' + n)}" for n in ("net", "pid", "mnt", "ipc")))
+st = dict(l.split(":", 1) for l in open("/proc/self/status") if l.startswith("Cap"))
+print("caps=" + ",".join(st[k].strip() for k in ("CapEff", "CapPrm", "CapBnd")))
+print("pids=%d" % sum(p.isdigit() for p in os.listdir("/proc")))
+for d in ("/tmp", "/var/tmp", "/dev/shm"):
+    open(os.path.join(d, sys.argv[1]), "w").write("x")
+"""
+
+
+class WeakSandbox(RuntimeError):
+    """The sandbox lacks layers of its isolation and weak isolation was not allowed."""
+
+
+def _fields(text: str) -> dict[str, str]:
+    return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", text))
+
+
+def _ours(kind: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/ns/{kind}")
+    except OSError:
+        return None
+
+
+def _own(f: dict[str, str], kind: str) -> bool:
+    """Whether the sandbox reported a `kind` namespace that is not ours (unknown: not)."""
+    ours, theirs = _ours(kind), f.get(f"ns_{kind}", "")
+    return ours is not None and theirs.startswith(f"{kind}:") and theirs != ours
+
+
+def _caps_zero(caps: str) -> bool:
+    vals = [v for v in caps.split(",") if v]
+    return len(vals) == 3 and all(int(v, 16) == 0 for v in vals)
+
+
+def _left_on_host(marker: str) -> bool:
+    found = False
+    for d in ("/tmp", "/var/tmp", "/dev/shm"):
+        p = os.path.join(d, marker)
+        if os.path.lexists(p):
+            found = True
+            os.unlink(p)
+    return found
+
+
+def _probe_bash() -> dict[str, bool]:
+    root = tempfile.mkdtemp(prefix="asyncrl-isolation-")
+    marker = f"asyncrl-probe-{secrets.token_hex(6)}"
+    try:
+        os.chmod(root, 0o711)
+        ws = os.path.join(root, "ws")
+        os.mkdir(ws, 0o700)
+        uid = fresh_uid()
+        if uid is not None:
+            os.chown(ws, uid, uid)
+        cmd = f"bash -c {shlex.quote(BASH_PROBE)} probe {shlex.quote(_ours('mnt') or 'unknown')} {marker}"
+        r = run_bash(cmd, root, ws, BashLimits(wall_s=20.0), uid)
+        out = r.stdout.decode("utf-8", "replace")
+        f = _fields(out)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    # the uid the code has on the host: the user namespace's map ("0 X 1"), else its own uid
+    m = re.search(r"map=\s*0\s+(\d+)\s+1\b", out)
+    outer_uid = int(m.group(1)) if m else int(f.get("uid", "0") or 0)
+    shm_kb = int(f.get("shm_kb", "0") or 0)
+    return {
+        "fresh-uid": r.ok and outer_uid >= FRESH_UID_BASE,
+        "netns": r.ok and _own(f, "net") and f.get("ifaces", "").strip(",") in ("", "lo"),
+        "pidns": r.ok and _own(f, "pid") and 0 < int(f.get("pids", "999") or 999) <= 10,
+        "mountns": r.ok and _own(f, "mnt"),
+        "tmp-masks": r.ok and not _left_on_host(marker),
+        "tmp-cap": r.ok and 0 < shm_kb <= BashLimits().tmp_mb << 10,
+        "ipcns": r.ok and _own(f, "ipc"),
+        "no-caps": r.ok and _caps_zero(f.get("caps", "")),
+        "no-mount": r.ok and _own(f, "mnt") and "mounted=" not in out,
+        "no-userns": r.ok and _own(f, "mnt") and "nested=" not in out,
+        "pdeathsig": r.ok and isolation()[2],
+    }
+
+
+def _probe_python() -> dict[str, bool]:
+    marker = f"asyncrl-probe-{secrets.token_hex(6)}"
+    r = run_python({"probe.py": PYTHON_PROBE}, "probe.py", SandboxLimits(wall_s=20.0), args=[marker])
+    f = _fields(r.stdout.decode("utf-8", "replace"))
+    left = _left_on_host(marker)
+    return {
+        "netns": r.ok and _own(f, "net"),
+        "pidns": r.ok and _own(f, "pid") and 0 < int(f.get("pids", "999") or 999) <= 10,
+        "mountns": r.ok and _own(f, "mnt"),
+        "tmp-masks": r.ok and not left,
+        "ipcns": r.ok and _own(f, "ipc"),
+        "no-caps": r.ok and _caps_zero(f.get("caps", "")),
+    }
+
+
+@functools.cache
+def check() -> dict[str, bool]:
+    """{layer: in place} for both sandboxes (a layer counts only when both have it): one real run
+    of each, once per process."""
+    layers = _probe_bash()
+    for k, v in _probe_python().items():
+        layers[k] = layers[k] and v
+    return layers
+
+
+def missing(layers: dict[str, bool]) -> list[str]:
+    return [k for k in LAYERS if not layers.get(k)]
+
+
+def require(allow_weak: bool = False) -> dict[str, bool]:
+    """The layers in place; raises WeakSandbox naming the missing ones unless `allow_weak`."""
+    layers = check()
+    gone = missing(layers)
+    if gone and not allow_weak:
+        raise WeakSandbox(f"sandbox isolation incomplete (uid {os.geteuid()}): missing layer(s) "
+                          f"{', '.join(gone)}; {HOW}")
+    return layers
+
+
+# -- leftovers of a killed process ----------------------------------------------------------------
+
+def claim(path: str) -> int:
+    """Hold a lock on a workspace directory for as long as the returned fd is open (the kernel
+    drops it when the process dies, however it dies): `reap` leaves held directories alone."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _held(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return True                        # not ours to judge (gone, or not a directory)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)                       # (closing drops the lock we may have taken)
+
+
+def _kill_inside(dirs: list[str]) -> int:
+    """SIGKILL every process whose working directory is under one of `dirs`."""
+    prefixes = tuple(os.path.realpath(d) + os.sep for d in dirs)
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd") + os.sep
+        except OSError:
+            continue
+        if int(pid) != os.getpid() and cwd.startswith(prefixes):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                n += 1
+            except OSError:
+                pass
+    return n
+
+
+def reap(root_dir: str, grace_s: float = 2.0) -> dict[str, int]:
+    """Remove the `ep-*` workspaces under `root_dir` that no live process holds (older than
+    `grace_s`: a workspace is claimed right after it is made) and kill what still runs in them."""
+    try:
+        names = [n for n in os.listdir(root_dir) if n.startswith("ep-")]
+    except FileNotFoundError:
+        return {"workspaces": 0, "processes": 0}
+    now = time.time()
+    stale = []
+    for n in names:
+        p = os.path.join(root_dir, n)
+        try:
+            young = now - os.lstat(p).st_mtime < grace_s
+        except OSError:
+            continue
+        if not young and not os.path.islink(p) and not _held(p):
+            stale.append(p)
+    killed = _kill_inside(stale) if stale else 0
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return {"workspaces": len(stale), "processes": killed}
+
+
+def startup(allow_weak: bool = False, workspaces: str | None = None) -> tuple[dict[str, bool], dict[str, int]]:
+    """A process's sandbox start-up: reap a killed predecessor's workspaces under `workspaces`
+    (a LocalBackend root), then check the isolation (WeakSandbox unless complete or allowed).
+    Returns (layers, reaped)."""
+    reaped = reap(workspaces) if workspaces else {"workspaces": 0, "processes": 0}
+    return require(allow_weak), reaped
