@@ -59,7 +59,7 @@ def _model(model_config: dict) -> Transformer:
 def from_checkpoint(path: Path) -> tuple[dict, dict, str]:
     """-> (bf16 state, model_config, digest) after checking the recorded digest."""
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=False)
+        raw = torch.load(path, map_location="cpu", weights_only=True)     # tensors only: never runs code
     except Exception as e:
         raise ExportError(f"checkpoint {path} is unreadable: {e}") from e
     missing = [k for k in ("version", "model", "model_config", "digest") if k not in raw]

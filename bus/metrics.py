@@ -48,6 +48,8 @@ PUBLISH_TO_PATCHED = Histogram("asyncrl_publish_to_patched_seconds",
 UPDATE_STALL = Histogram("asyncrl_update_stall_seconds", "Decode stall caused by one weight update",
                          buckets=_STALL_BUCKETS)
 POLICY_VERSION = Gauge("asyncrl_policy_version", "Policy version this process holds (trainer: last published)")
+WEIGHTS_UNSIGNED = Gauge("asyncrl_weights_unsigned",
+                         "1: this process follows weights without checking their signature (no public key)")
 
 # -- generation / scoring --------------------------------------------------------------------------
 TOKENS_GENERATED = Counter("asyncrl_tokens_generated_total", "Completion tokens generated")
@@ -56,6 +58,8 @@ ROLLOUTS_SCORED = Counter("asyncrl_rollouts_scored_total", "Rollouts scored, by 
                           ["env", "verdict"])                              # verdict: success | failure
 SLOT_OCCUPANCY = Gauge("asyncrl_slot_occupancy_ratio", "Mean KV slot occupancy over the engine's window")
 WORKER_LAG = Gauge("asyncrl_worker_lag_versions", "Latest published version minus this worker's version")
+SANDBOX_LAYER = Gauge("asyncrl_sandbox_layer", "1: this isolation layer of the code sandbox is in place "
+                      "(start-up check, envs/isolation.py), 0: missing", ["layer"])
 
 # -- bus -------------------------------------------------------------------------------------------
 DLQ_PARKED = Counter("asyncrl_dlq_parked_total", "Messages parked in the dead-letter queue, by stream",
@@ -71,6 +75,8 @@ TRAINER_REWARD = Gauge("asyncrl_trainer_reward_mean", "Mean reward of the last b
 TRAINER_SUCCESS = Gauge("asyncrl_trainer_success_ratio", "Mean success of the last batch")
 TRAINER_STALENESS = Gauge("asyncrl_trainer_staleness_versions", "Mean sample lag of the last batch")
 TRAINER_SAMPLES = Counter("asyncrl_trainer_samples_total", "Samples trained on, by fate", ["fate"])  # live | stale
+STEPS_SKIPPED = Counter("asyncrl_steps_skipped_total", "Trainer steps skipped (weights untouched), by reason",
+                        ["reason"])                       # nonfinite_loss | nonfinite_grad
 DELTA_BYTES = Histogram("asyncrl_delta_bytes", "Encoded delta size",
                         buckets=tuple(2 ** k for k in range(10, 31, 2)))
 
@@ -81,7 +87,9 @@ EXPORTED = frozenset({
     "asyncrl_rollouts_scored_total", "asyncrl_slot_occupancy_ratio", "asyncrl_worker_lag_versions",
     "asyncrl_dlq_parked_total", "asyncrl_consumer_pending_messages", "asyncrl_trainer_step_seconds",
     "asyncrl_trainer_reward_mean", "asyncrl_trainer_success_ratio", "asyncrl_trainer_staleness_versions",
-    "asyncrl_trainer_samples_total", "asyncrl_delta_bytes",
+    "asyncrl_trainer_samples_total", "asyncrl_delta_bytes", "asyncrl_weights_unsigned",
+    "asyncrl_steps_skipped_total",
+    "asyncrl_sandbox_layer",
 })
 
 
@@ -154,6 +162,12 @@ def observe_trainer_step(values: dict) -> None:
     live, stale = int(values.get("live_samples", 0) or 0), int(values.get("dropped_stale", 0) or 0)
     TRAINER_SAMPLES.labels("live").inc(live)
     TRAINER_SAMPLES.labels("stale").inc(stale)
+
+
+def observe_sandbox(layers: dict[str, bool]) -> None:
+    """The sandbox's isolation layers (envs.isolation.check()) as 0/1 gauges."""
+    for layer, ok in layers.items():
+        SANDBOX_LAYER.labels(layer).set(1 if ok else 0)
 
 
 def observe_worker(snapshot: dict) -> None:

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import delta_codec
 from delta_codec import signing
+from delta_codec.errors import NonFiniteError
 from delta_codec.sharded import apply_parts
 from nats.js.errors import NotFoundError
 
@@ -30,6 +31,12 @@ def _lease_epoch(value: bytes | None) -> int:
     except (ValueError, AttributeError):
         return 0
     return e if isinstance(e, int) and not isinstance(e, bool) and e > 0 else 0
+
+
+def _apply_reason(e: BaseException, default: str) -> str:
+    """The refusal reason of an update that failed to apply: `nonfinite` when its result held
+    NaN or ±inf (delta_codec.NonFiniteError), else `default`."""
+    return "nonfinite" if isinstance(e, NonFiniteError) else default
 
 
 class WeightTarget(Protocol):
@@ -55,11 +62,11 @@ class StateTarget:
         self.state, self.version, self.epoch = state, version, epoch
 
     async def apply_delta(self, delta, epoch: int) -> None:
-        delta_codec.apply_delta(self.state, delta)
+        delta_codec.apply_delta(self.state, delta, finite=True)     # NaN/±inf result: refused, unchanged
         self.version, self.epoch = delta.to_version, epoch
 
     async def apply_parts(self, manifest, parts: dict[int, bytes], epoch: int) -> None:
-        apply_parts(self.state, manifest, parts, expect_from=self.version)    # all-or-nothing
+        apply_parts(self.state, manifest, parts, expect_from=self.version, finite=True)    # all-or-nothing
         self.version, self.epoch = manifest.to_version, epoch
 
 
@@ -84,6 +91,11 @@ class WeightFollower:
 
     def __init__(self, bus, public_key=None, poll_s: float = 1.0, name: str = ""):
         self.bus, self.public_key, self.poll_s, self.name = bus, public_key, poll_s, name
+        # unsigned: whoever can publish on WEIGHTS decides this process's weights; say so loudly
+        metrics.WEIGHTS_UNSIGNED.set(0 if public_key is not None else 1)
+        if public_key is None:
+            log.warning("following weights WITHOUT signature checks: no public key configured "
+                        "(workers: public_key / ASYNCRL_PUBLIC_KEY)", follower=name)
         self.issued_epoch = 0                        # highest epoch the KV leader lease is known to have issued
         self.refused: Counter[str] = Counter()       # reason -> count
         self.applied = Counter()                     # "delta" / "keyframe" / "replay"
@@ -201,9 +213,9 @@ class WeightFollower:
         self._check_signed(ev, kf)
         await self._check_epoch(ev)
         try:
-            state = delta_codec.load_keyframe(kf)          # checks every tensor's digest
+            state = delta_codec.load_keyframe(kf, finite=True)   # every tensor's digest; no NaN/±inf
         except Exception as e:
-            raise Refused("corrupt", f"keyframe v{ev.version}: {e}", resync=False) from None
+            raise Refused(_apply_reason(e, "corrupt"), f"keyframe v{ev.version}: {e}", resync=False) from None
         return KeyframeUpdate(ev, state, seq)
 
     async def latest_keyframe(self, wait: bool = True, stop: asyncio.Event | None = None) -> KeyframeUpdate | None:
@@ -285,8 +297,9 @@ class WeightFollower:
             await self._check_epoch(ev)
         try:
             await target.apply_delta(d, ev.epoch)
-        except Exception as e:  # base digest mismatch, engine refusal: state unchanged
-            raise Refused("apply", f"{ev.msg_id()}: {type(e).__name__}: {e}", resync=True) from None
+        except Exception as e:  # base digest mismatch, NaN/±inf result, engine refusal: state unchanged
+            raise Refused(_apply_reason(e, "apply"), f"{ev.msg_id()}: {type(e).__name__}: {e}",
+                          resync=True) from None
         self.applied["delta"] += 1
         metrics.applied("delta", raw)
 

@@ -107,7 +107,7 @@ def load_policy_file(path: str):
         if not files:
             raise FileNotFoundError(f"no ckpt-*.pt checkpoint in {p}")
         p = files[-1]
-    raw = torch.load(p, map_location="cpu", weights_only=False)
+    raw = torch.load(p, map_location="cpu", weights_only=True)      # tensors only: never runs code
     if not isinstance(raw, dict) or "model" not in raw or "model_config" not in raw:
         raise ValueError(f"{p} is not a policy checkpoint (needs 'model' and 'model_config')")
     model = Transformer(ModelConfig.from_dict(raw["model_config"]))

@@ -6,6 +6,11 @@ folder instead of holding the state dicts; the file stays the commit point. Resu
 with the highest epoch, then the highest version: a deposed leader that still managed to write
 a checkpoint after a takeover (lower epoch) can never be resumed over the new leader's line,
 and a crash mid-write (a tmp file) never hides the previous good checkpoint.
+
+Loading never runs code: `torch.load(weights_only=True)` takes tensors and plain containers only, so
+a pickle planted as `ckpt-*.pt` (the directory is writable by any process of the same user) is
+refused as unreadable, not executed. `load_latest(verify=...)` also refuses a well-formed checkpoint
+that is not the run's own (trainer/digest_chain.py) and falls back to the previous one.
 """
 from __future__ import annotations
 
@@ -85,7 +90,7 @@ def _prune_shard_folders(d: Path) -> None:
     referenced = set()
     for p in kept:
         try:
-            ref = torch.load(p, map_location="cpu", weights_only=False).get("model", {})
+            ref = torch.load(p, map_location="cpu", weights_only=True).get("model", {})
         except Exception:              # unreadable: it names nothing we can keep for it
             continue
         if isinstance(ref, dict) and isinstance(ref.get("__dcp__"), str):
@@ -104,20 +109,24 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
 
 def load(path: str | Path) -> TrainerState:
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=False)
+        raw = torch.load(path, map_location="cpu", weights_only=True)     # never unpickles code
         return TrainerState(**raw)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from e
 
 
-def load_latest(ckpt_dir: str | Path) -> TrainerState | None:
-    """Newest readable checkpoint, or None when there is none; unreadable ones are skipped."""
+def load_latest(ckpt_dir: str | Path, verify=None) -> TrainerState | None:
+    """Newest readable checkpoint, or None when there is none; unreadable ones are skipped, and so
+    are those `verify(state)` refuses (it raises CheckpointError: e.g. DigestChain.check)."""
     errors = []
     for p in reversed(list_checkpoints(ckpt_dir)):
         try:
-            return load(p)
+            st = load(p)
+            if verify is not None:
+                verify(st)
+            return st
         except CheckpointError as e:
-            log.warning("skipping unreadable checkpoint", error=str(e))
+            log.warning("skipping a checkpoint (unreadable or not this run's)", error=str(e))
             errors.append(str(e))
     if errors:
         raise CheckpointError("no readable checkpoint: " + "; ".join(errors))

@@ -37,11 +37,12 @@ from policy import ModelConfig, load_tokenizer
 from . import checkpoint
 from .batcher import Batch, Batcher, ConsumedIds
 from .config import TrainerConfig
+from .digest_chain import DigestChain, read_chain
 from .dist import broadcast_obj, sync_state
 from .evaluate import evaluate
 from .feeding import TaskFeeder
 from .keys import load_signing_key
-from .learner import Learner, pack
+from .learner import Learner, check_finite_state, nonfinite_samples, pack
 from .publish_shards import ShardedVersion
 from .lease import LeaderLease, LeaseLost
 
@@ -52,6 +53,11 @@ def staleness_histogram(lags: list[int]) -> dict[str, int]:
     """{lag: count} over the batch's samples (string keys: JSON/msgpack maps)."""
     vals, counts = np.unique(np.asarray(lags, dtype=np.int64), return_counts=True)
     return {str(int(v)): int(c) for v, c in zip(vals, counts)}
+
+
+def _mean(xs: list) -> float:
+    """A batch whose every rollout was parked (a skipped step) has nothing to average: 0."""
+    return float(np.mean(xs)) if len(xs) else 0.0
 
 
 async def _after(delay_s: float, coro) -> None:
@@ -107,8 +113,10 @@ class Trainer:
         self.warmstart_record: dict = {}     # where this leader's warm start stopped (metrics, once)
         self.fed = asyncio.Event()       # set when a batch is taken or acked: the feeder tops up at once
         self.sync_replaced = 0           # sync: tasks published again because theirs produced nothing
+        self.steps_skipped = 0           # non-finite steps skipped (weights untouched), this leader
         self.sharded = cfg.publish == "sharded"
         self.last_parts: ShardedVersion | None = None
+        self.chain = DigestChain()       # what the run published: a checkpoint must agree with it
 
     def state(self) -> checkpoint.TrainerState:
         return checkpoint.TrainerState(
@@ -123,7 +131,7 @@ class Trainer:
         checkpoint.save(self.cfg.checkpoint_dir, st, keep=self.cfg.keep_checkpoints)
 
     def resume(self) -> bool:
-        st = checkpoint.load_latest(self.cfg.checkpoint_dir)
+        st = checkpoint.load_latest(self.cfg.checkpoint_dir, verify=self.chain.check)
         if st is None:
             broadcast_obj(("sync",))
             sync_state(self.learner.model, self.learner.opt)
@@ -212,6 +220,7 @@ class Trainer:
             return 0
         lost = asyncio.Event()
         keeper = asyncio.create_task(self.lease.keep(stop, lost))
+        self.chain = await read_chain(self.bus)      # resume only a checkpoint of this run's own line
         await asyncio.to_thread(self.prepare)        # in a thread: the lease keeps being renewed
         publisher = self.make_publisher(epoch)
         await publisher.publish_keyframe(self.published, self.version, self.model_cfg)
@@ -355,6 +364,9 @@ class Trainer:
         live = sum(1 for s in packed if s.weight > 0 and s.completion_ids)
         # CPU/GPU-heavy parts run in a thread so the event loop keeps renewing the lease
         stats: dict = await asyncio.to_thread(self._step, packed) if live else {}
+        if stats.get("skipped"):         # weights untouched: park what poisoned it, retry the rest once
+            packed, stats = await self._after_skip(batch, batcher, packed, stats)
+            live = sum(1 for s in packed if s.weight > 0 and s.completion_ids) if stats else 0
         if live:
             self.version += 1
             self.step_n += 1
@@ -369,6 +381,8 @@ class Trainer:
                 new = await asyncio.to_thread(self.learner.published_state)
         else:
             base, new = self.published, await asyncio.to_thread(self.learner.published_state)
+        if new is not None and live:     # never encode, checkpoint or publish a non-finite weight
+            await asyncio.to_thread(check_finite_state, new, self.version)
         # the next step updates the weights and optimizer in place: checkpoint a copy of this state
         snapshot = await asyncio.to_thread(lambda: checkpoint.snapshot(self.state()))
         if previous is not None:
@@ -381,6 +395,32 @@ class Trainer:
         if self.cfg.debug_step_delay_s:       # tests only: a step + publication slower than ack_wait
             publication = _after(self.cfg.debug_step_delay_s, publication)
         return asyncio.create_task(publication)
+
+    async def _after_skip(self, batch, batcher: Batcher, packed, stats: dict) -> tuple[list, dict]:
+        """A step skipped on a non-finite loss or gradient norm (parameters and optimizer state
+        untouched): park in DLQ the rollouts whose shipped numbers are not finite and train once
+        more on the rest; when no rollout is to blame, or the retry fails too, park every live
+        rollout of the batch (the step cannot say which one). -> (packed, stats); stats are
+        empty when nothing was trained."""
+        for attempt in (1, 2):
+            reason = stats["skipped"]
+            self.steps_skipped += 1
+            metrics.STEPS_SKIPPED.labels(reason).inc()
+            blame = nonfinite_samples(packed)
+            last = attempt == 2 or not blame
+            if last:
+                blame = {p.rollout_id: f"{reason} in a step on it (no single rollout to blame)"
+                         for p in packed if p.weight > 0 and p.completion_ids and p.rollout_id not in blame} | blame
+            parked = await batcher.park(batch, {k: f"{reason}: {v}" for k, v in blame.items()})
+            log.error("non-finite step skipped: parameters and optimizer state untouched", reason=reason,
+                      version=self.version, parked=parked, attempt=attempt)
+            packed = pack(batch)
+            if last or not any(p.weight > 0 and p.completion_ids for p in packed):
+                return packed, {}
+            stats = await asyncio.to_thread(self._step, packed)
+            if not stats.get("skipped"):
+                return packed, stats
+        return packed, {}
 
     def _needs_full_state(self, live: bool) -> bool:
         """Sharded publication still gathers the whole state for a keyframe or an evaluation."""
@@ -422,12 +462,12 @@ class Trainer:
             [(x.scored.reward, x.scored.success, x.scored.cost) for x in batch.skipped]
         values = {
             **{k: v for k, v in stats.items()}, "version": version, "epoch": self.lease.epoch,
-            "reward_mean": float(np.mean([o[0] for o in outcome])),
-            "success_mean": float(np.mean([o[1] for o in outcome])),
-            "cost_mean": float(np.mean([o[2] for o in outcome])), "lambda": float(np.mean([s.lambda_ for s in packed])),
+            "reward_mean": _mean([o[0] for o in outcome]),
+            "success_mean": _mean([o[1] for o in outcome]),
+            "cost_mean": _mean([o[2] for o in outcome]), "lambda": _mean([s.lambda_ for s in packed]),
             "uniform_groups_skipped": len({x.rollout.task_id for x in batch.skipped}),
             "samples": len(packed), "live_samples": live, "groups": batch.n_groups,
-            "staleness_mean": float(np.mean(lags)), "staleness_hist": staleness_histogram(lags),
+            "staleness_mean": _mean(lags), "staleness_hist": staleness_histogram(lags),
             "dropped_stale": sum(1 for s in packed if s.weight == 0),
             # in-flight updates: trajectories whose tokens came from more than one policy version
             "multi_version_samples": sum(1 for s in batch.samples   # -1 marks observation tokens (no version)
@@ -436,6 +476,7 @@ class Trainer:
             "delta_bytes": delta_bytes, "delta_ratio": delta_bytes / self.full_bytes,
             "changed_frac": (delta.stats.changed / max(delta.stats.total, 1)) if delta is not None else 0.0,
             "duplicates": batcher.counters["duplicates"], "invalid": batcher.counters["invalid"],
+            "steps_skipped": self.steps_skipped, "parked_by_trainer": batcher.counters.get("parked", 0),
             "total_s": time.perf_counter() - t0, "rollout_ids": batch.rollout_ids, "ts": time.time(),
             "trained_ids": batch.trained_ids, "dropped_ids": batch.dropped_ids, "sync_replaced": self.sync_replaced,
             "newest_token_version": max((max(s.rollout.token_versions, default=0) for s in batch.samples), default=0),

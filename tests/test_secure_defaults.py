@@ -1,0 +1,109 @@
+"""Secure by default (issue 30, item 3), the parts without a deployment: checkpoints never run code
+and must be the run's own; a weight follower without a public key says so (log + gauge)."""
+from __future__ import annotations
+
+import torch
+from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
+
+import delta_codec
+from bus.weight_follower import WeightFollower
+from bus.weights import WeightPublisher
+from delta_codec import signing
+from trainer import checkpoint
+from trainer.digest_chain import read_chain
+
+
+class _RunsCode:
+    """Unpickling this calls Path.touch(marker): what a planted checkpoint would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        from pathlib import Path
+        return (Path.touch, (Path(self.marker),))
+
+
+def _real_state(version: int, epoch: int, digest: str) -> checkpoint.TrainerState:
+    """A state with what the trainer saves: fp32 weights, a stepped AdamW's state, ids, config."""
+    torch.manual_seed(version)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return checkpoint.TrainerState(version=version, epoch=epoch, model=model.state_dict(),
+                                   optimizer=opt.state_dict(), consumed=[f"r{version}"], digest=digest,
+                                   model_config={"dim": 4}, step=version, warmstarted=True)
+
+
+def test_planted_pickle_checkpoint_is_refused_and_its_code_never_runs(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    good = _real_state(3, 2, "d3")
+    checkpoint.save(ckpt, good)
+    marker = tmp_path / "pwned"
+    planted = checkpoint.path_for(ckpt, 9, 9)          # newest by name: tried first
+    torch.save({"version": 9, "epoch": 9, "model": _RunsCode(marker)}, planted)
+
+    try:
+        checkpoint.load(planted)
+        raise AssertionError("a checkpoint holding code was loaded")
+    except checkpoint.CheckpointError as e:
+        assert "unreadable" in str(e) and str(planted) in str(e)
+    assert not marker.exists(), "loading the planted checkpoint ran its code"
+    st = checkpoint.load_latest(ckpt)                  # falls back to the genuine one
+    assert not marker.exists()
+    assert (st.version, st.epoch, st.digest, st.step, st.warmstarted) == (3, 2, "d3", 3, True)
+    assert all(torch.equal(st.model[k], good.model[k]) for k in good.model)
+    assert st.optimizer["param_groups"][0]["betas"] == (0.9, 0.95)
+    assert all(torch.equal(st.optimizer["state"][0][k], good.optimizer["state"][0][k])
+               for k in ("exp_avg", "exp_avg_sq"))
+    # the shard-folder pruning pass reads every kept checkpoint too: it must not run it either
+    checkpoint.save(ckpt, _real_state(4, 2, "d4"), keep=3)
+    assert not marker.exists()
+
+
+async def test_checkpoint_off_the_runs_digest_chain_is_refused(bus, tmp_path):
+    """The run published v0 (keyframe) and v1 (delta); checkpoints are checked against those
+    digests: a forged v1, or one ahead of anything published, is refused, the genuine one resumes."""
+    await bus.provision()
+    pub = WeightPublisher(bus, epoch=1, trainer_id="t")
+    s0 = {"w": torch.arange(64, dtype=torch.float32).to(torch.bfloat16)}
+    s1 = {"w": (s0["w"].float() + 1).to(torch.bfloat16)}
+    await pub.publish_keyframe(s0, 0, {})
+    await pub.publish_delta(delta_codec.encode_delta(s0, s1, from_version=0, to_version=1))
+    d1 = delta_codec.state_digest(s1)
+    chain = await read_chain(bus)
+    assert chain.digests == {0: {delta_codec.state_digest(s0)}, 1: {d1}} and chain.latest == 1
+
+    ckpt = tmp_path / "ckpt"
+    checkpoint.save(ckpt, _real_state(1, 1, d1))
+    checkpoint.save(ckpt, _real_state(1, 5, "f" * 64))          # well formed, newer epoch, wrong state
+    assert checkpoint.load_latest(ckpt).epoch == 5                # without the check it would resume
+    st = checkpoint.load_latest(ckpt, verify=chain.check)
+    assert (st.version, st.epoch, st.digest) == (1, 1, d1)
+    checkpoint.save(ckpt, _real_state(2, 6, "e" * 64))           # latest + 1: a crash before publishing
+    assert checkpoint.load_latest(ckpt, verify=chain.check).version == 2
+    checkpoint.save(ckpt, _real_state(7, 7, "e" * 64))           # never published anywhere near
+    assert checkpoint.load_latest(ckpt, verify=chain.check).version == 2
+    for p in checkpoint.list_checkpoints(ckpt):                   # nothing of this run's: refused, loudly
+        if p.name != checkpoint.path_for(ckpt, 5, 1).name:
+            p.unlink()
+    try:
+        checkpoint.load_latest(ckpt, verify=chain.check)
+        raise AssertionError("a checkpoint off the digest chain was resumed")
+    except checkpoint.CheckpointError as e:
+        assert "not this run's state" in str(e)
+
+
+def test_follower_without_public_key_warns_and_exports_the_gauge():
+    with capture_logs() as logs:
+        WeightFollower(None, public_key=None, name="w-unsigned")
+    warned = [r for r in logs if r["log_level"] == "warning" and "WITHOUT signature" in r["event"]]
+    assert warned and warned[0]["follower"] == "w-unsigned"
+    assert REGISTRY.get_sample_value("asyncrl_weights_unsigned") == 1.0
+    _sk, pk = signing.generate_keypair()
+    with capture_logs() as logs:
+        WeightFollower(None, public_key=signing.public_key(pk), name="w-signed")
+    assert not [r for r in logs if r["log_level"] == "warning"]
+    assert REGISTRY.get_sample_value("asyncrl_weights_unsigned") == 0.0
