@@ -23,6 +23,7 @@ class Verdict:
     success: float          # 0..1
     reason: str             # why: "correct", "wrong answer 12 != 13", "timeout after 5.0s", ...
     tool_calls: int = 0
+    infra: str = ""         # non-empty: the sandbox failed, not the completion (no verdict; weight 0)
 
 
 class Env(Protocol):

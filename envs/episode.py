@@ -118,6 +118,14 @@ class EpisodeResult:
     tool_wall_s: float
     tests: dict[str, bool]         # test id -> passed, over fail-to-pass + pass-to-pass
     detail: str = ""
+    # agent files kept out of the scoring copy: tests and test infrastructure ("path (kind)", at most
+    # scoring_copy.MAX_LISTED named; n_dropped counts them all; envs/scoring_copy.py)
+    dropped: list[str] = field(default_factory=list)
+    n_dropped: int = 0
+    tampered: str = ""             # why the scoring run's verdict was judged forged (every test failed)
+    # an infrastructure failure ("workspace", "sandbox", "scoring_copy"): no verdict on the policy;
+    # the scorer marks it (Scored.infra) and the trainer leaves it out of its group (weight 0)
+    infra_error: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -183,6 +191,7 @@ class Episode:
         self.workspace = None
         self.turns = self.tool_calls = self.format_errors = self._format_run = self.tokens = 0
         self.tool_wall_s, self.t0, self.done, self.termination, self.detail = 0.0, 0.0, False, "", ""
+        self.infra = ""            # set when the sandbox, not the policy, ended the episode
 
     # -- protocol ---------------------------------------------------------------------------------
     def reset(self) -> list[dict]:
@@ -193,6 +202,7 @@ class Episode:
         msgs = initial_messages(self.task, self.limits)
         self.tokens = sum(self.count_tokens(m["content"]) for m in msgs)
         if self.workspace.error:
+            self.infra = "workspace"
             self._end("sandbox_error", self.workspace.error)
         return msgs
 
@@ -238,16 +248,24 @@ class Episode:
         if not self.done:
             self._end("timeout", "scored before the episode ended")
         ids = list(dict.fromkeys(self.task.fail_to_pass + self.task.pass_to_pass))
+        info = None
         if self.termination == "sandbox_error":
             tests, detail = {t: False for t in ids}, self.detail       # the workspace is not trusted
         else:
             status, detail = self.workspace.run_hidden_tests(self.task, self.limits)
             tests = {t: status.get(t) == "PASS" for t in ids}
             detail = "; ".join(x for x in (self.detail, detail) if x)
+            info = getattr(self.workspace, "score_info", None)
         n_pass = sum(tests.values())
-        return EpisodeResult(self.task.task_id, n_pass / len(ids) if ids else 0.0, bool(ids) and n_pass == len(ids),
-                             self.termination, self.turns, self.tool_calls, self.format_errors, self.tokens,
-                             time.monotonic() - self.t0, self.tool_wall_s, tests, detail)
+        res = EpisodeResult(self.task.task_id, n_pass / len(ids) if ids else 0.0, bool(ids) and n_pass == len(ids),
+                            self.termination, self.turns, self.tool_calls, self.format_errors, self.tokens,
+                            time.monotonic() - self.t0, self.tool_wall_s, tests, detail, infra_error=self.infra)
+        if info is not None:
+            res.dropped, res.n_dropped, res.tampered = list(info.dropped), info.n_dropped, info.tampered
+            res.infra_error = res.infra_error or info.infra
+        if res.tampered:
+            res.detail = "; ".join(x for x in (res.detail, f"tampered: {res.tampered}") if x)
+        return res
 
     def close(self) -> None:
         if self.workspace is not None:
@@ -261,6 +279,7 @@ class Episode:
         self.tool_wall_s += res.wall_s
         info.update(exit_code=res.returncode, command_reason=res.reason, command_wall_s=round(res.wall_s, 4))
         if res.reason.startswith("sandbox error"):
+            self.infra = "sandbox"
             self._end("sandbox_error", res.reason)
         warning = "" if res.reason == "ok" or res.reason.startswith("exit code") else f"command stopped: {res.reason}"
         over = self.workspace.over_limit(L.workspace_mb, L.workspace_files)

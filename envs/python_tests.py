@@ -152,7 +152,8 @@ class PythonTestsEnv:
         if line is None:                             # died before reporting: the sandbox says why
             why = run.reason if not run.ok else "exited without a test report"
             tail = run.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
-            return Verdict(0.0, f"{why}; {tail[0][:200]}".rstrip("; "), tool_calls=1)
+            infra = "sandbox" if run.reason.startswith("sandbox error") else ""   # never the completion's doing
+            return Verdict(0.0, f"{why}; {tail[0][:200]}".rstrip("; "), tool_calls=1, infra=infra)
         try:
             report = json.loads(line[len(nonce) + 1:])
             if "error" in report:

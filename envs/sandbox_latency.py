@@ -85,6 +85,10 @@ class LatencyWorkspace:
     def error(self) -> str:
         return self.inner.error
 
+    @property
+    def score_info(self):
+        return getattr(self.inner, "score_info", None)
+
     def _wait(self) -> float:
         time.sleep(self.suite_s)       # a remote machine's time: no local CPU
         self.suite_runs += 1

@@ -28,6 +28,7 @@ episode test with a real container runs only where `docker info` works.
 from __future__ import annotations
 
 import io
+import json
 import os
 import secrets
 import shlex
@@ -38,8 +39,8 @@ import time
 from dataclasses import dataclass
 
 from .sandbox import BashLimits, SandboxResult, _head_tail
-from .workspace import parse_report
-from .workspace_tools import test_command, tool_files
+from .test_report import parse_report
+from .workspace_tools import REPORT_KEY, test_command, tool_files
 
 TOOLS = "/opt/asyncrl-tools"
 
@@ -234,14 +235,16 @@ class DockerWorkspace:
         try:
             self._docker(commit_argv(self.b, self.name, image), timeout=300)
             self._docker(create_argv(self.b, score, image), timeout=300)
+            nonce = secrets.token_hex(16)      # in a key file the runner deletes, never on its command line
+            key = json.dumps({"nonce": nonce, "tests": {}}).encode()
             self._docker(copy_in_argv(self.b, score), stdin=tar_of(
-                {f"{self.workdir}/{rel}": (text.encode(), 0o644, uid, gid) for rel, text in task.hidden_tests.items()}))
+                {**{f"{self.workdir}/{rel}": (text.encode(), 0o644, uid, gid) for rel, text in task.hidden_tests.items()},
+                 f"{self.workdir}/{REPORT_KEY}": (key, 0o600, uid, gid)}))
             self._docker(start_argv(self.b, score))
-            nonce = secrets.token_hex(16)
             lim = BashLimits(**{**limits.command.__dict__, "wall_s": limits.score_wall_s,
                                 "cpu_s": int(limits.score_wall_s) + 1})
-            res = self.run(test_command(task.runner, task.test_paths, TOOLS, nonce), lim, name=score)
-            return parse_report(res.stdout.decode("utf-8", "replace"), nonce), \
+            res = self.run(test_command(task.runner, task.test_paths, TOOLS, report=True), lim, name=score)
+            return parse_report(res.stdout.decode("utf-8", "replace"), nonce, task.runner), \
                 ("" if res.ok or res.reason.startswith("exit code") else f"tests: {res.reason}")
         except (RuntimeError, ValueError) as e:
             return {}, f"scoring container failed: {e}"

@@ -1,8 +1,12 @@
 """The helper commands a workspace has on its PATH, and the test runners.
 
 They are written into each episode's root-owned `tools/` directory (read-only for the episode's
-uid) and run inside the sandbox with the sandbox's python. Test runners print one line per test
-in report mode, `<nonce> PASS|FAIL <id>`, on a copy of stdout taken before any test code runs.
+uid) and run inside the sandbox with the sandbox's python. In report mode (scoring) a runner reads
+its key (`REPORT_KEY` in its working directory: the nonce and the tests' sha256) and deletes it
+before any test code runs: the nonce is never in argv or the environment. It prints, on a copy of
+stdout taken before any test code runs, numbered lines `<nonce> <seq> PASS|FAIL|SKIP <id>`, each
+test once, `<nonce> <seq> TAMPER <what>` for what its integrity checks found, and last
+`<nonce> <seq> END <n reports>`; envs/test_report.py reads them.
 """
 from __future__ import annotations
 
@@ -107,20 +111,42 @@ echo "submit must be the only command of its turn (a block containing just: subm
 exit 2
 '''
 
+REPORT_KEY = ".asyncrl-report-key"
+PROBES = ".asyncrl-probes"
+
 # A dependency-free runner for generated tasks: test_* functions and Test*.test_* methods of
 # test_*.py files, plain asserts. Much faster to start than pytest, which matters at one run a turn.
-MINITEST = r'''
-import importlib.util, os, sys, traceback
+MINITEST = r"""
+import hashlib, importlib.util, json, os, sys, traceback
 args = sys.argv[1:]
-nonce = None
+_key = None
 if args[:1] == ["--report"]:
-    nonce, args = args[1], args[2:]
-report_fd = os.dup(1)
+    args = args[1:]
+    try:
+        with open(".asyncrl-report-key") as f:
+            _key = json.load(f)
+        os.unlink(".asyncrl-report-key")
+    except (OSError, ValueError):
+        _key = {"nonce": "", "tests": {}}
 sys.path.insert(0, os.getcwd())
 
-def report(status, tid):
-    if nonce:
-        os.write(report_fd, f"\n{nonce} {status} {tid}\n".encode())
+
+def _reporter(key):
+    # the nonce and the counter live in this closure, not in module globals
+    nonce, write, fd, n = (key or {}).get("nonce", ""), os.write, os.dup(1), [0, 0]
+
+    def emit(kind, rest):
+        if nonce:
+            n[0] += 1
+            n[1] += kind in ("PASS", "FAIL", "SKIP")
+            write(fd, f"\n{nonce} {n[0]} {kind} {rest}\n".encode())
+    return emit, (lambda: n[1])
+
+
+report, _count = _reporter(_key)
+_tests = (_key or {}).get("tests", {})
+del _key
+_orig = (os.write, report.__code__, BaseException, AssertionError)
 
 def files(paths):
     for p in paths or ["."]:
@@ -135,6 +161,15 @@ def files(paths):
 
 n_pass = n_fail = 0
 for i, path in enumerate(files(args)):
+    want = _tests.get(path)
+    if want:
+        try:
+            with open(path, "rb") as f:
+                got = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            got = ""
+        if got != want:
+            report("TAMPER", f"{path} changed before it was collected")
     try:
         spec = importlib.util.spec_from_file_location(f"_minitest_{i}", path)
         mod = importlib.util.module_from_spec(spec)
@@ -167,36 +202,207 @@ for i, path in enumerate(files(args)):
         else:
             n_pass += 1
             report("PASS", tid)
+if (os.write, report.__code__, BaseException, AssertionError) != _orig:
+    report("TAMPER", "the runner's reporting or exception machinery was replaced")
+report("END", _count())
 print(f"{n_pass} passed, {n_fail} failed")
 sys.exit(1 if n_fail else 0)
-'''
+"""
 
-# pytest plugin for report mode (-p asyncrl_report, with tools/ on PYTHONPATH)
-PYTEST_REPORT = r'''
-import os
-_nonce = os.environ.pop("ASYNCRL_REPORT_NONCE", "")
-_fd = os.dup(1)
+# Value mode (envs/value_tests.py): the tests are ours, so the sandbox only evaluates the calls
+# into the code under test and reports their values as plain tagged data; the expected values
+# never enter the sandbox and the comparison happens outside it.
+VALUETEST = r"""
+import json, os, sys
+with open(".asyncrl-probes") as f:
+    _job = json.load(f)
+os.unlink(".asyncrl-probes")
+sys.path.insert(0, os.getcwd())
+_nonce, _fd, _write = _job["nonce"], os.dup(1), os.write
+_plain = (int, float, str, bool, type(None), bytes, complex)
+
+
+def _enc(x, depth=0):
+    t = type(x)                      # exact types only: a subclass of int or str is not a value
+    if depth > 50:
+        raise ValueError("nested too deep")
+    if t is bool:
+        return ["b", x]
+    if t is int:
+        return ["i", str(x)]
+    if t is float:
+        return ["f", repr(x)]
+    if t is str:
+        return ["s", x]
+    if x is None:
+        return ["n"]
+    if t is bytes:
+        return ["y", x.hex()]
+    if t is complex:
+        return ["c", repr(x)]
+    if t in (list, tuple, set, frozenset):
+        items = [_enc(v, depth + 1) for v in (sorted(x, key=repr) if t in (set, frozenset) else x)]
+        return [{list: "l", tuple: "t", set: "S", frozenset: "F"}[t], items]
+    if t is dict:
+        return ["d", [[_enc(k, depth + 1), _enc(v, depth + 1)] for k, v in x.items()]]
+    raise TypeError(f"returned a {t.__module__}.{t.__qualname__}, not plain data")
+
+
+out = []
+try:
+    _ns = {}
+    exec(compile("\n".join(_job["imports"]), "<imports>", "exec"), _ns)
+except BaseException as e:
+    _ns = None
+    _err = f"does not import: {type(e).__name__}: {str(e)[:200]}"
+for tid, exprs in _job["probes"]:
+    vals = []
+    for ex in exprs:
+        if _ns is None:
+            vals.append(["raise", _err])
+            continue
+        try:
+            vals.append(["ok", _enc(eval(ex, dict(_ns)))])
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            vals.append(["raise", f"{type(e).__name__}: {str(e)[:200]}"])
+    out.append([tid, vals])
+_write(_fd, f"\n{_nonce} 1 VALUES {json.dumps(out)}\n{_nonce} 2 END 0\n".encode())
+"""
+
+# pytest plugin for report mode (-p asyncrl_report, with tools/ on PYTHONPATH). Besides the report
+# it snapshots, before any test code is imported, the pytest and pluggy functions a forger would
+# replace and the hook implementations of the run, and reports any change as TAMPER; each test's
+# status is sent once, after its teardown. The terminal summary (-rfEsxXp) is a second channel
+# envs/test_report.py cross-checks against these lines.
+PYTEST_REPORT = r"""
+import builtins, hashlib, json, os, sys
+import pluggy, _pytest.main, _pytest.outcomes, _pytest.python, _pytest.reports, _pytest.runner
+import _pytest.skipping, _pytest.terminal
+
+
+def _setup():
+    try:
+        with open(".asyncrl-report-key") as f:
+            key = json.load(f)
+        os.unlink(".asyncrl-report-key")
+    except (OSError, ValueError):
+        key = {"nonce": "", "tests": {}}
+    nonce, tests, write, fd, n = key.get("nonce", ""), key.get("tests", {}), os.write, os.dup(1), [0, 0]
+    root = os.getcwd()
+    R, Rep = _pytest.runner, _pytest.reports.TestReport
+    targets = [(R, "call_and_report"), (R, "runtestprotocol"), (R, "call_runtest_hook"), (R, "check_interactive_exception"),
+               (R.CallInfo, "from_call"), (Rep, "from_item_and_call"), (Rep, "__init__"),
+               (_pytest.reports.BaseReport, "passed"), (_pytest.reports.BaseReport, "failed"),
+               (_pytest.python, "pytest_pyfunc_call"), (_pytest.main, "pytest_runtestloop"),
+               (_pytest.skipping, "pytest_runtest_makereport"), (_pytest.terminal.TerminalReporter, "pytest_runtest_logreport"),
+               (_pytest.terminal.TerminalReporter, "short_test_summary"), (_pytest.outcomes, "skip"), (_pytest.outcomes, "exit"),
+               (_pytest.outcomes, "fail"), (_pytest.outcomes, "xfail"), (pluggy.HookCaller, "__call__"),
+               (pluggy.PluginManager, "_hookexec"), (builtins, "AssertionError"), (os, "write"), (os, "_exit"),
+               (sys, "exit"), (sys, "modules")]
+
+    def state():
+        out = []
+        for o, name in targets:
+            v = o.__dict__.get(name) if isinstance(o, type) else getattr(o, name, None)
+            f = getattr(v, "fget", v)
+            out.append((v, getattr(f, "__code__", None)))
+        return out
+    before = state()
+    mods = {m: sys.modules.get(m) for m in ("pytest", "_pytest", "pluggy", "_pytest.runner", "_pytest.reports", __name__)}
+    outcome = {}
+    hooks0 = {}
+
+    def emit(kind, rest):
+        if nonce:
+            n[0] += 1
+            n[1] += kind in ("PASS", "FAIL", "SKIP")
+            write(fd, f"\n{nonce} {n[0]} {kind} {rest}\n".encode())
+
+    def sha(path):
+        try:
+            with open(path, "rb") as f:
+                return hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            return ""
+
+    def rel(path):
+        return os.path.relpath(str(path), root)
+
+    def hookimpls(config):
+        return {(h, i.plugin_name, i.function, getattr(i.function, "__code__", None))
+                for h in dir(config.hook) if h.startswith("pytest_")
+                for i in getattr(config.hook, h).get_hookimpls()}
+
+    def sessionstart(session):
+        hooks0["set"] = hookimpls(session.config)
+
+    def collect_file(file_path):
+        r = rel(file_path)
+        if r in tests and sha(file_path) != tests[r]:
+            emit("TAMPER", f"{r} changed before it was collected")
+
+    def logreport(report):
+        o = outcome.setdefault(report.nodeid, [])
+        o.append("SKIP" if report.skipped else ("PASS" if report.passed else "FAIL"))
+        if report.when == "teardown":
+            st = outcome.pop(report.nodeid)
+            emit("FAIL" if "FAIL" in st else ("SKIP" if "SKIP" in st else "PASS"), report.nodeid)
+
+    def unconfigure(config):
+        if state() != before or any(sys.modules.get(m) is not v for m, v in mods.items()):
+            emit("TAMPER", "pytest's reporting machinery was replaced while the tests ran")
+        for h, plugin, fn, code in hookimpls(config) - hooks0.get("set", set()):
+            mod = config.pluginmanager.get_plugin(plugin)
+            f = getattr(mod, "__file__", "") or ""
+            if not (os.path.basename(f) == "conftest.py" and tests.get(rel(f)) == sha(f)):
+                emit("TAMPER", f"hook {h} registered at run time by {plugin}")
+        for nodeid in outcome:
+            emit("FAIL", nodeid)
+        emit("END", n[1])
+    return sessionstart, collect_file, logreport, unconfigure
+
+
+_start, _collect, _log, _unconf = _setup()
+del _setup
+
+
+def pytest_sessionstart(session):
+    _start(session)
+
+
+def pytest_collect_file(file_path, parent):
+    _collect(file_path)
+
 
 def pytest_runtest_logreport(report):
-    if _nonce and (report.when == "call" or (report.when == "setup" and not report.passed)):
-        status = "PASS" if report.passed else ("SKIP" if report.skipped else "FAIL")
-        os.write(_fd, f"\n{_nonce} {status} {report.nodeid}\n".encode())
-'''
+    _log(report)
 
 
-def test_command(runner: str, test_paths: list[str], tools: str, report_nonce: str | None = None) -> str:
-    """The shell command that runs a task's tests (in report mode with a nonce)."""
+def pytest_unconfigure(config):
+    _unconf(config)
+"""
+
+
+def test_command(runner: str, test_paths: list[str], tools: str, report: bool = False) -> str:
+    """The shell command that runs a task's tests (report mode: the key file REPORT_KEY must be in
+    the working directory; nothing secret is on the command line)."""
     import shlex
     paths = " ".join(shlex.quote(p) for p in test_paths)
     if runner == "mini":
-        rep = f"--report {report_nonce} " if report_nonce else ""
-        return f"python {tools}/minitest.py {rep}{paths}"
+        return f"python {tools}/minitest.py {'--report ' if report else ''}{paths}"
     if runner == "pytest":
-        rep = (f"ASYNCRL_REPORT_NONCE={report_nonce} PYTHONPATH={tools}${{PYTHONPATH:+:$PYTHONPATH}} "
-               if report_nonce else "")
-        extra = "-p asyncrl_report --tb=no -q" if report_nonce else "-q --tb=short"
+        # COLUMNS: the terminal summary (a second channel, envs/test_report.py) is never cut
+        rep = f"COLUMNS=4000 PYTHONPATH={tools}${{PYTHONPATH:+:$PYTHONPATH}} " if report else ""
+        extra = "-p asyncrl_report --tb=no -q -rfEsxXp" if report else "-q --tb=short"
         return f"{rep}python -m pytest -p no:cacheprovider {extra} {paths}"
     raise ValueError(f"unknown test runner {runner!r}")
+
+
+def value_command(tools: str) -> str:
+    """The value-mode harness (envs/value_tests.py writes PROBES into the working directory)."""
+    return f"python {tools}/valuetest.py"
 
 
 def tool_files(python: str, runner: str, test_paths: list[str], tools: str) -> dict[str, tuple[str, int]]:
@@ -210,4 +416,5 @@ def tool_files(python: str, runner: str, test_paths: list[str], tools: str) -> d
         "rewrite": (py(REWRITE), 0o755), "submit": (SUBMIT, 0o755),
         "run_tests": (f'#!/bin/sh\nexec {test_command(runner, test_paths, tools)} "$@"\n', 0o755),
         "minitest.py": (MINITEST, 0o644), "asyncrl_report.py": (PYTEST_REPORT, 0o644),
+        "valuetest.py": (VALUETEST, 0o644),
     }
