@@ -195,6 +195,11 @@ class Scored(Event):
     cost_wall_s: float = 0.0
     tool_calls: int = 0
     scorer_id: str = ""
+    # an infrastructure failure ("sandbox", "workspace", "scoring_copy", "scorer_crash"): no verdict
+    # on the policy; the trainer gives it weight 0 and leaves it out of its group's baseline. An
+    # older scorer's event (without the field) decodes as "" (scored normally).
+    infra: str = ""
+    tampered: bool = False         # the verdict was judged forged (reward 0; counted by the scorer)
 
     @property
     def task_id(self) -> str:      # for headers

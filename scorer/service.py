@@ -4,7 +4,14 @@
              ─▶ verdict = env.verify(text, spec)   (thread pool: the sandbox waits on a subprocess)
              ─▶ reward = success − λ·cost − overlong shaping         λ: live from KV rl-control/lambda
              ─▶ publish Scored(rl.scored.<env>) ─▶ return (the ConsumerLoop acks)
-A verifier crash raises: the loop naks and, after max_deliver, parks the rollout in DLQ.
+A verifier crash raises: the loop naks and, after max_deliver, parks the rollout in DLQ; on that
+last delivery the scorer first publishes it as an infrastructure failure (Scored.infra
+"scorer_crash"), so its group completes and the trainer leaves it out (weight 0, not reward 0).
+Infrastructure failures (the sandbox, a workspace that was not made, the scorer) and forged
+verdicts (Scored.tampered) are counted by reason in the heartbeat and /metrics.
+Bad numbers (NaN/inf wall_s, a score out of [0, 1]) are bad input: the rollout's decode
+(bus/events.py) or compute_reward refuses them with an EventError naming the field, and the
+loop parks the rollout at once.
 Many scorer processes share the durable `scorer` consumer; each rollout is scored once
 (and a redelivered one is deduped downstream by its Nats-Msg-Id scored-<rollout_id>).
 """
@@ -68,7 +75,8 @@ class Scorer:
         self.cfg, self.bus = cfg, bus
         self.lam, self.lam_rev = cfg.default_lambda, 0
         self.pool = ThreadPoolExecutor(cfg.verify_threads, thread_name_prefix="verify")
-        self.counts = {"scored": 0, "dlq": 0, "success_sum": 0.0, "reward_sum": 0.0}
+        self.counts = {"scored": 0, "dlq": 0, "success_sum": 0.0, "reward_sum": 0.0, "tampered": 0}
+        self.infra: dict[str, int] = {}      # infrastructure failures by reason (not policy failures)
         self.log = log.bind(scorer_id=cfg.scorer_id)
 
     # -- λ ------------------------------------------------------------------------------------
@@ -114,6 +122,11 @@ class Scorer:
                 verdict = env.verify(ro.completion_text, ro.spec)
         except SpecError as e:   # the task is broken: retrying cannot help
             return await self._park(ctx, f"bad task spec for {ro.env}: {e}")
+        except Exception as e:
+            if ctx.last_delivery:   # parked next; its group must not wait for it, nor count it a failure
+                await self._publish(ro, envs.Verdict(0.0, f"scorer crash: {type(e).__name__}: {e}"[:500],
+                                                     infra="scorer_crash"), t0)
+            raise
         await self._publish(ro, verdict, t0)
 
     async def _publish(self, ro: Rollout, verdict, t0: float) -> None:
@@ -126,23 +139,37 @@ class Scorer:
             resolved = score >= 1.0 if not isinstance(resolved, bool) else resolved
             if self.cfg.episode_reward == "resolved":
                 score = 1.0 if resolved else 0.0
+            infra, tampered = verdict.get("infra_error") or "", bool(verdict.get("tampered"))
             verdict = envs.Verdict(1.0 if resolved else 0.0, f"episode {ro.termination or '?'}: "
-                                   f"{verdict.get('detail', '')}".rstrip(": "), ro.tool_calls)
+                                   f"{verdict.get('detail', '')}".rstrip(": "), ro.tool_calls, infra=str(infra))
             shaping = 0.0      # overlong shaping is per completion; an episode's limits are its own
         else:
-            score = verdict.success
+            score, tampered = verdict.success, False
             max_tokens = int(ro.sampling.get("max_tokens", 0) or 0)
             shaping = overlong_penalty(ro.cost_tokens, max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_scale)
         verify_s = time.perf_counter() - t0
-        cost = rollout_cost(self.cfg.cost_unit, ro.cost_tokens, ro.wall_s, int(verdict.tool_calls))
         lam = self.lam                                   # one λ per event, recorded in it
-        penalty, reward = compute_reward(score, cost, lam, shaping)
+        try:
+            cost = rollout_cost(self.cfg.cost_unit, ro.cost_tokens, ro.wall_s, int(verdict.tool_calls))
+            penalty, reward = compute_reward(score, cost, lam, shaping)
+        except (ValueError, TypeError, OverflowError) as e:   # bad input: parked at once, never retried
+            raise EventError(f"Rollout {ro.rollout_id}: {e} (cost_unit {self.cfg.cost_unit}: wall_s={ro.wall_s}, "
+                             f"cost_tokens={ro.cost_tokens})") from None
         scored = Scored(rollout=ro.to_dict(), success=float(verdict.success), cost=cost, lambda_=lam,
                         penalty=penalty, reward=reward, reason=verdict.reason, cost_wall_s=float(ro.wall_s),
-                        tool_calls=int(verdict.tool_calls), scorer_id=self.cfg.scorer_id)
+                        tool_calls=int(verdict.tool_calls), scorer_id=self.cfg.scorer_id,
+                        infra=verdict.infra, tampered=tampered)
         await self.bus.publish(topo.scored_subject(ro.env), scored)
+        if verdict.infra:      # not the policy's doing: out of the success / reward means
+            self.infra[verdict.infra] = self.infra.get(verdict.infra, 0) + 1
+            metrics.ROLLOUTS_SCORED.labels(ro.env, f"infra_{verdict.infra}").inc()
+            self.log.warning("infrastructure failure, published for weight 0", rollout_id=ro.rollout_id,
+                             infra=verdict.infra, reason=verdict.reason[:300])
+            return
         self.counts["scored"] += 1
-        metrics.ROLLOUTS_SCORED.labels(ro.env, "success" if verdict.success else "failure").inc()
+        self.counts["tampered"] += tampered
+        metrics.ROLLOUTS_SCORED.labels(ro.env, "tampered" if tampered else
+                                       "success" if verdict.success else "failure").inc()
         self.counts["success_sum"] += verdict.success
         self.counts["reward_sum"] += reward
         self.log.debug("scored", rollout_id=ro.rollout_id, success=verdict.success, reward=reward,
@@ -162,7 +189,8 @@ class Scorer:
             m = {"scored": n, "dlq": self.counts["dlq"], "lambda": self.lam, "lambda_rev": self.lam_rev,
                  "scored_per_s": (n - last_n) / max(now - last_t, 1e-9),
                  "success_mean": self.counts["success_sum"] / max(n, 1),
-                 "reward_mean": self.counts["reward_sum"] / max(n, 1), **loop.stats.as_dict()}
+                 "reward_mean": self.counts["reward_sum"] / max(n, 1), "tampered": self.counts["tampered"],
+                 **{f"infra_{k}": v for k, v in self.infra.items()}, **loop.stats.as_dict()}
             last_n, last_t = n, now
             try:
                 await self.bus.publish(topo.heartbeat_subject("scorer", self.cfg.scorer_id),

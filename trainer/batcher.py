@@ -50,10 +50,13 @@ class Batch:
     # complete groups skipped since the previous batch because their rewards were all equal
     # (skip_uniform_groups): already acked, never part of a gradient step
     skipped: list[Sample] = field(default_factory=list)
+    # members whose scoring failed for the infrastructure (Scored.infra: the sandbox, a workspace not
+    # made, a scorer crash): consumed and acked like `late`, never in a gradient step nor a baseline
+    excluded: list[Sample] = field(default_factory=list)
 
     @property
     def rollout_ids(self) -> list[str]:
-        return [s.rollout.rollout_id for s in self.samples + self.late + self.skipped]
+        return [s.rollout.rollout_id for s in self.samples + self.late + self.skipped + self.excluded]
 
     @property
     def dropped_ids(self) -> list[str]:
@@ -201,7 +204,9 @@ class Batcher:
             g = self.groups[tid]
             first = next(iter(g.values()))
             full = len(g) >= (first.rollout.group_size or self.cfg.group_size)
-            if not full or len(g) < 2 or len({s.scored.reward for s in g.values()}) > 1:
+            # reward: exact rewards equal (A = 0 under any adv_norm); success: cost-only differences too
+            by = self.cfg.skip_uniform_by
+            if not full or len(g) < 2 or len({getattr(s.scored, by) for s in g.values() if not s.scored.infra}) > 1:
                 keep.append(tid)
                 continue
             for s in self.groups.pop(tid).values():
@@ -241,6 +246,7 @@ class Batcher:
             for msg in await self.sub.fetch(want, cfg.fetch_timeout_s):
                 await self._take(msg)
         samples: list[Sample] = []
+        excluded: list[Sample] = []
         for gi, tid in enumerate(ready[: cfg.batch_groups]):
             missing = (next(iter(self.groups[tid].values())).rollout.group_size or cfg.group_size) - len(self.groups[tid])
             if missing > 0:                 # closed at its deadline: baseline from the members that came
@@ -249,10 +255,15 @@ class Batcher:
                 while len(self.closed) > 100_000:
                     self.closed.popitem(last=False)
             for s in self.groups.pop(tid).values():
+                if s.scored.infra:          # no verdict on the policy: out of the group and its baseline
+                    self.counters[f"infra_{s.scored.infra}"] = self.counters.get(f"infra_{s.scored.infra}", 0) + 1
+                    s.weight = 0.0
+                    excluded.append(s)
+                    continue
                 s.group = gi
                 s.lag = version - min((v for v in s.rollout.token_versions if v >= 0), default=version)  # -1: observation
                 samples.append(s)
-        self.inflight.update((s.rollout.rollout_id, s) for s in samples)
+        self.inflight.update((s.rollout.rollout_id, s) for s in samples + excluded)
         sizes = {}
         for s in samples:
             sizes[s.group] = sizes.get(s.group, 0) + 1
@@ -263,7 +274,7 @@ class Batcher:
         self.inflight.update((s.rollout.rollout_id, s) for s in late)
         skipped, self.skipped = self.skipped, []
         return Batch(samples, n_groups=min(len(ready), cfg.batch_groups), version=version, late=late,
-                     skipped=skipped)
+                     skipped=skipped, excluded=excluded)
 
     async def close(self, held_back: Batch | None = None) -> None:
         """Stepping down: hand every held message (waiting, in flight, and an unfinished batch)
@@ -271,7 +282,8 @@ class Batcher:
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None
-        held = {id(s): s for s in self.held() + (held_back.samples + held_back.late if held_back else [])}
+        held = {id(s): s for s in self.held() + (held_back.samples + held_back.late + held_back.excluded
+                                                  if held_back else [])}
         for s in held.values():
             try:
                 await s.msg.nak()
@@ -286,9 +298,21 @@ class Batcher:
             except Exception as e:
                 log.debug("unsubscribe failed", error=str(e))
 
+    async def park(self, batch: Batch, reasons: dict[str, str]) -> int:
+        """Park these samples of `batch` ({rollout id: reason}) in DLQ (termed: never redelivered)
+        and take them out of the batch, so they are neither acked nor recorded as consumed;
+        -> how many. A skipped (non-finite) step parks what poisoned it this way."""
+        parked = [s for s in batch.samples if s.rollout.rollout_id in reasons]
+        for s in parked:
+            await self.bus.dlq(s.msg, f"trainer: {reasons[s.rollout.rollout_id]}", topo.SCORED)
+            self.inflight.pop(s.rollout.rollout_id, None)
+        batch.samples = [s for s in batch.samples if s.rollout.rollout_id not in reasons]
+        self.counters["parked"] = self.counters.get("parked", 0) + len(parked)
+        return len(parked)
+
     async def ack(self, batch: Batch) -> None:
         """After checkpoint + publication: ack every message of the batch (used or dropped)."""
-        for s in batch.samples + batch.late:
+        for s in batch.samples + batch.late + batch.excluded:
             await s.msg.ack()           # the newest delivery's handle (a redelivery swapped it in)
         for rid in batch.rollout_ids:
             self.inflight.pop(rid, None)
