@@ -1,5 +1,13 @@
 """Trainer-side replay: teacher-forced logprobs through the same sampling transform, the same
-kept set and the same fp8 sites the engine used; mismatch metrics and importance weights."""
+kept set and the same fp8 sites the engine used; mismatch metrics and importance weights.
+
+Memory: only completion positions are projected to the vocabulary, `chunk_tokens` rows at a
+time (0 = all at once); with more than one chunk each chunk runs under activation
+checkpointing, so no [tokens, vocab] tensor outlives its chunk: backward recomputes it. Same
+loss and gradient as one chunk (tested); the peak is a few [chunk_tokens, vocab] fp32 copies.
+
+Every log-ratio that goes through an exponent is clamped first (`clamp_log_ratio`, the one
+place): exp(±20) is finite in fp32, and a weight of 0 times it stays 0 (inf * 0 would be NaN)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,8 +15,18 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .sampling import SamplingConfig, SamplingMask, sampling_tensors, scale_logits, truncated_logprobs, truncation
+
+LOG_RATIO_CLAMP = 20.0       # |log pi/mu| beyond this is as off-policy as it gets; exp(20) ~ 4.9e8
+
+
+def clamp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """The log-ratio every exponent sees: clamped to +-LOG_RATIO_CLAMP (NaN stays NaN: it is
+    found and the step skipped, never hidden)."""
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 @dataclass
@@ -21,11 +39,12 @@ class LogprobResult:
 def sequence_logprobs(model, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                       samplings: Sequence[SamplingConfig] | SamplingConfig,
                       masks: Sequence[SamplingMask | None] | None = None,
-                      replay_mask: bool = True) -> LogprobResult:
+                      replay_mask: bool = True, chunk_tokens: int = 0) -> LogprobResult:
     """Batched, differentiable. replay_mask=True: each token's distribution is rebuilt from its
     shipped kept set (mask=None: re-derived from our own logits with the same truncation).
     replay_mask=False: temperature only, no truncation (what a naive trainer would compute).
-    Quant replay is `model.quant`."""
+    Quant replay is `model.quant`. chunk_tokens: completion tokens projected to the vocabulary
+    at a time (0 = all)."""
     B = len(prompts)
     if len(completions) != B:
         raise ValueError(f"{B} prompts but {len(completions)} completions")
@@ -34,6 +53,8 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], completions: Sequ
     if len(samplings) != B or len(masks) != B:
         raise ValueError(f"need one sampling config and one mask per sequence ({B}), "
                          f"got {len(samplings)} and {len(masks)}")
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
     plen = [len(p) for p in prompts]
     clen = [len(c) for c in completions]
     if min(plen, default=1) == 0:
@@ -52,52 +73,99 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], completions: Sequ
     valid = j[None] < C[:, None]
     # logits at position plen-1+j predict completion token j (right padding never leaks: causal)
     pos = (P[:, None] - 1 + j[None]).clamp(max=Tf - 1)
-    logits = model(idx)
     rows = torch.arange(B, device=dev)[:, None].expand(B, Tc)
-    lg = logits[rows[valid], pos[valid]]                         # [N, V], N = total completion tokens
-    target = idx[rows[valid], (pos + 1).clamp(max=Tf - 1)[valid]]
+    rv, pv = rows[valid], pos[valid]                             # N = total completion tokens
+    target = idx[rv, (pos + 1).clamp(max=Tf - 1)[valid]]
     temperature, top_p, top_k = (t.repeat_interleave(C) for t in sampling_tensors(samplings, B, dev))
     if not replay_mask:
         temperature = torch.where(temperature > 0, temperature, 1.0)     # greedy: plain softmax
-    scaled = scale_logits(lg, temperature)
-    keep = kept_sets(scaled, temperature, top_p, top_k, masks, clen, target) if replay_mask \
-        else torch.ones_like(scaled, dtype=torch.bool)
-    logp = truncated_logprobs(scaled, keep)
-    tok_lp = logp.gather(1, target[:, None])[:, 0]
-    safe = logp.masked_fill(~keep, 0.0)     # 0*(-inf) outside the kept set would poison the gradient
-    ent = -(safe.exp() * keep * safe).sum(-1)
-    out_lp = torch.zeros(B, Tc, device=dev, dtype=tok_lp.dtype).index_put((rows[valid], j.expand(B, Tc)[valid]), tok_lp)
-    out_ent = torch.zeros(B, Tc, device=dev, dtype=ent.dtype).index_put((rows[valid], j.expand(B, Tc)[valid]), ent)
+    rowsets = RowSets.of(masks, clen, replay_mask, dev)
+
+    def head(h, w):       # inside the model's forward: only completion positions, chunk by chunk
+        return token_logprobs(h[rv, pv], w, target, temperature, top_p, top_k, rowsets, chunk_tokens)
+    tok_lp, ent = model(idx, head=head)
+    at = (rv, j.expand(B, Tc)[valid])
+    out_lp = torch.zeros(B, Tc, device=dev, dtype=tok_lp.dtype).index_put(at, tok_lp)
+    out_ent = torch.zeros(B, Tc, device=dev, dtype=ent.dtype).index_put(at, ent)
     return LogprobResult(out_lp, out_ent, valid)
 
 
-def kept_sets(scaled, temperature, top_p, top_k, masks, clen, target) -> torch.Tensor:
-    """Bool [N, V] kept set per token: shipped masks where given, else re-derived from `scaled`."""
-    dev = scaled.device
-    start = np.concatenate([[0], np.cumsum(clen)]).astype(np.int64)
+@dataclass
+class RowSets:
+    """How each completion token's kept set is found, per flat row: `given` rows take the next
+    row of `shipped` (the concatenated shipped masks, in row order); the other rows re-derive it
+    from the logits (`derive`), or keep the whole vocabulary (replay off)."""
+    given: torch.Tensor          # [N] bool
+    derive: bool                 # re-derive the rows without a shipped mask
+    shipped: SamplingMask        # rows of the given rows, in order
+    before: np.ndarray           # [N + 1] number of given rows before each flat row
 
-    def flat_rows(seqs):
-        return torch.from_numpy(np.concatenate([np.arange(start[i], start[i + 1]) for i in seqs])).to(dev)
+    @classmethod
+    def of(cls, masks, clen, replay_mask: bool, dev) -> "RowSets":
+        if not replay_mask:
+            masks = [None] * len(clen)
+        g = np.repeat(np.array([m is not None for m in masks], dtype=bool), clen)
+        shipped = SamplingMask.concat([m for m in masks if m is not None])
+        return cls(torch.from_numpy(g).to(dev), replay_mask, shipped,
+                   np.concatenate([[0], np.cumsum(g)]).astype(np.int64))
 
-    with torch.no_grad():
-        keep = torch.ones_like(scaled, dtype=torch.bool)
-        derive = [i for i, m in enumerate(masks) if m is None and clen[i]]
-        if derive:
-            sel = flat_rows(derive)
-            order, keep_sorted = truncation(scaled[sel], temperature[sel], top_p[sel], top_k[sel])
-            keep[sel] = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
-            # our logits may differ from the engine's: keep the sampled token so its logprob is finite
-            keep[sel, target[sel]] = True
-        given = [i for i, m in enumerate(masks) if m is not None and clen[i]]
-        if given:
-            sel = flat_rows(given)
-            shipped = SamplingMask.concat([masks[i] for i in given]).keep_matrix(scaled.shape[1], dev)
-            keep[sel] = shipped
-            outside = ~shipped.gather(1, target[sel][:, None])[:, 0]
-            if outside.any():
-                raise ValueError(f"sampled token outside its shipped kept set at flat rows "
-                                 f"{sel[outside][:5].tolist()}: mask does not belong to this completion")
-    return keep
+    def chunk_keep(self, a: int, b: int, scaled, temperature, top_p, top_k, target) -> torch.Tensor | None:
+        """Bool [b-a, V] kept set of rows a..b, or None when every row keeps the whole vocabulary."""
+        given = self.given[a:b]
+        if not self.derive and not bool(given.any()):
+            return None
+        dev = scaled.device
+        with torch.no_grad():
+            keep = torch.ones_like(scaled, dtype=torch.bool)
+            if self.derive and not bool(given.all()):
+                sel = (~given).nonzero()[:, 0]
+                order, keep_sorted = truncation(scaled[sel], temperature[sel], top_p[sel], top_k[sel])
+                keep[sel] = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+                # our logits may differ from the engine's: keep the sampled token so its logprob is finite
+                keep[sel, target[sel]] = True
+            if bool(given.any()):
+                sel = given.nonzero()[:, 0]
+                rows = self.shipped[int(self.before[a]):int(self.before[b])]
+                shipped = rows.keep_matrix(scaled.shape[1], dev)
+                keep[sel] = shipped
+                outside = ~shipped.gather(1, target[sel][:, None])[:, 0]
+                if outside.any():
+                    bad = (sel[outside] + a)[:5].tolist()
+                    raise ValueError(f"sampled token outside its shipped kept set at flat rows {bad}: "
+                                     "mask does not belong to this completion")
+        return keep
+
+
+def token_logprobs(hidden, weight, target, temperature, top_p, top_k, rowsets: RowSets,
+                   chunk_tokens: int = 0):
+    """hidden [N, d] of the completion positions, output weight [V, d] -> (logprob of each target
+    [N], entropy of each row's kept distribution [N]), `chunk_tokens` rows at a time."""
+    N = hidden.shape[0]
+    n = chunk_tokens or max(N, 1)
+    if N <= n:
+        return _chunk(hidden, weight, 0, N, target, temperature, top_p, top_k, rowsets)
+    lps, ents = [], []
+    for a in range(0, N, n):
+        b = min(a + n, N)
+        lp, en = checkpoint(_chunk, hidden[a:b], weight, a, b, target, temperature, top_p, top_k, rowsets,
+                            use_reentrant=False)
+        lps.append(lp)
+        ents.append(en)
+    return torch.cat(lps), torch.cat(ents)
+
+
+def _chunk(hidden, weight, a, b, target, temperature, top_p, top_k, rowsets: RowSets):
+    scaled = scale_logits(F.linear(hidden, weight).float(), temperature[a:b])
+    tgt = target[a:b]
+    keep = rowsets.chunk_keep(a, b, scaled, temperature[a:b], top_p[a:b], top_k[a:b], tgt)
+    if keep is None:
+        logp = scaled.log_softmax(-1)
+        ent = -(logp.exp() * logp).sum(-1)
+    else:
+        logp = truncated_logprobs(scaled, keep)
+        safe = logp.masked_fill(~keep, 0.0)     # 0*(-inf) outside the kept set would poison the gradient
+        ent = -(safe.exp() * keep * safe).sum(-1)
+    return logp.gather(1, tgt[:, None])[:, 0], ent
 
 
 def mismatch_metrics(behaviour_logprobs, trainer_logprobs, valid=None, C: float = 2.0) -> dict:
@@ -110,7 +178,7 @@ def mismatch_metrics(behaviour_logprobs, trainer_logprobs, valid=None, C: float 
         raise ValueError(f"shape mismatch: behaviour {tuple(b.shape)}, trainer {tuple(t.shape)}, valid {tuple(v.shape)}")
     if not v.any():
         raise ValueError("mismatch_metrics needs at least one valid token")
-    lr = (t - b)[v]
+    lr = clamp_log_ratio((t - b)[v])
     r = lr.exp()
     return {"k3_mean": float((r - 1 - lr).mean()), "ratio_mean": float(r.mean()),
             "ratio_p99_abs_log": float(torch.quantile(lr.abs(), 0.99)),
@@ -119,10 +187,10 @@ def mismatch_metrics(behaviour_logprobs, trainer_logprobs, valid=None, C: float 
 
 def truncated_is_weight(log_ratio: torch.Tensor, C: float = 2.0) -> torch.Tensor:
     """TIS: min(pi/mu, C), detached (a weight on the policy-gradient term, not a path for grads)."""
-    return log_ratio.detach().exp().clamp(max=C)
+    return clamp_log_ratio(log_ratio.detach()).exp().clamp(max=C)
 
 
 def masked_is_weight(log_ratio: torch.Tensor, C: float = 2.0) -> torch.Tensor:
     """MIS: pi/mu where it lies in [1/C, C], else 0 (tokens too far off-policy are dropped)."""
-    r = log_ratio.detach().exp()
+    r = clamp_log_ratio(log_ratio.detach()).exp()
     return torch.where((r >= 1 / C) & (r <= C), r, torch.zeros_like(r))

@@ -271,7 +271,7 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def _run(self, idx, pos, cache=None, slots=None):
+    def _run(self, idx, pos, cache=None, slots=None, head=None):
         if int(pos.max()) >= self.cfg.max_seq_len:
             raise ValueError(f"position {int(pos.max())} >= max_seq_len {self.cfg.max_seq_len}")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.cfg.vocab_size):
@@ -283,13 +283,18 @@ class Transformer(nn.Module):
             x = blk(x, cos, sin, pos, cache, i, slots)
         x = self.norm(x)
         w = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        if head is not None:
+            return head(x, w)
         return F.linear(x, w).float()
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced causal forward: idx [B, T] -> logits [B, T, V] (fp32)."""
+    def forward(self, idx: torch.Tensor, head=None):
+        """Teacher-forced causal forward: idx [B, T] -> logits [B, T, V] (fp32). With `head`, the
+        result of head(hidden [B, T, d], output weight [V, d]) instead of the full projection:
+        called inside forward, where FSDP2 holds the root's parameters gathered, so a caller can
+        project only the positions it needs, a few at a time (policy.sequence_logprobs)."""
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device).expand(B, T)
-        return self._run(idx, pos)
+        return self._run(idx, pos, head=head)
 
     def _cached(self, idx, cache: KVCache, slots: torch.Tensor):
         if len(torch.unique(slots)) != len(slots):

@@ -22,7 +22,7 @@ def test_group_advantage_is_group_relative():
         group_advantages(r, g[:3])
 
 
-def test_truncated_and_masked_weights_and_ppo_clip():
+def test_truncated_and_masked_weights_and_no_ppo_clip():
     behav = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5]))
     logp = torch.log(torch.tensor([0.5, 2.0, 0.1, 0.9])).requires_grad_()   # ratios 1, 4, 0.2, 1.8
     adv, w = torch.ones(4), torch.ones(4)
@@ -30,10 +30,9 @@ def test_truncated_and_masked_weights_and_ppo_clip():
     assert st["frac_truncated"] == 0.25 and math.isclose(st["is_weight_mean"], (1 + 2 + 0.2 + 1.8) / 4, rel_tol=1e-5)
     _, st = pg_loss(logp, behav, adv, w, 4, LossConfig(is_mode="masked", is_clip=2.0))
     assert st["frac_masked"] == 0.5                        # 4 and 0.2 fall outside [1/2, 2]
-    loss, st = pg_loss(logp, behav, adv, w, 4, LossConfig(is_mode="none", ppo_clip=0.2))
-    assert st["frac_clipped"] == 0.5                       # ratios 4 and 1.8 above 1.2 with A > 0
-    loss.backward()
-    assert logp.grad[1] == 0 and logp.grad[0] != 0        # clipped tokens carry no gradient
+    # the PPO clip anchored on mu (issue #31 item 4) is gone: one step per batch has no trust region
+    with pytest.raises(ValueError, match="ppo_clip.*trust region"):
+        TrainerConfig(ppo_clip=0.2)
 
 
 def test_dropped_samples_carry_no_gradient():

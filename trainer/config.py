@@ -9,6 +9,11 @@ from pathlib import Path
 from bus import BusConfig
 
 
+HINTS = {"ppo_clip": "removed (must be 0): with one optimizer step per batch a clip is no trust region "
+                    "(against this step's own policy the ratio is 1; against the behaviour policy it only "
+                    "masks stale tokens): use is_mode = 'masked' for that (docs/trainer.md)"}
+
+
 @dataclass
 class TrainerConfig:
     bus: BusConfig = field(default_factory=BusConfig)
@@ -43,12 +48,21 @@ class TrainerConfig:
     # they add no gradient, only dilute the token mean and cost a step and a version; skipped
     # groups are acked at once and recorded with the next version (async mode only)
     skip_uniform_groups: bool = False
+    # what "uniform" compares: reward (exact rewards equal: A = 0 under any adv_norm) | success
+    # (equal success, rewards differing by cost alone: the lambda * cost signal of such groups is
+    # given up for fewer steps; with adv_norm = "std" that signal would be full-scale, see docs)
+    skip_uniform_by: str = "reward"
     # loss
-    adv_norm: str = "std"                # std: (r - mean_g) / (std_g + eps) | mean: r - mean_g
+    # mean: r - mean_g (Dr. GRPO: lambda * cost keeps its scale) | std: (r - mean_g) / (std_g + eps)
+    # (std cancels lambda in a group of uniform success: docs/trainer.md#advantage-and-loss)
+    adv_norm: str = "mean"
     is_mode: str = "truncated"           # truncated | masked | none
     is_clip: float = 2.0                 # C: truncated IS clamps at C; masked IS keeps ratios in [1/C, C]
-    micro_batch: int = 32                # sequences per forward pass
-    ppo_clip: float = 0.0                # eps of the optional PPO-style clip (0 = off)
+    micro_batch: int = 32                # sequences per forward pass (at most)
+    micro_batch_tokens: int = 16384      # padded tokens per forward pass (at most; a longer sequence runs alone)
+    logit_chunk_mb: float = 64.0         # fp32 [tokens, vocab] logits projected at a time (chunked logprobs)
+    # removed: with one optimizer step per batch no clip can be a trust region (docs/trainer.md); must be 0
+    ppo_clip: float = 0.0
     entropy_coef: float = 0.0
     kl_coef: float = 0.0                 # KL penalty (k3 per token) to the frozen initial weights; 0 = off
     # distributed (torchrun: FSDP2 over all ranks)
@@ -134,6 +148,11 @@ class TrainerConfig:
             "stale": self.stale in ("drop", "downweight"),
             "is_mode": self.is_mode in ("truncated", "masked", "none"),
             "adv_norm": self.adv_norm in ("std", "mean"),
+            "skip_uniform_by": self.skip_uniform_by in ("reward", "success"),
+            "ppo_clip": self.ppo_clip == 0,
+            "micro_batch": self.micro_batch >= 1,
+            "micro_batch_tokens": self.micro_batch_tokens >= 0,
+            "logit_chunk_mb": self.logit_chunk_mb > 0,
             "mode": self.mode in ("async", "sync"),
             # sync publishes exactly batch_groups tasks per version: a skipped group would stall it
             "skip_uniform_groups": not (self.skip_uniform_groups and self.mode == "sync"),
@@ -169,8 +188,9 @@ class TrainerConfig:
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
+            hint = "".join(f"; {k}: {HINTS[k]}" for k in bad if k in HINTS)
             raise ValueError(f"TrainerConfig: invalid value for {', '.join(bad)}: "
-                             + ", ".join(f"{k}={getattr(self, k)!r}" for k in bad))
+                             + ", ".join(f"{k}={getattr(self, k)!r}" for k in bad) + hint)
 
     @property
     def renew_s(self) -> float:

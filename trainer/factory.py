@@ -76,11 +76,14 @@ def build_schedule(cfg: TrainerConfig) -> LRSchedule:
 
 def build_learner(model, opt, cfg: TrainerConfig, reference: Transformer | None = None) -> Learner:
     """`reference` (the frozen initial policy) is built here when kl_coef > 0 and none is given."""
-    lc = LossConfig(is_mode=cfg.is_mode, is_clip=cfg.is_clip, ppo_clip=cfg.ppo_clip, entropy_coef=cfg.entropy_coef)
+    lc = LossConfig(is_mode=cfg.is_mode, is_clip=cfg.is_clip, entropy_coef=cfg.entropy_coef)
+    # rows of fp32 logits per projection chunk: logit_chunk_mb of them whatever the vocabulary
+    chunk = max(1, int(cfg.logit_chunk_mb * 2**20 / (4 * model.cfg.vocab_size)))
     if reference is None and cfg.kl_coef > 0:
         reference = build_reference(cfg)
     learner = Learner(model, opt, lc, adv_norm=cfg.adv_norm, grad_clip=cfg.grad_clip, replay=cfg.replay,
                       micro_batch=cfg.micro_batch, schedule=build_schedule(cfg), kl_coef=cfg.kl_coef,
-                      reference=reference, async_checkpoint=cfg.async_checkpoint)
+                      reference=reference, async_checkpoint=cfg.async_checkpoint,
+                      micro_batch_tokens=cfg.micro_batch_tokens, logit_chunk_tokens=chunk)
     learner.delta_context = cfg.delta_context      # sharded parts are coded the same way
     return learner

@@ -1,6 +1,15 @@
 """One learner step: recompute logprobs under the workers' sampler, PG loss (+ optional KL to
 the initial weights), gradients reduced by torch FSDP2, AdamW with an LR schedule.
 
+Micro-batches hold at most `micro_batch` sequences and `micro_batch_tokens` padded tokens (a
+longer sequence goes alone); the vocabulary projection runs `logit_chunk_tokens` completion
+tokens at a time (policy.sequence_logprobs), so neither the activations nor the fp32
+[tokens, vocab] logits grow with the batch.
+
+A step whose loss or gradient norm is not finite is skipped: no optimizer step, no LR schedule
+update, so parameters and optimizer state stay bit-identical (every rank decides on the same
+all-reduced numbers); `step` returns {"skipped": reason} and the leader parks the rollouts.
+
 Data parallel over FSDP2 (trainer/fsdp.py): every rank holds the whole batch (rank 0 broadcasts
 it) and works on samples i ≡ rank (mod world). Each rank's loss is its share of the global token
 sum over the global token count, so the sum of the ranks' gradients is the 1-process gradient;
@@ -10,10 +19,13 @@ micro-batches: a rank with fewer (or none) runs zero-weighted one-token passes.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -60,21 +72,57 @@ def pack(batch) -> list[PackedSample]:
     return out
 
 
-def length_buckets(lengths: list[int], max_batch: int, overhead_tokens: int = 64) -> list[list[int]]:
+F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class NonFiniteWeights(RuntimeError):
+    """A version whose bf16 weights hold a non-finite element: never encoded, checkpointed or published."""
+
+
+def check_finite_state(state: dict[str, torch.Tensor], version: int) -> None:
+    """Raise NonFiniteWeights unless every element of every tensor (the bf16 bits) is finite."""
+    bad = [k for k, t in state.items() if not bool(torch.isfinite(t).all())]
+    if bad:
+        raise NonFiniteWeights(f"version {version}: non-finite weights in {len(bad)} tensors ({bad[:3]}): "
+                               "refusing to publish")
+
+
+def nonfinite_samples(samples: list[PackedSample]) -> dict[str, str]:
+    """{rollout id: reason} of the live samples whose shipped numbers cannot enter a step (a
+    non-finite behaviour logprob or reward): what a skipped step blames first."""
+    out = {}
+    for s in samples:
+        if s.weight <= 0 or not s.completion_ids:
+            continue
+        lp = np.asarray(s.logprobs, dtype=np.float64)
+        bad = np.flatnonzero(~np.isfinite(lp))
+        if bad.size:
+            out[s.rollout_id] = f"non-finite logprobs at token {int(bad[0])} ({lp[bad[0]]})"
+        elif not math.isfinite(s.reward) or abs(s.reward) > F32_MAX:     # the loss computes in fp32
+            out[s.rollout_id] = f"non-finite reward in fp32 ({s.reward})"
+    return out
+
+
+def length_buckets(lengths: list[int], max_batch: int, overhead_tokens: int = 64,
+                   max_tokens: int = 0) -> list[list[int]]:
     """Split sequences into padded micro-batches of similar length (indices into `lengths`).
 
     A padded forward costs about batch x longest tokens, plus a fixed per-call cost; with a
     long-tailed length distribution one long answer would pad every short one to its length.
     Sorted by length, the cheapest split into contiguous runs is a small dynamic programme:
-    best[j] = min_i best[i] + (j - i) * len[j-1] + overhead, with runs of at most max_batch."""
+    best[j] = min_i best[i] + (j - i) * len[j-1] + overhead, with runs of at most max_batch
+    sequences and (max_tokens > 0) at most max_tokens padded tokens; a sequence longer than
+    max_tokens runs alone."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     srt = [lengths[i] for i in order]
     n, inf = len(srt), float("inf")
     best, cut = [0.0] + [inf] * n, [0] * (n + 1)
     for j in range(1, n + 1):
-        for i in range(max(0, j - max_batch), j):
+        for i in range(j - 1, max(0, j - max_batch) - 1, -1):      # longer runs as i falls
+            if max_tokens and j - i > 1 and (j - i) * srt[j - 1] > max_tokens:
+                break
             c = best[i] + (j - i) * srt[j - 1] + overhead_tokens
-            if c < best[j]:
+            if c <= best[j]:                     # ties: the longest run (the smallest i), as before
                 best[j], cut[j] = c, i
     runs, j = [], n
     while j > 0:
@@ -85,11 +133,13 @@ def length_buckets(lengths: list[int], max_batch: int, overhead_tokens: int = 64
 
 class Learner:
     def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, loss_cfg: LossConfig,
-                 adv_norm: str = "std", grad_clip: float = 0.0, replay: bool = True, micro_batch: int = 32,
+                 adv_norm: str = "mean", grad_clip: float = 0.0, replay: bool = True, micro_batch: int = 32,
                  schedule: LRSchedule | None = None, kl_coef: float = 0.0, reference: Transformer | None = None,
-                 async_checkpoint: bool = False):
-        self.model, self.opt, self.loss_cfg = model, optimizer, loss_cfg
+                 async_checkpoint: bool = False, micro_batch_tokens: int = 0, logit_chunk_tokens: int = 0):
+        self.model, self.opt = model, optimizer
+        self.loss_cfg = dataclasses.replace(loss_cfg, kl_coef=kl_coef) if kl_coef else loss_cfg
         self.adv_norm, self.grad_clip, self.replay, self.micro_batch = adv_norm, grad_clip, replay, micro_batch
+        self.micro_batch_tokens, self.logit_chunk_tokens = micro_batch_tokens, logit_chunk_tokens
         self.schedule, self.kl_coef, self.reference = schedule, kl_coef, reference
         self.async_checkpoint, self._pending_saves, self._saves_lock = async_checkpoint, [], threading.Lock()
         self.delta_context = False        # sharded parts: code positions in the context of the base (factory sets it)
@@ -104,7 +154,8 @@ class Learner:
         out = []
         for group in by_quant.values():
             lens = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in group]
-            out += [(samples[group[0]].quant, [group[r] for r in run]) for run in length_buckets(lens, self.micro_batch)]
+            runs = length_buckets(lens, self.micro_batch, max_tokens=self.micro_batch_tokens)
+            out += [(samples[group[0]].quant, [group[r] for r in run]) for run in runs]
         return out
 
     def _run_logprobs(self, model, chunk: list[PackedSample], quant: dict):
@@ -118,7 +169,7 @@ class Learner:
                 [SamplingConfig.from_dict(s.sampling) for s in chunk],
                 [SamplingMask.from_wire(s.sampling_mask) if s.sampling_mask else None for s in chunk]
                 if self.replay else None,
-                replay_mask=self.replay)
+                replay_mask=self.replay, chunk_tokens=self.logit_chunk_tokens)
         finally:
             model.quant = keep
         return (torch.cat([res.logprobs[k][res.valid[k]] for k in range(len(chunk))]),
@@ -136,13 +187,21 @@ class Learner:
              ) -> tuple[torch.Tensor, dict]:
         """This rank's share of the batch loss (summing over ranks gives the full loss).
         backward=True: gradients are accumulated micro-batch by micro-batch (activations of one
-        micro-batch alive at a time) and the returned loss is detached."""
+        micro-batch alive at a time) and the returned loss is detached.
+
+        Each pass divides by the live token count N0 (known before any forward); which tokens
+        the IS correction rejects is known only after each forward, so once every pass is done
+        the loss (and the accumulated gradients) are rescaled by N0 / kept, kept summed over
+        all ranks: the result is the loss over the kept tokens only."""
         rank, ws = world()
         dev = next(self.model.parameters()).device
+        live = [i for i, s in enumerate(samples) if s.weight > 0 and s.completion_ids]
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-        adv = group_advantages(rewards, groups, self.adv_norm)
-        live = [i for i, s in enumerate(samples) if s.weight > 0 and s.completion_ids]
+        on = torch.zeros(len(samples), dtype=torch.bool)
+        on[live] = True
+        # a dropped (stale) sample is out of its group's baseline as well as out of the loss
+        adv = group_advantages(rewards, groups, self.adv_norm, live=on)
         # only model tokens are trained on: observation tokens (loss mask 0) count nowhere
         n_tokens = sum(sum(samples[i].model_mask()) for i in live)
         runs = self._runs(samples, live[rank::ws])
@@ -150,8 +209,8 @@ class Learner:
         n_pass = max(len(self._runs(samples, live[r::ws])) for r in range(ws)) if is_sharded(self.model) else len(runs)
         scale = float(ws) if is_sharded(self.model) else 1.0
         total = torch.zeros((), device=dev)
-        keep: dict[str, list[torch.Tensor]] = {"logp": [], "behav": [], "adv": [], "w": [], "ent": [], "kl": [],
-                                              "model": []}
+        kept, kl_sum, kl_weight = 0.0, 0.0, 0.0
+        keep: dict[str, list[torch.Tensor]] = {"logp": [], "behav": [], "adv": [], "w": [], "ent": [], "model": []}
         with torch.set_grad_enabled(grad or backward):
             for k in range(n_pass):
                 if k >= len(runs):
@@ -170,15 +229,13 @@ class Learner:
                 w = torch.tensor([s.weight for s in chunk], dtype=torch.float32).repeat_interleave(lens).to(dev)
                 model = torch.tensor([m for s in chunk for m in s.model_mask()], dtype=torch.bool).to(dev)
                 w = w * model             # IS weights, entropy, KL and the PG term only on model tokens
-                part, _ = pg_loss(logp.float(), behav, a, w, n_tokens, self.loss_cfg, ent.float())
-                if self.kl_coef > 0:
+                ref = None
+                if self.loss_cfg.kl_coef > 0:
                     with torch.no_grad():
-                        ref, _ = self._run_logprobs(self.reference, chunk, quant)
-                    # k3 = exp(ref - logp) - (ref - logp) - 1 >= 0, an unbiased KL(pi||ref) estimate per token
-                    d = ref.float() - logp.float()
-                    k3 = d.exp() - d - 1
-                    part = part + self.kl_coef * (w * k3).sum() / max(float(n_tokens), 1.0)
-                    keep["kl"].append(k3.detach()[model])
+                        ref = self._run_logprobs(self.reference, chunk, quant)[0].float()
+                part, st = pg_loss(logp.float(), behav, a, w, n_tokens, self.loss_cfg, ent.float(), ref=ref)
+                kept += st["kept"]
+                kl_sum, kl_weight = kl_sum + st.get("kl_sum", 0.0), kl_weight + st.get("kl_weight", 0.0)
                 if backward:
                     (part * scale).backward()
                     part = part.detach()
@@ -186,17 +243,30 @@ class Learner:
                 for key, v in (("logp", logp.detach().float()), ("behav", behav), ("adv", a), ("w", w),
                                ("ent", ent.detach().float()), ("model", model)):
                     keep[key].append(v)
-        stats: dict = {"n_tokens": n_tokens, "adv": adv}
+        if ws > 1:                # the same factor on every rank: the kept count of the whole batch
+            sums = torch.tensor([kept, kl_sum, kl_weight], dtype=torch.float64, device=dev)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+            kept, kl_sum, kl_weight = (float(x) for x in sums)
+        factor = n_tokens / kept if kept > 0 else 1.0
+        if factor != 1.0:
+            total = total * factor
+            if backward:
+                with torch.no_grad():
+                    for p in self.model.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(factor)
+        stats: dict = {"n_tokens": n_tokens, "kept_tokens": kept, "adv": adv[on]}
         if keep["logp"]:
             cat = {k: torch.cat(v) for k, v in keep.items() if v}
             with torch.no_grad():
                 _, st = pg_loss(cat["logp"], cat["behav"], cat["adv"], cat["w"], n_tokens, self.loss_cfg)
-            stats.update(st)
-            mm = mismatch_metrics(cat["behav"][cat["model"]], cat["logp"][cat["model"]], C=self.loss_cfg.is_clip)
-            stats.update({k: mm[k] for k in ("k3_mean", "ratio_mean", "ratio_p99_abs_log", "frac_outside_C")})
-            stats["entropy"] = float(cat["ent"][cat["model"]].mean())
-            if "kl" in cat:
-                stats["kl_ref"] = float(cat["kl"].mean())
+            stats.update({k: st[k] for k in ("is_weight_mean", "frac_truncated", "frac_masked")})
+            if bool(cat["model"].any()):
+                mm = mismatch_metrics(cat["behav"][cat["model"]], cat["logp"][cat["model"]], C=self.loss_cfg.is_clip)
+                stats.update({k: mm[k] for k in ("k3_mean", "ratio_mean", "ratio_p99_abs_log", "frac_outside_C")})
+                stats["entropy"] = float(cat["ent"][cat["model"]].mean())
+            if self.loss_cfg.kl_coef > 0:
+                stats["kl_ref"] = kl_sum / kl_weight if kl_weight > 0 else 0.0
         return total, stats
 
     def step(self, samples: list[PackedSample]) -> dict:
@@ -207,14 +277,22 @@ class Learner:
         params = [p for p in self.model.parameters() if p.grad is not None]
         gnorm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip or float("inf"))
         gnorm = full_tensor(gnorm)
-        lr = apply_schedule(self.opt, self.schedule)
-        self.opt.step()
         full_loss = loss.detach().clone()
         if world()[1] > 1:
             dist.all_reduce(full_loss, op=dist.ReduceOp.SUM)
+        # every rank holds the same full loss and norm here, so every rank takes the same branch
+        skip = None if torch.isfinite(full_loss) else "nonfinite_loss"
+        skip = skip or (None if torch.isfinite(gnorm) else "nonfinite_grad")
         adv = stats.pop("adv")
+        if skip:
+            self.opt.zero_grad(set_to_none=True)      # the poisoned gradients go; nothing else changed
+            return {"skipped": skip, "loss": float(full_loss), "grad_norm": float(gnorm),
+                    "step_s": time.perf_counter() - t0}
+        lr = apply_schedule(self.opt, self.schedule)
+        self.opt.step()
         stats.update(loss=float(full_loss), grad_norm=float(gnorm), lr=lr, step_s=time.perf_counter() - t0,
-                     adv_mean=float(adv.mean()), adv_std=float(adv.std()) if adv.numel() > 1 else 0.0,
+                     adv_mean=float(adv.mean()) if adv.numel() else 0.0,
+                     adv_std=float(adv.std()) if adv.numel() > 1 else 0.0,
                      adv_abs_max=float(adv.abs().max()) if adv.numel() else 0.0)
         return stats
 
@@ -338,6 +416,16 @@ class Learner:
         if getattr(self, "_rows_base", None) is None:
             raise RuntimeError("publish_parts before mark_published: no base rows")
         announce("publish_parts", from_version, to_version)
+        # every rank checks its own rows, and all refuse together (a collective: nobody waits alone)
+        with torch.no_grad():
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+            bad = torch.tensor([sum(int((~torch.isfinite(t.to(torch.bfloat16))).sum()) for t in local)],
+                               dtype=torch.float64)
+        if is_sharded(self.model):
+            bad = bad.to(next(self.model.parameters()).device)
+            dist.all_reduce(bad, op=dist.ReduceOp.SUM)
+        if float(bad.sum()) > 0:
+            raise NonFiniteWeights(f"version {to_version}: {int(bad.sum())} non-finite weights: refusing to publish")
         part, self._rows_base = encode_local_part(self.model, self._rows_base, from_version, to_version,
                                                   context=self.delta_context)
         if not is_sharded(self.model):
