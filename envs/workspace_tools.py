@@ -143,11 +143,6 @@ def _reporter(key):
     return emit, (lambda: n[1])
 
 
-report, _count = _reporter(_key)
-_tests = (_key or {}).get("tests", {})
-del _key
-_orig = (os.write, report.__code__, BaseException, AssertionError)
-
 def files(paths):
     for p in paths or ["."]:
         if os.path.isdir(p):
@@ -159,54 +154,60 @@ def files(paths):
         else:
             yield p
 
-n_pass = n_fail = 0
-for i, path in enumerate(files(args)):
-    want = _tests.get(path)
-    if want:
+
+def main(report, count, tests_sha):
+    orig = (os.write, report.__code__, report.__closure__, BaseException, AssertionError)
+    n_pass = n_fail = 0
+    for i, path in enumerate(files(args)):
+        want = tests_sha.get(path)
+        if want:
+            try:
+                with open(path, "rb") as f:
+                    got = hashlib.sha256(f.read()).hexdigest()
+            except OSError:
+                got = ""
+            if got != want:
+                report("TAMPER", f"{path} changed before it was collected")
         try:
-            with open(path, "rb") as f:
-                got = hashlib.sha256(f.read()).hexdigest()
-        except OSError:
-            got = ""
-        if got != want:
-            report("TAMPER", f"{path} changed before it was collected")
-    try:
-        spec = importlib.util.spec_from_file_location(f"_minitest_{i}", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    except BaseException:
-        print(f"ERROR collecting {path}")
-        traceback.print_exc(limit=-3)
-        n_fail += 1
-        continue
-    tests = []
-    for name, obj in list(vars(mod).items()):
-        if name.startswith("test") and callable(obj) and not isinstance(obj, type):
-            tests.append((f"{path}::{name}", obj))
-        elif name.startswith("Test") and isinstance(obj, type):
-            for m in [m for m in vars(obj) if m.startswith("test")]:
-                tests.append((f"{path}::{name}::{m}", (lambda c=obj, m=m: getattr(c(), m)())))
-    for tid, fn in tests:
-        try:
-            fn()
-        except BaseException as e:
-            if isinstance(e, KeyboardInterrupt):
-                raise
+            spec = importlib.util.spec_from_file_location(f"_minitest_{i}", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        except BaseException:
+            print(f"ERROR collecting {path}")
+            traceback.print_exc(limit=-3)
             n_fail += 1
-            print(f"FAILED {tid}")
-            tb = traceback.extract_tb(e.__traceback__)[1:]
-            # paths relative to the repository root: the episode's temp dir is noise to the policy
-            print("".join(traceback.format_list(tb[-3:])).replace(os.getcwd() + os.sep, "")
-                  + f"{type(e).__name__}: {e}".rstrip())
-            report("FAIL", tid)
-        else:
-            n_pass += 1
-            report("PASS", tid)
-if (os.write, report.__code__, BaseException, AssertionError) != _orig:
-    report("TAMPER", "the runner's reporting or exception machinery was replaced")
-report("END", _count())
-print(f"{n_pass} passed, {n_fail} failed")
-sys.exit(1 if n_fail else 0)
+            continue
+        tests = []
+        for name, obj in list(vars(mod).items()):
+            if name.startswith("test") and callable(obj) and not isinstance(obj, type):
+                tests.append((f"{path}::{name}", obj))
+            elif name.startswith("Test") and isinstance(obj, type):
+                for m in [m for m in vars(obj) if m.startswith("test")]:
+                    tests.append((f"{path}::{name}::{m}", (lambda c=obj, m=m: getattr(c(), m)())))
+        for tid, fn in tests:
+            try:
+                fn()
+            except BaseException as e:
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                n_fail += 1
+                print(f"FAILED {tid}")
+                tb = traceback.extract_tb(e.__traceback__)[1:]
+                # paths relative to the repository root: the episode's temp dir is noise to the policy
+                print("".join(traceback.format_list(tb[-3:])).replace(os.getcwd() + os.sep, "")
+                      + f"{type(e).__name__}: {e}".rstrip())
+                report("FAIL", tid)
+            else:
+                n_pass += 1
+                report("PASS", tid)
+    if (os.write, report.__code__, report.__closure__, BaseException, AssertionError) != orig:
+        report("TAMPER", "the runner's reporting or exception machinery was replaced")
+    report("END", count())
+    print(f"{n_pass} passed, {n_fail} failed")
+    return n_fail
+
+
+sys.exit(1 if main(*_reporter(_key), (_key or {}).get("tests", {})) else 0)
 """
 
 # Value mode (envs/value_tests.py): the tests are ours, so the sandbox only evaluates the calls
@@ -337,6 +338,10 @@ def _setup():
 
     def sessionstart(session):
         hooks0["set"] = hookimpls(session.config)
+        hooks0["mine"] = [(i.function.__code__, i.function.__defaults__)
+                          for h in ("pytest_sessionstart", "pytest_collect_file", "pytest_runtest_logreport",
+                                    "pytest_unconfigure") for i in getattr(session.config.hook, h).get_hookimpls()
+                          if i.plugin_name == "asyncrl_report"]
 
     def collect_file(file_path):
         r = rel(file_path)
@@ -351,37 +356,46 @@ def _setup():
             emit("FAIL" if "FAIL" in st else ("SKIP" if "SKIP" in st else "PASS"), report.nodeid)
 
     def unconfigure(config):
+        mine = [i.function for h in ("pytest_sessionstart", "pytest_collect_file", "pytest_runtest_logreport",
+                                     "pytest_unconfigure") for i in getattr(config.hook, h).get_hookimpls()
+                if i.plugin_name == "asyncrl_report"]
+        if [(f.__code__, f.__defaults__) for f in mine] != hooks0.get("mine"):
+            emit("TAMPER", "the report plugin's hooks were replaced")
         if state() != before or any(sys.modules.get(m) is not v for m, v in mods.items()):
             emit("TAMPER", "pytest's reporting machinery was replaced while the tests ran")
         for h, plugin, fn, code in hookimpls(config) - hooks0.get("set", set()):
-            mod = config.pluginmanager.get_plugin(plugin)
-            f = getattr(mod, "__file__", "") or ""
-            if not (os.path.basename(f) == "conftest.py" and tests.get(rel(f)) == sha(f)):
-                emit("TAMPER", f"hook {h} registered at run time by {plugin}")
+            # pytest's own objects register hooks as the session goes (its fixture manager); a hook
+            # whose code lives in the repository (or nowhere) must be a task conftest, unchanged
+            f = getattr(code, "co_filename", "") or "<none>"
+            inside = f.startswith("<") or not os.path.relpath(f, root).startswith("..")
+            if inside and not (os.path.basename(f) == "conftest.py" and tests.get(rel(f)) == sha(f)):
+                emit("TAMPER", f"hook {h} registered at run time by {plugin} ({rel(f) if f[0] != '<' else f})")
         for nodeid in outcome:
             emit("FAIL", nodeid)
         emit("END", n[1])
     return sessionstart, collect_file, logreport, unconfigure
 
 
+# the hooks call the closures through default arguments: rebinding this module's globals (or
+# replacing it in sys.modules) changes nothing; replacing a hook's code or defaults is checked
 _start, _collect, _log, _unconf = _setup()
 del _setup
 
 
-def pytest_sessionstart(session):
-    _start(session)
+def pytest_sessionstart(session, _f=_start):
+    _f(session)
 
 
-def pytest_collect_file(file_path, parent):
-    _collect(file_path)
+def pytest_collect_file(file_path, parent, _f=_collect):
+    _f(file_path)
 
 
-def pytest_runtest_logreport(report):
-    _log(report)
+def pytest_runtest_logreport(report, _f=_log):
+    _f(report)
 
 
-def pytest_unconfigure(config):
-    _unconf(config)
+def pytest_unconfigure(config, _f=_unconf):
+    _f(config)
 """
 
 
