@@ -104,8 +104,9 @@ class Child:
 
 class Supervisor:
     def __init__(self, run_dir: Path, *, max_restarts: int = 5, backoff_s: float = 1.0,
-                 backoff_max_s: float = 30.0):
+                 backoff_max_s: float = 30.0, env: dict[str, str] | None = None):
         self.run_dir = run_dir
+        self.env = dict(env or {})      # on top of child_env(): secrets travel here, never on argv
         self.max_restarts, self.backoff_s, self.backoff_max_s = max_restarts, backoff_s, backoff_max_s
         self.children: list[Child] = []
         self.stopping = False
@@ -115,7 +116,7 @@ class Supervisor:
         cfg_path = self.run_dir / "config" / f"{spec.name}.toml"
         write_toml(cfg_path, spec.conf)
         log_path = self.run_dir / "logs" / f"{spec.name}.log"
-        env = child_env()
+        env = {**child_env(), **self.env}
         pdeath = die_with_parent(signal.SIGTERM)   # SIGTERM: the child drains within its grace_s
 
         def preexec() -> None:

@@ -29,7 +29,7 @@ from bus import topology as topo
 from bus.events import EventError, decode
 from bus.lifetime import EXIT_MARGIN_S, STOP_SIGNALS
 
-from asyncrl import config_check, metrics_ports, tracking
+from asyncrl import config_check, metrics_ports, run_secrets, tracking
 from asyncrl.resume import resume_run
 from asyncrl.upconfig import UpConfig
 from bus.config import ConfigError
@@ -263,17 +263,27 @@ async def run(a: argparse.Namespace) -> int:
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     setup_logging("up", log_file=str(run_dir / "logs" / "up.log"))
     metrics_ports.plan(run_dir, up.metrics_port)
+    try:      # signed by default: a per-run key pair unless the config brings its own (run_secrets)
+        conf = run_secrets.with_signing(conf, run_dir)
+    except (ValueError, OSError) as e:
+        print(f"asyncrl up: signing key: {e}", file=sys.stderr)
+        return 2
 
-    server = None
+    server, auth, creds = None, None, {}
     if a.nats:
         servers = a.nats.split(",")
     else:
         # own session: a terminal's Ctrl-C must not stop the broker before the children drained;
-        # started from this (main) thread so its parent-death signal follows this process
-        server = EmbeddedServer(store_dir=str(run_dir / "nats"), own_session=True, die_with_parent=True)
+        # started from this (main) thread so its parent-death signal follows this process.
+        # Per-run credentials: only this run's processes may connect (run_secrets.broker_auth)
+        auth = run_secrets.broker_auth(run_dir)
+        server = EmbeddedServer(store_dir=str(run_dir / "nats"), config_file=str(auth.server_conf),
+                                own_session=True, die_with_parent=True)
         server.start_sync()
         servers = [server.url]
-    bus = await connect(BusConfig(servers=servers, name="asyncrl-up"))
+        auth.write_env_file(servers)
+        creds = {"user": auth.user, "password": auth.password}
+    bus = await connect(BusConfig(servers=servers, name="asyncrl-up", **creds))
     await bus.provision()
     lam = a.lam if a.lam is not None else up.lambda_
     if lam is not None:           # λ for the scorers (they watch KV rl-control/lambda live)
@@ -297,7 +307,8 @@ async def run(a: argparse.Namespace) -> int:
          "max_restarts": up.max_restarts, "restart_backoff_s": up.restart_backoff_s,
          "lambda": lam, "nats_external": bool(a.nats), "source": conf, "trainer": trainer_conf, "worker": worker_conf, "scorer": scorer_conf}, indent=2))
 
-    sup = Supervisor(run_dir, max_restarts=up.max_restarts, backoff_s=up.restart_backoff_s)
+    sup = Supervisor(run_dir, max_restarts=up.max_restarts, backoff_s=up.restart_backoff_s,
+                     env=auth.env() if auth else None)      # the broker's credentials: environment only
     specs = [ChildSpec("trainer", "trainer", "trainer", trainer_conf)]
     specs += [ChildSpec(f"trainer-standby-{i}", "trainer", "trainer",
                         {**trainer_conf, "trainer_id": f"{trainer_conf['trainer_id']}-standby-{i}"})

@@ -10,6 +10,8 @@ from asyncrl.report import read_jsonl
 from bench.up_driver import SMALL_RUN
 from bus import BusConfig, connect
 from bus import topology as topo
+from bus.events import decode
+from delta_codec import signing
 
 # bench/up_driver.py's run (shared with the chaos harness's up_supervisor), with no eval in the run:
 # the after-run evals ([up] final_eval) measure the warm start (v0) and the version the run ended at
@@ -65,5 +67,16 @@ async def test_up_short_run(fresh_server, tmp_path):
             # work-queue streams: every message left is one the consumer has not acked yet
             assert st.state.messages == info.num_pending + info.num_ack_pending, (stream, st.state, info)
             assert info.delivered.stream_seq > 0, f"nothing flowed through {stream}"
+        # signed by default: no key in the config, every version signed with the run's own pair,
+        # and no worker followed weights unchecked
+        pk = signing.public_key((run_dir / "keys" / "run-signing.pub").read_text().strip())
+        w = (await bus.js.stream_info(topo.WEIGHTS)).state
+        assert w.messages >= 6
+        for seq in range(w.first_seq, w.last_seq + 1):
+            ev = decode((await bus.js.get_msg(topo.WEIGHTS, seq=seq)).data)
+            data = ev.payload if ev.payload is not None else await bus.get_blob(ev.blob)
+            signing.verify(pk, data, ev.signature)
+        for n in ("worker-0", "worker-1"):
+            assert "WITHOUT signature" not in (run_dir / "logs" / f"{n}.log").read_text(), n
     finally:
         await bus.close()

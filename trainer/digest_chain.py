@@ -45,8 +45,8 @@ class DigestChain:
             raise CheckpointError(f"checkpoint v{st.version} (epoch {st.epoch}) has digest {st.digest!r}, "
                                   f"but the run published v{st.version} as {sorted(want)}: not this run's state")
         if want is None and st.version > self.latest + 1:
-            raise CheckpointError(f"checkpoint v{st.version} (epoch {st.epoch}) is ahead of every version the "
-                                  f"run published (latest v{self.latest}): not this run's state")
+            raise CheckpointError(f"checkpoint v{st.version} (epoch {st.epoch}) is ahead of every version the"
+                                  f" run published (latest v{self.latest}): not this run's state")
 
 
 async def read_chain(bus, read_back: int = READ_BACK) -> DigestChain:

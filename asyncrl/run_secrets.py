@@ -1,0 +1,94 @@
+"""The secrets of one `asyncrl up` run, made in its run directory: secure by default.
+
+    with_signing(conf, run_dir)   the run config with weight signing on. No key configured (neither
+                                  [trainer] signing_key nor [worker] public_key, in the file or the
+                                  ASYNCRL_* environment): an ed25519 pair in run_dir/keys (0600
+                                  private key; made once, a resumed run reuses it) signs every
+                                  version and every worker verifies it. A configured signing key
+                                  with no public key: the workers get the key's public half.
+    broker_auth(run_dir)          fresh credentials for the embedded broker (a new password each
+                                  start): the server's config run_dir/config/nats-auth.conf (0600)
+                                  admits only them, and the children get them in their environment
+                                  (ASYNCRL_BUS__USER/PASSWORD), never on a command line or in their
+                                  TOML. run_dir/config/bus.env (0600) holds them for the operator
+                                  (`set -a; . runs/<id>/config/bus.env; asyncrl inspect`).
+So no local user, and no sandboxed command, can publish weights to an `up` broker or make workers
+load weights the run's trainer did not sign.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncrl.keygen import write_keypair
+
+RUN_KEY_NAME = "run-signing"
+BROKER_USER = "asyncrl-up"
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a secret file 0600 from the first byte (never readable by others, not even briefly)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def with_signing(conf: dict, run_dir: Path, environ=None) -> dict:
+    """`conf` with [trainer] signing_key and [worker] public_key filled in (see the module doc)."""
+    from asyncrl.config_check import resolve
+    resolved = resolve(conf, environ)
+    key, pub = resolved["trainer"].signing_key, resolved["worker"].public_key
+    out = {**conf, "trainer": dict(conf.get("trainer", {})), "worker": dict(conf.get("worker", {}))}
+    if key and pub:
+        return out
+    if key:           # the operator's key: the workers verify against its public half
+        from cryptography.hazmat.primitives import serialization
+
+        from trainer.keys import load_signing_key
+        raw = load_signing_key(key).public_key().public_bytes(serialization.Encoding.Raw,
+                                                              serialization.PublicFormat.Raw)
+        pub_path = run_dir / "keys" / "trainer-signing.pub"
+        pub_path.parent.mkdir(parents=True, exist_ok=True)
+        pub_path.write_text(raw.hex() + "\n")
+        out["worker"]["public_key"] = str(pub_path)
+        return out
+    if pub:
+        return out     # a worker key with no trainer key: config_check names the disagreement
+    keys = run_dir / "keys"
+    key_path, pub_path = keys / f"{RUN_KEY_NAME}.key", keys / f"{RUN_KEY_NAME}.pub"
+    if not key_path.exists():
+        write_keypair(keys, RUN_KEY_NAME)
+    out["trainer"]["signing_key"] = str(key_path)
+    out["worker"]["public_key"] = str(pub_path)
+    return out
+
+
+@dataclass
+class BrokerAuth:
+    user: str
+    password: str
+    server_conf: Path          # nats-server -c: admits only this user
+    env_file: Path             # the same, for the operator's tools
+
+    def env(self) -> dict[str, str]:
+        """What the children get in their environment."""
+        return {"ASYNCRL_BUS__USER": self.user, "ASYNCRL_BUS__PASSWORD": self.password}
+
+    def write_env_file(self, servers: list[str]) -> None:
+        _write_private(self.env_file, f"ASYNCRL_BUS__SERVERS={','.join(servers)}\n"
+                                      + "".join(f"{k}={v}\n" for k, v in self.env().items()))
+
+
+def broker_auth(run_dir: Path) -> BrokerAuth:
+    password = secrets.token_hex(24)        # hex: no quoting in the server config or env files
+    conf = run_dir / "config" / "nats-auth.conf"
+    _write_private(conf, "# asyncrl up: this run's broker admits only its own processes (written per start)\n"
+                         "authorization {\n"
+                         f'  users = [ {{ user: "{BROKER_USER}", password: "{password}" }} ]\n}}\n')
+    return BrokerAuth(BROKER_USER, password, conf, run_dir / "config" / "bus.env")
