@@ -6,14 +6,46 @@
 """
 from __future__ import annotations
 
+import os
+import re
+from collections import Counter
+
 import pytest
 import pytest_asyncio
 import torch
 
 from bus.server import EmbeddedServer
 
-# 2-core CI box: torch's default intra-op threads thrash small matmuls (10x slower measured)
-torch.set_num_threads(1)
+# 2-core CI box: torch's default intra-op threads thrash small matmuls (10x slower measured), so one
+# thread unless OMP_NUM_THREADS says otherwise: `make test-numeric` runs the numeric tests under 1 and 2
+# (another reduction order) so that a tolerance which holds on one order only fails in CI
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
+
+# skip reasons name the apt package that brings the tool: "... apt-get install [-y] <pkg>"
+_APT = re.compile(r"apt-get install (?:-y )?([a-z0-9][a-z0-9.+-]*)")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Close every run with what it skipped, why, and the apt line that brings the missing tools,
+    so a run that checks less than CI's says so (issue 35)."""
+    reasons = Counter()
+    for rep in terminalreporter.stats.get("skipped", []):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    deselected = len(terminalreporter.stats.get("deselected", []))
+    if not reasons and not deselected:
+        return
+    tr = terminalreporter
+    tr.section("what this run did not check")
+    for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        tr.write_line(f"skipped {n}: {reason}")
+    if deselected:
+        tr.write_line(f"not selected {deselected}: by -m/-k (by default the chaos and vllm tests: "
+                      "make test-chaos, make test-vllm)")
+    pkgs = sorted({m for r in reasons for m in _APT.findall(r)})
+    if pkgs:
+        tr.write_line(f"install: apt-get install -y {' '.join(pkgs)}   "
+                      "(make test does it itself when run as root on Debian; docs/testing.md)")
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ from trainer.factory import build_learner, build_model, build_optimizer
 from trainer.batcher import Batcher, ConsumedIds
 from trainer.learner import pack
 
+from tests.helpers.tolerance import assert_adam_close, grad_reduction_len
 from tests.helpers.trainer import publish_groups, trainer_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,13 +32,13 @@ async def test_two_process_gloo_matches_one_process(bus, fresh_server, tmp_path)
     for s in batch.samples:
         await s.msg.nak()
     # reference: one process, same initial weights, same batch
-    build_learner(model, build_optimizer(model, cfg), cfg).step(packed)
+    lr = build_learner(model, build_optimizer(model, cfg), cfg).step(packed)["lr"]
 
     conf = tmp_path / "t.toml"
     write_toml(conf, {"trainer": {"trainer_id": "ddp", "model": {k: v for k, v in cfg.model.items() if v is not None}, "batch_groups": 2, "group_size": 3,
                                   "feed": False, "lr": cfg.lr, "max_steps": 1, "checkpoint_dir": str(cfg.checkpoint_dir),
                                   "fetch_timeout_s": 0.2, "bus": {"servers": [fresh_server.url]}}})
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           "-m", "trainer", "--config", str(conf)], cwd=ROOT, env=env, capture_output=True,
                          timeout=240)
@@ -46,9 +47,10 @@ async def test_two_process_gloo_matches_one_process(bus, fresh_server, tmp_path)
     assert st.version == 1 and "__dcp__" in st.model          # written by both ranks
     loaded, _ = build_model(cfg)
     build_learner(loaded, build_optimizer(loaded, cfg), cfg).load_payload(cfg.checkpoint_dir, st.model, st.optimizer)
-    ref = model.state_dict()
-    for k, v in loaded.state_dict().items():
-        assert torch.allclose(v, ref[k], rtol=1e-5, atol=1e-6), k
+    # why: 2 ranks sum the gradients in another order than one process: AdamW's bound for one step
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in packed)
+    assert_adam_close(loaded.state_dict(), model.state_dict(), lrs=[lr], betas=tuple(cfg.betas),
+                      reduction_len=grad_reduction_len(mcfg, tokens))
     init, _ = build_model(cfg)
     assert any(not torch.equal(v, init.state_dict()[k]) for k, v in loaded.state_dict().items())   # it did train
     # the digest recorded in the checkpoint is the one of the bf16 state gathered from the shards

@@ -67,7 +67,7 @@ def test_spare_node_swap_resumes_the_sharded_line(tmp_path):
 
     import torch
 
-    from tests.test_trainer_fsdp import cfg_dict, make_samples, one_process
+    from tests.test_trainer_fsdp import assert_runs_close, cfg_dict, make_samples, one_process
     from trainer import checkpoint
     from trainer.factory import build_learner, build_model, build_optimizer
     samples = make_samples(seed=3)
@@ -134,6 +134,6 @@ def test_spare_node_swap_resumes_the_sharded_line(tmp_path):
     model, _ = build_model(c)
     learner = build_learner(model, build_optimizer(model, c), c)
     learner.load_payload(cfg["checkpoint_dir"], st.model, st.optimizer)
-    straight, _ = one_process(cfg, samples, target)
-    for (n, p), q in zip(model.named_parameters(), straight.model.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=n)
+    straight, stats = one_process(cfg, samples, target)
+    # why: world 2 (and the re-formed group) sums gradients in another order: AdamW's bound over the steps
+    assert_runs_close(dict(model.named_parameters()), straight.model, cfg, samples, [s["lr"] for s in stats])

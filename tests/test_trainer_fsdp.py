@@ -12,6 +12,7 @@ import torch
 from trainer.config import TrainerConfig
 from trainer.factory import build_learner, build_model, build_optimizer
 from tests.helpers.fsdp import cfg_dict, make_samples, torchrun
+from tests.helpers.tolerance import assert_adam_close, grad_reduction_len, sum_rtol
 
 
 def one_process(cfg: dict, samples, steps: int):
@@ -22,24 +23,39 @@ def one_process(cfg: dict, samples, steps: int):
     return learner, stats
 
 
+def grad_len(model, samples) -> int:
+    return grad_reduction_len(model.cfg, sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples))
+
+
+def assert_runs_close(got: dict, model, cfg: dict, samples, lrs: list[float]) -> None:
+    # why: world 2 (or a resume) sums the gradients in another order than one process: AdamW's bound
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    assert_adam_close(got, want, lrs=lrs, betas=tuple(TrainerConfig(**cfg).betas),
+                      reduction_len=grad_len(model, samples))
+
+
 def test_world2_fsdp_steps_equal_world1(tmp_path):
     samples = make_samples()
     torch.save(samples, tmp_path / "samples.pt")
     cfg = cfg_dict(tmp_path)
     res = torchrun(tmp_path, {"cfg": cfg, "samples": str(tmp_path / "samples.pt"), "steps": 2})
     learner, stats = one_process(cfg, samples, 2)
-    ref = dict(learner.model.named_parameters())
-    for n, v in res["fp32"].items():
-        torch.testing.assert_close(v, ref[n].detach(), rtol=1e-5, atol=1e-6, msg=n)
+    assert_runs_close(res["fp32"], learner.model, cfg, samples, [s["lr"] for s in stats])
+    n = grad_len(learner.model, samples)
+    n_params = sum(p.numel() for p in learner.model.parameters())
     for s1, s2 in zip(stats, res["stats"]):
+        # why: the schedule is the same Python float arithmetic on every rank: exact
         assert s1["lr"] == s2["lr"] and s1["lr"] < cfg["lr"]          # warmup applies on every rank
-        assert abs(s1["loss"] - s2["loss"]) < 1e-5 and abs(s1["grad_norm"] - s2["grad_norm"]) < 1e-4
+        # why: the loss is a mean of per-token terms of length-n reductions, O(1) values
+        assert abs(s1["loss"] - s2["loss"]) <= sum_rtol(n) * max(1.0, abs(s1["loss"]))
+        # why: each gradient element's rounding, then a sum of n_params squares
+        assert abs(s1["grad_norm"] - s2["grad_norm"]) <= (sum_rtol(n) + sum_rtol(n_params)) * s1["grad_norm"]
         assert s2["kl_ref"] >= 0
     assert res["stats"][1]["kl_ref"] > 0                               # moved away from the reference
     init, _ = build_model(TrainerConfig(**cfg))
     assert any(not torch.equal(v, dict(init.named_parameters())[n].detach()) for n, v in res["fp32"].items())
     # published bf16 = the trained fp32 weights rounded, gathered from the shards
-    for n, v in res["state"].items():
+    for n, v in res["state"].items():          # why equal: one cast of the same fp32 bits, no arithmetic
         assert torch.equal(v, res["fp32"][n].to(torch.bfloat16)), n
 
 
@@ -59,12 +75,13 @@ def test_sharded_checkpoint_resumes_on_one_process(tmp_path):
     model, _ = build_model(c)
     learner = build_learner(model, build_optimizer(model, c), c)
     learner.load_payload(cfg["checkpoint_dir"], ref_payload["model"], ref_payload["optimizer"])
-    for n, p in model.named_parameters():
+    for n, p in model.named_parameters():      # why equal: a load copies the saved bits
         assert torch.equal(p.detach(), res["fp32"][n]), n
     learner.step(samples)
-    straight, _ = one_process(cfg, samples, 2)
-    for (n, p), q in zip(model.named_parameters(), straight.model.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=n)
+    straight, stats = one_process(cfg, samples, 2)
+    # step 1 ran on 2 ranks (another gradient summation order than one process): AdamW's bound
+    assert_runs_close({n: p for n, p in model.named_parameters()}, straight.model, cfg, samples,
+                      [s["lr"] for s in stats])
     # the trainer checkpoint file names the folder; a folder without .metadata is refused
     st = checkpoint.TrainerState(version=1, epoch=1, **ref_payload)
     checkpoint.save(cfg["checkpoint_dir"], checkpoint.snapshot(st))
@@ -90,14 +107,18 @@ def test_warm_start_under_world2_matches_one_process(tmp_path):
     tr = Trainer(c, None, build_learner(model, build_optimizer(model, c), c), mcfg)
     tr.prepare()
     init, _ = build_model(c := TrainerConfig(**cfg))
+    # why: 2 ranks sum the demonstrations' gradients in another order; warm start: AdamW default betas
+    tokens = c.warmstart_batch * 128            # arith demonstrations: < 128 tokens each (73 the longest of 64)
+    assert_adam_close(res["fp32"], {n: p.detach() for n, p in model.named_parameters()},
+                      lrs=[c.warmstart_lr] * c.warmstart_steps, betas=(0.9, 0.999),
+                      reduction_len=grad_reduction_len(mcfg, tokens))
     moved = False
     for n, p in model.named_parameters():
-        torch.testing.assert_close(res["fp32"][n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
         moved |= not torch.equal(p.detach(), dict(init.named_parameters())[n].detach())
     assert moved                                                   # the warm start did train
     assert res["version"] == tr.version == 0 and res["digest"]
     saved = torch.load(Path(cfg["run_dir"]) / "warmstart.pt", weights_only=False)["model"]
-    for n, v in res["fp32"].items():                               # rank 0 saved the whole model
+    for n, v in res["fp32"].items():          # rank 0 saved the whole model (why equal: a copy, no arithmetic)
         assert torch.equal(saved[n], v), n
 
 
@@ -119,10 +140,10 @@ def test_async_save_in_flight_then_kill_resumes_from_last_complete(tmp_path):
     model, _ = build_model(c)
     learner = build_learner(model, build_optimizer(model, c), c)
     learner.load_payload(cfg["checkpoint_dir"], st.model, st.optimizer)
-    for n, p in model.named_parameters():
+    for n, p in model.named_parameters():      # why equal: a load copies the saved bits
         assert torch.equal(p.detach(), v1["fp32"][n]), n
-    # and it continues like an uninterrupted run
+    # and it continues like an uninterrupted run (step 1 on 2 ranks: AdamW's bound)
     learner.step(samples)
-    straight, _ = one_process(cfg, samples, 2)
-    for (n, p), q in zip(model.named_parameters(), straight.model.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=n)
+    straight, stats = one_process(cfg, samples, 2)
+    assert_runs_close({n: p for n, p in model.named_parameters()}, straight.model, cfg, samples,
+                      [s["lr"] for s in stats])

@@ -37,7 +37,8 @@ def torchrun(tmp_path: Path, spec: dict, nproc: int = 2, timeout_s: float = 240,
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # one intra-op thread per rank unless OMP_NUM_THREADS says otherwise (make test-numeric runs 1 and 2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     # a session of its own: a hung group is killed whole on timeout (torchrun's workers included)
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                           str(ROOT / "tests" / "fsdp_worker.py"), str(tmp_path / "spec.json"), str(out)],
