@@ -1,5 +1,6 @@
 """apply_delta: in place, digest-checked, all-or-nothing (every written chunk is rolled back on
-any error, a wrong result digest included)."""
+any error, a wrong result digest included). With `finite=True` (workers), a result element that
+is NaN or ±inf is such an error too (NonFiniteError): checked on the elements each chunk wrote."""
 from __future__ import annotations
 
 import threading
@@ -11,7 +12,8 @@ from . import sparse_jit
 from .bits import combine_digest, dtype_from_name, dtype_name, exponent_shift, int_view, np_bits, tensor_digest
 from .codec import chunk_header, decode_chunk
 from .delta import Delta
-from .errors import DeltaError
+from .errors import DeltaError, NonFiniteError
+from .finite import checks, first_nonfinite, nonfinite
 from .record import TensorRecord, chunk_starts, chunks_of
 from .tasks import parallel, run_tasks, scratch
 
@@ -62,14 +64,17 @@ def validate_target(state, recs: list[TensorRecord], what: str) -> None:
             raise DeltaError(f"tensor {r.name!r}: in-place apply needs a contiguous tensor")
 
 
-def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None, threads: int | None = None) -> None:
+def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None, threads: int | None = None,
+                finite: bool = False) -> None:
     """Apply in place. Verifies the signature (if public_key); then applies every tensor's
     chunks and hashes each result tensor (tensors and chunks on `threads` threads), and compares
     the result's state digest, combined from those, with the delta's new digest. On any error
     (a malformed chunk, that digest) every chunk written so far is rolled back, so a refused
     delta leaves the state as it was; only then is the restored state hashed, to say whether it
     was the wrong base version or the delta that was bad. (The base is not hashed up front: a
-    delta applied to its base, the only case that matters for speed, hashes the state once.)"""
+    delta applied to its base, the only case that matters for speed, hashes the state once.)
+    `finite`: refuse (NonFiniteError, rolled back) a result with a NaN or ±inf element, checked
+    on the elements each chunk wrote (a signed delta can still carry NaN weights)."""
     if isinstance(delta, (bytes, bytearray, memoryview)):
         delta = Delta.from_bytes(delta)
     if public_key is not None:
@@ -85,14 +90,14 @@ def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None
         """The tensor's chunks as jobs; the last one to finish queues its result digest."""
         t = state[r.name]
         if t.device.type != "cpu":
-            _apply_job(r, t, -1, 0, None, undo)
+            _apply_job(r, t, -1, 0, None, undo, finite)
             return [lambda: hash_result(r)]
         chunks = chunks_of(r)
         left = [len(chunks)]
         lock = threading.Lock()
 
         def chunk_job(i: int, start: int, c):
-            _apply_job(r, t, i, start, c, undo)
+            _apply_job(r, t, i, start, c, undo, finite)
             with lock:
                 left[0] -= 1
                 last = left[0] == 0
@@ -127,11 +132,17 @@ def _state_root(state, recs: list[TensorRecord], threads: int | None) -> str:
     return combine_digest((r.name, r.dtype, r.shape, d) for r, d in zip(recs, digs))
 
 
-def _apply_job(r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo: list) -> None:
+def _apply_job(r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo: list,
+               finite: bool = False) -> None:
+    finite = finite and checks(r.dtype)
     if i < 0:
         from .triton_apply import apply_on_device
         with torch.no_grad():  # (grad mode is per thread)
             apply_on_device(t, decode_record(r, t), undo)
+            bits = int_view(t)
+            if finite and bool(nonfinite(bits.view(torch.int8) if bits.dtype == torch.uint8 else bits, r.dtype).any()):
+                raise NonFiniteError(f"tensor {r.name!r}: the update makes elements NaN or ±inf "
+                                     "(state rolled back)")
         return
     what, size = f"tensor {r.name!r} chunk {i}", t.element_size()
     view = np_bits(t)[start:start + chunk_header(chunk, what)[1]]
@@ -146,6 +157,8 @@ def _apply_job(r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo
             raise DeltaError(f"{what}: position {int(pos[bad])} beyond the chunk of {view.size}")
         pos = pos.copy()  # (may live in the scratch buffers)
         undo.append(lambda: view.__setitem__(pos, old))
+        if finite:
+            _refuse_nonfinite(r, start, view, pos)
         return
     elif pos.size:
         add_at(view, pos, d)
@@ -153,6 +166,19 @@ def _apply_job(r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo
         return
     # the inverse, decoded again from the (small) record only if needed: nothing kept meanwhile
     undo.append(lambda: _unapply(view, chunk, size, what))
+    if finite:
+        _refuse_nonfinite(r, start, view, pos)
+
+
+def _refuse_nonfinite(r: TensorRecord, start: int, view: np.ndarray, pos: np.ndarray | None) -> None:
+    """NonFiniteError if an element this chunk wrote (`pos`, or the whole chunk) is NaN or ±inf:
+    one vectorised pass over the written elements only. The caller has queued the undo."""
+    written = view if pos is None else view[pos]
+    j = first_nonfinite(written, r.dtype)
+    if j >= 0:
+        at = start + (j if pos is None else int(pos[j]))
+        raise NonFiniteError(f"tensor {r.name!r}: the update makes element {at} NaN or ±inf "
+                             "(state rolled back)")
 
 
 def add_at(view: np.ndarray, pos: np.ndarray, d: np.ndarray) -> None:

@@ -10,7 +10,8 @@ from .bits import SIGNED_INT, UNSIGNED_INT, combine_digest, dtype_from_name, int
 from .compress import zc, zd
 from .container import KIND_KEYFRAME, SignedBlob, _pack, _unpack, extra_fields, with_extra
 from .encode import bits_slice, chunked_records, prepared
-from .errors import DeltaError
+from .errors import DeltaError, NonFiniteError
+from .finite import first_nonfinite
 from .modes import CHUNK
 from .record import TensorRecord, chunks_of, hollow
 from .tasks import parallel, scratch
@@ -96,12 +97,14 @@ def _keyframe_chunk_into(dest: np.ndarray, frame, what: str, alloc) -> None:
         u |= t
 
 
-def load_keyframe(kf, *, into=None, public_key=None, device=None, threads: int | None = None) -> dict[str, torch.Tensor]:
+def load_keyframe(kf, *, into=None, public_key=None, device=None, threads: int | None = None,
+                  finite: bool = False) -> dict[str, torch.Tensor]:
     """-> {name: tensor} with every tensor digest-checked, decoded chunk by chunk straight into
     the result (on `threads` threads). With `into`, writes into those tensors in place and
     returns `into`: names, shapes and dtypes are validated, then every tensor is decoded once
     into a chunk-sized buffer against its digest, and only then written (so a bad keyframe
-    leaves `into` unchanged, and no second copy of the state is ever held)."""
+    leaves `into` unchanged, and no second copy of the state is ever held). `finite`: refuse
+    (NonFiniteError) a keyframe with a NaN or ±inf element, checked on each decoded chunk."""
     if isinstance(kf, (bytes, bytearray, memoryview)):
         kf = Keyframe.from_bytes(kf)
     if public_key is not None:
@@ -113,12 +116,17 @@ def load_keyframe(kf, *, into=None, public_key=None, device=None, threads: int |
     def mismatch(r: TensorRecord) -> DeltaError:
         return DeltaError(f"tensor {r.name!r}: keyframe digest mismatch (corrupted keyframe)")
 
+    def check_finite(r: TensorRecord, start: int, bits: np.ndarray) -> None:
+        if finite and (j := first_nonfinite(bits, r.dtype)) >= 0:
+            raise NonFiniteError(f"tensor {r.name!r}: keyframe element {start + j} is NaN or ±inf")
+
     def verify(r: TensorRecord) -> None:  # decode without keeping: streaming digest
         size, alloc = dtype_from_name(r.dtype).itemsize, scratch()
         h = xxhash.xxh3_128()
-        for i, (_, count, frame) in enumerate(_keyframe_chunks(r)):
+        for i, (start, count, frame) in enumerate(_keyframe_chunks(r)):
             buf = alloc("kf.chunk", count, SIGNED_INT[size])
             _keyframe_chunk_into(buf, frame, f"tensor {r.name!r} chunk {i}", alloc)
+            check_finite(r, start, buf)
             h.update(buf)
         if h.digest() != r.digest_a:
             raise mismatch(r)
@@ -132,9 +140,13 @@ def load_keyframe(kf, *, into=None, public_key=None, device=None, threads: int |
             what = f"tensor {r.name!r} chunk {i}"
             if on_host:
                 _keyframe_chunk_into(bits[start:start + count], frame, what, alloc)
+                if into is None:            # (into: every chunk was checked before anything was written)
+                    check_finite(r, start, bits[start:start + count])
             else:
                 buf = np.empty(count, SIGNED_INT[target.element_size()])
                 _keyframe_chunk_into(buf, frame, what, alloc)
+                if into is None:
+                    check_finite(r, start, buf)
                 with torch.no_grad():
                     int_view(target)[start:start + count].copy_(torch.from_numpy(buf).view(int_view(target).dtype))
         if tensor_digest(target) != r.digest_a:

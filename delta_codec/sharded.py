@@ -166,9 +166,10 @@ def check_parts(state: dict[str, torch.Tensor], manifest: Manifest, blobs: dict[
 
 
 def apply_parts(state: dict[str, torch.Tensor], manifest: Manifest | bytes, blobs: dict[int, bytes], *,
-                public_key=None, expect_from: int | None = None, order: list[int] | None = None) -> None:
+                public_key=None, expect_from: int | None = None, order: list[int] | None = None,
+                finite: bool = False) -> None:
     """Apply a sharded version in place, all-or-nothing. `order`: the order parts are applied in
-    (any order gives the same result; default: as listed)."""
+    (any order gives the same result; default: as listed). `finite`: as apply_delta's."""
     if not isinstance(manifest, Manifest):
         manifest = Manifest.from_bytes(manifest)
     if public_key is not None:
@@ -186,7 +187,7 @@ def apply_parts(state: dict[str, torch.Tensor], manifest: Manifest | bytes, blob
                 t = state[m[1]]
                 views[r.name] = t[int(m[2]):int(m[3])] if t.dim() else t
             saved = [(k, v.clone()) for k, v in views.items()]
-            apply_delta(views, parts[i])           # itself all-or-nothing for this part
+            apply_delta(views, parts[i], finite=finite)   # itself all-or-nothing for this part
             applied += [(views[k], old) for k, old in saved]
     except Exception:
         for view, old in applied:

@@ -302,7 +302,8 @@ class TorchEngine:
 
     @torch.no_grad()
     def _prepare_delta(self, delta) -> list[str]:
-        delta_codec.apply_delta(self.state, delta)         # verifies digests; refused -> state unchanged
+        # verifies digests and refuses a NaN/±inf result (NonFiniteError); refused -> state unchanged
+        delta_codec.apply_delta(self.state, delta, finite=True)
         names = set(self._changed_names(delta)) | self._stale
         spare = self._spare_for(names)
         for k in names:
@@ -311,7 +312,7 @@ class TorchEngine:
 
     def _prepare_parts(self, manifest, parts: dict[int, bytes]) -> list[str]:
         from delta_codec.sharded import PART_NAME, apply_parts
-        apply_parts(self.state, manifest, parts, expect_from=self.version)   # all-or-nothing
+        apply_parts(self.state, manifest, parts, expect_from=self.version, finite=True)   # all-or-nothing
         changed = {PART_NAME.match(n)[1] for blob in parts.values()
                    for n, st in delta_codec.Delta.from_bytes(blob).stats.per_tensor.items() if st["changed"]}
         names = changed | self._stale

@@ -335,8 +335,9 @@ class VLLMEngine:
             self._check_update(delta, epoch)
             changed = [n for n, st in delta.stats.per_tensor.items() if st["changed"]]
             backup = {n: self.state[n].clone() for n in changed if n in self.state}
-            # digests checked; DeltaError -> unchanged. In a thread: vLLM's outputs keep streaming
-            await asyncio.to_thread(delta_codec.apply_delta, self.state, delta)
+            # digests and finiteness checked; DeltaError -> unchanged, nothing reaches vLLM. In a
+            # thread: vLLM's outputs keep streaming
+            await asyncio.to_thread(lambda: delta_codec.apply_delta(self.state, delta, finite=True))
             try:
                 await self._push(changed, delta.to_version, epoch, info=lambda: {"delta": delta.to_bytes()})
             except BaseException:

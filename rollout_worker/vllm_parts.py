@@ -38,7 +38,7 @@ def apply_to_shadow(state: dict[str, torch.Tensor], manifest: Manifest, parts: d
     deltas = check_parts(state, manifest, parts)      # the manifest first: a clear error for a bad part
     changed = sorted({PART_NAME.match(n)[1] for d in deltas for n, st in d.stats.per_tensor.items() if st["changed"]})
     backup = {n: state[n].clone() for n in changed}
-    apply_parts(state, manifest, parts)
+    apply_parts(state, manifest, parts, finite=True)         # a NaN/±inf result: refused, nothing pushed
     return changed, backup
 
 
