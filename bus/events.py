@@ -376,7 +376,8 @@ def from_dict(d: dict, cls: type[Event] | None = None) -> Event:
                          f"{cls.SCHEMA_VERSION}){_UPGRADE.get((cls.KIND, schema), '')}")
     hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
     kwargs = {}
-    label = f"{cls.KIND} {str(d.get('rollout_id') or d.get('task_id') or '')[:80]}".rstrip()
+    inner = d.get("rollout") if isinstance(d.get("rollout"), dict) else d       # (a Scored: its rollout's id)
+    label = f"{cls.KIND} {str(inner.get('rollout_id') or d.get('task_id') or '')[:80]}".rstrip()
     for f in dataclasses.fields(cls):
         if f.name in d:
             v = d[f.name]

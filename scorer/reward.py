@@ -27,10 +27,17 @@ def rollout_cost(unit: str, cost_tokens: int, wall_s: float, tool_calls: int) ->
 
 
 def compute_reward(success: float, cost: float, lam: float, shaping: float = 0.0) -> tuple[float, float]:
-    """(penalty, reward) for a verified completion."""
-    if not (0.0 <= success <= 1.0) or not math.isfinite(cost) or cost < 0 or not math.isfinite(lam):
-        raise ValueError(f"bad reward inputs: success={success} cost={cost} lambda={lam}")
+    """(penalty, reward) for a verified completion. A ValueError names the bad input (NaN, inf,
+    out of range; `cost` is the rollout's cost_tokens, wall_s or tool_calls): bad input, which the
+    scorer parks at once rather than retrying."""
+    for name, ok in (("success", 0.0 <= success <= 1.0), ("cost", math.isfinite(cost) and cost >= 0),
+                     ("lambda", math.isfinite(lam)), ("shaping", math.isfinite(shaping))):
+        if not ok:
+            raise ValueError(f"bad reward input {name}: success={success} cost={cost} lambda={lam} "
+                             f"shaping={shaping}")
     penalty = lam * cost + shaping
+    if not math.isfinite(penalty):
+        raise ValueError(f"penalty lambda*cost+shaping = {penalty} is not finite (lambda={lam} cost={cost})")
     return penalty, success - penalty
 
 

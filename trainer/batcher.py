@@ -17,6 +17,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from bus import get_logger
 from bus import topology as topo
 from bus.events import EventError, Rollout, Scored, decode
@@ -93,19 +95,39 @@ class ConsumedIds:
 
 
 def check_rollout(r: Rollout, vocab_size: int) -> None:
-    """What the learner will need of a rollout, checked on arrival (EventError -> DLQ)."""
+    """What the learner will need of a rollout, checked on arrival (EventError -> DLQ at once, never
+    retried): every number (Rollout.validate: logprobs finite and <= 0, versions monotone, ...), token
+    ids and kept ids inside this model's vocabulary, each masked row keeping its sampled token (else
+    the replayed logprob is -inf), sampling and quant configs that parse. Vectorised (numpy)."""
+    where = f"Rollout {r.rollout_id}"
     try:
+        r.validate()
         if not r.prompt_ids:
             raise ValueError("empty prompt")
-        ids = r.prompt_ids + r.completion_ids
-        if min(ids) < 0 or max(ids) >= vocab_size:
-            raise ValueError(f"token ids outside [0, {vocab_size})")
-        if r.sampling_mask and len(SamplingMask.from_wire(r.sampling_mask)) != len(r.completion_ids):
-            raise ValueError("sampling mask rows != completion tokens")
+        for name, ids in (("prompt_ids", r.prompt_ids), ("completion_ids", r.completion_ids)):
+            a = np.asarray(ids, dtype=np.int64)
+            if (out := np.flatnonzero((a < 0) | (a >= vocab_size))).size:
+                i = int(out[0])
+                raise ValueError(f"{name}[{i}] = {int(a[i])} outside the vocabulary [0, {vocab_size})")
+        if r.sampling_mask:
+            mask = SamplingMask.from_wire(r.sampling_mask)
+            if len(mask) != len(r.completion_ids):
+                raise ValueError("sampling mask rows != completion tokens")
+            if len(mask.ids) and int(mask.ids.max()) >= vocab_size:
+                raise ValueError(f"sampling_mask keeps id {int(mask.ids.max())} outside the vocabulary "
+                                 f"[0, {vocab_size})")
+            kept = np.clip(mask.counts, 0, None)
+            rows = np.repeat(np.arange(len(mask)), kept)
+            hit = np.bincount(rows[mask.ids == np.asarray(r.completion_ids, np.int64)[rows]], minlength=len(mask))
+            if (miss := np.flatnonzero((mask.counts > 0) & (hit == 0))).size:
+                raise ValueError(f"sampling_mask row {int(miss[0])} does not keep the sampled token "
+                                 f"completion_ids[{int(miss[0])}]")
         QuantConfig.from_wire(r.quant)
         SamplingConfig.from_dict(r.sampling)
-    except (ValueError, TypeError) as e:
-        raise EventError(f"Rollout {r.rollout_id}: {e}") from None
+    except EventError:
+        raise
+    except Exception as e:   # bad input whatever the error type (int(inf) is an OverflowError): parked
+        raise EventError(f"{where}: {e}") from None
 
 
 def _stream_seq(msg) -> int | None:
