@@ -244,9 +244,20 @@ def reap(root_dir: str, grace_s: float = 2.0) -> dict[str, int]:
     return {"workspaces": len(stale), "processes": killed}
 
 
-def startup(allow_weak: bool = False, workspaces: str | None = None) -> tuple[dict[str, bool], dict[str, int]]:
-    """A process's sandbox start-up: reap a killed predecessor's workspaces under `workspaces`
-    (a LocalBackend root), then check the isolation (WeakSandbox unless complete or allowed).
-    Returns (layers, reaped)."""
-    reaped = reap(workspaces) if workspaces else {"workspaces": 0, "processes": 0}
-    return require(allow_weak), reaped
+def startup(allow_weak: bool = False, workspaces: str | None = None) -> dict[str, bool]:
+    """A worker's or scorer's sandbox start-up: reap a killed predecessor's workspaces under
+    `workspaces` (a LocalBackend root), check the isolation, log the layers it has and export
+    them (asyncrl_sandbox_layer). Raises WeakSandbox unless complete or `allow_weak`."""
+    from bus import get_logger, metrics        # (a library: logging and metrics only)
+    log = get_logger("envs.isolation")
+    if workspaces:
+        reaped = reap(workspaces)
+        if reaped["workspaces"] or reaped["processes"]:
+            log.warning("reaped a killed process's leftovers", root=workspaces, **reaped)
+    layers = check()
+    metrics.observe_sandbox(layers)
+    gone = missing(layers)
+    log.info("sandbox isolation", layers=[k for k in LAYERS if layers.get(k)], missing=gone)
+    if gone and allow_weak:
+        log.warning("running with WEAK sandbox isolation (allow_weak_sandbox = true)", missing=gone)
+    return require(allow_weak)

@@ -16,6 +16,10 @@ from bus import connect, get_logger, load_config, setup_logging
 from bus.lifetime import stop_on_signals
 from bus.metrics import start_metrics_server
 
+from envs import isolation
+from envs.isolation import WeakSandbox
+from envs.workspace import default_root
+
 from .worker import BackgroundFailed, Worker, WorkerConfig
 
 log = get_logger("rollout_worker")
@@ -24,6 +28,9 @@ log = get_logger("rollout_worker")
 async def amain(cfg: WorkerConfig) -> int:
     stop = asyncio.Event()
     stop_on_signals(stop, cfg.grace_s, name=cfg.worker_id)   # before connecting: a dead broker must not trap us
+    # the sandbox before the broker: a worker that may not run episodes must not hold tasks
+    await asyncio.to_thread(isolation.startup, cfg.allow_weak_sandbox,
+                            default_root() if cfg.workspace == "local" else None)
     bus = await connect(cfg.bus)
     try:
         await bus.provision()
@@ -44,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     json_logs = {"1": True, "0": False}.get(os.environ.get("ASYNCRL_LOG_JSON", ""), None)
     setup_logging("rollout_worker", json=json_logs, component_id=cfg.worker_id, level=cfg.log_level)
     start_metrics_server(cfg.metrics_port)
-    return asyncio.run(amain(cfg))
+    try:
+        return asyncio.run(amain(cfg))
+    except WeakSandbox as e:            # one message naming the missing layers, no traceback
+        print(f"rollout worker refuses to start: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ from bus.events import Heartbeat, Metrics, Rollout, SamplingParams, Task
 from bus.lifetime import cancel_and_wait
 from bus.regions import weight_follower
 from bus.weights import parse_version
+from envs import isolation
 from envs.sandbox_latency import SandboxLatency
+from envs.workspace import default_root
 import policy
 
 from .engine import Engine, EngineClosed
@@ -71,6 +73,8 @@ class WorkerConfig:
     episode_wall_s: float = 0.0        # > 0: replaces the tasks' episode wall limit (slow sandboxes)
     fault_weights_after: int = 0          # test hook: the weight follower fails once, at its Nth update (0: never)
     log_level: str = "info"
+    # start even where the code sandbox lacks isolation layers (envs/isolation.py; never in production)
+    allow_weak_sandbox: bool = False
 
     def __post_init__(self):
         if not self.worker_id:
@@ -336,6 +340,10 @@ class Worker:
         return kf
 
     async def run(self, stop: asyncio.Event | None = None, handle_signals: bool = True) -> None:
+        # before anything else: a killed predecessor's workspaces go, and no episode runs in a
+        # sandbox weaker than promised
+        await asyncio.to_thread(isolation.startup, self.cfg.allow_weak_sandbox,
+                                default_root() if self.cfg.workspace == "local" else None)
         stop = stop or asyncio.Event()
         kf = await self.start_weights(stop)
         if kf is None:

@@ -12,6 +12,8 @@ from bus import load_config, setup_logging
 from bus.lifetime import stop_on_signals
 from bus.metrics import start_metrics_server
 
+from envs.isolation import WeakSandbox
+
 from .service import Scorer, ScorerConfig
 
 
@@ -28,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         stop_on_signals(stop, cfg.grace_s, name=cfg.scorer_id)   # before connecting: see bus.lifetime
         await Scorer(cfg).run(stop, handle_signals=False)
 
-    asyncio.run(amain())
+    try:
+        asyncio.run(amain())
+    except WeakSandbox as e:            # one message naming the missing layers, no traceback
+        print(f"scorer refuses to start: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -30,7 +30,7 @@ from bus.events import Heartbeat, Rollout, Scored
 from bus.lifetime import cancel_and_wait
 
 import envs
-from envs import SpecError, get_env
+from envs import SpecError, get_env, isolation
 
 from .reward import COST_UNITS, EPISODE_REWARDS, compute_reward, overlong_penalty, parse_lambda, rollout_cost
 
@@ -55,6 +55,8 @@ class ScorerConfig:
     provision: bool = True              # declare the topology on start (off under restricted credentials)
     metrics_port: int = 0               # Prometheus /metrics (bus.metrics); 0 = off
     log_level: str = "info"
+    # start even where the code sandbox lacks isolation layers (envs/isolation.py; never in production)
+    allow_weak_sandbox: bool = False
 
     def __post_init__(self):
         if self.episode_reward not in EPISODE_REWARDS:
@@ -200,6 +202,8 @@ class Scorer:
 
     # -- process ------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None, handle_signals: bool = True) -> None:
+        # before anything else: no rollout is verified in a sandbox weaker than promised
+        await asyncio.to_thread(isolation.startup, self.cfg.allow_weak_sandbox)
         own_bus = self.bus is None
         if own_bus:
             self.bus = await connect(self.cfg.bus)
