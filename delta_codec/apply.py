@@ -140,7 +140,8 @@ def _apply_job(r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo
         with torch.no_grad():  # (grad mode is per thread)
             apply_on_device(t, decode_record(r, t), undo)
             bits = int_view(t)
-            if finite and bool(nonfinite(bits.view(torch.int8) if bits.dtype == torch.uint8 else bits, r.dtype).any()):
+            bits = bits.view(torch.int8) if bits.dtype == torch.uint8 else bits     # (signed, as np_bits)
+            if finite and bool(nonfinite(bits, r.dtype).any()):
                 raise NonFiniteError(f"tensor {r.name!r}: the update makes elements NaN or ±inf "
                                      "(state rolled back)")
         return

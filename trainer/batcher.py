@@ -118,7 +118,8 @@ def check_rollout(r: Rollout, vocab_size: int) -> None:
                                  f"[0, {vocab_size})")
             kept = np.clip(mask.counts, 0, None)
             rows = np.repeat(np.arange(len(mask)), kept)
-            hit = np.bincount(rows[mask.ids == np.asarray(r.completion_ids, np.int64)[rows]], minlength=len(mask))
+            sampled = np.asarray(r.completion_ids, np.int64)[rows]     # each kept id's row's sampled token
+            hit = np.bincount(rows[mask.ids == sampled], minlength=len(mask))
             if (miss := np.flatnonzero((mask.counts > 0) & (hit == 0))).size:
                 raise ValueError(f"sampling_mask row {int(miss[0])} does not keep the sampled token "
                                  f"completion_ids[{int(miss[0])}]")

@@ -10,6 +10,7 @@ bench.chaos runs every scenario; tests/test_chaos_*.py run them one by one.
     nats_configs.py      the shipped deploy/nats configs run on one machine (the R3 cluster)
     scenarios_workers.py worker / scorer faults     scenarios_trainer.py  leader faults
     scenarios_bus.py     broker and bad traffic     scenarios_fleet.py    kill storm, `asyncrl up`
+    scenarios_poison.py  bad numbers in every event field and a signed NaN delta (poison_numbers)
     registry.py          SCENARIOS: name -> scenario function, the one list bench.chaos runs
 
 Every scenario is `async def name(run_dir: Path, tasks: int = N, seed: int = S, ...) -> dict`

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .scenarios_bus import bad_input, cluster_node_loss, forged_weights, restart_nats
 from .scenarios_fleet import random_kill_storm, up_supervisor
+from .scenarios_poison import poison_numbers
 from .scenarios_rank_kill import trainer_rank_kill
 from .scenarios_trainer import deposed_leader_publish, leader_failover, slow_step_kill, sync_poison_task
 from .scenarios_workers import backlog, kill_scorer, kill_workers, pause_worker, worker_feed_crash
@@ -25,4 +26,5 @@ SCENARIOS = {
     "worker_feed_crash": worker_feed_crash,
     "up_supervisor": up_supervisor,
     "trainer_rank_kill": trainer_rank_kill,
+    "poison_numbers": poison_numbers,
 }
