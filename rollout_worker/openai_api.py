@@ -1,0 +1,352 @@
+"""An OpenAI-compatible HTTP endpoint backed by the worker's engine, recording token-exact trajectories.
+
+    GET  /v1/models
+    POST /v1/chat/completions     messages, max_tokens | max_completion_tokens, temperature, top_p,
+                                  n, stop, logprobs, seed, stream
+    POST /v1/completions          prompt (text or token ids), the same sampling fields, logprobs (int)
+    POST /v1/episodes/{id}/end    the harness ends the episode: scored and published (if the worker
+                                  opened it with a task), trajectory summary back
+    GET  /v1/episodes/{id}        the trajectory so far (ids, mask, versions, counters)
+
+Every request belongs to an episode: the `X-Episode-Id` header, else the body's `episode_id`
+(extra field), else its `user`; a request naming none gets a new id, returned in the
+`X-Episode-Id` response header. Episodes the worker opened keep their KV row between turns;
+ad-hoc ones (an id the worker did not open) hold none between requests. Requests of one episode run one at a time; the recorder
+(rollout_worker/trajectory.py) appends the harness's text between turns as observation ids and
+keeps the engine's generated ids as the model turns. Generation is the engine's (`generate` with
+keep=True, then `extend` of the kept sequence: only the new observation is prefilled), so every
+token carries the policy version that produced it and weight updates land between tokens as for
+the built-in loop. Streaming sends the finished turn as server-sent events (the engine returns a
+whole turn). Responses carry a non-standard `token_ids` per choice (vLLM's name) and, with
+logprobs, the behaviour logprob of each sampled token (the sampler's truncated distribution).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+import zlib
+
+from aiohttp import web
+
+from bus import get_logger
+from bus.events import SamplingParams
+from envs.conversation import chat_format
+
+from .trajectory import RequestError, TrajectoryRecorder, check_messages, encode
+
+log = get_logger(__name__)
+
+MAX_N = 16
+
+
+class OpenAIEndpoint:
+    """The endpoint (see the module docstring). `open_episode` registers an episode the worker
+    plays (with `on_end` that scores and publishes it); `start()` -> base URL ".../v1"."""
+
+    def __init__(self, engine, tok, *, model_name: str = "asyncrl-policy", host: str = "127.0.0.1",
+                 port: int = 0, default_max_tokens: int = 256, fmt=None):
+        self.engine, self.tok, self.model_name = engine, tok, model_name
+        self.host, self.port, self.default_max_tokens = host, port, default_max_tokens
+        self.fmt = fmt or chat_format(tok)
+        self.episodes: dict[str, TrajectoryRecorder] = {}
+        self.stats = {"requests": 0, "bad_requests": 0, "episodes_opened": 0, "episodes_assigned": 0,
+                      "episodes_ended": 0, "divergent_turns": 0, "restarts": 0, "tokens": 0}
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> str:
+        app = web.Application(client_max_size=64 << 20)
+        app.add_routes([web.get("/v1/models", self.models), web.post("/v1/chat/completions", self.chat),
+                        web.post("/v1/completions", self.completions),
+                        web.post("/v1/episodes/{eid}/end", self.end_http),
+                        web.get("/v1/episodes/{eid}", self.episode_http)])
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]      # noqa: SLF001  (aiohttp has no public getter)
+        self.url = f"http://{self.host}:{port}/v1"
+        log.info("openai endpoint serving", url=self.url, model=self.model_name)
+        return self.url
+
+    async def close(self) -> None:
+        for rec in list(self.episodes.values()):
+            self._release(rec)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- episodes -------------------------------------------------------------------------------
+    def open_episode(self, episode_id: str | None = None, on_end=None, meta: dict | None = None
+                     ) -> TrajectoryRecorder:
+        if episode_id in self.episodes:
+            raise ValueError(f"episode {episode_id!r} is already open")
+        rec = TrajectoryRecorder(self.tok, self.fmt, episode_id, on_end, meta)
+        self.episodes[rec.episode_id] = rec
+        self.stats["episodes_opened"] += 1
+        return rec
+
+    async def end_episode(self, episode_id: str, reason: str = "explicit") -> TrajectoryRecorder:
+        """End it once (later calls return the same recorder): the kept sequence is released and
+        `on_end(rec)` runs (the worker scores the episode and publishes its rollout)."""
+        rec = self.episodes.get(episode_id)
+        if rec is None:
+            raise KeyError(episode_id)
+        async with rec.lock:
+            if rec.ended:
+                return rec
+            rec.ended, rec.end_reason = True, reason
+            self._release(rec)
+        self.stats["episodes_ended"] += 1
+        try:
+            if rec.on_end is not None:
+                await rec.on_end(rec)
+        finally:
+            rec.done.set()
+        return rec
+
+    def forget(self, episode_id: str) -> None:
+        rec = self.episodes.pop(episode_id, None)
+        if rec is not None:
+            self._release(rec)
+
+    def _release(self, rec: TrajectoryRecorder) -> None:
+        if rec.handle is not None and hasattr(self.engine, "release"):
+            self.engine.release(rec.handle)
+        rec.handle = None
+
+    def _episode_of(self, request: web.Request, body: dict) -> TrajectoryRecorder:
+        eid = request.headers.get("X-Episode-Id") or body.get("episode_id") or body.get("user")
+        if eid is not None and not isinstance(eid, str):
+            raise RequestError("episode id (X-Episode-Id, episode_id or user) must be a string")
+        rec = self.episodes.get(eid) if eid else None
+        if rec is None:
+            rec = self.open_episode(eid)
+            # nobody ends an ad-hoc episode for sure: it holds no KV row between requests (each
+            # request prefills its whole context; the ids are the same either way)
+            rec.keep = False
+            self.stats["episodes_assigned"] += 1
+        if rec.ended:
+            raise RequestError(f"episode {rec.episode_id} has ended")
+        return rec
+
+    # -- request parsing ------------------------------------------------------------------------
+    def _sampling(self, body: dict, used: int) -> tuple[SamplingParams, list[str], int]:
+        def num(key, default, lo, hi, kind=float):
+            v = body.get(key, default)
+            v = default if v is None else v
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)) \
+                    or not lo <= v <= hi:
+                raise RequestError(f"{key} must be a {kind.__name__} in [{lo}, {hi}], got {v!r}")
+            return kind(v)
+        room = self.engine.max_len - used - 1
+        if room < 1:
+            raise RequestError(f"context_length_exceeded: the conversation is {used} tokens, the engine's "
+                               f"max_len {self.engine.max_len}")
+        want = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = num("max_tokens", want or min(self.default_max_tokens, room), 1, 1 << 20, int)
+        if max_tokens > room:
+            raise RequestError(f"context_length_exceeded: {used} tokens of conversation + max_tokens "
+                               f"{max_tokens} > the engine's max_len {self.engine.max_len}")
+        temperature = num("temperature", 1.0, 0.0, 10.0)
+        top_p = num("top_p", 1.0, 1e-6, 1.0)
+        n = num("n", 1, 1, MAX_N, int)
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or len(stop) > 8 or not all(isinstance(s, str) and s for s in stop):
+            raise RequestError("stop must be a non-empty string or a list of at most 8 of them")
+        top_k = num("top_k", 0, 0, 1 << 20, int)           # vLLM's extra field
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, n=n), stop, n
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            raise RequestError("the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object")
+        if body.get("tools") or body.get("functions"):
+            raise RequestError("tools are not supported: use a text-based harness (actions in the message text)")
+        return body
+
+    # -- generation -----------------------------------------------------------------------------
+    async def _generate(self, rec: TrajectoryRecorder, obs: list[int], sp: SamplingParams, stop: list[str],
+                        n: int, seed) -> list[tuple]:
+        """n choices: (Generation, text, finish). Choice 0 continues the episode (kept sequence);
+        others are sampled from the same context and not recorded (the harness continues from one)."""
+        stop_seqs = [encode(self.tok, s)[0] for s in stop]
+        base = zlib.crc32(f"{rec.episode_id}-{len(rec.turns)}-{seed}".encode())
+        if rec.handle is not None and rec.turns and rec.traj is not None:
+            g0 = await self.engine.extend(rec.handle, obs, sp, stop_seqs=stop_seqs)
+        else:
+            if rec.handle is not None:
+                self._release(rec)
+            ctx = rec.context_ids + obs
+            g0 = await self.engine.generate(ctx, sp, seed=base, keep=rec.keep and hasattr(self.engine, "extend"),
+                                            stop_seqs=stop_seqs)
+            rec.handle = g0.handle if g0.handle >= 0 else None
+        ctx = rec.context_ids + obs + g0.completion_ids     # (for the other choices: before g0)
+        others = await asyncio.gather(*(self.engine.generate(ctx[:len(ctx) - len(g0.completion_ids)], sp,
+                                                             seed=base + i, stop_seqs=stop_seqs)
+                                        for i in range(1, n)))
+        out = []
+        for g in [g0, *others]:
+            text, finish = self._text(g, stop)
+            out.append((g, text, finish))
+        rec.record(obs, g0, out[0][1])
+        self.stats["tokens"] += sum(len(g.completion_ids) for g, _, _ in out)
+        return out
+
+    def _text(self, g, stop: list[str]) -> tuple[str, str]:
+        """The returned text (eos dropped, cut before a stop string: OpenAI semantics) and finish."""
+        ids = g.completion_ids
+        eos = getattr(self.tok, "eos_id", None)
+        if ids and eos is not None and ids[-1] == eos:
+            ids = ids[:-1]
+        text = self.tok.decode(ids)
+        cut = min((text.find(s) for s in stop if s in text), default=-1)
+        if cut >= 0:
+            return text[:cut], "stop"
+        return text, "length" if g.finish_reason == "length" else "stop"
+
+    def _logprob_entries(self, g) -> list[dict]:
+        out = []
+        for t, lp in zip(g.completion_ids, g.logprobs):
+            s = self.tok.decode([t])
+            out.append({"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8")), "top_logprobs": []})
+        return out
+
+    # -- handlers -------------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "asyncrl",
+             "max_model_len": self.engine.max_len, "version": self.engine.version}]})
+
+    def _error(self, e: Exception, status: int = 400) -> web.Response:
+        self.stats["bad_requests"] += 1
+        code = "context_length_exceeded" if "context_length_exceeded" in str(e) else "invalid_request_error"
+        return web.json_response({"error": {"message": str(e), "type": "invalid_request_error", "code": code,
+                                            "param": None}}, status=status)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        self.stats["requests"] += 1
+        try:
+            body = await self._body(request)
+            if chat:
+                messages = check_messages(body.get("messages"))
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                    prompt = prompt[0]
+                if not (isinstance(prompt, str) and prompt) and not (
+                        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+                    raise RequestError("prompt must be a non-empty string or a list of token ids")
+            rec = self._episode_of(request, body)
+        except RequestError as e:
+            return self._error(e)
+        async with rec.lock:
+            if rec.ended:
+                return self._error(RequestError(f"episode {rec.episode_id} has ended"))
+            saved = rec.checkpoint()
+            try:
+                obs = rec.plan_chat(messages) if chat else rec.plan_completion(prompt)
+                sp, stop, n = self._sampling(body, len(rec.context_ids) + len(obs))
+                choices = await self._generate(rec, obs, sp, stop, n, body.get("seed"))
+                rec.stats["requests"] += 1
+            except (RequestError, ValueError) as e:     # the engine refuses bad ids / lengths with ValueError
+                rec.restore(saved)                     # a refused request leaves the episode as it was
+                return self._error(e)
+        self.stats["divergent_turns"] = sum(r.stats["divergent_turns"] for r in self.episodes.values())
+        self.stats["restarts"] = sum(r.stats["restarts"] for r in self.episodes.values())
+        want_lp = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        headers = {"X-Episode-Id": rec.episode_id}
+        usage = {"prompt_tokens": len(rec.context_ids) - len(choices[0][0].completion_ids),
+                 "completion_tokens": sum(len(g.completion_ids) for g, _, _ in choices)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if body.get("stream"):
+            return await self._stream(request, rid, chat, choices, want_lp, headers, usage)
+        out = []
+        for i, (g, text, finish) in enumerate(choices):
+            c = {"index": i, "finish_reason": finish, "token_ids": list(g.completion_ids),
+                 "token_versions": list(g.token_versions)}
+            if chat:
+                c["message"] = {"role": "assistant", "content": text}
+                c["logprobs"] = {"content": self._logprob_entries(g)} if want_lp else None
+            else:
+                c["text"] = text
+                c["logprobs"] = ({"tokens": [self.tok.decode([t]) for t in g.completion_ids],
+                                  "token_logprobs": [float(x) for x in g.logprobs], "top_logprobs": None,
+                                  "text_offset": []} if want_lp else None)
+            out.append(c)
+        return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                  "created": int(time.time()), "model": self.model_name, "choices": out,
+                                  "usage": usage, "episode_id": rec.episode_id}, headers=headers)
+
+    async def _stream(self, request, rid, chat, choices, want_lp, headers, usage) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def send(choice: dict, extra: dict | None = None) -> None:
+            d = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
+                 "choices": [choice], **(extra or {})}
+            await resp.write(f"data: {json.dumps(d)}\n\n".encode())
+        for i, (g, text, finish) in enumerate(choices):
+            if chat:
+                await send({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            # one event per generated token (text up to the stop string)
+            sent = 0
+            for k, t in enumerate(g.completion_ids):
+                piece = self.tok.decode(g.completion_ids[:k + 1])[sent:len(text)] if sent < len(text) else ""
+                sent += len(piece)
+                lp = self._logprob_entries(g)[k:k + 1] if want_lp else None
+                if chat:
+                    c = {"index": i, "delta": {"content": piece}, "finish_reason": None,
+                         "logprobs": {"content": lp} if lp else None, "token_ids": [t]}
+                else:
+                    c = {"index": i, "text": piece, "finish_reason": None, "token_ids": [t],
+                         "logprobs": {"tokens": [lp[0]["token"]], "token_logprobs": [lp[0]["logprob"]]}
+                         if lp else None}
+                await send(c)
+            await send({"index": i, "delta": {}, "finish_reason": finish} if chat
+                       else {"index": i, "text": "", "finish_reason": finish})
+        await send({"index": 0, "delta": {}, "finish_reason": None} if chat else
+                   {"index": 0, "text": "", "finish_reason": None}, {"usage": usage})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def end_http(self, request: web.Request) -> web.Response:
+        eid = request.match_info["eid"]
+        try:
+            rec = await self.end_episode(eid, "explicit")
+        except KeyError:
+            return web.json_response({"error": {"message": f"no episode {eid!r}", "type": "not_found"}}, status=404)
+        return web.json_response(self.summary(rec))
+
+    async def episode_http(self, request: web.Request) -> web.Response:
+        rec = self.episodes.get(request.match_info["eid"])
+        if rec is None:
+            return web.json_response({"error": {"message": "no such episode", "type": "not_found"}}, status=404)
+        return web.json_response(self.summary(rec, ids=True))
+
+    def summary(self, rec: TrajectoryRecorder, ids: bool = False) -> dict:
+        t = rec.traj
+        d = {"episode_id": rec.episode_id, "ended": rec.ended, "end_reason": rec.end_reason,
+             "turns": len(rec.turns), "model_tokens": sum(t.mask) if t else 0,
+             "tokens": len(t.ids) if t else 0, **rec.stats, **{k: v for k, v in rec.meta.items()
+                                                                 if isinstance(v, (str, int, float, bool))}}
+        if ids and t is not None:
+            d.update(prompt_ids=t.prompt_ids, ids=t.ids, mask=t.mask, versions=t.versions, logprobs=t.logprobs)
+        return d
