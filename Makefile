@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # real pretrained models (asyncrl model prepare) are installed and converted here, once
 export ASYNCRL_CACHE ?= $(CURDIR)/$(VENV)/asyncrl-cache
 
-.PHONY: demo test test-chaos test-vllm bench venv clean models
+.PHONY: demo test test-numeric test-chaos test-vllm bench venv clean models tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,8 +34,38 @@ demo: $(STAMP) $(KERNELS)
 models: $(STAMP)
 	$(BIN)/asyncrl model prepare smollm2 >/dev/null || echo "warning: smollm2 not prepared; its tests will skip"
 
-test: $(STAMP) $(KERNELS) models
+# tools some tests need (the deploy/ validators, a real Prometheus), as command:apt-package. Without them
+# those tests skip and the run's closing summary names them with the apt line; as root with apt-get
+# (Debian) `make test` installs them first (NO_APT=1: never).
+TEST_TOOLS := docker-compose:docker-compose systemd-analyze:systemd prometheus:prometheus promtool:prometheus
+NO_APT ?=
+tools:
+	@missing=$$(for t in $(TEST_TOOLS); do command -v $${t%%:*} >/dev/null 2>&1 || echo $${t#*:}; done \
+	  | sort -u | xargs); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ -z "$(NO_APT)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing the test tools: $$missing"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) \
+	    || echo "warning: could not install $$missing; their tests will skip"; \
+	else \
+	  echo "note: $$missing not installed; their tests will skip (apt-get install -y $$missing)"; \
+	fi
+
+test: $(STAMP) $(KERNELS) models tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# the numeric tests (trainer, policy, delta codec) under each intra-op thread count in NUMERIC_THREADS:
+# another count is another reduction order, so a tolerance that holds on one order only fails here, not
+# on a user's machine (docs/testing.md). tests/conftest.py and the torchrun helpers follow OMP_NUM_THREADS.
+NUMERIC_TESTS := tests/test_trainer_unit.py tests/test_loss_is_gradient.py tests/test_trainer_fsdp.py \
+	tests/test_policy_model.py tests/test_policy_replay.py tests/test_policy_sampling.py \
+	tests/test_policy_hf.py tests/test_delta_codec.py
+NUMERIC_THREADS ?= 1 2
+test-numeric: $(STAMP) $(KERNELS)
+	@for t in $(NUMERIC_THREADS); do \
+	  echo "== numeric tests, OMP_NUM_THREADS=$$t"; \
+	  OMP_NUM_THREADS=$$t $(BIN)/python -m pytest -q $(NUMERIC_TESTS) $(PYTEST_ARGS) || exit 1; \
+	done
 
 test-chaos: $(STAMP) $(KERNELS)
 	$(BIN)/python -m pytest -q -m chaos $(PYTEST_ARGS)
