@@ -10,16 +10,7 @@ from policy import (CharTokenizer, ModelConfig, SamplingConfig, Transformer, gen
                     load_hf_checkpoint, load_hf_tokenizer, save_hf_checkpoint)
 from policy.tokenizer import HFTokenizer
 from tests.helpers.bpe import chat_tokenizer_folder
-from tests.helpers.tolerance import forward_tol, unit_roundoff
-
-
-def hf_tol(cfg: ModelConfig, logits: torch.Tensor, positions: int = 0) -> dict:
-    """why: transformers runs the same math in its own kernels and order: forward_tol at the logits' size;
-    its RoPE angles pos * freq are rounded in fp32 (ours from float64): u * pos per rotation, q and k,
-    each layer."""
-    tol = forward_tol(cfg, scale=float(logits.abs().max()))
-    rope = 2 * cfg.n_layers * unit_roundoff() * positions * max(1.0, float(logits.abs().max()))
-    return {"rtol": tol["rtol"], "atol": tol["atol"] + rope}
+from tests.helpers.tolerance import transformers_tol
 
 
 
@@ -55,7 +46,8 @@ def test_load_hf_checkpoint_matches_transformers(tmp_path, kind, tie, shard):
     idx = torch.randint(0, 101, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = ref(idx).logits.float()
-        torch.testing.assert_close(ours(idx), want, **hf_tol(cfg, want, idx.shape[1]))
+        # why: transformers runs the same math in its own kernels and order, its RoPE angles in fp32
+        torch.testing.assert_close(ours(idx), want, **transformers_tol(cfg, want, idx.shape[1]))
 
 
 def test_our_save_loads_in_transformers_and_back(tmp_path):
@@ -73,7 +65,8 @@ def test_our_save_loads_in_transformers_and_back(tmp_path):
     idx = torch.randint(3, 99, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = ours(idx)
-        torch.testing.assert_close(ref(idx).logits.float(), want, **hf_tol(cfg, want, idx.shape[1]))
+        # why: transformers runs the same math in its own kernels and order, its RoPE angles in fp32
+        torch.testing.assert_close(ref(idx).logits.float(), want, **transformers_tol(cfg, want, idx.shape[1]))
         # why equal: the same fp32 bits saved and loaded, the same code, shapes and threads
         assert torch.equal(back(idx), want)
     # the name map names exactly the tensors in the file
@@ -154,7 +147,8 @@ def test_rope_scaling_matches_transformers(tmp_path, scaling, tie):
     idx = torch.randint(0, 97, (2, 120), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = ref(idx).logits.float()
-        torch.testing.assert_close(ours(idx), want, **hf_tol(cfg, want, idx.shape[1]))
+        # why: transformers runs the same math in its own kernels and order, its RoPE angles in fp32
+        torch.testing.assert_close(ours(idx), want, **transformers_tol(cfg, want, idx.shape[1]))
         plain = Transformer(dataclasses.replace(cfg, rope_scaling=None)).eval()
         plain.load_state_dict(ours.state_dict(), strict=False)
         plain.reset_rope()
@@ -171,7 +165,8 @@ def test_rope_scaling_matches_transformers(tmp_path, scaling, tie):
     assert cfg2 == cfg
     ref2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
     with torch.no_grad():
-        torch.testing.assert_close(ref2(idx).logits.float(), want, **hf_tol(cfg, want, idx.shape[1]))
+        tol = transformers_tol(cfg, want, idx.shape[1])      # why: as above
+        torch.testing.assert_close(ref2(idx).logits.float(), want, **tol)
 
 
 def test_real_checkpoint_config_features_and_refusals(tmp_path):

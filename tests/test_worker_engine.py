@@ -12,6 +12,13 @@ from bus.events import SamplingParams
 from rollout_worker.engine import StaleEpochError, VersionGapError
 from rollout_worker.torch_engine import TorchEngine
 from tests.helpers.engine import CFG, perturb, reference_logprobs
+from tests.helpers.tolerance import forward_tol
+
+
+def decode_tol(logprobs: torch.Tensor) -> dict:
+    """why: the engine decodes token by token with its KV cache, the reference runs the whole sequence:
+    the same layers in other matmul shapes (another reduction order), at the logprobs' size."""
+    return forward_tol(CFG, scale=float(logprobs.abs().max()))
 
 
 def initial_state(seed: int = 0) -> dict:
@@ -44,10 +51,10 @@ async def test_delta_mid_sequence_switches_weights_without_restart(update_mode):
     assert eng.version == 1 and all(torch.equal(eng.state[n], s1[n]) for n in s1)
     behaviour = torch.tensor(g.logprobs)
     mixed = reference_logprobs({0: s0, 1: s1}, prompt, g.completion_ids, g.token_versions)
-    torch.testing.assert_close(behaviour, mixed, atol=2e-4, rtol=0)
+    torch.testing.assert_close(behaviour, mixed, **decode_tol(mixed))
     # the tokens after the switch really came from the new weights, not the old ones
     stale = reference_logprobs({0: s0}, prompt, g.completion_ids, [0] * 40)
-    torch.testing.assert_close(behaviour[:k], stale[:k], atol=2e-4, rtol=0)
+    torch.testing.assert_close(behaviour[:k], stale[:k], **decode_tol(stale[:k]))
     assert (behaviour[k:] - stale[k:]).abs().max() > 1e-2
     st = eng.stats()
     assert st["updates"] == 2 and st["update_stall_ms_p99"] > 0   # keyframe (idle) + the delta (stalled)
@@ -76,8 +83,10 @@ async def test_new_sequence_after_delta_matches_fresh_model_with_truncation(quan
     behaviour = torch.tensor(g.logprobs)
     same_numerics = replay(policy.QuantConfig.from_wire(g.quant))      # what the trainer replays
     if not quant:
-        torch.testing.assert_close(same_numerics, behaviour, atol=2e-4, rtol=0)
+        torch.testing.assert_close(same_numerics, behaviour, **decode_tol(same_numerics))
     else:  # fp8 on every linear input: a 1-ulp matmul difference can flip a rounding (see policy tests)
+        # why: a flipped e4m3 rounding moves an activation by 1/8 of itself, so no fp32 bound holds; the max
+        # only rules out a wrong model (errors > 5e-2) and the mean must beat unquantised replay 5x
         err = (same_numerics - behaviour).abs()
         err_unquantised = (replay(policy.QuantConfig()) - behaviour).abs()
         assert err.max() < 5e-2 and err.mean() < 0.2 * err_unquantised.mean(), (err, err_unquantised)

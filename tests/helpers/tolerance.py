@@ -7,6 +7,7 @@ reductions that feed an element, how many of them are chained, and the optimizer
 
     sum_rtol(n)            two orders of an n-term sum differ by <= sum_rtol(n) * sum|x_i|
     forward_tol(model_cfg) (rtol, atol) for a transformer's outputs in two reduction orders
+    transformers_tol(..)   (rtol, atol) for our logits against transformers' implementation
     grad_reduction_len(..) n behind a transformer weight's gradient (tokens + layers' matmuls)
     elementwise_rtol(k)    two evaluations of a k-rounding elementwise formula
     fp32_tol(n, depth)     (rtol, atol) for outputs of `depth` chained length-n reductions
@@ -23,8 +24,8 @@ import torch
 
 # Rounding errors of a sum behave like independent zero-mean variables: each order's error is within
 # LAMBDA*sqrt(n)*u*sum|x| of the exact sum with probability >= 1 - 2n*exp(-LAMBDA^2/2)
-# (Higham & Mary, SIAM J. Sci. Comput. 2019, thm 3.1); 7 makes that < 1e-7 for n up to 1e4.
-# The worst case (n*u, Higham 2002 §4.2) is never reached and would make every tolerance vacuous.
+# (Higham & Mary, SIAM J. Sci. Comput. 2019, thm 3.1); 7 makes that < 5e-7 for n up to 1e4. The
+# worst case (n*u, Higham 2002 §4.2) is practically never approached and would make most checks useless.
 LAMBDA = 7.0
 
 
@@ -60,6 +61,16 @@ def forward_tol(model_cfg, scale: float = 1.0) -> dict:
     n = max(model_cfg.d_model, model_cfg.d_ff, model_cfg.vocab_size)
     t = fp32_tol(n, depth=2 * model_cfg.n_layers + 1)["rtol"]
     return {"rtol": t, "atol": t * max(scale, 1.0)}
+
+
+def transformers_tol(model_cfg, logits: torch.Tensor, positions: int) -> dict:
+    """rtol/atol for our logits against `transformers`' on the same weights: forward_tol at the logits'
+    size (its own kernels and order), plus its RoPE angles pos * freq rounded in fp32 (ours come from
+    float64): u * pos per rotation, q and k, each layer."""
+    scale = float(logits.abs().max())
+    tol = forward_tol(model_cfg, scale=scale)
+    rope = 2 * model_cfg.n_layers * unit_roundoff() * positions * max(1.0, scale)
+    return {"rtol": tol["rtol"], "atol": tol["atol"] + rope}
 
 
 def grad_reduction_len(model_cfg, tokens: int) -> int:
