@@ -38,7 +38,12 @@ COPY deploy ./deploy
 RUN if [ "$VARIANT" = "cuda" ]; then pip install ".[vllm]"; else pip install .; fi
 # delta_codec's numba kernels compiled into the image (else every container compiles them at start)
 RUN python -c "import delta_codec; delta_codec.warm()"
-# unprivileged; state (checkpoints, run dirs) lives on a volume
+# the code sandbox's tools (util-linux: unshare, setpriv; mount): the build fails without them
+RUN command -v unshare && command -v setpriv && command -v mount && setpriv --help | grep -q -- --pdeathsig
+# unprivileged by default; state (checkpoints, run dirs) lives on a volume. Rollout workers and
+# scorers run untrusted code and need root (a fresh uid per sandbox) and namespaces: the compose
+# file runs them as user 0 with the security options they need; as uid 10001 they refuse to start
+# (envs/isolation.py) unless ASYNCRL_ALLOW_WEAK_SANDBOX=1 (docs/environments.md#containment).
 RUN useradd --system --create-home --home-dir /var/lib/asyncrl --uid 10001 asyncrl
 USER asyncrl
 WORKDIR /var/lib/asyncrl

@@ -36,8 +36,9 @@ from .sandbox import FRESH_UID_BASE, BashLimits, SandboxLimits, isolation, run_b
 
 LAYERS = ("fresh-uid", "netns", "pidns", "mountns", "tmp-masks", "tmp-cap", "ipcns", "no-caps", "no-mount",
           "no-userns", "pdeathsig")
-HOW = ("run the worker/scorer as root where user namespaces are allowed (container: cap_add SYS_ADMIN, "
-       "seccomp and apparmor unconfined, see deploy/docker-compose.yml), or set allow_weak_sandbox = true")
+HOW = ("run it as root where unprivileged user namespaces are allowed (container: user 0 with security_opt "
+       "seccomp, apparmor and systempaths unconfined, as deploy/docker-compose.yml; systemd: "
+       "deploy/systemd/asyncrl-*@.service), or set allow_weak_sandbox = true")
 
 # Runs in run_bash; $1: our mount namespace, $2: a marker name. Mount attempts only in a mount
 # namespace known to be its own (in ours, as root, an `umount /tmp` would be real).
