@@ -39,8 +39,9 @@ def score(task, repo: str, dest: str, tools: str, run, prepare) -> tuple[dict[st
         flags = [] if plan else tamper.static_flags(task, copy.changed, copy.originals, dest)
         written = {r: d for r, (k, d) in snap.items() if k == "file" and scoring_copy.infra_kind(r, task)
                    and (plan is None or not scoring_copy.is_test_path(r, task))}
-        key, body = (PROBES, plan.job(nonce)) if plan else (REPORT_KEY, {"nonce": nonce,
-                                                                        "tests": tamper.tests_digest(task, snap)})
+        key, body = (PROBES, plan.job(nonce)) if plan else (REPORT_KEY, {
+            "nonce": nonce, "tests": tamper.tests_digest(task, snap),
+            **tamper.checker_key(task, copy.changed, copy.originals)})
         with open(os.path.join(dest, key), "w") as f:
             json.dump(body, f)
         prepare(dest)

@@ -100,6 +100,39 @@ def run_flags(task, dest: str, written: dict[str, bytes]) -> list[str]:
     return flags[:5]
 
 
+DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__contains__")
+
+
+def dunder_qualnames(text: str) -> list[str]:
+    """Qualified names of the comparison dunders a file defines (the runners' checker allows these)."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    out = []
+
+    def walk(body, prefix):
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                walk(node.body, f"{prefix}{node.name}.")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.name in DUNDERS:
+                    out.append(prefix + node.name)
+                walk(node.body, f"{prefix}{node.name}.<locals>.")
+    walk(tree.body, "")
+    return out
+
+
+def checker_key(task, changed: list[str], originals: dict[str, bytes | None]) -> dict:
+    """What the runners' assert checker needs: the changed .py files and the dunders they had."""
+    py = [r for r in changed if r.endswith(".py")]
+    allowed = {}
+    for r in py:
+        # (a fix restores lines inside functions the task's file already has: their names are here)
+        allowed[r] = dunder_qualnames((originals.get(r) or b"").decode("utf-8", "replace"))
+    return {"changed": py, "allowed": allowed}
+
+
 def tests_digest(task, snap: dict[str, tuple[str, bytes]]) -> dict[str, str]:
     """sha256 of every pristine test module and conftest, for the runners' collection check."""
     import hashlib
