@@ -222,10 +222,16 @@ async def handle_episode_task(worker, task: Task, ctx) -> None:
             # a pool thread per episode that can be in flight: one waiting on a slow command must
             # not hold another's reset or step back (8 threads served 12 episodes before)
             cfg = worker.cfg
-            runner = worker.episode_runner = EpisodeRunner(
-                worker.engine, worker.tok, pool=EpisodePool(max(getattr(cfg, "max_inflight", cfg.slots) + cfg.queue, 1)),
-                worker_id=cfg.worker_id, backend=workspace_backend(cfg),
-                episode_wall_s=getattr(cfg, "episode_wall_s", 0.0))
+            kw = dict(pool=EpisodePool(max(getattr(cfg, "max_inflight", cfg.slots) + cfg.queue, 1)),
+                      worker_id=cfg.worker_id, backend=workspace_backend(cfg),
+                      episode_wall_s=getattr(cfg, "episode_wall_s", 0.0))
+            if getattr(cfg, "harness", "builtin") != "builtin":     # an external harness (rollout_worker/harness.py)
+                from .harness import HarnessRunner
+                runner = worker.episode_runner = HarnessRunner(
+                    worker.engine, worker.tok, harness=cfg.harness, harness_config=cfg.harness_config,
+                    host=cfg.endpoint_host, port=cfg.endpoint_port, **kw)
+            else:
+                runner = worker.episode_runner = EpisodeRunner(worker.engine, worker.tok, **kw)
         runner.parse(task)
     except (ValueError, TypeError, KeyError) as e:
         return await worker._park(ctx, task, f"bad episode task: {e}")          # noqa: SLF001

@@ -23,6 +23,7 @@ logprobs, the behaviour logprob of each sampled token (the sampler's truncated d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -80,11 +81,14 @@ class OpenAIEndpoint:
             self._runner = None
 
     # -- episodes -------------------------------------------------------------------------------
-    def open_episode(self, episode_id: str | None = None, on_end=None, meta: dict | None = None
-                     ) -> TrajectoryRecorder:
+    def open_episode(self, episode_id: str | None = None, on_end=None, meta: dict | None = None,
+                     sampling: SamplingParams | None = None) -> TrajectoryRecorder:
+        """`sampling`: the task's; its temperature / top_p / top_k replace the harness's (the
+        trainer replays the rollout with the task's sampling parameters)."""
         if episode_id in self.episodes:
             raise ValueError(f"episode {episode_id!r} is already open")
         rec = TrajectoryRecorder(self.tok, self.fmt, episode_id, on_end, meta)
+        rec.sampling = sampling
         self.episodes[rec.episode_id] = rec
         self.stats["episodes_opened"] += 1
         return rec
@@ -260,6 +264,9 @@ class OpenAIEndpoint:
             try:
                 obs = rec.plan_chat(messages) if chat else rec.plan_completion(prompt)
                 sp, stop, n = self._sampling(body, len(rec.context_ids) + len(obs))
+                if rec.sampling is not None:
+                    task = rec.sampling
+                    sp = dataclasses.replace(sp, temperature=task.temperature, top_p=task.top_p, top_k=task.top_k)
                 choices = await self._generate(rec, obs, sp, stop, n, body.get("seed"))
                 rec.stats["requests"] += 1
             except (RequestError, ValueError) as e:     # the engine refuses bad ids / lengths with ValueError

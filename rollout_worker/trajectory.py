@@ -120,6 +120,7 @@ class TrajectoryRecorder:
         self.turns: list[Turn] = []
         self.handle: int | None = None        # the engine's kept sequence (torch/vLLM `extend`)
         self.keep = True                      # keep the KV row between turns (episodes the worker opened)
+        self.sampling = None                  # the task's SamplingParams (worker-opened episodes)
         self.ended, self.end_reason = False, ""
         self.stats = {"requests": 0, "divergent_turns": 0, "restarts": 0, "dropped_model_tokens": 0,
                       "foreign_turns": 0, "replaced_chars": 0}

@@ -71,6 +71,12 @@ class WorkerConfig:
     # every run_tests and scoring run of a task waits its deterministic lognormal draw, no local CPU
     sandbox_latency: SandboxLatency = field(default_factory=SandboxLatency)
     episode_wall_s: float = 0.0        # > 0: replaces the tasks' episode wall limit (slow sandboxes)
+    # who plays multi-turn episodes: "builtin" (rollout_worker/episodes.py) | "mini-swe-agent" (an
+    # external harness through the OpenAI-compatible endpoint, rollout_worker/harness.py)
+    harness: str = "builtin"
+    harness_config: str = ""           # the harness's own config file (mini-swe-agent YAML), merged over ours
+    endpoint_host: str = "127.0.0.1"   # the OpenAI-compatible endpoint the harness talks to
+    endpoint_port: int = 0             # 0: any free port
     fault_weights_after: int = 0          # test hook: the weight follower fails once, at its Nth update (0: never)
     log_level: str = "info"
     # start even where the code sandbox lacks isolation layers (envs/isolation.py; never in production)
@@ -95,6 +101,12 @@ class WorkerConfig:
             self.max_inflight = self.slots
         if self.max_inflight < self.slots:
             raise ValueError(f"max_inflight must be 0 or >= slots ({self.slots}), got {self.max_inflight}")
+        if self.harness not in ("builtin", "mini-swe-agent"):
+            raise ValueError(f"harness must be 'builtin' or 'mini-swe-agent', got {self.harness!r}")
+        if not 0 <= self.endpoint_port <= 65535:
+            raise ValueError(f"endpoint_port must be in [0, 65535], got {self.endpoint_port}")
+        if self.harness_config and not os.path.isfile(self.harness_config):
+            raise ValueError(f"harness_config {self.harness_config!r} is not a file")
         if self.episode_wall_s < 0:
             raise ValueError(f"episode_wall_s must be >= 0, got {self.episode_wall_s}")
         if self.max_restarts < 0 or self.restart_backoff_s <= 0:

@@ -1,0 +1,188 @@
+"""Episodes played by an external agent harness through the worker's OpenAI-compatible endpoint.
+
+    [worker] harness = "mini-swe-agent"      (default "builtin": rollout_worker/episodes.py's loop)
+
+Per episode (same task stream, same books as the built-in loop):
+
+    Episode reset (workspace)  -> registered for envs.mini_swe_agent.SandboxEnvironment
+    endpoint.open_episode(id)  -> the harness's model calls (X-Episode-Id) are recorded token-exact
+    the harness runs in a thread: mini-swe-agent, unmodified, built from its own config only
+                                   (model: litellm_textbased, api_base = the endpoint; environment:
+                                   the adapter) until it submits or stops
+    endpoint.end_episode(id)   -> the kept KV row is released
+    Episode.score()            -> hidden tests; one Rollout from the recorded trajectory: model ids
+                                   as generated, observations masked (version -1), per-token versions
+
+The harness config is mini-swe-agent's YAML (`harness_config`, merged over DEFAULT_CONFIG); the
+runner sets only the model's api_base / model name / episode header and the environment's class
+and episode id.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import os
+import time
+
+from bus.events import Rollout, SamplingParams, Task
+from envs.episode import Episode
+
+from .episodes import EpisodeRunner, TokenCounter
+from .openai_api import OpenAIEndpoint
+
+HARNESSES = ("builtin", "mini-swe-agent")
+
+# mini-swe-agent's config for a small policy: short templates (a char-level toy policy pays for
+# every prompt character), this project's ```bash action format and helpers
+DEFAULT_CONFIG = {
+    "agent": {
+        "system_template": "Fix the bug. Each reply: one ```bash block.\nrun_tests  view FILE  submit",
+        "instance_template": "{{task}}",
+        "step_limit": 15, "cost_limit": 0.0, "max_consecutive_format_errors": 3,
+    },
+    "model": {
+        "model_class": "litellm_textbased",
+        "action_regex": r"```bash\s*\n(.*?)\n```",
+        "format_error_template": "Reply with exactly one ```bash block.",
+        "observation_template": "{{output.output}}",
+        "cost_tracking": "ignore_errors",
+        "model_kwargs": {"temperature": 1.0, "drop_params": True},
+    },
+    "environment": {"environment_class": "envs.mini_swe_agent.SandboxEnvironment"},
+}
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = copy.deepcopy(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def load_harness_config(path: str = "") -> dict:
+    """DEFAULT_CONFIG with the YAML file at `path` merged over it (ValueError: unreadable)."""
+    if not path:
+        return copy.deepcopy(DEFAULT_CONFIG)
+    import yaml
+    try:
+        with open(path) as f:
+            user = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"harness_config {path}: {e}") from None
+    if not isinstance(user, dict) or set(user) - {"agent", "model", "environment", "run"}:
+        raise ValueError(f"harness_config {path}: expected mini-swe-agent sections agent/model/environment")
+    return _merge(DEFAULT_CONFIG, user)
+
+
+def episode_config(base: dict, url: str, model_name: str, episode_id: str, max_tokens: int) -> dict:
+    """The harness's own config for one episode: its model points at the endpoint, its
+    environment at the live episode."""
+    cfg = copy.deepcopy(base)
+    m = cfg["model"]
+    m["model_name"] = f"openai/{model_name}"          # litellm's OpenAI-compatible provider
+    kw = m.setdefault("model_kwargs", {})
+    kw.update(api_base=url, api_key="asyncrl", extra_headers={"X-Episode-Id": episode_id})
+    kw.setdefault("max_tokens", max_tokens)
+    cfg["environment"]["episode_id"] = episode_id
+    return cfg
+
+
+def run_mini_swe_agent(cfg: dict, task_text: str) -> dict:
+    """One run of mini-swe-agent's DefaultAgent (blocking: the worker calls it in a thread);
+    {"exit_status", "submission"}, or the exception's name as the exit status."""
+    # the package's own switches: no banner, no network for litellm's price map, one try per call
+    # (the endpoint is local: a refused request is not transient)
+    os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    os.environ.setdefault("MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT", "1")
+    os.environ.setdefault("MSWEA_COST_TRACKING", "ignore_errors")
+    from minisweagent.agents.default import DefaultAgent
+    from minisweagent.environments import get_environment
+    from minisweagent.models import get_model
+    model = get_model(config=cfg["model"])
+    env = get_environment(cfg["environment"])
+    agent = DefaultAgent(model, env, **cfg["agent"])
+    try:
+        info = agent.run(task=task_text)
+    except Exception as e:                        # the agent re-raises what it cannot handle
+        return {"exit_status": type(e).__name__, "submission": "", "error": str(e)[:500]}
+    return {"exit_status": info.get("exit_status", ""), "submission": info.get("submission", "")}
+
+
+class HarnessRunner(EpisodeRunner):
+    """EpisodeRunner's books (stats, ended records, parse) with the turns played by a harness."""
+
+    def __init__(self, engine, tok, *, harness: str = "mini-swe-agent", harness_config: str = "",
+                 host: str = "127.0.0.1", port: int = 0, model_name: str = "asyncrl-policy", **kw):
+        super().__init__(engine, tok, **kw)
+        if harness not in HARNESSES[1:]:
+            raise ValueError(f"harness must be one of {HARNESSES}, got {harness!r}")
+        self.harness, self.config = harness, load_harness_config(harness_config)
+        self.endpoint = OpenAIEndpoint(engine, tok, host=host, port=port, model_name=model_name, fmt=self.fmt)
+        self._started: asyncio.Task | None = None
+
+    async def url(self) -> str:
+        if self._started is None:
+            self._started = asyncio.ensure_future(self.endpoint.start())
+        return await asyncio.shield(self._started)
+
+    async def close(self) -> None:
+        await self.endpoint.close()
+
+    async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
+        from envs import mini_swe_agent
+        et, limits = self.parse(task)
+        eng = self.engine
+        room = eng.max_len - limits.max_turn_tokens - 1
+        if room < 1:
+            raise ValueError(f"max_turn_tokens {limits.max_turn_tokens} leaves no room in the engine's "
+                             f"max_len {eng.max_len}")
+        limits = dataclasses.replace(limits, max_context_tokens=min(limits.max_context_tokens, room),
+                                     episode_wall_s=self.episode_wall_s or limits.episode_wall_s)
+        ep = Episode(et, limits, backend=self.backend, token_counter=TokenCounter(self.tok))
+        eid = f"{task.task_id}-{index}-{os.urandom(4).hex()}"      # a redelivered task: a fresh id
+        url = await self.url()
+        rec = self.endpoint.open_episode(eid, meta={"task_id": task.task_id}, sampling=sp)
+        t0 = time.perf_counter()
+        exit_info: dict = {}
+        try:
+            await self.pool.reset(ep)
+            mini_swe_agent.register(eid, ep)
+            try:
+                cfg = episode_config(self.config, url, self.endpoint.model_name, eid,
+                                     min(sp.max_tokens, limits.max_turn_tokens))
+                exit_info = await asyncio.to_thread(run_mini_swe_agent, cfg, et.instruction)
+            finally:
+                mini_swe_agent.unregister(eid)
+            await self.endpoint.end_episode(eid, exit_info.get("exit_status", ""))
+            result = await self.pool.score(ep)
+        finally:
+            self.endpoint.forget(eid)
+            await self.pool.close(ep)
+        traj = rec.traj
+        if traj is None or not traj.ids:
+            raise ValueError(f"the harness ended episode {eid} without a model turn ({exit_info})")
+        self.stats["episodes"] += 1
+        self.stats["turns"] += len(rec.turns)
+        self.stats["tool_calls"] += result.tool_calls
+        self.stats["tool_wall_s"] += result.tool_wall_s
+        self.stats["wall_s"] += time.perf_counter() - t0
+        if len(self.ended) < 4096:
+            self.ended.append({"ended_at": time.time(), "turns": len(rec.turns), "tool_calls": result.tool_calls,
+                               "tokens": len(traj.ids), "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
+                               "tool_wall_s": result.tool_wall_s, "termination": result.termination,
+                               "reward": result.reward, "resolved": result.resolved, "suite_wait_s": 0.0,
+                               "suite_runs": 0, "harness_exit": exit_info.get("exit_status", "")})
+        import policy
+        return Rollout(rollout_id=f"{task.task_id}-{index}", task_id=task.task_id, env=task.env, sample_index=index,
+                       group_size=sp.n, prompt=task.prompt, spec=task.spec, prompt_ids=traj.prompt_ids,
+                       completion_ids=traj.ids, completion_text=self.tok.decode(traj.ids), logprobs=traj.logprobs,
+                       token_versions=traj.versions, sampling=task.sampling,
+                       sampling_mask=policy.SamplingMask.from_rows(traj.rows).to_wire(), quant=traj.quant,
+                       finish_reason=traj.finish or "abort", cost_tokens=sum(traj.mask), wall_s=result.wall_s,
+                       worker_id=self.worker_id, split=task.split, epoch=traj.epoch, loss_mask=traj.mask,
+                       turns=max(len(rec.turns), 1), tool_calls=result.tool_calls, termination=result.termination,
+                       episode={**result.to_dict(), "harness": self.harness, "harness_exit": exit_info,
+                                "trajectory": {k: v for k, v in rec.stats.items()},
+                                "turn_log": [{"finish": ""} for _ in rec.turns]})

@@ -1,0 +1,97 @@
+"""mini-swe-agent (the PyPI package, unmodified, configured through its own config) as the harness:
+its environment adapter runs commands in this project's sandboxed episode, and a full episode
+against the worker's endpoint on a generated-repository task with the toy policy gives a rollout
+whose model ids are exactly what the engine generated, observations masked, versions recorded."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bus.events import SamplingParams, Task
+from envs import gen_repos, mini_swe_agent
+from envs.conversation import episode_spec
+from envs.episode import Episode, EpisodeLimits
+from rollout_worker.harness import HarnessRunner
+from rollout_worker.torch_engine import TorchEngine
+from tests.helpers.agentic import CFG, TOK, bug_task, no_special_state
+
+
+def test_adapter_runs_commands_in_the_episode_and_submits():
+    from minisweagent.environments import get_environment
+    from minisweagent.exceptions import Submitted
+    ep = Episode(bug_task(), EpisodeLimits(max_turns=5))
+    ep.reset()
+    try:
+        mini_swe_agent.register("adapter-1", ep)
+        with pytest.raises(ValueError, match="already registered"):
+            mini_swe_agent.register("adapter-1", ep)
+        env = get_environment({"environment_class": "envs.mini_swe_agent.SandboxEnvironment",
+                               "episode_id": "adapter-1"})
+        out = env.execute({"command": "cat calc.py && whoami"})
+        assert "return a - b" in out["output"] and out["returncode"] == 0 and ep.tool_calls == 1
+        assert ep.turns == 1 and not ep.done
+        with pytest.raises(Submitted):
+            env.execute({"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})
+        assert ep.termination == "submitted" and ep.score().reward == 0.0      # the bug is still there
+    finally:
+        mini_swe_agent.unregister("adapter-1")
+        ep.close()
+    with pytest.raises(ValueError, match="no live episode"):
+        get_environment({"environment_class": "envs.mini_swe_agent.SandboxEnvironment", "episode_id": "adapter-1"})
+
+
+class RecordingEngine:
+    """The torch engine, with every Generation it returns kept (what the engine generated)."""
+
+    def __init__(self, eng):
+        self.eng, self.gens = eng, []
+
+    def __getattr__(self, name):
+        return getattr(self.eng, name)
+
+    async def generate(self, *a, **kw):
+        g = await self.eng.generate(*a, **kw)
+        self.gens.append(g)
+        return g
+
+    async def extend(self, *a, **kw):
+        g = await self.eng.extend(*a, **kw)
+        self.gens.append(g)
+        return g
+
+
+@pytest.fixture(scope="module")
+def gen_task():
+    return gen_repos.build(1, seed=2, n_modules=1)[0]
+
+
+async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path):
+    eng = TorchEngine(CFG, slots=2, max_len=2048, eos_id=TOK.eos_id, seed=9)
+    await eng.load_keyframe(no_special_state(4), version=3, epoch=1)
+    rec_eng = RecordingEngine(eng)
+    # the harness's own config: every reply is the command (the random toy policy writes no
+    # ```bash block), three model calls
+    conf = tmp_path / "mini.yaml"
+    conf.write_text("agent:\n  step_limit: 3\nmodel:\n  action_regex: '\\A(.*)\\Z'\n")
+    runner = HarnessRunner(rec_eng, TOK, harness_config=str(conf))
+    limits = EpisodeLimits(max_turns=6, max_turn_tokens=40, prompt_style="toy")
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=40, n=1)
+    task = Task(task_id=gen_task.task_id, env="swe-gen", prompt="", spec=episode_spec(gen_task, limits),
+                sampling=dataclasses.asdict(sp))
+    try:
+        r = await runner.run(task, sp, 0)
+    finally:
+        await runner.close()
+        await eng.close()
+    assert r.episode["harness_exit"]["exit_status"] == "LimitsExceeded", r.episode["harness_exit"]
+    model = [t for t, m in zip(r.completion_ids, r.loss_mask) if m]
+    assert len(rec_eng.gens) == 3 and model == [t for g in rec_eng.gens for t in g.completion_ids]
+    assert [v for v, m in zip(r.token_versions, r.loss_mask) if m] == [3] * len(model)
+    obs = [i for i, m in enumerate(r.loss_mask) if not m]
+    assert obs and all(r.token_versions[i] == -1 and r.logprobs[i] == 0.0 for i in obs)
+    assert r.loss_mask[-1] == 1 and r.turns == 3 and r.tool_calls == 3          # every command ran in the sandbox
+    assert r.prompt_ids[:1] == [TOK.bos_id] and "USER:\n" in TOK.decode(r.prompt_ids)
+    assert set(r.episode["tests"]) == set(gen_task.fail_to_pass + gen_task.pass_to_pass)   # scored: hidden tests
+    assert r.episode["trajectory"]["divergent_turns"] == 0 and r.episode["trajectory"]["restarts"] == 0
+    assert eng.kept == {} and runner.stats["episodes"] == 1
