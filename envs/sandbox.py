@@ -365,6 +365,7 @@ class BashLimits:
     nproc: int = 64               # processes + threads of the episode's uid (fork-bomb cap)
     open_files: int = 256
     tmp_mb: int = 64              # the one private tmpfs behind /tmp, /var/tmp, /dev/shm (RAM)
+    disk_mb: int = 512            # the workspace may not grow past this DURING a command (0: off)
     keep_bytes: int = 32 << 10    # of the output kept for the caller: this much of its head and of its tail
 
 
@@ -417,7 +418,8 @@ def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None 
             proc = subprocess.Popen(cmd, cwd="/", stdin=inp, stdout=out, stderr=subprocess.STDOUT,
                                     pass_fds=(mark.fileno(),), env=base_env, start_new_session=True, **kw)
             try:
-                timed_out = not _wait_exit(proc, limits.wall_s)
+                exited, over_disk = _wait_disk_capped(proc, limits.wall_s, workspace, limits.disk_mb << 20)
+                timed_out = not exited and not over_disk
             finally:
                 _kill_group(proc.pid)
                 proc.wait()
@@ -429,6 +431,8 @@ def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None 
             reason = "sandbox error: " + (output.decode("utf-8", "replace").strip().splitlines() or ["setup failed"])[-1]
         elif timed_out:
             reason = f"wall timeout after {limits.wall_s}s"
+        elif over_disk:
+            reason = f"disk limit ({limits.disk_mb} MB) exceeded: the workspace grew past it"
         elif size >= limits.file_mb << 20:
             reason = f"output limit ({limits.file_mb} MB) exceeded"
         elif rc < 0:
@@ -444,6 +448,57 @@ def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None 
         return SandboxResult(f"sandbox error: {e}", -1, wall_s=time.perf_counter() - t0, isolation=layers)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _wait_disk_capped(proc: subprocess.Popen, timeout: float, path: str, cap: int) -> tuple[bool, bool]:
+    """(exited, over the disk cap): wait like _wait_exit, and end the command as soon as the tree
+    at `path` holds more than `cap` bytes. Cheap: the filesystem's free space is read every 0.1 s
+    (one statvfs) and the tree is measured only once the filesystem as a whole has lost more than
+    the tree's headroom since the last measure (the tree cannot pass the cap without that)."""
+    if cap <= 0:
+        return _wait_exit(proc, timeout), False
+    deadline = time.monotonic() + timeout
+    try:
+        fd = os.pidfd_open(proc.pid)
+        free0, size = _free_bytes(path), 0
+    except (AttributeError, OSError):
+        return _wait_exit(proc, timeout), False
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([fd], [], [], min(left, 0.1))[0]:
+                return True, False
+            free = _free_bytes(path)
+            if free0 - free > cap - size:
+                size, free0 = _tree_bytes(path, cap), free
+                if size > cap:
+                    return False, True
+        return False, False
+    finally:
+        os.close(fd)
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _tree_bytes(path: str, cap: int) -> int:
+    """Bytes allocated under `path` (stops counting past `cap`); never follows a link."""
+    total, stack = 0, [path]
+    while stack and total <= cap:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    total += st.st_blocks * 512
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+        except OSError:
+            continue
+    return total
 
 
 def _bash_signal_reason(sig: int, limits: BashLimits) -> str:

@@ -306,3 +306,13 @@ def test_scorer_as_non_root_with_allow_weak_sandbox_starts_and_says_so(tmp_path)
     finally:
         p.kill()
         p.wait()
+
+
+def test_bash_disk_fill_is_stopped_during_the_command(ws):
+    root, w, uid = ws
+    t0 = time.monotonic()
+    r = run_bash("for i in $(seq 40); do head -c 4M /dev/zero > f$i; done; sleep 20", root, w,
+                 BashLimits(wall_s=60.0, disk_mb=32, file_mb=8), uid)
+    used = sum(os.lstat(os.path.join(w, n)).st_blocks * 512 for n in os.listdir(w))
+    assert r.reason == "disk limit (32 MB) exceeded: the workspace grew past it", r.reason
+    assert time.monotonic() - t0 < 15 and used < 96 << 20, used     # stopped mid-way, not after 160 MB
