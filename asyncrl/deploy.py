@@ -5,6 +5,9 @@ refuses them). `init` replaces every one with a random password, the same value 
 role in every file (the server's nats.env and the component's own env file must agree), makes
 the files private (0600), and writes the ed25519 weight-signing pair (asyncrl.keygen) to
 --keys unless one is there. Running it again changes nothing: filled files keep their values.
+A region's leaf logs in with an nkey, not a password: CHANGE-ME-regionseed (nats-region.env) and
+CHANGE-ME-regionnkey (the hub's nats.env) become the seed and the public key of one fresh pair.
+--key-owner UID[:GID] gives the private signing key to the trainer's user (compose: 10001).
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import secrets
 import sys
 from pathlib import Path
 
-from asyncrl.keygen import write_keypair
+from asyncrl.keygen import give_key, parse_owner, write_keypair
+from bus.nkeys import user_nkey
 
 PLACEHOLDER_RE = re.compile(r"CHANGE-ME-([a-z0-9]+)")
 
@@ -29,6 +33,7 @@ def fill_env_dir(env_dir: Path) -> dict[str, list[str]]:
     roles = sorted({r for t in texts.values() for r in PLACEHOLDER_RE.findall(t)})
     # hex: safe inside a nats-leaf:// URL and a nats-server config variable without quoting
     secret = {r: secrets.token_hex(24) for r in roles}
+    secret["regionseed"], secret["regionnkey"] = user_nkey()   # one pair: seed to the region, key to the hub
     filled = {}
     for f, text in texts.items():
         found = PLACEHOLDER_RE.findall(text)
@@ -43,14 +48,18 @@ def fill_env_dir(env_dir: Path) -> dict[str, list[str]]:
     return filled
 
 
-def init(env_dir: Path, keys_dir: Path) -> dict:
+def init(env_dir: Path, keys_dir: Path, key_owner: tuple[int, int] | None = None) -> dict:
     filled = fill_env_dir(env_dir)
     key = keys_dir / "trainer-signing.key"
     if key.exists():
         keys = f"kept {key}"
+        if key_owner is not None:
+            give_key(key, key_owner)
     else:
-        k, p = write_keypair(keys_dir)
+        k, p = write_keypair(keys_dir, owner=key_owner)
         keys = f"wrote {k} (0600) and {p}"
+    if key_owner is not None:
+        keys += f"; the private key belongs to uid {key_owner[0]}"
     return {"filled": filled, "keys": keys}
 
 
@@ -61,12 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("init", help="random passwords into the env files, and the signing key pair")
     i.add_argument("--dir", default="deploy/env", help="env files to fill (default: deploy/env)")
     i.add_argument("--keys", default=None, help="key pair directory (default: <dir>/../keys)")
+    i.add_argument("--key-owner", default=None, metavar="UID[:GID]",
+                   help="owner of the private signing key: the trainer's user (compose: 10001; needs root)")
     a = ap.parse_args(argv)
     env_dir = Path(a.dir)
     keys_dir = Path(a.keys) if a.keys else env_dir.resolve().parent / "keys"
     try:
-        res = init(env_dir, keys_dir)
-    except (FileNotFoundError, FileExistsError) as e:
+        res = init(env_dir, keys_dir, parse_owner(a.key_owner) if a.key_owner else None)
+    except (FileNotFoundError, FileExistsError, PermissionError, ValueError) as e:
         print(f"asyncrl deploy init: {e}", file=sys.stderr)
         return 2
     for name, roles in res["filled"].items():

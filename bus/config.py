@@ -34,6 +34,8 @@ class BusConfig:
     token: str | None = None
     nkeys_seed: str | None = None         # path to an nkey seed file
     creds: str | None = None              # path to a .creds file (JWT + seed)
+    # TLS (servers "tls://host:4222"; deploy/nats/single-tls.conf): the CA that signed the server's
+    # certificate, and this client's certificate + key (the server verifies them: verify: true)
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -56,6 +58,9 @@ class BusConfig:
             if isinstance(v, str) and is_placeholder(v):
                 raise ConfigError(f"bus {name} is still the placeholder {v!r} (env ASYNCRL_BUS__{name.upper()}, "
                                   f"e.g. from deploy/env/*.env): run `asyncrl deploy init` or set a real secret")
+        if self.tls_key and not self.tls_cert:
+            raise ConfigError("bus tls_key is set without tls_cert (ASYNCRL_BUS__TLS_CERT): a client "
+                              "certificate needs both")
         # a domain is a subject token ($JS.<domain>.API.>): no dots, wildcards or spaces
         for name in ("js_domain", "weights_domain"):
             v = getattr(self, name)

@@ -189,7 +189,10 @@ def test_compose_region_profile_points_workers_at_the_region_mirrors():
     assert nr["command"] == ["-c", "/etc/nats/asyncrl/region.conf"] and (DEPLOY / "nats" / "region.conf").is_file()
     assert any(str(v).startswith("nats-region-data:/var/lib/nats") for v in nr["volumes"])
     env = _region_env(nr)
-    assert env["ASYNCRL_NATS_HUB_LEAF_URL"] == f"nats-leaf://region:{server['ASYNCRL_NATS_REGION_PASSWORD']}@nats:7422"
+    # the leaf URL carries no password: the region logs in with its nkey, the hub knows the public half
+    assert env["ASYNCRL_NATS_HUB_LEAF_URL"] == "nats-leaf://nats:7422"
+    from bus.nkeys import public_of
+    assert server["ASYNCRL_NATS_REGION_NKEY"] == public_of(env["ASYNCRL_NATS_REGION_SEED"])
     w = load_config(WorkerConfig, environ=_region_env(region["rollout_worker-region"]))
     assert (w.bus.servers, w.bus.js_domain, w.bus.weights_domain) == (["nats://nats-region:4222"], "hub", env["ASYNCRL_REGION"])
     assert w.bus.user == "worker" and w.bus.password == server["ASYNCRL_NATS_WORKER_PASSWORD"]

@@ -26,7 +26,7 @@ def test_configs_parse_with_nats_server_t(tmp_path):
     """`nats-server -t` accepts every shipped config (with the environment deploy/env supplies)."""
     passwords = role_passwords()
     env = {**os.environ, **role_env_vars(passwords),
-           "ASYNCRL_NATS_HUB_LEAF_URL": "nats-leaf://region:x@127.0.0.1:7422"}
+           "ASYNCRL_NATS_HUB_LEAF_URL": "nats-leaf://127.0.0.1:7422"}
     confs = sorted(NATS_DIR.glob("*.conf"))
     tops = [c for c in confs if c.name in ("single.conf", "leaf.conf", "cluster-a.conf",
                                             "cluster-b.conf", "cluster-c.conf")]
@@ -100,7 +100,7 @@ async def test_leaf_region_worker_reaches_hub_and_hub_refuses_weights(tmp_path, 
     hub.start("/healthz?js-enabled-only=true")
     leaf = ConfServer(conf / "leaf.conf", {
         **role_env_vars(passwords),
-        "ASYNCRL_NATS_HUB_LEAF_URL": f"nats-leaf://region:{passwords['region']}@127.0.0.1:{leaf_port}"},
+        "ASYNCRL_NATS_HUB_LEAF_URL": f"nats-leaf://127.0.0.1:{leaf_port}"},
         tmp_path / "leaf.log").start()
     trainer = worker = None
     try:
@@ -169,7 +169,7 @@ async def test_region_mirrors_under_role_based_hub_and_region_stays_a_worker(tmp
     hub.start("/healthz?js-enabled-only=true")
     region = ConfServer(region_conf / "region.conf", {
         **role_env_vars(passwords), "ASYNCRL_REGION": "eu",
-        "ASYNCRL_NATS_HUB_LEAF_URL": f"nats-leaf://region:{passwords['region']}@127.0.0.1:{leaf_port}"},
+        "ASYNCRL_NATS_HUB_LEAF_URL": f"nats-leaf://127.0.0.1:{leaf_port}"},
         tmp_path / "eu.log")
     buses = []
     try:

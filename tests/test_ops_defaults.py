@@ -29,8 +29,10 @@ def test_placeholder_password_is_refused_naming_the_env_var():
 def test_no_working_password_is_shipped():
     for f in SHIPPED_ENV.glob("*.env"):
         for k, v in read_env(f).items():
-            if "PASSWORD" in k or "LEAF_URL" in k:
+            if "PASSWORD" in k or "SEED" in k or "NKEY" in k:
                 assert "CHANGE-ME-" in v, (f.name, k)
+            if "LEAF_URL" in k:                  # the region's leaf logs in with its nkey seed
+                assert "@" not in v, (f.name, k)
 
 
 def test_deploy_init_fills_consistently_and_is_idempotent(tmp_path, capsys):
@@ -44,7 +46,9 @@ def test_deploy_init_fills_consistently_and_is_idempotent(tmp_path, capsys):
         cfg = load_config(BusConfig, env_prefix="ASYNCRL_BUS__", environ=env)     # accepted now
         assert cfg.password == server[f"ASYNCRL_NATS_{user.upper()}_PASSWORD"]
     region = read_env(tmp_path / "env" / "nats-region.env")
-    assert region["ASYNCRL_NATS_HUB_LEAF_URL"] == f"nats-leaf://region:{server['ASYNCRL_NATS_REGION_PASSWORD']}@nats:7422"
+    assert region["ASYNCRL_NATS_HUB_LEAF_URL"] == "nats-leaf://nats:7422"       # no password in the URL
+    from bus.nkeys import public_of
+    assert server["ASYNCRL_NATS_REGION_NKEY"] == public_of(region["ASYNCRL_NATS_REGION_SEED"])
     assert "CHANGE-ME" not in read_env(tmp_path / "env" / "grafana.env")["GF_SECURITY_ADMIN_PASSWORD"]
     for f in (tmp_path / "env").glob("*.env"):
         if "CHANGE-ME" in (SHIPPED_ENV / f.name).read_text():

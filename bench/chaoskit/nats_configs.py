@@ -9,6 +9,7 @@ nats-server started from a rendered config (the chaos cluster scenario and the d
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -34,7 +35,14 @@ def role_passwords() -> dict[str, str]:
 
 
 def role_env_vars(passwords: Mapping[str, str]) -> dict[str, str]:
-    return {f"ASYNCRL_NATS_{r.upper()}_PASSWORD": p for r, p in passwords.items()}
+    """The servers' environment: a password per role; the region's leaf logs in with an nkey
+    instead (seed for leaf.conf/region.conf, public key for the hub), derived from its entry."""
+    from bus.nkeys import user_nkey
+    env = {f"ASYNCRL_NATS_{r.upper()}_PASSWORD": p for r, p in passwords.items() if r != "region"}
+    if "region" in passwords:
+        seed, public = user_nkey(hashlib.sha256(passwords["region"].encode()).digest())
+        env.update(ASYNCRL_NATS_REGION_SEED=seed, ASYNCRL_NATS_REGION_NKEY=public)
+    return env
 
 
 def free_port() -> int:
