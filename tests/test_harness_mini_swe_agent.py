@@ -4,6 +4,7 @@ against the worker's endpoint on a generated-repository task with the toy policy
 whose model ids are exactly what the engine generated, observations masked, versions recorded."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -66,7 +67,15 @@ def gen_task():
     return gen_repos.build(1, seed=2, n_modules=1)[0]
 
 
-async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path):
+async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fresh_server):
+    """harness = "mini-swe-agent" in the worker's config: the real handler plays the task through the
+    harness and publishes the rollout; the scorer and the trainer's batcher take it like any other."""
+    from bus import BusConfig
+    from rollout_worker.worker import Worker, WorkerConfig
+    from scorer.service import Scorer, ScorerConfig
+    from trainer.batcher import Batcher, ConsumedIds
+    from trainer.learner import pack
+    from tests.helpers.trainer import trainer_config
     eng = TorchEngine(CFG, slots=2, max_len=2048, eos_id=TOK.eos_id, seed=9)
     await eng.load_keyframe(no_special_state(4), version=3, epoch=1)
     rec_eng = RecordingEngine(eng)
@@ -74,16 +83,29 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path):
     # ```bash block), three model calls
     conf = tmp_path / "mini.yaml"
     conf.write_text("agent:\n  step_limit: 3\nmodel:\n  action_regex: '\\A(.*)\\Z'\n")
-    runner = HarnessRunner(rec_eng, TOK, harness_config=str(conf))
+    w = Worker(WorkerConfig(bus=BusConfig(servers=[fresh_server.url]), worker_id="w-msa", harness="mini-swe-agent",
+                            harness_config=str(conf)), bus, engine=rec_eng)
     limits = EpisodeLimits(max_turns=6, max_turn_tokens=40, prompt_style="toy")
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=40, n=1)
     task = Task(task_id=gen_task.task_id, env="swe-gen", prompt="", spec=episode_spec(gen_task, limits),
                 sampling=dataclasses.asdict(sp))
     try:
-        r = await runner.run(task, sp, 0)
+        await w.handle(task, ctx=None)
     finally:
-        await runner.close()
+        await w.episode_runner.close()
         await eng.close()
+    assert w.rollouts == 1 and w.tasks_done == 1 and isinstance(w.episode_runner, HarnessRunner)
+    stop = asyncio.Event()
+    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=[fresh_server.url]), cost_unit="tokens"), bus)
+    st = asyncio.create_task(scorer.run(stop, handle_signals=False))
+    b = Batcher(bus, trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=1), ConsumedIds(),
+                TOK.vocab_size)
+    await b.start()
+    batch = await b.next_batch(0, max_wait_s=30)
+    stop.set()
+    await st
+    assert batch is not None and batch.rollout_ids == [f"{gen_task.task_id}-0"]
+    r = batch.samples[0].rollout
     assert r.episode["harness_exit"]["exit_status"] == "LimitsExceeded", r.episode["harness_exit"]
     model = [t for t, m in zip(r.completion_ids, r.loss_mask) if m]
     assert len(rec_eng.gens) == 3 and model == [t for g in rec_eng.gens for t in g.completion_ids]
@@ -94,4 +116,6 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path):
     assert r.prompt_ids[:1] == [TOK.bos_id] and "USER:\n" in TOK.decode(r.prompt_ids)
     assert set(r.episode["tests"]) == set(gen_task.fail_to_pass + gen_task.pass_to_pass)   # scored: hidden tests
     assert r.episode["trajectory"]["divergent_turns"] == 0 and r.episode["trajectory"]["restarts"] == 0
-    assert eng.kept == {} and runner.stats["episodes"] == 1
+    assert eng.kept == {} and w.episode_runner.stats["episodes"] == 1
+    assert batch.samples[0].scored.cost == float(len(model))
+    assert sum(pack(batch)[0].loss_mask) == len(model)
