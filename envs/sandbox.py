@@ -16,6 +16,8 @@ Layers (each one covers a way generated code goes wrong; docs/environments.md#co
   * when the scorer runs as root (where RLIMIT_NPROC is not enforced) the code runs under a
     fresh random uid, so RLIMIT_NPROC caps a fork bomb at `nproc` processes; as a non-root
     user RLIMIT_NPROC is 1, so the code cannot fork or start threads at all;
+  * oom_score_adj 1000: if memory runs out anyway (host, container or unit limit), the kernel
+    kills the sandbox first, never the worker or the trainer next to it;
   * rlimits set in-process before any untrusted byte runs: CPU seconds, address space,
     file size (caps stdout/stderr, which go to files), open files, no core dumps;
   * an audit hook that refuses every socket operation (the network guard where namespaces
@@ -66,6 +68,8 @@ if contain == "1":
     _ok(_libc.prctl(38, 1, 0, 0, 0), "no_new_privs")                     # PR_SET_NO_NEW_PRIVS
     _ok(_libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()), "capset")
     del ctypes, _libc, _ok, _d, _k, _v, _f, _c, _cwd
+with open("/proc/self/oom_score_adj", "w") as f:   # an out-of-memory kill takes the sandbox first
+    f.write("1000")
 for lim, v in ((resource.RLIMIT_CPU, (int(cpu), int(cpu) + 1)), (resource.RLIMIT_AS, (int(mem),) * 2),
                (resource.RLIMIT_FSIZE, (int(fsize),) * 2), (resource.RLIMIT_NOFILE, (int(nofile),) * 2),
                (resource.RLIMIT_CORE, (0, 0))):
@@ -327,7 +331,8 @@ def _read_capped(path: str, cap: int) -> bytes:
 # directory (all the scratch RAM a command has), so the only place a command can leave anything
 # behind is its workspace; then the episode root is bound back at its own path, with the mounts
 # under it (it may live under a masked /tmp; mount(8) must not canonicalise /proc/self/cwd, or it
-# would resolve to the masked path); no nested user namespace, SysV shm capped; then rlimits;
+# would resolve to the masked path); no nested user namespace, SysV shm capped; then the first
+# victim of any out-of-memory kill (oom_score_adj 1000: the sandbox dies, not the trainer); rlimits;
 # then the command (under setpriv: without any capability), as a child, so pid 1 keeps normal signal
 # handling and everything left in the namespace dies when it exits.
 BASH_SETUP = r"""
@@ -345,6 +350,7 @@ if [ "$ns" = 1 ]; then
   echo $((tmp_mb << 8)) >/proc/sys/kernel/shmall || fail "shm cap"
 fi
 cd "$ws" || fail "no workspace $ws"
+echo 1000 >/proc/self/oom_score_adj || fail "oom_score_adj"
 ulimit -c 0 && ulimit -t "$cpu" && ulimit -v "$mem_kb" && ulimit -f "$fsize_kb" && ulimit -n "$nofile" || fail "ulimit"
 if [ "$nproc" -gt 0 ]; then ulimit -u "$nproc" || fail "ulimit -u"; fi
 echo ok >&"$mark"

@@ -316,3 +316,8 @@ def test_bash_disk_fill_is_stopped_during_the_command(ws):
     used = sum(os.lstat(os.path.join(w, n)).st_blocks * 512 for n in os.listdir(w))
     assert r.reason == "disk limit (32 MB) exceeded: the workspace grew past it", r.reason
     assert time.monotonic() - t0 < 15 and used < 96 << 20, used     # stopped mid-way, not after 160 MB
+
+
+def test_an_out_of_memory_kill_takes_the_sandbox_first(ws):
+    assert bash(ws, "cat /proc/self/oom_score_adj").strip() == "1000"
+    assert python("print(open('/proc/self/oom_score_adj').read().strip())").stdout.strip() == b"1000"
