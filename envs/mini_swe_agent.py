@@ -77,8 +77,13 @@ class SandboxEnvironment:
         return out
 
     def get_template_vars(self, **kwargs) -> dict[str, Any]:
+        """Template variables for the harness's prompts: episode_system / episode_user are the
+        built-in loop's own first two messages for this task and its limits (same prompt either way)."""
+        from .episode import initial_messages
         t = self.episode.task
+        system, user = initial_messages(t, self.episode.limits)[:2]
         return {**self.config, "task_id": t.task_id, "files": ", ".join(sorted(t.files)),
+                "episode_system": system["content"], "episode_user": user["content"],
                 "fail_to_pass": ", ".join(t.fail_to_pass[:3]), "system": "Linux", "release": "", "version": "",
                 "machine": "", **kwargs}
 

@@ -33,12 +33,12 @@ from .openai_api import OpenAIEndpoint
 
 HARNESSES = ("builtin", "mini-swe-agent")
 
-# mini-swe-agent's config for a small policy: short templates (a char-level toy policy pays for
-# every prompt character), this project's ```bash action format and helpers
+# mini-swe-agent's config: the built-in loop's own prompts for the task (the adapter's template
+# variables; a policy trained on either loop sees the same text), this project's ```bash actions
 DEFAULT_CONFIG = {
     "agent": {
-        "system_template": "Fix the bug. Each reply: one ```bash block.\nrun_tests  view FILE  submit",
-        "instance_template": "{{task}}",
+        "system_template": "{{episode_system}}",
+        "instance_template": "{{episode_user}}",
         "step_limit": 15, "cost_limit": 0.0, "max_consecutive_format_errors": 3,
     },
     "model": {
