@@ -107,6 +107,11 @@ class WorkerConfig:
             raise ValueError(f"endpoint_port must be in [0, 65535], got {self.endpoint_port}")
         if self.harness_config and not os.path.isfile(self.harness_config):
             raise ValueError(f"harness_config {self.harness_config!r} is not a file")
+        if self.harness == "mini-swe-agent":
+            import importlib.util
+            if importlib.util.find_spec("minisweagent") is None:
+                raise ValueError("harness 'mini-swe-agent' needs the mini-swe-agent package: "
+                                 "pip install 'asyncrl[agents]'")
         if self.episode_wall_s < 0:
             raise ValueError(f"episode_wall_s must be >= 0, got {self.episode_wall_s}")
         if self.max_restarts < 0 or self.restart_backoff_s <= 0:

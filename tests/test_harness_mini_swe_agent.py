@@ -119,3 +119,17 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
     assert eng.kept == {} and w.episode_runner.stats["episodes"] == 1
     assert batch.samples[0].scored.cost == float(len(model))
     assert sum(pack(batch)[0].loss_mask) == len(model)
+
+
+def test_worker_config_refuses_bad_harness_settings(tmp_path):
+    from rollout_worker.harness import load_harness_config
+    from rollout_worker.worker import WorkerConfig
+    for kw, why in ((dict(harness="openhands"), "harness must be"), (dict(endpoint_port=70000), "endpoint_port"),
+                    (dict(harness="mini-swe-agent", harness_config=str(tmp_path / "none.yaml")), "not a file")):
+        with pytest.raises(ValueError, match=why):
+            WorkerConfig(worker_id="w", **kw)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("agentt:\n  step_limit: 3\n")
+    with pytest.raises(ValueError, match="agent/model/environment"):
+        load_harness_config(str(bad))
+    assert WorkerConfig(worker_id="w", harness="mini-swe-agent").harness == "mini-swe-agent"
