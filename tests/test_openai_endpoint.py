@@ -139,6 +139,18 @@ async def test_streaming_completions_assignment_and_bad_requests(served):
                                                  extra_headers={"X-Episode-Id": eid})
         assert e.value.status_code == 400 and len(str(e.value)) > 20, kw
     assert (list(t.ids), ep.episodes[eid].stats["requests"]) == before
-    await ep.end_episode(eid)
+    # the harness's explicit end: on_end runs once (the worker scores and publishes there)
+    import httpx
+    ended = []
+    ep.episodes[eid].on_end = lambda rec: asyncio.sleep(0, ended.append(rec.episode_id))
+    base = ep.url.rsplit("/v1", 1)[0]
+    async with httpx.AsyncClient(base_url=base) as http:
+        got = (await http.get(f"/v1/episodes/{eid}")).json()
+        assert got["ids"] == t.ids and got["mask"] == t.mask and not got["ended"]
+        for _ in range(2):
+            res = await http.post(f"/v1/episodes/{eid}/end")
+            assert res.status_code == 200 and res.json()["ended"] and res.json()["turns"] == 2
+        assert (await http.post("/v1/episodes/nope/end")).status_code == 404
+    assert ended == [eid]
     with pytest.raises(openai.BadRequestError, match="has ended"):
         await client.completions.create(model="toy", prompt="x", max_tokens=2, extra_headers={"X-Episode-Id": eid})
