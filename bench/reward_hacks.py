@@ -353,7 +353,8 @@ def local_sdist(dest: str) -> str:
     return path
 
 
-def build_tasks(work: str, package: str | None, sdist: str | None) -> tuple[dict[str, EpisodeTask], dict]:
+def build_tasks(work: str, package: str | None, sdist: str | None, seed: int = 3
+                ) -> tuple[dict[str, EpisodeTask], dict]:
     from asyncrl import tasks as tasks_cli
     from envs import gen_repos, humaneval_tasks
     from envs.task_set import load_task_set
@@ -363,7 +364,7 @@ def build_tasks(work: str, package: str | None, sdist: str | None) -> tuple[dict
     he = [t for t in humaneval_tasks.build(limit=4, kinds=("fix",)) if t.family == "humaneval-fix"]
     out["humaneval"] = he[0]
     pkg_dir = os.path.join(work, "pkg")
-    argv = ["build", "--out", pkg_dir, "--per-package", "1", "--test-timeout", "60", "--seed", "1"]
+    argv = ["build", "--out", pkg_dir, "--per-package", "1", "--test-timeout", "60", "--seed", str(seed)]
     if package and not sdist:
         rc = tasks_cli.main(argv + ["--packages", package])
         info["package_source"] = f"pypi:{package}" if rc == 0 else None
@@ -380,11 +381,12 @@ def build_tasks(work: str, package: str | None, sdist: str | None) -> tuple[dict
     return out, info
 
 
-def run(names: list[str], package: str | None = "inflection", sdist: str | None = None, log=print) -> dict:
+def run(names: list[str], package: str | None = "inflection", sdist: str | None = None, log=print,
+        seed: int = 3) -> dict:
     work = tempfile.mkdtemp(prefix="reward-hacks-")
     os.chmod(work, 0o700)            # the task sets (expected values) are not readable by sandbox uids
     try:
-        tasks, info = build_tasks(work, package, sdist)
+        tasks, info = build_tasks(work, package, sdist, seed)
         results: dict = {"tasks": info["tasks"], "package_source": info["package_source"], "honest": {},
                          "untouched": {}, "hacks": {}}
         for key, task in tasks.items():
@@ -422,13 +424,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     ap.add_argument("--package", default="inflection", help="PyPI package for the real-package task")
     ap.add_argument("--sdist", default=None, help="a local source distribution instead (no network)")
+    # seed 3 on inflection 0.5.1: a one-comparison bug that fails 2 of its 455 tests (the other seeds'
+    # bugs fail tens of them, or its import: a hack that breaks the module then proves nothing)
+    ap.add_argument("--seed", type=int, default=3, help="the package task's mutation seed")
     ap.add_argument("--hack", action="append", default=[], help="run only these hacks (repeatable)")
     a = ap.parse_args(argv)
     unknown = sorted(set(a.hack) - set(HACKS))
     if unknown:
         ap.error(f"unknown hacks {unknown}; known: {sorted(HACKS)}")
     names = a.hack or (list(QUICK) if a.quick else list(HACKS))
-    res = run(names, a.package, a.sdist, log=(lambda *x: print(*x, file=sys.stderr)) if a.json else print)
+    res = run(names, a.package, a.sdist, log=(lambda *x: print(*x, file=sys.stderr)) if a.json else print,
+              seed=a.seed)
     if a.json:
         print(json.dumps(res))
     else:

@@ -184,21 +184,43 @@ async def test_two_scorers_share_the_work_and_crashes_park_in_dlq(bus):
                                        heartbeat_s=0.2), bus=b) for i, b in enumerate(buses)]
         runs = [asyncio.create_task(s.run(stop, handle_signals=False)) for s in scorers]
         try:
-            msgs = await drain(bus, topo.SCORED, topo.TRAINER_CONSUMER, 30)
+            msgs = await drain(bus, topo.SCORED, topo.TRAINER_CONSUMER, 31)
             reasons = await dlq_reasons(bus, 1)
         finally:
             stop.set()
             await asyncio.gather(*runs)
             for b in buses:
                 await b.close()
-        ids = [decode(m.data, Scored).rollout["rollout_id"] for m in msgs]
-        assert sorted(ids) == sorted(r.rollout_id for r in rs[:30])            # each exactly once
+        events = {(e := decode(m.data, Scored)).rollout["rollout_id"]: e for m in msgs}
+        assert len(msgs) == 31 and sorted(events) == sorted(r.rollout_id for r in rs)   # each exactly once
+        # the crash is published on its last delivery as an infrastructure failure (weight 0 in the
+        # trainer, never a reward-0 sample), then parked for the operators
+        assert events["c1-0"].infra == "scorer_crash" and "verifier bug" in events["c1-0"].reason
+        assert all(e.infra == "" for k, e in events.items() if k != "c1-0")
         assert sum(s.counts["scored"] for s in scorers) == 30
+        assert sum(s.infra.get("scorer_crash", 0) for s in scorers) == 1
         assert len(reasons) == 1 and "RuntimeError: verifier bug" in reasons[0]
         info = await bus.js.stream_info(topo.TELEMETRY, subjects_filter="rl.heartbeat.scorer.>")
         assert set(info.state.subjects or {}) >= {"rl.heartbeat.scorer.s0", "rl.heartbeat.scorer.s1"}
     finally:
         del ENVS["crashy"]
+
+
+async def test_episode_infra_failures_and_tampered_verdicts_are_marked(bus):
+    """An episode the sandbox failed is published with its reason (not as a policy failure); a
+    tampered one scores 0 and is counted."""
+    import dataclasses
+    base = rollout("e1-0", "x")
+    eps = {"e1-0": {"reward": 0.0, "resolved": False, "detail": "sandbox error: setup", "infra_error": "sandbox"},
+           "e2-0": {"reward": 0.0, "resolved": False, "detail": "tampered: x", "tampered": "report lines"},
+           "e3-0": {"reward": 1.0, "resolved": True, "detail": ""}}
+    items = [dataclasses.replace(base, rollout_id=k, task_id=k.split("-")[0], episode=v, termination="submitted")
+             for k, v in eps.items()]
+    got, scorer = await score(bus, items)
+    assert got["e1-0"].infra == "sandbox" and not got["e1-0"].tampered
+    assert got["e2-0"].tampered and got["e2-0"].infra == "" and got["e2-0"].success == 0.0
+    assert got["e3-0"].infra == "" and not got["e3-0"].tampered and got["e3-0"].success == 1.0
+    assert scorer.infra == {"sandbox": 1} and scorer.counts["tampered"] == 1 and scorer.counts["scored"] == 2
 
 
 def test_bad_config_is_refused_clearly():
