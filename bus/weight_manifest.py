@@ -29,6 +29,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from delta_codec import DeltaError
+from delta_codec.errors import NonFiniteError
 from delta_codec.sharded import Manifest, check_part, make_manifest
 
 from . import events, metrics
@@ -120,7 +121,8 @@ async def step_manifest(f: "WeightFollower", target, ev: events.ManifestEvent, r
     blobs = await fetch_parts(f.bus, m)
     try:
         await apply(m, blobs, ev.epoch)
-    except Exception as e:                  # rows that don't tile the state, a base digest: state unchanged
-        raise Refused("apply", f"{ev.msg_id()}: {type(e).__name__}: {e}", resync=True) from None
+    except Exception as e:                  # rows that don't tile the state, a base digest, NaN: state unchanged
+        reason = "nonfinite" if isinstance(e, NonFiniteError) else "apply"
+        raise Refused(reason, f"{ev.msg_id()}: {type(e).__name__}: {e}", resync=True) from None
     f.applied["manifest"] += 1
     metrics.applied("manifest", raw)

@@ -295,6 +295,28 @@ async def test_follower_refuses_a_signed_nan_delta_and_keyframe_then_follows(bus
     assert await fresh.latest_keyframe(wait=False) is None and fresh.refused["nonfinite"] == 1
 
 
+async def test_a_sharded_version_with_nan_rows_is_refused_whole(bus):
+    """Rank 0's part is fine, rank 1's rows hold NaN: the version is refused (`nonfinite`) and
+    rank 0's rows, already applied, are rolled back."""
+    from bus.weight_manifest import publish_sharded
+    from delta_codec.sharded import encode_part, shard_rows
+    states = trajectory(2, seed=7)
+    name = next(n for n, t in states[0].items() if t.dim() == 2 and t.shape[0] > 1)
+    new = nan_at(states[1], name, states[1][name].numel() - 1)          # the last row: rank 1's
+    parts = []
+    for r in range(2):
+        rows = {n: shard_rows(t.shape[0], r, 2) for n, t in states[0].items()}
+        cut = lambda st: {n: st[n][a:b] for n, (a, b) in rows.items()}   # noqa: E731
+        parts.append(encode_part(cut(states[0]), cut(new), rows, from_version=0, to_version=1).to_bytes())
+    pub = WeightPublisher(bus, epoch=1, trainer_id="t1")
+    await pub.publish_keyframe(states[0], 0, WEIGHTS_CFG)
+    await publish_sharded(pub, parts, from_version=0, to_version=1, model_config=WEIGHTS_CFG)
+    feed = WeightFollower(bus, name="m")
+    target = await feed.latest_state()
+    assert feed.refused["nonfinite"] == 1, feed.stats()
+    assert target.version == 0 and same(target.state, states[0])
+
+
 @pytest.mark.parametrize("update_mode", ["swap", "inline"])
 async def test_torch_engine_refuses_a_nan_delta_with_weights_and_version_untouched(update_mode):
     import policy

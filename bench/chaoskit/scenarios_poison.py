@@ -152,10 +152,12 @@ def poison_state(state: dict) -> dict:
     return out
 
 
-async def publish_nan_delta(fleet: Fleet, sk, pk, attempts: int = 10) -> tuple[int, int]:
+async def publish_nan_delta(fleet: Fleet, sk, pk, attempts: int = 10) -> tuple[set[int], int]:
     """A delta from the head of WEIGHTS to NaN weights, signed with the run's key and carrying the
     leader's epoch and id. Published until it lands right after the head it was built on (else a
-    real delta got in between and workers would skip it as a replay). -> (its seq, its version)."""
+    real delta got in between and workers would skip it as a replay).
+    -> (the sequences of every attempt, the version of the one that landed)."""
+    seqs: set[int] = set()
     for _ in range(attempts):
         feed = WeightFollower(fleet.bus, public_key=pk, name="poisoner")
         target = await feed.latest_state()
@@ -173,8 +175,9 @@ async def publish_nan_delta(fleet: Fleet, sk, pk, attempts: int = 10) -> tuple[i
                         blob=f"poison-nan-{head_seq}", trainer_id=last.trainer_id)
         await fleet.bus.put_blob(ev.blob, payload)
         ack = await fleet.bus.publish(topo.DELTA_SUBJECT, ev, msg_id=f"poison-nan-{head_seq}")
+        seqs.add(int(ack.seq))
         if ack.seq == head_seq + 1:
-            return ack.seq, d.to_version
+            return seqs, d.to_version
         await asyncio.sleep(0.2)
     raise ChaosError(f"the NaN delta never landed right after the head in {attempts} attempts")
 
@@ -182,7 +185,7 @@ async def publish_nan_delta(fleet: Fleet, sk, pk, attempts: int = 10) -> tuple[i
 async def published_nonfinite(bus, skip: set[int]) -> tuple[int, int]:
     """Walk every WEIGHTS version but the `skip` sequences with the finiteness check on:
     -> (versions checked, versions with a NaN/±inf weight)."""
-    state, checked, bad = None, 0, 0
+    state, version, checked, bad = None, -1, 0, 0
     for seq, ev in await weights_by_seq(bus):
         if seq in skip:
             continue
@@ -190,8 +193,10 @@ async def published_nonfinite(bus, skip: set[int]) -> tuple[int, int]:
         try:
             if ev.KIND == "Keyframe":
                 state = delta_codec.load_keyframe(delta_codec.Keyframe.from_bytes(data), finite=True)
-            elif ev.KIND == "Delta" and state is not None:
+                version = ev.version
+            elif ev.KIND == "Delta" and state is not None and ev.from_version == version:
                 delta_codec.apply_delta(state, delta_codec.Delta.from_bytes(data), finite=True)
+                version = ev.to_version
             else:
                 continue
         except NonFiniteError:
@@ -218,7 +223,7 @@ async def poison_numbers(run_dir: Path, tasks: int = 60, seed: int = 13, short: 
             vocab = int(next(e for e in history if e.KIND == "Keyframe").model_config["vocab_size"])
             t0 = time.monotonic()
             want = await publish_poison(fleet.bus, vocab, short)
-            nan_seq, nan_version = await publish_nan_delta(fleet, sk, pk)
+            nan_seqs, nan_version = await publish_nan_delta(fleet, sk, pk)
             await feeding
             more, feeding = fleet.feed(tasks - first, over_s=(tasks - first) / RATE)
             workers = fleet.alive("rollout_worker")
@@ -245,7 +250,7 @@ async def poison_numbers(run_dir: Path, tasks: int = 60, seed: int = 13, short: 
             missing = sorted(set(want) - set(parked))
             unnamed = {r: parked[r][0][:200] for r in want if r in parked and want[r] not in parked[r][0]}
             retried = {r: parked[r][1] for r in want if r in parked and parked[r][1] != "1"}
-            checked, nonfinite = await published_nonfinite(fleet.bus, {nan_seq})
+            checked, nonfinite = await published_nonfinite(fleet.bus, nan_seqs)
             logs = "".join(fleet.procs[n].log_path.read_text(errors="replace") for n in workers)
             sampled_nan = logs.count("non-finite logits")
             refusals = {n: dict(refusal_reasons(fleet.procs[n].log_path)) for n in workers}
@@ -254,6 +259,7 @@ async def poison_numbers(run_dir: Path, tasks: int = 60, seed: int = 13, short: 
             return row("poison_numbers", books, recovery, ok, bad_events=len(want), parked=len(parked),
                        missing=missing[:10], unnamed=dict(list(unnamed.items())[:5]), retried=retried,
                        versions_checked=checked, nonfinite_published=nonfinite, nan_delta_version=nan_version,
-                       worker_refusals=refusals, nonfinite_sampled=sampled_nan, short=short)
+                       worker_refusals=refusals, nonfinite_sampled=sampled_nan, nan_delta_attempts=len(nan_seqs),
+                       short=short)
         finally:
             await fleet.close()
