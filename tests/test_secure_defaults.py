@@ -107,3 +107,39 @@ def test_follower_without_public_key_warns_and_exports_the_gauge():
         WeightFollower(None, public_key=signing.public_key(pk), name="w-signed")
     assert not [r for r in logs if r["log_level"] == "warning"]
     assert REGISTRY.get_sample_value("asyncrl_weights_unsigned") == 0.0
+
+
+async def test_trainer_resumes_only_a_checkpoint_of_its_own_digest_chain(bus, fresh_server, tmp_path):
+    """The leader's resume path: a well-formed, self-consistent checkpoint of another model (newer
+    epoch, so tried first) is refused against the run's published v0; the run's own is resumed."""
+    import asyncio
+    import dataclasses
+
+    from tests.helpers.trainer import trainer_config
+    from trainer.digest_chain import DigestChain
+    from trainer.factory import build_learner, build_model, build_optimizer
+    from trainer.leader import Trainer
+
+    def trainer(cfg):
+        model, mcfg = build_model(cfg)
+        return Trainer(cfg, bus, build_learner(model, build_optimizer(model, cfg), cfg), mcfg)
+
+    cfg = trainer_config(fresh_server.url, tmp_path)
+    tr = trainer(cfg)
+    epoch = await tr.lease.acquire(asyncio.Event())
+    await asyncio.to_thread(tr.prepare)                          # checkpoint of v0 under `epoch`
+    await WeightPublisher(bus, epoch, cfg.trainer_id).publish_keyframe(tr.published, 0, tr.model_cfg)
+    other = trainer(dataclasses.replace(cfg, seed=cfg.seed + 1))     # another model: other initial weights
+    forged = other.state()
+    forged.epoch, forged.digest = epoch + 50, delta_codec.state_digest(other.learner.published_state())
+    assert forged.digest != tr.digest
+    checkpoint.save(cfg.checkpoint_dir, forged)
+
+    unchecked = trainer(cfg)                                     # without the chain: the forged one wins
+    await asyncio.to_thread(unchecked.resume)
+    assert delta_codec.state_digest(unchecked.learner.published_state()) == forged.digest
+    resumed = trainer(cfg)
+    resumed.chain = await read_chain(bus)
+    assert isinstance(resumed.chain, DigestChain) and resumed.chain.latest == 0
+    await asyncio.to_thread(resumed.resume)
+    assert delta_codec.state_digest(resumed.learner.published_state()) == tr.digest
