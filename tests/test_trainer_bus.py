@@ -21,6 +21,7 @@ from trainer.batcher import Batch, Batcher, ConsumedIds, Sample
 from trainer.config import TrainerConfig
 from trainer.learner import pack
 from trainer.lease import LeaderLease, LeaseLost
+from tests.helpers.tolerance import forward_tol
 from tests.helpers.trainer import MODEL, make_scored, publish_groups, trainer_config
 
 
@@ -95,7 +96,10 @@ async def test_stale_dropped_duplicates_and_bad_rollouts_refused(bus, fresh_serv
                  for s in packed]
     l_all, st = learner.loss(packed, grad=False)
     l_live, _ = learner.loss(scrambled, grad=False)
-    assert st["n_tokens"] == 12 and torch.allclose(l_all, l_live)
+    # why: other sequences in the micro-batches change their padding, so the live tokens' logprobs come from
+    # other matmul shapes (another reduction order); the loss is their mean: forward_tol at its size
+    tol = forward_tol(model.cfg, scale=float(l_all.abs()))
+    assert st["n_tokens"] == 12 and torch.allclose(l_all, l_live, **tol)
     cfg.stale = "downweight"
     b.groups.clear()
     assert [s.weight for s in (await _regroup(b, batch)).samples] == [1.0, 1.0, 0.5, 0.5 ** 5]

@@ -48,7 +48,7 @@ def test_dropped_samples_carry_no_gradient():
     w = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
     loss, _ = pg_loss(logp, behav, adv, w, 3, LossConfig())
     loss.backward()
-    assert torch.equal(logp.grad[3:], torch.zeros(3)) and (logp.grad[:3] != 0).all()
+    assert torch.equal(logp.grad[3:], torch.zeros(3)) and (logp.grad[:3] != 0).all()    # why equal: x 0
     with pytest.raises(ValueError):
         pg_loss(logp, behav[:2], adv, w, 3, LossConfig())
 
