@@ -183,6 +183,9 @@ class OpenAIEndpoint:
         others are sampled from the same context and not recorded (the harness continues from one)."""
         stop_seqs = [encode(self.tok, s)[0] for s in stop]
         base = zlib.crc32(f"{rec.episode_id}-{len(rec.turns)}-{seed}".encode())
+        if rec.rewound:                # the kept sequence holds the dropped turn: prefill anew
+            self._release(rec)
+            rec.rewound = False
         if rec.handle is not None and rec.turns and rec.traj is not None:
             g0 = await self.engine.extend(rec.handle, obs, sp, stop_seqs=stop_seqs)
         else:

@@ -12,8 +12,9 @@ wrote:
                     markers): tokenised once, when it first appears, kept as observation ids
                     (loss mask 0, version -1, no behaviour logprob)
 
-A request whose earlier part does not equal what was recorded (the harness dropped or rewrote
-history) cannot continue the sampled sequence: the recorder starts over from that request's whole
+The same request sent again (a client retry: the harness never saw the last turn) drops that
+turn and generates it anew (`retried_turns`). A request whose earlier part does not equal what
+was recorded otherwise (the harness dropped or rewrote history) cannot continue the sampled sequence: the recorder starts over from that request's whole
 context as a prompt (`restarts`, `dropped_model_tokens`), so the rollout never holds an id the
 sampler did not produce under the context it was trained with. An assistant message the server
 never generated (a harness-written demonstration) is context, not a model turn (`foreign_turns`).
@@ -123,16 +124,21 @@ class TrajectoryRecorder:
         self.sampling = None                  # the task's SamplingParams (worker-opened episodes)
         self.ended, self.end_reason = False, ""
         self.stats = {"requests": 0, "divergent_turns": 0, "restarts": 0, "dropped_model_tokens": 0,
-                      "foreign_turns": 0, "replaced_chars": 0}
+                      "foreign_turns": 0, "replaced_chars": 0, "retried_turns": 0}
+        self.rewound = False                  # the last turn was dropped: the kept KV row is stale
         self._divergent: set[int] = set()
         self.done = asyncio.Event()
 
     def checkpoint(self) -> tuple:
         """What a request may change before it generates (restore() undoes a refused one)."""
-        return self.traj, list(self.turns), set(self._divergent), dict(self.stats)
+        t = self.traj
+        lists = None if t is None else (list(t.ids), list(t.mask), list(t.logprobs), list(t.versions), list(t.rows))
+        return t, lists, list(self.turns), set(self._divergent), dict(self.stats), self.rewound
 
     def restore(self, saved: tuple) -> None:
-        self.traj, self.turns, self._divergent, self.stats = saved[0], saved[1], saved[2], saved[3]
+        self.traj, lists, self.turns, self._divergent, self.stats, self.rewound = saved
+        if lists is not None:
+            self.traj.ids, self.traj.mask, self.traj.logprobs, self.traj.versions, self.traj.rows = lists
 
     # -- ids of a request ---------------------------------------------------------------------
     @property
@@ -170,6 +176,16 @@ class TrajectoryRecorder:
                     if self._enc(self._after_turn(k, chunks[k + 1])) != between:
                         ok = False
                         break
+            if not ok and self._is_retry(chunks, contents):
+                # the same request again (the harness never got turn n: a client timeout, a retry):
+                # turn n is dropped (never seen, never trained) and generated anew
+                t = self.turns.pop()
+                self.stats["retried_turns"] += 1
+                self.stats["dropped_model_tokens"] += t.end - t.start
+                for name in ("ids", "mask", "logprobs", "versions", "rows"):
+                    setattr(self.traj, name, getattr(self.traj, name)[:t.start])
+                self.rewound = True
+                return []
             if ok:
                 if n == 0:        # no turn yet (a retried first request): same prompt, nothing to add
                     tail = "".join(_interleave(chunks[1:], contents))
@@ -185,6 +201,18 @@ class TrajectoryRecorder:
         self.traj = Trajectory(self._enc(chunks[0] + "".join(_interleave(chunks[1:], contents)), bos=True))
         self.turns, self._divergent = [], set()
         return []
+
+    def _is_retry(self, chunks: list[str], contents: list[str]) -> bool:
+        """The request that produced the last recorded turn, sent again."""
+        n = len(self.turns)
+        if n == 0 or len(contents) != n - 1 or self._enc(chunks[0], bos=True) != self.traj.prompt_ids:
+            return False
+        for k in range(n - 1):
+            lo = self.turns[k].end
+            hi = self.turns[k + 1].start
+            if self._enc(self._after_turn(k, chunks[k + 1])) != self.traj.ids[lo:hi]:
+                return False
+        return self.turns[0].start == 0 if n == 1 else True
 
     def plan_completion(self, prompt) -> list[int]:
         """/v1/completions: a text prompt is matched as text against the recorded text (each

@@ -74,6 +74,12 @@ async def test_chat_logprobs_equal_replay_and_turns_are_token_exact(served):
     assert rec.stats["replaced_chars"] == 1 and rec.stats["divergent_turns"] == 0
     k3, n = replay_k3(state, t)
     assert n == 28 and k3 <= 1e-6, k3
+    # the same request again (a client retry): turn 2 is dropped and generated anew, the KV row too
+    r2 = await client.chat.completions.create(model="toy", messages=conv, max_tokens=12, logprobs=True,
+                                              extra_headers=h)
+    assert rec.stats["retried_turns"] == 1 and rec.stats["restarts"] == 0
+    assert t.ids == c1.model_extra["token_ids"] + obs + r2.choices[0].model_extra["token_ids"]
+    assert t.mask == [1] * 16 + [0] * len(obs) + [1] * 12 and replay_k3(state, t)[0] <= 1e-6
     # turn 3: the harness strips turn 1's text: the generated ids stay, the drift is counted
     conv2 = conv + [{"role": "assistant", "content": r2.choices[0].message.content},
                     {"role": "user", "content": "again"}]
@@ -85,7 +91,7 @@ async def test_chat_logprobs_equal_replay_and_turns_are_token_exact(served):
     # a history the sampler never continued (turn 2 dropped): a new trajectory, nothing trained twice
     r4 = await client.chat.completions.create(model="toy", messages=SYS[:1] + [{"role": "user", "content": "x"}],
                                               max_tokens=4, extra_headers=h)
-    assert rec.stats["restarts"] == 1 and rec.stats["dropped_model_tokens"] == 32
+    assert rec.stats["restarts"] == 1 and rec.stats["dropped_model_tokens"] == 12 + 32
     assert t is not rec.traj and rec.traj.ids == r4.choices[0].model_extra["token_ids"]
 
 
