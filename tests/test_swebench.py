@@ -129,3 +129,36 @@ def test_bad_instances_refused_nothing_written(exported, tmp_path, capsys):
     preds = [{"instance_id": "nope", "model_patch": "x"}, {"instance_id": good["instance_id"], "model_patch": 3}]
     rep = _evaluate(capsys, preds, str(tmp_path), "--instances", str(root / "exp" / "instances.jsonl"))
     assert rep["error_ids"] == sorted(["nope", good["instance_id"]]) and rep["resolved_instances"] == 0
+
+
+PKG_SRC = "def snake(name):\n    out = []\n    for i, c in enumerate(name):\n        if c.isupper() and i:\n" \
+          "            out.append('_')\n        out.append(c.lower())\n    return ''.join(out)\n"
+PKG_TESTS = "import pytest\nfrom minipkg import snake\n\n\n@pytest.mark.parametrize('a,b', [('FooBar', 'foo_bar'), " \
+            "('x', 'x')])\ndef test_snake(a, b):\n    assert snake(a) == b\n\n\ndef test_empty():\n    assert snake('') == ''\n"
+
+
+def test_package_task_round_trip_on_the_pytest_runner(tmp_path, capsys):
+    """A real-package task (tier 3, built from a local sdist as `asyncrl tasks build --sdist` does):
+    pytest node ids with parameters, a repository snapshot under the task set."""
+    import io
+    import tarfile
+    from asyncrl.tasks import build_package
+    sdist = tmp_path / "minipkg-0.1.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for rel, text in {"minipkg-0.1/minipkg/__init__.py": PKG_SRC,
+                          "minipkg-0.1/tests/test_minipkg.py": PKG_TESTS}.items():
+            info = tarfile.TarInfo(rel)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    tasks = build_package(str(sdist), str(tmp_path / "set"), per_package=1, seed=1, test_timeout_s=60)
+    assert len(tasks) == 1 and tasks[0].runner == "pytest" and tasks[0].base_dir
+    write_task_set(str(tmp_path / "set"), tasks, {})
+    assert tasks_main(["export", str(tmp_path / "set"), "--out", str(tmp_path / "exp")]) == 0
+    inst = swebench.read_jsonl(str(tmp_path / "exp" / "instances.jsonl"))[0]
+    assert any("[" in t for t in inst["FAIL_TO_PASS"] + inst["PASS_TO_PASS"])      # parametrized ids
+    gold = [{"instance_id": inst["instance_id"], "model_patch": inst["patch"]}]
+    rep = _evaluate(capsys, gold, str(tmp_path), "--instances", str(tmp_path / "exp" / "instances.jsonl"))
+    assert rep["resolved_ids"] == [inst["instance_id"]], rep["results"]
+    rep = _evaluate(capsys, [{**gold[0], "model_patch": ""}], str(tmp_path), "--instances",
+                    str(tmp_path / "exp" / "instances.jsonl"))
+    assert rep["resolved_instances"] == 0 and rep["empty_patch_instances"] == 1
