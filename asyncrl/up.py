@@ -266,7 +266,7 @@ async def run(a: argparse.Namespace) -> int:
     try:      # signed by default: a per-run key pair unless the config brings its own (run_secrets)
         conf = run_secrets.with_signing(conf, run_dir)
     except (ValueError, OSError) as e:
-        print(f"asyncrl up: signing key: {e}", file=sys.stderr)
+        print(f"asyncrl up: signing ([trainer] signing_key, [worker] public_key): {e}", file=sys.stderr)
         return 2
 
     server, auth, creds = None, None, {}
