@@ -262,3 +262,13 @@ def startup(allow_weak: bool = False, workspaces: str | None = None) -> dict[str
     if gone and allow_weak:
         log.warning("running with WEAK sandbox isolation (allow_weak_sandbox = true)", missing=gone)
     return require(allow_weak)
+
+
+async def startup_async(allow_weak: bool = False, workspaces: str | None = None) -> dict[str, bool]:
+    """startup() for an event loop: off the loop the first time (the check runs commands), inline
+    once the check is known (a process that starts a second service, e.g. in tests, keeps its
+    timing)."""
+    if check.cache_info().currsize:
+        return startup(allow_weak, workspaces)
+    import asyncio
+    return await asyncio.to_thread(startup, allow_weak, workspaces)

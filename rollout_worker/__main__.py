@@ -29,8 +29,7 @@ async def amain(cfg: WorkerConfig) -> int:
     stop = asyncio.Event()
     stop_on_signals(stop, cfg.grace_s, name=cfg.worker_id)   # before connecting: a dead broker must not trap us
     # the sandbox before the broker: a worker that may not run episodes must not hold tasks
-    await asyncio.to_thread(isolation.startup, cfg.allow_weak_sandbox,
-                            default_root() if cfg.workspace == "local" else None)
+    await isolation.startup_async(cfg.allow_weak_sandbox, default_root() if cfg.workspace == "local" else None)
     bus = await connect(cfg.bus)
     try:
         await bus.provision()

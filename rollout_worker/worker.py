@@ -359,8 +359,8 @@ class Worker:
     async def run(self, stop: asyncio.Event | None = None, handle_signals: bool = True) -> None:
         # before anything else: a killed predecessor's workspaces go, and no episode runs in a
         # sandbox weaker than promised
-        await asyncio.to_thread(isolation.startup, self.cfg.allow_weak_sandbox,
-                                default_root() if self.cfg.workspace == "local" else None)
+        await isolation.startup_async(self.cfg.allow_weak_sandbox,
+                                      default_root() if self.cfg.workspace == "local" else None)
         stop = stop or asyncio.Event()
         kf = await self.start_weights(stop)
         if kf is None:

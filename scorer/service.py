@@ -203,7 +203,7 @@ class Scorer:
     # -- process ------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None, handle_signals: bool = True) -> None:
         # before anything else: no rollout is verified in a sandbox weaker than promised
-        await asyncio.to_thread(isolation.startup, self.cfg.allow_weak_sandbox)
+        await isolation.startup_async(self.cfg.allow_weak_sandbox)
         own_bus = self.bus is None
         if own_bus:
             self.bus = await connect(self.cfg.bus)
