@@ -176,12 +176,15 @@ class Learner:
                 torch.cat([res.entropy[k][res.valid[k]] for k in range(len(chunk))]))
 
     def _idle_pass(self, dev) -> torch.Tensor:
-        """A one-token forward whose loss is zero: keeps this rank in step with FSDP2's collectives."""
+        """A one-token forward whose loss is zero: keeps this rank in step with FSDP2's collectives,
+        in the order of a real pass (policy forward, then the reference's: swapped, the ranks'
+        all-gathers no longer pair up and gloo aborts on a size mismatch)."""
         ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        if self.reference is not None:
+        part = self.model(ids).sum() * 0.0
+        if self.loss_cfg.kl_coef > 0 and self.reference is not None:
             with torch.no_grad():
                 self.reference(ids)
-        return self.model(ids).sum() * 0.0
+        return part
 
     def loss(self, samples: list[PackedSample], grad: bool = True, backward: bool = False
              ) -> tuple[torch.Tensor, dict]:
