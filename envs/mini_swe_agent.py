@@ -53,7 +53,8 @@ def live(episode_id: str):
 class SandboxEnvironment:
     """mini-swe-agent Environment protocol: execute / get_template_vars / serialize."""
 
-    def __init__(self, *, episode_id: str, timeout: int = 0, env: dict | None = None, cwd: str = "", **_ignored):
+    def __init__(self, *, episode_id: str, timeout: int = 0, env: dict | None = None, cwd: str = "",
+                 **_ignored):
         self.episode_id = episode_id
         self.episode = live(episode_id)
         self.config = {"episode_id": episode_id, "cwd": cwd, "env": dict(env or {}), "timeout": timeout}
@@ -84,8 +85,8 @@ class SandboxEnvironment:
         system, user = initial_messages(t, self.episode.limits)[:2]
         return {**self.config, "task_id": t.task_id, "files": ", ".join(sorted(t.files)),
                 "episode_system": system["content"], "episode_user": user["content"],
-                "fail_to_pass": ", ".join(t.fail_to_pass[:3]), "system": "Linux", "release": "", "version": "",
-                "machine": "", **kwargs}
+                "fail_to_pass": ", ".join(t.fail_to_pass[:3]), "system": "Linux", "release": "",
+                "version": "", "machine": "", **kwargs}
 
     def serialize(self) -> dict:
         return {"info": {"config": {"environment": dict(self.config),

@@ -87,7 +87,8 @@ def test_list(inst: dict, key: str) -> list[str]:
         try:
             v = json.loads(v) if v.strip() else []
         except json.JSONDecodeError:
-            raise InstanceError(f"{inst.get('instance_id')}: {key} is neither a list nor a JSON list") from None
+            raise InstanceError(f"{inst.get('instance_id')}: {key} is neither a list nor a JSON list"
+                                ) from None
     if not isinstance(v, list) or not all(isinstance(t, str) for t in v):
         raise InstanceError(f"{inst.get('instance_id')}: {key} must be a list of test ids")
     return v
@@ -118,7 +119,8 @@ def _git(args: list[str], cwd: str, inp: bytes | None = None) -> bytes:
     r = subprocess.run(["git", *args], cwd=cwd, input=inp, capture_output=True, timeout=300,
                        env={**os.environ, **_GIT_ENV})
     if r.returncode != 0:
-        raise InstanceError(f"git {args[0]} failed in {cwd}: {r.stderr.decode(errors='replace').strip()[-400:]}")
+        why = r.stderr.decode(errors="replace").strip()[-400:]
+        raise InstanceError(f"git {args[0]} failed in {cwd}: {why}")
     return r.stdout
 
 
@@ -149,7 +151,8 @@ def snapshot(src: str, commit: str, dest: str) -> None:
         tar = _git(["archive", "--format=tar", commit], src)
         r = subprocess.run(["tar", "-x", "-C", dest], input=tar, capture_output=True, timeout=300)
         if r.returncode != 0:
-            raise InstanceError(f"unpacking {commit} of {src} failed: {r.stderr.decode(errors='replace')[-300:]}")
+            why = r.stderr.decode(errors="replace")[-300:]
+            raise InstanceError(f"unpacking {commit} of {src} failed: {why}")
     else:
         shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
 
@@ -183,8 +186,9 @@ def apply_on_host(tree: str | None, patch: str, iid: str) -> dict[str, str]:
             src = os.path.join(tree, p) if tree else ""
             if kind == "modified":
                 if not tree or not os.path.isfile(src):
-                    raise InstanceError(f"{iid}: the test_patch modifies {p}, which is not in the repository "
-                                        f"snapshot{'' if tree else ' (image-only instances: new test files only)'}")
+                    note = "" if tree else " (image-only instances: new test files only)"
+                raise InstanceError(f"{iid}: the test_patch modifies {p}, which is not in the repository "
+                                    f"snapshot{note}")
                 os.makedirs(os.path.dirname(os.path.join(tmp, p)) or tmp, exist_ok=True)
                 shutil.copyfile(src, os.path.join(tmp, p))
         with open(os.path.join(tmp, ".asyncrl.patch"), "w", encoding="utf-8") as f:
@@ -213,8 +217,8 @@ def instance_to_task(inst: dict, out_dir: str, base: str = ".", repos_dir: str |
         snapshot(src, str(inst["base_commit"]), snap)
     hidden = apply_on_host(snap, inst["test_patch"], iid) if inst["test_patch"].strip() else {}
     test_paths = sorted({t.split("::", 1)[0] for t in f2p + p2p})
-    keep = ("instance_id", "repo", "base_commit", "version", "environment_setup_commit", "patch", "test_patch",
-            "image_name", "created_at")
+    keep = ("instance_id", "repo", "base_commit", "version", "environment_setup_commit", "patch",
+            "test_patch", "image_name", "created_at")
     meta = {"swebench": {k: inst[k] for k in keep if k in inst}}
     if inst.get("image_name"):
         meta["image"] = inst["image_name"]
@@ -354,8 +358,8 @@ def evaluate_patch(task: EpisodeTask, model_patch: str, limits: EpisodeLimits | 
     return out
 
 
-def evaluate_predictions(tasks: list[EpisodeTask], predictions: list[dict], limits: EpisodeLimits | None = None,
-                         backend=None) -> dict:
+def evaluate_predictions(tasks: list[EpisodeTask], predictions: list[dict],
+                         limits: EpisodeLimits | None = None, backend=None) -> dict:
     """A SWE-bench style report over `predictions` ({"instance_id", "model_patch", ...} each);
     a prediction for an unknown instance, or without model_patch, is an error (listed, not scored)."""
     by_id = {t.task_id: t for t in tasks}
@@ -371,13 +375,14 @@ def evaluate_predictions(tasks: list[EpisodeTask], predictions: list[dict], limi
         else:
             results[iid] = evaluate_patch(by_id[iid], p.get("model_patch") or "", limits, backend)
     ids = sorted(results)
+    unresolved = [i for i in ids if not results[i]["resolved"] and not results[i]["empty_patch"]]
     return {"total_instances": len(tasks), "submitted_instances": len(predictions),
             "completed_instances": sum(not results[i]["empty_patch"] for i in ids),
             "resolved_instances": sum(results[i]["resolved"] for i in ids),
-            "unresolved_instances": sum(not results[i]["resolved"] and not results[i]["empty_patch"] for i in ids),
+            "unresolved_instances": len(unresolved),
             "empty_patch_instances": sum(results[i]["empty_patch"] for i in ids),
             "error_instances": len(errors),
             "resolved_ids": [i for i in ids if results[i]["resolved"]],
-            "unresolved_ids": [i for i in ids if not results[i]["resolved"] and not results[i]["empty_patch"]],
+            "unresolved_ids": unresolved,
             "empty_patch_ids": [i for i in ids if results[i]["empty_patch"]],
             "error_ids": sorted(errors), "errors": errors, "results": results}

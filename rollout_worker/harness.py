@@ -56,7 +56,8 @@ DEFAULT_CONFIG = {
 def _merge(a: dict, b: dict) -> dict:
     out = copy.deepcopy(a)
     for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+        both = isinstance(v, dict) and isinstance(out.get(k), dict)
+        out[k] = _merge(out[k], v) if both else copy.deepcopy(v)
     return out
 
 
@@ -169,20 +170,23 @@ class HarnessRunner(EpisodeRunner):
         self.stats["tool_wall_s"] += result.tool_wall_s
         self.stats["wall_s"] += time.perf_counter() - t0
         if len(self.ended) < 4096:
-            self.ended.append({"ended_at": time.time(), "turns": len(rec.turns), "tool_calls": result.tool_calls,
-                               "tokens": len(traj.ids), "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
+            self.ended.append({"ended_at": time.time(), "turns": len(rec.turns),
+                               "tool_calls": result.tool_calls, "tokens": len(traj.ids),
+                               "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
                                "tool_wall_s": result.tool_wall_s, "termination": result.termination,
                                "reward": result.reward, "resolved": result.resolved, "suite_wait_s": 0.0,
                                "suite_runs": 0, "harness_exit": exit_info.get("exit_status", "")})
         import policy
-        return Rollout(rollout_id=f"{task.task_id}-{index}", task_id=task.task_id, env=task.env, sample_index=index,
-                       group_size=sp.n, prompt=task.prompt, spec=task.spec, prompt_ids=traj.prompt_ids,
-                       completion_ids=traj.ids, completion_text=self.tok.decode(traj.ids), logprobs=traj.logprobs,
+        return Rollout(rollout_id=f"{task.task_id}-{index}", task_id=task.task_id, env=task.env,
+                       sample_index=index, group_size=sp.n, prompt=task.prompt, spec=task.spec,
+                       prompt_ids=traj.prompt_ids, completion_ids=traj.ids,
+                       completion_text=self.tok.decode(traj.ids), logprobs=traj.logprobs,
                        token_versions=traj.versions, sampling=task.sampling,
                        sampling_mask=policy.SamplingMask.from_rows(traj.rows).to_wire(), quant=traj.quant,
                        finish_reason=traj.finish or "abort", cost_tokens=sum(traj.mask), wall_s=result.wall_s,
                        worker_id=self.worker_id, split=task.split, epoch=traj.epoch, loss_mask=traj.mask,
-                       turns=max(len(rec.turns), 1), tool_calls=result.tool_calls, termination=result.termination,
+                       turns=max(len(rec.turns), 1), tool_calls=result.tool_calls,
+                       termination=result.termination,
                        episode={**result.to_dict(), "harness": self.harness, "harness_exit": exit_info,
                                 "trajectory": {k: v for k, v in rec.stats.items()},
                                 "turn_log": [{"finish": ""} for _ in rec.turns]})

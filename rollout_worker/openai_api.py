@@ -11,7 +11,8 @@
 Every request belongs to an episode: the `X-Episode-Id` header, else the body's `episode_id`
 (extra field), else its `user`; a request naming none gets a new id, returned in the
 `X-Episode-Id` response header. Episodes the worker opened keep their KV row between turns;
-ad-hoc ones (an id the worker did not open) hold none between requests. Requests of one episode run one at a time; the recorder
+ad-hoc ones (an id the worker did not open) hold none between requests. Requests of one episode
+run one at a time; the recorder
 (rollout_worker/trajectory.py) appends the harness's text between turns as observation ids and
 keeps the engine's generated ids as the model turns. Generation is the engine's (`generate` with
 keep=True, then `extend` of the kept sequence: only the new observation is prefilled), so every
@@ -163,7 +164,8 @@ class OpenAIEndpoint:
         if not isinstance(stop, list) or len(stop) > 8 or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("stop must be a non-empty string or a list of at most 8 of them")
         top_k = num("top_k", 0, 0, 1 << 20, int)           # vLLM's extra field
-        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, n=n), stop, n
+        sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, n=n)
+        return sp, stop, n
 
     async def _body(self, request: web.Request) -> dict:
         try:
@@ -173,7 +175,8 @@ class OpenAIEndpoint:
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
         if body.get("tools") or body.get("functions"):
-            raise RequestError("tools are not supported: use a text-based harness (actions in the message text)")
+            raise RequestError("tools are not supported: use a text-based harness (actions in the "
+                               "message text)")
         return body
 
     # -- generation -----------------------------------------------------------------------------
@@ -192,8 +195,8 @@ class OpenAIEndpoint:
             if rec.handle is not None:
                 self._release(rec)
             ctx = rec.context_ids + obs
-            g0 = await self.engine.generate(ctx, sp, seed=base, keep=rec.keep and hasattr(self.engine, "extend"),
-                                            stop_seqs=stop_seqs)
+            keep = rec.keep and hasattr(self.engine, "extend")
+            g0 = await self.engine.generate(ctx, sp, seed=base, keep=keep, stop_seqs=stop_seqs)
             rec.handle = g0.handle if g0.handle >= 0 else None
         ctx = rec.context_ids + obs + g0.completion_ids     # (for the other choices: before g0)
         others = await asyncio.gather(*(self.engine.generate(ctx[:len(ctx) - len(g0.completion_ids)], sp,
@@ -223,7 +226,8 @@ class OpenAIEndpoint:
         out = []
         for t, lp in zip(g.completion_ids, g.logprobs):
             s = self.tok.decode([t])
-            out.append({"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8")), "top_logprobs": []})
+            out.append({"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": []})
         return out
 
     # -- handlers -------------------------------------------------------------------------------
@@ -269,7 +273,8 @@ class OpenAIEndpoint:
                 sp, stop, n = self._sampling(body, len(rec.context_ids) + len(obs))
                 if rec.sampling is not None:
                     task = rec.sampling
-                    sp = dataclasses.replace(sp, temperature=task.temperature, top_p=task.top_p, top_k=task.top_k)
+                    sp = dataclasses.replace(sp, temperature=task.temperature, top_p=task.top_p,
+                                             top_k=task.top_k)
                 choices = await self._generate(rec, obs, sp, stop, n, body.get("seed"))
                 rec.stats["requests"] += 1
             except (RequestError, ValueError) as e:     # the engine refuses bad ids / lengths with ValueError
@@ -342,13 +347,15 @@ class OpenAIEndpoint:
         try:
             rec = await self.end_episode(eid, "explicit")
         except KeyError:
-            return web.json_response({"error": {"message": f"no episode {eid!r}", "type": "not_found"}}, status=404)
+            return web.json_response({"error": {"message": f"no episode {eid!r}", "type": "not_found"}},
+                                     status=404)
         return web.json_response(self.summary(rec))
 
     async def episode_http(self, request: web.Request) -> web.Response:
         rec = self.episodes.get(request.match_info["eid"])
         if rec is None:
-            return web.json_response({"error": {"message": "no such episode", "type": "not_found"}}, status=404)
+            return web.json_response({"error": {"message": "no such episode", "type": "not_found"}},
+                                     status=404)
         return web.json_response(self.summary(rec, ids=True))
 
     def summary(self, rec: TrajectoryRecorder, ids: bool = False) -> dict:
@@ -358,5 +365,6 @@ class OpenAIEndpoint:
              "tokens": len(t.ids) if t else 0, **rec.stats, **{k: v for k, v in rec.meta.items()
                                                                  if isinstance(v, (str, int, float, bool))}}
         if ids and t is not None:
-            d.update(prompt_ids=t.prompt_ids, ids=t.ids, mask=t.mask, versions=t.versions, logprobs=t.logprobs)
+            d.update(prompt_ids=t.prompt_ids, ids=t.ids, mask=t.mask, versions=t.versions,
+                     logprobs=t.logprobs)
         return d

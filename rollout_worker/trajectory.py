@@ -14,7 +14,8 @@ wrote:
 
 The same request sent again (a client retry: the harness never saw the last turn) drops that
 turn and generates it anew (`retried_turns`). A request whose earlier part does not equal what
-was recorded otherwise (the harness dropped or rewrote history) cannot continue the sampled sequence: the recorder starts over from that request's whole
+was recorded otherwise (the harness dropped or rewrote history) cannot continue the sampled
+sequence: the recorder starts over from that request's whole
 context as a prompt (`restarts`, `dropped_model_tokens`), so the rollout never holds an id the
 sampler did not produce under the context it was trained with. An assistant message the server
 never generated (a harness-written demonstration) is context, not a model turn (`foreign_turns`).
@@ -33,6 +34,7 @@ from envs.conversation import PlainFormat
 from .episodes import Trajectory
 
 _MARK = "\x00asyncrl-assistant-{}\x00"
+ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class RequestError(ValueError):
@@ -56,7 +58,7 @@ def check_messages(messages) -> list[dict]:
         raise RequestError("messages must be a non-empty list")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise RequestError(f"messages[{i}]: need a role of system|user|assistant|tool|developer")
         if m.get("tool_calls"):
             raise RequestError(f"messages[{i}]: tool calls are not supported; use a text-based harness")
@@ -132,7 +134,7 @@ class TrajectoryRecorder:
     def checkpoint(self) -> tuple:
         """What a request may change before it generates (restore() undoes a refused one)."""
         t = self.traj
-        lists = None if t is None else (list(t.ids), list(t.mask), list(t.logprobs), list(t.versions), list(t.rows))
+        lists = None if t is None else tuple(list(x) for x in (t.ids, t.mask, t.logprobs, t.versions, t.rows))
         return t, lists, list(self.turns), set(self._divergent), dict(self.stats), self.rewound
 
     def restore(self, saved: tuple) -> None:
