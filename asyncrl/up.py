@@ -112,13 +112,14 @@ def progress_table(tel: Telemetry, elapsed: float, steps: int, sup: Supervisor |
         caption = f"{caption}  ·  {ws}" if caption else ws
     t = Table(title=f"asyncrl up — {elapsed:5.0f}s", expand=False, caption=caption)
     for col in ("component", "version", "reward", "success", "tokens/answer", "λ",
-                "staleness", "tok/s", "slots", "stall p99 ms", "delta KB"):
+                "staleness", "k3", "tok/s", "slots", "stall p99 ms", "delta KB"):
         t.add_column(col, justify="right")
     f = lambda v, fmt="{:.3f}": "-" if v is None else fmt.format(v)  # noqa: E731
     for cid, m in sorted(tel.latest.items(), key=lambda kv: (kv[1]["component"], kv[0])):
         t.add_row(f"{m['component']}:{cid[-6:]}", f(m.get("version"), "{}") + (f"/{steps}" if m["component"] == "trainer" else ""),
                   f(m.get("reward_mean")), f(m.get("success_mean")), f(m.get("cost_mean"), "{:.1f}"),
                   f(m.get("lambda"), "{:.4f}"), f(m.get("staleness_mean"), "{:.2f}"),
+                  f(m.get("k3_mean"), "{:.1e}"),       # sampler/learner mismatch KL of this version's batch
                   f(m.get("tokens_per_s"), "{:.0f}"), f(m.get("slot_occupancy"), "{:.0%}"),
                   f(m.get("update_stall_ms_p99"), "{:.1f}"), f(m.get("delta_bytes") and m["delta_bytes"] / 1024, "{:.1f}"))
     return t
