@@ -177,10 +177,9 @@ async def test_scorer_parks_a_non_finite_cost_at_once(tmp_path):
     sc = Scorer(ScorerConfig(cost_unit="wall_s"))
     ro = Rollout(**{**{k: v for k, v in base_rollout("w-0").items() if k not in ("schema", "kind")},
                     "wall_s": math.nan})
-    from envs import Verdict
     try:
         with pytest.raises(EventError, match="bad reward input cost.*wall_s=nan"):
-            await sc._publish(ro, Verdict(1.0, "ok"), 0.0)
+            await sc.handle(ro, None)          # verified (arith), then the reward: before any publish
     finally:
         sc.pool.shutdown(wait=False)
 
