@@ -158,8 +158,8 @@ def isolation() -> tuple[str, bool, bool]:
     use_uid = root and works([python, "-I", "-S", "-c", "pass"], probe_uid)
     if root and not use_uid:
         python = sys.executable
-    ns_cmd = ([setpriv, *PDEATHSIG, unshare, *UNSHARE_FLAGS, "--", setpriv, *DROP_CAPS, python, "-I", "-S", "-c",
-               "pass"] if unshare and setpriv else [])
+    ns_cmd = ([setpriv, *PDEATHSIG, unshare, *UNSHARE_FLAGS, "--", setpriv, *DROP_CAPS,
+               python, "-I", "-S", "-c", "pass"] if unshare and setpriv else [])
     use_ns = bool(ns_cmd) and works(ns_cmd, probe_uid if use_uid else None)
     return python, use_uid, use_ns
 

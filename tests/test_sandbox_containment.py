@@ -63,8 +63,10 @@ def left_on_host(marker: str) -> list[str]:
 
 def test_bash_unmount_mount_and_scratch_writes_leave_nothing_on_the_host(ws):
     m = f"asyncrl-escape-{secrets.token_hex(6)}"
-    out = bash(ws, f"for d in {' '.join(SCRATCH)}; do echo x > $d/{m}; done; ls /tmp/{m} /var/tmp/{m} /dev/shm/{m}; "
-                   f"umount /tmp; echo rc_umount=$?; umount -l /tmp; echo rc_lazy=$?; echo y > /tmp/{m}-after; "
+    out = bash(ws, f"for d in {' '.join(SCRATCH)}; do echo x > $d/{m}; done; "
+                   f"ls /tmp/{m} /var/tmp/{m} /dev/shm/{m}; "
+                   f"umount /tmp; echo rc_umount=$?; umount -l /tmp; echo rc_lazy=$?; "
+                   f"echo y > /tmp/{m}-after; "
                    f"mount -t tmpfs -o size=8g big /mnt; echo rc_mount=$?; "
                    f"unshare -rm mount -t tmpfs -o size=8g big /mnt; echo rc_nested=$?; "
                    f"grep -E '^Cap(Eff|Prm|Bnd)' /proc/self/status")
@@ -79,7 +81,8 @@ def test_bash_sees_only_its_own_processes(ws):
     tag = f"asyncrl-host-secret-{secrets.token_hex(6)}"
     host = subprocess.Popen(["sh", "-c", "sleep 60; :", tag])       # argv a sandbox must not read
     try:
-        out = bash(ws, "sleep 30 & ps -e -o pid=,comm=; echo '='=SEP; cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+        out = bash(ws, "sleep 30 & ps -e -o pid=,comm=; echo '='=SEP; "
+                       "cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
     finally:
         host.kill()
         host.wait()
@@ -188,7 +191,8 @@ def test_sigkilled_workers_workspaces_and_processes_are_gone_after_its_restart(t
     os.chmod(tmp, 0o711)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": tmp, "OMP_NUM_THREADS": "1"}
     # the worker's episode thread, mid-command (the same Episode and LocalBackend the worker runs)
-    victim = subprocess.Popen([sys.executable, "-c", EPISODE], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    victim = subprocess.Popen([sys.executable, "-c", EPISODE], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              text=True)
     first = victim.stdout.readline().split()
     uid, ep_root = int(first[1]), first[3]
     deadline = time.monotonic() + 30
@@ -294,8 +298,8 @@ def test_scorer_as_non_root_refuses_to_start_naming_the_missing_layer(tmp_path):
 def test_scorer_as_non_root_with_allow_weak_sandbox_starts_and_says_so(tmp_path):
     conf = public_file(tmp_path, 'allow_weak_sandbox = true\n[bus]\nservers = ["nats://127.0.0.1:1"]\n')
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/", "ASYNCRL_LOG_JSON": "1"}
-    p = subprocess.Popen([sys.executable, "-c", AS_NOBODY, str(conf)], cwd="/", env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen([sys.executable, "-c", AS_NOBODY, str(conf)], cwd="/", env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         seen = []
         for line in p.stdout:                     # past the check: it goes on to connect (to nothing)

@@ -23,8 +23,8 @@ SECURITY = {"seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined
 DOCKER_CAPS = ("chown", "dac_override", "fsetid", "fowner", "mknod", "net_raw", "setgid", "setuid", "setfcap",
                "setpcap", "net_bind_service", "sys_chroot", "kill", "audit_write")
 # unit directives that would take a layer away (namespaces, a fresh /proc, devices)
-FORBIDDEN = ("RestrictNamespaces", "ProtectKernelTunables", "ProtectKernelLogs", "ProtectProc", "PrivateUsers",
-             "ProcSubset", "DevicePolicy", "ProtectClock", "SystemCallFilter")
+FORBIDDEN = ("RestrictNamespaces", "ProtectKernelTunables", "ProtectKernelLogs", "ProtectProc",
+             "PrivateUsers", "ProcSubset", "DevicePolicy", "ProtectClock", "SystemCallFilter")
 
 
 def compose_services(*files) -> dict:
@@ -74,7 +74,8 @@ def test_units_run_as_root_with_a_small_bounding_set_and_keep_the_namespaces(uni
     assert not set(d) & set(FORBIDDEN), set(d) & set(FORBIDDEN)
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze: apt-get install systemd")
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="no systemd-analyze: apt-get install systemd")
 def test_sandboxed_units_verify(tmp_path):
     root = tmp_path / "root"
     shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
@@ -87,8 +88,8 @@ def test_sandboxed_units_verify(tmp_path):
     exe.write_text("#!/bin/sh\n")
     exe.chmod(0o755)
     names = [u.replace("@.", "@1.") for u in SANDBOXED_UNITS]
-    r = subprocess.run(["systemd-analyze", "verify", f"--root={root}", *names], cwd=sysdir, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(["systemd-analyze", "verify", f"--root={root}", *names], cwd=sysdir,
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
 
 
@@ -97,9 +98,10 @@ CHECK = "from envs import isolation; isolation.require(); print('full isolation'
 
 def _check_under(caps: list[str]) -> subprocess.CompletedProcess:
     bounding = "-all," + ",".join(f"+{c}" for c in caps)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(["setpriv", "--no-new-privs", f"--bounding-set={bounding}", "--inh-caps=-all", "--",
-                           sys.executable, "-c", CHECK], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=300)
+                           sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
 
 
 needs_root_ns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
