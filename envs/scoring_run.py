@@ -31,7 +31,8 @@ def score(task, repo: str, dest: str, tools: str, run, prepare) -> tuple[dict[st
     nonce = secrets.token_hex(16)
     try:
         snap = scoring_copy.snapshot(task)
-        py = {r: d.decode("utf-8", "replace") for r, (k, d) in snap.items() if k == "file" and r.endswith(".py")}
+        py = {r: d.decode("utf-8", "replace") for r, (k, d) in snap.items()
+              if k == "file" and r.endswith(".py")}
         plan = value_tests.plan(task, py)
         copy = scoring_copy.build(task, repo, dest, with_tests=plan is None, snap=snap)
         info.dropped, info.n_dropped = copy.dropped, copy.n_dropped
@@ -48,7 +49,8 @@ def score(task, repo: str, dest: str, tools: str, run, prepare) -> tuple[dict[st
     except (OSError, ValueError) as e:
         info.infra = "scoring_copy"
         return {}, f"scoring copy failed: {e}", info
-    res = run(value_command(tools) if plan else test_command(task.runner, task.test_paths, tools, report=True))
+    res = run(value_command(tools) if plan else
+              test_command(task.runner, task.test_paths, tools, report=True))
     if res.reason.startswith("sandbox error"):
         info.infra = "sandbox"
         return {}, f"tests: {res.reason}", info

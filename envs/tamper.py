@@ -34,7 +34,8 @@ NAMES = {
 }
 STRINGS = ("/proc", "/dev/fd", "asyncrl", "_pytest", "pytest", "conftest", "sitecustomize", "__pycache__",
            ".pth", "report-key", "__eq__", "__ne__")
-BUILTIN_TYPES = {"int", "str", "float", "bytes", "list", "tuple", "dict", "set", "frozenset", "complex", "bool"}
+BUILTIN_TYPES = {"int", "str", "float", "bytes", "list", "tuple", "dict", "set", "frozenset", "complex",
+                 "bool"}
 
 
 def _counts(text: str) -> Counter:
@@ -137,4 +138,5 @@ def tests_digest(task, snap: dict[str, tuple[str, bytes]]) -> dict[str, str]:
     """sha256 of every pristine test module and conftest, for the runners' collection check."""
     import hashlib
     return {r: hashlib.sha256(d).hexdigest() for r, (k, d) in snap.items()
-            if k == "file" and r.endswith(".py") and (is_test_path(r, task) or os.path.basename(r) == "conftest.py")}
+            if k == "file" and r.endswith(".py")
+            and (is_test_path(r, task) or os.path.basename(r) == "conftest.py")}

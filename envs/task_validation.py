@@ -23,7 +23,9 @@ def run_suite(files: dict[str, str], runner: str, test_paths: list[str], base_di
     try:
         if ws.error:
             return {}, ws.error
-        return ws.run_hidden_tests(task, limits)
+        status, detail = ws.run_hidden_tests(task, limits)
+        forged = getattr(getattr(ws, "score_info", None), "tampered", "")
+        return status, "; ".join(x for x in (detail, f"tampered: {forged}" if forged else "") if x)
     finally:
         ws.close()
 

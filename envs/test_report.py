@@ -88,7 +88,8 @@ def read_report(output: str, nonce: str, runner: str = "mini") -> Report:
         elif kind == "END":
             end_at = i
             if rest.strip() != str(n_tests):
-                rep.tampered.append(f"the runner ended after {rest.strip()[:20]} test lines, {n_tests} were read")
+                rep.tampered.append(f"the runner ended after {rest.strip()[:20]} test lines, "
+                                    f"{n_tests} were read")
         else:
             rep.tampered.append(f"unknown report kind {kind[:20]!r}")
     rep.complete = end_at is not None
@@ -111,8 +112,10 @@ def cross_check_summary(lines: list[str], status: dict[str, str]) -> list[str]:
     passed = [t for t, s in status.items() if s == "PASS"]
     bad = [t for t in passed if not term.get(t, set()) & {"PASSED", "XPASS"} or term[t] & {"FAILED", "ERROR"}]
     if bad:
-        return [f"{len(bad)} test(s) reported passing that pytest's summary does not pass (e.g. {bad[0][:120]})"]
-    n_term = sum(1 for ln in lines[start + 1:] if ln.startswith(("PASSED ", "XPASS "))) if start is not None else 0
+        return [f"{len(bad)} test(s) reported passing that pytest's summary does not pass "
+                f"(e.g. {bad[0][:120]})"]
+    after = lines[start + 1:] if start is not None else []
+    n_term = sum(1 for ln in after if ln.startswith(("PASSED ", "XPASS ")))
     if n_term != len(passed):
         return [f"pytest's summary passes {n_term} tests, the report {len(passed)}"]
     return []

@@ -38,7 +38,8 @@ class Plan:
         got = {}
         if isinstance(values, list):
             for item in values:
-                if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and item[0] not in got:
+                if (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                        and item[0] not in got):
                     got[item[0]] = item[1]
         ns_of = {path: _context_ns(src) for path, src in self.context.items()}
         status, first = {}, ""
@@ -126,12 +127,13 @@ def plan(task, snap: dict[str, str] | None = None) -> Plan | None:
     if snap is None:
         from .scoring_copy import snapshot
         try:
-            snap = {r: d.decode("utf-8") for r, (k, d) in snapshot(task).items() if k == "file" and r.endswith(".py")}
+            snap = {r: d.decode("utf-8") for r, (k, d) in snapshot(task).items()
+                    if k == "file" and r.endswith(".py")}
         except (OSError, UnicodeDecodeError):
             return None
     files = _test_files(task, snap)
     modules = {r[:-3].replace("/", ".") for r in snap if r.endswith(".py") and r not in files}
-    roots = {m.split(".")[0] for m in modules} | {m[:-len(".__init__")] for m in modules if m.endswith(".__init__")}
+    roots = {m.split(".")[0] for m in modules}
     p = Plan()
     for path in files:
         try:
@@ -146,7 +148,8 @@ def plan(task, snap: dict[str, str] | None = None) -> Plan | None:
 def _file_plan(p: Plan, path: str, tree: ast.Module, roots: set[str]) -> bool:
     cands, cmods, ctx = set(), set(), []
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] in roots:
+        if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                and node.module.split(".")[0] in roots):
             cands |= {a.asname or a.name for a in node.names}
             p.imports.append(ast.unparse(node))
         elif isinstance(node, ast.Import) and any(a.name.split(".")[0] in roots for a in node.names):

@@ -139,7 +139,8 @@ def _make_checker(emit, key, root):
                 code = getattr(getattr(t, name, None), "__code__", None)
                 if code is None:
                     continue
-                f = os.path.relpath(code.co_filename, root) if code.co_filename[:1] == "/" else code.co_filename
+                f = code.co_filename
+                f = os.path.relpath(f, root) if f[:1] == "/" else f
                 q = getattr(code, "co_qualname", code.co_name)
                 if f in changed and q not in allowed.get(f, ()):
                     seen[t] = True
@@ -241,7 +242,8 @@ def main(report, count, key):
     import builtins
     tests_sha = key.get("tests", {})
     chk, transform = _make_checker(report, key, os.getcwd())
-    orig = (os.write, report.__code__, report.__closure__, BaseException, AssertionError, builtins._asyncrl_chk)
+    orig = (os.write, report.__code__, report.__closure__, BaseException, AssertionError,
+            builtins._asyncrl_chk)
     n_pass = n_fail = 0
     for i, path in enumerate(files(args)):
         want = tests_sha.get(path)
@@ -388,14 +390,18 @@ def _setup():
     def rewrite_asserts(mod, source, module_path=None, config=None):
         return rewrite(transform(mod), source, module_path, config)
     RW.rewrite_asserts = rewrite_asserts
-    targets = [(R, "call_and_report"), (R, "runtestprotocol"), (R, "call_runtest_hook"), (R, "check_interactive_exception"),
+    targets = [(R, "call_and_report"), (R, "runtestprotocol"), (R, "call_runtest_hook"),
+               (R, "check_interactive_exception"),
                (R.CallInfo, "from_call"), (Rep, "from_item_and_call"), (Rep, "__init__"),
                (_pytest.reports.BaseReport, "passed"), (_pytest.reports.BaseReport, "failed"),
                (_pytest.python, "pytest_pyfunc_call"), (_pytest.main, "pytest_runtestloop"),
-               (_pytest.skipping, "pytest_runtest_makereport"), (_pytest.terminal.TerminalReporter, "pytest_runtest_logreport"),
-               (_pytest.terminal.TerminalReporter, "short_test_summary"), (_pytest.outcomes, "skip"), (_pytest.outcomes, "exit"),
+               (_pytest.skipping, "pytest_runtest_makereport"),
+               (_pytest.terminal.TerminalReporter, "pytest_runtest_logreport"),
+               (_pytest.terminal.TerminalReporter, "short_test_summary"), (_pytest.outcomes, "skip"),
+               (_pytest.outcomes, "exit"),
                (_pytest.outcomes, "fail"), (_pytest.outcomes, "xfail"), (pluggy.HookCaller, "__call__"),
-               (pluggy.PluginManager, "_hookexec"), (builtins, "AssertionError"), (os, "write"), (os, "_exit"),
+               (pluggy.PluginManager, "_hookexec"), (builtins, "AssertionError"), (os, "write"),
+               (os, "_exit"),
                (sys, "exit"), (sys, "modules"), (builtins, "_asyncrl_chk"), (RW, "rewrite_asserts")]
 
     def state():
@@ -406,7 +412,8 @@ def _setup():
             out.append((v, getattr(f, "__code__", None)))
         return out
     before = state()
-    mods = {m: sys.modules.get(m) for m in ("pytest", "_pytest", "pluggy", "_pytest.runner", "_pytest.reports", __name__)}
+    mods = {m: sys.modules.get(m)
+            for m in ("pytest", "_pytest", "pluggy", "_pytest.runner", "_pytest.reports", __name__)}
     outcome = {}
     hooks0 = {}
 
