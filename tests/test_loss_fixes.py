@@ -232,3 +232,70 @@ def test_dropped_stale_sample_is_out_of_its_group_baseline():
     before = learner.loss(samples, grad=False)[0]
     samples[2].reward = samples[3].reward = 1.0
     assert torch.equal(learner.loss(samples, grad=False)[0], before)
+
+
+# -- 1 (skip_uniform_groups): what "uniform" compares ---------------------------------------------------
+
+@pytest.mark.parametrize("by", ["reward", "success"])
+async def test_skip_uniform_by_success_skips_groups_that_differ_by_cost_alone(bus, fresh_server, tmp_path, by):
+    """A group that always succeeds, rewards 1 - lambda * length: skipped with skip_uniform_by =
+    "success" (its signal is lambda * length alone), kept with "reward" (its rewards differ)."""
+    from bus import topology as topo
+    from trainer.batcher import Batcher, ConsumedIds
+    from tests.helpers.trainer import MODEL, make_scored, trainer_config
+    cfg = trainer_config(fresh_server.url, tmp_path, skip_uniform_groups=True, skip_uniform_by=by)
+    model = Transformer(ModelConfig.from_dict(MODEL))
+    rng = random.Random(0)
+    for tid, success in (("lenonly", [1, 1, 1, 1]), ("mixA", [0, 1, 0, 1]), ("mixB", [1, 0, 0, 0])):
+        for i, s in enumerate(success):
+            sc = make_scored(model, tid, i, 4, 0, rng, reward=float(s) - 0.01 * (10 + 5 * i))
+            sc.success = float(s)
+            await bus.publish(topo.scored_subject("arith"), sc)
+    b = Batcher(bus, cfg, ConsumedIds(), 128)
+    await b.start()
+    batch = None
+    try:
+        batch = await b.next_batch(0, max_wait_s=30)
+    finally:
+        await b.close(held_back=batch)
+    tasks = {s.rollout.task_id for s in batch.samples}
+    if by == "success":
+        assert tasks == {"mixA", "mixB"} and {s.rollout.task_id for s in batch.skipped} == {"lenonly"}
+    else:
+        assert "lenonly" in tasks and not batch.skipped
+
+
+# -- mismatch under control: the lag cap follows k3 -----------------------------------------------------
+
+def test_lag_cap_moves_one_version_at_a_time_with_the_mismatch():
+    from trainer.lag_control import next_lag_cap
+    cap, caps = 4, []
+    for k3 in (0.05, 0.05, 0.05, 0.05, 0.05, 0.012, 0.004, None, 0.004, 0.004, 0.004):
+        cap = next_lag_cap(cap, k3, max_k3=0.01, max_lag=4)
+        caps.append(cap)
+    # down to 1 (never 0) while above target, held between target/2 and target, back up below it
+    assert caps == [3, 2, 1, 1, 1, 1, 2, 2, 3, 4, 4]
+    assert next_lag_cap(1, 0.5, max_k3=0.0, max_lag=4) == 4          # off: always max_lag
+    assert next_lag_cap(0, 0.5, max_k3=0.01, max_lag=0) == 0         # max_lag 0 stays 0
+    with pytest.raises(ValueError, match="max_k3"):
+        TrainerConfig(max_k3=-1.0)
+
+
+async def test_batcher_weighs_staleness_with_the_lag_cap_it_is_given(bus, fresh_server, tmp_path):
+    from bus import topology as topo
+    from trainer.batcher import Batcher, ConsumedIds
+    from tests.helpers.trainer import MODEL, make_scored, trainer_config
+    cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, max_lag=4, max_k3=0.01)
+    model = Transformer(ModelConfig.from_dict(MODEL))
+    rng = random.Random(0)
+    for i, v in enumerate([10, 9, 8, 7]):                            # lags 0..3 at version 10
+        await bus.publish(topo.scored_subject("arith"), make_scored(model, "g", i, 4, v, rng))
+    b = Batcher(bus, cfg, ConsumedIds(), 128)
+    await b.start()
+    b.max_lag = 1                                                    # what next_lag_cap set after a bad k3
+    batch = None
+    try:
+        batch = await b.next_batch(10, max_wait_s=30)
+    finally:
+        await b.close(held_back=batch)
+    assert [s.lag for s in batch.samples] == [0, 1, 2, 3] and [s.weight for s in batch.samples] == [1, 1, 0, 0]

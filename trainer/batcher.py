@@ -146,6 +146,7 @@ class Batcher:
         # rollout id -> sample handed out in a batch and not yet acked (trained, being checkpointed)
         self.inflight: dict[str, Sample] = {}
         self.sub = None
+        self.max_lag = cfg.max_lag           # the lag cap applied (trainer/lag_control.py moves it: max_k3)
         self.counters = {"duplicates": 0, "invalid": 0, "received": 0, "redelivered_held": 0, "heartbeats": 0,
                          "timed_out": 0, "late": 0, "uniform_groups": 0}
         self._keepalive: asyncio.Task | None = None
@@ -290,7 +291,7 @@ class Batcher:
         sizes = {}
         for s in samples:
             sizes[s.group] = sizes.get(s.group, 0) + 1
-        for s, w in zip(samples, stale_weights([s.lag for s in samples], cfg.max_lag, cfg.stale, cfg.stale_weight)):
+        for s, w in zip(samples, stale_weights([s.lag for s in samples], self.max_lag, cfg.stale, cfg.stale_weight)):
             # a timed-out group of one has no baseline: consumed and acked, never trained on
             s.weight = 0.0 if sizes[s.group] == 1 and (s.rollout.group_size or cfg.group_size) > 1 else w
         late, self.late = list(self.late.values()), {}

@@ -42,6 +42,9 @@ class TrainerConfig:
     max_lag: int = 4                     # samples with a token older than this many versions are stale
     stale: str = "drop"                  # drop | downweight
     stale_weight: float = 0.5            # downweight: weight = stale_weight ** (lag - max_lag)
+    # hold the sampler/learner mismatch (k3_mean) under this by lowering the lag allowed, one version
+    # per step, between 1 and max_lag (trainer/lag_control.py); 0 = off (the lag cap is max_lag)
+    max_k3: float = 0.0
     dedupe_window: int = 200_000         # consumed rollout ids remembered (in the checkpoint)
     fetch_timeout_s: float = 1.0
     # skip groups whose rewards are all equal (DAPO's dynamic sampling): their advantages are 0, so
@@ -159,6 +162,7 @@ class TrainerConfig:
             "batch_groups": self.batch_groups >= 1,
             "group_size": self.group_size >= 1,
             "max_lag": self.max_lag >= 0,
+            "max_k3": self.max_k3 >= 0,
             "is_clip": self.is_clip > 0,
             "keyframe_interval": self.keyframe_interval >= 1,
             "lease_ttl_s": self.lease_ttl_s > 0,

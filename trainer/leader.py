@@ -42,6 +42,7 @@ from .dist import broadcast_obj, sync_state
 from .evaluate import evaluate
 from .feeding import TaskFeeder
 from .keys import load_signing_key
+from .lag_control import next_lag_cap
 from .learner import Learner, check_finite_state, nonfinite_samples, pack
 from .publish_shards import ShardedVersion
 from .lease import LeaderLease, LeaseLost
@@ -370,6 +371,8 @@ class Trainer:
         if live:
             self.version += 1
             self.step_n += 1
+        stats["max_lag_applied"] = batcher.max_lag          # the cap this batch was weighed with
+        batcher.max_lag = next_lag_cap(batcher.max_lag, stats.get("k3_mean"), self.cfg.max_k3, self.cfg.max_lag)
         batch.trained_ids = [p.rollout_id for p in packed if live and p.weight > 0 and p.completion_ids]
         self.consumed.add(batch.rollout_ids)
         if self.sharded:                 # parts now (a collective: not while the next step runs)
