@@ -2,6 +2,9 @@
 and must be the run's own; a weight follower without a public key says so (log + gauge)."""
 from __future__ import annotations
 
+import shutil
+
+import pytest
 import torch
 from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
@@ -143,3 +146,39 @@ async def test_trainer_resumes_only_a_checkpoint_of_its_own_digest_chain(bus, fr
     assert isinstance(resumed.chain, DigestChain) and resumed.chain.latest == 0
     await asyncio.to_thread(resumed.resume)
     assert delta_codec.state_digest(resumed.learner.published_state()) == tr.digest
+
+
+def test_sharded_checkpoint_metadata_is_read_without_running_code(tmp_path):
+    """DCP unpickles a shard folder's .metadata; trainer/shards.py reads it with SafeReader: a real
+    DCP checkpoint loads, a planted .metadata that would run code is refused and runs nothing."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from trainer.safe_dcp import SafeReader, UnsafeMetadata
+    from trainer.shards import load_any
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "shards-a"), no_dist=True)
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    load_any(fresh, fresh_opt, tmp_path, {"__dcp__": "shards-a"}, None)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+    marker = tmp_path / "pwned"
+    planted = tmp_path / "shards-b"
+    shutil.copytree(tmp_path / "shards-a", planted)
+    (planted / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(BaseException) as e:   # DCP wraps the reader's UnsafeMetadata (CheckpointException)
+        load_any(fresh, fresh_opt, tmp_path, {"__dcp__": "shards-b"}, None)
+    assert "checkpoint metadata refers to pathlib.Path.touch" in str(e.value), repr(e.value)
+    with pytest.raises(UnsafeMetadata, match="builtins.getattr"):
+        SafeReader(planted).read_metadata() if (planted / ".metadata").write_bytes(
+            b"cbuiltins\ngetattr\n(cos\nsystem\nVtrue\ntR.") else None
+    assert not marker.exists(), "the planted metadata ran its code"

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from .commands import world
+from .safe_dcp import SafeReader
 
 SHARDS = re.compile(r"^shards-e(\d{8})-v(\d{8})$")
 
@@ -82,11 +83,12 @@ def load_any(model, opt, ckpt_dir: str | Path, model_state: dict | None, opt_sta
         if model_state.get("optim", True):
             msd, osd = get_state_dict(model, opt)
             sd = {"model": msd, "optim": osd}
-            dcp.load(sd, checkpoint_id=str(path))  # without a process group: one process reads every shard
+            # without a process group: one process reads every shard; SafeReader: metadata runs no code
+            dcp.load(sd, checkpoint_id=str(path), storage_reader=SafeReader(path))
             set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         else:                                      # saved before the first step: a fresh optimizer
             sd = {"model": get_model_state_dict(model)}
-            dcp.load(sd, checkpoint_id=str(path))
+            dcp.load(sd, checkpoint_id=str(path), storage_reader=SafeReader(path))
             set_model_state_dict(model, sd["model"])
         return
     if ws == 1:
