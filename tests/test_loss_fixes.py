@@ -23,10 +23,12 @@ V = 97          # no other dimension of the model is 97: a [..., 97] tensor is a
 
 def tiny(seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(ModelConfig.tiny(vocab_size=V, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64))
+    return Transformer(ModelConfig.tiny(vocab_size=V, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                                        d_ff=64))
 
 
-def samples_for(model, n: int = 8, seed: int = 0, sampling=None, rewards=None, lens=(3, 9, 17)) -> list[PackedSample]:
+def samples_for(model, n: int = 8, seed: int = 0, sampling=None, rewards=None,
+                lens=(3, 9, 17)) -> list[PackedSample]:
     """Groups of 2 with the model's own behaviour logprobs (ratio 1 until a test moves them)."""
     rng = random.Random(seed)
     sampling = sampling or {"temperature": 1.0}
@@ -37,7 +39,8 @@ def samples_for(model, n: int = 8, seed: int = 0, sampling=None, rewards=None, l
         with torch.no_grad():
             lp = sequence_logprobs(model, [prompt], [comp], SamplingConfig.from_dict(sampling)).logprobs[0]
         r = rng.random() if rewards is None else rewards[i]
-        out.append(PackedSample(f"r{i}", i // 2, r, 1.0, 0, prompt, comp, [float(x) for x in lp], sampling, {}, {}))
+        out.append(PackedSample(f"r{i}", i // 2, r, 1.0, 0, prompt, comp, [float(x) for x in lp], sampling,
+                                {}, {}))
     return out
 
 
@@ -100,7 +103,8 @@ def test_masked_loss_is_the_loss_over_kept_tokens_only():
     kept = w > 0
     ref = -(w[kept] * a[kept] * logp[kept]).sum() / kept.sum()
     ref.backward()
-    assert math.isclose(float(loss), float(-(w[kept] * a[kept]).sum() / kept.sum()), rel_tol=1e-5, abs_tol=1e-7)
+    want = float(-(w[kept] * a[kept]).sum() / kept.sum())
+    assert math.isclose(float(loss), want, rel_tol=1e-5, abs_tol=1e-7)
     torch.testing.assert_close(g_learner, grads(model), rtol=1e-4, atol=1e-7)
 
 
@@ -221,7 +225,8 @@ def test_dropped_stale_sample_is_out_of_its_group_baseline():
     torch.testing.assert_close(group_advantages(r, g, "std", live=live), torch.tensor([1.0, -1.0, 0.0, 0.0]),
                                rtol=1e-4, atol=1e-5)
     # one live member left: no baseline, no signal
-    assert torch.equal(group_advantages(r, g, "mean", live=torch.tensor([True, False, False, False])), torch.zeros(4))
+    alone = torch.tensor([True, False, False, False])
+    assert torch.equal(group_advantages(r, g, "mean", live=alone), torch.zeros(4))
     # in the learner: the reward of a dropped sample changes nothing
     model = tiny(5)
     samples = samples_for(model, n=4, rewards=[1.0, 0.0, 0.0, 0.0])
@@ -298,4 +303,5 @@ async def test_batcher_weighs_staleness_with_the_lag_cap_it_is_given(bus, fresh_
         batch = await b.next_batch(10, max_wait_s=30)
     finally:
         await b.close(held_back=batch)
-    assert [s.lag for s in batch.samples] == [0, 1, 2, 3] and [s.weight for s in batch.samples] == [1, 1, 0, 0]
+    assert [s.lag for s in batch.samples] == [0, 1, 2, 3]
+    assert [s.weight for s in batch.samples] == [1, 1, 0, 0]

@@ -42,7 +42,8 @@ def test_far_off_policy_token_with_weight_zero_gives_a_finite_loss_and_gradient(
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    return Transformer(ModelConfig.tiny(vocab_size=V, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64))
+    return Transformer(ModelConfig.tiny(vocab_size=V, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                        d_ff=64))
 
 
 def _batch(model, poison=None) -> list[PackedSample]:
@@ -62,14 +63,16 @@ def _batch(model, poison=None) -> list[PackedSample]:
 def _snapshot(learner: Learner):
     params = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
     opt = learner.opt.state_dict()
-    state = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()} for k, st in opt["state"].items()}
+    state = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
+             for k, st in opt["state"].items()}
     return params, state, [dict(g) for g in opt["param_groups"]]
 
 
 def _identical(a, b) -> bool:
     pa, sa, ga = a
     pb, sb, gb = b
-    return (pa.keys() == pb.keys() and all(torch.equal(pa[k].view(torch.int32), pb[k].view(torch.int32)) for k in pa)
+    return (pa.keys() == pb.keys()
+            and all(torch.equal(pa[k].view(torch.int32), pb[k].view(torch.int32)) for k in pa)
             and sa.keys() == sb.keys()
             and all(torch.equal(sa[k][n], sb[k][n]) if torch.is_tensor(sa[k][n]) else sa[k][n] == sb[k][n]
                     for k in sa for n in sa[k])

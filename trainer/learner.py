@@ -213,7 +213,7 @@ class Learner:
         scale = float(ws) if is_sharded(self.model) else 1.0
         total = torch.zeros((), device=dev)
         kept, kl_sum, kl_weight = 0.0, 0.0, 0.0
-        keep: dict[str, list[torch.Tensor]] = {"logp": [], "behav": [], "adv": [], "w": [], "ent": [], "model": []}
+        keep: dict[str, list[torch.Tensor]] = {k: [] for k in ("logp", "behav", "adv", "w", "ent", "model")}
         with torch.set_grad_enabled(grad or backward):
             for k in range(n_pass):
                 if k >= len(runs):
@@ -428,7 +428,8 @@ class Learner:
             bad = bad.to(next(self.model.parameters()).device)
             dist.all_reduce(bad, op=dist.ReduceOp.SUM)
         if float(bad.sum()) > 0:
-            raise NonFiniteWeights(f"version {to_version}: {int(bad.sum())} non-finite weights: refusing to publish")
+            raise NonFiniteWeights(f"version {to_version}: {int(bad.sum())} non-finite weights: "
+                                   "refusing to publish")
         part, self._rows_base = encode_local_part(self.model, self._rows_base, from_version, to_version,
                                                   context=self.delta_context)
         if not is_sharded(self.model):

@@ -15,7 +15,8 @@ clamped to +-20 before any exponent (policy.clamp_log_ratio, the one place):
     is_mode = "truncated": w_t = min(rho_t, C)                         (detached)
     is_mode = "masked":    w_t = rho_t if 1/C <= rho_t <= C else 0    (detached; 0 = rejected)
     is_mode = "none":      w_t = 1
-    per-token objective  o_t = w_t A_t (1 + log pi_t - sg(log pi_t))   (value w_t A_t, gradient w_t A_t grad log pi)
+    per-token objective  o_t = w_t A_t (1 + log pi_t - sg(log pi_t))
+                         (value w_t A_t, gradient w_t A_t grad log pi: no exponent on the gradient path)
     KL (kl_coef > 0)     q_t = w_t (k3_t + sg(d_t) (log pi_t - sg(log pi_t))),  d_t = log pi_t - log ref_t,
                          k3_t = exp(-d_t) + d_t - 1 (clamped like a log-ratio)
     loss = -sum_t s_t o_t / N - entropy_coef sum_t s_t H_t / N + kl_coef sum_t s_t q_t / N
@@ -119,11 +120,11 @@ def pg_loss(logp: torch.Tensor, behav: torch.Tensor, adv: torch.Tensor, weight: 
             loss = loss + cfg.kl_coef * torch.where(live, q, torch.zeros_like(q)).sum() / n
         stats["kl_sum"] = float(torch.where(live, s * w * k3, torch.zeros_like(k3)).sum())
         stats["kl_weight"] = float(torch.where(live, s * w, torch.zeros_like(k3)).sum())
-    on = weight > 0
+    on, mode = weight > 0, cfg.is_mode
     rho = clamp_log_ratio(logp.detach() - behav).exp()[on]
     stats.update({
         "is_weight_mean": float(w[on].mean()) if on.any() else 0.0,
-        "frac_truncated": float((rho > cfg.is_clip).float().mean()) if on.any() and cfg.is_mode == "truncated" else 0.0,
-        "frac_masked": float((w[on] == 0).float().mean()) if on.any() and cfg.is_mode == "masked" else 0.0,
+        "frac_truncated": float((rho > cfg.is_clip).float().mean()) if on.any() and mode == "truncated" else 0.0,
+        "frac_masked": float((w[on] == 0).float().mean()) if on.any() and mode == "masked" else 0.0,
     })
     return loss, stats
