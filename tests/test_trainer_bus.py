@@ -89,7 +89,7 @@ async def test_stale_dropped_duplicates_and_bad_rollouts_refused(bus, fresh_serv
     # the dropped samples change nothing in the loss
     learner = build_learner(model, build_optimizer(model, cfg), cfg)
     packed = pack(batch)
-    # dropped samples still count in their group's baseline, but their tokens weigh nothing
+    # dropped samples are out of their group's baseline and their tokens weigh nothing (issue #31 item 6)
     import dataclasses
     scrambled = [s if s.weight > 0 else dataclasses.replace(s, completion_ids=[5] * 9, logprobs=[-1.0] * 9,
                                                              sampling_mask=SamplingMask.full(9).to_wire())
