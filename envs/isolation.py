@@ -17,7 +17,8 @@ for every layer the containment promises (docs/environments.md#containment):
 
 `require(allow_weak)` raises WeakSandbox naming the missing layers unless weak isolation is
 allowed. `reap(root_dir)` removes the `ep-*` workspaces no live process holds (a workspace's
-creator holds a lock on its directory: `claim()`), killing any process still working in them.
+creator holds a lock on its directory: `claim()`), killing any process still working in them;
+`startup()` also reaps the sandboxes' own run directories (`asyncrl-sbx-*`, `asyncrl-cmd-*`).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ import signal
 import tempfile
 import time
 
-from .sandbox import FRESH_UID_BASE, BashLimits, SandboxLimits, isolation, run_bash, run_python, fresh_uid
+from .sandbox import FRESH_UID_BASE, BashLimits, SandboxLimits, fresh_uid, isolation, run_bash, run_python
+from .sandbox import claim  # noqa: F401  (re-exported: a workspace claims its directory)
 
 LAYERS = ("fresh-uid", "netns", "pidns", "mountns", "tmp-masks", "tmp-cap", "ipcns", "no-caps", "no-mount",
           "no-userns", "pdeathsig")
@@ -182,14 +184,6 @@ def require(allow_weak: bool = False) -> dict[str, bool]:
 
 # -- leftovers of a killed process ----------------------------------------------------------------
 
-def claim(path: str) -> int:
-    """Hold a lock on a workspace directory for as long as the returned fd is open (the kernel
-    drops it when the process dies, however it dies): `reap` leaves held directories alone."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return fd
-
-
 def _held(path: str) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -222,11 +216,18 @@ def _kill_inside(dirs: list[str]) -> int:
     return n
 
 
-def reap(root_dir: str, grace_s: float = 2.0) -> dict[str, int]:
-    """Remove the `ep-*` workspaces under `root_dir` that no live process holds (older than
-    `grace_s`: a workspace is claimed right after it is made) and kill what still runs in them."""
+# what the sandboxes leave in the temp dir while they run (run_python's run dir, run_bash's
+# output), reaped only when clearly stale: a process of an older version holds no lock on them
+SANDBOX_DIRS = ("asyncrl-sbx-", "asyncrl-cmd-")
+SANDBOX_DIRS_GRACE_S = 900.0
+
+
+def reap(root_dir: str, grace_s: float = 2.0, prefixes: tuple[str, ...] = ("ep-",)) -> dict[str, int]:
+    """Remove the directories named `prefixes`* (default: the `ep-*` workspaces) under `root_dir`
+    that no live process holds (older than `grace_s`: a directory is claimed right after it is
+    made) and kill what still runs in them."""
     try:
-        names = [n for n in os.listdir(root_dir) if n.startswith("ep-")]
+        names = [n for n in os.listdir(root_dir) if n.startswith(prefixes)]
     except FileNotFoundError:
         return {"workspaces": 0, "processes": 0}
     now = time.time()
@@ -251,10 +252,11 @@ def startup(allow_weak: bool = False, workspaces: str | None = None) -> dict[str
     them (asyncrl_sandbox_layer). Raises WeakSandbox unless complete or `allow_weak`."""
     from bus import get_logger, metrics        # (a library: logging and metrics only)
     log = get_logger("envs.isolation")
-    if workspaces:
-        reaped = reap(workspaces)
-        if reaped["workspaces"] or reaped["processes"]:
-            log.warning("reaped a killed process's leftovers", root=workspaces, **reaped)
+    for root, prefixes, grace in ((workspaces, ("ep-",), 2.0),
+                                  (tempfile.gettempdir(), SANDBOX_DIRS, SANDBOX_DIRS_GRACE_S)):
+        reaped = reap(root, grace, prefixes) if root else {}
+        if reaped.get("workspaces") or reaped.get("processes"):
+            log.warning("reaped a killed process's leftovers", root=root, **reaped)
     layers = check()
     metrics.observe_sandbox(layers)
     gone = missing(layers)

@@ -27,6 +27,7 @@ Every outcome comes back as a SandboxResult with a reason; nothing here raises o
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 import random
@@ -133,6 +134,15 @@ class SandboxResult:
         return self.reason == "ok"
 
 
+def claim(path: str) -> int:
+    """Hold a lock on a directory this process made for as long as the returned fd is open (the
+    kernel drops it when the process dies, however it dies): envs.isolation.reap() removes only
+    directories nobody holds."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
 def _tool(name: str) -> str | None:
     return shutil.which(name, path="/usr/bin:/bin:/usr/sbin:/sbin")
 
@@ -211,6 +221,7 @@ def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None 
     uid = _fresh_uid() if use_uid else None
     layers = ["pgroup", "rlimits", "audit-net" if not limits.network else "net-allowed"]
     tmp = tempfile.mkdtemp(prefix="asyncrl-sbx-")
+    held = claim(tmp)                       # a restart's isolation.reap() spares it while we live
     t0 = time.perf_counter()
     try:
         for name, text in files.items():
@@ -283,6 +294,7 @@ def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None 
         return SandboxResult(f"sandbox error: {e}", -1, wall_s=time.perf_counter() - t0, isolation=layers)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(held)
 
 
 def _read_mark(fd: int) -> bool:
@@ -396,6 +408,7 @@ def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None 
     layers = ["pgroup", "rlimits"]
     t0 = time.perf_counter()
     out_dir = tempfile.mkdtemp(prefix="asyncrl-cmd-")       # root-only: the command never sees it
+    held = claim(out_dir)
     try:
         out_path, mark_path = os.path.join(out_dir, "out"), os.path.join(out_dir, "mark")
         # RLIMIT_NPROC counts every task of the uid: only meaningful under a fresh uid (a shared
@@ -454,6 +467,7 @@ def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None 
         return SandboxResult(f"sandbox error: {e}", -1, wall_s=time.perf_counter() - t0, isolation=layers)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
+        os.close(held)
 
 
 def _wait_disk_capped(proc: subprocess.Popen, timeout: float, path: str, cap: int) -> tuple[bool, bool]:

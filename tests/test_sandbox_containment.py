@@ -325,3 +325,55 @@ def test_bash_disk_fill_is_stopped_during_the_command(ws):
 def test_an_out_of_memory_kill_takes_the_sandbox_first(ws):
     assert bash(ws, "cat /proc/self/oom_score_adj").strip() == "1000"
     assert python("print(open('/proc/self/oom_score_adj').read().strip())").stdout.strip() == b"1000"
+
+
+SCORING = """
+from envs.sandbox import SandboxLimits, run_python
+print("go", flush=True)
+run_python({"main.py": "import time; time.sleep(1000)"}, "main.py", SandboxLimits(wall_s=600.0, cpu_s=600))
+"""
+
+
+def test_sigkilled_scorers_sandbox_run_is_gone_after_its_restart(tmp_path):
+    tmp = tempfile.mkdtemp(prefix="asyncrl-test-tmpdir-")
+    os.chmod(tmp, 0o711)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": tmp, "OMP_NUM_THREADS": "1"}
+    try:
+        victim = subprocess.Popen([sys.executable, "-c", SCORING], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  text=True)
+        assert victim.stdout.readline().strip() == "go"
+        deadline = time.monotonic() + 30
+        runs: list[str] = []
+        while not runs and time.monotonic() < deadline:
+            runs = [os.path.join(tmp, n) for n in os.listdir(tmp) if n.startswith("asyncrl-sbx-")]
+            time.sleep(0.1)
+        assert runs
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        time.sleep(0.5)
+        assert os.path.isdir(runs[0])
+        os.utime(runs[0], (time.time() - 3600,) * 2)                 # clearly stale, as after a real crash
+        conf = public_file(tmp_path, '[bus]\nservers = ["nats://127.0.0.1:1"]\n')
+        scorer = subprocess.Popen([sys.executable, "-m", "scorer", "--config", conf], cwd=ROOT,
+                                  env={**env, "ASYNCRL_LOG_JSON": "1"}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        try:
+            lines = []
+            for line in scorer.stdout:
+                lines.append(line)
+                if "sandbox isolation" in line:
+                    break
+            assert not os.path.exists(runs[0]), "".join(lines)
+            assert not [p for p in os.listdir("/proc") if p.isdigit() and _cwd_in(p, runs[0])]
+        finally:
+            scorer.kill()
+            scorer.wait()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _cwd_in(pid: str, path: str) -> bool:
+    try:
+        return (os.readlink(f"/proc/{pid}/cwd") + "/").startswith(path + "/")
+    except OSError:
+        return False
