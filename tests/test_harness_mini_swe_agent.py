@@ -39,7 +39,8 @@ def test_adapter_runs_commands_in_the_episode_and_submits():
         mini_swe_agent.unregister("adapter-1")
         ep.close()
     with pytest.raises(ValueError, match="no live episode"):
-        get_environment({"environment_class": "envs.mini_swe_agent.SandboxEnvironment", "episode_id": "adapter-1"})
+        get_environment({"environment_class": "envs.mini_swe_agent.SandboxEnvironment",
+                         "episode_id": "adapter-1"})
 
 
 class RecordingEngine:
@@ -83,8 +84,8 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
     # ```bash block), three model calls
     conf = tmp_path / "mini.yaml"
     conf.write_text("agent:\n  step_limit: 3\nmodel:\n  action_regex: '\\A(.*)\\Z'\n")
-    w = Worker(WorkerConfig(bus=BusConfig(servers=[fresh_server.url]), worker_id="w-msa", harness="mini-swe-agent",
-                            harness_config=str(conf)), bus, engine=rec_eng)
+    w = Worker(WorkerConfig(bus=BusConfig(servers=[fresh_server.url]), worker_id="w-msa",
+                            harness="mini-swe-agent", harness_config=str(conf)), bus, engine=rec_eng)
     limits = EpisodeLimits(max_turns=6, max_turn_tokens=40, prompt_style="toy")
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=40, n=1)
     task = Task(task_id=gen_task.task_id, env="swe-gen", prompt="", spec=episode_spec(gen_task, limits),
@@ -112,9 +113,9 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
     assert [v for v, m in zip(r.token_versions, r.loss_mask) if m] == [3] * len(model)
     obs = [i for i, m in enumerate(r.loss_mask) if not m]
     assert obs and all(r.token_versions[i] == -1 and r.logprobs[i] == 0.0 for i in obs)
-    assert r.loss_mask[-1] == 1 and r.turns == 3 and r.tool_calls == 3          # every command ran in the sandbox
+    assert r.loss_mask[-1] == 1 and r.turns == 3 and r.tool_calls == 3      # every command ran in the sandbox
     assert r.prompt_ids[:1] == [TOK.bos_id] and "USER:\n" in TOK.decode(r.prompt_ids)
-    assert set(r.episode["tests"]) == set(gen_task.fail_to_pass + gen_task.pass_to_pass)   # scored: hidden tests
+    assert set(r.episode["tests"]) == set(gen_task.fail_to_pass + gen_task.pass_to_pass)   # hidden tests
     assert r.episode["trajectory"]["divergent_turns"] == 0 and r.episode["trajectory"]["restarts"] == 0
     assert eng.kept == {} and w.episode_runner.stats["episodes"] == 1
     assert batch.samples[0].scored.cost == float(len(model))
@@ -124,8 +125,9 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
 def test_worker_config_refuses_bad_harness_settings(tmp_path):
     from rollout_worker.harness import load_harness_config
     from rollout_worker.worker import WorkerConfig
-    for kw, why in ((dict(harness="openhands"), "harness must be"), (dict(endpoint_port=70000), "endpoint_port"),
-                    (dict(harness="mini-swe-agent", harness_config=str(tmp_path / "none.yaml")), "not a file")):
+    cases = ((dict(harness="openhands"), "harness must be"), (dict(endpoint_port=70000), "endpoint_port"),
+             (dict(harness="mini-swe-agent", harness_config=str(tmp_path / "none.yaml")), "not a file"))
+    for kw, why in cases:
         with pytest.raises(ValueError, match=why):
             WorkerConfig(worker_id="w", **kw)
     bad = tmp_path / "bad.yaml"

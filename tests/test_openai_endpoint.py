@@ -63,7 +63,8 @@ async def test_chat_logprobs_equal_replay_and_turns_are_token_exact(served):
     assert rec.traj.ids == c1.model_extra["token_ids"] and TOK.decode(rec.traj.ids) == c1.message.content
     assert [e.logprob for e in c1.logprobs.content] == rec.traj.logprobs
     # turn 2: the harness appends a tool output; it becomes observation ids after turn 1's ids
-    conv = SYS + [{"role": "assistant", "content": c1.message.content}, {"role": "user", "content": "ok\tdone"}]
+    conv = SYS + [{"role": "assistant", "content": c1.message.content},
+                  {"role": "user", "content": "ok\tdone"}]
     r2 = await client.chat.completions.create(model="toy", messages=conv, max_tokens=12, logprobs=True,
                                               extra_headers=h)
     obs = TOK.encode("\n\nUSER:\nok?done\n\nASSISTANT:\n")          # (a tab is no char-model id: '?')
@@ -89,7 +90,8 @@ async def test_chat_logprobs_equal_replay_and_turns_are_token_exact(served):
     assert t.ids[:len(before)] == before and rec.stats["divergent_turns"] == 1 and rec.stats["restarts"] == 0
     assert t.ids[-4:] == r3.choices[0].model_extra["token_ids"]
     # a history the sampler never continued (turn 2 dropped): a new trajectory, nothing trained twice
-    r4 = await client.chat.completions.create(model="toy", messages=SYS[:1] + [{"role": "user", "content": "x"}],
+    r4 = await client.chat.completions.create(model="toy",
+                                              messages=SYS[:1] + [{"role": "user", "content": "x"}],
                                               max_tokens=4, extra_headers=h)
     assert rec.stats["restarts"] == 1 and rec.stats["dropped_model_tokens"] == 12 + 32
     assert t is not rec.traj and rec.traj.ids == r4.choices[0].model_extra["token_ids"]
@@ -109,8 +111,10 @@ async def test_delta_mid_turn_shows_two_versions(served):
     k = t.versions.index(1)
     assert 8 <= k < 120 and t.versions == [0] * k + [1] * (120 - k)
     assert r.choices[0].model_extra["token_versions"] == t.versions
-    conv = SYS + [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "go"}]
-    await client.chat.completions.create(model="toy", messages=conv, max_tokens=5, extra_headers={"X-Episode-Id": "hot"})
+    conv = SYS + [{"role": "assistant", "content": r.choices[0].message.content},
+                  {"role": "user", "content": "go"}]
+    await client.chat.completions.create(model="toy", messages=conv, max_tokens=5,
+                                         extra_headers={"X-Episode-Id": "hot"})
     assert t.versions[-5:] == [1] * 5 and -1 in t.versions and 0 in t.versions
     assert list(eng.kept) == [ep.episodes["hot"].handle]     # turn 2 continued the kept sequence
     summary = await ep.end_episode("hot")
@@ -127,7 +131,8 @@ async def test_streaming_completions_assignment_and_bad_requests(served):
     c = await client.completions.create(model="toy", prompt="def add(a, b):", max_tokens=6, logprobs=1)
     raw = await client.completions.with_raw_response.create(model="toy", prompt="x", max_tokens=2)
     assert raw.headers["X-Episode-Id"].startswith("ep-")        # no id given: one is assigned
-    eid = next(e for e, r in ep.episodes.items() if r.traj.prompt_ids == TOK.encode("def add(a, b):", bos=True))
+    want = TOK.encode("def add(a, b):", bos=True)
+    eid = next(e for e, r in ep.episodes.items() if r.traj.prompt_ids == want)
     assert len(c.choices[0].logprobs.token_logprobs) == 6
     c2 = await client.completions.create(model="toy", prompt="def add(a, b):" + c.choices[0].text + "\n#",
                                          max_tokens=3, extra_headers={"X-Episode-Id": eid})
@@ -159,4 +164,5 @@ async def test_streaming_completions_assignment_and_bad_requests(served):
         assert (await http.post("/v1/episodes/nope/end")).status_code == 404
     assert ended == [eid]
     with pytest.raises(openai.BadRequestError, match="has ended"):
-        await client.completions.create(model="toy", prompt="x", max_tokens=2, extra_headers={"X-Episode-Id": eid})
+        await client.completions.create(model="toy", prompt="x", max_tokens=2,
+                                        extra_headers={"X-Episode-Id": eid})

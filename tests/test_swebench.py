@@ -64,7 +64,8 @@ def test_round_trip_gold_resolves_empty_does_not(exported, tmp_path, capsys):
         assert {**t.files, **it.hidden_tests} == {**t.files, **t.hidden_tests}
         assert (it.fail_to_pass, it.pass_to_pass, it.runner, it.split) == (t.fail_to_pass, t.pass_to_pass,
                                                                           t.runner, t.split)
-    gold = [{"instance_id": i["instance_id"], "model_patch": i["patch"], "model_name_or_path": "gold"} for i in insts]
+    gold = [{"instance_id": i["instance_id"], "model_patch": i["patch"], "model_name_or_path": "gold"}
+            for i in insts]
     rep = _evaluate(capsys, gold, str(tmp_path), "--tasks", str(tmp_path / "imp"))
     assert rep["resolved_instances"] == 3 and rep["error_instances"] == 0, rep
     # straight from the instance file (imported into a temporary set), as the SWE-bench harness takes it
@@ -114,7 +115,8 @@ def test_bad_instances_refused_nothing_written(exported, tmp_path, capsys):
     }
     for name, (inst, why) in cases.items():
         src = tmp_path / f"{name}.jsonl"
-        inst = {**inst, "repo_path": os.path.join(root / "exp", inst["repo_path"]) if inst.get("repo_path") else ""}
+        where = os.path.join(root / "exp", inst["repo_path"]) if inst.get("repo_path") else ""
+        inst = {**inst, "repo_path": where}
         src.write_text(json.dumps(good | {"repo_path": os.path.join(root / "exp", good["repo_path"])}) + "\n"
                        + json.dumps(inst) + "\n")
         capsys.readouterr()
@@ -126,15 +128,19 @@ def test_bad_instances_refused_nothing_written(exported, tmp_path, capsys):
     assert tasks_main(["import", str(src), "--out", str(tmp_path / "dup")]) == 2
     assert "duplicate" in capsys.readouterr().err
     # predictions: unknown ids and non-string patches are listed as errors, the rest still scored
-    preds = [{"instance_id": "nope", "model_patch": "x"}, {"instance_id": good["instance_id"], "model_patch": 3}]
+    preds = [{"instance_id": "nope", "model_patch": "x"},
+             {"instance_id": good["instance_id"], "model_patch": 3}]
     rep = _evaluate(capsys, preds, str(tmp_path), "--instances", str(root / "exp" / "instances.jsonl"))
     assert rep["error_ids"] == sorted(["nope", good["instance_id"]]) and rep["resolved_instances"] == 0
 
 
-PKG_SRC = "def snake(name):\n    out = []\n    for i, c in enumerate(name):\n        if c.isupper() and i:\n" \
-          "            out.append('_')\n        out.append(c.lower())\n    return ''.join(out)\n"
-PKG_TESTS = "import pytest\nfrom minipkg import snake\n\n\n@pytest.mark.parametrize('a,b', [('FooBar', 'foo_bar'), " \
-            "('x', 'x')])\ndef test_snake(a, b):\n    assert snake(a) == b\n\n\ndef test_empty():\n    assert snake('') == ''\n"
+PKG_SRC = ("def snake(name):\n    out = []\n    for i, c in enumerate(name):\n"
+           "        if c.isupper() and i:\n            out.append('_')\n        out.append(c.lower())\n"
+           "    return ''.join(out)\n")
+PKG_TESTS = ("import pytest\nfrom minipkg import snake\n\n\n"
+             "@pytest.mark.parametrize('a,b', [('FooBar', 'foo_bar'), ('x', 'x')])\n"
+             "def test_snake(a, b):\n    assert snake(a) == b\n\n\n"
+             "def test_empty():\n    assert snake('') == ''\n")
 
 
 def test_package_task_round_trip_on_the_pytest_runner(tmp_path, capsys):
