@@ -242,6 +242,8 @@ def main(report, count, key):
     import builtins
     tests_sha = key.get("tests", {})
     chk, transform = _make_checker(report, key, os.getcwd())
+    if not key.get("nonce"):            # the agent's own runs: its tracebacks exactly as written
+        transform = lambda tree: tree  # noqa: E731
     orig = (os.write, report.__code__, report.__closure__, BaseException, AssertionError,
             builtins._asyncrl_chk)
     n_pass = n_fail = 0
