@@ -7,7 +7,8 @@ each event type has its own schema version and `decode` refuses any other.
 Every number is checked, whole lists included (vectorised, `validation.py`): every element of a
 list has its declared type, every float field is finite, every int fits int64, and each kind's
 `validate` adds its ranges (a Rollout's logprobs finite and <= 0, token ids >= 0, versions
-monotone, wall_s finite and >= 0; a Scored's rewards and costs finite and bounded). A reason
+monotone, wall_s finite and >= 0; a Scored's rewards and costs finite and bounded; a Task's
+and a Rollout's λ, where stamped, finite and >= 0). A reason
 names the field and the index (`Rollout r-0: logprobs[3] = nan is not finite`). Token ids are
 checked against the vocabulary by the consumer that knows it (the trainer: check_rollout).
 
@@ -92,9 +93,16 @@ class Task(Event):
     split: str = "train"                            # train | eval
     min_version: int = 0                            # sync mode: generate with at least this version
     created_at: float = field(default_factory=time.time)
+    # λ of the cost penalty, stamped at feed time: every member of the group is scored with it
+    # (None: an older feeder's task, or none stamped; the scorer then uses its live KV value)
+    lambda_: float | None = None
 
     def msg_id(self) -> str:
         return f"task-{self.task_id}"
+
+    def validate(self) -> None:
+        if self.lambda_ is not None:
+            check_float(f"Task {self.task_id}", "lambda_", self.lambda_, 0.0, MAX_REWARD)
 
 
 @dataclass(kw_only=True)
@@ -132,6 +140,7 @@ class Rollout(Event):
     tool_calls: int = 0            # commands run
     termination: str = ""          # an episode's termination reason (envs.episode.TERMINATIONS)
     episode: dict = field(default_factory=dict)   # envs.episode.EpisodeResult dict; {} for single-turn
+    lambda_: float | None = None   # its task's λ (Task.lambda_); None: the scorer's live λ (older events)
 
     def msg_id(self) -> str:
         return f"rollout-{self.rollout_id}"
@@ -157,6 +166,8 @@ class Rollout(Event):
         check_int(where, "group_size", self.group_size, 0, MAX_TOKENS + 1)     # 0: the trainer's default
         check_int(where, "epoch", self.epoch, 0, MAX_VERSION)
         check_float(where, "wall_s", self.wall_s, 0.0, MAX_WALL_S)
+        if self.lambda_ is not None:
+            check_float(where, "lambda_", self.lambda_, 0.0, MAX_REWARD)
         int_array(where, "prompt_ids", self.prompt_ids, 0, MAX_ID)
         int_array(where, "completion_ids", self.completion_ids, 0, MAX_ID)
         float_array(where, "logprobs", self.logprobs, MIN_LOGPROB, 0.0)

@@ -21,8 +21,10 @@ def chat_renderer(tok) -> Callable[[str], str]:
 
 
 def make_tasks(env_name: str, n: int, sampling: SamplingParams, rng, split: str = "train",
-               min_version: int = 0, render: Callable[[str], str] | None = None) -> list[Task]:
-    """`n` Task events drawn from `env_name` (no I/O); `render` rewrites each prompt (chat_renderer)."""
+               min_version: int = 0, render: Callable[[str], str] | None = None,
+               lambda_: float | None = None) -> list[Task]:
+    """`n` Task events drawn from `env_name` (no I/O); `render` rewrites each prompt (chat_renderer);
+    `lambda_` is stamped on each (its group is scored with it; None: the scorers' live λ)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     check_split(split)
@@ -35,14 +37,17 @@ def make_tasks(env_name: str, n: int, sampling: SamplingParams, rng, split: str 
         t = env.sample(rng, split)
         prompt = render(t.prompt) if render is not None else t.prompt
         tasks.append(Task(task_id=new_id(), env=env_name, prompt=prompt, spec=t.spec, sampling=dict(sp),
-                          split=split, min_version=min_version))
+                          split=split, min_version=min_version, lambda_=lambda_))
+    for t in tasks:
+        t.validate()          # a λ that is not finite and >= 0 is refused here, before anything is sent
     return tasks
 
 
 async def publish_tasks(bus, env_name: str, n: int, sampling: SamplingParams, rng, split: str = "train",
-                        min_version: int = 0, render: Callable[[str], str] | None = None) -> list[str]:
+                        min_version: int = 0, render: Callable[[str], str] | None = None,
+                        lambda_: float | None = None) -> list[str]:
     """Draw `n` tasks and publish them to rl.tasks.<env> (acked by JetStream); returns the task ids
     (= group ids: every rollout of a task carries its task_id)."""
-    tasks = make_tasks(env_name, n, sampling, rng, split, min_version, render)
+    tasks = make_tasks(env_name, n, sampling, rng, split, min_version, render, lambda_)
     await bus.publish_many([(topo.task_subject(env_name), t) for t in tasks])
     return [t.task_id for t in tasks]

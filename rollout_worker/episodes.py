@@ -183,6 +183,7 @@ class EpisodeRunner:
                        finish_reason=traj.finish or "abort", cost_tokens=sum(traj.mask), wall_s=result.wall_s,
                        worker_id=self.worker_id, split=task.split, epoch=traj.epoch, loss_mask=traj.mask,
                        turns=max(result.turns, 1), tool_calls=result.tool_calls, termination=result.termination,
+                       lambda_=task.lambda_,
                        episode={**result.to_dict(), "turn_log": [{"finish": t["finish"]} for t in traj.turns]})
 
 

@@ -186,7 +186,7 @@ class HarnessRunner(EpisodeRunner):
                        finish_reason=traj.finish or "abort", cost_tokens=sum(traj.mask), wall_s=result.wall_s,
                        worker_id=self.worker_id, split=task.split, epoch=traj.epoch, loss_mask=traj.mask,
                        turns=max(len(rec.turns), 1), tool_calls=result.tool_calls,
-                       termination=result.termination,
+                       termination=result.termination, lambda_=task.lambda_,
                        episode={**result.to_dict(), "harness": self.harness, "harness_exit": exit_info,
                                 "trajectory": {k: v for k, v in rec.stats.items()},
                                 "turn_log": [{"finish": ""} for _ in rec.turns]})

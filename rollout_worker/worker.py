@@ -234,7 +234,7 @@ class Worker:
                             logprobs=g.logprobs, token_versions=g.token_versions, sampling=task.sampling,
                             sampling_mask=g.sampling_mask, quant=g.quant, finish_reason=g.finish_reason,
                             cost_tokens=len(g.completion_ids), wall_s=g.wall_s, worker_id=self.cfg.worker_id,
-                            split=task.split, epoch=g.epoch)
+                            split=task.split, epoch=g.epoch, lambda_=task.lambda_)   # the group's λ
                     for i, g in enumerate(gens)]
         subject = topo.rollout_subject(task.env)
         await asyncio.gather(*(self.bus.publish(subject, r) for r in rollouts))   # acked by JetStream

@@ -2,7 +2,9 @@
 
     rollout ─▶ env = get_env(rollout.env)          unknown env / bad spec  ─▶ DLQ with reason
              ─▶ verdict = env.verify(text, spec)   (thread pool: the sandbox waits on a subprocess)
-             ─▶ reward = success − λ·cost − overlong shaping         λ: live from KV rl-control/lambda
+             ─▶ reward = success − λ·cost − overlong shaping         λ: the rollout's own (stamped on its
+                                                                        task at feed time: one per group),
+                                                                        else live from KV rl-control/lambda
              ─▶ publish Scored(rl.scored.<env>) ─▶ return (the ConsumerLoop acks)
 A verifier crash raises: the loop naks and, after max_deliver, parks the rollout in DLQ; on that
 last delivery the scorer first publishes it as an infrastructure failure (Scored.infra
@@ -150,7 +152,9 @@ class Scorer:
             max_tokens = int(ro.sampling.get("max_tokens", 0) or 0)
             shaping = overlong_penalty(ro.cost_tokens, max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_scale)
         verify_s = time.perf_counter() - t0
-        lam = self.lam                                   # one λ per event, recorded in it
+        # the group's λ, stamped on its task when fed: every member priced alike however KV moved since;
+        # an older rollout without one gets the live λ. One λ per event, recorded in it.
+        lam = ro.lambda_ if ro.lambda_ is not None else self.lam
         try:
             cost = rollout_cost(self.cfg.cost_unit, ro.cost_tokens, ro.wall_s, int(verdict.tool_calls))
             penalty, reward = compute_reward(score, cost, lam, shaping)

@@ -1,6 +1,7 @@
 """TrainerConfig: every knob of the learner process, read from TOML then ASYNCRL_* env."""
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -8,10 +9,16 @@ from pathlib import Path
 
 from bus import BusConfig
 
+PENALTIES = ("linear", "success_only", "group_normalised")
+LAMBDA_SCHEDULES = ("fixed", "ramp", "budget")
 
 HINTS = {"ppo_clip": "removed (must be 0): with one optimizer step per batch a clip is no trust region "
                     "(against this step's own policy the ratio is 1; against the behaviour policy it only "
-                    "masks stale tokens): use is_mode = 'masked' for that (docs/trainer.md)"}
+                    "masks stale tokens): use is_mode = 'masked' for that (docs/trainer.md)",
+         "penalty_cap": "in (0, 0.5): a penalty spread of 2 x cap under 1 never outweighs success",
+         "lambda_ramp_versions": "lambda_schedule = 'ramp' needs lambda_ramp_versions >= 1 (and lambda_target)",
+         "budget_tokens": "lambda_schedule = 'budget' needs budget_tokens > 0 (tokens per answer aimed at)",
+         "budget_lr": "lambda_schedule = 'budget' needs budget_lr > 0 (λ's step per version at 2x the budget)"}
 
 
 @dataclass
@@ -59,6 +66,19 @@ class TrainerConfig:
     # mean: r - mean_g (Dr. GRPO: lambda * cost keeps its scale) | std: (r - mean_g) / (std_g + eps)
     # (std cancels lambda in a group of uniform success: docs/trainer.md#advantage-and-loss)
     adv_norm: str = "mean"
+    # how the cost penalty enters the advantage (trainer/penalty.py, docs/trainer.md#cost-penalty):
+    # linear (the scorer's success - λ·cost) | success_only (only successful members pay λ·cost) |
+    # group_normalised (cost z-scored in its group, clamped to ±1, scaled by min(λ·mean cost, penalty_cap))
+    penalty: str = "linear"
+    penalty_cap: float = 0.25            # group_normalised: |penalty| <= this (< 0.5: never outweighs success)
+    # who sets λ (KV rl-control/lambda, stamped on each group at feed time; trainer/lambda_control.py):
+    # fixed (never written here) | ramp (lambda_target · min(1, version / lambda_ramp_versions)) |
+    # budget (dual ascent: λ <- max(0, λ + budget_lr · (tokens per answer / budget_tokens - 1)) per version)
+    lambda_schedule: str = "fixed"
+    lambda_target: float = 0.0
+    lambda_ramp_versions: int = 0
+    budget_tokens: float = 0.0
+    budget_lr: float = 0.0
     is_mode: str = "truncated"           # truncated | masked | none
     is_clip: float = 2.0                 # C: truncated IS clamps at C; masked IS keeps ratios in [1/C, C]
     micro_batch: int = 32                # sequences per forward pass (at most)
@@ -152,6 +172,15 @@ class TrainerConfig:
             "is_mode": self.is_mode in ("truncated", "masked", "none"),
             "adv_norm": self.adv_norm in ("std", "mean"),
             "skip_uniform_by": self.skip_uniform_by in ("reward", "success"),
+            "penalty": self.penalty in PENALTIES,
+            "penalty_cap": 0 < self.penalty_cap < 0.5,
+            "lambda_schedule": self.lambda_schedule in LAMBDA_SCHEDULES,
+            "lambda_target": math.isfinite(self.lambda_target) and self.lambda_target >= 0,
+            "lambda_ramp_versions": self.lambda_ramp_versions >= (1 if self.lambda_schedule == "ramp" else 0),
+            "budget_tokens": math.isfinite(self.budget_tokens) and self.budget_tokens >= 0
+                             and (self.budget_tokens > 0 or self.lambda_schedule != "budget"),
+            "budget_lr": math.isfinite(self.budget_lr) and self.budget_lr >= 0
+                         and (self.budget_lr > 0 or self.lambda_schedule != "budget"),
             "ppo_clip": self.ppo_clip == 0,
             "micro_batch": self.micro_batch >= 1,
             "micro_batch_tokens": self.micro_batch_tokens >= 0,

@@ -84,6 +84,7 @@ def build_learner(model, opt, cfg: TrainerConfig, reference: Transformer | None 
     learner = Learner(model, opt, lc, adv_norm=cfg.adv_norm, grad_clip=cfg.grad_clip, replay=cfg.replay,
                       micro_batch=cfg.micro_batch, schedule=build_schedule(cfg), kl_coef=cfg.kl_coef,
                       reference=reference, async_checkpoint=cfg.async_checkpoint,
-                      micro_batch_tokens=cfg.micro_batch_tokens, logit_chunk_tokens=chunk)
+                      micro_batch_tokens=cfg.micro_batch_tokens, logit_chunk_tokens=chunk,
+                      penalty=cfg.penalty, penalty_cap=cfg.penalty_cap)
     learner.delta_context = cfg.delta_context      # sharded parts are coded the same way
     return learner

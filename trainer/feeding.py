@@ -1,5 +1,7 @@
 """Keeps TASKS topped up: async mode holds ~feed_backlog groups queued; sync mode publishes one
-batch per version (min_version = that version) through envs.feeder.publish_tasks."""
+batch per version (min_version = that version) through envs.feeder.publish_tasks. Each group is
+stamped with KV rl-control/lambda as read when it is published (Task.lambda_): the scorers price
+all its members with that one λ, however KV moves while it is generated and scored."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +10,8 @@ import random
 from bus import get_logger
 from bus.events import SamplingParams
 from bus import topology as topo
+
+from . import lambda_control
 
 log = get_logger(__name__)
 
@@ -19,6 +23,7 @@ class TaskFeeder:
         self._next_env = 0
         self.rng = random.Random(f"{cfg.seed}-{cfg.trainer_id}")
         self.render = None
+        self.lam: float | None = None       # the last good KV λ (None: none yet; scorers use their own)
         if cfg.chat_template:       # instruct models: prompts go out as the chat template's user turn
             import policy
             from envs.feeder import chat_renderer
@@ -33,8 +38,9 @@ class TaskFeeder:
         for _ in range(n_groups):                 # round-robin over the configured environments
             env = self.cfg.envs[self._next_env % len(self.cfg.envs)]
             self._next_env += 1
+            self.lam = await lambda_control.read(self.bus, self.lam)      # per group: one λ stamped on it
             ids += await publish_tasks(self.bus, env, 1, self.sampling(), self.rng, min_version=min_version,
-                                       render=self.render)
+                                       render=self.render, lambda_=self.lam)
         self.published += len(ids)
         return ids
 

@@ -42,6 +42,7 @@ from .dist import broadcast_obj, sync_state
 from .evaluate import evaluate
 from .feeding import TaskFeeder
 from .keys import load_signing_key
+from .lambda_control import LambdaSchedule
 from .lag_control import next_lag_cap
 from .learner import Learner, check_finite_state, nonfinite_samples, pack
 from .publish_shards import ShardedVersion
@@ -115,6 +116,7 @@ class Trainer:
         self.fed = asyncio.Event()       # set when a batch is taken or acked: the feeder tops up at once
         self.sync_replaced = 0           # sync: tasks published again because theirs produced nothing
         self.steps_skipped = 0           # non-finite steps skipped (weights untouched), this leader
+        self.lambda_schedule = LambdaSchedule(cfg)    # ramp / budget write KV λ per version (fixed: never)
         self.sharded = cfg.publish == "sharded"
         self.last_parts: ShardedVersion | None = None
         self.chain = DigestChain()       # what the run published: a checkpoint must agree with it
@@ -237,6 +239,7 @@ class Trainer:
         sweeper = await start_sweeper(self.bus) if cfg.sweep_stranded else None
         batcher = Batcher(self.bus, cfg, self.consumed, self.model_cfg.vocab_size)
         await batcher.start()
+        await self.lambda_schedule.start(self.bus, self.version)     # before the first group is stamped
         feeder = TaskFeeder(self.bus, cfg)
         feed_task = asyncio.create_task(feeder.run(stop, lambda: self.version, kick=self.fed)) \
             if cfg.feed and cfg.mode == "async" else None
@@ -463,11 +466,21 @@ class Trainer:
         # outcomes of every episode this version consumed: skipped uniform groups included
         outcome = [(s.reward, s.success, s.cost) for s in packed] + \
             [(x.scored.reward, x.scored.success, x.scored.cost) for x in batch.skipped]
+        # each group's λ (stamped at feed time: one per group; > 1 distinct only from older feeders)
+        group_lams: dict[int, set[float]] = {}
+        for s in packed:
+            group_lams.setdefault(s.group, set()).add(s.lambda_)
+        tokens = _mean([x.rollout.cost_tokens for x in batch.samples + batch.skipped]) \
+            if batch.samples or batch.skipped else None
         values = {
             **{k: v for k, v in stats.items()}, "version": version, "epoch": self.lease.epoch,
             "reward_mean": _mean([o[0] for o in outcome]),
             "success_mean": _mean([o[1] for o in outcome]),
             "cost_mean": _mean([o[2] for o in outcome]), "lambda": _mean([s.lambda_ for s in packed]),
+            "group_lambda": [max(group_lams[g]) for g in sorted(group_lams)],
+            "lambda_mixed_groups": sum(1 for v in group_lams.values() if len(v) > 1),
+            "tokens_per_answer": tokens, "penalty_mode": self.cfg.penalty,
+            **(await self.lambda_schedule.after_version(self.bus, version, tokens)),
             "uniform_groups_skipped": len({x.rollout.task_id for x in batch.skipped}),
             "samples": len(packed), "live_samples": live, "groups": batch.n_groups,
             "staleness_mean": _mean(lags), "staleness_hist": staleness_histogram(lags),

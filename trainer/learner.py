@@ -35,6 +35,7 @@ from policy import (QuantConfig, SamplingConfig, SamplingMask, Transformer, infe
 from .commands import announce, world
 from .fsdp import full_tensor, is_sharded
 from .loss import LossConfig, group_advantages, pg_loss
+from .penalty import apply_penalty
 from .schedule import LRSchedule, apply_schedule
 
 
@@ -56,6 +57,7 @@ class PackedSample:
     cost: float = 0.0
     lambda_: float = 0.0
     loss_mask: list[int] | None = None     # multi-turn: 0 on observation tokens (None: all model tokens)
+    penalty: float = 0.0                   # the scorer's λ·cost + shaping (trainer/penalty.py re-applies λ)
 
     def model_mask(self) -> list[int]:
         return list(self.loss_mask) if self.loss_mask else [1] * len(self.completion_ids)
@@ -68,7 +70,7 @@ def pack(batch) -> list[PackedSample]:
         out.append(PackedSample(r.rollout_id, s.group, float(sc.reward), float(s.weight), int(s.lag),
                                 list(r.prompt_ids), list(r.completion_ids), list(r.logprobs), dict(r.sampling),
                                 dict(r.sampling_mask), dict(r.quant), float(sc.success), float(sc.cost),
-                                float(sc.lambda_), list(r.loss_mask) or None))
+                                float(sc.lambda_), list(r.loss_mask) or None, float(sc.penalty)))
     return out
 
 
@@ -135,11 +137,13 @@ class Learner:
     def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, loss_cfg: LossConfig,
                  adv_norm: str = "mean", grad_clip: float = 0.0, replay: bool = True, micro_batch: int = 32,
                  schedule: LRSchedule | None = None, kl_coef: float = 0.0, reference: Transformer | None = None,
-                 async_checkpoint: bool = False, micro_batch_tokens: int = 0, logit_chunk_tokens: int = 0):
+                 async_checkpoint: bool = False, micro_batch_tokens: int = 0, logit_chunk_tokens: int = 0,
+                 penalty: str = "linear", penalty_cap: float = 0.25):
         self.model, self.opt = model, optimizer
         self.loss_cfg = dataclasses.replace(loss_cfg, kl_coef=kl_coef) if kl_coef else loss_cfg
         self.adv_norm, self.grad_clip, self.replay, self.micro_batch = adv_norm, grad_clip, replay, micro_batch
         self.micro_batch_tokens, self.logit_chunk_tokens = micro_batch_tokens, logit_chunk_tokens
+        self.penalty, self.penalty_cap = penalty, penalty_cap
         self.schedule, self.kl_coef, self.reference = schedule, kl_coef, reference
         self.async_checkpoint, self._pending_saves, self._saves_lock = async_checkpoint, [], threading.Lock()
         self.delta_context = False        # sharded parts: code positions in the context of the base (factory sets it)
@@ -203,6 +207,10 @@ class Learner:
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
         on = torch.zeros(len(samples), dtype=torch.bool)
         on[live] = True
+        if self.penalty != "linear":      # λ re-applied where the group is known (trainer/penalty.py)
+            col = lambda k: torch.tensor([getattr(s, k) for s in samples], dtype=torch.float64)  # noqa: E731
+            rewards = apply_penalty(col("reward"), col("success"), col("cost"), col("lambda_"), col("penalty"), groups,
+                                    self.penalty, self.penalty_cap, live=on)
         # a dropped (stale) sample is out of its group's baseline as well as out of the loss
         adv = group_advantages(rewards, groups, self.adv_norm, live=on)
         # only model tokens are trained on: observation tokens (loss mask 0) count nowhere

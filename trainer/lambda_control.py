@@ -1,0 +1,87 @@
+"""λ of the cost penalty from the trainer's side. The task feeder stamps every group with the value
+of KV rl-control/lambda when it publishes it (so a group is scored with one λ); a schedule
+(TrainerConfig.lambda_schedule) may move that value once per version:
+    fixed   the trainer never writes it (`asyncrl up --lambda`, `calibrate-cost --write`, a person)
+    ramp    λ_v = lambda_target · min(1, v / lambda_ramp_versions): success is learnt before cost
+    budget  λ is a dual variable: after version v, with T_v its mean tokens per answer,
+            λ <- max(0, λ + budget_lr · (T_v / budget_tokens - 1)), read from and written back to KV
+            (a restarted trainer carries on from the value there)
+The KV value is an ASCII decimal, finite and >= 0 (the scorer's scorer.reward.parse_lambda reads it).
+"""
+from __future__ import annotations
+
+import math
+
+from bus import get_logger
+from bus import topology as topo
+
+log = get_logger(__name__)
+
+
+def parse(value: bytes | None) -> float:
+    """λ from KV: ValueError unless a finite decimal >= 0."""
+    if value is None:
+        raise ValueError("lambda key is empty")
+    try:
+        lam = float(value.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError(f"lambda value {value[:40]!r} is not a decimal number") from None
+    if not math.isfinite(lam) or lam < 0:
+        raise ValueError(f"lambda must be finite and >= 0, got {lam}")
+    return lam
+
+
+def ramp_lambda(target: float, versions: int, version: int) -> float:
+    return target * min(1.0, max(version, 0) / versions)
+
+
+def budget_step(lam: float, tokens_per_answer: float, budget_tokens: float, lr: float) -> float:
+    """One dual-ascent step: up when answers are longer than the budget, down (to 0 at least) under it."""
+    return max(0.0, lam + lr * (tokens_per_answer / budget_tokens - 1.0))
+
+
+async def read(bus, last: float | None = None) -> float | None:
+    """The KV λ now; `last` when the key is absent or holds a bad value (a typo must not unprice a group)."""
+    try:
+        return parse(await bus.kv_get(topo.KEY_LAMBDA))
+    except ValueError as e:
+        if last is not None or "empty" not in str(e):
+            log.warning("lambda in KV unusable; keeping the last", error=str(e), keeping=last)
+        return last
+
+
+class LambdaSchedule:
+    """Writes λ to KV per version under `cfg.lambda_schedule` (nothing under "fixed")."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    async def start(self, bus, version: int) -> dict:
+        """Before the first task is fed: a ramp's λ for this version."""
+        if self.cfg.lambda_schedule == "ramp":
+            return await self._write(bus, ramp_lambda(self.cfg.lambda_target, self.cfg.lambda_ramp_versions,
+                                                      version), version)
+        return {}
+
+    async def after_version(self, bus, version: int, tokens_per_answer: float | None) -> dict:
+        """λ for the groups fed from now on; -> metrics (lambda_next, and the budget's inputs)."""
+        cfg = self.cfg
+        if cfg.lambda_schedule == "ramp":
+            return await self._write(bus, ramp_lambda(cfg.lambda_target, cfg.lambda_ramp_versions, version),
+                                     version)
+        if cfg.lambda_schedule != "budget" or tokens_per_answer is None:
+            return {}
+        lam = await read(bus, None) or 0.0
+        new = budget_step(lam, tokens_per_answer, cfg.budget_tokens, cfg.budget_lr)
+        log.info("budget lambda", version=version, tokens_per_answer=round(tokens_per_answer, 2),
+                 budget_tokens=cfg.budget_tokens, old=lam, new=new)
+        return {**(await self._write(bus, new, version)), "lambda_prev": lam,
+                "budget_ratio": tokens_per_answer / cfg.budget_tokens}
+
+    async def _write(self, bus, lam: float, version: int) -> dict:
+        try:
+            await bus.kv_put(topo.KEY_LAMBDA, repr(float(lam)).encode("ascii"))
+        except Exception as e:       # the groups keep the last λ; the next version writes again
+            log.warning("lambda write failed", error=str(e), version=version)
+            return {}
+        return {"lambda_next": lam}
