@@ -19,6 +19,9 @@ FORMAT = 1
 def write_task_set(out_dir: str, tasks: list[EpisodeTask], report: dict) -> str:
     """Write tasks.jsonl and manifest.json (atomically each); `base_dir`s must lie under out_dir."""
     os.makedirs(out_dir, exist_ok=True)
+    # the set holds every task's hidden tests and expected values: closed to other uids, so a
+    # sandboxed command (a fresh unprivileged uid) cannot read the answers of its own task
+    os.chmod(out_dir, 0o700)
     root = os.path.realpath(out_dir)
     lines = []
     for t in tasks:

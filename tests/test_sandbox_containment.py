@@ -377,3 +377,15 @@ def _cwd_in(pid: str, path: str) -> bool:
         return (os.readlink(f"/proc/{pid}/cwd") + "/").startswith(path + "/")
     except OSError:
         return False
+
+
+def test_bash_cannot_read_the_task_set_it_is_scored_by(ws):
+    """A built task set holds the hidden tests: the sandbox's uid must not read it, even where the
+    folder above it is open (fails if write_task_set leaves the set world-readable)."""
+    from envs.task_set import write_task_set
+    root, _, _ = ws
+    out = os.path.join(root, "tasks")
+    write_task_set(out, [], {"note": "secret-expected-values"})
+    out_text = bash(ws, f"cat {out}/manifest.json 2>&1; ls {out} 2>&1; true")
+    assert "secret-expected-values" not in out_text
+    assert "Permission denied" in out_text
