@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .sampling import SamplingConfig, SamplingMask, sampling_tensors, scale_logits, truncated_logprobs, truncation
+from .sampling import (FULL, SamplingConfig, SamplingMask, sampling_tensors, scale_logits, truncated_logprobs,
+                       truncation)
 
 LOG_RATIO_CLAMP = 20.0       # |log pi/mu| beyond this is as off-policy as it gets; exp(20) ~ 4.9e8
 
@@ -79,7 +80,7 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], completions: Sequ
     temperature, top_p, top_k = (t.repeat_interleave(C) for t in sampling_tensors(samplings, B, dev))
     if not replay_mask:
         temperature = torch.where(temperature > 0, temperature, 1.0)     # greedy: plain softmax
-    rowsets = RowSets.of(masks, clen, replay_mask, dev)
+    rowsets = RowSets.of(masks, clen, replay_mask, temperature, top_p, top_k)
 
     def head(h, w):       # inside the model's forward: only completion positions, chunk by chunk
         return token_logprobs(h[rv, pv], w, target, temperature, top_p, top_k, rowsets, chunk_tokens)
@@ -94,36 +95,45 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], completions: Sequ
 class RowSets:
     """How each completion token's kept set is found, per flat row: `given` rows take the next
     row of `shipped` (the concatenated shipped masks, in row order); the other rows re-derive it
-    from the logits (`derive`), or keep the whole vocabulary (replay off)."""
+    from the logits (`derive`), or keep the whole vocabulary (replay off). `need`: rows whose kept
+    set is not the whole vocabulary (a shipped row that is not FULL, a derived row whose sampling
+    truncates); a chunk without one builds no [rows, vocab] mask at all."""
     given: torch.Tensor          # [N] bool
+    need: torch.Tensor           # [N] bool
     derive: bool                 # re-derive the rows without a shipped mask
     shipped: SamplingMask        # rows of the given rows, in order
     before: np.ndarray           # [N + 1] number of given rows before each flat row
 
     @classmethod
-    def of(cls, masks, clen, replay_mask: bool, dev) -> "RowSets":
+    def of(cls, masks, clen, replay_mask: bool, temperature, top_p, top_k) -> "RowSets":
+        dev = temperature.device
         if not replay_mask:
             masks = [None] * len(clen)
         g = np.repeat(np.array([m is not None for m in masks], dtype=bool), clen)
         shipped = SamplingMask.concat([m for m in masks if m is not None])
-        return cls(torch.from_numpy(g).to(dev), replay_mask, shipped,
-                   np.concatenate([[0], np.cumsum(g)]).astype(np.int64))
+        given = torch.from_numpy(g).to(dev)
+        need = torch.zeros_like(given)
+        need[given] = torch.from_numpy(shipped.counts != FULL).to(dev)
+        if replay_mask:          # the same rule as sampling.truncation: these rows keep everything
+            need |= ~given & ((top_p < 1) | (top_k > 0) | (temperature <= 0))
+        return cls(given, need, replay_mask, shipped, np.concatenate([[0], np.cumsum(g)]).astype(np.int64))
 
     def chunk_keep(self, a: int, b: int, scaled, temperature, top_p, top_k, target) -> torch.Tensor | None:
         """Bool [b-a, V] kept set of rows a..b, or None when every row keeps the whole vocabulary."""
-        given = self.given[a:b]
-        if not self.derive and not bool(given.any()):
+        given, need = self.given[a:b], self.need[a:b]
+        if not bool(need.any()):
             return None
         dev = scaled.device
         with torch.no_grad():
             keep = torch.ones_like(scaled, dtype=torch.bool)
-            if self.derive and not bool(given.all()):
-                sel = (~given).nonzero()[:, 0]
+            derive = need & ~given
+            if self.derive and bool(derive.any()):
+                sel = derive.nonzero()[:, 0]
                 order, keep_sorted = truncation(scaled[sel], temperature[sel], top_p[sel], top_k[sel])
                 keep[sel] = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
                 # our logits may differ from the engine's: keep the sampled token so its logprob is finite
                 keep[sel, target[sel]] = True
-            if bool(given.any()):
+            if bool((need & given).any()):
                 sel = given.nonzero()[:, 0]
                 rows = self.shipped[int(self.before[a]):int(self.before[b])]
                 shipped = rows.keep_matrix(scaled.shape[1], dev)
