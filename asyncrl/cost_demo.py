@@ -2,12 +2,23 @@
 
     asyncrl cost-demo [--config deploy/demo.toml] [--out runs/cost-demo] [--baseline RUN_DIR]
     asyncrl cost-demo --seeds 0,1,2 [--lambda-scale 0.5]     # both arms per seed, mean ± std
+    asyncrl cost-demo --seeds 0,1,2 --arms lambda0,calibrated,success_only,group_normalised,ramp,budget
+
+Arms (each a full run from the λ = 0 run's warm start, same seed and tasks; λ_cal = the tangent λ):
+    lambda0           λ = 0
+    calibrated        λ_cal, linear penalty (the scorer's success − λ·cost)
+    success_only      λ_cal, [trainer] penalty = "success_only"
+    group_normalised  λ_cal, [trainer] penalty = "group_normalised"
+    ramp              [trainer] lambda_schedule = "ramp": 0 -> λ_cal over --ramp-versions versions
+    budget            [trainer] lambda_schedule = "budget": λ from 0, dual ascent to --budget-tokens
+                      (default --budget-ratio × the λ = 0 run's held-out tokens per answer)
 
 1. λ = 0: `asyncrl up` on the config (or reuse a finished run with --baseline);
 2. λ from the model's own test-time scaling curve: `asyncrl calibrate-cost` on the policy that
    RL started from (the run's warmstart.pt), tangent at the operating point (--axis/--budget);
 3. the same run again with `--lambda λ` (same seed, same warm start, same tasks);
-4. held-out success and tokens per answer of both, side by side: compare.json and compare.png.
+4. held-out success and tokens per answer of every arm, side by side: compare.json, compare.png
+   (curves per version) and tradeoff.png (success against tokens per answer, one point per arm and seed).
 
 Success is reported as the mean over every eval after version 0 (one eval of 256 prompts has
 σ ≈ 0.02-0.03) and, with --seeds, as mean ± std over seeds (the trainer seed sets the model's
@@ -55,24 +66,68 @@ def summarize(curve: list[dict], last: int = 3) -> dict:
             "tokens_mean_evals": sum(c["tokens"] for c in rl) / len(rl)}
 
 
+ARMS = ("lambda0", "calibrated", "success_only", "group_normalised", "ramp", "budget")
+
+
 def config_for_seed(text: str, seed: int) -> str:
     """The run config with `seed = N` in its [trainer] table (replacing one that is there)."""
-    lines, out, in_trainer, done = text.splitlines(), [], False, False
+    return config_with(text, {"seed": seed})
+
+
+def config_with(text: str, trainer: dict) -> str:
+    """The run config with these [trainer] keys set (replacing those that are there; values as TOML)."""
+    want = {k: json.dumps(v) for k, v in trainer.items()}     # numbers and strings: JSON spells them as TOML
+    lines, out, in_trainer, done = text.splitlines(), [], False, set()
+
+    def rest():
+        return [f"{k} = {v}" for k, v in want.items() if k not in done]
     for line in lines:
         head = line.strip()
         if head.startswith("["):
-            if in_trainer and not done:
-                out.append(f"seed = {seed}")
-                done = True
+            if in_trainer:
+                out += rest()
+                done |= set(want)
             in_trainer = head == "[trainer]"
-        elif in_trainer and head.split("=")[0].strip() == "seed":
-            line, done = f"seed = {seed}", True
+        elif in_trainer and (key := head.split("=")[0].strip()) in want:
+            line = f"{key} = {want[key]}"
+            done.add(key)
         out.append(line)
-    if in_trainer and not done:
-        out.append(f"seed = {seed}")
-    elif not done:
-        out += ["[trainer]", f"seed = {seed}"]
+    if in_trainer:
+        out += rest()
+    elif len(done) < len(want):
+        out += ["[trainer]", *rest()]
     return "\n".join(out) + "\n"
+
+
+def arm_setup(arm: str, lam_cal: float, base: Path, tokens0: float, a) -> tuple[list[str], dict]:
+    """(extra `asyncrl up` args, [trainer] keys) of one arm; every arm starts from the λ = 0 run's warm start."""
+    start = {"warmstart_from": str(base / "warmstart.pt")}
+    if arm == "calibrated":
+        return ["--lambda", repr(lam_cal)], start
+    if arm in ("success_only", "group_normalised"):
+        return ["--lambda", repr(lam_cal)], {**start, "penalty": arm}
+    if arm == "ramp":
+        return ["--lambda", "0"], {**start, "lambda_schedule": "ramp", "lambda_target": lam_cal,
+                                   "lambda_ramp_versions": a.ramp_versions}
+    if arm == "budget":
+        budget = a.budget_tokens or a.budget_ratio * tokens0
+        return ["--lambda", "0"], {**start, "lambda_schedule": "budget", "budget_tokens": budget,
+                                   "budget_lr": a.budget_lr}
+    raise ValueError(f"unknown arm {arm!r} (one of {ARMS})")
+
+
+def lambda_path(run_dir: Path) -> list[dict]:
+    """How λ moved in a run: per version, the mean λ its groups were scored with and the value set next."""
+    return [{"version": r["version"], "lambda": r.get("lambda"), "lambda_next": r.get("lambda_next"),
+             "tokens_per_answer": r.get("tokens_per_answer")}
+            for r in read_trainer_metrics(run_dir) if "samples" in r]
+
+
+def worst_gap(base: list[dict], arm: list[dict], after: int = 25) -> float | None:
+    """The largest drop of the arm's held-out success below λ = 0's at the same version, after `after`."""
+    b = {c["version"]: c["success"] for c in base}
+    gaps = [b[c["version"]] - c["success"] for c in arm if c["version"] > after and c["version"] in b]
+    return max(gaps) if gaps else None
 
 
 def mean_std(xs: list[float]) -> dict:
@@ -82,16 +137,22 @@ def mean_std(xs: list[float]) -> dict:
 
 
 def across_seeds(per_seed: list[dict]) -> dict:
-    """Both arms' success (mean over evals) and tokens, and their paired differences, over seeds."""
-    pick = lambda arm, k: [r[arm][k] for r in per_seed]
-    diff = [r["calibrated"]["success_mean_evals"] - r["lambda0"]["success_mean_evals"] for r in per_seed]
-    ratio = [r["calibrated"]["tokens_mean_evals"] / r["lambda0"]["tokens_mean_evals"] for r in per_seed]
-    return {"success_lambda0": mean_std(pick("lambda0", "success_mean_evals")),
-            "success_calibrated": mean_std(pick("calibrated", "success_mean_evals")),
-            "tokens_lambda0": mean_std(pick("lambda0", "tokens_mean_evals")),
-            "tokens_calibrated": mean_std(pick("calibrated", "tokens_mean_evals")),
-            "success_diff": mean_std(diff), "tokens_ratio": mean_std(ratio),
-            "lambda": mean_std([r["lambda"] for r in per_seed])}
+    """Every arm's success (mean over evals) and tokens, and their differences paired with λ = 0 by
+    seed, over seeds: success_<arm>, tokens_<arm>, success_diff_<arm>, tokens_ratio_<arm>
+    (the calibrated arm's also as success_diff / tokens_ratio)."""
+    pick = lambda arm, k: [r[arm][k] for r in per_seed]      # noqa: E731
+    arms = [a for a in ARMS if all(a in r for r in per_seed)]
+    out = {f"{k}_{arm}": mean_std(pick(arm, f"{k}_mean_evals")) for arm in arms for k in ("success", "tokens")}
+    for arm in arms[1:]:
+        out[f"success_diff_{arm}"] = mean_std([r[arm]["success_mean_evals"] - r["lambda0"]["success_mean_evals"]
+                                               for r in per_seed])
+        out[f"tokens_ratio_{arm}"] = mean_std([r[arm]["tokens_mean_evals"] / r["lambda0"]["tokens_mean_evals"]
+                                               for r in per_seed])
+    if "calibrated" in arms:
+        out["success_diff"], out["tokens_ratio"] = out["success_diff_calibrated"], out["tokens_ratio_calibrated"]
+    out["arms"] = arms
+    out["lambda"] = mean_std([r["lambda"] for r in per_seed])
+    return out
 
 
 def plot(curves: dict[str, list[dict]], path: Path) -> None:
@@ -121,7 +182,7 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
 
 
 def one_seed(a, config: str, out: Path, env: str, max_tokens: int, baseline: str | None) -> tuple[dict, dict]:
-    """λ = 0 run (or `baseline`), calibration, the λ run -> (result, curves)."""
+    """λ = 0 run (or `baseline`), calibration, one run per other arm -> (result, curves by arm)."""
     out.mkdir(parents=True, exist_ok=True)
     base = Path(baseline) if baseline else out / "lambda0"
     if not baseline:
@@ -130,18 +191,54 @@ def one_seed(a, config: str, out: Path, env: str, max_tokens: int, baseline: str
         raise FileNotFoundError(f"{base}/warmstart.pt missing (did the run warm-start?)")
     cal = calibrate(base, env, a.axis, a.budget, max_tokens, a.prompts, out / "calibrate.png")
     lam = float(cal["lambda"]) * a.lambda_scale
-    priced = out / "calibrated"
-    up(config, priced, ["--lambda", repr(lam)])
-    c0, c1 = eval_curve(base), eval_curve(priced)
+    c0 = eval_curve(base)
+    if not c0:
+        raise FileNotFoundError(f"{base}: no held-out evals in its metrics (eval_every = 0?)")
+    text = Path(config).read_text()
     result = {"lambda": lam, "lambda_scale": a.lambda_scale,
               "calibration": {k: cal[k] for k in ("lambda", "operating_cost", "operating_point", "axis", "fit")},
-              "lambda0": summarize(c0), "calibrated": summarize(c1),
-              "runs": {"lambda0": str(base), "calibrated": str(priced)}}
-    r0, r1 = result["lambda0"], result["calibrated"]
-    result["tokens_ratio"] = r1["tokens_final"] / r0["tokens_final"]
-    result["success_diff"] = r1["success_final"] - r0["success_final"]
-    result["success_diff_mean_evals"] = r1["success_mean_evals"] - r0["success_mean_evals"]
-    return result, {"λ = 0": c0, f"λ = {lam:.5f}": c1}
+              "lambda0": summarize(c0), "runs": {"lambda0": str(base)}, "lambda_paths": {}}
+    curves = {"lambda0": c0}
+    for arm in [x for x in a.arm_list if x != "lambda0"]:
+        extra, keys = arm_setup(arm, lam, base, result["lambda0"]["tokens_mean_evals"], a)
+        arm_cfg = out / f"{arm}.toml"
+        arm_cfg.write_text(config_with(text, keys))
+        run = out / arm
+        up(str(arm_cfg), run, extra)
+        curves[arm] = eval_curve(run)
+        r0, r1 = result["lambda0"], summarize(curves[arm])
+        result[arm] = {**r1, "tokens_ratio": r1["tokens_mean_evals"] / r0["tokens_mean_evals"],
+                       "success_diff_mean_evals": r1["success_mean_evals"] - r0["success_mean_evals"],
+                       "worst_gap_after_v25": worst_gap(c0, curves[arm]), "trainer": keys, "up_args": extra}
+        result["runs"][arm] = str(run)
+        result["lambda_paths"][arm] = lambda_path(run)
+    if "calibrated" in result:       # the two-arm numbers as before
+        r0, r1 = result["lambda0"], result["calibrated"]
+        result["tokens_ratio"] = r1["tokens_final"] / r0["tokens_final"]
+        result["success_diff"] = r1["success_final"] - r0["success_final"]
+        result["success_diff_mean_evals"] = r1["success_mean_evals"] - r0["success_mean_evals"]
+    return result, curves
+
+
+def plot_tradeoff(points: dict[str, list[tuple[float, float]]], path: Path) -> None:
+    """Held-out success against tokens per answer (means over each run's evals): one marker per arm and
+    seed, the arm's mean over seeds larger."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for i, (arm, pts) in enumerate(points.items()):
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        ax.scatter(xs, ys, color=f"C{i}", alpha=0.5, s=25)
+        ax.scatter([sum(xs) / len(xs)], [sum(ys) / len(ys)], color=f"C{i}", s=110, edgecolor="k", label=arm)
+    ax.set(title="success against cost (mean over held-out evals)", xlabel="tokens per answer",
+           ylabel="held-out success")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +255,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default=None, help="comma-separated trainer seeds: both arms per seed")
     ap.add_argument("--max-tokens", type=int, default=None, help="default: the config's task max_tokens")
     ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--arms", default="lambda0,calibrated", help=f"comma-separated, from {','.join(ARMS)}")
+    ap.add_argument("--ramp-versions", type=int, default=25, help="ramp arm: versions from λ = 0 to λ_cal")
+    ap.add_argument("--budget-tokens", type=float, default=0.0,
+                    help="budget arm: tokens per answer aimed at (default: --budget-ratio × λ = 0's)")
+    ap.add_argument("--budget-ratio", type=float, default=0.6)
+    ap.add_argument("--budget-lr", type=float, default=0.002, help="budget arm: λ's step per version at 2× the budget")
     a = ap.parse_args(argv)
+    a.arm_list = [x.strip() for x in a.arms.split(",") if x.strip()]
+    if bad := [x for x in a.arm_list if x not in ARMS]:
+        print(f"asyncrl cost-demo: unknown arm(s) {bad}; arms are {', '.join(ARMS)}", file=sys.stderr)
+        return 2
+    if "lambda0" not in a.arm_list:
+        a.arm_list.insert(0, "lambda0")       # every comparison is against λ = 0
+    if a.ramp_versions < 1 or a.budget_lr <= 0 or a.budget_ratio <= 0 or a.budget_tokens < 0:
+        print("asyncrl cost-demo: --ramp-versions >= 1, --budget-lr > 0, --budget-ratio > 0, --budget-tokens >= 0",
+              file=sys.stderr)
+        return 2
 
     import tomllib
     text = Path(a.config).read_text()
@@ -183,23 +296,28 @@ def main(argv: list[str] | None = None) -> int:
                 cfg.write_text(config_for_seed(text, sd))
                 r, c = one_seed(a, str(cfg), d, env, max_tokens, None)
                 per_seed.append({"seed": sd, **r})
-                curves.update({f"{k.split(' = ')[0]} = {'0' if k == 'λ = 0' else 'calibrated'} #{sd}": v
-                               for k, v in c.items()})
+                curves.update({f"{arm} #{sd}": v for arm, v in c.items()})
             result = {"seeds": seeds, "per_seed": per_seed, **across_seeds(per_seed)}
-    except FileNotFoundError as e:
+    except (FileNotFoundError, subprocess.CalledProcessError) as e:
         print(f"asyncrl cost-demo: {e}", file=sys.stderr)
         return 2
     plot(curves, out / "compare.png")
+    runs = result["per_seed"] if seeds else [result]
+    points = {arm: [(r[arm]["tokens_mean_evals"], r[arm]["success_mean_evals"]) for r in runs]
+              for arm in a.arm_list if all(arm in r for r in runs)}
+    plot_tradeoff(points, out / "tradeoff.png")
     (out / "compare.json").write_text(json.dumps(result, indent=2))
-    if seeds:
-        s0, s1, r = result["success_lambda0"], result["success_calibrated"], result["tokens_ratio"]
-        print(f"{len(seeds)} seeds: held-out success (mean over evals) {s0['mean']:.3f} ± {s0['std']:.3f} (λ=0) vs "
-              f"{s1['mean']:.3f} ± {s1['std']:.3f}; tokens {r['mean']:.2f}x -> {out}/compare.png", file=sys.stderr)
-    else:
-        r0, r1 = result["lambda0"], result["calibrated"]
-        print(f"λ = {result['lambda']:.5f}: held-out success {r0['success_final']:.3f} (λ=0) vs "
-              f"{r1['success_final']:.3f}, tokens per answer {r0['tokens_final']:.1f} vs {r1['tokens_final']:.1f} "
-              f"({result['tokens_ratio']:.2f}x)  -> {out}/compare.png", file=sys.stderr)
+    for arm in a.arm_list:
+        if seeds:
+            s_, t_ = result[f"success_{arm}"], result[f"tokens_{arm}"]
+            print(f"{arm:>16}: held-out success (mean over evals, {len(seeds)} seeds) {s_['mean']:.3f} ± "
+                  f"{s_['std']:.3f}, tokens per answer {t_['mean']:.1f} ± {t_['std']:.1f}", file=sys.stderr)
+        else:
+            r = result[arm]
+            print(f"{arm:>16}: held-out success (mean over evals) {r['success_mean_evals']:.3f}, tokens per answer "
+                  f"{r['tokens_mean_evals']:.1f}", file=sys.stderr)
+    print(f"λ_cal = {result['lambda']['mean'] if seeds else result['lambda']:.5f} -> {out}/compare.json, "
+          f"{out}/compare.png, {out}/tradeoff.png", file=sys.stderr)
     print(json.dumps(result))
     return 0
 

@@ -1,6 +1,8 @@
 """asyncrl cost-demo: the comparison it draws from two runs' held-out evals."""
 import json
 
+import pytest
+
 from asyncrl import cost_demo
 
 
@@ -70,3 +72,105 @@ def test_seeds_and_baseline_do_not_mix(tmp_path, capsys):
     cfg.write_text('[trainer]\nenvs = ["arith-small"]\n')
     assert cost_demo.main(["--config", str(cfg), "--baseline", "x", "--seeds", "0,1", "--out", str(tmp_path / "o")]) == 2
     assert "--baseline" in capsys.readouterr().err
+
+
+# -- issue #36: arms -------------------------------------------------------------------------------
+
+def test_config_with_sets_trainer_keys_and_keeps_the_rest():
+    import tomllib
+    text = '[up]\nsteps = 5\n[trainer]\nlr = 1e-3\npenalty = "linear"\n[worker]\nslots = 2\n'
+    conf = tomllib.loads(cost_demo.config_with(text, {"penalty": "success_only", "warmstart_from": "/r/w.pt",
+                                                      "lambda_target": 0.004, "lambda_ramp_versions": 10}))
+    assert conf["trainer"] == {"lr": 1e-3, "penalty": "success_only", "warmstart_from": "/r/w.pt",
+                               "lambda_target": 0.004, "lambda_ramp_versions": 10}
+    assert conf["worker"] == {"slots": 2} and conf["up"] == {"steps": 5}
+    assert tomllib.loads(cost_demo.config_with('[up]\nsteps = 1\n', {"budget_tokens": 12.5}))["trainer"] == \
+        {"budget_tokens": 12.5}
+
+
+def test_each_arm_is_a_valid_trainer_config(tmp_path):
+    import argparse
+    from trainer.config import TrainerConfig
+    (tmp_path / "warmstart.pt").write_bytes(b"x")
+    a = argparse.Namespace(ramp_versions=10, budget_tokens=0.0, budget_ratio=0.6, budget_lr=0.002)
+    seen = {}
+    for arm in cost_demo.ARMS[1:]:
+        extra, keys = cost_demo.arm_setup(arm, 0.004, tmp_path, 40.0, a)
+        TrainerConfig(**keys)                                   # validated as the trainer will
+        seen[arm] = (extra, keys)
+    assert seen["calibrated"][0] == ["--lambda", "0.004"] and "penalty" not in seen["calibrated"][1]
+    assert seen["success_only"][1]["penalty"] == "success_only"
+    assert seen["ramp"][0] == ["--lambda", "0"] and seen["ramp"][1]["lambda_target"] == 0.004
+    assert seen["budget"][1]["budget_tokens"] == 0.6 * 40.0
+    assert all(k["warmstart_from"] == str(tmp_path / "warmstart.pt") for _, k in seen.values())
+
+
+def test_across_seeds_compares_every_arm_with_lambda0():
+    def arm(s, t):
+        return {"success_mean_evals": s, "tokens_mean_evals": t}
+    per = [{"lambda": 0.01, "lambda0": arm(0.8, 40.0), "calibrated": arm(0.7, 20.0), "budget": arm(0.8, 24.0)},
+           {"lambda": 0.01, "lambda0": arm(0.9, 40.0), "calibrated": arm(0.8, 20.0), "budget": arm(0.86, 20.0)}]
+    r = cost_demo.across_seeds(per)
+    assert r["arms"] == ["lambda0", "calibrated", "budget"]
+    assert abs(r["success_diff_budget"]["mean"] + 0.02) < 1e-9 and abs(r["tokens_ratio_budget"]["mean"] - 0.55) < 1e-9
+    assert r["success_diff"] == r["success_diff_calibrated"]
+
+
+def test_worst_gap_after_v25_and_the_tradeoff_plot(tmp_path):
+    base = [{"version": v, "success": 0.8, "tokens": 30.0} for v in (0, 25, 50, 75)]
+    arm = [{"version": 0, "success": 0.2, "tokens": 30.0}, {"version": 25, "success": 0.5, "tokens": 20.0},
+           {"version": 50, "success": 0.75, "tokens": 18.0}, {"version": 75, "success": 0.6, "tokens": 16.0}]
+    assert abs(cost_demo.worst_gap(base, arm) - 0.2) < 1e-9                # v25's 0.3 gap is not after v25
+    cost_demo.plot_tradeoff({"lambda0": [(30.0, 0.8), (31.0, 0.78)], "budget": [(18.0, 0.79)]}, tmp_path / "t.png")
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unknown_arm_is_a_clear_error(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[trainer]\nenvs = ["arith-small"]\n')
+    assert cost_demo.main(["--config", str(cfg), "--arms", "lambda0,cheap", "--out", str(tmp_path / "o")]) == 2
+    assert "unknown arm(s) ['cheap']" in capsys.readouterr().err
+
+
+TINY = """
+[up]
+workers = 1
+scorers = 1
+steps = 2
+minutes = 3.0
+
+[trainer]
+envs = ["arith-small"]
+batch_groups = 2
+group_size = 2
+feed_backlog = 4
+warmstart_steps = 5
+warmstart_batch = 8
+eval_every = 1
+eval_prompts = 8
+task_sampling = {temperature = 1.0, max_tokens = 24}
+
+[worker]
+slots = 4
+threads = 1
+heartbeat_s = 1.0
+
+[scorer]
+heartbeat_s = 1.0
+"""
+
+
+@pytest.mark.chaos          # long: three `asyncrl up` runs and a calibration (minutes on 2 cores)
+def test_cost_demo_end_to_end_on_a_tiny_run(tmp_path):
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY)
+    out = tmp_path / "out"
+    assert cost_demo.main(["--config", str(cfg), "--out", str(out), "--seeds", "0", "--prompts", "8",
+                           "--arms", "lambda0,success_only,budget", "--budget-tokens", "4"]) == 0
+    result = json.loads((out / "compare.json").read_text())
+    assert result["arms"] == ["lambda0", "success_only", "budget"]
+    seed = result["per_seed"][0]
+    path = seed["lambda_paths"]["budget"]
+    assert path and all(p["lambda_next"] is not None for p in path)       # the budget moved KV λ each version
+    assert path[-1]["lambda_next"] > 0                                     # answers over 4 tokens: λ rose
+    assert (out / "tradeoff.png").read_bytes()[:4] == b"\x89PNG" and (out / "compare.png").exists()

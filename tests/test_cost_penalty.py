@@ -245,3 +245,23 @@ async def test_budget_schedule_moves_kv_lambda_from_measured_tokens(bus):
     assert lambda_control.parse(await bus.kv_get(topo.KEY_LAMBDA)) == pytest.approx(0.01)
     assert await lambda_control.LambdaSchedule(TrainerConfig()).after_version(bus, 3, 99.0) == {}
     assert math.isclose(lambda_control.parse(await bus.kv_get(topo.KEY_LAMBDA)), 0.01)   # fixed: untouched
+
+
+async def test_the_worker_carries_its_tasks_lambda_onto_every_rollout(bus, fresh_server):
+    from bus.weights import WeightPublisher
+    from rollout_worker.worker import Worker
+    from tests.helpers.worker import CFG, read_stream, states_for, worker_cfg
+    await WeightPublisher(bus, epoch=1, trainer_id="t").publish_keyframe(states_for(1, seed=3)[0], 0, CFG)
+    worker, stop = Worker(worker_cfg(fresh_server.url), bus), asyncio.Event()
+    run = asyncio.create_task(worker.run(stop, handle_signals=False))
+    sampling = {"max_tokens": 6, "n": 2, "temperature": 1.0}
+    for tid, lam in (("priced", 0.003), ("older", None)):
+        await bus.publish(topo.task_subject("arith"), Task(task_id=tid, env="arith", prompt="12+30=",
+                                                           spec={"answer": "42"}, sampling=sampling, lambda_=lam))
+    try:
+        await until(lambda: worker.tasks_done == 2, timeout=60)
+    finally:
+        stop.set()
+        await run
+    got = {r.rollout_id: r.lambda_ for r in await read_stream(bus, topo.ROLLOUTS, Rollout)}
+    assert got == {"priced-0": 0.003, "priced-1": 0.003, "older-0": None, "older-1": None}
