@@ -40,6 +40,8 @@ Workloads (the JSON's `workload` says which ran, with its caveats):
               an episode waiting on its command holds a KV row, not a decode row.
 
 Tiny settings check that it runs (minutes): `--steps 3 --minutes 2 --warmstart-steps 2 --eval-prompts 0`.
+`--harness mini-swe-agent` compares instead the built-in loop with mini-swe-agent driving the same
+episodes through the worker's OpenAI-compatible endpoint (both async): episodes/s, tokens/s, ratios.
 The defaults are sized for ~10 minutes in all on a quiet 2-core box (a first run also builds the
 task set, ~1.5 min); `--init OUT/init` reuses an earlier run's warm start.
 """
@@ -63,15 +65,16 @@ bench_async = importlib.import_module("bench.async")      # `async` is a keyword
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "deploy" / "swe-demo.toml")
 
 
-def with_overrides(config: str, out: Path, worker: dict | None = None, **trainer) -> str:
-    """A copy of `config` with [trainer] (and [worker]) keys replaced (those given and not None)."""
+def with_overrides(config: str, out: Path, worker: dict | None = None, name: str = "bench-agentic-base.toml",
+                   up: dict | None = None, **trainer) -> str:
+    """A copy of `config` with [trainer] (and [worker], [up]) keys replaced (those given and not None)."""
     import tomllib
 
     from asyncrl.up import write_toml
     conf = tomllib.loads(Path(config).read_text())
-    for section, keys in (("trainer", trainer), ("worker", worker or {})):
+    for section, keys in (("trainer", trainer), ("worker", worker or {}), ("up", up or {})):
         conf[section] = {**conf.get(section, {}), **{k: v for k, v in keys.items() if v is not None}}
-    path = out / "bench-agentic-base.toml"
+    path = out / name
     write_toml(path, conf)
     return str(path)
 
@@ -272,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--init", default=None, help="start both runs from this HF folder instead of warm-starting")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--summarize", action="store_true", help="only re-read the runs already under --out")
+    ap.add_argument("--harness", default="builtin", choices=("builtin", "mini-swe-agent"),
+                    help="mini-swe-agent: compare the harness through the OpenAI endpoint with the built-in "
+                         "loop (both async, same tasks) instead of async with sync")
     a = ap.parse_args(argv)
     if a.test_latency[0] > 0:        # the toy limits were sized for tests in tenths of a second
         a.episode_wall_s = a.episode_wall_s or 900.0
@@ -294,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                               skip_uniform_groups=False)
         # the initial eval always runs (bench.async's warm start): at least one episode
         config, warm = bench_async.warm_start_once(base, out, max(a.eval_prompts, 1), a.init)
+    if a.harness != "builtin":
+        return harness_comparison(a, config, out, warm)
     for name, sync in (("async", False), ("sync", True)):
         runs[name] = summarize(config, out / name, name, sync, a) if a.summarize else \
             summarize(config, out / name, name, sync, a, run=True)
@@ -322,6 +330,37 @@ def main(argv: list[str] | None = None) -> int:
         "steps": both("steps"), "episodes": both("episodes"),
         "caveats": caveats(ra, rs, work),
         "runs": runs,
+    }
+    if not a.json:
+        for k, v in result.items():
+            if k != "runs":
+                print(f"{k:>26}: {v}")
+    print(json.dumps(result, default=float))
+    return 0
+
+
+def harness_comparison(a, config: str, out: Path, warm: dict) -> int:
+    """`--harness mini-swe-agent`: the same warm start and tasks played asynchronously twice, by the
+    built-in loop and by the harness through the endpoint: episodes/s, tokens/s and their ratios
+    (the HTTP path's overhead; the harness's own prompt/parse logic is part of it)."""
+    # no after-run eval on either side: the comparison is throughput (each eval pauses minutes)
+    sides = {"builtin": config, "harness": config} if a.summarize else {
+        "builtin": with_overrides(config, out, up={"final_eval": False}, name="bench-agentic-builtin.toml"),
+        "harness": with_overrides(config, out, worker={"harness": a.harness}, up={"final_eval": False},
+                                  name="bench-agentic-harness.toml")}
+    runs = {name: summarize(conf, out / name, name, False, a, run=not a.summarize)
+            for name, conf in sides.items()}
+    rb, rh = runs["builtin"], runs["harness"]
+    both = lambda key: {"builtin": rb.get(key), "harness": rh.get(key)}          # noqa: E731
+    result = {
+        "harness": a.harness, "workload": workload(out / "builtin"),
+        "builtin_episodes_per_s": rb["samples_per_s"], "harness_episodes_per_s": rh["samples_per_s"],
+        "builtin_tokens_per_s": rb["tokens_per_s"], "harness_tokens_per_s": rh["tokens_per_s"],
+        "episodes_ratio": rh["samples_per_s"] / rb["samples_per_s"] if rb["samples_per_s"] else None,
+        "tokens_ratio": rh["tokens_per_s"] / rb["tokens_per_s"] if rb["tokens_per_s"] else None,
+        "turns": both("turns"), "episode_tokens": both("episode_tokens"), "terminations": both("terminations"),
+        "episode_wall_s": both("episode_wall_s"), "steps": both("steps"), "episodes": both("episodes"),
+        **warm, "runs": runs,
     }
     if not a.json:
         for k, v in result.items():

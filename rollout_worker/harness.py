@@ -98,6 +98,8 @@ def run_mini_swe_agent(cfg: dict, task_text: str) -> dict:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     os.environ.setdefault("MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT", "1")
     os.environ.setdefault("MSWEA_COST_TRACKING", "ignore_errors")
+    import litellm
+    litellm.suppress_debug_info = True     # no "Provider List" banner per call (our model has no price)
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.environments import get_environment
     from minisweagent.models import get_model
