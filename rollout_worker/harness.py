@@ -171,6 +171,8 @@ class HarnessRunner(EpisodeRunner):
         self.stats["tool_calls"] += result.tool_calls
         self.stats["tool_wall_s"] += result.tool_wall_s
         self.stats["wall_s"] += time.perf_counter() - t0
+        for k in ("divergent_turns", "restarts", "retried_turns", "dropped_model_tokens"):   # worker metrics
+            self.stats[k] = self.stats.get(k, 0) + rec.stats[k]
         if len(self.ended) < 4096:
             self.ended.append({"ended_at": time.time(), "turns": len(rec.turns),
                                "tool_calls": result.tool_calls, "tokens": len(traj.ids),

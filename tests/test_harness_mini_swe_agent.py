@@ -118,6 +118,7 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
     assert set(r.episode["tests"]) == set(gen_task.fail_to_pass + gen_task.pass_to_pass)   # hidden tests
     assert r.episode["trajectory"]["divergent_turns"] == 0 and r.episode["trajectory"]["restarts"] == 0
     assert eng.kept == {} and w.episode_runner.stats["episodes"] == 1
+    assert w.snapshot()["episodes"]["divergent_turns"] == 0 and "restarts" in w.snapshot()["episodes"]
     assert batch.samples[0].scored.cost == float(len(model))
     assert sum(pack(batch)[0].loss_mask) == len(model)
 
