@@ -100,8 +100,10 @@ def config_with(text: str, trainer: dict) -> str:
 
 
 def arm_setup(arm: str, lam_cal: float, base: Path, tokens0: float, a) -> tuple[list[str], dict]:
-    """(extra `asyncrl up` args, [trainer] keys) of one arm; every arm starts from the λ = 0 run's warm start."""
-    start = {"warmstart_from": str(base / "warmstart.pt")}
+    """(extra `asyncrl up` args, [trainer] keys) of one arm; each starts from the λ = 0 run's warm start."""
+    # the λ = 0 run's warm start when it made one; else every arm starts from the config's own
+    # initial weights (a pretrained model without a warm start: SmolLM2), same seed
+    start = {"warmstart_from": str(base / "warmstart.pt")} if (base / "warmstart.pt").exists() else {}
     if arm == "calibrated":
         return ["--lambda", repr(lam_cal)], start
     if arm in ("success_only", "group_normalised"):
@@ -142,14 +144,16 @@ def across_seeds(per_seed: list[dict]) -> dict:
     (the calibrated arm's also as success_diff / tokens_ratio)."""
     pick = lambda arm, k: [r[arm][k] for r in per_seed]      # noqa: E731
     arms = [a for a in ARMS if all(a in r for r in per_seed)]
-    out = {f"{k}_{arm}": mean_std(pick(arm, f"{k}_mean_evals")) for arm in arms for k in ("success", "tokens")}
+    out = {f"{k}_{arm}": mean_std(pick(arm, f"{k}_mean_evals"))
+           for arm in arms for k in ("success", "tokens")}
+    s0, t0 = pick("lambda0", "success_mean_evals"), pick("lambda0", "tokens_mean_evals")
     for arm in arms[1:]:
-        out[f"success_diff_{arm}"] = mean_std([r[arm]["success_mean_evals"] - r["lambda0"]["success_mean_evals"]
-                                               for r in per_seed])
-        out[f"tokens_ratio_{arm}"] = mean_std([r[arm]["tokens_mean_evals"] / r["lambda0"]["tokens_mean_evals"]
-                                               for r in per_seed])
+        s1, t1 = pick(arm, "success_mean_evals"), pick(arm, "tokens_mean_evals")
+        out[f"success_diff_{arm}"] = mean_std([b - a for a, b in zip(s0, s1)])
+        out[f"tokens_ratio_{arm}"] = mean_std([b / a for a, b in zip(t0, t1)])
     if "calibrated" in arms:
-        out["success_diff"], out["tokens_ratio"] = out["success_diff_calibrated"], out["tokens_ratio_calibrated"]
+        out["success_diff"] = out["success_diff_calibrated"]
+        out["tokens_ratio"] = out["tokens_ratio_calibrated"]
     out["arms"] = arms
     out["lambda"] = mean_std([r["lambda"] for r in per_seed])
     return out
@@ -187,9 +191,14 @@ def one_seed(a, config: str, out: Path, env: str, max_tokens: int, baseline: str
     base = Path(baseline) if baseline else out / "lambda0"
     if not baseline:
         up(config, base, ["--lambda", "0"])
-    if not (base / "warmstart.pt").exists():
-        raise FileNotFoundError(f"{base}/warmstart.pt missing (did the run warm-start?)")
-    cal = calibrate(base, env, a.axis, a.budget, max_tokens, a.prompts, out / "calibrate.png")
+    if a.lambda_cal is not None:        # measured elsewhere (calibrate-cost on the model RL starts from)
+        cal = {"lambda": a.lambda_cal, "operating_cost": None, "operating_point": None, "axis": a.axis,
+               "fit": None, "given": True}
+    elif not (base / "warmstart.pt").exists():
+        raise FileNotFoundError(f"{base}/warmstart.pt missing (did the run warm-start? without one, "
+                                f"give the tangent λ with --lambda-cal)")
+    else:
+        cal = calibrate(base, env, a.axis, a.budget, max_tokens, a.prompts, out / "calibrate.png")
     lam = float(cal["lambda"]) * a.lambda_scale
     c0 = eval_curve(base)
     if not c0:
@@ -255,12 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default=None, help="comma-separated trainer seeds: both arms per seed")
     ap.add_argument("--max-tokens", type=int, default=None, help="default: the config's task max_tokens")
     ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--lambda-cal", type=float, default=None,
+                    help="the tangent λ, measured already: no calibration (needed without a warm start)")
     ap.add_argument("--arms", default="lambda0,calibrated", help=f"comma-separated, from {','.join(ARMS)}")
     ap.add_argument("--ramp-versions", type=int, default=25, help="ramp arm: versions from λ = 0 to λ_cal")
     ap.add_argument("--budget-tokens", type=float, default=0.0,
                     help="budget arm: tokens per answer aimed at (default: --budget-ratio × λ = 0's)")
     ap.add_argument("--budget-ratio", type=float, default=0.6)
-    ap.add_argument("--budget-lr", type=float, default=0.002, help="budget arm: λ's step per version at 2× the budget")
+    ap.add_argument("--budget-lr", type=float, default=0.002,
+                    help="budget arm: λ's step per version at 2× the budget")
     a = ap.parse_args(argv)
     a.arm_list = [x.strip() for x in a.arms.split(",") if x.strip()]
     if bad := [x for x in a.arm_list if x not in ARMS]:
@@ -268,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "lambda0" not in a.arm_list:
         a.arm_list.insert(0, "lambda0")       # every comparison is against λ = 0
-    if a.ramp_versions < 1 or a.budget_lr <= 0 or a.budget_ratio <= 0 or a.budget_tokens < 0:
-        print("asyncrl cost-demo: --ramp-versions >= 1, --budget-lr > 0, --budget-ratio > 0, --budget-tokens >= 0",
-              file=sys.stderr)
+    if a.ramp_versions < 1 or a.budget_lr <= 0 or a.budget_ratio <= 0 or a.budget_tokens < 0 or \
+            (a.lambda_cal is not None and not a.lambda_cal >= 0):
+        print("asyncrl cost-demo: needs --ramp-versions >= 1, --budget-lr > 0, --budget-ratio > 0, "
+              "--budget-tokens >= 0, --lambda-cal >= 0", file=sys.stderr)
         return 2
 
     import tomllib
@@ -314,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s_['std']:.3f}, tokens per answer {t_['mean']:.1f} ± {t_['std']:.1f}", file=sys.stderr)
         else:
             r = result[arm]
-            print(f"{arm:>16}: held-out success (mean over evals) {r['success_mean_evals']:.3f}, tokens per answer "
-                  f"{r['tokens_mean_evals']:.1f}", file=sys.stderr)
+            print(f"{arm:>16}: held-out success (mean over evals) {r['success_mean_evals']:.3f}, "
+                  f"tokens per answer {r['tokens_mean_evals']:.1f}", file=sys.stderr)
     print(f"λ_cal = {result['lambda']['mean'] if seeds else result['lambda']:.5f} -> {out}/compare.json, "
           f"{out}/compare.png, {out}/tradeoff.png", file=sys.stderr)
     print(json.dumps(result))

@@ -2,9 +2,9 @@
 
     rollout ─▶ env = get_env(rollout.env)          unknown env / bad spec  ─▶ DLQ with reason
              ─▶ verdict = env.verify(text, spec)   (thread pool: the sandbox waits on a subprocess)
-             ─▶ reward = success − λ·cost − overlong shaping         λ: the rollout's own (stamped on its
-                                                                        task at feed time: one per group),
-                                                                        else live from KV rl-control/lambda
+             ─▶ reward = success − λ·cost − overlong shaping
+                  λ: the rollout's own (stamped on its task at feed time: one per group), else
+                  the live value of KV rl-control/lambda (a rollout of an older worker)
              ─▶ publish Scored(rl.scored.<env>) ─▶ return (the ConsumerLoop acks)
 A verifier crash raises: the loop naks and, after max_deliver, parks the rollout in DLQ; on that
 last delivery the scorer first publishes it as an infrastructure failure (Scored.infra

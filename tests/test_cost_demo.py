@@ -4,6 +4,7 @@ import json
 import pytest
 
 from asyncrl import cost_demo
+from asyncrl.report import read_trainer_metrics
 
 
 def _run(tmp_path, name, evals):
@@ -108,11 +109,14 @@ def test_each_arm_is_a_valid_trainer_config(tmp_path):
 def test_across_seeds_compares_every_arm_with_lambda0():
     def arm(s, t):
         return {"success_mean_evals": s, "tokens_mean_evals": t}
-    per = [{"lambda": 0.01, "lambda0": arm(0.8, 40.0), "calibrated": arm(0.7, 20.0), "budget": arm(0.8, 24.0)},
-           {"lambda": 0.01, "lambda0": arm(0.9, 40.0), "calibrated": arm(0.8, 20.0), "budget": arm(0.86, 20.0)}]
+    per = [{"lambda": 0.01, "lambda0": arm(0.8, 40.0), "calibrated": arm(0.7, 20.0),
+            "budget": arm(0.8, 24.0)},
+           {"lambda": 0.01, "lambda0": arm(0.9, 40.0), "calibrated": arm(0.8, 20.0),
+            "budget": arm(0.86, 20.0)}]
     r = cost_demo.across_seeds(per)
     assert r["arms"] == ["lambda0", "calibrated", "budget"]
-    assert abs(r["success_diff_budget"]["mean"] + 0.02) < 1e-9 and abs(r["tokens_ratio_budget"]["mean"] - 0.55) < 1e-9
+    assert abs(r["success_diff_budget"]["mean"] + 0.02) < 1e-9
+    assert abs(r["tokens_ratio_budget"]["mean"] - 0.55) < 1e-9
     assert r["success_diff"] == r["success_diff_calibrated"]
 
 
@@ -121,14 +125,16 @@ def test_worst_gap_after_v25_and_the_tradeoff_plot(tmp_path):
     arm = [{"version": 0, "success": 0.2, "tokens": 30.0}, {"version": 25, "success": 0.5, "tokens": 20.0},
            {"version": 50, "success": 0.75, "tokens": 18.0}, {"version": 75, "success": 0.6, "tokens": 16.0}]
     assert abs(cost_demo.worst_gap(base, arm) - 0.2) < 1e-9                # v25's 0.3 gap is not after v25
-    cost_demo.plot_tradeoff({"lambda0": [(30.0, 0.8), (31.0, 0.78)], "budget": [(18.0, 0.79)]}, tmp_path / "t.png")
+    cost_demo.plot_tradeoff({"lambda0": [(30.0, 0.8), (31.0, 0.78)], "budget": [(18.0, 0.79)]},
+                            tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_unknown_arm_is_a_clear_error(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text('[trainer]\nenvs = ["arith-small"]\n')
-    assert cost_demo.main(["--config", str(cfg), "--arms", "lambda0,cheap", "--out", str(tmp_path / "o")]) == 2
+    assert cost_demo.main(["--config", str(cfg), "--arms", "lambda0,cheap",
+                           "--out", str(tmp_path / "o")]) == 2
     assert "unknown arm(s) ['cheap']" in capsys.readouterr().err
 
 
@@ -171,6 +177,20 @@ def test_cost_demo_end_to_end_on_a_tiny_run(tmp_path):
     assert result["arms"] == ["lambda0", "success_only", "budget"]
     seed = result["per_seed"][0]
     path = seed["lambda_paths"]["budget"]
-    assert path and all(p["lambda_next"] is not None for p in path)       # the budget moved KV λ each version
+    assert path and all(p["lambda_next"] is not None for p in path)       # KV λ written each version
     assert path[-1]["lambda_next"] > 0                                     # answers over 4 tokens: λ rose
     assert (out / "tradeoff.png").read_bytes()[:4] == b"\x89PNG" and (out / "compare.png").exists()
+    steps = [r for r in read_trainer_metrics(out / "seed0" / "budget") if "samples" in r]
+    assert steps and all(len(r["group_lambda"]) == r["groups"] and r["lambda_mixed_groups"] == 0 for r in steps)
+
+
+def test_without_a_warm_start_arms_start_from_the_config_and_need_a_given_lambda(tmp_path, capsys):
+    import argparse
+    a = argparse.Namespace(ramp_versions=10, budget_tokens=0.0, budget_ratio=0.6, budget_lr=0.002)
+    assert cost_demo.arm_setup("success_only", 0.004, tmp_path, 40.0, a)[1] == {"penalty": "success_only"}
+    base = _run(tmp_path, "base", [(0, 0.2, 20.0)])
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[trainer]\nenvs = ["arith-small"]\n')
+    assert cost_demo.main(["--config", str(cfg), "--baseline", str(base), "--out", str(tmp_path / "o")]) == 2
+    assert "--lambda-cal" in capsys.readouterr().err
+    assert cost_demo.main(["--config", str(cfg), "--lambda-cal", "-1", "--out", str(tmp_path / "o")]) == 2

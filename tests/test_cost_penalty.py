@@ -30,7 +30,7 @@ from tests.test_trainer_feed import wait_tasks
 
 
 def member(task: Task, i: int, text: str) -> Rollout:
-    """A completion of `task` as the worker builds it (rollout_worker/worker.py: the task's λ rides along)."""
+    """A completion of `task` as the worker builds it (rollout_worker/worker.py: with the task's λ)."""
     n = len(text) + 1
     return Rollout(rollout_id=f"{task.task_id}-{i}", task_id=task.task_id, env=task.env, sample_index=i,
                    group_size=task.sampling["n"], prompt=task.prompt, spec=task.spec, prompt_ids=[1, 2, 3],
@@ -170,7 +170,7 @@ def test_group_normalised_takes_statistics_over_live_members_per_group():
     g = torch.tensor([0, 0, 0, 1, 1])
     live = torch.tensor([True, True, False, True, True])
     out = apply_penalty(r, s, c, lam, pen, g, "group_normalised", live=live)
-    torch.testing.assert_close(out[[0, 1]], out[[3, 4]])           # the dead 1000-token member changes nothing
+    torch.testing.assert_close(out[[0, 1]], out[[3, 4]])           # the dead 1000-token member: no effect
 
 
 def test_unknown_penalty_and_bad_options_are_refused():
@@ -217,7 +217,7 @@ def test_budget_lambda_rises_over_the_target_and_falls_to_zero_under_it():
     for tokens in (200, 200, 150, 100, 50, 50, 50, 50, 50, 50):   # budget 100 tokens per answer
         lam = lambda_control.budget_step(lam, tokens, 100.0, 0.01)
         path.append(lam)
-    assert path[0] == pytest.approx(0.01) and path[1] == pytest.approx(0.02) and path[2] == pytest.approx(0.025)
+    assert path[:3] == pytest.approx([0.01, 0.02, 0.025])
     assert path[3] == pytest.approx(0.025)                          # at the budget: unchanged
     assert path[4] < path[3] and path[-1] == 0.0 and min(path) >= 0.0
 
@@ -257,7 +257,8 @@ async def test_the_worker_carries_its_tasks_lambda_onto_every_rollout(bus, fresh
     sampling = {"max_tokens": 6, "n": 2, "temperature": 1.0}
     for tid, lam in (("priced", 0.003), ("older", None)):
         await bus.publish(topo.task_subject("arith"), Task(task_id=tid, env="arith", prompt="12+30=",
-                                                           spec={"answer": "42"}, sampling=sampling, lambda_=lam))
+                                                           spec={"answer": "42"}, sampling=sampling,
+                                                           lambda_=lam))
     try:
         await until(lambda: worker.tasks_done == 2, timeout=60)
     finally:

@@ -16,9 +16,11 @@ HINTS = {"ppo_clip": "removed (must be 0): with one optimizer step per batch a c
                     "(against this step's own policy the ratio is 1; against the behaviour policy it only "
                     "masks stale tokens): use is_mode = 'masked' for that (docs/trainer.md)",
          "penalty_cap": "in (0, 0.5): a penalty spread of 2 x cap under 1 never outweighs success",
-         "lambda_ramp_versions": "lambda_schedule = 'ramp' needs lambda_ramp_versions >= 1 (and lambda_target)",
+         "lambda_ramp_versions": "lambda_schedule = 'ramp' needs lambda_ramp_versions >= 1 "
+                                 "(and lambda_target)",
          "budget_tokens": "lambda_schedule = 'budget' needs budget_tokens > 0 (tokens per answer aimed at)",
-         "budget_lr": "lambda_schedule = 'budget' needs budget_lr > 0 (λ's step per version at 2x the budget)"}
+         "budget_lr": "lambda_schedule = 'budget' needs budget_lr > 0 "
+                      "(λ's step per version at 2x the budget)"}
 
 
 @dataclass
@@ -70,10 +72,10 @@ class TrainerConfig:
     # linear (the scorer's success - λ·cost) | success_only (only successful members pay λ·cost) |
     # group_normalised (cost z-scored in its group, clamped to ±1, scaled by min(λ·mean cost, penalty_cap))
     penalty: str = "linear"
-    penalty_cap: float = 0.25            # group_normalised: |penalty| <= this (< 0.5: never outweighs success)
+    penalty_cap: float = 0.25            # group_normalised: |penalty| <= this (< 0.5: success stays first)
     # who sets λ (KV rl-control/lambda, stamped on each group at feed time; trainer/lambda_control.py):
     # fixed (never written here) | ramp (lambda_target · min(1, version / lambda_ramp_versions)) |
-    # budget (dual ascent: λ <- max(0, λ + budget_lr · (tokens per answer / budget_tokens - 1)) per version)
+    # budget (dual ascent per version: λ <- max(0, λ + budget_lr · (tokens per answer / budget_tokens - 1)))
     lambda_schedule: str = "fixed"
     lambda_target: float = 0.0
     lambda_ramp_versions: int = 0

@@ -57,7 +57,7 @@ class PackedSample:
     cost: float = 0.0
     lambda_: float = 0.0
     loss_mask: list[int] | None = None     # multi-turn: 0 on observation tokens (None: all model tokens)
-    penalty: float = 0.0                   # the scorer's λ·cost + shaping (trainer/penalty.py re-applies λ)
+    penalty: float = 0.0                   # the scorer's λ·cost + shaping (trainer/penalty.py)
 
     def model_mask(self) -> list[int]:
         return list(self.loss_mask) if self.loss_mask else [1] * len(self.completion_ids)
@@ -209,8 +209,8 @@ class Learner:
         on[live] = True
         if self.penalty != "linear":      # λ re-applied where the group is known (trainer/penalty.py)
             col = lambda k: torch.tensor([getattr(s, k) for s in samples], dtype=torch.float64)  # noqa: E731
-            rewards = apply_penalty(col("reward"), col("success"), col("cost"), col("lambda_"), col("penalty"), groups,
-                                    self.penalty, self.penalty_cap, live=on)
+            rewards = apply_penalty(col("reward"), col("success"), col("cost"), col("lambda_"),
+                                    col("penalty"), groups, self.penalty, self.penalty_cap, live=on)
         # a dropped (stale) sample is out of its group's baseline as well as out of the loss
         adv = group_advantages(rewards, groups, self.adv_norm, live=on)
         # only model tokens are trained on: observation tokens (loss mask 0) count nowhere

@@ -39,7 +39,8 @@ def apply_penalty(reward: torch.Tensor, success: torch.Tensor, cost: torch.Tenso
     count = torch.zeros(G, dtype=torch.float64).index_add_(0, group, on)
     mean = torch.zeros(G, dtype=torch.float64).index_add_(0, group, c * on) / count.clamp_min(1)
     dev = (c - mean[group]) * on
-    std = (torch.zeros(G, dtype=torch.float64).index_add_(0, group, dev**2) / count.clamp_min(1)).sqrt()[group]
+    var = torch.zeros(G, dtype=torch.float64).index_add_(0, group, dev**2) / count.clamp_min(1)
+    std = var.sqrt()[group]
     z = torch.where(std > EPS, dev / (std + EPS), torch.zeros_like(dev)).clamp(-1.0, 1.0)
     scale = (lam * mean[group]).clamp(max=cap)
     return (base - scale * z).to(reward.dtype)
