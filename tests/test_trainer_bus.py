@@ -210,11 +210,13 @@ async def test_overlapped_publication_checkpoints_the_right_digest_after_a_dropp
 
 async def test_delta_context_publishes_classed_positions_a_follower_applies(bus, fresh_server, tmp_path):
     """`delta_context = true`: the leader codes sparse float chunks by base class (CLASSED); a
-    follower applies the version bit-exact. Off (the default), no chunk is CLASSED."""
+    follower applies the version bit-exact. Off, or "auto" (the default) on a freshly initialised
+    model, no chunk is CLASSED. Each version's metrics carry the encode time and its share of the step."""
+    import json
     from bus.events import DeltaEvent, decode
     from delta_codec.modes import CLASSED
     from delta_codec.record import chunks_of
-    for on in (True, False):
+    for on in (True, False, "auto"):
         async with EmbeddedServer(store_dir=tmp_path / f"nats-{on}") as srv:
             b = await connect(BusConfig(servers=[srv.url], name="t"))
             try:
@@ -230,7 +232,11 @@ async def test_delta_context_publishes_classed_positions_a_follower_applies(bus,
                 data = ev.payload if ev.payload is not None else await b.get_blob(ev.blob)
                 d = delta_codec.Delta.from_bytes(data)
                 modes = {int(c[0]) for r in d.records for c in chunks_of(r)}
-                assert (CLASSED in modes) == on, modes
+                assert (CLASSED in modes) == (on is True), modes
+                row = json.loads((tmp_path / f"run-{on}" / "run" / "metrics" / "trainer.jsonl")
+                                 .read_text().splitlines()[-1])
+                assert row["version"] == 1 and 0 < row["encode_s"] and row["step_s"] > 0
+                assert row["encode_frac"] == pytest.approx(row["encode_s"] / row["step_s"])
                 feed = WeightFollower(b)
                 target = await feed.latest_state()
                 await feed.close()
@@ -264,6 +270,24 @@ async def test_uniform_groups_skipped_acked_at_once_and_recorded(bus, fresh_serv
     assert row["uniform_groups_skipped"] == 2 and row["groups"] == 2
     assert row["success_mean"] == pytest.approx(7 / 16)          # every episode the version consumed
     assert sorted(row["dropped_ids"]) == sorted(f"{t}-{i}" for t in ("zero", "one") for i in range(4))
+
+
+def test_delta_context_auto_is_on_for_a_pretrained_start_only(tmp_path):
+    """The default "auto" codes by context when the trainer starts from a pretrained checkpoint
+    (deploy/smollm2.toml as shipped) and not for the toy's fresh weights; an explicit value wins;
+    anything else is refused with the allowed values."""
+    from bus.config import ConfigError, load_config
+    assert TrainerConfig().delta_context == "auto" and not TrainerConfig().use_delta_context
+    assert TrainerConfig(init_checkpoint="/some/hf").use_delta_context
+    assert not TrainerConfig(init_checkpoint="/some/hf", delta_context=False).use_delta_context
+    assert TrainerConfig(delta_context=True).use_delta_context
+    smol = load_config(TrainerConfig, "deploy/smollm2.toml", section="trainer", environ={})
+    assert smol.init_checkpoint and smol.delta_context == "auto" and smol.use_delta_context
+    toy = load_config(TrainerConfig, None, environ={"ASYNCRL_DELTA_CONTEXT": "off"})
+    assert toy.delta_context is False
+    (tmp_path / "t.toml").write_text('delta_context = "sometimes"\n')
+    with pytest.raises(ConfigError, match="delta_context.*auto"):
+        load_config(TrainerConfig, tmp_path / "t.toml", environ={})
 
 
 def test_skip_uniform_groups_refused_in_sync_mode():

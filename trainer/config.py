@@ -19,6 +19,7 @@ HINTS = {"ppo_clip": "removed (must be 0): with one optimizer step per batch a c
          "lambda_ramp_versions": "lambda_schedule = 'ramp' needs lambda_ramp_versions >= 1 "
                                  "(and lambda_target)",
          "budget_tokens": "lambda_schedule = 'budget' needs budget_tokens > 0 (tokens per answer aimed at)",
+         "delta_context": 'true, false or "auto" (on when init_checkpoint is set)',
          "budget_lr": "lambda_schedule = 'budget' needs budget_lr > 0 "
                       "(λ's step per version at 2x the budget)"}
 
@@ -100,8 +101,10 @@ class TrainerConfig:
     # rank encodes the delta of the rows it owns, rank 0 stores the parts and signs one manifest
     # (bus/weight_manifest.py; docs/trainer.md). Keyframes are gathered either way.
     publish: str = "gathered"
-    delta_context: bool = False       # code delta positions in the context of the base weights (format 4 CLASSED:
-                                      # smaller on real weights, slower to encode and apply; docs/benchmarks.md#delta)
+    # code delta positions in the context of the base weights (format 4 CLASSED: smaller on real weights,
+    # slower to encode and apply; docs/benchmarks.md#delta). "auto": on when the trainer starts from a
+    # pretrained checkpoint (init_checkpoint), off for a freshly initialised model (see use_delta_context)
+    delta_context: bool | str = "auto"
     signing_key: str = ""                # ed25519 private key: hex, or a file with hex or PEM; "" = unsigned
     # fault injection (bench.chaos, tests; off in production)
     stop_before_publish: int = 0         # SIGSTOP itself after the lease CAS, just before writing version N
@@ -207,6 +210,7 @@ class TrainerConfig:
             "mixed_precision": self.mixed_precision in ("auto", "bf16", "fp32"),
             "chat_template": not self.chat_template or self.tokenizer != "char",   # char has no template
             "publish": self.publish in ("gathered", "sharded"),
+            "delta_context": self.delta_context in (True, False, "auto"),
             "elastic_nnodes": _nnodes_ok(self.elastic_nnodes),
             "elastic_nproc_per_node": self.elastic_nproc_per_node >= 1,
             "elastic_max_restarts": self.elastic_max_restarts >= 0,
@@ -226,6 +230,15 @@ class TrainerConfig:
             hint = "".join(f"; {k}: {HINTS[k]}" for k in bad if k in HINTS)
             raise ValueError(f"TrainerConfig: invalid value for {', '.join(bad)}: "
                              + ", ".join(f"{k}={getattr(self, k)!r}" for k in bad) + hint)
+
+    @property
+    def use_delta_context(self) -> bool:
+        """delta_context resolved: "auto" codes by context exactly when the weights are pretrained
+        (real weights: ~25 % smaller deltas for an encode that is a small fraction of the step; a
+        fresh toy model's encode is a larger share of its tiny step and its deltas gain less)."""
+        if self.delta_context == "auto":
+            return bool(self.init_checkpoint)
+        return bool(self.delta_context)
 
     @property
     def renew_s(self) -> float:

@@ -86,5 +86,5 @@ def build_learner(model, opt, cfg: TrainerConfig, reference: Transformer | None 
                       reference=reference, async_checkpoint=cfg.async_checkpoint,
                       micro_batch_tokens=cfg.micro_batch_tokens, logit_chunk_tokens=chunk,
                       penalty=cfg.penalty, penalty_cap=cfg.penalty_cap)
-    learner.delta_context = cfg.delta_context      # sharded parts are coded the same way
+    learner.delta_context = cfg.use_delta_context      # sharded parts are coded the same way
     return learner

@@ -381,7 +381,9 @@ class Trainer:
         if self.sharded:                 # parts now (a collective: not while the next step runs)
             base, new = None, None
             if live:
+                te = time.perf_counter()
                 parts = await asyncio.to_thread(self.learner.publish_parts, self.version - 1, self.version)
+                stats["encode_s"] = time.perf_counter() - te      # this rank's part (each codes its own)
                 base = self.last_parts = ShardedVersion.of(parts, self.version - 1, self.version)
             if self._needs_full_state(live):
                 new = await asyncio.to_thread(self.learner.published_state)
@@ -440,9 +442,13 @@ class Trainer:
         if isinstance(base, ShardedVersion) or not live:
             delta = base if live else None
         else:
+            te = time.perf_counter()
             delta = await asyncio.to_thread(delta_codec.encode_delta, base, new,
                                             from_version=version - 1, to_version=version,
-                                            context=cfg.delta_context)
+                                            context=cfg.use_delta_context)
+            stats["encode_s"] = time.perf_counter() - te
+        if "encode_s" in stats and stats.get("step_s"):      # what the delta coding costs against the step
+            stats["encode_frac"] = stats["encode_s"] / stats["step_s"]
         if not self.lease.valid() or lost.is_set():
             raise LeaseLost("leader lease no longer valid: refusing to checkpoint or publish")
         if delta is not None:       # the codec already hashed every tensor of `new`: no second pass
