@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import json
 import os
 import shutil
 import sys
-import tarfile
 import tempfile
 import time
 
+from bench import tiny_package
 from envs.episode import Episode, EpisodeLimits, EpisodeTask
 from envs.oracle import fix_block
 from envs.sandbox import BashLimits
@@ -297,60 +296,9 @@ def ctx_of(task: EpisodeTask) -> Ctx:
 
 # -- the tasks ----------------------------------------------------------------------------------------
 
-TINY_SRC = '''"""tinypkg: a few helpers."""
-
-
-def snake(name):
-    out = []
-    for i, c in enumerate(name):
-        if c.isupper() and i > 0:
-            out.append("_")
-        out.append(c.lower())
-    return "".join(out)
-
-
-def clamp(x, lo, hi):
-    return max(lo, min(x, hi))
-
-
-def window_sums(xs, k):
-    return [sum(xs[i:i + k]) for i in range(len(xs) - k + 1)]
-'''
-TINY_TESTS = '''import pytest
-from tinypkg import snake, clamp, window_sums
-
-
-@pytest.mark.parametrize("name,want", [("FooBar", "foo_bar"), ("x", "x"), ("HTTPCode", "h_t_t_p_code")])
-def test_snake(name, want):
-    assert snake(name) == want
-
-
-def test_clamp():
-    assert clamp(5, 0, 3) == 3
-    assert clamp(-1, 0, 3) == 0
-    assert clamp(2, 0, 3) == 2
-
-
-def test_window_sums():
-    assert window_sums([1, 2, 3, 4], 2) == [3, 5, 7]
-    assert window_sums([1, 2], 3) == []
-'''
-
-
 def local_sdist(dest: str) -> str:
     """A small package with a pytest suite and a conftest of its own, as a source distribution."""
-    name = "tinypkg-0.1"
-    files = {f"{name}/tinypkg/__init__.py": TINY_SRC, f"{name}/tests/test_tinypkg.py": TINY_TESTS,
-             f"{name}/tests/conftest.py": "import pytest\n\n\n@pytest.fixture\ndef unused():\n    return 1\n",
-             f"{name}/setup.py": "from setuptools import setup\nsetup(name='tinypkg')\n"}
-    path = os.path.join(dest, f"{name}.tar.gz")
-    with tarfile.open(path, "w:gz") as tar:
-        for rel, text in files.items():
-            data = text.encode()
-            info = tarfile.TarInfo(rel)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
+    return tiny_package.write_sdist(dest, conftest=True)
 
 
 def build_tasks(work: str, package: str | None, sdist: str | None, seed: int = 3

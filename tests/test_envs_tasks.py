@@ -5,13 +5,13 @@ from __future__ import annotations
 import ast
 import io
 import json
-import os
 import random
 import tarfile
 
 import pytest
 
 from asyncrl import tasks as tasks_cli
+from bench.tiny_package import TINY_SRC, write_sdist
 from envs import gen_repos, humaneval_tasks
 from envs.episode import Episode, EpisodeLimits, EpisodeTask
 from envs.mutations import KINDS, Mutation, balanced_order, candidates, counts_by_kind
@@ -196,58 +196,9 @@ def test_humaneval_tasks():
 
 # -- tier 3: a package with its own test suite ------------------------------------------------------
 
-TINY_SRC = '''"""tinypkg: a few helpers."""
-
-
-def snake(name):
-    out = []
-    for i, c in enumerate(name):
-        if c.isupper() and i > 0:
-            out.append("_")
-        out.append(c.lower())
-    return "".join(out)
-
-
-def clamp(x, lo, hi):
-    return max(lo, min(x, hi))
-
-
-def window_sums(xs, k):
-    return [sum(xs[i:i + k]) for i in range(len(xs) - k + 1)]
-'''
-TINY_TESTS = '''import pytest
-from tinypkg import snake, clamp, window_sums
-
-
-@pytest.mark.parametrize("name,want", [("FooBar", "foo_bar"), ("x", "x"), ("HTTPCode", "h_t_t_p_code")])
-def test_snake(name, want):
-    assert snake(name) == want
-
-
-def test_clamp():
-    assert clamp(5, 0, 3) == 3
-    assert clamp(-1, 0, 3) == 0
-    assert clamp(2, 0, 3) == 2
-
-
-def test_window_sums():
-    assert window_sums([1, 2, 3, 4], 2) == [3, 5, 7]
-    assert window_sums([1, 2], 3) == []
-'''
-
-
 def make_sdist(tmp_path, name="tinypkg-0.1", extra: dict | None = None) -> str:
-    files = {f"{name}/tinypkg/__init__.py": TINY_SRC, f"{name}/tests/test_tinypkg.py": TINY_TESTS,
-             f"{name}/setup.py": "from setuptools import setup\nsetup(name='tinypkg')\n",
-             f"{name}/tinypkg.egg-info/PKG-INFO": "Name: tinypkg\n", **(extra or {})}
-    path = tmp_path / f"{name}.tar.gz"
-    with tarfile.open(path, "w:gz") as tar:
-        for rel, text in files.items():
-            data = text.encode()
-            info = tarfile.TarInfo(rel)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return str(path)
+    # with an egg-info folder, which the builder must leave out of the snapshot
+    return write_sdist(str(tmp_path), name, {f"{name}/tinypkg.egg-info/PKG-INFO": "Name: tinypkg\n", **(extra or {})})
 
 
 def test_package_builder_on_a_tiny_package(tmp_path):
