@@ -208,6 +208,61 @@ async def test_overlapped_publication_checkpoints_the_right_digest_after_a_dropp
     await batcher.close()
 
 
+async def test_checkpoint_every_k_acks_only_after_the_checkpoint_and_a_crash_retrains_the_rest(
+        bus, fresh_server, tmp_path):
+    """checkpoint_every = 3: versions 1, 2 and 4 go out uncheckpointed and their batches stay
+    unacked until a checkpoint records them (v3 acks 1-3); the leader then dies before v4's
+    checkpoint: the next leader resumes from v3, trains the redelivered batch of v4 again (the
+    only one re-trained) and the last one, checkpoints its final version on a clean end, and
+    every rollout is recorded consumed once, nothing left pending."""
+    import json
+    from bus.weights import WeightPublisher
+    cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=4, max_lag=1000,
+                         checkpoint_every=3)
+    model, mcfg = build_model(cfg)
+    tr = Trainer(cfg, bus, build_learner(model, build_optimizer(model, cfg), cfg), mcfg)
+    epoch = await tr.lease.acquire(asyncio.Event())
+    await asyncio.to_thread(tr.prepare)
+    publisher = WeightPublisher(bus, epoch, cfg.trainer_id, None)
+    await publisher.publish_keyframe(tr.published, 0, mcfg)
+    await publish_groups(bus, model, 5, 4, prefix="g")
+    batcher = Batcher(bus, cfg, tr.consumed, mcfg.vocab_size)
+    await batcher.start()
+    lost, ids = asyncio.Event(), []
+
+    async def pending() -> int:
+        return (await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)).num_ack_pending
+    for v in range(1, 5):
+        batch = await batcher.next_batch(tr.version)
+        ids.append(sorted(batch.rollout_ids))
+        await (await tr.train_on(batch, batcher, publisher, lost))
+        st = checkpoint.load_latest(cfg.checkpoint_dir)
+        assert int((await bus.kv_get(topo.KEY_VERSION)).decode()) == v       # published at once
+        assert st.version == (3 if v >= 3 else 0), (v, st.version)
+        assert await pending() == 4 * (v % 3), v       # unacked until a checkpoint records them
+    assert sorted(st.consumed) == sorted(x for b in ids[:3] for x in b)
+    await batcher.close()               # the leader dies: what it held comes back (nak: at once)
+    await tr.lease.release()
+    cfg2 = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=4, max_lag=1000,
+                          checkpoint_every=3, trainer_id="T2", max_steps=5)
+    model2, _ = build_model(cfg2)
+    tr2 = Trainer(cfg2, bus, build_learner(model2, build_optimizer(model2, cfg2), cfg2), mcfg)
+    assert await asyncio.wait_for(tr2.lead(asyncio.Event()), 120) == 0
+    st = checkpoint.load_latest(cfg.checkpoint_dir)
+    assert tr2.version == st.version == 5 and st.epoch > epoch      # the clean end checkpoints v5
+    assert sorted(st.consumed) == sorted(f"g{g}-{i}" for g in range(5) for i in range(4))
+    assert await pending() == 0
+    info = await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
+    assert info.num_pending == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "rollout_ids" in r]
+    second = [r for r in rows if r["epoch"] > epoch]
+    assert [r["version"] for r in second] == [4, 5]                      # v4 re-trained, once more
+    assert sorted(second[0]["rollout_ids"]) == ids[3]
+    assert [r["checkpointed"] for r in rows] == [False, False, True, False, False, False]
+    assert all(r["checkpoint_s"] >= 0 and r["publish_s"] > 0 for r in rows)
+
+
 async def test_delta_context_publishes_classed_positions_a_follower_applies(bus, fresh_server, tmp_path):
     """`delta_context = true`: the leader codes sparse float chunks by base class (CLASSED); a
     follower applies the version bit-exact. Off, or "auto" (the default) on a freshly initialised

@@ -115,6 +115,12 @@ class TrainerConfig:
     # sharded (torchrun) runs: write the DCP shards in the background (torch.distributed.checkpoint.
     # async_save); the checkpoint file naming them is written only once they are complete
     async_checkpoint: bool = False
+    # checkpoint every K versions instead of every version: the versions between are published at
+    # once, but their batches are acked only after the next checkpoint (which records their ids) is
+    # durable, so a crash re-trains at most K - 1 versions and loses or double-trains nothing; the
+    # new leader publishes its resumed version under its new epoch (followers take it). The last
+    # version before a clean stop is always checkpointed. 1 = every version (the default)
+    checkpoint_every: int = 1
     run_dir: str = ""                    # metrics appended to <run_dir>/metrics/trainer.jsonl
     metrics_port: int = 0                # Prometheus /metrics (bus.metrics); 0 = off
     # elastic launch (`python -m trainer --elastic`, trainer/elastic.py): torchrun's elastic agent,
@@ -202,6 +208,7 @@ class TrainerConfig:
             "lease_ttl_s": self.lease_ttl_s > 0,
             "sync_task_timeout_s": self.sync_task_timeout_s >= 0,
             "debug_step_delay_s": self.debug_step_delay_s >= 0,
+            "checkpoint_every": self.checkpoint_every >= 1,
             "lr_schedule": self.lr_schedule in ("constant", "cosine"),
             "lr_warmup_steps": self.lr_warmup_steps >= 0,
             "lr_decay_steps": self.lr_decay_steps >= 0,

@@ -120,6 +120,9 @@ class Trainer:
         self.sharded = cfg.publish == "sharded"
         self.last_parts: ShardedVersion | None = None
         self.chain = DigestChain()       # what the run published: a checkpoint must agree with it
+        # checkpoint_every > 1: batches of versions published but not yet checkpointed, oldest first;
+        # acked only once a checkpoint recording their ids is durable (a crash re-trains them)
+        self.unacked: list[Batch] = []
 
     def state(self) -> checkpoint.TrainerState:
         return checkpoint.TrainerState(
@@ -222,6 +225,7 @@ class Trainer:
         if not epoch:
             return 0
         lost = asyncio.Event()
+        self.unacked = []                # a previous term's were handed back (nak) when it ended
         keeper = asyncio.create_task(self.lease.keep(stop, lost))
         self.chain = await read_chain(self.bus)      # resume only a checkpoint of this run's own line
         await asyncio.to_thread(self.prepare)        # in a thread: the lease keeps being renewed
@@ -264,6 +268,8 @@ class Trainer:
                 batch = None
             if publishing is not None:
                 await publishing
+            if self.unacked:             # a clean end checkpoints the last version: nothing to re-train
+                await self.checkpoint_unacked(batcher, lost)
         except LeaseLost as e:              # deposed mid-step: nothing of this step was published
             log.error("stepping down", error=str(e))
             lost.set()
@@ -392,14 +398,19 @@ class Trainer:
         if new is not None and live:     # never encode, checkpoint or publish a non-finite weight
             await asyncio.to_thread(check_finite_state, new, self.version)
         # the next step updates the weights and optimizer in place: checkpoint a copy of this state
-        snapshot = await asyncio.to_thread(lambda: checkpoint.snapshot(self.state()))
+        # (checkpoint_every > 1: only every K-th version; the others are published uncheckpointed)
+        ts = time.perf_counter()
+        snapshot = await asyncio.to_thread(lambda: checkpoint.snapshot(self.state())) \
+            if self._checkpoints(live) else None
+        stats["snapshot_s"] = time.perf_counter() - ts       # on the critical path (the copy)
         if previous is not None:
             await previous               # v-1 is out (or raised) before v starts going out
-        snapshot.digest = self.digest    # v-1's, now final; a live step replaces it with v's below
+        if snapshot is not None:
+            snapshot.digest = self.digest    # v-1's, now final; a live step replaces it with v's below
         if new is not None:
             self.published = new
         publication = self.publish_version(batch, packed, stats, live, base, new, snapshot, batcher, publisher,
-                                           lost, t0)
+                                           lost, t0, self.version)
         if self.cfg.debug_step_delay_s:       # tests only: a step + publication slower than ack_wait
             publication = _after(self.cfg.debug_step_delay_s, publication)
         return asyncio.create_task(publication)
@@ -430,15 +441,36 @@ class Trainer:
                 return packed, stats
         return packed, {}
 
+    def _checkpoints(self, live: bool) -> bool:
+        """Whether this version is checkpointed before it goes out: every version, or (checkpoint_every
+        = K > 1) every K-th trained one; a batch that trained nothing waits for the next checkpoint."""
+        k = self.cfg.checkpoint_every
+        return k == 1 or (live and self.version % k == 0)
+
+    async def checkpoint_unacked(self, batcher: Batcher, lost: asyncio.Event) -> None:
+        """Checkpoint the current state (no step running) and ack the batches it records."""
+        if not self.lease.valid() or lost.is_set():
+            raise LeaseLost("leader lease no longer valid: refusing to checkpoint")
+        await asyncio.to_thread(self.save)
+        await self._ack_unacked(batcher)
+
+    async def _ack_unacked(self, batcher: Batcher) -> None:
+        """A checkpoint recording every batch in `unacked` is durable: ack them, oldest first."""
+        while self.unacked:
+            await batcher.ack(self.unacked[0])
+            self.unacked.pop(0)
+
     def _needs_full_state(self, live: bool) -> bool:
         """Sharded publication still gathers the whole state for a keyframe or an evaluation."""
         v, cfg = self.version, self.cfg
         return (live and v % cfg.keyframe_interval == 0) or bool(cfg.eval_every and v % cfg.eval_every == 0)
 
     async def publish_version(self, batch, packed, stats, live, base, new, snapshot, batcher: Batcher,
-                              publisher: WeightPublisher, lost: asyncio.Event, t0: float) -> None:
-        """`base`: the published state of v-1 (gathered), or v's parts (a ShardedVersion)."""
-        cfg, version = self.cfg, snapshot.version
+                              publisher: WeightPublisher, lost: asyncio.Event, t0: float, version: int) -> None:
+        """`base`: the published state of v-1 (gathered), or v's parts (a ShardedVersion).
+        `snapshot`: the state to checkpoint before publishing, None for a version published
+        uncheckpointed (checkpoint_every > 1): its batch then waits in `unacked` for the next one."""
+        cfg = self.cfg
         if isinstance(base, ShardedVersion) or not live:
             delta = base if live else None
         else:
@@ -452,9 +484,15 @@ class Trainer:
         if not self.lease.valid() or lost.is_set():
             raise LeaseLost("leader lease no longer valid: refusing to checkpoint or publish")
         if delta is not None:       # the codec already hashed every tensor of `new`: no second pass
-            self.digest = snapshot.digest = delta.new_digest
-        await asyncio.to_thread(self.learner.wait_checkpoint)   # async shard save: complete before named
-        await asyncio.to_thread(checkpoint.save, cfg.checkpoint_dir, snapshot, cfg.keep_checkpoints)
+            self.digest = delta.new_digest
+            if snapshot is not None:
+                snapshot.digest = delta.new_digest
+        tc = time.perf_counter()
+        if snapshot is not None:
+            await asyncio.to_thread(self.learner.wait_checkpoint)   # async shard save: complete before named
+            await asyncio.to_thread(checkpoint.save, cfg.checkpoint_dir, snapshot, cfg.keep_checkpoints)
+        stats["checkpoint_s"] = time.perf_counter() - tc
+        tp = time.perf_counter()
         delta_bytes = 0
         if isinstance(delta, ShardedVersion):
             delta_bytes = (await publish_sharded(publisher, delta.parts, from_version=version - 1, to_version=version,
@@ -466,7 +504,11 @@ class Trainer:
             delta_bytes = (await publisher.publish_delta(delta)).size
             if version % cfg.keyframe_interval == 0:
                 await publisher.publish_keyframe(new, version, self.model_cfg, set_version=False)
-        await batcher.ack(batch)
+        stats["publish_s"] = time.perf_counter() - tp
+        self.unacked.append(batch)
+        if snapshot is not None:         # the checkpoint just written records every unacked batch
+            await self._ack_unacked(batcher)
+        stats.update(checkpointed=snapshot is not None, unacked_versions=len(self.unacked))
         self.fed.set()
         lags = [s.lag for s in packed]
         # outcomes of every episode this version consumed: skipped uniform groups included
