@@ -106,17 +106,21 @@ class EpisodeRunner:
             raise ValueError(f"episode limits must be a map, got {type(lim).__name__}")
         return EpisodeTask.from_dict(spec["episode"]), EpisodeLimits(**lim)
 
-    async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
+    def open(self, task: Task) -> tuple[EpisodeTask, EpisodeLimits, Episode, int]:
+        """The task's episode, its limits fitted to the engine, and the context room left for it."""
         et, limits = self.parse(task)
-        eng = self.engine
         # the episode ends with context_limit before the engine's slot is full (a turn always fits)
-        room = eng.max_len - limits.max_turn_tokens - 1
+        room = self.engine.max_len - limits.max_turn_tokens - 1
         if room < 1:
             raise ValueError(f"max_turn_tokens {limits.max_turn_tokens} leaves no room in the engine's "
-                             f"max_len {eng.max_len}")
+                             f"max_len {self.engine.max_len}")
         limits = dataclasses.replace(limits, max_context_tokens=min(limits.max_context_tokens, room),
                                      episode_wall_s=self.episode_wall_s or limits.episode_wall_s)
-        ep = Episode(et, limits, backend=self.backend, token_counter=TokenCounter(self.tok))
+        return et, limits, Episode(et, limits, backend=self.backend, token_counter=TokenCounter(self.tok)), room
+
+    async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
+        et, limits, ep, room = self.open(task)
+        eng = self.engine
         seed = zlib.crc32(f"{task.task_id}-{index}".encode())
         turn_sp = dataclasses.replace(sp, n=1, max_tokens=min(sp.max_tokens, limits.max_turn_tokens))
         handle, t0 = None, time.perf_counter()

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import os
 import time
 
 from bus.events import Rollout, SamplingParams, Task
-from envs.episode import Episode
 
-from .episodes import EpisodeRunner, TokenCounter
+from .episodes import EpisodeRunner
 from .openai_api import OpenAIEndpoint
 
 HARNESSES = ("builtin", "mini-swe-agent")
@@ -135,15 +133,7 @@ class HarnessRunner(EpisodeRunner):
 
     async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
         from envs import mini_swe_agent
-        et, limits = self.parse(task)
-        eng = self.engine
-        room = eng.max_len - limits.max_turn_tokens - 1
-        if room < 1:
-            raise ValueError(f"max_turn_tokens {limits.max_turn_tokens} leaves no room in the engine's "
-                             f"max_len {eng.max_len}")
-        limits = dataclasses.replace(limits, max_context_tokens=min(limits.max_context_tokens, room),
-                                     episode_wall_s=self.episode_wall_s or limits.episode_wall_s)
-        ep = Episode(et, limits, backend=self.backend, token_counter=TokenCounter(self.tok))
+        et, limits, ep, _ = self.open(task)
         eid = f"{task.task_id}-{index}-{os.urandom(4).hex()}"      # a redelivered task: a fresh id
         url = await self.url()
         rec = self.endpoint.open_episode(eid, meta={"task_id": task.task_id}, sampling=sp)
