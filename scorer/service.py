@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from bus import BusConfig, ConsumerLoop, HandlerContext, connect, get_logger, metrics
 from bus import topology as topo
-from bus.events import Heartbeat, Rollout, Scored
+from bus.events import EventError, Heartbeat, Rollout, Scored
 from bus.lifetime import cancel_and_wait
 
 import envs
