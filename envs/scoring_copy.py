@@ -19,9 +19,10 @@ is deleted. `changed` lists those paths (the tamper checks of envs/tamper.py rea
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from dataclasses import dataclass, field
+
+from .safe_path import clear_for_write
 
 CONFIG_FILES = {"pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml"}
 HOOK_FILES = {"sitecustomize.py", "usercustomize.py"}
@@ -152,20 +153,7 @@ def build(task, repo: str, dest: str, with_tests: bool = True, snap: dict | None
 
 def _put(dest: str, rel: str, kind: str, data: bytes) -> None:
     """Create dest/rel (never through a symlink: parents are real directories made here)."""
-    path = os.path.normpath(os.path.join(dest, rel))
-    if os.path.isabs(rel) or not path.startswith(os.path.normpath(dest) + os.sep):
-        raise ValueError(f"path {rel!r} leaves the scoring copy")
-    cur = os.path.normpath(dest)
-    for part in os.path.relpath(path, cur).split(os.sep)[:-1]:
-        cur = os.path.join(cur, part)
-        if os.path.islink(cur) or (os.path.lexists(cur) and not os.path.isdir(cur)):
-            os.unlink(cur)
-        if not os.path.isdir(cur):
-            os.mkdir(cur)
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.unlink(path)
+    path = clear_for_write(dest, rel, "path", "the scoring copy")
     if kind == "link":
         os.symlink(data.decode(), path)
     else:

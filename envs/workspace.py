@@ -27,6 +27,7 @@ import tempfile
 from typing import Protocol
 
 from .isolation import claim
+from .safe_path import clear_for_write
 from .sandbox import SYSTEM_PYTHONS, BashLimits, SandboxResult, fresh_uid, isolation, run_bash
 from . import scoring_run
 from .test_report import ScoreInfo, parse_report  # noqa: F401  (parse_report: re-exported)
@@ -210,18 +211,7 @@ def _write_files(dest: str, files: dict[str, str]) -> None:
     """Write files under dest as root, never through a symlink: a workspace the agent shaped may
     have replaced a directory by a link to anywhere on the host."""
     for rel, text in files.items():
-        path = os.path.normpath(os.path.join(dest, rel))
-        if os.path.isabs(rel) or not path.startswith(os.path.normpath(dest) + os.sep):
-            raise ValueError(f"task file path {rel!r} leaves the workspace")
-        cur = os.path.normpath(dest)
-        for part in os.path.relpath(path, cur).split(os.sep)[:-1]:
-            cur = os.path.join(cur, part)
-            if os.path.islink(cur) or (os.path.lexists(cur) and not os.path.isdir(cur)):
-                os.unlink(cur)
-            if not os.path.isdir(cur):
-                os.mkdir(cur)
-        if os.path.islink(path) or os.path.isdir(path):
-            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+        path = clear_for_write(dest, rel, "task file path", "the workspace")
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
 
