@@ -33,6 +33,7 @@ from asyncrl import config_check, metrics_ports, run_secrets, tracking
 from asyncrl.resume import resume_run
 from asyncrl.upconfig import UpConfig
 from bus.config import ConfigError
+from bus.control import format_lambda
 
 log = get_logger("asyncrl.up")
 
@@ -288,7 +289,7 @@ async def run(a: argparse.Namespace) -> int:
     await bus.provision()
     lam = a.lam if a.lam is not None else up.lambda_
     if lam is not None:           # λ for the scorers (they watch KV rl-control/lambda live)
-        await bus.kv_put(topo.KEY_LAMBDA, repr(float(lam)).encode())
+        await bus.kv_put(topo.KEY_LAMBDA, format_lambda(lam))
     bus_conf = {"servers": servers}
     drain = {"grace_s": up.grace_s}      # each child drains within this (its own section may override)
 

@@ -200,7 +200,7 @@ def plot(rows: list[dict], fit: ScalingFit, at: float, lam: float, path: str, ti
 async def apply_lambda(url: str, lam: float) -> int:
     from bus import BusConfig, connect
     from bus import topology as topo
-    from .reward import format_lambda
+    from bus.control import format_lambda
 
     bus = await connect(BusConfig(servers=url.split(","), name="calibrate-cost"))
     try:

@@ -39,22 +39,3 @@ def compute_reward(success: float, cost: float, lam: float, shaping: float = 0.0
     if not math.isfinite(penalty):
         raise ValueError(f"penalty lambda*cost+shaping = {penalty} is not finite (lambda={lam} cost={cost})")
     return penalty, success - penalty
-
-
-def parse_lambda(value: bytes | None) -> float:
-    """λ as stored in KV rl-control/lambda: an ASCII decimal number, finite and >= 0."""
-    if value is None:
-        raise ValueError("lambda key is empty (deleted)")
-    try:
-        lam = float(value.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        raise ValueError(f"lambda value {value[:40]!r} is not a decimal number") from None
-    if not math.isfinite(lam) or lam < 0:
-        raise ValueError(f"lambda must be finite and >= 0, got {lam}")
-    return lam
-
-
-def format_lambda(lam: float) -> bytes:
-    if not math.isfinite(lam) or lam < 0:
-        raise ValueError(f"lambda must be finite and >= 0, got {lam}")
-    return repr(float(lam)).encode("ascii")

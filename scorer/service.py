@@ -34,7 +34,9 @@ from bus.lifetime import cancel_and_wait
 import envs
 from envs import SpecError, get_env, isolation
 
-from .reward import COST_UNITS, EPISODE_REWARDS, compute_reward, overlong_penalty, parse_lambda, rollout_cost
+from bus.control import parse_lambda
+
+from .reward import COST_UNITS, EPISODE_REWARDS, compute_reward, overlong_penalty, rollout_cost
 
 log = get_logger("scorer")
 

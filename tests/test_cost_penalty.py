@@ -14,7 +14,7 @@ from bus import BusConfig
 from bus import topology as topo
 from bus.events import EventError, Rollout, Task, decode, encode
 from envs import get_env
-from scorer.reward import format_lambda
+from bus.control import format_lambda, parse_lambda
 from scorer.service import Scorer, ScorerConfig
 from policy import ModelConfig, SamplingConfig, Transformer, sequence_logprobs
 from trainer import lambda_control
@@ -233,7 +233,7 @@ async def test_budget_schedule_moves_kv_lambda_from_measured_tokens(bus):
     assert await sched.start(bus, 0) == {}                         # budget starts from KV (absent: 0)
     m = await sched.after_version(bus, 1, 40.0)                    # twice the budget: λ up by budget_lr
     assert m["lambda_next"] == pytest.approx(0.01) and m["lambda_prev"] == 0.0 and m["budget_ratio"] == 2.0
-    assert lambda_control.parse(await bus.kv_get(topo.KEY_LAMBDA)) == pytest.approx(0.01)
+    assert parse_lambda(await bus.kv_get(topo.KEY_LAMBDA)) == pytest.approx(0.01)
     m = await sched.after_version(bus, 2, 5.0)                     # under the budget: down
     assert m["lambda_next"] == pytest.approx(0.0025)
     m = await sched.after_version(bus, 3, 5.0)                     # floored at 0
@@ -242,9 +242,9 @@ async def test_budget_schedule_moves_kv_lambda_from_measured_tokens(bus):
                                                        lambda_ramp_versions=4))
     assert (await ramp.start(bus, 0))["lambda_next"] == 0.0
     assert (await ramp.after_version(bus, 2, 10.0))["lambda_next"] == pytest.approx(0.01)
-    assert lambda_control.parse(await bus.kv_get(topo.KEY_LAMBDA)) == pytest.approx(0.01)
+    assert parse_lambda(await bus.kv_get(topo.KEY_LAMBDA)) == pytest.approx(0.01)
     assert await lambda_control.LambdaSchedule(TrainerConfig()).after_version(bus, 3, 99.0) == {}
-    assert math.isclose(lambda_control.parse(await bus.kv_get(topo.KEY_LAMBDA)), 0.01)   # fixed: untouched
+    assert math.isclose(parse_lambda(await bus.kv_get(topo.KEY_LAMBDA)), 0.01)   # fixed: untouched
 
 
 async def test_the_worker_carries_its_tasks_lambda_onto_every_rollout(bus, fresh_server):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from scorer.calibrate import cost_at_price, fit_scaling_curve, main, tangent_slope
-from scorer.reward import compute_reward, format_lambda, overlong_penalty, parse_lambda
+from bus.control import format_lambda, parse_lambda
+from scorer.reward import compute_reward, overlong_penalty
 
 
 @pytest.mark.parametrize("a,b,tau,at,noise", [(0.9, 0.8, 20.0, 16.0, 0.005), (0.6, 0.55, 6.0, 4.0, 0.003),

@@ -6,29 +6,16 @@ of KV rl-control/lambda when it publishes it (so a group is scored with one λ);
     budget  λ is a dual variable: after version v, with T_v its mean tokens per answer,
             λ <- max(0, λ + budget_lr · (T_v / budget_tokens - 1)), read from and written back to KV
             (a restarted trainer carries on from the value there)
-The KV value is an ASCII decimal, finite and >= 0 (the scorer's scorer.reward.parse_lambda reads it).
+The KV value's format: bus/control.py.
 """
 from __future__ import annotations
 
-import math
 
 from bus import get_logger
 from bus import topology as topo
+from bus.control import format_lambda, parse_lambda
 
 log = get_logger(__name__)
-
-
-def parse(value: bytes | None) -> float:
-    """λ from KV: ValueError unless a finite decimal >= 0."""
-    if value is None:
-        raise ValueError("lambda key is empty")
-    try:
-        lam = float(value.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        raise ValueError(f"lambda value {value[:40]!r} is not a decimal number") from None
-    if not math.isfinite(lam) or lam < 0:
-        raise ValueError(f"lambda must be finite and >= 0, got {lam}")
-    return lam
 
 
 def ramp_lambda(target: float, versions: int, version: int) -> float:
@@ -43,7 +30,7 @@ def budget_step(lam: float, tokens_per_answer: float, budget_tokens: float, lr: 
 async def read(bus, last: float | None = None) -> float | None:
     """The KV λ now; `last` when the key is absent or holds a bad value (a typo must not unprice a group)."""
     try:
-        return parse(await bus.kv_get(topo.KEY_LAMBDA))
+        return parse_lambda(await bus.kv_get(topo.KEY_LAMBDA))
     except ValueError as e:
         if last is not None or "empty" not in str(e):
             log.warning("lambda in KV unusable; keeping the last", error=str(e), keeping=last)
@@ -80,7 +67,7 @@ class LambdaSchedule:
 
     async def _write(self, bus, lam: float, version: int) -> dict:
         try:
-            await bus.kv_put(topo.KEY_LAMBDA, repr(float(lam)).encode("ascii"))
+            await bus.kv_put(topo.KEY_LAMBDA, format_lambda(lam))
         except Exception as e:       # the groups keep the last λ; the next version writes again
             log.warning("lambda write failed", error=str(e), version=version)
             return {}
