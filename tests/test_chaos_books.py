@@ -61,6 +61,28 @@ def dl(a, b, epoch, digest):
                  trainer_id="t")
 
 
+def test_books_leave_out_versions_a_later_epoch_rolled_back(tmp_path):
+    """checkpoint_every > 1: a leader killed after v4 (checkpointed v3) logged v4; the next epoch
+    resumed from v3 and trained v4's rollouts again. Only that line leaves the books; a later
+    epoch's first line of a batch that trained nothing (version kept) rolls back nothing; a
+    rollout in two lines of the surviving line still counts as trained twice."""
+    from bench.chaoskit.books import all_step_lines, rolled_back, tally
+    ids = {t: [f"{t}-{i}" for i in range(GROUP)] for t in "abcdef"}
+    lines = [(1, v, t, GROUP) for v, t in ((1, "a"), (2, "b"), (3, "c"), (4, "d"))] + \
+            [(2, 4, "d", GROUP), (2, 5, "e", GROUP), (3, 5, "f", 0)]
+    p = tmp_path / "trainer-A" / "metrics" / "trainer.jsonl"
+    p.parent.mkdir(parents=True)
+    p.write_text("".join(json.dumps({"epoch": e, "version": v, "rollout_ids": ids[t], "live_samples": live}) + "\n"
+                         for e, v, t, live in lines))
+    gone = rolled_back(all_step_lines(tmp_path))
+    assert [(d["epoch"], d["version"]) for d in gone] == [(1, 4)]
+    b = tally(tmp_path, list("abcdef"))
+    assert b.lost == 0 and b.duplicates_trained == 0 and b.consumed == 6 * GROUP
+    with open(p, "a") as f:               # the same batch twice in the surviving line: caught
+        f.write(json.dumps({"epoch": 3, "version": 6, "rollout_ids": ids["e"], "live_samples": GROUP}) + "\n")
+    assert tally(tmp_path, list("abcdef")).duplicates_trained == GROUP
+
+
 def test_version_line_sees_gaps_forks_and_late_deltas():
     clean = [kf(0, 1, "d0"), dl(0, 1, 1, "d1"), dl(1, 2, 1, "d2"), kf(2, 2, "d2"), dl(2, 3, 2, "d3")]
     assert version_line(clean) == {"top": 3, "gaps": [], "forks": [], "late_old_epoch": 0, "epochs": [1, 2]}

@@ -9,7 +9,7 @@ import pytest
 from bench.chaoskit.params import ACK_WAIT_S, BATCH_GROUPS, GROUP, LEASE_TTL_S
 from bench.chaoskit.scenarios_bus import cluster_node_loss, restart_nats
 from bench.chaoskit.scenarios_fleet import random_kill_storm, up_supervisor
-from bench.chaoskit.scenarios_trainer import leader_failover, slow_step_kill, sync_poison_task
+from bench.chaoskit.scenarios_trainer import deferred_checkpoint_kill, leader_failover, slow_step_kill, sync_poison_task
 from bench.chaoskit.scenarios_workers import backlog, kill_scorer, kill_workers, pause_worker, worker_feed_crash
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
@@ -76,6 +76,15 @@ async def test_slow_step_leader_killed_before_checkpoint(tmp_path):
     check(r)
     assert r["version_at_kill"] == 0 and r["leader_logged_steps"] == 0 and r["held_at_kill"] >= BATCH_GROUPS * GROUP
     assert r["first_version_after_death_s"] is not None
+
+
+# issue 32 (short version in the default suite: tests/test_trainer_bus.py
+# test_checkpoint_every_k_acks_only_after_the_checkpoint_and_a_crash_retrains_the_rest)
+async def test_leader_killed_between_a_step_and_its_deferred_checkpoint(tmp_path):
+    r = await deferred_checkpoint_kill(tmp_path, tasks=40, every=3)
+    check(r)
+    assert r["checkpoint_at_kill"] < r["version_at_kill"] and 1 <= len(r["rolled_back_versions"]) <= 2, r
+    assert r["rolled_back_ids"] >= BATCH_GROUPS * GROUP and r["trained"] == 40 * GROUP - r["dropped"], r
 
 
 async def test_sync_run_goes_on_past_a_poison_task(tmp_path):

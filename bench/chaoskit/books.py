@@ -10,6 +10,10 @@ components' own dedupe), and the report row every scenario returns.
                still queued in a work stream: a run that stops at its step count leaves the late
                members of its last groups durable in SCORED, for the next trainer)
     duplicates_trained = rollout ids that appear in more than one logged step
+    rolled back = steps of a leader that died before the checkpoint recording them (trainer
+               checkpoint_every > 1): a later epoch logs a version <= theirs, i.e. it resumed
+               below them and trained their redelivered batches again; they are out of the
+               line that survives, so out of the books (the trainer's weights never kept them)
 """
 from __future__ import annotations
 
@@ -47,12 +51,31 @@ def row(name: str, books: Books, recovery_s: float, passed: bool, **extra) -> di
             "recovery_s": round(recovery_s, 2), "passed": bool(passed and books.ok()), **extra}
 
 
-def step_lines(run_dir: Path) -> list[dict]:
-    """Every step line of every trainer of the run (eval lines carry no batch)."""
+def all_step_lines(run_dir: Path) -> list[dict]:
+    """Every step line of every trainer of the run (eval lines carry no batch), rolled back or not."""
     out = []
     for p in Path(run_dir).glob("trainer-*/metrics/trainer.jsonl"):
         out += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
     return [d for d in out if "rollout_ids" in d]
+
+
+def rolled_back(lines: list[dict]) -> list[dict]:
+    """Lines a later epoch resumed below (it trained a version <= theirs): never checkpointed.
+    A later line at version y resumed at y - 1 or lower when it trained (the step made y), at y
+    or lower when it trained nothing (a batch of dropped samples keeps the version)."""
+    floor: dict[int, int] = {}           # epoch -> lowest version a later epoch made or kept + 1
+    for e in {d.get("epoch", 0) for d in lines}:
+        later = [d["version"] + (0 if d.get("live_samples", 1) else 1) for d in lines if d.get("epoch", 0) > e]
+        if later:
+            floor[e] = min(later)
+    return [d for d in lines if d.get("epoch", 0) in floor and d["version"] >= floor[d.get("epoch", 0)]]
+
+
+def step_lines(run_dir: Path) -> list[dict]:
+    """The step lines of the line of versions that survived (rolled-back ones left out)."""
+    lines = all_step_lines(run_dir)
+    gone = {id(d) for d in rolled_back(lines)}
+    return [d for d in lines if id(d) not in gone]
 
 
 def trained_counts(run_dir: Path) -> Counter:

@@ -12,7 +12,9 @@ from bus import EmbeddedServer
 from bus import topology as topo
 from bus.events import Task, decode
 
-from .books import queued_ids, row
+from trainer import checkpoint
+
+from .books import all_step_lines, queued_ids, rolled_back, row
 from .fleet import ChaosError, Fleet, pipeline, wait_ready
 from .observe import (deposed_publishes, first_trained_on, first_version_by, refused_stale, version_line, wait_leader,
                       wait_log)
@@ -105,6 +107,50 @@ async def slow_step_kill(run_dir: Path, tasks: int = 40, seed: int = 9, delay_fa
                        step_delay_s=delay_factor * fleet.ack_wait_s, held_at_kill=info.num_ack_pending,
                        version_at_kill=v_before, leader_logged_steps=a_steps, lease_failover_s=round(failover, 2),
                        first_version_after_death_s=round(first_v_s, 2),
+                       first_trained_after_death_s=first_trained_on(fleet, "B", first_v, t_death))
+        finally:
+            await fleet.close()
+
+
+async def deferred_checkpoint_kill(run_dir: Path, tasks: int = 40, seed: int = 11, every: int = 3) -> dict:
+    """checkpoint_every = K: versions between checkpoints go out at once and their batches are acked
+    only after the checkpoint recording them. The leader is SIGKILLed right after a version that is
+    published but not checkpointed (after a first checkpoint); the standby resumes from that
+    checkpoint, trains the redelivered batches again, and the books hold over the line of versions
+    that survives: nothing lost, nothing trained twice; what was re-trained is at most K - 1
+    versions, and the only forks of the version line are those rolled-back versions."""
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            fleet.trainer("A", checkpoint_every=every)
+            await wait_ready(fleet, ["A"])
+            fleet.trainer("B", checkpoint_every=every)          # B waits on standby
+            await pipeline(fleet, workers=2, trainers=())
+            ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+            deadline = time.monotonic() + 300
+            while True:                   # a version published, not checkpointed, after a checkpoint
+                v_kill = await fleet.version()
+                if v_kill > every and v_kill % every:
+                    break
+                fleet.check_alive(["A"])
+                if time.monotonic() > deadline:
+                    raise ChaosError(f"leader A never reached an uncheckpointed version past {every}")
+                await asyncio.sleep(0.05)
+            fleet.signal("A", signal.SIGKILL)
+            t_death = time.time()
+            ckpt_v = checkpoint.load_latest(run_dir / "ckpt").version
+            _, failover = await wait_leader(fleet, "A", LEASE_TTL_S + 60)
+            first_v_s, first_v = await first_version_by(fleet, "B", t_death, 300)
+            books = await fleet.wait_trained(ids, 600, with_checkpoint=True, feeding=feeding, watch=["B"])
+            line = version_line(await weights_history(fleet.bus))
+            gone = rolled_back(all_step_lines(run_dir))
+            redone = sorted({d["version"] for d in gone})
+            passed = (ckpt_v < v_kill and 1 <= len(redone) <= every - 1 and not line["gaps"]
+                      and set(line["forks"]) <= set(redone) and all(v > ckpt_v for v in redone))
+            return row("deferred_checkpoint_kill", books, first_v_s, passed, checkpoint_every=every,
+                       version_at_kill=v_kill, checkpoint_at_kill=ckpt_v, rolled_back_versions=redone,
+                       rolled_back_ids=sum(len(d["rollout_ids"]) for d in gone), forks=line["forks"],
+                       lease_failover_s=round(failover, 2), first_version_after_death_s=round(first_v_s, 2),
                        first_trained_after_death_s=first_trained_on(fleet, "B", first_v, t_death))
         finally:
             await fleet.close()
