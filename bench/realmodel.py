@@ -14,6 +14,11 @@ next step. Per lr it reports (per step and summed up):
   k3_master      ... vs the replay on the fp32 master the gradient is taken on
   step_s         one RL step (generate + verify + replay/backward + AdamW + encode + engine apply)
 
+`step_profile` (bench/step_profile.py): the trainer's own Learner.step on `--profile-tasks` x
+`--group` generations of the base model, split by phase (forward, replay, backward, optimizer,
+cast, encode, checkpoint, publish) with `step_flops_fraction` = step FLOP/s / this machine's fp32
+matmul FLOP/s at the step's shapes (meaningful alone on the box; `--profile-steps 0` skips it),
+
 and the decode tokens/s at `--slots` concurrent sequences (no stop token) of the torch engine and,
 side by side, of the vLLM engine on the same folder and weights, plus the vLLM engine's mismatch
 k3 vs the trainer's replay (fp32 on the same bf16 weights, same kept sets). The vLLM part runs in
@@ -152,6 +157,28 @@ async def rl_run(folder: Path, lr: float, args, env, tok, base: dict, out_dir: P
             "cumulative": {"steps": len(steps), "changed_frac": total.stats.changed / total.stats.total,
                            "bits_per_changed": 8 * tb / max(total.stats.changed, 1), "ratio": tb / full},
             "steps": steps}
+
+
+async def profile_part(folder: Path, cfg_model, args, env, tok, base: dict) -> dict:
+    """Generations of the base model (their kept sets and logprobs), then the trainer's step on them."""
+    from rollout_worker.torch_engine import TorchEngine
+    from .step_profile import packed, profile_step
+    n = args.profile_tasks * args.group
+    engine = TorchEngine(cfg_model, slots=n, max_len=args.max_len, eos_id=tok.eos_id, seed=args.seed)
+    await engine.load_keyframe(base, version=0, epoch=0)
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=0, max_tokens=args.max_new)
+    rng = random.Random(args.seed + 1)
+    try:
+        tasks = [env.sample(rng) for _ in range(args.profile_tasks)]
+        prompts = [tok.apply_chat_template([{"role": "user", "content": t.prompt}]) for t in tasks
+                   for _ in range(args.group)]
+        gens = await asyncio.gather(*(engine.generate(p, sp) for p in prompts))
+    finally:
+        await engine.close()
+    rewards = [float(i % 2) for i in range(n)]      # mixed in every group: FLOPs do not depend on the values
+    samples = packed(prompts, gens, rewards, args.group,
+                     {"temperature": args.temperature, "top_p": args.top_p, "top_k": 0})
+    return await asyncio.to_thread(profile_step, folder, samples, args.profile_steps, args.delta_context)
 
 
 async def decode_speed(cfg_model, base, slots_list, tokens: int, prompt: list[int], max_len: int) -> list[dict]:
@@ -307,6 +334,8 @@ async def amain(args) -> dict:
         save_file({k: v.contiguous() for k, v in base.items()}, str(out_dir / "base.safetensors"))
     env = PythonTestsEnv(n_tests=4)
     runs = [await rl_run(folder, lr, args, env, tok, base, out_dir) for lr in args.lrs]
+    profile = await profile_part(folder, cfg_model, args, env, tok, base) if args.profile_steps \
+        else {"skipped": "--profile-steps 0"}
     prompt = tok.apply_chat_template([{"role": "user", "content": DECODE_PROMPT}])
     decode = await decode_speed(cfg_model, base, args.slots, args.decode_tokens, prompt,
                                 len(prompt) + args.decode_tokens + 1)
@@ -323,7 +352,8 @@ async def amain(args) -> dict:
     return {"bench": "realmodel", "model": args.model, "folder": str(folder), "params": runs[0]["params"] if runs else None,
             "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
             "settings": {k: getattr(args, k) for k in ("steps", "tasks", "group", "max_new", "temperature", "top_p")},
-            "runs": runs, "decode": decode, "vllm": vllm,
+            "runs": runs, "decode": decode, "vllm": vllm, "step_profile": profile,
+            "step_flops_fraction": profile.get("step_flops_fraction"),
             "decode_side_by_side": side_by_side(decode, vllm.get("decode"))}
 
 
@@ -353,6 +383,12 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-log", action="store_true", help="show the vLLM subprocess's log (stderr)")
     ap.add_argument("--vllm-part", action="store_true", help=argparse.SUPPRESS)   # the subprocess's mode
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--profile-steps", type=int, default=3,
+                    help="timed trainer steps in step_profile (0: skip)")
+    ap.add_argument("--profile-tasks", type=int, default=4, help="tasks (x --group) in the profiled step")
+    ap.add_argument("--delta-context", default="auto",
+                    type=lambda v: {"true": True, "false": False}.get(v, v),
+                    help="the trainer's delta_context for the profiled encode (auto: on, a pretrained start)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="save base / per-lr updated bf16 states here")
     args = ap.parse_args(argv)

@@ -72,8 +72,8 @@ def test_books_leave_out_versions_a_later_epoch_rolled_back(tmp_path):
             [(2, 4, "d", GROUP), (2, 5, "e", GROUP), (3, 5, "f", 0)]
     p = tmp_path / "trainer-A" / "metrics" / "trainer.jsonl"
     p.parent.mkdir(parents=True)
-    p.write_text("".join(json.dumps({"epoch": e, "version": v, "rollout_ids": ids[t], "live_samples": live}) + "\n"
-                         for e, v, t, live in lines))
+    p.write_text("".join(json.dumps({"epoch": e, "version": v, "rollout_ids": ids[t], "live_samples": live})
+                         + "\n" for e, v, t, live in lines))
     gone = rolled_back(all_step_lines(tmp_path))
     assert [(d["epoch"], d["version"]) for d in gone] == [(1, 4)]
     b = tally(tmp_path, list("abcdef"))

@@ -9,7 +9,8 @@ import pytest
 from bench.chaoskit.params import ACK_WAIT_S, BATCH_GROUPS, GROUP, LEASE_TTL_S
 from bench.chaoskit.scenarios_bus import cluster_node_loss, restart_nats
 from bench.chaoskit.scenarios_fleet import random_kill_storm, up_supervisor
-from bench.chaoskit.scenarios_trainer import deferred_checkpoint_kill, leader_failover, slow_step_kill, sync_poison_task
+from bench.chaoskit.scenarios_trainer import (deferred_checkpoint_kill, leader_failover, slow_step_kill,
+                                             sync_poison_task)
 from bench.chaoskit.scenarios_workers import backlog, kill_scorer, kill_workers, pause_worker, worker_feed_crash
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]

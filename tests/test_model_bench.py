@@ -39,8 +39,22 @@ def test_bench_runs_end_to_end_on_a_tiny_converted_model(tmp_path, capsys):
     # lr 0.5: AdamW's weight decay alone (0.5 % a step) moves bf16 weights, so deltas really reach the engine
     assert realmodel.main(["--json", "--folder", str(folder), "--lrs", "0.5", "--steps", "2", "--tasks", "1",
                            "--group", "2", "--max-new", "6", "--max-len", "400", "--slots", "1", "2",
-                           "--decode-tokens", "3", "--out", str(tmp_path / "states"), "--no-vllm"]) == 0
+                           "--decode-tokens", "3", "--out", str(tmp_path / "states"), "--no-vllm",
+                           "--profile-steps", "2", "--profile-tasks", "1"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the trainer's own step, split by phase and set against this machine's matmul rate
+    prof = res["step_profile"]
+    assert prof["steps"] == 2 and prof["sequences"] == 2
+    assert prof["delta_context"] is True                     # auto: a pretrained start
+    assert prof["step_flops"] > 0 and prof["matmul_flop_s"] > 0 and prof["step_s"] > 0
+    assert res["step_flops_fraction"] == prof["step_flops_fraction"] == pytest.approx(
+        prof["step_flops"] / prof["step_s"] / prof["matmul_flop_s"])
+    assert set(prof["phases_s"]) == {"forward", "replay", "backward", "optimizer", "cast", "encode",
+                                     "checkpoint", "publish"}
+    ph = prof["phases_s"]
+    assert all(v >= 0 for v in ph.values()) and ph["forward"] + ph["replay"] > 0
+    assert all(ph[k] > 0 for k in ("backward", "optimizer", "cast", "encode", "checkpoint", "publish"))
+    assert sum(prof["phase_frac"].values()) == pytest.approx(1.0)
     (run,) = res["runs"]
     assert run["lr"] == 0.5 and len(run["steps"]) == 2 and run["cumulative"]["changed_frac"] > 0
     assert all(s["changed_frac"] > 0 and s["bits_per_changed"] > 0 and s["tokens"] > 0 for s in run["steps"]), run["steps"]
@@ -71,7 +85,8 @@ def test_a_failing_vllm_interpreter_is_reported_and_torch_numbers_stay(tmp_path,
     tok = bpe_tokenizer()
     write_gguf(tmp_path / "m.gguf", tiny_llama(tok.get_vocab_size(), True, max_pos=512), tok, {})
     folder = convert_gguf(tmp_path / "m.gguf", tmp_path / "hf")
-    common = ["--json", "--folder", str(folder), "--lrs", "--slots", "1", "--decode-tokens", "2", "--max-new", "2"]
+    common = ["--json", "--folder", str(folder), "--lrs", "--slots", "1", "--decode-tokens", "2",
+              "--max-new", "2", "--profile-steps", "0"]
     assert realmodel.main([*common, "--vllm-python", str(tmp_path / "no-python")]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["vllm"] == {"skipped": f"no vLLM interpreter at {tmp_path / 'no-python'}"}

@@ -221,6 +221,7 @@ class Learner:
         scale = float(ws) if is_sharded(self.model) else 1.0
         total = torch.zeros((), device=dev)
         kept, kl_sum, kl_weight = 0.0, 0.0, 0.0
+        fwd_s, bwd_s = 0.0, 0.0               # phase timers (wall, no device sync: CPU-exact, GPU-queued)
         keep: dict[str, list[torch.Tensor]] = {k: [] for k in ("logp", "behav", "adv", "w", "ent", "model")}
         with torch.set_grad_enabled(grad or backward):
             for k in range(n_pass):
@@ -233,6 +234,7 @@ class Learner:
                     continue
                 quant, run = runs[k]
                 chunk = [samples[i] for i in run]
+                t = time.perf_counter()
                 logp, ent = self._run_logprobs(self.model, chunk, quant)
                 lens = torch.tensor([len(s.completion_ids) for s in chunk])
                 behav = torch.tensor([x for s in chunk for x in s.logprobs], dtype=torch.float32).to(dev)
@@ -245,11 +247,14 @@ class Learner:
                     with torch.no_grad():
                         ref = self._run_logprobs(self.reference, chunk, quant)[0].float()
                 part, st = pg_loss(logp.float(), behav, a, w, n_tokens, self.loss_cfg, ent.float(), ref=ref)
+                fwd_s += time.perf_counter() - t
                 kept += st["kept"]
                 kl_sum, kl_weight = kl_sum + st.get("kl_sum", 0.0), kl_weight + st.get("kl_weight", 0.0)
                 if backward:
+                    t = time.perf_counter()
                     (part * scale).backward()
                     part = part.detach()
+                    bwd_s += time.perf_counter() - t
                 total = total + part
                 for key, v in (("logp", logp.detach().float()), ("behav", behav), ("adv", a), ("w", w),
                                ("ent", ent.detach().float()), ("model", model)):
@@ -266,7 +271,8 @@ class Learner:
                     for p in self.model.parameters():
                         if p.grad is not None:
                             p.grad.mul_(factor)
-        stats: dict = {"n_tokens": n_tokens, "kept_tokens": kept, "adv": adv[on]}
+        stats: dict = {"n_tokens": n_tokens, "kept_tokens": kept, "adv": adv[on], "forward_s": fwd_s,
+                       "backward_s": bwd_s}
         if keep["logp"]:
             cat = {k: torch.cat(v) for k, v in keep.items() if v}
             with torch.no_grad():
@@ -300,7 +306,9 @@ class Learner:
             return {"skipped": skip, "loss": float(full_loss), "grad_norm": float(gnorm),
                     "step_s": time.perf_counter() - t0}
         lr = apply_schedule(self.opt, self.schedule)
+        t = time.perf_counter()
         self.opt.step()
+        stats["optimizer_s"] = time.perf_counter() - t
         stats.update(loss=float(full_loss), grad_norm=float(gnorm), lr=lr, step_s=time.perf_counter() - t0,
                      adv_mean=float(adv.mean()) if adv.numel() else 0.0,
                      adv_std=float(adv.std()) if adv.numel() > 1 else 0.0,

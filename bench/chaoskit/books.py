@@ -65,7 +65,8 @@ def rolled_back(lines: list[dict]) -> list[dict]:
     or lower when it trained nothing (a batch of dropped samples keeps the version)."""
     floor: dict[int, int] = {}           # epoch -> lowest version a later epoch made or kept + 1
     for e in {d.get("epoch", 0) for d in lines}:
-        later = [d["version"] + (0 if d.get("live_samples", 1) else 1) for d in lines if d.get("epoch", 0) > e]
+        later = [d["version"] + (0 if d.get("live_samples", 1) else 1)
+                 for d in lines if d.get("epoch", 0) > e]
         if later:
             floor[e] = min(later)
     return [d for d in lines if d.get("epoch", 0) in floor and d["version"] >= floor[d.get("epoch", 0)]]
