@@ -292,6 +292,7 @@ async def test_delta_context_publishes_classed_positions_a_follower_applies(bus,
                                  .read_text().splitlines()[-1])
                 assert row["version"] == 1 and 0 < row["encode_s"] and row["step_s"] > 0
                 assert row["encode_frac"] == pytest.approx(row["encode_s"] / row["step_s"])
+                assert row["threads"] == torch.get_num_threads()      # what the step computed with
                 feed = WeightFollower(b)
                 target = await feed.latest_state()
                 await feed.close()
