@@ -97,6 +97,30 @@ def test_checkpoint_keeps_last_n(tmp_path):
         ["ckpt-e00000001-v00000004.pt", "ckpt-e00000001-v00000005.pt"]
 
 
+def test_one_process_optimizer_is_fused_adamw_with_the_default_update():
+    """The single-process trainer steps with the fused AdamW kernel; its update is foreach AdamW's
+    up to float rounding (a few ulp after several steps)."""
+    from trainer.config import TrainerConfig
+    from trainer.factory import build_model, build_optimizer
+    cfg = TrainerConfig(model={"preset": "tiny", "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
+                               "d_ff": 64, "max_seq_len": 32}, lr=1e-2, weight_decay=0.1)
+    a, _ = build_model(cfg)
+    b, _ = build_model(cfg)
+    fused = build_optimizer(a, cfg)
+    ref = torch.optim.AdamW(b.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                            weight_decay=cfg.weight_decay, foreach=True)
+    assert fused.defaults["fused"] is True
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p, q in zip(a.parameters(), b.parameters()):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        fused.step()
+        ref.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
 def test_bad_configuration_is_a_clear_error(tmp_path, capsys):
     from trainer.__main__ import main
     assert main(["--config", str(tmp_path / "missing.toml")]) == 2

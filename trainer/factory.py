@@ -66,7 +66,12 @@ def device(cfg: TrainerConfig) -> torch.device:
 
 
 def build_optimizer(model, cfg: TrainerConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    """AdamW on the fp32 master weights. One process: the fused kernel (one pass per tensor instead
+    of foreach's several; the same update up to float rounding, several times faster on CPU for
+    SmolLM2's 135 M parameters). A sharded group keeps the default for FSDP2's DTensor parameters."""
+    fused = True if world()[1] == 1 else None
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                             weight_decay=cfg.weight_decay, fused=fused)
 
 
 def build_schedule(cfg: TrainerConfig) -> LRSchedule:
