@@ -97,6 +97,20 @@ def test_checkpoint_keeps_last_n(tmp_path):
         ["ckpt-e00000001-v00000004.pt", "ckpt-e00000001-v00000005.pt"]
 
 
+def test_single_file_checkpoints_are_not_read_back_when_saving(tmp_path, monkeypatch):
+    """Pruning looks into kept checkpoints only for the shard folders they name: a run with none
+    (one process; each file holds the whole fp32 state, GBs for a real model) reads nothing back."""
+    reads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: reads.append(a[0]) or real_load(*a, **k))
+    for v in range(4):
+        checkpoint.save(tmp_path, _state(v, 1, float(v)), keep=3)
+    assert reads == [] and len(checkpoint.list_checkpoints(tmp_path)) == 3
+    (tmp_path / "shards-e00000001-v00000000").mkdir()        # a sharded run's folder: now it must look
+    checkpoint.save(tmp_path, _state(4, 1, 4.0), keep=3)
+    assert len(reads) == 3
+
+
 def test_one_process_optimizer_is_fused_adamw_with_the_default_update():
     """The single-process trainer steps with the fused AdamW kernel; its update is foreach AdamW's
     up to float rounding (a few ulp after several steps)."""

@@ -82,7 +82,9 @@ def save(ckpt_dir: str | Path, st: TrainerState, keep: int = 3) -> Path:
 
 def _prune_shard_folders(d: Path) -> None:
     """Shard folders older than the oldest kept checkpoint that no kept checkpoint names."""
-    from .shards import prune_shards
+    from .shards import SHARDS, prune_shards
+    if not any(SHARDS.match(p.name) for p in d.iterdir()):
+        return           # single-file checkpoints: reading back every kept one (GBs each) would find nothing
     kept = list_checkpoints(d)
     if not kept:
         return
