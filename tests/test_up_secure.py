@@ -12,7 +12,7 @@ import sys
 import nats
 import pytest
 
-from bench.up_driver import kill_run, run_pids, start_up, wait_for
+from bench.up_driver import child_pid, kill_run, run_pids, start_up, wait_for
 from bus import topology as topo
 from tests.helpers.up import SUPERVISE
 
@@ -60,7 +60,8 @@ async def test_up_broker_refuses_unauthenticated_clients_and_keeps_secrets_off_a
         assert f'signing_key = "{run_dir / "keys" / "run-signing.key"}"' in trainer
         assert f'public_key = "{run_dir / "keys" / "run-signing.pub"}"' in worker
         # the children do get them, in their environment
-        child = next(pid for pid, cmd in run_pids(run_dir).items() if "worker-1.toml" in cmd)
+        # (the configs are all written before the children are spawned: wait for worker-1 itself)
+        child = await wait_for(lambda: child_pid(run_dir, "worker-1"), 120, "worker-1 running", proc, out)
         raw = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
         environ = dict(kv.split(b"=", 1) for kv in raw if b"=" in kv)
         assert environ[b"ASYNCRL_BUS__PASSWORD"].decode() == password
