@@ -182,3 +182,24 @@ def test_sharded_checkpoint_metadata_is_read_without_running_code(tmp_path):
         SafeReader(planted).read_metadata() if (planted / ".metadata").write_bytes(
             b"cbuiltins\ngetattr\n(cos\nsystem\nVtrue\ntR.") else None
     assert not marker.exists(), "the planted metadata ran its code"
+
+
+def test_versions_published_from_shards_count_in_the_digest_chain():
+    """Manifests carry no state digest, but their versions were published: a sharded run's
+    checkpoints at those versions resume (any digest), latest + 1 too, further ahead is refused.
+    (The deposed-leader chaos scenario with publish = "sharded" hung when they were skipped: the
+    standby refused every checkpoint past the keyframe.)"""
+    from trainer.checkpoint import CheckpointError, TrainerState
+    from trainer.digest_chain import DigestChain
+    chain = DigestChain()
+    chain.add(0, "a" * 64)                       # the keyframe
+    for v in (1, 2, 3):
+        chain.add(v, "")                         # manifests
+    assert chain.latest == 3
+    for v in (1, 3, 4):
+        chain.check(TrainerState(version=v, epoch=1, model={}, optimizer={}, digest="b" * 64))
+    try:
+        chain.check(TrainerState(version=5, epoch=1, model={}, optimizer={}, digest="b" * 64))
+        raise AssertionError("a checkpoint two versions past the last manifest was accepted")
+    except CheckpointError as e:
+        assert "latest v3" in str(e)

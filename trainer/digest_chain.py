@@ -9,7 +9,8 @@ only if it agrees with that record:
     older than what WEIGHTS keeps   accepted (nothing left to compare with)
 So a checkpoint planted in the checkpoint directory (or one from another run) is refused even when it
 is a well-formed file; `checkpoint.load_latest(..., verify=chain.check)` then falls back to the newest
-one that agrees. Manifests (versions published from shards) carry no state digest and are skipped.
+one that agrees. Manifests (versions published from shards) carry no state digest: they count as
+published versions (so `latest` moves), with any digest accepted for them.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 from bus import get_logger
 from bus import topology as topo
-from bus.events import DeltaEvent, EventError, KeyframeEvent, decode
+from bus.events import DeltaEvent, EventError, KeyframeEvent, ManifestEvent, decode
 
 from .checkpoint import CheckpointError, TrainerState
 
@@ -34,11 +35,11 @@ class DigestChain:
     def add(self, version: int, digest: str) -> None:
         if digest:
             self.digests.setdefault(version, set()).add(digest)
-            self.latest = max(self.latest, version)
+        self.latest = max(self.latest, version)
 
     def check(self, st: TrainerState) -> None:
         """Raises CheckpointError unless `st` agrees with what the run published."""
-        if not self.digests:
+        if self.latest < 0:
             return                       # a fresh run (or a stream emptied by an operator)
         want = self.digests.get(st.version)
         if want is not None and st.digest not in want:
@@ -73,4 +74,6 @@ async def read_chain(bus, read_back: int = READ_BACK) -> DigestChain:
             chain.add(ev.version, ev.digest)
         elif isinstance(ev, DeltaEvent):
             chain.add(ev.to_version, ev.new_digest)
+        elif isinstance(ev, ManifestEvent):      # published from shards: the version, no digest
+            chain.add(ev.to_version, "")
     return chain
