@@ -331,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         "caveats": caveats(ra, rs, work),
         "runs": runs,
     }
+    return emit(result, a)
+
+
+def emit(result: dict, a) -> int:
+    """The result as a table (unless --json), then as the one JSON line the bench ends with."""
     if not a.json:
         for k, v in result.items():
             if k != "runs":
@@ -362,12 +367,7 @@ def harness_comparison(a, config: str, out: Path, warm: dict) -> int:
         "episode_wall_s": both("episode_wall_s"), "steps": both("steps"), "episodes": both("episodes"),
         **warm, "runs": runs,
     }
-    if not a.json:
-        for k, v in result.items():
-            if k != "runs":
-                print(f"{k:>26}: {v}")
-    print(json.dumps(result, default=float))
-    return 0
+    return emit(result, a)
 
 
 if __name__ == "__main__":
