@@ -268,6 +268,15 @@ async def wait_ready(fleet: Fleet, names: list[str], timeout_s: float = 300.0) -
             await asyncio.sleep(0.2)
 
 
+async def start_signed(fleet: Fleet, sk, pk, workers: int = 2) -> None:
+    """A signed run: leader A signs with `sk`, `workers` workers verify with `pk`, one scorer; all ready."""
+    fleet.trainer("A", signing_key=sk.hex())
+    for i in range(workers):
+        fleet.worker(f"w{i}", public_key=pk.hex())
+    fleet.scorer("s0")
+    await wait_ready(fleet, list(fleet.procs))
+
+
 def is_ready(fleet: Fleet, name: str) -> bool:
     p = fleet.procs[name]
     return p.popen.poll() is None and any(w in p.log_path.read_text(errors="replace") for w in READY[p.component])

@@ -19,7 +19,7 @@ from bus.weights import signed_fields
 from delta_codec.signing import generate_keypair, sign
 
 from .books import row
-from .fleet import ChaosError, Fleet, pipeline, wait_ready
+from .fleet import ChaosError, Fleet, pipeline, start_signed
 from .nats_configs import (ConfServer, cluster_replacements, get_json, render_nats_configs, role_env_vars,
                            role_passwords, wait_until)
 from .observe import refusal_reasons, version_line, worker_beats
@@ -156,11 +156,7 @@ async def forged_weights(run_dir: Path, tasks: int = 60, seed: int = 9) -> dict:
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
-            fleet.trainer("A", signing_key=sk.hex())
-            for i in range(2):
-                fleet.worker(f"w{i}", public_key=pk.hex())
-            fleet.scorer("s0")
-            await wait_ready(fleet, list(fleet.procs))
+            await start_signed(fleet, sk, pk)
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
             await fleet.wait_version(2, 300, watch=fleet.alive())
             history = await weights_history(fleet.bus)

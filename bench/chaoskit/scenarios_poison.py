@@ -32,7 +32,7 @@ from delta_codec.errors import NonFiniteError
 from delta_codec.signing import generate_keypair, sign
 
 from .books import row
-from .fleet import ChaosError, Fleet, wait_ready
+from .fleet import ChaosError, Fleet, start_signed
 from .observe import refusal_reasons, worker_beats
 from .params import GROUP, RATE
 from .streams import stream_messages, weights_by_seq
@@ -211,11 +211,7 @@ async def poison_numbers(run_dir: Path, tasks: int = 60, seed: int = 13, short: 
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
-            fleet.trainer("A", signing_key=sk.hex())
-            for i in range(2):
-                fleet.worker(f"w{i}", public_key=pk.hex())
-            fleet.scorer("s0")
-            await wait_ready(fleet, list(fleet.procs))
+            await start_signed(fleet, sk, pk)
             first = tasks // 2                      # half before the poison, half after: training goes on
             ids, feeding = fleet.feed(first, over_s=first / RATE)
             await fleet.wait_version(1, 300, watch=fleet.alive())
