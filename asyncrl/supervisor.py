@@ -60,13 +60,14 @@ def write_toml(path: Path, data: dict) -> None:
     path.write_text("\n".join(lines))
 
 
-def child_env() -> dict[str, str]:
-    """The environment of every process `up` starts (children, and the final eval after them)."""
+def child_env(threads: int = 1) -> dict[str, str]:
+    """The environment of a process `up` starts (children, and the final eval after them), with
+    `threads` intra-op threads (asyncrl.thread_plan: the processes share the machine's cores)."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "ASYNCRL_LOG_JSON": "1",
-            # 2-core box: one intra-op thread per process keeps N processes from thrashing
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            # the delta codec defaults to every core; here every process shares them
-            "ASYNCRL_DELTA_THREADS": os.environ.get("ASYNCRL_DELTA_THREADS", "1")}
+            # the plan, not `up`'s own environment: each process its share of the cores
+            "OMP_NUM_THREADS": str(threads),
+            # the delta codec defaults to every core; here it runs on the process's share of them
+            "ASYNCRL_DELTA_THREADS": os.environ.get("ASYNCRL_DELTA_THREADS", str(threads))}
 
 
 @dataclass
@@ -76,6 +77,7 @@ class ChildSpec:
     module: str            # python -m <module>
     conf: dict
     nice: int = 0
+    threads: int = 1       # intra-op threads: OMP_NUM_THREADS (asyncrl.thread_plan)
 
 
 @dataclass
@@ -116,7 +118,7 @@ class Supervisor:
         cfg_path = self.run_dir / "config" / f"{spec.name}.toml"
         write_toml(cfg_path, spec.conf)
         log_path = self.run_dir / "logs" / f"{spec.name}.log"
-        env = {**child_env(), **self.env}
+        env = {**child_env(spec.threads), **self.env}
         pdeath = die_with_parent(signal.SIGTERM)   # SIGTERM: the child drains within its grace_s
 
         def preexec() -> None:

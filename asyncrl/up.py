@@ -29,7 +29,7 @@ from bus import topology as topo
 from bus.events import EventError, decode
 from bus.lifetime import EXIT_MARGIN_S, STOP_SIGNALS
 
-from asyncrl import config_check, metrics_ports, run_secrets, tracking
+from asyncrl import config_check, metrics_ports, run_secrets, thread_plan, tracking
 from asyncrl.resume import resume_run
 from asyncrl.upconfig import UpConfig
 from bus.config import ConfigError
@@ -84,7 +84,7 @@ __all__ = ["UpConfig", "main", "run", "spawn", "write_toml", "Proc", "Telemetry"
 def spawn(run_dir: Path, name: str, component: str, module: str, conf: dict, nice: int = 0) -> Proc:
     """One unsupervised child (the chaos harness starts its processes this way)."""
     sup = Supervisor(run_dir)
-    child = sup.start(ChildSpec(name, component, module, conf, nice))
+    child = sup.start(ChildSpec(name, component, module, conf, nice, threads=int(conf.get("threads") or 1)))
     return Proc(name, component, child.popen, child.log_path)
 
 
@@ -185,16 +185,17 @@ async def watch(bus, tel: Telemetry, steps: int, minutes: float, sup: Supervisor
                 pass  # connection already gone
 
 
-async def final_eval(run_dir: Path, stop: asyncio.Event) -> dict:
+async def final_eval(run_dir: Path, stop: asyncio.Event, threads: int = 1) -> dict:
     """[up] final_eval: `python -m trainer --eval-final` (the last checkpoint) and `--eval-initial`
-    (the warm start, unless the run evaluated v0) on the run's trainer config, side by side (one
-    thread each), once every child has stopped: their rows land in metrics/trainer.jsonl before the
-    summary reads it. Skipped when a signal stopped the run; a signal during them stops them."""
+    (the warm start, unless the run evaluated v0) on the run's trainer config, side by side (the
+    trainer's thread count each), once every child has stopped: their rows land in
+    metrics/trainer.jsonl before the summary reads it. Skipped when a signal stopped the run; a signal during them stops them."""
     if stop.is_set():
         return {"final_eval": "skipped: a signal stopped the run"}
     log.info("final eval of the last checkpoint and of the initial policy")
     t0 = time.monotonic()
-    rcs = await asyncio.gather(*(_eval_process(run_dir, which, stop) for which in ("final", "initial")))
+    rcs = await asyncio.gather(*(_eval_process(run_dir, which, stop, threads)
+                                 for which in ("final", "initial")))
     took = round(time.monotonic() - t0, 1)
     failed = [f"{which} (exit {rc}): see logs/trainer-{which}-eval.log"
               for which, rc in zip(("final", "initial"), rcs) if rc != 0]
@@ -204,12 +205,13 @@ async def final_eval(run_dir: Path, stop: asyncio.Event) -> dict:
     return {"final_eval": "done", "final_eval_s": took}
 
 
-async def _eval_process(run_dir: Path, which: str, stop: asyncio.Event) -> int:
+async def _eval_process(run_dir: Path, which: str, stop: asyncio.Event, threads: int) -> int:
     with open(run_dir / "logs" / f"trainer-{which}-eval.log", "ab") as out:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "trainer", "--config", str(run_dir / "config" / "trainer.toml"), f"--eval-{which}",
-            # the children's environment: the in-run evals' thread count, so the same sampling numerics
-            stdout=out, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL, env=child_env())
+            # the trainer's environment: the in-run evals' thread count, so the same sampling numerics
+            stdout=out, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
+            env=child_env(threads))
         waiter, stopper = asyncio.create_task(proc.wait()), asyncio.create_task(stop.wait())
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not waiter.done():
@@ -248,14 +250,17 @@ async def run(a: argparse.Namespace) -> int:
         if a.resume:             # same run dir, store, checkpoints and W&B run (asyncrl.resume)
             a.run_dir, conf = resume_run(a.resume, bool(a.nats), a.config)
         up = UpConfig.from_dict(conf.get("up", {}))
-        config_check.check_run(conf, sync=a.sync)      # cross-process settings agree
+        resolved = config_check.check_run(conf, sync=a.sync)      # cross-process settings agree
+        n_workers = a.workers or up.workers
+        n_scorers = a.scorers or up.scorers
+        threads = thread_plan.plan(conf, n_workers, n_scorers)     # each process its share of the cores
     except (TypeError, ValueError, ConfigError) as e:
         print(f"asyncrl up: bad configuration: {e}", file=sys.stderr)
         return 2
+    for warning in config_check.warnings(resolved):
+        print(f"asyncrl up: warning: {warning}", file=sys.stderr)
     steps = a.steps or up.steps
     minutes = a.minutes or up.minutes
-    n_workers = a.workers or up.workers
-    n_scorers = a.scorers or up.scorers
     sync = a.sync or up.sync
     # co-located on one machine, the trainer is the serial part of async RL: workers run at a
     # lower CPU priority so generation fills the cycles the trainer leaves instead of slowing it
@@ -264,6 +269,7 @@ async def run(a: argparse.Namespace) -> int:
     for sub in ("config", "logs", "metrics", "plots", "checkpoints"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     setup_logging("up", log_file=str(run_dir / "logs" / "up.log"))
+    log.info("threads", plan=threads.line(n_workers, n_scorers, up.trainers))
     metrics_ports.plan(run_dir, up.metrics_port)
     try:      # signed by default: a per-run key pair unless the config brings its own (run_secrets)
         conf = run_secrets.with_signing(conf, run_dir)
@@ -296,13 +302,14 @@ async def run(a: argparse.Namespace) -> int:
     # a fixed trainer id seeds the task feeder the same way in every run (async vs sync see the same tasks)
     trainer_conf = {"trainer_id": "trainer", **drain, **resolve_model_refs(conf.get("trainer", {})), "bus": bus_conf,
                     "run_dir": str(run_dir), "checkpoint_dir": str(run_dir / "checkpoints"),
-                    "mode": "sync" if sync else "async"}
+                    "mode": "sync" if sync else "async", "threads": threads.trainer}
     if sync:
         trainer_conf["max_lag"] = 0
-    worker_conf = {**drain, **resolve_model_refs(conf.get("worker", {})), "bus": bus_conf}
+    worker_conf = {**drain, **resolve_model_refs(conf.get("worker", {})), "bus": bus_conf,
+                   "threads": threads.worker}
     if sync:
         worker_conf["max_lag"] = 0
-    scorer_conf = {**drain, **conf.get("scorer", {}), "bus": bus_conf}
+    scorer_conf = {**drain, **conf.get("scorer", {}), "bus": bus_conf, "threads": threads.scorer}
     (run_dir / "config" / "run.json").write_text(json.dumps(
         {"steps": steps, "minutes": minutes, "workers": n_workers, "scorers": n_scorers, "sync": sync,
          "worker_nice": worker_nice, "trainers": up.trainers, "grace_s": up.grace_s,
@@ -311,14 +318,17 @@ async def run(a: argparse.Namespace) -> int:
 
     sup = Supervisor(run_dir, max_restarts=up.max_restarts, backoff_s=up.restart_backoff_s,
                      env=auth.env() if auth else None)      # the broker's credentials: environment only
-    specs = [ChildSpec("trainer", "trainer", "trainer", trainer_conf)]
+    specs = [ChildSpec("trainer", "trainer", "trainer", trainer_conf, threads=threads.trainer)]
     specs += [ChildSpec(f"trainer-standby-{i}", "trainer", "trainer",
-                        {**trainer_conf, "trainer_id": f"{trainer_conf['trainer_id']}-standby-{i}"})
+                        {**trainer_conf, "trainer_id": f"{trainer_conf['trainer_id']}-standby-{i}"},
+                        threads=threads.trainer)
               for i in range(1, up.trainers)]
-    specs += [ChildSpec(f"scorer-{i}", "scorer", "scorer", {**scorer_conf, "scorer_id": f"scorer-{i}"})
+    specs += [ChildSpec(f"scorer-{i}", "scorer", "scorer", {**scorer_conf, "scorer_id": f"scorer-{i}"},
+                        threads=threads.scorer)
               for i in range(n_scorers)]
     specs += [ChildSpec(f"worker-{i}", "rollout_worker", "rollout_worker",
-                        {**worker_conf, "worker_id": f"worker-{i}", "seed": 1000 + i}, nice=worker_nice)
+                        {**worker_conf, "worker_id": f"worker-{i}", "seed": 1000 + i}, nice=worker_nice,
+                        threads=threads.worker)
               for i in range(n_workers)]
     for spec in specs:            # [up] metrics_port: one /metrics port per child, listed for Prometheus
         spec.conf = metrics_ports.assign(run_dir, spec.name, spec.component, spec.conf)
@@ -350,7 +360,7 @@ async def run(a: argparse.Namespace) -> int:
 
     extra = sup.report()
     if up.final_eval:
-        extra.update(await final_eval(run_dir, stop))
+        extra.update(await final_eval(run_dir, stop, threads.trainer))
     from asyncrl.report import finish_run
     summary = finish_run(run_dir, reason, extra=extra)
     print(json.dumps(summary, default=float), flush=True)

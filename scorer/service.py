@@ -47,6 +47,9 @@ class ScorerConfig:
     scorer_id: str = ""                 # default: scorer-<host>-<pid>
     concurrency: int = 8                # rollouts in flight
     verify_threads: int = 4             # blocking verifiers (sandboxed code) run here
+    # intra-op threads of numeric libraries (OMP_NUM_THREADS) in this process and the verifiers it
+    # starts: `asyncrl up` sets it in their environment from its plan (asyncrl/thread_plan.py); 0 = inherit
+    threads: int = 0
     cost_unit: str = "tokens"           # tokens | wall_s | tool_calls
     default_lambda: float = 0.0         # until KV rl-control/lambda has a value
     overlong_buffer: int = 0            # >0: soft penalty over the last N tokens before max_tokens
@@ -69,8 +72,8 @@ class ScorerConfig:
             raise ValueError(f"cost_unit must be one of {COST_UNITS}, got {self.cost_unit!r}")
         if self.concurrency < 1 or self.verify_threads < 1:
             raise ValueError("concurrency and verify_threads must be >= 1")
-        if self.default_lambda < 0 or self.overlong_buffer < 0:
-            raise ValueError("default_lambda and overlong_buffer must be >= 0")
+        if self.default_lambda < 0 or self.overlong_buffer < 0 or self.threads < 0:
+            raise ValueError("default_lambda, overlong_buffer and threads must be >= 0")
         self.scorer_id = self.scorer_id or f"scorer-{socket.gethostname()}-{os.getpid()}"
         if self.bus.name == BusConfig().name:       # Rl-From header: which scorer published it
             self.bus.name = self.scorer_id

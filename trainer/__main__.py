@@ -108,6 +108,9 @@ def main(argv=None) -> int:
         cmd = torchrun_argv(cfg, [a for a in argv if a != "--elastic"])
         sys.stdout.flush()
         os.execve(cmd[0], cmd, agent_env(dict(os.environ)))
+    if cfg.threads:             # before any torch work: the step, evals and encode run on these
+        import torch
+        torch.set_num_threads(cfg.threads)
     setup_logging("trainer", component_id=cfg.trainer_id)
     if "--eval-final" in argv or "--eval-initial" in argv:
         from .checkpoint import CheckpointError

@@ -157,8 +157,11 @@ class TrainerConfig:
     warmstart_lr: float = 1e-3
     warmstart_style: str = "default"     # demonstration style passed to the env (arith: default = direct|steps|padded, mixed = direct|steps, or one)
     warmstart_batch: int = 16
-    warmstart_threads: int = 0           # torch intra-op threads while warm-starting (0: the process's own;
-                                         # `up` gives children 1, but workers and scorers idle until v0)
+    # torch intra-op threads of this process (0: torch's default / OMP_NUM_THREADS); `asyncrl up`
+    # sets it from its thread plan (asyncrl/thread_plan.py: the cores the workers leave)
+    threads: int = 0
+    warmstart_threads: int = 0           # torch intra-op threads while warm-starting (0: `threads`;
+                                         # workers and scorers idle until v0, so it may take more)
     # stop the warm start on a measured success instead of a step count (0 = off: warmstart_steps
     # steps). On: every warmstart_check_every steps from warmstart_check_from, play
     # warmstart_check_n TRAIN-split tasks at task_sampling (the eval split stays unseen: choosing
@@ -224,6 +227,7 @@ class TrainerConfig:
             "elastic_rdzv_endpoint": ":" in self.elastic_rdzv_endpoint,
             "warmstart_steps": self.warmstart_steps >= 0,
             "warmstart_batch": self.warmstart_batch >= 1,
+            "threads": self.threads >= 0,
             "warmstart_threads": self.warmstart_threads >= 0,
             "warmstart_until": 0.0 <= self.warmstart_until <= 1.0
                                and (self.warmstart_until == 0 or self.warmstart_steps > 0),   # the cap
