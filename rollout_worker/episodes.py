@@ -211,6 +211,33 @@ def _block_closed(text: str) -> bool:
     return BASH_BLOCK.search(text) is not None
 
 
+def episode_runner(worker) -> EpisodeRunner:
+    """The worker's episode runner, made on first use: one per worker, its thread pool hosts every
+    episode's commands."""
+    runner = getattr(worker, "episode_runner", None)
+    if runner is None:
+        # a pool thread per episode that can be in flight: one waiting on a slow command must
+        # not hold another's reset or step back (8 threads served 12 episodes before)
+        cfg = worker.cfg
+        kw = dict(pool=EpisodePool(max(getattr(cfg, "max_inflight", cfg.slots) + cfg.queue, 1)),
+                  worker_id=cfg.worker_id, backend=workspace_backend(cfg),
+                  episode_wall_s=getattr(cfg, "episode_wall_s", 0.0))
+        harness = getattr(cfg, "harness", "builtin")
+        if harness == "external":        # a harness the worker does not launch (rollout_worker/external.py)
+            from .external import ExternalRunner
+            runner = worker.episode_runner = ExternalRunner(
+                worker.engine, worker.tok, host=cfg.endpoint_host, port=cfg.endpoint_port,
+                deadline_s=cfg.external_deadline_s, **kw)
+        elif harness != "builtin":       # a harness the worker launches (rollout_worker/harness.py)
+            from .harness import HarnessRunner
+            runner = worker.episode_runner = HarnessRunner(
+                worker.engine, worker.tok, harness=cfg.harness, harness_config=cfg.harness_config,
+                host=cfg.endpoint_host, port=cfg.endpoint_port, **kw)
+        else:
+            runner = worker.episode_runner = EpisodeRunner(worker.engine, worker.tok, **kw)
+    return runner
+
+
 async def handle_episode_task(worker, task: Task, ctx) -> None:
     """The worker's handler for a multi-turn task: sampling.n episodes -> n Rollouts -> publish."""
     import asyncio
@@ -222,21 +249,7 @@ async def handle_episode_task(worker, task: Task, ctx) -> None:
     from .worker import parse_sampling
     try:
         sp = parse_sampling(task.sampling)
-        runner = getattr(worker, "episode_runner", None)
-        if runner is None:           # one per worker: its thread pool hosts every episode's commands
-            # a pool thread per episode that can be in flight: one waiting on a slow command must
-            # not hold another's reset or step back (8 threads served 12 episodes before)
-            cfg = worker.cfg
-            kw = dict(pool=EpisodePool(max(getattr(cfg, "max_inflight", cfg.slots) + cfg.queue, 1)),
-                      worker_id=cfg.worker_id, backend=workspace_backend(cfg),
-                      episode_wall_s=getattr(cfg, "episode_wall_s", 0.0))
-            if getattr(cfg, "harness", "builtin") != "builtin":     # an external harness (rollout_worker/harness.py)
-                from .harness import HarnessRunner
-                runner = worker.episode_runner = HarnessRunner(
-                    worker.engine, worker.tok, harness=cfg.harness, harness_config=cfg.harness_config,
-                    host=cfg.endpoint_host, port=cfg.endpoint_port, **kw)
-            else:
-                runner = worker.episode_runner = EpisodeRunner(worker.engine, worker.tok, **kw)
+        runner = episode_runner(worker)
         runner.parse(task)
     except (ValueError, TypeError, KeyError) as e:
         return await worker._park(ctx, task, f"bad episode task: {e}")          # noqa: SLF001

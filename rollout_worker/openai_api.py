@@ -8,6 +8,31 @@
                                   opened it with a task), trajectory summary back
     GET  /v1/episodes/{id}        the trajectory so far (ids, mask, versions, counters)
 
+Bring your own harness ([worker] harness = "external"; the worker plays no episode itself):
+
+    POST /v1/episodes             claim the next episode of the worker's task stream. Body (optional):
+                                  {"wait_s": 0..60} (default 10). 200: {"episode_id", "task_id", "env",
+                                  "messages" (the task's system + user prompt), "sampling", "limits",
+                                  "deadline_s", "expires_at", "headers" ({"X-Episode-Id": id}: send it
+                                  with every model call), "paths"}; 204: nothing to claim within wait_s
+    POST /v1/episodes/{id}/exec   {"command": "..."}: one command as one turn in the episode's sandboxed
+                                  workspace (the built-in loop's tools: view, replace, rewrite, run_tests,
+                                  submit) -> {"observation", "exit_code", "done", "termination", "turn"};
+                                  when the workspace ends the episode (submit, max_turns, timeout) it is
+                                  ended as by /end and the response carries its "result"
+    POST /v1/episodes/{id}/end    body optional, {"reason": "..."} only (a harness cannot report a reward):
+                                  the worker scores the episode with the task's hidden tests from a
+                                  pristine tree; 200 after scoring, with "result" (reward, resolved,
+                                  tests, termination); the Rollout is published to ROLLOUTS and the
+                                  task acked after that, like any episode (trained exactly once)
+
+Each claimed episode is leased for `deadline_s` ([worker] external_deadline_s) from its claim: not
+ended by then, it expires and its task goes back to the stream (redelivered, a fresh episode id).
+Errors (JSON, OpenAI's shape): 400 malformed body or unknown field, 404 unknown episode, 409
+ended already (the first end's result attached) / not claimed / no model turn to score yet, 410
+expired or handed back (later calls of an expired episode get 410, never a fresh ad-hoc episode).
+Nothing a refused call sent changes the episode.
+
 Every request belongs to an episode: the `X-Episode-Id` header, else the body's `episode_id`
 (extra field), else its `user`; a request naming none gets a new id, returned in the
 `X-Episode-Id` response header. Episodes the worker opened keep their KV row between turns;
@@ -36,11 +61,14 @@ from bus import get_logger
 from bus.events import SamplingParams
 from envs.conversation import chat_format
 
+from .claims import ClaimBoard, ClaimError
 from .trajectory import RequestError, TrajectoryRecorder, check_messages, encode
 
 log = get_logger(__name__)
 
 MAX_N = 16
+MAX_COMMAND = 64 << 10
+MAX_CLAIM_WAIT_S = 60.0
 
 
 class OpenAIEndpoint:
@@ -53,6 +81,7 @@ class OpenAIEndpoint:
         self.host, self.port, self.default_max_tokens = host, port, default_max_tokens
         self.fmt = fmt or chat_format(tok)
         self.episodes: dict[str, TrajectoryRecorder] = {}
+        self.board = ClaimBoard()     # episodes offered to external harnesses (rollout_worker/claims.py)
         self.stats = {"requests": 0, "bad_requests": 0, "episodes_opened": 0, "episodes_assigned": 0,
                       "episodes_ended": 0, "divergent_turns": 0, "restarts": 0, "tokens": 0}
         self._runner: web.AppRunner | None = None
@@ -63,6 +92,8 @@ class OpenAIEndpoint:
         app = web.Application(client_max_size=64 << 20)
         app.add_routes([web.get("/v1/models", self.models), web.post("/v1/chat/completions", self.chat),
                         web.post("/v1/completions", self.completions),
+                        web.post("/v1/episodes", self.claim_http),
+                        web.post("/v1/episodes/{eid}/exec", self.exec_http),
                         web.post("/v1/episodes/{eid}/end", self.end_http),
                         web.get("/v1/episodes/{eid}", self.episode_http)])
         self._runner = web.AppRunner(app, access_log=None)
@@ -94,24 +125,34 @@ class OpenAIEndpoint:
         self.stats["episodes_opened"] += 1
         return rec
 
-    async def end_episode(self, episode_id: str, reason: str = "explicit") -> TrajectoryRecorder:
-        """End it once (later calls return the same recorder): the kept sequence is released and
-        `on_end(rec)` runs (the worker scores the episode and publishes its rollout)."""
+    async def end_episode(self, episode_id: str, reason: str = "explicit",
+                          once: bool = False) -> TrajectoryRecorder:
+        """End it once (later calls return the same recorder; with `once`, raise ClaimError 409): the
+        kept sequence is released and `on_end(rec)` runs (the worker scores the episode and publishes
+        its rollout); what it returns is `rec.result`."""
         rec = self.episodes.get(episode_id)
         if rec is None:
             raise KeyError(episode_id)
         async with rec.lock:
             if rec.ended:
+                if once:
+                    raise ClaimError(409, f"episode {episode_id} has already ended ({rec.end_reason})")
                 return rec
             rec.ended, rec.end_reason = True, reason
             self._release(rec)
         self.stats["episodes_ended"] += 1
         try:
             if rec.on_end is not None:
-                await rec.on_end(rec)
+                rec.result = await rec.on_end(rec)
         finally:
             rec.done.set()
         return rec
+
+    def retire(self, episode_id: str, status: int, message: str, result: dict | None = None) -> None:
+        """The episode is gone (ended and scored, expired, handed back): later calls naming it get
+        `status` and `message` (see the module docstring)."""
+        self.board.retire(episode_id, status, message, result)
+        self.forget(episode_id)
 
     def forget(self, episode_id: str) -> None:
         rec = self.episodes.pop(episode_id, None)
@@ -128,6 +169,12 @@ class OpenAIEndpoint:
         if eid is not None and not isinstance(eid, str):
             raise RequestError("episode id (X-Episode-Id, episode_id or user) must be a string")
         rec = self.episodes.get(eid) if eid else None
+        gone = self.board.retired(eid) if eid else None
+        if rec is None and gone is not None:
+            raise gone
+        offer = self.board.get(eid) if rec is not None else None
+        if offer is not None and not offer.claimed.is_set():
+            raise ClaimError(409, f"episode {eid} is offered but not claimed: POST /v1/episodes first")
         if rec is None:
             rec = self.open_episode(eid)
             # nobody ends an ad-hoc episode for sure: it holds no KV row between requests (each
@@ -238,9 +285,13 @@ class OpenAIEndpoint:
 
     def _error(self, e: Exception, status: int = 400) -> web.Response:
         self.stats["bad_requests"] += 1
-        code = "context_length_exceeded" if "context_length_exceeded" in str(e) else "invalid_request_error"
-        return web.json_response({"error": {"message": str(e), "type": "invalid_request_error", "code": code,
-                                            "param": None}}, status=status)
+        status = getattr(e, "status", status)
+        code = "context_length_exceeded" if "context_length_exceeded" in str(e) else {
+            404: "not_found", 409: "conflict", 410: "gone"}.get(status, "invalid_request_error")
+        err = {"message": str(e), "type": "invalid_request_error", "code": code, "param": None}
+        if getattr(e, "result", None) is not None:
+            err["result"] = e.result
+        return web.json_response({"error": err}, status=status)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
@@ -342,14 +393,95 @@ class OpenAIEndpoint:
         await resp.write_eof()
         return resp
 
+    # -- external harnesses (rollout_worker/claims.py, rollout_worker/external.py) -------------------
+    async def _small_body(self, request: web.Request, fields: dict) -> dict:
+        """An optional JSON object with only `fields` (name -> type); RequestError otherwise."""
+        if not await request.read():
+            return {}
+        body = await self._body(request)
+        for k, v in body.items():
+            if k not in fields:
+                why = " (the reward comes from the task's hidden tests)" if "reward" in k or "score" in k \
+                    else ""
+                raise RequestError(f"unknown field {k!r}{why}; allowed: {sorted(fields)}")
+            if isinstance(v, bool) or not isinstance(v, fields[k]):
+                raise RequestError(f"{k} must be {' or '.join(t.__name__ for t in fields[k])}, got {v!r}")
+        return body
+
+    def _claimed(self, eid: str):
+        """(offer, recorder) of a claimed, live episode; ClaimError otherwise."""
+        offer, rec = self.board.get(eid), self.episodes.get(eid)
+        if offer is None or rec is None:
+            gone = self.board.retired(eid)
+            raise gone if gone is not None else ClaimError(404, f"no claimed episode {eid!r}")
+        if not offer.claimed.is_set():
+            raise ClaimError(409, f"episode {eid} is offered but not claimed: POST /v1/episodes first")
+        return offer, rec
+
+    async def claim_http(self, request: web.Request) -> web.Response:
+        try:
+            if not self.board.enabled:
+                raise ClaimError(404, "this worker offers no episodes to external harnesses "
+                                      "([worker] harness = \"external\" does)")
+            body = await self._small_body(request, {"wait_s": (int, float)})
+            wait_s = float(body.get("wait_s", 10.0))
+            if not 0 <= wait_s <= MAX_CLAIM_WAIT_S:
+                raise RequestError(f"wait_s must be in [0, {MAX_CLAIM_WAIT_S}], got {wait_s}")
+        except RequestError as e:
+            return self._error(e)
+        offer = await self.board.claim(wait_s)
+        if offer is None:
+            return web.Response(status=204, headers={"Retry-After": "1"})
+        eid = offer.episode_id
+        base = self.url.rsplit("/v1", 1)[0] if self.url else ""
+        log.info("episode claimed", episode_id=eid, deadline_s=offer.deadline_s)
+        return web.json_response({
+            **offer.info, "episode_id": eid, "model": self.model_name, "deadline_s": offer.deadline_s,
+            "expires_at": offer.expires_at, "headers": {"X-Episode-Id": eid},
+            "paths": {"chat": f"{base}/v1/chat/completions", "completions": f"{base}/v1/completions",
+                      "exec": f"{base}/v1/episodes/{eid}/exec", "end": f"{base}/v1/episodes/{eid}/end"}},
+            headers={"X-Episode-Id": eid})
+
+    async def exec_http(self, request: web.Request) -> web.Response:
+        eid = request.match_info["eid"]
+        self.stats["requests"] += 1
+        try:
+            offer, rec = self._claimed(eid)
+            body = await self._small_body(request, {"command": (str,)})
+            command = body.get("command", "")
+            if not command.strip() or len(command) > MAX_COMMAND:
+                raise RequestError(f"command must be a non-empty string of at most {MAX_COMMAND} characters")
+            if rec.ended:
+                raise ClaimError(409, f"episode {eid} has ended ({rec.end_reason})")
+            out = await offer.execute(command)
+            if out["done"]:             # the workspace ended it (submit, max_turns, ...): as an /end
+                if rec.traj is not None and any(rec.traj.mask):
+                    rec = await self.end_episode(eid, f"workspace: {out['termination']}", once=True)
+                    out["result"] = rec.result
+                else:
+                    out["detail"] = "no model turn to score: the task is handed back at the deadline"
+        except RequestError as e:
+            return self._error(e)
+        return web.json_response(out, headers={"X-Episode-Id": eid})
+
     async def end_http(self, request: web.Request) -> web.Response:
         eid = request.match_info["eid"]
         try:
-            rec = await self.end_episode(eid, "explicit")
-        except KeyError:
-            return web.json_response({"error": {"message": f"no episode {eid!r}", "type": "not_found"}},
-                                     status=404)
-        return web.json_response(self.summary(rec))
+            body = await self._small_body(request, {"reason": (str,)})
+            reason = body.get("reason") or "explicit"
+            if self.board.get(eid) is None and eid not in self.episodes:
+                gone = self.board.retired(eid)
+                raise gone if gone is not None else ClaimError(404, f"no episode {eid!r}")
+            if self.board.get(eid) is None:      # an episode the worker opened itself, or ad hoc
+                return web.json_response(self.summary(await self.end_episode(eid, reason)))
+            _, rec = self._claimed(eid)
+            if not rec.ended and (rec.traj is None or not any(rec.traj.mask)):
+                raise ClaimError(409, f"episode {eid} has no model turn yet: nothing to score (play a turn "
+                                      f"through /v1/chat/completions with X-Episode-Id first)")
+            rec = await self.end_episode(eid, reason, once=True)
+        except RequestError as e:
+            return self._error(e)
+        return web.json_response({**self.summary(rec), "result": rec.result})
 
     async def episode_http(self, request: web.Request) -> web.Response:
         rec = self.episodes.get(request.match_info["eid"])

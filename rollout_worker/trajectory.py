@@ -38,7 +38,8 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class RequestError(ValueError):
-    """A request the endpoint refuses (HTTP 400), with the reason."""
+    """A request the endpoint refuses (HTTP `status`, 400 unless a subclass says), with the reason."""
+    status = 400
 
 
 def message_text(m: dict) -> str:
@@ -130,6 +131,7 @@ class TrajectoryRecorder:
         self.rewound = False                  # the last turn was dropped: the kept KV row is stale
         self._divergent: set[int] = set()
         self.done = asyncio.Event()
+        self.result = None                    # what on_end returned (an external episode's score)
 
     def checkpoint(self) -> tuple:
         """What a request may change before it generates (restore() undoes a refused one)."""
@@ -268,3 +270,26 @@ def _interleave(chunks: list[str], contents: list[str]) -> list[str]:
             out.append(contents[i])
         out.append(c)
     return out
+
+
+def rollout_of(task, sp, index: int, rec: TrajectoryRecorder, result, tok, worker_id: str,
+               episode: dict):
+    """The Rollout of an episode a harness played through the endpoint: the recorded trajectory
+    (prompt ids, model and observation ids, mask, versions, sampling rows) and the EpisodeResult
+    of its hidden tests (`episode`: extra keys of Rollout.episode). ValueError: no model turn."""
+    import policy
+    from bus.events import Rollout
+    traj = rec.traj
+    if traj is None or not any(traj.mask):
+        raise ValueError(f"episode {rec.episode_id} ended without a model turn")
+    return Rollout(rollout_id=f"{task.task_id}-{index}", task_id=task.task_id, env=task.env,
+                   sample_index=index, group_size=sp.n, prompt=task.prompt, spec=task.spec,
+                   prompt_ids=traj.prompt_ids, completion_ids=traj.ids, completion_text=tok.decode(traj.ids),
+                   logprobs=traj.logprobs, token_versions=traj.versions, sampling=task.sampling,
+                   sampling_mask=policy.SamplingMask.from_rows(traj.rows).to_wire(), quant=traj.quant,
+                   finish_reason=traj.finish or "abort", cost_tokens=sum(traj.mask), wall_s=result.wall_s,
+                   worker_id=worker_id, split=task.split, epoch=traj.epoch, loss_mask=traj.mask,
+                   turns=max(len(rec.turns), 1), tool_calls=result.tool_calls,
+                   termination=result.termination, lambda_=task.lambda_,
+                   episode={**result.to_dict(), **episode, "trajectory": dict(rec.stats),
+                            "turn_log": [{"finish": ""} for _ in rec.turns]})

@@ -72,8 +72,11 @@ class WorkerConfig:
     sandbox_latency: SandboxLatency = field(default_factory=SandboxLatency)
     episode_wall_s: float = 0.0        # > 0: replaces the tasks' episode wall limit (slow sandboxes)
     # who plays multi-turn episodes: "builtin" (rollout_worker/episodes.py) | "mini-swe-agent" (an
-    # external harness through the OpenAI-compatible endpoint, rollout_worker/harness.py)
+    # external harness through the OpenAI-compatible endpoint, rollout_worker/harness.py) |
+    # "external" (a harness the worker does not launch claims episodes on the endpoint,
+    # rollout_worker/external.py)
     harness: str = "builtin"
+    external_deadline_s: float = 600.0  # external: a claimed episode not ended by then is handed back
     harness_config: str = ""           # the harness's own config file (mini-swe-agent YAML), merged over ours
     endpoint_host: str = "127.0.0.1"   # the OpenAI-compatible endpoint the harness talks to
     endpoint_port: int = 0             # 0: any free port
@@ -101,8 +104,11 @@ class WorkerConfig:
             self.max_inflight = self.slots
         if self.max_inflight < self.slots:
             raise ValueError(f"max_inflight must be 0 or >= slots ({self.slots}), got {self.max_inflight}")
-        if self.harness not in ("builtin", "mini-swe-agent"):
-            raise ValueError(f"harness must be 'builtin' or 'mini-swe-agent', got {self.harness!r}")
+        if self.harness not in ("builtin", "mini-swe-agent", "external"):
+            raise ValueError(f"harness must be 'builtin', 'mini-swe-agent' or 'external', "
+                             f"got {self.harness!r}")
+        if self.external_deadline_s <= 0:
+            raise ValueError(f"external_deadline_s must be > 0, got {self.external_deadline_s}")
         if not 0 <= self.endpoint_port <= 65535:
             raise ValueError(f"endpoint_port must be in [0, 65535], got {self.endpoint_port}")
         if self.harness_config and not os.path.isfile(self.harness_config):
@@ -365,6 +371,9 @@ class Worker:
         kf = await self.start_weights(stop)
         if kf is None:
             return
+        if self.cfg.harness == "external":     # harnesses claim episodes there: serving before any task
+            from .episodes import episode_runner
+            await episode_runner(self).start()
         follow_stop = asyncio.Event()
         specs = {"weights": lambda attempt: self.follow_weights(follow_stop, start=kf if attempt == 0 else None),
                  "version": lambda attempt: self.watch_version(),
@@ -381,6 +390,8 @@ class Worker:
             self._closing = True
             follow_stop.set()
             await self.engine.close()
+            if hasattr(getattr(self, "episode_runner", None), "close"):      # a harness's endpoint
+                await self.episode_runner.close()
             await cancel_and_wait(background, log=self.log)   # (a heartbeat that lost its cancel must not hang the stop)
             await self.weights.close()
             self.log.info("worker stopped", wall_s=round(time.perf_counter() - t0, 2), failed=self.failed, **{

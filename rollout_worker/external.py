@@ -1,0 +1,158 @@
+"""Episodes played by a harness the worker does not launch (bring your own harness).
+
+    [worker] harness = "external"        external_deadline_s = 600   endpoint_port = 8100
+
+The worker takes tasks from TASKS exactly as for its own loop (same capacity, same lease: the
+consumer loop keeps the message in progress while the episode lives, acks it only after the
+Rollout is published). Per episode of a task:
+
+    Episode reset (workspace)    the task's sandboxed workspace, as for the built-in loop
+    endpoint.open_episode(id)    the model calls naming the id (X-Episode-Id) are recorded token-exact
+    board.offer(id)              waits for a harness: POST /v1/episodes hands it out (messages,
+                                 sampling, limits; never the task's spec or hidden tests)
+    exec                         POST /v1/episodes/{id}/exec: one command, one Episode.step (the
+                                 built-in loop's sandbox, tools, limits and turn accounting)
+    end                          POST /v1/episodes/{id}/end (or the workspace ending it): the
+                                 hidden tests score a pristine tree with the agent's edits
+                                 (Episode.score); the harness gets the result; one Rollout from the
+                                 recorded trajectory (model ids as generated, observations masked,
+                                 per-token versions) -> the worker publishes it, then acks the task
+    deadline                     not ended `external_deadline_s` after its claim: the episode
+                                 expires (later calls: 410), its workspace goes, and the task is
+                                 nak'ed (TransientError) so the stream redelivers it: a fresh episode
+
+An unclaimed offer holds its task for as long as the worker holds it (the lease is renewed; a
+worker that dies or drains hands it back).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from bus import TransientError, get_logger
+from bus.events import Rollout, SamplingParams, Task
+
+from .claims import ClaimError
+from .episodes import EpisodeRunner
+from .openai_api import OpenAIEndpoint
+from .trajectory import rollout_of
+
+log = get_logger(__name__)
+
+EXPIRED = "expired"
+
+
+class ExternalRunner(EpisodeRunner):
+    """EpisodeRunner's books (stats, ended records, parse, open) with the turns played by whoever
+    claims the episode on the endpoint."""
+
+    def __init__(self, engine, tok, *, host: str = "127.0.0.1", port: int = 0, deadline_s: float = 600.0,
+                 model_name: str = "asyncrl-policy", **kw):
+        super().__init__(engine, tok, **kw)
+        if deadline_s <= 0:
+            raise ValueError(f"external_deadline_s must be > 0, got {deadline_s}")
+        self.deadline_s = deadline_s
+        self.endpoint = OpenAIEndpoint(engine, tok, host=host, port=port, model_name=model_name, fmt=self.fmt)
+        self.endpoint.board.enabled = True
+        self.stats.update(offered=0, expired=0, handed_back=0)
+        self._started: asyncio.Future | None = None
+
+    async def start(self) -> str:
+        """The endpoint's base URL (started once; the worker starts it before taking tasks)."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self.endpoint.start())
+        return await asyncio.shield(self._started)
+
+    async def close(self) -> None:
+        await self.endpoint.close()
+
+    async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
+        await self.start()
+        _, limits, ep, _ = self.open(task)
+        eid = f"{task.task_id}-{index}-{os.urandom(4).hex()}"     # a redelivered task: a fresh id
+        loop = asyncio.get_running_loop()
+        ended, scored = loop.create_future(), loop.create_future()
+        lock = asyncio.Lock()             # one workspace call at a time (steps, then score/close)
+        rec = None
+
+        async def on_end(r) -> dict | None:        # the endpoint calls it once, for whoever ended it
+            if not ended.done():
+                ended.set_result(r.end_reason)
+            return None if r.end_reason == EXPIRED else await asyncio.shield(scored)
+
+        async def execute(command: str) -> dict:
+            async with lock:
+                if rec.ended or ep.done:
+                    raise ClaimError(409, f"episode {eid} has ended ({ep.termination or rec.end_reason})")
+                submit = command.strip() == "submit"
+                r = await self.pool.step(ep, "```bash\nsubmit\n```" if submit else f"```bash\n{command}\n```",
+                                         ep.count_tokens(command))
+            return {"observation": r.observation, "exit_code": r.info.get("exit_code"), "done": r.done,
+                    "termination": ep.termination or None, "turn": ep.turns,
+                    "format_error": r.info.get("format_error")}
+
+        t0 = time.perf_counter()
+        try:
+            msgs = await self.pool.reset(ep)
+            rec = self.endpoint.open_episode(eid, on_end=on_end, meta={"task_id": task.task_id}, sampling=sp)
+            info = {"task_id": task.task_id, "env": task.env, "sample_index": index, "messages": msgs,
+                    "sampling": {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
+                                 "max_tokens": min(sp.max_tokens, limits.max_turn_tokens)},
+                    "limits": {"max_turns": limits.max_turns, "max_turn_tokens": limits.max_turn_tokens,
+                               "max_context_tokens": limits.max_context_tokens,
+                               "episode_wall_s": limits.episode_wall_s}}
+            offer = self.endpoint.board.offer(eid, info, execute, self.deadline_s)
+            self.stats["offered"] += 1
+            await offer.claimed.wait()
+            try:
+                await asyncio.wait_for(asyncio.shield(ended), self.deadline_s)
+            except TimeoutError:
+                await self.endpoint.end_episode(eid, EXPIRED)      # unless the harness's end won the race
+            if await ended == EXPIRED:
+                async with lock:          # a command in flight finishes before the workspace goes
+                    self.stats["expired"] += 1
+                self.endpoint.retire(eid, 410, f"episode {eid} expired: not ended within {self.deadline_s}s "
+                                               f"of its claim; its task went back to the stream")
+                log.warning("external episode expired; task handed back", episode_id=eid,
+                            task_id=task.task_id)
+                raise TransientError(f"episode {eid} expired (no end within {self.deadline_s}s of its claim)",
+                                     delay=0)
+            try:
+                async with lock:
+                    result = await self.pool.score(ep)
+                res = {**{k: v for k, v in result.to_dict().items() if k not in ("detail",)},
+                       "rollout_id": f"{task.task_id}-{index}"}
+            except BaseException as e:
+                scored.set_exception(ClaimError(503, f"scoring episode {eid} failed ({type(e).__name__}); "
+                                                     f"its task goes back to the stream"))
+                raise
+            scored.set_result(res)
+            self.endpoint.retire(eid, 409, f"episode {eid} has already ended ({rec.end_reason})", res)
+        finally:
+            if rec is not None and eid in self.endpoint.episodes:
+                # cancelled (the worker drains) or failed before an end: nobody may continue it
+                self.stats["handed_back"] += 1
+                self.endpoint.retire(eid, 410, f"episode {eid} was handed back by the worker")
+            self.endpoint.board.withdraw(eid)
+            if not scored.done():
+                scored.cancel()
+            async with lock:
+                await self.pool.close(ep)
+        traj = rec.traj
+        self.stats["episodes"] += 1
+        self.stats["turns"] += len(rec.turns)
+        self.stats["tool_calls"] += result.tool_calls
+        self.stats["tool_wall_s"] += result.tool_wall_s
+        self.stats["wall_s"] += time.perf_counter() - t0
+        for k in ("divergent_turns", "restarts", "retried_turns", "dropped_model_tokens"):   # worker metrics
+            self.stats[k] = self.stats.get(k, 0) + rec.stats[k]
+        if len(self.ended) < 4096:
+            self.ended.append({"ended_at": time.time(), "turns": len(rec.turns),
+                               "tool_calls": result.tool_calls, "tokens": len(traj.ids),
+                               "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
+                               "tool_wall_s": result.tool_wall_s, "termination": result.termination,
+                               "reward": result.reward, "resolved": result.resolved, "suite_wait_s": 0.0,
+                               "suite_runs": 0, "harness_exit": rec.end_reason})
+        return rollout_of(task, sp, index, rec, result, self.tok, self.worker_id,
+                          {"harness": "external", "harness_exit": {"exit_status": rec.end_reason}})
