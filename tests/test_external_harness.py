@@ -150,7 +150,11 @@ async def test_claim_play_end_publishes_the_token_exact_trajectory_scored_by_hid
     assert (await call(http, f"/v1/episodes/{k['episode_id']}/exec", {"command": TAMPER}))["exit_code"] == 0
     assert "1 passed" in (await call(http, f"/v1/episodes/{k['episode_id']}/exec",
                                      {"command": "run_tests"}))["observation"]
-    assert (await call(http, f"/v1/episodes/{k['episode_id']}/end"))["result"]["reward"] == 0.0
+    # submit: the workspace ends the episode, scored as by /end
+    sub = await call(http, f"/v1/episodes/{k['episode_id']}/exec", {"command": "submit"})
+    assert sub["done"] and sub["termination"] == "submitted" and sub["result"]["reward"] == 0.0
+    err = await call(http, f"/v1/episodes/{k['episode_id']}/end", None, 409)
+    assert "already ended" in err["error"]["message"]
     await until(lambda: worker.tasks_done == 2)
     rollouts = {r.task_id: r for r in await read_stream(bus, topo.ROLLOUTS, Rollout)}
     assert sorted(rollouts) == ["cheat", "honest"]
