@@ -57,6 +57,8 @@ class ExternalRunner(EpisodeRunner):
         self.endpoint.board.enabled = True
         self.stats.update(offered=0, expired=0, handed_back=0)
         self._started: asyncio.Future | None = None
+        # per delivered task (its Task object): the offers not claimed yet and the runs waiting on them
+        self._unclaimed: dict[int, dict[str, tuple]] = {}
 
     async def start(self) -> str:
         """The endpoint's base URL (started once; the worker starts it before taking tasks)."""
@@ -104,7 +106,10 @@ class ExternalRunner(EpisodeRunner):
                                "episode_wall_s": limits.episode_wall_s}}
             offer = self.endpoint.board.offer(eid, info, execute, self.deadline_s)
             self.stats["offered"] += 1
+            unclaimed = self._unclaimed.setdefault(id(task), {})
+            unclaimed[eid] = (offer, asyncio.current_task())
             await offer.claimed.wait()
+            unclaimed.pop(eid, None)
             try:
                 await asyncio.wait_for(asyncio.shield(ended), self.deadline_s)
             except TimeoutError:
@@ -112,6 +117,11 @@ class ExternalRunner(EpisodeRunner):
             if await ended == EXPIRED:
                 async with lock:          # a command in flight finishes before the workspace goes
                     self.stats["expired"] += 1
+                # the task goes back whole: its siblings nobody claimed go with it (the redelivery
+                # offers them anew); claimed ones play on and publish (rollout ids dedupe)
+                for o, run in list(self._unclaimed.get(id(task), {}).values()):
+                    if not o.claimed.is_set():
+                        run.cancel()
                 self.endpoint.retire(eid, 410, f"episode {eid} expired: not ended within {self.deadline_s}s "
                                                f"of its claim; its task went back to the stream")
                 log.warning("external episode expired; task handed back", episode_id=eid,
@@ -130,6 +140,10 @@ class ExternalRunner(EpisodeRunner):
             scored.set_result(res)
             self.endpoint.retire(eid, 409, f"episode {eid} has already ended ({rec.end_reason})", res)
         finally:
+            group = self._unclaimed.get(id(task), {})
+            group.pop(eid, None)
+            if not group:
+                self._unclaimed.pop(id(task), None)
             if rec is not None and eid in self.endpoint.episodes:
                 # cancelled (the worker drains) or failed before an end: nobody may continue it
                 self.stats["handed_back"] += 1

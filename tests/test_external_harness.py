@@ -78,11 +78,11 @@ async def external(bus, fresh_server, request):
         await run
 
 
-async def publish(bus, task_id: str) -> None:
+async def publish(bus, task_id: str, n: int = 1) -> None:
     limits = EpisodeLimits(max_turns=6, max_turn_tokens=80, prompt_style="toy")
     await bus.publish(topo.task_subject("swe"), Task(
         task_id=task_id, env="swe", prompt="Fix calc.py.", spec=episode_spec(bug_task(), limits),
-        sampling={"max_tokens": 12, "n": 1, "temperature": 1.0}))
+        sampling={"max_tokens": 12, "n": n, "temperature": 1.0}))
 
 
 async def call(http, path: str, body=None, status: int = 200):
@@ -175,10 +175,10 @@ async def test_claim_play_end_publishes_the_token_exact_trajectory_scored_by_hid
     assert worker.engine.kept == {} and worker.episode_runner.endpoint.episodes == {}
 
 
-@pytest.mark.parametrize("external", [1.0], indirect=True)
+@pytest.mark.parametrize("external", [2.0], indirect=True)
 async def test_an_abandoned_episode_expires_and_its_task_is_redelivered_and_trained_once(bus, external):
     worker, eng, _, _, http, client = external
-    await publish(bus, "abandoned")
+    await publish(bus, "abandoned", n=2)          # a group of 2: one claimed and abandoned, one never claimed
     c = await call(http, "/v1/episodes", {"wait_s": 30})
     eid = c["episode_id"]
     await chat(client, c, c["messages"])          # a turn played, then the harness goes away
@@ -188,16 +188,23 @@ async def test_an_abandoned_episode_expires_and_its_task_is_redelivered_and_trai
     with pytest.raises(openai.APIStatusError) as e:      # never a fresh ad-hoc episode of the same id
         await chat(client, c, c["messages"])
     assert e.value.status_code == 410 and eid not in worker.episode_runner.endpoint.episodes
-    # the stream redelivers the task: a fresh episode of it, played to its end
-    again = await call(http, "/v1/episodes", {"wait_s": 30})
-    assert again["task_id"] == "abandoned" and again["episode_id"] != eid
-    n0 = len(eng.gens)
-    c1 = await chat(client, again, again["messages"])
-    assert (await call(http, f"/v1/episodes/{again['episode_id']}/end"))["result"]["reward"] == 0.0
+    # the stream redelivers the task whole (the unclaimed sibling went back with it): two fresh
+    # episodes, played to their end
+    ids, again = {}, []
+    for _ in range(2):
+        a = await call(http, "/v1/episodes", {"wait_s": 30})
+        again.append(a)
+        n0 = len(eng.gens)
+        ids[a["sample_index"]] = (await chat(client, a, a["messages"])).model_extra["token_ids"]
+        assert ids[a["sample_index"]] == eng.gens[n0].completion_ids
+        assert (await call(http, f"/v1/episodes/{a['episode_id']}/end"))["result"]["reward"] == 0.0
+    assert await call(http, "/v1/episodes", {"wait_s": 0.5}, 204) is None
+    assert {a["task_id"] for a in again} == {"abandoned"} and {a["sample_index"] for a in again} == {0, 1}
+    assert eid not in {a["episode_id"] for a in again}
     await until(lambda: worker.tasks_done == 1)
     rollouts = await read_stream(bus, topo.ROLLOUTS, Rollout)
-    assert [r.task_id for r in rollouts] == ["abandoned"]                    # not lost, published once
-    assert rollouts[0].completion_ids == c1.model_extra["token_ids"] == eng.gens[n0].completion_ids
+    assert sorted(r.rollout_id for r in rollouts) == ["abandoned-0", "abandoned-1"]     # not lost, once each
+    assert all(r.completion_ids == ids[r.sample_index] for r in rollouts)
     info = await bus.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
     assert info.num_ack_pending == 0 and info.num_pending == 0 and info.num_redelivered == 0
     assert info.delivered.consumer_seq == 2                                  # delivered twice, acked once
