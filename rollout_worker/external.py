@@ -81,7 +81,14 @@ class ExternalRunner(EpisodeRunner):
         async def on_end(r) -> dict | None:        # the endpoint calls it once, for whoever ended it
             if not ended.done():
                 ended.set_result(r.end_reason)
-            return None if r.end_reason == EXPIRED else await asyncio.shield(scored)
+            if r.end_reason == EXPIRED:
+                return None
+            try:
+                return await asyncio.shield(scored)
+            except asyncio.CancelledError:
+                if scored.cancelled():        # the worker let the task go (drain) before scoring it
+                    raise ClaimError(410, f"episode {eid} was handed back by the worker") from None
+                raise
 
         async def execute(command: str) -> dict:
             async with lock:

@@ -16,7 +16,7 @@ import pytest
 import delta_codec
 from bus import BusConfig
 from bus import topology as topo
-from bus.events import Rollout, Task
+from bus.events import Rollout, Task, decode
 from bus.weights import WeightPublisher
 from envs.episode import EpisodeLimits
 from rollout_worker.episodes import episode_spec
@@ -70,7 +70,7 @@ async def external(bus, fresh_server, request):
     http = aiohttp.ClientSession(url.rsplit("/v1", 1)[0])
     client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
     try:
-        yield worker, eng, pub, state, http, client
+        yield worker, eng, pub, state, http, client, (stop, run)
     finally:
         await client.close()
         await http.close()
@@ -100,7 +100,7 @@ async def chat(client, claim: dict, messages: list[dict]):
 
 
 async def test_claim_play_end_publishes_the_token_exact_trajectory_scored_by_hidden_tests(bus, external):
-    worker, eng, pub, state, http, client = external
+    worker, eng, pub, state, http, client, _ = external
     for path in ("/v1/episodes/nope/end", "/v1/episodes/nope/exec"):
         err = await call(http, path, {"command": "ls"} if "exec" in path else None, 404)
         assert "no " in err["error"]["message"]
@@ -177,7 +177,7 @@ async def test_claim_play_end_publishes_the_token_exact_trajectory_scored_by_hid
 
 @pytest.mark.parametrize("external", [2.0], indirect=True)
 async def test_an_abandoned_episode_expires_and_its_task_is_redelivered_and_trained_once(bus, external):
-    worker, eng, _, _, http, client = external
+    worker, eng, _, _, http, client, (stop, run) = external
     await publish(bus, "abandoned", n=2)          # a group of 2: one claimed and abandoned, one never claimed
     c = await call(http, "/v1/episodes", {"wait_s": 30})
     eid = c["episode_id"]
@@ -209,3 +209,13 @@ async def test_an_abandoned_episode_expires_and_its_task_is_redelivered_and_trai
     assert info.num_ack_pending == 0 and info.num_pending == 0 and info.num_redelivered == 0
     assert info.delivered.consumer_seq == 2                                  # delivered twice, acked once
     assert worker.engine.kept == {}
+    # a worker that stops with an episode claimed hands its task back to the stream
+    await publish(bus, "drained")
+    d = await call(http, "/v1/episodes", {"wait_s": 30})
+    await chat(client, d, d["messages"])
+    stop.set()
+    await run
+    assert worker.episode_runner.stats["handed_back"] == 1
+    msgs = await (await bus.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)).fetch(1, timeout=10)
+    assert [decode(m.data, Task).task_id for m in msgs] == ["drained"]
+    assert len(await read_stream(bus, topo.ROLLOUTS, Rollout)) == 2
