@@ -118,6 +118,7 @@ class VLLMEngine:
         self._ready = asyncio.Event()         # clear while dirty: no generation until a keyframe
         self._ready.set()
         self.in_place = False                 # the worker applies deltas to device tensors in place
+        self.worker_warm_s = 0.0              # the codec's warm-up inside vLLM's worker, at start
         self.last_sent_bytes = 0              # payload of the last push over vLLM's RPC
         self._stall_from: tuple[float, float] | None = None   # (apply_s, last token before it)
         self._last_out: float | None = None
@@ -151,12 +152,16 @@ class VLLMEngine:
             from vllm.v1.engine.async_llm import AsyncLLM
             t0 = time.perf_counter()
             llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._engine_args())
+            # also warms the delta codec inside vLLM's worker (vllm_extension.warm_codec): the first
+            # delta does not compile kernels while vLLM is paused
             setup = (await llm.collective_rpc("asyncrl_setup", args=(dict(self.to_hf),)))[0]
             self.packed, self.in_place = setup["packed"], bool(setup["in_place"])
+            self.worker_warm_s = float(setup.get("warm_s", 0.0))
             await llm.update_weight_version(self._label())
             self.llm = llm
             log.info("vllm engine started", model=str(self.model_dir), slots=self.slots,
-                     max_len=self.max_len, start_s=round(time.perf_counter() - t0, 1))
+                     max_len=self.max_len, start_s=round(time.perf_counter() - t0, 1),
+                     worker_codec_warm_s=round(self.worker_warm_s, 2))
 
     async def close(self) -> None:
         """Stop: unfinished sequences fail with EngineClosed (the worker releases their tasks)."""

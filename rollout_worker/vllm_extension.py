@@ -10,6 +10,8 @@ and reaches this code only through vLLM's RPC.
 from __future__ import annotations
 
 import math
+import sys
+import time
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,7 +103,9 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self, to_hf: dict[str, str]) -> None:
-        """Publisher name -> HF name map; the shadow is read from the checkpoint vLLM loaded."""
+        """Publisher name -> HF name map; the shadow is read from the checkpoint vLLM loaded; the
+        codec warmed in this process (warm_codec)."""
+        self.warm_s = warm_codec()
         self.to_hf = dict(to_hf)
         self.fail_after: int | None = None
         self.shadow: dict[str, torch.Tensor] = {}
@@ -274,6 +278,26 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
         pass
 
 
+def warm_codec() -> float:
+    """The delta codec made ready in this process; returns the seconds it took. vLLM's worker
+    process imports the codec only when a delta arrives, so without this the first delta paid the
+    import and the compilation (or cache load) of its numba kernels between two decode steps,
+    with vLLM paused. Also runs one tiny delta through encode and apply (zstd, digests, the torch
+    scatter ops and the codec's thread pool on first use)."""
+    import delta_codec
+    t0 = time.perf_counter()
+    delta_codec.warm()
+    base = {"w": torch.linspace(-1, 1, 64 * 64).reshape(64, 64).to(torch.bfloat16)}
+    new = {"w": base["w"].clone()}
+    new["w"][::7, ::5] += 0.25                                # ~3 % changed: the sparse path
+    blob = delta_codec.encode_delta(base, new, from_version=0, to_version=1).to_bytes()
+    d = delta_codec.Delta.from_bytes(blob)
+    delta_codec.apply_delta(base, d)
+    if not torch.equal(base["w"], new["w"]):
+        raise RuntimeError("delta codec warm-up: the applied delta does not reproduce its target")
+    return time.perf_counter() - t0
+
+
 def checkpoint_files(folder) -> list[Path]:
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
@@ -307,7 +331,13 @@ class DeltaWorkerExtension:
         eng.setup(to_hf)
         model = self.model_runner.get_model()
         return {"packed": {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", {}) or {}).items()},
-                "in_place": eng.in_place}
+                "in_place": eng.in_place, "warm_s": round(eng.warm_s, 3)}
+
+    def asyncrl_codec_ready(self) -> dict:
+        """Test hook: whether the delta codec is loaded in this (vLLM's worker) process, and the
+        seconds its warm-up at setup took."""
+        return {"loaded": "delta_codec" in sys.modules,
+                "warm_s": getattr(self.weight_transfer_engine, "warm_s", None)}
 
     def asyncrl_weights_digest(self) -> dict:
         """Test hook: sha256 of the bf16 copy and of every live parameter, to compare two ways of
