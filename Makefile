@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 # delta_codec's numba kernels compiled into their cache once (~35 s cold), so no process pays it
 # when it starts (engines warm them at start: ~0.5 s from the cache)
 KERNELS := $(VENV)/.kernels
-$(KERNELS): $(STAMP) delta_codec/context_jit.py delta_codec/sparse_jit.py
+$(KERNELS): $(STAMP) delta_codec/context_jit.py delta_codec/sparse_jit.py delta_codec/jit_cache.py
 	$(BIN)/python -c "import delta_codec; delta_codec.warm()"
 	touch $@
 

@@ -40,8 +40,10 @@ try:
     from numba import types
     from numba.extending import intrinsic
 
+    from .jit_cache import use_environment_cache
     from .llvmlite_guard import guard_llvmlite_lib
     guard_llvmlite_lib()  # (else vLLM's CPU workers fail to start in a process that imported us)
+    use_environment_cache(numba)
 except ImportError:  # (numpy fallback in context.py)
     numba = None
 

@@ -25,8 +25,10 @@ try:
     from numba import types
     from numba.extending import intrinsic
 
+    from .jit_cache import use_environment_cache
     from .llvmlite_guard import guard_llvmlite_lib
     guard_llvmlite_lib()
+    use_environment_cache(numba)
 except ImportError:
     numba = None
 
