@@ -17,9 +17,10 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
 
 def check(r: dict) -> None:
-    assert r["lost"] == 0, r
-    assert r["duplicates_trained"] == 0, r
-    assert r["passed"], r
+    # the message as a string: pytest would shorten a dict to its first keys
+    assert r["lost"] == 0, f"{r}"
+    assert r["duplicates_trained"] == 0, f"{r}"
+    assert r["passed"], f"{r}"
 
 
 async def test_worker_sigkill_at_random_instants(tmp_path):

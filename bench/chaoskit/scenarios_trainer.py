@@ -201,9 +201,12 @@ async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10,
 
 async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeout_s: float = 15.0) -> dict:
     """A --sync trainer publishes exactly batch_groups tasks per version. One task of version 0's
-    batch is swapped for a poison copy (its verifier raises on every delivery: each rollout lands
-    in DLQ); the trainer publishes a replacement after sync_task_timeout_s and the run goes on to
-    `tasks` versions. Books: every task the trainer fed, bar the poison, trained exactly once."""
+    batch is swapped for a poison copy whose spec the verifier refuses (SpecError: each rollout is
+    parked in DLQ at once and none reaches SCORED, so its group never forms); the trainer publishes
+    a replacement after sync_task_timeout_s and the run goes on to `tasks` versions. Books: every
+    task the trainer fed, bar the poison, trained exactly once. (A verifier that merely raises is
+    no poison for the barrier any more: its last delivery publishes a scorer_crash verdict, so the
+    group forms, and whether a replacement came first was a race against the timeout.)"""
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
@@ -230,7 +233,7 @@ async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeou
             raw = await fleet.bus.js.get_msg(topo.TASKS, seq=info.state.first_seq)
             victim = decode(raw.data, Task)
             await fleet.bus.js.delete_msg(topo.TASKS, raw.seq)
-            poison = Task(task_id=victim.task_id, env=victim.env, prompt=victim.prompt, spec={"answer": "9" * 5000},
+            poison = Task(task_id=victim.task_id, env=victim.env, prompt=victim.prompt, spec={"answer": "poison"},
                           sampling=victim.sampling, min_version=victim.min_version)
             await fleet.bus.publish(raw.subject, poison, msg_id=f"poison-{victim.task_id}")
             t_poison = time.monotonic()
@@ -246,13 +249,13 @@ async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeou
             # join the next batch, and those of the last version stay durable in SCORED: not lost
             books = fleet.books(good, with_checkpoint=True, queued=await queued_ids(fleet.bus, GROUP))
             t1 = time.monotonic()
-            while (parked := sum(1 for _, r in await dlq_entries(fleet.bus) if "handler failed" in r)) < GROUP \
+            while (parked := sum(1 for _, r in await dlq_entries(fleet.bus) if "bad task spec" in r)) < GROUP \
                     and time.monotonic() - t1 < 60:
                 await asyncio.sleep(0.5)
             replaced = max((d.get("sync_replaced", 0) for d in fleet.step_lines()), default=0)
             return row("sync_poison_task", books, rec_s,
                        fleet.procs["A"].popen.returncode == 0 and replaced >= 1 and parked == GROUP,
                        versions=await fleet.version(), sync_replaced=replaced, poison_parked=parked,
-                       sync_task_timeout_s=timeout_s)
+                       sync_task_timeout_s=timeout_s, trainer_rc=fleet.procs["A"].popen.returncode)
         finally:
             await fleet.close()
