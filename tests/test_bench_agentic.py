@@ -1,5 +1,5 @@
 """bench.agentic: the worker's idle fraction over the trainer's window, the episode distributions
-read from the records a real worker's episode runner writes, and (chaos: minutes) the whole bench
+read from the records a real worker's episode runner writes, and (make test-bench: ~8 minutes) the whole bench
 at tiny size, so the ratio and every distribution it prints stay computed from a run."""
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def test_decoder_idle_share_comes_from_the_engines_decode_seconds(tmp_path):
     assert bench.episode_stats(tmp_path)["decoder_idle_frac"] == pytest.approx(1 - 6 / 20)
 
 
-@pytest.mark.chaos
+@pytest.mark.bench
 @pytest.mark.timeout(1500)
 def test_tiny_bench_prints_one_sane_json_object(tmp_path):
     """The whole bench at tiny size (minutes): one warm-start step, 3 versions of 2 episodes each
