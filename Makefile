@@ -52,7 +52,7 @@ tools:
 	fi
 
 # two pytest processes, a test file each at a time (module fixtures stay in one process): most tests
-# wait on real processes and a real nats-server, so two share this 2-core box well (13.5 -> see
+# wait on real processes and a real nats-server, so two share a 2-core box well (timings:
 # docs/testing.md). TEST_JOBS=0 runs in one process.
 TEST_JOBS ?= 2
 test: $(STAMP) $(KERNELS) models tools
