@@ -36,7 +36,7 @@ from bus.events import Rollout, SamplingParams, Task
 from .claims import ClaimError
 from .episodes import EpisodeRunner
 from .openai_api import OpenAIEndpoint
-from .trajectory import rollout_of
+from .trajectory import count_episode, rollout_of
 
 log = get_logger(__name__)
 
@@ -160,20 +160,6 @@ class ExternalRunner(EpisodeRunner):
                 scored.cancel()
             async with lock:
                 await self.pool.close(ep)
-        traj = rec.traj
-        self.stats["episodes"] += 1
-        self.stats["turns"] += len(rec.turns)
-        self.stats["tool_calls"] += result.tool_calls
-        self.stats["tool_wall_s"] += result.tool_wall_s
-        self.stats["wall_s"] += time.perf_counter() - t0
-        for k in ("divergent_turns", "restarts", "retried_turns", "dropped_model_tokens"):   # worker metrics
-            self.stats[k] = self.stats.get(k, 0) + rec.stats[k]
-        if len(self.ended) < 4096:
-            self.ended.append({"ended_at": time.time(), "turns": len(rec.turns),
-                               "tool_calls": result.tool_calls, "tokens": len(traj.ids),
-                               "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
-                               "tool_wall_s": result.tool_wall_s, "termination": result.termination,
-                               "reward": result.reward, "resolved": result.resolved, "suite_wait_s": 0.0,
-                               "suite_runs": 0, "harness_exit": rec.end_reason})
+        count_episode(self.stats, self.ended, rec, result, time.perf_counter() - t0, rec.end_reason)
         return rollout_of(task, sp, index, rec, result, self.tok, self.worker_id,
                           {"harness": "external", "harness_exit": {"exit_status": rec.end_reason}})

@@ -28,6 +28,7 @@ from bus.events import Rollout, SamplingParams, Task
 
 from .episodes import EpisodeRunner
 from .openai_api import OpenAIEndpoint
+from .trajectory import count_episode, rollout_of
 
 HARNESSES = ("builtin", "mini-swe-agent")
 
@@ -153,34 +154,9 @@ class HarnessRunner(EpisodeRunner):
         finally:
             self.endpoint.forget(eid)
             await self.pool.close(ep)
-        traj = rec.traj
-        if traj is None or not traj.ids:
+        if rec.traj is None or not rec.traj.ids:
             raise ValueError(f"the harness ended episode {eid} without a model turn ({exit_info})")
-        self.stats["episodes"] += 1
-        self.stats["turns"] += len(rec.turns)
-        self.stats["tool_calls"] += result.tool_calls
-        self.stats["tool_wall_s"] += result.tool_wall_s
-        self.stats["wall_s"] += time.perf_counter() - t0
-        for k in ("divergent_turns", "restarts", "retried_turns", "dropped_model_tokens"):   # worker metrics
-            self.stats[k] = self.stats.get(k, 0) + rec.stats[k]
-        if len(self.ended) < 4096:
-            self.ended.append({"ended_at": time.time(), "turns": len(rec.turns),
-                               "tool_calls": result.tool_calls, "tokens": len(traj.ids),
-                               "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
-                               "tool_wall_s": result.tool_wall_s, "termination": result.termination,
-                               "reward": result.reward, "resolved": result.resolved, "suite_wait_s": 0.0,
-                               "suite_runs": 0, "harness_exit": exit_info.get("exit_status", "")})
-        import policy
-        return Rollout(rollout_id=f"{task.task_id}-{index}", task_id=task.task_id, env=task.env,
-                       sample_index=index, group_size=sp.n, prompt=task.prompt, spec=task.spec,
-                       prompt_ids=traj.prompt_ids, completion_ids=traj.ids,
-                       completion_text=self.tok.decode(traj.ids), logprobs=traj.logprobs,
-                       token_versions=traj.versions, sampling=task.sampling,
-                       sampling_mask=policy.SamplingMask.from_rows(traj.rows).to_wire(), quant=traj.quant,
-                       finish_reason=traj.finish or "abort", cost_tokens=sum(traj.mask), wall_s=result.wall_s,
-                       worker_id=self.worker_id, split=task.split, epoch=traj.epoch, loss_mask=traj.mask,
-                       turns=max(len(rec.turns), 1), tool_calls=result.tool_calls,
-                       termination=result.termination, lambda_=task.lambda_,
-                       episode={**result.to_dict(), "harness": self.harness, "harness_exit": exit_info,
-                                "trajectory": {k: v for k, v in rec.stats.items()},
-                                "turn_log": [{"finish": ""} for _ in rec.turns]})
+        count_episode(self.stats, self.ended, rec, result, time.perf_counter() - t0,
+                      exit_info.get("exit_status", ""))
+        return rollout_of(task, sp, index, rec, result, self.tok, self.worker_id,
+                          {"harness": self.harness, "harness_exit": exit_info})

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 
 from envs.conversation import PlainFormat
@@ -293,3 +294,23 @@ def rollout_of(task, sp, index: int, rec: TrajectoryRecorder, result, tok, worke
                    termination=result.termination, lambda_=task.lambda_,
                    episode={**result.to_dict(), **episode, "trajectory": dict(rec.stats),
                             "turn_log": [{"finish": ""} for _ in rec.turns]})
+
+
+def count_episode(stats: dict, ended: list, rec: TrajectoryRecorder, result, wall_s: float,
+                  harness_exit: str) -> None:
+    """The worker's books of one harness-played episode: its counters (`stats`, the worker's
+    metrics) and a record in `ended` (bench.agentic reads them; capped at 4096)."""
+    traj = rec.traj
+    stats["episodes"] += 1
+    stats["turns"] += len(rec.turns)
+    stats["tool_calls"] += result.tool_calls
+    stats["tool_wall_s"] += result.tool_wall_s
+    stats["wall_s"] += wall_s
+    for k in ("divergent_turns", "restarts", "retried_turns", "dropped_model_tokens"):
+        stats[k] = stats.get(k, 0) + rec.stats[k]
+    if len(ended) < 4096:
+        ended.append({"ended_at": time.time(), "turns": len(rec.turns), "tool_calls": result.tool_calls,
+                      "tokens": len(traj.ids), "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
+                      "tool_wall_s": result.tool_wall_s, "termination": result.termination,
+                      "reward": result.reward, "resolved": result.resolved, "suite_wait_s": 0.0,
+                      "suite_runs": 0, "harness_exit": harness_exit})
