@@ -33,14 +33,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         reasons[reason.removeprefix("Skipped: ")] += 1
     deselected = len(terminalreporter.stats.get("deselected", []))
-    if not reasons and not deselected:
+    # under pytest-xdist (make test) the workers deselect: the controller only knows the expression
+    markexpr = "" if deselected else (config.getoption("markexpr", "") or "")
+    if not reasons and not deselected and not markexpr:
         return
     tr = terminalreporter
     tr.section("what this run did not check")
     for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
         tr.write_line(f"skipped {n}: {reason}")
-    if deselected:
-        tr.write_line(f"not selected {deselected}: by -m/-k (by default the chaos, vllm and bench tests: "
+    if deselected or markexpr:
+        what = f"not selected {deselected}: by -m/-k" if deselected else f"not selected: what -m '{markexpr}' leaves out"
+        tr.write_line(f"{what} (by default the chaos, vllm and bench tests: "
                       "make test-chaos, make test-vllm, make test-bench)")
     pkgs = sorted({m for r in reasons for m in _APT.findall(r)})
     if pkgs:
