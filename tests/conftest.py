@@ -42,7 +42,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
         tr.write_line(f"skipped {n}: {reason}")
     if deselected or markexpr:
-        what = f"not selected {deselected}: by -m/-k" if deselected else f"not selected: what -m '{markexpr}' leaves out"
+        what = (f"not selected {deselected}: by -m/-k" if deselected
+                else f"not selected: what -m '{markexpr}' leaves out")
         tr.write_line(f"{what} (by default the chaos, vllm and bench tests: "
                       "make test-chaos, make test-vllm, make test-bench)")
     pkgs = sorted({m for r in reasons for m in _APT.findall(r)})
