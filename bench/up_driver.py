@@ -111,6 +111,17 @@ def summary_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def stop_run(proc, run_dir: Path, wait_s: float = 60.0) -> None:
+    """Test cleanup: SIGTERM `up` (it drains its children), then SIGKILL whatever is left."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(wait_s)
+        except Exception:
+            pass
+    kill_run(run_dir)
+
+
 def kill_run(run_dir: Path) -> None:
     """Test cleanup: SIGKILL whatever of the run is still alive."""
     for pid in run_pids(run_dir):

@@ -26,29 +26,10 @@ from tests.helpers.agentic import CFG, TESTS, TOK, bug_task, no_special_state
 from tests.helpers.engine import perturb
 from tests.helpers.weights import until
 from tests.helpers.worker import read_stream
+from tests.helpers.engine import RecordingEngine
 
 FIX = "rewrite calc.py <<'EOF'\ndef add(a, b):\n    return a + b\nEOF"
 TAMPER = "cat > test_calc.py <<'EOF'\ndef test_add():\n    pass\nEOF"
-
-
-class RecordingEngine:
-    """The torch engine, with every Generation it returns kept in order (what the engine generated)."""
-
-    def __init__(self, eng):
-        self.eng, self.gens = eng, []
-
-    def __getattr__(self, name):
-        return getattr(self.eng, name)
-
-    async def generate(self, *a, **kw):
-        g = await self.eng.generate(*a, **kw)
-        self.gens.append(g)
-        return g
-
-    async def extend(self, *a, **kw):
-        g = await self.eng.extend(*a, **kw)
-        self.gens.append(g)
-        return g
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from envs.episode import Episode, EpisodeLimits
 from rollout_worker.harness import HarnessRunner
 from rollout_worker.torch_engine import TorchEngine
 from tests.helpers.agentic import CFG, TOK, bug_task, no_special_state
+from tests.helpers.engine import RecordingEngine
 
 
 def test_adapter_runs_commands_in_the_episode_and_submits():
@@ -41,26 +42,6 @@ def test_adapter_runs_commands_in_the_episode_and_submits():
     with pytest.raises(ValueError, match="no live episode"):
         get_environment({"environment_class": "envs.mini_swe_agent.SandboxEnvironment",
                          "episode_id": "adapter-1"})
-
-
-class RecordingEngine:
-    """The torch engine, with every Generation it returns kept (what the engine generated)."""
-
-    def __init__(self, eng):
-        self.eng, self.gens = eng, []
-
-    def __getattr__(self, name):
-        return getattr(self.eng, name)
-
-    async def generate(self, *a, **kw):
-        g = await self.eng.generate(*a, **kw)
-        self.gens.append(g)
-        return g
-
-    async def extend(self, *a, **kw):
-        g = await self.eng.extend(*a, **kw)
-        self.gens.append(g)
-        return g
 
 
 @pytest.fixture(scope="module")

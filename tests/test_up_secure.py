@@ -12,7 +12,7 @@ import sys
 import nats
 import pytest
 
-from bench.up_driver import child_pid, kill_run, run_pids, start_up, wait_for
+from bench.up_driver import child_pid, run_pids, start_up, stop_run, wait_for
 from bus import topology as topo
 from tests.helpers.up import SUPERVISE
 
@@ -66,13 +66,7 @@ async def test_up_broker_refuses_unauthenticated_clients_and_keeps_secrets_off_a
         environ = dict(kv.split(b"=", 1) for kv in raw if b"=" in kv)
         assert environ[b"ASYNCRL_BUS__PASSWORD"].decode() == password
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except Exception:
-                pass
-        kill_run(run_dir)
+        stop_run(proc, run_dir)
 
 
 def test_up_refuses_a_bad_signing_key_before_starting_anything(tmp_path):

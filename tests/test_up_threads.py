@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl import config_check, thread_plan
 from asyncrl import up as up_cli
-from bench.up_driver import child_pid, kill_run, start_up, wait_for
+from bench.up_driver import child_pid, start_up, stop_run, wait_for
 from bus.config import ConfigError
 from tests.helpers.up import SUPERVISE
 
@@ -95,10 +95,4 @@ async def test_up_children_get_their_configured_threads(tmp_path):
                 assert env["ASYNCRL_DELTA_THREADS"] == str(n), name
             assert f"\nthreads = {n}\n" in (run_dir / "config" / f"{name}.toml").read_text(), name
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except Exception:
-                pass
-        kill_run(run_dir)
+        stop_run(proc, run_dir)

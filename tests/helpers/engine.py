@@ -35,3 +35,23 @@ def reference_logprobs(states: dict[int, dict], prompt, completion, versions, cf
         logits = model.prefill(prompt, cache, 0) if i == 0 else model.decode([completion[i - 1]], cache, [0])[0]
         out.append(torch.log_softmax(logits.float(), -1)[tok])
     return torch.stack(out)
+
+
+class RecordingEngine:
+    """The torch engine, with every Generation it returns kept in order (what the engine generated)."""
+
+    def __init__(self, eng):
+        self.eng, self.gens = eng, []
+
+    def __getattr__(self, name):
+        return getattr(self.eng, name)
+
+    async def generate(self, *a, **kw):
+        g = await self.eng.generate(*a, **kw)
+        self.gens.append(g)
+        return g
+
+    async def extend(self, *a, **kw):
+        g = await self.eng.extend(*a, **kw)
+        self.gens.append(g)
+        return g
