@@ -17,7 +17,7 @@ update_stall_ms_p50 / p99  the worker's `update_stall_ms_*`: last decode step be
                            -> first one after it (not `update_stall_total_ms_*`, which adds the
                            slowed steps after it)
 versions_applied           the worker's `updates`; last_version its `version`
-start_s                    vLLM only: "vllm engine started" start_s in logs/rollout_worker*.log
+start_s                    vLLM only: "vllm engine started" start_s in logs/worker-*.log
 ratios                     vllm / torch of the first three
 
 Caveats: CPU-bound and noisy; the two runs are sequential, not interleaved, so run it alone on
@@ -56,7 +56,8 @@ def worker_rows(run_dir: Path) -> list[dict]:
 
 def start_s(run_dir: Path) -> float | None:
     """vLLM's start-up seconds from the worker's structlog JSON log (None if not logged)."""
-    for f in sorted((Path(run_dir) / "logs").glob("rollout_worker*.log")):
+    # `up` names a worker's log after the process (logs/worker-0.log)
+    for f in sorted((Path(run_dir) / "logs").glob("worker-*.log")):
         for line in f.read_text(errors="replace").splitlines():
             if "vllm engine started" in line:
                 try:

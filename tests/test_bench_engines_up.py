@@ -13,7 +13,7 @@ def write_run(run_dir, rows, log_lines=()):
     with open(run_dir / "metrics" / "rollout_worker-0.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    (run_dir / "logs" / "rollout_worker-0.log").write_text("".join(json.dumps(x) + "\n" for x in log_lines))
+    (run_dir / "logs" / "worker-0.log").write_text("".join(json.dumps(x) + "\n" for x in log_lines))
 
 
 def row(ts, version, tps, step, p50, p99, updates):
