@@ -34,8 +34,7 @@ from bus import TransientError, get_logger
 from bus.events import Rollout, SamplingParams, Task
 
 from .claims import ClaimError
-from .episodes import EpisodeRunner
-from .openai_api import OpenAIEndpoint
+from .harness import EndpointRunner
 from .trajectory import count_episode, rollout_of
 
 log = get_logger(__name__)
@@ -43,34 +42,21 @@ log = get_logger(__name__)
 EXPIRED = "expired"
 
 
-class ExternalRunner(EpisodeRunner):
-    """EpisodeRunner's books (stats, ended records, parse, open) with the turns played by whoever
-    claims the episode on the endpoint."""
+class ExternalRunner(EndpointRunner):
+    """Episodes played by whoever claims them on the endpoint (a harness the worker does not launch)."""
 
-    def __init__(self, engine, tok, *, host: str = "127.0.0.1", port: int = 0, deadline_s: float = 600.0,
-                 model_name: str = "asyncrl-policy", **kw):
+    def __init__(self, engine, tok, *, deadline_s: float = 600.0, **kw):
         super().__init__(engine, tok, **kw)
         if deadline_s <= 0:
             raise ValueError(f"external_deadline_s must be > 0, got {deadline_s}")
         self.deadline_s = deadline_s
-        self.endpoint = OpenAIEndpoint(engine, tok, host=host, port=port, model_name=model_name, fmt=self.fmt)
         self.endpoint.board.enabled = True
         self.stats.update(offered=0, expired=0, handed_back=0)
-        self._started: asyncio.Future | None = None
         # per delivered task (its Task object): the offers not claimed yet and the runs waiting on them
         self._unclaimed: dict[int, dict[str, tuple]] = {}
 
-    async def start(self) -> str:
-        """The endpoint's base URL (started once; the worker starts it before taking tasks)."""
-        if self._started is None:
-            self._started = asyncio.ensure_future(self.endpoint.start())
-        return await asyncio.shield(self._started)
-
-    async def close(self) -> None:
-        await self.endpoint.close()
-
     async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
-        await self.start()
+        await self.url()           # (the worker serves before taking tasks; this is a no-op then)
         _, limits, ep, _ = self.open(task)
         eid = f"{task.task_id}-{index}-{os.urandom(4).hex()}"     # a redelivered task: a fresh id
         loop = asyncio.get_running_loop()

@@ -112,25 +112,34 @@ def run_mini_swe_agent(cfg: dict, task_text: str) -> dict:
     return {"exit_status": info.get("exit_status", ""), "submission": info.get("submission", "")}
 
 
-class HarnessRunner(EpisodeRunner):
-    """EpisodeRunner's books (stats, ended records, parse) with the turns played by a harness."""
+class EndpointRunner(EpisodeRunner):
+    """EpisodeRunner's books (stats, ended records, parse, open) with the turns played through the
+    worker's OpenAI-compatible endpoint, which it owns: started once, on first use."""
 
-    def __init__(self, engine, tok, *, harness: str = "mini-swe-agent", harness_config: str = "",
-                 host: str = "127.0.0.1", port: int = 0, model_name: str = "asyncrl-policy", **kw):
+    def __init__(self, engine, tok, *, host: str = "127.0.0.1", port: int = 0,
+                 model_name: str = "asyncrl-policy", **kw):
         super().__init__(engine, tok, **kw)
-        if harness not in HARNESSES[1:]:
-            raise ValueError(f"harness must be one of {HARNESSES}, got {harness!r}")
-        self.harness, self.config = harness, load_harness_config(harness_config)
         self.endpoint = OpenAIEndpoint(engine, tok, host=host, port=port, model_name=model_name, fmt=self.fmt)
-        self._started: asyncio.Task | None = None
+        self._started: asyncio.Future | None = None
 
     async def url(self) -> str:
+        """The endpoint's base URL (".../v1"); concurrent first callers share one start."""
         if self._started is None:
             self._started = asyncio.ensure_future(self.endpoint.start())
         return await asyncio.shield(self._started)
 
     async def close(self) -> None:
         await self.endpoint.close()
+
+
+class HarnessRunner(EndpointRunner):
+    """Episodes played by a harness the worker launches (mini-swe-agent) against the endpoint."""
+
+    def __init__(self, engine, tok, *, harness: str = "mini-swe-agent", harness_config: str = "", **kw):
+        super().__init__(engine, tok, **kw)
+        if harness not in HARNESSES[1:]:
+            raise ValueError(f"harness must be one of {HARNESSES}, got {harness!r}")
+        self.harness, self.config = harness, load_harness_config(harness_config)
 
     async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
         from envs import mini_swe_agent

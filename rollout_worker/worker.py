@@ -373,7 +373,7 @@ class Worker:
             return
         if self.cfg.harness == "external":     # harnesses claim episodes there: serving before any task
             from .episodes import episode_runner
-            await episode_runner(self).start()
+            await episode_runner(self).url()
         follow_stop = asyncio.Event()
         specs = {"weights": lambda attempt: self.follow_weights(follow_stop, start=kf if attempt == 0 else None),
                  "version": lambda attempt: self.watch_version(),
