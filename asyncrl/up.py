@@ -189,7 +189,8 @@ async def final_eval(run_dir: Path, stop: asyncio.Event, threads: int = 1) -> di
     """[up] final_eval: `python -m trainer --eval-final` (the last checkpoint) and `--eval-initial`
     (the warm start, unless the run evaluated v0) on the run's trainer config, side by side (the
     trainer's thread count each), once every child has stopped: their rows land in
-    metrics/trainer.jsonl before the summary reads it. Skipped when a signal stopped the run; a signal during them stops them."""
+    metrics/trainer.jsonl before the summary reads it. Skipped when a signal stopped the run; a
+    signal during them stops them."""
     if stop.is_set():
         return {"final_eval": "skipped: a signal stopped the run"}
     log.info("final eval of the last checkpoint and of the initial policy")

@@ -87,7 +87,8 @@ async def test_up_children_get_their_configured_threads(tmp_path):
     try:
         pids = {}
         for name in want:         # the pid once the child runs (its own argv, not up's fork)
-            pids[name] = await wait_for(lambda n=name: child_pid(run_dir, n), 120, f"{name} running", proc, out)
+            pids[name] = await wait_for(lambda n=name: child_pid(run_dir, n), 120, f"{name} running",
+                                        proc, out)
         for name, n in want.items():
             env = _environ(pids[name])
             assert env["OMP_NUM_THREADS"] == str(n), (name, env.get("OMP_NUM_THREADS"))

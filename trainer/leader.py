@@ -541,7 +541,7 @@ class Trainer:
             "changed_frac": (delta.stats.changed / max(delta.stats.total, 1)) if delta is not None else 0.0,
             "duplicates": batcher.counters["duplicates"], "invalid": batcher.counters["invalid"],
             "steps_skipped": self.steps_skipped, "parked_by_trainer": batcher.counters.get("parked", 0),
-            "total_s": time.perf_counter() - t0, "threads": torch.get_num_threads(),   # intra-op (`up`: asyncrl/thread_plan.py)
+            "total_s": time.perf_counter() - t0, "threads": torch.get_num_threads(),   # (up: thread_plan)
             "rollout_ids": batch.rollout_ids, "ts": time.time(),
             "trained_ids": batch.trained_ids, "dropped_ids": batch.dropped_ids, "sync_replaced": self.sync_replaced,
             "newest_token_version": max((max(s.rollout.token_versions, default=0) for s in batch.samples), default=0),

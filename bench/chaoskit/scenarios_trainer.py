@@ -233,8 +233,9 @@ async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeou
             raw = await fleet.bus.js.get_msg(topo.TASKS, seq=info.state.first_seq)
             victim = decode(raw.data, Task)
             await fleet.bus.js.delete_msg(topo.TASKS, raw.seq)
-            poison = Task(task_id=victim.task_id, env=victim.env, prompt=victim.prompt, spec={"answer": "poison"},
-                          sampling=victim.sampling, min_version=victim.min_version)
+            poison = Task(task_id=victim.task_id, env=victim.env, prompt=victim.prompt,
+                          spec={"answer": "poison"}, sampling=victim.sampling,
+                          min_version=victim.min_version)
             await fleet.bus.publish(raw.subject, poison, msg_id=f"poison-{victim.task_id}")
             t_poison = time.monotonic()
             for i in range(2):
@@ -249,7 +250,8 @@ async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeou
             # join the next batch, and those of the last version stay durable in SCORED: not lost
             books = fleet.books(good, with_checkpoint=True, queued=await queued_ids(fleet.bus, GROUP))
             t1 = time.monotonic()
-            while (parked := sum(1 for _, r in await dlq_entries(fleet.bus) if "bad task spec" in r)) < GROUP \
+            while (parked := sum(1 for _, r in await dlq_entries(fleet.bus)
+                                 if "bad task spec" in r)) < GROUP \
                     and time.monotonic() - t1 < 60:
                 await asyncio.sleep(0.5)
             replaced = max((d.get("sync_replaced", 0) for d in fleet.step_lines()), default=0)
