@@ -22,12 +22,12 @@ async def test_up_short_run(fresh_server, tmp_path):
     cfg = tmp_path / "up.toml"
     cfg.write_text(CONFIG)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "up", "--config", str(cfg), "--steps", "6",
+    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "up", "--config", str(cfg), "--steps", "10",
                            "--minutes", "4", "--nats", fresh_server.url, "--run-dir", str(run_dir), "--quiet"],
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["versions"] >= 6
+    assert summary["versions"] >= 10
 
     rows = read_jsonl(run_dir / "metrics" / "trainer.jsonl")
     steps = [r for r in rows if "samples" in r]
