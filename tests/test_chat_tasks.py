@@ -90,6 +90,16 @@ def test_arith_chat_scores_chat_answers():
         env.verify("14", {"answer": "fourteen"})
 
 
+def test_arith_chat_2_is_two_digit_sums_with_disjoint_splits():
+    env = get_env("arith-chat-2")
+    train = [env.sample(random.Random(i)).spec for i in range(200)]
+    held = [env.sample(random.Random(i), "eval").spec for i in range(50)]
+    assert all(10 <= s["a"] <= 99 and 10 <= s["b"] <= 99 for s in train + held)
+    assert not {(s["a"], s["b"]) for s in train} & {(s["a"], s["b"]) for s in held}
+    assert env.verify("47 + 38 = 85", {"a": 47, "b": 38, "answer": "85"}).success == 1.0
+    assert env.verify("47 + 38 = 75", {"a": 47, "b": 38, "answer": "85"}).success == 0.0
+
+
 def test_llvmlite_guard_lets_vllm_scan_module_attributes():
     """vLLM's CPU worker reads vars(x).get("kernel") of every module attribute at start; llvmlite's
     ffi.lib (numba, via delta_codec) answers `__dict__` with a C-function wrapper unless guarded."""

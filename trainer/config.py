@@ -95,6 +95,9 @@ class TrainerConfig:
     activation_checkpointing: bool = False   # recompute block activations in backward
     mixed_precision: str = "auto"        # auto (bf16 params on CUDA, fp32 on CPU) | bf16 | fp32
     replay: bool = True                  # recompute logprobs with the workers' sampling masks + fp8 sites
+    # forward/backward at the bf16 rounding of the master (what workers sample from), the update
+    # applied to the fp32 master (trainer/published_point.py); false: on the master itself
+    published_point: bool = True
     # publication
     keyframe_interval: int = 20          # a full keyframe every K versions
     # gathered: rank 0 gathers the bf16 state and publishes one delta per version; sharded: every

@@ -90,6 +90,6 @@ def build_learner(model, opt, cfg: TrainerConfig, reference: Transformer | None 
                       micro_batch=cfg.micro_batch, schedule=build_schedule(cfg), kl_coef=cfg.kl_coef,
                       reference=reference, async_checkpoint=cfg.async_checkpoint,
                       micro_batch_tokens=cfg.micro_batch_tokens, logit_chunk_tokens=chunk,
-                      penalty=cfg.penalty, penalty_cap=cfg.penalty_cap)
+                      penalty=cfg.penalty, penalty_cap=cfg.penalty_cap, published_point=cfg.published_point)
     learner.delta_context = cfg.use_delta_context      # sharded parts are coded the same way
     return learner

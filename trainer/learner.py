@@ -36,6 +36,7 @@ from .commands import announce, world
 from .fsdp import full_tensor, is_sharded
 from .loss import LossConfig, group_advantages, pg_loss
 from .penalty import apply_penalty
+from .published_point import at_published_point
 from .schedule import LRSchedule, apply_schedule
 
 
@@ -138,12 +139,13 @@ class Learner:
                  adv_norm: str = "mean", grad_clip: float = 0.0, replay: bool = True, micro_batch: int = 32,
                  schedule: LRSchedule | None = None, kl_coef: float = 0.0, reference: Transformer | None = None,
                  async_checkpoint: bool = False, micro_batch_tokens: int = 0, logit_chunk_tokens: int = 0,
-                 penalty: str = "linear", penalty_cap: float = 0.25):
+                 penalty: str = "linear", penalty_cap: float = 0.25, published_point: bool = True):
         self.model, self.opt = model, optimizer
         self.loss_cfg = dataclasses.replace(loss_cfg, kl_coef=kl_coef) if kl_coef else loss_cfg
         self.adv_norm, self.grad_clip, self.replay, self.micro_batch = adv_norm, grad_clip, replay, micro_batch
         self.micro_batch_tokens, self.logit_chunk_tokens = micro_batch_tokens, logit_chunk_tokens
         self.penalty, self.penalty_cap = penalty, penalty_cap
+        self.published_point = published_point      # forward/backward on the bf16 the workers hold
         self.schedule, self.kl_coef, self.reference = schedule, kl_coef, reference
         self.async_checkpoint, self._pending_saves, self._saves_lock = async_checkpoint, [], threading.Lock()
         self.delta_context = False        # sharded parts: code positions in the context of the base (factory sets it)
@@ -290,7 +292,8 @@ class Learner:
         t0 = time.perf_counter()
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
-        loss, stats = self.loss(samples, grad=True, backward=True)
+        with at_published_point(self.model, on=self.published_point):
+            loss, stats = self.loss(samples, grad=True, backward=True)
         params = [p for p in self.model.parameters() if p.grad is not None]
         gnorm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip or float("inf"))
         gnorm = full_tensor(gnorm)
