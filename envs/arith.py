@@ -176,5 +176,7 @@ register("arith-small")(lambda: ArithEnv("arith-small", 1, 2))
 # for instruct models through their chat template (deploy/smollm2.toml): one-digit sums in words,
 # which SmolLM2-135M-Instruct (4-bit) gets right about a third of the time at temperature 0.7
 register("arith-chat")(lambda: ChatArithEnv("arith-chat", 1, 1))
-# the harder chat task (deploy/learn-smollm2-2digit.toml): two-digit sums, 8,100 distinct problems
+# harder chat tasks: operands of 1-2 digits (deploy/learn-smollm2-harder.toml; SmolLM2 starts at
+# ~20 %), and two-digit sums only (~3 % right: too few groups with a success to learn from at 4 x 4)
+register("arith-chat-12")(lambda: ChatArithEnv("arith-chat-12", 1, 2))
 register("arith-chat-2")(lambda: ChatArithEnv("arith-chat-2", 2, 2))

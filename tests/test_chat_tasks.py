@@ -98,6 +98,9 @@ def test_arith_chat_2_is_two_digit_sums_with_disjoint_splits():
     assert not {(s["a"], s["b"]) for s in train} & {(s["a"], s["b"]) for s in held}
     assert env.verify("47 + 38 = 85", {"a": 47, "b": 38, "answer": "85"}).success == 1.0
     assert env.verify("47 + 38 = 75", {"a": 47, "b": 38, "answer": "85"}).success == 0.0
+    mixed = [get_env("arith-chat-12").sample(random.Random(i)).spec for i in range(300)]
+    assert all(0 <= s["a"] <= 99 and 0 <= s["b"] <= 99 for s in mixed)
+    assert {len(str(s["a"])) for s in mixed} == {1, 2}
 
 
 def test_llvmlite_guard_lets_vllm_scan_module_attributes():
