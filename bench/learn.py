@@ -87,8 +87,8 @@ def plot(runs: list[dict], path: Path, k3_target: float | None) -> None:
         line, = ax.plot(vs, sm, label=f"run {i + 1}: train batch (4-version mean)")
         ax.plot([0, r["eval_version_final"] or vs[-1]], [r["v0"], r["final"]], "o--", color=line.get_color(),
                 label=f"run {i + 1}: held-out {r['v0']:.2f} → {r['final']:.2f}")
-        bx.plot([v for v, _ in r["k3_per_version"]], [k for _, k in r["k3_per_version"]], color=line.get_color(),
-                label=f"run {i + 1}")
+        k3 = r["k3_per_version"]
+        bx.plot([v for v, _ in k3], [k for _, k in k3], color=line.get_color(), label=f"run {i + 1}")
     if k3_target:
         bx.axhline(k3_target, color="grey", ls=":", label=f"max_k3 {k3_target}")
     ax.set(xlabel="policy version", ylabel="success", ylim=(0, 1), title="success")

@@ -34,7 +34,8 @@ def test_a_same_version_sample_replays_on_policy_at_the_published_point():
     for on in (True, False):
         model = tiny(0)
         model.load_state_dict(master.state_dict())
-        learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig(), published_point=on)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+        learner = Learner(model, sgd, LossConfig(), published_point=on)
         k3[on] = learner.step(batch)["k3_mean"]
     assert k3[True] < 1e-9                  # same weights, same numerics: exactly on-policy
     assert k3[False] > 1e3 * max(k3[True], 1e-12)      # on the master: a mismatch without any lag
@@ -48,9 +49,11 @@ def test_master_restored_bit_for_bit_and_the_gradient_is_the_published_ones():
     learner.step(batch)
     assert all(torch.equal(before[k], v) for k, v in master.state_dict().items())
     g_step = grads(master)
-    ref = Learner(published, torch.optim.SGD(published.parameters(), lr=0.0), LossConfig(), published_point=False)
+    sgd = torch.optim.SGD(published.parameters(), lr=0.0)
+    ref = Learner(published, sgd, LossConfig(), published_point=False)
     ref.step(batch)
-    torch.testing.assert_close(g_step, grads(published), rtol=0, atol=0)   # why equal: the same weights and ops
+    # why equal: the same weights, the same ops in the same order
+    torch.testing.assert_close(g_step, grads(published), rtol=0, atol=0)
 
 
 def test_the_update_goes_to_the_master():
