@@ -15,11 +15,11 @@ start_s                    engine start + first keyframe (includes the codec's w
 step_gap_ms_p50            median gap between two tokens of one request (includes the stalls:
                            the median is the decode step without updates)
 transport_delta / _layers  per transport:
-  first_apply_ms           the transport's first update, pause -> push -> resume (anything
+  first_apply_ms           the transport's first update, pause -> push (anything
   first_stall_ms / _steps  compiled or loaded on first use inside vLLM's worker shows here)
-  stall_ms_p50 / p99       later updates: last token before the update -> first token after
+  stall_ms_p50 / p99       later updates: a request's last token before the update -> its first after
   stall_steps_p50 / p99    stall / step_gap_ms_p50 (the stall in decode steps)
-  apply_ms_p50             later updates: pause -> push -> resume, as the client sees it
+  apply_ms_p50             later updates: pause -> push (vLLM paused), as the client sees it
 ratio_stall_p50            layers / delta (later updates)
 """
 from __future__ import annotations
@@ -96,12 +96,13 @@ async def run(a) -> dict:
     for i, d in enumerate(deltas):
         mode = ("delta", "layers")[i % 2]
         eng.delta_transport = mode
-        n_stall = len(eng.metrics.stall_ms)
+        n_up, n_stall = eng.metrics.updates, len(eng.metrics.stall_ms)
         await eng.apply_delta(d, epoch=1)
-        while len(eng.metrics.stall_ms) == n_stall:          # recorded at the first token after it
+        while eng.metrics.updates == n_up:          # at the first token after it (at once when none decoded)
             await asyncio.sleep(0.005)
-        res[mode]["stall"].append(eng.metrics.stall_ms[-1])
-        res[mode]["apply"].append(eng.metrics.apply_ms[-1])
+        if len(eng.metrics.stall_ms) > n_stall:     # no request decoding at the update: it stalled nothing
+            res[mode]["stall"].append(eng.metrics.stall_ms[-1])
+            res[mode]["apply"].append(eng.metrics.apply_ms[-1])
         await asyncio.sleep(a.between_s)
     stop.set()
     gap = pct(list(eng.metrics.step_ms), 50)

@@ -63,7 +63,7 @@ from . import vllm_parts
 from .engine import EngineClosed, EngineMetrics, Generation, WeightUpdateError, check_delta, check_prompt
 from .vllm_checkpoint import checkpoint_index, differs_from_checkpoint, write_hf_dir
 from .vllm_extension import BACKEND, EXTENSION, layer_groups, layer_key, pack_tensor
-from .vllm_requests import KeptSequences, RequestState, token_versions
+from .vllm_requests import KeptSequences, RequestState, StreamMetrics, token_versions
 
 log = get_logger(__name__)
 
@@ -120,8 +120,7 @@ class VLLMEngine:
         self.in_place = False                 # the worker applies deltas to device tensors in place
         self.worker_warm_s = 0.0              # the codec's warm-up inside vLLM's worker, at start
         self.last_sent_bytes = 0              # payload of the last push over vLLM's RPC
-        self._stall_from: tuple[float, float] | None = None   # (apply_s, last token before it)
-        self._last_out: float | None = None
+        self._stream = StreamMetrics(self.metrics)   # busy time, update stall: measured as on torch
         self._closed = False
         self.last_cached_tokens = 0           # prefix-cache hits of the last request (tests, stats)
 
@@ -273,7 +272,7 @@ class VLLMEngine:
         try:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=salt), vsp,
                                                request_id=rid):
-                self._on_output(req, out.outputs[0], sampling)
+                self._on_output(rid, req, out.outputs[0], sampling)
                 final = out.outputs[0]
                 self.last_cached_tokens = out.num_cached_tokens or 0
                 if req.stop_at is not None and final.finish_reason is None and not aborted:
@@ -285,6 +284,7 @@ class VLLMEngine:
             raise
         finally:
             self._reqs.pop(rid, None)
+            self._stream.left(rid, len(self._reqs))
         if final is None or final.finish_reason is None or self._closed or \
                 (final.finish_reason == "abort" and req.stop_at is None):
             raise EngineClosed(f"vLLM request {rid} ended without finishing ({getattr(final, 'finish_reason', None)})")
@@ -300,25 +300,14 @@ class VLLMEngine:
                           sampling_mask=req.mask().to_wire(), finish_reason=finish,
                           wall_s=time.perf_counter() - t0, epoch=epoch, quant=policy.QuantConfig().to_wire())
 
-    def _on_output(self, req: RequestState, c, sp: SamplingParams) -> None:
+    def _on_output(self, rid: str, req: RequestState, c, sp: SamplingParams) -> None:
         """One streamed step of one request: its new token(s), logprobs, kept sets; step metrics."""
         now = time.perf_counter()
         new = list(c.token_ids)
         if not new:
             return
         req.add(new, c.logprobs, sp.temperature == 0, sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1))
-        if req.last_t:
-            self.metrics.step_ms.append((now - req.last_t) * 1e3)
-        req.last_t = now
-        self.metrics.tokens += len(new)
-        if self._last_out is not None:
-            self.metrics.busy_s += now - self._last_out
-        self.metrics.occupancy.append(len(self._reqs) / self.slots)
-        if self._stall_from is not None:       # first token after an update: the stall it caused
-            apply_s, before = self._stall_from
-            self.metrics.update(apply_s, now - before)
-            self._stall_from = None
-        self._last_out = now
+        self._stream.output(rid, req, len(new), len(self._reqs), now)
 
     # -- weights -------------------------------------------------------------------------
     def _hf(self, name: str) -> str:
@@ -457,8 +446,8 @@ class VLLMEngine:
             chunks = [{"tensors": c} for c in chunks]
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
         t0 = time.perf_counter()
-        in_flight = bool(self._reqs)
-        last_out = self._last_out
+        decoding = sum(1 for r in self._reqs.values() if r.last_t)   # requests with tokens at the pause
+        last_out = self._stream.last_out
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         t1 = time.perf_counter()
         try:
@@ -476,19 +465,17 @@ class VLLMEngine:
                                         f"keyframe loads): {e}") from e
             raise
         t2 = time.perf_counter()
+        apply_s = t2 - t0                           # the paused apply: pause + load
+        # the stall starts before resume: a token streamed while resume is awaited comes after the
+        # update (recorded with the stall at the next token of a request decoding now)
+        self._stream.loaded(self._reqs, apply_s, t2)
         await self.llm.resume_generation()
         self._ready.set()
-        apply_s = time.perf_counter() - t0
-        if in_flight and last_out is not None:      # recorded with the stall at the next token
-            if self._stall_from is not None:        # two updates before one token: count both
-                self.metrics.update(self._stall_from[0], None)
-                last_out = self._stall_from[1]
-            self._stall_from = (apply_s, last_out)
-        else:
-            self.metrics.update(apply_s, None)
         sent = sum(vllm_parts.payload_bytes(c) for c in chunks)
         self.last_sent_bytes = sent
         log.info("weights updated", version=version, epoch=epoch, layers=len(touched),
                  transport=next((k for k in ("delta", "parts") if chunks and k in chunks[0]), "tensors"),
                  sent_mb=round(sent / 2**20, 2), apply_ms=round(apply_s * 1e3, 1),
-                 pause_ms=round((t1 - t0) * 1e3, 1), load_ms=round((t2 - t1) * 1e3, 1))
+                 pause_ms=round((t1 - t0) * 1e3, 1), load_ms=round((t2 - t1) * 1e3, 1),
+                 resume_ms=round((time.perf_counter() - t2) * 1e3, 1), decoding=decoding,
+                 before_ms=None if last_out is None else round((t0 - last_out) * 1e3, 1))

@@ -16,6 +16,10 @@ own cache salt, so its blocks serve only its own continuations (like the torch e
 KV computed under the weights of its time) and a fresh prompt never picks up KV computed under
 other weights. Blocks that vLLM evicted under memory pressure are recomputed under the current
 weights; the behaviour logprobs are vLLM's own either way, so the trainer's IS ratio stays exact.
+
+`StreamMetrics` turns the streamed outputs into the engine's step metrics the way the torch engine
+measures them (busy time, update stall); it needs no vLLM, so its bookkeeping is tested in the
+default suite (tests/test_vllm_stall_measure.py).
 """
 from __future__ import annotations
 
@@ -26,7 +30,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import policy
+from bus.log import get_logger
 from policy.sampling import FULL
+
+from .engine import EngineMetrics
+
+log = get_logger(__name__)
 
 
 def find_stop(tokens: list[int], start: int, stop_seqs: tuple[tuple[int, ...], ...]) -> int | None:
@@ -82,6 +91,59 @@ class RequestState:
         counts = [FULL if k is None else len(k) for k in self.kept]
         ids = [k for k in self.kept if k is not None]
         return policy.SamplingMask(counts, np.concatenate(ids) if ids else np.zeros(0, np.int32))
+
+
+class StreamMetrics:
+    """EngineMetrics from vLLM's streamed outputs, measured as the torch engine measures them.
+
+    busy_s: time between two outputs while a request is in flight; an idle engine, or one paused
+    for an update, is not busy. Update stall: per request, the gap between its last token before the
+    update and its first token after it, for the requests that had streamed a token when the update
+    loaded (one still prefilling, or submitted after the update, was decoding nothing); the first of
+    them to stream again closes it. An update with none of them records its apply with no stall."""
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self.metrics = metrics
+        self.last_out: float | None = None    # last output of any request; None while idle
+        self.stall: tuple[float, set[str]] | None = None   # (apply_s, requests decoding at the update)
+
+    def output(self, rid: str, req: RequestState, n: int, active: int, now: float) -> None:
+        """`n` new tokens of request `rid` streamed at `now`, `active` requests in flight."""
+        m = self.metrics
+        if req.last_t:
+            m.step_ms.append((now - req.last_t) * 1e3)
+        m.tokens += n
+        if self.last_out is not None:
+            m.busy_s += now - self.last_out
+        m.occupancy.append(active / m.slots)
+        if self.stall is not None and rid in self.stall[1]:    # its first token after the update
+            stall_s = now - req.last_t
+            m.update(self.stall[0], stall_s)
+            log.info("update stall closed", stall_ms=round(stall_s * 1e3, 1), closed_by=rid)
+            self.stall = None
+        req.last_t = self.last_out = now
+
+    def left(self, rid: str, active: int) -> None:
+        """Request `rid` is gone (finished, failed or cancelled); `active` are still in flight."""
+        if not active:
+            self.last_out = None              # idle from here on: not busy time
+        if self.stall is not None:
+            self.stall[1].discard(rid)
+            if not self.stall[1]:             # all of them ended with no token after the update
+                self.metrics.update(self.stall[0], None)
+                self.stall = None
+
+    def loaded(self, reqs: dict[str, RequestState], apply_s: float, now: float) -> None:
+        """An update finished loading at `now`, vLLM still paused: every output from here on comes
+        after it (also one streamed while resume_generation is awaited)."""
+        if self.stall is not None:            # two updates before one token: count both, one stall
+            self.metrics.update(self.stall[0], None)
+        decoding = {rid for rid, r in reqs.items() if r.last_t}
+        self.stall = (apply_s, decoding) if decoding else None
+        if not decoding:
+            self.metrics.update(apply_s, None)
+        if self.last_out is not None:
+            self.last_out = now               # the paused apply is not busy time (torch: decode steps only)
 
 
 def token_versions(spans, n: int) -> tuple[list[int], int]:
