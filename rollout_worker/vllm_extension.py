@@ -108,6 +108,7 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
         self.warm_s = warm_codec()
         self.to_hf = dict(to_hf)
         self.fail_after: int | None = None
+        self.timing: dict[str, float] = {}    # the last update's phases (asyncrl_last_update)
         self.shadow: dict[str, torch.Tensor] = {}
         self._views: dict[str, torch.Tensor] | None = None
         self.in_place = self.device.type == "cuda" and self.parallel_config.world_size == 1
@@ -164,6 +165,7 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
             torch.accelerator.synchronize()
 
     def receive_weights(self, info: DeltaUpdateInfo) -> None:
+        self.timing = {}
         if info.delta is not None:
             self._apply_delta(info.delta)
             return
@@ -183,6 +185,7 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
 
     def _apply_delta(self, blob: bytes) -> None:
         import delta_codec
+        t0 = time.perf_counter()
         d = delta_codec.Delta.from_bytes(blob)
         changed = [n for n, st in d.stats.per_tensor.items() if st["changed"]]
         if self.in_place:
@@ -197,6 +200,7 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
         if absent:
             raise ValueError(f"delta tensors not in the vLLM model's checkpoint: {absent[:5]}")
         delta_codec.apply_delta({n: self.shadow[self._hf(n)] for n in d.names}, d)   # all-or-nothing
+        self.timing = {"decode_ms": (time.perf_counter() - t0) * 1e3}
         self._reload_changed(changed)
 
     def _apply_parts(self, manifest: bytes | None, parts: list) -> None:
@@ -219,29 +223,49 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
         self._reload(modules, {h: self.shadow[h] for h in members})
 
     def _reload(self, modules: list[tuple[torch.nn.Module, list[str]]], weights: dict[str, torch.Tensor]) -> None:
-        """Layerwise reload, one module at a time (a failure leaves whole modules, old or new)."""
+        """Layerwise reload of the touched modules in one pass of the model's loader: all of them
+        initialised, their tensors loaded by one `load_weights` call (vLLM processes each module as
+        its last tensor arrives), then finalised. One call, not one per module: the loader's set-up
+        walks the whole model on every call. A failure leaves vLLM paused until a keyframe push,
+        which reloads every module (vllm_engine)."""
+        if self.fail_after is not None:          # test hook: fail part-way, after whole modules
+            k, self.fail_after = self.fail_after, None
+            if k < len(modules):
+                self._reload_all(modules[:k], weights)
+                raise InjectedFailure(f"test hook: push failed after {k} of {len(modules)} modules")
+        self._reload_all(modules, weights)
+
+    def _reload_all(self, modules: list[tuple[torch.nn.Module, list[str]]], weights: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                              initialize_layerwise_reload)
-        for i, (mod, names) in enumerate(modules):
-            if self.fail_after is not None and i >= self.fail_after:
-                self.fail_after = None
-                raise InjectedFailure(f"test hook: push failed after {i} of {len(modules)} modules")
-            sharers = self._sharers(mod)
+        t0 = time.perf_counter()
+        sharers = self._sharers([mod for mod, _ in modules])
+        for mod, _ in modules:
             initialize_layerwise_reload(mod)
-            # no copies: the loaders copy into the (re-materialised) parameters; and even a loader
-            # that kept a reference would only see the copy change inside a later push (vLLM
-            # paused), which reloads that module anyway or fails and waits for a keyframe
-            self.model.load_weights((n, weights[n]) for n in names)
+        t1 = time.perf_counter()
+        # no copies: the loaders copy into the (re-materialised) parameters; and even a loader
+        # that kept a reference would only see the copy change inside a later push (vLLM
+        # paused), which reloads that module anyway or fails and waits for a keyframe
+        self.model.load_weights((n, weights[n]) for _, names in modules for n in names)
+        t2 = time.perf_counter()
+        for mod, _ in modules:
             finalize_layerwise_reload(mod, self.model_config)
-            self._retie(mod, sharers)
+            self._retie(mod, sharers[id(mod)])
+        t3 = time.perf_counter()
+        self.timing.update(init_ms=(t1 - t0) * 1e3, load_ms=(t2 - t1) * 1e3, finalize_ms=(t3 - t2) * 1e3,
+                           reload_ms=(t3 - t0) * 1e3, modules=len(modules))
 
-    def _sharers(self, mod: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
-        """(other module, its attribute, mod's parameter name) for parameters other modules hold
-        too: tied heads (lm_head.weight is embed_tokens.weight). Reload gives mod new parameter
-        objects, which the other module would not see."""
-        own = {id(p): pn for pn, p in mod.named_parameters(recurse=False)}
-        return [(m, n, own[id(p)]) for m in self.model.modules() if m is not mod
-                for n, p in m.named_parameters(recurse=False) if id(p) in own]
+    def _sharers(self, mods: list[torch.nn.Module]) -> dict[int, list[tuple[torch.nn.Module, str, str]]]:
+        """Per module (by id): (other module, its attribute, the module's parameter name) for the
+        parameters other modules hold too: tied heads (lm_head.weight is embed_tokens.weight).
+        Reload gives a module new parameter objects, which the other module would not see. One
+        walk of the model for all of them."""
+        holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+        for m in self.model.modules():
+            for n, p in m.named_parameters(recurse=False):
+                holders.setdefault(id(p), []).append((m, n))
+        return {id(mod): [(m, n, pn) for pn, p in mod.named_parameters(recurse=False)
+                          for m, n in holders.get(id(p), []) if m is not mod] for mod in mods}
 
     @staticmethod
     def _retie(mod: torch.nn.Module, sharers) -> None:
@@ -353,6 +377,12 @@ class DeltaWorkerExtension:
             return h.hexdigest()
         eng = self.weight_transfer_engine
         return {"shadow": digest(eng.shadow.items()), "params": digest(self.model_runner.get_model().named_parameters())}
+
+    def asyncrl_last_update(self) -> dict:
+        """The last update's phases inside this process (ms): decode_ms (container decoded and
+        applied to the bf16 copy, digests checked), reload_ms (the touched modules reloaded:
+        init_ms + load_ms + finalize_ms; the kernels' re-packing is in load_ms), modules."""
+        return dict(self.weight_transfer_engine.timing)
 
     def asyncrl_fail_next_push(self, after_modules: int) -> None:
         """Test hook: the next push fails after reloading `after_modules` modules."""
