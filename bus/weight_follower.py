@@ -15,11 +15,11 @@ from delta_codec.errors import NonFiniteError
 from delta_codec.sharded import apply_parts
 from nats.js.errors import NotFoundError
 
-from . import events, metrics
-from . import topology as topo
-from .log import get_logger
-from .weight_manifest import step_manifest
-from .weights import CODEC, WEIGHTS_SUBJECTS, Refused, is_replay, signed_fields
+from bus import events, metrics
+from bus import topology as topo
+from bus.log import get_logger
+from bus.weight_manifest import step_manifest
+from bus.weights import CODEC, WEIGHTS_SUBJECTS, Refused, is_replay, signed_fields
 
 log = get_logger(__name__)
 

@@ -32,13 +32,13 @@ from delta_codec import DeltaError
 from delta_codec.errors import NonFiniteError
 from delta_codec.sharded import Manifest, check_part, make_manifest
 
-from . import events, metrics
-from . import topology as topo
-from .log import get_logger
-from .weights import CODEC, Refused, WeightPublisher, _config_dict, is_replay, signed_fields
+from bus import events, metrics
+from bus import topology as topo
+from bus.log import get_logger
+from bus.weights import CODEC, Refused, WeightPublisher, _config_dict, is_replay, signed_fields
 
 if TYPE_CHECKING:
-    from .weight_follower import WeightFollower
+    from bus.weight_follower import WeightFollower
 
 log = get_logger(__name__)
 

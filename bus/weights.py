@@ -40,10 +40,10 @@ import delta_codec
 from delta_codec import signing
 from nats.js.errors import APIError
 
-from . import events, metrics
-from . import topology as topo
-from .errors import PublishError
-from .log import get_logger
+from bus import events, metrics
+from bus import topology as topo
+from bus.errors import PublishError
+from bus.log import get_logger
 
 log = get_logger(__name__)
 
