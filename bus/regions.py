@@ -52,7 +52,7 @@ class WeightSource:
         region: read them through the hub's KV like every other client."""
         return await self.bus.kv_entry(key)
 
-    async def _blobs(self):
+    async def blob_store(self):
         # never provisions: a region's mirrors are declared by its operator (provision_mirrors)
         if self._obs is None:
             try:
