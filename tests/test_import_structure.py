@@ -41,7 +41,7 @@ DEFAULT_STYLE = "relative"
 # imports that close a known circle, being removed in another branch: drop an entry once that is merged
 ALLOWED_CIRCLE_EDGES = {
     # issue #34's episode-runner change (rollout_worker/episodes.py and worker.py are untangled there):
-    # episodes.py's lazy imports of the worker and of the runners that subclass its EpisodeRunner
+    # episodes.py's lazy imports of the worker and of the runners (harness, external), which lead back to it
     ("rollout_worker.episodes", "rollout_worker.worker"),
     ("rollout_worker.episodes", "rollout_worker.external"),
     ("rollout_worker.episodes", "rollout_worker.harness"),
@@ -121,7 +121,7 @@ def scan(mods: dict[str, tuple[str, bool]]) -> Report:
                         aliases[top] = top
             elif isinstance(node, ast.ImportFrom):
                 base = _resolve_from(node, module, is_pkg)
-                if base.split(".")[0] not in PACKAGES and base not in mods:
+                if _longest_known(base, mods) is None:      # another library's module
                     continue
                 for a in node.names:
                     sub = f"{base}.{a.name}"
@@ -130,8 +130,7 @@ def scan(mods: dict[str, tuple[str, bool]]) -> Report:
                         imports.append(Import(module, target, node.lineno, relative=node.level > 0))
                     if sub in mods:
                         aliases[a.asname or a.name] = sub
-                        own_pkg = sub.rsplit(".", 1)[0] == module.rsplit(".", 1)[0] or sub.rsplit(
-                            ".", 1)[0] == module
+                        own_pkg = base in (module, module.rsplit(".", 1)[0])   # its package or __init__
                         if _is_private(a.name) and not own_pkg:
                             private.append(f"{module}:{node.lineno} imports private module {sub}")
                     elif _is_private(a.name) and base != module:
@@ -217,8 +216,9 @@ def style(imports: list[Import]) -> list[str]:
             continue
         want = STYLE.get(pkg, DEFAULT_STYLE)
         if imp.relative != (want == "relative"):
-            bad.add(f"{imp.source}:{imp.line} imports {imp.target} {'relatively' if imp.relative else 'absolutely'}"
-                    f" ({pkg} imports {want}ly within itself)")
+            how = "relatively" if imp.relative else "absolutely"
+            bad.add(f"{imp.source}:{imp.line} imports {imp.target} {how} "
+                    f"({pkg} imports {want}ly within itself)")
     return sorted(bad)
 
 
