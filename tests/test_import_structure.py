@@ -23,6 +23,7 @@ ALLOWED_CIRCLE_EDGES lists the imports that close a known circle being untangled
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,11 +230,14 @@ def _explain(comp: frozenset[str], graph: dict[str, set[str]]) -> str:
 
 # -- the tree ---------------------------------------------------------------------------------------
 
-_REPORT = scan(discover(ROOT))
+@functools.cache
+def _report() -> Report:
+    # scanned on first use, not at collection: every xdist worker collects this file
+    return scan(discover(ROOT))
 
 
 def test_no_import_circles():
-    graph = _REPORT.graph()
+    graph = _report().graph()
     for a, b in ALLOWED_CIRCLE_EDGES:
         graph.get(a, set()).discard(b)
     found = circles(graph)
@@ -242,7 +246,7 @@ def test_no_import_circles():
 
 def test_allowed_circle_edges_still_close_a_circle():
     # a stale allow-list entry would let a circle come back through it unnoticed
-    graph = _REPORT.graph()
+    graph = _report().graph()
     comps = circles(graph)
     stale = sorted(e for e in ALLOWED_CIRCLE_EDGES
                    if e[1] not in graph.get(e[0], ()) or not any(set(e) <= c for c in comps))
@@ -250,16 +254,16 @@ def test_allowed_circle_edges_still_close_a_circle():
 
 
 def test_no_private_names_across_modules():
-    assert not _REPORT.private, "private names used across modules:\n" + "\n".join(_REPORT.private)
+    assert not _report().private, "private names used across modules:\n" + "\n".join(_report().private)
 
 
 def test_layering():
-    bad = layering(_REPORT.imports)
+    bad = layering(_report().imports)
     assert not bad, "layering violations:\n" + "\n".join(bad)
 
 
 def test_one_import_style_per_package():
-    bad = style(_REPORT.imports)
+    bad = style(_report().imports)
     assert not bad, "imports against their package's style:\n" + "\n".join(bad)
 
 
