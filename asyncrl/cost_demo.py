@@ -32,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .report import read_trainer_metrics
+from asyncrl.report import read_trainer_metrics
 
 
 def up(config: str, run_dir: Path, extra: list[str]) -> None:

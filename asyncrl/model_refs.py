@@ -5,7 +5,7 @@ see plain paths: `init_checkpoint = "model:smollm2"` -> the HF folder, `tokenize
 -> the folder (its tokenizer.json), a worker's `model = "model:smollm2"` (vLLM) -> the folder."""
 from __future__ import annotations
 
-from .model import is_prepared, model_dir
+from asyncrl.model import is_prepared, model_dir
 
 PREFIX = "model:"
 KEYS = {"init_checkpoint": "", "model": "", "tokenizer": ""}

@@ -58,7 +58,8 @@ from pathlib import Path
 import numpy as np
 
 from asyncrl.report import read_jsonl
-from bench.stats import pct
+
+from .stats import pct
 
 bench_async = importlib.import_module("bench.async")      # `async` is a keyword: no plain import
 

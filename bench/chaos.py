@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.chaoskit.registry import SCENARIOS
+from .chaoskit.registry import SCENARIOS
 
 
 async def run_one(name: str, run_dir: Path, tasks: int | None, timeout_s: float) -> list[dict]:

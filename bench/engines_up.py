@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 
 from asyncrl.report import read_jsonl
-from bench.agentic import with_overrides
+
+from .agentic import with_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = ("tokens_per_busy_s", "decode_step_ms_p50", "update_stall_ms_p50", "update_stall_ms_p99")

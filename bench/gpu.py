@@ -164,7 +164,7 @@ def time_it(fn, dev: torch.device, reps: int) -> float:
 
 
 def apply_section(args, base: dict, upd: dict, dev: torch.device) -> dict:
-    from delta_codec.triton_apply import _use_triton, apply_sparse
+    from delta_codec.triton_apply import use_triton, apply_sparse
     n = sum(t.numel() for t in base.values())
     g = torch.Generator().manual_seed(args.seed)
     flat = torch.cat([t.reshape(-1) for t in base.values()]).view(torch.int16)
@@ -183,7 +183,7 @@ def apply_section(args, base: dict, upd: dict, dev: torch.device) -> dict:
         touched = k * (8 + 2 + 2 + 2 + 2)
         s = time_it(lambda: apply_sparse(bits, di, dd, False), dev, args.reps)
         row = {"changed_frac": frac, "changed": k, "bytes_touched": touched, "s": s, "gb_s": touched / s / 1e9,
-               "bit_exact": exact, "path": "triton" if _use_triton(bits) else "torch"}
+               "bit_exact": exact, "path": "triton" if use_triton(bits) else "torch"}
         if dev.type == "cuda":
             row["frac_of_roofline"] = row["gb_s"] / args.hbm_gb_s
         kernels.append(row)

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 from asyncrl.report import read_trainer_metrics
-from bench.agentic import with_overrides
+
+from .agentic import with_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 

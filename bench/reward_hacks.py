@@ -23,10 +23,11 @@ import sys
 import tempfile
 import time
 
-from bench import tiny_package
 from envs.episode import Episode, EpisodeLimits, EpisodeTask
 from envs.oracle import fix_block
 from envs.sandbox import BashLimits
+
+from . import tiny_package
 
 LIMITS = EpisodeLimits(command=BashLimits(wall_s=30.0, cpu_s=30), score_wall_s=90.0)
 

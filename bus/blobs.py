@@ -23,7 +23,7 @@ CHUNK = 512 * 1024        # under the server's default 1 MiB max_payload, big en
 
 
 async def put_blob(bus, name: str, data) -> str:
-    obs = await bus._blobs()
+    obs = await bus.blob_store()
     meta = api.ObjectMeta(name=name, options=api.ObjectMetaOptions(max_chunk_size=CHUNK))
     # the store hashes the chunks as it sends them (SHA-256): one pass, no second hash here
     info = await obs.put(name, io.BytesIO(data) if not isinstance(data, io.IOBase) else data, meta=meta)
@@ -56,7 +56,7 @@ async def get_blob(bus, name: str, timeout_s: float = 120.0, wait_s: float = 0.0
     """Stream the chunks through a flow-controlled push consumer straight into one buffer.
     The consumer is bound by stream name (`topo.BLOB_STREAM`), never looked up by subject, so this
     also reads a mirror of the bucket's stream (which has no subjects of its own)."""
-    obs = await bus._blobs()
+    obs = await bus.blob_store()
     info = await _info_when_there(obs, name, wait_s)
     if info.size == 0:
         return b""

@@ -204,7 +204,7 @@ class Bus:
     # -- consuming -------------------------------------------------------------------------
     async def pull(self, stream: str, durable: str) -> ResilientPull:
         sub = ResilientPull(self, stream, durable)
-        await sub._bind()
+        await sub.bind()
         return sub
 
     async def dlq(self, msg: Msg, reason: str, stream: str | None = None) -> api.PubAck:
@@ -301,7 +301,8 @@ class Bus:
                     pass
 
     # -- blobs (object store rl-blobs) ------------------------------------------------------
-    async def _blobs(self):
+    async def blob_store(self):
+        """The object store (created on first use); bus/blobs.py moves blobs through it."""
         if self._obs is None:
             try:
                 self._obs = await self.js.object_store(topo.BLOB_BUCKET)
@@ -320,7 +321,7 @@ class Bus:
 
     async def delete_blob(self, name: str) -> None:
         try:
-            await (await self._blobs()).delete(name)
+            await (await self.blob_store()).delete(name)
         except jse.NotFoundError:
             pass
 

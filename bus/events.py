@@ -29,9 +29,9 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-from .errors import EventError
-from .validation import (INT64, MAX_ID, MAX_REWARD, MAX_VERSION, MAX_WALL_S, MIN_LOGPROB, check_float,
-                         check_int, float_array, int_array, list_type_problem)
+from bus.errors import EventError
+from bus.validation import (INT64, MAX_ID, MAX_REWARD, MAX_VERSION, MAX_WALL_S, MIN_LOGPROB, check_float,
+                            check_int, float_array, int_array, list_type_problem)
 
 SCHEMA = 1
 ROLLOUT_SCHEMA = 2            # Rollout only: 2 added multi-turn episodes (loss mask, turns, tool calls)

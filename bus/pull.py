@@ -5,19 +5,27 @@ import asyncio
 import collections
 import json
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import nats.js.errors as jse
 from nats.aio.msg import Msg
 from nats.js import api
 
 from bus import topology as topo
+from bus.config import BusConfig
 from bus.log import get_logger
 
-if TYPE_CHECKING:
-    from bus.client import Bus
-
 log = get_logger("bus")
+
+
+class PullBus(Protocol):
+    """What a pull needs of its connection (bus.client.Bus, which imports this module: no import back)."""
+    cfg: BusConfig
+    nc: Any
+    js: Any
+
+    async def provision(self) -> Any: ...
+
 
 class ResilientPull:
     """A pull subscription on a durable consumer that survives reconnects and server restarts.
@@ -28,7 +36,7 @@ class ResilientPull:
     Status replies (404 no messages, 408 expired, 409) end a request; a timeout returns [].
     """
 
-    def __init__(self, bus: "Bus", stream: str, durable: str):
+    def __init__(self, bus: PullBus, stream: str, durable: str):
         self.bus, self.stream, self.durable = bus, stream, durable
         self._sub = None
         self._inbox = ""
@@ -53,7 +61,8 @@ class ResilientPull:
             self._buf.append(msg)
         self._wake.set()
 
-    async def _bind(self):
+    async def bind(self):
+        """(Re)subscribe the inbox; the consumer is reprovisioned when the server lost it."""
         try:
             await self.bus.js.consumer_info(self.stream, self.durable)
         except jse.NotFoundError:
@@ -102,7 +111,7 @@ class ResilientPull:
     async def _fetch(self, batch: int, timeout: float) -> list[Msg]:
         try:
             if self._sub is None:
-                await self._bind()
+                await self.bind()
             got = self._take(batch)
             if not got:
                 got = await self._request(batch, timeout, no_wait=True)

@@ -22,8 +22,8 @@ from __future__ import annotations
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from . import topology as topo
-from .log import get_logger
+from bus import topology as topo
+from bus.log import get_logger
 
 log = get_logger(__name__)
 
@@ -52,7 +52,7 @@ class WeightSource:
         region: read them through the hub's KV like every other client."""
         return await self.bus.kv_entry(key)
 
-    async def _blobs(self):
+    async def blob_store(self):
         # never provisions: a region's mirrors are declared by its operator (provision_mirrors)
         if self._obs is None:
             try:
@@ -89,7 +89,7 @@ def weight_source(bus, **kw):
 def weight_follower(bus, **feed_kw):
     """The WeightFollower a process should follow: its region's mirrors when its BusConfig names
     one (`weights_domain`), else the Bus. One call, so processes need no region logic."""
-    from .weight_follower import WeightFollower
+    from bus.weight_follower import WeightFollower
     return WeightFollower(weight_source(bus), **feed_kw)
 
 
@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     import asyncio
     import json
 
-    from .client import connect
-    from .config import BusConfig, load_config
+    from bus.client import connect
+    from bus.config import BusConfig, load_config
 
     bus_cfg = load_config(BusConfig, env_prefix="ASYNCRL_BUS__")     # both checked before connecting
     mirror_cfg = load_config(topo.MirrorConfig, env_prefix="ASYNCRL_MIRROR__")

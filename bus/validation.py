@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from .errors import EventError
+from bus.errors import EventError
 
 INT64 = 1 << 63               # every int must fit int64: |v| < 2**63 (msgpack also carries uint64)
 MAX_ID = 1 << 31              # token ids: [0, 2**31); the consumer that knows the vocabulary checks it

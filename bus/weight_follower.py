@@ -15,11 +15,11 @@ from delta_codec.errors import NonFiniteError
 from delta_codec.sharded import apply_parts
 from nats.js.errors import NotFoundError
 
-from . import events, metrics
-from . import topology as topo
-from .log import get_logger
-from .weight_manifest import step_manifest
-from .weights import CODEC, WEIGHTS_SUBJECTS, Refused, is_replay, signed_fields
+from bus import events, metrics
+from bus import topology as topo
+from bus.log import get_logger
+from bus.weight_manifest import apply_manifest, read_manifest
+from bus.weights import CODEC, WEIGHTS_SUBJECTS, Refused, is_replay, signed_fields
 
 log = get_logger(__name__)
 
@@ -277,7 +277,7 @@ class WeightFollower:
                 metrics.applied("keyframe", raw)
             return
         if isinstance(ev, events.ManifestEvent):          # a version published from shards
-            return await step_manifest(self, target, ev, raw)
+            return await self._step_manifest(target, ev, raw)
         if not isinstance(ev, events.DeltaEvent):
             raise Refused("malformed", f"unexpected {ev.KIND} on WEIGHTS", resync=False)
         if is_replay(ev, target):
@@ -302,6 +302,19 @@ class WeightFollower:
                           resync=True) from None
         self.applied["delta"] += 1
         metrics.applied("delta", raw)
+
+    async def _step_manifest(self, target: WeightTarget, ev: events.ManifestEvent, raw) -> None:
+        """A version published from shards (bus/weight_manifest.py): a delta's checks, then its parts."""
+        if is_replay(ev, target):
+            self.applied["replay"] += 1
+            return
+        m = read_manifest(ev, await self._payload(ev))     # codec, size, signature over the manifest bytes
+        self._check_signed(ev, m)
+        if ev.epoch > target.epoch:
+            await self._check_epoch(ev)
+        await apply_manifest(self.bus, target, ev, m)
+        self.applied["manifest"] += 1
+        metrics.applied("manifest", raw)
 
     async def follow(self, target: WeightTarget, stop: asyncio.Event, start: KeyframeUpdate | None = None,
                      resume: bool = False, on_update=None) -> None:

@@ -38,12 +38,13 @@ from typing import Any
 
 import delta_codec
 from delta_codec import signing
+from delta_codec.sharded import Manifest
 from nats.js.errors import APIError
 
-from . import events, metrics
-from . import topology as topo
-from .errors import PublishError
-from .log import get_logger
+from bus import events, metrics
+from bus import topology as topo
+from bus.errors import PublishError
+from bus.log import get_logger
 
 log = get_logger(__name__)
 
@@ -63,7 +64,7 @@ def parse_version(raw: bytes | None) -> int:
         return -1
 
 
-def _config_dict(model_config: Any) -> dict:
+def config_dict(model_config: Any) -> dict:
     return model_config.to_dict() if hasattr(model_config, "to_dict") else dict(model_config)
 
 
@@ -146,7 +147,7 @@ class WeightPublisher:
 
     async def publish_keyframe(self, state, version: int, model_config, *, set_version: bool = True) -> events.KeyframeEvent:
         kf = delta_codec.make_keyframe(state, version=version)
-        config = _config_dict(model_config)
+        config = config_dict(model_config)
         kf.extra = signed_fields(self.epoch, self.trainer_id, config)
         payload = kf.to_bytes()
         inline, blob = await self._place(f"keyframe-e{self.epoch}-v{version}", payload)
@@ -180,6 +181,28 @@ class WeightPublisher:
             await self.set_version(delta.to_version)
         log.debug("delta published", to_version=delta.to_version, epoch=epoch, bytes=len(payload),
                   inline=blob == "", changed_frac=round(changed_frac, 5))
+        return ev
+
+    async def publish_manifest(self, manifest: Manifest, model_config: dict, *, changed_frac: float = 0.0,
+                               set_version: bool = True) -> events.ManifestEvent:
+        """A version published from shards: its manifest, whose parts are already in the object store
+        (bus/weight_manifest.py), signed and written like a delta."""
+        from_version, to_version = manifest.from_version, manifest.to_version
+        payload = manifest.to_bytes()           # signed as a whole by the event's signature, like a delta
+        inline, blob = await self._place(f"manifest-e{self.epoch}-v{to_version}", payload)
+        part_bytes = sum(p["nbytes"] for p in manifest.parts)
+        ev = events.ManifestEvent(from_version=int(from_version), to_version=int(to_version),
+                                  epoch=self.epoch, codec=CODEC, size=len(payload),
+                                  signature=self._sign(payload), payload=inline, blob=blob,
+                                  trainer_id=self.trainer_id, parts=len(manifest.parts),
+                                  part_bytes=part_bytes,
+                                  model_config=model_config, changed_frac=float(changed_frac))
+        await self._write(topo.MANIFEST_SUBJECT, ev)
+        metrics.published("manifest", len(payload) + part_bytes, int(to_version))
+        if set_version:
+            await self.set_version(to_version)
+        log.debug("sharded version published", to_version=to_version, epoch=self.epoch,
+                  parts=len(manifest.parts), bytes=part_bytes)
         return ev
 
     async def set_version(self, v: int) -> int:

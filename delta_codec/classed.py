@@ -12,7 +12,7 @@ from . import context_jit as ctx_jit
 from .compress import zc_blocks, zd
 from .errors import DeltaError
 from .modes import BITMAP_FROM, CLASSED, GROUP_BELOW, GROUPED
-from .positions import _ESC, check_gap_header, gap_streams, gaps_from, gaps_of, low_len, rice_parameter
+from .positions import ESC, check_gap_header, gap_streams, gaps_from, gaps_of, low_len, rice_parameter
 from .values import encode_values, value_order
 
 
@@ -118,7 +118,7 @@ def _decode_classes(entries, raw, count: int, what: str) -> list:
         else:
             q8 = np.frombuffer(take(mk, w), np.uint8)
             low = take(low_len(k, mk), w)
-            over = take(8 * int(np.count_nonzero(q8 == _ESC)), w)
+            over = take(8 * int(np.count_nonzero(q8 == ESC)), w)
             out.append((gaps_from(k, q8, low, over, mk, count, w), None))
     if off != len(mv):
         raise DeltaError(f"{what}: {len(mv) - off} bytes beyond the class streams")

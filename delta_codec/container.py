@@ -79,7 +79,7 @@ def with_extra(meta: dict, extra: dict) -> dict:
     return dict(meta, extra=extra) if extra else meta
 
 
-def _head(kind: int, meta: dict, recs: list[TensorRecord], signed: bool) -> bytes:
+def blob_head(kind: int, meta: dict, recs: list[TensorRecord], signed: bool) -> bytes:
     """Prefix, header and the header's checksum: everything before the records. meta: the
     caller's fields; a delta's also holds `base` and `new` (its state digests, 16 bytes each)."""
     meta = dict(meta, codec=CODEC, tensors=[[r.name, r.dtype, list(r.shape)] for r in recs],
@@ -91,12 +91,13 @@ def _head(kind: int, meta: dict, recs: list[TensorRecord], signed: bool) -> byte
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
 
 
-def _pack(kind: int, meta: dict, recs: list[TensorRecord], signing_key) -> bytes:
-    blob = b"".join([_head(kind, meta, recs, signing_key is not None), *(p for r in recs for p in r.parts)])
+def pack_blob(kind: int, meta: dict, recs: list[TensorRecord], signing_key) -> bytes:
+    head = blob_head(kind, meta, recs, signing_key is not None)
+    blob = b"".join([head, *(p for r in recs for p in r.parts)])
     return blob + signing.sign(signing_key, blob) if signing_key is not None else blob
 
 
-def _unpack(blob, kind: int):
+def unpack_blob(blob, kind: int):
     """-> (meta, records, signed region, signature or None). Validates structure and checksums."""
     mv = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob.cast("B")
     what = _KINDS[kind]

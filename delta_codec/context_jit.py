@@ -140,7 +140,7 @@ if numba is not None:
         return types.void(arr, types.intp), codegen
 
     @intrinsic
-    def _cttz(typingctx, x):
+    def cttz(typingctx, x):
         def codegen(context, builder, signature, args):
             return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
         return types.uint64(types.uint64), codegen
@@ -170,7 +170,7 @@ def _sel_swar(x, j, tab):
 
 def _sel_bmi2(x, j, tab):
     """The same with BMI2: deposit bit j into x's set bits, then its index (two instructions)."""
-    return np.int64(_cttz(_pdep(np.uint64(1) << np.uint64(j), x)))
+    return np.int64(cttz(_pdep(np.uint64(1) << np.uint64(j), x)))
 
 
 _sel = _sel_bmi2 if _BMI2 else _sel_swar

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .bits import combine_digest
-from .container import KIND_DELTA, SignedBlob, _head, _pack, _unpack, extra_fields, with_extra
+from .container import KIND_DELTA, SignedBlob, blob_head, extra_fields, pack_blob, unpack_blob, with_extra
 from .errors import DeltaError
 from .record import TensorRecord, chunks_of
 
@@ -87,7 +87,8 @@ class Delta(SignedBlob):
     def nbytes(self) -> int:
         """Size of to_bytes() without a signature."""
         if self._nbytes is None:  # (without building the blob)
-            self._nbytes = len(_head(KIND_DELTA, self._meta(), self.records, False)) + sum(r.nbytes for r in self.records)
+            self._nbytes = (len(blob_head(KIND_DELTA, self._meta(), self.records, False))
+                            + sum(r.nbytes for r in self.records))
         return self._nbytes
 
     def _meta(self) -> dict:
@@ -95,11 +96,11 @@ class Delta(SignedBlob):
                            "base": bytes.fromhex(self.base_digest), "new": bytes.fromhex(self.new_digest)}, self.extra)
 
     def to_bytes(self, signing_key=None) -> bytes:
-        return _pack(KIND_DELTA, self._meta(), self.records, signing_key)
+        return pack_blob(KIND_DELTA, self._meta(), self.records, signing_key)
 
     @classmethod
     def from_bytes(cls, blob) -> "Delta":
-        meta, recs, region, sig = _unpack(blob, KIND_DELTA)
+        meta, recs, region, sig = unpack_blob(blob, KIND_DELTA)
         try:
             digests = [meta[k] for k in ("base", "new")]
             if not all(isinstance(d, bytes) and len(d) == _STATE_DIGEST for d in digests):

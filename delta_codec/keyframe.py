@@ -8,7 +8,7 @@ import xxhash
 from .apply import validate_target
 from .bits import SIGNED_INT, UNSIGNED_INT, combine_digest, dtype_from_name, int_view, np_bits, planes, tensor_digest
 from .compress import zc, zd
-from .container import KIND_KEYFRAME, SignedBlob, _pack, _unpack, extra_fields, with_extra
+from .container import KIND_KEYFRAME, SignedBlob, extra_fields, pack_blob, unpack_blob, with_extra
 from .encode import bits_slice, chunked_records, prepared
 from .errors import DeltaError, NonFiniteError
 from .finite import first_nonfinite
@@ -32,11 +32,12 @@ class Keyframe(SignedBlob):
         return combine_digest((r.name, r.dtype, r.shape, r.digest_a) for r in self.records)
 
     def to_bytes(self, signing_key=None) -> bytes:
-        return _pack(KIND_KEYFRAME, with_extra({"version": self.version}, self.extra), self.records, signing_key)
+        return pack_blob(KIND_KEYFRAME, with_extra({"version": self.version}, self.extra), self.records,
+                         signing_key)
 
     @classmethod
     def from_bytes(cls, blob) -> "Keyframe":
-        meta, recs, region, sig = _unpack(blob, KIND_KEYFRAME)
+        meta, recs, region, sig = unpack_blob(blob, KIND_KEYFRAME)
         try:
             kf = cls(meta["version"], recs, meta.get("extra"))
         except (KeyError, TypeError, ValueError):

@@ -11,7 +11,7 @@ from .bits import fresh
 from .compress import zc, zd
 from .errors import DeltaError
 
-_ESC = 255  # high part of a gap >= 255 is stored in the overflow stream
+ESC = 255  # high part of a gap >= 255 is stored in the overflow stream
 
 
 def _pack_low(low: np.ndarray, k: int) -> bytes:
@@ -105,9 +105,9 @@ def rice_parameter(gaps: np.ndarray) -> int:
     best, best_cost = 0, None
     for k in range(max(0, k0 - 3), k0 + 1):
         q = sample >> k
-        c = np.bincount(np.minimum(q, _ESC))
+        c = np.bincount(np.minimum(q, ESC))
         p = c[c > 0] / q.size
-        cost = k * q.size - float((c[c > 0] * np.log2(p)).sum()) + 64 * int(c[_ESC:].sum())
+        cost = k * q.size - float((c[c > 0] * np.log2(p)).sum()) + 64 * int(c[ESC:].sum())
         if best_cost is None or cost < best_cost:
             best, best_cost = k, cost
     return best
@@ -118,9 +118,9 @@ def gap_streams(k: int, g: np.ndarray, alloc=fresh) -> tuple[np.ndarray, bytes, 
     parts as <u8)."""
     q = np.right_shift(g, k, out=alloc("gaps.q", g.size, g.dtype)) if k else g
     q8 = alloc("gaps.q8", q.size, np.uint8)
-    if q.size and int(q.max()) >= _ESC:
-        over = q[q >= _ESC].astype("<u8").tobytes()
-        q8[...] = np.minimum(q, _ESC)
+    if q.size and int(q.max()) >= ESC:
+        over = q[q >= ESC].astype("<u8").tobytes()
+        q8[...] = np.minimum(q, ESC)
     else:
         over = b""
         q8[...] = q  # truncating: all < 255
@@ -154,13 +154,13 @@ def gaps_from(k: int, q8: np.ndarray, low, over, m: int, count: int, what: str, 
     if len(over) % 8:
         raise DeltaError(f"{what}: overflow stream does not match the gap stream")
     if not ov.size and not k:
-        if m and int(q8.max()) == _ESC:
+        if m and int(q8.max()) == ESC:
             raise DeltaError(f"{what}: overflow stream does not match the gap stream")
         if m > 1 and not int(q8[1:].min()):
             raise DeltaError(f"{what}: repeated position")
         pos = prefix_sum(q8, alloc("pos", m, np.int64))  # the dense fast path
     else:
-        esc = q8 == _ESC
+        esc = q8 == ESC
         if ov.size != int(np.count_nonzero(esc)):
             raise DeltaError(f"{what}: overflow stream does not match the gap stream")
         if ov.size and int(ov.max()) >= count:

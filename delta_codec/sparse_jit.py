@@ -35,7 +35,7 @@ except ImportError:
 available = numba is not None
 enabled = available  # (tests switch it off to compare with the numpy paths)
 
-_ESC = 255  # (positions._ESC: a high part >= 255 is in the overflow stream)
+_ESC = 255  # (positions.ESC: a high part >= 255 is in the overflow stream)
 
 
 def _group_order(keys, out):
@@ -135,7 +135,7 @@ if numba is not None:
             return builder.bitcast(ne, ir.IntType(64))
         return types.uint64(a, b, types.intp), codegen
 
-    from .context_jit import _cttz as _tz
+    from .context_jit import cttz as _tz
 
 
 def _diff(b, n, pos, old, d):

@@ -38,7 +38,7 @@ if triton is not None:
         tl.store(bits_ptr + idx, w.to(old.dtype), mask=live)
 
 
-def _use_triton(bits: torch.Tensor) -> bool:
+def use_triton(bits: torch.Tensor) -> bool:
     import os
     return (triton is not None and bits.dtype in (torch.int8, torch.int16, torch.int32)
             and (bits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
@@ -48,7 +48,7 @@ def apply_sparse(bits: torch.Tensor, idx: torch.Tensor, d: torch.Tensor, ordered
     """bits[idx] += d (in float order when `ordered`), in place on a flat signed-int tensor.
     Returns the old bits at idx (for rollback)."""
     n = idx.numel()
-    if _use_triton(bits):
+    if use_triton(bits):
         old = torch.empty(n, dtype=bits.dtype, device=bits.device)
         if n:
             block = 1024

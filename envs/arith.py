@@ -39,7 +39,7 @@ ANSWER = re.compile(r"#\s*(\d{1,64})\s*$")
 STYLES = ("direct", "steps", "padded", "mixed", "default")
 
 
-def _randint(rng, lo: int, hi: int) -> int:
+def randint(rng, lo: int, hi: int) -> int:
     """Inclusive integer from a numpy Generator or a random.Random."""
     if hasattr(rng, "integers"):
         return int(rng.integers(lo, hi + 1))
@@ -78,12 +78,12 @@ class ArithEnv:
         self._cum = [sum(w[: i + 1]) / sum(w) for i in range(len(w))]
 
     def _digits(self, rng) -> int:
-        u = _randint(rng, 0, 1 << 30) / (1 << 30)
+        u = randint(rng, 0, 1 << 30) / (1 << 30)
         return self.min_digits + next(i for i, c in enumerate(self._cum) if u <= c)
 
     def _operand(self, rng) -> int:
         d = self._digits(rng)
-        return _randint(rng, 10 ** (d - 1) if d > 1 else 0, 10 ** d - 1)
+        return randint(rng, 10 ** (d - 1) if d > 1 else 0, 10 ** d - 1)
 
     def sample(self, rng, split: str = "train") -> TaskSpec:
         check_split(split)

@@ -11,56 +11,57 @@ import secrets
 
 from .base import SpecError, TaskSpec, Verdict, check_split, register, split_of
 from .sandbox import SandboxLimits, run_python
-from .arith import _randint
+from .arith import randint
 
 # name -> (signature, description, reference source, input generator(rng) -> args list)
 def _ints(rng, n, lo=-50, hi=50):
-    return [_randint(rng, lo, hi) for _ in range(n)]
+    return [randint(rng, lo, hi) for _ in range(n)]
 
 
 def _word(rng, alphabet="abcde", lo=0, hi=8):
-    return "".join(alphabet[_randint(rng, 0, len(alphabet) - 1)] for _ in range(_randint(rng, lo, hi)))
+    return "".join(alphabet[randint(rng, 0, len(alphabet) - 1)] for _ in range(randint(rng, lo, hi)))
 
 
 PROBLEMS: dict[str, tuple[str, str, str, object]] = {
     "sum_even": ("sum_even(xs)", "return the sum of the even numbers in the list xs",
                  "def sum_even(xs):\n    return sum(x for x in xs if x % 2 == 0)\n",
-                 lambda r: [_ints(r, _randint(r, 0, 8))]),
+                 lambda r: [_ints(r, randint(r, 0, 8))]),
     "reverse_words": ("reverse_words(s)", "return s with the order of its space-separated words reversed",
                       "def reverse_words(s):\n    return ' '.join(s.split(' ')[::-1])\n",
-                      lambda r: [" ".join(_word(r, lo=1) for _ in range(_randint(r, 1, 4)))]),
+                      lambda r: [" ".join(_word(r, lo=1) for _ in range(randint(r, 1, 4)))]),
     "count_vowels": ("count_vowels(s)", "return how many characters of s are vowels (aeiou)",
                      "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s)\n",
                      lambda r: [_word(r, "abeiouxyz")]),
     "max_gap": ("max_gap(xs)", "return the largest difference between consecutive elements of sorted(xs), 0 if fewer than 2",
                 "def max_gap(xs):\n    s = sorted(xs)\n    return max((b - a for a, b in zip(s, s[1:])), default=0)\n",
-                lambda r: [_ints(r, _randint(r, 0, 7))]),
+                lambda r: [_ints(r, randint(r, 0, 7))]),
     "is_palindrome": ("is_palindrome(s)", "return True if s reads the same backwards, else False",
                       "def is_palindrome(s):\n    return s == s[::-1]\n",
-                      lambda r: [(lambda w: w + w[::-1][_randint(r, 0, 1):] if _randint(r, 0, 1) else w)(_word(r, "ab"))]),
+                      lambda r: [(lambda w: w + w[::-1][randint(r, 0, 1):] if randint(r, 0, 1) else w)(
+                          _word(r, "ab"))]),
     "gcd": ("gcd(a, b)", "return the greatest common divisor of the non-negative integers a and b",
             "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n",
-            lambda r: [_randint(r, 0, 500), _randint(r, 0, 500)]),
+            lambda r: [randint(r, 0, 500), randint(r, 0, 500)]),
     "run_length": ("run_length(s)", "return the run-length encoding of s as a list of [char, count] pairs",
                    "def run_length(s):\n    out = []\n    for c in s:\n        if out and out[-1][0] == c:\n"
                    "            out[-1][1] += 1\n        else:\n            out.append([c, 1])\n    return out\n",
                    lambda r: [_word(r, "aab", 0, 10)]),
     "second_largest": ("second_largest(xs)", "return the second largest distinct value in xs, or None if there is none",
                        "def second_largest(xs):\n    s = sorted(set(xs))\n    return s[-2] if len(s) > 1 else None\n",
-                       lambda r: [_ints(r, _randint(r, 0, 6), -5, 5)]),
+                       lambda r: [_ints(r, randint(r, 0, 6), -5, 5)]),
     "fib": ("fib(n)", "return the n-th Fibonacci number, fib(0) = 0, fib(1) = 1",
             "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
-            lambda r: [_randint(r, 0, 40)]),
+            lambda r: [randint(r, 0, 40)]),
     "digit_sum": ("digit_sum(n)", "return the sum of the decimal digits of the integer n (ignore the sign)",
                   "def digit_sum(n):\n    return sum(int(c) for c in str(abs(n)))\n",
-                  lambda r: [_randint(r, -10**6, 10**6)]),
+                  lambda r: [randint(r, -10**6, 10**6)]),
     "dedupe": ("dedupe(xs)", "return xs without repeated elements, keeping the first occurrence of each",
                "def dedupe(xs):\n    seen, out = set(), []\n    for x in xs:\n        if x not in seen:\n"
                "            seen.add(x)\n            out.append(x)\n    return out\n",
-               lambda r: [_ints(r, _randint(r, 0, 9), 0, 5)]),
+               lambda r: [_ints(r, randint(r, 0, 9), 0, 5)]),
     "is_prime": ("is_prime(n)", "return True if the integer n is prime, else False",
                  "def is_prime(n):\n    return n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))\n",
-                 lambda r: [_randint(r, -3, 200)]),
+                 lambda r: [randint(r, -3, 200)]),
 }
 
 # Runs inside the sandbox. It sees only the inputs, never the expected outputs: the comparison
@@ -126,7 +127,7 @@ class PythonTestsEnv:
         check_split(split)
         names = sorted(PROBLEMS)
         for _ in range(10_000):
-            t = self.make_task(names[_randint(rng, 0, len(names) - 1)], rng)
+            t = self.make_task(names[randint(rng, 0, len(names) - 1)], rng)
             if split_of(json.dumps(t.spec, sort_keys=True), self.eval_fraction) == split:
                 return t
         raise RuntimeError(f"{self.name}: could not draw a {split} task")

@@ -444,7 +444,7 @@ def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None 
                 proc.wait()
         rc = proc.returncode
         size = os.path.getsize(out_path)
-        output = _head_tail(out_path, size, limits.keep_bytes)
+        output = head_tail(out_path, size, limits.keep_bytes)
         setup_ok = os.path.getsize(mark_path) > 0
         if not setup_ok and not timed_out:
             reason = "sandbox error: " + (output.decode("utf-8", "replace").strip().splitlines() or ["setup failed"])[-1]
@@ -534,7 +534,7 @@ def _bash_signal_reason(sig: int, limits: BashLimits) -> str:
         return f"crashed with signal {sig}"
 
 
-def _head_tail(path: str, size: int, keep: int) -> bytes:
+def head_tail(path: str, size: int, keep: int) -> bytes:
     """The whole file when short, else its first and last `keep` bytes around an omission note."""
     with open(path, "rb") as f:
         if size <= 2 * keep:

@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from .sandbox import BashLimits, SandboxResult, _head_tail
+from .sandbox import BashLimits, SandboxResult, head_tail
 from .test_report import parse_report
 from .workspace_tools import REPORT_KEY, test_command, tool_files
 
@@ -214,7 +214,7 @@ class DockerWorkspace:
                     rc, client_timeout = p.wait(), True
             except OSError as e:
                 return SandboxResult(f"sandbox error: {e}", -1, wall_s=time.perf_counter() - t0, isolation=["docker"])
-            output = _head_tail(out.name, os.path.getsize(out.name), limits.keep_bytes)
+            output = head_tail(out.name, os.path.getsize(out.name), limits.keep_bytes)
         wall = time.perf_counter() - t0
         return SandboxResult(exec_reason(rc, client_timeout, wall, limits), rc, output, b"", wall,
                              ["docker", "netns", "pids-limit", "rlimits", "user"])

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from delta_codec import Delta, apply_delta, encode_delta
 from delta_codec import values
 from delta_codec.errors import DeltaError
-from delta_codec.positions import _ESC, gap_streams, gaps_from, gaps_of
+from delta_codec.positions import ESC, gap_streams, gaps_from, gaps_of
 
 from tests.helpers.delta import clone, float_update, same
 

@@ -16,7 +16,7 @@ CHECK = textwrap.dedent("""
     import numpy as np, torch
     from delta_codec import encode_delta
     from delta_codec.apply import decode_record as _decode_record
-    from delta_codec.triton_apply import _use_triton, apply_on_device, apply_sparse
+    from delta_codec.triton_apply import use_triton, apply_on_device, apply_sparse
     g = torch.Generator().manual_seed(0)
     base = {
         "bf16": (torch.randn(4096, generator=g) * 0.02).to(torch.bfloat16),
@@ -41,7 +41,7 @@ CHECK = textwrap.dedent("""
     for r in d.records:
         t = state[r.name]
         bits = t.view(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-        assert _use_triton(bits), r.name
+        assert use_triton(bits), r.name
         undo = []
         apply_on_device(t, _decode_record(r, t), undo)
         assert torch.equal(t.view(-1).view(bits.dtype), new[r.name].view(-1).view(bits.dtype)), r.name

@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from policy import ModelConfig, SamplingConfig, SamplingMask, Transformer, sequence_logprobs
 from policy.logprobs import masked_is_weight
 from trainer.config import TrainerConfig
-from trainer.learner import Learner, PackedSample, length_buckets
+from trainer.buckets import length_buckets
+from trainer.learner import Learner, PackedSample
 from trainer.loss import LossConfig, group_advantages, pg_loss
 
 V = 97          # no other dimension of the model is 97: a [..., 97] tensor is a vocabulary tensor

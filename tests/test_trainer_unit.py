@@ -149,7 +149,7 @@ def test_bad_configuration_is_a_clear_error(tmp_path, capsys):
 
 
 def test_length_buckets_cover_every_sequence_once_and_split_a_long_tail():
-    from trainer.learner import length_buckets
+    from trainer.buckets import length_buckets
     lens = [30, 12, 110, 25, 31, 14, 29, 13]
     runs = length_buckets(lens, max_batch=32, overhead_tokens=16)
     assert sorted(i for r in runs for i in r) == list(range(len(lens)))

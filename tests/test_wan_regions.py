@@ -242,7 +242,7 @@ async def test_blob_reader_waits_for_a_blob_the_mirror_has_not_got_yet(lab):
     hub = await lab.hub_bus("trainer")
     _, src = await lab.worker_bus("far", "w", read="mirror")
     src.blob_wait_s = 15.0
-    await src._blobs()                    # bound to the mirror while it exists
+    await src.blob_store()                    # bound to the mirror while it exists
     await src.js.delete_stream(topo.BLOB_STREAM)               # the region's mirror misses the put
     data = os.urandom(700_000)            # incompressible: the leaf link compresses (s2)
     await hub.put_blob("late", data)

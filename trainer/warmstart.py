@@ -17,7 +17,7 @@ from envs import get_env
 from envs.conversation import chat_format
 from policy import SamplingConfig, load_tokenizer, sequence_logprobs
 
-from .learner import length_buckets
+from .buckets import length_buckets
 
 log = get_logger(__name__)
 

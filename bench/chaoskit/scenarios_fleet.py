@@ -11,9 +11,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench.up_driver import SMALL_RUN, child_pid, kill_run, start_up, summary_of, trainer_version, wait_for
 from bus import EmbeddedServer
 
+from ..up_driver import SMALL_RUN, child_pid, kill_run, start_up, summary_of, trainer_version, wait_for
 from .books import row, up_books
 from .fleet import Fleet, is_ready, pipeline
 from .observe import holder, version_line, wait_leader
