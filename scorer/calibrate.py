@@ -132,16 +132,22 @@ async def load_policy_bus(url: str):
     return model.eval(), f"bus {url} (version {target.version})"
 
 
-def measure(model, env_name: str, budgets: list[int], n_prompts: int, temperature: float, seed: int) -> list[dict]:
+def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:
+    """A task's prompt as the policy sees it in training: plain, or the user turn of its chat template."""
+    return tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt, bos=True)
+
+
+def measure(model, env_name: str, budgets: list[int], n_prompts: int, temperature: float, seed: int,
+            tok=None, chat: bool = False) -> list[dict]:
     """Success and mean generated tokens at each budget, on the same held-out prompts."""
     import torch
     from envs import get_env
     from policy import CharTokenizer, SamplingConfig, generate
 
-    env, tok = get_env(env_name), CharTokenizer.default()
+    env, tok = get_env(env_name), tok or CharTokenizer.default()
     rng = random.Random(seed)
     tasks = [env.sample(rng, split="eval") for _ in range(n_prompts)]
-    prompts = [tok.encode(t.prompt, bos=True) for t in tasks]
+    prompts = [encode_prompt(tok, t.prompt, chat) for t in tasks]
     rows = []
     for budget in budgets:
         gen = torch.Generator().manual_seed(seed)
@@ -154,17 +160,17 @@ def measure(model, env_name: str, budgets: list[int], n_prompts: int, temperatur
 
 
 def measure_samples(model, env_name: str, ks: list[int], n_prompts: int, temperature: float, seed: int,
-                    max_tokens: int) -> list[dict]:
+                    max_tokens: int, tok=None, chat: bool = False) -> list[dict]:
     """Samples-per-task budgets: k samples of each held-out prompt; success = any of the k correct
     (a verifier picks), cost = tokens of all k. One generation of max(k) samples serves every k."""
     import torch
     from envs import get_env
     from policy import CharTokenizer, SamplingConfig, generate
 
-    env, tok = get_env(env_name), CharTokenizer.default()
+    env, tok = get_env(env_name), tok or CharTokenizer.default()
     rng, K = random.Random(seed), max(ks)
     tasks = [env.sample(rng, split="eval") for _ in range(n_prompts)]
-    prompts = [tok.encode(t.prompt, bos=True) for t in tasks for _ in range(K)]
+    prompts = [encode_prompt(tok, t.prompt, chat) for t in tasks for _ in range(K)]
     outs = generate(model, prompts, SamplingConfig(temperature=temperature), max_tokens, [tok.eos_id],
                     torch.Generator().manual_seed(seed))
     ok = np.array([env.verify(tok.decode([i for i in o.ids if i != tok.eos_id]), tasks[j // K].spec).success
@@ -215,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="trainer checkpoint file, or a directory (newest ckpt-*.pt)")
     src.add_argument("--random-init", action="store_true", help="an untrained tiny model (smoke test)")
+    src.add_argument("--model", help="a pretrained model folder (HF config, safetensors, tokenizer.json), e.g. "
+                                     "the one `asyncrl model prepare smollm2` writes")
+    ap.add_argument("--chat-template", action="store_true",
+                    help="prompts as the user turn of the tokenizer's chat template (as [trainer] chat_template)")
     ap.add_argument("--nats", default=None, help="server URL(s): policy from the latest keyframe (when no"
                                                  " --checkpoint) and where --apply writes λ")
     ap.add_argument("--env", default="arith")
@@ -245,7 +255,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     torch.manual_seed(a.seed)
-    if a.checkpoint:
+    tok = None
+    if a.model:
+        import policy
+        try:
+            _, model = policy.load_hf_checkpoint(a.model)
+            tok, source = policy.load_hf_tokenizer(a.model), a.model
+        except Exception as e:     # missing folder, unreadable or unsupported model
+            print(f"asyncrl calibrate-cost: cannot load model: {e}", file=sys.stderr)
+            return 2
+        model.eval()
+    elif a.checkpoint:
         try:
             model, source = load_policy_file(a.checkpoint)
         except Exception as e:     # missing, unreadable (pickle errors too) or not fitting the model
@@ -257,12 +277,15 @@ def main(argv: list[str] | None = None) -> int:
     elif a.nats:
         model, source = asyncio.run(load_policy_bus(a.nats))
     else:
-        ap.error("give --checkpoint, --nats (latest keyframe) or --random-init")
+        ap.error("give --checkpoint, --model, --nats (latest keyframe) or --random-init")
+    if a.chat_template and tok is None:
+        ap.error("--chat-template needs --model (the char tokenizer has no chat template)")
 
     if a.axis == "tokens":
-        rows = measure(model, a.env, budgets, a.prompts, a.temperature, a.seed)
+        rows = measure(model, a.env, budgets, a.prompts, a.temperature, a.seed, tok, a.chat_template)
     else:
-        rows = measure_samples(model, a.env, budgets, a.prompts, a.temperature, a.seed, a.max_tokens)
+        rows = measure_samples(model, a.env, budgets, a.prompts, a.temperature, a.seed, a.max_tokens,
+                               tok, a.chat_template)
     for r in rows:
         print(f"budget {r['budget']:4d}  cost {r['cost']:7.2f}  success {r['success']:.3f}", file=sys.stderr)
     fit = fit_scaling_curve([r["cost"] for r in rows], [r["success"] for r in rows])
