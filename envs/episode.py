@@ -203,7 +203,7 @@ class Episode:
         self.tokens = sum(self.count_tokens(m["content"]) for m in msgs)
         if self.workspace.error:
             self.infra = "workspace"
-            self._end("sandbox_error", self.workspace.error)
+            self.end("sandbox_error", self.workspace.error)
         return msgs
 
     def step(self, action: str, n_tokens: int | None = None) -> StepResult:
@@ -223,22 +223,22 @@ class Episode:
             obs = format_error_observation(why)
             info.update(format_error=why)
             if self._format_run >= self.limits.max_format_errors:
-                self._end("format", f"{self._format_run} turns in a row without one action")
+                self.end("format", f"{self._format_run} turns in a row without one action")
         else:
             self._format_run = 0
             if is_submit(command):
                 obs = "Submitted."
-                self._end("submitted")
+                self.end("submitted")
             else:
                 obs = self._run(command, info)
         self.tokens += self.count_tokens(obs)
         if not self.done:
             if self.tokens > self.limits.max_context_tokens:
-                self._end("context_limit", f"{self.tokens} tokens > {self.limits.max_context_tokens}")
+                self.end("context_limit", f"{self.tokens} tokens > {self.limits.max_context_tokens}")
             elif self.turns >= self.limits.max_turns:
-                self._end("max_turns")
+                self.end("max_turns")
             elif time.monotonic() - self.t0 > self.limits.episode_wall_s:
-                self._end("timeout", f"episode over {self.limits.episode_wall_s}s")
+                self.end("timeout", f"episode over {self.limits.episode_wall_s}s")
         info.update(tokens=self.tokens, termination=self.termination or None)
         return StepResult(obs, self.done, info)
 
@@ -246,7 +246,7 @@ class Episode:
         if self.workspace is None:
             raise RuntimeError("score() before reset()")
         if not self.done:
-            self._end("timeout", "scored before the episode ended")
+            self.end("timeout", "scored before the episode ended")
         ids = list(dict.fromkeys(self.task.fail_to_pass + self.task.pass_to_pass))
         info = None
         if self.termination == "sandbox_error":
@@ -271,6 +271,11 @@ class Episode:
         if self.workspace is not None:
             self.workspace.close()
 
+    def end(self, termination: str, detail: str = "") -> None:
+        """End the episode now: its own limits, or its player's (the context is full)."""
+        assert termination in TERMINATIONS, termination
+        self.done, self.termination, self.detail = True, termination, detail
+
     # -- internals --------------------------------------------------------------------------------
     def _run(self, command: str, info: dict) -> str:
         L = self.limits
@@ -280,18 +285,14 @@ class Episode:
         info.update(exit_code=res.returncode, command_reason=res.reason, command_wall_s=round(res.wall_s, 4))
         if res.reason.startswith("sandbox error"):
             self.infra = "sandbox"
-            self._end("sandbox_error", res.reason)
+            self.end("sandbox_error", res.reason)
         warning = "" if res.reason == "ok" or res.reason.startswith("exit code") else f"command stopped: {res.reason}"
         over = self.workspace.over_limit(L.workspace_mb, L.workspace_files)
         if over and not self.done:
-            self._end("sandbox_error", over)
+            self.end("sandbox_error", over)
             warning = (warning + "; " if warning else "") + over
         out = res.stdout.decode("utf-8", "replace")
         if L.test_output == "failures" and is_run_tests(command):
             out = failures_summary(out)
         return command_observation(res.returncode, out, warning,
                                    L.obs_head_lines, L.obs_tail_lines, L.obs_line_chars)
-
-    def _end(self, termination: str, detail: str = "") -> None:
-        assert termination in TERMINATIONS, termination
-        self.done, self.termination, self.detail = True, termination, detail

@@ -63,3 +63,20 @@ class EpisodePool:
 
     def shutdown(self, wait: bool = True) -> None:
         self._ex.shutdown(wait=wait, cancel_futures=True)
+
+
+class InlinePool:
+    """EpisodePool's calls made in the caller's thread: the held-out eval, whose episodes wait on
+    each other's generation anyway (trainer/lockstep.py)."""
+
+    async def reset(self, ep: Episode) -> list[dict]:
+        return ep.reset()
+
+    async def step(self, ep: Episode, action: str, n_tokens: int | None = None) -> StepResult:
+        return ep.step(action, n_tokens)
+
+    async def score(self, ep: Episode) -> EpisodeResult:
+        return ep.score()
+
+    async def close(self, ep: Episode) -> None:
+        ep.close()

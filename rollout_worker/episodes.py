@@ -12,6 +12,10 @@ Per token of the Rollout's completion: loss mask (1 model, 0 observation), behav
 sampling-mask row (observation tokens: 0.0 and a whole-vocabulary row), policy version (a weight
 update may land between two tokens or two turns; observation tokens: -1).
 
+The turn loop is envs/episode_play.py's (the held-out eval plays the same one); here the engine's
+side of it (EnginePlayer) and the runner the worker owns (EpisodeRunner: Task -> Rollout; the
+worker's handler admits, publishes and counts).
+
 The worker scores the episode (the workspace lives here); the scorer only turns the result into
 a reward and a cost (scorer/service.py). Needs an engine with `extend`: the torch engine (kept slot
 and KV cache) or the vLLM engine (a new request on the exact ids so far, KV from its prefix cache).
@@ -23,7 +27,9 @@ import time
 import zlib
 
 from bus.events import Rollout, SamplingParams, Task
+from bus.rollout_build import build_rollout
 from envs.episode import Episode, EpisodeLimits, EpisodeTask
+from envs.episode_play import Turn, play_episode
 from envs.episode_pool import EpisodePool
 from envs.conversation import PlainFormat, TemplateFormat, chat_format, episode_spec  # noqa: F401  (shared with the warm start)
 
@@ -53,10 +59,27 @@ class Trajectory:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     rows: list = dataclasses.field(default_factory=list)
-    turns: list[dict] = dataclasses.field(default_factory=list)   # per turn: action, observation, finish
     epoch: int = 0
     quant: dict = dataclasses.field(default_factory=dict)
     finish: str = ""
+
+    # the episode as one generation (an engine Generation's fields: bus.rollout_build reads them)
+    @property
+    def completion_ids(self) -> list[int]:
+        return self.ids
+
+    @property
+    def token_versions(self) -> list[int]:
+        return self.versions
+
+    @property
+    def finish_reason(self) -> str:
+        return self.finish or "abort"
+
+    @property
+    def sampling_mask(self) -> dict:
+        import policy
+        return policy.SamplingMask.from_rows(self.rows).to_wire()
 
     def add_model(self, g) -> None:
         import policy
@@ -73,6 +96,51 @@ class Trajectory:
         self.logprobs += [0.0] * len(ids)
         self.versions += [OBS_VERSION] * len(ids)
         self.rows += [(-1, None)] * len(ids)                 # the whole vocabulary (policy FULL)
+
+
+class EnginePlayer:
+    """The worker's side of one episode (envs/episode_play.py): turns generated on the engine, the
+    sequence kept between turns (torch: its slot and KV cache; vLLM: its prefix cache)."""
+
+    def __init__(self, engine, tok, sp: SamplingParams, seed: int, fence: list[list[int]]):
+        self.engine, self.tok, self.sp, self.seed, self.fence = engine, tok, sp, seed, fence
+        self.traj: Trajectory | None = None
+        self.handle: int | None = None     # the engine's kept sequence
+        self.append: list[int] = []        # observation ids the next turn prefills first
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.traj = Trajectory(prompt_ids)
+
+    def length(self) -> int:
+        return len(self.traj.prompt_ids) + len(self.traj.ids)
+
+    def observe(self, ids: list[int]) -> None:
+        self.traj.add_observation(ids)
+        self.append = ids
+
+    async def turn(self) -> Turn:
+        eng, turn = self.engine, []
+        while True:       # one turn: continue past a stop at an opening fence
+            tsp = dataclasses.replace(self.sp, max_tokens=max(self.sp.max_tokens - len(turn), 1))
+            if self.handle is None:
+                g = await eng.generate(self.traj.prompt_ids, tsp, seed=self.seed, keep=True,
+                                       stop_seqs=self.fence)
+                self.handle = g.handle
+            else:
+                g = await eng.extend(self.handle, self.append, tsp, stop_seqs=self.fence)
+            self.append = []
+            self.traj.add_model(g)
+            turn += g.completion_ids
+            if g.finish_reason != "stop_seq" or len(turn) >= self.sp.max_tokens \
+                    or _block_closed(self.tok.decode(turn)):
+                break
+        return Turn(self.tok.decode(turn), len(turn), g.finish_reason, eos_kept=g.finish_reason == "stop")
+
+    def release(self) -> None:
+        """Free the kept sequence (no more turns: the KV row is not held through the scoring run)."""
+        if self.handle is not None:
+            self.engine.release(self.handle)
+            self.handle = None
 
 
 class EpisodeRunner:
@@ -119,56 +187,32 @@ class EpisodeRunner:
         return et, limits, Episode(et, limits, backend=self.backend, token_counter=TokenCounter(self.tok)), room
 
     async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
-        et, limits, ep, room = self.open(task)
-        eng = self.engine
-        seed = zlib.crc32(f"{task.task_id}-{index}".encode())
+        _, limits, ep, _ = self.open(task)
         turn_sp = dataclasses.replace(sp, n=1, max_tokens=min(sp.max_tokens, limits.max_turn_tokens))
-        handle, t0 = None, time.perf_counter()
+        player = EnginePlayer(self.engine, self.tok, turn_sp, zlib.crc32(f"{task.task_id}-{index}".encode()),
+                              self.fence)
+        t0 = time.perf_counter()
         try:
-            msgs = await self.pool.reset(ep)
-            traj = Trajectory(self.tok.encode(self.fmt.prompt(msgs), bos=True))
-            if len(traj.prompt_ids) > room:
-                ep._end("context_limit", f"prompt of {len(traj.prompt_ids)} tokens > {room}")   # noqa: SLF001
-            append: list[int] | None = None
-            while not ep.done:
-                turn: list[int] = []
-                while True:       # one turn: continue past a stop at an opening fence
-                    left = turn_sp.max_tokens - len(turn)
-                    tsp = dataclasses.replace(turn_sp, max_tokens=max(left, 1))
-                    if handle is None:
-                        g = await eng.generate(traj.prompt_ids, tsp, seed=seed, keep=True, stop_seqs=self.fence)
-                        handle = g.handle
-                    else:
-                        g = await eng.extend(handle, append or [], tsp, stop_seqs=self.fence)
-                    append = []
-                    traj.add_model(g)
-                    turn += g.completion_ids
-                    if g.finish_reason != "stop_seq" or len(turn) >= turn_sp.max_tokens \
-                            or _block_closed(self.tok.decode(turn)):
-                        break
-                action = self.tok.decode(turn)
-                r = await self.pool.step(ep, action, len(turn))
-                traj.turns.append({"action": action, "observation": r.observation, "finish": g.finish_reason})
-                if r.done:
-                    break
-                append = self.tok.encode(self.fmt.observation(r.observation, g.finish_reason == "stop"))
-                if len(traj.prompt_ids) + len(traj.ids) + 1 + len(append) + limits.max_turn_tokens > eng.max_len:
-                    ep._end("context_limit", "the engine's slot is full")          # noqa: SLF001
-                    break
-                traj.add_observation(append)
-            if handle is not None:       # no more turns: the KV row is not held through the scoring run
-                eng.release(handle)
-                handle = None
+            log = await play_episode(ep, self.pool, player, self.fmt, self.tok, self.engine.max_len)
+            player.release()
             result = await self.pool.score(ep)
         finally:
-            if handle is not None:
-                eng.release(handle)
+            player.release()
             await self.pool.close(ep)
+        traj = player.traj
+        self.count(ep, traj, result, time.perf_counter() - t0)
+        return build_rollout(task, index, sp.n, self.worker_id, traj.prompt_ids, traj,
+                             self.tok.decode(traj.ids), result.wall_s, loss_mask=traj.mask, result=result,
+                             turns=result.turns,
+                             episode={"turn_log": [{"finish": t["finish"]} for t in log]})
+
+    def count(self, ep: Episode, traj: Trajectory, result, wall_s: float) -> None:
+        """The books of one played episode: the counters (the worker's metrics) and its record."""
         self.stats["episodes"] += 1
         self.stats["turns"] += result.turns
         self.stats["tool_calls"] += result.tool_calls
         self.stats["tool_wall_s"] += result.tool_wall_s
-        self.stats["wall_s"] += time.perf_counter() - t0
+        self.stats["wall_s"] += wall_s
         if len(self.ended) < 4096:
             # ended_at: wall clock, the trainer's `ts` clock (bench.agentic places episodes in its window)
             self.ended.append({"ended_at": time.time(), "turns": result.turns, "tool_calls": result.tool_calls, "tokens": len(traj.ids),
@@ -178,17 +222,6 @@ class EpisodeRunner:
                                # modelled remote test-suite time (envs/sandbox_latency.py), scoring run included
                                "suite_wait_s": getattr(ep.workspace, "waited_s", 0.0),
                                "suite_runs": getattr(ep.workspace, "suite_runs", 0)})
-        import policy
-        return Rollout(rollout_id=f"{task.task_id}-{index}", task_id=task.task_id, env=task.env, sample_index=index,
-                       group_size=sp.n, prompt=task.prompt, spec=task.spec, prompt_ids=traj.prompt_ids,
-                       completion_ids=traj.ids, completion_text=self.tok.decode(traj.ids), logprobs=traj.logprobs,
-                       token_versions=traj.versions, sampling=task.sampling,
-                       sampling_mask=policy.SamplingMask.from_rows(traj.rows).to_wire(), quant=traj.quant,
-                       finish_reason=traj.finish or "abort", cost_tokens=sum(traj.mask), wall_s=result.wall_s,
-                       worker_id=self.worker_id, split=task.split, epoch=traj.epoch, loss_mask=traj.mask,
-                       turns=max(result.turns, 1), tool_calls=result.tool_calls, termination=result.termination,
-                       lambda_=task.lambda_,
-                       episode={**result.to_dict(), "turn_log": [{"finish": t["finish"]} for t in traj.turns]})
 
 
 def workspace_backend(cfg):
@@ -209,73 +242,3 @@ def workspace_backend(cfg):
 def _block_closed(text: str) -> bool:
     from envs.actions import BASH_BLOCK
     return BASH_BLOCK.search(text) is not None
-
-
-def episode_runner(worker) -> EpisodeRunner:
-    """The worker's episode runner, made on first use: one per worker, its thread pool hosts every
-    episode's commands."""
-    runner = getattr(worker, "episode_runner", None)
-    if runner is None:
-        # a pool thread per episode that can be in flight: one waiting on a slow command must
-        # not hold another's reset or step back (8 threads served 12 episodes before)
-        cfg = worker.cfg
-        kw = dict(pool=EpisodePool(max(getattr(cfg, "max_inflight", cfg.slots) + cfg.queue, 1)),
-                  worker_id=cfg.worker_id, backend=workspace_backend(cfg),
-                  episode_wall_s=getattr(cfg, "episode_wall_s", 0.0))
-        harness = getattr(cfg, "harness", "builtin")
-        if harness == "external":        # a harness the worker does not launch (rollout_worker/external.py)
-            from .external import ExternalRunner
-            runner = worker.episode_runner = ExternalRunner(
-                worker.engine, worker.tok, host=cfg.endpoint_host, port=cfg.endpoint_port,
-                deadline_s=cfg.external_deadline_s, **kw)
-        elif harness != "builtin":       # a harness the worker launches (rollout_worker/harness.py)
-            from .harness import HarnessRunner
-            runner = worker.episode_runner = HarnessRunner(
-                worker.engine, worker.tok, harness=cfg.harness, harness_config=cfg.harness_config,
-                host=cfg.endpoint_host, port=cfg.endpoint_port, **kw)
-        else:
-            runner = worker.episode_runner = EpisodeRunner(worker.engine, worker.tok, **kw)
-    return runner
-
-
-async def handle_episode_task(worker, task: Task, ctx) -> None:
-    """The worker's handler for a multi-turn task: sampling.n episodes -> n Rollouts -> publish."""
-    import asyncio
-
-    from bus import TransientError
-    from bus import topology as topo
-
-    from .engine import EngineClosed
-    from .worker import parse_sampling
-    try:
-        sp = parse_sampling(task.sampling)
-        runner = episode_runner(worker)
-        runner.parse(task)
-    except (ValueError, TypeError, KeyError) as e:
-        return await worker._park(ctx, task, f"bad episode task: {e}")          # noqa: SLF001
-    worker.group_hint = sp.n
-    subject = topo.rollout_subject(task.env)
-    worker.episodes_in_flight += sp.n        # counted from here: capacity() must see them at once
-    unstarted = [sp.n]
-
-    async def one(i: int) -> None:
-        # each episode is published as soon as it ends: a stuck sibling must not hold the group's
-        # finished members back (the trainer closes a group after group_timeout_s with what came)
-        unstarted[0] -= 1
-        try:
-            r = await runner.run(task, sp, i)
-        finally:
-            worker.episodes_in_flight -= 1
-        await worker.bus.publish(subject, r)
-        worker.rollouts += 1
-    try:
-        await worker._wait_until(lambda: worker.engine.version >= task.min_version and worker.admissible())  # noqa: SLF001
-        await asyncio.gather(*(one(i) for i in range(sp.n)))
-    except EngineClosed as e:
-        raise TransientError(f"released: {e}", delay=0) from None
-    except (ValueError, TypeError) as e:
-        return await worker._park(ctx, task, str(e))                             # noqa: SLF001
-    finally:
-        worker.episodes_in_flight -= unstarted[0]    # never started (cancelled in the version wait)
-        unstarted[0] = 0
-    worker.tasks_done += 1

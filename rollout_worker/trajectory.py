@@ -30,6 +30,7 @@ import dataclasses
 import time
 import uuid
 
+from bus.rollout_build import build_rollout
 from envs.conversation import PlainFormat
 
 from .episodes import Trajectory
@@ -278,22 +279,13 @@ def rollout_of(task, sp, index: int, rec: TrajectoryRecorder, result, tok, worke
     """The Rollout of an episode a harness played through the endpoint: the recorded trajectory
     (prompt ids, model and observation ids, mask, versions, sampling rows) and the EpisodeResult
     of its hidden tests (`episode`: extra keys of Rollout.episode). ValueError: no model turn."""
-    import policy
-    from bus.events import Rollout
     traj = rec.traj
     if traj is None or not any(traj.mask):
         raise ValueError(f"episode {rec.episode_id} ended without a model turn")
-    return Rollout(rollout_id=f"{task.task_id}-{index}", task_id=task.task_id, env=task.env,
-                   sample_index=index, group_size=sp.n, prompt=task.prompt, spec=task.spec,
-                   prompt_ids=traj.prompt_ids, completion_ids=traj.ids, completion_text=tok.decode(traj.ids),
-                   logprobs=traj.logprobs, token_versions=traj.versions, sampling=task.sampling,
-                   sampling_mask=policy.SamplingMask.from_rows(traj.rows).to_wire(), quant=traj.quant,
-                   finish_reason=traj.finish or "abort", cost_tokens=sum(traj.mask), wall_s=result.wall_s,
-                   worker_id=worker_id, split=task.split, epoch=traj.epoch, loss_mask=traj.mask,
-                   turns=max(len(rec.turns), 1), tool_calls=result.tool_calls,
-                   termination=result.termination, lambda_=task.lambda_,
-                   episode={**result.to_dict(), **episode, "trajectory": dict(rec.stats),
-                            "turn_log": [{"finish": ""} for _ in rec.turns]})
+    return build_rollout(task, index, sp.n, worker_id, traj.prompt_ids, traj, tok.decode(traj.ids),
+                         result.wall_s, loss_mask=traj.mask, result=result, turns=len(rec.turns),
+                         episode={**episode, "trajectory": dict(rec.stats),
+                                  "turn_log": [{"finish": ""} for _ in rec.turns]})
 
 
 def count_episode(stats: dict, ended: list, rec: TrajectoryRecorder, result, wall_s: float,

@@ -23,17 +23,19 @@ from dataclasses import dataclass, field
 
 from bus import BusConfig, ConsumerLoop, TransientError, get_logger, metrics
 from bus import topology as topo
-from bus.events import Heartbeat, Metrics, Rollout, SamplingParams, Task
+from bus.events import Heartbeat, Metrics, SamplingParams, Task
 from bus.lifetime import cancel_and_wait
 from bus.regions import weight_follower
+from bus.rollout_build import build_rollout
 from bus.weights import parse_version
 from envs import isolation
+from envs.episode_pool import EpisodePool
 from envs.sandbox_latency import SandboxLatency
 from envs.workspace import default_root
 import policy
 
 from .engine import Engine, EngineClosed
-from .episodes import handle_episode_task, is_episode_task
+from .episodes import EpisodeRunner, is_episode_task, workspace_backend
 
 log = get_logger(__name__)
 
@@ -149,6 +151,25 @@ def make_engine(cfg: WorkerConfig, model_config: dict, eos_id: int | None) -> En
                        kv_slots=cfg.max_inflight)
 
 
+def make_episode_runner(cfg: WorkerConfig, engine: Engine, tok) -> EpisodeRunner:
+    """The runner of multi-turn tasks `cfg.harness` names; its thread pool hosts every episode's commands."""
+    # a pool thread per episode that can be in flight: one waiting on a slow command must
+    # not hold another's reset or step back (8 threads served 12 episodes before)
+    kw = dict(pool=EpisodePool(max(getattr(cfg, "max_inflight", cfg.slots) + cfg.queue, 1)),
+              worker_id=cfg.worker_id, backend=workspace_backend(cfg),
+              episode_wall_s=getattr(cfg, "episode_wall_s", 0.0))
+    harness = getattr(cfg, "harness", "builtin")
+    if harness == "external":        # a harness the worker does not launch (rollout_worker/external.py)
+        from .external import ExternalRunner
+        return ExternalRunner(engine, tok, host=cfg.endpoint_host, port=cfg.endpoint_port,
+                              deadline_s=cfg.external_deadline_s, **kw)
+    if harness != "builtin":         # a harness the worker launches (rollout_worker/harness.py)
+        from .harness import HarnessRunner
+        return HarnessRunner(engine, tok, harness=cfg.harness, harness_config=cfg.harness_config,
+                             host=cfg.endpoint_host, port=cfg.endpoint_port, **kw)
+    return EpisodeRunner(engine, tok, **kw)
+
+
 def parse_sampling(d: dict) -> SamplingParams:
     known = set(SamplingParams.__dataclass_fields__)
     unknown = set(d) - known
@@ -178,6 +199,7 @@ class Worker:
         # episodes accepted and not ended: one holds no engine slot while its workspace is set up
         # (or its task waits for a version), so free_slots alone would admit far more than fit
         self.episodes_in_flight = 0
+        self.episode_runner: EpisodeRunner | None = None     # made on the first episode (open_episodes)
         self.rollouts = 0
         self.tasks_done = 0
         self.parked = 0
@@ -218,7 +240,7 @@ class Worker:
     # -- tasks ---------------------------------------------------------------------------
     async def handle(self, task: Task, ctx) -> None:
         if is_episode_task(task):          # multi-turn: turn by turn on the same engine
-            return await handle_episode_task(self, task, ctx)
+            return await self.handle_episodes(task, ctx)
         try:   # a task that cannot be generated here (bad sampling, prompt outside the vocab) is parked
             sp = parse_sampling(task.sampling)
             prompt_ids = self.tok.encode(task.prompt, bos=True)   # as the trainer's warm start
@@ -234,18 +256,53 @@ class Worker:
             raise TransientError(f"released: {e}", delay=0) from None
         except (ValueError, TypeError) as e:    # refused by the engine: too long, bad sampling values
             return await self._park(ctx, task, str(e))
-        rollouts = [Rollout(rollout_id=f"{task.task_id}-{i}", task_id=task.task_id, env=task.env, sample_index=i,
-                            group_size=sp.n, prompt=task.prompt, spec=task.spec, prompt_ids=prompt_ids,
-                            completion_ids=g.completion_ids, completion_text=self.tok.decode(g.completion_ids),
-                            logprobs=g.logprobs, token_versions=g.token_versions, sampling=task.sampling,
-                            sampling_mask=g.sampling_mask, quant=g.quant, finish_reason=g.finish_reason,
-                            cost_tokens=len(g.completion_ids), wall_s=g.wall_s, worker_id=self.cfg.worker_id,
-                            split=task.split, epoch=g.epoch, lambda_=task.lambda_)   # the group's λ
-                    for i, g in enumerate(gens)]
+        rollouts = [build_rollout(task, i, sp.n, self.cfg.worker_id, prompt_ids, g,
+                                  self.tok.decode(g.completion_ids), g.wall_s) for i, g in enumerate(gens)]
         subject = topo.rollout_subject(task.env)
         await asyncio.gather(*(self.bus.publish(subject, r) for r in rollouts))   # acked by JetStream
         self.rollouts += len(rollouts)
         metrics.ROLLOUTS_PUBLISHED.inc(len(rollouts))
+        self.tasks_done += 1
+
+    def open_episodes(self) -> EpisodeRunner:
+        """The worker's episode runner, made on first use (the engine exists by then): one per worker."""
+        if self.episode_runner is None:
+            self.episode_runner = make_episode_runner(self.cfg, self.engine, self.tok)
+        return self.episode_runner
+
+    async def handle_episodes(self, task: Task, ctx) -> None:
+        """A multi-turn task: sampling.n episodes -> n Rollouts, each published as soon as it ends."""
+        try:
+            sp = parse_sampling(task.sampling)
+            runner = self.open_episodes()
+            runner.parse(task)
+        except (ValueError, TypeError, KeyError) as e:
+            return await self._park(ctx, task, f"bad episode task: {e}")
+        self.group_hint = sp.n
+        subject = topo.rollout_subject(task.env)
+        self.episodes_in_flight += sp.n        # counted from here: capacity() must see them at once
+        unstarted = [sp.n]
+
+        async def one(i: int) -> None:
+            # each episode is published as soon as it ends: a stuck sibling must not hold the group's
+            # finished members back (the trainer closes a group after group_timeout_s with what came)
+            unstarted[0] -= 1
+            try:
+                r = await runner.run(task, sp, i)
+            finally:
+                self.episodes_in_flight -= 1
+            await self.bus.publish(subject, r)
+            self.rollouts += 1
+        try:
+            await self._wait_until(lambda: self.engine.version >= task.min_version and self.admissible())
+            await asyncio.gather(*(one(i) for i in range(sp.n)))
+        except EngineClosed as e:
+            raise TransientError(f"released: {e}", delay=0) from None
+        except (ValueError, TypeError) as e:
+            return await self._park(ctx, task, str(e))
+        finally:
+            self.episodes_in_flight -= unstarted[0]    # never started (cancelled in the version wait)
+            unstarted[0] = 0
         self.tasks_done += 1
 
     async def _park(self, ctx, task: Task, reason: str) -> None:
@@ -271,7 +328,7 @@ class Worker:
                 "paused": self.paused, "rollouts": self.rollouts, "tasks": self.tasks_done, "parked": self.parked,
                 "restarts": sum(self.restarts.values()), "restarts_by_task": dict(self.restarts),
                 "weights": self.weights.stats(), "loop": self.loop.stats.as_dict() if self.loop else {},
-                **({"episodes": dict(self.episode_runner.stats)} if getattr(self, "episode_runner", None) else {})}
+                **({"episodes": dict(self.episode_runner.stats)} if self.episode_runner else {})}
 
     async def beat(self, event: str = "heartbeat") -> None:
         cid = self.cfg.worker_id
@@ -335,7 +392,7 @@ class Worker:
             await asyncio.sleep(self.cfg.heartbeat_s)
             step += 1
             m, flat = await self.beat()
-            if getattr(self, "episode_runner", None):     # per-episode records ride on the metrics only
+            if self.episode_runner:     # per-episode records ride on the metrics only
                 m = {**m, "episodes_ended": self.episode_runner.drain()}
             self.log.info("worker metrics", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in flat.items()})
             cid = self.cfg.worker_id
@@ -372,8 +429,7 @@ class Worker:
         if kf is None:
             return
         if self.cfg.harness == "external":     # harnesses claim episodes there: serving before any task
-            from .episodes import episode_runner
-            await episode_runner(self).url()
+            await self.open_episodes().url()
         follow_stop = asyncio.Event()
         specs = {"weights": lambda attempt: self.follow_weights(follow_stop, start=kf if attempt == 0 else None),
                  "version": lambda attempt: self.watch_version(),
@@ -390,7 +446,7 @@ class Worker:
             self._closing = True
             follow_stop.set()
             await self.engine.close()
-            if hasattr(getattr(self, "episode_runner", None), "close"):      # a harness's endpoint
+            if hasattr(self.episode_runner, "close"):      # a harness's endpoint
                 await self.episode_runner.close()
             await cancel_and_wait(background, log=self.log)   # (a heartbeat that lost its cancel must not hang the stop)
             await self.weights.close()

@@ -5,6 +5,7 @@ are comparable (same prompts, same sampling seed). Multi-turn envs (a spec with 
 played as episodes, turn by turn, in this process (`evaluate_episodes`)."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 
@@ -76,44 +77,41 @@ def prompt_ids(tok, prompts: list[str], chat_template: bool = False) -> list[lis
 
 
 def evaluate_episodes(model, tok, specs: list[dict], sc: SamplingConfig, seed: int = 0) -> dict:
-    """Play one episode per spec with `model`, all in lockstep: each round generates the next turn
-    of every live episode in one batch (from the whole conversation so far, laid out as the worker
-    lays it out: envs.conversation), cut at the closing fence of its bash block, and steps it in
-    the sandbox. Success = resolved (every hidden test passes)."""
-    from envs.actions import BASH_BLOCK
+    """Play one episode per spec with `model`, all in lockstep (trainer/lockstep.py): each round
+    generates the next turn of every live episode in one batch (from the whole conversation so far,
+    laid out as the worker lays it out: envs.conversation), cut at the closing fence of its bash
+    block, and steps it in the sandbox. Success = resolved (every hidden test passes)."""
     from envs.conversation import chat_format
     from envs.episode import Episode, EpisodeLimits, EpisodeTask
-    fmt, gen = chat_format(tok), torch.Generator().manual_seed(seed)
+    from envs.episode_play import play_episode
+    from envs.episode_pool import InlinePool
 
-    def closed(ids: list[int]) -> bool:      # a turn ends with its bash block, as on the workers
-        return "`" in tok.decode(ids[-1:]) and BASH_BLOCK.search(tok.decode(ids)) is not None
-    eps, ctx = [], []
+    from .lockstep import Lockstep, LockstepPlayer
+    eps = []
+    for spec in specs:
+        lim = EpisodeLimits(**spec["limits"])
+        room = model.cfg.max_seq_len - lim.max_turn_tokens - 1       # a turn always fits the model
+        # no episode wall clock: in lockstep an episode's clock counts every other episode's
+        # generation, so held-out success would depend on the eval batch and the box's load
+        # (turns, tokens and each command's own limit still bound an episode)
+        lim = dataclasses.replace(lim, max_context_tokens=max(1, min(lim.max_context_tokens, room)),
+                                  episode_wall_s=float("inf"))
+        eps.append(Episode(EpisodeTask.from_dict(spec["episode"]), lim,
+                           token_counter=lambda t: len(tok.encode(t))))
+    fmt, env = chat_format(tok), InlinePool()
+    rounds = Lockstep(model, tok, sc, torch.Generator().manual_seed(seed), len(eps))
+
+    async def play(i: int, ep: Episode) -> None:
+        try:
+            await play_episode(ep, env, LockstepPlayer(rounds, i, ep.limits.max_turn_tokens), fmt, tok,
+                               model.cfg.max_seq_len)
+        finally:
+            rounds.leave()
+
+    async def play_all() -> None:
+        await asyncio.gather(*(play(i, ep) for i, ep in enumerate(eps)))
     try:
-        for spec in specs:
-            lim = EpisodeLimits(**spec["limits"])
-            room = model.cfg.max_seq_len - lim.max_turn_tokens - 1       # a turn always fits the model
-            # no episode wall clock: in lockstep an episode's clock counts every other episode's
-            # generation, so held-out success would depend on the eval batch and the box's load
-            # (turns, tokens and each command's own limit still bound an episode)
-            lim = dataclasses.replace(lim, max_context_tokens=max(1, min(lim.max_context_tokens, room)),
-                                      episode_wall_s=float("inf"))
-            ep = Episode(EpisodeTask.from_dict(spec["episode"]), lim, token_counter=lambda t: len(tok.encode(t)))
-            eps.append(ep)
-            ctx.append(tok.encode(fmt.prompt(ep.reset()), bos=True))
-            if not ep.done and len(ctx[-1]) > room:
-                ep._end("context_limit", f"prompt of {len(ctx[-1])} tokens > {room}")      # noqa: SLF001
-        while live := [i for i, ep in enumerate(eps) if not ep.done]:
-            outs = generate(model, [ctx[i] for i in live], sc, max(eps[i].limits.max_turn_tokens for i in live),
-                            [tok.eos_id], gen, stop_fn=closed)
-            for i, o in zip(live, outs):
-                text = tok.decode(o.ids[:-1] if o.finish_reason == "stop" else o.ids)
-                m = BASH_BLOCK.search(text)
-                action = text[:m.end()] if m else text
-                r = eps[i].step(action, len(tok.encode(action)))
-                if not r.done:
-                    ctx[i] = ctx[i] + tok.encode(action) + tok.encode(fmt.observation(r.observation, False))
-                    if len(ctx[i]) + eps[i].limits.max_turn_tokens > model.cfg.max_seq_len:
-                        eps[i]._end("context_limit", "the model's context is full")     # noqa: SLF001
+        asyncio.run(play_all())
         results = [ep.score() for ep in eps]
     finally:
         for ep in eps:
