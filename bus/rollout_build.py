@@ -2,7 +2,7 @@
 Generation) or a whole episode (its trajectory, laid out with a Generation's fields)."""
 from __future__ import annotations
 
-from .events import Rollout, Task
+from bus.events import Rollout, Task
 
 
 def build_rollout(task: Task, index: int, group_size: int, worker_id: str, prompt_ids: list[int],
