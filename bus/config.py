@@ -158,7 +158,7 @@ def _moved_error(cls, keys: list[str], where: str, table: str) -> ConfigError:
     for k in keys:
         *sect, name = moved[k].split(".")
         parts.append(f"{k}: moved to [{'.'.join(p for p in (base, *sect) if p)}] {name}")
-    return ConfigError(f"{f'[{base}] ' if base else ''}old flat key(s): " + "; ".join(parts))
+    return ConfigError("old flat key(s): " + "; ".join(parts))
 
 
 def _build(cls, values: dict, where: str, table: str = ""):
