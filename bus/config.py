@@ -164,7 +164,9 @@ def _moved_error(cls, keys: list[str], where: str, table: str) -> ConfigError:
 def _build(cls, values: dict, where: str, table: str = ""):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
-    moved = sorted(k for k in set(values) - names if k in moved_keys(cls))
+    # moved: gone from cls, or now the name of a section and given a plain value (publish = "sharded")
+    moved = sorted(k for k in values if k in moved_keys(cls) and (
+        k not in names or (_is_dataclass_type(hints[k]) and not isinstance(values[k], (dict, hints[k])))))
     if moved:
         raise _moved_error(cls, moved, where, table)
     unknown = sorted(set(values) - names)

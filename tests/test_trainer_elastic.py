@@ -17,9 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_torchrun_line_from_config():
-    cfg = TrainerConfig(trainer_id="g", elastic_nnodes="2:3", elastic_nproc_per_node=8,
-                        elastic_rdzv_endpoint="head:29500", elastic_rdzv_id="run7", elastic_max_restarts=5,
-                        elastic_rdzv_host=True, elastic_rdzv_conf="join_timeout=120")
+    cfg = TrainerConfig(trainer_id="g",
+                        elastic={"nnodes": "2:3", "nproc_per_node": 8, "rdzv_endpoint": "head:29500", "rdzv_id": "run7", "max_restarts": 5, "rdzv_host": True, "rdzv_conf": "join_timeout=120"})
     argv = torchrun_argv(cfg, ["--config", "t.toml"], python="py")
     assert argv[:3] == ["py", "-m", "torch.distributed.run"]
     for flag in ("--nnodes=2:3", "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=head:29500",
@@ -86,10 +85,9 @@ def test_spare_node_swap_resumes_the_sharded_line(tmp_path):
     env = agent_env({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     try:
         for i in range(3):
-            c = TrainerConfig(trainer_id="g", elastic_nnodes="2:2", elastic_rdzv_endpoint=f"127.0.0.1:{port}",
-                              elastic_rdzv_id=f"t{port}", elastic_max_restarts=3, elastic_rdzv_host=i == 0,
-                              elastic_rdzv_conf="join_timeout=120,last_call_timeout=1,keep_alive_interval=1,"
-                                                "keep_alive_max_attempt=3")
+            c = TrainerConfig(trainer_id="g",
+                              elastic={"nnodes": "2:2", "rdzv_endpoint": f"127.0.0.1:{port}", "rdzv_id": f"t{port}", "max_restarts": 3, "rdzv_host": i == 0, "rdzv_conf": "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,"
+                                                "keep_alive_max_attempt=3"})
             argv = torchrun_argv(c, [])[:-2] + [str(ROOT / "tests" / "elastic_worker.py"), str(tmp_path / "spec.json")]
             log = open(tmp_path / f"node{i}.log", "wb")
             agents.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -108,9 +108,9 @@ def test_warm_start_under_world2_matches_one_process(tmp_path):
     tr.prepare()
     init, _ = build_model(c := TrainerConfig(**cfg))
     # why: 2 ranks sum the demonstrations' gradients in another order; warm start: AdamW default betas
-    tokens = c.warmstart_batch * 128            # arith demonstrations: < 128 tokens each (73 the longest of 64)
+    tokens = c.warmstart.batch * 128            # arith demonstrations: < 128 tokens each (73 the longest of 64)
     assert_adam_close(res["fp32"], {n: p.detach() for n, p in model.named_parameters()},
-                      lrs=[c.warmstart_lr] * c.warmstart_steps, betas=(0.9, 0.999),
+                      lrs=[c.warmstart.lr] * c.warmstart.steps, betas=(0.9, 0.999),
                       reduction_len=grad_reduction_len(mcfg, tokens))
     moved = False
     for n, p in model.named_parameters():

@@ -64,7 +64,7 @@ def test_stops_at_the_first_check_that_passes(tmp_path, say_digit):
     losses = warm_start(model, cfg, on_check=checks.append)
     steps = [c["warmstart_step"] for c in checks]
     assert steps == list(range(5, len(losses) + 1, 5))           # every 5 steps, the last one where it stopped
-    assert len(losses) < cfg.warmstart_steps                     # stopped early, on success (train split)
+    assert len(losses) < cfg.warmstart.steps                     # stopped early, on success (train split)
     assert checks[-1]["warmstart_check_success"] >= 0.75
     assert all(c["warmstart_check_success"] < 0.75 for c in checks[:-1])
     assert all(c["warmstart_check_n"] == 16 for c in checks) and model.training
@@ -75,7 +75,7 @@ def test_stops_at_the_first_check_that_passes(tmp_path, say_digit):
 
 
 def test_check_window_and_cap(tmp_path, say_digit):
-    cfg = config(tmp_path, warmstart_until=1.0, warmstart_steps=12, warmstart_check_from=3, warmstart_check_every=4)
+    cfg = config(tmp_path, warmstart={"until": 1.0, "steps": 12, "check_from": 3, "check_every": 4})
     model, _ = build_model(cfg)
     checks = []
     losses = warm_start(model, cfg, on_check=checks.append)
