@@ -306,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     import tomllib
     text = Path(a.config).read_text()
     tr = tomllib.loads(text).get("trainer", {})
-    env = a.env or tr.get("envs", ["arith"])[0]
-    max_tokens = a.max_tokens or int(tr.get("task_sampling", {}).get("max_tokens", 48))
+    env = a.env or tr.get("tasks", {}).get("envs", ["arith"])[0]
+    max_tokens = a.max_tokens or int(tr.get("tasks", {}).get("sampling", {}).get("max_tokens", 48))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else None

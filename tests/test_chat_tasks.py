@@ -56,15 +56,15 @@ def test_chat_template_without_a_template_is_refused(tmp_path):
     with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
         chat_renderer(load_tokenizer(str(tmp_path)))
     conf = {"up": {"workers": 1, "steps": 3}, "worker": {"max_lag": 4, "tokenizer": str(tmp_path)}, "scorer": {},
-            "trainer": {"max_lag": 4, "tokenizer": str(tmp_path), "chat_template": True}}
-    with pytest.raises(ConfigError, match=r"\[trainer\] chat_template = true: .*chat template"):
+            "trainer": {"batch": {"max_lag": 4}, "policy": {"tokenizer": str(tmp_path)}, "tasks": {"chat_template": True}}}
+    with pytest.raises(ConfigError, match=r"\[trainer.tasks\] chat_template = true: .*chat template"):
         config_check.cross_check(config_check.resolve(conf, environ={}))
     missing = str(tmp_path / "nope")
-    conf["trainer"]["tokenizer"] = conf["worker"]["tokenizer"] = missing
-    with pytest.raises(ConfigError, match=r"\[trainer\] chat_template = true: no tokenizer.json"):
+    conf["trainer"]["policy"]["tokenizer"] = conf["worker"]["tokenizer"] = missing
+    with pytest.raises(ConfigError, match=r"\[trainer.tasks\] chat_template = true: no tokenizer.json"):
         config_check.cross_check(config_check.resolve(conf, environ={}))
     chat_tokenizer_folder(tmp_path)                   # with a template: passes
-    conf["trainer"]["tokenizer"] = conf["worker"]["tokenizer"] = str(tmp_path)
+    conf["trainer"]["policy"]["tokenizer"] = conf["worker"]["tokenizer"] = str(tmp_path)
     config_check.cross_check(config_check.resolve(conf, environ={}))
 
 

@@ -180,11 +180,11 @@ def test_unknown_penalty_and_bad_options_are_refused():
     with pytest.raises(ValueError, match="unknown penalty"):
         apply_penalty(r, s, c, lam, pen, g, "quadratic")
     for kw in (dict(penalty="quadratic"), dict(penalty_cap=0.5), dict(penalty_cap=0.0),
-               dict(lambda_schedule="ramp"), dict(lambda_schedule="budget", budget_tokens=10.0),
-               dict(lambda_schedule="budget", budget_lr=0.01), dict(lambda_target=-1.0),
-               dict(lambda_target=float("nan")), dict(lambda_schedule="sometimes")):
+               dict(schedule="ramp"), dict(schedule="budget", budget_tokens=10.0),
+               dict(schedule="budget", budget_lr=0.01), dict(target=-1.0),
+               dict(target=float("nan")), dict(schedule="sometimes")):
         with pytest.raises(ValueError, match=next(iter(kw))):
-            TrainerConfig(**kw)
+            TrainerConfig(cost=kw)
 
 
 def _tiny_samples(success, cost_tokens, lam=0.01):

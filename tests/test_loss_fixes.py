@@ -55,7 +55,7 @@ def test_advantages_scale_linearly_with_lambda_in_a_group_of_uniform_success():
     must scale with lambda (under std normalisation lambda cancels: 1e-4 and 1e-2 give the same)."""
     L = torch.tensor([10.0, 20.0, 30.0, 45.0])
     g = torch.zeros(4, dtype=torch.long)
-    norm = TrainerConfig().adv_norm
+    norm = TrainerConfig().loss.adv_norm
     small = group_advantages(1 - 1e-4 * L, g, norm)
     big = group_advantages(1 - 1e-2 * L, g, norm)
     assert (small.abs() > 0).all()
@@ -136,7 +136,7 @@ def test_kl_term_expected_gradient_is_the_gradient_of_kl_pi_ref_under_mu():
 def test_ppo_clip_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="trust region"):
         TrainerConfig(loss={"ppo_clip": 0.2})
-    assert TrainerConfig(loss={"ppo_clip": 0.0}).ppo_clip == 0.0       # old configs that set 0 still load
+    assert TrainerConfig(loss={"ppo_clip": 0.0}).loss.ppo_clip == 0.0       # old configs that set 0 still load
 
 
 # -- 5: chunked logprobs, token-budget micro-batches -------------------------------------------------

@@ -71,7 +71,7 @@ def test_spare_node_swap_resumes_the_sharded_line(tmp_path):
     from trainer.factory import build_learner, build_model, build_optimizer
     samples = make_samples(seed=3)
     torch.save(samples, tmp_path / "samples.pt")
-    cfg = cfg_dict(tmp_path, kl_coef=0.0, activation_checkpointing=False)
+    cfg = cfg_dict(tmp_path, loss={"kl_coef": 0.0}, policy={"activation_checkpointing": False})
     target = 8
     out = tmp_path / "out"
     out.mkdir()
@@ -126,12 +126,12 @@ def test_spare_node_swap_resumes_the_sharded_line(tmp_path):
     assert len({d["epoch"] for d in got}) == 2 and all(d["world"] == 2 for d in got), got   # re-formed at world 2
     assert killed_at < target
     assert spare_joined                                                 # the spare node took a rank
-    st = checkpoint.load_latest(cfg["checkpoint_dir"])
+    st = checkpoint.load_latest(cfg["checkpoint"]["dir"])
     assert st.version == target
     c = TrainerConfig(**cfg)
     model, _ = build_model(c)
     learner = build_learner(model, build_optimizer(model, c), c)
-    learner.load_payload(cfg["checkpoint_dir"], st.model, st.optimizer)
+    learner.load_payload(cfg["checkpoint"]["dir"], st.model, st.optimizer)
     straight, stats = one_process(cfg, samples, target)
     # why: world 2 (and the re-formed group) sums gradients in another order: AdamW's bound over the steps
     assert_runs_close(dict(model.named_parameters()), straight.model, cfg, samples, [s["lr"] for s in stats])
