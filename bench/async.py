@@ -57,9 +57,11 @@ def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None 
         warm_start(model, cfg, mcfg, style=cfg.warmstart.style)
         init, steps = save_hf_checkpoint(model, out / "init"), cfg.warmstart.steps
     warm_s = time.perf_counter() - t0
-    ev = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.policy.tokenizer), cfg.tasks.envs, cfg.tasks.sampling,
-                  eval_prompts, cfg.run.seed)
-    conf["trainer"] = {**conf.get("trainer", {}), "init_checkpoint": str(init), "warmstart_steps": 0}
+    ev = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.policy.tokenizer), cfg.tasks.envs,
+                  cfg.tasks.sampling, eval_prompts, cfg.run.seed)
+    t = conf.setdefault("trainer", {})
+    t["policy"] = {**t.get("policy", {}), "init_checkpoint": str(init)}
+    t["warmstart"] = {**t.get("warmstart", {}), "steps": 0}
     derived = out / "bench-async.toml"
     write_toml(derived, conf)
     return str(derived), {"warmstart_steps": steps, "warmstart_s": warm_s,

@@ -5,8 +5,8 @@
 
 Builds the policy as the trainer does (the config's [trainer] section, overridden by the flags),
 runs trainer/warmstart.py on the config's envs and, at each `--eval-at` step, plays `--eval-n`
-held-out episodes (eval split, the config's task_sampling) with trainer/evaluate.py's lockstep
-episodes. Used to size warmstart_steps / warmstart_lr / warmstart_batch so that RL starts from a
+held-out episodes (eval split, the config's [trainer.tasks] sampling) with trainer/evaluate.py's lockstep
+episodes. Used to size [trainer.warmstart] steps / lr / batch so that RL starts from a
 moderate held-out success within the demo's 15 minutes. Prints one JSON object last.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="deploy/swe-demo.toml")
-    ap.add_argument("--steps", type=int, default=None, help="default: the config's warmstart_steps")
+    ap.add_argument("--steps", type=int, default=None, help="default: the config's [trainer.warmstart] steps")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--eval-at", default="", help="comma-separated steps (1-based) to evaluate after")
@@ -44,9 +44,8 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     cfg = load_config(TrainerConfig, a.config, section="trainer")
-    over = {k: v for k, v in (("warmstart_steps", a.steps), ("warmstart_lr", a.lr), ("warmstart_batch", a.batch))
-            if v is not None}
-    cfg = dataclasses.replace(cfg, **over)
+    over = {k: v for k, v in (("steps", a.steps), ("lr", a.lr), ("batch", a.batch)) if v is not None}
+    cfg = dataclasses.replace(cfg, warmstart=dataclasses.replace(cfg.warmstart, **over))
     tok = load_tokenizer(cfg.policy.tokenizer)
     model, mcfg = build_model(cfg)
     if a.load:

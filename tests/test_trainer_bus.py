@@ -172,7 +172,7 @@ def test_replay_uses_each_rollouts_fp8_sites_and_kept_sets(tmp_path):
     packed = pack(Batch([Sample(s.get_rollout(), s, msg=None) for s in (sc, other)], n_groups=1, version=0))
     _, st = build_learner(model, build_optimizer(model, cfg), cfg).loss(packed, grad=False)
     assert st["k3_mean"] < 1e-9 and abs(st["ratio_mean"] - 1) < 1e-5
-    naive = build_learner(model, build_optimizer(model, cfg), TrainerConfig(**{**cfg.__dict__, "replay": False}))
+    naive = build_learner(model, build_optimizer(model, cfg), TrainerConfig(**{**cfg.__dict__, "loss": dataclasses.replace(cfg.loss, replay=False)}))
     _, st2 = naive.loss(packed, grad=False)
     assert st2["k3_mean"] > 1e-4
 
@@ -337,19 +337,20 @@ def test_delta_context_auto_is_on_for_a_pretrained_start_only(tmp_path):
     (deploy/smollm2.toml as shipped) and not for the toy's fresh weights; an explicit value wins;
     anything else is refused with the allowed values."""
     from bus.config import ConfigError, load_config
-    assert TrainerConfig().delta_context == "auto" and not TrainerConfig().use_delta_context
+    assert TrainerConfig().publish.delta_context == "auto" and not TrainerConfig().use_delta_context
     assert TrainerConfig(policy={"init_checkpoint": "/some/hf"}).use_delta_context
-    assert not TrainerConfig(policy={"init_checkpoint": "/some/hf"}, publish={"delta_context": False}).use_delta_context
+    assert not TrainerConfig(policy={"init_checkpoint": "/some/hf"},
+                             publish={"delta_context": False}).use_delta_context
     assert TrainerConfig(publish={"delta_context": True}).use_delta_context
     smol = load_config(TrainerConfig, "deploy/smollm2.toml", section="trainer", environ={})
     assert smol.policy.init_checkpoint and smol.publish.delta_context == "auto" and smol.use_delta_context
-    toy = load_config(TrainerConfig, None, environ={"ASYNCRL_DELTA_CONTEXT": "off"})
+    toy = load_config(TrainerConfig, None, environ={"ASYNCRL_PUBLISH__DELTA_CONTEXT": "off"})
     assert toy.publish.delta_context is False
-    (tmp_path / "t.toml").write_text('delta_context = "sometimes"\n')
+    (tmp_path / "t.toml").write_text('[publish]\ndelta_context = "sometimes"\n')
     with pytest.raises(ConfigError, match="delta_context.*auto"):
         load_config(TrainerConfig, tmp_path / "t.toml", environ={})
 
 
 def test_skip_uniform_groups_refused_in_sync_mode():
-    with pytest.raises(ValueError, match="skip_uniform_groups"):
+    with pytest.raises(ValueError, match="skip_uniform"):
         TrainerConfig(run={"mode": "sync"}, batch={"skip_uniform": True})

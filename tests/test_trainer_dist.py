@@ -36,9 +36,11 @@ async def test_two_process_gloo_matches_one_process(bus, fresh_server, tmp_path)
     lr = build_learner(model, build_optimizer(model, cfg), cfg).step(packed)["lr"]
 
     conf = tmp_path / "t.toml"
-    write_toml(conf, {"trainer": {"trainer_id": "ddp", "model": {k: v for k, v in cfg.policy.model.items() if v is not None}, "batch_groups": 2, "group_size": 3,
-                                  "feed": False, "lr": cfg.optim.lr, "max_steps": 1, "checkpoint_dir": str(cfg.checkpoint.dir),
-                                  "fetch_timeout_s": 0.2, "bus": {"servers": [fresh_server.url]}}})
+    write_toml(conf, {"trainer": {"trainer_id": "ddp",
+                                  "policy": {"model": {k: v for k, v in cfg.policy.model.items() if v is not None}},
+                                  "batch": {"groups": 2, "group_size": 3, "fetch_timeout_s": 0.2},
+                                  "tasks": {"feed": False}, "optim": {"lr": cfg.optim.lr}, "run": {"max_steps": 1},
+                                  "checkpoint": {"dir": str(cfg.checkpoint.dir)}, "bus": {"servers": [fresh_server.url]}}})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           "-m", "trainer", "--config", str(conf)], cwd=ROOT, env=env, capture_output=True,

@@ -29,9 +29,9 @@ STEPS = 3
 
 
 def test_publish_mode_is_validated():
-    assert TrainerConfig(publish="sharded").publish == "sharded"
-    with pytest.raises(ValueError, match="publish"):
-        TrainerConfig(publish="scattered")
+    assert TrainerConfig(publish={"layout": "sharded"}).publish.layout == "sharded"
+    with pytest.raises(ValueError, match="layout"):
+        TrainerConfig(publish={"layout": "scattered"})
 
 
 def gathered_state(cfg, st: checkpoint.TrainerState) -> dict:
@@ -49,11 +49,13 @@ async def test_two_rank_sharded_publication_is_bit_exact_for_a_real_follower(bus
     model, mcfg = build_model(cfg)
     await publish_groups(bus, model, 2 * STEPS, 3, seed=5)
     conf = tmp_path / "t.toml"
-    write_toml(conf, {"trainer": {"trainer_id": "shards", "model": {k: v for k, v in cfg.policy.model.items() if v is not None},
-                                  "batch_groups": 2, "group_size": 3, "feed": False, "lr": cfg.optim.lr,
-                                  "max_steps": STEPS, "checkpoint_dir": str(cfg.checkpoint.dir),
-                                  "keep_checkpoints": STEPS + 1, "fetch_timeout_s": 0.2, "publish": "sharded",
-                                  "keyframe_interval": 2, "signing_key": str(tmp_path / "sk.hex"),
+    write_toml(conf, {"trainer": {"trainer_id": "shards",
+                                  "policy": {"model": {k: v for k, v in cfg.policy.model.items() if v is not None}},
+                                  "batch": {"groups": 2, "group_size": 3, "fetch_timeout_s": 0.2},
+                                  "tasks": {"feed": False}, "optim": {"lr": cfg.optim.lr}, "run": {"max_steps": STEPS},
+                                  "checkpoint": {"dir": str(cfg.checkpoint.dir), "keep": STEPS + 1},
+                                  "publish": {"layout": "sharded", "keyframe_interval": 2,
+                                              "signing_key": str(tmp_path / "sk.hex")},
                                   "bus": {"servers": [fresh_server.url]}}})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

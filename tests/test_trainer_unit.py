@@ -144,7 +144,7 @@ def test_bad_configuration_is_a_clear_error(tmp_path, capsys):
     bad.write_text("[trainer]\nbatch_grups = 3\n")
     assert main(["--config", str(bad)]) == 2
     assert "batch_grups" in capsys.readouterr().err
-    bad.write_text("[trainer]\nis_mode = 'sometimes'\n")
+    bad.write_text("[trainer.loss]\nis_mode = 'sometimes'\n")
     assert main(["--config", str(bad)]) == 2
     assert "is_mode" in capsys.readouterr().err
 

@@ -57,19 +57,19 @@ def test_warmstart_from_another_model_shape_is_refused(tmp_path, say_digit):
                           "d_ff": 32, "max_seq_len": 64}})
     tr = leader(other)
     before = {k: v.clone() for k, v in tr.learner.model.state_dict().items()}
-    with pytest.raises(ValueError, match="warmstart_from .* saved for model"):
+    with pytest.raises(ValueError, match=r"\[trainer.warmstart\] reuse .* saved for model"):
         tr.prepare()
     assert all(torch.equal(before[k], v) for k, v in tr.learner.model.state_dict().items())   # nothing loaded
     assert not (tmp_path / "b" / "run" / "warmstart.pt").exists()
 
 
 def test_missing_warmstart_file_is_refused_before_start(tmp_path):
-    with pytest.raises(ValueError, match="warmstart_from"):
+    with pytest.raises(ValueError, match=r"\[trainer.warmstart\] invalid value for reuse"):
         TrainerConfig(trainer_id="t", warmstart={"reuse": str(tmp_path / "nope.pt")})
-    with pytest.raises(ValueError, match="warmstart_threads"):
+    with pytest.raises(ValueError, match=r"\[trainer.warmstart\] invalid value for threads"):
         TrainerConfig(trainer_id="t", warmstart={"threads": -1})
-    with pytest.raises(ConfigError, match=r"\[trainer\].*warmstart_from"):
-        config_check.resolve({"trainer": {"warmstart_from": str(tmp_path / "nope.pt")}}, environ={})
+    with pytest.raises(ConfigError, match=r"\[trainer\].*reuse"):
+        config_check.resolve({"trainer": {"warmstart": {"reuse": str(tmp_path / "nope.pt")}}}, environ={})
 
 
 def test_prefetched_demonstrations_keep_their_order_and_threads_are_restored(tmp_path, say_digit, monkeypatch):
@@ -115,7 +115,8 @@ def test_initial_eval_after_the_run(tmp_path, say_digit):
     assert summary["eval_success_initial"] == row["eval_success"] and summary["eval_version_final"] == 7
     assert summary["eval_success_final"] == 0.25
     # without a warm start the initial policy is the trainer's seeded initial model
-    plain = dataclasses.replace(cfg, run_dir=str(tmp_path / "plain"), warmstart_steps=0)
+    plain = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(tmp_path / "plain")),
+                                warmstart=dataclasses.replace(cfg.warmstart, steps=0))
     row = evaluate_initial(plain)
     model, mcfg = initial_model(plain)
     want = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.policy.tokenizer), cfg.tasks.envs, cfg.tasks.sampling,
