@@ -117,8 +117,9 @@ def cross_check(resolved: dict, sync: bool = False) -> None:
         pub = load_signing_key(key).public_key().public_bytes(serialization.Encoding.Raw,
                                                               serialization.PublicFormat.Raw)
         if pub not in _public_keys(w.public_key):
-            raise ConfigError(f"signing key pair disagrees: [trainer.publish] signing_key = {key!r} has public "
-                              f"key {pub.hex()}, which [worker] public_key = {w.public_key!r} does not accept")
+            raise ConfigError(f"signing key pair disagrees: [trainer.publish] signing_key = {key!r} has "
+                              f"public key {pub.hex()}, which [worker] public_key = {w.public_key!r} "
+                              f"does not accept")
 
 
 def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:

@@ -58,8 +58,8 @@ def configured(conf: dict) -> dict[str, int]:
             continue
         v = table["threads"]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"[{child_conf.where(s)}] threads = {v!r}: must be an integer >= 1 (intra-op threads of each "
-                              f"{s} process; leave it out for the default)")
+            raise ConfigError(f"[{child_conf.where(s)}] threads = {v!r}: must be an integer >= 1 (intra-op "
+                              f"threads of each {s} process; leave it out for the default)")
         out[s] = v
     return out
 

@@ -276,7 +276,8 @@ async def run(a: argparse.Namespace) -> int:
     try:      # signed by default: a per-run key pair unless the config brings its own (run_secrets)
         conf = run_secrets.with_signing(conf, run_dir)
     except (ValueError, OSError) as e:
-        print(f"asyncrl up: signing ([trainer.publish] signing_key, [worker] public_key): {e}", file=sys.stderr)
+        print(f"asyncrl up: signing ([trainer.publish] signing_key, [worker] public_key): {e}",
+              file=sys.stderr)
         return 2
 
     server, auth, creds = None, None, {}
@@ -304,8 +305,8 @@ async def run(a: argparse.Namespace) -> int:
     # a fixed trainer id seeds the task feeder the same way in every run (async vs sync see the same tasks)
     trainer = resolve_model_refs(conf.get("trainer", {}))
     trainer_conf = {"trainer_id": "trainer", **trainer, "bus": bus_conf,
-                    "run": {**drain, **trainer.get("run", {}), "dir": str(run_dir), "mode": "sync" if sync else "async",
-                            "threads": threads.trainer},
+                    "run": {**drain, **trainer.get("run", {}), "dir": str(run_dir),
+                            "mode": "sync" if sync else "async", "threads": threads.trainer},
                     "checkpoint": {**trainer.get("checkpoint", {}), "dir": str(run_dir / "checkpoints")}}
     if sync:
         trainer_conf["batch"] = {**trainer.get("batch", {}), "max_lag": 0}

@@ -259,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmstart-steps", type=int, default=60,
                     help="supervised oracle batches before both runs (0: the config's)")
     ap.add_argument("--slots", type=int, default=None, help="[worker] slots (default: the config's)")
-    ap.add_argument("--group-size", type=int, default=None, help="[trainer] group_size (default: the config's)")
-    ap.add_argument("--batch-groups", type=int, default=None, help="[trainer.batch] groups (default: the config's)")
+    ap.add_argument("--group-size", type=int, default=None, help="[trainer.batch] group_size (default: the config's)")
+    ap.add_argument("--batch-groups", type=int, default=None,
+                    help="[trainer.batch] groups (default: the config's)")
     ap.add_argument("--max-lag", type=int, default=None, help="async staleness bound, trainer and worker "
                     "(default: the config's)")
     ap.add_argument("--test-latency", type=parse_latency, default=(0.0, 0.0), metavar="MEDIAN_S,P99_S",
@@ -297,9 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         base = with_overrides(a.config, out, worker={"slots": a.slots, "max_lag": a.max_lag,
                                                      "max_inflight": a.max_inflight, "sandbox_latency": latency,
                                                      "episode_wall_s": a.episode_wall_s},
-                              trainer={"warmstart": {"steps": a.warmstart_steps or None}, "tasks": {"eval_every": 0},
-                                       # both sides train every group (sync cannot skip: its barrier waits
-                                       # for exactly `groups` tasks), so trained samples/s compare like for like
+                              trainer={"warmstart": {"steps": a.warmstart_steps or None},
+                                       "tasks": {"eval_every": 0},
+                                       # both sides train every group (sync cannot skip: its barrier
+                                       # waits for exactly `groups` tasks): trained samples/s compare
                                        "batch": {"group_size": a.group_size, "groups": a.batch_groups,
                                                  "max_lag": a.max_lag, "group_timeout_s": a.group_timeout_s,
                                                  "skip_uniform": False}})

@@ -79,8 +79,8 @@ def final_eval(run_dir: Path, config: str, n: int) -> dict:
 
     cfg = load_config(TrainerConfig, config, section="trainer")
     model, source = load_policy_file(str(run_dir / "checkpoints"))
-    ev = evaluate(inference_state(model), model.cfg, load_tokenizer(cfg.policy.tokenizer), cfg.tasks.envs, cfg.tasks.sampling,
-                  n, cfg.run.seed)
+    ev = evaluate(inference_state(model), model.cfg, load_tokenizer(cfg.policy.tokenizer), cfg.tasks.envs,
+                  cfg.tasks.sampling, n, cfg.run.seed)
     return {"eval_success": ev["eval_success"], "eval_tokens": ev["eval_tokens"], "eval_checkpoint": source}
 
 

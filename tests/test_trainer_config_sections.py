@@ -47,7 +47,8 @@ def test_old_flat_keys_fail_config_check_naming_every_new_place(tmp_path):
     r = check(cfg)
     assert r.returncode == 2, r.stdout + r.stderr
     for moved in ("lr: moved to [trainer.optim] lr", "batch_groups: moved to [trainer.batch] groups",
-                  "warmstart_from: moved to [trainer.warmstart] reuse", "publish: moved to [trainer.publish] layout",
+                  "warmstart_from: moved to [trainer.warmstart] reuse",
+                  "publish: moved to [trainer.publish] layout",
                   "elastic_nnodes: moved to [trainer.elastic] nnodes"):
         assert moved in r.stderr, r.stderr
 
@@ -67,8 +68,10 @@ def test_env_override_of_a_nested_key_and_a_flat_one_refused():
     cfg = load_config(TrainerConfig, None, environ={"ASYNCRL_OPTIM__LR": "3e-4", "ASYNCRL_BATCH__GROUPS": "8",
                                                     "ASYNCRL_BUS__SERVERS": "nats://a:4222,nats://b:4222",
                                                     "ASYNCRL_SLOTS": "4"})        # another process's: ignored
-    assert cfg.optim.lr == 3e-4 and cfg.batch.groups == 8 and cfg.bus.servers == ["nats://a:4222", "nats://b:4222"]
-    with pytest.raises(ConfigError, match=r"ASYNCRL_SIGNING_KEY.*\[publish\] signing_key.*ASYNCRL_PUBLISH__SIGNING_KEY"):
+    assert cfg.optim.lr == 3e-4 and cfg.batch.groups == 8
+    assert cfg.bus.servers == ["nats://a:4222", "nats://b:4222"]
+    with pytest.raises(ConfigError,
+                       match=r"ASYNCRL_SIGNING_KEY.*\[publish\] signing_key.*ASYNCRL_PUBLISH__SIGNING_KEY"):
         load_config(TrainerConfig, None, environ={"ASYNCRL_SIGNING_KEY": "/k"})
 
 
@@ -79,12 +82,12 @@ def test_env_override_reaches_a_trainer_process(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") or k == "ASYNCRL_CACHE"},
            "PYTHONPATH": str(ROOT), "ASYNCRL_CHECKPOINT__DIR": str(tmp_path / "empty"),
            "ASYNCRL_TASKS__EVAL_PROMPTS": "4"}
-    r = subprocess.run([sys.executable, "-m", "trainer", "--config", str(cfg), "--eval-final"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and f"no checkpoint in {tmp_path / 'empty'}" in r.stdout + r.stderr, r.stderr[-2000:]
+    argv = [sys.executable, "-m", "trainer", "--config", str(cfg), "--eval-final"]
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and f"no checkpoint in {tmp_path / 'empty'}" in out, out[-2000:]
     env["ASYNCRL_CHECKPOINT_DIR"] = "/x"
-    r = subprocess.run([sys.executable, "-m", "trainer", "--config", str(cfg), "--eval-final"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "ASYNCRL_CHECKPOINT__DIR" in r.stderr, r.stderr[-2000:]
 
 
@@ -97,7 +100,8 @@ def test_config_check_prints_the_tree(tmp_path):
     text = r.stdout
     start = text.index("[trainer]\n") + len("[trainer]\n")
     tree = json.JSONDecoder().raw_decode(text[start:])[0]
-    assert tree["optim"]["lr"] == 3e-4 and tree["batch"]["max_lag"] == 3 and tree["loss"]["is_mode"] == "truncated"
+    assert tree["optim"]["lr"] == 3e-4 and tree["batch"]["max_lag"] == 3
+    assert tree["loss"]["is_mode"] == "truncated"
     assert set(tree) == {f.name for f in dataclasses.fields(TrainerConfig)}
 
 

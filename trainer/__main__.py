@@ -64,13 +64,14 @@ def parse_args(argv=None):
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--id", help="trainer id (lease holder name)")
     ap.add_argument("--eval-final", action="store_true",
-                    help="evaluate the newest checkpoint in [trainer.checkpoint] dir on the eval split and exit "
-                         "(no bus; `asyncrl up` runs it after a run with [up] final_eval)")
+                    help="evaluate the newest checkpoint in [trainer.checkpoint] dir on the eval split and "
+                         "exit (no bus; `asyncrl up` runs it after a run with [up] final_eval)")
     ap.add_argument("--eval-initial", action="store_true",
-                    help="evaluate the policy the run started from ([trainer.run] dir/warmstart.pt, else the initial "
-                         "model) unless the run evaluated version 0, and exit (no bus; [up] final_eval)")
+                    help="evaluate the policy the run started from ([trainer.run] dir/warmstart.pt, else the "
+                         "initial model) unless the run evaluated version 0, and exit (no bus; [up] final_eval)")
     ap.add_argument("--elastic", action="store_true",
-                    help="run this node's torchrun elastic agent ([trainer.elastic]) instead: see docs/trainer.md")
+                    help="run this node's torchrun elastic agent ([trainer.elastic]) instead: "
+                         "see docs/trainer.md")
     return ap.parse_args(argv)
 
 

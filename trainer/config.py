@@ -16,46 +16,44 @@ from typing import ClassVar
 from bus import BusConfig
 from bus.config import build
 
-from .sections import (LAMBDA_SCHEDULES, PENALTIES, BatchSection, CheckpointSection, CostSection,  # noqa: F401
-                       ElasticSection, FaultsSection, LeaseSection, LossConfig, OptimSection, PolicySection,
-                       PublishSection, RunSection, TasksSection, WarmstartSection)
+from .sections import (  # noqa: F401  (PENALTIES, LAMBDA_SCHEDULES: re-exported)
+    LAMBDA_SCHEDULES, PENALTIES, BatchSection, CheckpointSection, CostSection, ElasticSection, FaultsSection,
+    LeaseSection, LossConfig, OptimSection, PolicySection, PublishSection, RunSection, TasksSection,
+    WarmstartSection)
+
+
+def _same(*keys: str) -> dict[str, str]:
+    return {k: k for k in keys}
+
 
 # the flat layout's keys by their new section: {section: {old key: new key}}
 _MOVES = {
-    "run": {"mode": "mode", "max_steps": "max_steps", "seed": "seed", "run_dir": "dir", "threads": "threads",
-            "grace_s": "grace_s", "metrics_port": "metrics_port", "dedupe_window": "dedupe_window",
-            "sync_task_timeout_s": "sync_task_timeout_s", "sweep_stranded": "sweep_stranded"},
-    "policy": {"model": "model", "tokenizer": "tokenizer", "init_checkpoint": "init_checkpoint",
-               "device": "device", "mixed_precision": "mixed_precision",
-               "activation_checkpointing": "activation_checkpointing"},
-    "optim": {"lr": "lr", "lr_warmup_steps": "warmup_steps", "lr_schedule": "schedule",
-              "lr_decay_steps": "decay_steps", "lr_min_ratio": "min_ratio", "betas": "betas",
-              "weight_decay": "weight_decay", "grad_clip": "grad_clip"},
-    "loss": {k: k for k in ("adv_norm", "is_mode", "is_clip", "entropy_coef", "kl_coef", "ppo_clip", "micro_batch",
-                            "micro_batch_tokens", "logit_chunk_mb", "replay", "published_point")},
-    "cost": {"penalty": "penalty", "penalty_cap": "penalty_cap", "lambda_schedule": "schedule",
-             "lambda_target": "target", "lambda_ramp_versions": "ramp_versions", "budget_tokens": "budget_tokens",
-             "budget_lr": "budget_lr"},
-    "batch": {"batch_groups": "groups", "group_size": "group_size", "group_timeout_s": "group_timeout_s",
-              "max_lag": "max_lag", "stale": "stale", "stale_weight": "stale_weight", "max_k3": "max_k3",
-              "fetch_timeout_s": "fetch_timeout_s", "skip_uniform_groups": "skip_uniform",
-              "skip_uniform_by": "skip_uniform_by"},
-    "tasks": {"envs": "envs", "task_sampling": "sampling", "chat_template": "chat_template", "feed": "feed",
-              "feed_backlog": "backlog", "feed_max_outstanding": "max_outstanding", "eval_every": "eval_every",
-              "eval_prompts": "eval_prompts"},
-    "publish": {"keyframe_interval": "keyframe_interval", "publish": "layout", "delta_context": "delta_context",
-                "signing_key": "signing_key"},
+    "run": {**_same("mode", "max_steps", "seed", "threads", "grace_s", "metrics_port", "dedupe_window",
+                    "sync_task_timeout_s", "sweep_stranded"), "run_dir": "dir"},
+    "policy": _same("model", "tokenizer", "init_checkpoint", "device", "mixed_precision",
+                    "activation_checkpointing"),
+    "optim": {**_same("lr", "betas", "weight_decay", "grad_clip"), "lr_warmup_steps": "warmup_steps",
+              "lr_schedule": "schedule", "lr_decay_steps": "decay_steps", "lr_min_ratio": "min_ratio"},
+    "loss": _same("adv_norm", "is_mode", "is_clip", "entropy_coef", "kl_coef", "ppo_clip", "micro_batch",
+                  "micro_batch_tokens", "logit_chunk_mb", "replay", "published_point"),
+    "cost": {**_same("penalty", "penalty_cap", "budget_tokens", "budget_lr"), "lambda_schedule": "schedule",
+             "lambda_target": "target", "lambda_ramp_versions": "ramp_versions"},
+    "batch": {**_same("group_size", "group_timeout_s", "max_lag", "stale", "stale_weight", "max_k3",
+                      "fetch_timeout_s", "skip_uniform_by"),
+              "batch_groups": "groups", "skip_uniform_groups": "skip_uniform"},
+    "tasks": {**_same("envs", "chat_template", "feed", "eval_every", "eval_prompts"),
+              "task_sampling": "sampling",
+              "feed_backlog": "backlog", "feed_max_outstanding": "max_outstanding"},
+    "publish": {**_same("keyframe_interval", "delta_context", "signing_key"), "publish": "layout"},
     "checkpoint": {"checkpoint_dir": "dir", "keep_checkpoints": "keep", "async_checkpoint": "async_save",
                    "checkpoint_every": "every"},
-    "warmstart": {"warmstart_steps": "steps", "warmstart_lr": "lr", "warmstart_style": "style",
-                  "warmstart_batch": "batch", "warmstart_threads": "threads", "warmstart_until": "until",
-                  "warmstart_check_every": "check_every", "warmstart_check_from": "check_from",
-                  "warmstart_check_n": "check_n", "warmstart_from": "reuse"},
+    "warmstart": {**{f"warmstart_{k}": k for k in ("steps", "lr", "style", "batch", "threads", "until",
+                                                  "check_every", "check_from", "check_n")},
+                  "warmstart_from": "reuse"},
     "lease": {"lease_ttl_s": "ttl_s", "lease_renew_s": "renew_s"},
-    "elastic": {f"elastic_{k}": k for k in ("nnodes", "nproc_per_node", "rdzv_endpoint", "rdzv_id", "max_restarts",
-                                            "rdzv_host", "rdzv_conf")},
-    "faults": {"stop_before_publish": "stop_before_publish", "probe_when_deposed": "probe_when_deposed",
-               "debug_step_delay_s": "step_delay_s"},
+    "elastic": {f"elastic_{k}": k for k in ("nnodes", "nproc_per_node", "rdzv_endpoint", "rdzv_id",
+                                            "max_restarts", "rdzv_host", "rdzv_conf")},
+    "faults": {**_same("stop_before_publish", "probe_when_deposed"), "debug_step_delay_s": "step_delay_s"},
 }
 
 
@@ -77,13 +75,16 @@ class TrainerConfig:
     elastic: ElasticSection = field(default_factory=ElasticSection)
     faults: FaultsSection = field(default_factory=FaultsSection)
 
-    MOVED: ClassVar[dict[str, str]] = {old: f"{sect}.{new}" for sect, m in _MOVES.items() for old, new in m.items()}
+    # old flat key -> "section.key" (bus.config refuses the old one with its new place)
+    MOVED: ClassVar[dict[str, str]] = {old: f"{sect}.{new}" for sect, m in _MOVES.items()
+                                       for old, new in m.items()}
 
     def __post_init__(self) -> None:
-        for f in fields(self):       # a section given as a dict (tests, overrides) is checked like a file's table
+        hints = typing.get_type_hints(TrainerConfig)
+        for f in fields(self):       # a section given as a dict (tests, overrides): checked like a table
             v = getattr(self, f.name)
-            if isinstance(v, dict) and f.name != "bus":
-                setattr(self, f.name, build(typing.get_type_hints(TrainerConfig)[f.name], v, f.name, "trainer"))
+            if isinstance(v, dict):
+                setattr(self, f.name, build(hints[f.name], v, f.name, "trainer"))
         if not self.trainer_id:
             self.trainer_id = f"{socket.gethostname()}-{os.getpid()}"
         # what no single section can see
@@ -93,13 +94,13 @@ class TrainerConfig:
             # sync publishes exactly batch.groups tasks per version: a skipped group would stall it
             "batch.skip_uniform": not (self.batch.skip_uniform and self.run.mode == "sync"),
         }
-        bad = [k for k, ok in checks.items() if not ok]
+        hints_ = {"batch.skip_uniform": "skip_uniform is async only ([trainer.run] mode = 'sync')",
+                  "tasks.chat_template": "the char tokenizer has no chat template"}
+        bad = [k.split(".") for k, ok in checks.items() if not ok]
         if bad:
-            raise ValueError("TrainerConfig: invalid value for " + ", ".join(bad) + ": " + ", ".join(
-                f"[trainer.{k.split('.')[0]}] {k.split('.')[1]}="
-                f"{getattr(getattr(self, k.split('.')[0]), k.split('.')[1])!r}" for k in bad)
-                + ("; skip_uniform is async only ([trainer.run] mode = 'sync')" if "batch.skip_uniform" in bad else "")
-                + ("; the char tokenizer has no chat template" if "tasks.chat_template" in bad else ""))
+            raise ValueError("TrainerConfig: invalid value for " + ", ".join(
+                f"[trainer.{sect}] {key}={getattr(getattr(self, sect), key)!r} ({hints_[f'{sect}.{key}']})"
+                for sect, key in bad))
 
     @property
     def use_delta_context(self) -> bool:

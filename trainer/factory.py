@@ -86,9 +86,10 @@ def build_learner(model, opt, cfg: TrainerConfig, reference: Transformer | None 
     chunk = max(1, int(loss.logit_chunk_mb * 2**20 / (4 * model.cfg.vocab_size)))
     if reference is None and loss.kl_coef > 0:
         reference = build_reference(cfg)
-    return Learner(model, opt, loss, adv_norm=loss.adv_norm, grad_clip=cfg.optim.grad_clip, replay=loss.replay,
-                   micro_batch=loss.micro_batch, schedule=build_schedule(cfg), kl_coef=loss.kl_coef,
-                   reference=reference, async_checkpoint=cfg.checkpoint.async_save,
+    return Learner(model, opt, loss, adv_norm=loss.adv_norm, grad_clip=cfg.optim.grad_clip,
+                   replay=loss.replay, micro_batch=loss.micro_batch, schedule=build_schedule(cfg),
+                   kl_coef=loss.kl_coef, reference=reference, async_checkpoint=cfg.checkpoint.async_save,
                    micro_batch_tokens=loss.micro_batch_tokens, logit_chunk_tokens=chunk,
-                   penalty=cfg.cost.penalty, penalty_cap=cfg.cost.penalty_cap, published_point=loss.published_point,
+                   penalty=cfg.cost.penalty, penalty_cap=cfg.cost.penalty_cap,
+                   published_point=loss.published_point,
                    delta_context=cfg.use_delta_context)     # sharded parts are coded like the gathered delta

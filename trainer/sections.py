@@ -39,7 +39,7 @@ class RunSection:
     # torch intra-op threads of this process (0: torch's default / OMP_NUM_THREADS); `asyncrl up`
     # sets it from its thread plan (asyncrl/thread_plan.py: the cores the workers leave)
     threads: int = 0
-    grace_s: float = 30.0                # SIGTERM: the process is gone within grace_s + bus.lifetime.EXIT_MARGIN_S
+    grace_s: float = 30.0                # SIGTERM: gone within grace_s + bus.lifetime.EXIT_MARGIN_S
     metrics_port: int = 0                # Prometheus /metrics (bus.metrics); 0 = off
     dedupe_window: int = 200_000         # consumed rollout ids remembered (in the checkpoint)
     # sync: a task of the version's batch that yields no group at all (every rollout parked in DLQ,
@@ -77,7 +77,7 @@ class OptimSection:
     lr: float = 1e-4
     warmup_steps: int = 0                # linear warmup from lr/warmup to lr
     schedule: str = "constant"           # constant | cosine (after warmup)
-    decay_steps: int = 0                 # cosine: steps to the floor (0 = max_steps - warmup; 0 there = no decay)
+    decay_steps: int = 0                 # cosine: steps to the floor (0: max_steps - warmup, or none)
     min_ratio: float = 0.0               # cosine floor, fraction of lr
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
@@ -103,7 +103,7 @@ class LossConfig:
     # removed: with one optimizer step per batch no clip can be a trust region (docs/trainer.md); must be 0
     ppo_clip: float = 0.0
     micro_batch: int = 32                # sequences per forward pass (at most)
-    micro_batch_tokens: int = 16384      # padded tokens per forward pass (at most; a longer sequence runs alone)
+    micro_batch_tokens: int = 16384      # padded tokens per forward (at most; a longer sequence runs alone)
     logit_chunk_mb: float = 64.0         # fp32 [tokens, vocab] logits projected at a time (chunked logprobs)
     replay: bool = True                  # recompute logprobs with the workers' sampling masks + fp8 sites
     # forward/backward at the bf16 rounding of the master (what workers sample from), the update
@@ -145,7 +145,8 @@ class CostSection:
             "ramp_versions": self.ramp_versions >= (1 if self.schedule == "ramp" else 0),
             "budget_tokens": math.isfinite(self.budget_tokens) and self.budget_tokens >= 0
                              and (self.budget_tokens > 0 or not budget),
-            "budget_lr": math.isfinite(self.budget_lr) and self.budget_lr >= 0 and (self.budget_lr > 0 or not budget)})
+            "budget_lr": math.isfinite(self.budget_lr) and self.budget_lr >= 0
+                         and (self.budget_lr > 0 or not budget)})
 
 
 @dataclass
@@ -183,10 +184,10 @@ class TasksSection:
     (trainer/evaluate.py, trainer/final_eval.py)."""
     envs: list[str] = field(default_factory=lambda: ["arith"])
     sampling: dict = field(default_factory=lambda: {"temperature": 1.0, "max_tokens": 32})
-    chat_template: bool = False          # send each task's prompt as the user turn of the tokenizer's chat template
+    chat_template: bool = False          # each prompt as the user turn of the tokenizer's chat template
     feed: bool = True                    # publish tasks (off when an external feeder runs)
     backlog: int = 8                     # async: groups kept queued (undelivered) in TASKS
-    max_outstanding: int = 0             # async: cap on generated groups not yet trained (0 = 3 x batch groups)
+    max_outstanding: int = 0             # async: generated groups not yet trained, at most (0: 3 x groups)
     eval_every: int = 0                  # held-out eval of the published policy every N versions (0 = off)
     eval_prompts: int = 128
 
@@ -235,10 +236,13 @@ class WarmstartSection:
     """Supervised steps on env demonstrations before RL (trainer/warmstart.py)."""
     steps: int = 0
     lr: float = 1e-3
-    style: str = "default"               # demonstration style passed to the env (arith: default = direct|steps|padded, mixed = direct|steps, or one)
+    # demonstration style passed to the env (arith: default = direct|steps|padded, mixed = direct|steps,
+    # or one of them)
+    style: str = "default"
     batch: int = 16
-    threads: int = 0                     # torch intra-op threads while warm-starting (0: [trainer.run] threads;
-                                         # workers and scorers idle until v0, so it may take more)
+    # torch intra-op threads while warm-starting (0: [trainer.run] threads; workers and scorers idle
+    # until v0, so it may take more)
+    threads: int = 0
     # stop the warm start on a measured success instead of a step count (0 = off: `steps` steps).
     # On: every check_every steps from check_from, play check_n TRAIN-split tasks at the tasks'
     # sampling (the eval split stays unseen: choosing the stop point on it would leak the
@@ -280,11 +284,11 @@ class ElasticSection:
     node; agents beyond the MAX of nnodes wait as spares and join when a node fails."""
     nnodes: str = "2:2"                  # MIN:MAX agents (nodes), or N
     nproc_per_node: int = 1              # ranks per agent (one per GPU)
-    rdzv_endpoint: str = "127.0.0.1:29400"   # host:port of the c10d rendezvous store (first agent there hosts it)
+    rdzv_endpoint: str = "127.0.0.1:29400"   # host:port of the c10d rendezvous store
     rdzv_id: str = "asyncrl-trainer"     # the same on every agent of one group
     max_restarts: int = 3                # worker-group restarts (re-rendezvous) before an agent gives up
-    rdzv_host: bool = False              # this node hosts the rendezvous store (exactly one node: it cannot be swapped)
-    rdzv_conf: str = ""                  # more torchrun --rdzv_conf, e.g. "join_timeout=120,keep_alive_interval=1"
+    rdzv_host: bool = False              # this node hosts the store (one node: not swappable)
+    rdzv_conf: str = ""                  # more torchrun --rdzv_conf: "join_timeout=120,keep_alive_interval=1"
 
     def __post_init__(self) -> None:
         check("elastic", self, {"nnodes": _nnodes_ok(self.nnodes), "nproc_per_node": self.nproc_per_node >= 1,

@@ -92,7 +92,8 @@ class Fleet:
     def trainer(self, name: str, **over) -> Proc:
         """A trainer process; a section in `over` ({key: value}) is merged into these."""
         conf = {"trainer_id": name, "policy": {"model": dict(MODEL)},
-                "batch": {"groups": BATCH_GROUPS, "group_size": GROUP, "max_lag": 1000, "fetch_timeout_s": 0.3},
+                "batch": {"groups": BATCH_GROUPS, "group_size": GROUP, "max_lag": 1000,
+                          "fetch_timeout_s": 0.3},
                 "tasks": {"feed": False}, "optim": {"lr": 1e-3}, "publish": {"keyframe_interval": 1000},
                 "lease": {"ttl_s": LEASE_TTL_S, "renew_s": 1.0},
                 "checkpoint": {"dir": str(self.run_dir / "ckpt"), "keep": 3},

@@ -54,7 +54,8 @@ def agent_conf(fleet: Fleet, port: int, **over) -> dict:
             "tasks": {"feed": False}, "optim": {"lr": 1e-3}, "publish": {"keyframe_interval": 1000},
             "lease": {"ttl_s": LEASE_TTL_S, "renew_s": 1.0},
             "run": {"grace_s": 3.0, "dir": str(fleet.run_dir / f"trainer-{GROUP_ID}")},
-            "checkpoint": {"dir": str(fleet.run_dir / "ckpt"), "keep": 3}, "bus": fleet.bus_conf("trainer", GROUP_ID),
+            "checkpoint": {"dir": str(fleet.run_dir / "ckpt"), "keep": 3},
+            "bus": fleet.bus_conf("trainer", GROUP_ID),
             "elastic": {"nnodes": NNODES, "rdzv_endpoint": f"127.0.0.1:{port}", "rdzv_id": f"chaos-{port}",
                         "max_restarts": 5,
                         # a dead node leaves the rendezvous after 3 missed 1 s heartbeats (default 3 x 5 s)
