@@ -1,6 +1,7 @@
 """Trainer against a real nats-server: one step publishes a bit-exact delta, stale samples are
 dropped, duplicates and bad rollouts never reach the learner, the lease fences epochs."""
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -91,7 +92,6 @@ async def test_stale_dropped_duplicates_and_bad_rollouts_refused(bus, fresh_serv
     learner = build_learner(model, build_optimizer(model, cfg), cfg)
     packed = pack(batch)
     # dropped samples are out of their group's baseline and their tokens weigh nothing (issue #31 item 6)
-    import dataclasses
     scrambled = [s if s.weight > 0 else dataclasses.replace(s, completion_ids=[5] * 9, logprobs=[-1.0] * 9,
                                                              sampling_mask=SamplingMask.full(9).to_wire())
                  for s in packed]
