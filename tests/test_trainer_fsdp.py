@@ -30,7 +30,7 @@ def grad_len(model, samples) -> int:
 def assert_runs_close(got: dict, model, cfg: dict, samples, lrs: list[float]) -> None:
     # why: world 2 (or a resume) sums the gradients in another order than one process: AdamW's bound
     want = {n: p.detach() for n, p in model.named_parameters()}
-    assert_adam_close(got, want, lrs=lrs, betas=tuple(TrainerConfig(**cfg).betas),
+    assert_adam_close(got, want, lrs=lrs, betas=tuple(TrainerConfig(**cfg).optim.betas),
                       reduction_len=grad_len(model, samples))
 
 
