@@ -7,8 +7,8 @@ Each process validates its own table (bus.config: unknown key, bad type, bad val
 single process can see is checked here, naming both sides:
     [up]        keys, types and ranges (asyncrl.upconfig.UpConfig), like every other table
     tokenizer   trainer and workers decode with the same one (same spec; same file contents);
-                with [trainer] chat_template = true it has a chat template
-    max_lag     the worker's admission bound equals the trainer's staleness bound: a worker
+                with [trainer.tasks] chat_template = true it has a chat template
+    max_lag     the worker's admission bound equals the trainer's staleness bound ([trainer.batch]): a worker
                 allowed further ahead generates samples the trainer then drops
     signing     a worker that checks signatures must accept the trainer's key: the public key
                 derived from the trainer's private key is among the worker's public_key(s);
@@ -58,7 +58,7 @@ def resolve(conf: dict, environ=None) -> dict:
     out = {"up": dict(up)}
     for name, cls in (("trainer", TrainerConfig), ("worker", WorkerConfig), ("scorer", ScorerConfig)):
         try:
-            out[name] = load_config(cls, None, overrides=conf.get(name, {}), environ=env)
+            out[name] = load_config(cls, None, overrides=conf.get(name, {}), environ=env, table=name)
         except (ConfigError, ValueError) as e:
             raise ConfigError(f"[{name}]: {e}") from None
     return out
@@ -80,42 +80,46 @@ def _public_keys(spec: str) -> set[bytes]:
 
 
 def cross_check(resolved: dict, sync: bool = False) -> None:
-    t, w = resolved["trainer"], resolved["worker"]
+    tc, w = resolved["trainer"], resolved["worker"]
+    t = tc.policy
     if t.tokenizer != w.tokenizer and _file_digest(t.tokenizer) != _file_digest(w.tokenizer):
-        raise ConfigError(f"tokenizer disagrees: [trainer] tokenizer = {t.tokenizer!r}, "
+        raise ConfigError(f"tokenizer disagrees: [trainer.policy] tokenizer = {t.tokenizer!r}, "
                           f"[worker] tokenizer = {w.tokenizer!r} (workers must decode with the trainer's)")
     vocab = (t.model or {}).get("vocab_size")
     if vocab and t.tokenizer != "char" and Path(t.tokenizer).is_file():
         import policy
         n = policy.load_hf_tokenizer(t.tokenizer).vocab_size
         if n > int(vocab):
-            raise ConfigError(f"vocabulary disagrees: [trainer] model.vocab_size = {vocab}, "
+            raise ConfigError(f"vocabulary disagrees: [trainer.policy] model.vocab_size = {vocab}, "
                               f"tokenizer {t.tokenizer!r} has {n} ids")
-    if t.chat_template:
+    if tc.tasks.chat_template:
         import policy
         from envs.feeder import chat_renderer
         from asyncrl.model_refs import resolve as resolve_model_refs
         try:         # (`asyncrl up` checks before it resolves model:NAME for the children)
             chat_renderer(policy.load_tokenizer(resolve_model_refs({"tokenizer": t.tokenizer})["tokenizer"]))
         except (OSError, ValueError) as e:
-            raise ConfigError(f"[trainer] chat_template = true: {e}") from None
-    if sync and t.skip_uniform_groups:
-        raise ConfigError("[trainer] skip_uniform_groups = true is async only (a sync run's barrier waits for exactly "
-                          "batch_groups tasks per version): set it false for --sync")
-    if not sync and t.max_lag != w.max_lag:
-        raise ConfigError(f"max_lag disagrees: [trainer] max_lag = {t.max_lag}, [worker] max_lag = {w.max_lag}")
+            raise ConfigError(f"[trainer.tasks] chat_template = true: {e}") from None
+    if sync and tc.batch.skip_uniform:
+        raise ConfigError("[trainer.batch] skip_uniform = true is async only (a sync run's barrier waits for "
+                          "exactly `groups` tasks per version): set it false for --sync")
+    if not sync and tc.batch.max_lag != w.max_lag:
+        raise ConfigError(f"max_lag disagrees: [trainer.batch] max_lag = {tc.batch.max_lag}, "
+                          f"[worker] max_lag = {w.max_lag}")
+    key = tc.publish.signing_key
     if w.public_key:
-        if not t.signing_key:
+        if not key:
             raise ConfigError(f"signing disagrees: [worker] public_key = {w.public_key!r} checks signatures, "
-                              f"but [trainer] signing_key is empty (every update would be refused)")
+                              f"but [trainer.publish] signing_key is empty (every update would be refused)")
         from cryptography.hazmat.primitives import serialization
 
         from trainer.keys import load_signing_key
-        pub = load_signing_key(t.signing_key).public_key().public_bytes(serialization.Encoding.Raw,
-                                                                        serialization.PublicFormat.Raw)
+        pub = load_signing_key(key).public_key().public_bytes(serialization.Encoding.Raw,
+                                                              serialization.PublicFormat.Raw)
         if pub not in _public_keys(w.public_key):
-            raise ConfigError(f"signing key pair disagrees: [trainer] signing_key = {t.signing_key!r} has public "
-                              f"key {pub.hex()}, which [worker] public_key = {w.public_key!r} does not accept")
+            raise ConfigError(f"signing key pair disagrees: [trainer.publish] signing_key = {key!r} has "
+                              f"public key {pub.hex()}, which [worker] public_key = {w.public_key!r} "
+                              f"does not accept")
 
 
 def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:

@@ -7,10 +7,10 @@
 Arms (each a full run from the λ = 0 run's warm start, same seed and tasks; λ_cal = the tangent λ):
     lambda0           λ = 0
     calibrated        λ_cal, linear penalty (the scorer's success − λ·cost)
-    success_only      λ_cal, [trainer] penalty = "success_only"
-    group_normalised  λ_cal, [trainer] penalty = "group_normalised"
-    ramp              [trainer] lambda_schedule = "ramp": 0 -> λ_cal over --ramp-versions versions
-    budget            [trainer] lambda_schedule = "budget": λ from 0, dual ascent to --budget-tokens
+    success_only      λ_cal, [trainer.cost] penalty = "success_only"
+    group_normalised  λ_cal, [trainer.cost] penalty = "group_normalised"
+    ramp              [trainer.cost] schedule = "ramp": 0 -> λ_cal over --ramp-versions versions
+    budget            [trainer.cost] schedule = "budget": λ from 0, dual ascent to --budget-tokens
                       (default --budget-ratio × the λ = 0 run's held-out tokens per answer)
 
 1. λ = 0: `asyncrl up` on the config (or reuse a finished run with --baseline);
@@ -70,13 +70,30 @@ ARMS = ("lambda0", "calibrated", "success_only", "group_normalised", "ramp", "bu
 
 
 def config_for_seed(text: str, seed: int) -> str:
-    """The run config with `seed = N` in its [trainer] table (replacing one that is there)."""
-    return config_with(text, {"seed": seed})
+    """The run config with `seed = N` in its [trainer.run] section (replacing one that is there)."""
+    return config_with(text, {"run": {"seed": seed}})
 
 
 def config_with(text: str, trainer: dict) -> str:
-    """The run config with these [trainer] keys set (replacing those that are there; values as TOML)."""
-    want = {k: json.dumps(v) for k, v in trainer.items()}     # numbers and strings: JSON spells them as TOML
+    """The run config with these [trainer] keys set (replacing those that are there; values as TOML).
+    A dict value holds a section's keys ({"cost": {"penalty": "success_only"}}): they go into the
+    file's [trainer.cost] table when it has one, else in [trainer] as dotted keys (cost.penalty =
+    ...; a second [trainer.cost] header would be invalid TOML next to dotted ones)."""
+    headers = {line.strip() for line in text.splitlines()}
+    flat = {}
+    for k, v in trainer.items():
+        if isinstance(v, dict) and f"[trainer.{k}]" in headers:
+            text = _set_keys(text, f"trainer.{k}", v)
+        elif isinstance(v, dict):
+            flat.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            flat[k] = v
+    return _set_keys(text, "trainer", flat) if flat else text
+
+
+def _set_keys(text: str, table: str, keys: dict) -> str:
+    """`text` with these keys set in its [table] (appended to it, or in a new one at the end)."""
+    want = {k: json.dumps(v) for k, v in keys.items()}     # numbers and strings: JSON spells them as TOML
     lines, out, in_trainer, done = text.splitlines(), [], False, set()
 
     def rest():
@@ -87,7 +104,7 @@ def config_with(text: str, trainer: dict) -> str:
             if in_trainer:
                 out += rest()
                 done |= set(want)
-            in_trainer = head == "[trainer]"
+            in_trainer = head == f"[{table}]"
         elif in_trainer and (key := head.split("=")[0].strip()) in want:
             line = f"{key} = {want[key]}"
             done.add(key)
@@ -95,7 +112,7 @@ def config_with(text: str, trainer: dict) -> str:
     if in_trainer:
         out += rest()
     elif len(done) < len(want):
-        out += ["[trainer]", *rest()]
+        out += [f"[{table}]", *rest()]
     return "\n".join(out) + "\n"
 
 
@@ -103,18 +120,18 @@ def arm_setup(arm: str, lam_cal: float, base: Path, tokens0: float, a) -> tuple[
     """(extra `asyncrl up` args, [trainer] keys) of one arm; each starts from the λ = 0 run's warm start."""
     # the λ = 0 run's warm start when it made one; else every arm starts from the config's own
     # initial weights (a pretrained model without a warm start: SmolLM2), same seed
-    start = {"warmstart_from": str(base / "warmstart.pt")} if (base / "warmstart.pt").exists() else {}
+    start = {"warmstart": {"reuse": str(base / "warmstart.pt")}} if (base / "warmstart.pt").exists() else {}
     if arm == "calibrated":
         return ["--lambda", repr(lam_cal)], start
     if arm in ("success_only", "group_normalised"):
-        return ["--lambda", repr(lam_cal)], {**start, "penalty": arm}
+        return ["--lambda", repr(lam_cal)], {**start, "cost": {"penalty": arm}}
     if arm == "ramp":
-        return ["--lambda", "0"], {**start, "lambda_schedule": "ramp", "lambda_target": lam_cal,
-                                   "lambda_ramp_versions": a.ramp_versions}
+        return ["--lambda", "0"], {**start, "cost": {"schedule": "ramp", "target": lam_cal,
+                                                     "ramp_versions": a.ramp_versions}}
     if arm == "budget":
         budget = a.budget_tokens or a.budget_ratio * tokens0
-        return ["--lambda", "0"], {**start, "lambda_schedule": "budget", "budget_tokens": budget,
-                                   "budget_lr": a.budget_lr}
+        return ["--lambda", "0"], {**start, "cost": {"schedule": "budget", "budget_tokens": budget,
+                                                     "budget_lr": a.budget_lr}}
     raise ValueError(f"unknown arm {arm!r} (one of {ARMS})")
 
 
@@ -289,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     import tomllib
     text = Path(a.config).read_text()
     tr = tomllib.loads(text).get("trainer", {})
-    env = a.env or tr.get("envs", ["arith"])[0]
-    max_tokens = a.max_tokens or int(tr.get("task_sampling", {}).get("max_tokens", 48))
+    env = a.env or tr.get("tasks", {}).get("envs", ["arith"])[0]
+    max_tokens = a.max_tokens or int(tr.get("tasks", {}).get("sampling", {}).get("max_tokens", 48))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else None

@@ -150,7 +150,9 @@ def _tokenizer(run_dir: Path) -> str:
     p = run_dir / "config" / "run.json"
     if not p.is_file():
         return "char"
-    return str(json.loads(p.read_text()).get("trainer", {}).get("tokenizer", "char"))
+    trainer = json.loads(p.read_text()).get("trainer", {})
+    # [trainer.policy] tokenizer; a run made before the trainer's config had sections: at the top
+    return str(trainer.get("policy", {}).get("tokenizer") or trainer.get("tokenizer", "char"))
 
 
 def write_export(run_dir, out, version: int | None = None, public_key=None) -> dict:

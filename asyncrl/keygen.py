@@ -1,6 +1,7 @@
 """`asyncrl keygen [--out DIR] [--name NAME] [--owner UID[:GID]]`: an ed25519 pair for signing weights.
 
-    DIR/NAME.key   private key, hex, mode 0600 (trainer: signing_key / ASYNCRL_SIGNING_KEY)
+    DIR/NAME.key   private key, hex, mode 0600 (trainer: [trainer.publish] signing_key,
+                   env ASYNCRL_PUBLISH__SIGNING_KEY)
     DIR/NAME.pub   public key, hex (workers: public_key / ASYNCRL_PUBLIC_KEY; several keys, one
                    per line, are all accepted: the rotation window, docs/operations.md)
 An existing private key is never overwritten. --owner hands the private key (still 0600) to the

@@ -1,7 +1,7 @@
 """`asyncrl up`'s Prometheus ports: one per process from `[up] metrics_port` (the trainer's; 0 = off).
 
     plan(run_dir, base)                       once, before spawning
-    conf = assign(run_dir, name, component, conf)   per process: sets conf["metrics_port"]
+    conf = assign(run_dir, name, component, conf)   per process: sets its metrics_port (asyncrl.child_conf)
 
 Every process of a run shares one host, so each gets base, base+1, ... in spawn order; the plan
 is kept in runs/<id>/config/metrics_ports.json and the targets in Prometheus' file_sd format in
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from asyncrl import child_conf
 
 PLAN = "metrics_ports.json"
 TARGETS = "prometheus_targets.json"
@@ -30,7 +32,7 @@ def assign(run_dir: Path, name: str, component: str, conf: dict) -> dict:
     if not path.is_file():
         return conf
     p = json.loads(path.read_text())
-    port = int(conf.get("metrics_port") or 0)
+    port = int(child_conf.get(component, conf, "metrics_port") or 0)
     if not port and p["base"]:
         taken = {a["port"] for a in p["assigned"].values()}
         port = p["assigned"].get(name, {}).get("port") or next(
@@ -42,4 +44,4 @@ def assign(run_dir: Path, name: str, component: str, conf: dict) -> dict:
     targets = [{"targets": [f"127.0.0.1:{a['port']}"], "labels": {"job": a["component"], "process": n}}
                for n, a in sorted(p["assigned"].items())]
     (Path(run_dir) / "config" / TARGETS).write_text(json.dumps(targets, indent=1))
-    return {**conf, "metrics_port": port}
+    return child_conf.with_keys(component, conf, metrics_port=port)

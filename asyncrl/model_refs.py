@@ -2,7 +2,8 @@
 
 `asyncrl up` resolves these before it writes the children's configs, so the processes only ever
 see plain paths: `init_checkpoint = "model:smollm2"` -> the HF folder, `tokenizer = "model:smollm2"`
--> the folder (its tokenizer.json), a worker's `model = "model:smollm2"` (vLLM) -> the folder."""
+-> the folder (its tokenizer.json), a worker's `model = "model:smollm2"` (vLLM) -> the folder.
+Nested tables (the trainer's [trainer.policy]) are resolved too."""
 from __future__ import annotations
 
 from asyncrl.model import is_prepared, model_dir
@@ -13,7 +14,7 @@ KEYS = {"init_checkpoint": "", "model": "", "tokenizer": ""}
 
 def resolve(conf: dict) -> dict:
     """A copy of one process's config with every `model:NAME` value of KEYS made a path."""
-    out = dict(conf)
+    out = {k: resolve(v) if isinstance(v, dict) else v for k, v in conf.items()}
     for key, leaf in KEYS.items():
         v = out.get(key)
         if isinstance(v, str) and v.startswith(PREFIX):

@@ -1,7 +1,7 @@
 """The secrets of one `asyncrl up` run, made in its run directory: secure by default.
 
     with_signing(conf, run_dir)   the run config with weight signing on. No key configured (neither
-                                  [trainer] signing_key nor [worker] public_key, in the file or the
+                                  [trainer.publish] signing_key nor [worker] public_key, in the file or the
                                   ASYNCRL_* environment): an ed25519 pair in run_dir/keys (0600
                                   private key; made once, a resumed run reuses it) signs every
                                   version and every worker verifies it. A configured signing key
@@ -40,10 +40,10 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def with_signing(conf: dict, run_dir: Path, environ=None) -> dict:
-    """`conf` with [trainer] signing_key and [worker] public_key filled in (see the module doc)."""
+    """`conf` with [trainer.publish] signing_key and [worker] public_key filled in (see the module doc)."""
     from asyncrl.config_check import resolve
     resolved = resolve(conf, environ)
-    key, pub = resolved["trainer"].signing_key, resolved["worker"].public_key
+    key, pub = resolved["trainer"].publish.signing_key, resolved["worker"].public_key
     out = {**conf, "trainer": dict(conf.get("trainer", {})), "worker": dict(conf.get("worker", {}))}
     if key and pub:
         return out
@@ -64,7 +64,7 @@ def with_signing(conf: dict, run_dir: Path, environ=None) -> dict:
     key_path, pub_path = keys / f"{RUN_KEY_NAME}.key", keys / f"{RUN_KEY_NAME}.pub"
     if not key_path.exists():
         write_keypair(keys, RUN_KEY_NAME)
-    out["trainer"]["signing_key"] = str(key_path)
+    out["trainer"]["publish"] = {**out["trainer"].get("publish", {}), "signing_key": str(key_path)}
     out["worker"]["public_key"] = str(pub_path)
     return out
 

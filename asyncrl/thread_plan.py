@@ -2,7 +2,7 @@
 
     plan(conf, workers, scorers, cpus=None) -> ThreadPlan    raises ConfigError on a bad `threads`
 
-A section's `threads` key ([trainer], [worker], [scorer]) is used as given; it must be an integer
+A section's `threads` key ([trainer.run], [worker], [scorer]) is used as given; it must be an integer
 >= 1. Without one: each worker 1, each scorer 1, and the trainer the cores the workers leave (at
 least 1). The trainer is the serial part of async RL (every version waits for its step) while the
 workers run niced in parallel; the scorers idle between verdicts (their sandboxed verifiers are
@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 
 from bus.config import ConfigError
+
+from asyncrl import child_conf
 
 SECTIONS = ("trainer", "worker", "scorer")
 
@@ -51,13 +53,13 @@ def configured(conf: dict) -> dict[str, int]:
     """{section: threads} for the sections that set `threads`; a bad value raises ConfigError."""
     out = {}
     for s in SECTIONS:
-        table = conf.get(s) or {}
-        if not isinstance(table, dict) or "threads" not in table:
+        table = child_conf.process_table(s, conf.get(s) or {}) if isinstance(conf.get(s) or {}, dict) else {}
+        if "threads" not in table:
             continue
         v = table["threads"]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"[{s}] threads = {v!r}: must be an integer >= 1 (intra-op threads of each "
-                              f"{s} process; leave it out for the default)")
+            raise ConfigError(f"[{child_conf.where(s)}] threads = {v!r}: must be an integer >= 1 (intra-op "
+                              f"threads of each {s} process; leave it out for the default)")
         out[s] = v
     return out
 

@@ -29,7 +29,7 @@ from bus import topology as topo
 from bus.events import EventError, decode
 from bus.lifetime import EXIT_MARGIN_S, STOP_SIGNALS
 
-from asyncrl import config_check, metrics_ports, run_secrets, thread_plan, tracking
+from asyncrl import child_conf, config_check, metrics_ports, run_secrets, thread_plan, tracking
 from asyncrl.resume import resume_run
 from asyncrl.upconfig import UpConfig
 from bus.config import ConfigError
@@ -84,7 +84,8 @@ __all__ = ["UpConfig", "main", "run", "spawn", "write_toml", "Proc", "Telemetry"
 def spawn(run_dir: Path, name: str, component: str, module: str, conf: dict, nice: int = 0) -> Proc:
     """One unsupervised child (the chaos harness starts its processes this way)."""
     sup = Supervisor(run_dir)
-    child = sup.start(ChildSpec(name, component, module, conf, nice, threads=int(conf.get("threads") or 1)))
+    threads = int(child_conf.get(component, conf, "threads") or 1)
+    child = sup.start(ChildSpec(name, component, module, conf, nice, threads=threads))
     return Proc(name, component, child.popen, child.log_path)
 
 
@@ -275,7 +276,8 @@ async def run(a: argparse.Namespace) -> int:
     try:      # signed by default: a per-run key pair unless the config brings its own (run_secrets)
         conf = run_secrets.with_signing(conf, run_dir)
     except (ValueError, OSError) as e:
-        print(f"asyncrl up: signing ([trainer] signing_key, [worker] public_key): {e}", file=sys.stderr)
+        print(f"asyncrl up: signing ([trainer.publish] signing_key, [worker] public_key): {e}",
+              file=sys.stderr)
         return 2
 
     server, auth, creds = None, None, {}
@@ -301,11 +303,13 @@ async def run(a: argparse.Namespace) -> int:
     drain = {"grace_s": up.grace_s}      # each child drains within this (its own section may override)
 
     # a fixed trainer id seeds the task feeder the same way in every run (async vs sync see the same tasks)
-    trainer_conf = {"trainer_id": "trainer", **drain, **resolve_model_refs(conf.get("trainer", {})), "bus": bus_conf,
-                    "run_dir": str(run_dir), "checkpoint_dir": str(run_dir / "checkpoints"),
-                    "mode": "sync" if sync else "async", "threads": threads.trainer}
+    trainer = resolve_model_refs(conf.get("trainer", {}))
+    trainer_conf = {"trainer_id": "trainer", **trainer, "bus": bus_conf,
+                    "run": {**drain, **trainer.get("run", {}), "dir": str(run_dir),
+                            "mode": "sync" if sync else "async", "threads": threads.trainer},
+                    "checkpoint": {**trainer.get("checkpoint", {}), "dir": str(run_dir / "checkpoints")}}
     if sync:
-        trainer_conf["max_lag"] = 0
+        trainer_conf["batch"] = {**trainer.get("batch", {}), "max_lag": 0}
     worker_conf = {**drain, **resolve_model_refs(conf.get("worker", {})), "bus": bus_conf,
                    "threads": threads.worker}
     if sync:
@@ -349,7 +353,8 @@ async def run(a: argparse.Namespace) -> int:
     finally:
         # order matters: children drain against a live broker, the broker goes last
         log.info("stopping", reason=reason)
-        child_grace = max([float(s.conf.get("grace_s", up.grace_s)) for s in specs] or [up.grace_s])
+        child_grace = max([float(child_conf.get(s.component, s.conf, "grace_s", up.grace_s)) for s in specs]
+                          or [up.grace_s])
         await sup.stop(child_grace + EXIT_MARGIN_S + 1.0)
         tel.close()
         try:

@@ -67,14 +67,18 @@ DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "deploy" / "swe-de
 
 
 def with_overrides(config: str, out: Path, worker: dict | None = None, name: str = "bench-agentic-base.toml",
-                   up: dict | None = None, **trainer) -> str:
-    """A copy of `config` with [trainer] (and [worker], [up]) keys replaced (those given and not None)."""
+                   up: dict | None = None, trainer: dict | None = None) -> str:
+    """A copy of `config` with [worker] and [up] keys, and [trainer.<section>] keys ({section: {key:
+    value}}), replaced (those given and not None)."""
     import tomllib
 
     from asyncrl.up import write_toml
     conf = tomllib.loads(Path(config).read_text())
-    for section, keys in (("trainer", trainer), ("worker", worker or {}), ("up", up or {})):
+    for section, keys in (("worker", worker or {}), ("up", up or {})):
         conf[section] = {**conf.get(section, {}), **{k: v for k, v in keys.items() if v is not None}}
+    t = conf.setdefault("trainer", {})
+    for section, keys in (trainer or {}).items():
+        t[section] = {**t.get(section, {}), **{k: v for k, v in keys.items() if v is not None}}
     path = out / name
     write_toml(path, conf)
     return str(path)
@@ -183,7 +187,7 @@ def workload(run_dir: Path) -> dict:
 
     from bus import load_config
     from rollout_worker.worker import WorkerConfig
-    from trainer.config import TrainerConfig
+    from trainer.sections import BatchSection
     confs = sorted((run_dir / "config").glob("worker-*.toml"))
     if not confs:
         raise RuntimeError(f"{run_dir}/config has no worker-*.toml: not an `asyncrl up` run dir")
@@ -193,7 +197,7 @@ def workload(run_dir: Path) -> dict:
     lat = wc.sandbox_latency
     w = {"name": "long-tail" if lat.enabled else "default", "slots": wc.slots, "max_inflight": wc.max_inflight,
          "queue": wc.queue, "episode_wall_s": wc.episode_wall_s or None,
-         "group_timeout_s": tc.get("group_timeout_s", TrainerConfig.group_timeout_s)}
+         "group_timeout_s": tc.get("batch", {}).get("group_timeout_s", BatchSection.group_timeout_s)}
     if lat.enabled:
         w["test_latency"] = {"median_s": lat.median_s, "p99_s": lat.p99_s, "cap_s": lat.cap_s, "seed": lat.seed,
                              "sigma": lat.sigma, "mean_s": lat.median_s * float(np.exp(lat.sigma ** 2 / 2))}
@@ -256,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmstart-steps", type=int, default=60,
                     help="supervised oracle batches before both runs (0: the config's)")
     ap.add_argument("--slots", type=int, default=None, help="[worker] slots (default: the config's)")
-    ap.add_argument("--group-size", type=int, default=None, help="[trainer] group_size (default: the config's)")
-    ap.add_argument("--batch-groups", type=int, default=None, help="[trainer] batch_groups (default: the config's)")
+    ap.add_argument("--group-size", type=int, default=None, help="[trainer.batch] group_size (default: the config's)")
+    ap.add_argument("--batch-groups", type=int, default=None,
+                    help="[trainer.batch] groups (default: the config's)")
     ap.add_argument("--max-lag", type=int, default=None, help="async staleness bound, trainer and worker "
                     "(default: the config's)")
     ap.add_argument("--test-latency", type=parse_latency, default=(0.0, 0.0), metavar="MEDIAN_S,P99_S",
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--episode-wall-s", type=float, default=None,
                     help="[worker] episode_wall_s (long-tail default 900: the toy limits' 120 s assume fast tests)")
     ap.add_argument("--group-timeout-s", type=float, default=None,
-                    help="[trainer] group_timeout_s (long-tail default 1200)")
+                    help="[trainer.batch] group_timeout_s (long-tail default 1200)")
     ap.add_argument("--eval-prompts", type=int, default=0,
                     help="held-out episodes to score each run's last weights on (0: skip; minutes each)")
     ap.add_argument("--out", default=None, help="run dirs go here (default: a temp dir)")
@@ -294,11 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         base = with_overrides(a.config, out, worker={"slots": a.slots, "max_lag": a.max_lag,
                                                      "max_inflight": a.max_inflight, "sandbox_latency": latency,
                                                      "episode_wall_s": a.episode_wall_s},
-                              warmstart_steps=a.warmstart_steps or None, eval_every=0, group_size=a.group_size,
-                              batch_groups=a.batch_groups, max_lag=a.max_lag, group_timeout_s=a.group_timeout_s,
-                              # both sides train every group (sync cannot skip: its barrier waits for
-                              # exactly batch_groups tasks), so trained samples/s compare like for like
-                              skip_uniform_groups=False)
+                              trainer={"warmstart": {"steps": a.warmstart_steps or None},
+                                       "tasks": {"eval_every": 0},
+                                       # both sides train every group (sync cannot skip: its barrier
+                                       # waits for exactly `groups` tasks): trained samples/s compare
+                                       "batch": {"group_size": a.group_size, "groups": a.batch_groups,
+                                                 "max_lag": a.max_lag, "group_timeout_s": a.group_timeout_s,
+                                                 "skip_uniform": False}})
         # the initial eval always runs (bench.async's warm start): at least one episode
         config, warm = bench_async.warm_start_once(base, out, max(a.eval_prompts, 1), a.init)
     if a.harness != "builtin":

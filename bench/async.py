@@ -54,12 +54,14 @@ def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None 
         steps = 0
     else:
         model, mcfg = build_model(cfg)
-        warm_start(model, cfg, mcfg, style=cfg.warmstart_style)
-        init, steps = save_hf_checkpoint(model, out / "init"), cfg.warmstart_steps
+        warm_start(model, cfg, mcfg, style=cfg.warmstart.style)
+        init, steps = save_hf_checkpoint(model, out / "init"), cfg.warmstart.steps
     warm_s = time.perf_counter() - t0
-    ev = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling,
-                  eval_prompts, cfg.seed)
-    conf["trainer"] = {**conf.get("trainer", {}), "init_checkpoint": str(init), "warmstart_steps": 0}
+    ev = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.policy.tokenizer), cfg.tasks.envs,
+                  cfg.tasks.sampling, eval_prompts, cfg.run.seed)
+    t = conf.setdefault("trainer", {})
+    t["policy"] = {**t.get("policy", {}), "init_checkpoint": str(init)}
+    t["warmstart"] = {**t.get("warmstart", {}), "steps": 0}
     derived = out / "bench-async.toml"
     write_toml(derived, conf)
     return str(derived), {"warmstart_steps": steps, "warmstart_s": warm_s,
@@ -77,8 +79,8 @@ def final_eval(run_dir: Path, config: str, n: int) -> dict:
 
     cfg = load_config(TrainerConfig, config, section="trainer")
     model, source = load_policy_file(str(run_dir / "checkpoints"))
-    ev = evaluate(inference_state(model), model.cfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling,
-                  n, cfg.seed)
+    ev = evaluate(inference_state(model), model.cfg, load_tokenizer(cfg.policy.tokenizer), cfg.tasks.envs,
+                  cfg.tasks.sampling, n, cfg.run.seed)
     return {"eval_success": ev["eval_success"], "eval_tokens": ev["eval_tokens"], "eval_checkpoint": source}
 
 

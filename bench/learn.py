@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     up = {"final_eval": True, "steps": a.steps or None, "minutes": a.minutes or None}
     conf = with_overrides(a.config, out, name="bench-learn.toml", up=up)
-    k3_target = tomllib.loads(Path(conf).read_text()).get("trainer", {}).get("max_k3")
+    k3_target = tomllib.loads(Path(conf).read_text()).get("trainer", {}).get("batch", {}).get("max_k3")
     runs = []
     for i in range(a.runs):
         run_dir = out / f"run{i + 1}"

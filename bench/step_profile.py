@@ -87,8 +87,10 @@ def replay_s(learner: Learner, samples: list[PackedSample]) -> float:
 def profile_step(folder: Path, samples: list[PackedSample], steps: int = 3,
                  delta_context: bool | str = "auto", lr: float = 1e-5, micro_batch: int = 32) -> dict:
     with tempfile.TemporaryDirectory(prefix="asyncrl-stepprof-") as tmp:
-        cfg = TrainerConfig(init_checkpoint=str(folder), lr=lr, micro_batch=micro_batch, device="cpu",
-                            delta_context=delta_context, checkpoint_dir=tmp, trainer_id="step-profile")
+        cfg = TrainerConfig(trainer_id="step-profile",
+                            policy={"init_checkpoint": str(folder), "device": "cpu"},
+                            optim={"lr": lr}, loss={"micro_batch": micro_batch},
+                            publish={"delta_context": delta_context}, checkpoint={"dir": tmp})
         model, mcfg = build_model(cfg)
         learner = build_learner(model, build_optimizer(model, cfg), cfg)
         with FlopCounterMode(display=False) as fc:               # one counted step (not timed)

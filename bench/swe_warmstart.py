@@ -5,8 +5,8 @@
 
 Builds the policy as the trainer does (the config's [trainer] section, overridden by the flags),
 runs trainer/warmstart.py on the config's envs and, at each `--eval-at` step, plays `--eval-n`
-held-out episodes (eval split, the config's task_sampling) with trainer/evaluate.py's lockstep
-episodes. Used to size warmstart_steps / warmstart_lr / warmstart_batch so that RL starts from a
+held-out episodes (eval split, the config's [trainer.tasks] sampling) with trainer/evaluate.py's lockstep
+episodes. Used to size [trainer.warmstart] steps / lr / batch so that RL starts from a
 moderate held-out success within the demo's 15 minutes. Prints one JSON object last.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="deploy/swe-demo.toml")
-    ap.add_argument("--steps", type=int, default=None, help="default: the config's warmstart_steps")
+    ap.add_argument("--steps", type=int, default=None, help="default: the config's [trainer.warmstart] steps")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--eval-at", default="", help="comma-separated steps (1-based) to evaluate after")
@@ -44,15 +44,14 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     cfg = load_config(TrainerConfig, a.config, section="trainer")
-    over = {k: v for k, v in (("warmstart_steps", a.steps), ("warmstart_lr", a.lr), ("warmstart_batch", a.batch))
-            if v is not None}
-    cfg = dataclasses.replace(cfg, **over)
-    tok = load_tokenizer(cfg.tokenizer)
+    over = {k: v for k, v in (("steps", a.steps), ("lr", a.lr), ("batch", a.batch)) if v is not None}
+    cfg = dataclasses.replace(cfg, warmstart=dataclasses.replace(cfg.warmstart, **over))
+    tok = load_tokenizer(cfg.policy.tokenizer)
     model, mcfg = build_model(cfg)
     if a.load:
         model.load_state_dict(torch.load(a.load)["model"])
-    sampling = {**cfg.task_sampling, **({"temperature": a.temperature} if a.temperature is not None else {})}
-    specs = [s.spec for _, s in eval_specs(cfg.envs, a.eval_n, cfg.seed)]
+    sampling = {**cfg.tasks.sampling, **({"temperature": a.temperature} if a.temperature is not None else {})}
+    specs = [s.spec for _, s in eval_specs(cfg.tasks.envs, a.eval_n, cfg.run.seed)]
     at = {int(x) for x in a.eval_at.split(",") if x}
     evals, t0, train_s = [], time.perf_counter(), [0.0]
     last = [time.perf_counter()]
@@ -66,7 +65,7 @@ def main() -> None:
             model.eval()
             t = time.perf_counter()
             with torch.no_grad():
-                ev = evaluate_episodes(model, tok, specs, SamplingConfig.from_dict(sampling), cfg.seed)
+                ev = evaluate_episodes(model, tok, specs, SamplingConfig.from_dict(sampling), cfg.run.seed)
             ev.update(step=step + 1, temperature=sampling["temperature"], nll_last10=sum(losses[-10:]) / len(losses[-10:]),
                       train_s=round(train_s[0], 1), eval_s=round(time.perf_counter() - t, 1))
             evals.append(ev)
@@ -74,14 +73,14 @@ def main() -> None:
             model.train()
         last[0] = time.perf_counter()
 
-    if cfg.warmstart_steps:
-        losses = warm_start(model, cfg, mcfg, tok, cfg.warmstart_style, after_step=after_step)
+    if cfg.warmstart.steps:
+        losses = warm_start(model, cfg, mcfg, tok, cfg.warmstart.style, after_step=after_step)
     else:                                   # evaluate a saved policy as it is
         at, losses = {0}, [float("nan")]
         after_step(-1, losses)
     if a.save:
         torch.save({"model": model.state_dict(), "model_config": mcfg.to_dict()}, a.save)
-    out = {"steps": cfg.warmstart_steps, "lr": cfg.warmstart_lr, "batch": cfg.warmstart_batch,
+    out = {"steps": cfg.warmstart.steps, "lr": cfg.warmstart.lr, "batch": cfg.warmstart.batch,
            "nll": {str(i): round(losses[i], 4) for i in range(0, len(losses), max(1, len(losses) // 20))},
            "nll_final_mean10": sum(losses[-10:]) / len(losses[-10:]), "train_s": round(train_s[0], 1),
            "wall_s": round(time.perf_counter() - t0, 1), "evals": evals}

@@ -20,16 +20,20 @@ SMALL_RUN = """
 workers = 2
 scorers = 1
 
-[trainer]
+[trainer.tasks]
 envs = ["arith-small"]
-lr = 1e-3
-batch_groups = 2
-group_size = 4
-max_lag = 8
-feed_backlog = 6
+backlog = 6
 eval_every = 3
 eval_prompts = 16
-task_sampling = {temperature = 1.0, max_tokens = 40}
+sampling = {temperature = 1.0, max_tokens = 40}
+
+[trainer.optim]
+lr = 1e-3
+
+[trainer.batch]
+groups = 2
+group_size = 4
+max_lag = 8
 
 [worker]
 slots = 8

@@ -5,6 +5,10 @@
 
 Values are coerced to the declared type (int, float, bool, str, list[...], optional, nested
 dataclass); an unknown key or a value that does not parse raises ConfigError naming it.
+
+A config class may list keys that moved into one of its sections, as a class attribute
+`MOVED = {"lr": "optim.lr"}`: such a key (in a file, a dict, or a flat env variable) is refused
+with its new place (`lr: moved to [trainer.optim] lr`), every moved key present named at once.
 """
 from __future__ import annotations
 
@@ -86,7 +90,7 @@ def _is_dataclass_type(tp) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
+def _coerce(value: Any, tp: Any, where: str, table: str = "") -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -96,7 +100,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         errors = []
         for a in args:
             try:
-                return _coerce(value, a, where)
+                return _coerce(value, a, where, table)
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError("; ".join(errors))
@@ -105,7 +109,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a table for {tp.__name__}, got {value!r}")
-        return _build(tp, value, where)
+        return _build(tp, value, where, table)
     if origin in (list, tuple):
         inner = (typing.get_args(tp) or (str,))[0]
         if isinstance(value, str):
@@ -141,18 +145,45 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value  # Any / unannotated
 
 
-def _build(cls, values: dict, where: str):
+def moved_keys(cls) -> dict[str, str]:
+    """{old key: new dotted path} of a config class (its MOVED class attribute; {} without one)."""
+    return dict(getattr(cls, "MOVED", {}) or {})
+
+
+def _moved_error(cls, keys: list[str], where: str, table: str) -> ConfigError:
+    """One message naming the new place of every moved key present (nothing lost: fix all at once)."""
+    moved = moved_keys(cls)
+    base = ".".join(p for p in (table, where) if p)
+    parts = []
+    for k in keys:
+        *sect, name = moved[k].split(".")
+        parts.append(f"{k}: moved to [{'.'.join(p for p in (base, *sect) if p)}] {name}")
+    return ConfigError("old flat key(s): " + "; ".join(parts))
+
+
+def _build(cls, values: dict, where: str, table: str = ""):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
+    # moved: gone from cls, or now the name of a section and given a plain value (publish = "sharded")
+    moved = sorted(k for k in values if k in moved_keys(cls) and (
+        k not in names or (_is_dataclass_type(hints[k]) and not isinstance(values[k], (dict, hints[k])))))
+    if moved:
+        raise _moved_error(cls, moved, where, table)
     unknown = sorted(set(values) - names)
     if unknown:
         raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; "
                           f"known: {sorted(names)}")
-    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in values.items()}
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k, table) for k, v in values.items()}
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where or cls.__name__}: {e}") from None
+
+
+def build(cls, values: dict, where: str = "", table: str = ""):
+    """A config dataclass from a plain dict (nested tables for nested sections), checked like a
+    file: unknown and moved keys refused, values coerced. `table` names the file's table in errors."""
+    return _build(cls, values, where, table)
 
 
 def _set_path(d: dict, path: list[str], value: str) -> None:
@@ -163,18 +194,24 @@ def _set_path(d: dict, path: list[str], value: str) -> None:
     d[path[-1]] = value
 
 
-def _env_overrides(cls, env_prefix: str, environ) -> dict:
+def _env_overrides(cls, env_prefix: str, environ, table: str = "") -> dict:
     """ASYNCRL_FOO__BAR=1 -> {"foo": {"bar": "1"}}, only for fields that exist in cls (other
-    processes' variables share the prefix, so unrelated names are ignored, not errors)."""
+    processes' variables share the prefix, so unrelated names are ignored, not errors). A moved
+    key (cls.MOVED) is refused with its new variable: ignored, an old ASYNCRL_SIGNING_KEY or
+    ASYNCRL_CHECKPOINT_DIR would silently leave updates unsigned or checkpoints elsewhere."""
     out: dict = {}
     for key, value in environ.items():
         if not key.startswith(env_prefix):
             continue
         path = key[len(env_prefix):].lower().split("__")
         tp, ok = cls, True
-        for p in path:
+        for i, p in enumerate(path):
             fields = {f.name: f for f in dataclasses.fields(tp)} if _is_dataclass_type(tp) else {}
             if p not in fields:
+                if _is_dataclass_type(tp) and p in moved_keys(tp):
+                    new = path[:i] + moved_keys(tp)[p].split(".")
+                    msg = _moved_error(tp, [p], ".".join(path[:i]), table)
+                    raise ConfigError(f"env {key}: {msg}: set {env_prefix}{'__'.join(new).upper()}")
                 ok = False
                 break
             tp = typing.get_type_hints(tp)[p]
@@ -191,8 +228,11 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 def load_config(cls, path: str | os.PathLike | None = None, env_prefix: str = "ASYNCRL_", *,
-                section: str | None = None, overrides: dict | None = None, environ=None):
-    """TOML file (optionally one `[section]` of it), then env overrides, then `overrides`."""
+                section: str | None = None, overrides: dict | None = None, environ=None,
+                table: str | None = None):
+    """TOML file (optionally one `[section]` of it), then env overrides, then `overrides`.
+    `table` (default: `section`) names the file's table in the errors about moved keys."""
+    table = (section or "") if table is None else table
     values: dict = {}
     if path is not None:
         p = Path(path)
@@ -207,7 +247,8 @@ def load_config(cls, path: str | os.PathLike | None = None, env_prefix: str = "A
             if not isinstance(values, dict):
                 raise ConfigError(f"config file {p}: [{section}] is not a table")
     if env_prefix:
-        values = _merge(values, _env_overrides(cls, env_prefix, os.environ if environ is None else environ))
+        values = _merge(values, _env_overrides(cls, env_prefix, os.environ if environ is None else environ,
+                                               table))
     if overrides:
         values = _merge(values, overrides)
-    return _build(cls, values, "")
+    return _build(cls, values, "", table)

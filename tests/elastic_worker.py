@@ -32,18 +32,18 @@ def main() -> None:
         asyncio.run(follower_loop(learner))
         shutdown_distributed()
         return
-    st = checkpoint.load_latest(cfg.checkpoint_dir)
+    st = checkpoint.load_latest(cfg.checkpoint.dir)
     version, epoch = (st.version, st.epoch + 1) if st else (0, 1)     # one epoch per group formation
     if st is not None:
-        learner.load_payload(cfg.checkpoint_dir, st.model, st.optimizer)
+        learner.load_payload(cfg.checkpoint.dir, st.model, st.optimizer)
     samples = torch.load(spec["samples"], weights_only=False)
     while version < spec["target"]:
         broadcast_obj(("step", samples))
         learner.step(samples)
         version += 1
-        payload = learner.checkpoint_payload(cfg.checkpoint_dir, epoch, version)
+        payload = learner.checkpoint_payload(cfg.checkpoint.dir, epoch, version)
         learner.wait_checkpoint()
-        checkpoint.save(cfg.checkpoint_dir, checkpoint.TrainerState(version=version, epoch=epoch, **payload))
+        checkpoint.save(cfg.checkpoint.dir, checkpoint.TrainerState(version=version, epoch=epoch, **payload))
         with open(out / "versions.txt", "a") as f:
             f.write(json.dumps({"version": version, "epoch": epoch, "world": ws, "pid": os.getpid()}) + "\n")
         time.sleep(spec.get("pause_s", 0.0))

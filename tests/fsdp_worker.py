@@ -49,8 +49,8 @@ def main() -> None:
         learner.step(samples)
         tr.version = 1
         tr.save()                  # waits for the background save, then names it
-        ref = checkpoint.load_latest(cfg.checkpoint_dir).model["__dcp__"]
-        torch.save({"fp32": learner.full_fp32(), "complete": (Path(cfg.checkpoint_dir) / ref / ".metadata").is_file()},
+        ref = checkpoint.load_latest(cfg.checkpoint.dir).model["__dcp__"]
+        torch.save({"fp32": learner.full_fp32(), "complete": (Path(cfg.checkpoint.dir) / ref / ".metadata").is_file()},
                    out / "v1.pt")
         broadcast_obj(("step", samples))
         learner.step(samples)

@@ -14,7 +14,8 @@ from tests.helpers.trainer import MODEL, make_scored, trainer_config
 
 
 async def test_stuck_member_times_out_and_its_late_rollout_is_not_trained(bus, fresh_server, tmp_path):
-    cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=3, group_timeout_s=1.0)
+    cfg = trainer_config(fresh_server.url, tmp_path,
+                         batch={"groups": 1, "group_size": 3, "group_timeout_s": 1.0})
     model = Transformer(ModelConfig.from_dict(MODEL))
     rng = random.Random(5)
     for i, reward in ((0, 1.0), (1, 0.0)):              # two of three episodes finish; the third is stuck

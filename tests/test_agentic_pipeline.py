@@ -196,7 +196,7 @@ async def test_episode_task_through_worker_scorer_and_batcher(bus, fresh_server,
     stop = asyncio.Event()
     scorer = Scorer(ScorerConfig(bus=BusConfig(servers=[fresh_server.url]), cost_unit="tokens"), bus)
     st = asyncio.create_task(scorer.run(stop, handle_signals=False))
-    b = Batcher(bus, trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=2), ConsumedIds(),
+    b = Batcher(bus, trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 2}), ConsumedIds(),
                 TOK.vocab_size)
     await b.start()
     batch = await b.next_batch(0, max_wait_s=30)

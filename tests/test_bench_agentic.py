@@ -117,7 +117,7 @@ def test_workload_is_read_from_the_run_configs_and_named_in_the_caveats(tmp_path
     write_run(longtail, [], 0.0, 10.0, slots=8)
     with open(longtail / "config" / "worker-0.toml", "a") as f:
         f.write("max_inflight = 16\nepisode_wall_s = 900.0\n[sandbox_latency]\nmedian_s = 3.0\np99_s = 60.0\n")
-    (longtail / "config" / "trainer.toml").write_text("group_timeout_s = 1200.0\n")
+    (longtail / "config" / "trainer.toml").write_text("[batch]\ngroup_timeout_s = 1200.0\n")
     w = bench.workload(longtail)
     assert w["name"] == "long-tail" and w["max_inflight"] == 16 and w["episode_wall_s"] == 900.0
     assert w["group_timeout_s"] == 1200.0

@@ -24,8 +24,9 @@ from trainer.feeding import TaskFeeder
 
 async def test_feeder_renders_prompts_through_the_chat_template(bus, tmp_path):
     chat_tokenizer_folder(tmp_path)          # ChatML, bos = <|im_start|> (as SmolLM2's)
-    cfg = TrainerConfig(tokenizer=str(tmp_path), chat_template=True, envs=["arith-chat"], group_size=2,
-                        task_sampling={"temperature": 0.7, "max_tokens": 24})
+    cfg = TrainerConfig(policy={"tokenizer": str(tmp_path)},
+                        tasks={"chat_template": True, "envs": ["arith-chat"], "sampling": {"temperature": 0.7, "max_tokens": 24}},
+                        batch={"group_size": 2})
     ids = await TaskFeeder(bus, cfg).publish(3)
     msgs = await (await bus.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)).fetch(10, timeout=2)
     tasks = [decode(m.data, Task) for m in msgs]
@@ -42,7 +43,7 @@ async def test_feeder_renders_prompts_through_the_chat_template(bus, tmp_path):
         assert got == want and got.count(tok.bos_id) == 2     # the user turn's and the assistant's
         await msgs[tasks.index(t)].ack()
     # without the flag the prompt goes out as the env wrote it, and plain text still gets its bos
-    plain = make_tasks("arith-chat", 1, TaskFeeder(bus, TrainerConfig(tokenizer=str(tmp_path))).sampling(),
+    plain = make_tasks("arith-chat", 1, TaskFeeder(bus, TrainerConfig(policy={"tokenizer": str(tmp_path)})).sampling(),
                        random.Random(0))[0]
     assert plain.prompt.startswith("What is ")
     assert tok.encode(plain.prompt, bos=True)[0] == tok.bos_id
@@ -50,20 +51,20 @@ async def test_feeder_renders_prompts_through_the_chat_template(bus, tmp_path):
 
 def test_chat_template_without_a_template_is_refused(tmp_path):
     with pytest.raises(ValueError, match="chat_template"):
-        TrainerConfig(chat_template=True)            # the char tokenizer has no template
+        TrainerConfig(tasks={"chat_template": True})            # the char tokenizer has no template
     chat_tokenizer_folder(tmp_path, template=None)
     with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
         chat_renderer(load_tokenizer(str(tmp_path)))
     conf = {"up": {"workers": 1, "steps": 3}, "worker": {"max_lag": 4, "tokenizer": str(tmp_path)}, "scorer": {},
-            "trainer": {"max_lag": 4, "tokenizer": str(tmp_path), "chat_template": True}}
-    with pytest.raises(ConfigError, match=r"\[trainer\] chat_template = true: .*chat template"):
+            "trainer": {"batch": {"max_lag": 4}, "policy": {"tokenizer": str(tmp_path)}, "tasks": {"chat_template": True}}}
+    with pytest.raises(ConfigError, match=r"\[trainer.tasks\] chat_template = true: .*chat template"):
         config_check.cross_check(config_check.resolve(conf, environ={}))
     missing = str(tmp_path / "nope")
-    conf["trainer"]["tokenizer"] = conf["worker"]["tokenizer"] = missing
-    with pytest.raises(ConfigError, match=r"\[trainer\] chat_template = true: no tokenizer.json"):
+    conf["trainer"]["policy"]["tokenizer"] = conf["worker"]["tokenizer"] = missing
+    with pytest.raises(ConfigError, match=r"\[trainer.tasks\] chat_template = true: no tokenizer.json"):
         config_check.cross_check(config_check.resolve(conf, environ={}))
     chat_tokenizer_folder(tmp_path)                   # with a template: passes
-    conf["trainer"]["tokenizer"] = conf["worker"]["tokenizer"] = str(tmp_path)
+    conf["trainer"]["policy"]["tokenizer"] = conf["worker"]["tokenizer"] = str(tmp_path)
     config_check.cross_check(config_check.resolve(conf, environ={}))
 
 

@@ -36,7 +36,7 @@ def test_plot_writes_a_png(tmp_path):
 def test_missing_warm_start_is_a_clear_error(tmp_path, capsys):
     base = _run(tmp_path, "base", [(0, 0.2, 20.0)])
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[trainer]\nenvs = ["arith-small"]\n')
+    cfg.write_text('[trainer.tasks]\nenvs = ["arith-small"]\n')
     assert cost_demo.main(["--config", str(cfg), "--baseline", str(base), "--out", str(tmp_path / "o")]) == 2
     assert "warmstart.pt missing" in capsys.readouterr().err
 
@@ -50,12 +50,12 @@ def test_mean_over_evals_excludes_version_0():
 
 def test_config_for_seed_sets_the_trainer_seed_only():
     import tomllib
-    text = '[up]\nsteps = 5\n[trainer]\nlr = 1e-3\nseed = 7\n[worker]\nseed = 3\n'
+    text = '[up]\nsteps = 5\n[trainer.optim]\nlr = 1e-3\n[trainer.run]\nseed = 7\n[worker]\nseed = 3\n'
     conf = tomllib.loads(cost_demo.config_for_seed(text, 2))
-    assert conf["trainer"]["seed"] == 2 and conf["worker"]["seed"] == 3 and conf["up"]["steps"] == 5
-    conf = tomllib.loads(cost_demo.config_for_seed('[trainer]\nlr = 1e-3\n[worker]\nslots = 2\n', 4))
-    assert conf["trainer"] == {"lr": 1e-3, "seed": 4}
-    assert tomllib.loads(cost_demo.config_for_seed('[up]\nsteps = 1\n', 1))["trainer"]["seed"] == 1
+    assert conf["trainer"]["run"]["seed"] == 2 and conf["worker"]["seed"] == 3 and conf["up"]["steps"] == 5
+    conf = tomllib.loads(cost_demo.config_for_seed('[trainer.optim]\nlr = 1e-3\n[worker]\nslots = 2\n', 4))
+    assert conf["trainer"] == {"optim": {"lr": 1e-3}, "run": {"seed": 4}}
+    assert tomllib.loads(cost_demo.config_for_seed('[up]\nsteps = 1\n', 1))["trainer"]["run"]["seed"] == 1
 
 
 def test_across_seeds_pairs_the_arms():
@@ -70,7 +70,7 @@ def test_across_seeds_pairs_the_arms():
 
 def test_seeds_and_baseline_do_not_mix(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[trainer]\nenvs = ["arith-small"]\n')
+    cfg.write_text('[trainer.tasks]\nenvs = ["arith-small"]\n')
     assert cost_demo.main(["--config", str(cfg), "--baseline", "x", "--seeds", "0,1", "--out", str(tmp_path / "o")]) == 2
     assert "--baseline" in capsys.readouterr().err
 
@@ -79,14 +79,15 @@ def test_seeds_and_baseline_do_not_mix(tmp_path, capsys):
 
 def test_config_with_sets_trainer_keys_and_keeps_the_rest():
     import tomllib
-    text = '[up]\nsteps = 5\n[trainer]\nlr = 1e-3\npenalty = "linear"\n[worker]\nslots = 2\n'
-    conf = tomllib.loads(cost_demo.config_with(text, {"penalty": "success_only", "warmstart_from": "/r/w.pt",
-                                                      "lambda_target": 0.004, "lambda_ramp_versions": 10}))
-    assert conf["trainer"] == {"lr": 1e-3, "penalty": "success_only", "warmstart_from": "/r/w.pt",
-                               "lambda_target": 0.004, "lambda_ramp_versions": 10}
+    text = '[up]\nsteps = 5\n[trainer.optim]\nlr = 1e-3\n[trainer.cost]\npenalty = "linear"\n[worker]\nslots = 2\n'
+    conf = tomllib.loads(cost_demo.config_with(text, {"cost": {"penalty": "success_only", "target": 0.004,
+                                                               "ramp_versions": 10},
+                                                      "warmstart": {"reuse": "/r/w.pt"}}))
+    assert conf["trainer"] == {"optim": {"lr": 1e-3}, "warmstart": {"reuse": "/r/w.pt"},
+                               "cost": {"penalty": "success_only", "target": 0.004, "ramp_versions": 10}}
     assert conf["worker"] == {"slots": 2} and conf["up"] == {"steps": 5}
-    assert tomllib.loads(cost_demo.config_with('[up]\nsteps = 1\n', {"budget_tokens": 12.5}))["trainer"] == \
-        {"budget_tokens": 12.5}
+    assert tomllib.loads(cost_demo.config_with('[up]\nsteps = 1\n', {"cost": {"budget_tokens": 12.5}}))["trainer"] == \
+        {"cost": {"budget_tokens": 12.5}}
 
 
 def test_each_arm_is_a_valid_trainer_config(tmp_path):
@@ -99,11 +100,11 @@ def test_each_arm_is_a_valid_trainer_config(tmp_path):
         extra, keys = cost_demo.arm_setup(arm, 0.004, tmp_path, 40.0, a)
         TrainerConfig(**keys)                                   # validated as the trainer will
         seen[arm] = (extra, keys)
-    assert seen["calibrated"][0] == ["--lambda", "0.004"] and "penalty" not in seen["calibrated"][1]
-    assert seen["success_only"][1]["penalty"] == "success_only"
-    assert seen["ramp"][0] == ["--lambda", "0"] and seen["ramp"][1]["lambda_target"] == 0.004
-    assert seen["budget"][1]["budget_tokens"] == 0.6 * 40.0
-    assert all(k["warmstart_from"] == str(tmp_path / "warmstart.pt") for _, k in seen.values())
+    assert seen["calibrated"][0] == ["--lambda", "0.004"] and "cost" not in seen["calibrated"][1]
+    assert seen["success_only"][1]["cost"]["penalty"] == "success_only"
+    assert seen["ramp"][0] == ["--lambda", "0"] and seen["ramp"][1]["cost"]["target"] == 0.004
+    assert seen["budget"][1]["cost"]["budget_tokens"] == 0.6 * 40.0
+    assert all(k["warmstart"]["reuse"] == str(tmp_path / "warmstart.pt") for _, k in seen.values())
 
 
 def test_across_seeds_compares_every_arm_with_lambda0():
@@ -132,7 +133,7 @@ def test_worst_gap_after_v25_and_the_tradeoff_plot(tmp_path):
 
 def test_unknown_arm_is_a_clear_error(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[trainer]\nenvs = ["arith-small"]\n')
+    cfg.write_text('[trainer.tasks]\nenvs = ["arith-small"]\n')
     assert cost_demo.main(["--config", str(cfg), "--arms", "lambda0,cheap",
                            "--out", str(tmp_path / "o")]) == 2
     assert "unknown arm(s) ['cheap']" in capsys.readouterr().err
@@ -145,16 +146,20 @@ scorers = 1
 steps = 2
 minutes = 3.0
 
-[trainer]
+[trainer.tasks]
 envs = ["arith-small"]
-batch_groups = 2
-group_size = 2
-feed_backlog = 4
-warmstart_steps = 5
-warmstart_batch = 8
+backlog = 4
 eval_every = 1
 eval_prompts = 8
-task_sampling = {temperature = 1.0, max_tokens = 24}
+sampling = {temperature = 1.0, max_tokens = 24}
+
+[trainer.batch]
+groups = 2
+group_size = 2
+
+[trainer.warmstart]
+steps = 5
+batch = 8
 
 [worker]
 slots = 4
@@ -187,10 +192,10 @@ def test_cost_demo_end_to_end_on_a_tiny_run(tmp_path):
 def test_without_a_warm_start_arms_start_from_the_config_and_need_a_given_lambda(tmp_path, capsys):
     import argparse
     a = argparse.Namespace(ramp_versions=10, budget_tokens=0.0, budget_ratio=0.6, budget_lr=0.002)
-    assert cost_demo.arm_setup("success_only", 0.004, tmp_path, 40.0, a)[1] == {"penalty": "success_only"}
+    assert cost_demo.arm_setup("success_only", 0.004, tmp_path, 40.0, a)[1] == {"cost": {"penalty": "success_only"}}
     base = _run(tmp_path, "base", [(0, 0.2, 20.0)])
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[trainer]\nenvs = ["arith-small"]\n')
+    cfg.write_text('[trainer.tasks]\nenvs = ["arith-small"]\n')
     assert cost_demo.main(["--config", str(cfg), "--baseline", str(base), "--out", str(tmp_path / "o")]) == 2
     assert "--lambda-cal" in capsys.readouterr().err
     assert cost_demo.main(["--config", str(cfg), "--lambda-cal", "-1", "--out", str(tmp_path / "o")]) == 2

@@ -51,7 +51,8 @@ async def until(cond, timeout: float = 10.0) -> None:
 
 async def test_a_group_scored_while_lambda_changes_in_kv_carries_one_lambda(bus, tmp_path):
     await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.01))
-    feeder = TaskFeeder(bus, trainer_config(bus.cfg.servers[0], tmp_path, envs=["arith"], group_size=2))
+    feeder = TaskFeeder(bus, trainer_config(bus.cfg.servers[0], tmp_path, tasks={"envs": ["arith"]},
+                                            batch={"group_size": 2}))
     await feeder.publish(1)
     [task] = await wait_tasks(bus, 1)
     assert task.lambda_ == 0.01                                   # stamped at feed time
@@ -82,7 +83,8 @@ async def test_a_group_scored_while_lambda_changes_in_kv_carries_one_lambda(bus,
 
 
 async def test_feeder_stamps_each_group_with_the_kv_lambda_of_its_time(bus, tmp_path):
-    feeder = TaskFeeder(bus, trainer_config(bus.cfg.servers[0], tmp_path, envs=["arith"], group_size=2))
+    feeder = TaskFeeder(bus, trainer_config(bus.cfg.servers[0], tmp_path, tasks={"envs": ["arith"]},
+                                            batch={"group_size": 2}))
     await feeder.publish(1)                                       # no λ in KV yet: none stamped
     await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.002))
     await feeder.publish(1)
@@ -178,11 +180,11 @@ def test_unknown_penalty_and_bad_options_are_refused():
     with pytest.raises(ValueError, match="unknown penalty"):
         apply_penalty(r, s, c, lam, pen, g, "quadratic")
     for kw in (dict(penalty="quadratic"), dict(penalty_cap=0.5), dict(penalty_cap=0.0),
-               dict(lambda_schedule="ramp"), dict(lambda_schedule="budget", budget_tokens=10.0),
-               dict(lambda_schedule="budget", budget_lr=0.01), dict(lambda_target=-1.0),
-               dict(lambda_target=float("nan")), dict(lambda_schedule="sometimes")):
+               dict(schedule="ramp"), dict(schedule="budget", budget_tokens=10.0),
+               dict(schedule="budget", budget_lr=0.01), dict(target=-1.0),
+               dict(target=float("nan")), dict(schedule="sometimes")):
         with pytest.raises(ValueError, match=next(iter(kw))):
-            TrainerConfig(**kw)
+            TrainerConfig(cost=kw)
 
 
 def _tiny_samples(success, cost_tokens, lam=0.01):
@@ -228,7 +230,7 @@ def test_ramp_goes_from_zero_to_the_target_over_k_versions():
 
 
 async def test_budget_schedule_moves_kv_lambda_from_measured_tokens(bus):
-    cfg = TrainerConfig(lambda_schedule="budget", budget_tokens=20.0, budget_lr=0.01)
+    cfg = TrainerConfig(cost={"schedule": "budget", "budget_tokens": 20.0, "budget_lr": 0.01})
     sched = lambda_control.LambdaSchedule(cfg)
     assert await sched.start(bus, 0) == {}                         # budget starts from KV (absent: 0)
     m = await sched.after_version(bus, 1, 40.0)                    # twice the budget: λ up by budget_lr
@@ -238,8 +240,7 @@ async def test_budget_schedule_moves_kv_lambda_from_measured_tokens(bus):
     assert m["lambda_next"] == pytest.approx(0.0025)
     m = await sched.after_version(bus, 3, 5.0)                     # floored at 0
     assert m["lambda_next"] == 0.0 and await bus.kv_get(topo.KEY_LAMBDA) == b"0.0"
-    ramp = lambda_control.LambdaSchedule(TrainerConfig(lambda_schedule="ramp", lambda_target=0.02,
-                                                       lambda_ramp_versions=4))
+    ramp = lambda_control.LambdaSchedule(TrainerConfig(cost={"schedule": "ramp", "target": 0.02, "ramp_versions": 4}))
     assert (await ramp.start(bus, 0))["lambda_next"] == 0.0
     assert (await ramp.after_version(bus, 2, 10.0))["lambda_next"] == pytest.approx(0.01)
     assert parse_lambda(await bus.kv_get(topo.KEY_LAMBDA)) == pytest.approx(0.01)

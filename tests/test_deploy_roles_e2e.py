@@ -39,11 +39,11 @@ async def test_processes_run_under_their_roles_without_violations(tmp_path):
             own = read_env(ENV_DIR / f"{comp}.env")
             # signing is on by default: the key files `asyncrl deploy init` wrote, not /etc/asyncrl/keys
             keys = {k: str(KEYS_DIR / Path(v).name) for k, v in own.items()
-                    if k in ("ASYNCRL_SIGNING_KEY", "ASYNCRL_PUBLIC_KEY")}
+                    if k in ("ASYNCRL_PUBLISH__SIGNING_KEY", "ASYNCRL_PUBLIC_KEY")}
             env = {**os.environ, **common, **own, **keys,
                    "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "ASYNCRL_BUS__SERVERS": hub.url,
-                   "ASYNCRL_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "ASYNCRL_RUN_DIR": str(tmp_path / "run"),
-                   "ASYNCRL_MAX_STEPS": "2", "ASYNCRL_BATCH_GROUPS": "2", "ASYNCRL_GROUP_SIZE": "2",
+                   "ASYNCRL_CHECKPOINT__DIR": str(tmp_path / "ckpt"), "ASYNCRL_RUN__DIR": str(tmp_path / "run"),
+                   "ASYNCRL_RUN__MAX_STEPS": "2", "ASYNCRL_BATCH__GROUPS": "2", "ASYNCRL_BATCH__GROUP_SIZE": "2",
                    "ASYNCRL_SLOTS": "4"}
             with open(tmp_path / f"{comp}.log", "wb") as log:
                 procs[comp] = subprocess.Popen([sys.executable, "-m", comp], env=env, cwd=tmp_path,

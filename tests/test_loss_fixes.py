@@ -56,7 +56,7 @@ def test_advantages_scale_linearly_with_lambda_in_a_group_of_uniform_success():
     must scale with lambda (under std normalisation lambda cancels: 1e-4 and 1e-2 give the same)."""
     L = torch.tensor([10.0, 20.0, 30.0, 45.0])
     g = torch.zeros(4, dtype=torch.long)
-    norm = TrainerConfig().adv_norm
+    norm = TrainerConfig().loss.adv_norm
     small = group_advantages(1 - 1e-4 * L, g, norm)
     big = group_advantages(1 - 1e-2 * L, g, norm)
     assert (small.abs() > 0).all()
@@ -136,8 +136,8 @@ def test_kl_term_expected_gradient_is_the_gradient_of_kl_pi_ref_under_mu():
 
 def test_ppo_clip_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="trust region"):
-        TrainerConfig(ppo_clip=0.2)
-    assert TrainerConfig(ppo_clip=0.0).ppo_clip == 0.0       # old configs that set 0 still load
+        TrainerConfig(loss={"ppo_clip": 0.2})
+    assert TrainerConfig(loss={"ppo_clip": 0.0}).loss.ppo_clip == 0.0       # old configs that set 0 still load
 
 
 # -- 5: chunked logprobs, token-budget micro-batches -------------------------------------------------
@@ -249,7 +249,7 @@ async def test_skip_uniform_by_success_skips_groups_that_differ_by_cost_alone(bu
     from bus import topology as topo
     from trainer.batcher import Batcher, ConsumedIds
     from tests.helpers.trainer import MODEL, make_scored, trainer_config
-    cfg = trainer_config(fresh_server.url, tmp_path, skip_uniform_groups=True, skip_uniform_by=by)
+    cfg = trainer_config(fresh_server.url, tmp_path, batch={"skip_uniform": True, "skip_uniform_by": by})
     model = Transformer(ModelConfig.from_dict(MODEL))
     rng = random.Random(0)
     for tid, success in (("lenonly", [1, 1, 1, 1]), ("mixA", [0, 1, 0, 1]), ("mixB", [1, 0, 0, 0])):
@@ -284,14 +284,14 @@ def test_lag_cap_moves_one_version_at_a_time_with_the_mismatch():
     assert next_lag_cap(1, 0.5, max_k3=0.0, max_lag=4) == 4          # off: always max_lag
     assert next_lag_cap(0, 0.5, max_k3=0.01, max_lag=0) == 0         # max_lag 0 stays 0
     with pytest.raises(ValueError, match="max_k3"):
-        TrainerConfig(max_k3=-1.0)
+        TrainerConfig(batch={"max_k3": -1.0})
 
 
 async def test_batcher_weighs_staleness_with_the_lag_cap_it_is_given(bus, fresh_server, tmp_path):
     from bus import topology as topo
     from trainer.batcher import Batcher, ConsumedIds
     from tests.helpers.trainer import MODEL, make_scored, trainer_config
-    cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, max_lag=4, max_k3=0.01)
+    cfg = trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "max_lag": 4, "max_k3": 0.01})
     model = Transformer(ModelConfig.from_dict(MODEL))
     rng = random.Random(0)
     for i, v in enumerate([10, 9, 8, 7]):                            # lags 0..3 at version 10

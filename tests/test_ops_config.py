@@ -12,7 +12,7 @@ from asyncrl import config_check, keygen
 from bus.config import ConfigError
 from delta_codec import DeltaError, signing
 
-GOOD = {"up": {"workers": 1, "steps": 3}, "trainer": {"max_lag": 4}, "worker": {"max_lag": 4}, "scorer": {}}
+GOOD = {"up": {"workers": 1, "steps": 3}, "trainer": {"batch": {"max_lag": 4}}, "worker": {"max_lag": 4}, "scorer": {}}
 
 
 def check(conf):
@@ -29,57 +29,60 @@ def test_unknown_up_key_is_refused():
 
 
 def test_max_lag_disagreement_names_both_sides():
-    with pytest.raises(ConfigError, match=r"\[trainer\] max_lag = 4, \[worker\] max_lag = 8"):
+    with pytest.raises(ConfigError, match=r"\[trainer.batch\] max_lag = 4, \[worker\] max_lag = 8"):
         check({**GOOD, "worker": {"max_lag": 8}})
     config_check.cross_check(config_check.resolve({**GOOD, "worker": {"max_lag": 8}}, environ={}), sync=True)
 
 
 def test_skip_uniform_groups_is_refused_for_a_sync_run():
-    skip = {**GOOD, "trainer": {"max_lag": 4, "skip_uniform_groups": True}}
+    skip = {**GOOD, "trainer": {"batch": {"max_lag": 4, "skip_uniform": True}}}
     check(skip)                                     # async: fine
-    with pytest.raises(ConfigError, match=r"skip_uniform_groups = true is async only"):
+    with pytest.raises(ConfigError, match=r"skip_uniform = true is async only"):
         config_check.cross_check(config_check.resolve(skip, environ={}), sync=True)
 
 
 def test_tokenizer_disagreement(tmp_path):
     tok = tmp_path / "tokenizer.json"
     tok.write_text("{}")
-    with pytest.raises(ConfigError, match=r"\[trainer\] tokenizer = 'char', \[worker\] tokenizer = .*tokenizer.json"):
+    with pytest.raises(ConfigError, match=r"\[trainer.policy\] tokenizer = 'char', \[worker\] tokenizer = .*tokenizer.json"):
         check({**GOOD, "worker": {"max_lag": 4, "tokenizer": str(tok)}})
 
 
 def test_signing_pair_must_match(tmp_path):
     k1, p1 = keygen.write_keypair(tmp_path, "a")
     _k2, p2 = keygen.write_keypair(tmp_path, "b")
-    check({**GOOD, "trainer": {"max_lag": 4, "signing_key": str(k1)}, "worker": {"max_lag": 4, "public_key": str(p1)}})
-    with pytest.raises(ConfigError, match=r"signing key pair disagrees: \[trainer\] signing_key = .*a.key.*"
+    check({**GOOD, "trainer": {"batch": {"max_lag": 4}, "publish": {"signing_key": str(k1)}},
+           "worker": {"max_lag": 4, "public_key": str(p1)}})
+    with pytest.raises(ConfigError, match=r"signing key pair disagrees: \[trainer.publish\] signing_key = .*a.key.*"
                                           r"\[worker\] public_key = .*b.pub"):
-        check({**GOOD, "trainer": {"max_lag": 4, "signing_key": str(k1)}, "worker": {"max_lag": 4, "public_key": str(p2)}})
-    with pytest.raises(ConfigError, match=r"\[trainer\] signing_key is empty"):
+        check({**GOOD, "trainer": {"batch": {"max_lag": 4}, "publish": {"signing_key": str(k1)}},
+               "worker": {"max_lag": 4, "public_key": str(p2)}})
+    with pytest.raises(ConfigError, match=r"\[trainer.publish\] signing_key is empty"):
         check({**GOOD, "worker": {"max_lag": 4, "public_key": str(p1)}})
     # rotation window: the worker's key file lists old and new keys; either trainer key passes
     both = tmp_path / "both.pub"
     both.write_text(p2.read_text() + p1.read_text())
-    check({**GOOD, "trainer": {"max_lag": 4, "signing_key": str(k1)}, "worker": {"max_lag": 4, "public_key": str(both)}})
+    check({**GOOD, "trainer": {"batch": {"max_lag": 4}, "publish": {"signing_key": str(k1)}},
+           "worker": {"max_lag": 4, "public_key": str(both)}})
 
 
 def test_up_refuses_before_starting_anything(tmp_path):
     cfg = tmp_path / "up.toml"
-    cfg.write_text("[up]\nsteps = 2\n[trainer]\nmax_lag = 2\n[worker]\nmax_lag = 6\n")
+    cfg.write_text("[up]\nsteps = 2\n[trainer.batch]\nmax_lag = 2\n[worker]\nmax_lag = 6\n")
     r = subprocess.run([sys.executable, "-m", "asyncrl.cli", "up", "--config", str(cfg), "--run-dir",
                         str(tmp_path / "run"), "--quiet"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
-    assert "bad configuration: max_lag disagrees: [trainer] max_lag = 2, [worker] max_lag = 6" in r.stderr
+    assert "bad configuration: max_lag disagrees: [trainer.batch] max_lag = 2, [worker] max_lag = 6" in r.stderr
     assert not (tmp_path / "run").exists()          # nothing started, nothing written
 
 
 def test_config_check_cli(tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text("[up]\nworkers = 1\n[trainer]\nmax_lag = 3\n[worker]\nmax_lag = 3\n")
+    cfg.write_text("[up]\nworkers = 1\n[trainer.batch]\nmax_lag = 3\n[worker]\nmax_lag = 3\n")
     r = subprocess.run([sys.executable, "-m", "asyncrl.cli", "config", "check", str(cfg)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "[trainer]" in r.stdout and "[worker]" in r.stdout and "[scorer]" in r.stdout and '"max_lag": 3' in r.stdout
-    cfg.write_text("[trainer]\nmax_lag = 3\nlrr = 1\n")
+    cfg.write_text("[trainer]\nlrr = 1\n[trainer.batch]\nmax_lag = 3\n")
     r = subprocess.run([sys.executable, "-m", "asyncrl.cli", "config", "check", str(cfg)], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown key(s) ['lrr']" in r.stderr
 

@@ -72,8 +72,8 @@ def test_init_then_signed_compose_validates(tmp_path):
     assert r.returncode == 0, r.stderr
     svc = yaml.safe_load(r.stdout)["services"]
     keys = d / "keys"
-    for name, var, f in (("trainer", "ASYNCRL_SIGNING_KEY", "trainer-signing.key"),
-                         ("trainer-standby", "ASYNCRL_SIGNING_KEY", "trainer-signing.key"),
+    for name, var, f in (("trainer", "ASYNCRL_PUBLISH__SIGNING_KEY", "trainer-signing.key"),
+                         ("trainer-standby", "ASYNCRL_PUBLISH__SIGNING_KEY", "trainer-signing.key"),
                          ("rollout_worker", "ASYNCRL_PUBLIC_KEY", "trainer-signing.pub"),
                          ("rollout_worker-region", "ASYNCRL_PUBLIC_KEY", "trainer-signing.pub")):
         if name not in svc:           # docker-compose v2 leaves profiled services out

@@ -130,7 +130,7 @@ def test_check_rollout_knows_the_vocabulary_and_the_kept_sets():
 async def test_batcher_parks_poisoned_scored_at_once_and_trains_the_rest(bus, fresh_server, tmp_path):
     """A string in a logprob list crashed the leader on each redelivery: now it is parked on its
     first delivery with the field named, and the good group beside it forms the batch."""
-    cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=2)
+    cfg = trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 2})
     model = Transformer(ModelConfig.from_dict(MODEL))
     rng = random.Random(3)
     good = [make_scored(model, "g0", i, 2, 0, rng) for i in range(2)]

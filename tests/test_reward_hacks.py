@@ -142,7 +142,7 @@ async def test_infra_members_leave_the_group_and_its_baseline(bus, fresh_server,
     from policy.model import Transformer
     from tests.helpers.trainer import MODEL, make_scored, trainer_config
     from trainer.batcher import Batcher, ConsumedIds
-    cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=4)
+    cfg = trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 4})
     model = Transformer(ModelConfig.from_dict(MODEL))
     rng = random.Random(3)
     group = [make_scored(model, "g", i, 4, 0, rng, reward=float(i % 2)) for i in range(4)]

@@ -132,11 +132,12 @@ async def test_trainer_resumes_only_a_checkpoint_of_its_own_digest_chain(bus, fr
     epoch = await tr.lease.acquire(asyncio.Event())
     await asyncio.to_thread(tr.prepare)                          # checkpoint of v0 under `epoch`
     await WeightPublisher(bus, epoch, cfg.trainer_id).publish_keyframe(tr.published, 0, tr.model_cfg)
-    other = trainer(dataclasses.replace(cfg, seed=cfg.seed + 1))     # another model: other initial weights
+    # another model: other initial weights
+    other = trainer(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=cfg.run.seed + 1)))
     forged = other.state()
     forged.epoch, forged.digest = epoch + 50, delta_codec.state_digest(other.learner.published_state())
     assert forged.digest != tr.digest
-    checkpoint.save(cfg.checkpoint_dir, forged)
+    checkpoint.save(cfg.checkpoint.dir, forged)
 
     unchecked = trainer(cfg)                                     # without the chain: the forged one wins
     await asyncio.to_thread(unchecked.resume)

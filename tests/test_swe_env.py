@@ -1,7 +1,7 @@
 """swe-gen: tier-1 tasks as episode specs, oracle demonstrations in the worker's layout, the
 loss-masked warm start and the episode-aware held-out eval."""
+import dataclasses
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ from envs.base import SpecError
 from envs.episode import EpisodeLimits, EpisodeTask
 from envs.swe_env import SweGenEnv
 from policy import CharTokenizer, ModelConfig, SamplingConfig, Transformer
+from trainer.config import TrainerConfig
 from trainer.evaluate import eval_specs, evaluate_episodes
 from trainer.warmstart import demo_batch, warm_start
 
@@ -86,8 +87,7 @@ def test_warm_start_loss_ignores_observation_tokens(env, monkeypatch):
     tok = CharTokenizer.default()
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny(tok.vocab_size, n_layers=1, max_seq_len=4096)).float()
-    cfg = SimpleNamespace(envs=["swe-gen"], seed=0, warmstart_lr=1e-3, warmstart_steps=2, warmstart_batch=1,
-                          tokenizer="char")
+    cfg = TrainerConfig(trainer_id="t", tasks={"envs": ["swe-gen"]}, warmstart={"lr": 1e-3, "steps": 2, "batch": 1})
     import trainer.warmstart as ws
     losses = warm_start(model, cfg, tok=tok)
     assert len(losses) == 2 and all(x > 0 for x in losses)
@@ -100,7 +100,8 @@ def test_warm_start_loss_ignores_observation_tokens(env, monkeypatch):
     monkeypatch.setattr(ws, "demo_batch", lambda *a, **k: (prompts, comps, masks))
     model2 = Transformer(model.cfg).float()
     model2.load_state_dict(model.state_dict())
-    got = warm_start(model2, SimpleNamespace(**{**vars(cfg), "warmstart_steps": 1}), tok=tok)[0]
+    got = warm_start(model2, dataclasses.replace(cfg, warmstart=dataclasses.replace(cfg.warmstart, steps=1)),
+                     tok=tok)[0]
     assert got == pytest.approx(want, rel=1e-4)
     everything = -(res.logprobs[0]).sum() / len(comps[0])
     assert float(everything) != pytest.approx(got, rel=1e-3)

@@ -1,6 +1,7 @@
 """Trainer against a real nats-server: one step publishes a bit-exact delta, stale samples are
 dropped, duplicates and bad rollouts never reach the learner, the lease fences epochs."""
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -28,7 +29,8 @@ from tests.helpers.trainer import MODEL, make_scored, publish_groups, trainer_co
 async def test_step_lowers_loss_and_publishes_bit_exact_delta(bus, fresh_server, tmp_path):
     sk, pk = signing.generate_keypair()
     (tmp_path / "sk.hex").write_text(sk.hex())
-    cfg = trainer_config(fresh_server.url, tmp_path, max_steps=1, signing_key=str(tmp_path / "sk.hex"))
+    cfg = trainer_config(fresh_server.url, tmp_path, run={"max_steps": 1},
+                         publish={"signing_key": str(tmp_path / "sk.hex")})
     model, mcfg = build_model(cfg)
     learner = build_learner(model, build_optimizer(model, cfg), cfg)
     await publish_groups(bus, model, 2, 4)
@@ -58,13 +60,13 @@ async def test_step_lowers_loss_and_publishes_bit_exact_delta(bus, fresh_server,
     # acked only after the checkpoint: nothing pending, and the checkpoint lists the used ids
     info = await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
     assert info.num_pending == 0 and info.num_ack_pending == 0
-    st = checkpoint.load_latest(cfg.checkpoint_dir)
+    st = checkpoint.load_latest(cfg.checkpoint.dir)
     assert st.version == 1 and sorted(st.consumed) == sorted(batch.rollout_ids)
     assert st.digest == delta_codec.state_digest(mine)
 
 
 async def test_stale_dropped_duplicates_and_bad_rollouts_refused(bus, fresh_server, tmp_path):
-    cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=4, max_lag=2)
+    cfg = trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 4, "max_lag": 2})
     model = Transformer(ModelConfig.from_dict(MODEL))
     rng = random.Random(1)
     versions = [10, 9, 7, 3]                               # lags 0, 1, 3, 7 at version 10
@@ -90,7 +92,6 @@ async def test_stale_dropped_duplicates_and_bad_rollouts_refused(bus, fresh_serv
     learner = build_learner(model, build_optimizer(model, cfg), cfg)
     packed = pack(batch)
     # dropped samples are out of their group's baseline and their tokens weigh nothing (issue #31 item 6)
-    import dataclasses
     scrambled = [s if s.weight > 0 else dataclasses.replace(s, completion_ids=[5] * 9, logprobs=[-1.0] * 9,
                                                              sampling_mask=SamplingMask.full(9).to_wire())
                  for s in packed]
@@ -100,7 +101,7 @@ async def test_stale_dropped_duplicates_and_bad_rollouts_refused(bus, fresh_serv
     # other matmul shapes (another reduction order); the loss is their mean: forward_tol at its size
     tol = forward_tol(model.cfg, scale=float(l_all.abs()))
     assert st["n_tokens"] == 12 and torch.allclose(l_all, l_live, **tol)
-    cfg.stale = "downweight"
+    cfg.batch.stale = "downweight"
     b.groups.clear()
     assert [s.weight for s in (await _regroup(b, batch)).samples] == [1.0, 1.0, 0.5, 0.5 ** 5]
 
@@ -129,7 +130,8 @@ async def test_lease_takeover_fences_epochs(bus):
 
 
 async def test_incomplete_group_used_after_timeout(bus, fresh_server, tmp_path):
-    cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=4, group_timeout_s=1.0)
+    cfg = trainer_config(fresh_server.url, tmp_path,
+                         batch={"groups": 1, "group_size": 4, "group_timeout_s": 1.0})
     model = Transformer(ModelConfig.from_dict(MODEL))
     rng = random.Random(2)
     for i in range(2):                                     # two of four siblings ever arrive
@@ -170,7 +172,7 @@ def test_replay_uses_each_rollouts_fp8_sites_and_kept_sets(tmp_path):
     packed = pack(Batch([Sample(s.get_rollout(), s, msg=None) for s in (sc, other)], n_groups=1, version=0))
     _, st = build_learner(model, build_optimizer(model, cfg), cfg).loss(packed, grad=False)
     assert st["k3_mean"] < 1e-9 and abs(st["ratio_mean"] - 1) < 1e-5
-    naive = build_learner(model, build_optimizer(model, cfg), TrainerConfig(**{**cfg.__dict__, "replay": False}))
+    naive = build_learner(model, build_optimizer(model, cfg), TrainerConfig(**{**cfg.__dict__, "loss": dataclasses.replace(cfg.loss, replay=False)}))
     _, st2 = naive.loss(packed, grad=False)
     assert st2["k3_mean"] > 1e-4
 
@@ -180,7 +182,7 @@ async def test_overlapped_publication_checkpoints_the_right_digest_after_a_dropp
     samples are all dropped changes no weights, and its checkpoint must carry v's digest even
     though it was prepared before v's publication had finished."""
     from bus.weights import WeightPublisher
-    cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=4, max_lag=0)
+    cfg = trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 4, "max_lag": 0})
     model, mcfg = build_model(cfg)
     tr = Trainer(cfg, bus, build_learner(model, build_optimizer(model, cfg), cfg), mcfg)
     epoch = await tr.lease.acquire(asyncio.Event())
@@ -199,7 +201,7 @@ async def test_overlapped_publication_checkpoints_the_right_digest_after_a_dropp
     first = await tr.train_on(live, batcher, publisher, lost)
     second = await tr.train_on(stale, batcher, publisher, lost, first)
     await second
-    st = checkpoint.load_latest(cfg.checkpoint_dir)
+    st = checkpoint.load_latest(cfg.checkpoint.dir)
     assert tr.version == st.version == 1
     assert st.digest == delta_codec.state_digest(inference_state(model))
     assert sorted(st.consumed) == sorted(live.rollout_ids + stale.rollout_ids)
@@ -217,8 +219,8 @@ async def test_checkpoint_every_k_acks_only_after_the_checkpoint_and_a_crash_ret
     every rollout is recorded consumed once, nothing left pending."""
     import json
     from bus.weights import WeightPublisher
-    cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=4, max_lag=1000,
-                         checkpoint_every=3)
+    cfg = trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 4, "max_lag": 1000},
+                         checkpoint={"every": 3})
     model, mcfg = build_model(cfg)
     tr = Trainer(cfg, bus, build_learner(model, build_optimizer(model, cfg), cfg), mcfg)
     epoch = await tr.lease.acquire(asyncio.Event())
@@ -236,19 +238,20 @@ async def test_checkpoint_every_k_acks_only_after_the_checkpoint_and_a_crash_ret
         batch = await batcher.next_batch(tr.version)
         ids.append(sorted(batch.rollout_ids))
         await (await tr.train_on(batch, batcher, publisher, lost))
-        st = checkpoint.load_latest(cfg.checkpoint_dir)
+        st = checkpoint.load_latest(cfg.checkpoint.dir)
         assert int((await bus.kv_get(topo.KEY_VERSION)).decode()) == v       # published at once
         assert st.version == (3 if v >= 3 else 0), (v, st.version)
         assert await pending() == 4 * (v % 3), v       # unacked until a checkpoint records them
     assert sorted(st.consumed) == sorted(x for b in ids[:3] for x in b)
     await batcher.close()               # the leader dies: what it held comes back (nak: at once)
     await tr.lease.release()
-    cfg2 = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=4, max_lag=1000,
-                          checkpoint_every=3, trainer_id="T2", max_steps=5)
+    cfg2 = trainer_config(fresh_server.url, tmp_path, trainer_id="T2",
+                          batch={"groups": 1, "group_size": 4, "max_lag": 1000},
+                          checkpoint={"every": 3}, run={"max_steps": 5})
     model2, _ = build_model(cfg2)
     tr2 = Trainer(cfg2, bus, build_learner(model2, build_optimizer(model2, cfg2), cfg2), mcfg)
     assert await asyncio.wait_for(tr2.lead(asyncio.Event()), 120) == 0
-    st = checkpoint.load_latest(cfg.checkpoint_dir)
+    st = checkpoint.load_latest(cfg.checkpoint.dir)
     assert tr2.version == st.version == 5 and st.epoch > epoch      # the clean end checkpoints v5
     assert sorted(st.consumed) == sorted(f"g{g}-{i}" for g in range(5) for i in range(4))
     assert await pending() == 0
@@ -276,7 +279,8 @@ async def test_delta_context_publishes_classed_positions_a_follower_applies(bus,
             b = await connect(BusConfig(servers=[srv.url], name="t"))
             try:
                 await b.provision()
-                cfg = trainer_config(srv.url, tmp_path / f"run-{on}", max_steps=1, lr=3e-5, delta_context=on)
+                cfg = trainer_config(srv.url, tmp_path / f"run-{on}", run={"max_steps": 1},
+                                     optim={"lr": 3e-5}, publish={"delta_context": on})
                 model, mcfg = build_model(cfg)
                 learner = build_learner(model, build_optimizer(model, cfg), cfg)
                 await publish_groups(b, model, 2, 4)
@@ -306,7 +310,7 @@ async def test_delta_context_publishes_classed_positions_a_follower_applies(bus,
 async def test_uniform_groups_skipped_acked_at_once_and_recorded(bus, fresh_server, tmp_path):
     """skip_uniform_groups: a group whose rewards are all equal is acked at once and recorded with
     the next version; the step trains on the mixed groups only, and its success counts every episode."""
-    cfg = trainer_config(fresh_server.url, tmp_path, max_steps=1, skip_uniform_groups=True)
+    cfg = trainer_config(fresh_server.url, tmp_path, run={"max_steps": 1}, batch={"skip_uniform": True})
     model, mcfg = build_model(cfg)
     learner = build_learner(model, build_optimizer(model, cfg), cfg)
     rng = random.Random(3)
@@ -316,7 +320,7 @@ async def test_uniform_groups_skipped_acked_at_once_and_recorded(bus, fresh_serv
     tr = Trainer(cfg, bus, learner, mcfg)
     assert await asyncio.wait_for(tr.lead(asyncio.Event()), 120) == 0
     assert tr.version == 1
-    st = checkpoint.load_latest(cfg.checkpoint_dir)
+    st = checkpoint.load_latest(cfg.checkpoint.dir)
     assert sorted(st.consumed) == sorted(f"{t}-{i}" for t in ("zero", "mixA", "one", "mixB") for i in range(4))
     info = await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
     assert info.num_pending == 0 and info.num_ack_pending == 0
@@ -333,19 +337,20 @@ def test_delta_context_auto_is_on_for_a_pretrained_start_only(tmp_path):
     (deploy/smollm2.toml as shipped) and not for the toy's fresh weights; an explicit value wins;
     anything else is refused with the allowed values."""
     from bus.config import ConfigError, load_config
-    assert TrainerConfig().delta_context == "auto" and not TrainerConfig().use_delta_context
-    assert TrainerConfig(init_checkpoint="/some/hf").use_delta_context
-    assert not TrainerConfig(init_checkpoint="/some/hf", delta_context=False).use_delta_context
-    assert TrainerConfig(delta_context=True).use_delta_context
+    assert TrainerConfig().publish.delta_context == "auto" and not TrainerConfig().use_delta_context
+    assert TrainerConfig(policy={"init_checkpoint": "/some/hf"}).use_delta_context
+    assert not TrainerConfig(policy={"init_checkpoint": "/some/hf"},
+                             publish={"delta_context": False}).use_delta_context
+    assert TrainerConfig(publish={"delta_context": True}).use_delta_context
     smol = load_config(TrainerConfig, "deploy/smollm2.toml", section="trainer", environ={})
-    assert smol.init_checkpoint and smol.delta_context == "auto" and smol.use_delta_context
-    toy = load_config(TrainerConfig, None, environ={"ASYNCRL_DELTA_CONTEXT": "off"})
-    assert toy.delta_context is False
-    (tmp_path / "t.toml").write_text('delta_context = "sometimes"\n')
+    assert smol.policy.init_checkpoint and smol.publish.delta_context == "auto" and smol.use_delta_context
+    toy = load_config(TrainerConfig, None, environ={"ASYNCRL_PUBLISH__DELTA_CONTEXT": "off"})
+    assert toy.publish.delta_context is False
+    (tmp_path / "t.toml").write_text('[publish]\ndelta_context = "sometimes"\n')
     with pytest.raises(ConfigError, match="delta_context.*auto"):
         load_config(TrainerConfig, tmp_path / "t.toml", environ={})
 
 
 def test_skip_uniform_groups_refused_in_sync_mode():
-    with pytest.raises(ValueError, match="skip_uniform_groups"):
-        TrainerConfig(mode="sync", skip_uniform_groups=True)
+    with pytest.raises(ValueError, match="skip_uniform"):
+        TrainerConfig(run={"mode": "sync"}, batch={"skip_uniform": True})

@@ -17,9 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_torchrun_line_from_config():
-    cfg = TrainerConfig(trainer_id="g", elastic_nnodes="2:3", elastic_nproc_per_node=8,
-                        elastic_rdzv_endpoint="head:29500", elastic_rdzv_id="run7", elastic_max_restarts=5,
-                        elastic_rdzv_host=True, elastic_rdzv_conf="join_timeout=120")
+    cfg = TrainerConfig(trainer_id="g",
+                        elastic={"nnodes": "2:3", "nproc_per_node": 8, "rdzv_endpoint": "head:29500",
+                                 "rdzv_id": "run7", "max_restarts": 5, "rdzv_host": True,
+                                 "rdzv_conf": "join_timeout=120"})
     argv = torchrun_argv(cfg, ["--config", "t.toml"], python="py")
     assert argv[:3] == ["py", "-m", "torch.distributed.run"]
     for flag in ("--nnodes=2:3", "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=head:29500",
@@ -31,20 +32,20 @@ def test_torchrun_line_from_config():
     assert agent_env({"A": "1"}) == {"A": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-@pytest.mark.parametrize("bad", [{"elastic_nnodes": "3:2"}, {"elastic_nnodes": "0:2"}, {"elastic_nnodes": "two"},
-                                 {"elastic_nnodes": "1:2:3"}, {"elastic_nproc_per_node": 0},
-                                 {"elastic_max_restarts": -1}, {"elastic_rdzv_endpoint": "nohostport"}])
+@pytest.mark.parametrize("bad", [{"nnodes": "3:2"}, {"nnodes": "0:2"}, {"nnodes": "two"},
+                                 {"nnodes": "1:2:3"}, {"nproc_per_node": 0},
+                                 {"max_restarts": -1}, {"rdzv_endpoint": "nohostport"}])
 def test_bad_elastic_settings_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
-        TrainerConfig(trainer_id="g", **bad)
+        TrainerConfig(trainer_id="g", elastic=bad)
 
 
 def test_elastic_flag_with_bad_config_fails_clearly_before_torchrun(tmp_path):
     cfg = tmp_path / "t.toml"
-    cfg.write_text('[trainer]\ntrainer_id = "g"\nelastic_nnodes = "3:2"\n')
+    cfg.write_text('[trainer]\ntrainer_id = "g"\n[trainer.elastic]\nnnodes = "3:2"\n')
     r = subprocess.run([sys.executable, "-m", "trainer", "--elastic", "--config", str(cfg)], cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "elastic_nnodes" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "[trainer.elastic] invalid value for nnodes" in r.stderr, r.stderr[-2000:]
     assert "torch.distributed.run" not in r.stderr
 
 
@@ -72,7 +73,7 @@ def test_spare_node_swap_resumes_the_sharded_line(tmp_path):
     from trainer.factory import build_learner, build_model, build_optimizer
     samples = make_samples(seed=3)
     torch.save(samples, tmp_path / "samples.pt")
-    cfg = cfg_dict(tmp_path, kl_coef=0.0, activation_checkpointing=False)
+    cfg = cfg_dict(tmp_path, loss={"kl_coef": 0.0}, policy={"activation_checkpointing": False})
     target = 8
     out = tmp_path / "out"
     out.mkdir()
@@ -86,10 +87,11 @@ def test_spare_node_swap_resumes_the_sharded_line(tmp_path):
     env = agent_env({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     try:
         for i in range(3):
-            c = TrainerConfig(trainer_id="g", elastic_nnodes="2:2", elastic_rdzv_endpoint=f"127.0.0.1:{port}",
-                              elastic_rdzv_id=f"t{port}", elastic_max_restarts=3, elastic_rdzv_host=i == 0,
-                              elastic_rdzv_conf="join_timeout=120,last_call_timeout=1,keep_alive_interval=1,"
-                                                "keep_alive_max_attempt=3")
+            c = TrainerConfig(trainer_id="g",
+                              elastic={"nnodes": "2:2", "rdzv_endpoint": f"127.0.0.1:{port}", "rdzv_id": f"t{port}",
+                                       "max_restarts": 3, "rdzv_host": i == 0,
+                                       "rdzv_conf": "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,"
+                                                    "keep_alive_max_attempt=3"})
             argv = torchrun_argv(c, [])[:-2] + [str(ROOT / "tests" / "elastic_worker.py"), str(tmp_path / "spec.json")]
             log = open(tmp_path / f"node{i}.log", "wb")
             agents.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -128,12 +130,12 @@ def test_spare_node_swap_resumes_the_sharded_line(tmp_path):
     assert len({d["epoch"] for d in got}) == 2 and all(d["world"] == 2 for d in got), got   # re-formed at world 2
     assert killed_at < target
     assert spare_joined                                                 # the spare node took a rank
-    st = checkpoint.load_latest(cfg["checkpoint_dir"])
+    st = checkpoint.load_latest(cfg["checkpoint"]["dir"])
     assert st.version == target
     c = TrainerConfig(**cfg)
     model, _ = build_model(c)
     learner = build_learner(model, build_optimizer(model, c), c)
-    learner.load_payload(cfg["checkpoint_dir"], st.model, st.optimizer)
+    learner.load_payload(cfg["checkpoint"]["dir"], st.model, st.optimizer)
     straight, stats = one_process(cfg, samples, target)
     # why: world 2 (and the re-formed group) sums gradients in another order: AdamW's bound over the steps
     assert_runs_close(dict(model.named_parameters()), straight.model, cfg, samples, [s["lr"] for s in stats])

@@ -44,7 +44,8 @@ async def answer(bus, model, tasks, version, rng):
 
 
 async def test_sync_mode_one_task_batch_per_version(bus, fresh_server, tmp_path):
-    cfg = trainer_config(fresh_server.url, tmp_path, mode="sync", feed=True, batch_groups=2, group_size=2, max_steps=2)
+    cfg = trainer_config(fresh_server.url, tmp_path, run={"mode": "sync", "max_steps": 2},
+                         tasks={"feed": True}, batch={"groups": 2, "group_size": 2})
     model, mcfg = build_model(cfg)
     tr = Trainer(cfg, bus, build_learner(model, build_optimizer(model, cfg), cfg), mcfg)
     run = asyncio.create_task(tr.lead(asyncio.Event()))
@@ -61,7 +62,8 @@ async def test_sync_mode_one_task_batch_per_version(bus, fresh_server, tmp_path)
 
 
 async def test_async_mode_keeps_a_backlog(bus, fresh_server, tmp_path):
-    cfg = trainer_config(fresh_server.url, tmp_path, feed=True, feed_backlog=3, envs=["arith", "python-tests"])
+    cfg = trainer_config(fresh_server.url, tmp_path,
+                         tasks={"feed": True, "backlog": 3, "envs": ["arith", "python-tests"]})
     model, mcfg = build_model(cfg)
     tr = Trainer(cfg, bus, build_learner(model, build_optimizer(model, cfg), cfg), mcfg)
     stop = asyncio.Event()
@@ -75,7 +77,7 @@ async def test_async_mode_keeps_a_backlog(bus, fresh_server, tmp_path):
 
 
 def test_warm_start_lowers_demonstration_nll(tmp_path):
-    cfg = trainer_config("nats://unused", tmp_path, warmstart_steps=25, warmstart_lr=3e-3, warmstart_batch=8)
+    cfg = trainer_config("nats://unused", tmp_path, warmstart={"steps": 25, "lr": 3e-3, "batch": 8})
     model, _ = build_model(cfg)
     losses = warm_start(model, cfg)
     assert len(losses) == 25 and sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3

@@ -30,7 +30,7 @@ def grad_len(model, samples) -> int:
 def assert_runs_close(got: dict, model, cfg: dict, samples, lrs: list[float]) -> None:
     # why: world 2 (or a resume) sums the gradients in another order than one process: AdamW's bound
     want = {n: p.detach() for n, p in model.named_parameters()}
-    assert_adam_close(got, want, lrs=lrs, betas=tuple(TrainerConfig(**cfg).betas),
+    assert_adam_close(got, want, lrs=lrs, betas=tuple(TrainerConfig(**cfg).optim.betas),
                       reduction_len=grad_len(model, samples))
 
 
@@ -45,7 +45,7 @@ def test_world2_fsdp_steps_equal_world1(tmp_path):
     n_params = sum(p.numel() for p in learner.model.parameters())
     for s1, s2 in zip(stats, res["stats"]):
         # why: the schedule is the same Python float arithmetic on every rank: exact
-        assert s1["lr"] == s2["lr"] and s1["lr"] < cfg["lr"]          # warmup applies on every rank
+        assert s1["lr"] == s2["lr"] and s1["lr"] < cfg["optim"]["lr"]          # warmup applies on every rank
         # why: the loss is a mean of per-token terms of length-n reductions, O(1) values
         assert abs(s1["loss"] - s2["loss"]) <= sum_rtol(n) * max(1.0, abs(s1["loss"]))
         # why: each gradient element's rounding, then a sum of n_params squares
@@ -64,17 +64,17 @@ def test_sharded_checkpoint_resumes_on_one_process(tmp_path):
     from trainer import checkpoint
     samples = make_samples(seed=1)
     torch.save(samples, tmp_path / "samples.pt")
-    cfg = cfg_dict(tmp_path, kl_coef=0.0, activation_checkpointing=False)
+    cfg = cfg_dict(tmp_path, loss={"kl_coef": 0.0}, policy={"activation_checkpointing": False})
     res = torchrun(tmp_path, {"cfg": cfg, "samples": str(tmp_path / "samples.pt"), "steps": 1, "save": True,
-                              "ckpt_dir": cfg["checkpoint_dir"]})
+                              "ckpt_dir": cfg["checkpoint"]["dir"]})
     ref_payload = res["payload"]
     assert ref_payload["model"]["optim"] is True and ref_payload["optimizer"] == {}
-    folder = Path(cfg["checkpoint_dir"]) / ref_payload["model"]["__dcp__"]
+    folder = Path(cfg["checkpoint"]["dir"]) / ref_payload["model"]["__dcp__"]
     assert (folder / ".metadata").is_file() and len(list(folder.glob("*.distcp"))) == 2   # one file per rank
     c = TrainerConfig(**cfg)
     model, _ = build_model(c)
     learner = build_learner(model, build_optimizer(model, c), c)
-    learner.load_payload(cfg["checkpoint_dir"], ref_payload["model"], ref_payload["optimizer"])
+    learner.load_payload(cfg["checkpoint"]["dir"], ref_payload["model"], ref_payload["optimizer"])
     for n, p in model.named_parameters():      # why equal: a load copies the saved bits
         assert torch.equal(p.detach(), res["fp32"][n]), n
     learner.step(samples)
@@ -84,11 +84,11 @@ def test_sharded_checkpoint_resumes_on_one_process(tmp_path):
                       [s["lr"] for s in stats])
     # the trainer checkpoint file names the folder; a folder without .metadata is refused
     st = checkpoint.TrainerState(version=1, epoch=1, **ref_payload)
-    checkpoint.save(cfg["checkpoint_dir"], checkpoint.snapshot(st))
-    assert checkpoint.load_latest(cfg["checkpoint_dir"]).model == ref_payload["model"]
+    checkpoint.save(cfg["checkpoint"]["dir"], checkpoint.snapshot(st))
+    assert checkpoint.load_latest(cfg["checkpoint"]["dir"]).model == ref_payload["model"]
     (folder / ".metadata").unlink()
     with pytest.raises(FileNotFoundError, match="incomplete"):
-        learner.load_payload(cfg["checkpoint_dir"], ref_payload["model"], {})
+        learner.load_payload(cfg["checkpoint"]["dir"], ref_payload["model"], {})
 
 
 def test_warm_start_under_world2_matches_one_process(tmp_path):
@@ -96,28 +96,28 @@ def test_warm_start_under_world2_matches_one_process(tmp_path):
     rank takes part in the warm start (it used to run on rank 0 alone and hang the group), and the
     result is the one-process warm start (fp32 weights within fp32 tolerance)."""
     from trainer.leader import Trainer
-    cfg = cfg_dict(tmp_path, kl_coef=0.0, activation_checkpointing=False, warmstart_steps=2, warmstart_batch=4,
-                   run_dir=str(tmp_path / "run2"))
-    Path(cfg["run_dir"]).mkdir()
+    cfg = cfg_dict(tmp_path, loss={"kl_coef": 0.0}, policy={"activation_checkpointing": False},
+                   warmstart={"steps": 2, "batch": 4}, run={"dir": str(tmp_path / "run2")})
+    Path(cfg["run"]["dir"]).mkdir()
     res = torchrun(tmp_path, {"cfg": cfg, "prepare": True}, timeout_s=150)
-    one = {**cfg, "checkpoint_dir": str(tmp_path / "ckpt1"), "run_dir": str(tmp_path / "run1")}
-    Path(one["run_dir"]).mkdir()
+    one = {**cfg, "checkpoint": {"dir": str(tmp_path / "ckpt1")}, "run": {"dir": str(tmp_path / "run1")}}
+    Path(one["run"]["dir"]).mkdir()
     c = TrainerConfig(**one)
     model, mcfg = build_model(c)
     tr = Trainer(c, None, build_learner(model, build_optimizer(model, c), c), mcfg)
     tr.prepare()
     init, _ = build_model(c := TrainerConfig(**cfg))
     # why: 2 ranks sum the demonstrations' gradients in another order; warm start: AdamW default betas
-    tokens = c.warmstart_batch * 128            # arith demonstrations: < 128 tokens each (73 the longest of 64)
+    tokens = c.warmstart.batch * 128            # arith demonstrations: < 128 tokens each (73 the longest of 64)
     assert_adam_close(res["fp32"], {n: p.detach() for n, p in model.named_parameters()},
-                      lrs=[c.warmstart_lr] * c.warmstart_steps, betas=(0.9, 0.999),
+                      lrs=[c.warmstart.lr] * c.warmstart.steps, betas=(0.9, 0.999),
                       reduction_len=grad_reduction_len(mcfg, tokens))
     moved = False
     for n, p in model.named_parameters():
         moved |= not torch.equal(p.detach(), dict(init.named_parameters())[n].detach())
     assert moved                                                   # the warm start did train
     assert res["version"] == tr.version == 0 and res["digest"]
-    saved = torch.load(Path(cfg["run_dir"]) / "warmstart.pt", weights_only=False)["model"]
+    saved = torch.load(Path(cfg["run"]["dir"]) / "warmstart.pt", weights_only=False)["model"]
     for n, v in res["fp32"].items():          # rank 0 saved the whole model (why equal: a copy, no arithmetic)
         assert torch.equal(saved[n], v), n
 
@@ -128,18 +128,19 @@ def test_async_save_in_flight_then_kill_resumes_from_last_complete(tmp_path):
     from trainer import checkpoint
     samples = make_samples(seed=2)
     torch.save(samples, tmp_path / "samples.pt")
-    cfg = cfg_dict(tmp_path, kl_coef=0.0, activation_checkpointing=False, async_checkpoint=True)
+    cfg = cfg_dict(tmp_path, loss={"kl_coef": 0.0}, policy={"activation_checkpointing": False},
+                   checkpoint={"async_save": True})
     torchrun(tmp_path, {"cfg": cfg, "samples": str(tmp_path / "samples.pt"), "async_kill": True}, ok=False)
     out = tmp_path / "out"
     assert "Future" in (out / "v2-started").read_text()              # the v2 save was a background one
     v1 = torch.load(out / "v1.pt", weights_only=False)
     assert v1["complete"]                                            # named only once complete
-    st = checkpoint.load_latest(cfg["checkpoint_dir"])
+    st = checkpoint.load_latest(cfg["checkpoint"]["dir"])
     assert (st.version, st.epoch) == (1, 1)
     c = TrainerConfig(**cfg)
     model, _ = build_model(c)
     learner = build_learner(model, build_optimizer(model, c), c)
-    learner.load_payload(cfg["checkpoint_dir"], st.model, st.optimizer)
+    learner.load_payload(cfg["checkpoint"]["dir"], st.model, st.optimizer)
     for n, p in model.named_parameters():      # why equal: a load copies the saved bits
         assert torch.equal(p.detach(), v1["fp32"][n]), n
     # and it continues like an uninterrupted run (step 1 on 2 ranks: AdamW's bound)

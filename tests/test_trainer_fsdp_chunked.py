@@ -17,7 +17,8 @@ def test_world2_chunked_masked_step_equals_world1(tmp_path):
     samples = make_samples()
     torch.save(samples, tmp_path / "samples.pt")
     # ~3 rows of logits per chunk; is_clip 15: tokens whose behaviour logprob is above ~-1.9 are rejected
-    cfg = cfg_dict(tmp_path, logit_chunk_mb=0.001, is_mode="masked", is_clip=15.0, micro_batch_tokens=40)
+    cfg = cfg_dict(tmp_path,
+                   loss={"logit_chunk_mb": 0.001, "is_mode": "masked", "is_clip": 15.0, "micro_batch_tokens": 40})
     res = torchrun(tmp_path, {"cfg": cfg, "samples": str(tmp_path / "samples.pt"), "steps": 2})
     learner, stats = one_process(cfg, samples, 2)
     assert 0 < stats[0]["kept_tokens"] < stats[0]["n_tokens"]          # something really is rejected

@@ -29,7 +29,7 @@ def two_rank_parts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parts")
     samples = make_samples(seed=2)
     torch.save(samples, tmp / "samples.pt")
-    cfg = cfg_dict(tmp, kl_coef=0.0)
+    cfg = cfg_dict(tmp, loss={"kl_coef": 0.0})
     res = torchrun(tmp, {"cfg": cfg, "samples": str(tmp / "samples.pt"), "steps": 1, "parts": True})
     base = inference_state(build_model(TrainerConfig(**cfg))[0])
     return base, res["state"], res["parts"]

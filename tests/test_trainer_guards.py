@@ -142,7 +142,7 @@ async def test_leader_parks_the_poisoning_rollout_and_trains_the_rest(bus, fresh
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     reasons = [r for _, r in await dlq_entries(bus)]
     assert len(reasons) == 1 and "nonfinite_loss" in reasons[0] and "logprobs at token 2" in reasons[0]
-    st = checkpoint.load_latest(cfg.checkpoint_dir)
+    st = checkpoint.load_latest(cfg.checkpoint.dir)
     assert st.version == 1 and poisoned.rollout_id not in st.consumed and len(st.consumed) == 7
     info = await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
     assert info.num_pending == 0 and info.num_ack_pending == 0     # parked or acked: nothing lost

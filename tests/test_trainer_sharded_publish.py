@@ -29,31 +29,33 @@ STEPS = 3
 
 
 def test_publish_mode_is_validated():
-    assert TrainerConfig(publish="sharded").publish == "sharded"
-    with pytest.raises(ValueError, match="publish"):
-        TrainerConfig(publish="scattered")
+    assert TrainerConfig(publish={"layout": "sharded"}).publish.layout == "sharded"
+    with pytest.raises(ValueError, match="layout"):
+        TrainerConfig(publish={"layout": "scattered"})
 
 
 def gathered_state(cfg, st: checkpoint.TrainerState) -> dict:
     """The bf16 state of a checkpoint as one process holds it: what the gathered path publishes."""
     model, _ = build_model(cfg)
-    build_learner(model, build_optimizer(model, cfg), cfg).load_payload(cfg.checkpoint_dir, st.model, st.optimizer)
+    build_learner(model, build_optimizer(model, cfg), cfg).load_payload(cfg.checkpoint.dir, st.model, st.optimizer)
     return inference_state(model)
 
 
 async def test_two_rank_sharded_publication_is_bit_exact_for_a_real_follower(bus, fresh_server, tmp_path):
     sk, pk = signing.generate_keypair()
     (tmp_path / "sk.hex").write_text(sk.hex())
-    cfg = trainer_config(fresh_server.url, tmp_path, max_steps=STEPS, batch_groups=2, group_size=3,
-                         keep_checkpoints=STEPS + 1)
+    cfg = trainer_config(fresh_server.url, tmp_path, run={"max_steps": STEPS},
+                         batch={"groups": 2, "group_size": 3}, checkpoint={"keep": STEPS + 1})
     model, mcfg = build_model(cfg)
     await publish_groups(bus, model, 2 * STEPS, 3, seed=5)
     conf = tmp_path / "t.toml"
-    write_toml(conf, {"trainer": {"trainer_id": "shards", "model": {k: v for k, v in cfg.model.items() if v is not None},
-                                  "batch_groups": 2, "group_size": 3, "feed": False, "lr": cfg.lr,
-                                  "max_steps": STEPS, "checkpoint_dir": str(cfg.checkpoint_dir),
-                                  "keep_checkpoints": STEPS + 1, "fetch_timeout_s": 0.2, "publish": "sharded",
-                                  "keyframe_interval": 2, "signing_key": str(tmp_path / "sk.hex"),
+    write_toml(conf, {"trainer": {"trainer_id": "shards",
+                                  "policy": {"model": {k: v for k, v in cfg.policy.model.items() if v is not None}},
+                                  "batch": {"groups": 2, "group_size": 3, "fetch_timeout_s": 0.2},
+                                  "tasks": {"feed": False}, "optim": {"lr": cfg.optim.lr}, "run": {"max_steps": STEPS},
+                                  "checkpoint": {"dir": str(cfg.checkpoint.dir), "keep": STEPS + 1},
+                                  "publish": {"layout": "sharded", "keyframe_interval": 2,
+                                              "signing_key": str(tmp_path / "sk.hex")},
                                   "bus": {"servers": [fresh_server.url]}}})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -71,7 +73,7 @@ async def test_two_rank_sharded_publication_is_bit_exact_for_a_real_follower(bus
 
     # the gathered bf16 state of every version, from the checkpoints the two ranks wrote
     states = {}
-    for p in checkpoint.list_checkpoints(cfg.checkpoint_dir):
+    for p in checkpoint.list_checkpoints(cfg.checkpoint.dir):
         st = checkpoint.load(p)
         states[st.version] = gathered_state(cfg, st)
         assert digest_matches(states[st.version], st.digest), st.version     # the recorded digest holds

@@ -47,7 +47,7 @@ async def test_batch_in_flight_is_kept_alive_past_ack_wait(fresh_server, tmp_pat
     bus = await short_ack_bus(fresh_server.url)
     try:
         await publish_group(bus, "slow")
-        cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=2)
+        cfg = trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 2})
         cfg.bus.topology.ack_wait_s = ACK_WAIT
         b = Batcher(bus, cfg, ConsumedIds(), 128)
         await b.start()
@@ -69,7 +69,7 @@ async def test_redelivery_of_a_held_batch_swaps_the_handle_and_is_not_acked(fres
     bus = await short_ack_bus(fresh_server.url, ack_wait_s=30.0)
     try:
         await publish_group(bus, "redo")
-        cfg = trainer_config(fresh_server.url, tmp_path, batch_groups=1, group_size=2)
+        cfg = trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 2})
         b = Batcher(bus, cfg, ConsumedIds(), 128)
         await b.start()
         batch = await b.next_batch(0)
@@ -111,7 +111,7 @@ def used_ids(tmp: Path) -> list[str]:
 async def test_leader_slower_than_ack_wait_killed_before_checkpoint_loses_nothing(fresh_server, tmp_path):
     bus = await short_ack_bus(fresh_server.url)
     delay = 6 * ACK_WAIT
-    procs = {"A": start(tmp_path, fresh_server.url, "A", debug_step_delay_s=delay)}
+    procs = {"A": start(tmp_path, fresh_server.url, "A", faults={"step_delay_s": delay})}
     try:
         await wait_log(tmp_path / "A.log", '"leading"', 120, procs["A"])
         procs["B"] = start(tmp_path, fresh_server.url, "B")

@@ -25,7 +25,7 @@ async def strand(url: str, tmp_path) -> tuple[object, list[str]]:
                                   topology=TopologyConfig(max_deliver=MAX_DELIVER)))
     await bus.provision()
     ids = await publish_group(bus, "strand")
-    cfg = trainer_config(url, tmp_path, batch_groups=2, group_size=2)     # the group waits for a second one
+    cfg = trainer_config(url, tmp_path, batch={"groups": 2, "group_size": 2})     # the group waits for a second one
     for _ in range(MAX_DELIVER):
         b = Batcher(bus, cfg, ConsumedIds(), 128)
         await b.start()
@@ -35,7 +35,7 @@ async def strand(url: str, tmp_path) -> tuple[object, list[str]]:
 
 
 async def lead_until_parked(bus, url: str, tmp_path, want: int, timeout: float = 40.0) -> list:
-    cfg = trainer_config(url, tmp_path, batch_groups=2, group_size=2)
+    cfg = trainer_config(url, tmp_path, batch={"groups": 2, "group_size": 2})
     model, mcfg = build_model(cfg)
     tr = Trainer(cfg, bus, build_learner(model, build_optimizer(model, cfg), cfg), mcfg)
     stop = asyncio.Event()

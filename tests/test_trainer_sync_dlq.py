@@ -35,8 +35,10 @@ async def generate(bus, group_size: int, poison: list[str], stop: asyncio.Event)
 
 
 async def test_sync_run_continues_past_a_task_parked_in_dlq(bus, fresh_server, tmp_path):
-    cfg = trainer_config(fresh_server.url, tmp_path, mode="sync", feed=True, batch_groups=2, group_size=2,
-                         max_steps=3, sync_task_timeout_s=2.0, group_timeout_s=60.0)
+    cfg = trainer_config(fresh_server.url, tmp_path,
+                         run={"mode": "sync", "max_steps": 3, "sync_task_timeout_s": 2.0},
+                         tasks={"feed": True},
+                         batch={"groups": 2, "group_size": 2, "group_timeout_s": 60.0})
     model, mcfg = build_model(cfg)
     tr = Trainer(cfg, bus, build_learner(model, build_optimizer(model, cfg), cfg), mcfg)
     stop, poison = asyncio.Event(), []

@@ -38,7 +38,7 @@ def test_truncated_and_masked_weights_and_no_ppo_clip():
     assert st["frac_masked"] == 0.5                        # 4 and 0.2 fall outside [1/2, 2]
     # the PPO clip anchored on mu (issue #31 item 4) is gone: one step per batch has no trust region
     with pytest.raises(ValueError, match="ppo_clip.*trust region"):
-        TrainerConfig(ppo_clip=0.2)
+        TrainerConfig(loss={"ppo_clip": 0.2})
 
 
 def test_dropped_samples_carry_no_gradient():
@@ -66,9 +66,9 @@ def test_consumed_ids_bounded_fifo():
 
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="stale"):
-        TrainerConfig(stale="sometimes")
+        TrainerConfig(batch={"stale": "sometimes"})
     with pytest.raises(ValueError, match="mode"):
-        TrainerConfig(mode="both")
+        TrainerConfig(run={"mode": "both"})
 
 
 def _state(version, epoch, value):
@@ -116,13 +116,14 @@ def test_one_process_optimizer_is_fused_adamw_with_the_default_update():
     up to float rounding (a few ulp after several steps)."""
     from trainer.config import TrainerConfig
     from trainer.factory import build_model, build_optimizer
-    cfg = TrainerConfig(model={"preset": "tiny", "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
-                               "d_ff": 64, "max_seq_len": 32}, lr=1e-2, weight_decay=0.1)
+    cfg = TrainerConfig(policy={"model": {"preset": "tiny", "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
+                               "d_ff": 64, "max_seq_len": 32}},
+                        optim={"lr": 1e-2, "weight_decay": 0.1})
     a, _ = build_model(cfg)
     b, _ = build_model(cfg)
     fused = build_optimizer(a, cfg)
-    ref = torch.optim.AdamW(b.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                            weight_decay=cfg.weight_decay, foreach=True)
+    ref = torch.optim.AdamW(b.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                            weight_decay=cfg.optim.weight_decay, foreach=True)
     assert fused.defaults["fused"] is True
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
@@ -143,7 +144,7 @@ def test_bad_configuration_is_a_clear_error(tmp_path, capsys):
     bad.write_text("[trainer]\nbatch_grups = 3\n")
     assert main(["--config", str(bad)]) == 2
     assert "batch_grups" in capsys.readouterr().err
-    bad.write_text("[trainer]\nis_mode = 'sometimes'\n")
+    bad.write_text("[trainer.loss]\nis_mode = 'sometimes'\n")
     assert main(["--config", str(bad)]) == 2
     assert "is_mode" in capsys.readouterr().err
 

@@ -71,8 +71,8 @@ async def test_up_broker_refuses_unauthenticated_clients_and_keeps_secrets_off_a
 
 def test_up_refuses_a_bad_signing_key_before_starting_anything(tmp_path):
     cfg = tmp_path / "up.toml"
-    cfg.write_text('[up]\nsteps = 1\n[trainer]\nsigning_key = "/nonexistent/trainer.key"\n')
+    cfg.write_text('[up]\nsteps = 1\n[trainer.publish]\nsigning_key = "/nonexistent/trainer.key"\n')
     r = subprocess.run([sys.executable, "-m", "asyncrl.cli", "up", "--config", str(cfg), "--run-dir",
                         str(tmp_path / "run"), "--quiet"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "[trainer] signing_key" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "[trainer.publish] signing_key" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "run" / "nats").exists() and not list((tmp_path / "run" / "logs").glob("worker*"))

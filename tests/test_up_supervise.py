@@ -75,7 +75,7 @@ async def test_up_survives_repeated_kills_and_a_trainer_kill(fresh_server, tmp_p
     import random
     rng = random.Random(14)
     config = SUPERVISE.replace("[up]\n", "[up]\ntrainers = 2\nmax_restarts = 8\n").replace("max_restarts = 3\n", "") \
-        .replace("[trainer]\n", "[trainer]\nlease_ttl_s = 4.0\n")
+        .replace("[trainer.tasks]\n", "[trainer.lease]\nttl_s = 4.0\n\n[trainer.tasks]\n")
     proc, run_dir = start_up(tmp_path, config, steps=100_000, nats=fresh_server.url, minutes=12)
     out = tmp_path / "up.out"
     kills = collections.Counter()

@@ -21,15 +21,16 @@ def test_plan_default_gives_the_trainer_the_cores_the_workers_leave():
     p = thread_plan.plan({"worker": {"threads": 2}}, workers=3, scorers=1, cpus=8)
     assert (p.trainer, p.worker) == (2, 2)
     assert thread_plan.plan({}, workers=4, scorers=1, cpus=2).trainer == 1        # never below one
-    p = thread_plan.plan({"trainer": {"threads": 6}, "scorer": {"threads": 3}}, workers=2, scorers=1, cpus=4)
+    p = thread_plan.plan({"trainer": {"run": {"threads": 6}}, "scorer": {"threads": 3}}, workers=2, scorers=1, cpus=4)
     assert (p.trainer, p.worker, p.scorer, p.configured) == (6, 1, 3, ("trainer", "scorer"))
     assert "trainer 6 (+1 standby) [set], worker 1 x 2 [default], scorer 3 x 1 [set]" in p.line(2, 1, 2)
 
 
 @pytest.mark.parametrize("section,value", [("trainer", 0), ("worker", -1), ("scorer", "2"), ("worker", True)])
 def test_a_bad_threads_value_is_refused_naming_it(section, value):
-    with pytest.raises(ConfigError, match=rf"\[{section}\] threads = {value!r}: must be an integer >= 1"):
-        config_check.resolve({section: {"threads": value}}, environ={})
+    table, where = ({"run": {"threads": value}}, "trainer.run") if section == "trainer" else ({"threads": value}, section)
+    with pytest.raises(ConfigError, match=rf"\[{where}\] threads = {value!r}: must be an integer >= 1"):
+        config_check.resolve({section: table}, environ={})
 
 
 def test_up_refuses_bad_threads_before_starting_anything(tmp_path, capsys):
@@ -63,7 +64,7 @@ def test_cpu_flags_reads_the_flags_line(tmp_path):
 
 def test_config_check_prints_the_plan_and_the_vllm_warning(tmp_path, capsys):
     cfg = tmp_path / "run.toml"
-    cfg.write_text('[up]\nworkers = 2\n[trainer]\nthreads = 3\n[worker]\nengine = "vllm"\n')
+    cfg.write_text('[up]\nworkers = 2\n[trainer.run]\nthreads = 3\n[worker]\nengine = "vllm"\n')
     assert config_check.main(["check", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "trainer 3 [set], worker 1 x 2 [default], scorer 1 x 1 [default]" in out
@@ -78,7 +79,7 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 async def test_up_children_get_their_configured_threads(tmp_path):
-    conf = SUPERVISE.replace("[trainer]\n", "[trainer]\nthreads = 3\n") \
+    conf = SUPERVISE.replace("[trainer.tasks]\n", "[trainer.run]\nthreads = 3\n\n[trainer.tasks]\n") \
         .replace("threads = 1\n", "threads = 2\n")          # [worker] threads
     assert "threads = 3" in conf and "threads = 2" in conf
     proc, run_dir = start_up(tmp_path, conf, steps=500, minutes=3)

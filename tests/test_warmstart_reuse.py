@@ -31,12 +31,12 @@ def rows(run) -> list[dict]:
 
 
 def test_warmstart_from_loads_an_earlier_runs_warm_start(tmp_path, say_digit):
-    first = leader(config(tmp_path / "a", warmstart_until=0.0, warmstart_steps=20))
+    first = leader(config(tmp_path / "a", warmstart={"until": 0.0, "steps": 20}))
     first.prepare()
     saved = tmp_path / "a" / "run" / "warmstart.pt"
     assert torch.load(saved, weights_only=True)["warmstart_steps_done"] == 20
     # another run from it: no warm start step runs (the seeded model would differ), same bits as the first
-    cfg = config(tmp_path / "b", warmstart_until=0.0, warmstart_steps=20, warmstart_from=str(saved), seed=5)
+    cfg = config(tmp_path / "b", warmstart={"until": 0.0, "steps": 20, "reuse": str(saved)}, run={"seed": 5})
     second = leader(cfg)
     second.prepare()
     assert second.warmstart_record == {"warmstart_steps_done": 20, "warmstart_stopped": "loaded",
@@ -50,31 +50,31 @@ def test_warmstart_from_loads_an_earlier_runs_warm_start(tmp_path, say_digit):
 
 
 def test_warmstart_from_another_model_shape_is_refused(tmp_path, say_digit):
-    first = leader(config(tmp_path / "a", warmstart_until=0.0, warmstart_steps=2))
+    first = leader(config(tmp_path / "a", warmstart={"until": 0.0, "steps": 2}))
     first.prepare()
-    other = config(tmp_path / "b", warmstart_from=str(tmp_path / "a" / "run" / "warmstart.pt"),
-                   model={"preset": "tiny", "d_model": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
-                          "d_ff": 32, "max_seq_len": 64})
+    other = config(tmp_path / "b", warmstart={"reuse": str(tmp_path / "a" / "run" / "warmstart.pt")},
+                   policy={"model": {"preset": "tiny", "d_model": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
+                          "d_ff": 32, "max_seq_len": 64}})
     tr = leader(other)
     before = {k: v.clone() for k, v in tr.learner.model.state_dict().items()}
-    with pytest.raises(ValueError, match="warmstart_from .* saved for model"):
+    with pytest.raises(ValueError, match=r"\[trainer.warmstart\] reuse .* saved for model"):
         tr.prepare()
     assert all(torch.equal(before[k], v) for k, v in tr.learner.model.state_dict().items())   # nothing loaded
     assert not (tmp_path / "b" / "run" / "warmstart.pt").exists()
 
 
 def test_missing_warmstart_file_is_refused_before_start(tmp_path):
-    with pytest.raises(ValueError, match="warmstart_from"):
-        TrainerConfig(trainer_id="t", warmstart_from=str(tmp_path / "nope.pt"))
-    with pytest.raises(ValueError, match="warmstart_threads"):
-        TrainerConfig(trainer_id="t", warmstart_threads=-1)
-    with pytest.raises(ConfigError, match=r"\[trainer\].*warmstart_from"):
-        config_check.resolve({"trainer": {"warmstart_from": str(tmp_path / "nope.pt")}}, environ={})
+    with pytest.raises(ValueError, match=r"\[trainer.warmstart\] invalid value for reuse"):
+        TrainerConfig(trainer_id="t", warmstart={"reuse": str(tmp_path / "nope.pt")})
+    with pytest.raises(ValueError, match=r"\[trainer.warmstart\] invalid value for threads"):
+        TrainerConfig(trainer_id="t", warmstart={"threads": -1})
+    with pytest.raises(ConfigError, match=r"\[trainer\].*reuse"):
+        config_check.resolve({"trainer": {"warmstart": {"reuse": str(tmp_path / "nope.pt")}}}, environ={})
 
 
 def test_prefetched_demonstrations_keep_their_order_and_threads_are_restored(tmp_path, say_digit, monkeypatch):
-    cfg = config(tmp_path, warmstart_until=0.0, warmstart_steps=6, warmstart_threads=2,
-                 envs=[say_digit, say_digit])
+    cfg = config(tmp_path, warmstart={"until": 0.0, "steps": 6, "threads": 2},
+                 tasks={"envs": [say_digit, say_digit]})
     seen, threads = [], []
     real_step = ws._step
 
@@ -93,12 +93,12 @@ def test_prefetched_demonstrations_keep_their_order_and_threads_are_restored(tmp
         torch.set_num_threads(before)
     # the same draws, in the same order, as one serial stream of demo_batch calls
     import random
-    rng, tok = random.Random(cfg.seed + 7919), load_tokenizer(cfg.tokenizer)
-    assert seen == [ws.demo_batch(cfg.envs, cfg.warmstart_batch, rng, tok)[0] for _ in range(6)]
+    rng, tok = random.Random(cfg.run.seed + 7919), load_tokenizer(cfg.policy.tokenizer)
+    assert seen == [ws.demo_batch(cfg.tasks.envs, cfg.warmstart.batch, rng, tok)[0] for _ in range(6)]
 
 
 def test_initial_eval_after_the_run(tmp_path, say_digit):
-    cfg = config(tmp_path, warmstart_until=0.0, warmstart_steps=30, eval_prompts=8)
+    cfg = config(tmp_path, warmstart={"until": 0.0, "steps": 30}, tasks={"eval_prompts": 8})
     tr = leader(cfg)
     tr.prepare()
     run = tmp_path / "run"
@@ -106,8 +106,8 @@ def test_initial_eval_after_the_run(tmp_path, say_digit):
     tr.write_jsonl({"eval_success": 0.25, "eval_tokens": 3.0, "version": 7, "eval_final": True})
     row = evaluate_initial(cfg)
     assert row["version"] == 0 and row["eval_initial"] and rows(run)[-1] == row
-    want = evaluate(tr.published, tr.model_cfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling,
-                    8, cfg.seed, cfg.chat_template)
+    want = evaluate(tr.published, tr.model_cfg, load_tokenizer(cfg.policy.tokenizer), cfg.tasks.envs, cfg.tasks.sampling,
+                    8, cfg.run.seed, cfg.tasks.chat_template)
     assert row["eval_success"] == want["eval_success"]          # the warm start's published bits
     assert evaluate_initial(cfg) == {}                           # v0 is evaluated once
     (run / "plots").mkdir()
@@ -115,16 +115,17 @@ def test_initial_eval_after_the_run(tmp_path, say_digit):
     assert summary["eval_success_initial"] == row["eval_success"] and summary["eval_version_final"] == 7
     assert summary["eval_success_final"] == 0.25
     # without a warm start the initial policy is the trainer's seeded initial model
-    plain = dataclasses.replace(cfg, run_dir=str(tmp_path / "plain"), warmstart_steps=0)
+    plain = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(tmp_path / "plain")),
+                                warmstart=dataclasses.replace(cfg.warmstart, steps=0))
     row = evaluate_initial(plain)
     model, mcfg = initial_model(plain)
-    want = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling,
-                    8, cfg.seed, cfg.chat_template)
+    want = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.policy.tokenizer), cfg.tasks.envs, cfg.tasks.sampling,
+                    8, cfg.run.seed, cfg.tasks.chat_template)
     assert row["eval_success"] == want["eval_success"] and row["eval_tokens"] == want["eval_tokens"]
 
 
 def test_kl_reference_is_the_warm_started_policy_also_after_a_resume(tmp_path, say_digit):
-    cfg = config(tmp_path, warmstart_until=0.0, warmstart_steps=20, kl_coef=0.1)
+    cfg = config(tmp_path, warmstart={"until": 0.0, "steps": 20}, loss={"kl_coef": 0.1})
     tr = leader(cfg)
     initial = {k: v.clone() for k, v in tr.learner.reference.state_dict().items()}
     tr.prepare()

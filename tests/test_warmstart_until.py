@@ -51,10 +51,12 @@ MODEL = {"preset": "tiny", "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_hea
 
 
 def config(tmp_path, **kw) -> TrainerConfig:
-    return trainer_config("nats://unused", tmp_path, **{
-        "envs": [SayDigit.name], "model": MODEL, "warmstart_steps": 200, "warmstart_lr": 1e-2, "warmstart_batch": 8,
-        "warmstart_until": 0.75, "warmstart_check_every": 5, "warmstart_check_n": 16,
-        "task_sampling": {"temperature": 1.0, "max_tokens": 4}, **kw})
+    """The say-digit trainer; a section in `kw` is merged key by key into these."""
+    base = {"tasks": {"envs": [SayDigit.name], "sampling": {"temperature": 1.0, "max_tokens": 4}},
+            "policy": {"model": MODEL},
+            "warmstart": {"steps": 200, "lr": 1e-2, "batch": 8, "until": 0.75, "check_every": 5, "check_n": 16}}
+    over = {k: {**base[k], **v} if isinstance(base.get(k), dict) and isinstance(v, dict) else v for k, v in kw.items()}
+    return trainer_config("nats://unused", tmp_path, **{**base, **over})
 
 
 def test_stops_at_the_first_check_that_passes(tmp_path, say_digit):
@@ -64,18 +66,19 @@ def test_stops_at_the_first_check_that_passes(tmp_path, say_digit):
     losses = warm_start(model, cfg, on_check=checks.append)
     steps = [c["warmstart_step"] for c in checks]
     assert steps == list(range(5, len(losses) + 1, 5))           # every 5 steps, the last one where it stopped
-    assert len(losses) < cfg.warmstart_steps                     # stopped early, on success (train split)
+    assert len(losses) < cfg.warmstart.steps                     # stopped early, on success (train split)
     assert checks[-1]["warmstart_check_success"] >= 0.75
     assert all(c["warmstart_check_success"] < 0.75 for c in checks[:-1])
     assert all(c["warmstart_check_n"] == 16 for c in checks) and model.training
     # the checks draw nothing from the warm start's own streams: the same steps without them
     model2, _ = build_model(cfg)
-    plain = warm_start(model2, dataclasses.replace(cfg, warmstart_until=0.0, warmstart_steps=len(losses)))
+    plain = warm_start(model2, dataclasses.replace(
+        cfg, warmstart=dataclasses.replace(cfg.warmstart, until=0.0, steps=len(losses))))
     assert plain == losses
 
 
 def test_check_window_and_cap(tmp_path, say_digit):
-    cfg = config(tmp_path, warmstart_until=1.0, warmstart_steps=12, warmstart_check_from=3, warmstart_check_every=4)
+    cfg = config(tmp_path, warmstart={"until": 1.0, "steps": 12, "check_from": 3, "check_every": 4})
     model, _ = build_model(cfg)
     checks = []
     losses = warm_start(model, cfg, on_check=checks.append)
@@ -107,12 +110,12 @@ def test_leader_records_where_the_warm_start_stopped(tmp_path, say_digit):
     assert warmstart_line(tel).startswith(f"warm start: {rec['warmstart_steps_done']} steps (until)")
 
 
-@pytest.mark.parametrize("bad", [{"warmstart_until": 1.5}, {"warmstart_until": -0.1},
-                                 {"warmstart_until": 0.4, "warmstart_steps": 0}, {"warmstart_check_every": 0},
-                                 {"warmstart_check_n": 0}, {"warmstart_check_from": -1}])
+@pytest.mark.parametrize("bad", [{"until": 1.5}, {"until": -0.1},
+                                 {"until": 0.4, "steps": 0}, {"check_every": 0},
+                                 {"check_n": 0}, {"check_from": -1}])
 def test_bad_settings_are_refused_before_start(bad):
-    key = next(k for k in bad if k != "warmstart_steps")
+    key = next(k for k in bad if k != "steps")
     with pytest.raises(ValueError, match=key):
-        TrainerConfig(trainer_id="t", **{"warmstart_steps": 100, **bad})
+        TrainerConfig(trainer_id="t", warmstart={"steps": 100, **bad})
     with pytest.raises(ConfigError, match=rf"\[trainer\].*{key}"):       # `asyncrl up` / `config check`
-        config_check.resolve({"trainer": {"warmstart_steps": 100, **bad}}, environ={})
+        config_check.resolve({"trainer": {"warmstart": {"steps": 100, **bad}}}, environ={})

@@ -64,13 +64,14 @@ def parse_args(argv=None):
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--id", help="trainer id (lease holder name)")
     ap.add_argument("--eval-final", action="store_true",
-                    help="evaluate the newest checkpoint in checkpoint_dir on the eval split and exit "
-                         "(no bus; `asyncrl up` runs it after a run with [up] final_eval)")
+                    help="evaluate the newest checkpoint in [trainer.checkpoint] dir on the eval split and "
+                         "exit (no bus; `asyncrl up` runs it after a run with [up] final_eval)")
     ap.add_argument("--eval-initial", action="store_true",
-                    help="evaluate the policy the run started from (run_dir/warmstart.pt, else the initial "
-                         "model) unless the run evaluated version 0, and exit (no bus; [up] final_eval)")
+                    help="evaluate the policy the run started from ([trainer.run] dir/warmstart.pt, else the "
+                         "initial model) unless the run evaluated version 0, and exit (no bus; [up] final_eval)")
     ap.add_argument("--elastic", action="store_true",
-                    help="run this node's torchrun elastic agent (elastic_* settings) instead: see docs/trainer.md")
+                    help="run this node's torchrun elastic agent ([trainer.elastic]) instead: "
+                         "see docs/trainer.md")
     return ap.parse_args(argv)
 
 
@@ -86,9 +87,9 @@ def load(argv=None) -> TrainerConfig:
             section = None                     # load_config reports the TOML error
     over: dict = {}
     if a.sync:
-        over["mode"] = "sync"
+        over.setdefault("run", {})["mode"] = "sync"
     if a.max_steps is not None:
-        over["max_steps"] = a.max_steps
+        over.setdefault("run", {})["max_steps"] = a.max_steps
     if a.id:
         over["trainer_id"] = a.id
     return load_config(TrainerConfig, a.config, section=section, overrides=over)
@@ -108,9 +109,9 @@ def main(argv=None) -> int:
         cmd = torchrun_argv(cfg, [a for a in argv if a != "--elastic"])
         sys.stdout.flush()
         os.execve(cmd[0], cmd, agent_env(dict(os.environ)))
-    if cfg.threads:             # before any torch work: the step, evals and encode run on these
+    if cfg.run.threads:             # before any torch work: the step, evals and encode run on these
         import torch
-        torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.run.threads)
     setup_logging("trainer", component_id=cfg.trainer_id)
     if "--eval-final" in argv or "--eval-initial" in argv:
         from .checkpoint import CheckpointError
@@ -123,12 +124,12 @@ def main(argv=None) -> int:
             return 1
         log.info(f"{which} eval", **(row or {"skipped": "the run already evaluated that version"}))
         return 0
-    start_metrics_server(cfg.metrics_port)
+    start_metrics_server(cfg.run.metrics_port)
 
     async def _main() -> int:
         stop = asyncio.Event()
         # SIGTERM/SIGINT/SIGHUP: stop, and a hard exit after grace_s even if the broker is gone
-        stop_on_signals(stop, cfg.grace_s, name=cfg.trainer_id)
+        stop_on_signals(stop, cfg.run.grace_s, name=cfg.trainer_id)
         return await run(cfg, stop)
 
     return asyncio.run(_main())

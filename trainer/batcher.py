@@ -146,7 +146,7 @@ class Batcher:
         # rollout id -> sample handed out in a batch and not yet acked (trained, being checkpointed)
         self.inflight: dict[str, Sample] = {}
         self.sub = None
-        self.max_lag = cfg.max_lag           # the lag cap applied (trainer/lag_control.py moves it: max_k3)
+        self.max_lag = cfg.batch.max_lag           # the lag cap applied (trainer/lag_control.py moves it: max_k3)
         self.counters = {"duplicates": 0, "invalid": 0, "received": 0, "redelivered_held": 0, "heartbeats": 0,
                          "timed_out": 0, "late": 0, "uniform_groups": 0}
         self._keepalive: asyncio.Task | None = None
@@ -212,8 +212,8 @@ class Batcher:
         ready = []
         for tid, g in self.groups.items():
             first = next(iter(g.values()))
-            want = first.rollout.group_size or self.cfg.group_size
-            timed_out = now - min(s.arrived for s in g.values()) > self.cfg.group_timeout_s
+            want = first.rollout.group_size or self.cfg.batch.group_size
+            timed_out = now - min(s.arrived for s in g.values()) > self.cfg.batch.group_timeout_s
             if len(g) >= want or timed_out:
                 ready.append(tid)
         return ready
@@ -227,9 +227,9 @@ class Batcher:
         for tid in ready:
             g = self.groups[tid]
             first = next(iter(g.values()))
-            full = len(g) >= (first.rollout.group_size or self.cfg.group_size)
+            full = len(g) >= (first.rollout.group_size or self.cfg.batch.group_size)
             # reward: exact rewards equal (A = 0 under any adv_norm); success: cost-only differences too
-            by = self.cfg.skip_uniform_by
+            by = self.cfg.batch.skip_uniform_by
             if not full or len(g) < 2 or len({getattr(s.scored, by) for s in g.values() if not s.scored.infra}) > 1:
                 keep.append(tid)
                 continue
@@ -260,19 +260,19 @@ class Batcher:
         deadline = None if max_wait_s is None else time.monotonic() + max_wait_s
         while True:
             ready = self._ready_groups()
-            if cfg.skip_uniform_groups and ready:
+            if cfg.batch.skip_uniform and ready:
                 ready = await self._skip_uniform(ready)
-            if len(ready) >= cfg.batch_groups:
+            if len(ready) >= cfg.batch.groups:
                 break
             if stopped() or (deadline and time.monotonic() > deadline):
                 return None
-            want = max(cfg.batch_groups * cfg.group_size - self.pending, cfg.group_size)
-            for msg in await self.sub.fetch(want, cfg.fetch_timeout_s):
+            want = max(cfg.batch.groups * cfg.batch.group_size - self.pending, cfg.batch.group_size)
+            for msg in await self.sub.fetch(want, cfg.batch.fetch_timeout_s):
                 await self._take(msg)
         samples: list[Sample] = []
         excluded: list[Sample] = []
-        for gi, tid in enumerate(ready[: cfg.batch_groups]):
-            missing = (next(iter(self.groups[tid].values())).rollout.group_size or cfg.group_size) - len(self.groups[tid])
+        for gi, tid in enumerate(ready[: cfg.batch.groups]):
+            missing = (next(iter(self.groups[tid].values())).rollout.group_size or cfg.batch.group_size) - len(self.groups[tid])
             if missing > 0:                 # closed at its deadline: baseline from the members that came
                 self.counters["timed_out"] += missing
                 self.closed[tid] = None
@@ -291,13 +291,13 @@ class Batcher:
         sizes = {}
         for s in samples:
             sizes[s.group] = sizes.get(s.group, 0) + 1
-        for s, w in zip(samples, stale_weights([s.lag for s in samples], self.max_lag, cfg.stale, cfg.stale_weight)):
+        for s, w in zip(samples, stale_weights([s.lag for s in samples], self.max_lag, cfg.batch.stale, cfg.batch.stale_weight)):
             # a timed-out group of one has no baseline: consumed and acked, never trained on
-            s.weight = 0.0 if sizes[s.group] == 1 and (s.rollout.group_size or cfg.group_size) > 1 else w
+            s.weight = 0.0 if sizes[s.group] == 1 and (s.rollout.group_size or cfg.batch.group_size) > 1 else w
         late, self.late = list(self.late.values()), {}
         self.inflight.update((s.rollout.rollout_id, s) for s in late)
         skipped, self.skipped = self.skipped, []
-        return Batch(samples, n_groups=min(len(ready), cfg.batch_groups), version=version, late=late,
+        return Batch(samples, n_groups=min(len(ready), cfg.batch.groups), version=version, late=late,
                      skipped=skipped, excluded=excluded)
 
     async def close(self, held_back: Batch | None = None) -> None:

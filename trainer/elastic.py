@@ -20,12 +20,12 @@ from .config import TrainerConfig
 def torchrun_argv(cfg: TrainerConfig, trainer_args: list[str], python: str = sys.executable) -> list[str]:
     """The command line of one node's elastic agent running `python -m trainer <trainer_args>`."""
     argv = [python, "-m", "torch.distributed.run",
-            f"--nnodes={cfg.elastic_nnodes}", f"--nproc_per_node={cfg.elastic_nproc_per_node}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint={cfg.elastic_rdzv_endpoint}",
-            f"--rdzv_id={cfg.elastic_rdzv_id}", f"--max_restarts={cfg.elastic_max_restarts}"]
+            f"--nnodes={cfg.elastic.nnodes}", f"--nproc_per_node={cfg.elastic.nproc_per_node}",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint={cfg.elastic.rdzv_endpoint}",
+            f"--rdzv_id={cfg.elastic.rdzv_id}", f"--max_restarts={cfg.elastic.max_restarts}"]
     # who hosts the store is explicit: inferred from the endpoint, every agent on one host (or
     # behind one name) would race for it, and the store dies with whichever node won
-    conf = ",".join(x for x in (f"is_host={int(cfg.elastic_rdzv_host)}", cfg.elastic_rdzv_conf) if x)
+    conf = ",".join(x for x in (f"is_host={int(cfg.elastic.rdzv_host)}", cfg.elastic.rdzv_conf) if x)
     argv.append(f"--rdzv_conf={conf}")
     return argv + ["-m", "trainer", *trainer_args]
 

@@ -1,4 +1,4 @@
-"""Keeps TASKS topped up: async mode holds ~feed_backlog groups queued; sync mode publishes one
+"""Keeps TASKS topped up: async mode holds ~[trainer.tasks] backlog groups queued; sync mode publishes one
 batch per version (min_version = that version) through envs.feeder.publish_tasks. Each group is
 stamped with KV rl-control/lambda as read when it is published (Task.lambda_): the scorers price
 all its members with that one λ, however KV moves while it is generated and scored."""
@@ -21,22 +21,22 @@ class TaskFeeder:
         self.bus, self.cfg = bus, cfg
         self.published = 0
         self._next_env = 0
-        self.rng = random.Random(f"{cfg.seed}-{cfg.trainer_id}")
+        self.rng = random.Random(f"{cfg.run.seed}-{cfg.trainer_id}")
         self.render = None
         self.lam: float | None = None       # the last good KV λ (None: none yet; scorers use their own)
-        if cfg.chat_template:       # instruct models: prompts go out as the chat template's user turn
+        if cfg.tasks.chat_template:       # instruct models: prompts go out as the chat template's user turn
             import policy
             from envs.feeder import chat_renderer
-            self.render = chat_renderer(policy.load_tokenizer(cfg.tokenizer))
+            self.render = chat_renderer(policy.load_tokenizer(cfg.policy.tokenizer))
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(**{**self.cfg.task_sampling, "n": self.cfg.group_size})
+        return SamplingParams(**{**self.cfg.tasks.sampling, "n": self.cfg.batch.group_size})
 
     async def publish(self, n_groups: int, min_version: int = 0) -> list[str]:
         from envs.feeder import publish_tasks    # imported here: only a feeding trainer needs it
         ids = []
         for _ in range(n_groups):                 # round-robin over the configured environments
-            env = self.cfg.envs[self._next_env % len(self.cfg.envs)]
+            env = self.cfg.tasks.envs[self._next_env % len(self.cfg.tasks.envs)]
             self._next_env += 1
             self.lam = await lambda_control.read(self.bus, self.lam)      # per group: one λ stamped on it
             ids += await publish_tasks(self.bus, env, 1, self.sampling(), self.rng, min_version=min_version,
@@ -53,11 +53,11 @@ class TaskFeeder:
         js = self.bus.js
         pending = (await js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)).num_pending
         done = sum([(await js.stream_info(s)).state.messages for s in (topo.ROLLOUTS, topo.SCORED)])
-        return int(pending), done / max(self.cfg.group_size, 1)
+        return int(pending), done / max(self.cfg.batch.group_size, 1)
 
     def max_ready(self) -> int:
         # one batch in training (held until published) + one ready + one assembling
-        return self.cfg.feed_max_outstanding or 3 * self.cfg.batch_groups
+        return self.cfg.tasks.max_outstanding or 3 * self.cfg.batch.groups
 
     async def run(self, stop: asyncio.Event, version_fn, period_s: float = 0.25,
                   kick: asyncio.Event | None = None) -> None:
@@ -67,7 +67,7 @@ class TaskFeeder:
             kick.clear()                    # before the check: a kick during it is not lost
             try:
                 pending, ready = await self.backlog()
-                missing = min(self.cfg.feed_backlog - pending, int(self.max_ready() - ready))
+                missing = min(self.cfg.tasks.backlog - pending, int(self.max_ready() - ready))
                 if missing > 0:
                     await self.publish(missing, min_version=0)
             except Exception as e:          # broker blip: try again next period

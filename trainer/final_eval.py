@@ -32,13 +32,13 @@ class FinalEvalError(RuntimeError):
 
 
 def evaluate_checkpoint(cfg: TrainerConfig) -> dict:
-    """-> the eval row of the newest checkpoint in cfg.checkpoint_dir (also appended to
-    <run_dir>/metrics/trainer.jsonl); {} when the run already evaluated that version."""
-    if cfg.eval_prompts < 1:
+    """-> the eval row of the newest checkpoint in cfg.checkpoint.dir (also appended to
+    <cfg.run.dir>/metrics/trainer.jsonl); {} when the run already evaluated that version."""
+    if cfg.tasks.eval_prompts < 1:
         raise FinalEvalError("eval_prompts must be >= 1 for a final eval")
-    st = checkpoint.load_latest(cfg.checkpoint_dir)
+    st = checkpoint.load_latest(cfg.checkpoint.dir)
     if st is None:
-        raise FinalEvalError(f"no checkpoint in {cfg.checkpoint_dir}: nothing to evaluate")
+        raise FinalEvalError(f"no checkpoint in {cfg.checkpoint.dir}: nothing to evaluate")
     if "__dcp__" in st.model:
         raise FinalEvalError("the final eval reads whole-state checkpoints; this one is sharded (DCP)")
     rows = _rows(cfg)
@@ -56,11 +56,11 @@ def evaluate_checkpoint(cfg: TrainerConfig) -> dict:
 def evaluate_initial(cfg: TrainerConfig) -> dict:
     """-> the eval row of the policy the run started from (also appended to trainer.jsonl); {} when
     the run evaluated version 0 itself."""
-    if cfg.eval_prompts < 1:
+    if cfg.tasks.eval_prompts < 1:
         raise FinalEvalError("eval_prompts must be >= 1 for an initial eval")
     if any(r.get("eval_success") is not None and r.get("version") == 0 for r in _rows(cfg)):
         return {}
-    path = Path(cfg.run_dir) / "warmstart.pt" if cfg.run_dir else None
+    path = Path(cfg.run.dir) / "warmstart.pt" if cfg.run.dir else None
     if path is not None and path.exists():
         saved = torch.load(path, map_location="cpu", weights_only=True)
         mcfg = ModelConfig.from_dict(saved["model_config"])
@@ -75,18 +75,18 @@ def evaluate_initial(cfg: TrainerConfig) -> dict:
 
 def _evaluate(cfg: TrainerConfig, published: dict, mcfg: ModelConfig, tags: dict) -> dict:
     t0 = time.time()
-    ev = evaluate(published, mcfg, load_tokenizer(cfg.tokenizer), cfg.envs, cfg.task_sampling, cfg.eval_prompts,
-                  cfg.seed, cfg.chat_template)
+    ev = evaluate(published, mcfg, load_tokenizer(cfg.policy.tokenizer), cfg.tasks.envs, cfg.tasks.sampling, cfg.tasks.eval_prompts,
+                  cfg.run.seed, cfg.tasks.chat_template)
     row = {**ev, **tags, "eval_s": time.time() - t0, "ts": time.time()}
-    if cfg.run_dir:
-        (Path(cfg.run_dir) / "metrics").mkdir(parents=True, exist_ok=True)
-        with open(Path(cfg.run_dir) / "metrics" / "trainer.jsonl", "a") as f:
+    if cfg.run.dir:
+        (Path(cfg.run.dir) / "metrics").mkdir(parents=True, exist_ok=True)
+        with open(Path(cfg.run.dir) / "metrics" / "trainer.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
     return row
 
 
 def _rows(cfg: TrainerConfig) -> list[dict]:
-    p = Path(cfg.run_dir) / "metrics" / "trainer.jsonl" if cfg.run_dir else None
+    p = Path(cfg.run.dir) / "metrics" / "trainer.jsonl" if cfg.run.dir else None
     if p is None or not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

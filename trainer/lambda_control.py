@@ -1,8 +1,8 @@
 """λ of the cost penalty from the trainer's side. The task feeder stamps every group with the value
 of KV rl-control/lambda when it publishes it (so a group is scored with one λ); a schedule
-(TrainerConfig.lambda_schedule) may move that value once per version:
+([trainer.cost] schedule) may move that value once per version:
     fixed   the trainer never writes it (`asyncrl up --lambda`, `calibrate-cost --write`, a person)
-    ramp    λ_v = lambda_target · min(1, v / lambda_ramp_versions): success is learnt before cost
+    ramp    λ_v = target · min(1, v / ramp_versions): success is learnt before cost
     budget  λ is a dual variable: after version v, with T_v its mean tokens per answer,
             λ <- max(0, λ + budget_lr · (T_v / budget_tokens - 1)), read from and written back to KV
             (a restarted trainer carries on from the value there)
@@ -38,32 +38,32 @@ async def read(bus, last: float | None = None) -> float | None:
 
 
 class LambdaSchedule:
-    """Writes λ to KV per version under `cfg.lambda_schedule` (nothing under "fixed")."""
+    """Writes λ to KV per version under `cfg.cost.schedule` (nothing under "fixed")."""
 
     def __init__(self, cfg):
         self.cfg = cfg
 
     async def start(self, bus, version: int) -> dict:
         """Before the first task is fed: a ramp's λ for this version."""
-        if self.cfg.lambda_schedule == "ramp":
-            return await self._write(bus, ramp_lambda(self.cfg.lambda_target, self.cfg.lambda_ramp_versions,
+        if self.cfg.cost.schedule == "ramp":
+            return await self._write(bus, ramp_lambda(self.cfg.cost.target, self.cfg.cost.ramp_versions,
                                                       version), version)
         return {}
 
     async def after_version(self, bus, version: int, tokens_per_answer: float | None) -> dict:
         """λ for the groups fed from now on; -> metrics (lambda_next, and the budget's inputs)."""
         cfg = self.cfg
-        if cfg.lambda_schedule == "ramp":
-            return await self._write(bus, ramp_lambda(cfg.lambda_target, cfg.lambda_ramp_versions, version),
+        if cfg.cost.schedule == "ramp":
+            return await self._write(bus, ramp_lambda(cfg.cost.target, cfg.cost.ramp_versions, version),
                                      version)
-        if cfg.lambda_schedule != "budget" or tokens_per_answer is None:
+        if cfg.cost.schedule != "budget" or tokens_per_answer is None:
             return {}
         lam = await read(bus, None) or 0.0
-        new = budget_step(lam, tokens_per_answer, cfg.budget_tokens, cfg.budget_lr)
+        new = budget_step(lam, tokens_per_answer, cfg.cost.budget_tokens, cfg.cost.budget_lr)
         log.info("budget lambda", version=version, tokens_per_answer=round(tokens_per_answer, 2),
-                 budget_tokens=cfg.budget_tokens, old=lam, new=new)
+                 budget_tokens=cfg.cost.budget_tokens, old=lam, new=new)
         return {**(await self._write(bus, new, version)), "lambda_prev": lam,
-                "budget_ratio": tokens_per_answer / cfg.budget_tokens}
+                "budget_ratio": tokens_per_answer / cfg.cost.budget_tokens}
 
     async def _write(self, bus, lam: float, version: int) -> dict:
         try:

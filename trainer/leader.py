@@ -91,25 +91,25 @@ async def start_sweeper(bus):
 
 def warmstart_record(cfg: TrainerConfig, steps_done: int, checks: list[dict]) -> dict:
     """Flat metrics of a finished warm start: steps done, why it stopped (steps: a plain step
-    count; until: a success check passed; cap: warmstart_steps reached first) and the last check."""
+    count; until: a success check passed; cap: [trainer.warmstart] steps reached first) and the last check."""
     stopped = "steps"
-    if cfg.warmstart_until > 0:
+    if cfg.warmstart.until > 0:
         passed = checks and checks[-1]["warmstart_step"] == steps_done \
-            and checks[-1]["warmstart_check_success"] >= cfg.warmstart_until
+            and checks[-1]["warmstart_check_success"] >= cfg.warmstart.until
         stopped = "until" if passed else "cap"
     out = {"warmstart_steps_done": steps_done, "warmstart_stopped": stopped}
     if checks:
         out.update(warmstart_checks=len(checks), warmstart_check_success_last=checks[-1]["warmstart_check_success"],
-                   warmstart_until=cfg.warmstart_until)
+                   warmstart_until=cfg.warmstart.until)
     return out
 
 
 class Trainer:
     def __init__(self, cfg: TrainerConfig, bus, learner: Learner, model_cfg: ModelConfig):
         self.cfg, self.bus, self.learner, self.model_cfg = cfg, bus, learner, model_cfg
-        self.lease = LeaderLease(bus, cfg.trainer_id, cfg.lease_ttl_s, cfg.renew_s)
+        self.lease = LeaderLease(bus, cfg.trainer_id, cfg.lease.ttl_s, cfg.lease.renew_every_s)
         self.version, self.step_n, self.digest = 0, 0, ""
-        self.consumed = ConsumedIds(limit=cfg.dedupe_window)
+        self.consumed = ConsumedIds(limit=cfg.run.dedupe_window)
         self.published: dict[str, torch.Tensor] = {}
         self.warmstarted = False
         self.warmstart_record: dict = {}     # where this leader's warm start stopped (metrics, once)
@@ -117,7 +117,7 @@ class Trainer:
         self.sync_replaced = 0           # sync: tasks published again because theirs produced nothing
         self.steps_skipped = 0           # non-finite steps skipped (weights untouched), this leader
         self.lambda_schedule = LambdaSchedule(cfg)    # ramp / budget write KV λ per version (fixed: never)
-        self.sharded = cfg.publish == "sharded"
+        self.sharded = cfg.publish.layout == "sharded"
         self.last_parts: ShardedVersion | None = None
         self.chain = DigestChain()       # what the run published: a checkpoint must agree with it
         # checkpoint_every > 1: batches of versions published but not yet checkpointed, oldest first;
@@ -127,28 +127,28 @@ class Trainer:
     def state(self) -> checkpoint.TrainerState:
         return checkpoint.TrainerState(
             version=self.version, epoch=self.lease.epoch,
-            **self.learner.checkpoint_payload(self.cfg.checkpoint_dir, self.lease.epoch, self.version),
+            **self.learner.checkpoint_payload(self.cfg.checkpoint.dir, self.lease.epoch, self.version),
             consumed=self.consumed.to_list(), digest=self.digest,
             model_config=self.model_cfg.to_dict(), step=self.step_n, warmstarted=self.warmstarted)
 
     def save(self) -> None:
         st = self.state()
         self.learner.wait_checkpoint()   # the shards complete before the file that names them
-        checkpoint.save(self.cfg.checkpoint_dir, st, keep=self.cfg.keep_checkpoints)
+        checkpoint.save(self.cfg.checkpoint.dir, st, keep=self.cfg.checkpoint.keep)
 
     def resume(self) -> bool:
-        st = checkpoint.load_latest(self.cfg.checkpoint_dir, verify=self.chain.check)
+        st = checkpoint.load_latest(self.cfg.checkpoint.dir, verify=self.chain.check)
         if st is None:
             broadcast_obj(("sync",))
             sync_state(self.learner.model, self.learner.opt)
             return False
-        self.learner.load_payload(self.cfg.checkpoint_dir, st.model, st.optimizer)
+        self.learner.load_payload(self.cfg.checkpoint.dir, st.model, st.optimizer)
         self.version, self.step_n, self.warmstarted = st.version, st.step, st.warmstarted
-        saved = Path(self.cfg.run_dir) / "warmstart.pt" if self.cfg.run_dir else None
+        saved = Path(self.cfg.run.dir) / "warmstart.pt" if self.cfg.run.dir else None
         if st.warmstarted and self.learner.reference is not None and not (
                 saved and saved.exists() and self.learner.load_reference(str(saved))):
             log.warning("resumed a warm-started run: its KL reference is the initial weights, not the warm start")
-        self.consumed = ConsumedIds(st.consumed, limit=self.cfg.dedupe_window)
+        self.consumed = ConsumedIds(st.consumed, limit=self.cfg.run.dedupe_window)
         broadcast_obj(("sync",))
         sync_state(self.learner.model, self.learner.opt)
         bits = self.learner.published_state()
@@ -161,11 +161,11 @@ class Trainer:
     def prepare(self) -> None:
         """Newly leading: resume, warm start once, checkpoint under our epoch."""
         self.resume()
-        if not self.warmstarted and (self.cfg.warmstart_from or self.cfg.warmstart_steps):
-            if self.cfg.warmstart_from:          # an earlier run's warm start, as it saved it
-                saved = self.learner.load_warm_start(self.cfg.warmstart_from, self.model_cfg)
+        if not self.warmstarted and (self.cfg.warmstart.reuse or self.cfg.warmstart.steps):
+            if self.cfg.warmstart.reuse:          # an earlier run's warm start, as it saved it
+                saved = self.learner.load_warm_start(self.cfg.warmstart.reuse, self.model_cfg)
                 self.warmstart_record = {"warmstart_steps_done": saved.get("warmstart_steps_done"),
-                                         "warmstart_stopped": "loaded", "warmstart_from": self.cfg.warmstart_from}
+                                         "warmstart_stopped": "loaded", "warmstart_from": self.cfg.warmstart.reuse}
             else:
                 # every rank takes part (a sharded forward is a collective): see Learner.warm_start
                 checks: list[dict] = []
@@ -173,18 +173,18 @@ class Trainer:
                 def on_check(rec: dict) -> None:     # each stop check, as it happens (the run's record)
                     checks.append(rec)
                     self.write_jsonl({**rec, "ts": time.time()})
-                losses = self.learner.warm_start(self.cfg, self.model_cfg, self.cfg.warmstart_style, on_check=on_check)
+                losses = self.learner.warm_start(self.cfg, self.model_cfg, self.cfg.warmstart.style, on_check=on_check)
                 self.warmstart_record = warmstart_record(self.cfg, len(losses), checks)
             self.warmstarted = True
             self.learner.anchor_reference()        # kl_coef: the penalty keeps RL near this policy
             log.info("warm start done", **self.warmstart_record)
             self.write_jsonl({**self.warmstart_record, "ts": time.time()})
-            if self.cfg.run_dir:     # the policy RL starts from (`asyncrl calibrate-cost --checkpoint` and
+            if self.cfg.run.dir:     # the policy RL starts from (`asyncrl calibrate-cost --checkpoint` and
                 # the final eval's initial row read it)
                 torch.save({"model": self.learner.full_state(), "model_config": self.model_cfg.to_dict(),
                             "version": self.version,
                             "warmstart_steps_done": self.warmstart_record["warmstart_steps_done"]},
-                           Path(self.cfg.run_dir) / "warmstart.pt")
+                           Path(self.cfg.run.dir) / "warmstart.pt")
             broadcast_obj(("sync",))
             sync_state(self.learner.model, self.learner.opt)
         self.published = self.learner.published_state()
@@ -206,15 +206,15 @@ class Trainer:
     async def maybe_evaluate(self, version: int, published: dict) -> dict:
         """Held-out success of the published policy every `eval_every` versions (and at the start)."""
         cfg = self.cfg
-        if not cfg.eval_every or version % cfg.eval_every:
+        if not cfg.tasks.eval_every or version % cfg.tasks.eval_every:
             return {}
-        return await asyncio.to_thread(evaluate, published, self.model_cfg, load_tokenizer(cfg.tokenizer),
-                                       cfg.envs, cfg.task_sampling, cfg.eval_prompts, cfg.seed, cfg.chat_template)
+        return await asyncio.to_thread(evaluate, published, self.model_cfg, load_tokenizer(cfg.policy.tokenizer),
+                                       cfg.tasks.envs, cfg.tasks.sampling, cfg.tasks.eval_prompts, cfg.run.seed, cfg.tasks.chat_template)
 
     def write_jsonl(self, values: dict) -> None:
-        if not self.cfg.run_dir:
+        if not self.cfg.run.dir:
             return
-        p = Path(self.cfg.run_dir) / "metrics" / "trainer.jsonl"
+        p = Path(self.cfg.run.dir) / "metrics" / "trainer.jsonl"
         p.parent.mkdir(parents=True, exist_ok=True)
         with open(p, "a") as f:
             f.write(json.dumps(values) + "\n")
@@ -240,24 +240,24 @@ class Trainer:
             log.info("eval", **values)
             self.write_jsonl(values)
             await self.publish_metrics(values)
-        sweeper = await start_sweeper(self.bus) if cfg.sweep_stranded else None
+        sweeper = await start_sweeper(self.bus) if cfg.run.sweep_stranded else None
         batcher = Batcher(self.bus, cfg, self.consumed, self.model_cfg.vocab_size)
         await batcher.start()
         await self.lambda_schedule.start(self.bus, self.version)     # before the first group is stamped
         feeder = TaskFeeder(self.bus, cfg)
         feed_task = asyncio.create_task(feeder.run(stop, lambda: self.version, kick=self.fed)) \
-            if cfg.feed and cfg.mode == "async" else None
-        log.info("leading", epoch=epoch, version=self.version, mode=cfg.mode)
+            if cfg.tasks.feed and cfg.run.mode == "async" else None
+        log.info("leading", epoch=epoch, version=self.version, mode=cfg.run.mode)
         batch, publishing = None, None
         try:
             while not stop.is_set() and not lost.is_set():
-                if cfg.max_steps and self.step_n >= cfg.max_steps:
+                if cfg.run.max_steps and self.step_n >= cfg.run.max_steps:
                     break
                 stopped = lambda: stop.is_set() or lost.is_set()    # noqa: E731
-                if cfg.mode == "sync" and cfg.feed:
+                if cfg.run.mode == "sync" and cfg.tasks.feed:
                     if publishing is not None:      # the barrier: tasks for v only once v is out
                         await publishing
-                    await feeder.publish(cfg.batch_groups, min_version=self.version)
+                    await feeder.publish(cfg.batch.groups, min_version=self.version)
                     batch = await self.next_sync_batch(batcher, feeder, stopped)
                 else:
                     batch = await batcher.next_batch(self.version, stopped)
@@ -288,7 +288,7 @@ class Trainer:
             if not lost.is_set():
                 await self.lease.release()
             log.info("leader loop ended", version=self.version, lost=lost.is_set(), stopped=stop_keeper)
-        if lost.is_set() and cfg.probe_when_deposed:
+        if lost.is_set() and cfg.faults.probe_when_deposed:
             await self.probe_deposed(publisher)
         return 3 if lost.is_set() else 0
 
@@ -298,12 +298,12 @@ class Trainer:
         group_timeout only covers groups with a member: without a top-up the barrier waits forever.
         So after sync_task_timeout_s without a full batch, publish again the tasks that have not
         a single rollout here (late originals are not wasted: they join the next batch)."""
-        wait_s = self.cfg.sync_task_timeout_s or self.cfg.group_timeout_s
+        wait_s = self.cfg.run.sync_task_timeout_s or self.cfg.batch.group_timeout_s
         while True:
             batch = await batcher.next_batch(self.version, stopped, max_wait_s=wait_s)
             if batch is not None or stopped():
                 return batch
-            missing = self.cfg.batch_groups - len(batcher.groups)
+            missing = self.cfg.batch.groups - len(batcher.groups)
             if missing > 0:
                 log.warning("sync: tasks of this version produced no rollout; publishing replacements",
                             version=self.version, missing=missing, waited_s=wait_s)
@@ -315,10 +315,10 @@ class Trainer:
         expected-last-sequence check in it, so a deposed leader's write is refused however long
         it was paused, and a standby takes over only versions already checkpointed."""
         cfg = self.cfg
-        pub = WeightPublisher(self.bus, epoch, cfg.trainer_id, load_signing_key(cfg.signing_key),
+        pub = WeightPublisher(self.bus, epoch, cfg.trainer_id, load_signing_key(cfg.publish.signing_key),
                               fence=self.lease.confirm)
-        if cfg.stop_before_publish:
-            pub.before_write = self._stop_before(cfg.stop_before_publish)
+        if cfg.faults.stop_before_publish:
+            pub.before_write = self._stop_before(cfg.faults.stop_before_publish)
         return pub
 
     def _stop_before(self, version: int):
@@ -381,7 +381,7 @@ class Trainer:
             self.version += 1
             self.step_n += 1
         stats["max_lag_applied"] = batcher.max_lag          # the cap this batch was weighed with
-        batcher.max_lag = next_lag_cap(batcher.max_lag, stats.get("k3_mean"), self.cfg.max_k3, self.cfg.max_lag)
+        batcher.max_lag = next_lag_cap(batcher.max_lag, stats.get("k3_mean"), self.cfg.batch.max_k3, self.cfg.batch.max_lag)
         batch.trained_ids = [p.rollout_id for p in packed if live and p.weight > 0 and p.completion_ids]
         self.consumed.add(batch.rollout_ids)
         if self.sharded:                 # parts now (a collective: not while the next step runs)
@@ -411,8 +411,8 @@ class Trainer:
             self.published = new
         publication = self.publish_version(batch, packed, stats, live, base, new, snapshot, batcher, publisher,
                                            lost, t0, self.version)
-        if self.cfg.debug_step_delay_s:       # tests only: a step + publication slower than ack_wait
-            publication = _after(self.cfg.debug_step_delay_s, publication)
+        if self.cfg.faults.step_delay_s:       # tests only: a step + publication slower than ack_wait
+            publication = _after(self.cfg.faults.step_delay_s, publication)
         return asyncio.create_task(publication)
 
     async def _after_skip(self, batch, batcher: Batcher, packed, stats: dict) -> tuple[list, dict]:
@@ -444,7 +444,7 @@ class Trainer:
     def _checkpoints(self, live: bool) -> bool:
         """Whether this version is checkpointed before it goes out: every version, or (checkpoint_every
         = K > 1) every K-th trained one; a batch that trained nothing waits for the next checkpoint."""
-        k = self.cfg.checkpoint_every
+        k = self.cfg.checkpoint.every
         return k == 1 or (live and self.version % k == 0)
 
     async def checkpoint_unacked(self, batcher: Batcher, lost: asyncio.Event) -> None:
@@ -463,7 +463,7 @@ class Trainer:
     def _needs_full_state(self, live: bool) -> bool:
         """Sharded publication still gathers the whole state for a keyframe or an evaluation."""
         v, cfg = self.version, self.cfg
-        return (live and v % cfg.keyframe_interval == 0) or bool(cfg.eval_every and v % cfg.eval_every == 0)
+        return (live and v % cfg.publish.keyframe_interval == 0) or bool(cfg.tasks.eval_every and v % cfg.tasks.eval_every == 0)
 
     async def publish_version(self, batch, packed, stats, live, base, new, snapshot, batcher: Batcher,
                               publisher: WeightPublisher, lost: asyncio.Event, t0: float, version: int) -> None:
@@ -490,7 +490,7 @@ class Trainer:
         tc = time.perf_counter()
         if snapshot is not None:
             await asyncio.to_thread(self.learner.wait_checkpoint)   # async shard save: complete before named
-            await asyncio.to_thread(checkpoint.save, cfg.checkpoint_dir, snapshot, cfg.keep_checkpoints)
+            await asyncio.to_thread(checkpoint.save, cfg.checkpoint.dir, snapshot, cfg.checkpoint.keep)
         stats["checkpoint_s"] = time.perf_counter() - tc
         tp = time.perf_counter()
         delta_bytes = 0
@@ -498,11 +498,11 @@ class Trainer:
             delta_bytes = (await publish_sharded(publisher, delta.parts, from_version=version - 1, to_version=version,
                                                  model_config=self.model_cfg,
                                                  changed_frac=delta.stats.changed_frac)).part_bytes
-            if version % cfg.keyframe_interval == 0:
+            if version % cfg.publish.keyframe_interval == 0:
                 await publisher.publish_keyframe(new, version, self.model_cfg, set_version=False)
         elif delta is not None:
             delta_bytes = (await publisher.publish_delta(delta)).size
-            if version % cfg.keyframe_interval == 0:
+            if version % cfg.publish.keyframe_interval == 0:
                 await publisher.publish_keyframe(new, version, self.model_cfg, set_version=False)
         stats["publish_s"] = time.perf_counter() - tp
         self.unacked.append(batch)
@@ -527,7 +527,7 @@ class Trainer:
             "cost_mean": _mean([o[2] for o in outcome]), "lambda": _mean([s.lambda_ for s in packed]),
             "group_lambda": [max(group_lams[g]) for g in sorted(group_lams)],
             "lambda_mixed_groups": sum(1 for v in group_lams.values() if len(v) > 1),
-            "tokens_per_answer": tokens, "penalty_mode": self.cfg.penalty,
+            "tokens_per_answer": tokens, "penalty_mode": self.cfg.cost.penalty,
             **(await self.lambda_schedule.after_version(self.bus, version, tokens)),
             "uniform_groups_skipped": len({x.rollout.task_id for x in batch.skipped}),
             "samples": len(packed), "live_samples": live, "groups": batch.n_groups,

@@ -112,7 +112,8 @@ class Learner:
                  adv_norm: str = "mean", grad_clip: float = 0.0, replay: bool = True, micro_batch: int = 32,
                  schedule: LRSchedule | None = None, kl_coef: float = 0.0, reference: Transformer | None = None,
                  async_checkpoint: bool = False, micro_batch_tokens: int = 0, logit_chunk_tokens: int = 0,
-                 penalty: str = "linear", penalty_cap: float = 0.25, published_point: bool = True):
+                 penalty: str = "linear", penalty_cap: float = 0.25, published_point: bool = True,
+                 delta_context: bool = False):
         self.model, self.opt = model, optimizer
         self.loss_cfg = dataclasses.replace(loss_cfg, kl_coef=kl_coef) if kl_coef else loss_cfg
         self.adv_norm, self.grad_clip, self.replay, self.micro_batch = adv_norm, grad_clip, replay, micro_batch
@@ -121,7 +122,7 @@ class Learner:
         self.published_point = published_point      # forward/backward on the bf16 the workers hold
         self.schedule, self.kl_coef, self.reference = schedule, kl_coef, reference
         self.async_checkpoint, self._pending_saves, self._saves_lock = async_checkpoint, [], threading.Lock()
-        self.delta_context = False        # sharded parts: code positions in the context of the base (factory sets it)
+        self.delta_context = delta_context   # sharded parts: code positions in the context of the base
         if kl_coef > 0 and reference is None:
             raise ValueError("kl_coef > 0 needs a frozen reference model")
 
@@ -351,7 +352,7 @@ class Learner:
         """Supervised warm start (trainer/warmstart.py) on every rank: a sharded model's forward and
         backward are collectives, so rank 0 alone would wait forever for its peers. Every rank
         draws the same demonstrations (same seed) and FSDP2 averages identical gradients: the
-        same update as one process. A success-stopped warm start (warmstart_until) checks on every
+        same update as one process. A success-stopped warm start ([trainer.warmstart] until) checks on every
         rank alike: same tasks, same sampling seed, identical logits, so every rank stops at the
         same step. `on_check` (rank 0's record of each check) is not sent to the followers."""
         from .warmstart import warm_start
@@ -380,10 +381,10 @@ class Learner:
         """An earlier run's warmstart.pt into the model (whole-state file, unsharded trainer); -> the
         saved record. A file of another model shape is refused before anything is loaded."""
         if is_sharded(self.model):
-            raise ValueError("warmstart_from loads a whole-model warmstart.pt; a sharded trainer cannot use it")
+            raise ValueError("[trainer.warmstart] reuse loads a whole-model warmstart.pt; a sharded trainer cannot use it")
         saved = torch.load(path, map_location="cpu", weights_only=True)
         if saved.get("model_config") != model_cfg.to_dict():
-            raise ValueError(f"warmstart_from {path}: saved for model {saved.get('model_config')}, "
+            raise ValueError(f"[trainer.warmstart] reuse {path}: saved for model {saved.get('model_config')}, "
                              f"this trainer's is {model_cfg.to_dict()}")
         self.model.load_state_dict(saved["model"])
         return saved

@@ -36,11 +36,11 @@ against mu only masks tokens by staleness (is_mode = "masked" does that, explici
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from policy import clamp_log_ratio, masked_is_weight, truncated_is_weight
+
+from .sections import LossConfig   # noqa: F401  ([trainer.loss], taken whole here)
 
 EPS = 1e-6
 
@@ -69,14 +69,6 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str = "me
     std = var.sqrt()[group]
     adv = torch.where((std > EPS) & ~alone, centred / (std + EPS), torch.zeros_like(centred))
     return adv.float()
-
-
-@dataclass
-class LossConfig:
-    is_mode: str = "truncated"
-    is_clip: float = 2.0
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
 
 
 def is_weights(logp: torch.Tensor, behav: torch.Tensor, cfg: LossConfig) -> torch.Tensor:

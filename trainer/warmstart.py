@@ -43,17 +43,16 @@ def demo_batch(env_names: list[str], n: int, rng: random.Random, tok, style: str
 
 
 class SuccessStop:
-    """The stop criterion of a warm start with `warmstart_until` > 0: after every
-    `warmstart_check_every` steps from `warmstart_check_from`, the policy plays `warmstart_check_n`
-    train-split tasks (the same ones each check: checks are comparable) at the config's
-    task_sampling; the warm start stops once their success >= `warmstart_until`. Train split on
-    purpose: picking the stop point on the eval split would leak the held-out metric."""
+    """The stop criterion of a warm start with [trainer.warmstart] until > 0: after every
+    `check_every` steps from `check_from`, the policy plays `check_n` train-split tasks (the same
+    ones each check: checks are comparable) at [trainer.tasks] sampling; the warm start stops once
+    their success >= `until`. Train split on purpose: picking the stop point on the eval split
+    would leak the held-out metric."""
 
     def __init__(self, cfg, tok, on_check: Callable[[dict], None] | None = None):
         self.cfg, self.tok, self.on_check = cfg, tok, on_check
-        self.until = float(getattr(cfg, "warmstart_until", 0.0))
-        self.every = int(getattr(cfg, "warmstart_check_every", 10))
-        self.start = int(getattr(cfg, "warmstart_check_from", 0))
+        ws = cfg.warmstart
+        self.until, self.every, self.start = float(ws.until), int(ws.check_every), int(ws.check_from)
         self.checks: list[dict] = []
 
     def due(self, done: int) -> bool:
@@ -65,8 +64,8 @@ class SuccessStop:
         cfg, t = self.cfg, time.perf_counter()
         model.eval()
         try:
-            ev = evaluate_model(model, self.tok, cfg.envs, cfg.task_sampling, int(getattr(cfg, "warmstart_check_n", 16)),
-                                cfg.seed + 104729, bool(getattr(cfg, "chat_template", False)), split="train")
+            ev = evaluate_model(model, self.tok, cfg.tasks.envs, cfg.tasks.sampling, cfg.warmstart.check_n,
+                                cfg.run.seed + 104729, cfg.tasks.chat_template, split="train")
         finally:
             model.train()
         # not eval_* keys: the run's summary takes its held-out figures from those
@@ -82,37 +81,37 @@ class SuccessStop:
 
 def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default", after_step=None,
                on_check: Callable[[dict], None] | None = None) -> list[float]:
-    """cfg.warmstart_steps AdamW steps of demonstration NLL; returns the loss per step (its length
-    is the number of steps done). With cfg.warmstart_until > 0 the warm start stops early once a
-    SuccessStop check passes (warmstart_steps is the cap); `on_check(record)` gets each check.
+    """cfg.warmstart.steps AdamW steps of demonstration NLL; returns the loss per step (its length
+    is the number of steps done). With cfg.warmstart.until > 0 the warm start stops early once a
+    SuccessStop check passes (cfg.warmstart.steps is the cap); `on_check(record)` gets each check.
     `after_step(step, losses)`, when given, runs after each step (bench/swe_warmstart.py evaluates
     the policy on its way: it must leave the model in train mode)."""
-    tok = tok or load_tokenizer(cfg.tokenizer)
+    tok = tok or load_tokenizer(cfg.policy.tokenizer)
     stop = SuccessStop(cfg, tok, on_check)
-    rng = random.Random(cfg.seed + 7919)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr)
+    rng = random.Random(cfg.run.seed + 7919)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart.lr)
     losses = []
     model.train()
     threads = torch.get_num_threads()
-    if getattr(cfg, "warmstart_threads", 0):      # nothing else computes while the policy warm-starts
-        torch.set_num_threads(cfg.warmstart_threads)
+    if cfg.warmstart.threads:      # nothing else computes while the policy warm-starts
+        torch.set_num_threads(cfg.warmstart.threads)
     # the next step's demonstrations are drawn (multi-turn: oracle episodes played in the sandbox, the
     # first time a task comes up) while this step trains; one thread, so the draws keep their order
     pool = ThreadPoolExecutor(1, thread_name_prefix="warmstart-demos")
     try:
-        nxt = pool.submit(demo_batch, cfg.envs, cfg.warmstart_batch, rng, tok, style)
-        for step in range(cfg.warmstart_steps):
+        nxt = pool.submit(demo_batch, cfg.tasks.envs, cfg.warmstart.batch, rng, tok, style)
+        for step in range(cfg.warmstart.steps):
             prompts, completions, masks = nxt.result()
-            if step + 1 < cfg.warmstart_steps:
-                nxt = pool.submit(demo_batch, cfg.envs, cfg.warmstart_batch, rng, tok, style)
+            if step + 1 < cfg.warmstart.steps:
+                nxt = pool.submit(demo_batch, cfg.tasks.envs, cfg.warmstart.batch, rng, tok, style)
             losses.append(_step(model, opt, prompts, completions, masks))
-            if step % 50 == 0 or step == cfg.warmstart_steps - 1:
+            if step % 50 == 0 or step == cfg.warmstart.steps - 1:
                 log.info("warm start", step=step, nll=round(losses[-1], 4))
             if after_step is not None:
                 after_step(step, losses)
-            if stop.due(step + 1) and step + 1 < cfg.warmstart_steps and stop(model, step + 1):
+            if stop.due(step + 1) and step + 1 < cfg.warmstart.steps and stop(model, step + 1):
                 log.info("warm start stopped", step=step + 1, success=stop.checks[-1]["warmstart_check_success"],
-                         until=stop.until, cap=cfg.warmstart_steps)
+                         until=stop.until, cap=cfg.warmstart.steps)
                 break
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

@@ -90,11 +90,16 @@ class Fleet:
         return p
 
     def trainer(self, name: str, **over) -> Proc:
-        conf = {"trainer_id": name, "model": dict(MODEL), "batch_groups": BATCH_GROUPS, "group_size": GROUP,
-                "max_lag": 1000, "feed": False, "lr": 1e-3, "fetch_timeout_s": 0.3,
-                "keyframe_interval": 1000, "lease_ttl_s": LEASE_TTL_S, "lease_renew_s": 1.0,
-                "checkpoint_dir": str(self.run_dir / "ckpt"), "run_dir": str(self.run_dir / f"trainer-{name}"),
-                "keep_checkpoints": 3, "bus": self.bus_conf("trainer", name), **over}
+        """A trainer process; a section in `over` ({key: value}) is merged into these."""
+        conf = {"trainer_id": name, "policy": {"model": dict(MODEL)},
+                "batch": {"groups": BATCH_GROUPS, "group_size": GROUP, "max_lag": 1000,
+                          "fetch_timeout_s": 0.3},
+                "tasks": {"feed": False}, "optim": {"lr": 1e-3}, "publish": {"keyframe_interval": 1000},
+                "lease": {"ttl_s": LEASE_TTL_S, "renew_s": 1.0},
+                "checkpoint": {"dir": str(self.run_dir / "ckpt"), "keep": 3},
+                "run": {"dir": str(self.run_dir / f"trainer-{name}")}, "bus": self.bus_conf("trainer", name)}
+        conf.update({k: {**conf[k], **v} if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
+                     for k, v in over.items()})
         return self._spawn(name, "trainer", "trainer", conf)
 
     def worker(self, name: str, **over) -> Proc:
@@ -270,7 +275,7 @@ async def wait_ready(fleet: Fleet, names: list[str], timeout_s: float = 300.0) -
 
 async def start_signed(fleet: Fleet, sk, pk, workers: int = 2) -> None:
     """A signed run: leader A signs with `sk`, `workers` workers verify with `pk`, one scorer; all ready."""
-    fleet.trainer("A", signing_key=sk.hex())
+    fleet.trainer("A", publish={"signing_key": sk.hex()})
     for i in range(workers):
         fleet.worker(f"w{i}", public_key=pk.hex())
     fleet.scorer("s0")

@@ -48,16 +48,22 @@ def cpu_ticks(pid: int) -> int:
 
 
 def agent_conf(fleet: Fleet, port: int, **over) -> dict:
-    return {"trainer_id": GROUP_ID, "model": dict(MODEL), "batch_groups": BATCH_GROUPS, "group_size": GROUP,
-            "max_lag": 1000, "feed": False, "lr": 1e-3, "fetch_timeout_s": 0.3, "keyframe_interval": 1000,
-            "lease_ttl_s": LEASE_TTL_S, "lease_renew_s": 1.0, "grace_s": 3.0, "device": "cpu",
-            "checkpoint_dir": str(fleet.run_dir / "ckpt"), "run_dir": str(fleet.run_dir / f"trainer-{GROUP_ID}"),
-            "keep_checkpoints": 3, "bus": fleet.bus_conf("trainer", GROUP_ID),
-            "elastic_nnodes": NNODES, "elastic_rdzv_endpoint": f"127.0.0.1:{port}",
-            "elastic_rdzv_id": f"chaos-{port}", "elastic_max_restarts": 5,
-            # a dead node leaves the rendezvous after 3 missed 1 s heartbeats (default 3 x 5 s)
-            "elastic_rdzv_conf": "join_timeout=300,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
-            **over}
+    """One elastic agent's trainer config; a section in `over` ({key: value}) is merged into these."""
+    conf = {"trainer_id": GROUP_ID, "policy": {"model": dict(MODEL), "device": "cpu"},
+            "batch": {"groups": BATCH_GROUPS, "group_size": GROUP, "max_lag": 1000, "fetch_timeout_s": 0.3},
+            "tasks": {"feed": False}, "optim": {"lr": 1e-3}, "publish": {"keyframe_interval": 1000},
+            "lease": {"ttl_s": LEASE_TTL_S, "renew_s": 1.0},
+            "run": {"grace_s": 3.0, "dir": str(fleet.run_dir / f"trainer-{GROUP_ID}")},
+            "checkpoint": {"dir": str(fleet.run_dir / "ckpt"), "keep": 3},
+            "bus": fleet.bus_conf("trainer", GROUP_ID),
+            "elastic": {"nnodes": NNODES, "rdzv_endpoint": f"127.0.0.1:{port}", "rdzv_id": f"chaos-{port}",
+                        "max_restarts": 5,
+                        # a dead node leaves the rendezvous after 3 missed 1 s heartbeats (default 3 x 5 s)
+                        "rdzv_conf": "join_timeout=300,last_call_timeout=2,keep_alive_interval=1,"
+                                     "keep_alive_max_attempt=3"}}
+    conf.update({k: {**conf[k], **v} if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
+                 for k, v in over.items()})
+    return conf
 
 
 def start_agent(fleet: Fleet, name: str, conf: dict):

@@ -31,7 +31,7 @@ async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> lis
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
             for t in ("A", "B"):
-                fleet.trainer(t, probe_when_deposed=True)
+                fleet.trainer(t, faults={"probe_when_deposed": True})
             await pipeline(fleet, workers=2, trainers=())
             lead, _ = await wait_leader(fleet, None, 300)
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
@@ -42,7 +42,8 @@ async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> lis
             first_v_s, first_v = await first_version_by(fleet, spare, t_death, 300)
             v_kill = await fleet.version()
             await fleet.wait_version(v_kill + 2, 300, watch=[spare])
-            fleet.trainer(lead + "2", probe_when_deposed=True)   # the killed machine comes back as a standby
+            # the killed machine comes back as a standby
+            fleet.trainer(lead + "2", faults={"probe_when_deposed": True})
             if not await wait_log(fleet.procs[lead + "2"].log_path, "waiting for the leader lease", 120):
                 raise ChaosError(f"restarted trainer {lead}2 never went on standby")
             fleet.signal(spare, signal.SIGSTOP)       # e.g. a long GC pause or a partition
@@ -84,7 +85,7 @@ async def slow_step_kill(run_dir: Path, tasks: int = 40, seed: int = 9, delay_fa
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
-            fleet.trainer("A", debug_step_delay_s=delay_factor * fleet.ack_wait_s)
+            fleet.trainer("A", faults={"step_delay_s": delay_factor * fleet.ack_wait_s})
             await wait_ready(fleet, ["A"])
             await pipeline(fleet, workers=2, trainers=("B",))       # B waits on standby
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
@@ -122,9 +123,9 @@ async def deferred_checkpoint_kill(run_dir: Path, tasks: int = 40, seed: int = 1
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
-            fleet.trainer("A", checkpoint_every=every)
+            fleet.trainer("A", checkpoint={"every": every})
             await wait_ready(fleet, ["A"])
-            fleet.trainer("B", checkpoint_every=every)          # B waits on standby
+            fleet.trainer("B", checkpoint={"every": every})          # B waits on standby
             await pipeline(fleet, workers=2, trainers=())
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
             deadline = time.monotonic() + 300
@@ -165,9 +166,10 @@ async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10,
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
-            fleet.trainer("A", stop_before_publish=stop_at, probe_when_deposed=True, publish=publish)
+            fleet.trainer("A", faults={"stop_before_publish": stop_at, "probe_when_deposed": True},
+                          publish={"layout": publish})
             await wait_ready(fleet, ["A"])
-            fleet.trainer("B", publish=publish)
+            fleet.trainer("B", publish={"layout": publish})
             await pipeline(fleet, workers=2, trainers=())
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
             a = fleet.procs["A"]
@@ -219,8 +221,8 @@ async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeou
                     pass
             rec = await fleet.bus.nc.subscribe("rl.tasks.>", cb=record)
             steps = max(tasks, 2)
-            fleet.trainer("A", mode="sync", feed=True, sync_task_timeout_s=timeout_s, max_steps=steps,
-                          task_sampling={"max_tokens": MAX_TOKENS, "temperature": 1.0})
+            fleet.trainer("A", run={"mode": "sync", "sync_task_timeout_s": timeout_s, "max_steps": steps},
+                          tasks={"feed": True, "sampling": {"max_tokens": MAX_TOKENS, "temperature": 1.0}})
             fleet.scorer("s0")
             await wait_ready(fleet, ["A", "s0"])
             t0 = time.monotonic()

@@ -27,10 +27,11 @@ def make_samples(n: int = 7, seed: int = 0) -> list[PackedSample]:
 
 
 def cfg_dict(tmp_path: Path, **over) -> dict:
-    d = {"model": {"preset": "tiny"}, "lr": 1e-3, "micro_batch": 2, "kl_coef": 0.1, "activation_checkpointing": True,
-         "lr_warmup_steps": 3, "grad_clip": 1.0, "device": "cpu", "checkpoint_dir": str(tmp_path / "ckpt"),
-         "trainer_id": "t"}
-    return {**d, **over}
+    """A TrainerConfig as a dict of sections; a section in `over` is merged key by key."""
+    d = {"policy": {"model": {"preset": "tiny"}, "activation_checkpointing": True, "device": "cpu"},
+         "optim": {"lr": 1e-3, "warmup_steps": 3, "grad_clip": 1.0}, "loss": {"micro_batch": 2, "kl_coef": 0.1},
+         "checkpoint": {"dir": str(tmp_path / "ckpt")}, "trainer_id": "t"}
+    return {**d, **{k: {**d[k], **v} if isinstance(d.get(k), dict) else v for k, v in over.items()}}
 
 
 def torchrun(tmp_path: Path, spec: dict, nproc: int = 2, timeout_s: float = 240, ok: bool = True) -> dict:

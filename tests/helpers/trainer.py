@@ -43,10 +43,14 @@ async def publish_groups(bus, model, n_groups, group_size, version=0, prefix="t"
 
 
 def trainer_config(url, tmp_path, **kw) -> TrainerConfig:
-    base = dict(bus=BusConfig(servers=[url], name="trainer-test"), model=MODEL, batch_groups=2, group_size=4,
-                feed=False, lr=1e-2, checkpoint_dir=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "run"),
-                lease_ttl_s=3.0, fetch_timeout_s=0.2, trainer_id="T1")
-    return TrainerConfig(**{**base, **kw})
+    """A tiny trainer's config; a section given in `kw` (a dict) is merged key by key into the base's."""
+    base = dict(bus=BusConfig(servers=[url], name="trainer-test"), trainer_id="T1",
+                policy={"model": MODEL}, batch={"groups": 2, "group_size": 4, "fetch_timeout_s": 0.2},
+                tasks={"feed": False}, optim={"lr": 1e-2}, checkpoint={"dir": str(tmp_path / "ckpt")},
+                run={"dir": str(tmp_path / "run")}, lease={"ttl_s": 3.0})
+    merged = {k: {**base[k], **v} if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+              for k, v in kw.items()}
+    return TrainerConfig(**{**base, **merged})
 
 
 async def publish_group(bus, task: str, n: int = 2, seed: int = 0) -> list[str]:

@@ -15,23 +15,33 @@ TTL = 3.0
 
 
 def write_config(path: Path, url: str, tid: str, tmp: Path, ack_wait_s: float = 4.0, **extra) -> None:
-    """A trainer process's config (tests/test_trainer_slow_step.py passes its own ack_wait and knobs)."""
+    """A trainer process's config (tests/test_trainer_slow_step.py passes its own ack_wait, and
+    knobs as {section: {key: value}})."""
     model = ", ".join(f"{k} = {json.dumps(v)}" for k, v in MODEL.items() if v is not None)  # TOML has no null
-    more = "\n".join(f"{k} = {json.dumps(v)}" for k, v in extra.items())
+    more = "\n".join(f"[trainer.{sect}]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in keys.items())
+                     for sect, keys in extra.items())
     path.write_text(f"""
 [trainer]
 trainer_id = "{tid}"
+[trainer.policy]
 model = {{ {model} }}
-batch_groups = 1
+[trainer.batch]
+groups = 1
 group_size = 2
 max_lag = 1000
-feed = false
-lr = 0.01
-checkpoint_dir = "{tmp / 'ckpt'}"
-run_dir = "{tmp / ('run-' + tid)}"
-lease_ttl_s = {TTL}
-lease_renew_s = 1.0
 fetch_timeout_s = 0.2
+[trainer.tasks]
+feed = false
+[trainer.optim]
+lr = 0.01
+[trainer.checkpoint]
+dir = "{tmp / 'ckpt'}"
+[trainer.run]
+dir = "{tmp / ('run-' + tid)}"
+[trainer.lease]
+ttl_s = {TTL}
+renew_s = 1.0
+[trainer.publish]
 keyframe_interval = 1000
 {more}
 [trainer.bus]
