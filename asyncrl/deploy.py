@@ -9,6 +9,7 @@ A region's leaf logs in with an nkey, not a password: CHANGE-ME-regionseed (nats
 CHANGE-ME-regionnkey (the hub's nats.env) become the seed and the public key of one fresh pair.
 --key-owner UID[:GID] gives the private signing key to the trainer's user (compose: 10001).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ def fill_env_dir(env_dir: Path) -> dict[str, list[str]]:
     roles = sorted({r for t in texts.values() for r in PLACEHOLDER_RE.findall(t)})
     # hex: safe inside a nats-leaf:// URL and a nats-server config variable without quoting
     secret = {r: secrets.token_hex(24) for r in roles}
-    secret["regionseed"], secret["regionnkey"] = user_nkey()   # one pair: seed to the region, key to the hub
+    secret["regionseed"], secret["regionnkey"] = user_nkey()  # one pair: seed to the region, key to the hub
     filled = {}
     for f, text in texts.items():
         found = PLACEHOLDER_RE.findall(text)
@@ -43,7 +44,7 @@ def fill_env_dir(env_dir: Path) -> dict[str, list[str]]:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(PLACEHOLDER_RE.sub(lambda m: secret[m.group(1)], text))
-        os.replace(tmp, f)            # whole file or nothing: a crash never leaves half a file
+        os.replace(tmp, f)  # whole file or nothing: a crash never leaves half a file
         filled[f.name] = sorted(set(found))
     return filled
 
@@ -64,14 +65,19 @@ def init(env_dir: Path, keys_dir: Path, key_owner: tuple[int, int] | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="asyncrl deploy", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="asyncrl deploy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     i = sub.add_parser("init", help="random passwords into the env files, and the signing key pair")
     i.add_argument("--dir", default="deploy/env", help="env files to fill (default: deploy/env)")
     i.add_argument("--keys", default=None, help="key pair directory (default: <dir>/../keys)")
-    i.add_argument("--key-owner", default=None, metavar="UID[:GID]",
-                   help="owner of the private signing key: the trainer's user (compose: 10001; needs root)")
+    i.add_argument(
+        "--key-owner",
+        default=None,
+        metavar="UID[:GID]",
+        help="owner of the private signing key: the trainer's user (compose: 10001; needs root)",
+    )
     a = ap.parse_args(argv)
     env_dir = Path(a.dir)
     keys_dir = Path(a.keys) if a.keys else env_dir.resolve().parent / "keys"

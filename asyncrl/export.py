@@ -12,6 +12,7 @@ Source, in this order:
      digests). If retention dropped a delta or keyframe needed, it says so and writes nothing.
 Without --version: the newest checkpoint's version.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,17 @@ from policy.model import inference_state
 
 CKPT = re.compile(r"^ckpt-e(\d{8})-v(\d{8})\.pt$")
 # the files an HF tokenizer folder is made of (weights and model config are ours to write)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json",
-                   "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 class ExportError(RuntimeError):
@@ -43,8 +52,9 @@ class ExportError(RuntimeError):
 def checkpoints(run_dir: Path) -> list[tuple[int, int, Path]]:
     """(epoch, version, path) of every checkpoint file, oldest first."""
     d = run_dir / "checkpoints"
-    found = [(int(m[1]), int(m[2]), p) for p in (d.iterdir() if d.is_dir() else ())
-             if (m := CKPT.match(p.name))]
+    found = [
+        (int(m[1]), int(m[2]), p) for p in (d.iterdir() if d.is_dir() else ()) if (m := CKPT.match(p.name))
+    ]
     return sorted(found)
 
 
@@ -52,14 +62,14 @@ def _model(model_config: dict) -> Transformer:
     with torch.device("meta"):
         model = Transformer(ModelConfig.from_dict(model_config))
     model = model.to_empty(device="cpu")
-    model.reset_rope()          # built on meta: the RoPE tables must be computed for real
+    model.reset_rope()  # built on meta: the RoPE tables must be computed for real
     return model.eval()
 
 
 def from_checkpoint(path: Path) -> tuple[dict, dict, str]:
     """-> (bf16 state, model_config, digest) after checking the recorded digest."""
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=True)     # tensors only: never runs code
+        raw = torch.load(path, map_location="cpu", weights_only=True)  # tensors only: never runs code
     except Exception as e:
         raise ExportError(f"checkpoint {path} is unreadable: {e}") from e
     missing = [k for k in ("version", "model", "model_config", "digest") if k not in raw]
@@ -84,7 +94,9 @@ async def replay(store_dir: Path, version: int, public_key=None) -> tuple[dict, 
     from nats.js.errors import NotFoundError
 
     if not (store_dir / "jetstream").is_dir():
-        raise ExportError(f"no JetStream store at {store_dir}: no checkpoint holds v{version} and nothing to replay")
+        raise ExportError(
+            f"no JetStream store at {store_dir}: no checkpoint holds v{version} and nothing to replay"
+        )
     server = EmbeddedServer(store_dir=str(store_dir))
     await asyncio.to_thread(server.start_sync)
     bus = await connect(BusConfig(servers=[server.url], name="asyncrl-export"))
@@ -94,7 +106,7 @@ async def replay(store_dir: Path, version: int, public_key=None) -> tuple[dict, 
         except NotFoundError:
             raise ExportError(f"{store_dir} holds no {topo.WEIGHTS} stream") from None
         msgs, seq = [], info.state.first_seq - 1
-        while True:          # the whole (retained) stream, in order: it is small, deltas are sparse
+        while True:  # the whole (retained) stream, in order: it is small, deltas are sparse
             try:
                 raw = await bus.js.get_msg(topo.WEIGHTS, seq=seq + 1, subject=WEIGHTS_SUBJECTS, next=True)
             except NotFoundError:
@@ -109,37 +121,47 @@ async def replay(store_dir: Path, version: int, public_key=None) -> tuple[dict, 
             if public_key is not None:
                 if not ev.signature:
                     raise ExportError(f"{ev.msg_id()} is unsigned, a public key was given")
-                signing.verify(public_key, data, ev.signature)     # DeltaError names the failure
+                signing.verify(public_key, data, ev.signature)  # DeltaError names the failure
             return data
 
-        kfs = [(i, ev) for i, (_, ev) in enumerate(msgs) if isinstance(ev, events.KeyframeEvent) and ev.version <= version]
+        kfs = [
+            (i, ev)
+            for i, (_, ev) in enumerate(msgs)
+            if isinstance(ev, events.KeyframeEvent) and ev.version <= version
+        ]
         if not kfs:
             have = sorted({ev.version for _, ev in msgs if isinstance(ev, events.KeyframeEvent)})
-            raise ExportError(f"no keyframe at or below v{version} is retained in {store_dir} "
-                              f"(keyframes held: {have or 'none'}); retention dropped what v{version} needs")
-        start, kev = kfs[-1]       # the newest in stream order: a takeover's line wins over the deposed one
+            raise ExportError(
+                f"no keyframe at or below v{version} is retained in {store_dir} "
+                f"(keyframes held: {have or 'none'}); retention dropped what v{version} needs"
+            )
+        start, kev = kfs[-1]  # the newest in stream order: a takeover's line wins over the deposed one
         kf = delta_codec.Keyframe.from_bytes(await payload(kev))
         if kf.version != kev.version or (kev.digest and kf.digest != kev.digest):
             raise ExportError(f"keyframe v{kev.version}: payload does not match its event")
         state = delta_codec.load_keyframe(kf)
         cur, digest = kf.version, kf.digest
-        for _, ev in msgs[start + 1:]:
+        for _, ev in msgs[start + 1 :]:
             if cur == version:
                 break
             if not isinstance(ev, events.DeltaEvent) or ev.epoch < kev.epoch or ev.to_version <= cur:
                 continue
             if ev.from_version != cur:
-                raise ExportError(f"delta v{cur}->v{cur + 1} is not retained in {store_dir} (next held: "
-                                  f"v{ev.from_version}->v{ev.to_version}); retention dropped what v{version} needs")
+                raise ExportError(
+                    f"delta v{cur}->v{cur + 1} is not retained in {store_dir} (next held: "
+                    f"v{ev.from_version}->v{ev.to_version}); retention dropped what v{version} needs"
+                )
             d = delta_codec.Delta.from_bytes(await payload(ev))
             if (d.base_digest, d.new_digest) != (ev.base_digest, ev.new_digest):
                 raise ExportError(f"{ev.msg_id()}: payload digests differ from the announced ones")
-            delta_codec.apply_delta(state, d)          # checks the result's state digest (names a wrong base)
+            delta_codec.apply_delta(state, d)  # checks the result's state digest (names a wrong base)
             cur, digest = d.to_version, d.new_digest
         if cur != version:
             raise ExportError(f"the retained deltas end at v{cur}, v{version} was asked for")
         if delta_codec.state_digest(state) != digest:
-            raise ExportError(f"replayed v{version}: digest {delta_codec.state_digest(state)} != published {digest}")
+            raise ExportError(
+                f"replayed v{version}: digest {delta_codec.state_digest(state)} != published {digest}"
+            )
         return state, kev.model_config, digest
     finally:
         await bus.close()
@@ -165,11 +187,13 @@ def write_export(run_dir, out, version: int | None = None, public_key=None) -> d
     ckpts = checkpoints(run_dir)
     if version is None:
         if not ckpts:
-            raise ExportError(f"{run_dir} has no checkpoint: give --version N to replay it from the NATS store")
+            raise ExportError(
+                f"{run_dir} has no checkpoint: give --version N to replay it from the NATS store"
+            )
         version = max(v for _, v, _ in ckpts)
     held = [p for _, v, p in ckpts if v == version]
     if held:
-        state, model_config, digest = from_checkpoint(held[-1])       # highest epoch
+        state, model_config, digest = from_checkpoint(held[-1])  # highest epoch
         source = f"checkpoint {held[-1].name}"
     else:
         state, model_config, digest = asyncio.run(replay(run_dir / "nats", version, public_key))
@@ -179,14 +203,20 @@ def write_export(run_dir, out, version: int | None = None, public_key=None) -> d
     out.mkdir(parents=True, exist_ok=True)
     save_hf_checkpoint(model, out, dtype=torch.bfloat16)
     tok = _tokenizer(run_dir)
-    lines = [f"asyncrl export of {run_dir.resolve()} at policy version {version}", f"source: {source}",
-             f"published bf16 weights digest: {digest}"]
+    lines = [
+        f"asyncrl export of {run_dir.resolve()} at policy version {version}",
+        f"source: {source}",
+        f"published bf16 weights digest: {digest}",
+    ]
     if tok == "char":
         from policy import CharTokenizer
+
         chars = CharTokenizer.default()
-        lines += ["tokenizer: the run used asyncrl's character tokenizer (policy.CharTokenizer.default()),",
-                  "which has no HF tokenizer files: encode/decode with policy.load_tokenizer('char');",
-                  f"its vocabulary has {chars.vocab_size} ids."]
+        lines += [
+            "tokenizer: the run used asyncrl's character tokenizer (policy.CharTokenizer.default()),",
+            "which has no HF tokenizer files: encode/decode with policy.load_tokenizer('char');",
+            f"its vocabulary has {chars.vocab_size} ids.",
+        ]
     else:
         src = Path(tok)
         files = [src] if src.is_file() else [src / n for n in TOKENIZER_FILES if (src / n).is_file()]
@@ -200,13 +230,17 @@ def write_export(run_dir, out, version: int | None = None, public_key=None) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="asyncrl export", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="asyncrl export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("run_dir")
     ap.add_argument("out")
     ap.add_argument("--version", type=int, default=None)
-    ap.add_argument("--public-key", default=None,
-                    help="verify the replayed updates' signatures (hex or a file, like workers' public_key)")
+    ap.add_argument(
+        "--public-key",
+        default=None,
+        help="verify the replayed updates' signatures (hex or a file, like workers' public_key)",
+    )
     a = ap.parse_args(argv)
     pk = None
     if a.public_key:
@@ -214,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         pk = signing.public_key(p.read_text().strip() if p.is_file() else a.public_key)
     try:
         res = write_export(a.run_dir, a.out, a.version, pk)
-    except (ExportError, delta_codec.DeltaError, ValueError) as e:   # ValueError: e.g. an MLA model (no HF layout)
+    except (
+        ExportError,
+        delta_codec.DeltaError,
+        ValueError,
+    ) as e:  # ValueError: e.g. an MLA model (no HF layout)
         print(f"asyncrl export: {e}", file=sys.stderr)
         return 2
     print(json.dumps(res))

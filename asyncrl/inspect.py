@@ -2,6 +2,7 @@
 
 snapshot() only reads (stream/consumer info, KV gets); render() makes a table a person reads.
 """
+
 from __future__ import annotations
 
 import time
@@ -25,8 +26,14 @@ def _text(raw: bytes | None, limit: int = 200) -> str | None:
 
 
 async def snapshot(bus) -> dict:
-    snap: dict = {"ts": time.time(), "server": str(bus.nc.connected_url.netloc) if bus.nc.connected_url else None,
-                  "streams": {}, "control": {}, "version": None, "missing": []}
+    snap: dict = {
+        "ts": time.time(),
+        "server": str(bus.nc.connected_url.netloc) if bus.nc.connected_url else None,
+        "streams": {},
+        "control": {},
+        "version": None,
+        "missing": [],
+    }
     for name in STREAMS:
         try:
             si = await bus.js.stream_info(name)
@@ -37,14 +44,22 @@ async def snapshot(bus) -> dict:
         for ci in await bus.js.consumers_info(name):
             if not ci.config.durable_name:
                 continue  # ephemeral readers (blob gets, watchers) are noise here
-            consumers[ci.name] = {"num_pending": ci.num_pending, "num_ack_pending": ci.num_ack_pending,
-                                  "num_redelivered": ci.num_redelivered, "num_waiting": ci.num_waiting,
-                                  "delivered": ci.delivered.stream_seq if ci.delivered else None}
-        snap["streams"][name] = {"messages": si.state.messages, "bytes": si.state.bytes,
-                                 "first_seq": si.state.first_seq, "last_seq": si.state.last_seq,
-                                 "consumers": consumers}
+            consumers[ci.name] = {
+                "num_pending": ci.num_pending,
+                "num_ack_pending": ci.num_ack_pending,
+                "num_redelivered": ci.num_redelivered,
+                "num_waiting": ci.num_waiting,
+                "delivered": ci.delivered.stream_seq if ci.delivered else None,
+            }
+        snap["streams"][name] = {
+            "messages": si.state.messages,
+            "bytes": si.state.bytes,
+            "first_seq": si.state.first_seq,
+            "last_seq": si.state.last_seq,
+            "consumers": consumers,
+        }
     try:
-        kv = await bus.js.key_value(topo.CONTROL_BUCKET)   # not bus.kv_*: those provision a missing bucket
+        kv = await bus.js.key_value(topo.CONTROL_BUCKET)  # not bus.kv_*: those provision a missing bucket
         for key in CONTROL_KEYS:
             try:
                 e = await kv.get(key)
@@ -71,6 +86,7 @@ async def snapshot(bus) -> dict:
 async def _components(bus, limit: int = 200) -> list[dict]:
     """Latest heartbeat of each component (rl.heartbeat.<component>.<id> in TELEMETRY)."""
     from bus.events import EventError, Heartbeat, decode
+
     try:
         si = await bus.js.stream_info(topo.TELEMETRY, subjects_filter="rl.heartbeat.>")
     except jse.NotFoundError:
@@ -83,8 +99,15 @@ async def _components(bus, limit: int = 200) -> list[dict]:
             hb = decode(raw.data, Heartbeat)
         except (jse.NotFoundError, EventError):
             continue
-        out.append({"component": hb.component, "id": hb.component_id, "version": hb.version,
-                    "age_s": round(now - hb.ts, 1), "metrics": hb.metrics})
+        out.append(
+            {
+                "component": hb.component,
+                "id": hb.component_id,
+                "version": hb.version,
+                "age_s": round(now - hb.ts, 1),
+                "metrics": hb.metrics,
+            }
+        )
     return out
 
 
@@ -102,15 +125,34 @@ def render(snap: dict, rich: bool | None = None) -> str:
     for name, s in snap["streams"].items():
         cons = s["consumers"] or {"-": None}
         for cname, c in cons.items():
-            rows.append([name, str(s["messages"]), _size(s["bytes"]), cname,
-                         *(["", "", ""] if c is None else
-                           [str(c["num_pending"]), str(c["num_ack_pending"]), str(c["num_redelivered"])])])
+            rows.append(
+                [
+                    name,
+                    str(s["messages"]),
+                    _size(s["bytes"]),
+                    cname,
+                    *(
+                        ["", "", ""]
+                        if c is None
+                        else [str(c["num_pending"]), str(c["num_ack_pending"]), str(c["num_redelivered"])]
+                    ),
+                ]
+            )
             name = ""  # print the stream once
     head = ["stream", "msgs", "bytes", "consumer", "pending", "ack_pending", "redelivered"]
-    ctl = [[k, "" if v["value"] is None else v["value"], str(v["revision"])] for k, v in snap["control"].items()]
-    comp = [[c["component"], c["id"], str(c["version"]), f"{c['age_s']:.1f}",
-             ", ".join(f"{k}={v}" for k, v in list(c["metrics"].items())[:6])[:60]]
-            for c in snap.get("components", [])]
+    ctl = [
+        [k, "" if v["value"] is None else v["value"], str(v["revision"])] for k, v in snap["control"].items()
+    ]
+    comp = [
+        [
+            c["component"],
+            c["id"],
+            str(c["version"]),
+            f"{c['age_s']:.1f}",
+            ", ".join(f"{k}={v}" for k, v in list(c["metrics"].items())[:6])[:60],
+        ]
+        for c in snap.get("components", [])
+    ]
     comp_head = ["component", "id", "version", "last seen (s)", "metrics"]
     title = f"asyncrl @ {snap.get('server')}  policy version: {snap.get('version')}"
     if rich is not False:
@@ -122,9 +164,11 @@ def render(snap: dict, rich: bool | None = None) -> str:
         except ImportError:
             rich = False
     if rich is False:
+
         def table(h, rs):
             w = [max(len(x) for x in col) for col in zip(h, *rs)]
             return "\n".join("  ".join(c.ljust(n) for c, n in zip(r, w)) for r in [h, *rs])
+
         out = [title, "", table(head, rows), "", table(["key", "value", "revision"], ctl)]
         if comp:
             out += ["", table(comp_head, comp)]

@@ -8,6 +8,7 @@ An existing private key is never overwritten. --owner hands the private key (sti
 user that runs the trainer: the compose trainer runs as uid 10001 and cannot read a key the host
 user owns (`sudo asyncrl keygen --owner 10001`, or `asyncrl deploy init --key-owner 10001`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ from delta_codec import signing
 
 
 def parse_owner(spec: str) -> tuple[int, int]:
-    """"UID" or "UID:GID" (numbers: the container's user need not exist on the host)."""
+    """ "UID" or "UID:GID" (numbers: the container's user need not exist on the host)."""
     uid, _, gid = spec.partition(":")
     try:
         return int(uid), int(gid or uid)
@@ -32,19 +33,22 @@ def give_key(key: Path, owner: tuple[int, int]) -> None:
     try:
         os.chown(key, *owner)
     except PermissionError:
-        raise PermissionError(f"cannot give {key} to uid {owner[0]}: run as root (sudo) or "
-                              f"`sudo chown {owner[0]}:{owner[1]} {key}`") from None
+        raise PermissionError(
+            f"cannot give {key} to uid {owner[0]}: run as root (sudo) or "
+            f"`sudo chown {owner[0]}:{owner[1]} {key}`"
+        ) from None
     os.chmod(key, 0o600)
 
 
-def write_keypair(out: Path, name: str = "trainer-signing",
-                  owner: tuple[int, int] | None = None) -> tuple[Path, Path]:
+def write_keypair(
+    out: Path, name: str = "trainer-signing", owner: tuple[int, int] | None = None
+) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     key, pub = out / f"{name}.key", out / f"{name}.pub"
     if key.exists():
         raise FileExistsError(f"{key} exists; refusing to overwrite a signing key (rotate with a new --name)")
     sk, pk = signing.generate_keypair()
-    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)   # never world-readable, not even briefly
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never world-readable, not even briefly
     with os.fdopen(fd, "w") as f:
         f.write(sk.hex() + "\n")
     pub.write_text(pk.hex() + "\n")
@@ -54,12 +58,17 @@ def write_keypair(out: Path, name: str = "trainer-signing",
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="asyncrl keygen", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="asyncrl keygen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default="keys", help="directory (default: ./keys)")
     ap.add_argument("--name", default="trainer-signing", help="file name stem")
-    ap.add_argument("--owner", default=None, metavar="UID[:GID]",
-                    help="owner of the private key (the trainer's user; compose: 10001)")
+    ap.add_argument(
+        "--owner",
+        default=None,
+        metavar="UID[:GID]",
+        help="owner of the private key (the trainer's user; compose: 10001)",
+    )
     a = ap.parse_args(argv)
     try:
         key, pub = write_keypair(Path(a.out), a.name, parse_owner(a.owner) if a.owner else None)

@@ -8,6 +8,7 @@ is kept in runs/<id>/config/metrics_ports.json and the targets in Prometheus' fi
 runs/<id>/config/prometheus_targets.json (point `file_sd_configs` at it: deploy/prometheus).
 A `metrics_port` set in a process's own table wins over the plan.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,12 +37,15 @@ def assign(run_dir: Path, name: str, component: str, conf: dict) -> dict:
     if not port and p["base"]:
         taken = {a["port"] for a in p["assigned"].values()}
         port = p["assigned"].get(name, {}).get("port") or next(
-            q for q in range(p["base"], p["base"] + 10_000) if q not in taken)
+            q for q in range(p["base"], p["base"] + 10_000) if q not in taken
+        )
     if not port:
         return conf
     p["assigned"][name] = {"port": port, "component": component}
     path.write_text(json.dumps(p))
-    targets = [{"targets": [f"127.0.0.1:{a['port']}"], "labels": {"job": a["component"], "process": n}}
-               for n, a in sorted(p["assigned"].items())]
+    targets = [
+        {"targets": [f"127.0.0.1:{a['port']}"], "labels": {"job": a["component"], "process": n}}
+        for n, a in sorted(p["assigned"].items())
+    ]
     (Path(run_dir) / "config" / TARGETS).write_text(json.dumps(targets, indent=1))
     return child_conf.with_keys(component, conf, metrics_port=port)

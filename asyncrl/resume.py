@@ -8,6 +8,7 @@ The config is the one the run started with (config/run.json, "source"); the limi
 process counts it resolved then are kept unless given again on the command line (--steps is the
 total number of versions, so `--steps 60` takes a 30-step run on to 60).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,9 @@ from bus.config import ConfigError
 RESOLVED = ("steps", "minutes", "workers", "scorers", "sync", "lambda")
 
 
-def resume_run(run_dir: str | Path, external_nats: bool = False, config: str | None = None) -> tuple[Path, dict]:
+def resume_run(
+    run_dir: str | Path, external_nats: bool = False, config: str | None = None
+) -> tuple[Path, dict]:
     """-> (run dir, run config to start again with). ConfigError when it cannot be resumed."""
     if config:
         raise ConfigError("--resume continues with the run's own config: leave out --config")
@@ -31,7 +34,9 @@ def resume_run(run_dir: str | Path, external_nats: bool = False, config: str | N
     if not external_nats and meta.get("nats_external"):
         raise ConfigError(f"--resume {run_dir}: the run used an external server: give its --nats URL")
     if not external_nats and not (run_dir / "nats" / "jetstream").is_dir():
-        raise ConfigError(f"--resume {run_dir}: no JetStream store in {run_dir / 'nats'}: nothing to continue")
+        raise ConfigError(
+            f"--resume {run_dir}: no JetStream store in {run_dir / 'nats'}: nothing to continue"
+        )
     conf = dict(meta.get("source") or {k: meta[k] for k in ("trainer", "worker", "scorer") if k in meta})
     up = dict(conf.get("up", {}))
     up.update({k: meta[k] for k in RESOLVED if meta.get(k) is not None})

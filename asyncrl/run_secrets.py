@@ -15,6 +15,7 @@
 So no local user, and no sandboxed command, can publish weights to an `up` broker or make workers
 load weights the run's trainer did not sign.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,24 +43,29 @@ def _write_private(path: Path, text: str) -> None:
 def with_signing(conf: dict, run_dir: Path, environ=None) -> dict:
     """`conf` with [trainer.publish] signing_key and [worker] public_key filled in (see the module doc)."""
     from asyncrl.config_check import resolve
+
     resolved = resolve(conf, environ)
     key, pub = resolved["trainer"].publish.signing_key, resolved["worker"].public_key
     out = {**conf, "trainer": dict(conf.get("trainer", {})), "worker": dict(conf.get("worker", {}))}
     if key and pub:
         return out
-    if key:           # the operator's key: the workers verify against its public half
+    if key:  # the operator's key: the workers verify against its public half
         from cryptography.hazmat.primitives import serialization
 
         from trainer.keys import load_signing_key
-        raw = load_signing_key(key).public_key().public_bytes(serialization.Encoding.Raw,
-                                                              serialization.PublicFormat.Raw)
+
+        raw = (
+            load_signing_key(key)
+            .public_key()
+            .public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        )
         pub_path = run_dir / "keys" / "trainer-signing.pub"
         pub_path.parent.mkdir(parents=True, exist_ok=True)
         pub_path.write_text(raw.hex() + "\n")
         out["worker"]["public_key"] = str(pub_path)
         return out
     if pub:
-        return out     # a worker key with no trainer key: config_check names the disagreement
+        return out  # a worker key with no trainer key: config_check names the disagreement
     keys = run_dir / "keys"
     key_path, pub_path = keys / f"{RUN_KEY_NAME}.key", keys / f"{RUN_KEY_NAME}.pub"
     if not key_path.exists():
@@ -73,22 +79,28 @@ def with_signing(conf: dict, run_dir: Path, environ=None) -> dict:
 class BrokerAuth:
     user: str
     password: str
-    server_conf: Path          # nats-server -c: admits only this user
-    env_file: Path             # the same, for the operator's tools
+    server_conf: Path  # nats-server -c: admits only this user
+    env_file: Path  # the same, for the operator's tools
 
     def env(self) -> dict[str, str]:
         """What the children get in their environment."""
         return {"ASYNCRL_BUS__USER": self.user, "ASYNCRL_BUS__PASSWORD": self.password}
 
     def write_env_file(self, servers: list[str]) -> None:
-        _write_private(self.env_file, f"ASYNCRL_BUS__SERVERS={','.join(servers)}\n"
-                                      + "".join(f"{k}={v}\n" for k, v in self.env().items()))
+        _write_private(
+            self.env_file,
+            f"ASYNCRL_BUS__SERVERS={','.join(servers)}\n"
+            + "".join(f"{k}={v}\n" for k, v in self.env().items()),
+        )
 
 
 def broker_auth(run_dir: Path) -> BrokerAuth:
-    password = secrets.token_hex(24)        # hex: no quoting in the server config or env files
+    password = secrets.token_hex(24)  # hex: no quoting in the server config or env files
     conf = run_dir / "config" / "nats-auth.conf"
-    _write_private(conf, "# asyncrl up: this run's broker admits only its own processes (written per start)\n"
-                         "authorization {\n"
-                         f'  users = [ {{ user: "{BROKER_USER}", password: "{password}" }} ]\n}}\n')
+    _write_private(
+        conf,
+        "# asyncrl up: this run's broker admits only its own processes (written per start)\n"
+        "authorization {\n"
+        f'  users = [ {{ user: "{BROKER_USER}", password: "{password}" }} ]\n}}\n',
+    )
     return BrokerAuth(BROKER_USER, password, conf, run_dir / "config" / "bus.env")

@@ -11,6 +11,7 @@
 Spawn and restart only from the main thread: the parent-death signal is tied to the thread
 that forked.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,21 +64,25 @@ def write_toml(path: Path, data: dict) -> None:
 def child_env(threads: int = 1) -> dict[str, str]:
     """The environment of a process `up` starts (children, and the final eval after them), with
     `threads` intra-op threads (asyncrl.thread_plan: the processes share the machine's cores)."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "ASYNCRL_LOG_JSON": "1",
-            # the plan, not `up`'s own environment: each process its share of the cores
-            "OMP_NUM_THREADS": str(threads),
-            # the delta codec defaults to every core; here it runs on the process's share of them
-            "ASYNCRL_DELTA_THREADS": os.environ.get("ASYNCRL_DELTA_THREADS", str(threads))}
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "ASYNCRL_LOG_JSON": "1",
+        # the plan, not `up`'s own environment: each process its share of the cores
+        "OMP_NUM_THREADS": str(threads),
+        # the delta codec defaults to every core; here it runs on the process's share of them
+        "ASYNCRL_DELTA_THREADS": os.environ.get("ASYNCRL_DELTA_THREADS", str(threads)),
+    }
 
 
 @dataclass
 class ChildSpec:
-    name: str              # process name: config/<name>.toml, logs/<name>.log
-    component: str         # trainer | rollout_worker | scorer
-    module: str            # python -m <module>
+    name: str  # process name: config/<name>.toml, logs/<name>.log
+    component: str  # trainer | rollout_worker | scorer
+    module: str  # python -m <module>
     conf: dict
     nice: int = 0
-    threads: int = 1       # intra-op threads: OMP_NUM_THREADS (asyncrl.thread_plan)
+    threads: int = 1  # intra-op threads: OMP_NUM_THREADS (asyncrl.thread_plan)
 
 
 @dataclass
@@ -86,10 +91,10 @@ class Child:
     popen: subprocess.Popen
     log_path: Path
     restarts: int = 0
-    restart_at: float | None = None     # monotonic time of a scheduled restart
-    gave_up: bool = False               # exited with no restarts left
-    finished: bool = False              # a trainer that exited 0: its steps are done
-    codes: list = field(default_factory=list)   # exit codes seen, in order
+    restart_at: float | None = None  # monotonic time of a scheduled restart
+    gave_up: bool = False  # exited with no restarts left
+    finished: bool = False  # a trainer that exited 0: its steps are done
+    codes: list = field(default_factory=list)  # exit codes seen, in order
 
     @property
     def alive(self) -> bool:
@@ -105,10 +110,17 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, run_dir: Path, *, max_restarts: int = 5, backoff_s: float = 1.0,
-                 backoff_max_s: float = 30.0, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        max_restarts: int = 5,
+        backoff_s: float = 1.0,
+        backoff_max_s: float = 30.0,
+        env: dict[str, str] | None = None,
+    ):
         self.run_dir = run_dir
-        self.env = dict(env or {})      # on top of child_env(): secrets travel here, never on argv
+        self.env = dict(env or {})  # on top of child_env(): secrets travel here, never on argv
         self.max_restarts, self.backoff_s, self.backoff_max_s = max_restarts, backoff_s, backoff_max_s
         self.children: list[Child] = []
         self.stopping = False
@@ -119,16 +131,23 @@ class Supervisor:
         write_toml(cfg_path, spec.conf)
         log_path = self.run_dir / "logs" / f"{spec.name}.log"
         env = {**child_env(spec.threads), **self.env}
-        pdeath = die_with_parent(signal.SIGTERM)   # SIGTERM: the child drains within its grace_s
+        pdeath = die_with_parent(signal.SIGTERM)  # SIGTERM: the child drains within its grace_s
 
         def preexec() -> None:
             pdeath()
             if spec.nice:
                 os.nice(spec.nice)
+
         with open(log_path, "ab") as out:
-            p = subprocess.Popen([sys.executable, "-m", spec.module, "--config", str(cfg_path)],
-                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                 start_new_session=True, preexec_fn=preexec)
+            p = subprocess.Popen(
+                [sys.executable, "-m", spec.module, "--config", str(cfg_path)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
         return p, log_path
 
     def start(self, spec: ChildSpec) -> Child:
@@ -156,14 +175,26 @@ class Supervisor:
                     continue
                 if c.restarts >= self.max_restarts:
                     c.gave_up = True
-                    log.error("child exited; no restarts left", child=c.name, code=code,
-                              restarts=c.restarts, max_restarts=self.max_restarts, log=str(c.log_path))
+                    log.error(
+                        "child exited; no restarts left",
+                        child=c.name,
+                        code=code,
+                        restarts=c.restarts,
+                        max_restarts=self.max_restarts,
+                        log=str(c.log_path),
+                    )
                     events.append(f"{c.name} exited ({code}); no restarts left")
                     continue
-                delay = min(self.backoff_s * 2 ** c.restarts, self.backoff_max_s)
+                delay = min(self.backoff_s * 2**c.restarts, self.backoff_max_s)
                 c.restart_at = now + delay
-                log.warning("child exited unexpectedly; restarting", child=c.name, code=code,
-                            restart=c.restarts + 1, backoff_s=delay, log=str(c.log_path))
+                log.warning(
+                    "child exited unexpectedly; restarting",
+                    child=c.name,
+                    code=code,
+                    restart=c.restarts + 1,
+                    backoff_s=delay,
+                    log=str(c.log_path),
+                )
                 events.append(f"{c.name} exited ({code}); restart in {delay:.1f}s")
             if c.restart_at is not None and now >= c.restart_at:
                 c.popen, _ = self._popen(c.spec)
@@ -190,9 +221,19 @@ class Supervisor:
         return out
 
     def report(self) -> dict:
-        return {"restarts": self.restarts(), "max_restarts": self.max_restarts,
-                "children": {c.name: {"component": c.component, "restarts": c.restarts, "gave_up": c.gave_up,
-                                      "exit_codes": c.codes} for c in self.children}}
+        return {
+            "restarts": self.restarts(),
+            "max_restarts": self.max_restarts,
+            "children": {
+                c.name: {
+                    "component": c.component,
+                    "restarts": c.restarts,
+                    "gave_up": c.gave_up,
+                    "exit_codes": c.codes,
+                }
+                for c in self.children
+            },
+        }
 
     # -- stopping ------------------------------------------------------------------------
     def signal_all(self, sig: int) -> None:
@@ -217,8 +258,10 @@ class Supervisor:
             await asyncio.sleep(0.1)
         late = [c.name for c in self.children if c.alive]
         if late:
-            log.error("children still running after their drain deadline; killing", children=late, wait_s=wait_s)
+            log.error(
+                "children still running after their drain deadline; killing", children=late, wait_s=wait_s
+            )
             self.signal_all(signal.SIGKILL)
         for c in self.children:
-            c.popen.wait()          # reaped (SIGKILLed ones go at once)
+            c.popen.wait()  # reaped (SIGKILLed ones go at once)
         log.info("children stopped", codes={c.name: c.popen.returncode for c in self.children})

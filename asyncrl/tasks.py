@@ -13,6 +13,7 @@ unpacked into DIR/repos/, its tests run with pytest in the sandbox, and each kep
 AST mutation of its source that makes >= 1 of the originally passing tests fail. The episode env
 reads DIR only (envs/task_set.py). Prints the per-tier / per-kind counts and kept fractions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,11 +42,28 @@ def fetch_sdist(name: str, dest: str) -> str:
     """Download the newest source distribution of `name` (no dependencies) into `dest`."""
     os.makedirs(dest, exist_ok=True)
     before = set(os.listdir(dest))
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                        "--disable-pip-version-check", "-q", "-d", dest, name], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            dest,
+            name,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     new = sorted(set(os.listdir(dest)) - before) or sorted(
-        f for f in os.listdir(dest) if f.lower().replace("_", "-").startswith(name.lower().replace("_", "-")))
+        f for f in os.listdir(dest) if f.lower().replace("_", "-").startswith(name.lower().replace("_", "-"))
+    )
     if r.returncode != 0 or not new:
         raise RuntimeError(f"pip download {name} failed: {(r.stderr or r.stdout).strip()[-500:]}")
     return os.path.join(dest, new[0])
@@ -68,8 +86,14 @@ def unpack_sdist(sdist: str, repos_dir: str) -> str:
         else:
             raise ValueError(f"{sdist}: not a source distribution (.tar.gz / .zip)")
         tops = os.listdir(tmp)
-        src = os.path.join(tmp, tops[0]) if len(tops) == 1 and os.path.isdir(os.path.join(tmp, tops[0])) else tmp
-        name = os.path.basename(src) if src != tmp else os.path.basename(sdist).split(".tar")[0].split(".zip")[0]
+        src = (
+            os.path.join(tmp, tops[0])
+            if len(tops) == 1 and os.path.isdir(os.path.join(tmp, tops[0]))
+            else tmp
+        )
+        name = (
+            os.path.basename(src) if src != tmp else os.path.basename(sdist).split(".tar")[0].split(".zip")[0]
+        )
         dest = os.path.join(repos_dir, name)
         shutil.rmtree(dest, ignore_errors=True)
         shutil.move(src, dest)
@@ -95,22 +119,37 @@ def _py_files(repo: str) -> list[str]:
 
 def is_test_file(rel: str) -> bool:
     base, parts = os.path.basename(rel), rel.split(os.sep)
-    return base.startswith("test_") or base.endswith("_test.py") or any(p in ("tests", "test", "testing")
-                                                                          for p in parts[:-1])
+    return (
+        base.startswith("test_")
+        or base.endswith("_test.py")
+        or any(p in ("tests", "test", "testing") for p in parts[:-1])
+    )
 
 
 def split_repo(repo: str) -> tuple[list[str], list[str]]:
     """(source files to mutate, test files) of an unpacked package."""
     files = _py_files(repo)
-    tests = [f for f in files if is_test_file(f) and os.path.basename(f) != "conftest.py"
-             and (os.path.basename(f).startswith("test_") or f.endswith("_test.py"))]
+    tests = [
+        f
+        for f in files
+        if is_test_file(f)
+        and os.path.basename(f) != "conftest.py"
+        and (os.path.basename(f).startswith("test_") or f.endswith("_test.py"))
+    ]
     src = [f for f in files if not is_test_file(f) and os.path.basename(f) not in ("setup.py", "conftest.py")]
     return src, tests
 
 
-def build_package(sdist: str, out_dir: str, per_package: int = 10, seed: int = 0, eval_fraction: float = 0.2,
-                  tries: int = 4, test_timeout_s: float = 120.0, report: BuildReport | None = None
-                  ) -> list[EpisodeTask]:
+def build_package(
+    sdist: str,
+    out_dir: str,
+    per_package: int = 10,
+    seed: int = 0,
+    eval_fraction: float = 0.2,
+    tries: int = 4,
+    test_timeout_s: float = 120.0,
+    report: BuildReport | None = None,
+) -> list[EpisodeTask]:
     """Validated bug-fix tasks of one package's source distribution (repository in out_dir/repos/)."""
     report = report if report is not None else BuildReport()
     repos = os.path.join(out_dir, "repos")
@@ -121,15 +160,18 @@ def build_package(sdist: str, out_dir: str, per_package: int = 10, seed: int = 0
     if not src or not tests:
         report.notes.append(f"{name}: skipped, {len(src)} source and {len(tests)} test files")
         return []
-    limits = EpisodeLimits(score_wall_s=test_timeout_s, command=BashLimits(wall_s=test_timeout_s,
-                                                                           cpu_s=int(test_timeout_s)))
+    limits = EpisodeLimits(
+        score_wall_s=test_timeout_s, command=BashLimits(wall_s=test_timeout_s, cpu_s=int(test_timeout_s))
+    )
     original, why = run_suite({}, "pytest", tests, base_dir=repo, limits=limits)
     if not any(s == "PASS" for s in original.values()):
         report.notes.append(f"{name}: skipped, no test passes on the original ({why or 'no report'})")
         return []
     n_fail = sum(s != "PASS" for s in original.values())
     if n_fail:
-        report.notes.append(f"{name}: {n_fail} of {len(original)} tests do not pass on the original; left out")
+        report.notes.append(
+            f"{name}: {n_fail} of {len(original)} tests do not pass on the original; left out"
+        )
     hidden = {}
     for t in tests:
         with open(os.path.join(repo, t), encoding="utf-8") as f:
@@ -141,26 +183,46 @@ def build_package(sdist: str, out_dir: str, per_package: int = 10, seed: int = 0
             muts += candidates(f.read(), path)
     muts = balanced_order(muts, rng)
     out: list[EpisodeTask] = []
-    for m in muts[:per_package * tries]:
+    for m in muts[: per_package * tries]:
         if len(out) >= per_package:
             break
         status, _ = run_suite({m.path: m.source}, "pytest", tests, base_dir=repo, limits=limits)
         f2p, p2p = fail_pass_split(original, status)
-        split = split_of(f"{FAMILY}|{name}|{m.path}|{m.line}|{m.after}|{m.kind}", eval_fraction) if f2p else None
+        split = (
+            split_of(f"{FAMILY}|{name}|{m.path}|{m.line}|{m.after}|{m.kind}", eval_fraction) if f2p else None
+        )
         report.add(FAMILY, m.kind, bool(f2p), split)
         if not f2p:
             continue
         shown = ", ".join(f2p[:3]) + (f" and {len(f2p) - 3} more" if len(f2p) > 3 else "")
-        out.append(EpisodeTask(
-            task_id=f"{FAMILY}-{name}-{len(out)}-{m.kind}", family=FAMILY, split=split,
-            instruction=(f"This is the source of the Python package {name}. A bug makes some of its tests fail, "
-                         f"for example {shown}.\nFind the bug in the package source and fix it; do not change "
-                         f"the tests. Run the tests with `run_tests` (pytest; pass test files or -k to narrow "
-                         f"them), then `submit`."),
-            files={m.path: m.source}, hidden_tests=hidden, runner="pytest", test_paths=tests,
-            fail_to_pass=f2p, pass_to_pass=p2p, base_dir=repo,
-            meta={"kind": m.kind, "path": m.path, "line": m.line, "before": m.before, "after": m.after,
-                  "package": name}))
+        out.append(
+            EpisodeTask(
+                task_id=f"{FAMILY}-{name}-{len(out)}-{m.kind}",
+                family=FAMILY,
+                split=split,
+                instruction=(
+                    f"This is the source of the Python package {name}. A bug makes some of its tests fail, "
+                    f"for example {shown}.\nFind the bug in the package source and fix it; do not change "
+                    f"the tests. Run the tests with `run_tests` (pytest; pass test files or -k to narrow "
+                    f"them), then `submit`."
+                ),
+                files={m.path: m.source},
+                hidden_tests=hidden,
+                runner="pytest",
+                test_paths=tests,
+                fail_to_pass=f2p,
+                pass_to_pass=p2p,
+                base_dir=repo,
+                meta={
+                    "kind": m.kind,
+                    "path": m.path,
+                    "line": m.line,
+                    "before": m.before,
+                    "after": m.after,
+                    "package": name,
+                },
+            )
+        )
     return out
 
 
@@ -187,6 +249,7 @@ def add_swebench_commands(sub) -> None:
 def swebench_command(a) -> int:
     from envs import swebench
     from envs.task_set import load_task_set
+
     try:
         if a.cmd == "import":
             if a.split not in ("train", "eval"):
@@ -195,10 +258,12 @@ def swebench_command(a) -> int:
             try:
                 tasks = swebench.import_instances(a.instances, a.out, a.repos, a.split)
             except (ValueError, OSError):
-                if fresh:                  # all or nothing: no half-imported set left behind
+                if fresh:  # all or nothing: no half-imported set left behind
                     shutil.rmtree(a.out, ignore_errors=True)
                 raise
-            write_task_set(a.out, tasks, {"imported_from": os.path.abspath(a.instances), "instances": len(tasks)})
+            write_task_set(
+                a.out, tasks, {"imported_from": os.path.abspath(a.instances), "instances": len(tasks)}
+            )
             print(f"imported {len(tasks)} instances into {a.out}", file=sys.stderr)
             return 0
         if a.cmd == "export":
@@ -209,9 +274,11 @@ def swebench_command(a) -> int:
             return 0
         preds = swebench.read_jsonl(a.predictions)
         with tempfile.TemporaryDirectory(prefix="swebench-eval-") as tmp:
-            tasks = (load_task_set(a.tasks) if a.tasks else swebench.import_instances(a.instances, tmp, a.repos))
+            tasks = (
+                load_task_set(a.tasks) if a.tasks else swebench.import_instances(a.instances, tmp, a.repos)
+            )
             report = swebench.evaluate_predictions(tasks, preds)
-    except (ValueError, FileNotFoundError) as e:      # InstanceError is a ValueError
+    except (ValueError, FileNotFoundError) as e:  # InstanceError is a ValueError
         print(f"asyncrl tasks {a.cmd}: {e}", file=sys.stderr)
         return 2
     text = json.dumps(report, indent=2, sort_keys=True)
@@ -223,24 +290,36 @@ def swebench_command(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="asyncrl tasks", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="asyncrl tasks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build a task set into --out")
     b.add_argument("--out", required=True)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--eval-fraction", type=float, default=0.2)
     b.add_argument("--gen", type=int, default=0, help="generated repositories (tier 1)")
-    b.add_argument("--min-eval", type=int, default=None,
-                   help="tier 1: add eval repositories until the eval split holds this many tasks (default 16)")
-    b.add_argument("--functions", default="",
-                   help="tier 1: comma-separated bank functions (envs/repo_bank.py), or DEMO for the swe-demo bank")
+    b.add_argument(
+        "--min-eval",
+        type=int,
+        default=None,
+        help="tier 1: add eval repositories until the eval split holds this many tasks (default 16)",
+    )
+    b.add_argument(
+        "--functions",
+        default="",
+        help="tier 1: comma-separated bank functions (envs/repo_bank.py), or DEMO for the swe-demo bank",
+    )
     b.add_argument("--modules", type=int, default=2, help="tier 1: modules per generated repository")
     b.add_argument("--humaneval", type=int, default=0, help="HumanEval problems (tier 2), -1 for all 164")
     b.add_argument("--packages", default="", help="comma-separated PyPI names (tier 3), fetched now")
-    b.add_argument("--sdist", action="append", default=[], help="a local source distribution (tier 3), repeatable")
+    b.add_argument(
+        "--sdist", action="append", default=[], help="a local source distribution (tier 3), repeatable"
+    )
     b.add_argument("--per-package", type=int, default=10)
-    b.add_argument("--test-timeout", type=float, default=120.0, help="seconds for one run of a package's tests")
+    b.add_argument(
+        "--test-timeout", type=float, default=120.0, help="seconds for one run of a package's tests"
+    )
     b.add_argument("--json", action="store_true", help="print the build report as JSON")
     s = sub.add_parser("stats", help="counts of a built task set")
     s.add_argument("path")
@@ -251,27 +330,49 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "stats":
         from envs.task_set import load_task_set
         from collections import Counter
+
         ts = load_task_set(a.path)
-        print(json.dumps({f"{f}/{sp}": n for (f, sp), n in sorted(Counter((t.family, t.split) for t in ts).items())},
-                         indent=2))
+        print(
+            json.dumps(
+                {f"{f}/{sp}": n for (f, sp), n in sorted(Counter((t.family, t.split) for t in ts).items())},
+                indent=2,
+            )
+        )
         return 0
     if not 0 <= a.eval_fraction < 1:
         ap.error("--eval-fraction must be in [0, 1)")
     from envs import gen_repos
+
     report, tasks = BuildReport(), []
     if a.gen:
         from envs.swe_env import DEMO_FUNCTIONS
-        fns = DEMO_FUNCTIONS if a.functions == "DEMO" else tuple(f.strip() for f in a.functions.split(",") if f.strip())
+
+        fns = (
+            DEMO_FUNCTIONS
+            if a.functions == "DEMO"
+            else tuple(f.strip() for f in a.functions.split(",") if f.strip())
+        )
         try:
-            tasks += gen_repos.build(a.gen, seed=a.seed, eval_fraction=a.eval_fraction, report=report,
-                                     min_eval=gen_repos.MIN_EVAL if a.min_eval is None else a.min_eval,
-                                     n_modules=a.modules, functions=fns or None)
+            tasks += gen_repos.build(
+                a.gen,
+                seed=a.seed,
+                eval_fraction=a.eval_fraction,
+                report=report,
+                min_eval=gen_repos.MIN_EVAL if a.min_eval is None else a.min_eval,
+                n_modules=a.modules,
+                functions=fns or None,
+            )
         except ValueError as e:
             ap.error(f"--functions / --modules: {e}")
     if a.humaneval:
         from envs import humaneval_tasks
-        tasks += humaneval_tasks.build(None if a.humaneval < 0 else a.humaneval, seed=a.seed,
-                                       eval_fraction=a.eval_fraction, report=report)
+
+        tasks += humaneval_tasks.build(
+            None if a.humaneval < 0 else a.humaneval,
+            seed=a.seed,
+            eval_fraction=a.eval_fraction,
+            report=report,
+        )
     sdists = list(a.sdist)
     if a.packages:
         cache = os.path.join(a.out, "sdists")
@@ -281,8 +382,9 @@ def main(argv: list[str] | None = None) -> int:
             except (RuntimeError, subprocess.SubprocessError, OSError) as e:
                 report.notes.append(f"{name}: not fetched: {e}")
     for sd in sdists:
-        tasks += build_package(sd, a.out, a.per_package, a.seed, a.eval_fraction, test_timeout_s=a.test_timeout,
-                               report=report)
+        tasks += build_package(
+            sd, a.out, a.per_package, a.seed, a.eval_fraction, test_timeout_s=a.test_timeout, report=report
+        )
     write_task_set(a.out, tasks, report.to_dict())
     print(json.dumps(report.to_dict(), indent=2) if a.json else report.render())
     print(f"wrote {len(tasks)} tasks to {a.out}", file=sys.stderr)

@@ -11,6 +11,7 @@ lease holder steps). `up` writes the count into each child's config (the trainer
 engine call torch.set_num_threads with it) and its environment (OMP_NUM_THREADS, and
 ASYNCRL_DELTA_THREADS unless `up`'s own environment sets that): see asyncrl.supervisor.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,16 +30,18 @@ class ThreadPlan:
     worker: int
     scorer: int
     cpus: int
-    configured: tuple[str, ...]        # the sections whose `threads` key set their count
+    configured: tuple[str, ...]  # the sections whose `threads` key set their count
 
     def line(self, workers: int, scorers: int, trainers: int = 1) -> str:
         """One line for `asyncrl config check` and the log."""
         src = lambda s: "set" if s in self.configured else "default"  # noqa: E731
         standby = f" (+{trainers - 1} standby)" if trainers > 1 else ""
-        return (f"threads per process under `asyncrl up` ({self.cpus} cores): "
-                f"trainer {self.trainer}{standby} [{src('trainer')}], "
-                f"worker {self.worker} x {workers} [{src('worker')}], "
-                f"scorer {self.scorer} x {scorers} [{src('scorer')}]")
+        return (
+            f"threads per process under `asyncrl up` ({self.cpus} cores): "
+            f"trainer {self.trainer}{standby} [{src('trainer')}], "
+            f"worker {self.worker} x {workers} [{src('worker')}], "
+            f"scorer {self.scorer} x {scorers} [{src('scorer')}]"
+        )
 
 
 def available_cpus() -> int:
@@ -58,8 +61,10 @@ def configured(conf: dict) -> dict[str, int]:
             continue
         v = table["threads"]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"[{child_conf.where(s)}] threads = {v!r}: must be an integer >= 1 (intra-op "
-                              f"threads of each {s} process; leave it out for the default)")
+            raise ConfigError(
+                f"[{child_conf.where(s)}] threads = {v!r}: must be an integer >= 1 (intra-op "
+                f"threads of each {s} process; leave it out for the default)"
+            )
         out[s] = v
     return out
 

@@ -10,6 +10,7 @@ delta_bytes/ratio, changed_frac, step time split, eval), `rollout_worker/<id>/<n
 `scorer/<id>/<name>` for telemetry. The W&B step is the trainer's policy version: telemetry is
 logged at the latest version seen, so every chart shares one x axis and steps only grow.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,7 +21,13 @@ log = get_logger(__name__)
 
 RUN_ID_FILE = "wandb_run_id"
 # [up] keys this module reads (asyncrl/upconfig.py declares and checks them)
-UP_KEYS = {"wandb_project": str, "wandb_entity": str, "wandb_name": str, "wandb_mode": str, "wandb_tags": list}
+UP_KEYS = {
+    "wandb_project": str,
+    "wandb_entity": str,
+    "wandb_name": str,
+    "wandb_mode": str,
+    "wandb_tags": list,
+}
 _SKIP = {"ts", "t", "rollout_ids", "component", "beat"}
 
 
@@ -56,7 +63,7 @@ class Tracker:
         if data:
             try:
                 self.run.log(data, step=self.step)
-            except Exception as e:     # the tracker must never stop a run
+            except Exception as e:  # the tracker must never stop a run
                 log.warning("wandb log failed", error=repr(e))
 
     def close(self) -> None:
@@ -76,8 +83,16 @@ def open_tracker(run_dir: Path, up: dict, run_config: dict | None = None) -> Tra
     id_file = run_dir / RUN_ID_FILE
     run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:16]
     id_file.write_text(run_id)
-    run = wandb.init(project=project, entity=up.get("wandb_entity") or None, name=up.get("wandb_name") or run_dir.name,
-                     id=run_id, resume="allow", dir=str(run_dir), mode=up.get("wandb_mode") or None,
-                     tags=list(up.get("wandb_tags", [])) or None, config=run_config or {})
+    run = wandb.init(
+        project=project,
+        entity=up.get("wandb_entity") or None,
+        name=up.get("wandb_name") or run_dir.name,
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        mode=up.get("wandb_mode") or None,
+        tags=list(up.get("wandb_tags", [])) or None,
+        config=run_config or {},
+    )
     log.info("wandb run", project=project, run_id=run_id, mode=up.get("wandb_mode") or "default")
     return Tracker(run, run_dir)

@@ -9,6 +9,7 @@ telemetry subjects feed the live table and metrics JSONL per component; the run 
 children at once), then the children drain, the embedded server stops last, and the summary
 (with restarts per component) is written the same way in every case.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,21 +50,22 @@ class Proc:
 @dataclass
 class Telemetry:
     """Latest values per component id, plus every metrics event appended to JSONL."""
+
     run_dir: Path
     t0: float = field(default_factory=time.time)
-    latest: dict = field(default_factory=dict)   # component_id -> dict
+    latest: dict = field(default_factory=dict)  # component_id -> dict
     files: dict = field(default_factory=dict)
-    tracker: object = None                        # asyncrl.tracking.Tracker when [up] wandb_project is set
+    tracker: object = None  # asyncrl.tracking.Tracker when [up] wandb_project is set
 
     def record(self, component: str, cid: str, values: dict, persist: bool = True) -> None:
         now = time.time()
         values = {"t": round(now - self.t0, 3), "ts": now, **values}
         self.latest[cid] = {**self.latest.get(cid, {}), "component": component, **values}
-        if self.tracker is not None:     # W&B gets heartbeats too: the scorers send nothing else
+        if self.tracker is not None:  # W&B gets heartbeats too: the scorers send nothing else
             self.tracker.log(component, cid, values)
         if not persist:
             return
-        if component == "trainer":      # the trainer writes its own metrics/trainer.jsonl (run_dir)
+        if component == "trainer":  # the trainer writes its own metrics/trainer.jsonl (run_dir)
             return
         f = self.files.get(cid)
         if f is None:
@@ -96,7 +98,9 @@ def warmstart_line(tel: Telemetry) -> str:
         return ""
     line = f"warm start: {m['warmstart_steps_done']} steps ({m.get('warmstart_stopped')})"
     if m.get("warmstart_check_success_last") is not None:
-        line += f", train-split check {m['warmstart_check_success_last']:.2f} (until {m.get('warmstart_until')})"
+        line += (
+            f", train-split check {m['warmstart_check_success_last']:.2f} (until {m.get('warmstart_until')})"
+        )
     return line
 
 
@@ -113,24 +117,46 @@ def progress_table(tel: Telemetry, elapsed: float, steps: int, sup: Supervisor |
     if ws:
         caption = f"{caption}  ·  {ws}" if caption else ws
     t = Table(title=f"asyncrl up — {elapsed:5.0f}s", expand=False, caption=caption)
-    for col in ("component", "version", "reward", "success", "tokens/answer", "λ",
-                "staleness", "k3", "tok/s", "slots", "stall p99 ms", "delta KB"):
+    for col in (
+        "component",
+        "version",
+        "reward",
+        "success",
+        "tokens/answer",
+        "λ",
+        "staleness",
+        "k3",
+        "tok/s",
+        "slots",
+        "stall p99 ms",
+        "delta KB",
+    ):
         t.add_column(col, justify="right")
     f = lambda v, fmt="{:.3f}": "-" if v is None else fmt.format(v)  # noqa: E731
     for cid, m in sorted(tel.latest.items(), key=lambda kv: (kv[1]["component"], kv[0])):
-        t.add_row(f"{m['component']}:{cid[-6:]}", f(m.get("version"), "{}") + (f"/{steps}" if m["component"] == "trainer" else ""),
-                  f(m.get("reward_mean")), f(m.get("success_mean")), f(m.get("cost_mean"), "{:.1f}"),
-                  f(m.get("lambda"), "{:.4f}"), f(m.get("staleness_mean"), "{:.2f}"),
-                  f(m.get("k3_mean"), "{:.1e}"),       # sampler/learner mismatch KL of this version's batch
-                  f(m.get("tokens_per_s"), "{:.0f}"), f(m.get("slot_occupancy"), "{:.0%}"),
-                  f(m.get("update_stall_ms_p99"), "{:.1f}"), f(m.get("delta_bytes") and m["delta_bytes"] / 1024, "{:.1f}"))
+        t.add_row(
+            f"{m['component']}:{cid[-6:]}",
+            f(m.get("version"), "{}") + (f"/{steps}" if m["component"] == "trainer" else ""),
+            f(m.get("reward_mean")),
+            f(m.get("success_mean")),
+            f(m.get("cost_mean"), "{:.1f}"),
+            f(m.get("lambda"), "{:.4f}"),
+            f(m.get("staleness_mean"), "{:.2f}"),
+            f(m.get("k3_mean"), "{:.1e}"),  # sampler/learner mismatch KL of this version's batch
+            f(m.get("tokens_per_s"), "{:.0f}"),
+            f(m.get("slot_occupancy"), "{:.0%}"),
+            f(m.get("update_stall_ms_p99"), "{:.1f}"),
+            f(m.get("delta_bytes") and m["delta_bytes"] / 1024, "{:.1f}"),
+        )
     return t
 
 
-async def watch(bus, tel: Telemetry, steps: int, minutes: float, sup: Supervisor, live,
-                stop: asyncio.Event, why: dict) -> str:
+async def watch(
+    bus, tel: Telemetry, steps: int, minutes: float, sup: Supervisor, live, stop: asyncio.Event, why: dict
+) -> str:
     """Run until the trainer reaches `steps` versions, time runs out, a whole role is gone for
     good, or `stop` (a signal). Replaces dead children meanwhile."""
+
     async def on_msg(msg):
         try:
             ev = decode(msg.data)
@@ -142,12 +168,14 @@ async def watch(bus, tel: Telemetry, steps: int, minutes: float, sup: Supervisor
         # Metrics events are the record; heartbeats only refresh the live table
         tel.record(ev.component, ev.component_id, values, persist=ev.KIND == "Metrics")
 
-    subs = [await bus.nc.subscribe("rl.metrics.>", cb=on_msg),
-            await bus.nc.subscribe("rl.heartbeat.>", cb=on_msg)]
+    subs = [
+        await bus.nc.subscribe("rl.metrics.>", cb=on_msg),
+        await bus.nc.subscribe("rl.heartbeat.>", cb=on_msg),
+    ]
     t0 = time.time()
     seen = {"version": 0}
 
-    async def poll_version() -> None:   # its own task: a dead broker must not delay a stop signal
+    async def poll_version() -> None:  # its own task: a dead broker must not delay a stop signal
         while True:
             try:
                 raw = await asyncio.wait_for(bus.kv_get(topo.KEY_VERSION), 5.0)
@@ -166,14 +194,14 @@ async def watch(bus, tel: Telemetry, steps: int, minutes: float, sup: Supervisor
             version = seen["version"]
             if stop.is_set():
                 return f"interrupted by {why.get('signal', 'a signal')} at version {version}"
-            sup.check()                  # replaces dead children (it logs each exit and restart)
+            sup.check()  # replaces dead children (it logs each exit and restart)
             if live is not None:
                 live.update(progress_table(tel, time.time() - t0, steps, sup))
             if version >= steps:
                 return f"reached {version} versions"
             if time.time() - t0 > minutes * 60:
                 return f"time limit ({minutes} min) at version {version}"
-            for component in ("trainer", "rollout_worker", "scorer"):   # a whole role gone: stop, say why
+            for component in ("trainer", "rollout_worker", "scorer"):  # a whole role gone: stop, say why
                 gone = sup.gone(component)
                 if gone:
                     return gone
@@ -196,11 +224,15 @@ async def final_eval(run_dir: Path, stop: asyncio.Event, threads: int = 1) -> di
         return {"final_eval": "skipped: a signal stopped the run"}
     log.info("final eval of the last checkpoint and of the initial policy")
     t0 = time.monotonic()
-    rcs = await asyncio.gather(*(_eval_process(run_dir, which, stop, threads)
-                                 for which in ("final", "initial")))
+    rcs = await asyncio.gather(
+        *(_eval_process(run_dir, which, stop, threads) for which in ("final", "initial"))
+    )
     took = round(time.monotonic() - t0, 1)
-    failed = [f"{which} (exit {rc}): see logs/trainer-{which}-eval.log"
-              for which, rc in zip(("final", "initial"), rcs) if rc != 0]
+    failed = [
+        f"{which} (exit {rc}): see logs/trainer-{which}-eval.log"
+        for which, rc in zip(("final", "initial"), rcs)
+        if rc != 0
+    ]
     if failed:
         log.error("final eval failed", failed=failed)
         return {"final_eval": "failed: " + "; ".join(failed), "final_eval_s": took}
@@ -210,10 +242,18 @@ async def final_eval(run_dir: Path, stop: asyncio.Event, threads: int = 1) -> di
 async def _eval_process(run_dir: Path, which: str, stop: asyncio.Event, threads: int) -> int:
     with open(run_dir / "logs" / f"trainer-{which}-eval.log", "ab") as out:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "trainer", "--config", str(run_dir / "config" / "trainer.toml"), f"--eval-{which}",
+            sys.executable,
+            "-m",
+            "trainer",
+            "--config",
+            str(run_dir / "config" / "trainer.toml"),
+            f"--eval-{which}",
             # the trainer's environment: the in-run evals' thread count, so the same sampling numerics
-            stdout=out, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
-            env=child_env(threads))
+            stdout=out,
+            stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+            env=child_env(threads),
+        )
         waiter, stopper = asyncio.create_task(proc.wait()), asyncio.create_task(stop.wait())
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not waiter.done():
@@ -240,22 +280,23 @@ async def run(a: argparse.Namespace) -> int:
             why["signal"] = sig.name
             log.warning("stop signal: stopping the run", signal=sig.name)
             stop.set()
-        elif sup is not None:        # a second one: no more waiting for drains
+        elif sup is not None:  # a second one: no more waiting for drains
             log.warning("second stop signal: killing the children", signal=sig.name)
             sup.kill_all()
+
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
 
     conf = load_run_config(a.config)
     try:
-        if a.resume:             # same run dir, store, checkpoints and W&B run (asyncrl.resume)
+        if a.resume:  # same run dir, store, checkpoints and W&B run (asyncrl.resume)
             a.run_dir, conf = resume_run(a.resume, bool(a.nats), a.config)
         up = UpConfig.from_dict(conf.get("up", {}))
-        resolved = config_check.check_run(conf, sync=a.sync)      # cross-process settings agree
+        resolved = config_check.check_run(conf, sync=a.sync)  # cross-process settings agree
         n_workers = a.workers or up.workers
         n_scorers = a.scorers or up.scorers
-        threads = thread_plan.plan(conf, n_workers, n_scorers)     # each process its share of the cores
+        threads = thread_plan.plan(conf, n_workers, n_scorers)  # each process its share of the cores
     except (TypeError, ValueError, ConfigError) as e:
         print(f"asyncrl up: bad configuration: {e}", file=sys.stderr)
         return 2
@@ -273,11 +314,12 @@ async def run(a: argparse.Namespace) -> int:
     setup_logging("up", log_file=str(run_dir / "logs" / "up.log"))
     log.info("threads", plan=threads.line(n_workers, n_scorers, up.trainers))
     metrics_ports.plan(run_dir, up.metrics_port)
-    try:      # signed by default: a per-run key pair unless the config brings its own (run_secrets)
+    try:  # signed by default: a per-run key pair unless the config brings its own (run_secrets)
         conf = run_secrets.with_signing(conf, run_dir)
     except (ValueError, OSError) as e:
-        print(f"asyncrl up: signing ([trainer.publish] signing_key, [worker] public_key): {e}",
-              file=sys.stderr)
+        print(
+            f"asyncrl up: signing ([trainer.publish] signing_key, [worker] public_key): {e}", file=sys.stderr
+        )
         return 2
 
     server, auth, creds = None, None, {}
@@ -288,8 +330,12 @@ async def run(a: argparse.Namespace) -> int:
         # started from this (main) thread so its parent-death signal follows this process.
         # Per-run credentials: only this run's processes may connect (run_secrets.broker_auth)
         auth = run_secrets.broker_auth(run_dir)
-        server = EmbeddedServer(store_dir=str(run_dir / "nats"), config_file=str(auth.server_conf),
-                                own_session=True, die_with_parent=True)
+        server = EmbeddedServer(
+            store_dir=str(run_dir / "nats"),
+            config_file=str(auth.server_conf),
+            own_session=True,
+            die_with_parent=True,
+        )
         server.start_sync()
         servers = [server.url]
         auth.write_env_file(servers)
@@ -297,48 +343,107 @@ async def run(a: argparse.Namespace) -> int:
     bus = await connect(BusConfig(servers=servers, name="asyncrl-up", **creds))
     await bus.provision()
     lam = a.lam if a.lam is not None else up.lambda_
-    if lam is not None:           # λ for the scorers (they watch KV rl-control/lambda live)
+    if lam is not None:  # λ for the scorers (they watch KV rl-control/lambda live)
         await bus.kv_put(topo.KEY_LAMBDA, format_lambda(lam))
     bus_conf = {"servers": servers}
-    drain = {"grace_s": up.grace_s}      # each child drains within this (its own section may override)
+    drain = {"grace_s": up.grace_s}  # each child drains within this (its own section may override)
 
     # a fixed trainer id seeds the task feeder the same way in every run (async vs sync see the same tasks)
     trainer = resolve_model_refs(conf.get("trainer", {}))
-    trainer_conf = {"trainer_id": "trainer", **trainer, "bus": bus_conf,
-                    "run": {**drain, **trainer.get("run", {}), "dir": str(run_dir),
-                            "mode": "sync" if sync else "async", "threads": threads.trainer},
-                    "checkpoint": {**trainer.get("checkpoint", {}), "dir": str(run_dir / "checkpoints")}}
+    trainer_conf = {
+        "trainer_id": "trainer",
+        **trainer,
+        "bus": bus_conf,
+        "run": {
+            **drain,
+            **trainer.get("run", {}),
+            "dir": str(run_dir),
+            "mode": "sync" if sync else "async",
+            "threads": threads.trainer,
+        },
+        "checkpoint": {**trainer.get("checkpoint", {}), "dir": str(run_dir / "checkpoints")},
+    }
     if sync:
         trainer_conf["batch"] = {**trainer.get("batch", {}), "max_lag": 0}
-    worker_conf = {**drain, **resolve_model_refs(conf.get("worker", {})), "bus": bus_conf,
-                   "threads": threads.worker}
+    worker_conf = {
+        **drain,
+        **resolve_model_refs(conf.get("worker", {})),
+        "bus": bus_conf,
+        "threads": threads.worker,
+    }
     if sync:
         worker_conf["max_lag"] = 0
     scorer_conf = {**drain, **conf.get("scorer", {}), "bus": bus_conf, "threads": threads.scorer}
-    (run_dir / "config" / "run.json").write_text(json.dumps(
-        {"steps": steps, "minutes": minutes, "workers": n_workers, "scorers": n_scorers, "sync": sync,
-         "worker_nice": worker_nice, "trainers": up.trainers, "grace_s": up.grace_s,
-         "max_restarts": up.max_restarts, "restart_backoff_s": up.restart_backoff_s,
-         "lambda": lam, "nats_external": bool(a.nats), "source": conf, "trainer": trainer_conf, "worker": worker_conf, "scorer": scorer_conf}, indent=2))
+    (run_dir / "config" / "run.json").write_text(
+        json.dumps(
+            {
+                "steps": steps,
+                "minutes": minutes,
+                "workers": n_workers,
+                "scorers": n_scorers,
+                "sync": sync,
+                "worker_nice": worker_nice,
+                "trainers": up.trainers,
+                "grace_s": up.grace_s,
+                "max_restarts": up.max_restarts,
+                "restart_backoff_s": up.restart_backoff_s,
+                "lambda": lam,
+                "nats_external": bool(a.nats),
+                "source": conf,
+                "trainer": trainer_conf,
+                "worker": worker_conf,
+                "scorer": scorer_conf,
+            },
+            indent=2,
+        )
+    )
 
-    sup = Supervisor(run_dir, max_restarts=up.max_restarts, backoff_s=up.restart_backoff_s,
-                     env=auth.env() if auth else None)      # the broker's credentials: environment only
+    sup = Supervisor(
+        run_dir,
+        max_restarts=up.max_restarts,
+        backoff_s=up.restart_backoff_s,
+        env=auth.env() if auth else None,
+    )  # the broker's credentials: environment only
     specs = [ChildSpec("trainer", "trainer", "trainer", trainer_conf, threads=threads.trainer)]
-    specs += [ChildSpec(f"trainer-standby-{i}", "trainer", "trainer",
-                        {**trainer_conf, "trainer_id": f"{trainer_conf['trainer_id']}-standby-{i}"},
-                        threads=threads.trainer)
-              for i in range(1, up.trainers)]
-    specs += [ChildSpec(f"scorer-{i}", "scorer", "scorer", {**scorer_conf, "scorer_id": f"scorer-{i}"},
-                        threads=threads.scorer)
-              for i in range(n_scorers)]
-    specs += [ChildSpec(f"worker-{i}", "rollout_worker", "rollout_worker",
-                        {**worker_conf, "worker_id": f"worker-{i}", "seed": 1000 + i}, nice=worker_nice,
-                        threads=threads.worker)
-              for i in range(n_workers)]
-    for spec in specs:            # [up] metrics_port: one /metrics port per child, listed for Prometheus
+    specs += [
+        ChildSpec(
+            f"trainer-standby-{i}",
+            "trainer",
+            "trainer",
+            {**trainer_conf, "trainer_id": f"{trainer_conf['trainer_id']}-standby-{i}"},
+            threads=threads.trainer,
+        )
+        for i in range(1, up.trainers)
+    ]
+    specs += [
+        ChildSpec(
+            f"scorer-{i}",
+            "scorer",
+            "scorer",
+            {**scorer_conf, "scorer_id": f"scorer-{i}"},
+            threads=threads.scorer,
+        )
+        for i in range(n_scorers)
+    ]
+    specs += [
+        ChildSpec(
+            f"worker-{i}",
+            "rollout_worker",
+            "rollout_worker",
+            {**worker_conf, "worker_id": f"worker-{i}", "seed": 1000 + i},
+            nice=worker_nice,
+            threads=threads.worker,
+        )
+        for i in range(n_workers)
+    ]
+    for spec in specs:  # [up] metrics_port: one /metrics port per child, listed for Prometheus
         spec.conf = metrics_ports.assign(run_dir, spec.name, spec.component, spec.conf)
-    tel = Telemetry(run_dir, tracker=tracking.open_tracker(run_dir, conf.get("up", {}),
-                                                           json.loads((run_dir / "config" / "run.json").read_text())))
+    tel = Telemetry(
+        run_dir,
+        tracker=tracking.open_tracker(
+            run_dir, conf.get("up", {}), json.loads((run_dir / "config" / "run.json").read_text())
+        ),
+    )
     reason = f"interrupted by {why.get('signal', 'a signal')} before the run started"
     try:
         if not stop.is_set():
@@ -346,6 +451,7 @@ async def run(a: argparse.Namespace) -> int:
                 sup.start(spec)
             if sys.stdout.isatty() and not a.quiet:
                 from rich.live import Live
+
                 with Live(progress_table(tel, 0, steps, sup), refresh_per_second=2) as live:
                     reason = await watch(bus, tel, steps, minutes, sup, live, stop, why)
             else:
@@ -353,8 +459,9 @@ async def run(a: argparse.Namespace) -> int:
     finally:
         # order matters: children drain against a live broker, the broker goes last
         log.info("stopping", reason=reason)
-        child_grace = max([float(child_conf.get(s.component, s.conf, "grace_s", up.grace_s)) for s in specs]
-                          or [up.grace_s])
+        child_grace = max(
+            [float(child_conf.get(s.component, s.conf, "grace_s", up.grace_s)) for s in specs] or [up.grace_s]
+        )
         await sup.stop(child_grace + EXIT_MARGIN_S + 1.0)
         tel.close()
         try:
@@ -368,6 +475,7 @@ async def run(a: argparse.Namespace) -> int:
     if up.final_eval:
         extra.update(await final_eval(run_dir, stop, threads.trainer))
     from asyncrl.report import finish_run
+
     summary = finish_run(run_dir, reason, extra=extra)
     print(json.dumps(summary, default=float), flush=True)
     return 0 if summary["versions"] else 1
@@ -376,17 +484,28 @@ async def run(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="asyncrl up", description=__doc__)
     ap.add_argument("--config", default=None, help="run config TOML ([up], [trainer], [worker], [scorer])")
-    ap.add_argument("--sync", action="store_true", help="synchronous baseline: max_lag 0 and a barrier per version")
+    ap.add_argument(
+        "--sync", action="store_true", help="synchronous baseline: max_lag 0 and a barrier per version"
+    )
     ap.add_argument("--steps", type=int, default=None, help="stop after this many policy versions")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this many minutes")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--scorers", type=int, default=None)
-    ap.add_argument("--lambda", dest="lam", type=float, default=None,
-                    help="cost penalty λ per generated token (e.g. from `asyncrl calibrate-cost`)")
+    ap.add_argument(
+        "--lambda",
+        dest="lam",
+        type=float,
+        default=None,
+        help="cost penalty λ per generated token (e.g. from `asyncrl calibrate-cost`)",
+    )
     ap.add_argument("--nats", default=None, help="use this server instead of an embedded one")
     ap.add_argument("--run-dir", default=None)
-    ap.add_argument("--resume", default=None, metavar="RUN_DIR",
-                    help="continue a stopped run (its store, checkpoints, W&B run and config)")
+    ap.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue a stopped run (its store, checkpoints, W&B run and config)",
+    )
     ap.add_argument("--quiet", action="store_true", help="no live table")
     return asyncio.run(run(ap.parse_args(argv)))
 

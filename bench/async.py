@@ -14,6 +14,7 @@ own clock between its first and last step (start-up excluded), so both runs coun
 number of trained samples; each run's final weights are then scored on the same held-out
 prompts, so "as good as sync" is a measured number, not an assumption.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,15 +58,25 @@ def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None 
         warm_start(model, cfg, mcfg, style=cfg.warmstart.style)
         init, steps = save_hf_checkpoint(model, out / "init"), cfg.warmstart.steps
     warm_s = time.perf_counter() - t0
-    ev = evaluate(inference_state(model), mcfg, load_tokenizer(cfg.policy.tokenizer), cfg.tasks.envs,
-                  cfg.tasks.sampling, eval_prompts, cfg.run.seed)
+    ev = evaluate(
+        inference_state(model),
+        mcfg,
+        load_tokenizer(cfg.policy.tokenizer),
+        cfg.tasks.envs,
+        cfg.tasks.sampling,
+        eval_prompts,
+        cfg.run.seed,
+    )
     t = conf.setdefault("trainer", {})
     t["policy"] = {**t.get("policy", {}), "init_checkpoint": str(init)}
     t["warmstart"] = {**t.get("warmstart", {}), "steps": 0}
     derived = out / "bench-async.toml"
     write_toml(derived, conf)
-    return str(derived), {"warmstart_steps": steps, "warmstart_s": warm_s,
-                          "initial_eval_success": ev["eval_success"]}
+    return str(derived), {
+        "warmstart_steps": steps,
+        "warmstart_s": warm_s,
+        "initial_eval_success": ev["eval_success"],
+    }
 
 
 def final_eval(run_dir: Path, config: str, n: int) -> dict:
@@ -79,14 +90,34 @@ def final_eval(run_dir: Path, config: str, n: int) -> dict:
 
     cfg = load_config(TrainerConfig, config, section="trainer")
     model, source = load_policy_file(str(run_dir / "checkpoints"))
-    ev = evaluate(inference_state(model), model.cfg, load_tokenizer(cfg.policy.tokenizer), cfg.tasks.envs,
-                  cfg.tasks.sampling, n, cfg.run.seed)
+    ev = evaluate(
+        inference_state(model),
+        model.cfg,
+        load_tokenizer(cfg.policy.tokenizer),
+        cfg.tasks.envs,
+        cfg.tasks.sampling,
+        n,
+        cfg.run.seed,
+    )
     return {"eval_success": ev["eval_success"], "eval_tokens": ev["eval_tokens"], "eval_checkpoint": source}
 
 
 def run_once(config: str, steps: int, sync: bool, run_dir: Path, minutes: float) -> dict:
-    cmd = [sys.executable, "-m", "asyncrl.cli", "up", "--config", config, "--steps", str(steps),
-           "--minutes", str(minutes), "--run-dir", str(run_dir), "--quiet"] + (["--sync"] if sync else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.cli",
+        "up",
+        "--config",
+        config,
+        "--steps",
+        str(steps),
+        "--minutes",
+        str(minutes),
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+    ] + (["--sync"] if sync else [])
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return summarize(run_dir, "sync" if sync else "async")
 
@@ -103,8 +134,12 @@ def summarize(run_dir: Path, label: str = "") -> dict:
     tokens = sum(r["live_samples"] * r["cost_mean"] for r in steps_rows[1:])
     occ = []
     for f in (run_dir / "metrics").glob("rollout_worker-*.jsonl"):
-        occ += [r["slot_occupancy"] for r in read_jsonl(f) if t0 <= r.get("ts", t0) <= t1 and "slot_occupancy" in r]
-    tail = steps_rows[-max(3, len(steps_rows) // 4):]
+        occ += [
+            r["slot_occupancy"]
+            for r in read_jsonl(f)
+            if t0 <= r.get("ts", t0) <= t1 and "slot_occupancy" in r
+        ]
+    tail = steps_rows[-max(3, len(steps_rows) // 4) :]
     return {
         "samples_per_s": samples / max(t1 - t0, 1e-9),
         "tokens_per_s": tokens / max(t1 - t0, 1e-9),
@@ -122,6 +157,7 @@ def plot_compare(out: Path, result: dict) -> Path:
     """async-vs-sync.png: trained samples over time, train success vs trained samples, and the
     async run's staleness histogram."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -135,13 +171,21 @@ def plot_compare(out: Path, result: dict) -> Path:
         a.plot(t, n, label=f"{name}: {result[f'{name}_samples_per_s']:.1f} samples/s")
         succ = np.array([r["success_mean"] for r in rows])
         k = min(10, len(succ))
-        b.plot(n[k - 1:], np.convolve(succ, np.ones(k) / k, mode="valid"), label=f"{name} (mean of {k} versions)")
+        b.plot(
+            n[k - 1 :],
+            np.convolve(succ, np.ones(k) / k, mode="valid"),
+            label=f"{name} (mean of {k} versions)",
+        )
         if name == "async":
             hist = staleness_hist(rows)
             c.bar(sorted(hist), [hist[x] for x in sorted(hist)])
     a.set(title=f"trained samples (speedup {result['speedup']:.2f}x)", xlabel="seconds since first step")
     b.set(title="success on training batches", xlabel="trained samples")
-    c.set(title=f"async staleness (mean {result['mean_staleness_async']:.2f})", xlabel="versions behind", ylabel="samples")
+    c.set(
+        title=f"async staleness (mean {result['mean_staleness_async']:.2f})",
+        xlabel="versions behind",
+        ylabel="samples",
+    )
     for ax in (a, b):
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
@@ -156,11 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.async", description=__doc__)
     ap.add_argument("--config", default=str(Path(__file__).with_name("async.toml")))
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--eval-prompts", type=int, default=512, help="held-out prompts scored per run at the end")
+    ap.add_argument(
+        "--eval-prompts", type=int, default=512, help="held-out prompts scored per run at the end"
+    )
     ap.add_argument("--minutes", type=float, default=8.0, help="per run")
     ap.add_argument("--out", default=None, help="run dirs go here (default: a temp dir)")
-    ap.add_argument("--init", default=None, help="start both runs from this HF folder (e.g. <earlier --out>/init) "
-                    "instead of warm-starting")
+    ap.add_argument(
+        "--init",
+        default=None,
+        help="start both runs from this HF folder (e.g. <earlier --out>/init) instead of warm-starting",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--summarize", action="store_true", help="only re-read the runs already under --out")
     a = ap.parse_args(argv)
@@ -190,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         # the same held-out prompts, each run's last weights: is async as good as sync?
         "final_eval_success_async": res_async["eval_success"],
         "final_eval_success_sync": res_sync["eval_success"],
-        "eval_prompts": a.eval_prompts, **warm,
+        "eval_prompts": a.eval_prompts,
+        **warm,
         "tokens_per_answer_async": res_async["tokens_per_answer"],
         "tokens_per_answer_sync": res_sync["tokens_per_answer"],
         "dropped_stale_async": res_async["dropped_stale"],

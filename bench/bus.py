@@ -7,6 +7,7 @@ consume_per_s   fetch + decode + no-op handler + ack through ConsumerLoop       
 blob_mb_per_s   200 MB put then get (bit-exact checked): 2*size / (t_put + t_get)        median
 loss            messages lost when the server is killed and restarted mid-stream (must be 0)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,11 @@ from bus.events import Task
 
 
 def tasks(n: int, tag: str, size: int = 1024) -> list[tuple[str, Task]]:
-    pad = "x" * max(0, size - 150)   # ~1 KiB encoded with the other fields
-    return [(topo.task_subject("bench"), Task(task_id=f"{tag}-{i}", env="bench", prompt=pad, created_at=0.0))
-            for i in range(n)]
+    pad = "x" * max(0, size - 150)  # ~1 KiB encoded with the other fields
+    return [
+        (topo.task_subject("bench"), Task(task_id=f"{tag}-{i}", env="bench", prompt=pad, created_at=0.0))
+        for i in range(n)
+    ]
 
 
 async def drain_with_loop(bus, n: int, concurrency: int = 256) -> float:
@@ -33,8 +36,18 @@ async def drain_with_loop(bus, n: int, concurrency: int = 256) -> float:
 
     async def handler(ev, ctx):
         seen.add(ev.task_id)
-    loop = ConsumerLoop(bus, topo.TASKS, topo.ROLLOUT_CONSUMER, handler, Task, concurrency=concurrency,
-                        batch=concurrency, fetch_timeout_s=0.5, handle_signals=False)
+
+    loop = ConsumerLoop(
+        bus,
+        topo.TASKS,
+        topo.ROLLOUT_CONSUMER,
+        handler,
+        Task,
+        concurrency=concurrency,
+        batch=concurrency,
+        fetch_timeout_s=0.5,
+        handle_signals=False,
+    )
     stop = asyncio.Event()
     t0 = time.perf_counter()
     runner = asyncio.create_task(loop.run(stop))
@@ -88,8 +101,17 @@ async def bench_loss(srv: EmbeddedServer, n: int) -> dict:
 
         async def handler(ev, ctx):
             got.append(ev.task_id)
-        loop = ConsumerLoop(bus, topo.TASKS, topo.ROLLOUT_CONSUMER, handler, Task, concurrency=64,
-                            fetch_timeout_s=0.5, handle_signals=False)
+
+        loop = ConsumerLoop(
+            bus,
+            topo.TASKS,
+            topo.ROLLOUT_CONSUMER,
+            handler,
+            Task,
+            concurrency=64,
+            fetch_timeout_s=0.5,
+            handle_signals=False,
+        )
         stop = asyncio.Event()
         runner = asyncio.create_task(loop.run(stop))
         items = tasks(n, "loss", size=256)
@@ -110,33 +132,54 @@ async def bench_loss(srv: EmbeddedServer, n: int) -> dict:
 async def main_async(a) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-bus-") as d:
         async with EmbeddedServer(store_dir=d) as srv:
-            b = await connect(BusConfig(servers=[srv.url], name="bench",
-                                        topology=TopologyConfig(ack_wait_s=5, max_ack_pending=10000)))
+            b = await connect(
+                BusConfig(
+                    servers=[srv.url],
+                    name="bench",
+                    topology=TopologyConfig(ack_wait_s=5, max_ack_pending=10000),
+                )
+            )
             await b.provision()
             await b.close()
             pubs, cons, blobs, puts, gets = [], [], [], [], []
             for _ in range(a.repeats):
                 p, c = await bench_pubsub(srv.url, a.n)
-                pubs.append(p); cons.append(c)
+                pubs.append(p)
+                cons.append(c)
             for _ in range(a.blob_repeats):
                 r, p, g = await bench_blob(srv.url, a.blob_mb)
-                blobs.append(r); puts.append(p); gets.append(g)
+                blobs.append(r)
+                puts.append(p)
+                gets.append(g)
             loss = await bench_loss(srv, a.loss_n)
     med = statistics.median
-    res = {"bench": "bus", "n": a.n, "repeats": a.repeats,
-           "publish_per_s": round(med(pubs)), "consume_per_s": round(med(cons)),
-           "blob_mb": a.blob_mb, "blob_mb_per_s": round(med(blobs), 1),
-           "blob_put_mb_per_s": round(med(puts), 1), "blob_get_mb_per_s": round(med(gets), 1),
-           **loss, "loss_n": a.loss_n, "cpus": os.cpu_count()}
-    res["targets_met"] = {"publish_per_s>=5000": res["publish_per_s"] >= 5000,
-                          "consume_per_s>=5000": res["consume_per_s"] >= 5000,
-                          "blob_mb_per_s>=100": res["blob_mb_per_s"] >= 100, "loss==0": res["loss"] == 0}
+    res = {
+        "bench": "bus",
+        "n": a.n,
+        "repeats": a.repeats,
+        "publish_per_s": round(med(pubs)),
+        "consume_per_s": round(med(cons)),
+        "blob_mb": a.blob_mb,
+        "blob_mb_per_s": round(med(blobs), 1),
+        "blob_put_mb_per_s": round(med(puts), 1),
+        "blob_get_mb_per_s": round(med(gets), 1),
+        **loss,
+        "loss_n": a.loss_n,
+        "cpus": os.cpu_count(),
+    }
+    res["targets_met"] = {
+        "publish_per_s>=5000": res["publish_per_s"] >= 5000,
+        "consume_per_s>=5000": res["consume_per_s"] >= 5000,
+        "blob_mb_per_s>=100": res["blob_mb_per_s"] >= 100,
+        "loss==0": res["loss"] == 0,
+    }
     return res
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.bus", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.bus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--n", type=int, default=20000, help="events per publish/consume run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--blob-mb", type=int, default=200)

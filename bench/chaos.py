@@ -17,6 +17,7 @@ recovery_s          worker/scorer/pause: fault -> every task delivered before it
                     (target lease TTL + 5 s); nats/cluster: fault -> next policy version
 passed              the scenario's own checks and lost == duplicates_trained == 0
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,17 @@ async def run_one(name: str, run_dir: Path, tasks: int | None, timeout_s: float)
     t0 = time.monotonic()
     try:
         out = await asyncio.wait_for(fn(run_dir, **kw), timeout_s)
-    except Exception as e:      # a failed or timed-out scenario is a row, not a crash of the bench
-        out = {"name": name, "tasks": tasks or 0, "lost": None, "duplicates_trained": None, "recovery_s": None,
-               "passed": False, "error": f"{type(e).__name__}: {str(e)[:400]}", "logs": str(run_dir / "logs")}
+    except Exception as e:  # a failed or timed-out scenario is a row, not a crash of the bench
+        out = {
+            "name": name,
+            "tasks": tasks or 0,
+            "lost": None,
+            "duplicates_trained": None,
+            "recovery_s": None,
+            "passed": False,
+            "error": f"{type(e).__name__}: {str(e)[:400]}",
+            "logs": str(run_dir / "logs"),
+        }
     rows = out if isinstance(out, list) else [out]
     for r in rows:
         r["wall_s"] = round(time.monotonic() - t0, 1)
@@ -58,11 +67,17 @@ async def run(names: list[str], tasks: int | None, timeout_s: float, keep: str |
 
 def main(argv=None) -> int:
     from bus import setup_logging
-    ap = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.chaos",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(SCENARIOS)}")
-    ap.add_argument("--tasks", type=int, default=None, help="tasks per scenario (default: each scenario's own)")
+    ap.add_argument(
+        "--tasks", type=int, default=None, help="tasks per scenario (default: each scenario's own)"
+    )
     ap.add_argument("--timeout", type=float, default=900.0, help="bound per scenario, seconds")
     ap.add_argument("--keep", default=None, help="directory for run dirs and logs (default: a temp dir)")
     a = ap.parse_args(argv)
@@ -75,8 +90,10 @@ def main(argv=None) -> int:
     if not a.json:
         print(f"{'scenario':26} {'tasks':>6} {'lost':>5} {'dup':>4} {'recovery_s':>10} {'passed':>6}")
         for r in res["scenarios"]:
-            print(f"{r['name']:26} {r['tasks']!s:>6} {r['lost']!s:>5} {r['duplicates_trained']!s:>4} "
-                  f"{r['recovery_s']!s:>10} {r['passed']!s:>6}")
+            print(
+                f"{r['name']:26} {r['tasks']!s:>6} {r['lost']!s:>5} {r['duplicates_trained']!s:>4} "
+                f"{r['recovery_s']!s:>10} {r['passed']!s:>6}"
+            )
     print(json.dumps(res, default=str))
     return 0 if res["passed"] else 1
 

@@ -19,6 +19,7 @@ No privileges needed; `bench.wan` uses this on every region link. Loopback only.
 `--link tbf` (root) the rate is the kernel's `tbf` on a veth between two namespaces instead
 (`bench.wantbf`), and this line keeps the latency, loss and counters.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,15 +30,17 @@ from dataclasses import dataclass, field
 
 @dataclass
 class LinkSpec:
-    delay_ms: float = 0.0        # one way
-    rate_mbit: float = 0.0       # per direction; 0: not capped
-    loss: float = 0.0            # per MSS segment, emulated as a one-RTT stall
+    delay_ms: float = 0.0  # one way
+    rate_mbit: float = 0.0  # per direction; 0: not capped
+    loss: float = 0.0  # per MSS segment, emulated as a one-RTT stall
     mss: int = 1448
-    queue_bytes: int = 0         # bytes in the line per direction before the reader waits; 0: ~2 BDP
+    queue_bytes: int = 0  # bytes in the line per direction before the reader waits; 0: ~2 BDP
 
     def __post_init__(self):
         if self.delay_ms < 0 or self.rate_mbit < 0:
-            raise ValueError(f"LinkSpec: delay_ms and rate_mbit must be >= 0, got {self.delay_ms}, {self.rate_mbit}")
+            raise ValueError(
+                f"LinkSpec: delay_ms and rate_mbit must be >= 0, got {self.delay_ms}, {self.rate_mbit}"
+            )
         if not 0 <= self.loss < 1:
             raise ValueError(f"LinkSpec.loss must be in [0, 1), got {self.loss}")
         if self.mss < 1:
@@ -57,26 +60,35 @@ class LinkSpec:
 @dataclass
 class Direction:
     """One direction of the link: its counters and the time the bottleneck is free again."""
-    bytes: int = 0               # delivered to the far side
+
+    bytes: int = 0  # delivered to the far side
     chunks: int = 0
-    stalls: int = 0              # segments "lost" (each held the stream one RTT)
+    stalls: int = 0  # segments "lost" (each held the stream one RTT)
     free_at: float = 0.0
-    history: list = field(default_factory=list)   # (t, cumulative bytes) when sampled
+    history: list = field(default_factory=list)  # (t, cumulative bytes) when sampled
 
     def as_dict(self) -> dict:
         return {"bytes": self.bytes, "chunks": self.chunks, "stalls": self.stalls}
 
 
 class DelayLine:
-    def __init__(self, target_host: str, target_port: int, spec: LinkSpec | None = None, *,
-                 listen_host: str = "127.0.0.1", seed: int = 0, connect=None):
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        spec: LinkSpec | None = None,
+        *,
+        listen_host: str = "127.0.0.1",
+        seed: int = 0,
+        connect=None,
+    ):
         self.target = (target_host, target_port)
         # connect: an async () -> (reader, writer) dialling the target another way (bench.wantbf:
         # across a tbf-shaped veth, the kernel then does the rate and this line the latency)
         self._connect = connect
         self.listen_host = listen_host
         self.spec = spec or LinkSpec()
-        self.up, self.down = Direction(), Direction()   # up: client -> target; down: target -> client
+        self.up, self.down = Direction(), Direction()  # up: client -> target; down: target -> client
         self.port: int | None = None
         self.connections = 0
         self.refused = 0
@@ -114,8 +126,12 @@ class DelayLine:
             await self._server.wait_closed()
 
     def counters(self) -> dict:
-        return {"down": self.down.as_dict(), "up": self.up.as_dict(), "connections": self.connections,
-                "refused": self.refused}
+        return {
+            "down": self.down.as_dict(),
+            "up": self.up.as_dict(),
+            "connections": self.connections,
+            "refused": self.refused,
+        }
 
     # -- carrying ------------------------------------------------------------------------------
     async def _accept(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
@@ -124,7 +140,9 @@ class DelayLine:
             _abort(c_writer)
             return
         try:
-            t_reader, t_writer = await (self._connect() if self._connect else asyncio.open_connection(*self.target))
+            t_reader, t_writer = await (
+                self._connect() if self._connect else asyncio.open_connection(*self.target)
+            )
         except OSError:
             self.refused += 1
             _abort(c_writer)
@@ -134,8 +152,10 @@ class DelayLine:
         self._conns.add(task)
         self._writers.update((c_writer, t_writer))
         try:
-            pumps = [asyncio.ensure_future(self._pump(c_reader, t_writer, self.up)),
-                     asyncio.ensure_future(self._pump(t_reader, c_writer, self.down))]
+            pumps = [
+                asyncio.ensure_future(self._pump(c_reader, t_writer, self.up)),
+                asyncio.ensure_future(self._pump(t_reader, c_writer, self.down)),
+            ]
             try:
                 await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -158,11 +178,14 @@ class DelayLine:
         stall = 0.0
         if s.loss:
             segs = math.ceil(n / s.mss)
-            lost = sum(self._rng.random() < s.loss for _ in range(segs)) if segs < 64 else \
-                _binomial(self._rng, segs, s.loss)
+            lost = (
+                sum(self._rng.random() < s.loss for _ in range(segs))
+                if segs < 64
+                else _binomial(self._rng, segs, s.loss)
+            )
             if lost:
                 d.stalls += lost
-                stall = lost * max(2 * s.delay_ms / 1000, 0.001)   # each loss: one RTT until resent
+                stall = lost * max(2 * s.delay_ms / 1000, 0.001)  # each loss: one RTT until resent
         d.free_at = start + tx + stall
         return d.free_at + s.delay_ms / 1000
 
@@ -235,6 +258,7 @@ async def _serve(specs: dict) -> None:
     tbf on a veth between namespaces made here (bench.wantbf), deleted when this process ends."""
     import json
     import sys
+
     links: dict[str, DelayLine] = {}
     paths: dict = {}
     try:
@@ -243,6 +267,7 @@ async def _serve(specs: dict) -> None:
             connect = None
             if s.pop("tbf", False) and s.get("rate_mbit"):
                 from .wantbf import TbfPath
+
                 paths[name] = await TbfPath(s["rate_mbit"]).start(host, int(port))
                 connect, s["rate_mbit"] = paths[name].open, 0.0
             links[name] = DelayLine(host, int(port), LinkSpec(**s), seed=i, connect=connect)
@@ -281,7 +306,7 @@ async def _commands(links: dict, paths: dict) -> None:
                 say({"ok": True})
             elif cmd == "spec":
                 spec = LinkSpec(**json.loads(arg))
-                if name in paths and spec.rate_mbit:        # the kernel keeps the rate
+                if name in paths and spec.rate_mbit:  # the kernel keeps the rate
                     paths[name].set_rate(spec.rate_mbit)
                     spec.rate_mbit = 0.0
                 links[name].spec = spec
@@ -296,5 +321,6 @@ if __name__ == "__main__":
     import json
     import signal
     import sys
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # exit through atexit: tbf namespaces deleted
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # exit through atexit: tbf namespaces deleted
     asyncio.run(_serve(json.loads(sys.stdin.readline())))

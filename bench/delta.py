@@ -27,6 +27,7 @@ update, with our margin over the fair one (uint16 gaps + int16 raw-bit differenc
 format3_kernels: "numba" or "numpy" (format 3's rank/select; numba's compile is warmed first).
 Last line: one JSON object {"runs": [...], "baselines": {...}, "weights": ...}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,10 +49,14 @@ from delta_codec.record import chunks_of
 from delta_codec.tasks import default_threads
 
 
-def transformer_params(d_model: int, layers: int, vocab: int, ff_mult: int, seed: int) -> dict[str, torch.Tensor]:
+def transformer_params(
+    d_model: int, layers: int, vocab: int, ff_mult: int, seed: int
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
+
     def normal(*shape, std=0.02):
         return torch.randn(*shape, generator=g) * std
+
     ff, out_std = ff_mult * d_model, 0.02 / math.sqrt(2 * layers)
     p = {"tok_emb": normal(vocab, d_model)}
     for i in range(layers):
@@ -72,6 +77,7 @@ def load_weights(path: str) -> dict[str, torch.Tensor]:
     from pathlib import Path
 
     from safetensors.torch import load_file
+
     p = Path(path)
     files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
     if not files:
@@ -90,19 +96,23 @@ def load_states(folder: str) -> tuple[dict[str, torch.Tensor], list[tuple[float,
     from pathlib import Path
 
     from safetensors.torch import load_file
+
     p = Path(folder)
     if not (p / "base.safetensors").is_file():
-        raise SystemExit(f"{folder}: no base.safetensors (save states with `python -m bench.realmodel --out DIR`)")
+        raise SystemExit(
+            f"{folder}: no base.safetensors (save states with `python -m bench.realmodel --out DIR`)"
+        )
     base = load_file(str(p / "base.safetensors"))
     runs = []
     for f in p.glob("lr*.safetensors"):
         try:
-            lr = float(f.name[2:-len(".safetensors")])
+            lr = float(f.name[2 : -len(".safetensors")])
         except ValueError:
             continue
         after = load_file(str(f))
-        if after.keys() != base.keys() or any(after[k].dtype != base[k].dtype or after[k].shape != base[k].shape
-                                              for k in base):
+        if after.keys() != base.keys() or any(
+            after[k].dtype != base[k].dtype or after[k].shape != base[k].shape for k in base
+        ):
             raise SystemExit(f"{f}: tensor names, dtypes or shapes differ from base.safetensors")
         runs.append((lr, after))
     if not runs:
@@ -156,8 +166,13 @@ def baselines(before, after) -> dict[str, float]:
         gap_zstd += len(cz.compress(g16.tobytes() + vals.astype(np.uint16).tobytes()))
         diff = (n[at].view(np.int16) - b[at].view(np.int16)).astype(np.int16)  # wrapping; 0 at fillers
         gap_diff_zstd += len(cz.compress(g16.tobytes() + diff.tobytes()))
-    return {"full_bf16": 1.0, "zstd_full_bf16": zstd_full / full, "int32_index_bf16_value": idx_val / full,
-            "uint16_gap_bf16_value_zstd": gap_zstd / full, "uint16_gap_int16_diff_zstd": gap_diff_zstd / full}
+    return {
+        "full_bf16": 1.0,
+        "zstd_full_bf16": zstd_full / full,
+        "int32_index_bf16_value": idx_val / full,
+        "uint16_gap_bf16_value_zstd": gap_zstd / full,
+        "uint16_gap_int16_diff_zstd": gap_diff_zstd / full,
+    }
 
 
 def _entropy(c: np.ndarray, n: np.ndarray) -> float:
@@ -188,8 +203,10 @@ def conditional_position_entropy(before, after) -> float:
 
 def value_bytes(d: Delta) -> int:
     """Bytes of a delta's value streams (all of a chunk record's field 4)."""
+
     def size(f) -> int:
         return sum(size(x) for x in f) if isinstance(f, list) else len(f)
+
     return sum(size(c[4]) for r in d.records for c in chunks_of(r) if int(c[0]) != NONE)
 
 
@@ -223,31 +240,56 @@ def measure(before, after, lr: float, args) -> dict:
     blob2 = encode_delta(before, after).to_bytes()
     fresh_state = lambda: {k: v.clone() for k, v in before.items()}  # noqa: E731
     enc_s, enc_cpu = median_time(lambda _: encode_delta(before, after, context=True).to_bytes(), args.reps)
-    app_s, app_cpu = median_time(lambda s: apply_delta(s, Delta.from_bytes(blob)), args.reps, setup=fresh_state)
+    app_s, app_cpu = median_time(
+        lambda s: apply_delta(s, Delta.from_bytes(blob)), args.reps, setup=fresh_state
+    )
     # format 2's coding of the same update, timed in the same process (the default encode)
     enc2_s, enc2_cpu = median_time(lambda _: encode_delta(before, after).to_bytes(), args.reps)
-    app2_s, app2_cpu = median_time(lambda s: apply_delta(s, Delta.from_bytes(blob2)), args.reps, setup=fresh_state)
+    app2_s, app2_cpu = median_time(
+        lambda s: apply_delta(s, Delta.from_bytes(blob2)), args.reps, setup=fresh_state
+    )
     p = st.changed / st.total
     m = max(st.changed, 1)
     entropy_pos = (-(p * math.log2(p) + (1 - p) * math.log2(1 - p)) / p) if 0 < p < 1 else 0.0
     cond = conditional_position_entropy(before, after) / m
     pos_bits = 8 * (len(blob) - value_bytes(Delta.from_bytes(blob))) / m
     base = baselines(before, after) if all(t.element_size() == 2 for t in after.values()) else {}
-    return {"lr": lr, "params": st.total, "full_bytes": full, "changed": st.changed, "changed_frac": p,
-            "encoded_bytes": len(blob), "bits_per_changed": 8 * len(blob) / m,
-            "position_entropy_bits": entropy_pos, "position_entropy_cond_bits": cond,
-            "position_bits_per_changed": pos_bits, "position_bits_over_cond_bound": pos_bits - cond,
-            "ratio": len(blob) / full,
-            "format2": {"encoded_bytes": len(blob2), "bits_per_changed": 8 * len(blob2) / m, "ratio": len(blob2) / full,
-                        "encode_gb_s": full / enc2_s / 1e9, "apply_gb_s": full / app2_s / 1e9,
-                        "encode_gb_cpu_s": full / enc2_cpu / 1e9, "apply_gb_cpu_s": full / app2_cpu / 1e9},
-            "margin_over_fair_baseline": (base["uint16_gap_int16_diff_zstd"] / (len(blob) / full)) if base else None,
-            "encode_gb_s": full / enc_s / 1e9, "apply_gb_s": full / app_s / 1e9,
-            # per CPU-second: what one core does, robust to other load on a shared machine
-            "encode_gb_cpu_s": full / enc_cpu / 1e9, "apply_gb_cpu_s": full / app_cpu / 1e9,
-            "format3_kernels": "numba" if context_jit.enabled else "numpy",
-            "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(), "threads": default_threads(),
-            "baselines": base}
+    return {
+        "lr": lr,
+        "params": st.total,
+        "full_bytes": full,
+        "changed": st.changed,
+        "changed_frac": p,
+        "encoded_bytes": len(blob),
+        "bits_per_changed": 8 * len(blob) / m,
+        "position_entropy_bits": entropy_pos,
+        "position_entropy_cond_bits": cond,
+        "position_bits_per_changed": pos_bits,
+        "position_bits_over_cond_bound": pos_bits - cond,
+        "ratio": len(blob) / full,
+        "format2": {
+            "encoded_bytes": len(blob2),
+            "bits_per_changed": 8 * len(blob2) / m,
+            "ratio": len(blob2) / full,
+            "encode_gb_s": full / enc2_s / 1e9,
+            "apply_gb_s": full / app2_s / 1e9,
+            "encode_gb_cpu_s": full / enc2_cpu / 1e9,
+            "apply_gb_cpu_s": full / app2_cpu / 1e9,
+        },
+        "margin_over_fair_baseline": (base["uint16_gap_int16_diff_zstd"] / (len(blob) / full))
+        if base
+        else None,
+        "encode_gb_s": full / enc_s / 1e9,
+        "apply_gb_s": full / app_s / 1e9,
+        # per CPU-second: what one core does, robust to other load on a shared machine
+        "encode_gb_cpu_s": full / enc_cpu / 1e9,
+        "apply_gb_cpu_s": full / app_cpu / 1e9,
+        "format3_kernels": "numba" if context_jit.enabled else "numpy",
+        "load_avg_1m": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+        "threads": default_threads(),
+        "baselines": base,
+    }
 
 
 def main(argv=None) -> None:
@@ -262,8 +304,11 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weights", help="safetensors file or folder of them (real weights; default: synthetic)")
-    ap.add_argument("--states", help="folder of real before/after states from `bench.realmodel --out` (no AdamW "
-                                     "step here; --lrs, --weights and the model sizes are ignored)")
+    ap.add_argument(
+        "--states",
+        help="folder of real before/after states from `bench.realmodel --out` (no AdamW "
+        "step here; --lrs, --weights and the model sizes are ignored)",
+    )
     args = ap.parse_args(argv)
     context_jit.warm()  # compile (or load the cached kernels) before anything is timed
     sparse_jit.warm()
@@ -271,8 +316,11 @@ def main(argv=None) -> None:
         base, pairs = load_states(args.states)
         rows = ((lr, lambda after=after, lr=lr: measure(base, after, lr, args)) for lr, after in pairs)
     else:
-        init = (load_weights(args.weights) if args.weights
-                else transformer_params(args.d_model, args.layers, args.vocab, args.ff_mult, args.seed))
+        init = (
+            load_weights(args.weights)
+            if args.weights
+            else transformer_params(args.d_model, args.layers, args.vocab, args.ff_mult, args.seed)
+        )
         rows = ((lr, lambda lr=lr: run_lr(init, lr, args)) for lr in args.lrs)
     runs = []
     for lr, row in rows:
@@ -280,18 +328,27 @@ def main(argv=None) -> None:
         runs.append(r)
         if not args.json:
             b = r["baselines"]
-            print(f"lr={lr:g} params={r['params'] / 1e6:.1f}M changed={r['changed_frac']:.3%} "
-                  f"bits/changed={r['bits_per_changed']:.2f} (format 2: {r['format2']['bits_per_changed']:.2f}; "
-                  f"positions {r['position_bits_per_changed']:.2f}, conditional bound "
-                  f"{r['position_entropy_cond_bits']:.2f}, i.i.d. {r['position_entropy_bits']:.2f}) "
-                  + (f"margin over fair baseline {r['margin_over_fair_baseline']:.2f}x " if b else "")
-                  + f"ratio={r['ratio']:.4%} encode={r['encode_gb_s']:.2f} GB/s ({r['encode_gb_cpu_s']:.2f}/cpu-s) "
-                  f"apply={r['apply_gb_s']:.2f} GB/s ({r['apply_gb_cpu_s']:.2f}/cpu-s) threads={r['threads']} "
-                  f"load={r['load_avg_1m']:.1f} | "
-                  + " ".join(f"{k}={v:.4%}" for k, v in b.items()), flush=True)
-    print(json.dumps({"runs": runs, "baselines": {str(r["lr"]): r["baselines"] for r in runs},
-                      "weights": args.states or args.weights or "synthetic",
-                      "source": "states" if args.states else "adamw_step"}))
+            print(
+                f"lr={lr:g} params={r['params'] / 1e6:.1f}M changed={r['changed_frac']:.3%} "
+                f"bits/changed={r['bits_per_changed']:.2f} (format 2: {r['format2']['bits_per_changed']:.2f}; "
+                f"positions {r['position_bits_per_changed']:.2f}, conditional bound "
+                f"{r['position_entropy_cond_bits']:.2f}, i.i.d. {r['position_entropy_bits']:.2f}) "
+                + (f"margin over fair baseline {r['margin_over_fair_baseline']:.2f}x " if b else "")
+                + f"ratio={r['ratio']:.4%} encode={r['encode_gb_s']:.2f} GB/s ({r['encode_gb_cpu_s']:.2f}/cpu-s) "
+                f"apply={r['apply_gb_s']:.2f} GB/s ({r['apply_gb_cpu_s']:.2f}/cpu-s) threads={r['threads']} "
+                f"load={r['load_avg_1m']:.1f} | " + " ".join(f"{k}={v:.4%}" for k, v in b.items()),
+                flush=True,
+            )
+    print(
+        json.dumps(
+            {
+                "runs": runs,
+                "baselines": {str(r["lr"]): r["baselines"] for r in runs},
+                "weights": args.states or args.weights or "synthetic",
+                "source": "states" if args.states else "adamw_step",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

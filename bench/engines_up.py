@@ -24,6 +24,7 @@ Caveats: CPU-bound and noisy; the two runs are sequential, not interleaved, so r
 the box. The window includes the warm-up before the first version. A missing vLLM venv or a
 failed vLLM run gives `"vllm": {"error": ...}` and no ratios; the torch side still reports.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,13 +71,22 @@ def start_s(run_dir: Path) -> float | None:
 
 def summarize(run_dir: Path) -> dict:
     last = worker_rows(run_dir)[-1]
-    return {**{k: last.get(k) for k in FIELDS}, "versions_applied": last.get("updates"),
-            "last_version": last.get("version"), "start_s": start_s(run_dir), "run_dir": str(run_dir)}
+    return {
+        **{k: last.get(k) for k in FIELDS},
+        "versions_applied": last.get("updates"),
+        "last_version": last.get("version"),
+        "start_s": start_s(run_dir),
+        "run_dir": str(run_dir),
+    }
 
 
 def ratios(torch_s: dict, vllm_s: dict) -> dict:
-    return {f"{k}_vllm_over_torch": (vllm_s[k] / torch_s[k] if torch_s.get(k) and vllm_s.get(k) is not None
-                                     else None) for k in FIELDS[:3]}
+    return {
+        f"{k}_vllm_over_torch": (
+            vllm_s[k] / torch_s[k] if torch_s.get(k) and vllm_s.get(k) is not None else None
+        )
+        for k in FIELDS[:3]
+    }
 
 
 def first_version_seen(run_dir: Path) -> bool:
@@ -108,13 +118,13 @@ def run_up(python: str, config: str, run_dir: Path, minutes: float, start_timeou
                     raise RuntimeError(f"up exited {p.returncode} before a version; see {run_dir}/logs")
         finally:
             if p.poll() is None:
-                p.send_signal(signal.SIGINT)          # up drains the children and writes its summary
+                p.send_signal(signal.SIGINT)  # up drains the children and writes its summary
                 try:
                     p.wait(timeout=120)
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-            try:                                      # nothing of the run outlives the bench
+            try:  # nothing of the run outlives the bench
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
@@ -138,11 +148,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if not Path(python).exists():
                 raise FileNotFoundError(f"{python} not found (the vLLM venv: make test-vllm's .venv-vllm)")
-            conf = with_overrides(a.config, out, worker={"engine": engine}, name=f"engines-up-{engine}.toml",
-                                  up={"steps": 10**6, "minutes": backstop})
+            conf = with_overrides(
+                a.config,
+                out,
+                worker={"engine": engine},
+                name=f"engines-up-{engine}.toml",
+                up={"steps": 10**6, "minutes": backstop},
+            )
             run_up(python, conf, out / engine, a.minutes, a.start_timeout_min * 60)
             result[engine] = summarize(out / engine)
-        except Exception as e:      # one engine failing still reports the other
+        except Exception as e:  # one engine failing still reports the other
             result[engine] = {"error": f"{type(e).__name__}: {e}"}
     if "error" not in result["torch"] and "error" not in result["vllm"]:
         result["ratios"] = ratios(result["torch"], result["vllm"])

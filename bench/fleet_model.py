@@ -24,6 +24,7 @@ Inputs, and where each comes from:
   model      TCP throughput per link min(rate, window / RTT) x efficiency, --window-mb 64.
 Last line with --json: one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,16 +37,16 @@ from dataclasses import dataclass
 class Inputs:
     params: float = 1e12
     changed: float = 0.015
-    bits_per_changed: float = 9.68          # measured: bench.delta
+    bits_per_changed: float = 9.68  # measured: bench.delta
     keyframe_every: int = 25
     step_s: float = 180.0
     rtt_ms: tuple = (40.0, 150.0)
     wan_gbit: tuple = (1.0, 40.0)
     hub_gbit: float = 100.0
-    nodes: int = 8                           # inference nodes per region (readers)
+    nodes: int = 8  # inference nodes per region (readers)
     window_mb: float = 64.0
-    overhead: float = 1.05                   # WAN bytes / payload bytes  (default; --from-bench: measured)
-    fixed_rtts: float = 3.0                  # round trips per version beyond the transfer (default)
+    overhead: float = 1.05  # WAN bytes / payload bytes  (default; --from-bench: measured)
+    fixed_rtts: float = 3.0  # round trips per version beyond the transfer (default)
     max_lag: int = 1
     steps: int = 100
     source: str = "default"
@@ -71,7 +72,7 @@ def region_links(n: int, inp: Inputs) -> list[tuple[float, float]]:
 
 
 def link_rate(rtt: float, rate: float, inp: Inputs) -> float:
-    return min(rate, inp.window_mb * 2 ** 20 / rtt) / inp.overhead
+    return min(rate, inp.window_mb * 2**20 / rtt) / inp.overhead
 
 
 def transfer(sizes: list[float], caps: list[float], hub: float) -> list[float]:
@@ -108,8 +109,8 @@ def transfer(sizes: list[float], caps: list[float], hub: float) -> list[float]:
 def simulate(strategy: str, n_regions: int, inp: Inputs) -> dict:
     links = region_links(n_regions, inp)
     hub = inp.hub_gbit * 1e9 / 8
-    version_ready = [[0.0] * n_regions]          # time each region holds version v (v=0 at t=0)
-    region_free = [0.0] * n_regions              # a region patches versions in order
+    version_ready = [[0.0] * n_regions]  # time each region holds version v (v=0 at t=0)
+    region_free = [0.0] * n_regions  # a region patches versions in order
     egress, patch = [], []
     for v in range(1, inp.steps + 1):
         t_pub = v * inp.step_s
@@ -117,10 +118,10 @@ def simulate(strategy: str, n_regions: int, inp: Inputs) -> dict:
         if strategy == "full":
             per_region = inp.full_bytes
         else:
-            per_region = inp.delta_bytes + (inp.full_bytes if kf else 0)   # the mirror copies keyframes too
+            per_region = inp.delta_bytes + (inp.full_bytes if kf else 0)  # the mirror copies keyframes too
         copies = inp.nodes if strategy == "delta" else 1
         if strategy == "delta" and kf:
-            per_region = inp.delta_bytes          # followers skip a keyframe they do not need
+            per_region = inp.delta_bytes  # followers skip a keyframe they do not need
         sizes, caps = [], []
         for rtt, rate in links:
             sizes.append(per_region * copies)
@@ -149,9 +150,14 @@ def simulate(strategy: str, n_regions: int, inp: Inputs) -> dict:
             total += 1
             beyond += (trainer_v - held) > inp.max_lag
     per_region_p50 = statistics.median(patch)
-    return {"strategy": strategy, "regions": n_regions, "patch_p50_s": per_region_p50, "patch_max_s": max(patch),
-            "hub_egress_per_step_gb": statistics.mean(egress) / 1e9,
-            "beyond_max_lag": beyond / total if total else 0.0}
+    return {
+        "strategy": strategy,
+        "regions": n_regions,
+        "patch_p50_s": per_region_p50,
+        "patch_max_s": max(patch),
+        "hub_egress_per_step_gb": statistics.mean(egress) / 1e9,
+        "beyond_max_lag": beyond / total if total else 0.0,
+    }
 
 
 def from_bench(path: str, inp: Inputs) -> Inputs:
@@ -180,8 +186,10 @@ def table(inp: Inputs, counts: list[int]) -> list[dict]:
 
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for s, style in (("full", "o-"), ("delta", "s-"), ("relay", "^-")):
         rs = [r for r in rows if r["strategy"] == s]
@@ -212,23 +220,37 @@ def main(argv=None) -> None:
     p.add_argument("--regions", default="1,2,5,10,20")
     p.add_argument("--plot", default=None, help="write a PNG here")
     a = p.parse_args(argv)
-    inp = Inputs(params=a.params, changed=a.changed, step_s=a.step_s, keyframe_every=a.keyframe_every, nodes=a.nodes, hub_gbit=a.hub_gbit,
-                 max_lag=a.max_lag, steps=a.steps)
+    inp = Inputs(
+        params=a.params,
+        changed=a.changed,
+        step_s=a.step_s,
+        keyframe_every=a.keyframe_every,
+        nodes=a.nodes,
+        hub_gbit=a.hub_gbit,
+        max_lag=a.max_lag,
+        steps=a.steps,
+    )
     if a.from_bench:
         inp = from_bench(a.from_bench, inp)
     counts = [int(x) for x in a.regions.split(",")]
     rows = table(inp, counts)
     if a.plot:
         plot(rows, a.plot)
-    print(f"inputs: params={inp.params:.3g} changed={inp.changed} bits/changed={inp.bits_per_changed} "
-          f"delta={inp.delta_bytes / 1e9:.2f} GB full={inp.full_bytes / 1e9:.0f} GB step={inp.step_s}s "
-          f"nodes/region={inp.nodes} hub={inp.hub_gbit} Gbit/s overhead={inp.overhead:.3f} "
-          f"fixed_rtts={inp.fixed_rtts:.2f} ({inp.source})")
-    print(f"{'strategy':8s} {'regions':>7s} {'patch p50 s':>12s} {'patch max s':>12s} {'egress GB/step':>15s} "
-          f"{'> max_lag':>10s}")
+    print(
+        f"inputs: params={inp.params:.3g} changed={inp.changed} bits/changed={inp.bits_per_changed} "
+        f"delta={inp.delta_bytes / 1e9:.2f} GB full={inp.full_bytes / 1e9:.0f} GB step={inp.step_s}s "
+        f"nodes/region={inp.nodes} hub={inp.hub_gbit} Gbit/s overhead={inp.overhead:.3f} "
+        f"fixed_rtts={inp.fixed_rtts:.2f} ({inp.source})"
+    )
+    print(
+        f"{'strategy':8s} {'regions':>7s} {'patch p50 s':>12s} {'patch max s':>12s} {'egress GB/step':>15s} "
+        f"{'> max_lag':>10s}"
+    )
     for r in rows:
-        print(f"{r['strategy']:8s} {r['regions']:7d} {r['patch_p50_s']:12.1f} {r['patch_max_s']:12.1f} "
-              f"{r['hub_egress_per_step_gb']:15.1f} {r['beyond_max_lag']:10.1%}")
+        print(
+            f"{r['strategy']:8s} {r['regions']:7d} {r['patch_p50_s']:12.1f} {r['patch_max_s']:12.1f} "
+            f"{r['hub_egress_per_step_gb']:15.1f} {r['beyond_max_lag']:10.1%}"
+        )
     if a.json:
         print(json.dumps({"inputs": inp.__dict__, "rows": rows}))
 

@@ -24,6 +24,7 @@ CPU with a tiny random Llama-layout model (vLLM only with --vllm: it takes minut
 CPU). `--random-init CONFIG.json` builds the model of an HF config.json with random weights, for
 machines the prepared weights cannot reach (timings depend on the shapes, not the values).
 Last line: one JSON object (also written to --out)."""
+
 from __future__ import annotations
 
 import argparse
@@ -56,12 +57,14 @@ def model_folder(args, tmp: Path) -> Path:
         return Path(args.folder)
     if args.random_init:
         from policy.hf import config_from_hf
+
         cfg = config_from_hf(json.loads(Path(args.random_init).read_text()))
         torch.manual_seed(args.seed)
         model = policy.Transformer(cfg).to(torch.bfloat16)
         return policy.save_hf_checkpoint(model, tmp / "random")
     if not args.dry_run:
         from asyncrl.model import prepare
+
         return prepare(args.model, args.cache)
     cfg = policy.ModelConfig.tiny(vocab_size=256, max_seq_len=256)
     torch.manual_seed(0)
@@ -73,6 +76,7 @@ def samples(cfg, model, n: int, group: int, plen: int, clen: int, seed: int):
     """Rollout-shaped samples: random prompts, completions sampled from the model itself (so the
     behaviour logprobs are the model's), random rewards per group."""
     from trainer.learner import PackedSample
+
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     dev = next(model.parameters()).device
@@ -80,7 +84,7 @@ def samples(cfg, model, n: int, group: int, plen: int, clen: int, seed: int):
     ids = torch.tensor(prompts, device=dev)
     lps = []
     with torch.no_grad():
-        for _ in range(clen):                       # plain ancestral sampling, full recompute: simple and exact
+        for _ in range(clen):  # plain ancestral sampling, full recompute: simple and exact
             logits = model(ids)[:, -1].float()
             lp = torch.log_softmax(logits, -1)
             nxt = torch.multinomial(lp.exp(), 1, generator=None)
@@ -88,49 +92,88 @@ def samples(cfg, model, n: int, group: int, plen: int, clen: int, seed: int):
             ids = torch.cat([ids, nxt], 1)
     comps = ids[:, plen:].tolist()
     lps = torch.stack(lps, 1).tolist()
-    return [PackedSample(f"r{i}", i // group, rng.random(), 1.0, 0, prompts[i], comps[i], lps[i],
-                         {"temperature": 1.0, "top_p": 1.0, "top_k": 0}, {"format": "full", "rows": clen}, {})
-            for i in range(n)]
+    return [
+        PackedSample(
+            f"r{i}",
+            i // group,
+            rng.random(),
+            1.0,
+            0,
+            prompts[i],
+            comps[i],
+            lps[i],
+            {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
+            {"format": "full", "rows": clen},
+            {},
+        )
+        for i in range(n)
+    ]
 
 
 def trainer_section(args, folder: Path, dev: torch.device) -> tuple[dict, dict, dict]:
     from trainer.learner import Learner
     from trainer.loss import LossConfig
+
     cfg, model = policy.load_hf_checkpoint(folder, device=dev)
     base = {k: v.cpu() for k, v in policy.inference_state(model).items()}
     batch = samples(cfg, model, args.batch, args.group, args.prompt_len, args.completion_len, args.seed)
     if args.fsdp:
         world_one(dev)
         from trainer.fsdp import shard
+
         shard(model, dev, mixed_precision=dev.type == "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     learner = Learner(model, opt, LossConfig(), micro_batch=args.micro_batch or args.batch)
     steps = []
     # FSDP2's mixed-precision policy casts the parameters itself; unsharded runs use autocast
-    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" and not args.fsdp
-           else torch.autocast("cpu", enabled=False))
+    amp = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if dev.type == "cuda" and not args.fsdp
+        else torch.autocast("cpu", enabled=False)
+    )
     for i in range(args.train_steps):
         sync(dev)
         t0 = time.perf_counter()
         with amp:
             st = learner.step(batch)
         sync(dev)
-        steps.append({"step": i, "step_s": time.perf_counter() - t0, "loss": st["loss"],
-                      "grad_norm": st["grad_norm"], "k3_mean": st["k3_mean"]})
+        steps.append(
+            {
+                "step": i,
+                "step_s": time.perf_counter() - t0,
+                "loss": st["loss"],
+                "grad_norm": st["grad_norm"],
+                "k3_mean": st["k3_mean"],
+            }
+        )
     new = learner.published_state()
     t0 = time.perf_counter()
     delta = delta_codec.encode_delta(base, new, from_version=0, to_version=1)
     enc_s = time.perf_counter() - t0
     tokens = args.batch * (args.prompt_len + args.completion_len)
     warm = steps[1:] or steps
-    res = {"params": sum(t.numel() for t in base.values()), "steps": steps, "batch": args.batch,
-           "tokens_per_step": tokens, "step_s_mean": sum(s["step_s"] for s in warm) / len(warm),
-           "tokens_per_s": tokens / (sum(s["step_s"] for s in warm) / len(warm)),
-           "fsdp": args.fsdp, "micro_batch": args.micro_batch or args.batch,
-           "precision": ("fsdp2 bf16 params, fp32 reduce" if args.fsdp and dev.type == "cuda" else
-                         "bf16 autocast" if dev.type == "cuda" else "fp32"),
-           "delta": {"changed_frac": delta.stats.changed / delta.stats.total, "bytes": len(delta.to_bytes()),
-                     "encode_s": enc_s}}
+    res = {
+        "params": sum(t.numel() for t in base.values()),
+        "steps": steps,
+        "batch": args.batch,
+        "tokens_per_step": tokens,
+        "step_s_mean": sum(s["step_s"] for s in warm) / len(warm),
+        "tokens_per_s": tokens / (sum(s["step_s"] for s in warm) / len(warm)),
+        "fsdp": args.fsdp,
+        "micro_batch": args.micro_batch or args.batch,
+        "precision": (
+            "fsdp2 bf16 params, fp32 reduce"
+            if args.fsdp and dev.type == "cuda"
+            else "bf16 autocast"
+            if dev.type == "cuda"
+            else "fp32"
+        ),
+        "delta": {
+            "changed_frac": delta.stats.changed / delta.stats.total,
+            "bytes": len(delta.to_bytes()),
+            "encode_s": enc_s,
+        },
+    }
     if dev.type == "cuda":
         res["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     del learner, opt, model
@@ -144,17 +187,20 @@ def world_one(dev: torch.device) -> None:
     import os
     import socket
     import torch.distributed as dist
+
     if dist.is_initialized():
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
 
 
 def time_it(fn, dev: torch.device, reps: int) -> float:
-    fn()                                             # warm-up (Triton compiles here)
+    fn()  # warm-up (Triton compiles here)
     sync(dev)
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -165,6 +211,7 @@ def time_it(fn, dev: torch.device, reps: int) -> float:
 
 def apply_section(args, base: dict, upd: dict, dev: torch.device) -> dict:
     from delta_codec.triton_apply import use_triton, apply_sparse
+
     n = sum(t.numel() for t in base.values())
     g = torch.Generator().manual_seed(args.seed)
     flat = torch.cat([t.reshape(-1) for t in base.values()]).view(torch.int16)
@@ -174,7 +221,7 @@ def apply_section(args, base: dict, upd: dict, dev: torch.device) -> dict:
         idx = torch.randperm(n, generator=g)[:k].sort().values
         d = torch.randint(-64, 64, (k,), generator=g, dtype=torch.int16)
         want = flat.clone()
-        apply_sparse(want, idx, d, False)            # CPU reference (torch ops)
+        apply_sparse(want, idx, d, False)  # CPU reference (torch ops)
         bits, di, dd = flat.to(dev), idx.to(dev), d.to(dev)
         got = bits.clone()
         apply_sparse(got, di, dd, False)
@@ -182,8 +229,15 @@ def apply_section(args, base: dict, upd: dict, dev: torch.device) -> dict:
         # idx (8 B) + d (2 B) read, old bits read (2 B) and saved (2 B), new bits written (2 B)
         touched = k * (8 + 2 + 2 + 2 + 2)
         s = time_it(lambda: apply_sparse(bits, di, dd, False), dev, args.reps)
-        row = {"changed_frac": frac, "changed": k, "bytes_touched": touched, "s": s, "gb_s": touched / s / 1e9,
-               "bit_exact": exact, "path": "triton" if use_triton(bits) else "torch"}
+        row = {
+            "changed_frac": frac,
+            "changed": k,
+            "bytes_touched": touched,
+            "s": s,
+            "gb_s": touched / s / 1e9,
+            "bit_exact": exact,
+            "path": "triton" if use_triton(bits) else "torch",
+        }
         if dev.type == "cuda":
             row["frac_of_roofline"] = row["gb_s"] / args.hbm_gb_s
         kernels.append(row)
@@ -191,8 +245,10 @@ def apply_section(args, base: dict, upd: dict, dev: torch.device) -> dict:
     # the real delta from the trainer into device tensors, through the codec (host decode + kernel)
     delta = upd["delta"]
     blob = delta.to_bytes()
-    delta_codec.apply_delta({k: v.to(dev, copy=True) for k, v in base.items()}, delta_codec.Delta.from_bytes(blob))
-    state = {k: v.to(dev, copy=True) for k, v in base.items()}      # copy: on the CPU .to() would alias base
+    delta_codec.apply_delta(
+        {k: v.to(dev, copy=True) for k, v in base.items()}, delta_codec.Delta.from_bytes(blob)
+    )
+    state = {k: v.to(dev, copy=True) for k, v in base.items()}  # copy: on the CPU .to() would alias base
     sync(dev)
     t0 = time.perf_counter()
     delta_codec.apply_delta(state, delta_codec.Delta.from_bytes(blob))
@@ -200,19 +256,28 @@ def apply_section(args, base: dict, upd: dict, dev: torch.device) -> dict:
     s = time.perf_counter() - t0
     exact = all(torch.equal(state[k].cpu().view(torch.int16), upd["new"][k].view(torch.int16)) for k in state)
     full = 2 * n
-    return {"device": str(dev), "hbm_gb_s": args.hbm_gb_s if dev.type == "cuda" else None, "kernel": kernels,
-            "kernel_large": big,
-            "codec_apply": {"s": s, "model_gb_s": full / s / 1e9, "changed_frac": delta.stats.changed / delta.stats.total,
-                            "bit_exact": exact}}
+    return {
+        "device": str(dev),
+        "hbm_gb_s": args.hbm_gb_s if dev.type == "cuda" else None,
+        "kernel": kernels,
+        "kernel_large": big,
+        "codec_apply": {
+            "s": s,
+            "model_gb_s": full / s / 1e9,
+            "changed_frac": delta.stats.changed / delta.stats.total,
+            "bit_exact": exact,
+        },
+    }
 
 
 def large_buffer_rows(args, dev: torch.device) -> list[dict]:
     """The kernel on a buffer of --apply-elems bf16 elements (a multi-billion-parameter model's
     size), indices drawn on the device; checked against the same arithmetic in plain torch ops."""
     from delta_codec.triton_apply import apply_sparse
+
     N = args.apply_elems
     g = torch.Generator(device=dev).manual_seed(args.seed)
-    bits = torch.randint(-2**15, 2**15, (N,), generator=g, dtype=torch.int32, device=dev).to(torch.int16)
+    bits = torch.randint(-(2**15), 2**15, (N,), generator=g, dtype=torch.int32, device=dev).to(torch.int16)
     rows = []
     for frac in args.fracs:
         k = max(1, int(N * frac))
@@ -220,16 +285,25 @@ def large_buffer_rows(args, dev: torch.device) -> list[dict]:
         d = torch.randint(-64, 64, (k,), generator=g, dtype=torch.int32, device=dev).to(torch.int16)
         want = bits.clone()
         w = want[idx].to(torch.int32) + d.to(torch.int32)
-        want[idx] = (((w + 2**15) % 2**16) - 2**15).to(torch.int16)      # wrap at 16 bits
+        want[idx] = (((w + 2**15) % 2**16) - 2**15).to(torch.int16)  # wrap at 16 bits
         got = bits.clone()
         apply_sparse(got, idx, d, False)
         exact = bool(torch.equal(got, want))
         del want, got
         touched = k * (8 + 2 + 2 + 2 + 2)
         s = time_it(lambda: apply_sparse(bits, idx, d, False), dev, args.reps)
-        rows.append({"elements": N, "changed_frac": frac, "changed": k, "bytes_touched": touched, "s": s,
-                     "gb_s": touched / s / 1e9, "frac_of_roofline": touched / s / 1e9 / args.hbm_gb_s,
-                     "bit_exact": exact})
+        rows.append(
+            {
+                "elements": N,
+                "changed_frac": frac,
+                "changed": k,
+                "bytes_touched": touched,
+                "s": s,
+                "gb_s": touched / s / 1e9,
+                "frac_of_roofline": touched / s / 1e9 / args.hbm_gb_s,
+                "bit_exact": exact,
+            }
+        )
         torch.cuda.empty_cache()
     return rows
 
@@ -237,27 +311,35 @@ def large_buffer_rows(args, dev: torch.device) -> list[dict]:
 async def engine_section(args, base: dict, upd: dict, dev: torch.device) -> dict:
     """The torch engine on the device: tokens/s per slot count, then a delta applied mid-decode."""
     from rollout_worker.torch_engine import TorchEngine
+
     cfg = upd["cfg"]
     max_len = args.prompt_len + args.gen_tokens + 8
     g = torch.Generator().manual_seed(args.seed)
 
     def prompts(n):
         return [torch.randint(3, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
+
     sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.gen_tokens)
     out = {"device": str(dev), "prompt_len": args.prompt_len, "gen_tokens": args.gen_tokens, "throughput": []}
     for slots in args.engine_slots:
         eng = TorchEngine(cfg, slots=slots, max_len=max_len, seed=args.seed, device=dev)
         try:
             await eng.load_keyframe(base, version=0, epoch=1)
-            await eng.generate(prompts(1)[0], SamplingParams(temperature=1.0, max_tokens=4))   # warm-up
+            await eng.generate(prompts(1)[0], SamplingParams(temperature=1.0, max_tokens=4))  # warm-up
             sync(dev)
             t0 = time.perf_counter()
             gens = await asyncio.gather(*(eng.generate(p, sp, seed=i) for i, p in enumerate(prompts(slots))))
             wall = time.perf_counter() - t0
             st = eng.stats()
             tok = sum(len(x.completion_ids) for x in gens)
-            out["throughput"].append({"slots": slots, "tokens": tok, "tokens_per_s": tok / wall,
-                                      "decode_step_ms_p50": st["decode_step_ms_p50"]})
+            out["throughput"].append(
+                {
+                    "slots": slots,
+                    "tokens": tok,
+                    "tokens_per_s": tok / wall,
+                    "decode_step_ms_p50": st["decode_step_ms_p50"],
+                }
+            )
         finally:
             await eng.close()
     # the in-flight delta: applied on the device (Triton) while every slot decodes
@@ -274,17 +356,26 @@ async def engine_section(args, base: dict, upd: dict, dev: torch.device) -> dict
         call_s = time.perf_counter() - t0
         gens = await asyncio.gather(*tasks)
         st = eng.stats()
-        exact = all(torch.equal(eng.state[k].cpu().view(torch.int16), upd["new"][k].view(torch.int16))
-                    for k in eng.state)
+        exact = all(
+            torch.equal(eng.state[k].cpu().view(torch.int16), upd["new"][k].view(torch.int16))
+            for k in eng.state
+        )
         out["inflight_delta"] = {
-            "slots": slots, "state_on": str(next(iter(eng.state.values())).device), "bit_exact": exact,
+            "slots": slots,
+            "state_on": str(next(iter(eng.state.values())).device),
+            "bit_exact": exact,
             "switched_mid_sequence": sum(1 for x in gens if 0 in x.token_versions and 1 in x.token_versions),
             "versions_ordered": all(x.token_versions == sorted(x.token_versions) for x in gens),
-            "apply_call_s": call_s, "update_apply_ms_p50": st["update_apply_ms_p50"],
-            "update_stall_ms_p50": st["update_stall_ms_p50"], "update_stall_steps_p50": st["update_stall_steps_p50"],
-            "step_gap_ms_p50": st["step_gap_ms_p50"], "decode_step_ms_p50": st["decode_step_ms_p50"],
+            "apply_call_s": call_s,
+            "update_apply_ms_p50": st["update_apply_ms_p50"],
+            "update_stall_ms_p50": st["update_stall_ms_p50"],
+            "update_stall_steps_p50": st["update_stall_steps_p50"],
+            "step_gap_ms_p50": st["step_gap_ms_p50"],
+            "decode_step_ms_p50": st["decode_step_ms_p50"],
             "update_stall_decode_steps": st["update_stall_ms_p50"] / st["step_gap_ms_p50"]
-            if st["update_stall_ms_p50"] is not None and st["step_gap_ms_p50"] else None}
+            if st["update_stall_ms_p50"] is not None and st["step_gap_ms_p50"]
+            else None,
+        }
     finally:
         await eng.close()
     return out
@@ -293,23 +384,36 @@ async def engine_section(args, base: dict, upd: dict, dev: torch.device) -> dict
 async def vllm_section(args, folder: Path, base: dict, upd: dict, dev: torch.device) -> dict:
     from rollout_worker.vllm_engine import VLLMEngine
     from rollout_worker.worker import WorkerConfig
+
     cfg = upd["cfg"]
     kw = {"enforce_eager": True} if dev.type == "cpu" else {"gpu_memory_utilization": args.gpu_mem}
-    eng = VLLMEngine(WorkerConfig(engine="vllm", model=str(folder), slots=args.slots, max_len=args.max_len,
-                                  seed=args.seed), model_config=cfg.to_dict(), eos_id=None, **kw)
+    eng = VLLMEngine(
+        WorkerConfig(
+            engine="vllm", model=str(folder), slots=args.slots, max_len=args.max_len, seed=args.seed
+        ),
+        model_config=cfg.to_dict(),
+        eos_id=None,
+        **kw,
+    )
     t0 = time.perf_counter()
     try:
         await eng.load_keyframe(base, version=0, epoch=1)
         start_s = time.perf_counter() - t0
         g = torch.Generator().manual_seed(args.seed)
-        prompts = [torch.randint(3, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.slots)]
+        prompts = [
+            torch.randint(3, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
+            for _ in range(args.slots)
+        ]
         sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.gen_tokens)
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(eng.generate(p, sp, seed=i)) for i, p in enumerate(prompts)]
+
         async def a_third_decoded():
-            while len(eng._reqs) < len(tasks) or not all(len(r.tokens) >= args.gen_tokens // 3
-                                                         for r in eng._reqs.values()):
+            while len(eng._reqs) < len(tasks) or not all(
+                len(r.tokens) >= args.gen_tokens // 3 for r in eng._reqs.values()
+            ):
                 await asyncio.sleep(0.002)
+
         await asyncio.wait_for(a_third_decoded(), timeout=180)
         await eng.apply_delta(delta_codec.Delta.from_bytes(upd["delta"].to_bytes()), epoch=1)
         gens = await asyncio.gather(*tasks)
@@ -323,22 +427,38 @@ async def vllm_section(args, folder: Path, base: dict, upd: dict, dev: torch.dev
         model.load_inference_state({k: v.to(dev) for k, v in upd["new"].items()})
         scfg = policy.SamplingConfig(temperature=1.0)
         with torch.no_grad():
-            res = policy.sequence_logprobs(model, prompts, [x.completion_ids for x in after], scfg,
-                                           [policy.SamplingMask.from_wire(x.sampling_mask) for x in after])
+            res = policy.sequence_logprobs(
+                model,
+                prompts,
+                [x.completion_ids for x in after],
+                scfg,
+                [policy.SamplingMask.from_wire(x.sampling_mask) for x in after],
+            )
         b = torch.zeros_like(res.logprobs, dtype=torch.float64)
         for i, x in enumerate(after):
-            b[i, :len(x.logprobs)] = torch.tensor(x.logprobs, dtype=torch.float64)
+            b[i, : len(x.logprobs)] = torch.tensor(x.logprobs, dtype=torch.float64)
         mm = policy.mismatch_metrics(b, res.logprobs.cpu(), res.valid.cpu())
         tokens = sum(len(x.completion_ids) for x in gens)
-        return {"start_s": start_s, "slots": args.slots, "tokens": tokens, "tokens_per_s": tokens / wall,
-                "in_place": eng.in_place, "switched_mid_sequence": switched, "versions_ordered": ordered,
-                "update_sent_bytes": st.get("update_sent_bytes"), "update_stall_ms_p50": st["update_stall_ms_p50"],
-                "update_stall_steps_p50": st["update_stall_steps_p50"], "decode_step_ms_p50": st["decode_step_ms_p50"],
-                "update_apply_ms_p50": st["update_apply_ms_p50"], "step_gap_ms_p50": st["step_gap_ms_p50"],
-                # the stall in decode steps, from the two medians (the engine's own figure needs a longer window)
-                "update_stall_decode_steps": st["update_stall_ms_p50"] / st["step_gap_ms_p50"]
-                if st["step_gap_ms_p50"] else None,
-                "k3_vs_replay": mm["k3_mean"]}
+        return {
+            "start_s": start_s,
+            "slots": args.slots,
+            "tokens": tokens,
+            "tokens_per_s": tokens / wall,
+            "in_place": eng.in_place,
+            "switched_mid_sequence": switched,
+            "versions_ordered": ordered,
+            "update_sent_bytes": st.get("update_sent_bytes"),
+            "update_stall_ms_p50": st["update_stall_ms_p50"],
+            "update_stall_steps_p50": st["update_stall_steps_p50"],
+            "decode_step_ms_p50": st["decode_step_ms_p50"],
+            "update_apply_ms_p50": st["update_apply_ms_p50"],
+            "step_gap_ms_p50": st["step_gap_ms_p50"],
+            # the stall in decode steps, from the two medians (the engine's own figure needs a longer window)
+            "update_stall_decode_steps": st["update_stall_ms_p50"] / st["step_gap_ms_p50"]
+            if st["step_gap_ms_p50"]
+            else None,
+            "k3_vs_replay": mm["k3_mean"],
+        }
     finally:
         await eng.close()
 
@@ -346,7 +466,7 @@ async def vllm_section(args, folder: Path, base: dict, upd: dict, dev: torch.dev
 def vllm_importable() -> str | None:
     try:
         import vllm  # noqa: F401
-    except Exception as e:      # noqa: BLE001 — any import failure means: no vLLM here, say which
+    except Exception as e:  # noqa: BLE001 — any import failure means: no vLLM here, say which
         return f"vllm does not import: {type(e).__name__}: {e}"
     return None
 
@@ -355,14 +475,22 @@ def run(args) -> dict:
     if args.dry_run:
         dev = torch.device("cpu")
     elif not torch.cuda.is_available():
-        print(f"bench.gpu: no CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
-              "this check needs one GPU. `--dry-run` runs the same code on the CPU with a tiny model.",
-              file=sys.stderr)
+        print(
+            f"bench.gpu: no CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
+            "this check needs one GPU. `--dry-run` runs the same code on the CPU with a tiny model.",
+            file=sys.stderr,
+        )
         raise SystemExit(NO_CUDA)
     else:
         dev = torch.device("cuda", 0)
-    out = {"bench": "gpu", "dry_run": args.dry_run, "device": str(dev), "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "sections": {}}
+    out = {
+        "bench": "gpu",
+        "dry_run": args.dry_run,
+        "device": str(dev),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "sections": {},
+    }
     errors = out["errors"] = {}
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="asyncrl-gpu-") as tmp:
@@ -375,7 +503,7 @@ def run(args) -> dict:
                 r = fn()
                 out["sections"][name] = r
                 return r
-            except Exception as e:      # noqa: BLE001 — recorded in the JSON; the other sections still run
+            except Exception as e:  # noqa: BLE001 — recorded in the JSON; the other sections still run
                 errors[name] = f"{type(e).__name__}: {e}"
                 traceback.print_exc(file=sys.stderr)
                 return None
@@ -390,8 +518,11 @@ def run(args) -> dict:
             out["sections"]["trainer"], base, upd = tr
             section("apply", lambda: apply_section(args, base, upd, dev))
             section("engine", lambda: asyncio.run(engine_section(args, base, upd, dev)))
-            why = vllm_importable() or (None if (dev.type == "cuda" or args.vllm) else
-                                        "dry run without --vllm (vLLM takes minutes to start on a CPU)")
+            why = vllm_importable() or (
+                None
+                if (dev.type == "cuda" or args.vllm)
+                else "dry run without --vllm (vLLM takes minutes to start on a CPU)"
+            )
             if why:
                 out["sections"]["vllm"] = {"skipped": why}
             else:
@@ -422,15 +553,24 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--completion-len", type=int, default=None)
     ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--fracs", type=float, nargs="+", default=[0.01, 0.1, 1.0],
-                    help="changed fractions for the apply kernel")
+    ap.add_argument(
+        "--fracs",
+        type=float,
+        nargs="+",
+        default=[0.01, 0.1, 1.0],
+        help="changed fractions for the apply kernel",
+    )
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--hbm-gb-s", type=float, default=4800.0, help="HBM roofline (H200: ~4.8 TB/s)")
     ap.add_argument("--slots", type=int, default=None)
     ap.add_argument("--engine-slots", type=int, nargs="+", default=None, help="torch engine slot counts")
-    ap.add_argument("--apply-elems", type=int, default=None, help="CUDA: also time the kernel on a buffer this big")
+    ap.add_argument(
+        "--apply-elems", type=int, default=None, help="CUDA: also time the kernel on a buffer this big"
+    )
     ap.add_argument("--random-init", default=None, help="an HF config.json: random weights of that model")
-    ap.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="unsharded trainer with bf16 autocast")
+    ap.add_argument(
+        "--no-fsdp", dest="fsdp", action="store_false", help="unsharded trainer with bf16 autocast"
+    )
     ap.add_argument("--micro-batch", type=int, default=0)
     ap.add_argument("--gen-tokens", type=int, default=None)
     ap.add_argument("--max-len", type=int, default=None)
@@ -438,10 +578,31 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     # tiny on the CPU, real on the GPU; explicit flags win
-    sizes = ({"train_steps": 2, "batch": 4, "prompt_len": 8, "completion_len": 8, "reps": 2, "slots": 2,
-              "gen_tokens": 12, "engine_slots": [1, 2], "apply_elems": 0} if args.dry_run else
-             {"train_steps": 5, "batch": 32, "prompt_len": 128, "completion_len": 256, "reps": 20, "slots": 32,
-              "gen_tokens": 256, "engine_slots": [1, 8, 32], "apply_elems": 1 << 30})
+    sizes = (
+        {
+            "train_steps": 2,
+            "batch": 4,
+            "prompt_len": 8,
+            "completion_len": 8,
+            "reps": 2,
+            "slots": 2,
+            "gen_tokens": 12,
+            "engine_slots": [1, 2],
+            "apply_elems": 0,
+        }
+        if args.dry_run
+        else {
+            "train_steps": 5,
+            "batch": 32,
+            "prompt_len": 128,
+            "completion_len": 256,
+            "reps": 20,
+            "slots": 32,
+            "gen_tokens": 256,
+            "engine_slots": [1, 8, 32],
+            "apply_elems": 1 << 30,
+        }
+    )
     for k, v in sizes.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -20,6 +20,7 @@ k3_mean; --plot writes each run's training-batch success and k3 per version (one
 default (the shipped demo is 40 versions in 13 minutes: `--steps 0 --minutes 0`). CPU-bound: run
 it alone on the box. Last line: one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,15 +52,23 @@ def summarize(run_dir: Path, wall_s: float) -> dict:
     k3 = [[int(r["version"]), float(r["k3_mean"])] for r in steps]
     eval_s = float(s.get("final_eval_s") or 0.0)
     return {
-        "run_dir": str(run_dir), "v0": v0, "final": final, "gain_points": round(100 * (final - v0), 1),
-        "versions": s.get("versions"), "eval_version_final": s.get("eval_version_final"),
+        "run_dir": str(run_dir),
+        "v0": v0,
+        "final": final,
+        "gain_points": round(100 * (final - v0), 1),
+        "versions": s.get("versions"),
+        "eval_version_final": s.get("eval_version_final"),
         "k3_per_version": k3,
         "k3_mean": statistics.fmean(k for _, k in k3) if k3 else None,
         "k3_max": max((k for _, k in k3), default=None),
-        "staleness_mean": (statistics.fmean(float(r.get("staleness_mean") or 0.0) for r in steps)
-                           if steps else None),
-        "tokens_initial": s.get("eval_tokens_initial"), "tokens_final": s.get("eval_tokens_final"),
-        "wall_s": round(wall_s, 1), "eval_s": round(eval_s, 1), "train_s": round(wall_s - eval_s, 1),
+        "staleness_mean": (
+            statistics.fmean(float(r.get("staleness_mean") or 0.0) for r in steps) if steps else None
+        ),
+        "tokens_initial": s.get("eval_tokens_initial"),
+        "tokens_final": s.get("eval_tokens_final"),
+        "wall_s": round(wall_s, 1),
+        "eval_s": round(eval_s, 1),
+        "train_s": round(wall_s - eval_s, 1),
         "stopped": s.get("stopped"),
     }
 
@@ -75,6 +84,7 @@ def spread(runs: list[dict]) -> dict:
 
 def plot(runs: list[dict], path: Path, k3_target: float | None) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -84,10 +94,15 @@ def plot(runs: list[dict], path: Path, k3_target: float | None) -> None:
         vs = [x["version"] for x in rows]
         sx = [x.get("success_mean", 0.0) for x in rows]
         # a 4-version moving mean: one batch is 16 samples, too noisy to read alone
-        sm = [statistics.fmean(sx[max(0, j - 3): j + 1]) for j in range(len(sx))]
-        line, = ax.plot(vs, sm, label=f"run {i + 1}: train batch (4-version mean)")
-        ax.plot([0, r["eval_version_final"] or vs[-1]], [r["v0"], r["final"]], "o--", color=line.get_color(),
-                label=f"run {i + 1}: held-out {r['v0']:.2f} → {r['final']:.2f}")
+        sm = [statistics.fmean(sx[max(0, j - 3) : j + 1]) for j in range(len(sx))]
+        (line,) = ax.plot(vs, sm, label=f"run {i + 1}: train batch (4-version mean)")
+        ax.plot(
+            [0, r["eval_version_final"] or vs[-1]],
+            [r["v0"], r["final"]],
+            "o--",
+            color=line.get_color(),
+            label=f"run {i + 1}: held-out {r['v0']:.2f} → {r['final']:.2f}",
+        )
         k3 = r["k3_per_version"]
         bx.plot([v for v, _ in k3], [k for _, k in k3], color=line.get_color(), label=f"run {i + 1}")
     if k3_target:
@@ -136,11 +151,21 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = out / f"run{i + 1}"
         runs.append(summarize(run_dir, run_once(conf, run_dir, sys.executable)))
         r = runs[-1]
-        print(f"run {i + 1}: held-out {r['v0']:.3f} -> {r['final']:.3f} ({r['gain_points']:+.1f} points) in "
-              f"{r['versions']} versions, k3 mean {r['k3_mean'] or 0:.4f} max {r['k3_max'] or 0:.4f}, "
-              f"train {r['train_s']:.0f} s + eval {r['eval_s']:.0f} s", flush=True)
-    result = {"config": a.config, "steps": a.steps, "minutes": a.minutes, "max_k3": k3_target,
-              "runs": runs, "spread": spread(runs), "out": str(out)}
+        print(
+            f"run {i + 1}: held-out {r['v0']:.3f} -> {r['final']:.3f} ({r['gain_points']:+.1f} points) in "
+            f"{r['versions']} versions, k3 mean {r['k3_mean'] or 0:.4f} max {r['k3_max'] or 0:.4f}, "
+            f"train {r['train_s']:.0f} s + eval {r['eval_s']:.0f} s",
+            flush=True,
+        )
+    result = {
+        "config": a.config,
+        "steps": a.steps,
+        "minutes": a.minutes,
+        "max_k3": k3_target,
+        "runs": runs,
+        "spread": spread(runs),
+        "out": str(out),
+    }
     if a.plot:
         plot(runs, Path(a.plot), k3_target)
         result["plot"] = a.plot

@@ -7,6 +7,7 @@ scored_per_s: rollouts scored end to end by one in-process Scorer on a real nats
 `python-tests` with 8 unit tests per task (one sandboxed subprocess per rollout).
 sandbox_overhead_ms_p50: median wall time of running an empty script in the sandbox.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,17 +32,41 @@ def rollouts(env_name: str, n: int, seed: int = 0) -> list[Rollout]:
     for i in range(n):
         t = env.sample(rng)
         # half correct demonstrations, half a wrong/garbled answer: both verifier paths are timed
-        text = env.demonstration(t.spec) if i % 2 == 0 else ("#0" if env_name.startswith("arith") else "def f(:\n")
+        text = (
+            env.demonstration(t.spec)
+            if i % 2 == 0
+            else ("#0" if env_name.startswith("arith") else "def f(:\n")
+        )
         k = len(text) + 1
-        out.append(Rollout(rollout_id=f"b{seed}-{i}-0", task_id=f"b{seed}-{i}", env=env_name, sample_index=0,
-                           group_size=1, prompt=t.prompt, spec=t.spec, prompt_ids=[1] * len(t.prompt),
-                           completion_ids=[5] * k, completion_text=text, logprobs=[-0.5] * k,
-                           token_versions=[0] * k, sampling={"max_tokens": 64}, sampling_mask={}, quant={},
-                           finish_reason="stop", cost_tokens=k, wall_s=0.01, worker_id="bench"))
+        out.append(
+            Rollout(
+                rollout_id=f"b{seed}-{i}-0",
+                task_id=f"b{seed}-{i}",
+                env=env_name,
+                sample_index=0,
+                group_size=1,
+                prompt=t.prompt,
+                spec=t.spec,
+                prompt_ids=[1] * len(t.prompt),
+                completion_ids=[5] * k,
+                completion_text=text,
+                logprobs=[-0.5] * k,
+                token_versions=[0] * k,
+                sampling={"max_tokens": 64},
+                sampling_mask={},
+                quant={},
+                finish_reason="stop",
+                cost_tokens=k,
+                wall_s=0.01,
+                worker_id="bench",
+            )
+        )
     return out
 
 
-async def scored_per_s(url: str, env_name: str, n: int, concurrency: int, threads: int, netns: bool = True) -> float:
+async def scored_per_s(
+    url: str, env_name: str, n: int, concurrency: int, threads: int, netns: bool = True
+) -> float:
     env = get_env(env_name)
     if hasattr(env, "limits"):
         env.limits.netns = netns
@@ -49,10 +74,16 @@ async def scored_per_s(url: str, env_name: str, n: int, concurrency: int, thread
     try:
         await bus.provision()
         base = (await bus.js.stream_info(topo.SCORED)).state.messages
-        await bus.publish_many([(topo.rollout_subject(env_name), r) for r in rollouts(env_name, n, seed=base)])
+        await bus.publish_many(
+            [(topo.rollout_subject(env_name), r) for r in rollouts(env_name, n, seed=base)]
+        )
         stop = asyncio.Event()
-        scorer = Scorer(ScorerConfig(bus=BusConfig(servers=[url]), concurrency=concurrency, verify_threads=threads,
-                                     heartbeat_s=60), bus=bus)
+        scorer = Scorer(
+            ScorerConfig(
+                bus=BusConfig(servers=[url]), concurrency=concurrency, verify_threads=threads, heartbeat_s=60
+            ),
+            bus=bus,
+        )
         t0 = time.perf_counter()
         run = asyncio.create_task(scorer.run(stop, handle_signals=False))
         while (await bus.js.stream_info(topo.SCORED)).state.messages < base + n:
@@ -74,16 +105,22 @@ async def main_async(a) -> dict:
     async with EmbeddedServer() as srv:
         arith = await scored_per_s(srv.url, "arith", a.arith, concurrency=64, threads=4)
         code = await scored_per_s(srv.url, "python-tests", a.code, concurrency=16, threads=a.threads)
-        code_no_netns = await scored_per_s(srv.url, "python-tests", a.code, concurrency=16, threads=a.threads,
-                                           netns=False)
+        code_no_netns = await scored_per_s(
+            srv.url, "python-tests", a.code, concurrency=16, threads=a.threads, netns=False
+        )
     python, fresh_uid, namespaces = isolation()
-    return {"scored_per_s_arith": round(arith, 1), "scored_per_s_python_tests": round(code, 2),
-            "scored_per_s_python_tests_no_netns": round(code_no_netns, 2),
-            "python_tests_per_task": get_env("python-tests").n_tests,
-            "sandbox_overhead_ms_p50": round(sandbox_p50_ms(a.reps, SandboxLimits()), 1),
-            "sandbox_overhead_ms_p50_no_netns": round(sandbox_p50_ms(a.reps, SandboxLimits(netns=False)), 1),
-            "isolation": {"fresh_uid": fresh_uid, "namespaces": namespaces, "python": python},
-            "n_arith": a.arith, "n_python_tests": a.code, "verify_threads": a.threads}
+    return {
+        "scored_per_s_arith": round(arith, 1),
+        "scored_per_s_python_tests": round(code, 2),
+        "scored_per_s_python_tests_no_netns": round(code_no_netns, 2),
+        "python_tests_per_task": get_env("python-tests").n_tests,
+        "sandbox_overhead_ms_p50": round(sandbox_p50_ms(a.reps, SandboxLimits()), 1),
+        "sandbox_overhead_ms_p50_no_netns": round(sandbox_p50_ms(a.reps, SandboxLimits(netns=False)), 1),
+        "isolation": {"fresh_uid": fresh_uid, "namespaces": namespaces, "python": python},
+        "n_arith": a.arith,
+        "n_python_tests": a.code,
+        "verify_threads": a.threads,
+    }
 
 
 def main(argv=None) -> int:

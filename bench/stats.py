@@ -1,4 +1,5 @@
 """Small statistics shared by the benchmarks."""
+
 from __future__ import annotations
 
 import numpy as np

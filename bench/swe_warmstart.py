@@ -9,6 +9,7 @@ held-out episodes (eval split, the config's [trainer.tasks] sampling) with train
 episodes. Used to size [trainer.warmstart] steps / lr / batch so that RL starts from a
 moderate held-out success within the demo's 15 minutes. Prints one JSON object last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,12 @@ def main() -> None:
     ap.add_argument("--eval-n", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--save", default="", help="write the final warm-started state here (torch.save)")
-    ap.add_argument("--load", default="", help="start from this --save file (with --steps 0: evaluate it alone)")
-    ap.add_argument("--temperature", type=float, default=None, help="eval sampling temperature (default: the config's)")
+    ap.add_argument(
+        "--load", default="", help="start from this --save file (with --steps 0: evaluate it alone)"
+    )
+    ap.add_argument(
+        "--temperature", type=float, default=None, help="eval sampling temperature (default: the config's)"
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
@@ -59,15 +64,22 @@ def main() -> None:
     def after_step(step: int, losses: list[float]) -> None:
         train_s[0] += time.perf_counter() - last[0]
         if (step + 1) % 10 == 0:
-            print(json.dumps({"step": step + 1, "nll": round(losses[-1], 4), "train_s": round(train_s[0], 1)}),
-                  flush=True)
+            print(
+                json.dumps({"step": step + 1, "nll": round(losses[-1], 4), "train_s": round(train_s[0], 1)}),
+                flush=True,
+            )
         if step + 1 in at:
             model.eval()
             t = time.perf_counter()
             with torch.no_grad():
                 ev = evaluate_episodes(model, tok, specs, SamplingConfig.from_dict(sampling), cfg.run.seed)
-            ev.update(step=step + 1, temperature=sampling["temperature"], nll_last10=sum(losses[-10:]) / len(losses[-10:]),
-                      train_s=round(train_s[0], 1), eval_s=round(time.perf_counter() - t, 1))
+            ev.update(
+                step=step + 1,
+                temperature=sampling["temperature"],
+                nll_last10=sum(losses[-10:]) / len(losses[-10:]),
+                train_s=round(train_s[0], 1),
+                eval_s=round(time.perf_counter() - t, 1),
+            )
             evals.append(ev)
             print(json.dumps(ev), flush=True)
             model.train()
@@ -75,15 +87,21 @@ def main() -> None:
 
     if cfg.warmstart.steps:
         losses = warm_start(model, cfg, mcfg, tok, cfg.warmstart.style, after_step=after_step)
-    else:                                   # evaluate a saved policy as it is
+    else:  # evaluate a saved policy as it is
         at, losses = {0}, [float("nan")]
         after_step(-1, losses)
     if a.save:
         torch.save({"model": model.state_dict(), "model_config": mcfg.to_dict()}, a.save)
-    out = {"steps": cfg.warmstart.steps, "lr": cfg.warmstart.lr, "batch": cfg.warmstart.batch,
-           "nll": {str(i): round(losses[i], 4) for i in range(0, len(losses), max(1, len(losses) // 20))},
-           "nll_final_mean10": sum(losses[-10:]) / len(losses[-10:]), "train_s": round(train_s[0], 1),
-           "wall_s": round(time.perf_counter() - t0, 1), "evals": evals}
+    out = {
+        "steps": cfg.warmstart.steps,
+        "lr": cfg.warmstart.lr,
+        "batch": cfg.warmstart.batch,
+        "nll": {str(i): round(losses[i], 4) for i in range(0, len(losses), max(1, len(losses) // 20))},
+        "nll_final_mean10": sum(losses[-10:]) / len(losses[-10:]),
+        "train_s": round(train_s[0], 1),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "evals": evals,
+    }
     if a.json:
         print(json.dumps(out))
     else:

@@ -1,6 +1,7 @@
 """Drive `asyncrl up` from outside, as an operator would: start it, find its processes by the run
 dir in their command lines, read its progress, kill what is left. Shared by the tests of `up`
 and the chaos harness's `up_supervisor` scenario."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,20 +48,41 @@ heartbeat_s = 1.0
 """
 
 
-def start_up(tmp: Path, config: str, steps: int, *, nats: str | None = None, minutes: float = 4,
-             new_session: bool = True) -> tuple[subprocess.Popen, Path]:
+def start_up(
+    tmp: Path,
+    config: str,
+    steps: int,
+    *,
+    nats: str | None = None,
+    minutes: float = 4,
+    new_session: bool = True,
+) -> tuple[subprocess.Popen, Path]:
     """`asyncrl up --quiet` in the background; stdout/stderr in tmp/up.out. Returns (proc, run_dir)."""
     cfg = tmp / "up.toml"
     cfg.write_text(config)
     run_dir = tmp / "run"
-    cmd = [sys.executable, "-m", "asyncrl.cli", "up", "--config", str(cfg), "--steps", str(steps),
-           "--minutes", str(minutes), "--run-dir", str(run_dir), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.cli",
+        "up",
+        "--config",
+        str(cfg),
+        "--steps",
+        str(steps),
+        "--minutes",
+        str(minutes),
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+    ]
     if nats:
         cmd += ["--nats", nats]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     with open(tmp / "up.out", "wb") as out:
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
-                             start_new_session=new_session)
+        p = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=new_session
+        )
     return p, run_dir
 
 
@@ -98,17 +120,23 @@ def trainer_version(run_dir: Path) -> int:
     return max([r.get("version", 0) for r in rows if "samples" in r] or [0])
 
 
-async def wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None, out: Path | None = None):
+async def wait_for(
+    cond, timeout: float, what: str, proc: subprocess.Popen | None = None, out: Path | None = None
+):
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         v = cond()
         if v:
             return v
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"asyncrl up exited ({proc.returncode}) while waiting for {what}:\n"
-                                 + (out.read_text()[-4000:] if out else ""))
+            raise AssertionError(
+                f"asyncrl up exited ({proc.returncode}) while waiting for {what}:\n"
+                + (out.read_text()[-4000:] if out else "")
+            )
         await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n" + (out.read_text()[-4000:] if out else ""))
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}\n" + (out.read_text()[-4000:] if out else "")
+    )
 
 
 def summary_of(run_dir: Path) -> dict:

@@ -22,6 +22,7 @@ transport_delta / _layers  per transport:
   apply_ms_p50             later updates: pause -> push (vLLM paused), as the client sees it
 ratio_stall_p50            layers / delta (later updates)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,16 +37,28 @@ import torch
 from .stats import pct
 
 
-def make_checkpoint(folder, hidden: int, layers: int, vocab: int,
-                    arch: str = "qwen2") -> dict[str, torch.Tensor]:
+def make_checkpoint(
+    folder, hidden: int, layers: int, vocab: int, arch: str = "qwen2"
+) -> dict[str, torch.Tensor]:
     import transformers
+
     heads = max(2, hidden // 64)
-    Config, Model = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-                     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[arch]
-    cfg = Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                 num_hidden_layers=layers, num_attention_heads=heads,
-                 num_key_value_heads=max(1, heads // 2), max_position_embeddings=512,
-                 tie_word_embeddings=False, initializer_range=0.08, torch_dtype="bfloat16")
+    Config, Model = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[arch]
+    cfg = Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.08,
+        torch_dtype="bfloat16",
+    )
     torch.manual_seed(0)
     model = Model(cfg).to(torch.bfloat16)
     model.save_pretrained(folder)
@@ -73,10 +86,14 @@ async def run(a) -> dict:
     states = [state]
     for i in range(a.updates):
         states.append(changed(states[-1], a.frac, seed=i + 1))
-    deltas = [delta_codec.encode_delta(states[i], states[i + 1], from_version=i, to_version=i + 1)
-              for i in range(a.updates)]
-    eng = VLLMEngine(WorkerConfig(engine="vllm", model=tmp.name, slots=a.slots, max_len=a.max_tokens + 16, seed=0),
-                     enforce_eager=True)
+    deltas = [
+        delta_codec.encode_delta(states[i], states[i + 1], from_version=i, to_version=i + 1)
+        for i in range(a.updates)
+    ]
+    eng = VLLMEngine(
+        WorkerConfig(engine="vllm", model=tmp.name, slots=a.slots, max_len=a.max_tokens + 16, seed=0),
+        enforce_eager=True,
+    )
     t0 = time.perf_counter()
     await eng.load_keyframe(state, version=0, epoch=1)
     start_s = time.perf_counter() - t0
@@ -86,8 +103,11 @@ async def run(a) -> dict:
         k = 0
         while not stop.is_set():
             k += 1
-            await eng.generate([5 + slot, 17, 42, 99, 7], SamplingParams(temperature=1.0, max_tokens=a.max_tokens),
-                               seed=slot * 1000 + k)
+            await eng.generate(
+                [5 + slot, 17, 42, 99, 7],
+                SamplingParams(temperature=1.0, max_tokens=a.max_tokens),
+                seed=slot * 1000 + k,
+            )
 
     runners = [asyncio.create_task(keep_busy(s)) for s in range(a.slots)]
     while eng.stats()["tokens"] < a.warmup_tokens * a.slots:
@@ -98,9 +118,9 @@ async def run(a) -> dict:
         eng.delta_transport = mode
         n_up, n_stall = eng.metrics.updates, len(eng.metrics.stall_ms)
         await eng.apply_delta(d, epoch=1)
-        while eng.metrics.updates == n_up:          # at the first token after it (at once when none decoded)
+        while eng.metrics.updates == n_up:  # at the first token after it (at once when none decoded)
             await asyncio.sleep(0.005)
-        if len(eng.metrics.stall_ms) > n_stall:     # no request decoding at the update: it stalled nothing
+        if len(eng.metrics.stall_ms) > n_stall:  # no request decoding at the update: it stalled nothing
             res[mode]["stall"].append(eng.metrics.stall_ms[-1])
             res[mode]["apply"].append(eng.metrics.apply_ms[-1])
         await asyncio.sleep(a.between_s)
@@ -111,36 +131,55 @@ async def run(a) -> dict:
         r.cancel()
     await asyncio.gather(*runners, return_exceptions=True)
     tmp.cleanup()
-    out = {"arch": a.arch, "params": n_params, "hidden": a.hidden, "n_layers": a.layers, "vocab": a.vocab,
-           "slots": a.slots, "frac": a.frac, "delta_bytes_mean": float(np.mean([d.nbytes for d in deltas])),
-           "bf16_bytes": 2 * n_params, "start_s": round(start_s, 1),
-           "worker_codec_warm_s": round(getattr(eng, "worker_warm_s", 0.0), 2),
-           "step_gap_ms_p50": round(gap, 2)}
+    out = {
+        "arch": a.arch,
+        "params": n_params,
+        "hidden": a.hidden,
+        "n_layers": a.layers,
+        "vocab": a.vocab,
+        "slots": a.slots,
+        "frac": a.frac,
+        "delta_bytes_mean": float(np.mean([d.nbytes for d in deltas])),
+        "bf16_bytes": 2 * n_params,
+        "start_s": round(start_s, 1),
+        "worker_codec_warm_s": round(getattr(eng, "worker_warm_s", 0.0), 2),
+        "step_gap_ms_p50": round(gap, 2),
+    }
     for mode, r in res.items():
         # the first update of each transport apart: a cold path shows there, not in the p99
         stall, apply = r["stall"][1:], r["apply"][1:]
-        out[f"transport_{mode}"] = {"n": len(stall), "first_apply_ms": round(r["apply"][0], 1),
-                     "first_stall_ms": round(r["stall"][0], 1),
-                     "first_stall_steps": round(r["stall"][0] / gap, 2),
-                     "stall_ms_p50": round(pct(stall, 50), 1),
-                     "stall_ms_p99": round(pct(stall, 99), 1),
-                     "stall_steps_p50": round(pct(stall, 50) / gap, 2),
-                     "stall_steps_p99": round(pct(stall, 99) / gap, 2),
-                     "apply_ms_p50": round(pct(apply, 50), 1)}
-    out["ratio_stall_p50"] = round(out["transport_layers"]["stall_ms_p50"] / out["transport_delta"]["stall_ms_p50"], 2)
+        out[f"transport_{mode}"] = {
+            "n": len(stall),
+            "first_apply_ms": round(r["apply"][0], 1),
+            "first_stall_ms": round(r["stall"][0], 1),
+            "first_stall_steps": round(r["stall"][0] / gap, 2),
+            "stall_ms_p50": round(pct(stall, 50), 1),
+            "stall_ms_p99": round(pct(stall, 99), 1),
+            "stall_steps_p50": round(pct(stall, 50) / gap, 2),
+            "stall_steps_p99": round(pct(stall, 99) / gap, 2),
+            "apply_ms_p50": round(pct(apply, 50), 1),
+        }
+    out["ratio_stall_p50"] = round(
+        out["transport_layers"]["stall_ms_p50"] / out["transport_delta"]["stall_ms_p50"], 2
+    )
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="bench.vllm_stall", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="bench.vllm_stall", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=384)
     ap.add_argument("--slots", type=int, default=4)
-    ap.add_argument("--updates", type=int, default=20,
-                    help="deltas, alternating delta/layers transport (>= 4: a first and a later one each)")
+    ap.add_argument(
+        "--updates",
+        type=int,
+        default=20,
+        help="deltas, alternating delta/layers transport (>= 4: a first and a later one each)",
+    )
     ap.add_argument("--frac", type=float, default=0.01, help="fraction of elements each delta changes")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--warmup-tokens", type=int, default=32)

@@ -23,6 +23,7 @@ tbf on a veth between two network namespaces (bench.wantbf; root), the delay lin
 latency; where that is not available the delay line's token bucket, and the JSON says which
 ("link", "link_requested"). Last line: one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,7 @@ from .stats import pct
 from .wan_region import RegionProc
 from .wanlab import Lab
 
-NEAREST = "inverted_cdf"   # percentiles by nearest rank: a patch latency that was measured
+NEAREST = "inverted_cdf"  # percentiles by nearest rank: a patch latency that was measured
 
 
 # -- the model and its updates ------------------------------------------------------------------
@@ -77,8 +78,8 @@ def step(state: dict, frac: float, seed: int) -> dict:
 # -- one configuration ----------------------------------------------------------------------------
 @dataclass
 class Cfg:
-    weights: str       # full | delta
-    read: str          # hub | mirror
+    weights: str  # full | delta
+    read: str  # hub | mirror
 
 
 async def wait_for(pred, timeout: float) -> bool:
@@ -91,15 +92,21 @@ async def wait_for(pred, timeout: float) -> bool:
 
 
 async def new_lab(a, root: str, **kw) -> Lab:
-    lab = Lab(root, a.regions, topology=topo.TopologyConfig(storage="memory", ack_wait_s=a.ack_wait_s,
-                                                            max_deliver=50, weights_keep=a.weights_keep),
-              link=a.link, **kw)
+    lab = Lab(
+        root,
+        a.regions,
+        topology=topo.TopologyConfig(
+            storage="memory", ack_wait_s=a.ack_wait_s, max_deliver=50, weights_keep=a.weights_keep
+        ),
+        link=a.link,
+        **kw,
+    )
     return await lab.start()
 
 
 async def run_config(a, c: Cfg, base_state: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-wan-") as root:
-        lab = await new_lab(a, root, mirrors=c.read == "mirror")   # no mirror traffic in hub runs
+        lab = await new_lab(a, root, mirrors=c.read == "mirror")  # no mirror traffic in hub runs
         procs = {r: RegionProc(lab, r, a.workers, c.read) for r in a.regions}
         try:
             hub = await lab.hub_bus("bench-trainer")
@@ -119,8 +126,9 @@ async def run_config(a, c: Cfg, base_state: dict) -> dict:
                     sizes.append(ev.size)
                     ksizes.append(ev.size)
                 else:
-                    d = await asyncio.to_thread(delta_codec.encode_delta, state, new, from_version=v - 1,
-                                                to_version=v)
+                    d = await asyncio.to_thread(
+                        delta_codec.encode_delta, state, new, from_version=v - 1, to_version=v
+                    )
                     ev = await pub.publish_delta(d)
                     sizes.append(ev.size)
                     dsizes.append(ev.size)
@@ -133,8 +141,12 @@ async def run_config(a, c: Cfg, base_state: dict) -> dict:
                 # sample the lag until the next publish is due
                 due = t_start + v * a.interval_s
                 while time.monotonic() < due:
-                    lag.append({"t": round(time.monotonic() - t_start, 2),
-                                **{r: v - p.min_version() for r, p in procs.items()}})
+                    lag.append(
+                        {
+                            "t": round(time.monotonic() - t_start, 2),
+                            **{r: v - p.min_version() for r, p in procs.items()},
+                        }
+                    )
                     await asyncio.sleep(min(0.25, max(0.0, due - time.monotonic())))
             ok = await wait_for(lambda: all(p.min_version() >= a.versions for p in procs.values()), a.drain_s)
             await asyncio.sleep(0.5)
@@ -143,18 +155,27 @@ async def run_config(a, c: Cfg, base_state: dict) -> dict:
             for r, p in procs.items():
                 lat = [p.patched[(w, v)] - acked[v] for (w, v) in p.patched if v in acked]
                 wan = after[r]["down"]["bytes"] - before[r]["down"]["bytes"]
-                per_region[r] = {"patch_p50_s": pct(lat, 50, NEAREST), "patch_p95_s": pct(lat, 95, NEAREST),
-                                 "wan_bytes_per_version": wan / a.versions,
-                                 "wan_per_payload": round(wan / max(1, sum(sizes)), 3),
-                                 "max_lag": max((s[r] for s in lag), default=0),
-                                 "caught_up": p.min_version() >= a.versions,
-                                 "link": a.regions[r].__dict__}
+                per_region[r] = {
+                    "patch_p50_s": pct(lat, 50, NEAREST),
+                    "patch_p95_s": pct(lat, 95, NEAREST),
+                    "wan_bytes_per_version": wan / a.versions,
+                    "wan_per_payload": round(wan / max(1, sum(sizes)), 3),
+                    "max_lag": max((s[r] for s in lag), default=0),
+                    "caught_up": p.min_version() >= a.versions,
+                    "link": a.regions[r].__dict__,
+                }
             egress = sum(after[r]["down"]["bytes"] - before[r]["down"]["bytes"] for r in procs) / a.versions
-            return {"weights": c.weights, "read": c.read, "payload_bytes_per_version": statistics.mean(sizes),
-                    "delta_bytes_mean": statistics.mean(dsizes) if dsizes else None,
-                    "keyframe_bytes_mean": statistics.mean(ksizes) if ksizes else None,
-                    "hub_egress_per_version": egress, "regions": per_region, "all_caught_up": ok,
-                    "lag_over_time": lag[:: max(1, len(lag) // 60)]}
+            return {
+                "weights": c.weights,
+                "read": c.read,
+                "payload_bytes_per_version": statistics.mean(sizes),
+                "delta_bytes_mean": statistics.mean(dsizes) if dsizes else None,
+                "keyframe_bytes_mean": statistics.mean(ksizes) if ksizes else None,
+                "hub_egress_per_version": egress,
+                "regions": per_region,
+                "all_caught_up": ok,
+                "lag_over_time": lag[:: max(1, len(lag) // 60)],
+            }
         finally:
             for p in procs.values():
                 await p.stop()
@@ -184,7 +205,9 @@ async def run_failures(a, base_state: dict) -> dict:
                 while time.monotonic() < end:
                     v += 1
                     new = step(state, a.changed, v)
-                    d = await asyncio.to_thread(delta_codec.encode_delta, state, new, from_version=v - 1, to_version=v)
+                    d = await asyncio.to_thread(
+                        delta_codec.encode_delta, state, new, from_version=v - 1, to_version=v
+                    )
                     await pub.publish_delta(d)
                     if v % a.keyframe_every == 0:
                         await pub.publish_keyframe(new, v, {}, set_version=False)
@@ -201,14 +224,19 @@ async def run_failures(a, base_state: dict) -> dict:
             catch_up_s = time.monotonic() - t_back if caught else None
 
             # tasks: every region works; the victim dies holding some
-            await hub.publish_many([(topo.task_subject("wan"), Task(task_id=f"t{i}", env="wan", prompt="p"))
-                                    for i in range(a.tasks)])
+            await hub.publish_many(
+                [
+                    (topo.task_subject("wan"), Task(task_id=f"t{i}", env="wan", prompt="p"))
+                    for i in range(a.tasks)
+                ]
+            )
             await wait_for(lambda: len(procs[victim].tasks) >= 1, 30)
             await lab.kill_region(victim)
             t_kill = time.monotonic()
 
-            async def results() -> int:     # one ROLLOUTS message per task that has a result
+            async def results() -> int:  # one ROLLOUTS message per task that has a result
                 return (await hub.js.stream_info(topo.ROLLOUTS)).state.messages
+
             deadline = time.monotonic() + a.ack_wait_s * 4 + a.tasks * a.task_hold_s + 30
             while await results() < a.tasks and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
@@ -216,11 +244,19 @@ async def run_failures(a, base_state: dict) -> dict:
             rerouted = sum(1 for r, p in procs.items() if r != victim for t in p.tasks if t["deliveries"] > 1)
             info = await hub.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
             n_results = await results()
-            return {"victim": victim, "link_cut_s": a.cut_s, "versions_behind_at_restore": behind,
-                    "catch_up_s": catch_up_s, "tasks": a.tasks, "tasks_done": n_results,
-                    "tasks_lost": a.tasks - n_results, "tasks_rerouted": rerouted,
-                    "all_done_s_after_kill": round(time.monotonic() - t_kill, 2) if all_done else None,
-                    "ack_wait_s": a.ack_wait_s, "pending_after": info.num_pending + info.num_ack_pending}
+            return {
+                "victim": victim,
+                "link_cut_s": a.cut_s,
+                "versions_behind_at_restore": behind,
+                "catch_up_s": catch_up_s,
+                "tasks": a.tasks,
+                "tasks_done": n_results,
+                "tasks_lost": a.tasks - n_results,
+                "tasks_rerouted": rerouted,
+                "all_done_s_after_kill": round(time.monotonic() - t_kill, 2) if all_done else None,
+                "ack_wait_s": a.ack_wait_s,
+                "pending_after": info.num_pending + info.num_ack_pending,
+            }
         finally:
             for p in procs.values():
                 await p.stop()
@@ -228,7 +264,7 @@ async def run_failures(a, base_state: dict) -> dict:
 
 
 def parse_regions(spec: str, rate_scale: float, loss: float) -> dict[str, LinkSpec]:
-    """"name:delay_ms:rate_mbit,..." -> {name: LinkSpec}."""
+    """ "name:delay_ms:rate_mbit,..." -> {name: LinkSpec}."""
     out = {}
     for part in spec.split(","):
         try:
@@ -248,10 +284,20 @@ async def main_async(a) -> dict:
         print(f"# {c.weights} / {c.read} ...", file=sys.stderr, flush=True)
         runs.append(await run_config(a, c, base))
     failure = await run_failures(a, base) if not a.no_failure else None
-    return {"params": n, "full_bf16_bytes": 2 * n, "changed": a.changed, "versions": a.versions,
-            "interval_s": a.interval_s, "keyframe_every": a.keyframe_every, "workers_per_region": a.workers,
-            "regions": {r: s.__dict__ for r, s in a.regions.items()}, "link": a.link,
-            "link_requested": a.link_requested, "runs": runs, "failure": failure}
+    return {
+        "params": n,
+        "full_bf16_bytes": 2 * n,
+        "changed": a.changed,
+        "versions": a.versions,
+        "interval_s": a.interval_s,
+        "keyframe_every": a.keyframe_every,
+        "workers_per_region": a.workers,
+        "regions": {r: s.__dict__ for r, s in a.regions.items()},
+        "link": a.link,
+        "link_requested": a.link_requested,
+        "runs": runs,
+        "failure": failure,
+    }
 
 
 def main(argv=None) -> None:
@@ -268,9 +314,13 @@ def main(argv=None) -> None:
     p.add_argument("--regions", default="r20:20:50,r80:80:20,r150:150:10")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply every link's rate")
     p.add_argument("--loss", type=float, default=0.0)
-    p.add_argument("--link", choices=("proxy", "tbf"), default="proxy",
-                   help="rate cap: the delay line's token bucket, or the kernel's tbf on a veth between "
-                        "network namespaces (root; falls back to proxy where unavailable)")
+    p.add_argument(
+        "--link",
+        choices=("proxy", "tbf"),
+        default="proxy",
+        help="rate cap: the delay line's token bucket, or the kernel's tbf on a veth between "
+        "network namespaces (root; falls back to proxy where unavailable)",
+    )
     p.add_argument("--cut-s", type=float, default=20.0)
     p.add_argument("--catchup-timeout-s", type=float, default=180.0)
     p.add_argument("--tasks", type=int, default=60)
@@ -288,9 +338,14 @@ def main(argv=None) -> None:
     a.link_requested = a.link
     if a.link == "tbf":
         from .wantbf import tbf_available
+
         if not tbf_available():
-            print("# --link tbf: no tbf in network namespaces here (needs root, ip, tc); "
-                  "the delay line's token bucket caps the rate", file=sys.stderr, flush=True)
+            print(
+                "# --link tbf: no tbf in network namespaces here (needs root, ip, tc); "
+                "the delay line's token bucket caps the rate",
+                file=sys.stderr,
+                flush=True,
+            )
             a.link = "proxy"
     setup_logging("bench-wan", level="warning")
     torch.set_num_threads(1)
@@ -299,9 +354,13 @@ def main(argv=None) -> None:
         print(json.dumps(out))
     else:
         for r in out["runs"]:
-            print(f"{r['weights']:5s} {r['read']:6s} egress/v={r['hub_egress_per_version']:.0f}B  " +
-                  "  ".join(f"{n}: p50={x['patch_p50_s']} p95={x['patch_p95_s']} wan/v={x['wan_bytes_per_version']:.0f}"
-                            for n, x in r["regions"].items()))
+            print(
+                f"{r['weights']:5s} {r['read']:6s} egress/v={r['hub_egress_per_version']:.0f}B  "
+                + "  ".join(
+                    f"{n}: p50={x['patch_p50_s']} p95={x['patch_p95_s']} wan/v={x['wan_bytes_per_version']:.0f}"
+                    for n, x in r["regions"].items()
+                )
+            )
         print(json.dumps(out["failure"]))
 
 

@@ -5,6 +5,7 @@ RegionProc, the bench's handle on that process (start, read its reports, stop by
 
     python -m bench.wan_region --region r20 --url nats://... --workers 3 --read mirror
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,15 @@ async def region_main(a) -> None:
     tasks = []
     for i in range(a.workers):
         name = f"{a.region}-w{i}"
-        bus = await connect(BusConfig(servers=[a.url], name=name, js_domain=topo.HUB_DOMAIN,
-                                      weights_domain=a.region if a.read == "mirror" else None,
-                                      connect_attempts=5))
+        bus = await connect(
+            BusConfig(
+                servers=[a.url],
+                name=name,
+                js_domain=topo.HUB_DOMAIN,
+                weights_domain=a.region if a.read == "mirror" else None,
+                connect_attempts=5,
+            )
+        )
         feed = WeightFollower(weight_source(bus), name=name, poll_s=0.5)
         target = ThreadedTarget(lambda v, name=name: say(w=name, v=v, t=time.time()))
         tasks.append(asyncio.ensure_future(feed.follow(target, stop)))
@@ -64,7 +71,7 @@ async def region_main(a) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    await reader.readline()               # the bench closes stdin to stop us
+    await reader.readline()  # the bench closes stdin to stop us
     stop.set()
     for t in tasks:
         t.cancel()
@@ -77,18 +84,24 @@ async def task_worker(bus, name: str, hold_s: float, say) -> None:
         for m in await sub.fetch(1, timeout=0.5):
             await asyncio.sleep(hold_s)
             tid = events.decode(m.data, Task).task_id
-            try:   # as a worker does: the result first (deduped by id), then the ack
+            try:  # as a worker does: the result first (deduped by id), then the ack
                 await bus.publish(topo.rollout_subject("wan"), tid.encode(), msg_id=f"rollout-{tid}")
                 await m.ack_sync(timeout=2)
                 say(task=tid, w=name, deliveries=m.metadata.num_delivered)
             except Exception:
-                pass                      # our region is gone: the hub redelivers after ack_wait
+                pass  # our region is gone: the hub redelivers after ack_wait
 
 
 class RegionProc:
     def __init__(self, lab: Lab, region: str, workers: int, read: str, task_hold_s: float = 0.0):
-        self.lab, self.region, self.workers, self.read, self.task_hold_s = lab, region, workers, read, task_hold_s
-        self.patched: dict[tuple[str, int], float] = {}     # (worker, version) -> wall time
+        self.lab, self.region, self.workers, self.read, self.task_hold_s = (
+            lab,
+            region,
+            workers,
+            read,
+            task_hold_s,
+        )
+        self.patched: dict[tuple[str, int], float] = {}  # (worker, version) -> wall time
         self.version: dict[str, int] = {}
         self.tasks: list[dict] = []
         self.proc = None
@@ -97,9 +110,22 @@ class RegionProc:
 
     async def start(self):
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.wan_region", "--region", self.region, "--url",
-            self.lab.regions[self.region].url, "--workers", str(self.workers), "--read", self.read,
-            "--task-hold-s", str(self.task_hold_s), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            sys.executable,
+            "-m",
+            "bench.wan_region",
+            "--region",
+            self.region,
+            "--url",
+            self.lab.regions[self.region].url,
+            "--workers",
+            str(self.workers),
+            "--read",
+            self.read,
+            "--task-hold-s",
+            str(self.task_hold_s),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
         self._reader = asyncio.ensure_future(self._read())
         await asyncio.wait_for(self._ready.wait(), 60)
 
@@ -140,7 +166,7 @@ def main(argv=None) -> None:
     p.add_argument("--read", choices=("hub", "mirror"), default="mirror")
     p.add_argument("--task-hold-s", type=float, default=0.0)
     a = p.parse_args(argv)
-    setup_logging("bench-wan-region", level="warning")     # stderr: stdout is the pipe to the bench
+    setup_logging("bench-wan-region", level="warning")  # stderr: stdout is the pipe to the bench
     asyncio.run(region_main(a))
 
 

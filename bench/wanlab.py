@@ -11,6 +11,7 @@ nats-server with its own domain (the region's name) whose leaf remote dials the 
 which carries the bytes to the hub's leaf port. Loopback only (with link="tbf", also addresses
 inside the two network namespaces each link's tbf path creates; bench.wantbf).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,13 @@ class Links:
 
     async def start(self, table: dict) -> dict[str, int]:
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.delayline", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).resolve().parents[1]))
+            sys.executable,
+            "-m",
+            "bench.delayline",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            cwd=str(Path(__file__).resolve().parents[1]),
+        )
         self.ports = (await self._ask(json.dumps(table)))["ports"]
         return self.ports
 
@@ -81,18 +87,24 @@ class Links:
 
 
 class Lab:
-    def __init__(self, root: str | Path, regions: dict[str, LinkSpec], *,
-                 topology: topo.TopologyConfig | None = None, mirror: topo.MirrorConfig | None = None,
-                 mirrors: bool = True, link: str = "proxy"):
+    def __init__(
+        self,
+        root: str | Path,
+        regions: dict[str, LinkSpec],
+        *,
+        topology: topo.TopologyConfig | None = None,
+        mirror: topo.MirrorConfig | None = None,
+        mirrors: bool = True,
+        link: str = "proxy",
+    ):
         if link not in ("proxy", "tbf"):
             raise ValueError(f"link must be 'proxy' (the delay line's token bucket) or 'tbf', got {link!r}")
-        self.link = link                  # tbf: the kernel caps each link's rate (bench.wantbf, root)
+        self.link = link  # tbf: the kernel caps each link's rate (bench.wantbf, root)
         self.root = Path(root)
         self.specs = dict(regions)
         self.topology = topology or topo.TopologyConfig(storage="memory")
-        self.mirror = mirror or topo.MirrorConfig(storage="memory",
-                                                  weights_keep=self.topology.weights_keep)
-        self.mirrors = mirrors            # False: regions without mirrors (every read crosses the WAN)
+        self.mirror = mirror or topo.MirrorConfig(storage="memory", weights_keep=self.topology.weights_keep)
+        self.mirrors = mirrors  # False: regions without mirrors (every read crosses the WAN)
         self.hub: EmbeddedServer | None = None
         self.regions: dict[str, EmbeddedServer] = {}
         self.links = Links()
@@ -107,24 +119,45 @@ class Lab:
     async def start(self) -> "Lab":
         self.root.mkdir(parents=True, exist_ok=True)
         # leaf port -1: the server picks one; read back from /varz
-        self.hub = EmbeddedServer(self.root / "hub", config_file=self._conf("hub", (
-            "server_name: hub\nmax_payload: 8MB\n"
-            f"jetstream {{ domain: {topo.HUB_DOMAIN} }}\n"
-            # no_advertise: else a region learns the hub's own leaf address and reconnects there,
-            # around its WAN link
-            "leafnodes { listen: 127.0.0.1:-1, no_advertise: true }\n")))
+        self.hub = EmbeddedServer(
+            self.root / "hub",
+            config_file=self._conf(
+                "hub",
+                (
+                    "server_name: hub\nmax_payload: 8MB\n"
+                    f"jetstream {{ domain: {topo.HUB_DOMAIN} }}\n"
+                    # no_advertise: else a region learns the hub's own leaf address and reconnects there,
+                    # around its WAN link
+                    "leafnodes { listen: 127.0.0.1:-1, no_advertise: true }\n"
+                ),
+            ),
+        )
         await self.hub.start()
         self.hub_leaf_port = int(_get_json(self.hub.monitor_url + "/varz")["leaf"]["port"])
-        ports = await self.links.start({n: {"target": ["127.0.0.1", self.hub_leaf_port], **asdict(s),
-                                            "tbf": self.link == "tbf"} for n, s in self.specs.items()})
-        admin = await connect(BusConfig(servers=[self.hub.url], name="lab-admin", js_domain=topo.HUB_DOMAIN,
-                                        topology=self.topology))
+        ports = await self.links.start(
+            {
+                n: {"target": ["127.0.0.1", self.hub_leaf_port], **asdict(s), "tbf": self.link == "tbf"}
+                for n, s in self.specs.items()
+            }
+        )
+        admin = await connect(
+            BusConfig(
+                servers=[self.hub.url], name="lab-admin", js_domain=topo.HUB_DOMAIN, topology=self.topology
+            )
+        )
         await admin.provision()
         await admin.close()
         for name in self.specs:
-            self.regions[name] = EmbeddedServer(self.root / name, config_file=self._conf(name, (
-                f"server_name: {name}\nmax_payload: 8MB\njetstream {{ domain: {name} }}\n"
-                f"leafnodes {{ reconnect: 1s\n  remotes: [ {{ url: \"nats-leaf://127.0.0.1:{ports[name]}\" }} ] }}\n")))
+            self.regions[name] = EmbeddedServer(
+                self.root / name,
+                config_file=self._conf(
+                    name,
+                    (
+                        f"server_name: {name}\nmax_payload: 8MB\njetstream {{ domain: {name} }}\n"
+                        f'leafnodes {{ reconnect: 1s\n  remotes: [ {{ url: "nats-leaf://127.0.0.1:{ports[name]}" }} ] }}\n'
+                    ),
+                ),
+            )
         await asyncio.gather(*(s.start() for s in self.regions.values()))
         for name in self.specs:
             await self.wait_leaf(name)
@@ -154,8 +187,11 @@ class Lab:
 
     # -- clients ---------------------------------------------------------------------------------
     async def hub_bus(self, name: str, **kw):
-        b = await connect(BusConfig(servers=[self.hub.url], name=name, js_domain=topo.HUB_DOMAIN,
-                                    topology=self.topology, **kw))
+        b = await connect(
+            BusConfig(
+                servers=[self.hub.url], name=name, js_domain=topo.HUB_DOMAIN, topology=self.topology, **kw
+            )
+        )
         self._buses.append(b)
         return b
 
@@ -164,9 +200,16 @@ class Lab:
         mirrors (read="mirror") or from the hub's streams across the WAN (read="hub")."""
         if read not in ("mirror", "hub"):
             raise ValueError(f"read must be 'mirror' or 'hub', got {read!r}")
-        b = await connect(BusConfig(servers=[self.regions[region].url], name=name, js_domain=topo.HUB_DOMAIN,
-                                    weights_domain=region if read == "mirror" else None,
-                                    topology=self.topology, **kw))
+        b = await connect(
+            BusConfig(
+                servers=[self.regions[region].url],
+                name=name,
+                js_domain=topo.HUB_DOMAIN,
+                weights_domain=region if read == "mirror" else None,
+                topology=self.topology,
+                **kw,
+            )
+        )
         self._buses.append(b)
         return b, weight_source(b)
 
@@ -184,7 +227,7 @@ class Lab:
         await self.regions[region].start()
         await self.wait_leaf(region)
         if self.mirrors:
-            await self.provision_region(region)      # memory mirrors do not survive a restart
+            await self.provision_region(region)  # memory mirrors do not survive a restart
 
     async def counters(self) -> dict:
         return await self.links.counters()

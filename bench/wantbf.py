@@ -19,6 +19,7 @@ real TCP on top (its window and the qdisc queue), instead of by the proxy's toke
 Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN), `ip` and `tc` with sch_tbf; `tbf_available()` says
 whether this machine has them, and bench.wan falls back to the proxy's token bucket otherwise.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,7 +35,7 @@ import subprocess
 CLONE_NEWNET = 0x40000000
 ADDR_A, ADDR_B = "10.213.0.1", "10.213.0.2"
 _counter = itertools.count()
-_live: set[str] = set()          # namespaces this process made and has not deleted yet
+_live: set[str] = set()  # namespaces this process made and has not deleted yet
 
 
 class TbfUnavailable(RuntimeError):
@@ -55,7 +56,7 @@ def _tc(ns: str, *args: str) -> None:
 
 
 def _delete_netns(name: str) -> None:
-    _ip("netns", "del", name, check=False)     # takes its veth end, and so the pair, with it
+    _ip("netns", "del", name, check=False)  # takes its veth end, and so the pair, with it
     _live.discard(name)
 
 
@@ -125,8 +126,20 @@ class TbfPath:
             for ns in (self.ns_a, self.ns_b):
                 _ip("netns", "add", ns)
                 _live.add(ns)
-            _ip("link", "add", "veth-a", "netns", self.ns_a, "type", "veth", "peer", "name", "veth-b",
-                "netns", self.ns_b)
+            _ip(
+                "link",
+                "add",
+                "veth-a",
+                "netns",
+                self.ns_a,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "veth-b",
+                "netns",
+                self.ns_b,
+            )
             for ns, dev, addr in ((self.ns_a, "veth-a", ADDR_A), (self.ns_b, "veth-b", ADDR_B)):
                 _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
                 _ip("-n", ns, "link", "set", dev, "up")
@@ -139,8 +152,21 @@ class TbfPath:
     def set_rate(self, rate_mbit: float, *, add: bool = False) -> None:
         self.rate_mbit = rate_mbit
         for ns, dev in ((self.ns_a, "veth-a"), (self.ns_b, "veth-b")):
-            _tc(ns, "qdisc", "add" if add else "change", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
-                "burst", str(self.burst_bytes), "latency", f"{self.latency_ms}ms")
+            _tc(
+                ns,
+                "qdisc",
+                "add" if add else "change",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{rate_mbit}mbit",
+                "burst",
+                str(self.burst_bytes),
+                "latency",
+                f"{self.latency_ms}ms",
+            )
 
     def teardown(self) -> None:
         for ns in (self.ns_a, self.ns_b):
@@ -191,13 +217,17 @@ class TbfPath:
                 while data := await r.read(65536):
                     w.write(data)
                     await w.drain()
-            pumps = [asyncio.ensure_future(pipe(b_reader, t_writer)), asyncio.ensure_future(pipe(t_reader, b_writer))]
+
+            pumps = [
+                asyncio.ensure_future(pipe(b_reader, t_writer)),
+                asyncio.ensure_future(pipe(t_reader, b_writer)),
+            ]
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
             for p in pumps:
                 p.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
         except (OSError, asyncio.CancelledError):
-            pass                  # the other side went, or close(): either way both are reset
+            pass  # the other side went, or close(): either way both are reset
         finally:
             for w in writers:
                 self._writers.discard(w)
@@ -207,7 +237,7 @@ class TbfPath:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            for w in list(self._writers):      # resetting both legs ends each relay by itself
+            for w in list(self._writers):  # resetting both legs ends each relay by itself
                 w.transport.abort()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._server = None

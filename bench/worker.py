@@ -21,6 +21,7 @@ update_stall_steps_p50/p99    total stall / median baseline gap: the update's co
                               (1 = no visible cost); swap-mode target: p99 <= 2
 publish_to_patched_ms_p50/p99 publish_delta() called -> every worker announced it live
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,8 +102,8 @@ class Fleet:
 
     def __init__(self, a, url: str, tmp: Path):
         self.a, self.url, self.tmp = a, url, tmp
-        self.seen: dict[str, dict] = {}          # worker id -> latest heartbeat metrics
-        self.patched: dict[tuple[str, int], float] = {}   # (worker, version) -> receive time
+        self.seen: dict[str, dict] = {}  # worker id -> latest heartbeat metrics
+        self.patched: dict[tuple[str, int], float] = {}  # (worker, version) -> receive time
         self.procs, self.workers, self.runs, self.buses = [], [], [], []
 
     async def start(self, bus, stop: asyncio.Event) -> None:
@@ -110,21 +111,42 @@ class Fleet:
             hb = decode(msg.data, Heartbeat)
             self.seen[hb.component_id] = hb.metrics
             self.patched.setdefault((hb.component_id, hb.version), time.perf_counter())
+
         await bus.nc.subscribe("rl.heartbeat.rollout_worker.>", cb=on_beat)
         ids = [f"w{i}" for i in range(self.a.workers)]
         for wid in ids:
-            conf = dict(worker_id=wid, slots=self.a.slots, max_lag=10 ** 6, max_len=self.a.max_len,
-                        heartbeat_s=0.5, threads=self.a.threads, grace_s=1.0, log_level="warning",
-                        update_mode=self.a.update_mode)
+            conf = dict(
+                worker_id=wid,
+                slots=self.a.slots,
+                max_lag=10**6,
+                max_len=self.a.max_len,
+                heartbeat_s=0.5,
+                threads=self.a.threads,
+                grace_s=1.0,
+                log_level="warning",
+                update_mode=self.a.update_mode,
+            )
             if self.a.mode == "proc":
                 path = self.tmp / f"{wid}.toml"
-                path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in conf.items())
-                                + f'[bus]\nservers = ["{self.url}"]\nname = "{wid}"\n')
-                env = {**os.environ, "OMP_NUM_THREADS": str(self.a.threads), "ASYNCRL_LOG_JSON": "1",
-                       "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "rollout_worker", "--config", str(path)],
-                                                   stdout=open(self.tmp / f"{wid}.log", "wb"),
-                                                   stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+                path.write_text(
+                    "".join(f"{k} = {json.dumps(v)}\n" for k, v in conf.items())
+                    + f'[bus]\nservers = ["{self.url}"]\nname = "{wid}"\n'
+                )
+                env = {
+                    **os.environ,
+                    "OMP_NUM_THREADS": str(self.a.threads),
+                    "ASYNCRL_LOG_JSON": "1",
+                    "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                }
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "rollout_worker", "--config", str(path)],
+                        stdout=open(self.tmp / f"{wid}.log", "wb"),
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        cwd=ROOT,
+                    )
+                )
             else:
                 b = await connect(BusConfig(servers=[self.url], name=wid))
                 conf.pop("log_level")
@@ -132,7 +154,7 @@ class Fleet:
                 self.buses.append(b)
                 self.workers.append(w)
                 self.runs.append(asyncio.create_task(w.run(stop, handle_signals=False)))
-        while not all(self.seen.get(w, {}).get("tokens", 0) > 0 for w in ids):   # all loaded and generating
+        while not all(self.seen.get(w, {}).get("tokens", 0) > 0 for w in ids):  # all loaded and generating
             for p in self.procs:
                 if p.poll() is not None:
                     raise RuntimeError(f"worker exited with {p.returncode}; see {self.tmp}")
@@ -158,8 +180,9 @@ class Fleet:
 
 
 async def run(a) -> dict:
-    cfg = policy.ModelConfig.preset(a.model, vocab_size=policy.CharTokenizer.default().vocab_size,
-                                    max_seq_len=a.max_len)
+    cfg = policy.ModelConfig.preset(
+        a.model, vocab_size=policy.CharTokenizer.default().vocab_size, max_seq_len=a.max_len
+    )
     torch.manual_seed(0)
     model = policy.Transformer(cfg)
     n_params = model.num_params()
@@ -171,8 +194,10 @@ async def run(a) -> dict:
         new = perturb(prev, a.frac, seed=v)
         deltas.append(delta_codec.encode_delta(prev, new, from_version=v - 1, to_version=v))
         prev = new
-    log(f"model {a.model}: {n_params / 1e6:.1f} M params; {a.deltas} deltas of {a.frac:.1%} encoded in "
-        f"{time.perf_counter() - t0:.1f}s, {deltas[0].nbytes / 1e6:.2f} MB each")
+    log(
+        f"model {a.model}: {n_params / 1e6:.1f} M params; {a.deltas} deltas of {a.frac:.1%} encoded in "
+        f"{time.perf_counter() - t0:.1f}s, {deltas[0].nbytes / 1e6:.2f} MB each"
+    )
     with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
         async with EmbeddedServer(store_dir=Path(tmp) / "nats") as srv:
             bus = await connect(BusConfig(servers=[srv.url], name="bench-trainer"))
@@ -180,8 +205,10 @@ async def run(a) -> dict:
             pub = WeightPublisher(bus, epoch=1, trainer_id="bench")
             await pub.publish_keyframe(s0, 0, cfg)
             stop = asyncio.Event()
-            side = [asyncio.create_task(feed_tasks(bus, stop, a.workers * a.slots * 2, a.max_tokens)),
-                    asyncio.create_task(drain_rollouts(bus, stop))]
+            side = [
+                asyncio.create_task(feed_tasks(bus, stop, a.workers * a.slots * 2, a.max_tokens)),
+                asyncio.create_task(drain_rollouts(bus, stop)),
+            ]
             fleet = Fleet(a, srv.url, Path(tmp))
             try:
                 await fleet.start(bus, stop)
@@ -209,8 +236,15 @@ async def run(a) -> dict:
     med = lambda k: float(np.median([m[k] for m in ws]))
     decode_p50 = med("decode_step_ms_p50")
     out = {
-        "bench": "worker", "mode": a.mode, "update_mode": a.update_mode, "model": a.model, "params_m": round(n_params / 1e6, 1),
-        "workers": a.workers, "slots": a.slots, "deltas": a.deltas, "delta_frac": a.frac,
+        "bench": "worker",
+        "mode": a.mode,
+        "update_mode": a.update_mode,
+        "model": a.model,
+        "params_m": round(n_params / 1e6, 1),
+        "workers": a.workers,
+        "slots": a.slots,
+        "deltas": a.deltas,
+        "delta_frac": a.frac,
         "delta_mb": round(deltas[0].nbytes / 1e6, 3),
         "tokens_per_s": round(sum(m["tokens"] - tokens0[w] for w, m in snaps.items()) / wall, 1),
         "slot_occupancy": round(float(np.mean([m["slot_occupancy"] for m in ws])), 4),
@@ -226,14 +260,19 @@ async def run(a) -> dict:
         "update_stall_total_ms_p99": round(max(m["update_stall_total_ms_p99"] for m in ws), 2),
         "update_stall_steps_p50": round(med("update_stall_steps_p50"), 2),
         "update_stall_steps_p99": round(max(m["update_stall_steps_p99"] for m in ws), 2),
-        "publish_to_patched_ms_p50": round(pct(p2p, 50), 1), "publish_to_patched_ms_p99": round(pct(p2p, 99), 1),
+        "publish_to_patched_ms_p50": round(pct(p2p, 50), 1),
+        "publish_to_patched_ms_p99": round(pct(p2p, 99), 1),
         "updates_refused": int(sum(m["updates_refused"] for m in ws)),
     }
     # target: an update costs at most 2 decode steps at p99 (worst worker). In swap mode the apply
     # runs beside decoding, so no apply-time allowance: the steps it slows count as stall instead.
     out["stall_target_met"] = out["update_stall_steps_p99"] <= 2.0
-    out["stall_over_baseline_gap_p50"] = round(out["update_stall_ms_p50"] / max(out["step_gap_ms_p50"], 1e-9), 3)
-    out["stall_over_baseline_gap_p99"] = round(out["update_stall_ms_p99"] / max(out["step_gap_ms_p99"], 1e-9), 3)
+    out["stall_over_baseline_gap_p50"] = round(
+        out["update_stall_ms_p50"] / max(out["step_gap_ms_p50"], 1e-9), 3
+    )
+    out["stall_over_baseline_gap_p99"] = round(
+        out["update_stall_ms_p99"] / max(out["step_gap_ms_p99"], 1e-9), 3
+    )
     out["publish_target_met"] = out["publish_to_patched_ms_p99"] <= 1000.0
     out["occupancy_target_met"] = out["slot_occupancy"] >= 0.95
     return out
@@ -244,12 +283,19 @@ def log(msg: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bench.worker", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="base50m", help="policy.ModelConfig preset (tiny|small|base50m|base100m)")
+    ap = argparse.ArgumentParser(
+        prog="bench.worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model", default="base50m", help="policy.ModelConfig preset (tiny|small|base50m|base100m)"
+    )
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--mode", choices=("proc", "inproc"), default="proc",
-                    help="proc: one `python -m rollout_worker` process per worker; inproc: Worker objects here")
+    ap.add_argument(
+        "--mode",
+        choices=("proc", "inproc"),
+        default="proc",
+        help="proc: one `python -m rollout_worker` process per worker; inproc: Worker objects here",
+    )
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--deltas", type=int, default=50, help="deltas published (p99 needs >= 50)")
     ap.add_argument("--frac", type=float, default=0.01, help="fraction of elements changed per delta")
@@ -258,8 +304,12 @@ def main(argv=None) -> int:
     ap.add_argument("--interval-s", type=float, default=1.0, help="time between two deltas")
     ap.add_argument("--warmup-s", type=float, default=2.0)
     ap.add_argument("--tail-s", type=float, default=1.0)
-    ap.add_argument("--update-mode", choices=("swap", "inline"), default="swap",
-                    help="torch engine: prepare updates off the decode path and swap, or apply at the boundary")
+    ap.add_argument(
+        "--update-mode",
+        choices=("swap", "inline"),
+        default="swap",
+        help="torch engine: prepare updates off the decode path and swap, or apply at the boundary",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per decode call")
     ap.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     a = ap.parse_args(argv)

@@ -5,6 +5,7 @@ get: our own flow-controlled push consumer collects the chunks, hashing them as 
 and joins them once (ObjectStore.get concatenates bytes, quadratic, or hops to a thread per
 chunk: slow); a digest mismatch raises BlobError.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,7 @@ from nats.js import api
 from bus import topology as topo
 from bus.errors import BlobError
 
-CHUNK = 512 * 1024        # under the server's default 1 MiB max_payload, big enough to amortise acks
+CHUNK = 512 * 1024  # under the server's default 1 MiB max_payload, big enough to amortise acks
 
 
 async def put_blob(bus, name: str, data) -> str:
@@ -46,8 +47,10 @@ async def _info_when_there(obs, name: str, wait_s: float):
         except jse.NotFoundError:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise BlobError(f"blob {name!r} not found in {topo.BLOB_BUCKET}"
-                                + (f" (waited {wait_s}s)" if wait_s else "")) from None
+                raise BlobError(
+                    f"blob {name!r} not found in {topo.BLOB_BUCKET}"
+                    + (f" (waited {wait_s}s)" if wait_s else "")
+                ) from None
             await asyncio.sleep(min(delay, left))
             delay = min(delay * 2, 0.5)
 
@@ -61,12 +64,12 @@ async def get_blob(bus, name: str, timeout_s: float = 120.0, wait_s: float = 0.0
     if info.size == 0:
         return b""
     chunks: list[bytes] = []
-    sha = hashlib.sha256()           # hashed as chunks arrive: overlaps with the server sending
+    sha = hashlib.sha256()  # hashed as chunks arrive: overlaps with the server sending
     state = {"pos": 0, "chunks": 0, "error": None}
     done = asyncio.Event()
 
     async def on_msg(msg):
-        if msg.headers and msg.headers.get(api.Header.STATUS):   # flow control / heartbeat
+        if msg.headers and msg.headers.get(api.Header.STATUS):  # flow control / heartbeat
             reply = msg.reply or msg.headers.get(api.Header.CONSUMER_STALLED)
             if reply:
                 await bus.nc.publish(reply, b"")
@@ -84,17 +87,26 @@ async def get_blob(bus, name: str, timeout_s: float = 120.0, wait_s: float = 0.0
 
     inbox = bus.nc.new_inbox()
     sub = await bus.nc.subscribe(inbox, cb=on_msg, pending_bytes_limit=256 * 1024 * 1024)
-    cfg = api.ConsumerConfig(deliver_subject=inbox, filter_subject=f"$O.{topo.BLOB_BUCKET}.C.{info.nuid}",
-                             ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
-                             flow_control=True, idle_heartbeat=5.0, mem_storage=True,
-                             inactive_threshold=30.0, num_replicas=1)
+    cfg = api.ConsumerConfig(
+        deliver_subject=inbox,
+        filter_subject=f"$O.{topo.BLOB_BUCKET}.C.{info.nuid}",
+        ack_policy=api.AckPolicy.NONE,
+        deliver_policy=api.DeliverPolicy.ALL,
+        flow_control=True,
+        idle_heartbeat=5.0,
+        mem_storage=True,
+        inactive_threshold=30.0,
+        num_replicas=1,
+    )
     consumer = None
     try:
         consumer = (await bus.js.add_consumer(topo.BLOB_STREAM, cfg)).name
         try:
             await asyncio.wait_for(done.wait(), timeout_s)
         except asyncio.TimeoutError:
-            raise BlobError(f"blob {name!r}: got {state['chunks']}/{info.chunks} chunks in {timeout_s}s") from None
+            raise BlobError(
+                f"blob {name!r}: got {state['chunks']}/{info.chunks} chunks in {timeout_s}s"
+            ) from None
     finally:
         await sub.unsubscribe()
         if consumer:
@@ -103,8 +115,10 @@ async def get_blob(bus, name: str, timeout_s: float = 120.0, wait_s: float = 0.0
             except Exception:
                 pass  # inactive_threshold removes it anyway
     if state["error"] or state["pos"] != info.size:
-        raise BlobError(f"blob {name!r}: {state['error'] or 'short read'} ({state['pos']} of {info.size} bytes)")
+        raise BlobError(
+            f"blob {name!r}: {state['error'] or 'short read'} ({state['pos']} of {info.size} bytes)"
+        )
     got, want = sha.digest(), _sha_of(info)
     if got != want:
         raise BlobError(f"blob {name!r}: sha256 {got.hex()} != recorded {want.hex()} (corrupt)")
-    return b"".join(chunks)          # the one copy into the result
+    return b"".join(chunks)  # the one copy into the result

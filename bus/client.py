@@ -5,6 +5,7 @@ publish() stamps the readable Rl-* headers and Nats-Msg-Id (so a retried publish
 and retries until the JetStream ack arrives. pull() returns a subscription that survives
 reconnects and server restarts and returns [] when there is nothing to fetch.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,7 @@ import nats.errors
 import nats.js.errors as jse
 from nats.aio.msg import Msg
 from nats.js import api
-from tenacity import (AsyncRetrying, retry_if_exception_type, stop_after_attempt,
-                      wait_random_exponential)
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from bus import metrics
 from bus import topology as topo
@@ -31,9 +31,16 @@ from bus.pull import ResilientPull
 log = get_logger("bus")
 
 # errors after which a publish or fetch is worth retrying: the connection is (re)establishing
-RETRYABLE = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError,
-             jse.NoStreamResponseError, nats.errors.ConnectionReconnectingError,
-             nats.errors.StaleConnectionError, jse.ServiceUnavailableError, nats.errors.OutboundBufferLimitError)
+RETRYABLE = (
+    nats.errors.TimeoutError,
+    asyncio.TimeoutError,
+    nats.errors.NoRespondersError,
+    jse.NoStreamResponseError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    jse.ServiceUnavailableError,
+    nats.errors.OutboundBufferLimitError,
+)
 
 
 def _ssl_context(cfg: BusConfig) -> ssl.SSLContext | None:
@@ -47,7 +54,9 @@ def _ssl_context(cfg: BusConfig) -> ssl.SSLContext | None:
 
 def _auth_failure(e: BaseException | None) -> bool:
     text = repr(e).lower()
-    return isinstance(e, nats.errors.AuthorizationError) or "authorization" in text or "authentication" in text
+    return (
+        isinstance(e, nats.errors.AuthorizationError) or "authorization" in text or "authentication" in text
+    )
 
 
 async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
@@ -56,6 +65,7 @@ async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
     cfg = cfg or BusConfig()
     if overrides:
         import dataclasses
+
         cfg = dataclasses.replace(cfg, **overrides)
     blog = log.bind(client=cfg.name)
     state: dict = {"bus": None, "err": None}
@@ -68,8 +78,10 @@ async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
     async def on_reconnect():
         bus = state["bus"]
         if bus is not None:
-            bus.reconnects += 1   # lets watchers know their server-side state is gone
-            blog.info("nats reconnected", server=str(bus.nc.connected_url.netloc if bus.nc.connected_url else "?"))
+            bus.reconnects += 1  # lets watchers know their server-side state is gone
+            blog.info(
+                "nats reconnected", server=str(bus.nc.connected_url.netloc if bus.nc.connected_url else "?")
+            )
 
     async def on_error(e):
         state["err"] = e
@@ -77,16 +89,39 @@ async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
 
     # the first connection gives up (max_reconnect_attempts=1 per try, tenacity around it) so a
     # wrong URL or password is reported; once connected we switch to reconnecting forever
-    opts = dict(servers=cfg.servers, name=cfg.name, connect_timeout=cfg.connect_timeout_s,
-                max_reconnect_attempts=1, reconnect_time_wait=cfg.reconnect_wait_s,
-                allow_reconnect=True, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-                error_cb=on_error, tls=_ssl_context(cfg), tls_hostname=cfg.tls_hostname)
-    opts.update({k: v for k, v in dict(user=cfg.user, password=cfg.password, token=cfg.token,
-                                       nkeys_seed=cfg.nkeys_seed, user_credentials=cfg.creds).items() if v})
+    opts = dict(
+        servers=cfg.servers,
+        name=cfg.name,
+        connect_timeout=cfg.connect_timeout_s,
+        max_reconnect_attempts=1,
+        reconnect_time_wait=cfg.reconnect_wait_s,
+        allow_reconnect=True,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        error_cb=on_error,
+        tls=_ssl_context(cfg),
+        tls_hostname=cfg.tls_hostname,
+    )
+    opts.update(
+        {
+            k: v
+            for k, v in dict(
+                user=cfg.user,
+                password=cfg.password,
+                token=cfg.token,
+                nkeys_seed=cfg.nkeys_seed,
+                user_credentials=cfg.creds,
+            ).items()
+            if v
+        }
+    )
     try:
-        async for attempt_ in AsyncRetrying(stop=stop_after_attempt(cfg.connect_attempts), reraise=True,
-                                            wait=wait_random_exponential(multiplier=0.2, max=cfg.reconnect_wait_max_s),
-                                            retry=retry_if_exception_type(_Unreachable)):
+        async for attempt_ in AsyncRetrying(
+            stop=stop_after_attempt(cfg.connect_attempts),
+            reraise=True,
+            wait=wait_random_exponential(multiplier=0.2, max=cfg.reconnect_wait_max_s),
+            retry=retry_if_exception_type(_Unreachable),
+        ):
             with attempt_:
                 # bounded: nats-py can hang after a failed TLS handshake on the first connect
                 limit = (cfg.connect_timeout_s + cfg.reconnect_wait_s) * 2 * len(cfg.servers) + 1
@@ -94,16 +129,21 @@ async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
                     nc = await asyncio.wait_for(nats.connect(**opts), limit)
                 except (OSError, nats.errors.NoServersError, asyncio.TimeoutError, nats.errors.Error) as e:
                     if _auth_failure(state["err"]) or _auth_failure(e):
-                        raise ConnectError(f"NATS at {cfg.servers} refused the credentials of "
-                                           f"{cfg.name!r}: {state['err'] or e!r}") from None
+                        raise ConnectError(
+                            f"NATS at {cfg.servers} refused the credentials of "
+                            f"{cfg.name!r}: {state['err'] or e!r}"
+                        ) from None
                     if isinstance(state["err"], ssl.SSLError) or isinstance(e, ssl.SSLError):
-                        raise ConnectError(f"TLS with NATS at {cfg.servers} failed (tls_ca / tls_cert / "
-                                           f"tls_key?): {state['err'] or e!r}") from None
+                        raise ConnectError(
+                            f"TLS with NATS at {cfg.servers} failed (tls_ca / tls_cert / "
+                            f"tls_key?): {state['err'] or e!r}"
+                        ) from None
                     raise _Unreachable(repr(state["err"] or e)) from e
     except _Unreachable as e:
-        raise ConnectError(f"no NATS server reachable at {cfg.servers} after {cfg.connect_attempts} "
-                           f"attempts: {e}") from None
-    nc.options["max_reconnect_attempts"] = -1      # from now on: reconnect forever
+        raise ConnectError(
+            f"no NATS server reachable at {cfg.servers} after {cfg.connect_attempts} attempts: {e}"
+        ) from None
+    nc.options["max_reconnect_attempts"] = -1  # from now on: reconnect forever
     blog.info("nats connected", servers=cfg.servers)
     state["bus"] = Bus(nc, cfg)
     return state["bus"]
@@ -148,12 +188,21 @@ class Bus:
         return h
 
     def _retrying(self):
-        return AsyncRetrying(stop=stop_after_attempt(self.cfg.publish_retries), reraise=True,
-                             wait=wait_random_exponential(multiplier=0.1, max=self.cfg.reconnect_wait_max_s),
-                             retry=retry_if_exception_type(RETRYABLE))
+        return AsyncRetrying(
+            stop=stop_after_attempt(self.cfg.publish_retries),
+            reraise=True,
+            wait=wait_random_exponential(multiplier=0.1, max=self.cfg.reconnect_wait_max_s),
+            retry=retry_if_exception_type(RETRYABLE),
+        )
 
-    async def publish(self, subject: str, event: Event | bytes, msg_id: str | None = None,
-                      headers: dict | None = None, timeout: float | None = None) -> api.PubAck:
+    async def publish(
+        self,
+        subject: str,
+        event: Event | bytes,
+        msg_id: str | None = None,
+        headers: dict | None = None,
+        timeout: float | None = None,
+    ) -> api.PubAck:
         """Publish and wait for the JetStream ack (ack.duplicate: deduped by Nats-Msg-Id)."""
         body = encode(event) if isinstance(event, Event) else bytes(event)
         h = self._headers(event, msg_id, headers)
@@ -162,21 +211,28 @@ class Bus:
                 with attempt:
                     return await self.js.publish(subject, body, timeout=timeout, headers=h)
         except (jse.NoStreamResponseError, nats.errors.NoRespondersError):
-            raise PublishError(f"no JetStream stream takes subject {subject!r} "
-                               f"(topology not provisioned, or a typo in the subject?)") from None
+            raise PublishError(
+                f"no JetStream stream takes subject {subject!r} "
+                f"(topology not provisioned, or a typo in the subject?)"
+            ) from None
         except RETRYABLE as e:
-            raise PublishError(f"publish to {subject!r} not acknowledged after "
-                               f"{self.cfg.publish_retries} attempts: {e!r}") from e
+            raise PublishError(
+                f"publish to {subject!r} not acknowledged after {self.cfg.publish_retries} attempts: {e!r}"
+            ) from e
         raise AssertionError("unreachable")
 
-    async def publish_many(self, items: list[tuple[str, Event | bytes]], *, window: int = 1024) -> list[api.PubAck]:
+    async def publish_many(
+        self, items: list[tuple[str, Event | bytes]], *, window: int = 1024
+    ) -> list[api.PubAck]:
         """Pipelined publishing: up to `window` un-acked publishes in flight. Items whose ack
         does not arrive are republished one by one (same Nats-Msg-Id, so no duplicates)."""
         acks: list[api.PubAck | None] = [None] * len(items)
-        prepared = [(s, encode(e) if isinstance(e, Event) else bytes(e), self._headers(e, None, None))
-                    for s, e in items]
+        prepared = [
+            (s, encode(e) if isinstance(e, Event) else bytes(e), self._headers(e, None, None))
+            for s, e in items
+        ]
         for start in range(0, len(prepared), window):
-            chunk = prepared[start:start + window]
+            chunk = prepared[start : start + window]
             futs = []
             for s, b, h in chunk:
                 try:
@@ -184,9 +240,10 @@ class Bus:
                 except RETRYABLE:
                     futs.append(None)
             try:
-                done = await asyncio.wait_for(asyncio.gather(*[f for f in futs if f is not None],
-                                                             return_exceptions=True),
-                                              timeout=self.cfg.request_timeout_s)
+                done = await asyncio.wait_for(
+                    asyncio.gather(*[f for f in futs if f is not None], return_exceptions=True),
+                    timeout=self.cfg.request_timeout_s,
+                )
             except asyncio.TimeoutError:
                 done = [None] * sum(f is not None for f in futs)
             it = iter(done)
@@ -212,11 +269,19 @@ class Bus:
         md = msg.metadata
         stream = stream or md.stream
         h = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
-        h.update({"Rl-Reason": reason[:1000], "Rl-Stream": stream, "Rl-Seq": str(md.sequence.stream),
-                  "Rl-Deliveries": str(md.num_delivered), "Rl-Subject": msg.subject,
-                  "Rl-Consumer": md.consumer or ""})
-        ack = await self.publish(topo.dlq_subject(stream), msg.data, msg_id=f"dlq-{stream}-{md.sequence.stream}",
-                                 headers=h)
+        h.update(
+            {
+                "Rl-Reason": reason[:1000],
+                "Rl-Stream": stream,
+                "Rl-Seq": str(md.sequence.stream),
+                "Rl-Deliveries": str(md.num_delivered),
+                "Rl-Subject": msg.subject,
+                "Rl-Consumer": md.consumer or "",
+            }
+        )
+        ack = await self.publish(
+            topo.dlq_subject(stream), msg.data, msg_id=f"dlq-{stream}-{md.sequence.stream}", headers=h
+        )
         await msg.term()
         metrics.DLQ_PARKED.labels(stream).inc()
         return ack
@@ -338,7 +403,7 @@ class Bus:
             pass
         try:
             await self.nc.close()
-        except OSError as e:      # the broker is already gone: nothing left to flush or tell it
+        except OSError as e:  # the broker is already gone: nothing left to flush or tell it
             log.debug("close on a lost connection", error=repr(e))
 
     async def __aenter__(self) -> "Bus":

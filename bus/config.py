@@ -10,6 +10,7 @@ A config class may list keys that moved into one of its sections, as a class att
 `MOVED = {"lr": "optim.lr"}`: such a key (in a file, a dict, or a flat env variable) is refused
 with its new place (`lr: moved to [trainer.optim] lr`), every moved key present named at once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,12 +33,12 @@ class ConfigError(ValueError):
 @dataclass
 class BusConfig:
     servers: list[str] = field(default_factory=lambda: ["nats://127.0.0.1:4222"])
-    name: str = "asyncrl"                 # client name shown by the server; also the Rl-From header
+    name: str = "asyncrl"  # client name shown by the server; also the Rl-From header
     user: str | None = None
     password: str | None = None
     token: str | None = None
-    nkeys_seed: str | None = None         # path to an nkey seed file
-    creds: str | None = None              # path to a .creds file (JWT + seed)
+    nkeys_seed: str | None = None  # path to an nkey seed file
+    creds: str | None = None  # path to a .creds file (JWT + seed)
     # TLS (servers "tls://host:4222"; deploy/nats/single-tls.conf): the CA that signed the server's
     # certificate, and this client's certificate + key (the server verifies them: verify: true)
     tls_ca: str | None = None
@@ -45,13 +46,15 @@ class BusConfig:
     tls_key: str | None = None
     tls_hostname: str | None = None
     connect_timeout_s: float = 5.0
-    connect_attempts: int = 30            # initial connect (tenacity); afterwards reconnects are forever
-    reconnect_wait_s: float = 0.5         # between reconnect attempts to one server (forever, never gives up)
-    reconnect_wait_max_s: float = 5.0     # cap of the backoff for the first connect and publish retries
-    request_timeout_s: float = 10.0       # JetStream API / publish ack timeout
-    publish_retries: int = 8              # a publish is retried (safe: Nats-Msg-Id dedupes)
-    js_domain: str | None = None          # JetStream domain (a worker behind a leaf node reaches the hub's "hub")
-    weights_domain: str | None = None     # a region's JetStream domain: read WEIGHTS + blobs from its mirrors (bus.regions)
+    connect_attempts: int = 30  # initial connect (tenacity); afterwards reconnects are forever
+    reconnect_wait_s: float = 0.5  # between reconnect attempts to one server (forever, never gives up)
+    reconnect_wait_max_s: float = 5.0  # cap of the backoff for the first connect and publish retries
+    request_timeout_s: float = 10.0  # JetStream API / publish ack timeout
+    publish_retries: int = 8  # a publish is retried (safe: Nats-Msg-Id dedupes)
+    js_domain: str | None = None  # JetStream domain (a worker behind a leaf node reaches the hub's "hub")
+    weights_domain: str | None = (
+        None  # a region's JetStream domain: read WEIGHTS + blobs from its mirrors (bus.regions)
+    )
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 
     def __post_init__(self):
@@ -60,11 +63,14 @@ class BusConfig:
         for name in ("password", "token"):
             v = getattr(self, name)
             if isinstance(v, str) and is_placeholder(v):
-                raise ConfigError(f"bus {name} is still the placeholder {v!r} (env ASYNCRL_BUS__{name.upper()}, "
-                                  f"e.g. from deploy/env/*.env): run `asyncrl deploy init` or set a real secret")
+                raise ConfigError(
+                    f"bus {name} is still the placeholder {v!r} (env ASYNCRL_BUS__{name.upper()}, "
+                    f"e.g. from deploy/env/*.env): run `asyncrl deploy init` or set a real secret"
+                )
         if self.tls_key and not self.tls_cert:
-            raise ConfigError("bus tls_key is set without tls_cert (ASYNCRL_BUS__TLS_CERT): a client "
-                              "certificate needs both")
+            raise ConfigError(
+                "bus tls_key is set without tls_cert (ASYNCRL_BUS__TLS_CERT): a client certificate needs both"
+            )
         # a domain is a subject token ($JS.<domain>.API.>): no dots, wildcards or spaces
         for name in ("js_domain", "weights_domain"):
             v = getattr(self, name)
@@ -73,8 +79,10 @@ class BusConfig:
         # a region's worker reads weights from its own server but work from the hub: without
         # js_domain its task pulls (and provisioning) would address the region's JetStream
         if self.weights_domain and self.weights_domain != self.js_domain and not self.js_domain:
-            raise ValueError(f"weights_domain={self.weights_domain!r} (a region's mirrors) needs js_domain "
-                             f"set to the hub's domain (e.g. 'hub'), where tasks and rollouts live")
+            raise ValueError(
+                f"weights_domain={self.weights_domain!r} (a region's mirrors) needs js_domain "
+                f"set to the hub's domain (e.g. 'hub'), where tasks and rollouts live"
+            )
 
 
 _DOMAIN_RE = re.compile(r"[A-Za-z0-9_-]+")
@@ -165,14 +173,17 @@ def _build(cls, values: dict, where: str, table: str = ""):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     # moved: gone from cls, or now the name of a section and given a plain value (publish = "sharded")
-    moved = sorted(k for k in values if k in moved_keys(cls) and (
-        k not in names or (_is_dataclass_type(hints[k]) and not isinstance(values[k], (dict, hints[k])))))
+    moved = sorted(
+        k
+        for k in values
+        if k in moved_keys(cls)
+        and (k not in names or (_is_dataclass_type(hints[k]) and not isinstance(values[k], (dict, hints[k]))))
+    )
     if moved:
         raise _moved_error(cls, moved, where, table)
     unknown = sorted(set(values) - names)
     if unknown:
-        raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; "
-                          f"known: {sorted(names)}")
+        raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; known: {sorted(names)}")
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k, table) for k, v in values.items()}
     try:
         return cls(**kwargs)
@@ -203,7 +214,7 @@ def _env_overrides(cls, env_prefix: str, environ, table: str = "") -> dict:
     for key, value in environ.items():
         if not key.startswith(env_prefix):
             continue
-        path = key[len(env_prefix):].lower().split("__")
+        path = key[len(env_prefix) :].lower().split("__")
         tp, ok = cls, True
         for i, p in enumerate(path):
             fields = {f.name: f for f in dataclasses.fields(tp)} if _is_dataclass_type(tp) else {}
@@ -227,9 +238,16 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def load_config(cls, path: str | os.PathLike | None = None, env_prefix: str = "ASYNCRL_", *,
-                section: str | None = None, overrides: dict | None = None, environ=None,
-                table: str | None = None):
+def load_config(
+    cls,
+    path: str | os.PathLike | None = None,
+    env_prefix: str = "ASYNCRL_",
+    *,
+    section: str | None = None,
+    overrides: dict | None = None,
+    environ=None,
+    table: str | None = None,
+):
     """TOML file (optionally one `[section]` of it), then env overrides, then `overrides`.
     `table` (default: `section`) names the file's table in the errors about moved keys."""
     table = (section or "") if table is None else table
@@ -247,8 +265,9 @@ def load_config(cls, path: str | os.PathLike | None = None, env_prefix: str = "A
             if not isinstance(values, dict):
                 raise ConfigError(f"config file {p}: [{section}] is not a table")
     if env_prefix:
-        values = _merge(values, _env_overrides(cls, env_prefix, os.environ if environ is None else environ,
-                                               table))
+        values = _merge(
+            values, _env_overrides(cls, env_prefix, os.environ if environ is None else environ, table)
+        )
     if overrides:
         values = _merge(values, overrides)
     return _build(cls, values, "", table)

@@ -18,6 +18,7 @@ advisories and to get/delete stream messages: give it to one trusted process per
 `sweep_stranded` finds the ones given up on while nobody listened (the trainer leader runs
 both on SCORED by default).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -83,10 +84,23 @@ Handler = Callable[[Event, HandlerContext], Awaitable[None]]
 
 
 class ConsumerLoop:
-    def __init__(self, bus, stream: str, durable: str, handler: Handler, event_cls: type[Event] | None = None,
-                 *, concurrency: int = 8, capacity: Callable[[], int] | None = None, batch: int = 64,
-                 fetch_timeout_s: float = 1.0, nak_delay_s: float = 1.0, grace_s: float = 10.0,
-                 handle_signals: bool = True, sweep_max_deliveries: bool = False):
+    def __init__(
+        self,
+        bus,
+        stream: str,
+        durable: str,
+        handler: Handler,
+        event_cls: type[Event] | None = None,
+        *,
+        concurrency: int = 8,
+        capacity: Callable[[], int] | None = None,
+        batch: int = 64,
+        fetch_timeout_s: float = 1.0,
+        nak_delay_s: float = 1.0,
+        grace_s: float = 10.0,
+        handle_signals: bool = True,
+        sweep_max_deliveries: bool = False,
+    ):
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.bus, self.stream, self.durable = bus, stream, durable
@@ -94,7 +108,7 @@ class ConsumerLoop:
         self.concurrency, self.capacity, self.batch = concurrency, capacity, batch
         self.fetch_timeout_s, self.nak_delay_s, self.grace_s = fetch_timeout_s, nak_delay_s, grace_s
         self.handle_signals = handle_signals
-        self.sweep_max_deliveries = sweep_max_deliveries   # needs advisory + msg get/delete rights
+        self.sweep_max_deliveries = sweep_max_deliveries  # needs advisory + msg get/delete rights
         self.stats = LoopStats()
         self.active: set[asyncio.Task] = set()
         # id(msg) -> [msg, time of its last heartbeat] for running handlers (Msg is unhashable)
@@ -114,7 +128,7 @@ class ConsumerLoop:
 
     async def run(self, stop_event: asyncio.Event | None = None) -> LoopStats:
         sub = await self.bus.pull(self.stream, self.durable)
-        cfg = (await sub.consumer_info()).config   # the server's values are the truth
+        cfg = (await sub.consumer_info()).config  # the server's values are the truth
         self.ack_wait_s = float(cfg.ack_wait or 30.0)
         self.max_deliver = int(cfg.max_deliver or -1)
         loop = asyncio.get_running_loop()
@@ -131,21 +145,28 @@ class ConsumerLoop:
         stop_waiter = asyncio.ensure_future(stop_event.wait()) if stop_event else None
         if stop_waiter:
             stop_waiter.add_done_callback(lambda _: self._stop.set())
-        self.log.info("consumer loop started", ack_wait_s=self.ack_wait_s, max_deliver=self.max_deliver,
-                      concurrency=self.concurrency)
+        self.log.info(
+            "consumer loop started",
+            ack_wait_s=self.ack_wait_s,
+            max_deliver=self.max_deliver,
+            concurrency=self.concurrency,
+        )
         beats = asyncio.create_task(self._heartbeats())
         sweeper = None
         if self.sweep_max_deliveries:
+
             def parked():
                 self.stats.dlq += 1
+
             sweeper = await watch_max_deliveries(self.bus, self.stream, self.durable, parked)
         try:
             while not self._stop.is_set():
                 n = self.room()
                 if n == 0:  # full (or capacity says no): wait for a slot or stop, then re-ask
                     waiters = [*self.active, asyncio.ensure_future(self._stop.wait())]
-                    done, pending = await asyncio.wait(waiters, timeout=self.fetch_timeout_s,
-                                                       return_when=asyncio.FIRST_COMPLETED)
+                    done, pending = await asyncio.wait(
+                        waiters, timeout=self.fetch_timeout_s, return_when=asyncio.FIRST_COMPLETED
+                    )
                     waiters[-1].cancel()
                     continue
                 msgs = await sub.fetch(n, timeout=self.fetch_timeout_s)
@@ -224,8 +245,9 @@ class ConsumerLoop:
             self.stats.malformed += 1
             await self._to_dlq(msg, f"malformed: {e}")
             return
-        ctx = HandlerContext(msg=msg, deliveries=deliveries, max_deliver=self.max_deliver,
-                             stream=self.stream, _loop=self)
+        ctx = HandlerContext(
+            msg=msg, deliveries=deliveries, max_deliver=self.max_deliver, stream=self.stream, _loop=self
+        )
         self.inflight[id(msg)] = [msg, time.monotonic()]
         try:
             await self.handler(event, ctx)
@@ -249,8 +271,12 @@ class ConsumerLoop:
             if ctx.last_delivery:
                 await self._to_dlq(msg, f"handler failed {deliveries} times: {type(e).__name__}: {e}")
             else:
-                self.log.warning("handler failed; will retry", error=f"{type(e).__name__}: {e}",
-                                 deliveries=deliveries, max_deliver=self.max_deliver)
+                self.log.warning(
+                    "handler failed; will retry",
+                    error=f"{type(e).__name__}: {e}",
+                    deliveries=deliveries,
+                    max_deliver=self.max_deliver,
+                )
                 self.stats.naks += 1
                 await self._settle(msg.nak(delay=self.nak_delay_s), "nak")
             return
@@ -261,21 +287,31 @@ class ConsumerLoop:
         self.stats.acked += 1
 
 
-async def park_max_delivered(bus, stream: str, seq: int, deliveries: int | None = None,
-                             consumer: str = "", reason: str = "") -> bool:
+async def park_max_delivered(
+    bus, stream: str, seq: int, deliveries: int | None = None, consumer: str = "", reason: str = ""
+) -> bool:
     """Move message `seq` of `stream` to DLQ and delete it from the stream. For messages whose
     last delivery got no verdict (the process died or hung without heartbeats): the server
     stops redelivering them, so without this they would sit in the work queue forever."""
     from bus import topology as topo
+
     try:
         raw = await bus.js.get_msg(stream, seq=seq)
     except jse.NotFoundError:
         return False  # already acked / parked by someone else
     h = {k: v for k, v in (raw.headers or {}).items() if not k.startswith("Nats-")}
-    h.update({"Rl-Reason": reason or f"max_deliver reached without a verdict after {deliveries} deliveries "
-                                     f"(consumer died or hung without heartbeats)",
-              "Rl-Stream": stream, "Rl-Seq": str(seq), "Rl-Deliveries": str(deliveries or ""),
-              "Rl-Subject": raw.subject or "", "Rl-Consumer": consumer})
+    h.update(
+        {
+            "Rl-Reason": reason
+            or f"max_deliver reached without a verdict after {deliveries} deliveries "
+            f"(consumer died or hung without heartbeats)",
+            "Rl-Stream": stream,
+            "Rl-Seq": str(seq),
+            "Rl-Deliveries": str(deliveries or ""),
+            "Rl-Subject": raw.subject or "",
+            "Rl-Consumer": consumer,
+        }
+    )
     await bus.publish(topo.dlq_subject(stream), raw.data or b"", msg_id=f"dlq-{stream}-{seq}", headers=h)
     try:
         await bus.js.delete_msg(stream, seq)
@@ -288,18 +324,26 @@ async def watch_max_deliveries(bus, stream: str, durable: str, on_parked=None):
     """Subscribe to the server's MAX_DELIVERIES advisories for stream/durable and park each
     such message in DLQ. Returns the subscription (unsubscribe to stop). Needs the rights to
     subscribe to $JS.EVENT.ADVISORY.> and to get/delete messages of the stream."""
+
     async def on_advisory(m):
         try:
             adv = json.loads(m.data)
-            if await park_max_delivered(bus, adv.get("stream", stream), int(adv["stream_seq"]),
-                                        adv.get("deliveries"), adv.get("consumer", durable)):
+            if await park_max_delivered(
+                bus,
+                adv.get("stream", stream),
+                int(adv["stream_seq"]),
+                adv.get("deliveries"),
+                adv.get("consumer", durable),
+            ):
                 log.warning("parked max-delivered message in DLQ", stream=stream, seq=adv["stream_seq"])
                 if on_parked:
                     on_parked()
         except Exception as e:  # next advisory (or an operator) will retry; never kill the loop
             log.error("max-deliveries sweep failed", error=repr(e), data=m.data[:200])
-    return await bus.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}",
-                                  cb=on_advisory)
+
+    return await bus.nc.subscribe(
+        f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}", cb=on_advisory
+    )
 
 
 async def sweep_stranded(bus, stream: str, durable: str, on_parked=None) -> int:
@@ -313,6 +357,7 @@ async def sweep_stranded(bus, stream: str, durable: str, on_parked=None) -> int:
     acked and termed messages leave a work queue. So call it where nobody else is consuming:
     a newly elected single consumer (the trainer leader) before its first fetch."""
     from bus import topology as topo
+
     info = await bus.js.consumer_info(stream, durable)
     if info.num_ack_pending:
         return 0
@@ -326,10 +371,16 @@ async def sweep_stranded(bus, stream: str, durable: str, on_parked=None) -> int:
         seq = raw.seq
         if seq > upto:
             break
-        if await park_max_delivered(bus, stream, seq, info.config.max_deliver, durable,
-                                    reason=f"stranded: consumer {durable} used up max_deliver="
-                                           f"{info.config.max_deliver} deliveries without a verdict "
-                                           f"(step-downs, or consumers that died holding it)"):
+        if await park_max_delivered(
+            bus,
+            stream,
+            seq,
+            info.config.max_deliver,
+            durable,
+            reason=f"stranded: consumer {durable} used up max_deliver="
+            f"{info.config.max_deliver} deliveries without a verdict "
+            f"(step-downs, or consumers that died holding it)",
+        ):
             parked += 1
             log.warning("parked stranded message in DLQ", stream=stream, seq=seq)
             if on_parked:

@@ -1,6 +1,7 @@
 """The values of KV rl-control that more than one process reads or writes. λ (key `lambda`) is an
 ASCII decimal, finite and >= 0: written by calibrate-cost, `asyncrl up --lambda` and the trainer's
 λ schedule, read by the trainer's task feeder and by scorers."""
+
 from __future__ import annotations
 
 import math

@@ -15,6 +15,7 @@ checked against the vocabulary by the consumer that knows it (the trainer: check
 Large arrays (token ids, logprobs) travel as lists: msgpack packs small ints in 1 byte and
 floats as float64, so float32 logprobs round-trip exactly.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,13 +31,24 @@ import msgpack
 import numpy as np
 
 from bus.errors import EventError
-from bus.validation import (INT64, MAX_ID, MAX_REWARD, MAX_VERSION, MAX_WALL_S, MIN_LOGPROB, check_float,
-                            check_int, float_array, int_array, list_type_problem)
+from bus.validation import (
+    INT64,
+    MAX_ID,
+    MAX_REWARD,
+    MAX_VERSION,
+    MAX_WALL_S,
+    MIN_LOGPROB,
+    check_float,
+    check_int,
+    float_array,
+    int_array,
+    list_type_problem,
+)
 
 SCHEMA = 1
-ROLLOUT_SCHEMA = 2            # Rollout only: 2 added multi-turn episodes (loss mask, turns, tool calls)
-MAX_TOKENS = 1 << 17          # longest sequence a Rollout may claim (absurd sizes are refused)
-MAX_BODY = 64 * 1024 * 1024    # largest body decode accepts
+ROLLOUT_SCHEMA = 2  # Rollout only: 2 added multi-turn episodes (loss mask, turns, tool calls)
+MAX_TOKENS = 1 << 17  # longest sequence a Rollout may claim (absurd sizes are refused)
+MAX_BODY = 64 * 1024 * 1024  # largest body decode accepts
 
 
 def new_id() -> str:
@@ -46,7 +58,7 @@ def new_id() -> str:
 @dataclass(kw_only=True)
 class Event:
     KIND: ClassVar[str] = "Event"
-    SCHEMA_VERSION: ClassVar[int] = SCHEMA      # an event kind may move on alone (Rollout: ROLLOUT_SCHEMA)
+    SCHEMA_VERSION: ClassVar[int] = SCHEMA  # an event kind may move on alone (Rollout: ROLLOUT_SCHEMA)
 
     def msg_id(self) -> str:
         """Deduplication id (Nats-Msg-Id). Deterministic per logical message."""
@@ -76,10 +88,10 @@ class Event:
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0              # 0 = off
+    top_k: int = 0  # 0 = off
     max_tokens: int = 64
-    n: int = 1                  # completions per task (group size)
-    stop: list[int] = field(default_factory=list)   # stop token ids
+    n: int = 1  # completions per task (group size)
+    stop: list[int] = field(default_factory=list)  # stop token ids
 
 
 @dataclass(kw_only=True)
@@ -88,10 +100,10 @@ class Task(Event):
     task_id: str
     env: str
     prompt: str
-    spec: dict = field(default_factory=dict)       # env-specific verification data (answer, tests)
-    sampling: dict = field(default_factory=dict)   # SamplingParams as dict
-    split: str = "train"                            # train | eval
-    min_version: int = 0                            # sync mode: generate with at least this version
+    spec: dict = field(default_factory=dict)  # env-specific verification data (answer, tests)
+    sampling: dict = field(default_factory=dict)  # SamplingParams as dict
+    split: str = "train"  # train | eval
+    min_version: int = 0  # sync mode: generate with at least this version
     created_at: float = field(default_factory=time.time)
     # λ of the cost penalty, stamped at feed time: every member of the group is scored with it
     # (None: an older feeder's task, or none stamped; the scorer then uses its live KV value)
@@ -112,9 +124,10 @@ class Rollout(Event):
     turns and the observations appended between them as tokens (never re-tokenised). Per token,
     `loss_mask` is 1 on model tokens and 0 on observation tokens, whose `logprobs` are 0.0, whose
     `token_versions` are -1 and whose sampling-mask rows keep the whole vocabulary."""
+
     KIND: ClassVar[str] = "Rollout"
     SCHEMA_VERSION: ClassVar[int] = ROLLOUT_SCHEMA
-    rollout_id: str               # f"{task_id}-{sample_index}": stable across redeliveries
+    rollout_id: str  # f"{task_id}-{sample_index}": stable across redeliveries
     task_id: str
     env: str
     sample_index: int
@@ -124,23 +137,23 @@ class Rollout(Event):
     prompt_ids: list[int]
     completion_ids: list[int]
     completion_text: str
-    logprobs: list[float]          # behaviour logprob of each sampled token (truncated, renormalised)
-    token_versions: list[int]      # policy version that produced each token (-1: observation token)
-    sampling: dict                 # SamplingParams as dict
-    sampling_mask: dict            # policy.sampling mask in wire form (rebuilds the kept set)
-    quant: dict                    # policy quant config in wire form (sites replayed by the trainer)
-    finish_reason: str             # stop | length | abort (an episode: its last turn's)
-    cost_tokens: int               # model tokens (an episode: loss-mask ones)
+    logprobs: list[float]  # behaviour logprob of each sampled token (truncated, renormalised)
+    token_versions: list[int]  # policy version that produced each token (-1: observation token)
+    sampling: dict  # SamplingParams as dict
+    sampling_mask: dict  # policy.sampling mask in wire form (rebuilds the kept set)
+    quant: dict  # policy quant config in wire form (sites replayed by the trainer)
+    finish_reason: str  # stop | length | abort (an episode: its last turn's)
+    cost_tokens: int  # model tokens (an episode: loss-mask ones)
     wall_s: float
     worker_id: str
     split: str = "train"
-    epoch: int = 0                 # trainer epoch of the weights used
-    loss_mask: list[int] = field(default_factory=list)   # per completion token; [] = all model tokens
-    turns: int = 1                 # model turns (an episode's)
-    tool_calls: int = 0            # commands run
-    termination: str = ""          # an episode's termination reason (envs.episode.TERMINATIONS)
-    episode: dict = field(default_factory=dict)   # envs.episode.EpisodeResult dict; {} for single-turn
-    lambda_: float | None = None   # its task's λ (Task.lambda_); None: the scorer's live λ (older events)
+    epoch: int = 0  # trainer epoch of the weights used
+    loss_mask: list[int] = field(default_factory=list)  # per completion token; [] = all model tokens
+    turns: int = 1  # model turns (an episode's)
+    tool_calls: int = 0  # commands run
+    termination: str = ""  # an episode's termination reason (envs.episode.TERMINATIONS)
+    episode: dict = field(default_factory=dict)  # envs.episode.EpisodeResult dict; {} for single-turn
+    lambda_: float | None = None  # its task's λ (Task.lambda_); None: the scorer's live λ (older events)
 
     def msg_id(self) -> str:
         return f"rollout-{self.rollout_id}"
@@ -154,16 +167,20 @@ class Rollout(Event):
         where = f"Rollout {self.rollout_id}"
         n = len(self.completion_ids)
         if n > MAX_TOKENS or len(self.prompt_ids) > MAX_TOKENS:
-            raise EventError(f"{where}: absurd length ({len(self.prompt_ids)} prompt + "
-                             f"{n} completion tokens, limit {MAX_TOKENS} each)")
+            raise EventError(
+                f"{where}: absurd length ({len(self.prompt_ids)} prompt + "
+                f"{n} completion tokens, limit {MAX_TOKENS} each)"
+            )
         if len(self.logprobs) != n or len(self.token_versions) != n:
-            raise EventError(f"{where}: logprobs/token_versions length "
-                             f"{len(self.logprobs)}/{len(self.token_versions)} != {n} tokens")
+            raise EventError(
+                f"{where}: logprobs/token_versions length "
+                f"{len(self.logprobs)}/{len(self.token_versions)} != {n} tokens"
+            )
         check_int(where, "cost_tokens", self.cost_tokens, 0, MAX_TOKENS + 1)
         if not (1 <= self.turns <= MAX_TOKENS) or not (0 <= self.tool_calls <= MAX_TOKENS):
             raise EventError(f"{where}: absurd turns {self.turns} / tool_calls {self.tool_calls}")
         check_int(where, "sample_index", self.sample_index, 0, MAX_TOKENS)
-        check_int(where, "group_size", self.group_size, 0, MAX_TOKENS + 1)     # 0: the trainer's default
+        check_int(where, "group_size", self.group_size, 0, MAX_TOKENS + 1)  # 0: the trainer's default
         check_int(where, "epoch", self.epoch, 0, MAX_VERSION)
         check_float(where, "wall_s", self.wall_s, 0.0, MAX_WALL_S)
         if self.lambda_ is not None:
@@ -181,28 +198,34 @@ class Rollout(Event):
                 raise EventError(f"{e}: loss_mask values must be 0 or 1") from None
             bad = np.flatnonzero((versions < 0) != (mask == 0))
             if bad.size:
-                raise EventError(f"{where}: token_versions must be -1 exactly on observation "
-                                 f"tokens (loss_mask 0); first bad positions {bad[:5].tolist()}")
+                raise EventError(
+                    f"{where}: token_versions must be -1 exactly on observation "
+                    f"tokens (loss_mask 0); first bad positions {bad[:5].tolist()}"
+                )
         elif (versions < 0).any():
-            raise EventError(f"{where}: negative token_versions without a loss_mask "
-                             f"(token_versions[{int(np.flatnonzero(versions < 0)[0])}])")
-        model = versions[versions >= 0]            # observation tokens (-1) carry no version
+            raise EventError(
+                f"{where}: negative token_versions without a loss_mask "
+                f"(token_versions[{int(np.flatnonzero(versions < 0)[0])}])"
+            )
+        model = versions[versions >= 0]  # observation tokens (-1) carry no version
         if model.size > 1 and (back := np.flatnonzero(np.diff(model) < 0)).size:
             i = int(np.flatnonzero(versions >= 0)[back[0] + 1])
-            raise EventError(f"{where}: token_versions[{i}] = {int(versions[i])} goes back from "
-                             f"{int(model[back[0]])}: versions must not decrease within a rollout")
+            raise EventError(
+                f"{where}: token_versions[{i}] = {int(versions[i])} goes back from "
+                f"{int(model[back[0]])}: versions must not decrease within a rollout"
+            )
 
 
 @dataclass(kw_only=True)
 class Scored(Event):
     KIND: ClassVar[str] = "Scored"
-    rollout: dict                  # the Rollout, as its dict
-    success: float                 # 0..1 (an episode: 1 iff all its tests pass)
-    cost: float                    # cost units (generated tokens by default)
-    lambda_: float                 # λ used
-    penalty: float                 # λ·cost (+ overlong shaping)
-    reward: float                  # success - penalty (an episode: fraction of tests passing - penalty)
-    reason: str = ""               # verifier verdict / failure reason
+    rollout: dict  # the Rollout, as its dict
+    success: float  # 0..1 (an episode: 1 iff all its tests pass)
+    cost: float  # cost units (generated tokens by default)
+    lambda_: float  # λ used
+    penalty: float  # λ·cost (+ overlong shaping)
+    reward: float  # success - penalty (an episode: fraction of tests passing - penalty)
+    reason: str = ""  # verifier verdict / failure reason
     cost_wall_s: float = 0.0
     tool_calls: int = 0
     scorer_id: str = ""
@@ -210,10 +233,10 @@ class Scored(Event):
     # on the policy; the trainer gives it weight 0 and leaves it out of its group's baseline. An
     # older scorer's event (without the field) decodes as "" (scored normally).
     infra: str = ""
-    tampered: bool = False         # the verdict was judged forged (reward 0; counted by the scorer)
+    tampered: bool = False  # the verdict was judged forged (reward 0; counted by the scorer)
 
     @property
-    def task_id(self) -> str:      # for headers
+    def task_id(self) -> str:  # for headers
         return self.rollout.get("task_id", "")
 
     def msg_id(self) -> str:
@@ -242,19 +265,21 @@ class Scored(Event):
 class WeightEvent(Event):
     """What deltas and keyframes share. Schema 2: `epoch` (and the versions) are also inside the
     payload's signed container header; a reader refuses an event whose fields disagree with it."""
+
     SCHEMA_VERSION: ClassVar[int] = 2
-    epoch: int                     # the publishing leader's lease revision
+    epoch: int  # the publishing leader's lease revision
     codec: str
-    size: int                      # payload bytes
-    signature: bytes = b""         # ed25519 over the payload (which carries the signed header)
-    payload: bytes | None = None   # inline when small
-    blob: str = ""                 # object-store name otherwise
+    size: int  # payload bytes
+    signature: bytes = b""  # ed25519 over the payload (which carries the signed header)
+    payload: bytes | None = None  # inline when small
+    blob: str = ""  # object-store name otherwise
     trainer_id: str = ""
 
 
 @dataclass(kw_only=True)
 class DeltaEvent(WeightEvent):
     """Announces policy version `to_version`; payload inline or in the object store."""
+
     KIND: ClassVar[str] = "Delta"
     from_version: int
     to_version: int
@@ -273,10 +298,11 @@ class DeltaEvent(WeightEvent):
 @dataclass(kw_only=True)
 class KeyframeEvent(WeightEvent):
     """A full policy state `version`; model_config lets a worker build the model from it."""
+
     KIND: ClassVar[str] = "Keyframe"
     version: int
     digest: str
-    model_config: dict             # policy.ModelConfig as dict
+    model_config: dict  # policy.ModelConfig as dict
 
     def msg_id(self) -> str:
         return f"keyframe-e{self.epoch}-v{self.version}"
@@ -287,13 +313,14 @@ class ManifestEvent(WeightEvent):
     """Announces policy version `to_version` published from shards: the payload is the signed
     manifest (delta_codec.sharded.Manifest: per-part sha256 and size, object-store names, epoch,
     trainer id, model config); the parts themselves are blobs. Schema 1: a kind of its own."""
+
     KIND: ClassVar[str] = "Manifest"
     SCHEMA_VERSION: ClassVar[int] = 1
     from_version: int
     to_version: int
-    parts: int                     # how many parts the manifest lists (one per trainer rank)
-    part_bytes: int = 0            # their total size
-    model_config: dict = field(default_factory=dict)   # policy.ModelConfig as dict
+    parts: int  # how many parts the manifest lists (one per trainer rank)
+    part_bytes: int = 0  # their total size
+    model_config: dict = field(default_factory=dict)  # policy.ModelConfig as dict
     changed_frac: float = 0.0
 
     @property
@@ -305,14 +332,16 @@ class ManifestEvent(WeightEvent):
 
     def validate(self) -> None:
         if self.parts < 1 or self.part_bytes < 0 or self.to_version <= self.from_version:
-            raise EventError(f"Manifest {self.msg_id()}: {self.parts} parts, {self.part_bytes} bytes, "
-                             f"v{self.from_version}->v{self.to_version}")
+            raise EventError(
+                f"Manifest {self.msg_id()}: {self.parts} parts, {self.part_bytes} bytes, "
+                f"v{self.from_version}->v{self.to_version}"
+            )
 
 
 @dataclass(kw_only=True)
 class Heartbeat(Event):
     KIND: ClassVar[str] = "Heartbeat"
-    component: str                 # trainer | rollout_worker | scorer
+    component: str  # trainer | rollout_worker | scorer
     component_id: str
     ts: float = field(default_factory=time.time)
     version: int = -1
@@ -335,8 +364,9 @@ class Metrics(Event):
         return f"metrics-{self.component_id}-{self.step}-{self.ts:.6f}"
 
 
-EVENTS: dict[str, type[Event]] = {c.KIND: c for c in (Task, Rollout, Scored, DeltaEvent, KeyframeEvent,
-                                                          ManifestEvent, Heartbeat, Metrics)}
+EVENTS: dict[str, type[Event]] = {
+    c.KIND: c for c in (Task, Rollout, Scored, DeltaEvent, KeyframeEvent, ManifestEvent, Heartbeat, Metrics)
+}
 
 
 def encode(ev: Event) -> bytes:
@@ -351,7 +381,7 @@ def _type_ok(value: Any, tp: Any) -> bool:
         return any(_type_ok(value, a) for a in typing.get_args(tp))
     if tp is type(None):
         return value is None
-    if origin is list:       # the elements: from_dict checks every one (list_type_problem)
+    if origin is list:  # the elements: from_dict checks every one (list_type_problem)
         return isinstance(value, list)
     if origin is dict:
         return isinstance(value, dict)
@@ -365,10 +395,14 @@ def _type_ok(value: Any, tp: Any) -> bool:
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
-_UPGRADE = {("Rollout", 1): ": a rollout from a worker built before multi-turn episodes (no loss mask); "
-                            "upgrade that worker",
-            **{(kind, 1): " (an older build: its fields are not covered by the signature; upgrade the publisher)"
-               for kind in ("Delta", "Keyframe")}}
+_UPGRADE = {
+    ("Rollout", 1): ": a rollout from a worker built before multi-turn episodes (no loss mask); "
+    "upgrade that worker",
+    **{
+        (kind, 1): " (an older build: its fields are not covered by the signature; upgrade the publisher)"
+        for kind in ("Delta", "Keyframe")
+    },
+}
 
 
 def from_dict(d: dict, cls: type[Event] | None = None) -> Event:
@@ -383,19 +417,20 @@ def from_dict(d: dict, cls: type[Event] | None = None) -> Event:
         raise EventError(f"expected a {cls.KIND} event, got kind {kind!r}")
     schema = d.get("schema", cls.SCHEMA_VERSION)
     if schema != cls.SCHEMA_VERSION:
-        raise EventError(f"{cls.KIND}: unsupported schema version {schema!r} (this build speaks "
-                         f"{cls.SCHEMA_VERSION}){_UPGRADE.get((cls.KIND, schema), '')}")
+        raise EventError(
+            f"{cls.KIND}: unsupported schema version {schema!r} (this build speaks "
+            f"{cls.SCHEMA_VERSION}){_UPGRADE.get((cls.KIND, schema), '')}"
+        )
     hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
     kwargs = {}
-    inner = d.get("rollout") if isinstance(d.get("rollout"), dict) else d       # (a Scored: its rollout's id)
+    inner = d.get("rollout") if isinstance(d.get("rollout"), dict) else d  # (a Scored: its rollout's id)
     label = f"{cls.KIND} {str(inner.get('rollout_id') or d.get('task_id') or '')[:80]}".rstrip()
     for f in dataclasses.fields(cls):
         if f.name in d:
             v = d[f.name]
             tp = hints[f.name]
             if not _type_ok(v, tp):
-                raise EventError(f"{label}: field {f.name!r} has type {type(v).__name__}, "
-                                 f"expected {tp}")
+                raise EventError(f"{label}: field {f.name!r} has type {type(v).__name__}, expected {tp}")
             _check_value(label, f.name, v, tp)
             kwargs[f.name] = v
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -406,7 +441,7 @@ def from_dict(d: dict, cls: type[Event] | None = None) -> Event:
             ev.validate()
         except EventError:
             raise
-        except Exception as e:     # a check that met a value of a shape it did not expect: still bad input
+        except Exception as e:  # a check that met a value of a shape it did not expect: still bad input
             raise EventError(f"{cls.KIND}: invalid: {type(e).__name__}: {e}") from None
     return ev
 
@@ -431,7 +466,9 @@ def decode(body: bytes, cls: type[Event] | None = None) -> Event:
     try:
         d = msgpack.unpackb(body, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several exception types
-        raise EventError(f"malformed msgpack: {str(e) or type(e).__name__}") from None   # FormatError has no text
+        raise EventError(
+            f"malformed msgpack: {str(e) or type(e).__name__}"
+        ) from None  # FormatError has no text
     try:
         return from_dict(d, cls)
     except EventError:

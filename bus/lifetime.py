@@ -11,6 +11,7 @@
 The drain itself stays graceful (finish or nak held work, flush, close); the deadline is the
 backstop that makes `grace_s` a promise instead of a hope.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -82,8 +83,9 @@ def die_with_parent(sig: int = signal.SIGTERM):
             libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
         except (OSError, AttributeError):
             return
-        if os.getppid() != parent:      # the parent died before prctl: nobody will signal us
+        if os.getppid() != parent:  # the parent died before prctl: nobody will signal us
             os._exit(1)
+
     return preexec
 
 
@@ -102,11 +104,13 @@ async def cancel_and_wait(tasks, retry_s: float = 0.1, log=log) -> None:
                 t.cancel()
             _, pending = await asyncio.wait(pending, timeout=retry_s)
             for t in pending:
-                log.info("task still running after cancel (a lost cancel?); cancelling again",
-                         task=t.get_coro().__qualname__)
+                log.info(
+                    "task still running after cancel (a lost cancel?); cancelling again",
+                    task=t.get_coro().__qualname__,
+                )
     finally:
         for t in pending:
             t.cancel()
-    for t in tasks:             # retrieve results so nothing logs "exception never retrieved"
+    for t in tasks:  # retrieve results so nothing logs "exception never retrieved"
         if t.done() and not t.cancelled():
             t.exception()

@@ -4,6 +4,7 @@ Every record carries `component` and `component_id`, so the lines of many proces
 merged and filtered (`jq 'select(.component=="scorer")'`). Logs go to stderr: stdout is kept
 for results (benchmarks print one JSON object there).
 """
+
 from __future__ import annotations
 
 import logging
@@ -12,13 +13,24 @@ from typing import Any, TextIO
 
 import structlog
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-           "error": logging.ERROR, "critical": logging.CRITICAL}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 
 
-
-def setup_logging(component: str, json: bool | None = None, *, component_id: str | None = None,
-                  level: str = "info", log_file: str | None = None, stream: TextIO | None = None) -> None:
+def setup_logging(
+    component: str,
+    json: bool | None = None,
+    *,
+    component_id: str | None = None,
+    level: str = "info",
+    log_file: str | None = None,
+    stream: TextIO | None = None,
+) -> None:
     """Configure structlog for this process. `json=None` picks JSON when `stream` is not a TTY."""
     stream = stream or sys.stderr
     if level.lower() not in _LEVELS:
@@ -32,9 +44,14 @@ def setup_logging(component: str, json: bool | None = None, *, component_id: str
             event.setdefault(k, v)
         return event
 
-    shared = [structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
-              structlog.processors.TimeStamper(fmt="iso", utc=True), add_component,
-              structlog.processors.StackInfoRenderer(), structlog.processors.format_exc_info]
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        add_component,
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.format_exc_info,
+    ]
     json_renderer = structlog.processors.JSONRenderer()
     console = json_renderer if json else structlog.dev.ConsoleRenderer(colors=stream.isatty())
     logfile = open(log_file, "a", buffering=1) if log_file else None
@@ -51,8 +68,9 @@ def setup_logging(component: str, json: bool | None = None, *, component_id: str
         cache_logger_on_first_use=False,
     )
     # stdlib logging (nats-py, asyncio) goes to the same stream at warning+
-    logging.basicConfig(level=logging.WARNING, stream=stream, format="%(levelname)s %(name)s: %(message)s",
-                        force=True)
+    logging.basicConfig(
+        level=logging.WARNING, stream=stream, format="%(levelname)s %(name)s: %(message)s", force=True
+    )
 
 
 def get_logger(name: str | None = None, **bound: Any):

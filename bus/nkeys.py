@@ -6,18 +6,19 @@ hub admits the public key (`{ nkey: <public> }` in accounts.conf): no password t
 URL or over the WAN. Encoding (nats-io/nkeys): base32 without padding of prefix bytes + key +
 CRC-16/XMODEM (little-endian).
 """
+
 from __future__ import annotations
 
 import base64
 import os
 
-_PREFIX_SEED = 18 << 3      # 'S'
-_PREFIX_USER = 20 << 3      # 'U'
+_PREFIX_SEED = 18 << 3  # 'S'
+_PREFIX_USER = 20 << 3  # 'U'
 
 
 def _crc16(data: bytes) -> int:
     crc = 0
-    for b in data:            # a few dozen bytes per key: no table needed
+    for b in data:  # a few dozen bytes per key: no table needed
         crc ^= b << 8
         for _ in range(8):
             crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
@@ -33,11 +34,15 @@ def user_nkey(raw_seed: bytes | None = None) -> tuple[str, str]:
     """-> (seed, public key) of a user nkey; a fresh random one unless `raw_seed` (32 bytes) is given."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     raw_seed = os.urandom(32) if raw_seed is None else raw_seed
     if len(raw_seed) != 32:
         raise ValueError(f"an nkey seed is 32 bytes, got {len(raw_seed)}")
-    pub = Ed25519PrivateKey.from_private_bytes(raw_seed).public_key().public_bytes(
-        serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    pub = (
+        Ed25519PrivateKey.from_private_bytes(raw_seed)
+        .public_key()
+        .public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    )
     seed = _encode(bytes([_PREFIX_SEED | (_PREFIX_USER >> 5), (_PREFIX_USER & 31) << 3]) + raw_seed)
     return seed, _encode(bytes([_PREFIX_USER]) + pub)
 
@@ -49,7 +54,10 @@ def public_of(seed: str) -> str:
     except ValueError:
         raise ValueError("not an nkey seed (base32)") from None
     body, crc = raw[:-2], int.from_bytes(raw[-2:], "little")
-    if len(body) != 34 or _crc16(body) != crc or body[:2] != bytes([_PREFIX_SEED | (_PREFIX_USER >> 5),
-                                                                     (_PREFIX_USER & 31) << 3]):
+    if (
+        len(body) != 34
+        or _crc16(body) != crc
+        or body[:2] != bytes([_PREFIX_SEED | (_PREFIX_USER >> 5), (_PREFIX_USER & 31) << 3])
+    ):
         raise ValueError("not a user nkey seed (prefix, length or checksum)")
     return user_nkey(body[2:])[1]

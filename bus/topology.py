@@ -3,6 +3,7 @@
 Provisioning (`provision`) is idempotent: it creates what is missing and updates what
 changed. Names here are the contract between processes.
 """
+
 from __future__ import annotations
 
 # streams
@@ -11,23 +12,42 @@ ROLLOUTS = "ROLLOUTS"
 SCORED = "SCORED"
 WEIGHTS = "WEIGHTS"
 DLQ = "DLQ"
-TELEMETRY = "TELEMETRY"        # heartbeats + metrics (limits retention), for `asyncrl inspect` and `up`
+TELEMETRY = "TELEMETRY"  # heartbeats + metrics (limits retention), for `asyncrl inspect` and `up`
+
 
 # subjects
-def task_subject(env: str) -> str: return f"rl.tasks.{env}"
-def rollout_subject(env: str) -> str: return f"rl.rollouts.{env}"
-def scored_subject(env: str) -> str: return f"rl.scored.{env}"
-def dlq_subject(stream: str) -> str: return f"rl.dlq.{stream}"
-def heartbeat_subject(component: str, cid: str) -> str: return f"rl.heartbeat.{component}.{cid}"
-def metrics_subject(component: str, cid: str) -> str: return f"rl.metrics.{component}.{cid}"
+def task_subject(env: str) -> str:
+    return f"rl.tasks.{env}"
+
+
+def rollout_subject(env: str) -> str:
+    return f"rl.rollouts.{env}"
+
+
+def scored_subject(env: str) -> str:
+    return f"rl.scored.{env}"
+
+
+def dlq_subject(stream: str) -> str:
+    return f"rl.dlq.{stream}"
+
+
+def heartbeat_subject(component: str, cid: str) -> str:
+    return f"rl.heartbeat.{component}.{cid}"
+
+
+def metrics_subject(component: str, cid: str) -> str:
+    return f"rl.metrics.{component}.{cid}"
+
+
 DELTA_SUBJECT = "rl.weights.delta"
 KEYFRAME_SUBJECT = "rl.weights.keyframe"
-MANIFEST_SUBJECT = "rl.weights.manifest"    # a version published from shards (bus/weight_manifest.py)
+MANIFEST_SUBJECT = "rl.weights.manifest"  # a version published from shards (bus/weight_manifest.py)
 
 # durable consumers
-ROLLOUT_CONSUMER = "rollout"    # on TASKS, shared by all workers
-SCORER_CONSUMER = "scorer"      # on ROLLOUTS, shared by all scorers
-TRAINER_CONSUMER = "trainer"    # on SCORED, leader fetches
+ROLLOUT_CONSUMER = "rollout"  # on TASKS, shared by all workers
+SCORER_CONSUMER = "scorer"  # on ROLLOUTS, shared by all scorers
+TRAINER_CONSUMER = "trainer"  # on SCORED, leader fetches
 
 # KV bucket and keys; object store
 CONTROL_BUCKET = "rl-control"
@@ -58,19 +78,19 @@ WORK_CONSUMERS = {TASKS: ROLLOUT_CONSUMER, ROLLOUTS: SCORER_CONSUMER, SCORED: TR
 
 @dataclass
 class TopologyConfig:
-    replicas: int = 1                 # 3 on a JetStream cluster
-    storage: str = "file"             # file | memory
-    max_age_s: float = 7 * 86400      # work streams: unconsumed work older than this is dropped
+    replicas: int = 1  # 3 on a JetStream cluster
+    storage: str = "file"  # file | memory
+    max_age_s: float = 7 * 86400  # work streams: unconsumed work older than this is dropped
     duplicate_window_s: float = 120.0  # Nats-Msg-Id dedupe horizon
-    weights_keep: int = 64            # WEIGHTS keeps the last N messages per subject (deltas, keyframes)
+    weights_keep: int = 64  # WEIGHTS keeps the last N messages per subject (deltas, keyframes)
     dlq_max_age_s: float = 30 * 86400
     telemetry_max_age_s: float = 3600.0
-    ack_wait_s: float = 30.0          # handlers send in_progress every ack_wait/3, so this can stay short
-    max_deliver: int = 5              # then the consumer loop parks the message in DLQ
+    ack_wait_s: float = 30.0  # handlers send in_progress every ack_wait/3, so this can stay short
+    max_deliver: int = 5  # then the consumer loop parks the message in DLQ
     max_ack_pending: int = 1024
     kv_history: int = 5
     blob_ttl_s: float = 86400.0
-    max_msg_size: int = -1            # -1: the server's max_payload
+    max_msg_size: int = -1  # -1: the server's max_payload
 
     def __post_init__(self):
         if self.storage not in ("file", "memory"):
@@ -84,32 +104,72 @@ class TopologyConfig:
 
 def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
     storage = api.StorageType.FILE if cfg.storage == "file" else api.StorageType.MEMORY
-    common = dict(num_replicas=cfg.replicas, storage=storage, max_msg_size=cfg.max_msg_size,
-                  duplicate_window=cfg.duplicate_window_s)
-    out = [api.StreamConfig(name=s, subjects=[subj], retention=api.RetentionPolicy.WORK_QUEUE,
-                            max_age=cfg.max_age_s, **common) for s, subj in WORK_STREAMS.items()]
-    out.append(api.StreamConfig(name=WEIGHTS, subjects=[DELTA_SUBJECT, KEYFRAME_SUBJECT, MANIFEST_SUBJECT],
-                                retention=api.RetentionPolicy.LIMITS,
-                                max_msgs_per_subject=cfg.weights_keep, **common))
-    out.append(api.StreamConfig(name=DLQ, subjects=["rl.dlq.>"], retention=api.RetentionPolicy.LIMITS,
-                                max_age=cfg.dlq_max_age_s, **common))
-    out.append(api.StreamConfig(name=TELEMETRY, subjects=["rl.heartbeat.>", "rl.metrics.>"],
-                                retention=api.RetentionPolicy.LIMITS, max_age=cfg.telemetry_max_age_s,
-                                **{**common, "duplicate_window": min(cfg.duplicate_window_s,
-                                                                     cfg.telemetry_max_age_s)}))
+    common = dict(
+        num_replicas=cfg.replicas,
+        storage=storage,
+        max_msg_size=cfg.max_msg_size,
+        duplicate_window=cfg.duplicate_window_s,
+    )
+    out = [
+        api.StreamConfig(
+            name=s, subjects=[subj], retention=api.RetentionPolicy.WORK_QUEUE, max_age=cfg.max_age_s, **common
+        )
+        for s, subj in WORK_STREAMS.items()
+    ]
+    out.append(
+        api.StreamConfig(
+            name=WEIGHTS,
+            subjects=[DELTA_SUBJECT, KEYFRAME_SUBJECT, MANIFEST_SUBJECT],
+            retention=api.RetentionPolicy.LIMITS,
+            max_msgs_per_subject=cfg.weights_keep,
+            **common,
+        )
+    )
+    out.append(
+        api.StreamConfig(
+            name=DLQ,
+            subjects=["rl.dlq.>"],
+            retention=api.RetentionPolicy.LIMITS,
+            max_age=cfg.dlq_max_age_s,
+            **common,
+        )
+    )
+    out.append(
+        api.StreamConfig(
+            name=TELEMETRY,
+            subjects=["rl.heartbeat.>", "rl.metrics.>"],
+            retention=api.RetentionPolicy.LIMITS,
+            max_age=cfg.telemetry_max_age_s,
+            **{**common, "duplicate_window": min(cfg.duplicate_window_s, cfg.telemetry_max_age_s)},
+        )
+    )
     return out
 
 
 def consumer_config(cfg: TopologyConfig, durable: str) -> api.ConsumerConfig:
-    return api.ConsumerConfig(name=durable, durable_name=durable, ack_policy=api.AckPolicy.EXPLICIT,
-                              deliver_policy=api.DeliverPolicy.ALL, ack_wait=cfg.ack_wait_s,
-                              max_deliver=cfg.max_deliver, max_ack_pending=cfg.max_ack_pending,
-                              num_replicas=cfg.replicas if cfg.replicas > 1 else None)
+    return api.ConsumerConfig(
+        name=durable,
+        durable_name=durable,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=cfg.ack_wait_s,
+        max_deliver=cfg.max_deliver,
+        max_ack_pending=cfg.max_ack_pending,
+        num_replicas=cfg.replicas if cfg.replicas > 1 else None,
+    )
 
 
 # the fields we declare; the server fills in the rest, so only these are compared
-_STREAM_FIELDS = ("subjects", "max_age", "max_msgs_per_subject", "duplicate_window", "num_replicas",
-                  "max_msg_size", "retention", "storage")
+_STREAM_FIELDS = (
+    "subjects",
+    "max_age",
+    "max_msgs_per_subject",
+    "duplicate_window",
+    "num_replicas",
+    "max_msg_size",
+    "retention",
+    "storage",
+)
 _CONSUMER_FIELDS = ("ack_wait", "max_deliver", "max_ack_pending", "ack_policy")
 
 
@@ -143,9 +203,11 @@ async def provision(js, cfg: TopologyConfig | None = None, log=None) -> dict[str
             done[want.name] = "unchanged"
             continue
         if {"retention", "storage"} & set(changed):
-            raise ValueError(f"stream {want.name}: cannot change {changed} in place "
-                             f"(have retention={have.retention} storage={have.storage}); "
-                             f"migrate the stream by hand")
+            raise ValueError(
+                f"stream {want.name}: cannot change {changed} in place "
+                f"(have retention={have.retention} storage={have.storage}); "
+                f"migrate the stream by hand"
+            )
         merged = dataclasses.replace(have, **{f: getattr(want, f) for f in changed})
         await js.update_stream(merged)
         done[want.name] = "updated"
@@ -186,8 +248,11 @@ async def provision(js, cfg: TopologyConfig | None = None, log=None) -> dict[str
         else:
             done[CONTROL_BUCKET] = "unchanged"
     except BucketNotFoundError:
-        await js.create_key_value(api.KeyValueConfig(bucket=CONTROL_BUCKET, history=cfg.kv_history,
-                                                     replicas=cfg.replicas, storage=storage))
+        await js.create_key_value(
+            api.KeyValueConfig(
+                bucket=CONTROL_BUCKET, history=cfg.kv_history, replicas=cfg.replicas, storage=storage
+            )
+        )
         done[CONTROL_BUCKET] = "created"
 
     try:
@@ -199,8 +264,12 @@ async def provision(js, cfg: TopologyConfig | None = None, log=None) -> dict[str
         else:
             done[BLOB_BUCKET] = "unchanged"
     except (BucketNotFoundError, NotFoundError):
-        await js.create_object_store(BLOB_BUCKET, config=api.ObjectStoreConfig(
-            bucket=BLOB_BUCKET, ttl=cfg.blob_ttl_s, replicas=cfg.replicas, storage=storage))
+        await js.create_object_store(
+            BLOB_BUCKET,
+            config=api.ObjectStoreConfig(
+                bucket=BLOB_BUCKET, ttl=cfg.blob_ttl_s, replicas=cfg.replicas, storage=storage
+            ),
+        )
         done[BLOB_BUCKET] = "created"
     return done
 
@@ -210,7 +279,7 @@ async def provision(js, cfg: TopologyConfig | None = None, log=None) -> dict[str
 # and the blob store's stream under the same names, so the weight feed and the blob reader run
 # unchanged against the region's domain, and each update crosses the WAN once per region
 # ---------------------------------------------------------------------------------------------
-HUB_DOMAIN = "hub"                      # the trainer's JetStream domain (deploy/nats/single.conf)
+HUB_DOMAIN = "hub"  # the trainer's JetStream domain (deploy/nats/single.conf)
 BLOB_STREAM = f"OBJ_{BLOB_BUCKET}"
 MIRRORED = (WEIGHTS, BLOB_STREAM)
 
@@ -219,11 +288,12 @@ MIRRORED = (WEIGHTS, BLOB_STREAM)
 class MirrorConfig:
     """Retention of one region's mirrors. Set per region: deletes and purges on the hub are not
     mirrored, so without limits a mirror only grows."""
+
     hub_domain: str = HUB_DOMAIN
-    storage: str = "file"             # file | memory
-    weights_keep: int = 64            # last N messages per subject, like the hub's WEIGHTS
-    blob_max_age_s: float = 86400.0   # blob chunks and metas older than this are dropped
-    blob_max_bytes: int = -1          # -1: no byte cap
+    storage: str = "file"  # file | memory
+    weights_keep: int = 64  # last N messages per subject, like the hub's WEIGHTS
+    blob_max_age_s: float = 86400.0  # blob chunks and metas older than this are dropped
+    blob_max_bytes: int = -1  # -1: no byte cap
 
     def __post_init__(self):
         if self.storage not in ("file", "memory"):
@@ -238,12 +308,23 @@ def mirror_configs(m: MirrorConfig) -> list[api.StreamConfig]:
     storage = api.StorageType.FILE if m.storage == "file" else api.StorageType.MEMORY
     ext = api.ExternalStream(api=f"$JS.{m.hub_domain}.API")
     return [
-        api.StreamConfig(name=WEIGHTS, mirror=api.StreamSource(name=WEIGHTS, external=ext), storage=storage,
-                         retention=api.RetentionPolicy.LIMITS, max_msgs_per_subject=m.weights_keep),
+        api.StreamConfig(
+            name=WEIGHTS,
+            mirror=api.StreamSource(name=WEIGHTS, external=ext),
+            storage=storage,
+            retention=api.RetentionPolicy.LIMITS,
+            max_msgs_per_subject=m.weights_keep,
+        ),
         # allow_direct: object metas are read with direct gets, as on the hub's bucket
-        api.StreamConfig(name=BLOB_STREAM, mirror=api.StreamSource(name=BLOB_STREAM, external=ext),
-                         storage=storage, retention=api.RetentionPolicy.LIMITS, max_age=m.blob_max_age_s,
-                         max_bytes=m.blob_max_bytes, allow_direct=True),
+        api.StreamConfig(
+            name=BLOB_STREAM,
+            mirror=api.StreamSource(name=BLOB_STREAM, external=ext),
+            storage=storage,
+            retention=api.RetentionPolicy.LIMITS,
+            max_age=m.blob_max_age_s,
+            max_bytes=m.blob_max_bytes,
+            allow_direct=True,
+        ),
     ]
 
 
@@ -264,10 +345,15 @@ async def provision_mirrors(js, m: MirrorConfig | None = None, log=None) -> dict
             done[want.name] = "created"
             continue
         src = have.mirror
-        if src is None or src.name != want.mirror.name or (src.external is None or
-                                                            src.external.api != want.mirror.external.api):
-            raise ValueError(f"stream {want.name} on this server is not a mirror of {want.mirror.name} in "
-                             f"domain {m.hub_domain!r} (mirror={src}); remove it by hand first")
+        if (
+            src is None
+            or src.name != want.mirror.name
+            or (src.external is None or src.external.api != want.mirror.external.api)
+        ):
+            raise ValueError(
+                f"stream {want.name} on this server is not a mirror of {want.mirror.name} in "
+                f"domain {m.hub_domain!r} (mirror={src}); remove it by hand first"
+            )
         changed = _differs(want, have, _MIRROR_FIELDS)
         if not changed:
             done[want.name] = "unchanged"

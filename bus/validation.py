@@ -11,6 +11,7 @@ may carry 131,072 tokens. Bounds say what no healthy process sends (a logprob be
 wall time of months): such values are a broken or hostile sender, and the trainer would turn
 them into NaN/inf weights downstream.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,16 +20,16 @@ import numpy as np
 
 from bus.errors import EventError
 
-INT64 = 1 << 63               # every int must fit int64: |v| < 2**63 (msgpack also carries uint64)
-MAX_ID = 1 << 31              # token ids: [0, 2**31); the consumer that knows the vocabulary checks it
-MAX_VERSION = 1 << 53         # policy versions (and epochs) far beyond any run
-MIN_LOGPROB = -1e4            # a sampled token with probability below e^-10000 is a broken sampler
-MAX_WALL_S = 1e7              # ~4 months: longer is a broken clock, not an episode
-MAX_REWARD = 1e6              # |reward|, |penalty|, cost, lambda: rewards live near [0, 1]
+INT64 = 1 << 63  # every int must fit int64: |v| < 2**63 (msgpack also carries uint64)
+MAX_ID = 1 << 31  # token ids: [0, 2**31); the consumer that knows the vocabulary checks it
+MAX_VERSION = 1 << 53  # policy versions (and epochs) far beyond any run
+MIN_LOGPROB = -1e4  # a sampled token with probability below e^-10000 is a broken sampler
+MAX_WALL_S = 1e7  # ~4 months: longer is a broken clock, not an episode
+MAX_REWARD = 1e6  # |reward|, |penalty|, cost, lambda: rewards live near [0, 1]
 
 
 def _is_int_type(t: type) -> bool:
-    return (issubclass(t, (int, np.integer)) and not issubclass(t, (bool, np.bool_)))
+    return issubclass(t, (int, np.integer)) and not issubclass(t, (bool, np.bool_))
 
 
 def _is_float_type(t: type) -> bool:
@@ -45,7 +46,7 @@ def list_type_problem(values: list, inner: type) -> str | None:
     bad = [t for t in set(map(type, values)) if not ok(t)]
     if not bad:
         return None
-    types = list(map(type, values))       # (error path only: where is the first one)
+    types = list(map(type, values))  # (error path only: where is the first one)
     i = min(types.index(t) for t in bad)
     return f"[{i}] is a {types[i].__name__} ({values[i]!r:.40}), expected {kind}"
 
@@ -77,7 +78,7 @@ def float_array(where: str, name: str, values, lo: float = -math.inf, hi: float 
         raise EventError(f"{where}: {name}{p}")
     try:
         a = np.asarray(values, dtype=np.float64)
-    except OverflowError:              # an int beyond float64 (10**400)
+    except OverflowError:  # an int beyond float64 (10**400)
         i = next(i for i, v in enumerate(values) if abs(v) > 1e308)
         raise EventError(f"{where}: {name}[{i}] is not finite as a float") from None
     bad = ~np.isfinite(a)

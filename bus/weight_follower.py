@@ -1,6 +1,7 @@
 """The worker side of the weight protocol (bus/weights.py has the rules): `WeightFollower` walks
 WEIGHTS from its own cursor and hands each verified update to a target (an engine, or
 `StateTarget`, a plain state dict); a refused update never touches the target."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,11 +42,13 @@ def _apply_reason(e: BaseException, default: str) -> str:
 
 class WeightTarget(Protocol):
     """What a weight follower drives: an engine, or `StateTarget` (a plain state dict)."""
+
     version: int
     epoch: int
 
     async def load_keyframe(self, state, version: int, epoch: int) -> None: ...
     async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None: ...
+
     # optional: async apply_parts(manifest, parts, epoch), a version published from shards
     # (bus/weight_manifest.py), all-or-nothing; a target without it follows keyframes only
 
@@ -56,17 +59,17 @@ class StateTarget:
     def __init__(self) -> None:
         self.state: dict | None = None
         self.version, self.epoch = -1, -1
-        self.model_config: dict | None = None     # set by WeightFollower.latest_state from the keyframe
+        self.model_config: dict | None = None  # set by WeightFollower.latest_state from the keyframe
 
     async def load_keyframe(self, state, version: int, epoch: int) -> None:
         self.state, self.version, self.epoch = state, version, epoch
 
     async def apply_delta(self, delta, epoch: int) -> None:
-        delta_codec.apply_delta(self.state, delta, finite=True)     # NaN/±inf result: refused, unchanged
+        delta_codec.apply_delta(self.state, delta, finite=True)  # NaN/±inf result: refused, unchanged
         self.version, self.epoch = delta.to_version, epoch
 
     async def apply_parts(self, manifest, parts: dict[int, bytes], epoch: int) -> None:
-        apply_parts(self.state, manifest, parts, expect_from=self.version, finite=True)    # all-or-nothing
+        apply_parts(self.state, manifest, parts, expect_from=self.version, finite=True)  # all-or-nothing
         self.version, self.epoch = manifest.to_version, epoch
 
 
@@ -74,16 +77,19 @@ class StateTarget:
 class KeyframeUpdate:
     event: events.KeyframeEvent
     state: dict
-    seq: int                      # stream sequence of the keyframe message
+    seq: int  # stream sequence of the keyframe message
 
     @property
-    def version(self) -> int: return self.event.version
+    def version(self) -> int:
+        return self.event.version
 
     @property
-    def epoch(self) -> int: return self.event.epoch
+    def epoch(self) -> int:
+        return self.event.epoch
 
     @property
-    def model_config(self) -> dict: return self.event.model_config
+    def model_config(self) -> dict:
+        return self.event.model_config
 
 
 class WeightFollower:
@@ -94,26 +100,34 @@ class WeightFollower:
         # unsigned: whoever can publish on WEIGHTS decides this process's weights; say so loudly
         metrics.WEIGHTS_UNSIGNED.set(0 if public_key is not None else 1)
         if public_key is None:
-            log.warning("following weights WITHOUT signature checks: no public key configured "
-                        "(workers: public_key / ASYNCRL_PUBLIC_KEY)", follower=name)
-        self.issued_epoch = 0                        # highest epoch the KV leader lease is known to have issued
-        self.refused: Counter[str] = Counter()       # reason -> count
-        self.applied = Counter()                     # "delta" / "keyframe" / "replay"
+            log.warning(
+                "following weights WITHOUT signature checks: no public key configured "
+                "(workers: public_key / ASYNCRL_PUBLIC_KEY)",
+                follower=name,
+            )
+        self.issued_epoch = 0  # highest epoch the KV leader lease is known to have issued
+        self.refused: Counter[str] = Counter()  # reason -> count
+        self.applied = Counter()  # "delta" / "keyframe" / "replay"
         self.resyncs = 0
         self.last_refusal = ""
-        self.cursor = 0                              # last stream sequence consumed
+        self.cursor = 0  # last stream sequence consumed
         self._wake = asyncio.Event()
         self._sub = None
 
     # -- reading the stream ------------------------------------------------------------
     async def _ensure_wakeup(self) -> None:
         if self._sub is None:
+
             async def on_msg(_msg):
                 self._wake.set()
+
             # a regional source (bus.regions.WeightSource) wakes us when its mirror stores a message
             subscribe = getattr(self.bus, "subscribe_weights", None)
-            self._sub = await (subscribe(on_msg) if subscribe is not None
-                               else self.bus.nc.subscribe(WEIGHTS_SUBJECTS, cb=on_msg))
+            self._sub = await (
+                subscribe(on_msg)
+                if subscribe is not None
+                else self.bus.nc.subscribe(WEIGHTS_SUBJECTS, cb=on_msg)
+            )
 
     async def _wait(self, timeout: float, stop: asyncio.Event | None = None) -> bool:
         """Until a WEIGHTS message is published, `stop` is set, or `timeout` (a missed wakeup).
@@ -128,7 +142,7 @@ class WeightFollower:
                 w.cancel()
         return self._wake.is_set()
 
-    LAG_RETRY_S = 0.005       # first re-read after a wake-up that found nothing; doubles up to poll_s
+    LAG_RETRY_S = 0.005  # first re-read after a wake-up that found nothing; doubles up to poll_s
 
     async def _next_msg(self, stop: asyncio.Event | None):
         """The first WEIGHTS message after the cursor; waits for one. None when stopped.
@@ -140,8 +154,9 @@ class WeightFollower:
         while stop is None or not stop.is_set():
             self._wake.clear()
             try:
-                return await self.bus.js.get_msg(topo.WEIGHTS, seq=self.cursor + 1,
-                                                 subject=WEIGHTS_SUBJECTS, next=True)
+                return await self.bus.js.get_msg(
+                    topo.WEIGHTS, seq=self.cursor + 1, subject=WEIGHTS_SUBJECTS, next=True
+                )
             except NotFoundError:
                 pass
             except Exception as e:  # broker restart / reconnect: retry after a beat
@@ -156,7 +171,9 @@ class WeightFollower:
 
     async def _payload(self, ev) -> bytes:
         if ev.codec != CODEC:
-            raise Refused("codec", f"{ev.msg_id()} uses codec {ev.codec!r}, this build reads {CODEC!r}", resync=True)
+            raise Refused(
+                "codec", f"{ev.msg_id()} uses codec {ev.codec!r}, this build reads {CODEC!r}", resync=True
+            )
         try:
             data = ev.payload if ev.payload is not None else await self.bus.get_blob(ev.blob)
         except Exception as e:
@@ -176,13 +193,20 @@ class WeightFollower:
         """The event's fields must be the ones inside the payload's (signed) container header.
         With a public key this stops forgery; without one it still catches mismatches."""
         x = container.extra or {}
-        want = signed_fields(ev.epoch, ev.trainer_id,
-                             ev.model_config if isinstance(ev, (events.KeyframeEvent, events.ManifestEvent)) else None)
+        want = signed_fields(
+            ev.epoch,
+            ev.trainer_id,
+            ev.model_config if isinstance(ev, (events.KeyframeEvent, events.ManifestEvent)) else None,
+        )
         got = {k: x.get(k) for k in want}
         if got != want:
             diff = {k: (want[k], got[k]) for k in want if want[k] != got[k]}
-            raise Refused("fields", f"{ev.msg_id()}: event fields disagree with the payload's signed header "
-                                    f"(event, payload): {str(diff)[:300]}", resync=False)
+            raise Refused(
+                "fields",
+                f"{ev.msg_id()}: event fields disagree with the payload's signed header "
+                f"(event, payload): {str(diff)[:300]}",
+                resync=False,
+            )
 
     async def _check_epoch(self, ev: events.WeightEvent) -> None:
         """An epoch ahead of what this follower has seen issued is verified against the KV leader
@@ -192,33 +216,44 @@ class WeightFollower:
         try:
             value, rev = await self.bus.kv_entry(topo.KEY_LEADER)
         except Exception as e:
-            raise Refused("epoch", f"{ev.msg_id()}: cannot read the leader lease to verify epoch "
-                                   f"{ev.epoch}: {e}", resync=True) from None
-        if value is None and rev == 0:       # no lease in use (a publisher without a trainer: tools, tests)
+            raise Refused(
+                "epoch",
+                f"{ev.msg_id()}: cannot read the leader lease to verify epoch {ev.epoch}: {e}",
+                resync=True,
+            ) from None
+        if value is None and rev == 0:  # no lease in use (a publisher without a trainer: tools, tests)
             return
         issued = _lease_epoch(value) or rev
         self.issued_epoch = max(self.issued_epoch, issued)
         if ev.epoch > self.issued_epoch:
-            raise Refused("epoch", f"{ev.msg_id()}: epoch {ev.epoch} was never issued by the leader lease "
-                                   f"(lease epoch {issued}, revision {rev})", resync=False)
+            raise Refused(
+                "epoch",
+                f"{ev.msg_id()}: epoch {ev.epoch} was never issued by the leader lease "
+                f"(lease epoch {issued}, revision {rev})",
+                resync=False,
+            )
 
     async def _load_keyframe(self, ev: events.KeyframeEvent, seq: int) -> KeyframeUpdate:
         data = await self._payload(ev)
         try:
             kf = delta_codec.Keyframe.from_bytes(data)
             if kf.version != ev.version or (ev.digest and kf.digest != ev.digest):
-                raise ValueError(f"payload is v{kf.version} digest {kf.digest}, event says v{ev.version} {ev.digest}")
+                raise ValueError(
+                    f"payload is v{kf.version} digest {kf.digest}, event says v{ev.version} {ev.digest}"
+                )
         except Exception as e:
             raise Refused("corrupt", f"keyframe v{ev.version}: {e}", resync=False) from None
         self._check_signed(ev, kf)
         await self._check_epoch(ev)
         try:
-            state = delta_codec.load_keyframe(kf, finite=True)   # every tensor's digest; no NaN/±inf
+            state = delta_codec.load_keyframe(kf, finite=True)  # every tensor's digest; no NaN/±inf
         except Exception as e:
             raise Refused(_apply_reason(e, "corrupt"), f"keyframe v{ev.version}: {e}", resync=False) from None
         return KeyframeUpdate(ev, state, seq)
 
-    async def latest_keyframe(self, wait: bool = True, stop: asyncio.Event | None = None) -> KeyframeUpdate | None:
+    async def latest_keyframe(
+        self, wait: bool = True, stop: asyncio.Event | None = None
+    ) -> KeyframeUpdate | None:
         """The newest valid keyframe on WEIGHTS (waits for one to exist when `wait`)."""
         await self._ensure_wakeup()
         while stop is None or not stop.is_set():
@@ -249,7 +284,9 @@ class WeightFollower:
         """Jump to the latest keyframe if it moves the target forward; else keep walking."""
         self.resyncs += 1
         kf = await self.latest_keyframe(wait=False)
-        if kf is not None and (kf.epoch > target.epoch or (kf.epoch == target.epoch and kf.version > target.version)):
+        if kf is not None and (
+            kf.epoch > target.epoch or (kf.epoch == target.epoch and kf.version > target.version)
+        ):
             try:
                 await target.load_keyframe(kf.state, kf.version, kf.epoch)
             except Exception as e:
@@ -271,12 +308,12 @@ class WeightFollower:
                 kf = await self._load_keyframe(ev, raw.seq)
                 try:
                     await target.load_keyframe(kf.state, kf.version, kf.epoch)
-                except Exception as e:   # e.g. a keyframe for another model: refused, state unchanged
+                except Exception as e:  # e.g. a keyframe for another model: refused, state unchanged
                     raise Refused("apply", f"{ev.msg_id()}: {type(e).__name__}: {e}", resync=False) from None
                 self.applied["keyframe"] += 1
                 metrics.applied("keyframe", raw)
             return
-        if isinstance(ev, events.ManifestEvent):          # a version published from shards
+        if isinstance(ev, events.ManifestEvent):  # a version published from shards
             return await self._step_manifest(target, ev, raw)
         if not isinstance(ev, events.DeltaEvent):
             raise Refused("malformed", f"unexpected {ev.KIND} on WEIGHTS", resync=False)
@@ -289,17 +326,22 @@ class WeightFollower:
         except Exception as e:
             raise Refused("corrupt", f"{ev.msg_id()}: {e}", resync=True) from None
         if (d.from_version, d.to_version) != (ev.from_version, ev.to_version):
-            raise Refused("corrupt", f"{ev.msg_id()}: payload says v{d.from_version}->v{d.to_version}", resync=True)
+            raise Refused(
+                "corrupt", f"{ev.msg_id()}: payload says v{d.from_version}->v{d.to_version}", resync=True
+            )
         if ev.base_digest and (d.base_digest, d.new_digest) != (ev.base_digest, ev.new_digest):
-            raise Refused("digest", f"{ev.msg_id()}: payload digests differ from the announced ones", resync=True)
+            raise Refused(
+                "digest", f"{ev.msg_id()}: payload digests differ from the announced ones", resync=True
+            )
         self._check_signed(ev, d)
         if ev.epoch > target.epoch:
             await self._check_epoch(ev)
         try:
             await target.apply_delta(d, ev.epoch)
         except Exception as e:  # base digest mismatch, NaN/±inf result, engine refusal: state unchanged
-            raise Refused(_apply_reason(e, "apply"), f"{ev.msg_id()}: {type(e).__name__}: {e}",
-                          resync=True) from None
+            raise Refused(
+                _apply_reason(e, "apply"), f"{ev.msg_id()}: {type(e).__name__}: {e}", resync=True
+            ) from None
         self.applied["delta"] += 1
         metrics.applied("delta", raw)
 
@@ -308,7 +350,7 @@ class WeightFollower:
         if is_replay(ev, target):
             self.applied["replay"] += 1
             return
-        m = read_manifest(ev, await self._payload(ev))     # codec, size, signature over the manifest bytes
+        m = read_manifest(ev, await self._payload(ev))  # codec, size, signature over the manifest bytes
         self._check_signed(ev, m)
         if ev.epoch > target.epoch:
             await self._check_epoch(ev)
@@ -316,8 +358,14 @@ class WeightFollower:
         self.applied["manifest"] += 1
         metrics.applied("manifest", raw)
 
-    async def follow(self, target: WeightTarget, stop: asyncio.Event, start: KeyframeUpdate | None = None,
-                     resume: bool = False, on_update=None) -> None:
+    async def follow(
+        self,
+        target: WeightTarget,
+        stop: asyncio.Event,
+        start: KeyframeUpdate | None = None,
+        resume: bool = False,
+        on_update=None,
+    ) -> None:
         """Keep `target` on the newest policy until `stop` is set: from `start` (default: the
         latest keyframe), or with `resume` from where this feed stopped last time.
         `on_update(version, epoch)` (async) runs after each update the target took."""
@@ -350,7 +398,9 @@ class WeightFollower:
         self.cursor = kf.seq
         while True:
             try:
-                raw = await self.bus.js.get_msg(topo.WEIGHTS, seq=self.cursor + 1, subject=WEIGHTS_SUBJECTS, next=True)
+                raw = await self.bus.js.get_msg(
+                    topo.WEIGHTS, seq=self.cursor + 1, subject=WEIGHTS_SUBJECTS, next=True
+                )
             except NotFoundError:
                 return target
             self.cursor = raw.seq
@@ -366,8 +416,13 @@ class WeightFollower:
                 await self._resync(target)
 
     def stats(self) -> dict:
-        return {"refused": dict(self.refused), "applied": dict(self.applied), "resyncs": self.resyncs,
-                "cursor": self.cursor, "last_refusal": self.last_refusal}
+        return {
+            "refused": dict(self.refused),
+            "applied": dict(self.applied),
+            "resyncs": self.resyncs,
+            "cursor": self.cursor,
+            "last_refusal": self.last_refusal,
+        }
 
     async def close(self) -> None:
         if self._sub is not None:

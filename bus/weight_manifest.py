@@ -23,6 +23,7 @@ Worker side, WeightFollower checks a ManifestEvent as it checks a delta, with `r
     then the target applies the parts (any order) all-or-nothing: its state is untouched when
     any part fails (the rows don't tile its tensors, a base digest differs).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,16 @@ def part_blob_name(epoch: int, version: int, index: int) -> str:
     return f"part-e{int(epoch)}-v{int(version)}-r{int(index)}"
 
 
-async def publish_sharded(pub: WeightPublisher, parts: list[bytes], *, from_version: int, to_version: int,
-                          model_config, changed_frac: float = 0.0, set_version: bool = True) -> events.ManifestEvent:
+async def publish_sharded(
+    pub: WeightPublisher,
+    parts: list[bytes],
+    *,
+    from_version: int,
+    to_version: int,
+    model_config,
+    changed_frac: float = 0.0,
+    set_version: bool = True,
+) -> events.ManifestEvent:
     """Store the parts, then announce them with one signed manifest through the fenced write."""
     if not parts:
         raise ValueError("a sharded version needs at least one part")
@@ -48,8 +57,13 @@ async def publish_sharded(pub: WeightPublisher, parts: list[bytes], *, from_vers
     # every part is in the store before the manifest names it (workers fetch as soon as they see it)
     await asyncio.gather(*(pub.bus.put_blob(n, p) for n, p in zip(names, parts)))
     config = config_dict(model_config)
-    manifest = make_manifest(parts, from_version=from_version, to_version=to_version, names=names,
-                             extra=signed_fields(pub.epoch, pub.trainer_id, config))
+    manifest = make_manifest(
+        parts,
+        from_version=from_version,
+        to_version=to_version,
+        names=names,
+        extra=signed_fields(pub.epoch, pub.trainer_id, config),
+    )
     return await pub.publish_manifest(manifest, config, changed_frac=changed_frac, set_version=set_version)
 
 
@@ -58,14 +72,20 @@ async def fetch_parts(bus, manifest: Manifest) -> dict[int, bytes]:
     want = {}
     for p in manifest.parts:
         if not isinstance(p.get("index"), int) or not isinstance(p.get("blob"), str) or p["index"] in want:
-            raise Refused("corrupt", f"manifest v{manifest.to_version}: bad part entry {str(p)[:200]}", resync=True)
+            raise Refused(
+                "corrupt", f"manifest v{manifest.to_version}: bad part entry {str(p)[:200]}", resync=True
+            )
         want[p["index"]] = p["blob"]
     got = await asyncio.gather(*(bus.get_blob(n) for n in want.values()), return_exceptions=True)
     blobs = {}
     for (i, name), data in zip(want.items(), got):
         if isinstance(data, BaseException):
-            raise Refused("part", f"manifest v{manifest.to_version}: part {i} ({name!r}) cannot be fetched: "
-                                  f"{type(data).__name__}: {data}", resync=True)
+            raise Refused(
+                "part",
+                f"manifest v{manifest.to_version}: part {i} ({name!r}) cannot be fetched: "
+                f"{type(data).__name__}: {data}",
+                resync=True,
+            )
         try:
             check_part(manifest, i, data)
         except DeltaError as e:
@@ -82,8 +102,12 @@ def read_manifest(ev: events.ManifestEvent, data: bytes) -> Manifest:
     except DeltaError as e:
         raise Refused("corrupt", f"{ev.msg_id()}: {e}", resync=True) from None
     if (m.from_version, m.to_version, len(m.parts)) != (ev.from_version, ev.to_version, ev.parts):
-        raise Refused("corrupt", f"{ev.msg_id()}: manifest says v{m.from_version}->v{m.to_version} in "
-                                 f"{len(m.parts)} parts, the event {ev.parts}", resync=True)
+        raise Refused(
+            "corrupt",
+            f"{ev.msg_id()}: manifest says v{m.from_version}->v{m.to_version} in "
+            f"{len(m.parts)} parts, the event {ev.parts}",
+            resync=True,
+        )
     return m
 
 
@@ -94,11 +118,15 @@ async def apply_manifest(bus, target, ev: events.ManifestEvent, m: Manifest) -> 
         raise Refused("model", f"{ev.msg_id()} is for another model config than the target's", resync=True)
     apply = getattr(target, "apply_parts", None)
     if apply is None:
-        raise Refused("unsupported", f"{ev.msg_id()}: {type(target).__name__} cannot apply a version published "
-                                     f"from shards; it follows keyframes only", resync=True)
+        raise Refused(
+            "unsupported",
+            f"{ev.msg_id()}: {type(target).__name__} cannot apply a version published "
+            f"from shards; it follows keyframes only",
+            resync=True,
+        )
     blobs = await fetch_parts(bus, m)
     try:
         await apply(m, blobs, ev.epoch)
-    except Exception as e:                  # rows that don't tile the state, a base digest, NaN: state unchanged
+    except Exception as e:  # rows that don't tile the state, a base digest, NaN: state unchanged
         reason = "nonfinite" if isinstance(e, NonFiniteError) else "apply"
         raise Refused(reason, f"{ev.msg_id()}: {type(e).__name__}: {e}", resync=True) from None

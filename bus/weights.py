@@ -32,6 +32,7 @@ Resync loads the latest keyframe if it moves us forward and continues from it; o
 the reader keeps walking until a newer keyframe shows up. The target (an engine) keeps
 generating meanwhile: it only ever sees whole, verified updates.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -69,7 +70,7 @@ def config_dict(model_config: Any) -> dict:
 
 
 EXPECTED_LAST_SEQ = "Nats-Expected-Last-Sequence"
-WRONG_LAST_SEQUENCE = 10071          # JetStream API error code: the stream's last sequence differs
+WRONG_LAST_SEQUENCE = 10071  # JetStream API error code: the stream's last sequence differs
 
 
 class Fenced(PublishError):
@@ -95,15 +96,24 @@ class WeightPublisher:
     after `fence()` (the lease's compare-and-set) confirms this publisher still leads; without
     a fence (tools, tests: no lease) it re-reads the stream's position and retries."""
 
-    def __init__(self, bus, epoch: int, trainer_id: str, signing_key=None, inline_max: int = 256 * 1024,
-                 fence=None, before_write=None, max_conflicts: int = 5):
+    def __init__(
+        self,
+        bus,
+        epoch: int,
+        trainer_id: str,
+        signing_key=None,
+        inline_max: int = 256 * 1024,
+        fence=None,
+        before_write=None,
+        max_conflicts: int = 5,
+    ):
         self.bus, self.epoch, self.trainer_id = bus, int(epoch), trainer_id
         self.signing_key, self.inline_max = signing_key, inline_max
-        self.fence = fence                  # async (): raises unless we still lead (a server-side CAS)
-        self.before_write = before_write    # async (event): test hook, between the fence and the write
+        self.fence = fence  # async (): raises unless we still lead (a server-side CAS)
+        self.before_write = before_write  # async (event): test hook, between the fence and the write
         self.max_conflicts = max_conflicts
-        self.last_seq: int | None = None    # WEIGHTS sequence this publisher last wrote or read
-        self.refusals = 0                   # writes the server refused (wrong last sequence)
+        self.last_seq: int | None = None  # WEIGHTS sequence this publisher last wrote or read
+        self.refusals = 0  # writes the server refused (wrong last sequence)
 
     def _sign(self, payload: bytes) -> bytes:
         return signing.sign(self.signing_key, payload) if self.signing_key is not None else b""
@@ -126,7 +136,7 @@ class WeightPublisher:
         expected = self.last_seq if self.last_seq is not None else await self._stream_last_seq()
         for _ in range(self.max_conflicts + 1):
             if self.fence is not None:
-                await self.fence()           # raises once deposed: a refused write is not retried
+                await self.fence()  # raises once deposed: a refused write is not retried
             if self.before_write is not None:
                 await self.before_write(ev)
             try:
@@ -136,73 +146,130 @@ class WeightPublisher:
                     raise
                 self.refusals += 1
                 seen = await self._stream_last_seq()
-                log.warning("weights write refused by the server: the stream moved on", msg=ev.msg_id(),
-                            expected_last_seq=expected, stream_last_seq=seen, epoch=self.epoch)
+                log.warning(
+                    "weights write refused by the server: the stream moved on",
+                    msg=ev.msg_id(),
+                    expected_last_seq=expected,
+                    stream_last_seq=seen,
+                    epoch=self.epoch,
+                )
                 expected = seen
                 continue
-            self.last_seq = max(expected, int(ack.seq))   # a duplicate ack is our own earlier write
+            self.last_seq = max(expected, int(ack.seq))  # a duplicate ack is our own earlier write
             return int(ack.seq)
-        raise Fenced(f"{ev.msg_id()}: refused by the server ({self.max_conflicts + 1} attempts): WEIGHTS "
-                     f"moved on since this publisher's last write")
+        raise Fenced(
+            f"{ev.msg_id()}: refused by the server ({self.max_conflicts + 1} attempts): WEIGHTS "
+            f"moved on since this publisher's last write"
+        )
 
-    async def publish_keyframe(self, state, version: int, model_config, *, set_version: bool = True) -> events.KeyframeEvent:
+    async def publish_keyframe(
+        self, state, version: int, model_config, *, set_version: bool = True
+    ) -> events.KeyframeEvent:
         kf = delta_codec.make_keyframe(state, version=version)
         config = config_dict(model_config)
         kf.extra = signed_fields(self.epoch, self.trainer_id, config)
         payload = kf.to_bytes()
         inline, blob = await self._place(f"keyframe-e{self.epoch}-v{version}", payload)
-        ev = events.KeyframeEvent(version=int(version), epoch=self.epoch, codec=CODEC, size=len(payload),
-                                  digest=kf.digest, model_config=config, signature=self._sign(payload),
-                                  payload=inline, blob=blob, trainer_id=self.trainer_id)
+        ev = events.KeyframeEvent(
+            version=int(version),
+            epoch=self.epoch,
+            codec=CODEC,
+            size=len(payload),
+            digest=kf.digest,
+            model_config=config,
+            signature=self._sign(payload),
+            payload=inline,
+            blob=blob,
+            trainer_id=self.trainer_id,
+        )
         await self._write(topo.KEYFRAME_SUBJECT, ev)
         metrics.published("keyframe", len(payload), int(version))
         if set_version:
             await self.set_version(version)
-        log.info("keyframe published", version=version, epoch=self.epoch, bytes=len(payload), inline=blob == "")
+        log.info(
+            "keyframe published", version=version, epoch=self.epoch, bytes=len(payload), inline=blob == ""
+        )
         return ev
 
-    async def publish_delta(self, delta: "delta_codec.Delta", epoch: int | None = None, *,
-                            set_version: bool = True) -> events.DeltaEvent:
+    async def publish_delta(
+        self, delta: "delta_codec.Delta", epoch: int | None = None, *, set_version: bool = True
+    ) -> events.DeltaEvent:
         epoch = self.epoch if epoch is None else int(epoch)
-        signed = delta_codec.Delta(delta.from_version, delta.to_version, delta.records,
-                                   extra=signed_fields(epoch, self.trainer_id),
-                                   base_digest=delta.base_digest, new_digest=delta.new_digest)
+        signed = delta_codec.Delta(
+            delta.from_version,
+            delta.to_version,
+            delta.records,
+            extra=signed_fields(epoch, self.trainer_id),
+            base_digest=delta.base_digest,
+            new_digest=delta.new_digest,
+        )
         payload = signed.to_bytes()
         inline, blob = await self._place(f"delta-e{epoch}-v{delta.to_version}", payload)
         stats = delta.stats
         changed_frac = stats.changed / stats.total if stats.total else 0.0
-        ev = events.DeltaEvent(from_version=int(delta.from_version), to_version=int(delta.to_version), epoch=epoch,
-                               codec=CODEC, size=len(payload), base_digest=delta.base_digest,
-                               new_digest=delta.new_digest, signature=self._sign(payload), payload=inline,
-                               blob=blob, changed_frac=changed_frac, trainer_id=self.trainer_id)
+        ev = events.DeltaEvent(
+            from_version=int(delta.from_version),
+            to_version=int(delta.to_version),
+            epoch=epoch,
+            codec=CODEC,
+            size=len(payload),
+            base_digest=delta.base_digest,
+            new_digest=delta.new_digest,
+            signature=self._sign(payload),
+            payload=inline,
+            blob=blob,
+            changed_frac=changed_frac,
+            trainer_id=self.trainer_id,
+        )
         await self._write(topo.DELTA_SUBJECT, ev)
         metrics.published("delta", len(payload), int(delta.to_version))
         if set_version:
             await self.set_version(delta.to_version)
-        log.debug("delta published", to_version=delta.to_version, epoch=epoch, bytes=len(payload),
-                  inline=blob == "", changed_frac=round(changed_frac, 5))
+        log.debug(
+            "delta published",
+            to_version=delta.to_version,
+            epoch=epoch,
+            bytes=len(payload),
+            inline=blob == "",
+            changed_frac=round(changed_frac, 5),
+        )
         return ev
 
-    async def publish_manifest(self, manifest: Manifest, model_config: dict, *, changed_frac: float = 0.0,
-                               set_version: bool = True) -> events.ManifestEvent:
+    async def publish_manifest(
+        self, manifest: Manifest, model_config: dict, *, changed_frac: float = 0.0, set_version: bool = True
+    ) -> events.ManifestEvent:
         """A version published from shards: its manifest, whose parts are already in the object store
         (bus/weight_manifest.py), signed and written like a delta."""
         from_version, to_version = manifest.from_version, manifest.to_version
-        payload = manifest.to_bytes()           # signed as a whole by the event's signature, like a delta
+        payload = manifest.to_bytes()  # signed as a whole by the event's signature, like a delta
         inline, blob = await self._place(f"manifest-e{self.epoch}-v{to_version}", payload)
         part_bytes = sum(p["nbytes"] for p in manifest.parts)
-        ev = events.ManifestEvent(from_version=int(from_version), to_version=int(to_version),
-                                  epoch=self.epoch, codec=CODEC, size=len(payload),
-                                  signature=self._sign(payload), payload=inline, blob=blob,
-                                  trainer_id=self.trainer_id, parts=len(manifest.parts),
-                                  part_bytes=part_bytes,
-                                  model_config=model_config, changed_frac=float(changed_frac))
+        ev = events.ManifestEvent(
+            from_version=int(from_version),
+            to_version=int(to_version),
+            epoch=self.epoch,
+            codec=CODEC,
+            size=len(payload),
+            signature=self._sign(payload),
+            payload=inline,
+            blob=blob,
+            trainer_id=self.trainer_id,
+            parts=len(manifest.parts),
+            part_bytes=part_bytes,
+            model_config=model_config,
+            changed_frac=float(changed_frac),
+        )
         await self._write(topo.MANIFEST_SUBJECT, ev)
         metrics.published("manifest", len(payload) + part_bytes, int(to_version))
         if set_version:
             await self.set_version(to_version)
-        log.debug("sharded version published", to_version=to_version, epoch=self.epoch,
-                  parts=len(manifest.parts), bytes=part_bytes)
+        log.debug(
+            "sharded version published",
+            to_version=to_version,
+            epoch=self.epoch,
+            parts=len(manifest.parts),
+            bytes=part_bytes,
+        )
         return ev
 
     async def set_version(self, v: int) -> int:
@@ -212,6 +279,7 @@ class WeightPublisher:
 class Refused(Exception):
     """A weight update a follower will not apply: `reason` (a metrics label), and whether the
     follower must resync from the latest keyframe."""
+
     def __init__(self, reason: str, detail: str, resync: bool):
         super().__init__(f"{reason}: {detail}")
         self.reason, self.detail, self.resync = reason, detail, resync
@@ -226,5 +294,7 @@ def is_replay(ev: events.WeightEvent, target) -> bool:
     if ev.to_version <= target.version and ev.epoch == target.epoch:
         return True
     if ev.from_version != target.version:
-        raise Refused("gap", f"{ev.msg_id()} starts at v{ev.from_version}, target at v{target.version}", resync=True)
+        raise Refused(
+            "gap", f"{ev.msg_id()} starts at v{ev.from_version}, target at v{target.version}", resync=True
+        )
     return False

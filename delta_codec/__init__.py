@@ -10,6 +10,7 @@ context / context_jit), sparse_jit (compiled per-change decoding) and compress (
 record framing), tasks (the thread pool), delta / encode / apply, keyframe, verify (signatures
 of either kind), signing (ed25519), triton_apply (device tensors).
 """
+
 from .apply import apply_delta
 from .bits import state_digest
 from .container import CODEC
@@ -20,15 +21,27 @@ from .keyframe import Keyframe, load_keyframe, make_keyframe
 from .verify import verify_signature
 
 
-
 def warm() -> None:
     """Compile, or load from numba's cache, every compiled kernel now: a process that applies
     deltas calls this at start, so its first delta does not pay it (~0.5 s here, more on a
     first run) between two decode steps."""
     from . import context_jit, sparse_jit
+
     sparse_jit.warm()
     context_jit.warm()
 
 
-__all__ = ["CODEC", "Delta", "DeltaError", "DeltaStats", "Keyframe", "apply_delta", "encode_delta",
-           "load_keyframe", "make_keyframe", "state_digest", "verify_signature", "warm"]
+__all__ = [
+    "CODEC",
+    "Delta",
+    "DeltaError",
+    "DeltaStats",
+    "Keyframe",
+    "apply_delta",
+    "encode_delta",
+    "load_keyframe",
+    "make_keyframe",
+    "state_digest",
+    "verify_signature",
+    "warm",
+]

@@ -1,6 +1,7 @@
 """apply_delta: in place, digest-checked, all-or-nothing (every written chunk is rolled back on
 any error, a wrong result digest included). With `finite=True` (workers), a result element that
 is NaN or ±inf is such an error too (NonFiniteError): checked on the elements each chunk wrote."""
+
 from __future__ import annotations
 
 import threading
@@ -9,7 +10,15 @@ import numpy as np
 import torch
 
 from . import sparse_jit
-from .bits import combine_digest, dtype_from_name, dtype_name, exponent_shift, int_view, np_bits, tensor_digest
+from .bits import (
+    combine_digest,
+    dtype_from_name,
+    dtype_name,
+    exponent_shift,
+    int_view,
+    np_bits,
+    tensor_digest,
+)
 from .codec import chunk_header, decode_chunk
 from .delta import Delta
 from .errors import DeltaError, NonFiniteError
@@ -17,26 +26,34 @@ from .finite import checks, first_nonfinite, nonfinite
 from .record import TensorRecord, chunk_starts, chunks_of
 from .tasks import parallel, run_tasks, scratch
 
+
 def decode_record(r: TensorRecord, t: torch.Tensor):
     """-> [(start, positions | None, signed differences, count, base bits at positions | None)]
     for the whole tensor, validated. t: the target tensor, still holding the base bits."""
     if t.device.type == "cpu":
         bits = np_bits(t)
         base_at = lambda start, pos: bits[start + pos] if start else bits[pos]
-        base_all = lambda start, n: bits[start:start + n]
+        base_all = lambda start, n: bits[start : start + n]
     else:  # (CLASSED chunks copy the chunk's base bits to the host: the class compares run there)
         bits = int_view(t)
-        base_at = lambda start, pos: bits[torch.from_numpy(start + pos).to(t.device)].cpu().numpy().view(
-            f"i{bits.element_size()}")
-        base_all = lambda start, n: bits[start:start + n].cpu().numpy().view(f"i{bits.element_size()}")
+        base_at = lambda start, pos: (
+            bits[torch.from_numpy(start + pos).to(t.device)].cpu().numpy().view(f"i{bits.element_size()}")
+        )
+        base_all = lambda start, n: bits[start : start + n].cpu().numpy().view(f"i{bits.element_size()}")
     chunks = chunks_of(r)
     shift = exponent_shift(dtype_from_name(r.dtype))
     out = []
     for i, (c, start) in enumerate(zip(chunks, chunk_starts(r, chunks))):
         what = f"tensor {r.name!r} chunk {i}"
         n = chunk_header(c, what)[1]
-        pos, d, count, old = decode_chunk(c, t.element_size(), what, lambda p, s=start: base_at(s, p), shift,
-                                          base_all=lambda s=start, n=n: base_all(s, n))
+        pos, d, count, old = decode_chunk(
+            c,
+            t.element_size(),
+            what,
+            lambda p, s=start: base_at(s, p),
+            shift,
+            base_all=lambda s=start, n=n: base_all(s, n),
+        )
         out.append((start, pos, d, count, old))
     return out
 
@@ -45,27 +62,43 @@ def validate_target(state, recs: list[TensorRecord], what: str) -> None:
     names = {r.name for r in recs}
     missing, extra = [n for n in names if n not in state], [n for n in state if n not in names]
     if missing or extra:
-        raise DeltaError(f"{what} and state differ in tensor names: missing in state {sorted(missing)[:5]}, "
-                         f"not in {what} {sorted(extra)[:5]}")
+        raise DeltaError(
+            f"{what} and state differ in tensor names: missing in state {sorted(missing)[:5]}, "
+            f"not in {what} {sorted(extra)[:5]}"
+        )
     # tied weights (overlapping memory under two names): writing one would change the other.
     # Views into one flat buffer that do not overlap are fine.
-    spans = sorted((str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), n)
-                   for n, t in ((r.name, state[r.name]) for r in recs) if t.numel())
+    spans = sorted(
+        (str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), n)
+        for n, t in ((r.name, state[r.name]) for r in recs)
+        if t.numel()
+    )
     for a, b in zip(spans, spans[1:]):
         if a[0] == b[0] and b[1] < a[2]:
-            raise DeltaError(f"tensors {a[3]!r} and {b[3]!r} overlap in memory (tied weights); "
-                             "give the state one name per tensor")
+            raise DeltaError(
+                f"tensors {a[3]!r} and {b[3]!r} overlap in memory (tied weights); "
+                "give the state one name per tensor"
+            )
     for r in recs:
         t = state[r.name]
         if dtype_name(t.dtype) != r.dtype or tuple(t.shape) != r.shape:
-            raise DeltaError(f"tensor {r.name!r}: {what} is for {r.dtype}{list(r.shape)}, "
-                             f"state has {t.dtype}{list(t.shape)}")
+            raise DeltaError(
+                f"tensor {r.name!r}: {what} is for {r.dtype}{list(r.shape)}, "
+                f"state has {t.dtype}{list(t.shape)}"
+            )
         if not t.is_contiguous():
             raise DeltaError(f"tensor {r.name!r}: in-place apply needs a contiguous tensor")
 
 
-def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None, threads: int | None = None,
-                finite: bool = False) -> None:
+def apply_delta(
+    state,
+    delta,
+    *,
+    public_key=None,
+    expect_from: int | None = None,
+    threads: int | None = None,
+    finite: bool = False,
+) -> None:
     """Apply in place. Verifies the signature (if public_key); then applies every tensor's
     chunks and hashes each result tensor (tensors and chunks on `threads` threads), and compares
     the result's state digest, combined from those, with the delta's new digest. On any error
@@ -80,7 +113,9 @@ def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None
     if public_key is not None:
         delta.verify_signature(public_key)
     if expect_from is not None and delta.from_version != expect_from:
-        raise DeltaError(f"delta goes {delta.from_version}->{delta.to_version}, but the state is version {expect_from}")
+        raise DeltaError(
+            f"delta goes {delta.from_version}->{delta.to_version}, but the state is version {expect_from}"
+        )
     validate_target(state, delta.records, "delta")
     recs = delta.records
     want_new, want_base = delta.new_digest, delta.base_digest  # (before anything is written)
@@ -103,7 +138,10 @@ def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None
                 last = left[0] == 0
             return [lambda: hash_result(r)] if last else None
 
-        jobs = [lambda i=i, s=s, c=c: chunk_job(i, s, c) for i, (c, s) in enumerate(zip(chunks, chunk_starts(r, chunks)))]
+        jobs = [
+            lambda i=i, s=s, c=c: chunk_job(i, s, c)
+            for i, (c, s) in enumerate(zip(chunks, chunk_starts(r, chunks)))
+        ]
         return jobs or [lambda: hash_result(r)]
 
     def hash_result(r: TensorRecord) -> None:
@@ -122,8 +160,10 @@ def apply_delta(state, delta, *, public_key=None, expect_from: int | None = None
         # a chunk that does not decode, or a wrong result, on the wrong base says nothing about
         # the delta: name the real cause
         if isinstance(e, Exception) and _state_root(state, recs, threads) != want_base:
-            raise DeltaError(f"base digest mismatch: the state is not the delta's base version {delta.from_version} "
-                             "(state unchanged)") from None
+            raise DeltaError(
+                f"base digest mismatch: the state is not the delta's base version {delta.from_version} "
+                "(state unchanged)"
+            ) from None
         raise
 
 
@@ -132,23 +172,27 @@ def _state_root(state, recs: list[TensorRecord], threads: int | None) -> str:
     return combine_digest((r.name, r.dtype, r.shape, d) for r, d in zip(recs, digs))
 
 
-def _apply_job(r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo: list,
-               finite: bool = False) -> None:
+def _apply_job(
+    r: TensorRecord, t: torch.Tensor, i: int, start: int, chunk, undo: list, finite: bool = False
+) -> None:
     finite = finite and checks(r.dtype)
     if i < 0:
         from .triton_apply import apply_on_device
+
         with torch.no_grad():  # (grad mode is per thread)
             apply_on_device(t, decode_record(r, t), undo)
             bits = int_view(t)
-            bits = bits.view(torch.int8) if bits.dtype == torch.uint8 else bits     # (signed, as np_bits)
+            bits = bits.view(torch.int8) if bits.dtype == torch.uint8 else bits  # (signed, as np_bits)
             if finite and bool(nonfinite(bits, r.dtype).any()):
-                raise NonFiniteError(f"tensor {r.name!r}: the update makes elements NaN or ±inf "
-                                     "(state rolled back)")
+                raise NonFiniteError(
+                    f"tensor {r.name!r}: the update makes elements NaN or ±inf (state rolled back)"
+                )
         return
     what, size = f"tensor {r.name!r} chunk {i}", t.element_size()
-    view = np_bits(t)[start:start + chunk_header(chunk, what)[1]]
-    pos, d, _, old = decode_chunk(chunk, size, what, lambda p: np.take(view, p), exponent_shift(t.dtype), scratch(),
-                                  lambda: view)
+    view = np_bits(t)[start : start + chunk_header(chunk, what)[1]]
+    pos, d, _, old = decode_chunk(
+        chunk, size, what, lambda p: np.take(view, p), exponent_shift(t.dtype), scratch(), lambda: view
+    )
     if pos is None:
         view += d  # dense: wraps at the element width
     elif old is not None:  # grouped (sparse) chunk: keep the old bits to restore
@@ -178,8 +222,9 @@ def _refuse_nonfinite(r: TensorRecord, start: int, view: np.ndarray, pos: np.nda
     j = first_nonfinite(written, r.dtype)
     if j >= 0:
         at = start + (j if pos is None else int(pos[j]))
-        raise NonFiniteError(f"tensor {r.name!r}: the update makes element {at} NaN or ±inf "
-                             "(state rolled back)")
+        raise NonFiniteError(
+            f"tensor {r.name!r}: the update makes element {at} NaN or ±inf (state rolled back)"
+        )
 
 
 def add_at(view: np.ndarray, pos: np.ndarray, d: np.ndarray) -> None:

@@ -3,6 +3,7 @@
 Everything here is lossless by construction: a tensor is handled as the integer that has its
 bits, so NaN payloads, -0, Inf and subnormals round-trip exactly.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,10 +19,30 @@ _TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # dtype names on the wire; a receiver refuses a name it does not know rather than guessing.
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
-    for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,
-              torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
+    for d in (
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
 }
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint16", "uint32", "uint64"):
+for _name in (
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "uint16",
+    "uint32",
+    "uint64",
+):
     if hasattr(torch, _name):
         DTYPES[_name] = getattr(torch, _name)
 
@@ -55,8 +76,16 @@ def np_bits(t: torch.Tensor) -> np.ndarray:
 
 
 # mantissa bits of float dtypes: the exponent (bits >> mantissa) is the value-grouping context
-MANTISSA = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52, "float8_e4m3fn": 3, "float8_e5m2": 2,
-            "float8_e4m3fnuz": 3, "float8_e5m2fnuz": 2}
+MANTISSA = {
+    "bfloat16": 7,
+    "float16": 10,
+    "float32": 23,
+    "float64": 52,
+    "float8_e4m3fn": 3,
+    "float8_e5m2": 2,
+    "float8_e4m3fnuz": 3,
+    "float8_e5m2fnuz": 2,
+}
 
 
 def exponent_shift(dtype: torch.dtype) -> int | None:
@@ -128,7 +157,7 @@ def planes(z: np.ndarray, alloc=fresh) -> np.ndarray:
     if z.itemsize > 1:
         t = alloc("planes.shift", m, z.dtype)
         for i in range(1, z.itemsize):
-            out[i * m:(i + 1) * m] = np.right_shift(z, 8 * i, out=t)
+            out[i * m : (i + 1) * m] = np.right_shift(z, 8 * i, out=t)
     return out
 
 
@@ -139,7 +168,7 @@ def from_planes(buf, itemsize: int, count: int) -> np.ndarray:
     ut = UNSIGNED_INT[itemsize]
     z = a[:count].astype(ut)
     for i in range(1, itemsize):
-        z |= a[i * count:(i + 1) * count].astype(ut) << ut(8 * i)
+        z |= a[i * count : (i + 1) * count].astype(ut) << ut(8 * i)
     return z
 
 
@@ -154,7 +183,7 @@ def tensor_digest(t: torch.Tensor) -> bytes:
     h = xxhash.xxh3_128()
     step = max(1, _HOST_CHUNK // v.element_size())
     for i in range(0, v.numel(), step):
-        h.update(v[i:i + step].cpu().numpy())
+        h.update(v[i : i + step].cpu().numpy())
     return h.digest()
 
 
@@ -169,4 +198,6 @@ def combine_digest(entries) -> str:
 
 def state_digest(state) -> str:
     """One hex digest for a whole state dict: names, dtypes, shapes and raw bits."""
-    return combine_digest((n, dtype_name(t.dtype), tuple(t.shape), tensor_digest(t)) for n, t in state.items())
+    return combine_digest(
+        (n, dtype_name(t.dtype), tuple(t.shape), tensor_digest(t)) for n, t in state.items()
+    )

@@ -3,6 +3,7 @@ base magnitude (context.py picks the classes, context_jit.py runs rank/select wh
 there): each class's changes as ranks among its members, gaps or a bitmap over the members by
 that class's density, all classes' streams in one zstd frame (codec.py documents the record).
 encode_classed returns None when one class would do (then GAP)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -103,7 +104,7 @@ def _decode_classes(entries, raw, count: int, what: str) -> list:
         if off + n > len(mv):
             raise DeltaError(f"{w}: class streams end early")
         off += n
-        return mv[off - n:off]
+        return mv[off - n : off]
 
     for i, (mk, k, nb) in enumerate(entries):
         w = f"{what} class {i}"

@@ -41,6 +41,7 @@ byte; 0 = in the overflow), zstd(byte planes of the overflow codes)], else zstd(
 The parts: modes.py (codings, flags, thresholds), values.py, positions.py (gaps, Rice, bitmap),
 classed.py (CLASSED, with context.py / context_jit.py), compress.py (zstd).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -51,14 +52,26 @@ from .bits import fresh
 from .classed import decode_classed, encode_classed
 from .compress import zd
 from .errors import DeltaError
-from .modes import (BITMAP, BITMAP_FROM, CLASSED, CONTEXT_BELOW, DENSE, DENSE_FROM, GAP, GROUP_BELOW, GROUPED, NIBBLES,
-                    NONE)
+from .modes import (
+    BITMAP,
+    BITMAP_FROM,
+    CLASSED,
+    CONTEXT_BELOW,
+    DENSE,
+    DENSE_FROM,
+    GAP,
+    GROUP_BELOW,
+    GROUPED,
+    NIBBLES,
+    NONE,
+)
 from .positions import decode_gaps, encode_bitmap, encode_gaps, gaps_of, positions, rice_parameter
 from .values import decode_values, encode_values, value_order
 
 
-def encode_chunk(b: np.ndarray, n: np.ndarray, shift: int | None = None, alloc=fresh,
-                 context: bool = True) -> tuple[list, int]:
+def encode_chunk(
+    b: np.ndarray, n: np.ndarray, shift: int | None = None, alloc=fresh, context: bool = True
+) -> tuple[list, int]:
     """-> (wire record, changed count). b, n: same-size signed-int views of base and new bits;
     shift: mantissa bits of a float dtype (value grouping and position context), None otherwise;
     alloc: where temporaries live (a Scratch reuses them across chunks); context: False codes
@@ -74,7 +87,13 @@ def encode_chunk(b: np.ndarray, n: np.ndarray, shift: int | None = None, alloc=f
         return [NONE, count, 0], 0
     p = m / count
     if p >= DENSE_FROM:
-        return [DENSE, count, m, 0, encode_values(np.subtract(n, b, out=alloc("d", count, b.dtype)), alloc)[0]], m
+        return [
+            DENSE,
+            count,
+            m,
+            0,
+            encode_values(np.subtract(n, b, out=alloc("d", count, b.dtype)), alloc)[0],
+        ], m
     if not sparse_jit.enabled:
         pos = positions(mask, m, alloc)
         old = np.take(b, pos, out=alloc("old", m, b.dtype))  # (take: faster than fancy indexing)
@@ -108,8 +127,9 @@ def chunk_header(rec, what: str) -> tuple[int, int, int]:
     return mode, count, m
 
 
-def decode_chunk(rec, itemsize: int, what: str, base_at=None, shift: int | None = None, alloc=fresh,
-                 base_all=None):
+def decode_chunk(
+    rec, itemsize: int, what: str, base_at=None, shift: int | None = None, alloc=fresh, base_all=None
+):
     """-> (positions or None for dense, signed differences in position order (CLASSED: in the
     positions' order), element count, base bits at the positions or None). Validates
     everything. base_at(positions) -> base bits there (needed to undo value grouping; without
@@ -131,7 +151,9 @@ def decode_chunk(rec, itemsize: int, what: str, base_at=None, shift: int | None 
         if mode == GAP:
             pos = decode_gaps(int(rec[5]), rec[6], rec[7], rec[8], m, count, what, alloc)
         elif mode == BITMAP:
-            mask = np.unpackbits(np.frombuffer(zd(rec[5], (count + 7) // 8, what + " bitmap"), np.uint8))[:count]
+            mask = np.unpackbits(np.frombuffer(zd(rec[5], (count + 7) // 8, what + " bitmap"), np.uint8))[
+                :count
+            ]
             pos = np.flatnonzero(mask.view(bool))  # (bool nonzero: much faster than uint8's)
             if pos.size != m:
                 raise DeltaError(f"{what}: bitmap has {pos.size} changes, header says {m}")

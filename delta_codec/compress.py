@@ -1,5 +1,6 @@
 """zstd for every byte stream of the codec: one parameter set, and per-thread contexts (reused:
 cheaper; never shared across threads). A corrupt or mis-sized stream is a DeltaError."""
+
 from __future__ import annotations
 
 import threading
@@ -15,8 +16,14 @@ from .errors import DeltaError
 
 
 ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
-    strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7,
-    target_length=0)
+    strategy=zstandard.STRATEGY_FAST,
+    window_log=17,
+    hash_log=6,
+    chain_log=6,
+    search_log=1,
+    min_match=7,
+    target_length=0,
+)
 
 
 _tls = threading.local()  # zstd contexts are reused (cheaper) but not shared across threads

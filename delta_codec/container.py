@@ -24,6 +24,7 @@ shared structure compresses; a record's length is no longer stored (its head giv
 record checksum is 32 bits, not 64 (see _SUM). Every tensor's name travels in the checksummed
 header, so a damaged record is reported by the name of the tensor it belongs to.
 """
+
 from __future__ import annotations
 
 import struct
@@ -39,9 +40,9 @@ from .record import TensorRecord, body_checksum, split_heads
 
 MAGIC = b"ADLT"
 FORMAT = 5  # 3: positions coded in the context of the base (codec.py CLASSED chunks); 4: a CLASSED
-            # chunk's class streams in one zstd frame, byte-field lengths in 1-8 bytes (record.py),
-            # the header zstd'd; 5: state digests instead of tensor digests in deltas, record
-            # heads in the header, 32-bit record checksums
+# chunk's class streams in one zstd frame, byte-field lengths in 1-8 bytes (record.py),
+# the header zstd'd; 5: state digests instead of tensor digests in deltas, record
+# heads in the header, 32-bit record checksums
 KIND_DELTA, KIND_KEYFRAME = 1, 2
 SIGNED = 1
 CODEC = "ctx-rice-zigzag-zstd/5"
@@ -82,8 +83,13 @@ def with_extra(meta: dict, extra: dict) -> dict:
 def blob_head(kind: int, meta: dict, recs: list[TensorRecord], signed: bool) -> bytes:
     """Prefix, header and the header's checksum: everything before the records. meta: the
     caller's fields; a delta's also holds `base` and `new` (its state digests, 16 bytes each)."""
-    meta = dict(meta, codec=CODEC, tensors=[[r.name, r.dtype, list(r.shape)] for r in recs],
-                heads=b"".join(r.head for r in recs), sums=b"".join(_SUM.pack(r.checksum) for r in recs))
+    meta = dict(
+        meta,
+        codec=CODEC,
+        tensors=[[r.name, r.dtype, list(r.shape)] for r in recs],
+        heads=b"".join(r.head for r in recs),
+        sums=b"".join(_SUM.pack(r.checksum) for r in recs),
+    )
     if kind == KIND_KEYFRAME:
         meta["digests"] = b"".join(r.digest_a for r in recs)
     header = header_bytes(meta)
@@ -107,8 +113,10 @@ def unpack_blob(blob, kind: int):
     if magic != MAGIC:
         raise DeltaError(f"not a delta_codec blob (magic {bytes(magic)!r})")
     if fmt != FORMAT:
-        raise DeltaError(f"unsupported {what} format version {fmt} ({'older' if fmt < FORMAT else 'newer'} than "
-                         f"this build's {FORMAT}: encode with a matching build, or resync from a keyframe)")
+        raise DeltaError(
+            f"unsupported {what} format version {fmt} ({'older' if fmt < FORMAT else 'newer'} than "
+            f"this build's {FORMAT}: encode with a matching build, or resync from a keyframe)"
+        )
     if k != kind:
         raise DeltaError(f"expected a {what}, got a {_KINDS.get(k, f'kind {k}')}")
     end = _PREFIX.size + hlen
@@ -117,7 +125,9 @@ def unpack_blob(blob, kind: int):
     if xxhash.xxh3_64_intdigest(mv[:end]) != struct.unpack_from("<Q", mv, end)[0]:
         raise DeltaError(f"{what} header checksum mismatch (corrupted header)")
     try:
-        raw = zstandard.ZstdDecompressor().decompress(mv[_PREFIX.size:end], max_output_size=_HEADER_MAX_RATIO * hlen)
+        raw = zstandard.ZstdDecompressor().decompress(
+            mv[_PREFIX.size : end], max_output_size=_HEADER_MAX_RATIO * hlen
+        )
         meta = msgpack.unpackb(raw, raw=False)
         tensors, heads, sums = meta["tensors"], meta["heads"], meta["sums"]
         digests = meta["digests"] if kind == KIND_KEYFRAME else b""
@@ -143,29 +153,40 @@ def unpack_blob(blob, kind: int):
             raise DeltaError(f"{what} header has a malformed tensor entry {str(entry)[:80]}: {e}") from None
         dtype_from_name(dt)
         entries.append((name, dt, shape))
-    if len(sums) != _SUM.size * len(entries) or digests is not None and len(digests) != _DIGEST * len(entries):
+    if (
+        len(sums) != _SUM.size * len(entries)
+        or digests is not None
+        and len(digests) != _DIGEST * len(entries)
+    ):
         raise DeltaError(f"{what} header's checksums or digests do not match its {len(entries)} tensors")
     sig_len = signing.SIGNATURE_BYTES if flags & SIGNED else 0
     body_end = len(mv) - sig_len
     off, recs = end + 8, []
-    for i, ((name, dt, shape), (head, n)) in enumerate(zip(entries, split_heads(heads, [e[0] for e in entries]))):
+    for i, ((name, dt, shape), (head, n)) in enumerate(
+        zip(entries, split_heads(heads, [e[0] for e in entries]))
+    ):
         if off + n > body_end:
-            raise DeltaError(f"{what} truncated: tensor {name!r} needs {n} bytes at offset {off}, "
-                             f"only {max(body_end - off, 0)} remain")
-        body = mv[off:off + n]
+            raise DeltaError(
+                f"{what} truncated: tensor {name!r} needs {n} bytes at offset {off}, "
+                f"only {max(body_end - off, 0)} remain"
+            )
+        body = mv[off : off + n]
         if body_checksum([body]) != _SUM.unpack_from(sums, _SUM.size * i)[0]:
             raise DeltaError(f"tensor {name!r}: record checksum mismatch (corrupted payload)")
-        dig = digests[_DIGEST * i:_DIGEST * (i + 1)] if digests is not None else None
+        dig = digests[_DIGEST * i : _DIGEST * (i + 1)] if digests is not None else None
         recs.append(TensorRecord(name, dt, shape, dig, dig, head, body))
         off += n
     if off != body_end:
-        raise DeltaError(f"{what} has {body_end - off} unexpected trailing bytes (truncated signature or garbage)")
+        raise DeltaError(
+            f"{what} has {body_end - off} unexpected trailing bytes (truncated signature or garbage)"
+        )
     sig = bytes(mv[body_end:]) if sig_len else None
     return meta, recs, mv[:body_end], sig
 
 
 class SignedBlob:
     """A Delta or Keyframe: parsed from a blob, it keeps the signed region and the signature."""
+
     signature: bytes | None = None
     _signed_region = None
 

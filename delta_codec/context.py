@@ -28,6 +28,7 @@ search plus an in-word select, i.e. a gather (the gap streams are decoded on the
 or with a scan on the device). Today device tensors decode on the host: the chunk's base bits
 are copied over for the compares (see apply.decode_record).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,13 +36,13 @@ import numpy as np
 from .bits import UNSIGNED_INT, fresh
 from .errors import DeltaError
 
-MAX_THRESHOLDS = 4       # at most 5 classes: each threshold is one more vector compare per 64 elements on both sides and one more class pass in the decoder; fewer leave more than half a bit per change to the conditional bound at ~1 % changed (tests/test_delta_context_bits.py)
-MIN_CHANGES = 64         # fewer changes: the class headers cost more than they save
-CLASS_COST_BITS = 256    # a class's header entry, its block in the shared frame (3 bytes + a literal table) and its decode pass, in bits, charged when choosing thresholds
-SAMPLE_STRIDE = 32       # element counts per exponent are estimated on 1/32 of the elements: every 32nd
-SAMPLE_RUN = 512         # run of 512 (1 KiB of bf16: contiguous, so 1/32 of the cache lines are read,
-                         # not all of them as with every 32nd element), in chunks of >= 64 * 32 such runs (fewer runs: measured larger on real weights, whose rows differ)
-BLOCK = 1 << 19          # elements per cache block of the class pass (its bool temporaries stay in L2)
+MAX_THRESHOLDS = 4  # at most 5 classes: each threshold is one more vector compare per 64 elements on both sides and one more class pass in the decoder; fewer leave more than half a bit per change to the conditional bound at ~1 % changed (tests/test_delta_context_bits.py)
+MIN_CHANGES = 64  # fewer changes: the class headers cost more than they save
+CLASS_COST_BITS = 256  # a class's header entry, its block in the shared frame (3 bytes + a literal table) and its decode pass, in bits, charged when choosing thresholds
+SAMPLE_STRIDE = 32  # element counts per exponent are estimated on 1/32 of the elements: every 32nd
+SAMPLE_RUN = 512  # run of 512 (1 KiB of bf16: contiguous, so 1/32 of the cache lines are read,
+# not all of them as with every 32nd element), in chunks of >= 64 * 32 such runs (fewer runs: measured larger on real weights, whose rows differ)
+BLOCK = 1 << 19  # elements per cache block of the class pass (its bool temporaries stay in L2)
 
 _SEL8 = np.zeros(256 * 8, np.uint8)  # _SEL8[8 * byte + j]: bit index of the byte's j-th set bit
 for _b in range(256):
@@ -92,10 +93,10 @@ class Classes:
             for t, out in zip(ts, packed):
                 np.less(key[lo:hi], t, out=part)
                 bits = np.packbits(part, bitorder="little")
-                out[lo // 8: lo // 8 + bits.size] = bits
+                out[lo // 8 : lo // 8 + bits.size] = bits
         if n % 64:
             for out in packed:
-                out[-(-n // 8):] = 0
+                out[-(-n // 8) :] = 0
         self.sets = [p.view("<u8") for p in packed]
         ends = [int(np.sum(np.bitwise_count(s), dtype=np.int64)) for s in self.sets]
         self.sizes = [a - b for a, b in zip([n, *ends], [*ends, 0])]
@@ -119,7 +120,9 @@ class Classes:
         if k == 0:
             x = np.full(size, ~np.uint64(0), np.uint64)
             if self.count % 64:
-                x[(np.arange(size) if w is None else w) == self.nwords - 1] = np.uint64((1 << (self.count % 64)) - 1)
+                x[(np.arange(size) if w is None else w) == self.nwords - 1] = np.uint64(
+                    (1 << (self.count % 64)) - 1
+                )
         else:
             x = pick(self.sets[k - 1])
         if k < len(self.sets):
@@ -171,7 +174,9 @@ class Classes:
 def class_of(key_at: np.ndarray, thresholds: list[int]) -> np.ndarray:
     """Class index (0..K) of elements with these exponents."""
     ci = np.searchsorted(np.array(thresholds[::-1], np.int64), key_at, side="right").astype(np.uint8)
-    return np.subtract(np.uint8(len(thresholds)), ci, out=ci)  # (uint8: the encoder's stable sort by class is a radix sort)
+    return np.subtract(
+        np.uint8(len(thresholds)), ci, out=ci
+    )  # (uint8: the encoder's stable sort by class is a radix sort)
 
 
 def _h(c: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -187,7 +192,11 @@ def exponent_counts(b: np.ndarray, old: np.ndarray, shift: int) -> tuple[np.ndar
     (context_jit.exponent_counts: the same in one pass)."""
     bins = max_threshold(b.itemsize, shift)
     sampled = exponents(sample(b), shift)
-    return (np.bincount(exponents(old, shift), minlength=bins), np.bincount(sampled, minlength=bins), sampled.size)
+    return (
+        np.bincount(exponents(old, shift), minlength=bins),
+        np.bincount(sampled, minlength=bins),
+        sampled.size,
+    )
 
 
 def split(cost: np.ndarray, e: int) -> list[int]:
@@ -211,7 +220,9 @@ def split(cost: np.ndarray, e: int) -> list[int]:
     return min(results, key=lambda r: r[0])[1]
 
 
-def choose_thresholds(changed: np.ndarray, sampled: np.ndarray, sample_size: int, n: int, split=split) -> list[int]:
+def choose_thresholds(
+    changed: np.ndarray, sampled: np.ndarray, sample_size: int, n: int, split=split
+) -> list[int]:
     """Thresholds (descending base exponents) minimising the estimated position entropy plus
     CLASS_COST_BITS per class: an optimal split of the exponents into <= MAX_THRESHOLDS + 1
     contiguous ranges, on per-exponent change counts (exact) and element counts (sampled: of
@@ -245,7 +256,10 @@ def check_thresholds(thresholds, itemsize: int, shift: int, what: str) -> list[i
     except (TypeError, ValueError):
         raise DeltaError(f"{what}: malformed class thresholds") from None
     top = max_threshold(itemsize, shift)
-    if not 1 <= len(ts) <= MAX_THRESHOLDS or any(not 0 < t < top for t in ts) or any(
-            a <= b for a, b in zip(ts, ts[1:])):
+    if (
+        not 1 <= len(ts) <= MAX_THRESHOLDS
+        or any(not 0 < t < top for t in ts)
+        or any(a <= b for a, b in zip(ts, ts[1:]))
+    ):
         raise DeltaError(f"{what}: bad class thresholds {ts[:8]}")
     return ts

@@ -27,6 +27,7 @@ CLASSED still costs over GAP there.
 Also compiled here, with results equal to context.py's: the exponent counts that
 choose_thresholds works on, and its split of the exponents (the same sums in the same order).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -42,6 +43,7 @@ try:
 
     from .jit_cache import use_environment_cache
     from .llvmlite_guard import guard_llvmlite_lib
+
     guard_llvmlite_lib()  # (else vLLM's CPU workers fail to start in a process that imported us)
     use_environment_cache(numba)
 except ImportError:  # (numpy fallback in context.py)
@@ -79,8 +81,10 @@ if numba is not None:
     @intrinsic
     def _ctpop(typingctx, x):
         """LLVM's popcount: one instruction where the CPU has it (the SWAR above otherwise)."""
+
         def codegen(context, builder, signature, args):
             return builder.ctpop(args[0])
+
         return types.uint64(types.uint64), codegen
 
     def _popc(x):
@@ -94,6 +98,7 @@ if numba is not None:
         float64's 11-bit exponents), so a 16-bit element's 64 lanes are one byte compare into a
         64-bit mask register (AVX-512BW) per threshold, not two word compares and a merge;
         inlined side by side, the four thresholds share the load, mask, shift and narrowing."""
+
         def codegen(context, builder, signature, args):
             arrty = signature.args[0]
             lty = context.get_value_type(arrty.dtype)
@@ -103,52 +108,75 @@ if numba is not None:
             v = builder.load(builder.bitcast(builder.gep(data, [args[1]]), vty.as_pointer()), align=1)
 
             def splat(val, ty):
-                one = builder.insert_element(ir.Constant(vty, ir.Undefined), context.cast(builder, val, ty, arrty.dtype),
-                                             ir.Constant(ir.IntType(32), 0))
-                return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
-                                              ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64))
+                one = builder.insert_element(
+                    ir.Constant(vty, ir.Undefined),
+                    context.cast(builder, val, ty, arrty.dtype),
+                    ir.Constant(ir.IntType(32), 0),
+                )
+                return builder.shuffle_vector(
+                    one,
+                    ir.Constant(vty, ir.Undefined),
+                    ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64),
+                )
+
             sh = splat(args[3], signature.args[3])
             e = builder.lshr(builder.and_(v, splat(args[2], signature.args[2])), sh)
             te = builder.lshr(splat(args[4], signature.args[4]), sh)
             if nty.width < lty.width:
                 e, te = builder.trunc(e, nvty), builder.trunc(te, nvty)
             return builder.bitcast(builder.icmp_unsigned("<", e, te), ir.IntType(64))
+
         return types.uint64(arr, types.intp, em, sh, t), codegen
 
     @intrinsic
     def _pdep(typingctx, src, mask):
         """BMI2's parallel bit deposit (only compiled where the CPU has it: see _sel)."""
+
         def codegen(context, builder, signature, args):
             from numba.core import cgutils
+
             fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(64)])
-            return builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.bmi.pdep.64"), args)
+            return builder.call(
+                cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.bmi.pdep.64"), args
+            )
+
         return types.uint64(types.uint64, types.uint64), codegen
 
     @intrinsic
     def _prefetch(typingctx, arr, byte):
         """Ask the cache for the line at byte `byte` of arr's data (a read, to be kept); past the
         end is harmless (a prefetch never faults)."""
+
         def codegen(context, builder, signature, args):
             from numba.core import cgutils
+
             i8p = ir.IntType(8).as_pointer()
             data = builder.bitcast(context.make_array(signature.args[0])(context, builder, args[0]).data, i8p)
             fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
             i32 = lambda v: ir.Constant(ir.IntType(32), v)
-            builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8"),
-                         [builder.gep(data, [args[1]]), i32(0), i32(3), i32(1)])
+            builder.call(
+                cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8"),
+                [builder.gep(data, [args[1]]), i32(0), i32(3), i32(1)],
+            )
             return context.get_dummy_value()
+
         return types.void(arr, types.intp), codegen
 
     @intrinsic
     def cttz(typingctx, x):
         def codegen(context, builder, signature, args):
             return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+
         return types.uint64(types.uint64), codegen
 
     try:
         import llvmlite.binding as _llvm
+
         # (Zen 1/2 have BMI2 but a microcoded pdep, slower than the portable select)
-        _BMI2 = bool(_llvm.get_host_cpu_features().get("bmi2")) and _llvm.get_host_cpu_name() not in ("znver1", "znver2")
+        _BMI2 = bool(_llvm.get_host_cpu_features().get("bmi2")) and _llvm.get_host_cpu_name() not in (
+            "znver1",
+            "znver2",
+        )
     except Exception:  # (unknown host: the portable select)
         _BMI2 = False
 else:
@@ -180,8 +208,8 @@ PREFETCH = 8192  # bytes ahead that pass 1 asks the cache for
 SB = 4  # words per superblock: members are counted per superblock, popcounts find the word inside
 BB = 8  # superblocks per group of the decoder's merge (fewer merge steps; compares find the superblock)
 BLOCK_SB = 512  # superblocks per block of the decoder (128 Ki elements: 256 KiB of bf16 and 64 KiB of
-                # words, in L2 from the block's compares to its gathers; a chunk-wide pass read the
-                # chunk from memory twice and wrote its words there)
+# words, in L2 from the block's compares to its gathers; a chunk-wide pass read the
+# chunk from memory twice and wrote its words there)
 
 
 def _masks(u, em, sh, ts, m, sbc):
@@ -245,8 +273,12 @@ def _upto(a0, a1, a2, a3, r, below):
     """Set bits of words a0..a3 of a superblock before bit `below` of word r (< SB): whole words
     before r, `below`'s bits of word r, none after (masks from compares: no branch)."""
     f0, f1, f2 = _ones(0 < r), _ones(1 < r), _ones(2 < r)  # word i wholly before
-    return (_popc(a0 & (f0 | (_ones(r == 0) & below))) + _popc(a1 & (f1 | (_ones(r == 1) & below)))
-            + _popc(a2 & (f2 | (_ones(r == 2) & below))) + _popc(a3 & _ones(r == 3) & below))
+    return (
+        _popc(a0 & (f0 | (_ones(r == 0) & below)))
+        + _popc(a1 & (f1 | (_ones(r == 1) & below)))
+        + _popc(a2 & (f2 | (_ones(r == 2) & below)))
+        + _popc(a3 & _ones(r == 3) & below)
+    )
 
 
 def _ones(flag):
@@ -280,9 +312,19 @@ def _enc(u, em, sh, ts, nt, pos, out_pos, out_rank, starts, sizes, m, sbc, old, 
         c1 = sbc[1, q] + _upto(m[1, w0], m[1, w0 + 1], m[1, w0 + 2], m[1, w0 + 3], r, below)
         c2 = sbc[2, q] + _upto(m[2, w0], m[2, w0 + 1], m[2, w0 + 2], m[2, w0 + 3], r, below)
         c3 = sbc[3, q] + _upto(m[3, w0], m[3, w0 + 1], m[3, w0 + 2], m[3, w0 + 3], r, below)
-        c = np.int64((m[0, w] >> b) & np.uint64(1)) + np.int64((m[1, w] >> b) & np.uint64(1)) + \
-            np.int64((m[2, w] >> b) & np.uint64(1)) + np.int64((m[3, w] >> b) & np.uint64(1))
-        e0, e1, e2, e3, e4 = np.int64(c == 0), np.int64(c == 1), np.int64(c == 2), np.int64(c == 3), np.int64(c == 4)
+        c = (
+            np.int64((m[0, w] >> b) & np.uint64(1))
+            + np.int64((m[1, w] >> b) & np.uint64(1))
+            + np.int64((m[2, w] >> b) & np.uint64(1))
+            + np.int64((m[3, w] >> b) & np.uint64(1))
+        )
+        e0, e1, e2, e3, e4 = (
+            np.int64(c == 0),
+            np.int64(c == 1),
+            np.int64(c == 2),
+            np.int64(c == 3),
+            np.int64(c == 4),
+        )
         rk[j] = (p * e0 + c0 * e1 + c1 * e2 + c2 * e3 + c3 * e4) - (c0 * e0 + c1 * e1 + c2 * e2 + c3 * e3)
         ci[j] = c
         nk[c] += 1
@@ -290,14 +332,14 @@ def _enc(u, em, sh, ts, nt, pos, out_pos, out_rank, starts, sizes, m, sbc, old, 
     for k in range(nt + 1):
         sizes[k] = _sb_before(k, nsb, n, sbc)
         starts[k + 1] = starts[k] + nk[k]
-    f = starts[:nt + 1].copy()
+    f = starts[: nt + 1].copy()
     for j in range(mm):
         c = ci[j]
         out_pos[f[c]] = pos[j]
         out_rank[f[c]] = rk[j]
         f[c] += 1
     if old.size:
-        f[:] = starts[:nt + 1]
+        f[:] = starts[: nt + 1]
         for j in range(mm):
             c = ci[j]
             out_old[f[c]] = old[j]
@@ -457,9 +499,12 @@ def _split(cost, e, kmax, cuts, bounds):
 
 if available:
     _jit = numba.njit(nogil=True, cache=True)
-    _inl = numba.njit(nogil=True, cache=True, inline="always")  # (helpers: calls between compiled functions are not inlined otherwise)
+    _inl = numba.njit(
+        nogil=True, cache=True, inline="always"
+    )  # (helpers: calls between compiled functions are not inlined otherwise)
     _bytepop, _pop, _popc, _sel, _masks, _sb_before, _upto, _ones = (
-        _inl(f) for f in (_bytepop, _pop, _popc, _sel, _masks, _sb_before, _upto, _ones))
+        _inl(f) for f in (_bytepop, _pop, _popc, _sel, _masks, _sb_before, _upto, _ones)
+    )
     _enc, _dec, _counts, _split = _jit(_enc), _jit(_dec), _jit(_counts), _jit(_split)
 
 
@@ -468,7 +513,7 @@ def _args(b: np.ndarray, shift: int, thresholds: list[int]):
     shift exactly when the exponent is < t), their count."""
     u = b.view(UNSIGNED_INT[b.itemsize])
     ts = np.zeros(KMAX, u.dtype)
-    ts[:len(thresholds)] = [t << shift for t in thresholds]
+    ts[: len(thresholds)] = [t << shift for t in thresholds]
     return u, u.dtype.type((1 << (8 * b.itemsize - 1)) - 1), u.dtype.type(shift), ts, len(thresholds)
 
 
@@ -476,8 +521,10 @@ def _temps(n: int):
     """Pass 1's words (padded to whole superblocks) and counts per superblock, in the worker's
     Scratch."""
     alloc, nsb = scratch(), -(-n // (64 * SB))
-    return (alloc("jit.m", KMAX * nsb * SB, np.uint64).reshape(KMAX, nsb * SB),
-            alloc("jit.sbc", KMAX * (nsb + 1), np.int64).reshape(KMAX, nsb + 1))
+    return (
+        alloc("jit.m", KMAX * nsb * SB, np.uint64).reshape(KMAX, nsb * SB),
+        alloc("jit.sbc", KMAX * (nsb + 1), np.int64).reshape(KMAX, nsb + 1),
+    )
 
 
 def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[int], old=None, d=None):
@@ -492,9 +539,24 @@ def encode_ranks(b: np.ndarray, pos: np.ndarray, shift: int, thresholds: list[in
     carry = old is not None
     old, d = (old, d) if carry else (b[:0], b[:0])
     out_old, out_d = np.empty_like(old), np.empty_like(d)
-    _enc(u, em, sh, ts, nt, pos.astype(np.int64, copy=False), out_pos, out_rank, starts, sizes, *_temps(u.size),
-         old, d, out_old, out_d)
-    res = out_pos, out_rank, starts[:nt + 2].tolist(), sizes[:nt + 1].tolist()
+    _enc(
+        u,
+        em,
+        sh,
+        ts,
+        nt,
+        pos.astype(np.int64, copy=False),
+        out_pos,
+        out_rank,
+        starts,
+        sizes,
+        *_temps(u.size),
+        old,
+        d,
+        out_old,
+        out_d,
+    )
+    res = out_pos, out_rank, starts[: nt + 2].tolist(), sizes[: nt + 1].tolist()
     return (*res, out_old, out_d) if carry else res
 
 
@@ -509,11 +571,26 @@ def select(b: np.ndarray, shift: int, thresholds: list[int], parts: list[np.ndar
     found = np.zeros(KMAX + 1, np.int64)
     sizes = np.zeros(KMAX + 1, np.int64)
     alloc = scratch()
-    _dec(u, em, sh, ts, nt, ranks, starts, out, old, found, sizes, alloc("jit.bm", KMAX * BLOCK_SB * SB, np.uint64).reshape(
-        KMAX, BLOCK_SB * SB), alloc("jit.bsbc", KMAX * (BLOCK_SB + 1), np.int64).reshape(KMAX, BLOCK_SB + 1),
-         alloc("jit.sbk", (BLOCK_SB // BB + 1) * BB + 1, np.int64), alloc("jit.sbi", ranks.size, np.int64),
-         np.zeros(KMAX + 1, np.int64), np.zeros(KMAX + 1, np.int64))
-    return out, old.view(b.dtype), found[:nt + 1].tolist(), sizes[:nt + 1].tolist()
+    _dec(
+        u,
+        em,
+        sh,
+        ts,
+        nt,
+        ranks,
+        starts,
+        out,
+        old,
+        found,
+        sizes,
+        alloc("jit.bm", KMAX * BLOCK_SB * SB, np.uint64).reshape(KMAX, BLOCK_SB * SB),
+        alloc("jit.bsbc", KMAX * (BLOCK_SB + 1), np.int64).reshape(KMAX, BLOCK_SB + 1),
+        alloc("jit.sbk", (BLOCK_SB // BB + 1) * BB + 1, np.int64),
+        alloc("jit.sbi", ranks.size, np.int64),
+        np.zeros(KMAX + 1, np.int64),
+        np.zeros(KMAX + 1, np.int64),
+    )
+    return out, old.view(b.dtype), found[: nt + 1].tolist(), sizes[: nt + 1].tolist()
 
 
 def exponent_counts(b: np.ndarray, old: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -530,7 +607,7 @@ def split(cost: np.ndarray, e: int) -> list[int]:
     """context.split, compiled (the same cut points)."""
     cuts = np.zeros((MAX_THRESHOLDS + 1, e + 1), np.int64)
     bounds = np.zeros(MAX_THRESHOLDS, np.int64)
-    return bounds[:_split(cost, e, MAX_THRESHOLDS, cuts, bounds)].tolist()
+    return bounds[: _split(cost, e, MAX_THRESHOLDS, cuts, bounds)].tolist()
 
 
 def warm() -> None:
@@ -542,7 +619,7 @@ def warm() -> None:
         eb = 8 * b.itemsize - 1 - shift
         ts = [3, 1] if eb > 2 else [1]
         op, r, st, sz = encode_ranks(b, np.array([1, 5], np.int64), shift, ts)
-        select(b, shift, ts, [r[st[k]:st[k + 1]] for k in range(len(ts) + 1)])
+        select(b, shift, ts, [r[st[k] : st[k + 1]] for k in range(len(ts) + 1)])
         encode_ranks(b, np.array([1, 5], np.int64), shift, ts, b[[1, 5]], b[[1, 5]])
         exponent_counts(b, b[[1, 5]], shift)
     split(np.zeros((3, 3)), 2)

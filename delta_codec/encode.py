@@ -1,4 +1,5 @@
 """encode_delta: base and new state -> Delta, chunk by chunk on the thread pool."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,13 +13,24 @@ from .modes import CHUNK
 from .record import TensorRecord, hollow, record_parts
 from .tasks import parallel, scratch
 
+
 def _check_pair(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype != b.dtype or a.shape != b.shape:
-        raise DeltaError(f"tensor {name!r}: base is {a.dtype}{list(a.shape)}, new is {b.dtype}{list(b.shape)}")
+        raise DeltaError(
+            f"tensor {name!r}: base is {a.dtype}{list(a.shape)}, new is {b.dtype}{list(b.shape)}"
+        )
 
 
-def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = None, chunk: int = CHUNK,
-                 threads: int | None = None, context: bool = False) -> Delta:
+def encode_delta(
+    base,
+    new,
+    *,
+    from_version: int = 0,
+    to_version: int | None = None,
+    chunk: int = CHUNK,
+    threads: int | None = None,
+    context: bool = False,
+) -> Delta:
     """Encode new - base chunk by chunk (`chunk` elements, a multiple of 8: the granularity of
     the position-coding choice and of the thread pool). Device tensors are copied to the host a
     chunk at a time. context=True lets sparse float chunks code their positions in the context of
@@ -29,7 +41,9 @@ def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = N
         raise DeltaError(f"chunk must be a positive multiple of 8, got {chunk}")
     missing, extra = [n for n in base if n not in new], [n for n in new if n not in base]
     if missing or extra:
-        raise DeltaError(f"base and new differ in tensor names: only in base {missing[:5]}, only in new {extra[:5]}")
+        raise DeltaError(
+            f"base and new differ in tensor names: only in base {missing[:5]}, only in new {extra[:5]}"
+        )
     for name, bt in base.items():
         _check_pair(name, bt, new[name])
     pairs = {n: (prepared(base[n]), prepared(new[n])) for n in base}
@@ -39,8 +53,9 @@ def encode_delta(base, new, *, from_version: int = 0, to_version: int | None = N
 
     def encode(pair, s):
         bt, nt = pair
-        rec, m = encode_chunk(bits_slice(bt, s, chunk), bits_slice(nt, s, chunk), exponent_shift(bt.dtype),
-                              scratch(), context)
+        rec, m = encode_chunk(
+            bits_slice(bt, s, chunk), bits_slice(nt, s, chunk), exponent_shift(bt.dtype), scratch(), context
+        )
         return hollow(rec), m
 
     records = chunked_records(pairs, chunk, threads, digests, encode)
@@ -64,8 +79,17 @@ def chunked_records(tensors: dict, chunk: int, threads: int | None, digests, enc
         t = tensors[n][0]
         da, db = next(out)
         chunks = [next(out) for _ in range(0, t.numel(), chunk)]
-        records.append(TensorRecord(n, dtype_name(t.dtype), tuple(t.shape), da, db,
-                                    *record_parts([c for c, _ in chunks]), sum(m for _, m in chunks)))
+        records.append(
+            TensorRecord(
+                n,
+                dtype_name(t.dtype),
+                tuple(t.shape),
+                da,
+                db,
+                *record_parts([c for c, _ in chunks]),
+                sum(m for _, m in chunks),
+            )
+        )
     return records
 
 
@@ -76,7 +100,7 @@ def prepared(t: torch.Tensor) -> torch.Tensor:
 
 
 def bits_slice(t: torch.Tensor, start: int, n: int) -> np.ndarray:
-    v = int_view(t if t.is_contiguous() else t.contiguous())[start:start + n]
+    v = int_view(t if t.is_contiguous() else t.contiguous())[start : start + n]
     if v.device.type != "cpu":
         v = v.cpu()
     return v.numpy().view(SIGNED_INT[v.element_size()])

@@ -5,6 +5,7 @@ environments with different numba versions (`.venv`, `.venv-vllm`) share one ind
 overwrites the other's entries: the first process of the other venv recompiles (~35 s here, and
 inside vLLM's worker it stalled the first delta). A folder under `sys.prefix`, named by the numba
 version, keeps them apart. `NUMBA_CACHE_DIR`, when set, wins (numba reads it itself)."""
+
 from __future__ import annotations
 
 import os
@@ -19,6 +20,6 @@ def use_environment_cache(numba) -> None:
     folder = Path(sys.prefix) / "numba-cache" / f"numba-{numba.__version__}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError:          # a read-only prefix: numba's own default (beside the source) then
+    except OSError:  # a read-only prefix: numba's own default (beside the source) then
         return
     numba.config.CACHE_DIR = str(folder)

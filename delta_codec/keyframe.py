@@ -1,4 +1,5 @@
 """Keyframe: a full state in the same container as deltas; make_keyframe and load_keyframe."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +7,16 @@ import torch
 import xxhash
 
 from .apply import validate_target
-from .bits import SIGNED_INT, UNSIGNED_INT, combine_digest, dtype_from_name, int_view, np_bits, planes, tensor_digest
+from .bits import (
+    SIGNED_INT,
+    UNSIGNED_INT,
+    combine_digest,
+    dtype_from_name,
+    int_view,
+    np_bits,
+    planes,
+    tensor_digest,
+)
 from .compress import zc, zd
 from .container import KIND_KEYFRAME, SignedBlob, extra_fields, pack_blob, unpack_blob, with_extra
 from .encode import bits_slice, chunked_records, prepared
@@ -15,6 +25,7 @@ from .finite import first_nonfinite
 from .modes import CHUNK
 from .record import TensorRecord, chunks_of, hollow
 from .tasks import parallel, scratch
+
 
 class Keyframe(SignedBlob):
     """A full state, checksummed per tensor, in the same container as deltas."""
@@ -32,8 +43,9 @@ class Keyframe(SignedBlob):
         return combine_digest((r.name, r.dtype, r.shape, r.digest_a) for r in self.records)
 
     def to_bytes(self, signing_key=None) -> bytes:
-        return pack_blob(KIND_KEYFRAME, with_extra({"version": self.version}, self.extra), self.records,
-                         signing_key)
+        return pack_blob(
+            KIND_KEYFRAME, with_extra({"version": self.version}, self.extra), self.records, signing_key
+        )
 
     @classmethod
     def from_bytes(cls, blob) -> "Keyframe":
@@ -93,13 +105,14 @@ def _keyframe_chunk_into(dest: np.ndarray, frame, what: str, alloc) -> None:
     u[...] = raw[:n]
     for i in range(1, size):
         t = alloc("kf.plane", n, u.dtype)
-        t[...] = raw[i * n:(i + 1) * n]
+        t[...] = raw[i * n : (i + 1) * n]
         t <<= 8 * i
         u |= t
 
 
-def load_keyframe(kf, *, into=None, public_key=None, device=None, threads: int | None = None,
-                  finite: bool = False) -> dict[str, torch.Tensor]:
+def load_keyframe(
+    kf, *, into=None, public_key=None, device=None, threads: int | None = None, finite: bool = False
+) -> dict[str, torch.Tensor]:
     """-> {name: tensor} with every tensor digest-checked, decoded chunk by chunk straight into
     the result (on `threads` threads). With `into`, writes into those tensors in place and
     returns `into`: names, shapes and dtypes are validated, then every tensor is decoded once
@@ -140,16 +153,18 @@ def load_keyframe(kf, *, into=None, public_key=None, device=None, threads: int |
         for i, (start, count, frame) in enumerate(_keyframe_chunks(r)):
             what = f"tensor {r.name!r} chunk {i}"
             if on_host:
-                _keyframe_chunk_into(bits[start:start + count], frame, what, alloc)
-                if into is None:            # (into: every chunk was checked before anything was written)
-                    check_finite(r, start, bits[start:start + count])
+                _keyframe_chunk_into(bits[start : start + count], frame, what, alloc)
+                if into is None:  # (into: every chunk was checked before anything was written)
+                    check_finite(r, start, bits[start : start + count])
             else:
                 buf = np.empty(count, SIGNED_INT[target.element_size()])
                 _keyframe_chunk_into(buf, frame, what, alloc)
                 if into is None:
                     check_finite(r, start, buf)
                 with torch.no_grad():
-                    int_view(target)[start:start + count].copy_(torch.from_numpy(buf).view(int_view(target).dtype))
+                    int_view(target)[start : start + count].copy_(
+                        torch.from_numpy(buf).view(int_view(target).dtype)
+                    )
         if tensor_digest(target) != r.digest_a:
             raise mismatch(r)
         return target if device is None or into is not None else target.to(device)

@@ -7,6 +7,7 @@ scanning every module attribute and reading `vars(value).get("kernel")`; for `ff
 `vars()` is a C-function wrapper, `.get` raises AttributeError, and the worker dies with
 "WorkerProc failed to start" / "Engine core initialization failed". vLLM spawns those processes
 and they import our modules again, so the guard runs where numba is imported, in every process."""
+
 from __future__ import annotations
 
 import sys

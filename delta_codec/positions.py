@@ -2,6 +2,7 @@
 density), gaps between them Rice-coded (k raw low bits + the high part as bytes, zstd'd; k = 0
 up to a mean gap of 32: the gaps themselves as bytes, zstd's Huffman stage codes them near their
 entropy, and decoding is one zstd call and one cumsum), or one bit per element (a bitmap)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -100,7 +101,7 @@ def rice_parameter(gaps: np.ndarray) -> int:
     ones k = 0 (the fastest to code, and to decode: one cumsum)."""
     sample = gaps[:4096]
     if not sample.size or sample.mean() < 32:  # escapes (gaps >= 255) negligible; measured: k = 0 is
-        return 0                              # then also smaller than the estimate's choice
+        return 0  # then also smaller than the estimate's choice
     k0 = max(0, int(round(np.log2(max(0.69 * (sample.mean() + 1), 1.0)))))
     best, best_cost = 0, None
     for k in range(max(0, k0 - 3), k0 + 1):
@@ -127,7 +128,9 @@ def gap_streams(k: int, g: np.ndarray, alloc=fresh) -> tuple[np.ndarray, bytes, 
     return q8, _pack_low(g & ((1 << k) - 1), k) if k else b"", over
 
 
-def encode_gaps(pos: np.ndarray | None, k: int, gaps: np.ndarray | None = None, alloc=fresh) -> tuple[bytes, bytes, bytes]:
+def encode_gaps(
+    pos: np.ndarray | None, k: int, gaps: np.ndarray | None = None, alloc=fresh
+) -> tuple[bytes, bytes, bytes]:
     """-> (zstd'd high bytes, packed low bits, overflow high parts as <u8)."""
     q8, low, over = gap_streams(k, gaps_of(pos) if gaps is None else gaps, alloc)
     return zc(q8), low, over
@@ -136,7 +139,9 @@ def encode_gaps(pos: np.ndarray | None, k: int, gaps: np.ndarray | None = None, 
 def decode_gaps(k: int, qz, low, over, m: int, count: int, what: str, alloc=fresh) -> np.ndarray:
     """-> m strictly increasing positions in [0, count), or DeltaError."""
     check_gap_header(k, m, count, what)
-    return gaps_from(k, np.frombuffer(zd(qz, m, what + " gap stream"), np.uint8), low, over, m, count, what, alloc)
+    return gaps_from(
+        k, np.frombuffer(zd(qz, m, what + " gap stream"), np.uint8), low, over, m, count, what, alloc
+    )
 
 
 def check_gap_header(k: int, m: int, count: int, what: str) -> None:

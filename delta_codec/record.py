@@ -10,6 +10,7 @@ framing of its chunk records, split in two:
             from the head's placeholders (parsed as memoryviews of the blob: no copies, no
             GIL-held unpacking of payload)
 """
+
 from __future__ import annotations
 
 import msgpack
@@ -28,9 +29,24 @@ class TensorRecord:
     the encoder hands them over as a list of parts, joined only into the blob: one copy, not
     two)."""
 
-    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], digest_a: bytes | None,
-                 digest_b: bytes | None, head: bytes, body: bytes | memoryview | list, changed: int = -1):
-        self.name, self.dtype, self.shape, self.digest_a, self.digest_b = name, dtype, tuple(shape), digest_a, digest_b
+    def __init__(
+        self,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        digest_a: bytes | None,
+        digest_b: bytes | None,
+        head: bytes,
+        body: bytes | memoryview | list,
+        changed: int = -1,
+    ):
+        self.name, self.dtype, self.shape, self.digest_a, self.digest_b = (
+            name,
+            dtype,
+            tuple(shape),
+            digest_a,
+            digest_b,
+        )
         self.head = bytes(head)
         self._parts = body if isinstance(body, list) else [body]
         self._joined = None if isinstance(body, list) else body
@@ -80,7 +96,9 @@ def hollow(rec) -> tuple[bytes, list]:
         if isinstance(x, (bytes, bytearray, memoryview)):
             fields.append(x)
             n = len(x)
-            return msgpack.ExtType(_FIELD, n.to_bytes(next(w for w in (1, 2, 4, 8) if n < 1 << 8 * w), "little"))
+            return msgpack.ExtType(
+                _FIELD, n.to_bytes(next(w for w in (1, 2, 4, 8) if n < 1 << 8 * w), "little")
+            )
         return [sub(y) for y in x] if isinstance(x, list) else x
 
     return msgpack.packb(sub(rec), use_bin_type=True), fields
@@ -108,8 +126,11 @@ def split_heads(buf, names: list[str]) -> list[tuple[bytes, int]]:
     [(head, body length)]. Every placeholder is checked here, so a body's length is known
     before its bytes are read."""
     lengths: list[int] = []
-    unpacker = msgpack.Unpacker(raw=False, ext_hook=lambda code, data: lengths.append(_field_length(code, data)),
-                                max_buffer_size=max(len(buf), 1))
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        ext_hook=lambda code, data: lengths.append(_field_length(code, data)),
+        max_buffer_size=max(len(buf), 1),
+    )
     unpacker.feed(buf)
     out, at = [], 0
     for name in names:
@@ -118,7 +139,9 @@ def split_heads(buf, names: list[str]) -> list[tuple[bytes, int]]:
             unpacker.unpack()
         except msgpack.OutOfData:
             if at < len(buf):
-                raise DeltaError(f"tensor {name!r}: record does not parse (its chunk records end early)") from None
+                raise DeltaError(
+                    f"tensor {name!r}: record does not parse (its chunk records end early)"
+                ) from None
             raise DeltaError(f"header has chunk records for {len(out)} of {len(names)} tensors") from None
         except Exception as e:
             raise DeltaError(f"tensor {name!r}: record does not parse ({e})") from None
@@ -140,7 +163,7 @@ def chunks_of(r: TensorRecord, fields: int = 3) -> list:
         if used + n > len(payload):
             raise ValueError(f"field of {n} bytes beyond the record")
         used += n
-        return payload[used - n:used]
+        return payload[used - n : used]
 
     try:
         chunks = msgpack.unpackb(r.head, raw=False, ext_hook=field)

@@ -8,6 +8,7 @@ ranges of all parts tile every tensor of its state exactly, before it writes any
 apply in any order, and a failure in any part rolls back the parts already applied: a version is
 taken whole or not at all.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,27 +40,47 @@ def part_name(name: str, r0: int, r1: int) -> str:
     return f"{name}@{r0}:{r1}"
 
 
-def encode_part(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], rows: dict[str, tuple[int, int]],
-                *, from_version: int, to_version: int, **kw) -> Delta:
+def encode_part(
+    base: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    rows: dict[str, tuple[int, int]],
+    *,
+    from_version: int,
+    to_version: int,
+    **kw,
+) -> Delta:
     """base/new: name -> this rank's rows (a tensor of rows r0..r1 of the full tensor); rows:
     name -> (r0, r1). Empty row ranges are left out (a small tensor may have no rows here)."""
     keep = [n for n in new if rows[n][1] > rows[n][0]]
-    return encode_delta({part_name(n, *rows[n]): base[n] for n in keep},
-                        {part_name(n, *rows[n]): new[n] for n in keep},
-                        from_version=from_version, to_version=to_version, **kw)
+    return encode_delta(
+        {part_name(n, *rows[n]): base[n] for n in keep},
+        {part_name(n, *rows[n]): new[n] for n in keep},
+        from_version=from_version,
+        to_version=to_version,
+        **kw,
+    )
 
 
 @dataclass
 class Manifest:
     from_version: int
     to_version: int
-    parts: list[dict]                       # [{"index", "sha256", "nbytes"}], index = rank
+    parts: list[dict]  # [{"index", "sha256", "nbytes"}], index = rank
     extra: dict = field(default_factory=dict)
     signature: bytes = b""
 
     def _body(self) -> bytes:
-        return json.dumps({"schema": SCHEMA, "from_version": self.from_version, "to_version": self.to_version,
-                           "parts": self.parts, "extra": self.extra}, sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps(
+            {
+                "schema": SCHEMA,
+                "from_version": self.from_version,
+                "to_version": self.to_version,
+                "parts": self.parts,
+                "extra": self.extra,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode()
 
     def to_bytes(self, signing_key=None) -> bytes:
         body = self._body()
@@ -72,7 +93,7 @@ class Manifest:
         if blob[:8] != MAGIC or len(blob) < 12:
             raise DeltaError("not a sharded-version manifest (bad magic)")
         n = int.from_bytes(blob[8:12], "big")
-        body, sig = blob[12:12 + n], blob[12 + n:]
+        body, sig = blob[12 : 12 + n], blob[12 + n :]
         if len(body) != n or len(sig) not in (0, signing.SIGNATURE_BYTES):
             raise DeltaError("manifest truncated")
         try:
@@ -82,7 +103,7 @@ class Manifest:
             m = cls(int(d["from_version"]), int(d["to_version"]), list(d["parts"]), dict(d["extra"]), sig)
         except (KeyError, TypeError, ValueError) as e:
             raise DeltaError(f"manifest body is malformed: {e}") from None
-        if m._body() != body:                     # canonical form only: what was signed is what we read
+        if m._body() != body:  # canonical form only: what was signed is what we read
             raise DeltaError("manifest body is not in canonical form")
         return m
 
@@ -92,11 +113,19 @@ class Manifest:
         signing.verify(public_key, self._body(), self.signature)
 
 
-def make_manifest(blobs: list[bytes], *, from_version: int, to_version: int, extra: dict | None = None,
-                  names: list[str] | None = None) -> Manifest:
+def make_manifest(
+    blobs: list[bytes],
+    *,
+    from_version: int,
+    to_version: int,
+    extra: dict | None = None,
+    names: list[str] | None = None,
+) -> Manifest:
     """The manifest of parts blobs[i] (part i = rank i); `names`: where each part is stored (an
     object-store name), signed with the rest."""
-    parts = [{"index": i, "sha256": hashlib.sha256(b).hexdigest(), "nbytes": len(b)} for i, b in enumerate(blobs)]
+    parts = [
+        {"index": i, "sha256": hashlib.sha256(b).hexdigest(), "nbytes": len(b)} for i, b in enumerate(blobs)
+    ]
     for p, n in zip(parts, names or []):
         p["blob"] = n
     return Manifest(from_version, to_version, parts, dict(extra or {}))
@@ -111,8 +140,10 @@ def check_part(manifest: Manifest, index: int, blob: bytes) -> Delta:
         raise DeltaError(f"version {manifest.to_version}: part {index} does not match the manifest digest")
     d = Delta.from_bytes(blob)
     if (d.from_version, d.to_version) != (manifest.from_version, manifest.to_version):
-        raise DeltaError(f"part {index} goes {d.from_version}->{d.to_version}, the manifest "
-                         f"{manifest.from_version}->{manifest.to_version}")
+        raise DeltaError(
+            f"part {index} goes {d.from_version}->{d.to_version}, the manifest "
+            f"{manifest.from_version}->{manifest.to_version}"
+        )
     return d
 
 
@@ -123,8 +154,15 @@ def sharded_digest(state: dict[str, torch.Tensor], world: int) -> str:
     per_rank = []
     for r in range(world):
         rows = {n: (t, shard_rows(t.shape[0] if t.dim() else 1, r, world)) for n, t in state.items()}
-        per_rank.append(state_digest({part_name(n, r0, r1): (t[r0:r1] if t.dim() else t)
-                                      for n, (t, (r0, r1)) in rows.items() if r1 > r0}))
+        per_rank.append(
+            state_digest(
+                {
+                    part_name(n, r0, r1): (t[r0:r1] if t.dim() else t)
+                    for n, (t, (r0, r1)) in rows.items()
+                    if r1 > r0
+                }
+            )
+        )
     return parts_digest(per_rank)
 
 
@@ -144,8 +182,10 @@ def check_parts(state: dict[str, torch.Tensor], manifest: Manifest, blobs: dict[
     every tensor of `state` exactly once. -> the parsed parts."""
     want = {p["index"]: p for p in manifest.parts}
     if set(blobs) != set(want):
-        raise DeltaError(f"version {manifest.to_version}: parts {sorted(set(want) - set(blobs))} missing, "
-                         f"{sorted(set(blobs) - set(want))} not in the manifest")
+        raise DeltaError(
+            f"version {manifest.to_version}: parts {sorted(set(want) - set(blobs))} missing, "
+            f"{sorted(set(blobs) - set(want))} not in the manifest"
+        )
     parts = [check_part(manifest, i, blobs[i]) for i in sorted(want)]
     cover: dict[str, list[tuple[int, int]]] = {}
     for d in parts:
@@ -161,13 +201,22 @@ def check_parts(state: dict[str, torch.Tensor], manifest: Manifest, blobs: dict[
                 break
             at = r1
         if at != (t.shape[0] if t.dim() else 1) or not spans:
-            raise DeltaError(f"tensor {name!r}: the parts' rows {spans} do not cover its {t.shape[0]} rows once")
+            raise DeltaError(
+                f"tensor {name!r}: the parts' rows {spans} do not cover its {t.shape[0]} rows once"
+            )
     return parts
 
 
-def apply_parts(state: dict[str, torch.Tensor], manifest: Manifest | bytes, blobs: dict[int, bytes], *,
-                public_key=None, expect_from: int | None = None, order: list[int] | None = None,
-                finite: bool = False) -> None:
+def apply_parts(
+    state: dict[str, torch.Tensor],
+    manifest: Manifest | bytes,
+    blobs: dict[int, bytes],
+    *,
+    public_key=None,
+    expect_from: int | None = None,
+    order: list[int] | None = None,
+    finite: bool = False,
+) -> None:
     """Apply a sharded version in place, all-or-nothing. `order`: the order parts are applied in
     (any order gives the same result; default: as listed). `finite`: as apply_delta's."""
     if not isinstance(manifest, Manifest):
@@ -175,19 +224,21 @@ def apply_parts(state: dict[str, torch.Tensor], manifest: Manifest | bytes, blob
     if public_key is not None:
         manifest.verify_signature(public_key)
     if expect_from is not None and manifest.from_version != expect_from:
-        raise DeltaError(f"version goes {manifest.from_version}->{manifest.to_version}, "
-                         f"but the state is version {expect_from}")
+        raise DeltaError(
+            f"version goes {manifest.from_version}->{manifest.to_version}, "
+            f"but the state is version {expect_from}"
+        )
     parts = dict(zip(sorted(blobs), check_parts(state, manifest, blobs)))
-    applied: list[tuple[torch.Tensor, torch.Tensor]] = []     # undo copies of the rows written so far
+    applied: list[tuple[torch.Tensor, torch.Tensor]] = []  # undo copies of the rows written so far
     try:
         for i in order if order is not None else sorted(parts):
             views = {}
             for r in parts[i].records:
                 m = PART_NAME.match(r.name)
                 t = state[m[1]]
-                views[r.name] = t[int(m[2]):int(m[3])] if t.dim() else t
+                views[r.name] = t[int(m[2]) : int(m[3])] if t.dim() else t
             saved = [(k, v.clone()) for k, v in views.items()]
-            apply_delta(views, parts[i], finite=finite)   # itself all-or-nothing for this part
+            apply_delta(views, parts[i], finite=finite)  # itself all-or-nothing for this part
             applied += [(views[k], old) for k, old in saved]
     except Exception:
         for view, old in applied:

@@ -3,6 +3,7 @@
 Keys are raw 32-byte values (or hex strings of them, handy in TOML/env), or the
 `cryptography` key objects themselves.
 """
+
 from __future__ import annotations
 
 from cryptography.exceptions import InvalidSignature
@@ -63,8 +64,10 @@ def generate_keypair() -> tuple[bytes, bytes]:
     """-> (private, public), both raw 32 bytes."""
     sk = Ed25519PrivateKey.generate()
     raw = serialization.Encoding.Raw
-    return (sk.private_bytes(raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()),
-            sk.public_key().public_bytes(raw, serialization.PublicFormat.Raw))
+    return (
+        sk.private_bytes(raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()),
+        sk.public_key().public_bytes(raw, serialization.PublicFormat.Raw),
+    )
 
 
 def sign(key, data) -> bytes:
@@ -76,4 +79,6 @@ def verify(key, data, signature: bytes) -> None:
     try:
         public_key(key).verify(bytes(signature), bytes(data))
     except InvalidSignature:
-        raise DeltaError("signature does not verify with the given public key (wrong key or altered payload)") from None
+        raise DeltaError(
+            "signature does not verify with the given public key (wrong key or altered payload)"
+        ) from None

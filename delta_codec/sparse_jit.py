@@ -14,6 +14,7 @@ fallback without numba):
     differences, in one read of both (numpy: a compare pass, a count, a nonzero and two gathers;
     the 64-lane compare is context_jit's vector-compare idea for !=, then one step per change).
 All nogil and cache=True, like context_jit."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,6 +28,7 @@ try:
 
     from .jit_cache import use_environment_cache
     from .llvmlite_guard import guard_llvmlite_lib
+
     guard_llvmlite_lib()
     use_environment_cache(numba)
 except ImportError:
@@ -125,14 +127,19 @@ if numba is not None:
     def _ne64(typingctx, a, b, start):
         """Bit i: a[start + i] != b[start + i], for i < 64 (both must hold start + 64 elements):
         one 64-lane vector compare, its lane bits as the word."""
+
         def codegen(context, builder, signature, args):
             vty = ir.VectorType(context.get_value_type(signature.args[0].dtype), 64)
 
             def lanes(arrty, arr):
                 data = context.make_array(arrty)(context, builder, arr).data
                 return builder.load(builder.bitcast(builder.gep(data, [args[2]]), vty.as_pointer()), align=1)
-            ne = builder.icmp_unsigned("!=", lanes(signature.args[0], args[0]), lanes(signature.args[1], args[1]))
+
+            ne = builder.icmp_unsigned(
+                "!=", lanes(signature.args[0], args[0]), lanes(signature.args[1], args[1])
+            )
             return builder.bitcast(ne, ir.IntType(64))
+
         return types.uint64(a, b, types.intp), codegen
 
     from .context_jit import cttz as _tz
@@ -176,7 +183,13 @@ def _set_at(view, pos, old, d):
 if available:
     _jit = numba.njit(nogil=True, cache=True)
     _group_order, _ungroup, _nibbles, _rice_gaps, _set_at, _diff = (
-        _jit(_group_order), _jit(_ungroup), _jit(_nibbles), _jit(_rice_gaps), _jit(_set_at), _jit(_diff))
+        _jit(_group_order),
+        _jit(_ungroup),
+        _jit(_nibbles),
+        _jit(_rice_gaps),
+        _jit(_set_at),
+        _jit(_diff),
+    )
 
 
 def group_order(keys: np.ndarray) -> np.ndarray:
@@ -227,7 +240,9 @@ def warm() -> None:
         return
     group_order(np.arange(4, dtype=np.uint8))
     for dt in (np.int8, np.int16, np.int32, np.int64):
-        ungroup(np.arange(4, dtype=dt), {1: 3, 2: 7, 4: 23, 8: 52}[np.dtype(dt).itemsize], np.arange(4, dtype=dt))
+        ungroup(
+            np.arange(4, dtype=dt), {1: 3, 2: 7, 4: 23, 8: 52}[np.dtype(dt).itemsize], np.arange(4, dtype=dt)
+        )
     for dt in (np.int8, np.int16, np.int32, np.int64):
         nibbles(np.arange(2, dtype=np.uint8), np.empty(4, dt), np.empty(4, np.int64))
     for k in (0, 3, 11):

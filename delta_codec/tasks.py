@@ -1,5 +1,6 @@
 """The codec's thread pool: jobs (and the follow-up jobs they return) on a few threads, each
 with a borrowed per-worker Scratch; first error stops new jobs and is re-raised."""
+
 from __future__ import annotations
 
 import collections
@@ -9,6 +10,7 @@ import threading
 from contextlib import contextmanager
 
 from .bits import Scratch, fresh
+
 
 def default_threads() -> int:
     """All cores (at most 8); ASYNCRL_DELTA_THREADS overrides. The codec runs while its caller

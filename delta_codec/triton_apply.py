@@ -5,6 +5,7 @@ difference with wrap-around at the element width and stores. (It can also add in
 float order, ORDERED; the wire format since version 2 carries raw-bit differences.) Tensors on
 devices without Triton use the same arithmetic in torch ops. Tested on the CPU with TRITON_INTERPRET=1.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,9 +20,11 @@ except ImportError:  # torch-ops path only
     triton = None
 
 if triton is not None:
+
     @triton.jit
-    def _apply_kernel(bits_ptr, idx_ptr, d_ptr, old_ptr, n,
-                      ORDERED: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    def _apply_kernel(
+        bits_ptr, idx_ptr, d_ptr, old_ptr, n, ORDERED: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr
+    ):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = offs < n
         idx = tl.load(idx_ptr + offs, mask=live, other=0)
@@ -40,8 +43,12 @@ if triton is not None:
 
 def use_triton(bits: torch.Tensor) -> bool:
     import os
-    return (triton is not None and bits.dtype in (torch.int8, torch.int16, torch.int32)
-            and (bits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+
+    return (
+        triton is not None
+        and bits.dtype in (torch.int8, torch.int16, torch.int32)
+        and (bits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    )
 
 
 def apply_sparse(bits: torch.Tensor, idx: torch.Tensor, d: torch.Tensor, ordered: bool) -> torch.Tensor:
@@ -52,8 +59,9 @@ def apply_sparse(bits: torch.Tensor, idx: torch.Tensor, d: torch.Tensor, ordered
         old = torch.empty(n, dtype=bits.dtype, device=bits.device)
         if n:
             block = 1024
-            _apply_kernel[(triton.cdiv(n, block),)](bits, idx, d, old, n, ORDERED=ordered,
-                                                    BITS=bits.element_size() * 8, BLOCK=block)
+            _apply_kernel[(triton.cdiv(n, block),)](
+                bits, idx, d, old, n, ORDERED=ordered, BITS=bits.element_size() * 8, BLOCK=block
+            )
         return old
     old = bits[idx]
     w = old

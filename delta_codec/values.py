@@ -4,6 +4,7 @@ units either way), zig-zag coded, then zstd'd as nibble pairs (changed values: c
 byte, larger ones in an overflow stream) or as byte planes (dense chunks, or when many codes are
 large). In sparse chunks values may be grouped by the exponent of their base value first
 (value_order: the decoder has the base, so this is free on the wire and saves bits)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,8 +36,11 @@ def encode_values(d: np.ndarray, alloc=fresh, nonzero: bool = False) -> tuple:
             nib[m:] = 0
             pairs = nib.view("<u2")  # code 2i in the low byte, 2i+1 in the high byte
             lo = np.bitwise_and(pairs, 0xF, out=alloc("nib.lo", me // 2, "<u2"))
-            lo |= np.bitwise_and(np.right_shift(pairs, 4, out=alloc("nib.hi", me // 2, "<u2")), 0xF0,
-                                 out=alloc("nib.hi", me // 2, "<u2"))
+            lo |= np.bitwise_and(
+                np.right_shift(pairs, 4, out=alloc("nib.hi", me // 2, "<u2")),
+                0xF0,
+                out=alloc("nib.hi", me // 2, "<u2"),
+            )
             packed = alloc("nib.packed", me // 2, np.uint8)
             packed[...] = lo
             over = b""
@@ -107,5 +111,7 @@ def value_order(base_at_pos: np.ndarray, shift: int | None) -> np.ndarray | None
     (bits saved on AdamW updates: docs/benchmarks.md). The decoder has the base, so it is free."""
     if shift is None or base_at_pos.size < 2:
         return None
-    exp = (base_at_pos >> base_at_pos.dtype.type(shift)).astype(np.uint8)  # exponent (+ sign): 8-bit radix sort
+    exp = (base_at_pos >> base_at_pos.dtype.type(shift)).astype(
+        np.uint8
+    )  # exponent (+ sign): 8-bit radix sort
     return sparse_jit.group_order(exp) if sparse_jit.enabled else np.argsort(exp, kind="stable")

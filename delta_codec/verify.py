@@ -1,4 +1,5 @@
 """Signature check of a parsed Delta/Keyframe or of a raw blob of either kind."""
+
 from __future__ import annotations
 
 from .container import KIND_DELTA, blob_kind

@@ -4,6 +4,7 @@ One turn = free text with exactly one fenced ```bash block (the mini-swe-agent c
 block's content runs with `bash -c` in the workspace. Observations are plain text the worker
 appends after the generated ids as they are; earlier turns are never re-rendered.
 """
+
 from __future__ import annotations
 
 import re
@@ -45,20 +46,29 @@ def cut_lines(text: str, head: int, tail: int, max_line_chars: int) -> str:
     """The first `head` and last `tail` lines (each at most `max_line_chars`), the middle replaced
     by a note, so a chatty command cannot blow up the context."""
     lines = text.splitlines()
-    lines = [ln if len(ln) <= max_line_chars else ln[:max_line_chars] + f" [... {len(ln) - max_line_chars} chars]"
-             for ln in lines]
+    lines = [
+        ln if len(ln) <= max_line_chars else ln[:max_line_chars] + f" [... {len(ln) - max_line_chars} chars]"
+        for ln in lines
+    ]
     if len(lines) > head + tail:
-        lines = lines[:head] + [f"[... {len(lines) - head - tail} lines omitted ...]"] + (lines[-tail:] if tail else [])
+        lines = (
+            lines[:head]
+            + [f"[... {len(lines) - head - tail} lines omitted ...]"]
+            + (lines[-tail:] if tail else [])
+        )
     return "\n".join(lines)
 
 
-def command_observation(returncode: int, output: str, warning: str = "", head: int = 40, tail: int = 40,
-                        max_line_chars: int = 300) -> str:
+def command_observation(
+    returncode: int, output: str, warning: str = "", head: int = 40, tail: int = 40, max_line_chars: int = 300
+) -> str:
     body = cut_lines(output, head, tail, max_line_chars)
     warn = f"<warning>{warning}</warning>\n" if warning else ""
     return f"{warn}<returncode>{returncode}</returncode>\n<output>\n{body}\n</output>"
 
 
 def format_error_observation(why: str) -> str:
-    return (f"<format_error>{why}. Reply with a short thought and exactly one ```bash block "
-            f"containing the command to run; use `submit` alone in the block when done.</format_error>")
+    return (
+        f"<format_error>{why}. Reply with a short thought and exactly one ```bash block "
+        f"containing the command to run; use `submit` alone in the block when done.</format_error>"
+    )

@@ -28,6 +28,7 @@ Length distribution (completion tokens of the steps style, eos excluded):
                   short ones (coding RL is like this: most answers short, a few run very long).
 The eval split holds the operand pairs whose hash falls in `eval_fraction`: disjoint from train.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,8 +62,15 @@ def steps_text(a: int, b: int, width: int = 0) -> str:
 
 
 class ArithEnv:
-    def __init__(self, name: str = "arith", min_digits: int = 2, max_digits: int = 4,
-                 tail: float | None = None, eval_fraction: float = 0.1, far: tuple[int, float] | None = None):
+    def __init__(
+        self,
+        name: str = "arith",
+        min_digits: int = 2,
+        max_digits: int = 4,
+        tail: float | None = None,
+        eval_fraction: float = 0.1,
+        far: tuple[int, float] | None = None,
+    ):
         self.name, self.min_digits, self.max_digits = name, min_digits, max_digits
         self.tail, self.eval_fraction = tail, eval_fraction
         # digit-count weights: uniform, or geometric (long-tailed) when `tail` is given; with
@@ -72,7 +80,9 @@ class ArithEnv:
         if far is not None:
             d, mass = far
             if not (min_digits < d <= max_digits and 0 < mass < 1):
-                raise ValueError(f"far=(digits, mass) needs {min_digits} < digits <= {max_digits} and 0 < mass < 1")
+                raise ValueError(
+                    f"far=(digits, mass) needs {min_digits} < digits <= {max_digits} and 0 < mass < 1"
+                )
             body = sum(x for k, x in zip(ks, w) if k < d)
             w = [x * (1 - mass) / body if k < d else mass / (max_digits - d + 1) for k, x in zip(ks, w)]
         self._cum = [sum(w[: i + 1]) / sum(w) for i in range(len(w))]
@@ -83,11 +93,11 @@ class ArithEnv:
 
     def _operand(self, rng) -> int:
         d = self._digits(rng)
-        return randint(rng, 10 ** (d - 1) if d > 1 else 0, 10 ** d - 1)
+        return randint(rng, 10 ** (d - 1) if d > 1 else 0, 10**d - 1)
 
     def sample(self, rng, split: str = "train") -> TaskSpec:
         check_split(split)
-        for _ in range(10_000):          # rejection keeps the splits disjoint by operand pair
+        for _ in range(10_000):  # rejection keeps the splits disjoint by operand pair
             a, b = self._operand(rng), self._operand(rng)
             if split_of(f"{a}+{b}", self.eval_fraction) == split:
                 return TaskSpec(prompt=f"{a}+{b}=", spec={"a": a, "b": b, "answer": str(a + b)})

@@ -1,4 +1,5 @@
 """What every environment is: a prompt generator, a verifier and a demonstrator, found by name."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,15 +16,17 @@ class SpecError(ValueError):
 @dataclass(frozen=True)
 class TaskSpec:
     prompt: str
-    spec: dict = field(default_factory=dict)   # everything verify() needs (answer, tests); travels in Task.spec
+    spec: dict = field(
+        default_factory=dict
+    )  # everything verify() needs (answer, tests); travels in Task.spec
 
 
 @dataclass(frozen=True)
 class Verdict:
-    success: float          # 0..1
-    reason: str             # why: "correct", "wrong answer 12 != 13", "timeout after 5.0s", ...
+    success: float  # 0..1
+    reason: str  # why: "correct", "wrong answer 12 != 13", "timeout after 5.0s", ...
     tool_calls: int = 0
-    infra: str = ""         # non-empty: the sandbox failed, not the completion (no verdict; weight 0)
+    infra: str = ""  # non-empty: the sandbox failed, not the completion (no verdict; weight 0)
 
 
 class Env(Protocol):
@@ -32,11 +35,12 @@ class Env(Protocol):
     def sample(self, rng, split: str = "train") -> TaskSpec: ...
     def verify(self, text: str, spec: dict) -> Verdict: ...
     def demonstration(self, spec: dict, style: str = "default") -> str: ...
+
     # optional: `split_specs(split) -> list[TaskSpec]` for a finite split (the held-out eval then
     # plays every task in turn instead of drawing at random: trainer/evaluate.eval_specs)
 
 
-ENVS: dict[str, Callable[[], Env]] = {}      # name -> factory
+ENVS: dict[str, Callable[[], Env]] = {}  # name -> factory
 _INSTANCES: dict[str, Env] = {}
 
 
@@ -44,6 +48,7 @@ def register(name: str):
     def deco(factory):
         ENVS[name] = factory
         return factory
+
     return deco
 
 

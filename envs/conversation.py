@@ -1,6 +1,7 @@
 """The conversation layout of a multi-turn episode, as token text: what the worker tokenises
 (prompt, then each observation appended after the ids it generated) and what the warm start
 trains on, so both see exactly the same text. Also the Task.spec of a multi-turn task."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,12 +42,14 @@ class TemplateFormat:
         head = self.tok.render_chat(probe, add_generation_prompt=False)
         full = self.tok.render_chat(probe + [{"role": "user", "content": obs}], add_generation_prompt=True)
         if not full.startswith(head):
-            raise ValueError("the chat template renders earlier turns differently once a turn follows: "
-                             "observations cannot be appended as tokens")
-        text = full[len(head):]
-        cut = head[head.rindex(_MARK) + len(_MARK):]   # what the template writes after the assistant text
+            raise ValueError(
+                "the chat template renders earlier turns differently once a turn follows: "
+                "observations cannot be appended as tokens"
+            )
+        text = full[len(head) :]
+        cut = head[head.rindex(_MARK) + len(_MARK) :]  # what the template writes after the assistant text
         eos = self.tok.decode([self.tok.eos_id]) if ended_with_eos and self.tok.eos_id is not None else ""
-        return cut[len(eos):] + text if cut.startswith(eos) else cut + text
+        return cut[len(eos) :] + text if cut.startswith(eos) else cut + text
 
 
 _MARK = "@@assistant-turn@@"

@@ -13,6 +13,7 @@ Synchronous and picklable (only paths, numbers and dataclasses inside): it runs 
 loop in envs/episode_pool.py. Observations are text for the worker to append as tokens after the
 ids it generated; the episode never re-renders earlier turns.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,14 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .actions import (command_observation, format_error_observation, is_run_tests, is_submit, parse_action,
-                      failures_summary)
+from .actions import (
+    command_observation,
+    format_error_observation,
+    is_run_tests,
+    is_submit,
+    parse_action,
+    failures_summary,
+)
 from .sandbox import BashLimits
 
 TERMINATIONS = ("submitted", "max_turns", "context_limit", "timeout", "format", "sandbox_error")
@@ -35,18 +42,19 @@ class EpisodeTask:
     """One repository-level task. `files` (plus a copy of `base_dir`, when set) is the workspace;
     `hidden_tests` are written over it before scoring, so editing the tests never helps; reward
     is the fraction of `fail_to_pass` + `pass_to_pass` that pass then."""
+
     task_id: str
-    family: str                       # "gen-repo" | "humaneval-fix" | "humaneval-stub" | "package" | ...
-    split: str                        # "train" | "eval"
-    instruction: str                  # the problem statement the agent sees
-    files: dict[str, str]             # relative path -> text
+    family: str  # "gen-repo" | "humaneval-fix" | "humaneval-stub" | "package" | ...
+    split: str  # "train" | "eval"
+    instruction: str  # the problem statement the agent sees
+    files: dict[str, str]  # relative path -> text
     hidden_tests: dict[str, str]
-    runner: str                       # "mini" (envs/workspace_tools.py) | "pytest"
-    test_paths: list[str]             # what the runner runs (files or directories)
-    fail_to_pass: list[str]           # test ids "path::name"
+    runner: str  # "mini" (envs/workspace_tools.py) | "pytest"
+    test_paths: list[str]  # what the runner runs (files or directories)
+    fail_to_pass: list[str]  # test ids "path::name"
     pass_to_pass: list[str]
-    base_dir: str | None = None       # a directory copied first (a task set's repository snapshot)
-    meta: dict = field(default_factory=dict)   # mutation kind, location, before/after (the oracle uses it)
+    base_dir: str | None = None  # a directory copied first (a task set's repository snapshot)
+    meta: dict = field(default_factory=dict)  # mutation kind, location, before/after (the oracle uses it)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -54,25 +62,34 @@ class EpisodeTask:
     @classmethod
     def from_dict(cls, d: dict) -> "EpisodeTask":
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
-                   and f.default_factory is dataclasses.MISSING} - set(d)
+        missing = {
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        } - set(d)
         if missing or set(d) - names:
             raise ValueError(f"bad task record: missing {sorted(missing)}, unknown {sorted(set(d) - names)}")
         t = cls(**d)
-        if t.split not in SPLITS or t.runner not in ("mini", "pytest") or not (t.fail_to_pass or t.pass_to_pass):
-            raise ValueError(f"bad task record {t.task_id!r}: split {t.split!r}, runner {t.runner!r}, "
-                             f"{len(t.fail_to_pass)} fail-to-pass, {len(t.pass_to_pass)} pass-to-pass tests")
+        if (
+            t.split not in SPLITS
+            or t.runner not in ("mini", "pytest")
+            or not (t.fail_to_pass or t.pass_to_pass)
+        ):
+            raise ValueError(
+                f"bad task record {t.task_id!r}: split {t.split!r}, runner {t.runner!r}, "
+                f"{len(t.fail_to_pass)} fail-to-pass, {len(t.pass_to_pass)} pass-to-pass tests"
+            )
         return t
 
 
 @dataclass
 class EpisodeLimits:
     max_turns: int = 15
-    episode_wall_s: float = 300.0          # from reset(), model time included
-    max_context_tokens: int = 16384        # prompt + every action + every observation
-    max_turn_tokens: int = 1024            # one action (the worker should generate at most this)
-    max_format_errors: int = 3             # consecutive turns without exactly one action
-    command: BashLimits = field(default_factory=BashLimits)   # per command (= per turn: one command a turn)
+    episode_wall_s: float = 300.0  # from reset(), model time included
+    max_context_tokens: int = 16384  # prompt + every action + every observation
+    max_turn_tokens: int = 1024  # one action (the worker should generate at most this)
+    max_format_errors: int = 3  # consecutive turns without exactly one action
+    command: BashLimits = field(default_factory=BashLimits)  # per command (= per turn: one command a turn)
     workspace_mb: int = 64
     workspace_files: int = 20_000
     obs_head_lines: int = 40
@@ -88,10 +105,22 @@ class EpisodeLimits:
 
     def __post_init__(self):
         if self.prompt_style not in PROMPT_STYLES or self.test_output not in TEST_OUTPUTS:
-            raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, test_output one of {TEST_OUTPUTS}: "
-                             f"got {self.prompt_style!r}, {self.test_output!r}")
-        if min(self.max_turns, self.max_context_tokens, self.max_turn_tokens, self.max_format_errors,
-               self.workspace_mb, self.workspace_files) < 1 or self.episode_wall_s <= 0:
+            raise ValueError(
+                f"prompt_style must be one of {PROMPT_STYLES}, test_output one of {TEST_OUTPUTS}: "
+                f"got {self.prompt_style!r}, {self.test_output!r}"
+            )
+        if (
+            min(
+                self.max_turns,
+                self.max_context_tokens,
+                self.max_turn_tokens,
+                self.max_format_errors,
+                self.workspace_mb,
+                self.workspace_files,
+            )
+            < 1
+            or self.episode_wall_s <= 0
+        ):
             raise ValueError(f"episode limits must be positive: {self}")
         if isinstance(self.command, dict):
             self.command = BashLimits(**self.command)
@@ -107,22 +136,22 @@ class StepResult:
 @dataclass
 class EpisodeResult:
     task_id: str
-    reward: float                  # fraction of fail-to-pass + pass-to-pass tests passing
-    resolved: bool                 # all of them pass
-    termination: str               # one of TERMINATIONS
+    reward: float  # fraction of fail-to-pass + pass-to-pass tests passing
+    resolved: bool  # all of them pass
+    termination: str  # one of TERMINATIONS
     turns: int
     tool_calls: int
     format_errors: int
     tokens: int
     wall_s: float
     tool_wall_s: float
-    tests: dict[str, bool]         # test id -> passed, over fail-to-pass + pass-to-pass
+    tests: dict[str, bool]  # test id -> passed, over fail-to-pass + pass-to-pass
     detail: str = ""
     # agent files kept out of the scoring copy: tests and test infrastructure ("path (kind)", at most
     # scoring_copy.MAX_LISTED named; n_dropped counts them all; envs/scoring_copy.py)
     dropped: list[str] = field(default_factory=list)
     n_dropped: int = 0
-    tampered: str = ""             # why the scoring run's verdict was judged forged (every test failed)
+    tampered: str = ""  # why the scoring run's verdict was judged forged (every test failed)
     # an infrastructure failure ("workspace", "sandbox", "scoring_copy"): no verdict on the policy;
     # the scorer marks it (Scored.infra) and the trainer leaves it out of its group (weight 0)
     infra_error: str = ""
@@ -182,16 +211,22 @@ def initial_messages(task: EpisodeTask, limits: "EpisodeLimits") -> list[dict]:
 class Episode:
     """One episode of a task in a workspace (see the module docstring)."""
 
-    def __init__(self, task: EpisodeTask, limits: EpisodeLimits | None = None, backend=None,
-                 token_counter=approx_tokens):
+    def __init__(
+        self,
+        task: EpisodeTask,
+        limits: EpisodeLimits | None = None,
+        backend=None,
+        token_counter=approx_tokens,
+    ):
         from .workspace import LocalBackend
+
         self.task, self.limits = task, limits or EpisodeLimits()
         self.backend = backend or LocalBackend()
         self.count_tokens = token_counter
         self.workspace = None
         self.turns = self.tool_calls = self.format_errors = self._format_run = self.tokens = 0
         self.tool_wall_s, self.t0, self.done, self.termination, self.detail = 0.0, 0.0, False, "", ""
-        self.infra = ""            # set when the sandbox, not the policy, ended the episode
+        self.infra = ""  # set when the sandbox, not the policy, ended the episode
 
     # -- protocol ---------------------------------------------------------------------------------
     def reset(self) -> list[dict]:
@@ -250,16 +285,28 @@ class Episode:
         ids = list(dict.fromkeys(self.task.fail_to_pass + self.task.pass_to_pass))
         info = None
         if self.termination == "sandbox_error":
-            tests, detail = {t: False for t in ids}, self.detail       # the workspace is not trusted
+            tests, detail = {t: False for t in ids}, self.detail  # the workspace is not trusted
         else:
             status, detail = self.workspace.run_hidden_tests(self.task, self.limits)
             tests = {t: status.get(t) == "PASS" for t in ids}
             detail = "; ".join(x for x in (self.detail, detail) if x)
             info = getattr(self.workspace, "score_info", None)
         n_pass = sum(tests.values())
-        res = EpisodeResult(self.task.task_id, n_pass / len(ids) if ids else 0.0, bool(ids) and n_pass == len(ids),
-                            self.termination, self.turns, self.tool_calls, self.format_errors, self.tokens,
-                            time.monotonic() - self.t0, self.tool_wall_s, tests, detail, infra_error=self.infra)
+        res = EpisodeResult(
+            self.task.task_id,
+            n_pass / len(ids) if ids else 0.0,
+            bool(ids) and n_pass == len(ids),
+            self.termination,
+            self.turns,
+            self.tool_calls,
+            self.format_errors,
+            self.tokens,
+            time.monotonic() - self.t0,
+            self.tool_wall_s,
+            tests,
+            detail,
+            infra_error=self.infra,
+        )
         if info is not None:
             res.dropped, res.n_dropped, res.tampered = list(info.dropped), info.n_dropped, info.tampered
             res.infra_error = res.infra_error or info.infra
@@ -286,7 +333,11 @@ class Episode:
         if res.reason.startswith("sandbox error"):
             self.infra = "sandbox"
             self.end("sandbox_error", res.reason)
-        warning = "" if res.reason == "ok" or res.reason.startswith("exit code") else f"command stopped: {res.reason}"
+        warning = (
+            ""
+            if res.reason == "ok" or res.reason.startswith("exit code")
+            else f"command stopped: {res.reason}"
+        )
         over = self.workspace.over_limit(L.workspace_mb, L.workspace_files)
         if over and not self.done:
             self.end("sandbox_error", over)
@@ -294,5 +345,6 @@ class Episode:
         out = res.stdout.decode("utf-8", "replace")
         if L.test_output == "failures" and is_run_tests(command):
             out = failures_summary(out)
-        return command_observation(res.returncode, out, warning,
-                                   L.obs_head_lines, L.obs_tail_lines, L.obs_line_chars)
+        return command_observation(
+            res.returncode, out, warning, L.obs_head_lines, L.obs_tail_lines, L.obs_line_chars
+        )

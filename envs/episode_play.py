@@ -17,6 +17,7 @@ A player holds the sequence (prompt, its turns, the observations between them):
 `env` makes the episode's calls: EpisodePool (worker threads) or InlinePool (the caller's thread).
 Scoring and closing stay with the caller (the worker frees its KV row before the scoring run).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,10 +27,10 @@ from .episode import Episode
 
 @dataclass
 class Turn:
-    action: str           # the text the episode steps on
-    n_tokens: int         # its length in tokens (the episode's turn and context budget)
-    finish: str           # why generation stopped: stop (end-of-turn token) | stop_seq | length | ...
-    eos_kept: bool        # the end-of-turn token is in the player's sequence (the layout leaves its text out)
+    action: str  # the text the episode steps on
+    n_tokens: int  # its length in tokens (the episode's turn and context budget)
+    finish: str  # why generation stopped: stop (end-of-turn token) | stop_seq | length | ...
+    eos_kept: bool  # the end-of-turn token is in the player's sequence (the layout leaves its text out)
 
 
 async def play_episode(ep: Episode, env, player, fmt, tok, max_len: int) -> list[dict]:

@@ -10,6 +10,7 @@ them later without changing the protocol.
 One episode's calls must be made in order (reset, step, ..., score, close): the pool refuses a
 call on an episode that has one in flight rather than interleave them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,8 +48,9 @@ class EpisodePool:
     async def close(self, ep: Episode) -> None:
         await self._call(ep, ep.close)
 
-    async def run(self, ep: Episode, policy: Callable[[list[dict], list[tuple[str, StepResult]]], Awaitable[str]]
-                  ) -> tuple[list[tuple[str, StepResult]], EpisodeResult]:
+    async def run(
+        self, ep: Episode, policy: Callable[[list[dict], list[tuple[str, StepResult]]], Awaitable[str]]
+    ) -> tuple[list[tuple[str, StepResult]], EpisodeResult]:
         """Drive one episode with an async policy (messages, turns so far) -> next action text,
         then score it; the workspace is always removed."""
         turns: list[tuple[str, StepResult]] = []

@@ -1,5 +1,6 @@
 """Publish tasks from an environment into TASKS: each Task is one group (the worker makes
 sampling.n completions of it). Used by the trainer, by `asyncrl up` and by benchmarks."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,14 +16,23 @@ def chat_renderer(tok) -> Callable[[str], str]:
     """Prompt text -> the same text as the user turn of `tok`'s chat template, ready for the
     assistant's reply (for instruct models; the worker tokenises Task.prompt as it is)."""
     if not getattr(tok, "chat_template", None):
-        raise ValueError("chat_template = true needs a tokenizer with a chat template "
-                         f"(got {type(tok).__name__} without one)")
+        raise ValueError(
+            "chat_template = true needs a tokenizer with a chat template "
+            f"(got {type(tok).__name__} without one)"
+        )
     return lambda prompt: tok.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
 
 
-def make_tasks(env_name: str, n: int, sampling: SamplingParams, rng, split: str = "train",
-               min_version: int = 0, render: Callable[[str], str] | None = None,
-               lambda_: float | None = None) -> list[Task]:
+def make_tasks(
+    env_name: str,
+    n: int,
+    sampling: SamplingParams,
+    rng,
+    split: str = "train",
+    min_version: int = 0,
+    render: Callable[[str], str] | None = None,
+    lambda_: float | None = None,
+) -> list[Task]:
     """`n` Task events drawn from `env_name` (no I/O); `render` rewrites each prompt (chat_renderer);
     `lambda_` is stamped on each (its group is scored with it; None: the scorers' live λ)."""
     if n < 0:
@@ -36,16 +46,34 @@ def make_tasks(env_name: str, n: int, sampling: SamplingParams, rng, split: str 
     for _ in range(n):
         t = env.sample(rng, split)
         prompt = render(t.prompt) if render is not None else t.prompt
-        tasks.append(Task(task_id=new_id(), env=env_name, prompt=prompt, spec=t.spec, sampling=dict(sp),
-                          split=split, min_version=min_version, lambda_=lambda_))
+        tasks.append(
+            Task(
+                task_id=new_id(),
+                env=env_name,
+                prompt=prompt,
+                spec=t.spec,
+                sampling=dict(sp),
+                split=split,
+                min_version=min_version,
+                lambda_=lambda_,
+            )
+        )
     for t in tasks:
-        t.validate()          # a λ that is not finite and >= 0 is refused here, before anything is sent
+        t.validate()  # a λ that is not finite and >= 0 is refused here, before anything is sent
     return tasks
 
 
-async def publish_tasks(bus, env_name: str, n: int, sampling: SamplingParams, rng, split: str = "train",
-                        min_version: int = 0, render: Callable[[str], str] | None = None,
-                        lambda_: float | None = None) -> list[str]:
+async def publish_tasks(
+    bus,
+    env_name: str,
+    n: int,
+    sampling: SamplingParams,
+    rng,
+    split: str = "train",
+    min_version: int = 0,
+    render: Callable[[str], str] | None = None,
+    lambda_: float | None = None,
+) -> list[str]:
     """Draw `n` tasks and publish them to rl.tasks.<env> (acked by JetStream); returns the task ids
     (= group ids: every rollout of a task carries its task_id)."""
     tasks = make_tasks(env_name, n, sampling, rng, split, min_version, render, lambda_)

@@ -15,6 +15,7 @@ that split are tried for it. `min_eval` tops the eval split up with further eval
 (indices n_repos, n_repos+1, ...) until it holds that many tasks: the training tasks of a build
 do not depend on it, and `build(n)` is a prefix of `build(n + k)`'s repositories.
 """
+
 from __future__ import annotations
 
 import ast
@@ -49,7 +50,7 @@ def function_bank(functions: tuple[str, ...] | None = None) -> dict[str, tuple[s
         defs = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
         head, fns = [], []
         for node in tree.body:
-            text = "".join(lines[node.lineno - 1:node.end_lineno])
+            text = "".join(lines[node.lineno - 1 : node.end_lineno])
             if not isinstance(node, ast.FunctionDef):
                 head.append(text)
             elif node.name in keep:
@@ -61,8 +62,9 @@ def function_bank(functions: tuple[str, ...] | None = None) -> dict[str, tuple[s
     return out
 
 
-def make_repo(rng: random.Random, n_modules: int = 2, cases: int = 4,
-              functions: tuple[str, ...] | None = None) -> dict[str, str]:
+def make_repo(
+    rng: random.Random, n_modules: int = 2, cases: int = 4, functions: tuple[str, ...] | None = None
+) -> dict[str, str]:
     """{path: text} of a repository: modules + tests/test_<module>.py, all tests passing;
     modules from function_bank(functions)."""
     modules = function_bank(functions)
@@ -73,7 +75,7 @@ def make_repo(rng: random.Random, n_modules: int = 2, cases: int = 4,
     for name in names:
         src, gens = modules[name]
         ns: dict = {}
-        exec(compile(src, name, "exec"), ns)                 # trusted bank code
+        exec(compile(src, name, "exec"), ns)  # trusted bank code
         tests = [f"from {name} import {', '.join(sorted(gens))}\n"]
         for fn in sorted(gens):
             for k in range(cases):
@@ -90,14 +92,18 @@ def make_repo(rng: random.Random, n_modules: int = 2, cases: int = 4,
 
 
 def instruction(files: dict[str, str], fail_to_pass: list[str]) -> str:
-    shown = ", ".join(fail_to_pass[:3]) + (f" and {len(fail_to_pass) - 3} more" if len(fail_to_pass) > 3 else "")
-    return (f"This repository has a bug: some tests fail, for example {shown}.\n"
-            f"Files: {', '.join(sorted(files))}.\n"
-            "Find the bug in the source code and fix it; do not change the tests. "
-            "Run the tests with `run_tests`, then `submit`.")
+    shown = ", ".join(fail_to_pass[:3]) + (
+        f" and {len(fail_to_pass) - 3} more" if len(fail_to_pass) > 3 else ""
+    )
+    return (
+        f"This repository has a bug: some tests fail, for example {shown}.\n"
+        f"Files: {', '.join(sorted(files))}.\n"
+        "Find the bug in the source code and fix it; do not change the tests. "
+        "Run the tests with `run_tests`, then `submit`."
+    )
 
 
-MIN_EVAL = 16           # eval tasks `asyncrl tasks build --gen` and the swe-gen env ask for
+MIN_EVAL = 16  # eval tasks `asyncrl tasks build --gen` and the swe-gen env ask for
 
 
 def target_split(i: int, eval_fraction: float) -> str:
@@ -109,34 +115,70 @@ def bug_split(m, eval_fraction: float) -> str:
     return split_of(f"{FAMILY}|{m.path}|{m.line}|{m.after}|{m.kind}", eval_fraction)
 
 
-def build(n_repos: int, seed: int = 0, eval_fraction: float = 0.2, tries_per_repo: int = 6,
-          n_modules: int = 2, cases: int = 4, report: BuildReport | None = None,
-          min_eval: int = 0, functions: tuple[str, ...] | None = None) -> list[EpisodeTask]:
+def build(
+    n_repos: int,
+    seed: int = 0,
+    eval_fraction: float = 0.2,
+    tries_per_repo: int = 6,
+    n_modules: int = 2,
+    cases: int = 4,
+    report: BuildReport | None = None,
+    min_eval: int = 0,
+    functions: tuple[str, ...] | None = None,
+) -> list[EpisodeTask]:
     """Up to `n_repos` tasks (one validated bug per repository), then eval repositories until the
     eval split holds `min_eval` tasks (at most 4·min_eval + 8 more tried); deterministic in `seed`.
     `functions`: draw the repositories from that small bank (function_bank) instead of every module."""
     if not 0 <= eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-    if not 1 <= n_modules <= len(function_bank(functions)):     # a bad bank fails before any test runs
-        raise ValueError(f"n_modules must be in [1, {len(function_bank(functions))}] for this bank, got {n_modules}")
+    if not 1 <= n_modules <= len(function_bank(functions)):  # a bad bank fails before any test runs
+        raise ValueError(
+            f"n_modules must be in [1, {len(function_bank(functions))}] for this bank, got {n_modules}"
+        )
     report = report if report is not None else BuildReport()
     tasks = []
     for i in range(n_repos):
-        task = build_repo(i, target_split(i, eval_fraction), seed, eval_fraction, tries_per_repo, n_modules,
-                          cases, report, functions)
+        task = build_repo(
+            i,
+            target_split(i, eval_fraction),
+            seed,
+            eval_fraction,
+            tries_per_repo,
+            n_modules,
+            cases,
+            report,
+            functions,
+        )
         tasks += [task] if task else []
     extra = n_repos
-    while eval_fraction > 0 and sum(t.split == "eval" for t in tasks) < min_eval and extra < n_repos + 4 * min_eval + 8:
-        task = build_repo(extra, "eval", seed, eval_fraction, tries_per_repo, n_modules, cases, report, functions)
+    while (
+        eval_fraction > 0
+        and sum(t.split == "eval" for t in tasks) < min_eval
+        and extra < n_repos + 4 * min_eval + 8
+    ):
+        task = build_repo(
+            extra, "eval", seed, eval_fraction, tries_per_repo, n_modules, cases, report, functions
+        )
         tasks += [task] if task else []
         extra += 1
     if sum(t.split == "eval" for t in tasks) < min_eval:
-        report.notes.append(f"{FAMILY}: only {sum(t.split == 'eval' for t in tasks)} eval tasks (< {min_eval})")
+        report.notes.append(
+            f"{FAMILY}: only {sum(t.split == 'eval' for t in tasks)} eval tasks (< {min_eval})"
+        )
     return tasks
 
 
-def build_repo(i: int, split: str, seed: int, eval_fraction: float, tries_per_repo: int, n_modules: int,
-               cases: int, report: BuildReport, functions: tuple[str, ...] | None = None) -> EpisodeTask | None:
+def build_repo(
+    i: int,
+    split: str,
+    seed: int,
+    eval_fraction: float,
+    tries_per_repo: int,
+    n_modules: int,
+    cases: int,
+    report: BuildReport,
+    functions: tuple[str, ...] | None = None,
+) -> EpisodeTask | None:
     """Repository i with one validated bug whose identity falls in `split`, or None."""
     rng = random.Random(f"{FAMILY}:{seed}:{i}")
     files = make_repo(rng, n_modules, cases, functions)
@@ -145,8 +187,9 @@ def build_repo(i: int, split: str, seed: int, eval_fraction: float, tries_per_re
     if not original or any(s != "PASS" for s in original.values()):
         report.notes.append(f"{FAMILY} {seed}:{i}: original does not pass ({why or original})")
         return None
-    muts = balanced_order([m for p in sorted(files) if not p.startswith("tests/")
-                           for m in candidates(files[p], p)], rng)
+    muts = balanced_order(
+        [m for p in sorted(files) if not p.startswith("tests/") for m in candidates(files[p], p)], rng
+    )
     for m in [m for m in muts if bug_split(m, eval_fraction) == split][:tries_per_repo]:
         mutant = {**files, m.path: m.source}
         status, _ = run_suite(mutant, "mini", test_paths)
@@ -156,8 +199,16 @@ def build_repo(i: int, split: str, seed: int, eval_fraction: float, tries_per_re
             continue
         report.add(FAMILY, m.kind, True, split)
         return EpisodeTask(
-            task_id=f"{FAMILY}-{seed}-{i}", family=FAMILY, split=split, instruction=instruction(files, f2p),
-            files=mutant, hidden_tests={p: files[p] for p in test_paths}, runner="mini", test_paths=test_paths,
-            fail_to_pass=f2p, pass_to_pass=p2p,
-            meta={"kind": m.kind, "path": m.path, "line": m.line, "before": m.before, "after": m.after})
+            task_id=f"{FAMILY}-{seed}-{i}",
+            family=FAMILY,
+            split=split,
+            instruction=instruction(files, f2p),
+            files=mutant,
+            hidden_tests={p: files[p] for p in test_paths},
+            runner="mini",
+            test_paths=test_paths,
+            fail_to_pass=f2p,
+            pass_to_pass=p2p,
+            meta={"kind": m.kind, "path": m.path, "line": m.line, "before": m.before, "after": m.after},
+        )
     return None

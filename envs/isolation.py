@@ -20,6 +20,7 @@ allowed. `reap(root_dir)` removes the `ep-*` workspaces no live process holds (a
 creator holds a lock on its directory: `claim()`), killing any process still working in them;
 `startup()` also reaps the sandboxes' own run directories (`asyncrl-sbx-*`, `asyncrl-cmd-*`).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -36,11 +37,24 @@ import time
 from .sandbox import FRESH_UID_BASE, BashLimits, SandboxLimits, fresh_uid, isolation, run_bash, run_python
 from .sandbox import claim  # noqa: F401  (re-exported: a workspace claims its directory)
 
-LAYERS = ("fresh-uid", "netns", "pidns", "mountns", "tmp-masks", "tmp-cap", "ipcns", "no-caps", "no-mount",
-          "no-userns", "pdeathsig")
-HOW = ("run it as root where unprivileged user namespaces are allowed (container: user 0 with security_opt "
-       "seccomp, apparmor and systempaths unconfined, as deploy/docker-compose.yml; systemd: "
-       "deploy/systemd/asyncrl-*@.service), or set allow_weak_sandbox = true")
+LAYERS = (
+    "fresh-uid",
+    "netns",
+    "pidns",
+    "mountns",
+    "tmp-masks",
+    "tmp-cap",
+    "ipcns",
+    "no-caps",
+    "no-mount",
+    "no-userns",
+    "pdeathsig",
+)
+HOW = (
+    "run it as root where unprivileged user namespaces are allowed (container: user 0 with security_opt "
+    "seccomp, apparmor and systempaths unconfined, as deploy/docker-compose.yml; systemd: "
+    "deploy/systemd/asyncrl-*@.service), or set allow_weak_sandbox = true"
+)
 
 # Runs in run_bash; $1: our mount namespace, $2: a marker name. Mount attempts only in a mount
 # namespace known to be its own (in ours, as root, an `umount /tmp` would be real).
@@ -177,25 +191,27 @@ def require(allow_weak: bool = False) -> dict[str, bool]:
     layers = check()
     gone = missing(layers)
     if gone and not allow_weak:
-        raise WeakSandbox(f"sandbox isolation incomplete (uid {os.geteuid()}): missing layer(s) "
-                          f"{', '.join(gone)}; {HOW}")
+        raise WeakSandbox(
+            f"sandbox isolation incomplete (uid {os.geteuid()}): missing layer(s) {', '.join(gone)}; {HOW}"
+        )
     return layers
 
 
 # -- leftovers of a killed process ----------------------------------------------------------------
 
+
 def _held(path: str) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
-        return True                        # not ours to judge (gone, or not a directory)
+        return True  # not ours to judge (gone, or not a directory)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False
     except BlockingIOError:
         return True
     finally:
-        os.close(fd)                       # (closing drops the lock we may have taken)
+        os.close(fd)  # (closing drops the lock we may have taken)
 
 
 def _kill_inside(dirs: list[str]) -> int:
@@ -250,10 +266,13 @@ def startup(allow_weak: bool = False, workspaces: str | None = None) -> dict[str
     """A worker's or scorer's sandbox start-up: reap a killed predecessor's workspaces under
     `workspaces` (a LocalBackend root), check the isolation, log the layers it has and export
     them (asyncrl_sandbox_layer). Raises WeakSandbox unless complete or `allow_weak`."""
-    from bus import get_logger, metrics        # (a library: logging and metrics only)
+    from bus import get_logger, metrics  # (a library: logging and metrics only)
+
     log = get_logger("envs.isolation")
-    for root, prefixes, grace in ((workspaces, ("ep-",), 2.0),
-                                  (tempfile.gettempdir(), SANDBOX_DIRS, SANDBOX_DIRS_GRACE_S)):
+    for root, prefixes, grace in (
+        (workspaces, ("ep-",), 2.0),
+        (tempfile.gettempdir(), SANDBOX_DIRS, SANDBOX_DIRS_GRACE_S),
+    ):
         reaped = reap(root, grace, prefixes) if root else {}
         if reaped.get("workspaces") or reaped.get("processes"):
             log.warning("reaped a killed process's leftovers", root=root, **reaped)
@@ -273,4 +292,5 @@ async def startup_async(allow_weak: bool = False, workspaces: str | None = None)
     if check.cache_info().currsize:
         return startup(allow_weak, workspaces)
     import asyncio
+
     return await asyncio.to_thread(startup, allow_weak, workspaces)

@@ -17,13 +17,14 @@ episode with its hidden tests once the agent's run returns.
 The Episode object cannot travel through a YAML config, so the worker registers it here under an
 id (`register` / `unregister`) and the config names the id.
 """
+
 from __future__ import annotations
 
 import os
 import threading
 from typing import Any
 
-os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")          # no banner on import
+os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")  # no banner on import
 
 _LIVE: dict[str, Any] = {}
 _LOCK = threading.Lock()
@@ -53,24 +54,31 @@ def live(episode_id: str):
 class SandboxEnvironment:
     """mini-swe-agent Environment protocol: execute / get_template_vars / serialize."""
 
-    def __init__(self, *, episode_id: str, timeout: int = 0, env: dict | None = None, cwd: str = "",
-                 **_ignored):
+    def __init__(
+        self, *, episode_id: str, timeout: int = 0, env: dict | None = None, cwd: str = "", **_ignored
+    ):
         self.episode_id = episode_id
         self.episode = live(episode_id)
         self.config = {"episode_id": episode_id, "cwd": cwd, "env": dict(env or {}), "timeout": timeout}
 
     def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict[str, Any]:
         from minisweagent.exceptions import LimitsExceeded, Submitted
+
         command = (action.get("command") or "").strip()
         ep = self.episode
         if ep.done:
             raise LimitsExceeded(_exit("LimitsExceeded", ep.termination))
         submit = command in SUBMIT_WORDS
         # the turn's length limit is the endpoint's max_tokens; the episode counts the command's tokens
-        r = ep.step("```bash\nsubmit\n```" if submit else f"```bash\n{command}\n```",
-                    n_tokens=ep.count_tokens(command))
-        out = {"output": r.observation, "returncode": int(r.info.get("exit_code", 0) or 0),
-               "exception_info": r.info.get("format_error", "") or ""}
+        r = ep.step(
+            "```bash\nsubmit\n```" if submit else f"```bash\n{command}\n```",
+            n_tokens=ep.count_tokens(command),
+        )
+        out = {
+            "output": r.observation,
+            "returncode": int(r.info.get("exit_code", 0) or 0),
+            "exception_info": r.info.get("format_error", "") or "",
+        }
         if r.done:
             if ep.termination == "submitted":
                 raise Submitted(_exit("Submitted", ""))
@@ -81,16 +89,32 @@ class SandboxEnvironment:
         """Template variables for the harness's prompts: episode_system / episode_user are the
         built-in loop's own first two messages for this task and its limits (same prompt either way)."""
         from .episode import initial_messages
+
         t = self.episode.task
         system, user = initial_messages(t, self.episode.limits)[:2]
-        return {**self.config, "task_id": t.task_id, "files": ", ".join(sorted(t.files)),
-                "episode_system": system["content"], "episode_user": user["content"],
-                "fail_to_pass": ", ".join(t.fail_to_pass[:3]), "system": "Linux", "release": "",
-                "version": "", "machine": "", **kwargs}
+        return {
+            **self.config,
+            "task_id": t.task_id,
+            "files": ", ".join(sorted(t.files)),
+            "episode_system": system["content"],
+            "episode_user": user["content"],
+            "fail_to_pass": ", ".join(t.fail_to_pass[:3]),
+            "system": "Linux",
+            "release": "",
+            "version": "",
+            "machine": "",
+            **kwargs,
+        }
 
     def serialize(self) -> dict:
-        return {"info": {"config": {"environment": dict(self.config),
-                                    "environment_type": f"{__name__}.{type(self).__name__}"}}}
+        return {
+            "info": {
+                "config": {
+                    "environment": dict(self.config),
+                    "environment_type": f"{__name__}.{type(self).__name__}",
+                }
+            }
+        }
 
 
 def _exit(status: str, content: str) -> dict:

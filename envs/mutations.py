@@ -5,6 +5,7 @@ the removed statement's lines) changes, so comments and formatting elsewhere sta
 and the diff is a one-line bug, like a real one. A candidate is kept only if the spliced text
 parses to exactly the AST mutation intended (parenthesised if precedence demands, else dropped).
 """
+
 from __future__ import annotations
 
 import ast
@@ -12,24 +13,50 @@ import copy
 import difflib
 from dataclasses import dataclass
 
-KINDS = ("swap_operator", "change_constant", "change_comparison", "invert_condition", "remove_statement",
-         "off_by_one_range")
+KINDS = (
+    "swap_operator",
+    "change_constant",
+    "change_comparison",
+    "invert_condition",
+    "remove_statement",
+    "off_by_one_range",
+)
 
-_BINOP_SWAP = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Add, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,
-               ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult, ast.BitAnd: ast.BitOr, ast.BitOr: ast.BitAnd,
-               ast.LShift: ast.RShift, ast.RShift: ast.LShift}
-_CMP_SWAP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
-             ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is}
+_BINOP_SWAP = {
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.Add,
+    ast.Div: ast.Mult,
+    ast.FloorDiv: ast.Mult,
+    ast.Mod: ast.FloorDiv,
+    ast.Pow: ast.Mult,
+    ast.BitAnd: ast.BitOr,
+    ast.BitOr: ast.BitAnd,
+    ast.LShift: ast.RShift,
+    ast.RShift: ast.LShift,
+}
+_CMP_SWAP = {
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+}
 
 
 @dataclass(frozen=True)
 class Mutation:
     kind: str
     path: str
-    line: int          # 1-based first line changed
-    before: str        # the original line(s)
-    after: str         # the mutated line(s) ("" for a removed statement)
-    source: str        # the whole mutated file
+    line: int  # 1-based first line changed
+    before: str  # the original line(s)
+    after: str  # the mutated line(s) ("" for a removed statement)
+    source: str  # the whole mutated file
 
     def describe(self) -> str:
         return f"{self.kind} at {self.path}:{self.line}: {self.before.strip()!r} -> {self.after.strip()!r}"
@@ -39,55 +66,80 @@ def _edits(node: ast.AST):
     """(kind, edit) pairs for one node; edit(node_in_a_copy) mutates the copy in place and returns
     (expression whose source span is replaced, its replacement) or ("remove", stmt, parent body)."""
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOP_SWAP:
+
         def e(n):
             n.op = _BINOP_SWAP[type(n.op)]()
             return n, n
+
         yield "swap_operator", e
     if isinstance(node, ast.AugAssign) and type(node.op) in _BINOP_SWAP:
+
         def e(n):
             n.op = _BINOP_SWAP[type(n.op)]()
             return n, n
+
         yield "swap_operator", e
     if isinstance(node, ast.BoolOp):
+
         def e(n):
             n.op = ast.Or() if isinstance(n.op, ast.And) else ast.And()
             return n, n
+
         yield "swap_operator", e
     if isinstance(node, ast.Compare) and type(node.ops[0]) in _CMP_SWAP:
+
         def e(n):
             n.ops[0] = _CMP_SWAP[type(n.ops[0])]()
             return n, n
+
         yield "change_comparison", e
     if isinstance(node, ast.Constant) and type(node.value) is int:
+
         def e(n):
             n.value = n.value + 1 if n.value != 1 else 0
             return n, n
+
         yield "change_constant", e
     if isinstance(node, (ast.If, ast.While, ast.IfExp)):
+
         def e(n):
             old = n.test
-            n.test = old.operand if isinstance(old, ast.UnaryOp) and isinstance(old.op, ast.Not) \
+            n.test = (
+                old.operand
+                if isinstance(old, ast.UnaryOp) and isinstance(old.op, ast.Not)
                 else ast.UnaryOp(ast.Not(), old)
+            )
             return old, n.test
+
         yield "invert_condition", e
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "range" \
-            and 1 <= len(node.args) <= 3 and not node.keywords:
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "range"
+        and 1 <= len(node.args) <= 3
+        and not node.keywords
+    ):
         k = 0 if len(node.args) == 1 else 1
         for op in (ast.Add, ast.Sub):
+
             def e(n, op=op):
                 old = n.args[k]
                 n.args[k] = ast.BinOp(old, op(), ast.Constant(1))
                 return old, n.args[k]
+
             yield "off_by_one_range", e
     for field in ("body", "orelse", "finalbody") if not isinstance(node, (ast.Module, ast.ClassDef)) else ():
         body = getattr(node, field, None)
         if isinstance(body, list) and len(body) > 1:
             for j, st in enumerate(body):
                 if isinstance(st, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)) and not (
-                        isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)):      # not a docstring
+                    isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)
+                ):  # not a docstring
+
                     def e(n, field=field, j=j):
                         b = getattr(n, field)
                         return "remove", b.pop(j)
+
                     yield "remove_statement", e
 
 
@@ -118,13 +170,16 @@ def candidates(source: str, path: str = "<file>", kinds: tuple[str, ...] = KINDS
             want = ast.dump(t)
             if res[0] == "remove":
                 st = res[1]
-                a, b = starts[st.lineno - 1], starts[st.end_lineno] if st.end_lineno < len(starts) else len(src)
-                head = src[a:a + st.col_offset]
-                tail = src[starts[st.end_lineno - 1] + st.end_col_offset:b]
+                a, b = (
+                    starts[st.lineno - 1],
+                    starts[st.end_lineno] if st.end_lineno < len(starts) else len(src),
+                )
+                head = src[a : a + st.col_offset]
+                tail = src[starts[st.end_lineno - 1] + st.end_col_offset : b]
                 if head.strip() or (tail.strip() and not tail.strip().startswith(b"#")):
-                    continue                           # shares its line with other code
+                    continue  # shares its line with other code
                 variants = [src[:a] + src[b:]]
-                line, before, after = st.lineno, "".join(lines[st.lineno - 1:st.end_lineno]), ""
+                line, before, after = st.lineno, "".join(lines[st.lineno - 1 : st.end_lineno]), ""
             else:
                 span, new = res
                 if getattr(span, "end_col_offset", None) is None:
@@ -155,7 +210,7 @@ def _changed_lines(a: str, b: str) -> tuple[int, str, str]:
     ops = [op for op in sm.get_opcodes() if op[0] != "equal"]
     if not ops:
         return 0, "", ""
-    return ops[0][1] + 1, "".join(al[ops[0][1]:ops[-1][2]]), "".join(bl[ops[0][3]:ops[-1][4]])
+    return ops[0][1] + 1, "".join(al[ops[0][1] : ops[-1][2]]), "".join(bl[ops[0][3] : ops[-1][4]])
 
 
 def balanced_order(muts: list[Mutation], rng) -> list[Mutation]:

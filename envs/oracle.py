@@ -4,6 +4,7 @@ policy (style "toy"), run the tests, `rewrite` the function the failing tests na
 original text, run the tests again, submit. They are real episodes (every
 command runs in the sandbox) and come back as text turns: (action, observation) pairs that can
 warm-start a policy on exactly the action format it will be trained on."""
+
 from __future__ import annotations
 
 import ast
@@ -22,7 +23,7 @@ def fix_block(task: EpisodeTask) -> tuple[str, str, str]:
     n_after = len(m["after"].splitlines(keepends=True))
     text = "".join(lines)
     for ctx in range(0, len(lines) + 1):
-        pre, post = lines[max(a - ctx, 0):a], lines[a + n_after:a + n_after + ctx]
+        pre, post = lines[max(a - ctx, 0) : a], lines[a + n_after : a + n_after + ctx]
         search = "".join(pre) + m["after"] + "".join(post)
         if search.strip() and text.count(search) == 1:
             return m["path"], search, "".join(pre) + m["before"] + "".join(post)
@@ -39,19 +40,24 @@ def function_fix(task: EpisodeTask) -> tuple[str, str, int, int, str, str] | Non
     mutant = task.files[path]
     original = mutant.replace(search, replace, 1)
     a = task.meta["line"]
-    b = a + max(len(task.meta["before"].splitlines()), 1) - 1       # original line numbers
+    b = a + max(len(task.meta["before"].splitlines()), 1) - 1  # original line numbers
     try:
-        fns = [n for n in ast.walk(ast.parse(original)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-               and min([n.lineno] + [d.lineno for d in n.decorator_list]) <= a and b <= n.end_lineno]
+        fns = [
+            n
+            for n in ast.walk(ast.parse(original))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and min([n.lineno] + [d.lineno for d in n.decorator_list]) <= a
+            and b <= n.end_lineno
+        ]
     except SyntaxError:
         return None
     if not fns:
         return None
-    f = max(fns, key=lambda n: n.lineno)                                # the innermost
+    f = max(fns, key=lambda n: n.lineno)  # the innermost
     start = min([f.lineno] + [d.lineno for d in f.decorator_list])
     end = f.end_lineno + len(task.meta["after"].splitlines()) - len(task.meta["before"].splitlines())
-    mut = "".join(mutant.splitlines(keepends=True)[start - 1:end])
-    orig = "".join(original.splitlines(keepends=True)[start - 1:f.end_lineno])
+    mut = "".join(mutant.splitlines(keepends=True)[start - 1 : end])
+    orig = "".join(original.splitlines(keepends=True)[start - 1 : f.end_lineno])
     if mutant.count(mut) != 1 or mutant.replace(mut, orig, 1) != original:
         return None
     return path, f.name, start, end, mut, orig
@@ -60,7 +66,7 @@ def function_fix(task: EpisodeTask) -> tuple[str, str, int, int, str, str] | Non
 def oracle_actions(task: EpisodeTask) -> list[str]:
     """run_tests -> view the function that holds the bug -> rewrite that function -> run_tests ->
     submit (a bug outside any function: view around its line, replace just the changed lines)."""
-    nl = lambda s: s if s.endswith("\n") else s + "\n"          # noqa: E731
+    nl = lambda s: s if s.endswith("\n") else s + "\n"  # noqa: E731
     fx = function_fix(task)
     if fx is not None:
         path, name, start, end, search, replace = fx
@@ -69,13 +75,16 @@ def oracle_actions(task: EpisodeTask) -> list[str]:
     else:
         path, search, replace = fix_block(task)
         line = task.meta["line"]
-        read = (f"The failures point at {path}. Let me read the code around line {line}.\n"
-                f"```bash\nview {path} {max(1, line - 6)} {line + 6}\n```")
+        read = (
+            f"The failures point at {path}. Let me read the code around line {line}.\n"
+            f"```bash\nview {path} {max(1, line - 6)} {line + 6}\n```"
+        )
         fix = f"Line {line} of {path} is wrong. I'll fix it.\n"
     return [
         "Let me run the tests.\n```bash\nrun_tests\n```",
         read,
-        fix + f"```bash\nreplace {path} <<'EOF'\n<<<<<<< SEARCH\n{nl(search)}=======\n{nl(replace)}>>>>>>> REPLACE\nEOF\n```",
+        fix
+        + f"```bash\nreplace {path} <<'EOF'\n<<<<<<< SEARCH\n{nl(search)}=======\n{nl(replace)}>>>>>>> REPLACE\nEOF\n```",
         "Now the tests again.\n```bash\nrun_tests\n```",
         "All tests pass.\n```bash\nsubmit\n```",
     ]
@@ -99,8 +108,9 @@ def toy_oracle_actions(task: EpisodeTask) -> list[str]:
     ]
 
 
-def run_oracle(task: EpisodeTask, limits: EpisodeLimits | None = None, backend=None
-               ) -> tuple[list[dict], list[dict], EpisodeResult]:
+def run_oracle(
+    task: EpisodeTask, limits: EpisodeLimits | None = None, backend=None
+) -> tuple[list[dict], list[dict], EpisodeResult]:
     """Play the oracle in a real episode: (initial messages, [{action, observation}], result);
     the toy oracle when the limits' prompt_style is "toy" (its prompt names `rewrite`)."""
     ep = Episode(task, limits, backend)

@@ -1,6 +1,7 @@
 """Source modules the generated repositories (tier 1) are assembled from: small, plain-Python
 utility modules, each with input generators for its functions. Expected test outputs are
 computed by running these (trusted) sources; bugs are injected into them by envs/mutations.py."""
+
 from __future__ import annotations
 
 
@@ -22,7 +23,8 @@ def _sentence(rng):
 
 # module name -> (source, {function: input generator rng -> args list})
 MODULES: dict[str, tuple[str, dict]] = {
-    "textutil": ('''"""Small string helpers."""
+    "textutil": (
+        '''"""Small string helpers."""
 
 
 def slugify(text):
@@ -52,12 +54,16 @@ def truncate(text, width):
 
 def capitalize_words(text):
     return " ".join(w[0].upper() + w[1:] for w in text.split(" ") if w)
-''', {"slugify": lambda r: [_sentence(r)],
-      "count_words": lambda r: [_sentence(r), _ri(r, 1, 4)],
-      "truncate": lambda r: [_sentence(r), _ri(r, 1, 14)],
-      "capitalize_words": lambda r: [_sentence(r)]}),
-
-    "mathutil": ('''"""Integer helpers."""
+''',
+        {
+            "slugify": lambda r: [_sentence(r)],
+            "count_words": lambda r: [_sentence(r), _ri(r, 1, 4)],
+            "truncate": lambda r: [_sentence(r), _ri(r, 1, 14)],
+            "capitalize_words": lambda r: [_sentence(r)],
+        },
+    ),
+    "mathutil": (
+        '''"""Integer helpers."""
 
 
 def clamp(x, lo, hi):
@@ -92,12 +98,16 @@ def digit_sum(n):
         total += n % 10
         n //= 10
     return total
-''', {"clamp": lambda r: [_ri(r, -10, 10), _ri(r, -5, 0), _ri(r, 1, 6)],
-      "gcd": lambda r: [_ri(r, 0, 60), _ri(r, 1, 60)],
-      "is_prime": lambda r: [_ri(r, -2, 60)],
-      "digit_sum": lambda r: [_ri(r, -9999, 99999)]}),
-
-    "listutil": ('''"""List helpers."""
+''',
+        {
+            "clamp": lambda r: [_ri(r, -10, 10), _ri(r, -5, 0), _ri(r, 1, 6)],
+            "gcd": lambda r: [_ri(r, 0, 60), _ri(r, 1, 60)],
+            "is_prime": lambda r: [_ri(r, -2, 60)],
+            "digit_sum": lambda r: [_ri(r, -9999, 99999)],
+        },
+    ),
+    "listutil": (
+        '''"""List helpers."""
 
 
 def chunk(xs, size):
@@ -132,12 +142,16 @@ def running_max(xs):
             best = x
         out.append(best)
     return out
-''', {"chunk": lambda r: [_ints(r), _ri(r, 1, 4)],
-      "dedupe": lambda r: [_ints(r, 0, 5)],
-      "rotate": lambda r: [_ints(r, n_lo=1), _ri(r, 0, 9)],
-      "running_max": lambda r: [_ints(r)]}),
-
-    "stats": ('''"""Integer statistics."""
+''',
+        {
+            "chunk": lambda r: [_ints(r), _ri(r, 1, 4)],
+            "dedupe": lambda r: [_ints(r, 0, 5)],
+            "rotate": lambda r: [_ints(r, n_lo=1), _ri(r, 0, 9)],
+            "running_max": lambda r: [_ints(r)],
+        },
+    ),
+    "stats": (
+        '''"""Integer statistics."""
 
 
 def total(xs):
@@ -165,12 +179,16 @@ def mode(xs):
 
 def spread(xs):
     return max(xs) - min(xs)
-''', {"total": lambda r: [_ints(r)],
-      "median_low": lambda r: [_ints(r, n_lo=1)],
-      "mode": lambda r: [_ints(r, 0, 4, 1, 9)],
-      "spread": lambda r: [_ints(r, n_lo=1)]}),
-
-    "roman": ('''"""Roman numerals."""
+''',
+        {
+            "total": lambda r: [_ints(r)],
+            "median_low": lambda r: [_ints(r, n_lo=1)],
+            "mode": lambda r: [_ints(r, 0, 4, 1, 9)],
+            "spread": lambda r: [_ints(r, n_lo=1)],
+        },
+    ),
+    "roman": (
+        '''"""Roman numerals."""
 
 VALUES = [(1000, "M"), (900, "CM"), (500, "D"), (400, "CD"), (100, "C"), (90, "XC"),
           (50, "L"), (40, "XL"), (10, "X"), (9, "IX"), (5, "V"), (4, "IV"), (1, "I")]
@@ -195,10 +213,11 @@ def from_roman(s):
         else:
             total += v
     return total
-''', {"to_roman": lambda r: [_ri(r, 1, 3999)],
-      "from_roman": lambda r: [_roman(_ri(r, 1, 3999))]}),
-
-    "intervals": ('''"""Closed integer intervals as [lo, hi] pairs."""
+''',
+        {"to_roman": lambda r: [_ri(r, 1, 3999)], "from_roman": lambda r: [_roman(_ri(r, 1, 3999))]},
+    ),
+    "intervals": (
+        '''"""Closed integer intervals as [lo, hi] pairs."""
 
 
 def overlaps(a, b):
@@ -220,11 +239,15 @@ def covered(intervals):
     for lo, hi in merge(intervals):
         n += hi - lo + 1
     return n
-''', {"overlaps": lambda r: [_iv(r), _iv(r)],
-      "merge": lambda r: [[_iv(r) for _ in range(_ri(r, 0, 5))]],
-      "covered": lambda r: [[_iv(r) for _ in range(_ri(r, 0, 5))]]}),
-
-    "grid": ('''"""Grids as lists of rows."""
+''',
+        {
+            "overlaps": lambda r: [_iv(r), _iv(r)],
+            "merge": lambda r: [[_iv(r) for _ in range(_ri(r, 0, 5))]],
+            "covered": lambda r: [[_iv(r) for _ in range(_ri(r, 0, 5))]],
+        },
+    ),
+    "grid": (
+        '''"""Grids as lists of rows."""
 
 
 def transpose(rows):
@@ -249,12 +272,16 @@ def row_sums(rows):
 def diagonal(rows):
     n = min(len(rows), len(rows[0])) if rows else 0
     return [rows[i][i] for i in range(n)]
-''', {"transpose": lambda r: [_grid(r)],
-      "neighbours": lambda r: [_ri(r, 0, 4), _ri(r, 0, 4), _ri(r, 1, 5), _ri(r, 1, 5)],
-      "row_sums": lambda r: [_grid(r)],
-      "diagonal": lambda r: [_grid(r)]}),
-
-    "wordfreq": ('''"""Word frequencies."""
+''',
+        {
+            "transpose": lambda r: [_grid(r)],
+            "neighbours": lambda r: [_ri(r, 0, 4), _ri(r, 0, 4), _ri(r, 1, 5), _ri(r, 1, 5)],
+            "row_sums": lambda r: [_grid(r)],
+            "diagonal": lambda r: [_grid(r)],
+        },
+    ),
+    "wordfreq": (
+        '''"""Word frequencies."""
 
 
 def frequencies(text):
@@ -276,9 +303,13 @@ def longest_word(text):
         if len(word) > len(best):
             best = word
     return best
-''', {"frequencies": lambda r: [_sentence(r) + " " + _sentence(r)],
-      "top_words": lambda r: [_sentence(r) + " " + _sentence(r), _ri(r, 1, 3)],
-      "longest_word": lambda r: [_sentence(r)]}),
+''',
+        {
+            "frequencies": lambda r: [_sentence(r) + " " + _sentence(r)],
+            "top_words": lambda r: [_sentence(r) + " " + _sentence(r), _ri(r, 1, 3)],
+            "longest_word": lambda r: [_sentence(r)],
+        },
+    ),
 }
 
 

@@ -2,6 +2,7 @@
 must stay inside, every parent on the way becomes a real directory made here (a symlink or file in
 its place is removed: it could point anywhere on the host), and whatever sits at the path itself is
 cleared. Used for the task's files in a workspace and for the scoring copy."""
+
 from __future__ import annotations
 
 import os

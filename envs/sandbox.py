@@ -25,6 +25,7 @@ Layers (each one covers a way generated code goes wrong; docs/environments.md#co
   * a temp working directory, an empty environment, `python -I -S` (no site, no user paths).
 Every outcome comes back as a SandboxResult with a reason; nothing here raises on bad code.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -111,18 +112,20 @@ class SandboxLimits:
     wall_s: float = 10.0
     cpu_s: int = 5
     memory_mb: int = 512
-    nproc: int = 16               # processes + threads the code may have (fork-bomb cap)
-    output_bytes: int = 1 << 20   # stdout + stderr, each
+    nproc: int = 16  # processes + threads the code may have (fork-bomb cap)
+    output_bytes: int = 1 << 20  # stdout + stderr, each
     open_files: int = 64
-    tmp_mb: int = 16              # the one private tmpfs behind /tmp, /var/tmp, /dev/shm (RAM)
-    network: bool = False         # True only for trusted experiments
-    netns: bool = True            # an empty network namespace as well as the audit hook (costs a namespace per run)
-    python: str | None = None     # interpreter; default: a system python the sandbox uid can run
+    tmp_mb: int = 16  # the one private tmpfs behind /tmp, /var/tmp, /dev/shm (RAM)
+    network: bool = False  # True only for trusted experiments
+    netns: bool = True  # an empty network namespace as well as the audit hook (costs a namespace per run)
+    python: str | None = None  # interpreter; default: a system python the sandbox uid can run
 
 
 @dataclass
 class SandboxResult:
-    reason: str                   # "ok" | "wall timeout after 2.0s" | "cpu time limit" | "output limit ..." | "exit code 1" | ...
+    reason: (
+        str  # "ok" | "wall timeout after 2.0s" | "cpu time limit" | "output limit ..." | "exit code 1" | ...
+    )
     returncode: int
     stdout: bytes = b""
     stderr: bytes = b""
@@ -153,7 +156,9 @@ def isolation() -> tuple[str, bool, bool]:
     only when the whole stack works: setpriv, unshare with user/mount/net/pid/ipc namespaces and
     a fresh /proc (which a container may forbid); envs/isolation.py checks what they give."""
     root = os.geteuid() == 0
-    python = next((p for p in SYSTEM_PYTHONS if os.access(p, os.X_OK)), sys.executable) if root else sys.executable
+    python = (
+        next((p for p in SYSTEM_PYTHONS if os.access(p, os.X_OK)), sys.executable) if root else sys.executable
+    )
     unshare, setpriv = _tool("unshare"), _tool("setpriv")
     probe_uid = _fresh_uid() if root else None
 
@@ -168,8 +173,24 @@ def isolation() -> tuple[str, bool, bool]:
     use_uid = root and works([python, "-I", "-S", "-c", "pass"], probe_uid)
     if root and not use_uid:
         python = sys.executable
-    ns_cmd = ([setpriv, *PDEATHSIG, unshare, *UNSHARE_FLAGS, "--", setpriv, *DROP_CAPS,
-               python, "-I", "-S", "-c", "pass"] if unshare and setpriv else [])
+    ns_cmd = (
+        [
+            setpriv,
+            *PDEATHSIG,
+            unshare,
+            *UNSHARE_FLAGS,
+            "--",
+            setpriv,
+            *DROP_CAPS,
+            python,
+            "-I",
+            "-S",
+            "-c",
+            "pass",
+        ]
+        if unshare and setpriv
+        else []
+    )
     use_ns = bool(ns_cmd) and works(ns_cmd, probe_uid if use_uid else None)
     return python, use_uid, use_ns
 
@@ -211,8 +232,13 @@ def _signal_reason(sig: int, limits: SandboxLimits) -> str:
     return f"crashed with signal {name}"
 
 
-def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None = None,
-               stdin: bytes = b"", args: list[str] | None = None) -> SandboxResult:
+def run_python(
+    files: dict[str, str],
+    script: str,
+    limits: SandboxLimits | None = None,
+    stdin: bytes = b"",
+    args: list[str] | None = None,
+) -> SandboxResult:
     """Write `files` into a fresh temp dir and run `python script` there under the limits."""
     limits = limits or SandboxLimits()
     python, use_uid, use_ns = isolation()
@@ -221,7 +247,7 @@ def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None 
     uid = _fresh_uid() if use_uid else None
     layers = ["pgroup", "rlimits", "audit-net" if not limits.network else "net-allowed"]
     tmp = tempfile.mkdtemp(prefix="asyncrl-sbx-")
-    held = claim(tmp)                       # a restart's isolation.reap() spares it while we live
+    held = claim(tmp)  # a restart's isolation.reap() spares it while we live
     t0 = time.perf_counter()
     try:
         for name, text in files.items():
@@ -231,11 +257,25 @@ def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None 
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)
         out_path, err_path, in_path = (os.path.join(tmp, n) for n in (".stdout", ".stderr", ".stdin"))
-        mark_r, mark_w = os.pipe()          # the prelude writes "ok" here once contained and limited
-        cmd = [python, "-I", "-S", "-c", PRELUDE, str(limits.cpu_s), str(limits.memory_mb << 20),
-               str(limits.output_bytes), str(_nproc_limit(limits, uid)), str(limits.open_files),
-               "1" if limits.network else "0", "1" if use_ns else "0", str(limits.tmp_mb), str(mark_w),
-               script, *(args or [])]
+        mark_r, mark_w = os.pipe()  # the prelude writes "ok" here once contained and limited
+        cmd = [
+            python,
+            "-I",
+            "-S",
+            "-c",
+            PRELUDE,
+            str(limits.cpu_s),
+            str(limits.memory_mb << 20),
+            str(limits.output_bytes),
+            str(_nproc_limit(limits, uid)),
+            str(limits.open_files),
+            "1" if limits.network else "0",
+            "1" if use_ns else "0",
+            str(limits.tmp_mb),
+            str(mark_w),
+            script,
+            *(args or []),
+        ]
         if use_ns:
             # pid 1 of the namespace is a shell, so the python below it keeps normal signal
             # semantics; when the shell exits every process left in the namespace is killed
@@ -251,19 +291,28 @@ def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None 
                     os.chown(os.path.join(dirpath, n), uid, uid)
             kw = dict(user=uid, group=uid, extra_groups=[])
             layers.append("fresh-uid")
-        with open(in_path, "wb") as f:        # a file, not a pipe: feeding it can never block us
+        with open(in_path, "wb") as f:  # a file, not a pipe: feeding it can never block us
             f.write(stdin)
         try:
             with open(in_path, "rb") as inp, open(out_path, "wb") as out, open(err_path, "wb") as err:
-                proc = subprocess.Popen(cmd, cwd=tmp, stdin=inp, stdout=out, stderr=err, pass_fds=(mark_w,),
-                                        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp},
-                                        start_new_session=True, close_fds=True, **kw)
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=tmp,
+                    stdin=inp,
+                    stdout=out,
+                    stderr=err,
+                    pass_fds=(mark_w,),
+                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp},
+                    start_new_session=True,
+                    close_fds=True,
+                    **kw,
+                )
                 os.close(mark_w)
                 mark_w = -1
                 try:
                     timed_out = not _wait_exit(proc, limits.wall_s)
                 finally:
-                    _kill_group(proc.pid)       # stragglers in the group, on every path
+                    _kill_group(proc.pid)  # stragglers in the group, on every path
                     proc.wait()
             setup_ok = _read_mark(mark_r)
         finally:
@@ -271,7 +320,10 @@ def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None 
             if mark_w >= 0:
                 os.close(mark_w)
         rc = proc.returncode
-        stdout, stderr = _read_capped(out_path, limits.output_bytes), _read_capped(err_path, limits.output_bytes)
+        stdout, stderr = (
+            _read_capped(out_path, limits.output_bytes),
+            _read_capped(err_path, limits.output_bytes),
+        )
         over = max(os.path.getsize(out_path), os.path.getsize(err_path)) >= limits.output_bytes
         if not setup_ok and not timed_out:
             # only the prelude, before any untrusted byte, can end here: never the code's own exit
@@ -283,14 +335,14 @@ def run_python(files: dict[str, str], script: str, limits: SandboxLimits | None 
             reason = f"output limit ({limits.output_bytes} bytes) exceeded"
         elif rc < 0:
             reason = _signal_reason(-rc, limits)
-        elif use_ns and rc > 128:                # the shell reports a signal death as 128+n
+        elif use_ns and rc > 128:  # the shell reports a signal death as 128+n
             reason = _signal_reason(rc - 128, limits)
         elif rc != 0:
             reason = f"exit code {rc}"
         else:
             reason = "ok"
         return SandboxResult(reason, rc, stdout, stderr, time.perf_counter() - t0, layers)
-    except OSError as e:                            # could not even start: report, never raise
+    except OSError as e:  # could not even start: report, never raise
         return SandboxResult(f"sandbox error: {e}", -1, wall_s=time.perf_counter() - t0, isolation=layers)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -376,15 +428,15 @@ SETUP_FAILED = 197
 
 @dataclass
 class BashLimits:
-    wall_s: float = 10.0          # per command
+    wall_s: float = 10.0  # per command
     cpu_s: int = 10
-    memory_mb: int = 1024         # address space per process
-    file_mb: int = 16             # largest file a command may write; also caps its captured output
-    nproc: int = 64               # processes + threads of the episode's uid (fork-bomb cap)
+    memory_mb: int = 1024  # address space per process
+    file_mb: int = 16  # largest file a command may write; also caps its captured output
+    nproc: int = 64  # processes + threads of the episode's uid (fork-bomb cap)
     open_files: int = 256
-    tmp_mb: int = 64              # the one private tmpfs behind /tmp, /var/tmp, /dev/shm (RAM)
-    disk_mb: int = 512            # the workspace may not grow past this DURING a command (0: off)
-    keep_bytes: int = 32 << 10    # of the output kept for the caller: this much of its head and of its tail
+    tmp_mb: int = 64  # the one private tmpfs behind /tmp, /var/tmp, /dev/shm (RAM)
+    disk_mb: int = 512  # the workspace may not grow past this DURING a command (0: off)
+    keep_bytes: int = 32 << 10  # of the output kept for the caller: this much of its head and of its tail
 
 
 def fresh_uid() -> int | None:
@@ -392,8 +444,14 @@ def fresh_uid() -> int | None:
     return _fresh_uid() if isolation()[1] else None
 
 
-def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None = None, uid: int | None = None,
-             env: dict[str, str] | None = None) -> SandboxResult:
+def run_bash(
+    command: str,
+    root: str,
+    workspace: str,
+    limits: BashLimits | None = None,
+    uid: int | None = None,
+    env: dict[str, str] | None = None,
+) -> SandboxResult:
     """Run `bash -c command` in `workspace` (a directory under `root`, owned by `uid`) and return
     its merged stdout+stderr (head and tail when long). Never raises on anything the command does.
 
@@ -407,7 +465,7 @@ def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None 
     _, _, use_ns = isolation()
     layers = ["pgroup", "rlimits"]
     t0 = time.perf_counter()
-    out_dir = tempfile.mkdtemp(prefix="asyncrl-cmd-")       # root-only: the command never sees it
+    out_dir = tempfile.mkdtemp(prefix="asyncrl-cmd-")  # root-only: the command never sees it
     held = claim(out_dir)
     try:
         out_path, mark_path = os.path.join(out_dir, "out"), os.path.join(out_dir, "mark")
@@ -420,8 +478,15 @@ def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None 
             layers.append("fresh-uid")
         if use_ns:
             layers += ["netns", *NS_LAYERS]
-        base_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "TMPDIR": "/tmp",
-                    "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TERM": "dumb"}
+        base_env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "LANG": "C.UTF-8",
+            "HOME": "/tmp",
+            "TMPDIR": "/tmp",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONUNBUFFERED": "1",
+            "TERM": "dumb",
+        }
         base_env.update(env or {})
         with open(os.devnull, "rb") as inp, open(out_path, "wb") as out, open(mark_path, "wb") as mark:
             # the setup writes "ok" on its own fd once the isolation is in place, so a setup
@@ -429,13 +494,36 @@ def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None 
             tail = ["/bin/bash", "-c", command]
             if use_ns:
                 tail = [_tool("setpriv") or "setpriv", *DROP_CAPS, *tail]
-            cmd = ["/bin/bash", "-c", BASH_SETUP, "setup", root, workspace, "1" if use_ns else "0",
-                   str(limits.tmp_mb), str(limits.cpu_s), str(limits.memory_mb << 10), str(limits.file_mb << 10),
-                   str(limits.open_files), str(nproc), str(mark.fileno()), *tail]
+            cmd = [
+                "/bin/bash",
+                "-c",
+                BASH_SETUP,
+                "setup",
+                root,
+                workspace,
+                "1" if use_ns else "0",
+                str(limits.tmp_mb),
+                str(limits.cpu_s),
+                str(limits.memory_mb << 10),
+                str(limits.file_mb << 10),
+                str(limits.open_files),
+                str(nproc),
+                str(mark.fileno()),
+                *tail,
+            ]
             if use_ns:
                 cmd = [*_launcher(True), *cmd]
-            proc = subprocess.Popen(cmd, cwd="/", stdin=inp, stdout=out, stderr=subprocess.STDOUT,
-                                    pass_fds=(mark.fileno(),), env=base_env, start_new_session=True, **kw)
+            proc = subprocess.Popen(
+                cmd,
+                cwd="/",
+                stdin=inp,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                pass_fds=(mark.fileno(),),
+                env=base_env,
+                start_new_session=True,
+                **kw,
+            )
             try:
                 exited, over_disk = _wait_disk_capped(proc, limits.wall_s, workspace, limits.disk_mb << 20)
                 timed_out = not exited and not over_disk
@@ -447,7 +535,10 @@ def run_bash(command: str, root: str, workspace: str, limits: BashLimits | None 
         output = head_tail(out_path, size, limits.keep_bytes)
         setup_ok = os.path.getsize(mark_path) > 0
         if not setup_ok and not timed_out:
-            reason = "sandbox error: " + (output.decode("utf-8", "replace").strip().splitlines() or ["setup failed"])[-1]
+            reason = (
+                "sandbox error: "
+                + (output.decode("utf-8", "replace").strip().splitlines() or ["setup failed"])[-1]
+            )
         elif timed_out:
             reason = f"wall timeout after {limits.wall_s}s"
         elif over_disk:

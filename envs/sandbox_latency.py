@@ -15,6 +15,7 @@ themselves still run here, so the observations are the real ones.
     backend = LatencyBackend(LocalBackend(), SandboxLatency(median_s=3.0, p99_s=60.0))
     Episode(task, limits, backend=backend)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,15 +33,17 @@ _Z99 = NormalDist().inv_cdf(0.99)
 
 @dataclass(frozen=True)
 class SandboxLatency:
-    median_s: float = 0.0       # median extra seconds of a test-suite run; 0: off
-    p99_s: float = 0.0          # its 99th percentile (>= median_s); sets the lognormal's sigma
-    cap_s: float = 300.0        # no suite takes longer than this
-    seed: int = 0               # another draw of the per-task times
+    median_s: float = 0.0  # median extra seconds of a test-suite run; 0: off
+    p99_s: float = 0.0  # its 99th percentile (>= median_s); sets the lognormal's sigma
+    cap_s: float = 300.0  # no suite takes longer than this
+    seed: int = 0  # another draw of the per-task times
 
     def __post_init__(self):
         if self.median_s < 0 or (self.median_s > 0 and not (self.p99_s >= self.median_s and self.cap_s > 0)):
-            raise ValueError(f"sandbox latency needs median_s >= 0 and, when on, p99_s >= median_s > 0 and "
-                             f"cap_s > 0: got median_s={self.median_s}, p99_s={self.p99_s}, cap_s={self.cap_s}")
+            raise ValueError(
+                f"sandbox latency needs median_s >= 0 and, when on, p99_s >= median_s > 0 and "
+                f"cap_s > 0: got median_s={self.median_s}, p99_s={self.p99_s}, cap_s={self.cap_s}"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -54,8 +57,10 @@ class SandboxLatency:
         """The test-suite time of `task_id` (0.0 when off): the same for every call."""
         if not self.enabled:
             return 0.0
-        h = int.from_bytes(hashlib.blake2b(f"{self.seed}|{task_id}".encode(), digest_size=8).digest(), "little")
-        u = (h + 0.5) / 2 ** 64                                  # uniform in (0, 1), never 0 or 1
+        h = int.from_bytes(
+            hashlib.blake2b(f"{self.seed}|{task_id}".encode(), digest_size=8).digest(), "little"
+        )
+        u = (h + 0.5) / 2**64  # uniform in (0, 1), never 0 or 1
         return min(self.median_s * math.exp(self.sigma * NormalDist().inv_cdf(u)), self.cap_s)
 
 
@@ -78,8 +83,8 @@ class LatencyBackend:
 class LatencyWorkspace:
     def __init__(self, inner, suite_s: float):
         self.inner, self.suite_s = inner, suite_s
-        self.waited_s = 0.0            # seconds of modelled remote time so far
-        self.suite_runs = 0            # test-suite runs (agent's and scoring) so far
+        self.waited_s = 0.0  # seconds of modelled remote time so far
+        self.suite_runs = 0  # test-suite runs (agent's and scoring) so far
 
     @property
     def error(self) -> str:
@@ -90,7 +95,7 @@ class LatencyWorkspace:
         return getattr(self.inner, "score_info", None)
 
     def _wait(self) -> float:
-        time.sleep(self.suite_s)       # a remote machine's time: no local CPU
+        time.sleep(self.suite_s)  # a remote machine's time: no local CPU
         self.suite_runs += 1
         self.waited_s += self.suite_s
         return self.suite_s

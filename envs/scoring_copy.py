@@ -16,6 +16,7 @@ task's version, or nothing, is used) and named in the episode record (`EpisodeRe
 Everything else the agent changed (its fix) is copied over the snapshot; a source file it deleted
 is deleted. `changed` lists those paths (the tamper checks of envs/tamper.py read them).
 """
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,7 @@ from .safe_path import clear_for_write
 CONFIG_FILES = {"pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml"}
 HOOK_FILES = {"sitecustomize.py", "usercustomize.py"}
 TEST_DIRS = {"tests", "test", "testing"}
-MAX_LISTED = 64          # dropped paths named in the episode record (the count is always exact)
+MAX_LISTED = 64  # dropped paths named in the episode record (the count is always exact)
 
 
 def is_test_path(rel: str, task) -> bool:
@@ -69,10 +70,10 @@ def infra_kind(rel: str, task) -> str:
 
 @dataclass
 class ScoringCopy:
-    dropped: list[str] = field(default_factory=list)    # "path (kind)" of agent files not used
+    dropped: list[str] = field(default_factory=list)  # "path (kind)" of agent files not used
     n_dropped: int = 0
-    changed: list[str] = field(default_factory=list)    # source paths the agent changed (or deleted)
-    originals: dict[str, bytes | None] = field(default_factory=dict)   # changed path -> task's bytes
+    changed: list[str] = field(default_factory=list)  # source paths the agent changed (or deleted)
+    originals: dict[str, bytes | None] = field(default_factory=dict)  # changed path -> task's bytes
 
     def drop(self, rel: str, why: str) -> None:
         self.n_dropped += 1
@@ -144,7 +145,7 @@ def build(task, repo: str, dest: str, with_tests: bool = True, snap: dict | None
             continue
         if infra_kind(rel, task):
             res.drop(rel, "deleted " + infra_kind(rel, task))
-        else:                                   # the agent deleted a source file: so does the copy
+        else:  # the agent deleted a source file: so does the copy
             _remove(dest, rel)
             res.changed.append(rel)
             res.originals[rel] = data if kind == "file" else None

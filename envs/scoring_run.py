@@ -13,6 +13,7 @@
 `run(cmd) -> SandboxResult` runs a command in `dest` in the sandbox; `prepare(dest)` hands the
 copy to the sandbox uid.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,26 +32,42 @@ def score(task, repo: str, dest: str, tools: str, run, prepare) -> tuple[dict[st
     nonce = secrets.token_hex(16)
     try:
         snap = scoring_copy.snapshot(task)
-        py = {r: d.decode("utf-8", "replace") for r, (k, d) in snap.items()
-              if k == "file" and r.endswith(".py")}
+        py = {
+            r: d.decode("utf-8", "replace") for r, (k, d) in snap.items() if k == "file" and r.endswith(".py")
+        }
         plan = value_tests.plan(task, py)
         copy = scoring_copy.build(task, repo, dest, with_tests=plan is None, snap=snap)
         info.dropped, info.n_dropped = copy.dropped, copy.n_dropped
         info.mode = "values" if plan else "runner"
         flags = [] if plan else tamper.static_flags(task, copy.changed, copy.originals, dest)
-        written = {r: d for r, (k, d) in snap.items() if k == "file" and scoring_copy.infra_kind(r, task)
-                   and (plan is None or not scoring_copy.is_test_path(r, task))}
-        key, body = (PROBES, plan.job(nonce)) if plan else (REPORT_KEY, {
-            "nonce": nonce, "tests": tamper.tests_digest(task, snap),
-            **tamper.checker_key(task, copy.changed, copy.originals)})
+        written = {
+            r: d
+            for r, (k, d) in snap.items()
+            if k == "file"
+            and scoring_copy.infra_kind(r, task)
+            and (plan is None or not scoring_copy.is_test_path(r, task))
+        }
+        key, body = (
+            (PROBES, plan.job(nonce))
+            if plan
+            else (
+                REPORT_KEY,
+                {
+                    "nonce": nonce,
+                    "tests": tamper.tests_digest(task, snap),
+                    **tamper.checker_key(task, copy.changed, copy.originals),
+                },
+            )
+        )
         with open(os.path.join(dest, key), "w") as f:
             json.dump(body, f)
         prepare(dest)
     except (OSError, ValueError) as e:
         info.infra = "scoring_copy"
         return {}, f"scoring copy failed: {e}", info
-    res = run(value_command(tools) if plan else
-              test_command(task.runner, task.test_paths, tools, report=True))
+    res = run(
+        value_command(tools) if plan else test_command(task.runner, task.test_paths, tools, report=True)
+    )
     if res.reason.startswith("sandbox error"):
         info.infra = "sandbox"
         return {}, f"tests: {res.reason}", info

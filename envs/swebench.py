@@ -25,6 +25,7 @@ the way the SWE-bench harness does (pristine snapshot + model patch, test patch 
 F2P and P2P test must pass: resolved) through envs.episode.Episode, i.e. the same scoring path
 as every episode (the hidden tests run on a scoring copy, so the patch cannot touch them).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,14 +39,28 @@ import tempfile
 
 from .episode import Episode, EpisodeLimits, EpisodeTask, SPLITS
 
-REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS",
-            "PASS_TO_PASS")
+REQUIRED = (
+    "instance_id",
+    "repo",
+    "base_commit",
+    "problem_statement",
+    "test_patch",
+    "FAIL_TO_PASS",
+    "PASS_TO_PASS",
+)
 FAMILY = "swebench"
 # a deterministic identity for the commits export makes (same task set -> same base_commit)
-_GIT_ENV = {"GIT_AUTHOR_NAME": "asyncrl", "GIT_AUTHOR_EMAIL": "asyncrl@localhost",
-            "GIT_COMMITTER_NAME": "asyncrl", "GIT_COMMITTER_EMAIL": "asyncrl@localhost",
-            "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000",
-            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_TERMINAL_PROMPT": "0"}
+_GIT_ENV = {
+    "GIT_AUTHOR_NAME": "asyncrl",
+    "GIT_AUTHOR_EMAIL": "asyncrl@localhost",
+    "GIT_COMMITTER_NAME": "asyncrl",
+    "GIT_COMMITTER_EMAIL": "asyncrl@localhost",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": os.devnull,
+    "GIT_TERMINAL_PROMPT": "0",
+}
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -87,8 +102,9 @@ def test_list(inst: dict, key: str) -> list[str]:
         try:
             v = json.loads(v) if v.strip() else []
         except json.JSONDecodeError:
-            raise InstanceError(f"{inst.get('instance_id')}: {key} is neither a list nor a JSON list"
-                                ) from None
+            raise InstanceError(
+                f"{inst.get('instance_id')}: {key} is neither a list nor a JSON list"
+            ) from None
     if not isinstance(v, list) or not all(isinstance(t, str) for t in v):
         raise InstanceError(f"{inst.get('instance_id')}: {key} must be a list of test ids")
     return v
@@ -106,8 +122,10 @@ def check_instance(inst: dict) -> None:
         raise InstanceError(f"{iid}: no FAIL_TO_PASS or PASS_TO_PASS tests")
     bad = [t for t in tests if "::" not in t]
     if bad:
-        raise InstanceError(f"{iid}: test ids must be pytest node ids 'path::name' (the runners here report "
-                            f"those), got {bad[:3]}")
+        raise InstanceError(
+            f"{iid}: test ids must be pytest node ids 'path::name' (the runners here report "
+            f"those), got {bad[:3]}"
+        )
     if inst.get("runner", "pytest") not in ("pytest", "mini"):
         raise InstanceError(f"{iid}: runner must be 'pytest' or 'mini', got {inst.get('runner')!r}")
     if inst.get("split", "train") not in SPLITS:
@@ -116,8 +134,9 @@ def check_instance(inst: dict) -> None:
 
 # -- import ---------------------------------------------------------------------------------------
 def _git(args: list[str], cwd: str, inp: bytes | None = None) -> bytes:
-    r = subprocess.run(["git", *args], cwd=cwd, input=inp, capture_output=True, timeout=300,
-                       env={**os.environ, **_GIT_ENV})
+    r = subprocess.run(
+        ["git", *args], cwd=cwd, input=inp, capture_output=True, timeout=300, env={**os.environ, **_GIT_ENV}
+    )
     if r.returncode != 0:
         why = r.stderr.decode(errors="replace").strip()[-400:]
         raise InstanceError(f"git {args[0]} failed in {cwd}: {why}")
@@ -138,8 +157,10 @@ def repo_source(inst: dict, base: str, repos_dir: str | None) -> str | None:
             return p
     if inst.get("image_name"):
         return None
-    raise InstanceError(f"{inst['instance_id']}: no local repository for {inst['repo']!r} (give repo_path, "
-                        f"--repos DIR holding {str(inst['repo']).replace('/', '__')}/, or an image_name)")
+    raise InstanceError(
+        f"{inst['instance_id']}: no local repository for {inst['repo']!r} (give repo_path, "
+        f"--repos DIR holding {str(inst['repo']).replace('/', '__')}/, or an image_name)"
+    )
 
 
 def snapshot(src: str, commit: str, dest: str) -> None:
@@ -179,16 +200,19 @@ def apply_on_host(tree: str | None, patch: str, iid: str) -> dict[str, str]:
     those files from `tree` (git apply refuses paths that leave the directory or go through links)."""
     files = patch_files(patch)
     if any(k == "deleted" for _, k in files):
-        raise InstanceError(f"{iid}: the test_patch deletes {[p for p, k in files if k == 'deleted']}: "
-                            f"hidden tests cannot express a deletion")
+        raise InstanceError(
+            f"{iid}: the test_patch deletes {[p for p, k in files if k == 'deleted']}: "
+            f"hidden tests cannot express a deletion"
+        )
     with tempfile.TemporaryDirectory(prefix="swebench-") as tmp:
         for p, kind in files:
             src = os.path.join(tree, p) if tree else ""
             if kind == "modified":
                 if not tree or not os.path.isfile(src):
                     note = "" if tree else " (image-only instances: new test files only)"
-                raise InstanceError(f"{iid}: the test_patch modifies {p}, which is not in the repository "
-                                    f"snapshot{note}")
+                raise InstanceError(
+                    f"{iid}: the test_patch modifies {p}, which is not in the repository snapshot{note}"
+                )
                 os.makedirs(os.path.dirname(os.path.join(tmp, p)) or tmp, exist_ok=True)
                 shutil.copyfile(src, os.path.join(tmp, p))
         with open(os.path.join(tmp, ".asyncrl.patch"), "w", encoding="utf-8") as f:
@@ -204,8 +228,9 @@ def apply_on_host(tree: str | None, patch: str, iid: str) -> dict[str, str]:
         return out
 
 
-def instance_to_task(inst: dict, out_dir: str, base: str = ".", repos_dir: str | None = None,
-                     split: str = "train") -> EpisodeTask:
+def instance_to_task(
+    inst: dict, out_dir: str, base: str = ".", repos_dir: str | None = None, split: str = "train"
+) -> EpisodeTask:
     """The EpisodeTask of one instance; its snapshot is written to out_dir/repos/<instance_id>."""
     check_instance(inst)
     iid = inst["instance_id"]
@@ -217,19 +242,39 @@ def instance_to_task(inst: dict, out_dir: str, base: str = ".", repos_dir: str |
         snapshot(src, str(inst["base_commit"]), snap)
     hidden = apply_on_host(snap, inst["test_patch"], iid) if inst["test_patch"].strip() else {}
     test_paths = sorted({t.split("::", 1)[0] for t in f2p + p2p})
-    keep = ("instance_id", "repo", "base_commit", "version", "environment_setup_commit", "patch",
-            "test_patch", "image_name", "created_at")
+    keep = (
+        "instance_id",
+        "repo",
+        "base_commit",
+        "version",
+        "environment_setup_commit",
+        "patch",
+        "test_patch",
+        "image_name",
+        "created_at",
+    )
     meta = {"swebench": {k: inst[k] for k in keep if k in inst}}
     if inst.get("image_name"):
         meta["image"] = inst["image_name"]
-    return EpisodeTask(task_id=iid, family=inst.get("family", FAMILY), split=inst.get("split", split),
-                       instruction=inst["problem_statement"], files={}, hidden_tests=hidden,
-                       runner=inst.get("runner", "pytest"), test_paths=test_paths, fail_to_pass=f2p,
-                       pass_to_pass=p2p, base_dir=snap, meta=meta)
+    return EpisodeTask(
+        task_id=iid,
+        family=inst.get("family", FAMILY),
+        split=inst.get("split", split),
+        instruction=inst["problem_statement"],
+        files={},
+        hidden_tests=hidden,
+        runner=inst.get("runner", "pytest"),
+        test_paths=test_paths,
+        fail_to_pass=f2p,
+        pass_to_pass=p2p,
+        base_dir=snap,
+        meta=meta,
+    )
 
 
-def import_instances(path: str, out_dir: str, repos_dir: str | None = None, split: str = "train"
-                     ) -> list[EpisodeTask]:
+def import_instances(
+    path: str, out_dir: str, repos_dir: str | None = None, split: str = "train"
+) -> list[EpisodeTask]:
     """Every instance of `path` as tasks (snapshots under out_dir/repos/); all or nothing: the
     first bad instance raises InstanceError naming it."""
     insts = read_jsonl(path)
@@ -245,6 +290,7 @@ def import_instances(path: str, out_dir: str, repos_dir: str | None = None, spli
 def gold_files(task: EpisodeTask) -> dict[str, str]:
     """{path: fixed text} of a task with a recorded mutation (generated repositories, packages)."""
     from .oracle import fix_block
+
     if "swebench" in task.meta:
         raise InstanceError(f"{task.task_id}: an imported instance: export its original line instead")
     path, search, replace = fix_block(task)
@@ -287,12 +333,24 @@ def task_to_instance(task: EpisodeTask, out_dir: str) -> dict:
 
     patch = diff_of(gold_files(task))
     test_patch = diff_of(task.hidden_tests)
-    return {"instance_id": task.task_id, "repo": repo, "base_commit": base_commit,
-            "problem_statement": task.instruction, "patch": patch, "test_patch": test_patch,
-            "FAIL_TO_PASS": list(task.fail_to_pass), "PASS_TO_PASS": list(task.pass_to_pass),
-            "version": "0", "environment_setup_commit": base_commit, "hints_text": "", "created_at": "",
-            "repo_path": os.path.relpath(dest, out_dir), "runner": task.runner, "split": task.split,
-            "family": task.family}
+    return {
+        "instance_id": task.task_id,
+        "repo": repo,
+        "base_commit": base_commit,
+        "problem_statement": task.instruction,
+        "patch": patch,
+        "test_patch": test_patch,
+        "FAIL_TO_PASS": list(task.fail_to_pass),
+        "PASS_TO_PASS": list(task.pass_to_pass),
+        "version": "0",
+        "environment_setup_commit": base_commit,
+        "hints_text": "",
+        "created_at": "",
+        "repo_path": os.path.relpath(dest, out_dir),
+        "runner": task.runner,
+        "split": task.split,
+        "family": task.family,
+    }
 
 
 def export_tasks(tasks: list[EpisodeTask], out_dir: str) -> tuple[str, list[str]]:
@@ -316,20 +374,31 @@ def export_tasks(tasks: list[EpisodeTask], out_dir: str) -> tuple[str, list[str]
 def _apply_command(name: str) -> str:
     # the harness's order: git apply, then the same with --reject... here: git apply, then patch(1)
     # with fuzz (SWE-bench's last resort); the patch file is removed either way
-    return (f"(git apply --verbose --whitespace=nowarn {name} || patch --batch --fuzz=5 -p1 -i {name}) "
-            f"> /dev/null 2>&1; rc=$?; rm -f {name}; echo APPLY_RC=$rc")
+    return (
+        f"(git apply --verbose --whitespace=nowarn {name} || patch --batch --fuzz=5 -p1 -i {name}) "
+        f"> /dev/null 2>&1; rc=$?; rm -f {name}; echo APPLY_RC=$rc"
+    )
 
 
-def evaluate_patch(task: EpisodeTask, model_patch: str, limits: EpisodeLimits | None = None,
-                   backend=None) -> dict:
+def evaluate_patch(
+    task: EpisodeTask, model_patch: str, limits: EpisodeLimits | None = None, backend=None
+) -> dict:
     """The SWE-bench verdict of one prediction: {"instance_id", "resolved", "patch_applied",
     "empty_patch", "tests_status": {"FAIL_TO_PASS": {"success", "failure"}, "PASS_TO_PASS": ...},
     "reward", "detail"}. The patch is applied inside the task's workspace (the sandbox), the
     episode is submitted and scored with its hidden tests (Episode.score)."""
-    out = {"instance_id": task.task_id, "resolved": False, "patch_applied": False,
-           "empty_patch": not (model_patch or "").strip(), "reward": 0.0, "detail": "",
-           "tests_status": {"FAIL_TO_PASS": {"success": [], "failure": list(task.fail_to_pass)},
-                            "PASS_TO_PASS": {"success": [], "failure": list(task.pass_to_pass)}}}
+    out = {
+        "instance_id": task.task_id,
+        "resolved": False,
+        "patch_applied": False,
+        "empty_patch": not (model_patch or "").strip(),
+        "reward": 0.0,
+        "detail": "",
+        "tests_status": {
+            "FAIL_TO_PASS": {"success": [], "failure": list(task.fail_to_pass)},
+            "PASS_TO_PASS": {"success": [], "failure": list(task.pass_to_pass)},
+        },
+    }
     if out["empty_patch"]:
         out["detail"] = "empty patch"
         return out
@@ -338,7 +407,7 @@ def evaluate_patch(task: EpisodeTask, model_patch: str, limits: EpisodeLimits | 
     ep = Episode(dataclasses.replace(task, files={**task.files, name: text}), limits, backend)
     try:
         ep.reset()
-        if ep.done:                                   # the workspace could not be made
+        if ep.done:  # the workspace could not be made
             out["detail"] = ep.detail
             return out
         res = ep.workspace.run(_apply_command(name), ep.limits.command)
@@ -352,14 +421,17 @@ def evaluate_patch(task: EpisodeTask, model_patch: str, limits: EpisodeLimits | 
     finally:
         ep.close()
     for key, ids in (("FAIL_TO_PASS", task.fail_to_pass), ("PASS_TO_PASS", task.pass_to_pass)):
-        out["tests_status"][key] = {"success": [t for t in ids if r.tests.get(t)],
-                                    "failure": [t for t in ids if not r.tests.get(t)]}
+        out["tests_status"][key] = {
+            "success": [t for t in ids if r.tests.get(t)],
+            "failure": [t for t in ids if not r.tests.get(t)],
+        }
     out.update(resolved=r.resolved, reward=r.reward, detail=r.detail)
     return out
 
 
-def evaluate_predictions(tasks: list[EpisodeTask], predictions: list[dict],
-                         limits: EpisodeLimits | None = None, backend=None) -> dict:
+def evaluate_predictions(
+    tasks: list[EpisodeTask], predictions: list[dict], limits: EpisodeLimits | None = None, backend=None
+) -> dict:
     """A SWE-bench style report over `predictions` ({"instance_id", "model_patch", ...} each);
     a prediction for an unknown instance, or without model_patch, is an error (listed, not scored)."""
     by_id = {t.task_id: t for t in tasks}
@@ -376,13 +448,18 @@ def evaluate_predictions(tasks: list[EpisodeTask], predictions: list[dict],
             results[iid] = evaluate_patch(by_id[iid], p.get("model_patch") or "", limits, backend)
     ids = sorted(results)
     unresolved = [i for i in ids if not results[i]["resolved"] and not results[i]["empty_patch"]]
-    return {"total_instances": len(tasks), "submitted_instances": len(predictions),
-            "completed_instances": sum(not results[i]["empty_patch"] for i in ids),
-            "resolved_instances": sum(results[i]["resolved"] for i in ids),
-            "unresolved_instances": len(unresolved),
-            "empty_patch_instances": sum(results[i]["empty_patch"] for i in ids),
-            "error_instances": len(errors),
-            "resolved_ids": [i for i in ids if results[i]["resolved"]],
-            "unresolved_ids": unresolved,
-            "empty_patch_ids": [i for i in ids if results[i]["empty_patch"]],
-            "error_ids": sorted(errors), "errors": errors, "results": results}
+    return {
+        "total_instances": len(tasks),
+        "submitted_instances": len(predictions),
+        "completed_instances": sum(not results[i]["empty_patch"] for i in ids),
+        "resolved_instances": sum(results[i]["resolved"] for i in ids),
+        "unresolved_instances": len(unresolved),
+        "empty_patch_instances": sum(results[i]["empty_patch"] for i in ids),
+        "error_instances": len(errors),
+        "resolved_ids": [i for i in ids if results[i]["resolved"]],
+        "unresolved_ids": unresolved,
+        "empty_patch_ids": [i for i in ids if results[i]["empty_patch"]],
+        "error_ids": sorted(errors),
+        "errors": errors,
+        "results": results,
+    }

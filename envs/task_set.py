@@ -6,6 +6,7 @@
 
 Nothing here touches the network: a built set is read as is.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,10 @@ def write_task_set(out_dir: str, tasks: list[EpisodeTask], report: dict) -> str:
             d["base_dir"] = os.path.relpath(real, root)
         lines.append(json.dumps(d, sort_keys=True))
     _atomic_write(os.path.join(out_dir, "tasks.jsonl"), "\n".join(lines) + ("\n" if lines else ""))
-    _atomic_write(os.path.join(out_dir, "manifest.json"),
-                  json.dumps({"format": FORMAT, "tasks": len(tasks), "report": report}, indent=2, sort_keys=True))
+    _atomic_write(
+        os.path.join(out_dir, "manifest.json"),
+        json.dumps({"format": FORMAT, "tasks": len(tasks), "report": report}, indent=2, sort_keys=True),
+    )
     return out_dir
 
 
@@ -44,8 +47,10 @@ def load_task_set(path: str, split: str | None = None, family: str | None = None
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     man_path, tasks_path = os.path.join(path, "manifest.json"), os.path.join(path, "tasks.jsonl")
     if not os.path.exists(man_path) or not os.path.exists(tasks_path):
-        raise FileNotFoundError(f"{path} is not a task set (no manifest.json / tasks.jsonl); "
-                                f"build one with `asyncrl tasks build --out {path}`")
+        raise FileNotFoundError(
+            f"{path} is not a task set (no manifest.json / tasks.jsonl); "
+            f"build one with `asyncrl tasks build --out {path}`"
+        )
     with open(man_path) as f:
         man = json.load(f)
     if man.get("format") != FORMAT:

@@ -1,5 +1,6 @@
 """Validation of injected bugs: run a candidate's tests in the sandbox and keep it only when the
 original passes and the mutant breaks something; and the counts the builders report."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -13,12 +14,21 @@ from .sandbox import BashLimits
 VALIDATION_LIMITS = EpisodeLimits(score_wall_s=30.0, command=BashLimits(wall_s=30.0, cpu_s=30))
 
 
-def run_suite(files: dict[str, str], runner: str, test_paths: list[str], base_dir: str | None = None,
-                limits: EpisodeLimits | None = None, backend=None) -> tuple[dict[str, str], str]:
+def run_suite(
+    files: dict[str, str],
+    runner: str,
+    test_paths: list[str],
+    base_dir: str | None = None,
+    limits: EpisodeLimits | None = None,
+    backend=None,
+) -> tuple[dict[str, str], str]:
     """{test id: PASS|FAIL|SKIP} of `files` (over `base_dir`) under the task's runner, in the sandbox."""
     from .workspace import LocalBackend
+
     limits = limits or VALIDATION_LIMITS
-    task = EpisodeTask("validation", "validation", "train", "", files, {}, runner, test_paths, [], [], base_dir)
+    task = EpisodeTask(
+        "validation", "validation", "train", "", files, {}, runner, test_paths, [], [], base_dir
+    )
     ws = (backend or LocalBackend()).create(task, limits)
     try:
         if ws.error:
@@ -39,9 +49,10 @@ def fail_pass_split(original: dict[str, str], mutant: dict[str, str]) -> tuple[l
 @dataclass
 class BuildReport:
     """What a builder tried and kept, per family and per mutation kind."""
-    tried: Counter = field(default_factory=Counter)     # (family, kind) -> mutants validated
-    kept: Counter = field(default_factory=Counter)      # (family, kind) -> tasks kept
-    splits: Counter = field(default_factory=Counter)    # (family, split) -> tasks
+
+    tried: Counter = field(default_factory=Counter)  # (family, kind) -> mutants validated
+    kept: Counter = field(default_factory=Counter)  # (family, kind) -> tasks kept
+    splits: Counter = field(default_factory=Counter)  # (family, split) -> tasks
     notes: list[str] = field(default_factory=list)
 
     def add(self, family: str, kind: str, kept: bool, split: str | None = None) -> None:
@@ -63,10 +74,17 @@ class BuildReport:
         for f in fams:
             tried = sum(v for (g, _), v in self.tried.items() if g == f)
             kept = sum(v for (g, _), v in self.kept.items() if g == f)
-            out[f] = {"tasks": kept, "tried": tried, "kept_fraction": round(kept / tried, 3) if tried else None,
-                      "splits": {s: v for (g, s), v in self.splits.items() if g == f},
-                      "by_kind": {k: {"tried": self.tried[f, k], "kept": self.kept[f, k]}
-                                  for k in (*KINDS, "stub") if self.tried[f, k]}}
+            out[f] = {
+                "tasks": kept,
+                "tried": tried,
+                "kept_fraction": round(kept / tried, 3) if tried else None,
+                "splits": {s: v for (g, s), v in self.splits.items() if g == f},
+                "by_kind": {
+                    k: {"tried": self.tried[f, k], "kept": self.kept[f, k]}
+                    for k in (*KINDS, "stub")
+                    if self.tried[f, k]
+                },
+            }
         return {"families": out, "total_tasks": sum(self.kept.values()), "notes": self.notes}
 
     def render(self) -> str:
@@ -74,9 +92,13 @@ class BuildReport:
         lines = [f"{'family':<16}{'kind':<20}{'tried':>7}{'kept':>7}{'kept %':>8}"]
         for f, v in d["families"].items():
             for k, c in v["by_kind"].items():
-                lines.append(f"{f:<16}{k:<20}{c['tried']:>7}{c['kept']:>7}{100 * c['kept'] / c['tried']:>7.0f}%")
+                lines.append(
+                    f"{f:<16}{k:<20}{c['tried']:>7}{c['kept']:>7}{100 * c['kept'] / c['tried']:>7.0f}%"
+                )
             frac = v["kept_fraction"]
-            lines.append(f"{f:<16}{'(all)':<20}{v['tried']:>7}{v['tasks']:>7}"
-                         f"{(100 * frac if frac is not None else 0):>7.0f}%   splits {v['splits']}")
+            lines.append(
+                f"{f:<16}{'(all)':<20}{v['tried']:>7}{v['tasks']:>7}"
+                f"{(100 * frac if frac is not None else 0):>7.0f}%   splits {v['splits']}"
+            )
         lines.append(f"total tasks: {d['total_tasks']}")
         return "\n".join(lines + d["notes"])

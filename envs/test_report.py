@@ -13,6 +13,7 @@ terminal summary does not list as PASSED / XPASS or lists as FAILED / ERROR. Suc
 os._exit): every test counts as failed too (`complete` False), since whatever ran last could have
 written the lines before it.
 """
+
 from __future__ import annotations
 
 import re
@@ -26,19 +27,20 @@ SUMMARY_KINDS = ("PASSED", "FAILED", "ERROR", "XPASS", "XFAIL", "SKIPPED")
 @dataclass
 class ScoreInfo:
     """What a workspace's last scoring run found besides the statuses (Episode.score reads it)."""
-    dropped: list[str] = field(default_factory=list)     # agent files kept out of the scoring copy
+
+    dropped: list[str] = field(default_factory=list)  # agent files kept out of the scoring copy
     n_dropped: int = 0
-    tampered: str = ""                                   # why the verdict was judged forged ("" if not)
-    infra: str = ""                                      # an infrastructure failure ("" if none)
-    mode: str = ""                                       # "values" | "runner"
+    tampered: str = ""  # why the verdict was judged forged ("" if not)
+    infra: str = ""  # an infrastructure failure ("" if none)
+    mode: str = ""  # "values" | "runner"
 
 
 @dataclass
 class Report:
-    status: dict[str, str] = field(default_factory=dict)   # test id -> PASS | FAIL | SKIP
-    values: list | None = None                               # value mode: [[test id, [probe result]]]
-    tampered: list[str] = field(default_factory=list)        # why the lines cannot be believed
-    complete: bool = False                                   # END seen
+    status: dict[str, str] = field(default_factory=dict)  # test id -> PASS | FAIL | SKIP
+    values: list | None = None  # value mode: [[test id, [probe result]]]
+    tampered: list[str] = field(default_factory=list)  # why the lines cannot be believed
+    complete: bool = False  # END seen
 
     def verdict_status(self) -> dict[str, str]:
         """What scoring may believe: nothing passes when tampered or incomplete."""
@@ -80,6 +82,7 @@ def read_report(output: str, nonce: str, runner: str = "mini") -> Report:
                 rep.tampered.append("values reported twice")
             try:
                 import json
+
                 rep.values = json.loads(rest)
             except ValueError:
                 rep.tampered.append("unreadable values")
@@ -88,8 +91,9 @@ def read_report(output: str, nonce: str, runner: str = "mini") -> Report:
         elif kind == "END":
             end_at = i
             if rest.strip() != str(n_tests):
-                rep.tampered.append(f"the runner ended after {rest.strip()[:20]} test lines, "
-                                    f"{n_tests} were read")
+                rep.tampered.append(
+                    f"the runner ended after {rest.strip()[:20]} test lines, {n_tests} were read"
+                )
         else:
             rep.tampered.append(f"unknown report kind {kind[:20]!r}")
     rep.complete = end_at is not None
@@ -104,7 +108,7 @@ def cross_check_summary(lines: list[str], status: dict[str, str]) -> list[str]:
     channel a forger of one of them leaves behind."""
     start = max((i for i, ln in enumerate(lines) if SUMMARY.match(ln)), default=None)
     term: dict[str, set[str]] = {}
-    for ln in lines[start + 1:] if start is not None else []:
+    for ln in lines[start + 1 :] if start is not None else []:
         kind, _, rest = ln.partition(" ")
         if kind in SUMMARY_KINDS:
             for key in {rest, rest.split(" - ")[0], rest.split(" ")[0]}:
@@ -112,9 +116,10 @@ def cross_check_summary(lines: list[str], status: dict[str, str]) -> list[str]:
     passed = [t for t, s in status.items() if s == "PASS"]
     bad = [t for t in passed if not term.get(t, set()) & {"PASSED", "XPASS"} or term[t] & {"FAILED", "ERROR"}]
     if bad:
-        return [f"{len(bad)} test(s) reported passing that pytest's summary does not pass "
-                f"(e.g. {bad[0][:120]})"]
-    after = lines[start + 1:] if start is not None else []
+        return [
+            f"{len(bad)} test(s) reported passing that pytest's summary does not pass (e.g. {bad[0][:120]})"
+        ]
+    after = lines[start + 1 :] if start is not None else []
     n_term = sum(1 for ln in after if ln.startswith(("PASSED ", "XPASS ")))
     if n_term != len(passed):
         return [f"pytest's summary passes {n_term} tests, the report {len(passed)}"]

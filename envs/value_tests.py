@@ -13,6 +13,7 @@ refused there, and whatever the code does to that harness it can only report val
 the assert is evaluated here, in a fresh namespace built from the test module's own trusted
 top-level code, with each probe replaced by its decoded value. A probe that raised fails its test.
 """
+
 from __future__ import annotations
 
 import ast
@@ -25,10 +26,10 @@ _LITERAL_OK = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.Assign, ast.Expr
 
 @dataclass
 class Plan:
-    imports: list[str] = field(default_factory=list)              # harness: imports of the code under test
-    probes: list[tuple[str, list[str]]] = field(default_factory=list)   # (test id, probe sources)
-    checks: dict[str, tuple[str, list[str]]] = field(default_factory=dict)   # test id -> (file, assert exprs)
-    context: dict[str, str] = field(default_factory=dict)          # test file -> its trusted top-level code
+    imports: list[str] = field(default_factory=list)  # harness: imports of the code under test
+    probes: list[tuple[str, list[str]]] = field(default_factory=list)  # (test id, probe sources)
+    checks: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # test id -> (file, assert exprs)
+    context: dict[str, str] = field(default_factory=dict)  # test file -> its trusted top-level code
 
     def job(self, nonce: str) -> dict:
         return {"nonce": nonce, "imports": self.imports, "probes": [[t, ps] for t, ps in self.probes]}
@@ -38,8 +39,12 @@ class Plan:
         got = {}
         if isinstance(values, list):
             for item in values:
-                if (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
-                        and item[0] not in got):
+                if (
+                    isinstance(item, list)
+                    and len(item) == 2
+                    and isinstance(item[0], str)
+                    and item[0] not in got
+                ):
                     got[item[0]] = item[1]
         ns_of = {path: _context_ns(src) for path, src in self.context.items()}
         status, first = {}, ""
@@ -53,7 +58,7 @@ class Plan:
 
 def _context_ns(src: str) -> dict:
     ns: dict = {}
-    exec(compile(src, "<test context>", "exec"), ns)      # the task's own top-level code (ours)
+    exec(compile(src, "<test context>", "exec"), ns)  # the task's own top-level code (ours)
     return ns
 
 
@@ -115,8 +120,13 @@ def _test_files(task, snap: dict[str, str]) -> list[str]:
         if p in snap:
             out.append(p)
         else:
-            out += sorted(r for r in snap if r.startswith(p.rstrip("/") + "/") and
-                          os.path.basename(r).startswith("test") and r.endswith(".py"))
+            out += sorted(
+                r
+                for r in snap
+                if r.startswith(p.rstrip("/") + "/")
+                and os.path.basename(r).startswith("test")
+                and r.endswith(".py")
+            )
     return out
 
 
@@ -126,9 +136,13 @@ def plan(task, snap: dict[str, str] | None = None) -> Plan | None:
         return None
     if snap is None:
         from .scoring_copy import snapshot
+
         try:
-            snap = {r: d.decode("utf-8") for r, (k, d) in snapshot(task).items()
-                    if k == "file" and r.endswith(".py")}
+            snap = {
+                r: d.decode("utf-8")
+                for r, (k, d) in snapshot(task).items()
+                if k == "file" and r.endswith(".py")
+            }
         except (OSError, UnicodeDecodeError):
             return None
     files = _test_files(task, snap)
@@ -148,8 +162,12 @@ def plan(task, snap: dict[str, str] | None = None) -> Plan | None:
 def _file_plan(p: Plan, path: str, tree: ast.Module, roots: set[str]) -> bool:
     cands, cmods, ctx = set(), set(), []
     for node in tree.body:
-        if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
-                and node.module.split(".")[0] in roots):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] in roots
+        ):
             cands |= {a.asname or a.name for a in node.names}
             p.imports.append(ast.unparse(node))
         elif isinstance(node, ast.Import) and any(a.name.split(".")[0] in roots for a in node.names):
@@ -158,7 +176,7 @@ def _file_plan(p: Plan, path: str, tree: ast.Module, roots: set[str]) -> bool:
             cmods |= {(a.asname or a.name).split(".")[0] for a in node.names}
             p.imports.append(ast.unparse(node))
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            p.imports.append(ast.unparse(node))           # stdlib names a probe's arguments may use
+            p.imports.append(ast.unparse(node))  # stdlib names a probe's arguments may use
             ctx.append(node)
         elif isinstance(node, ast.FunctionDef):
             ctx.append(node)
@@ -199,8 +217,13 @@ def _test_plan(fn: ast.FunctionDef, cands: set[str], cmods: set[str]) -> tuple[l
     for st in fn.body:
         if isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant):
             continue
-        if (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
-                and isinstance(st.value, ast.Name) and (st.value.id in cands or st.value.id in alias)):
+        if (
+            isinstance(st, ast.Assign)
+            and len(st.targets) == 1
+            and isinstance(st.targets[0], ast.Name)
+            and isinstance(st.value, ast.Name)
+            and (st.value.id in cands or st.value.id in alias)
+        ):
             alias[st.targets[0].id] = alias.get(st.value.id, st.value.id)
             continue
         if not isinstance(st, ast.Assert):
@@ -222,9 +245,10 @@ def _test_plan(fn: ast.FunctionDef, cands: set[str], cmods: set[str]) -> tuple[l
                     probes.append(ast.unparse(src))
                     return ast.Name(id=f"{PROBE}{len(probes) - 1}", ctx=ast.Load())
                 return self.generic_visit(node)
+
         test = Swap().visit(ast.parse(ast.unparse(st.test), mode="eval"))
         if any(isinstance(n, ast.Name) and (n.id in names or n.id in cmods) for n in ast.walk(test)):
-            return None                    # the code under test used as a value: not a probe
+            return None  # the code under test used as a value: not a probe
         asserts.append(ast.unparse(test))
     return probes, asserts
 

@@ -15,6 +15,7 @@ that owns only `repo/`; root_dir is what stays visible inside the sandbox's moun
         score/                   the scoring copy, made at score(): the task's snapshot plus the
                                  agent's source changes (envs/scoring_run.py)
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,11 +36,13 @@ from .workspace_tools import tool_files
 
 
 class Workspace(Protocol):
-    error: str                      # non-empty when the workspace could not be made (-> sandbox_error)
+    error: str  # non-empty when the workspace could not be made (-> sandbox_error)
 
     def run(self, command: str, limits: BashLimits) -> SandboxResult: ...
-    def over_limit(self, max_mb: int, max_files: int) -> str: ...          # "" or why
-    def run_hidden_tests(self, task, limits) -> tuple[dict[str, str], str]: ...   # ({test id: PASS|FAIL|SKIP}, detail)
+    def over_limit(self, max_mb: int, max_files: int) -> str: ...  # "" or why
+    def run_hidden_tests(
+        self, task, limits
+    ) -> tuple[dict[str, str], str]: ...  # ({test id: PASS|FAIL|SKIP}, detail)
     def close(self) -> None: ...
 
 
@@ -50,7 +53,12 @@ class WorkspaceBackend(Protocol):
 def _runs(py: str, code: str, uid: int | None, env: dict | None = None) -> bool:
     kw = dict(user=uid, group=uid, extra_groups=[]) if uid is not None else {}
     try:
-        return subprocess.run([py, "-c", code], capture_output=True, timeout=30, cwd="/", env=env, **kw).returncode == 0
+        return (
+            subprocess.run(
+                [py, "-c", code], capture_output=True, timeout=30, cwd="/", env=env, **kw
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -79,6 +87,7 @@ def _copy_dists(names: list[str], dest: str) -> None:
     import re
     from importlib import metadata
     import threading
+
     tmp = dest + f".tmp{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(tmp, ignore_errors=True)
     seen, todo = set(), list(names)
@@ -93,7 +102,12 @@ def _copy_dists(names: list[str], dest: str) -> None:
             continue
         todo += [r for r in (dist.requires or []) if "extra ==" not in r]
         for f in dist.files or []:
-            if f.parts[0] == ".." or f.suffix in (".pyc",) or f.parts[0].endswith(".dist-info") and f.name == "RECORD":
+            if (
+                f.parts[0] == ".."
+                or f.suffix in (".pyc",)
+                or f.parts[0].endswith(".dist-info")
+                and f.name == "RECORD"
+            ):
                 continue
             src = f.locate()
             if os.path.isfile(src):
@@ -106,7 +120,7 @@ def _copy_dists(names: list[str], dest: str) -> None:
             os.chmod(os.path.join(d, x), 0o644)
     open(os.path.join(tmp, ".complete"), "w").close()
     try:
-        os.rename(tmp, dest)                # atomic; fails if another process or thread got there first
+        os.rename(tmp, dest)  # atomic; fails if another process or thread got there first
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -131,12 +145,12 @@ class LocalBackend:
 class LocalWorkspace:
     def __init__(self, task, root_dir: str, python: str, site: str = ""):
         self.error, self.python, self.site, self.root_dir = "", python, site, root_dir
-        self.score_info = ScoreInfo()          # what the last scoring run found (Episode.score reads it)
+        self.score_info = ScoreInfo()  # what the last scoring run found (Episode.score reads it)
         self.uid = fresh_uid()
         os.makedirs(root_dir, exist_ok=True)
         os.chmod(root_dir, 0o711)
         self.root = tempfile.mkdtemp(prefix="ep-", dir=root_dir)
-        self._claim = claim(self.root)       # held while we live: a restart's reap() spares it
+        self._claim = claim(self.root)  # held while we live: a restart's reap() spares it
         os.chmod(self.root, 0o711)
         self.repo, self.tools = os.path.join(self.root, "repo"), os.path.join(self.root, "tools")
         try:
@@ -145,7 +159,7 @@ class LocalWorkspace:
             os.makedirs(self.repo, exist_ok=True)
             _write_files(self.repo, task.files)
             _chown_tree(self.repo, self.uid)
-            os.chmod(self.repo, 0o700)          # other episodes see the same root_dir: keep them out
+            os.chmod(self.repo, 0o700)  # other episodes see the same root_dir: keep them out
             os.makedirs(self.tools)
             for name, (text, mode) in tool_files(python, task.runner, task.test_paths, self.tools).items():
                 p = os.path.join(self.tools, name)
@@ -185,17 +199,28 @@ class LocalWorkspace:
         uid of its own (so nothing the episode left running or writable can touch it)."""
         score = os.path.join(self.root, "score")
         uid = fresh_uid()
-        lim = BashLimits(**{**limits.command.__dict__, "wall_s": limits.score_wall_s,
-                            "cpu_s": int(limits.score_wall_s) + 1,
-                            "keep_bytes": max(limits.command.keep_bytes, 4 << 20)})   # every report line
+        lim = BashLimits(
+            **{
+                **limits.command.__dict__,
+                "wall_s": limits.score_wall_s,
+                "cpu_s": int(limits.score_wall_s) + 1,
+                "keep_bytes": max(limits.command.keep_bytes, 4 << 20),
+            }
+        )  # every report line
 
         def prepare(d: str) -> None:
             _chown_tree(d, uid)
             os.chmod(d, 0o700)
+
         try:
             status, detail, self.score_info = scoring_run.score(
-                task, self.repo, score, self.tools, lambda cmd: run_bash(cmd, self.root_dir, score, lim, uid, self._env()),
-                prepare)
+                task,
+                self.repo,
+                score,
+                self.tools,
+                lambda cmd: run_bash(cmd, self.root_dir, score, lim, uid, self._env()),
+                prepare,
+            )
         finally:
             shutil.rmtree(score, ignore_errors=True)
         return status, detail

@@ -25,6 +25,7 @@ command, an unprivileged user; the hidden tests never enter the episode's contai
 The command lines are built by pure functions (`*_argv`), so they are tested without Docker; the
 episode test with a real container runs only where `docker info` works.
 """
+
 from __future__ import annotations
 
 import io
@@ -48,16 +49,17 @@ TOOLS = "/opt/asyncrl-tools"
 @dataclass(frozen=True)
 class DockerBackend:
     """Workspaces as containers; picklable (settings only: every call is a `docker` process)."""
+
     image: str = "python:3.12-slim"
     workdir: str = "/workspace"
-    python: str = "/usr/local/bin/python3"     # the image's python (the helpers' interpreter)
-    user: str = "1000:1000"                     # the episode's commands run as this uid:gid
+    python: str = "/usr/local/bin/python3"  # the image's python (the helpers' interpreter)
+    user: str = "1000:1000"  # the episode's commands run as this uid:gid
     docker: str = "docker"
     memory_mb: int = 2048
     cpus: float = 1.0
-    pids: int = 256                             # processes + threads in the container (fork-bomb cap)
+    pids: int = 256  # processes + threads in the container (fork-bomb cap)
     tmp_mb: int = 64
-    client_slack_s: float = 30.0                # the docker client's wall limit beyond the command's
+    client_slack_s: float = 30.0  # the docker client's wall limit beyond the command's
 
     def create(self, task, limits) -> "DockerWorkspace":
         return DockerWorkspace(task, self)
@@ -73,10 +75,34 @@ def available(docker: str = "docker") -> bool:
 
 # -- the command lines -----------------------------------------------------------------------------
 def create_argv(b: DockerBackend, name: str, image: str) -> list[str]:
-    return [b.docker, "create", "--name", name, "--network", "none", "--pids-limit", str(b.pids),
-            "--memory", f"{b.memory_mb}m", "--memory-swap", f"{b.memory_mb}m", "--cpus", str(b.cpus),
-            "--tmpfs", f"/tmp:rw,nosuid,nodev,size={b.tmp_mb}m", "--security-opt", "no-new-privileges",
-            "--cap-drop", "ALL", "--label", "asyncrl.episode=1", "--entrypoint", "sleep", image, "infinity"]
+    return [
+        b.docker,
+        "create",
+        "--name",
+        name,
+        "--network",
+        "none",
+        "--pids-limit",
+        str(b.pids),
+        "--memory",
+        f"{b.memory_mb}m",
+        "--memory-swap",
+        f"{b.memory_mb}m",
+        "--cpus",
+        str(b.cpus),
+        "--tmpfs",
+        f"/tmp:rw,nosuid,nodev,size={b.tmp_mb}m",
+        "--security-opt",
+        "no-new-privileges",
+        "--cap-drop",
+        "ALL",
+        "--label",
+        "asyncrl.episode=1",
+        "--entrypoint",
+        "sleep",
+        image,
+        "infinity",
+    ]
 
 
 def copy_in_argv(b: DockerBackend, name: str) -> list[str]:
@@ -99,15 +125,42 @@ exit $rc
 """
 
 
-def exec_argv(b: DockerBackend, name: str, workdir: str, command: str, limits: BashLimits,
-              user: str | None = None) -> list[str]:
+def exec_argv(
+    b: DockerBackend, name: str, workdir: str, command: str, limits: BashLimits, user: str | None = None
+) -> list[str]:
     """bash -c COMMAND in the container under rlimits and a wall limit (see EXEC_WRAPPER)."""
-    ulimits = (f"ulimit -c 0 -t {limits.cpu_s} -v {limits.memory_mb << 10} -f {limits.file_mb << 10} "
-               f"-n {limits.open_files} || exit 197")
-    return [b.docker, "exec", "-u", user or b.user, "-w", workdir,
-            "-e", f"PATH={TOOLS}:/usr/local/bin:/usr/bin:/bin", "-e", "HOME=/tmp", "-e", "TMPDIR=/tmp",
-            "-e", "LANG=C.UTF-8", "-e", "PYTHONDONTWRITEBYTECODE=1", "-e", "PYTHONUNBUFFERED=1", name,
-            "bash", "-c", ulimits + EXEC_WRAPPER, "asyncrl-exec", str(limits.keep_bytes), f"{limits.wall_s}s", command]
+    ulimits = (
+        f"ulimit -c 0 -t {limits.cpu_s} -v {limits.memory_mb << 10} -f {limits.file_mb << 10} "
+        f"-n {limits.open_files} || exit 197"
+    )
+    return [
+        b.docker,
+        "exec",
+        "-u",
+        user or b.user,
+        "-w",
+        workdir,
+        "-e",
+        f"PATH={TOOLS}:/usr/local/bin:/usr/bin:/bin",
+        "-e",
+        "HOME=/tmp",
+        "-e",
+        "TMPDIR=/tmp",
+        "-e",
+        "LANG=C.UTF-8",
+        "-e",
+        "PYTHONDONTWRITEBYTECODE=1",
+        "-e",
+        "PYTHONUNBUFFERED=1",
+        name,
+        "bash",
+        "-c",
+        ulimits + EXEC_WRAPPER,
+        "asyncrl-exec",
+        str(limits.keep_bytes),
+        f"{limits.wall_s}s",
+        command,
+    ]
 
 
 def size_argv(b: DockerBackend, name: str, workdir: str) -> list[str]:
@@ -144,7 +197,7 @@ def tar_of(entries: dict[str, tuple[bytes | None, int, int, int]]) -> bytes:
             parts = rel.split("/")[:-1]
             for k in range(1, len(parts) + 1):
                 d = "/".join(parts[:k])
-                if d not in dirs and k > 1:     # never re-own a top-level directory of the image
+                if d not in dirs and k > 1:  # never re-own a top-level directory of the image
                     dirs.add(d)
                     info = tarfile.TarInfo(d)
                     info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, 0o755, uid, gid
@@ -175,13 +228,21 @@ class DockerWorkspace:
         meta = task.meta or {}
         self.image, self.workdir = meta.get("image") or backend.image, meta.get("workdir") or backend.workdir
         if task.base_dir:
-            self.error = "the docker backend takes the repository from the image (meta['image']), not base_dir"
+            self.error = (
+                "the docker backend takes the repository from the image (meta['image']), not base_dir"
+            )
             return
         uid, gid = _ids(backend.user)
-        entries = {self.workdir: (None, 0o755, uid, gid)}          # the episode's user may add files
-        entries.update({f"{self.workdir}/{rel}": (text.encode(), 0o644, uid, gid) for rel, text in task.files.items()})
-        entries.update({f"{TOOLS}/{n}": (text.encode(), mode, 0, 0)
-                        for n, (text, mode) in tool_files(backend.python, task.runner, task.test_paths, TOOLS).items()})
+        entries = {self.workdir: (None, 0o755, uid, gid)}  # the episode's user may add files
+        entries.update(
+            {f"{self.workdir}/{rel}": (text.encode(), 0o644, uid, gid) for rel, text in task.files.items()}
+        )
+        entries.update(
+            {
+                f"{TOOLS}/{n}": (text.encode(), mode, 0, 0)
+                for n, (text, mode) in tool_files(backend.python, task.runner, task.test_paths, TOOLS).items()
+            }
+        )
         try:
             self._docker(create_argv(backend, self.name, self.image), timeout=300)
             self.created = True
@@ -196,11 +257,19 @@ class DockerWorkspace:
         except (OSError, subprocess.SubprocessError) as e:
             raise RuntimeError(f"{argv[1]}: {e}") from None
         if p.returncode != 0:
-            raise RuntimeError(f"{argv[1]} exited {p.returncode}: {p.stderr.decode('utf-8', 'replace').strip()[-300:]}")
+            raise RuntimeError(
+                f"{argv[1]} exited {p.returncode}: {p.stderr.decode('utf-8', 'replace').strip()[-300:]}"
+            )
         return p.stdout
 
-    def run(self, command: str, limits: BashLimits, name: str | None = None, user: str | None = None,
-            workdir: str | None = None) -> SandboxResult:
+    def run(
+        self,
+        command: str,
+        limits: BashLimits,
+        name: str | None = None,
+        user: str | None = None,
+        workdir: str | None = None,
+    ) -> SandboxResult:
         t0 = time.perf_counter()
         argv = exec_argv(self.b, name or self.name, workdir or self.workdir, command, limits, user)
         with tempfile.NamedTemporaryFile(prefix="asyncrl-docker-") as out:
@@ -213,11 +282,19 @@ class DockerWorkspace:
                     p.kill()
                     rc, client_timeout = p.wait(), True
             except OSError as e:
-                return SandboxResult(f"sandbox error: {e}", -1, wall_s=time.perf_counter() - t0, isolation=["docker"])
+                return SandboxResult(
+                    f"sandbox error: {e}", -1, wall_s=time.perf_counter() - t0, isolation=["docker"]
+                )
             output = head_tail(out.name, os.path.getsize(out.name), limits.keep_bytes)
         wall = time.perf_counter() - t0
-        return SandboxResult(exec_reason(rc, client_timeout, wall, limits), rc, output, b"", wall,
-                             ["docker", "netns", "pids-limit", "rlimits", "user"])
+        return SandboxResult(
+            exec_reason(rc, client_timeout, wall, limits),
+            rc,
+            output,
+            b"",
+            wall,
+            ["docker", "netns", "pids-limit", "rlimits", "user"],
+        )
 
     def over_limit(self, max_mb: int, max_files: int) -> str:
         try:
@@ -235,17 +312,32 @@ class DockerWorkspace:
         try:
             self._docker(commit_argv(self.b, self.name, image), timeout=300)
             self._docker(create_argv(self.b, score, image), timeout=300)
-            nonce = secrets.token_hex(16)      # in a key file the runner deletes, never on its command line
+            nonce = secrets.token_hex(16)  # in a key file the runner deletes, never on its command line
             key = json.dumps({"nonce": nonce, "tests": {}}).encode()
-            self._docker(copy_in_argv(self.b, score), stdin=tar_of(
-                {**{f"{self.workdir}/{rel}": (text.encode(), 0o644, uid, gid) for rel, text in task.hidden_tests.items()},
-                 f"{self.workdir}/{REPORT_KEY}": (key, 0o600, uid, gid)}))
+            self._docker(
+                copy_in_argv(self.b, score),
+                stdin=tar_of(
+                    {
+                        **{
+                            f"{self.workdir}/{rel}": (text.encode(), 0o644, uid, gid)
+                            for rel, text in task.hidden_tests.items()
+                        },
+                        f"{self.workdir}/{REPORT_KEY}": (key, 0o600, uid, gid),
+                    }
+                ),
+            )
             self._docker(start_argv(self.b, score))
-            lim = BashLimits(**{**limits.command.__dict__, "wall_s": limits.score_wall_s,
-                                "cpu_s": int(limits.score_wall_s) + 1})
+            lim = BashLimits(
+                **{
+                    **limits.command.__dict__,
+                    "wall_s": limits.score_wall_s,
+                    "cpu_s": int(limits.score_wall_s) + 1,
+                }
+            )
             res = self.run(test_command(task.runner, task.test_paths, TOOLS, report=True), lim, name=score)
-            return parse_report(res.stdout.decode("utf-8", "replace"), nonce, task.runner), \
-                ("" if res.ok or res.reason.startswith("exit code") else f"tests: {res.reason}")
+            return parse_report(res.stdout.decode("utf-8", "replace"), nonce, task.runner), (
+                "" if res.ok or res.reason.startswith("exit code") else f"tests: {res.reason}"
+            )
         except (RuntimeError, ValueError) as e:
             return {}, f"scoring container failed: {e}"
         finally:
@@ -261,9 +353,9 @@ class DockerWorkspace:
 def exec_reason(rc: int, client_timeout: bool, wall_s: float, limits: BashLimits) -> str:
     """The local sandbox's reasons, from `timeout`'s and bash's exit codes inside the container."""
     if client_timeout or (rc == 137 and wall_s >= limits.wall_s):
-        return f"wall timeout after {limits.wall_s}s"     # timeout -s KILL: the command's process group
+        return f"wall timeout after {limits.wall_s}s"  # timeout -s KILL: the command's process group
     if rc == 137:
-        return "killed (out of memory)"                    # the container's memory cgroup
+        return "killed (out of memory)"  # the container's memory cgroup
     if rc == 197:
         return "sandbox error: ulimit failed in the container"
     if rc == 128 + 24:

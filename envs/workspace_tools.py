@@ -8,9 +8,10 @@ stdout taken before any test code runs, numbered lines `<nonce> <seq> PASS|FAIL|
 test once, `<nonce> <seq> TAMPER <what>` for what its integrity checks found, and last
 `<nonce> <seq> END <n reports>`; envs/test_report.py reads them.
 """
+
 from __future__ import annotations
 
-VIEW = r'''
+VIEW = r"""
 import sys
 args = sys.argv[1:]
 if not args or len(args) > 3:
@@ -26,9 +27,9 @@ for i in range(start, min(end, len(lines)) + 1):
     print(f"{i:6d}  {lines[i - 1]}")
 if len(args) == 1 and len(lines) > end:
     print(f"[... {len(lines) - end} more lines: view {args[0]} {end + 1} {len(lines)}]")
-'''
+"""
 
-REPLACE = r'''
+REPLACE = r"""
 import re, sys
 if len(sys.argv) != 2:
     sys.exit("usage: replace FILE <<'EOF'\n<<<<<<< SEARCH\nold lines\n=======\nnew lines\n>>>>>>> REPLACE\nEOF")
@@ -47,12 +48,12 @@ if n != 1:
 with open(path, "w", encoding="utf-8") as f:
     f.write(text.replace(old, new, 1))
 print(f"replaced {old.count(chr(10)) + 1} line(s) with {new.count(chr(10)) + 1 if new else 0} in {path}")
-'''
+"""
 
 # rewrite FILE <<'EOF' / def name(...): ... / EOF: the function (or a class's method) called `name`
 # in FILE becomes the given one, decorators included. A fix is then the whole corrected function,
 # with nothing copied from the file (no SEARCH block), so a small policy can learn it by heart.
-REWRITE = r'''
+REWRITE = r"""
 import ast, os, sys, textwrap
 FN = (ast.FunctionDef, ast.AsyncFunctionDef)
 MAX = 200_000
@@ -104,12 +105,12 @@ except SyntaxError as e:
 with open(real, "w", encoding="utf-8") as fh:
     fh.write(out)
 print(f"rewrote {name}")
-'''
+"""
 
-SUBMIT = r'''#!/bin/sh
+SUBMIT = r"""#!/bin/sh
 echo "submit must be the only command of its turn (a block containing just: submit)" >&2
 exit 2
-'''
+"""
 
 REPORT_KEY = ".asyncrl-report-key"
 PROBES = ".asyncrl-probes"
@@ -507,6 +508,7 @@ def test_command(runner: str, test_paths: list[str], tools: str, report: bool = 
     """The shell command that runs a task's tests (report mode: the key file REPORT_KEY must be in
     the working directory; nothing secret is on the command line)."""
     import shlex
+
     paths = " ".join(shlex.quote(p) for p in test_paths)
     if runner == "mini":
         return f"python {tools}/minitest.py {'--report ' if report else ''}{paths}"
@@ -525,14 +527,20 @@ def value_command(tools: str) -> str:
 
 def tool_files(python: str, runner: str, test_paths: list[str], tools: str) -> dict[str, tuple[str, int]]:
     """name -> (content, mode) of everything in an episode's tools/ directory."""
+
     def py(body: str) -> str:
         return f"#!{python}\n{body}"
+
     wrapper = f'#!/bin/sh\nexec {python} "$@"\n'
     return {
-        "python": (wrapper, 0o755), "python3": (wrapper, 0o755),
-        "view": (py(VIEW), 0o755), "replace": (py(REPLACE), 0o755),
-        "rewrite": (py(REWRITE), 0o755), "submit": (SUBMIT, 0o755),
+        "python": (wrapper, 0o755),
+        "python3": (wrapper, 0o755),
+        "view": (py(VIEW), 0o755),
+        "replace": (py(REPLACE), 0o755),
+        "rewrite": (py(REWRITE), 0o755),
+        "submit": (SUBMIT, 0o755),
         "run_tests": (f'#!/bin/sh\nexec {test_command(runner, test_paths, tools)} "$@"\n', 0o755),
-        "minitest.py": (MINITEST, 0o644), "asyncrl_report.py": (PYTEST_REPORT, 0o644),
+        "minitest.py": (MINITEST, 0o644),
+        "asyncrl_report.py": (PYTEST_REPORT, 0o644),
         "valuetest.py": (VALUETEST, 0o644),
     }

@@ -1,4 +1,5 @@
 """Model and quantisation configs: plain dataclasses that travel as dicts (wire/TOML)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,21 +12,21 @@ class ModelConfig:
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
-    n_kv_heads: int = 2            # GQA: query heads share n_heads // n_kv_heads groups
-    head_dim: int = 0              # 0 = d_model // n_heads
-    d_ff: int = 384                # SwiGLU hidden size
-    attn: str = "gqa"              # "gqa" | "mla"
+    n_kv_heads: int = 2  # GQA: query heads share n_heads // n_kv_heads groups
+    head_dim: int = 0  # 0 = d_model // n_heads
+    d_ff: int = 384  # SwiGLU hidden size
+    attn: str = "gqa"  # "gqa" | "mla"
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     # None = plain RoPE; {"rope_type": "linear", "factor": f} or Llama 3's {"rope_type": "llama3",
     # "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     rope_scaling: dict | None = None
     norm_eps: float = 1e-6
-    qkv_bias: bool = False         # Qwen2 has biases on q/k/v
+    qkv_bias: bool = False  # Qwen2 has biases on q/k/v
     tie_embeddings: bool = False
     # MLA (DeepSeek-V2 style): KV compressed to a latent, plus a decoupled RoPE part shared across heads
     kv_lora_rank: int = 64
-    q_lora_rank: int = 0           # 0 = full-rank query projection
+    q_lora_rank: int = 0  # 0 = full-rank query projection
     qk_nope_dim: int = 32
     qk_rope_dim: int = 16
     v_head_dim: int = 32
@@ -37,7 +38,9 @@ class ModelConfig:
         if self.attn not in ("gqa", "mla"):
             problems.append(f"attn must be 'gqa' or 'mla', got {self.attn!r}")
         if self.n_heads <= 0 or self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
-            problems.append(f"n_heads {self.n_heads} must be a positive multiple of n_kv_heads {self.n_kv_heads}")
+            problems.append(
+                f"n_heads {self.n_heads} must be a positive multiple of n_kv_heads {self.n_kv_heads}"
+            )
         if self.head_dim % 2 or self.qk_rope_dim % 2:
             problems.append("RoPE dims (head_dim, qk_rope_dim) must be even")
         problems += rope_scaling_problems(self.rope_scaling)
@@ -60,24 +63,84 @@ class ModelConfig:
 
     # presets: parameter counts are for the transformer body plus embeddings at the given vocab
     @classmethod
-    def tiny(cls, vocab_size: int = 128, **kw) -> "ModelConfig":        # ~1 M
-        return cls(**{**dict(vocab_size=vocab_size, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
-                             d_ff=384, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32), **kw})
+    def tiny(cls, vocab_size: int = 128, **kw) -> "ModelConfig":  # ~1 M
+        return cls(
+            **{
+                **dict(
+                    vocab_size=vocab_size,
+                    d_model=128,
+                    n_layers=4,
+                    n_heads=4,
+                    n_kv_heads=2,
+                    d_ff=384,
+                    kv_lora_rank=64,
+                    qk_nope_dim=32,
+                    qk_rope_dim=16,
+                    v_head_dim=32,
+                ),
+                **kw,
+            }
+        )
 
     @classmethod
-    def small(cls, vocab_size: int = 128, **kw) -> "ModelConfig":       # ~10 M
-        return cls(**{**dict(vocab_size=vocab_size, d_model=384, n_layers=6, n_heads=6, n_kv_heads=2,
-                             d_ff=1024, kv_lora_rank=128, qk_nope_dim=64, qk_rope_dim=32, v_head_dim=64), **kw})
+    def small(cls, vocab_size: int = 128, **kw) -> "ModelConfig":  # ~10 M
+        return cls(
+            **{
+                **dict(
+                    vocab_size=vocab_size,
+                    d_model=384,
+                    n_layers=6,
+                    n_heads=6,
+                    n_kv_heads=2,
+                    d_ff=1024,
+                    kv_lora_rank=128,
+                    qk_nope_dim=64,
+                    qk_rope_dim=32,
+                    v_head_dim=64,
+                ),
+                **kw,
+            }
+        )
 
     @classmethod
-    def base50m(cls, vocab_size: int = 128, **kw) -> "ModelConfig":     # ~50 M
-        return cls(**{**dict(vocab_size=vocab_size, d_model=640, n_layers=11, n_heads=10, n_kv_heads=5,
-                             d_ff=1728, kv_lora_rank=256, qk_nope_dim=64, qk_rope_dim=32, v_head_dim=64), **kw})
+    def base50m(cls, vocab_size: int = 128, **kw) -> "ModelConfig":  # ~50 M
+        return cls(
+            **{
+                **dict(
+                    vocab_size=vocab_size,
+                    d_model=640,
+                    n_layers=11,
+                    n_heads=10,
+                    n_kv_heads=5,
+                    d_ff=1728,
+                    kv_lora_rank=256,
+                    qk_nope_dim=64,
+                    qk_rope_dim=32,
+                    v_head_dim=64,
+                ),
+                **kw,
+            }
+        )
 
     @classmethod
-    def base100m(cls, vocab_size: int = 128, **kw) -> "ModelConfig":    # ~100 M
-        return cls(**{**dict(vocab_size=vocab_size, d_model=768, n_layers=13, n_heads=12, n_kv_heads=4,
-                             d_ff=2560, kv_lora_rank=256, qk_nope_dim=64, qk_rope_dim=32, v_head_dim=64), **kw})
+    def base100m(cls, vocab_size: int = 128, **kw) -> "ModelConfig":  # ~100 M
+        return cls(
+            **{
+                **dict(
+                    vocab_size=vocab_size,
+                    d_model=768,
+                    n_layers=13,
+                    n_heads=12,
+                    n_kv_heads=4,
+                    d_ff=2560,
+                    kv_lora_rank=256,
+                    qk_nope_dim=64,
+                    qk_rope_dim=32,
+                    v_head_dim=64,
+                ),
+                **kw,
+            }
+        )
 
     @classmethod
     def preset(cls, name: str, vocab_size: int = 128, **kw) -> "ModelConfig":
@@ -87,8 +150,10 @@ class ModelConfig:
         return presets[name](vocab_size=vocab_size, **kw)
 
 
-ROPE_SCALING_KEYS = {"linear": ("factor",),
-                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 def rope_scaling_problems(s) -> list[str]:
@@ -118,9 +183,10 @@ QUANT_SITES = ("mla_rope_qk", "linear_act", "linear_weight")
 class QuantConfig:
     """fp8 fake-quantisation sites. Scales are position-local (per token, or per token x block),
     so decoding one position at a time and teacher-forcing all positions quantise identically."""
+
     sites: tuple[str, ...] = ()
     fmt: str = "e4m3"
-    block: int = 0                 # 0 = one scale per token (x head) row; >0 = blocks along the feature dim
+    block: int = 0  # 0 = one scale per token (x head) row; >0 = blocks along the feature dim
 
     def __post_init__(self):
         object.__setattr__(self, "sites", tuple(self.sites))

@@ -1,4 +1,5 @@
 """Static-batch generation with the KV cache (evaluation, lambda calibration, tests)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,16 +13,22 @@ from .sampling import SamplingConfig, SamplingMask, sample
 
 @dataclass
 class GenOut:
-    ids: list[int]             # completion ids (the stop id included when it ended the sequence)
-    logprobs: list[float]      # behaviour logprob of each id
-    mask: SamplingMask         # one row per id
-    finish_reason: str         # "stop" | "stop_fn" | "length"
+    ids: list[int]  # completion ids (the stop id included when it ended the sequence)
+    logprobs: list[float]  # behaviour logprob of each id
+    mask: SamplingMask  # one row per id
+    finish_reason: str  # "stop" | "stop_fn" | "length"
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Sequence[SamplingConfig],
-             max_new_tokens: int, stop_ids: Sequence[int] = (), generator: torch.Generator | None = None,
-             stop_fn: Callable[[list[int]], bool] | None = None) -> list[GenOut]:
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig | Sequence[SamplingConfig],
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+    stop_fn: Callable[[list[int]], bool] | None = None,
+) -> list[GenOut]:
     """`stop_fn(ids so far)` true ends a sequence too (finish "stop_fn"): e.g. a closed action block."""
     B = len(prompts)
     if max_new_tokens <= 0:
@@ -30,8 +37,13 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], sampling: Sam
     if len(cfgs) != B:
         raise ValueError(f"got {len(cfgs)} sampling configs for {B} prompts")
     dev = next(model.parameters()).device
-    cache = KVCache(model.cfg, B, max(len(p) for p in prompts) + max_new_tokens,
-                    dtype=next(model.parameters()).dtype, device=dev)
+    cache = KVCache(
+        model.cfg,
+        B,
+        max(len(p) for p in prompts) + max_new_tokens,
+        dtype=next(model.parameters()).dtype,
+        device=dev,
+    )
     logits = model.prefill_many(prompts, cache, list(range(B)))
     ids, lps, masks = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
     finish = [None] * B
@@ -39,7 +51,9 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], sampling: Sam
     active = torch.arange(B, device=dev)
     for step in range(max_new_tokens):
         out = sample(logits, [cfgs[i] for i in active.tolist()], generator)
-        for i, tok, lp, row in zip(active.tolist(), out.tokens.tolist(), out.logprobs.tolist(), out.mask.row_parts()):
+        for i, tok, lp, row in zip(
+            active.tolist(), out.tokens.tolist(), out.logprobs.tolist(), out.mask.row_parts()
+        ):
             ids[i].append(tok)
             lps[i].append(lp)
             masks[i].append(row)

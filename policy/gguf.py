@@ -2,6 +2,7 @@
 safetensors, tokenizer.json (byte-level BPE from the GGUF vocab and merges), tokenizer_config.json
 with the chat template. The `gguf` package only parses the file; dequantisation, the rotary
 un-permutation and the tokenizer/config construction are ours."""
+
 from __future__ import annotations
 
 import json
@@ -14,13 +15,20 @@ from safetensors.torch import save_file
 
 # ggml block layouts we dequantise: (values per block, bytes per block)
 _BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
-_TOKEN_CONTROL = 3          # llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte
+_TOKEN_CONTROL = 3  # llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte
 _TOKEN_USER = 4
 # GGUF tensor name (per block) -> HF name
-_LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 # llama.cpp "pre" tokenizer names whose split is: every digit alone, then the GPT-2 regex
 _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
 
@@ -40,7 +48,9 @@ def dequantize(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarra
             return bits.view(np.float32).reshape(shape)
         return np.asarray(raw).astype(np.float32).reshape(shape)
     if qtype not in _BLOCKS:
-        raise ValueError(f"GGUF tensor type {qtype} not supported (supported: F32, F16, BF16, {sorted(_BLOCKS)})")
+        raise ValueError(
+            f"GGUF tensor type {qtype} not supported (supported: F32, F16, BF16, {sorted(_BLOCKS)})"
+        )
     n, size = _BLOCKS[qtype]
     count = int(np.prod(shape))
     b = np.ascontiguousarray(raw).reshape(-1)
@@ -67,7 +77,7 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _f32(v) -> float:
     """A GGUF float32 field as the short decimal it was written from (9.99e-06 -> 1e-05)."""
-    return float(str(np.float32(v)))      # numpy prints the shortest round-tripping decimal
+    return float(str(np.float32(v)))  # numpy prints the shortest round-tripping decimal
 
 
 def _fields(reader) -> dict:
@@ -103,16 +113,29 @@ def hf_config(meta: dict) -> dict:
     if a + "rope.scaling.type" in meta and meta[a + "rope.scaling.type"] not in ("none",):
         raise ValueError(f"GGUF rope scaling {meta[a + 'rope.scaling.type']!r} not supported")
     vocab = int(meta.get(a + "vocab_size") or len(meta["tokenizer.ggml.tokens"]))
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-           "hidden_size": D, "intermediate_size": int(meta[a + "feed_forward_length"]),
-           "num_hidden_layers": int(meta[a + "block_count"]), "num_attention_heads": H,
-           "num_key_value_heads": int(meta.get(a + "attention.head_count_kv", H)), "head_dim": head_dim,
-           "max_position_embeddings": int(meta.get(a + "context_length", 2048)),
-           "rope_theta": _f32(meta.get(a + "rope.freq_base", 10000.0)),
-           "rms_norm_eps": _f32(meta[a + "attention.layer_norm_rms_epsilon"]), "hidden_act": "silu",
-           "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16"}
-    for ours, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                      ("pad_token_id", "padding_token_id")):
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": D,
+        "intermediate_size": int(meta[a + "feed_forward_length"]),
+        "num_hidden_layers": int(meta[a + "block_count"]),
+        "num_attention_heads": H,
+        "num_key_value_heads": int(meta.get(a + "attention.head_count_kv", H)),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(meta.get(a + "context_length", 2048)),
+        "rope_theta": _f32(meta.get(a + "rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(meta[a + "attention.layer_norm_rms_epsilon"]),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "bfloat16",
+    }
+    for ours, key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
         if f"tokenizer.ggml.{key}" in meta:
             cfg[ours] = int(meta[f"tokenizer.ggml.{key}"])
     return cfg
@@ -122,7 +145,7 @@ def hf_tensors(reader, cfg: dict, dtype=torch.bfloat16) -> dict[str, torch.Tenso
     """Every GGUF tensor dequantised and renamed to HF Llama names (q/k un-permuted)."""
     out = {}
     for t in reader.tensors:
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))    # GGUF lists ne0 (columns) first
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists ne0 (columns) first
         w = dequantize(t.data, t.tensor_type.name, shape)
         parts = t.name.split(".")
         if t.name == "token_embd.weight":
@@ -138,7 +161,9 @@ def hf_tensors(reader, cfg: dict, dtype=torch.bfloat16) -> dict[str, torch.Tenso
             elif parts[2] == "attn_k":
                 w = unpermute_rotary(w, cfg["num_key_value_heads"])
         elif t.name == "rope_freqs.weight":
-            raise ValueError("GGUF carries rope_freqs (Llama 3 rope scaling): not supported by this converter")
+            raise ValueError(
+                "GGUF carries rope_freqs (Llama 3 rope scaling): not supported by this converter"
+            )
         else:
             raise ValueError(f"GGUF tensor {t.name!r} has no HF Llama counterpart")
         out[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
@@ -149,6 +174,7 @@ def hf_tokenizer(meta: dict):
     """A `tokenizers.Tokenizer` for a GGUF 'gpt2' (byte-level BPE) vocab: same ids, same merges,
     control/user-defined tokens as added tokens so chat markup encodes to one id each."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer model {kind!r} not supported (only byte-level BPE 'gpt2')")
@@ -161,12 +187,18 @@ def hf_tokenizer(meta: dict):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     pre = meta.get("tokenizer.ggml.pre", "default")
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                         if pre in _DIGIT_SPLIT_PRE else byte_level)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if pre in _DIGIT_SPLIT_PRE
+        else byte_level
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    special = [AddedToken(t, special=ty == _TOKEN_CONTROL, normalized=False)
-               for t, ty in zip(tokens, types) if ty in (_TOKEN_CONTROL, _TOKEN_USER)]
+    special = [
+        AddedToken(t, special=ty == _TOKEN_CONTROL, normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty in (_TOKEN_CONTROL, _TOKEN_USER)
+    ]
     tok.add_tokens(special)
     return tok
 
@@ -178,11 +210,16 @@ def tokenizer_config(meta: dict, cfg: dict) -> dict:
         i = meta.get(f"tokenizer.ggml.{key}")
         return tokens[int(i)] if i is not None else None
 
-    out = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg["max_position_embeddings"],
-           "bos_token": name("bos_token_id"), "eos_token": name("eos_token_id"),
-           "pad_token": name("padding_token_id"), "unk_token": name("unknown_token_id"),
-           "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-           "clean_up_tokenization_spaces": False}
+    out = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": cfg["max_position_embeddings"],
+        "bos_token": name("bos_token_id"),
+        "eos_token": name("eos_token_id"),
+        "pad_token": name("padding_token_id"),
+        "unk_token": name("unknown_token_id"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "clean_up_tokenization_spaces": False,
+    }
     if "tokenizer.chat_template" in meta:
         out["chat_template"] = meta["tokenizer.chat_template"]
     return {k: v for k, v in out.items() if v is not None}

@@ -8,6 +8,7 @@ loss and gradient as one chunk (tested); the peak is a few [chunk_tokens, vocab]
 
 Every log-ratio that goes through an exponent is clamped first (`clamp_log_ratio`, the one
 place): exp(±20) is finite in fp32, and a weight of 0 times it stays 0 (inf * 0 would be NaN)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,10 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .sampling import (FULL, SamplingConfig, SamplingMask, sampling_tensors, scale_logits, truncated_logprobs,
-                       truncation)
+from .sampling import (
+    FULL,
+    SamplingConfig,
+    SamplingMask,
+    sampling_tensors,
+    scale_logits,
+    truncated_logprobs,
+    truncation,
+)
 
-LOG_RATIO_CLAMP = 20.0       # |log pi/mu| beyond this is as off-policy as it gets; exp(20) ~ 4.9e8
+LOG_RATIO_CLAMP = 20.0  # |log pi/mu| beyond this is as off-policy as it gets; exp(20) ~ 4.9e8
 
 
 def clamp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -32,15 +40,20 @@ def clamp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class LogprobResult:
-    logprobs: torch.Tensor     # [B, T] logprob of each completion token (0 where not valid)
-    entropy: torch.Tensor      # [B, T] entropy of the (truncated) distribution at that step
-    valid: torch.Tensor        # [B, T] bool, T = longest completion
+    logprobs: torch.Tensor  # [B, T] logprob of each completion token (0 where not valid)
+    entropy: torch.Tensor  # [B, T] entropy of the (truncated) distribution at that step
+    valid: torch.Tensor  # [B, T] bool, T = longest completion
 
 
-def sequence_logprobs(model, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                      samplings: Sequence[SamplingConfig] | SamplingConfig,
-                      masks: Sequence[SamplingMask | None] | None = None,
-                      replay_mask: bool = True, chunk_tokens: int = 0) -> LogprobResult:
+def sequence_logprobs(
+    model,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    samplings: Sequence[SamplingConfig] | SamplingConfig,
+    masks: Sequence[SamplingMask | None] | None = None,
+    replay_mask: bool = True,
+    chunk_tokens: int = 0,
+) -> LogprobResult:
     """Batched, differentiable. replay_mask=True: each token's distribution is rebuilt from its
     shipped kept set (mask=None: re-derived from our own logits with the same truncation).
     replay_mask=False: temperature only, no truncation (what a naive trainer would compute).
@@ -52,14 +65,17 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], completions: Sequ
     samplings = [samplings] * B if isinstance(samplings, SamplingConfig) else list(samplings)
     masks = [None] * B if masks is None else list(masks)
     if len(samplings) != B or len(masks) != B:
-        raise ValueError(f"need one sampling config and one mask per sequence ({B}), "
-                         f"got {len(samplings)} and {len(masks)}")
+        raise ValueError(
+            f"need one sampling config and one mask per sequence ({B}), got {len(samplings)} and {len(masks)}"
+        )
     if chunk_tokens < 0:
         raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
     plen = [len(p) for p in prompts]
     clen = [len(c) for c in completions]
     if min(plen, default=1) == 0:
-        raise ValueError("every prompt needs at least one token (the first completion token is predicted from it)")
+        raise ValueError(
+            "every prompt needs at least one token (the first completion token is predicted from it)"
+        )
     for i, (m, n) in enumerate(zip(masks, clen)):
         if m is not None and len(m) != n:
             raise ValueError(f"sequence {i}: mask has {len(m)} rows for {n} completion tokens")
@@ -67,7 +83,7 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], completions: Sequ
     Tc, Tf = max(clen, default=0), max(p + c for p, c in zip(plen, clen))
     idx = torch.zeros(B, Tf, dtype=torch.long)
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        idx[i, :plen[i] + clen[i]] = torch.as_tensor(list(p) + list(c), dtype=torch.long)
+        idx[i, : plen[i] + clen[i]] = torch.as_tensor(list(p) + list(c), dtype=torch.long)
     idx = idx.to(dev)
     P, C = torch.tensor(plen, device=dev), torch.tensor(clen, device=dev)
     j = torch.arange(Tc, device=dev)
@@ -75,15 +91,16 @@ def sequence_logprobs(model, prompts: Sequence[Sequence[int]], completions: Sequ
     # logits at position plen-1+j predict completion token j (right padding never leaks: causal)
     pos = (P[:, None] - 1 + j[None]).clamp(max=Tf - 1)
     rows = torch.arange(B, device=dev)[:, None].expand(B, Tc)
-    rv, pv = rows[valid], pos[valid]                             # N = total completion tokens
+    rv, pv = rows[valid], pos[valid]  # N = total completion tokens
     target = idx[rv, (pos + 1).clamp(max=Tf - 1)[valid]]
     temperature, top_p, top_k = (t.repeat_interleave(C) for t in sampling_tensors(samplings, B, dev))
     if not replay_mask:
-        temperature = torch.where(temperature > 0, temperature, 1.0)     # greedy: plain softmax
+        temperature = torch.where(temperature > 0, temperature, 1.0)  # greedy: plain softmax
     rowsets = RowSets.of(masks, clen, replay_mask, temperature, top_p, top_k)
 
-    def head(h, w):       # inside the model's forward: only completion positions, chunk by chunk
+    def head(h, w):  # inside the model's forward: only completion positions, chunk by chunk
         return token_logprobs(h[rv, pv], w, target, temperature, top_p, top_k, rowsets, chunk_tokens)
+
     tok_lp, ent = model(idx, head=head)
     at = (rv, j.expand(B, Tc)[valid])
     out_lp = torch.zeros(B, Tc, device=dev, dtype=tok_lp.dtype).index_put(at, tok_lp)
@@ -98,11 +115,12 @@ class RowSets:
     from the logits (`derive`), or keep the whole vocabulary (replay off). `need`: rows whose kept
     set is not the whole vocabulary (a shipped row that is not FULL, a derived row whose sampling
     truncates); a chunk without one builds no [rows, vocab] mask at all."""
-    given: torch.Tensor          # [N] bool
-    need: torch.Tensor           # [N] bool
-    derive: bool                 # re-derive the rows without a shipped mask
-    shipped: SamplingMask        # rows of the given rows, in order
-    before: np.ndarray           # [N + 1] number of given rows before each flat row
+
+    given: torch.Tensor  # [N] bool
+    need: torch.Tensor  # [N] bool
+    derive: bool  # re-derive the rows without a shipped mask
+    shipped: SamplingMask  # rows of the given rows, in order
+    before: np.ndarray  # [N + 1] number of given rows before each flat row
 
     @classmethod
     def of(cls, masks, clen, replay_mask: bool, temperature, top_p, top_k) -> "RowSets":
@@ -114,7 +132,7 @@ class RowSets:
         given = torch.from_numpy(g).to(dev)
         need = torch.zeros_like(given)
         need[given] = torch.from_numpy(shipped.counts != FULL).to(dev)
-        if replay_mask:          # the same rule as sampling.truncation: these rows keep everything
+        if replay_mask:  # the same rule as sampling.truncation: these rows keep everything
             need |= ~given & ((top_p < 1) | (top_k > 0) | (temperature <= 0))
         return cls(given, need, replay_mask, shipped, np.concatenate([[0], np.cumsum(g)]).astype(np.int64))
 
@@ -135,19 +153,22 @@ class RowSets:
                 keep[sel, target[sel]] = True
             if bool((need & given).any()):
                 sel = given.nonzero()[:, 0]
-                rows = self.shipped[int(self.before[a]):int(self.before[b])]
+                rows = self.shipped[int(self.before[a]) : int(self.before[b])]
                 shipped = rows.keep_matrix(scaled.shape[1], dev)
                 keep[sel] = shipped
                 outside = ~shipped.gather(1, target[sel][:, None])[:, 0]
                 if outside.any():
                     bad = (sel[outside] + a)[:5].tolist()
-                    raise ValueError(f"sampled token outside its shipped kept set at flat rows {bad}: "
-                                     "mask does not belong to this completion")
+                    raise ValueError(
+                        f"sampled token outside its shipped kept set at flat rows {bad}: "
+                        "mask does not belong to this completion"
+                    )
         return keep
 
 
-def token_logprobs(hidden, weight, target, temperature, top_p, top_k, rowsets: RowSets,
-                   chunk_tokens: int = 0):
+def token_logprobs(
+    hidden, weight, target, temperature, top_p, top_k, rowsets: RowSets, chunk_tokens: int = 0
+):
     """hidden [N, d] of the completion positions, output weight [V, d] -> (logprob of each target
     [N], entropy of each row's kept distribution [N]), `chunk_tokens` rows at a time."""
     N = hidden.shape[0]
@@ -157,8 +178,9 @@ def token_logprobs(hidden, weight, target, temperature, top_p, top_k, rowsets: R
     lps, ents = [], []
     for a in range(0, N, n):
         b = min(a + n, N)
-        lp, en = checkpoint(_chunk, hidden[a:b], weight, a, b, target, temperature, top_p, top_k, rowsets,
-                            use_reentrant=False)
+        lp, en = checkpoint(
+            _chunk, hidden[a:b], weight, a, b, target, temperature, top_p, top_k, rowsets, use_reentrant=False
+        )
         lps.append(lp)
         ents.append(en)
     return torch.cat(lps), torch.cat(ents)
@@ -173,7 +195,7 @@ def _chunk(hidden, weight, a, b, target, temperature, top_p, top_k, rowsets: Row
         ent = -(logp.exp() * logp).sum(-1)
     else:
         logp = truncated_logprobs(scaled, keep)
-        safe = logp.masked_fill(~keep, 0.0)     # 0*(-inf) outside the kept set would poison the gradient
+        safe = logp.masked_fill(~keep, 0.0)  # 0*(-inf) outside the kept set would poison the gradient
         ent = -(safe.exp() * keep * safe).sum(-1)
     return logp.gather(1, tgt[:, None])[:, 0], ent
 
@@ -185,14 +207,21 @@ def mismatch_metrics(behaviour_logprobs, trainer_logprobs, valid=None, C: float 
     t = torch.as_tensor(trainer_logprobs).detach().to(torch.float64)
     v = torch.ones_like(b, dtype=torch.bool) if valid is None else torch.as_tensor(valid, dtype=torch.bool)
     if b.shape != t.shape or b.shape != v.shape:
-        raise ValueError(f"shape mismatch: behaviour {tuple(b.shape)}, trainer {tuple(t.shape)}, valid {tuple(v.shape)}")
+        raise ValueError(
+            f"shape mismatch: behaviour {tuple(b.shape)}, trainer {tuple(t.shape)}, valid {tuple(v.shape)}"
+        )
     if not v.any():
         raise ValueError("mismatch_metrics needs at least one valid token")
     lr = clamp_log_ratio((t - b)[v])
     r = lr.exp()
-    return {"k3_mean": float((r - 1 - lr).mean()), "ratio_mean": float(r.mean()),
-            "ratio_p99_abs_log": float(torch.quantile(lr.abs(), 0.99)),
-            "frac_outside_C": float(((r < 1 / C) | (r > C)).double().mean()), "C": C, "tokens": int(v.sum())}
+    return {
+        "k3_mean": float((r - 1 - lr).mean()),
+        "ratio_mean": float(r.mean()),
+        "ratio_p99_abs_log": float(torch.quantile(lr.abs(), 0.99)),
+        "frac_outside_C": float(((r < 1 / C) | (r > C)).double().mean()),
+        "C": C,
+        "tokens": int(v.sum()),
+    }
 
 
 def truncated_is_weight(log_ratio: torch.Tensor, C: float = 2.0) -> torch.Tensor:

@@ -2,6 +2,7 @@
 GQA, and MLA (DeepSeek-V2: KV compressed to a low-rank latent plus a decoupled RoPE key shared
 by all heads). One code path serves teacher-forced training (`forward`) and KV-cached
 incremental decoding (`prefill` / `decode`), so trainer and workers run the same numerics."""
+
 from __future__ import annotations
 
 import math
@@ -28,6 +29,7 @@ class RMSNorm(nn.Module):
 class QLinear(nn.Linear):
     """nn.Linear with optional fp8 fake-quant of its input (per token, 'linear_act') and of its
     weight (per output channel, 'linear_weight')."""
+
     quant: QuantConfig | None = None
 
     def forward(self, x):
@@ -51,7 +53,7 @@ def rope_frequencies(dim: int, theta: float, scaling: dict | None = None) -> tor
         f, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         orig = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
-        smooth = ((orig / wavelen - lo) / (hi - lo)).clamp(0, 1)     # 0: long waves, 1: short waves
+        smooth = ((orig / wavelen - lo) / (hi - lo)).clamp(0, 1)  # 0: long waves, 1: short waves
         return (1 - smooth) * inv_freq / f + smooth * inv_freq
     if kind is not None:
         raise ValueError(f"rope_scaling {kind!r} not supported")
@@ -61,7 +63,7 @@ def rope_frequencies(dim: int, theta: float, scaling: dict | None = None) -> tor
 def rope_tables(dim: int, max_len: int, theta: float, scaling: dict | None = None):
     inv_freq = rope_frequencies(dim, theta, scaling)
     freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-    emb = torch.cat([freqs, freqs], -1)          # HF "rotate_half" layout, so HF q/k weights load as is
+    emb = torch.cat([freqs, freqs], -1)  # HF "rotate_half" layout, so HF q/k weights load as is
     return emb.cos().float(), emb.sin().float()
 
 
@@ -88,15 +90,15 @@ class KVCache:
         L = cfg.n_layers
         if cfg.attn == "gqa":
             shape = (L, slots, cfg.n_kv_heads, max_len, cfg.head_dim)
-            self.a = torch.zeros(shape, dtype=dtype, device=device)          # keys
-            self.b = torch.zeros(shape, dtype=dtype, device=device)          # values
+            self.a = torch.zeros(shape, dtype=dtype, device=device)  # keys
+            self.b = torch.zeros(shape, dtype=dtype, device=device)  # values
         else:
             self.a = torch.zeros(L, slots, max_len, cfg.kv_lora_rank, dtype=dtype, device=device)  # c_kv
-            self.b = torch.zeros(L, slots, max_len, cfg.qk_rope_dim, dtype=dtype, device=device)   # k_rope
+            self.b = torch.zeros(L, slots, max_len, cfg.qk_rope_dim, dtype=dtype, device=device)  # k_rope
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
 
     def reset(self, slot: int) -> None:
-        self.lengths[slot] = 0     # stale entries are masked out by position, no need to zero them
+        self.lengths[slot] = 0  # stale entries are masked out by position, no need to zero them
 
     def write_and_read(self, layer: int, slots, pos, a_new, b_new):
         """Store this step's entries at (slot, pos) and return each slot's history up to its end
@@ -126,7 +128,9 @@ def attend(q, k, v, pos, causal_full: bool):
     if gqa and T == 1:
         # one decode token: the query heads sharing a kv head become that head's query rows, so
         # the kernel loops over B*Hk (not B*H) tiny problems, which is faster at many slots
-        return F.scaled_dot_product_attention(q.reshape(B, Hk, H // Hk, d), k, v, attn_mask=mask).reshape(B, H, 1, -1)
+        return F.scaled_dot_product_attention(q.reshape(B, Hk, H // Hk, d), k, v, attn_mask=mask).reshape(
+            B, H, 1, -1
+        )
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
@@ -147,7 +151,7 @@ class GQAttention(nn.Module):
         k = apply_rope(self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim), cos, sin)
         v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
         if cache is not None:
-            k, v = cache.write_and_read(layer, slots, pos, k, v)      # [B, Hk, S, d]
+            k, v = cache.write_and_read(layer, slots, pos, k, v)  # [B, Hk, S, d]
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         y = attend(q.transpose(1, 2), k, v, pos, causal_full=cache is None)
@@ -228,7 +232,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.reset_rope()
         self.apply(self._init)
-        for name, p in self.named_parameters():      # GPT-2 style: scale residual projections by depth
+        for name, p in self.named_parameters():  # GPT-2 style: scale residual projections by depth
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
         self.quant = quant or QuantConfig()
@@ -275,8 +279,10 @@ class Transformer(nn.Module):
         if int(pos.max()) >= self.cfg.max_seq_len:
             raise ValueError(f"position {int(pos.max())} >= max_seq_len {self.cfg.max_seq_len}")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.cfg.vocab_size):
-            raise ValueError(f"token id out of range [0, {self.cfg.vocab_size}): "
-                             f"min {int(idx.min())}, max {int(idx.max())}")
+            raise ValueError(
+                f"token id out of range [0, {self.cfg.vocab_size}): "
+                f"min {int(idx.min())}, max {int(idx.max())}"
+            )
         x = self.tok_emb(idx)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         for i, blk in enumerate(self.layers):
@@ -356,8 +362,10 @@ class Transformer(nn.Module):
         missing, unknown = set(params) - set(state), set(state) - set(params)
         bad = [n for n in params.keys() & state.keys() if tuple(state[n].shape) != tuple(params[n].shape)]
         if missing or unknown or bad:
-            raise ValueError(f"inference state does not fit the model: missing {sorted(missing)[:5]}, "
-                             f"unknown {sorted(unknown)[:5]}, wrong shape {sorted(bad)[:5]}")
+            raise ValueError(
+                f"inference state does not fit the model: missing {sorted(missing)[:5]}, "
+                f"unknown {sorted(unknown)[:5]}, wrong shape {sorted(bad)[:5]}"
+            )
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(state[n])

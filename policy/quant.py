@@ -2,12 +2,13 @@
 
 Scales are computed per row of the last dim (or per block of it): each token's values are
 quantised from their own amax only, so the result never depends on other positions."""
+
 from __future__ import annotations
 
 import torch
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max      # 448
+FP8_MAX = torch.finfo(FP8).max  # 448
 
 
 def fp8_round(x: torch.Tensor, block: int = 0) -> torch.Tensor:

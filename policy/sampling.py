@@ -1,6 +1,7 @@
 """The sampling transform shared by engine and trainer: temperature, top-k, top-p ->
 sampled token, its behaviour logprob under the truncated + renormalised distribution, and a
 compact mask of the kept set so the trainer can rebuild exactly that distribution."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,16 +11,16 @@ import numpy as np
 import torch
 import zstandard
 
-FULL = -1      # mask count meaning "nothing truncated": the whole vocab was kept, nothing shipped
-ZSTD_MIN_IDS = 256          # above this many kept ids the wire form is delta-coded + zstd
-MAX_WIRE_IDS = 1 << 28      # refuse decompression bombs
+FULL = -1  # mask count meaning "nothing truncated": the whole vocab was kept, nothing shipped
+ZSTD_MIN_IDS = 256  # above this many kept ids the wire form is delta-coded + zstd
+MAX_WIRE_IDS = 1 << 28  # refuse decompression bombs
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    temperature: float = 1.0       # 0 = greedy
+    temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0                 # 0 = off
+    top_k: int = 0  # 0 = off
 
     def __post_init__(self):
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -39,8 +40,11 @@ class SamplingConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingConfig":
         """Accepts a bus SamplingParams dict (its other keys: max_tokens, n, stop are not ours)."""
-        return cls(temperature=float(d.get("temperature", 1.0)), top_p=float(d.get("top_p", 1.0)),
-                   top_k=int(d.get("top_k", 0)))
+        return cls(
+            temperature=float(d.get("temperature", 1.0)),
+            top_p=float(d.get("top_p", 1.0)),
+            top_k=int(d.get("top_k", 0)),
+        )
 
 
 class SamplingMask:
@@ -54,7 +58,9 @@ class SamplingMask:
         if (self.counts < FULL).any() or (self.counts == 0).any():
             raise ValueError("mask counts must be >= 1 or FULL (-1)")
         if int(np.clip(self.counts, 0, None).sum()) != len(self.ids):
-            raise ValueError(f"mask counts sum {int(np.clip(self.counts, 0, None).sum())} != {len(self.ids)} ids")
+            raise ValueError(
+                f"mask counts sum {int(np.clip(self.counts, 0, None).sum())} != {len(self.ids)} ids"
+            )
         if len(self.ids) and self.ids.min() < 0:
             raise ValueError("mask ids must be >= 0")
 
@@ -69,11 +75,13 @@ class SamplingMask:
         if not isinstance(other, SamplingMask) or not np.array_equal(self.counts, other.counts):
             return False
         rows = np.repeat(np.arange(len(self)), np.clip(self.counts, 0, None))
-        return np.array_equal(self.ids[np.lexsort((self.ids, rows))], other.ids[np.lexsort((other.ids, rows))])
+        return np.array_equal(
+            self.ids[np.lexsort((self.ids, rows))], other.ids[np.lexsort((other.ids, rows))]
+        )
 
     @property
     def offsets(self) -> np.ndarray:
-        if self._offsets is None:      # arrays are never mutated after construction: compute once
+        if self._offsets is None:  # arrays are never mutated after construction: compute once
             self._offsets = np.concatenate([[0], np.cumsum(np.clip(self.counts, 0, None))]).astype(np.int64)
         return self._offsets
 
@@ -86,7 +94,7 @@ class SamplingMask:
         if self.counts[i] == FULL:
             return None
         o = self.offsets
-        return self.ids[o[i]:o[i + 1]]
+        return self.ids[o[i] : o[i + 1]]
 
     def __getitem__(self, sl) -> "SamplingMask":
         if isinstance(sl, int):
@@ -95,13 +103,13 @@ class SamplingMask:
             raise TypeError("SamplingMask supports int or contiguous slice indexing")
         a, b, _ = sl.indices(len(self))
         o = self.offsets
-        return SamplingMask(self.counts[a:b], self.ids[o[a]:o[max(a, b)]])
+        return SamplingMask(self.counts[a:b], self.ids[o[a] : o[max(a, b)]])
 
     def row_parts(self) -> list[tuple[int, np.ndarray | None]]:
         """(count, kept ids or None when the whole vocab was kept) per row: what a decode loop
         appends to each sequence per token, without building a mask object per token."""
         o, counts = self.offsets, self.counts.tolist()
-        return [(c, None if c == FULL else self.ids[o[i]:o[i + 1]]) for i, c in enumerate(counts)]
+        return [(c, None if c == FULL else self.ids[o[i] : o[i + 1]]) for i, c in enumerate(counts)]
 
     @classmethod
     def from_rows(cls, rows: Sequence[tuple[int, np.ndarray | None]]) -> "SamplingMask":
@@ -122,13 +130,24 @@ class SamplingMask:
             return {"format": "full", "rows": len(self)}
         counts = self.counts.astype("<i4").tobytes()
         if len(self.ids) <= ZSTD_MIN_IDS:
-            return {"format": "csr1", "rows": len(self), "counts": counts, "ids": self.ids.astype("<i4").tobytes()}
+            return {
+                "format": "csr1",
+                "rows": len(self),
+                "counts": counts,
+                "ids": self.ids.astype("<i4").tobytes(),
+            }
         rows = np.repeat(np.arange(len(self)), np.clip(self.counts, 0, None))
         ids = self.ids[np.lexsort((self.ids, rows))].astype(np.int64)
         delta = np.diff(ids, prepend=0)
-        delta[self.offsets[:-1][self.counts > 0]] = ids[self.offsets[:-1][self.counts > 0]]   # row starts absolute
-        return {"format": "csr1z", "rows": len(self), "counts": counts,
-                "ids": zstandard.ZstdCompressor(level=3).compress(delta.astype("<i4").tobytes())}
+        delta[self.offsets[:-1][self.counts > 0]] = ids[
+            self.offsets[:-1][self.counts > 0]
+        ]  # row starts absolute
+        return {
+            "format": "csr1z",
+            "rows": len(self),
+            "counts": counts,
+            "ids": zstandard.ZstdCompressor(level=3).compress(delta.astype("<i4").tobytes()),
+        }
 
     @classmethod
     def from_wire(cls, d: dict) -> "SamplingMask":
@@ -151,7 +170,11 @@ class SamplingMask:
             raise ValueError("sampling mask counts/ids must be int32 byte strings")
         counts, ids = np.frombuffer(cb, "<i4"), np.frombuffer(ib, "<i4")
         if d["format"] == "csr1z":
-            if int(np.clip(counts, 0, None).sum()) != len(ids) or (counts == 0).any() or (counts < FULL).any():
+            if (
+                int(np.clip(counts, 0, None).sum()) != len(ids)
+                or (counts == 0).any()
+                or (counts < FULL).any()
+            ):
                 raise ValueError("sampling mask counts do not match its ids")
             # undo the per-row delta coding: cumulative sum minus the running total before each row
             c = np.cumsum(ids.astype(np.int64))
@@ -180,9 +203,9 @@ class SamplingMask:
 
 @dataclass
 class SampleOut:
-    tokens: torch.Tensor       # [B] long
-    logprobs: torch.Tensor     # [B] fp32 behaviour logprobs (truncated, renormalised)
-    mask: SamplingMask         # B rows
+    tokens: torch.Tensor  # [B] long
+    logprobs: torch.Tensor  # [B] fp32 behaviour logprobs (truncated, renormalised)
+    mask: SamplingMask  # B rows
 
 
 def sampling_tensors(cfg, n: int, device=None):
@@ -207,7 +230,7 @@ def truncation(scaled: torch.Tensor, temperature, top_p, top_k):
     probs = sorted_logits.softmax(-1)
     mass_before = torch.cat([torch.zeros_like(probs[:, :1]), torch.cumsum(probs, -1)[:, :-1]], -1)
     rank = torch.arange(scaled.shape[-1], device=scaled.device)[None]
-    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)   # top_p=1 must keep the float tail too
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)  # top_p=1 must keep the float tail too
     keep &= (top_k[:, None] == 0) | (rank < top_k[:, None])
     keep &= (temperature[:, None] > 0) | (rank == 0)
     keep[:, 0] = True
@@ -232,7 +255,7 @@ def sample(logits: torch.Tensor, cfg, generator: torch.Generator | None = None) 
     temperature, top_p, top_k = sampling_tensors(cfg, B, logits.device)
     scaled = scale_logits(logits, temperature)
     full = (top_p >= 1) & (top_k == 0) & (temperature > 0)
-    if bool(full.all()):     # nothing truncated: no sort, the kept set is the vocab (same numbers as below)
+    if bool(full.all()):  # nothing truncated: no sort, the kept set is the vocab (same numbers as below)
         logp, mask = scaled.log_softmax(-1), SamplingMask.full(B)
     else:
         order, keep_sorted = truncation(scaled, temperature, top_p, top_k)
@@ -240,7 +263,7 @@ def sample(logits: torch.Tensor, cfg, generator: torch.Generator | None = None) 
         logp = truncated_logprobs(scaled, keep)
         counts = keep_sorted.sum(-1).to(torch.int32)
         counts[full] = FULL
-        ids = keep[~full].nonzero()[:, 1]                  # row-major, ascending ids within each row
+        ids = keep[~full].nonzero()[:, 1]  # row-major, ascending ids within each row
         mask = SamplingMask(counts.cpu().numpy(), ids.to(torch.int32).cpu().numpy())
     tokens = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
     return SampleOut(tokens, logp.gather(1, tokens[:, None])[:, 0], mask)

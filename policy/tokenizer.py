@@ -1,4 +1,5 @@
 """Tokenizers: a built-in character tokenizer for the built-in tasks, and HF `tokenizers` files."""
+
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ from pathlib import Path
 
 class CharTokenizer:
     """pad=0, bos=1, eos=2, then one id per printable ASCII char (space..~) and newline."""
+
     pad_id, bos_id, eos_id = 0, 1, 2
     SPECIALS = ("<pad>", "<bos>", "<eos>")
 
@@ -43,13 +45,20 @@ class HFTokenizer:
     """Wraps a Hugging Face `tokenizers` tokenizer.json with the CharTokenizer interface, plus the
     model's chat template (Jinja, as in tokenizer_config.json) when it has one."""
 
-    def __init__(self, tok, eos_id: int | None, bos_id: int | None, pad_id: int | None,
-                 chat_template: str | None = None, special_tokens: dict[str, str] | None = None):
+    def __init__(
+        self,
+        tok,
+        eos_id: int | None,
+        bos_id: int | None,
+        pad_id: int | None,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ):
         self.tok, self.eos_id, self.bos_id = tok, eos_id, bos_id
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
-        self.special_tokens = dict(special_tokens or {})     # bos_token, eos_token, ...: the template sees them
+        self.special_tokens = dict(special_tokens or {})  # bos_token, eos_token, ...: the template sees them
         self._template = None
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
@@ -65,17 +74,25 @@ class HFTokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         """The chat template applied to messages ([{"role", "content"}, ...]) -> prompt text."""
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' "
-                             "or chat_template.jinja)")
+            raise ValueError(
+                "this tokenizer has no chat template (tokenizer_config.json 'chat_template' "
+                "or chat_template.jinja)"
+            )
         if not isinstance(messages, (list, tuple)) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages
+        ):
             raise ValueError("messages must be a list of {'role': str, 'content': ...} dicts")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     **{**self.special_tokens, **extra})
+        return self._template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            **{**self.special_tokens, **extra},
+        )
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **extra
+    ) -> list[int]:
         """Token ids of the rendered chat; markup like <|im_start|> encodes to its single special id."""
         return self.encode(self.render_chat(messages, add_generation_prompt, **extra))
 
@@ -89,9 +106,12 @@ def _compile_template(source: str):
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, separators=None, sort_keys=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, separators=None, sort_keys=False: (
+        json.dumps(x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+    )
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(source)
@@ -106,6 +126,7 @@ def load_hf_tokenizer(folder) -> HFTokenizer:
     """tokenizer.json (+ special tokens and chat template from tokenizer_config.json /
     special_tokens_map.json / chat_template.jinja / config.json)."""
     from tokenizers import Tokenizer
+
     folder = Path(folder)
     path = folder / "tokenizer.json"
     if not path.is_file():
@@ -140,20 +161,26 @@ def load_hf_tokenizer(folder) -> HFTokenizer:
         return None
 
     template = None
-    jinja_file = folder / "chat_template.jinja"       # transformers >= 4.43 may write it beside the config
+    jinja_file = folder / "chat_template.jinja"  # transformers >= 4.43 may write it beside the config
     if jinja_file.is_file():
         template = jinja_file.read_text()
     else:
         for c in configs:
             t = c.get("chat_template")
-            if isinstance(t, list):      # named templates: [{"name": "default", "template": ...}, ...]
+            if isinstance(t, list):  # named templates: [{"name": "default", "template": ...}, ...]
                 t = next((x.get("template") for x in t if x.get("name") == "default"), None)
             if isinstance(t, str):
                 template = t
                 break
     specials = {n: token_str(n) for n in _SPECIAL_NAMES if token_str(n) is not None}
-    return HFTokenizer(tok, token_id("eos_token"), token_id("bos_token"), token_id("pad_token"),
-                       chat_template=template, special_tokens=specials)
+    return HFTokenizer(
+        tok,
+        token_id("eos_token"),
+        token_id("bos_token"),
+        token_id("pad_token"),
+        chat_template=template,
+        special_tokens=specials,
+    )
 
 
 def load_tokenizer(spec: str):

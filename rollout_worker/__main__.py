@@ -5,6 +5,7 @@ process is gone grace_s + a few seconds later even if the broker is unreachable.
 when a background task (weights feed, version watch, heartbeat) failed past its restarts, so
 a supervisor replaces the process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,13 @@ log = get_logger("rollout_worker")
 
 async def amain(cfg: WorkerConfig) -> int:
     stop = asyncio.Event()
-    stop_on_signals(stop, cfg.grace_s, name=cfg.worker_id)   # before connecting: a dead broker must not trap us
+    stop_on_signals(
+        stop, cfg.grace_s, name=cfg.worker_id
+    )  # before connecting: a dead broker must not trap us
     # the sandbox before the broker: a worker that may not run episodes must not hold tasks
-    await isolation.startup_async(cfg.allow_weak_sandbox, default_root() if cfg.workspace == "local" else None)
+    await isolation.startup_async(
+        cfg.allow_weak_sandbox, default_root() if cfg.workspace == "local" else None
+    )
     bus = await connect(cfg.bus)
     try:
         await bus.provision()
@@ -52,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     start_metrics_server(cfg.metrics_port)
     try:
         return asyncio.run(amain(cfg))
-    except WeakSandbox as e:            # one message naming the missing layers, no traceback
+    except WeakSandbox as e:  # one message naming the missing layers, no traceback
         print(f"rollout worker refuses to start: {e}", file=sys.stderr)
         return 2
 

@@ -13,6 +13,7 @@ The board holds no task and no workspace: the runner that offered an episode (ro
 external.py) keeps the task's lease, plays the harness's commands through `execute`, scores and
 publishes; the board only hands episodes out once each.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,17 +38,17 @@ class ClaimError(RequestError):
 @dataclasses.dataclass
 class Offer:
     episode_id: str
-    info: dict                                        # what the claimant gets (never the hidden tests)
-    execute: Callable[[str], Awaitable[dict]]         # one command, one turn in the task's workspace
-    deadline_s: float                                 # claim -> end, else the task is handed back
+    info: dict  # what the claimant gets (never the hidden tests)
+    execute: Callable[[str], Awaitable[dict]]  # one command, one turn in the task's workspace
+    deadline_s: float  # claim -> end, else the task is handed back
     claimed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    expires_at: float = 0.0                           # wall clock (time.time), set at the claim
+    expires_at: float = 0.0  # wall clock (time.time), set at the claim
     withdrawn: bool = False
 
 
 class ClaimBoard:
     def __init__(self) -> None:
-        self.enabled = False                           # the worker's [worker] harness = "external"
+        self.enabled = False  # the worker's [worker] harness = "external"
         self.offers: dict[str, Offer] = {}
         self._ready: collections.deque[Offer] = collections.deque()
         self._changed = asyncio.Event()
@@ -90,7 +91,7 @@ class ClaimBoard:
     def withdraw(self, episode_id: str) -> None:
         o = self.offers.pop(episode_id, None)
         if o is not None:
-            o.withdrawn = True           # (left in _ready if unclaimed: claim() skips it)
+            o.withdrawn = True  # (left in _ready if unclaimed: claim() skips it)
             self.stats["withdrawn"] += 1
 
     def retire(self, episode_id: str, status: int, message: str, result: dict | None = None) -> None:

@@ -9,6 +9,7 @@ Shared here (so both engines behave the same): the `Generation` result, the upda
 admission rule (`check_delta`), the queue of pending updates drained at a token boundary
 (`UpdateQueue`), and the metrics every engine reports (`EngineMetrics`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,15 +31,16 @@ if TYPE_CHECKING:  # pragma: no cover
 @dataclass
 class Generation:
     """One completion, with what the trainer needs to replay the sampler."""
+
     completion_ids: list[int]
-    logprobs: list[float]          # behaviour logprob of each sampled token
-    token_versions: list[int]      # policy version that produced each token
-    sampling_mask: dict            # policy.SamplingMask in wire form
-    finish_reason: str             # stop | length | abort
+    logprobs: list[float]  # behaviour logprob of each sampled token
+    token_versions: list[int]  # policy version that produced each token
+    sampling_mask: dict  # policy.SamplingMask in wire form
+    finish_reason: str  # stop | length | abort
     wall_s: float
-    epoch: int = 0                 # trainer epoch of the weights that produced the last token
-    quant: dict = field(default_factory=dict)   # policy.QuantConfig wire form used by the engine
-    handle: int = -1               # generate(keep=True): the kept sequence to `extend` (torch engine)
+    epoch: int = 0  # trainer epoch of the weights that produced the last token
+    quant: dict = field(default_factory=dict)  # policy.QuantConfig wire form used by the engine
+    handle: int = -1  # generate(keep=True): the kept sequence to `extend` (torch engine)
 
 
 class EngineClosed(RuntimeError):
@@ -59,7 +61,7 @@ class VersionGapError(WeightUpdateError):
 
 @runtime_checkable
 class Engine(Protocol):
-    version: int                 # version of the live weights (the one new tokens get)
+    version: int  # version of the live weights (the one new tokens get)
     epoch: int
 
     @property
@@ -93,11 +95,14 @@ def check_prompt(prompt_ids, vocab_size: int) -> list[int]:
 def check_delta(version: int, epoch: int, delta: "delta_codec.Delta", delta_epoch: int) -> None:
     """Epoch rule: accept iff delta_epoch >= epoch and from_version == version."""
     if delta_epoch < epoch:
-        raise StaleEpochError(f"delta v{delta.from_version}->v{delta.to_version} from epoch {delta_epoch} "
-                              f"< current epoch {epoch}")
+        raise StaleEpochError(
+            f"delta v{delta.from_version}->v{delta.to_version} from epoch {delta_epoch} "
+            f"< current epoch {epoch}"
+        )
     if delta.from_version != version:
-        raise VersionGapError(f"delta v{delta.from_version}->v{delta.to_version} does not start at "
-                              f"engine version {version}")
+        raise VersionGapError(
+            f"delta v{delta.from_version}->v{delta.to_version} does not start at engine version {version}"
+        )
 
 
 class UpdateQueue:
@@ -160,22 +165,24 @@ class EngineMetrics:
     def __init__(self, slots: int, window: int = 4096) -> None:
         self.slots = slots
         self.step_ms: deque[float] = deque(maxlen=window)
-        self.gap_ms: deque[float] = deque(maxlen=window)      # end of one decode step to the next, no update between
+        self.gap_ms: deque[float] = deque(
+            maxlen=window
+        )  # end of one decode step to the next, no update between
         self.occupancy: deque[float] = deque(maxlen=window)
         self.stall_ms: deque[float] = deque(maxlen=window)
         self.apply_ms: deque[float] = deque(maxlen=window)
-        self.stall_excess_ms: deque[float] = deque(maxlen=window)   # stall minus that update's apply time
+        self.stall_excess_ms: deque[float] = deque(maxlen=window)  # stall minus that update's apply time
         # swap mode prepares an update in a thread beside the decode loop: the decode steps it slows
         # are part of that update's cost, so their gaps are kept out of the baseline and their excess
         # over the baseline median is added to the update's stall
         self._prep_gaps: list[float] = []
         self.stall_total_ms: deque[float] = deque(maxlen=window)
-        self.stall_steps: deque[float] = deque(maxlen=window)       # total stall / median baseline gap
+        self.stall_steps: deque[float] = deque(maxlen=window)  # total stall / median baseline gap
         self.tokens = 0
         self.updates = 0
         self.refused = 0
         self.started = time.perf_counter()
-        self.busy_s = 0.0             # time with at least one active sequence
+        self.busy_s = 0.0  # time with at least one active sequence
 
     def step(self, dt_s: float, active: int, gap_s: float | None = None, preparing: bool = False) -> None:
         self.step_ms.append(dt_s * 1e3)
@@ -213,7 +220,7 @@ class EngineMetrics:
             "tokens": self.tokens,
             "tokens_per_s": self.tokens / wall,
             "tokens_per_busy_s": self.tokens / self.busy_s if self.busy_s > 0 else 0.0,
-            "busy_s": self.busy_s,    # decode-step seconds so far (bench.agentic: the decoder's idle share)
+            "busy_s": self.busy_s,  # decode-step seconds so far (bench.agentic: the decoder's idle share)
             "slot_occupancy": float(np.mean(self.occupancy)) if self.occupancy else 0.0,
             "decode_step_ms_p50": _pct(self.step_ms, 50),
             "step_gap_ms_p50": _pct(self.gap_ms, 50),

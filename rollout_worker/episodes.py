@@ -20,6 +20,7 @@ The worker scores the episode (the workspace lives here); the scorer only turns 
 a reward and a cost (scorer/service.py). Needs an engine with `extend`: the torch engine (kept slot
 and KV cache) or the vLLM engine (a new request on the exact ids so far, KV from its prefix cache).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,7 +35,7 @@ from envs.episode_pool import EpisodePool
 from envs.conversation import PlainFormat, TemplateFormat, chat_format, episode_spec  # noqa: F401  (shared with the warm start)
 
 OBS_VERSION = -1
-FENCE = "\n```"          # a turn may end at its bash block's closing fence (a stop sequence)
+FENCE = "\n```"  # a turn may end at its bash block's closing fence (a stop sequence)
 
 
 def is_episode_task(task: Task) -> bool:
@@ -79,10 +80,12 @@ class Trajectory:
     @property
     def sampling_mask(self) -> dict:
         import policy
+
         return policy.SamplingMask.from_rows(self.rows).to_wire()
 
     def add_model(self, g) -> None:
         import policy
+
         self.ids += g.completion_ids
         self.mask += [1] * len(g.completion_ids)
         self.logprobs += g.logprobs
@@ -95,7 +98,7 @@ class Trajectory:
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [OBS_VERSION] * len(ids)
-        self.rows += [(-1, None)] * len(ids)                 # the whole vocabulary (policy FULL)
+        self.rows += [(-1, None)] * len(ids)  # the whole vocabulary (policy FULL)
 
 
 class EnginePlayer:
@@ -105,8 +108,8 @@ class EnginePlayer:
     def __init__(self, engine, tok, sp: SamplingParams, seed: int, fence: list[list[int]]):
         self.engine, self.tok, self.sp, self.seed, self.fence = engine, tok, sp, seed, fence
         self.traj: Trajectory | None = None
-        self.handle: int | None = None     # the engine's kept sequence
-        self.append: list[int] = []        # observation ids the next turn prefills first
+        self.handle: int | None = None  # the engine's kept sequence
+        self.append: list[int] = []  # observation ids the next turn prefills first
 
     def start(self, prompt_ids: list[int]) -> None:
         self.traj = Trajectory(prompt_ids)
@@ -120,19 +123,23 @@ class EnginePlayer:
 
     async def turn(self) -> Turn:
         eng, turn = self.engine, []
-        while True:       # one turn: continue past a stop at an opening fence
+        while True:  # one turn: continue past a stop at an opening fence
             tsp = dataclasses.replace(self.sp, max_tokens=max(self.sp.max_tokens - len(turn), 1))
             if self.handle is None:
-                g = await eng.generate(self.traj.prompt_ids, tsp, seed=self.seed, keep=True,
-                                       stop_seqs=self.fence)
+                g = await eng.generate(
+                    self.traj.prompt_ids, tsp, seed=self.seed, keep=True, stop_seqs=self.fence
+                )
                 self.handle = g.handle
             else:
                 g = await eng.extend(self.handle, self.append, tsp, stop_seqs=self.fence)
             self.append = []
             self.traj.add_model(g)
             turn += g.completion_ids
-            if g.finish_reason != "stop_seq" or len(turn) >= self.sp.max_tokens \
-                    or _block_closed(self.tok.decode(turn)):
+            if (
+                g.finish_reason != "stop_seq"
+                or len(turn) >= self.sp.max_tokens
+                or _block_closed(self.tok.decode(turn))
+            ):
                 break
         return Turn(self.tok.decode(turn), len(turn), g.finish_reason, eos_kept=g.finish_reason == "stop")
 
@@ -146,20 +153,31 @@ class EnginePlayer:
 class EpisodeRunner:
     """Runs the episodes of multi-turn tasks on an engine that supports `extend`."""
 
-    def __init__(self, engine, tok, pool: EpisodePool | None = None, worker_id: str = "", fmt=None,
-                 fence_stop: bool = True, backend=None, episode_wall_s: float = 0.0):
+    def __init__(
+        self,
+        engine,
+        tok,
+        pool: EpisodePool | None = None,
+        worker_id: str = "",
+        fmt=None,
+        fence_stop: bool = True,
+        backend=None,
+        episode_wall_s: float = 0.0,
+    ):
         if not hasattr(engine, "extend"):
-            raise ValueError(f"engine {type(engine).__name__} cannot continue a sequence (no extend): "
-                             f"multi-turn episodes need the torch or vLLM engine")
+            raise ValueError(
+                f"engine {type(engine).__name__} cannot continue a sequence (no extend): "
+                f"multi-turn episodes need the torch or vLLM engine"
+            )
         self.engine, self.tok, self.worker_id = engine, tok, worker_id
-        self.backend = backend           # envs WorkspaceBackend; None: LocalBackend
-        self.episode_wall_s = episode_wall_s   # > 0: replaces the task's episode wall limit
+        self.backend = backend  # envs WorkspaceBackend; None: LocalBackend
+        self.episode_wall_s = episode_wall_s  # > 0: replaces the task's episode wall limit
         self.pool = pool or EpisodePool()
         self.fmt = fmt or chat_format(tok)
         # the closing fence as a stop sequence only where it is one token run whatever precedes it
         self.fence = [tok.encode(FENCE)] if fence_stop and type(self.fmt) is PlainFormat else []
         self.stats = {"episodes": 0, "turns": 0, "tool_calls": 0, "tool_wall_s": 0.0, "wall_s": 0.0}
-        self.ended: list[dict] = []        # per episode since the last drain (bench.agentic's distributions)
+        self.ended: list[dict] = []  # per episode since the last drain (bench.agentic's distributions)
 
     def drain(self) -> list[dict]:
         """The episodes that ended since the last call (the worker's metrics carry them)."""
@@ -180,17 +198,28 @@ class EpisodeRunner:
         # the episode ends with context_limit before the engine's slot is full (a turn always fits)
         room = self.engine.max_len - limits.max_turn_tokens - 1
         if room < 1:
-            raise ValueError(f"max_turn_tokens {limits.max_turn_tokens} leaves no room in the engine's "
-                             f"max_len {self.engine.max_len}")
-        limits = dataclasses.replace(limits, max_context_tokens=min(limits.max_context_tokens, room),
-                                     episode_wall_s=self.episode_wall_s or limits.episode_wall_s)
-        return et, limits, Episode(et, limits, backend=self.backend, token_counter=TokenCounter(self.tok)), room
+            raise ValueError(
+                f"max_turn_tokens {limits.max_turn_tokens} leaves no room in the engine's "
+                f"max_len {self.engine.max_len}"
+            )
+        limits = dataclasses.replace(
+            limits,
+            max_context_tokens=min(limits.max_context_tokens, room),
+            episode_wall_s=self.episode_wall_s or limits.episode_wall_s,
+        )
+        return (
+            et,
+            limits,
+            Episode(et, limits, backend=self.backend, token_counter=TokenCounter(self.tok)),
+            room,
+        )
 
     async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
         _, limits, ep, _ = self.open(task)
         turn_sp = dataclasses.replace(sp, n=1, max_tokens=min(sp.max_tokens, limits.max_turn_tokens))
-        player = EnginePlayer(self.engine, self.tok, turn_sp, zlib.crc32(f"{task.task_id}-{index}".encode()),
-                              self.fence)
+        player = EnginePlayer(
+            self.engine, self.tok, turn_sp, zlib.crc32(f"{task.task_id}-{index}".encode()), self.fence
+        )
         t0 = time.perf_counter()
         try:
             log = await play_episode(ep, self.pool, player, self.fmt, self.tok, self.engine.max_len)
@@ -201,10 +230,20 @@ class EpisodeRunner:
             await self.pool.close(ep)
         traj = player.traj
         self.count(ep, traj, result, time.perf_counter() - t0)
-        return build_rollout(task, index, sp.n, self.worker_id, traj.prompt_ids, traj,
-                             self.tok.decode(traj.ids), result.wall_s, loss_mask=traj.mask, result=result,
-                             turns=result.turns,
-                             episode={"turn_log": [{"finish": t["finish"]} for t in log]})
+        return build_rollout(
+            task,
+            index,
+            sp.n,
+            self.worker_id,
+            traj.prompt_ids,
+            traj,
+            self.tok.decode(traj.ids),
+            result.wall_s,
+            loss_mask=traj.mask,
+            result=result,
+            turns=result.turns,
+            episode={"turn_log": [{"finish": t["finish"]} for t in log]},
+        )
 
     def count(self, ep: Episode, traj: Trajectory, result, wall_s: float) -> None:
         """The books of one played episode: the counters (the worker's metrics) and its record."""
@@ -215,13 +254,23 @@ class EpisodeRunner:
         self.stats["wall_s"] += wall_s
         if len(self.ended) < 4096:
             # ended_at: wall clock, the trainer's `ts` clock (bench.agentic places episodes in its window)
-            self.ended.append({"ended_at": time.time(), "turns": result.turns, "tool_calls": result.tool_calls, "tokens": len(traj.ids),
-                               "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
-                               "tool_wall_s": result.tool_wall_s, "termination": result.termination,
-                               "reward": result.reward, "resolved": result.resolved,
-                               # modelled remote test-suite time (envs/sandbox_latency.py), scoring run included
-                               "suite_wait_s": getattr(ep.workspace, "waited_s", 0.0),
-                               "suite_runs": getattr(ep.workspace, "suite_runs", 0)})
+            self.ended.append(
+                {
+                    "ended_at": time.time(),
+                    "turns": result.turns,
+                    "tool_calls": result.tool_calls,
+                    "tokens": len(traj.ids),
+                    "model_tokens": sum(traj.mask),
+                    "wall_s": result.wall_s,
+                    "tool_wall_s": result.tool_wall_s,
+                    "termination": result.termination,
+                    "reward": result.reward,
+                    "resolved": result.resolved,
+                    # modelled remote test-suite time (envs/sandbox_latency.py), scoring run included
+                    "suite_wait_s": getattr(ep.workspace, "waited_s", 0.0),
+                    "suite_runs": getattr(ep.workspace, "suite_runs", 0),
+                }
+            )
 
 
 def workspace_backend(cfg):
@@ -230,15 +279,18 @@ def workspace_backend(cfg):
     backend = None
     if getattr(cfg, "workspace", "local") == "docker":
         from envs.workspace_docker import DockerBackend
+
         backend = DockerBackend(image=cfg.docker_image) if cfg.docker_image else DockerBackend()
     latency = getattr(cfg, "sandbox_latency", None)
     if latency is not None and latency.enabled:
         from envs.sandbox_latency import LatencyBackend
         from envs.workspace import LocalBackend
+
         backend = LatencyBackend(backend or LocalBackend(), latency)
     return backend
 
 
 def _block_closed(text: str) -> bool:
     from envs.actions import BASH_BLOCK
+
     return BASH_BLOCK.search(text) is not None

@@ -24,6 +24,7 @@ Rollout is published). Per episode of a task:
 An unclaimed offer holds its task for as long as the worker holds it (the lease is renewed; a
 worker that dies or drains hands it back).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,15 +57,15 @@ class ExternalRunner(EndpointRunner):
         self._unclaimed: dict[int, dict[str, tuple]] = {}
 
     async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
-        await self.url()           # (the worker serves before taking tasks; this is a no-op then)
+        await self.url()  # (the worker serves before taking tasks; this is a no-op then)
         _, limits, ep, _ = self.open(task)
-        eid = f"{task.task_id}-{index}-{os.urandom(4).hex()}"     # a redelivered task: a fresh id
+        eid = f"{task.task_id}-{index}-{os.urandom(4).hex()}"  # a redelivered task: a fresh id
         loop = asyncio.get_running_loop()
         ended, scored = loop.create_future(), loop.create_future()
-        lock = asyncio.Lock()             # one workspace call at a time (steps, then score/close)
+        lock = asyncio.Lock()  # one workspace call at a time (steps, then score/close)
         rec = None
 
-        async def on_end(r) -> dict | None:        # the endpoint calls it once, for whoever ended it
+        async def on_end(r) -> dict | None:  # the endpoint calls it once, for whoever ended it
             if not ended.done():
                 ended.set_result(r.end_reason)
             if r.end_reason == EXPIRED:
@@ -72,7 +73,7 @@ class ExternalRunner(EndpointRunner):
             try:
                 return await asyncio.shield(scored)
             except asyncio.CancelledError:
-                if scored.cancelled():        # the worker let the task go (drain) before scoring it
+                if scored.cancelled():  # the worker let the task go (drain) before scoring it
                     raise ClaimError(410, f"episode {eid} was handed back by the worker") from None
                 raise
 
@@ -81,22 +82,42 @@ class ExternalRunner(EndpointRunner):
                 if rec.ended or ep.done:
                     raise ClaimError(409, f"episode {eid} has ended ({ep.termination or rec.end_reason})")
                 submit = command.strip() == "submit"
-                r = await self.pool.step(ep, "```bash\nsubmit\n```" if submit else f"```bash\n{command}\n```",
-                                         ep.count_tokens(command))
-            return {"observation": r.observation, "exit_code": r.info.get("exit_code"), "done": r.done,
-                    "termination": ep.termination or None, "turn": ep.turns,
-                    "format_error": r.info.get("format_error")}
+                r = await self.pool.step(
+                    ep,
+                    "```bash\nsubmit\n```" if submit else f"```bash\n{command}\n```",
+                    ep.count_tokens(command),
+                )
+            return {
+                "observation": r.observation,
+                "exit_code": r.info.get("exit_code"),
+                "done": r.done,
+                "termination": ep.termination or None,
+                "turn": ep.turns,
+                "format_error": r.info.get("format_error"),
+            }
 
         t0 = time.perf_counter()
         try:
             msgs = await self.pool.reset(ep)
             rec = self.endpoint.open_episode(eid, on_end=on_end, meta={"task_id": task.task_id}, sampling=sp)
-            info = {"task_id": task.task_id, "env": task.env, "sample_index": index, "messages": msgs,
-                    "sampling": {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
-                                 "max_tokens": min(sp.max_tokens, limits.max_turn_tokens)},
-                    "limits": {"max_turns": limits.max_turns, "max_turn_tokens": limits.max_turn_tokens,
-                               "max_context_tokens": limits.max_context_tokens,
-                               "episode_wall_s": limits.episode_wall_s}}
+            info = {
+                "task_id": task.task_id,
+                "env": task.env,
+                "sample_index": index,
+                "messages": msgs,
+                "sampling": {
+                    "temperature": sp.temperature,
+                    "top_p": sp.top_p,
+                    "top_k": sp.top_k,
+                    "max_tokens": min(sp.max_tokens, limits.max_turn_tokens),
+                },
+                "limits": {
+                    "max_turns": limits.max_turns,
+                    "max_turn_tokens": limits.max_turn_tokens,
+                    "max_context_tokens": limits.max_context_tokens,
+                    "episode_wall_s": limits.episode_wall_s,
+                },
+            }
             offer = self.endpoint.board.offer(eid, info, execute, self.deadline_s)
             self.stats["offered"] += 1
             unclaimed = self._unclaimed.setdefault(id(task), {})
@@ -106,29 +127,42 @@ class ExternalRunner(EndpointRunner):
             try:
                 await asyncio.wait_for(asyncio.shield(ended), self.deadline_s)
             except TimeoutError:
-                await self.endpoint.end_episode(eid, EXPIRED)      # unless the harness's end won the race
+                await self.endpoint.end_episode(eid, EXPIRED)  # unless the harness's end won the race
             if await ended == EXPIRED:
-                async with lock:          # a command in flight finishes before the workspace goes
+                async with lock:  # a command in flight finishes before the workspace goes
                     self.stats["expired"] += 1
                 # the task goes back whole: its siblings nobody claimed go with it (the redelivery
                 # offers them anew); claimed ones play on and publish (rollout ids dedupe)
                 for o, run in list(self._unclaimed.get(id(task), {}).values()):
                     if not o.claimed.is_set():
                         run.cancel()
-                self.endpoint.retire(eid, 410, f"episode {eid} expired: not ended within {self.deadline_s}s "
-                                               f"of its claim; its task went back to the stream")
-                log.warning("external episode expired; task handed back", episode_id=eid,
-                            task_id=task.task_id)
-                raise TransientError(f"episode {eid} expired (no end within {self.deadline_s}s of its claim)",
-                                     delay=0)
+                self.endpoint.retire(
+                    eid,
+                    410,
+                    f"episode {eid} expired: not ended within {self.deadline_s}s "
+                    f"of its claim; its task went back to the stream",
+                )
+                log.warning(
+                    "external episode expired; task handed back", episode_id=eid, task_id=task.task_id
+                )
+                raise TransientError(
+                    f"episode {eid} expired (no end within {self.deadline_s}s of its claim)", delay=0
+                )
             try:
                 async with lock:
                     result = await self.pool.score(ep)
-                res = {**{k: v for k, v in result.to_dict().items() if k not in ("detail",)},
-                       "rollout_id": f"{task.task_id}-{index}"}
+                res = {
+                    **{k: v for k, v in result.to_dict().items() if k not in ("detail",)},
+                    "rollout_id": f"{task.task_id}-{index}",
+                }
             except BaseException as e:
-                scored.set_exception(ClaimError(503, f"scoring episode {eid} failed ({type(e).__name__}); "
-                                                     f"its task goes back to the stream"))
+                scored.set_exception(
+                    ClaimError(
+                        503,
+                        f"scoring episode {eid} failed ({type(e).__name__}); "
+                        f"its task goes back to the stream",
+                    )
+                )
                 raise
             scored.set_result(res)
             self.endpoint.retire(eid, 409, f"episode {eid} has already ended ({rec.end_reason})", res)
@@ -147,5 +181,13 @@ class ExternalRunner(EndpointRunner):
             async with lock:
                 await self.pool.close(ep)
         count_episode(self.stats, self.ended, rec, result, time.perf_counter() - t0, rec.end_reason)
-        return rollout_of(task, sp, index, rec, result, self.tok, self.worker_id,
-                          {"harness": "external", "harness_exit": {"exit_status": rec.end_reason}})
+        return rollout_of(
+            task,
+            sp,
+            index,
+            rec,
+            result,
+            self.tok,
+            self.worker_id,
+            {"harness": "external", "harness_exit": {"exit_status": rec.end_reason}},
+        )

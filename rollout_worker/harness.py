@@ -17,6 +17,7 @@ The harness config is mini-swe-agent's YAML (`harness_config`, merged over DEFAU
 runner sets only the model's api_base / model name / episode header and the environment's class
 and episode id.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,7 +39,9 @@ DEFAULT_CONFIG = {
     "agent": {
         "system_template": "{{episode_system}}",
         "instance_template": "{{episode_user}}",
-        "step_limit": 15, "cost_limit": 0.0, "max_consecutive_format_errors": 3,
+        "step_limit": 15,
+        "cost_limit": 0.0,
+        "max_consecutive_format_errors": 3,
     },
     "model": {
         "model_class": "litellm_textbased",
@@ -65,6 +68,7 @@ def load_harness_config(path: str = "") -> dict:
     if not path:
         return copy.deepcopy(DEFAULT_CONFIG)
     import yaml
+
     try:
         with open(path) as f:
             user = yaml.safe_load(f) or {}
@@ -80,7 +84,7 @@ def episode_config(base: dict, url: str, model_name: str, episode_id: str, max_t
     environment at the live episode."""
     cfg = copy.deepcopy(base)
     m = cfg["model"]
-    m["model_name"] = f"openai/{model_name}"          # litellm's OpenAI-compatible provider
+    m["model_name"] = f"openai/{model_name}"  # litellm's OpenAI-compatible provider
     kw = m.setdefault("model_kwargs", {})
     kw.update(api_base=url, api_key="asyncrl", extra_headers={"X-Episode-Id": episode_id})
     kw.setdefault("max_tokens", max_tokens)
@@ -98,16 +102,18 @@ def run_mini_swe_agent(cfg: dict, task_text: str) -> dict:
     os.environ.setdefault("MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT", "1")
     os.environ.setdefault("MSWEA_COST_TRACKING", "ignore_errors")
     import litellm
-    litellm.suppress_debug_info = True     # no "Provider List" banner per call (our model has no price)
+
+    litellm.suppress_debug_info = True  # no "Provider List" banner per call (our model has no price)
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.environments import get_environment
     from minisweagent.models import get_model
+
     model = get_model(config=cfg["model"])
     env = get_environment(cfg["environment"])
     agent = DefaultAgent(model, env, **cfg["agent"])
     try:
         info = agent.run(task=task_text)
-    except Exception as e:                        # the agent re-raises what it cannot handle
+    except Exception as e:  # the agent re-raises what it cannot handle
         return {"exit_status": type(e).__name__, "submission": "", "error": str(e)[:500]}
     return {"exit_status": info.get("exit_status", ""), "submission": info.get("submission", "")}
 
@@ -116,8 +122,9 @@ class EndpointRunner(EpisodeRunner):
     """EpisodeRunner's books (stats, ended records, parse, open) with the turns played through the
     worker's OpenAI-compatible endpoint, which it owns: started once, on first use."""
 
-    def __init__(self, engine, tok, *, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "asyncrl-policy", **kw):
+    def __init__(
+        self, engine, tok, *, host: str = "127.0.0.1", port: int = 0, model_name: str = "asyncrl-policy", **kw
+    ):
         super().__init__(engine, tok, **kw)
         self.endpoint = OpenAIEndpoint(engine, tok, host=host, port=port, model_name=model_name, fmt=self.fmt)
         self._started: asyncio.Future | None = None
@@ -143,8 +150,9 @@ class HarnessRunner(EndpointRunner):
 
     async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
         from envs import mini_swe_agent
+
         et, limits, ep, _ = self.open(task)
-        eid = f"{task.task_id}-{index}-{os.urandom(4).hex()}"      # a redelivered task: a fresh id
+        eid = f"{task.task_id}-{index}-{os.urandom(4).hex()}"  # a redelivered task: a fresh id
         url = await self.url()
         rec = self.endpoint.open_episode(eid, meta={"task_id": task.task_id}, sampling=sp)
         t0 = time.perf_counter()
@@ -153,8 +161,13 @@ class HarnessRunner(EndpointRunner):
             await self.pool.reset(ep)
             mini_swe_agent.register(eid, ep)
             try:
-                cfg = episode_config(self.config, url, self.endpoint.model_name, eid,
-                                     min(sp.max_tokens, limits.max_turn_tokens))
+                cfg = episode_config(
+                    self.config,
+                    url,
+                    self.endpoint.model_name,
+                    eid,
+                    min(sp.max_tokens, limits.max_turn_tokens),
+                )
                 exit_info = await asyncio.to_thread(run_mini_swe_agent, cfg, et.instruction)
             finally:
                 mini_swe_agent.unregister(eid)
@@ -165,7 +178,16 @@ class HarnessRunner(EndpointRunner):
             await self.pool.close(ep)
         if rec.traj is None or not rec.traj.ids:
             raise ValueError(f"the harness ended episode {eid} without a model turn ({exit_info})")
-        count_episode(self.stats, self.ended, rec, result, time.perf_counter() - t0,
-                      exit_info.get("exit_status", ""))
-        return rollout_of(task, sp, index, rec, result, self.tok, self.worker_id,
-                          {"harness": self.harness, "harness_exit": exit_info})
+        count_episode(
+            self.stats, self.ended, rec, result, time.perf_counter() - t0, exit_info.get("exit_status", "")
+        )
+        return rollout_of(
+            task,
+            sp,
+            index,
+            rec,
+            result,
+            self.tok,
+            self.worker_id,
+            {"harness": self.harness, "harness_exit": exit_info},
+        )

@@ -46,6 +46,7 @@ the built-in loop. Streaming sends the finished turn as server-sent events (the 
 whole turn). Responses carry a non-standard `token_ids` per choice (vLLM's name) and, with
 logprobs, the behaviour logprob of each sampled token (the sampler's truncated distribution).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -75,32 +76,54 @@ class OpenAIEndpoint:
     """The endpoint (see the module docstring). `open_episode` registers an episode the worker
     plays (with `on_end` that scores and publishes it); `start()` -> base URL ".../v1"."""
 
-    def __init__(self, engine, tok, *, model_name: str = "asyncrl-policy", host: str = "127.0.0.1",
-                 port: int = 0, default_max_tokens: int = 256, fmt=None):
+    def __init__(
+        self,
+        engine,
+        tok,
+        *,
+        model_name: str = "asyncrl-policy",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        default_max_tokens: int = 256,
+        fmt=None,
+    ):
         self.engine, self.tok, self.model_name = engine, tok, model_name
         self.host, self.port, self.default_max_tokens = host, port, default_max_tokens
         self.fmt = fmt or chat_format(tok)
         self.episodes: dict[str, TrajectoryRecorder] = {}
-        self.board = ClaimBoard()     # episodes offered to external harnesses (rollout_worker/claims.py)
-        self.stats = {"requests": 0, "bad_requests": 0, "episodes_opened": 0, "episodes_assigned": 0,
-                      "episodes_ended": 0, "divergent_turns": 0, "restarts": 0, "tokens": 0}
+        self.board = ClaimBoard()  # episodes offered to external harnesses (rollout_worker/claims.py)
+        self.stats = {
+            "requests": 0,
+            "bad_requests": 0,
+            "episodes_opened": 0,
+            "episodes_assigned": 0,
+            "episodes_ended": 0,
+            "divergent_turns": 0,
+            "restarts": 0,
+            "tokens": 0,
+        }
         self._runner: web.AppRunner | None = None
         self.url = ""
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> str:
         app = web.Application(client_max_size=64 << 20)
-        app.add_routes([web.get("/v1/models", self.models), web.post("/v1/chat/completions", self.chat),
-                        web.post("/v1/completions", self.completions),
-                        web.post("/v1/episodes", self.claim_http),
-                        web.post("/v1/episodes/{eid}/exec", self.exec_http),
-                        web.post("/v1/episodes/{eid}/end", self.end_http),
-                        web.get("/v1/episodes/{eid}", self.episode_http)])
+        app.add_routes(
+            [
+                web.get("/v1/models", self.models),
+                web.post("/v1/chat/completions", self.chat),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/episodes", self.claim_http),
+                web.post("/v1/episodes/{eid}/exec", self.exec_http),
+                web.post("/v1/episodes/{eid}/end", self.end_http),
+                web.get("/v1/episodes/{eid}", self.episode_http),
+            ]
+        )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]      # noqa: SLF001  (aiohttp has no public getter)
+        port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001  (aiohttp has no public getter)
         self.url = f"http://{self.host}:{port}/v1"
         log.info("openai endpoint serving", url=self.url, model=self.model_name)
         return self.url
@@ -113,8 +136,13 @@ class OpenAIEndpoint:
             self._runner = None
 
     # -- episodes -------------------------------------------------------------------------------
-    def open_episode(self, episode_id: str | None = None, on_end=None, meta: dict | None = None,
-                     sampling: SamplingParams | None = None) -> TrajectoryRecorder:
+    def open_episode(
+        self,
+        episode_id: str | None = None,
+        on_end=None,
+        meta: dict | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> TrajectoryRecorder:
         """`sampling`: the task's; its temperature / top_p / top_k replace the harness's (the
         trainer replays the rollout with the task's sampling parameters)."""
         if episode_id in self.episodes:
@@ -125,8 +153,9 @@ class OpenAIEndpoint:
         self.stats["episodes_opened"] += 1
         return rec
 
-    async def end_episode(self, episode_id: str, reason: str = "explicit",
-                          once: bool = False) -> TrajectoryRecorder:
+    async def end_episode(
+        self, episode_id: str, reason: str = "explicit", once: bool = False
+    ) -> TrajectoryRecorder:
         """End it once (later calls return the same recorder; with `once`, raise ClaimError 409): the
         kept sequence is released and `on_end(rec)` runs (the worker scores the episode and publishes
         its rollout); what it returns is `rec.result`."""
@@ -190,19 +219,28 @@ class OpenAIEndpoint:
         def num(key, default, lo, hi, kind=float):
             v = body.get(key, default)
             v = default if v is None else v
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)) \
-                    or not lo <= v <= hi:
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or (kind is int and v != int(v))
+                or not lo <= v <= hi
+            ):
                 raise RequestError(f"{key} must be a {kind.__name__} in [{lo}, {hi}], got {v!r}")
             return kind(v)
+
         room = self.engine.max_len - used - 1
         if room < 1:
-            raise RequestError(f"context_length_exceeded: the conversation is {used} tokens, the engine's "
-                               f"max_len {self.engine.max_len}")
+            raise RequestError(
+                f"context_length_exceeded: the conversation is {used} tokens, the engine's "
+                f"max_len {self.engine.max_len}"
+            )
         want = body.get("max_completion_tokens", body.get("max_tokens"))
         max_tokens = num("max_tokens", want or min(self.default_max_tokens, room), 1, 1 << 20, int)
         if max_tokens > room:
-            raise RequestError(f"context_length_exceeded: {used} tokens of conversation + max_tokens "
-                               f"{max_tokens} > the engine's max_len {self.engine.max_len}")
+            raise RequestError(
+                f"context_length_exceeded: {used} tokens of conversation + max_tokens "
+                f"{max_tokens} > the engine's max_len {self.engine.max_len}"
+            )
         temperature = num("temperature", 1.0, 0.0, 10.0)
         top_p = num("top_p", 1.0, 1e-6, 1.0)
         n = num("n", 1, 1, MAX_N, int)
@@ -210,7 +248,7 @@ class OpenAIEndpoint:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or len(stop) > 8 or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("stop must be a non-empty string or a list of at most 8 of them")
-        top_k = num("top_k", 0, 0, 1 << 20, int)           # vLLM's extra field
+        top_k = num("top_k", 0, 0, 1 << 20, int)  # vLLM's extra field
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, n=n)
         return sp, stop, n
 
@@ -222,18 +260,20 @@ class OpenAIEndpoint:
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
         if body.get("tools") or body.get("functions"):
-            raise RequestError("tools are not supported: use a text-based harness (actions in the "
-                               "message text)")
+            raise RequestError(
+                "tools are not supported: use a text-based harness (actions in the message text)"
+            )
         return body
 
     # -- generation -----------------------------------------------------------------------------
-    async def _generate(self, rec: TrajectoryRecorder, obs: list[int], sp: SamplingParams, stop: list[str],
-                        n: int, seed) -> list[tuple]:
+    async def _generate(
+        self, rec: TrajectoryRecorder, obs: list[int], sp: SamplingParams, stop: list[str], n: int, seed
+    ) -> list[tuple]:
         """n choices: (Generation, text, finish). Choice 0 continues the episode (kept sequence);
         others are sampled from the same context and not recorded (the harness continues from one)."""
         stop_seqs = [encode(self.tok, s)[0] for s in stop]
         base = zlib.crc32(f"{rec.episode_id}-{len(rec.turns)}-{seed}".encode())
-        if rec.rewound:                # the kept sequence holds the dropped turn: prefill anew
+        if rec.rewound:  # the kept sequence holds the dropped turn: prefill anew
             self._release(rec)
             rec.rewound = False
         if rec.handle is not None and rec.turns and rec.traj is not None:
@@ -245,10 +285,15 @@ class OpenAIEndpoint:
             keep = rec.keep and hasattr(self.engine, "extend")
             g0 = await self.engine.generate(ctx, sp, seed=base, keep=keep, stop_seqs=stop_seqs)
             rec.handle = g0.handle if g0.handle >= 0 else None
-        ctx = rec.context_ids + obs + g0.completion_ids     # (for the other choices: before g0)
-        others = await asyncio.gather(*(self.engine.generate(ctx[:len(ctx) - len(g0.completion_ids)], sp,
-                                                             seed=base + i, stop_seqs=stop_seqs)
-                                        for i in range(1, n)))
+        ctx = rec.context_ids + obs + g0.completion_ids  # (for the other choices: before g0)
+        others = await asyncio.gather(
+            *(
+                self.engine.generate(
+                    ctx[: len(ctx) - len(g0.completion_ids)], sp, seed=base + i, stop_seqs=stop_seqs
+                )
+                for i in range(1, n)
+            )
+        )
         out = []
         for g in [g0, *others]:
             text, finish = self._text(g, stop)
@@ -273,21 +318,37 @@ class OpenAIEndpoint:
         out = []
         for t, lp in zip(g.completion_ids, g.logprobs):
             s = self.tok.decode([t])
-            out.append({"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8")),
-                        "top_logprobs": []})
+            out.append(
+                {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8")), "top_logprobs": []}
+            )
         return out
 
     # -- handlers -------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "asyncrl",
-             "max_model_len": self.engine.max_len, "version": self.engine.version}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "asyncrl",
+                        "max_model_len": self.engine.max_len,
+                        "version": self.engine.version,
+                    }
+                ],
+            }
+        )
 
     def _error(self, e: Exception, status: int = 400) -> web.Response:
         self.stats["bad_requests"] += 1
         status = getattr(e, "status", status)
-        code = "context_length_exceeded" if "context_length_exceeded" in str(e) else {
-            404: "not_found", 409: "conflict", 410: "gone"}.get(status, "invalid_request_error")
+        code = (
+            "context_length_exceeded"
+            if "context_length_exceeded" in str(e)
+            else {404: "not_found", 409: "conflict", 410: "gone"}.get(status, "invalid_request_error")
+        )
         err = {"message": str(e), "type": "invalid_request_error", "code": code, "param": None}
         if getattr(e, "result", None) is not None:
             err["result"] = e.result
@@ -310,7 +371,8 @@ class OpenAIEndpoint:
                 if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                     prompt = prompt[0]
                 if not (isinstance(prompt, str) and prompt) and not (
-                        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+                    isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+                ):
                     raise RequestError("prompt must be a non-empty string or a list of token ids")
             rec = self._episode_of(request, body)
         except RequestError as e:
@@ -324,71 +386,122 @@ class OpenAIEndpoint:
                 sp, stop, n = self._sampling(body, len(rec.context_ids) + len(obs))
                 if rec.sampling is not None:
                     task = rec.sampling
-                    sp = dataclasses.replace(sp, temperature=task.temperature, top_p=task.top_p,
-                                             top_k=task.top_k)
+                    sp = dataclasses.replace(
+                        sp, temperature=task.temperature, top_p=task.top_p, top_k=task.top_k
+                    )
                 choices = await self._generate(rec, obs, sp, stop, n, body.get("seed"))
                 rec.stats["requests"] += 1
-            except (RequestError, ValueError) as e:     # the engine refuses bad ids / lengths with ValueError
-                rec.restore(saved)                     # a refused request leaves the episode as it was
+            except (RequestError, ValueError) as e:  # the engine refuses bad ids / lengths with ValueError
+                rec.restore(saved)  # a refused request leaves the episode as it was
                 return self._error(e)
         self.stats["divergent_turns"] = sum(r.stats["divergent_turns"] for r in self.episodes.values())
         self.stats["restarts"] = sum(r.stats["restarts"] for r in self.episodes.values())
         want_lp = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         headers = {"X-Episode-Id": rec.episode_id}
-        usage = {"prompt_tokens": len(rec.context_ids) - len(choices[0][0].completion_ids),
-                 "completion_tokens": sum(len(g.completion_ids) for g, _, _ in choices)}
+        usage = {
+            "prompt_tokens": len(rec.context_ids) - len(choices[0][0].completion_ids),
+            "completion_tokens": sum(len(g.completion_ids) for g, _, _ in choices),
+        }
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         if body.get("stream"):
             return await self._stream(request, rid, chat, choices, want_lp, headers, usage)
         out = []
         for i, (g, text, finish) in enumerate(choices):
-            c = {"index": i, "finish_reason": finish, "token_ids": list(g.completion_ids),
-                 "token_versions": list(g.token_versions)}
+            c = {
+                "index": i,
+                "finish_reason": finish,
+                "token_ids": list(g.completion_ids),
+                "token_versions": list(g.token_versions),
+            }
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
                 c["logprobs"] = {"content": self._logprob_entries(g)} if want_lp else None
             else:
                 c["text"] = text
-                c["logprobs"] = ({"tokens": [self.tok.decode([t]) for t in g.completion_ids],
-                                  "token_logprobs": [float(x) for x in g.logprobs], "top_logprobs": None,
-                                  "text_offset": []} if want_lp else None)
+                c["logprobs"] = (
+                    {
+                        "tokens": [self.tok.decode([t]) for t in g.completion_ids],
+                        "token_logprobs": [float(x) for x in g.logprobs],
+                        "top_logprobs": None,
+                        "text_offset": [],
+                    }
+                    if want_lp
+                    else None
+                )
             out.append(c)
-        return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                  "created": int(time.time()), "model": self.model_name, "choices": out,
-                                  "usage": usage, "episode_id": rec.episode_id}, headers=headers)
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": out,
+                "usage": usage,
+                "episode_id": rec.episode_id,
+            },
+            headers=headers,
+        )
 
     async def _stream(self, request, rid, chat, choices, want_lp, headers, usage) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(
+            headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def send(choice: dict, extra: dict | None = None) -> None:
-            d = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
-                 "choices": [choice], **(extra or {})}
+            d = {
+                "id": rid,
+                "object": obj,
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [choice],
+                **(extra or {}),
+            }
             await resp.write(f"data: {json.dumps(d)}\n\n".encode())
+
         for i, (g, text, finish) in enumerate(choices):
             if chat:
                 await send({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
             # one event per generated token (text up to the stop string)
             sent = 0
             for k, t in enumerate(g.completion_ids):
-                piece = self.tok.decode(g.completion_ids[:k + 1])[sent:len(text)] if sent < len(text) else ""
+                piece = (
+                    self.tok.decode(g.completion_ids[: k + 1])[sent : len(text)] if sent < len(text) else ""
+                )
                 sent += len(piece)
-                lp = self._logprob_entries(g)[k:k + 1] if want_lp else None
+                lp = self._logprob_entries(g)[k : k + 1] if want_lp else None
                 if chat:
-                    c = {"index": i, "delta": {"content": piece}, "finish_reason": None,
-                         "logprobs": {"content": lp} if lp else None, "token_ids": [t]}
+                    c = {
+                        "index": i,
+                        "delta": {"content": piece},
+                        "finish_reason": None,
+                        "logprobs": {"content": lp} if lp else None,
+                        "token_ids": [t],
+                    }
                 else:
-                    c = {"index": i, "text": piece, "finish_reason": None, "token_ids": [t],
-                         "logprobs": {"tokens": [lp[0]["token"]], "token_logprobs": [lp[0]["logprob"]]}
-                         if lp else None}
+                    c = {
+                        "index": i,
+                        "text": piece,
+                        "finish_reason": None,
+                        "token_ids": [t],
+                        "logprobs": {"tokens": [lp[0]["token"]], "token_logprobs": [lp[0]["logprob"]]}
+                        if lp
+                        else None,
+                    }
                 await send(c)
-            await send({"index": i, "delta": {}, "finish_reason": finish} if chat
-                       else {"index": i, "text": "", "finish_reason": finish})
-        await send({"index": 0, "delta": {}, "finish_reason": None} if chat else
-                   {"index": 0, "text": "", "finish_reason": None}, {"usage": usage})
+            await send(
+                {"index": i, "delta": {}, "finish_reason": finish}
+                if chat
+                else {"index": i, "text": "", "finish_reason": finish}
+            )
+        await send(
+            {"index": 0, "delta": {}, "finish_reason": None}
+            if chat
+            else {"index": 0, "text": "", "finish_reason": None},
+            {"usage": usage},
+        )
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -401,8 +514,11 @@ class OpenAIEndpoint:
         body = await self._body(request)
         for k, v in body.items():
             if k not in fields:
-                why = " (the reward comes from the task's hidden tests)" if "reward" in k or "score" in k \
+                why = (
+                    " (the reward comes from the task's hidden tests)"
+                    if "reward" in k or "score" in k
                     else ""
+                )
                 raise RequestError(f"unknown field {k!r}{why}; allowed: {sorted(fields)}")
             if isinstance(v, bool) or not isinstance(v, fields[k]):
                 raise RequestError(f"{k} must be {' or '.join(t.__name__ for t in fields[k])}, got {v!r}")
@@ -421,8 +537,11 @@ class OpenAIEndpoint:
     async def claim_http(self, request: web.Request) -> web.Response:
         try:
             if not self.board.enabled:
-                raise ClaimError(404, "this worker offers no episodes to external harnesses "
-                                      "([worker] harness = \"external\" does)")
+                raise ClaimError(
+                    404,
+                    "this worker offers no episodes to external harnesses "
+                    '([worker] harness = "external" does)',
+                )
             body = await self._small_body(request, {"wait_s": (int, float)})
             wait_s = float(body.get("wait_s", 10.0))
             if not 0 <= wait_s <= MAX_CLAIM_WAIT_S:
@@ -435,12 +554,23 @@ class OpenAIEndpoint:
         eid = offer.episode_id
         base = self.url.rsplit("/v1", 1)[0] if self.url else ""
         log.info("episode claimed", episode_id=eid, deadline_s=offer.deadline_s)
-        return web.json_response({
-            **offer.info, "episode_id": eid, "model": self.model_name, "deadline_s": offer.deadline_s,
-            "expires_at": offer.expires_at, "headers": {"X-Episode-Id": eid},
-            "paths": {"chat": f"{base}/v1/chat/completions", "completions": f"{base}/v1/completions",
-                      "exec": f"{base}/v1/episodes/{eid}/exec", "end": f"{base}/v1/episodes/{eid}/end"}},
-            headers={"X-Episode-Id": eid})
+        return web.json_response(
+            {
+                **offer.info,
+                "episode_id": eid,
+                "model": self.model_name,
+                "deadline_s": offer.deadline_s,
+                "expires_at": offer.expires_at,
+                "headers": {"X-Episode-Id": eid},
+                "paths": {
+                    "chat": f"{base}/v1/chat/completions",
+                    "completions": f"{base}/v1/completions",
+                    "exec": f"{base}/v1/episodes/{eid}/exec",
+                    "end": f"{base}/v1/episodes/{eid}/end",
+                },
+            },
+            headers={"X-Episode-Id": eid},
+        )
 
     async def exec_http(self, request: web.Request) -> web.Response:
         eid = request.match_info["eid"]
@@ -454,7 +584,7 @@ class OpenAIEndpoint:
             if rec.ended:
                 raise ClaimError(409, f"episode {eid} has ended ({rec.end_reason})")
             out = await offer.execute(command)
-            if out["done"]:             # the workspace ended it (submit, max_turns, ...): as an /end
+            if out["done"]:  # the workspace ended it (submit, max_turns, ...): as an /end
                 if rec.traj is not None and any(rec.traj.mask):
                     rec = await self.end_episode(eid, f"workspace: {out['termination']}", once=True)
                     out["result"] = rec.result
@@ -472,12 +602,15 @@ class OpenAIEndpoint:
             if self.board.get(eid) is None and eid not in self.episodes:
                 gone = self.board.retired(eid)
                 raise gone if gone is not None else ClaimError(404, f"no episode {eid!r}")
-            if self.board.get(eid) is None:      # an episode the worker opened itself, or ad hoc
+            if self.board.get(eid) is None:  # an episode the worker opened itself, or ad hoc
                 return web.json_response(self.summary(await self.end_episode(eid, reason)))
             _, rec = self._claimed(eid)
             if not rec.ended and (rec.traj is None or not any(rec.traj.mask)):
-                raise ClaimError(409, f"episode {eid} has no model turn yet: nothing to score (play a turn "
-                                      f"through /v1/chat/completions with X-Episode-Id first)")
+                raise ClaimError(
+                    409,
+                    f"episode {eid} has no model turn yet: nothing to score (play a turn "
+                    f"through /v1/chat/completions with X-Episode-Id first)",
+                )
             rec = await self.end_episode(eid, reason, once=True)
         except RequestError as e:
             return self._error(e)
@@ -486,17 +619,25 @@ class OpenAIEndpoint:
     async def episode_http(self, request: web.Request) -> web.Response:
         rec = self.episodes.get(request.match_info["eid"])
         if rec is None:
-            return web.json_response({"error": {"message": "no such episode", "type": "not_found"}},
-                                     status=404)
+            return web.json_response(
+                {"error": {"message": "no such episode", "type": "not_found"}}, status=404
+            )
         return web.json_response(self.summary(rec, ids=True))
 
     def summary(self, rec: TrajectoryRecorder, ids: bool = False) -> dict:
         t = rec.traj
-        d = {"episode_id": rec.episode_id, "ended": rec.ended, "end_reason": rec.end_reason,
-             "turns": len(rec.turns), "model_tokens": sum(t.mask) if t else 0,
-             "tokens": len(t.ids) if t else 0, **rec.stats, **{k: v for k, v in rec.meta.items()
-                                                                 if isinstance(v, (str, int, float, bool))}}
+        d = {
+            "episode_id": rec.episode_id,
+            "ended": rec.ended,
+            "end_reason": rec.end_reason,
+            "turns": len(rec.turns),
+            "model_tokens": sum(t.mask) if t else 0,
+            "tokens": len(t.ids) if t else 0,
+            **rec.stats,
+            **{k: v for k, v in rec.meta.items() if isinstance(v, (str, int, float, bool))},
+        }
         if ids and t is not None:
-            d.update(prompt_ids=t.prompt_ids, ids=t.ids, mask=t.mask, versions=t.versions,
-                     logprobs=t.logprobs)
+            d.update(
+                prompt_ids=t.prompt_ids, ids=t.ids, mask=t.mask, versions=t.versions, logprobs=t.logprobs
+            )
         return d

@@ -22,6 +22,7 @@ NATS heartbeats, acks, rollout publishing and the weight feed stay on the event 
 hand sequences and updates over (under `_cv`); finished sequences come back through
 `call_soon_threadsafe`. A busy event loop therefore no longer delays the next token.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,15 @@ import policy
 from bus.events import SamplingParams
 from bus.log import get_logger
 
-from .engine import (EngineClosed, EngineMetrics, Generation, UpdateQueue, WeightUpdateError, check_delta,
-                     check_prompt)
+from .engine import (
+    EngineClosed,
+    EngineMetrics,
+    Generation,
+    UpdateQueue,
+    WeightUpdateError,
+    check_delta,
+    check_prompt,
+)
 
 log = get_logger(__name__)
 
@@ -54,48 +62,62 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    mask_rows: list = field(default_factory=list)     # policy.SamplingMask.row_parts, one per token
+    mask_rows: list = field(default_factory=list)  # policy.SamplingMask.row_parts, one per token
     finish: str = ""
     epoch: int = 0
-    feed: list[int] = field(default_factory=list)     # ids to prefill (the prompt, or a continuation)
-    fresh: bool = True                # a new sequence (slot reset) rather than a kept one extended
-    keep: bool = False                # finished: keep the slot and its KV cache for `extend`
-    stop_seqs: tuple = ()             # token sequences that end the sequence when generated
+    feed: list[int] = field(default_factory=list)  # ids to prefill (the prompt, or a continuation)
+    fresh: bool = True  # a new sequence (slot reset) rather than a kept one extended
+    keep: bool = False  # finished: keep the slot and its KV cache for `extend`
+    stop_seqs: tuple = ()  # token sequences that end the sequence when generated
     handle: int = -1
-    parked: bool = False              # finished, slot kept: `extend` may continue it
+    parked: bool = False  # finished, slot kept: `extend` may continue it
 
 
 class TorchEngine:
     """Continuous-batching generation on `policy/` with per-token hot-patching of weights."""
 
-    def __init__(self, model_config: policy.ModelConfig | dict, *, slots: int = 8, max_len: int = 0,
-                 quant: policy.QuantConfig | None = None, eos_id: int | None = None, seed: int = 0,
-                 threads: int = 0, update_mode: str = "swap", device: str | torch.device = "cpu",
-                 kv_slots: int = 0):
+    def __init__(
+        self,
+        model_config: policy.ModelConfig | dict,
+        *,
+        slots: int = 8,
+        max_len: int = 0,
+        quant: policy.QuantConfig | None = None,
+        eos_id: int | None = None,
+        seed: int = 0,
+        threads: int = 0,
+        update_mode: str = "swap",
+        device: str | torch.device = "cpu",
+        kv_slots: int = 0,
+    ):
         if isinstance(model_config, dict):
             model_config = policy.ModelConfig.from_dict(model_config)
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         kv_slots = kv_slots or slots
         if kv_slots < slots:
-            raise ValueError(f"kv_slots ({kv_slots}) must be >= slots ({slots}): every decoding sequence needs a KV row")
+            raise ValueError(
+                f"kv_slots ({kv_slots}) must be >= slots ({slots}): every decoding sequence needs a KV row"
+            )
         if update_mode not in ("swap", "inline"):
             raise ValueError(f"update_mode must be 'swap' or 'inline', got {update_mode!r}")
         self.update_mode = update_mode
         self.cfg = model_config
         self.quant = quant or policy.QuantConfig()
-        self.slots = slots                    # decode rows: sequences that get a token per step
-        self.kv_slots = kv_slots              # KV cache rows: decoding + kept (parked) sequences
+        self.slots = slots  # decode rows: sequences that get a token per step
+        self.kv_slots = kv_slots  # KV cache rows: decoding + kept (parked) sequences
         self.max_len = max_len or model_config.max_seq_len
         if self.max_len > model_config.max_seq_len:
-            raise ValueError(f"max_len {self.max_len} exceeds the model's max_seq_len {model_config.max_seq_len}")
+            raise ValueError(
+                f"max_len {self.max_len} exceeds the model's max_seq_len {model_config.max_seq_len}"
+            )
         self.eos_id = eos_id
         # on a GPU the weights, the KV cache and the published bf16 state live on the device, so a
         # delta is applied there (delta_codec's Triton kernel) and only the compressed bytes cross PCIe
         self.device = torch.device(device)
         self.model = policy.Transformer(model_config, quant=self.quant).to(self.device).eval()
         self.cache = policy.KVCache(model_config, slots=kv_slots, max_len=self.max_len, device=self.device)
-        self.state: dict[str, torch.Tensor] | None = None   # bf16 bits as published (deltas apply here)
+        self.state: dict[str, torch.Tensor] | None = None  # bf16 bits as published (deltas apply here)
         self.params = dict(self.model.named_parameters())
         self.version, self.epoch = -1, -1
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -103,21 +125,21 @@ class TorchEngine:
             torch.set_num_threads(threads)
         self.metrics = EngineMetrics(slots)
         self.updates = UpdateQueue()
-        delta_codec.warm()   # the codec's compiled kernels now, not at the first delta (between two decode steps)
+        delta_codec.warm()  # the codec's compiled kernels now, not at the first delta (between two decode steps)
         self.waiting: list[_Seq] = []
         self.active: dict[int, _Seq] = {}
         self.free = list(range(kv_slots))[::-1]
-        self.kept: dict[int, _Seq] = {}       # handle -> finished sequence whose slot is kept for extend()
+        self.kept: dict[int, _Seq] = {}  # handle -> finished sequence whose slot is kept for extend()
         self._next_handle = 0
         self._closed = False
-        self._cv = threading.Condition()      # guards waiting / updates / _closed between the two threads
+        self._cv = threading.Condition()  # guards waiting / updates / _closed between the two threads
         self._last_step_end: float | None = None
-        self._stall_from: tuple | None = None     # (prep_s, swap_s, last step end) of an update just swapped in
+        self._stall_from: tuple | None = None  # (prep_s, swap_s, last step end) of an update just swapped in
         self._prep = asyncio.Lock()
-        self.spare: dict[str, torch.Tensor] | None = None   # fp32 buffers the next update is prepared in
+        self.spare: dict[str, torch.Tensor] | None = None  # fp32 buffers the next update is prepared in
         self._stale: set[str] = set()
         self._prep_s = 0.0
-        self._preparing = False               # an update is being prepared beside the decode loop
+        self._preparing = False  # an update is being prepared beside the decode loop
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -133,8 +155,15 @@ class TorchEngine:
         """KV rows a new sequence could take (minus the new ones already waiting for one)."""
         return len(self.free) - sum(1 for s in self.waiting if s.fresh)
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, seed: int = 0, *,
-                       keep: bool = False, stop_seqs=()) -> Generation:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        seed: int = 0,
+        *,
+        keep: bool = False,
+        stop_seqs=(),
+    ) -> Generation:
         """A completion of `prompt_ids`. keep=True: the slot and its KV cache stay with the sequence
         after it finishes (Generation.handle) for `extend`; `release` frees them. `stop_seqs`: token
         sequences that end it as well (finish_reason "stop_seq")."""
@@ -155,8 +184,9 @@ class TorchEngine:
         self.start()
         return await seq.future
 
-    async def extend(self, handle: int, append_ids: list[int], sampling: SamplingParams, *,
-                     stop_seqs=()) -> Generation:
+    async def extend(
+        self, handle: int, append_ids: list[int], sampling: SamplingParams, *, stop_seqs=()
+    ) -> Generation:
         """Continue a kept sequence: `append_ids` (e.g. an observation, possibly empty) go after every
         id it has so far and generation goes on. Only the last sampled token and `append_ids` are
         prefilled: earlier ids stay in the slot's KV cache, never re-tokenised nor re-computed.
@@ -176,9 +206,9 @@ class TorchEngine:
             seq = self._new_seq(prev.prompt_ids, sampling, stop_seqs, True)
             # the last sampled token was never fed through the model: it goes first
             seq.feed, seq.fresh, seq.slot, seq.handle = [prev.tokens[-1]] + ids, False, prev.slot, handle
-            prev.parked = False                   # one continuation at a time
+            prev.parked = False  # one continuation at a time
             self.kept[handle] = seq
-            self.waiting.insert(0, seq)           # needs no free slot: admitted on the next turn
+            self.waiting.insert(0, seq)  # needs no free slot: admitted on the next turn
             self._cv.notify()
         self.start()
         return await seq.future
@@ -193,7 +223,7 @@ class TorchEngine:
                 s.parked = False
                 self.free.append(s.slot)
                 s.slot = -1
-            elif s in self.waiting:               # released before its continuation started
+            elif s in self.waiting:  # released before its continuation started
                 self.waiting.remove(s)
                 if s.slot >= 0:
                     self.free.append(s.slot)
@@ -207,15 +237,28 @@ class TorchEngine:
         if sampling.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
         if used + sampling.max_tokens > self.max_len:
-            raise ValueError(f"prompt ({used}) + max_tokens ({sampling.max_tokens}) exceeds "
-                             f"the engine's max_len {self.max_len}")
+            raise ValueError(
+                f"prompt ({used}) + max_tokens ({sampling.max_tokens}) exceeds "
+                f"the engine's max_len {self.max_len}"
+            )
 
     def _new_seq(self, prompt_ids, sampling: SamplingParams, stop_seqs, keep: bool) -> _Seq:
-        cfg = policy.SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-        stop = frozenset(int(t) for t in sampling.stop) | ({self.eos_id} if self.eos_id is not None else set())
+        cfg = policy.SamplingConfig(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k
+        )
+        stop = frozenset(int(t) for t in sampling.stop) | (
+            {self.eos_id} if self.eos_id is not None else set()
+        )
         seqs = tuple(tuple(int(t) for t in q) for q in stop_seqs if len(q))
-        return _Seq(prompt_ids, sampling, cfg, stop, asyncio.get_running_loop().create_future(),
-                    keep=keep, stop_seqs=seqs)
+        return _Seq(
+            prompt_ids,
+            sampling,
+            cfg,
+            stop,
+            asyncio.get_running_loop().create_future(),
+            keep=keep,
+            stop_seqs=seqs,
+        )
 
     async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None:
         await self._checked_update(delta, epoch, lambda: self._prepare_delta(delta))
@@ -240,9 +283,16 @@ class TorchEngine:
             await self._update(lambda: self._prepare_keyframe(state), int(version), int(epoch))
 
     def stats(self) -> dict:
-        return {**self.metrics.snapshot(), "version": self.version, "epoch": self.epoch,
-                "slots": self.slots, "kv_slots": self.kv_slots, "kept": len(self.kept), "active": len(self.active),
-                "waiting": len(self.waiting)}
+        return {
+            **self.metrics.snapshot(),
+            "version": self.version,
+            "epoch": self.epoch,
+            "slots": self.slots,
+            "kv_slots": self.kv_slots,
+            "kept": len(self.kept),
+            "active": len(self.active),
+            "waiting": len(self.waiting),
+        }
 
     async def close(self) -> None:
         """Stop: sequences not finished fail with EngineClosed (their tasks get released)."""
@@ -269,11 +319,13 @@ class TorchEngine:
     async def _update(self, prepare, version: int, epoch: int) -> None:
         if self._closed:
             raise EngineClosed("engine is closed")
-        if self.update_mode == "inline":   # prepare at the boundary itself: stalls, but gets the whole CPU
+        if self.update_mode == "inline":  # prepare at the boundary itself: stalls, but gets the whole CPU
+
             def run():
                 t = time.perf_counter()
                 names = prepare()
                 self._swap(names, version, epoch, time.perf_counter() - t)
+
             try:
                 return await self._submit(run)
             except EngineClosed:
@@ -284,7 +336,7 @@ class TorchEngine:
         t0 = time.perf_counter()
         self._preparing = True
         try:
-            names = await asyncio.to_thread(prepare)   # DeltaError/ValueError: nothing changed
+            names = await asyncio.to_thread(prepare)  # DeltaError/ValueError: nothing changed
         except BaseException:
             self.metrics.refused += 1
             self.metrics.prep_refused()
@@ -312,9 +364,14 @@ class TorchEngine:
 
     def _prepare_parts(self, manifest, parts: dict[int, bytes]) -> list[str]:
         from delta_codec.sharded import PART_NAME, apply_parts
-        apply_parts(self.state, manifest, parts, expect_from=self.version, finite=True)   # all-or-nothing
-        changed = {PART_NAME.match(n)[1] for blob in parts.values()
-                   for n, st in delta_codec.Delta.from_bytes(blob).stats.per_tensor.items() if st["changed"]}
+
+        apply_parts(self.state, manifest, parts, expect_from=self.version, finite=True)  # all-or-nothing
+        changed = {
+            PART_NAME.match(n)[1]
+            for blob in parts.values()
+            for n, st in delta_codec.Delta.from_bytes(blob).stats.per_tensor.items()
+            if st["changed"]
+        }
         names = changed | self._stale
         spare = self._spare_for(names)
         for k in names:
@@ -335,7 +392,7 @@ class TorchEngine:
         for k in names:
             p = self.params[k]
             p.data, self.spare[k] = self.spare[k], p.data
-        self._stale = set(names)     # the new spare holds the old values of exactly these tensors
+        self._stale = set(names)  # the new spare holds the old values of exactly these tensors
         self.version, self.epoch = version, epoch
         self._prep_s = prep_s
 
@@ -343,7 +400,9 @@ class TorchEngine:
         missing = sorted(set(self.params) - set(state))
         extra = sorted(set(state) - set(self.params))
         if missing or extra:
-            raise ValueError(f"keyframe does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+            raise ValueError(
+                f"keyframe does not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
+            )
         bad = [k for k, p in self.params.items() if tuple(state[k].shape) != tuple(p.shape)]
         if bad:
             raise ValueError(f"keyframe tensor shapes differ from the model: {bad[:5]}")
@@ -370,7 +429,7 @@ class TorchEngine:
                 # asleep unless a turn can do something: a new sequence waiting for a KV row that
                 # every kept episode holds (all waiting on their commands) must not spin this loop
                 while not (self._closed or self.updates or self.active or self._admissible()):
-                    self._last_step_end = None          # idle: the next update stalls nobody
+                    self._last_step_end = None  # idle: the next update stalls nobody
                     self._cv.wait()
                 if self._closed:
                     return
@@ -391,7 +450,7 @@ class TorchEngine:
             try:
                 for fut, exc, s in results:
                     self._loop.call_soon_threadsafe(self._deliver, fut, exc, s)
-            except RuntimeError:    # the event loop is gone (process exiting without close()): nobody waits
+            except RuntimeError:  # the event loop is gone (process exiting without close()): nobody waits
                 return
 
     def _admissible(self) -> bool:
@@ -405,9 +464,9 @@ class TorchEngine:
         room = self.slots - len(self.active)
         conts = [s for s in self.waiting if not s.fresh]
         rest = [s for s in self.waiting if s.fresh]
-        admits = conts[:max(room, 0)]
+        admits = conts[: max(room, 0)]
         n = max(0, min(len(self.free), len(rest), room - len(admits)))
-        self.waiting = conts[len(admits):] + rest[n:]
+        self.waiting = conts[len(admits) :] + rest[n:]
         for s in rest[:n]:
             s.slot = self.free.pop()
         return admits + rest[:n]
@@ -431,7 +490,7 @@ class TorchEngine:
         if pending and self._run_updates(pending):
             self._stall_from = (self._prep_s, time.perf_counter() - t0, self._last_step_end)
         finished: list[_Seq] = []
-        if admits:                 # prefill: the first completion token comes from the prompt's logits
+        if admits:  # prefill: the first completion token comes from the prompt's logits
             for s in admits:
                 if s.fresh:
                     self.cache.reset(s.slot)
@@ -439,7 +498,9 @@ class TorchEngine:
             logits = self.model.prefill_many([s.feed for s in admits], self.cache, [s.slot for s in admits])
             self._emit(admits, logits, finished)
         # in slot order: when every slot is busy the KV cache is read as views, not gathered
-        live = sorted((s for s in self.active.values() if not s.finish and s not in admits), key=lambda s: s.slot)
+        live = sorted(
+            (s for s in self.active.values() if not s.finish and s not in admits), key=lambda s: s.slot
+        )
         end = None
         if live:
             t1 = time.perf_counter()
@@ -448,22 +509,33 @@ class TorchEngine:
             logits = self.model.decode(tokens, self.cache, slots)
             self._emit(live, logits, finished)
             end = time.perf_counter()
-            gap = end - self._last_step_end if self._last_step_end is not None and self._stall_from is None else None
-            self.metrics.step(end - t1, len(live) + len(admits), gap,   # sequences that got a token this turn
-                              preparing=self._preparing)
+            gap = (
+                end - self._last_step_end
+                if self._last_step_end is not None and self._stall_from is None
+                else None
+            )
+            self.metrics.step(
+                end - t1,
+                len(live) + len(admits),
+                gap,  # sequences that got a token this turn
+                preparing=self._preparing,
+            )
             self._last_step_end = end
         else:
             self.metrics.tokens += len(admits)
         if self._stall_from is not None and (live or not self.active):
-            prep_s, swap_s, prev_end = self._stall_from   # stall: gap between the decode steps around it
-            self.metrics.update(prep_s, end - prev_end if end is not None and prev_end is not None else None,
-                                boundary_s=swap_s)
+            prep_s, swap_s, prev_end = self._stall_from  # stall: gap between the decode steps around it
+            self.metrics.update(
+                prep_s,
+                end - prev_end if end is not None and prev_end is not None else None,
+                boundary_s=swap_s,
+            )
             self._stall_from = None
-        with self._cv:             # release() decides under the same lock whether a slot is kept
+        with self._cv:  # release() decides under the same lock whether a slot is kept
             for s in finished:
                 del self.active[s.slot]
                 if s.keep and self.kept.get(s.handle) is s:
-                    self.kept[s.handle] = s       # not released meanwhile: the slot stays with the episode
+                    self.kept[s.handle] = s  # not released meanwhile: the slot stays with the episode
                     s.parked = True
                     continue
                 self.free.append(s.slot)
@@ -483,7 +555,9 @@ class TorchEngine:
             s.epoch = self.epoch
             if toks[j] in s.stop:
                 s.finish = "stop"
-            elif s.stop_seqs and any(len(s.tokens) >= len(q) and tuple(s.tokens[-len(q):]) == q for q in s.stop_seqs):
+            elif s.stop_seqs and any(
+                len(s.tokens) >= len(q) and tuple(s.tokens[-len(q) :]) == q for q in s.stop_seqs
+            ):
                 s.finish = "stop_seq"
             elif len(s.tokens) >= s.sampling.max_tokens:
                 s.finish = "length"
@@ -500,10 +574,17 @@ class TorchEngine:
         _settle(fut, exc, res)
 
     def _result(self, s: _Seq) -> Generation:
-        return Generation(completion_ids=s.tokens, logprobs=s.logprobs, token_versions=s.versions,
-                          sampling_mask=policy.SamplingMask.from_rows(s.mask_rows).to_wire(),
-                          finish_reason=s.finish, wall_s=time.perf_counter() - s.started,
-                          epoch=s.epoch, quant=self.quant.to_wire(), handle=s.handle)
+        return Generation(
+            completion_ids=s.tokens,
+            logprobs=s.logprobs,
+            token_versions=s.versions,
+            sampling_mask=policy.SamplingMask.from_rows(s.mask_rows).to_wire(),
+            finish_reason=s.finish,
+            wall_s=time.perf_counter() - s.started,
+            epoch=s.epoch,
+            quant=self.quant.to_wire(),
+            handle=s.handle,
+        )
 
 
 def _settle(fut: asyncio.Future, exc, res) -> None:

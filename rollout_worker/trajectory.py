@@ -23,6 +23,7 @@ never generated (a harness-written demonstration) is context, not a model turn (
 Per token of the trajectory: loss mask, behaviour logprob, sampling-mask row, policy version, as
 the built-in loop records them (rollout_worker/episodes.py: Trajectory).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,6 +42,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 
 class RequestError(ValueError):
     """A request the endpoint refuses (HTTP `status`, 400 unless a subclass says), with the reason."""
+
     status = 400
 
 
@@ -108,9 +110,9 @@ def encode(tok, text: str, bos: bool = False) -> tuple[list[int], int]:
 
 @dataclasses.dataclass
 class Turn:
-    start: int            # index in traj.ids of the turn's first generated id
+    start: int  # index in traj.ids of the turn's first generated id
     end: int
-    text: str             # what the endpoint returned for it (stop sequence removed)
+    text: str  # what the endpoint returned for it (stop sequence removed)
 
 
 class TrajectoryRecorder:
@@ -124,16 +126,23 @@ class TrajectoryRecorder:
         self.lock = asyncio.Lock()
         self.traj: Trajectory | None = None
         self.turns: list[Turn] = []
-        self.handle: int | None = None        # the engine's kept sequence (torch/vLLM `extend`)
-        self.keep = True                      # keep the KV row between turns (episodes the worker opened)
-        self.sampling = None                  # the task's SamplingParams (worker-opened episodes)
+        self.handle: int | None = None  # the engine's kept sequence (torch/vLLM `extend`)
+        self.keep = True  # keep the KV row between turns (episodes the worker opened)
+        self.sampling = None  # the task's SamplingParams (worker-opened episodes)
         self.ended, self.end_reason = False, ""
-        self.stats = {"requests": 0, "divergent_turns": 0, "restarts": 0, "dropped_model_tokens": 0,
-                      "foreign_turns": 0, "replaced_chars": 0, "retried_turns": 0}
-        self.rewound = False                  # the last turn was dropped: the kept KV row is stale
+        self.stats = {
+            "requests": 0,
+            "divergent_turns": 0,
+            "restarts": 0,
+            "dropped_model_tokens": 0,
+            "foreign_turns": 0,
+            "replaced_chars": 0,
+            "retried_turns": 0,
+        }
+        self.rewound = False  # the last turn was dropped: the kept KV row is stale
         self._divergent: set[int] = set()
         self.done = asyncio.Event()
-        self.result = None                    # what on_end returned (an external episode's score)
+        self.result = None  # what on_end returned (an external episode's score)
 
     def checkpoint(self) -> tuple:
         """What a request may change before it generates (restore() undoes a refused one)."""
@@ -163,7 +172,7 @@ class TrajectoryRecorder:
         if eos is not None and t.end > t.start and self.traj.ids[t.end - 1] == eos:
             e = self.tok.decode([eos])
             if e and chunk.startswith(e):
-                return chunk[len(e):]
+                return chunk[len(e) :]
         return chunk
 
     def plan_chat(self, messages: list[dict]) -> list[int]:
@@ -175,10 +184,10 @@ class TrajectoryRecorder:
             ok = len(contents) >= n and self._enc(chunks[0], bos=True) == self.traj.prompt_ids
             for k in range(n if ok else 0):
                 if contents[k] != self.turns[k].text and k not in self._divergent:
-                    self._divergent.add(k)                       # keep the ids; count the drift once
+                    self._divergent.add(k)  # keep the ids; count the drift once
                     self.stats["divergent_turns"] += 1
-                if k + 1 < n:     # the text between two recorded turns must be what was recorded
-                    between = self.traj.ids[self.turns[k].end:self.turns[k + 1].start]
+                if k + 1 < n:  # the text between two recorded turns must be what was recorded
+                    between = self.traj.ids[self.turns[k].end : self.turns[k + 1].start]
                     if self._enc(self._after_turn(k, chunks[k + 1])) != between:
                         ok = False
                         break
@@ -189,15 +198,15 @@ class TrajectoryRecorder:
                 self.stats["retried_turns"] += 1
                 self.stats["dropped_model_tokens"] += t.end - t.start
                 for name in ("ids", "mask", "logprobs", "versions", "rows"):
-                    setattr(self.traj, name, getattr(self.traj, name)[:t.start])
+                    setattr(self.traj, name, getattr(self.traj, name)[: t.start])
                 self.rewound = True
                 return []
             if ok:
-                if n == 0:        # no turn yet (a retried first request): same prompt, nothing to add
+                if n == 0:  # no turn yet (a retried first request): same prompt, nothing to add
                     tail = "".join(_interleave(chunks[1:], contents))
                     self.stats["foreign_turns"] += len(contents)
                     return self._enc(tail) if tail else []
-                rest = _interleave(chunks[n + 1:], contents[n:])
+                rest = _interleave(chunks[n + 1 :], contents[n:])
                 self.stats["foreign_turns"] += len(contents) - n
                 return self._enc(self._after_turn(n - 1, chunks[n]) + "".join(rest))
             self.stats["restarts"] += 1
@@ -226,8 +235,8 @@ class TrajectoryRecorder:
         if isinstance(prompt, list):
             ids = [int(t) for t in prompt]
             ctx = self.context_ids
-            if self.traj is not None and ids[:len(ctx)] == ctx:
-                return ids[len(ctx):]
+            if self.traj is not None and ids[: len(ctx)] == ctx:
+                return ids[len(ctx) :]
             if self.traj is not None:
                 self._restart()
             self.traj = Trajectory(ids)
@@ -239,11 +248,11 @@ class TrajectoryRecorder:
             text = self.tok.decode(self.traj.prompt_ids)
             pos = 0
             for t in self.turns:
-                text += self.tok.decode(self.traj.ids[pos:t.start]) + t.text
+                text += self.tok.decode(self.traj.ids[pos : t.start]) + t.text
                 pos = t.end
             text += self.tok.decode(self.traj.ids[pos:])
             if prompt.startswith(text):
-                return self._enc(prompt[len(text):])
+                return self._enc(prompt[len(text) :])
             self._restart()
         self.traj = Trajectory(self._enc(prompt, bos=True))
         self.turns = []
@@ -274,22 +283,32 @@ def _interleave(chunks: list[str], contents: list[str]) -> list[str]:
     return out
 
 
-def rollout_of(task, sp, index: int, rec: TrajectoryRecorder, result, tok, worker_id: str,
-               episode: dict):
+def rollout_of(task, sp, index: int, rec: TrajectoryRecorder, result, tok, worker_id: str, episode: dict):
     """The Rollout of an episode a harness played through the endpoint: the recorded trajectory
     (prompt ids, model and observation ids, mask, versions, sampling rows) and the EpisodeResult
     of its hidden tests (`episode`: extra keys of Rollout.episode). ValueError: no model turn."""
     traj = rec.traj
     if traj is None or not any(traj.mask):
         raise ValueError(f"episode {rec.episode_id} ended without a model turn")
-    return build_rollout(task, index, sp.n, worker_id, traj.prompt_ids, traj, tok.decode(traj.ids),
-                         result.wall_s, loss_mask=traj.mask, result=result, turns=len(rec.turns),
-                         episode={**episode, "trajectory": dict(rec.stats),
-                                  "turn_log": [{"finish": ""} for _ in rec.turns]})
+    return build_rollout(
+        task,
+        index,
+        sp.n,
+        worker_id,
+        traj.prompt_ids,
+        traj,
+        tok.decode(traj.ids),
+        result.wall_s,
+        loss_mask=traj.mask,
+        result=result,
+        turns=len(rec.turns),
+        episode={**episode, "trajectory": dict(rec.stats), "turn_log": [{"finish": ""} for _ in rec.turns]},
+    )
 
 
-def count_episode(stats: dict, ended: list, rec: TrajectoryRecorder, result, wall_s: float,
-                  harness_exit: str) -> None:
+def count_episode(
+    stats: dict, ended: list, rec: TrajectoryRecorder, result, wall_s: float, harness_exit: str
+) -> None:
     """The worker's books of one harness-played episode: its counters (`stats`, the worker's
     metrics) and a record in `ended` (bench.agentic reads them; capped at 4096)."""
     traj = rec.traj
@@ -301,8 +320,20 @@ def count_episode(stats: dict, ended: list, rec: TrajectoryRecorder, result, wal
     for k in ("divergent_turns", "restarts", "retried_turns", "dropped_model_tokens"):
         stats[k] = stats.get(k, 0) + rec.stats[k]
     if len(ended) < 4096:
-        ended.append({"ended_at": time.time(), "turns": len(rec.turns), "tool_calls": result.tool_calls,
-                      "tokens": len(traj.ids), "model_tokens": sum(traj.mask), "wall_s": result.wall_s,
-                      "tool_wall_s": result.tool_wall_s, "termination": result.termination,
-                      "reward": result.reward, "resolved": result.resolved, "suite_wait_s": 0.0,
-                      "suite_runs": 0, "harness_exit": harness_exit})
+        ended.append(
+            {
+                "ended_at": time.time(),
+                "turns": len(rec.turns),
+                "tool_calls": result.tool_calls,
+                "tokens": len(traj.ids),
+                "model_tokens": sum(traj.mask),
+                "wall_s": result.wall_s,
+                "tool_wall_s": result.tool_wall_s,
+                "termination": result.termination,
+                "reward": result.reward,
+                "resolved": result.resolved,
+                "suite_wait_s": 0.0,
+                "suite_runs": 0,
+                "harness_exit": harness_exit,
+            }
+        )

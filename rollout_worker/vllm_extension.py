@@ -7,6 +7,7 @@ vLLM imports this module in its worker process because the engine names
 The client side (`rollout_worker.vllm_engine.VLLMEngine`) lives in the rollout worker process
 and reaches this code only through vLLM's RPC.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,11 @@ from typing import Any
 import torch
 
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
 
 BACKEND = "asyncrl_delta"
 EXTENSION = "rollout_worker.vllm_extension.DeltaWorkerExtension"
@@ -29,7 +33,12 @@ EXTENSION = "rollout_worker.vllm_extension.DeltaWorkerExtension"
 # -- tensors over vLLM's RPC (its msgpack carries bytes, not tensors, in untyped arguments) --
 def pack_tensor(name: str, t: torch.Tensor) -> list:
     t = t.detach().contiguous().cpu()
-    return [name, str(t.dtype).removeprefix("torch."), list(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()]
+    return [
+        name,
+        str(t.dtype).removeprefix("torch."),
+        list(t.shape),
+        t.reshape(-1).view(torch.uint8).numpy().tobytes(),
+    ]
 
 
 def unpack_tensor(rec) -> tuple[str, torch.Tensor]:
@@ -68,10 +77,10 @@ class DeltaInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class DeltaUpdateInfo(WeightTransferUpdateInfo):
-    tensors: list = field(default_factory=list)    # [[hf_name, dtype, shape, bytes], ...], whole layers
-    delta: bytes | None = None                     # or one delta_codec container (publisher names)
-    manifest: bytes | None = None                  # or a version published from shards: its manifest
-    parts: list | None = None                      # and its parts, [[index, container bytes], ...]
+    tensors: list = field(default_factory=list)  # [[hf_name, dtype, shape, bytes], ...], whole layers
+    delta: bytes | None = None  # or one delta_codec container (publisher names)
+    manifest: bytes | None = None  # or a version published from shards: its manifest
+    parts: list | None = None  # and its parts, [[index, container bytes], ...]
 
 
 class InjectedFailure(RuntimeError):
@@ -88,15 +97,16 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
     that are views of the HF tensors, the delta is applied in place to the live parameters
     (delta_codec's device path: the Triton kernel) and nothing is reloaded.
     """
+
     init_info_cls = DeltaInitInfo
     update_info_cls = DeltaUpdateInfo
     supports_draft_weight_update = False
 
     def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
-        pass                           # payloads ride the RPC itself: nothing to connect
+        pass  # payloads ride the RPC itself: nothing to connect
 
     def start_weight_update(self) -> None:
-        pass                           # each update_weights call is complete in itself
+        pass  # each update_weights call is complete in itself
 
     def finish_weight_update(self) -> None:
         pass
@@ -108,7 +118,7 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
         self.warm_s = warm_codec()
         self.to_hf = dict(to_hf)
         self.fail_after: int | None = None
-        self.timing: dict[str, float] = {}    # the last update's phases (asyncrl_last_update)
+        self.timing: dict[str, float] = {}  # the last update's phases (asyncrl_last_update)
         self.shadow: dict[str, torch.Tensor] = {}
         self._views: dict[str, torch.Tensor] | None = None
         self.in_place = self.device.type == "cuda" and self.parallel_config.world_size == 1
@@ -127,6 +137,7 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
         if self._views is not None:
             return self._views
         from safetensors import safe_open
+
         shapes = {}
         for f in checkpoint_files(self.model_config.model):
             with safe_open(str(f), framework="pt") as fh:
@@ -137,7 +148,7 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
             try:
                 mod = self.model.get_submodule(key)
             except AttributeError:
-                continue                          # not loaded by vLLM (e.g. rotary buffers)
+                continue  # not loaded by vLLM (e.g. rotary buffers)
             leaf, parent = key.rpartition(".")[2], key.rpartition(".")[0]
             parts = packed.get(leaf, [leaf])
             for pn, p in mod.named_parameters(recurse=False):
@@ -151,7 +162,7 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
                     shp = shapes[hf]
                     if tuple(p.shape[1:]) != shp[1:] or row + shp[0] > p.shape[0]:
                         return None
-                    views[hf] = p.data[row:row + shp[0]]      # contiguous: a block of whole rows
+                    views[hf] = p.data[row : row + shp[0]]  # contiguous: a block of whole rows
                     row += shp[0]
                 if len(parts) > 1 and row != p.shape[0]:
                     return None
@@ -161,7 +172,7 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
     # -- updates ---------------------------------------------------------------------------
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
-        if torch.accelerator.is_available():          # GPU copies are async; CPU ones are done
+        if torch.accelerator.is_available():  # GPU copies are async; CPU ones are done
             torch.accelerator.synchronize()
 
     def receive_weights(self, info: DeltaUpdateInfo) -> None:
@@ -173,18 +184,19 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
             self._apply_parts(info.manifest, info.parts)
             return
         weights = [unpack_tensor(r) for r in info.tensors]
-        modules = self._modules_for([n for n, _ in weights])   # validates before touching anything
+        modules = self._modules_for([n for n, _ in weights])  # validates before touching anything
         if self.shadow:
             for n, t in weights:
                 if n in self.shadow and self.shadow[n].shape == t.shape:
                     self.shadow[n].copy_(t)
                 else:
                     self.shadow[n] = t.to(torch.bfloat16)
-        self._views = None                                     # reloaded parameters are new tensors
+        self._views = None  # reloaded parameters are new tensors
         self._reload(modules, dict(weights))
 
     def _apply_delta(self, blob: bytes) -> None:
         import delta_codec
+
         t0 = time.perf_counter()
         d = delta_codec.Delta.from_bytes(blob)
         changed = [n for n, st in d.stats.per_tensor.items() if st["changed"]]
@@ -192,14 +204,16 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
             views = self._device_views()
             target = {n: views[self._hf(n)] for n in d.names if self._hf(n) in views}
             if len(target) == len(d.names):
-                delta_codec.apply_delta(target, d)             # Triton on device; all-or-nothing
+                delta_codec.apply_delta(target, d)  # Triton on device; all-or-nothing
                 return
-            raise ValueError(f"delta names without a device view: "
-                             f"{sorted(n for n in d.names if self._hf(n) not in views)[:5]}")
+            raise ValueError(
+                f"delta names without a device view: "
+                f"{sorted(n for n in d.names if self._hf(n) not in views)[:5]}"
+            )
         absent = sorted(n for n in d.names if self._hf(n) not in self.shadow)
         if absent:
             raise ValueError(f"delta tensors not in the vLLM model's checkpoint: {absent[:5]}")
-        delta_codec.apply_delta({n: self.shadow[self._hf(n)] for n in d.names}, d)   # all-or-nothing
+        delta_codec.apply_delta({n: self.shadow[self._hf(n)] for n in d.names}, d)  # all-or-nothing
         self.timing = {"decode_ms": (time.perf_counter() - t0) * 1e3}
         self._reload_changed(changed)
 
@@ -207,6 +221,7 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
         """A version published from shards: every part's row ranges, all-or-nothing, onto the
         live device views (in place) or the bf16 copy, whose touched layers are then reloaded."""
         from .vllm_parts import apply_in_worker
+
         if manifest is None:
             raise ValueError("parts without their manifest")
         tensors = self._device_views() if self.in_place else self.shadow
@@ -218,26 +233,33 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
         """Reload every layer a changed tensor (publisher name) belongs to, from the bf16 copy."""
         groups = layer_groups(self.shadow, self._packed())
         touched = sorted({layer_key(self._hf(n), self._packed()) for n in changed})
-        members = [h for key in touched for h in groups[key]]     # whole layers: fused q/k/v, gate/up
+        members = [h for key in touched for h in groups[key]]  # whole layers: fused q/k/v, gate/up
         modules = self._modules_for(members)
         self._reload(modules, {h: self.shadow[h] for h in members})
 
-    def _reload(self, modules: list[tuple[torch.nn.Module, list[str]]], weights: dict[str, torch.Tensor]) -> None:
+    def _reload(
+        self, modules: list[tuple[torch.nn.Module, list[str]]], weights: dict[str, torch.Tensor]
+    ) -> None:
         """Layerwise reload of the touched modules in one pass of the model's loader: all of them
         initialised, their tensors loaded by one `load_weights` call (vLLM processes each module as
         its last tensor arrives), then finalised. One call, not one per module: the loader's set-up
         walks the whole model on every call. A failure leaves vLLM paused until a keyframe push,
         which reloads every module (vllm_engine)."""
-        if self.fail_after is not None:          # test hook: fail part-way, after whole modules
+        if self.fail_after is not None:  # test hook: fail part-way, after whole modules
             k, self.fail_after = self.fail_after, None
             if k < len(modules):
                 self._reload_all(modules[:k], weights)
                 raise InjectedFailure(f"test hook: push failed after {k} of {len(modules)} modules")
         self._reload_all(modules, weights)
 
-    def _reload_all(self, modules: list[tuple[torch.nn.Module, list[str]]], weights: dict[str, torch.Tensor]) -> None:
-        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                             initialize_layerwise_reload)
+    def _reload_all(
+        self, modules: list[tuple[torch.nn.Module, list[str]]], weights: dict[str, torch.Tensor]
+    ) -> None:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
         t0 = time.perf_counter()
         sharers = self._sharers([mod for mod, _ in modules])
         for mod, _ in modules:
@@ -252,8 +274,13 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
             finalize_layerwise_reload(mod, self.model_config)
             self._retie(mod, sharers[id(mod)])
         t3 = time.perf_counter()
-        self.timing.update(init_ms=(t1 - t0) * 1e3, load_ms=(t2 - t1) * 1e3, finalize_ms=(t3 - t2) * 1e3,
-                           reload_ms=(t3 - t0) * 1e3, modules=len(modules))
+        self.timing.update(
+            init_ms=(t1 - t0) * 1e3,
+            load_ms=(t2 - t1) * 1e3,
+            finalize_ms=(t3 - t2) * 1e3,
+            reload_ms=(t3 - t0) * 1e3,
+            modules=len(modules),
+        )
 
     def _sharers(self, mods: list[torch.nn.Module]) -> dict[int, list[tuple[torch.nn.Module, str, str]]]:
         """Per module (by id): (other module, its attribute, the module's parameter name) for the
@@ -264,8 +291,15 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
         for m in self.model.modules():
             for n, p in m.named_parameters(recurse=False):
                 holders.setdefault(id(p), []).append((m, n))
-        return {id(mod): [(m, n, pn) for pn, p in mod.named_parameters(recurse=False)
-                          for m, n in holders.get(id(p), []) if m is not mod] for mod in mods}
+        return {
+            id(mod): [
+                (m, n, pn)
+                for pn, p in mod.named_parameters(recurse=False)
+                for m, n in holders.get(id(p), [])
+                if m is not mod
+            ]
+            for mod in mods
+        }
 
     @staticmethod
     def _retie(mod: torch.nn.Module, sharers) -> None:
@@ -291,8 +325,11 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
                 raise ValueError(f"no module {key!r} in the vLLM model for tensors {members[:3]}") from None
             parts = packed.get(key.rpartition(".")[2], [key.rpartition(".")[2]])
             parent = key.rpartition(".")[0]
-            expect = {f"{parent}.{p}.{pn}" if parent else f"{p}.{pn}"
-                      for p in parts for pn, _ in mod.named_parameters(recurse=False)}
+            expect = {
+                f"{parent}.{p}.{pn}" if parent else f"{p}.{pn}"
+                for p in parts
+                for pn, _ in mod.named_parameters(recurse=False)
+            }
             if set(members) != expect:
                 raise ValueError(f"layer {key} needs exactly {sorted(expect)}, got {sorted(members)}")
             mods.append((mod, members))
@@ -309,11 +346,12 @@ def warm_codec() -> float:
     with vLLM paused. Also runs one tiny delta through encode and apply (zstd, digests, the torch
     scatter ops and the codec's thread pool on first use)."""
     import delta_codec
+
     t0 = time.perf_counter()
     delta_codec.warm()
     base = {"w": torch.linspace(-1, 1, 64 * 64).reshape(64, 64).to(torch.bfloat16)}
     new = {"w": base["w"].clone()}
-    new["w"][::7, ::5] += 0.25                                # ~3 % changed: the sparse path
+    new["w"][::7, ::5] += 0.25  # ~3 % changed: the sparse path
     blob = delta_codec.encode_delta(base, new, from_version=0, to_version=1).to_bytes()
     d = delta_codec.Delta.from_bytes(blob)
     delta_codec.apply_delta(base, d)
@@ -332,6 +370,7 @@ def checkpoint_files(folder) -> list[Path]:
 def read_checkpoint(folder) -> dict[str, torch.Tensor]:
     """The HF tensors of a checkpoint folder, in bf16 (the dtype the engine serves)."""
     from safetensors import safe_open
+
     out = {}
     for f in checkpoint_files(folder):
         with safe_open(str(f), framework="pt") as fh:
@@ -341,7 +380,7 @@ def read_checkpoint(folder) -> dict[str, torch.Tensor]:
 
 try:
     WeightTransferEngineFactory.register_engine(BACKEND, DeltaTransferEngine)
-except ValueError:                     # module imported twice in one process
+except ValueError:  # module imported twice in one process
     pass
 
 
@@ -354,14 +393,19 @@ class DeltaWorkerExtension:
         eng = self.weight_transfer_engine
         eng.setup(to_hf)
         model = self.model_runner.get_model()
-        return {"packed": {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", {}) or {}).items()},
-                "in_place": eng.in_place, "warm_s": round(eng.warm_s, 3)}
+        return {
+            "packed": {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", {}) or {}).items()},
+            "in_place": eng.in_place,
+            "warm_s": round(eng.warm_s, 3),
+        }
 
     def asyncrl_codec_ready(self) -> dict:
         """Test hook: whether the delta codec is loaded in this (vLLM's worker) process, and the
         seconds its warm-up at setup took."""
-        return {"loaded": "delta_codec" in sys.modules,
-                "warm_s": getattr(self.weight_transfer_engine, "warm_s", None)}
+        return {
+            "loaded": "delta_codec" in sys.modules,
+            "warm_s": getattr(self.weight_transfer_engine, "warm_s", None),
+        }
 
     def asyncrl_weights_digest(self) -> dict:
         """Test hook: sha256 of the bf16 copy and of every live parameter, to compare two ways of
@@ -375,8 +419,12 @@ class DeltaWorkerExtension:
                 h.update(f"{n}:{t.dtype}:{tuple(t.shape)};".encode())
                 h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
             return h.hexdigest()
+
         eng = self.weight_transfer_engine
-        return {"shadow": digest(eng.shadow.items()), "params": digest(self.model_runner.get_model().named_parameters())}
+        return {
+            "shadow": digest(eng.shadow.items()),
+            "params": digest(self.model_runner.get_model().named_parameters()),
+        }
 
     def asyncrl_last_update(self) -> dict:
         """The last update's phases inside this process (ms): decode_ms (container decoded and

@@ -11,6 +11,7 @@ failed push (vllm_engine.py `_push`): paused at version -1 until a keyframe load
 
 This module imports nothing from vLLM, so both processes can import it.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -27,18 +28,27 @@ def part_deltas(parts: dict[int, bytes]) -> list[delta_codec.Delta]:
 
 def changed_names(parts: dict[int, bytes]) -> list[str]:
     """Tensor names (without the row range) that some part changes."""
-    return sorted({PART_NAME.match(n)[1] for d in part_deltas(parts)
-                   for n, st in d.stats.per_tensor.items() if st["changed"] and PART_NAME.match(n)})
+    return sorted(
+        {
+            PART_NAME.match(n)[1]
+            for d in part_deltas(parts)
+            for n, st in d.stats.per_tensor.items()
+            if st["changed"] and PART_NAME.match(n)
+        }
+    )
 
 
-def apply_to_shadow(state: dict[str, torch.Tensor], manifest: Manifest, parts: dict[int, bytes]
-                    ) -> tuple[list[str], dict[str, torch.Tensor]]:
+def apply_to_shadow(
+    state: dict[str, torch.Tensor], manifest: Manifest, parts: dict[int, bytes]
+) -> tuple[list[str], dict[str, torch.Tensor]]:
     """Client side: the whole version onto the shadow (manifest digests, row tiling of every
     tensor, base digests; raises with the shadow unchanged). -> (changed names, their old values)."""
-    deltas = check_parts(state, manifest, parts)      # the manifest first: a clear error for a bad part
-    changed = sorted({PART_NAME.match(n)[1] for d in deltas for n, st in d.stats.per_tensor.items() if st["changed"]})
+    deltas = check_parts(state, manifest, parts)  # the manifest first: a clear error for a bad part
+    changed = sorted(
+        {PART_NAME.match(n)[1] for d in deltas for n, st in d.stats.per_tensor.items() if st["changed"]}
+    )
     backup = {n: state[n].clone() for n in changed}
-    apply_parts(state, manifest, parts, finite=True)         # a NaN/±inf result: refused, nothing pushed
+    apply_parts(state, manifest, parts, finite=True)  # a NaN/±inf result: refused, nothing pushed
     return changed, backup
 
 
@@ -57,8 +67,9 @@ def payload_bytes(info: dict) -> int:
     return sum(len(r[3]) for r in info.get("tensors", []))
 
 
-def apply_in_worker(manifest_bytes: bytes, parts: list, tensors: dict[str, torch.Tensor],
-                    to_hf: Callable[[str], str]) -> list[str]:
+def apply_in_worker(
+    manifest_bytes: bytes, parts: list, tensors: dict[str, torch.Tensor], to_hf: Callable[[str], str]
+) -> list[str]:
     """vLLM's worker side: every part onto `tensors` (HF name -> the tensor to write: the bf16
     copy or a live device view), all-or-nothing; parts re-checked against the manifest and their
     rows against every tensor they name. -> the changed publisher names (the layers to reload)."""
@@ -66,8 +77,9 @@ def apply_in_worker(manifest_bytes: bytes, parts: list, tensors: dict[str, torch
     blobs = {int(i): bytes(b) for i, b in parts}
     if len(blobs) != len(parts):
         raise ValueError("a part index appears twice in the push")
-    names = sorted({PART_NAME.match(r.name)[1] for d in part_deltas(blobs) for r in d.records
-                    if PART_NAME.match(r.name)})
+    names = sorted(
+        {PART_NAME.match(r.name)[1] for d in part_deltas(blobs) for r in d.records if PART_NAME.match(r.name)}
+    )
     absent = [n for n in names if to_hf(n) not in tensors]
     if absent:
         raise ValueError(f"part tensors not in the vLLM model: {absent[:5]}")

@@ -21,6 +21,7 @@ weights; the behaviour logprobs are vLLM's own either way, so the trainer's IS r
 measures them (busy time, update stall); it needs no vLLM, so its bookkeeping is tested in the
 default suite (tests/test_vllm_stall_measure.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -42,7 +43,7 @@ def find_stop(tokens: list[int], start: int, stop_seqs: tuple[tuple[int, ...], .
     """Length of `tokens` up to the end of the first stop sequence whose last token is at index >= start."""
     for end in range(max(start, 0) + 1, len(tokens) + 1):
         for q in stop_seqs:
-            if end >= len(q) and tuple(tokens[end - len(q):end]) == q:
+            if end >= len(q) and tuple(tokens[end - len(q) : end]) == q:
                 return end
     return None
 
@@ -50,18 +51,19 @@ def find_stop(tokens: list[int], start: int, stop_seqs: tuple[tuple[int, ...], .
 @dataclass
 class RequestState:
     """One vLLM request as it streams: tokens, logprobs, kept sets; where a stop sequence ended."""
+
     stop_seqs: tuple[tuple[int, ...], ...] = ()
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     kept: list[np.ndarray | None] = field(default_factory=list)
     last_t: float = 0.0
-    stop_at: int | None = None             # tokens[:stop_at] is the completion (a stop sequence matched)
+    stop_at: int | None = None  # tokens[:stop_at] is the completion (a stop sequence matched)
 
     def add(self, new: list[int], logprobs, greedy: bool, truncated: bool) -> None:
         """One streamed step's tokens with vLLM's processed logprobs (top-n: the kept set)."""
         for i, tok in enumerate(new):
             lp = logprobs[i] if logprobs else None
-            if greedy:                  # the kept set of a greedy step is its one token: logprob 0
+            if greedy:  # the kept set of a greedy step is its one token: logprob 0
                 self.logprobs.append(0.0)
                 self.kept.append(np.array([tok], np.int32))
                 continue
@@ -76,7 +78,7 @@ class RequestState:
                 self.kept.append(None)
         before = len(self.tokens)
         self.tokens.extend(new)
-        if self.stop_seqs and self.stop_at is None:        # only matches that end in the new tokens
+        if self.stop_seqs and self.stop_at is None:  # only matches that end in the new tokens
             self.stop_at = find_stop(self.tokens, before, self.stop_seqs)
 
     def cut(self) -> None:
@@ -104,8 +106,8 @@ class StreamMetrics:
 
     def __init__(self, metrics: EngineMetrics) -> None:
         self.metrics = metrics
-        self.last_out: float | None = None    # last output of any request; None while idle
-        self.stall: tuple[float, set[str]] | None = None   # (apply_s, requests decoding at the update)
+        self.last_out: float | None = None  # last output of any request; None while idle
+        self.stall: tuple[float, set[str]] | None = None  # (apply_s, requests decoding at the update)
 
     def output(self, rid: str, req: RequestState, n: int, active: int, now: float) -> None:
         """`n` new tokens of request `rid` streamed at `now`, `active` requests in flight."""
@@ -116,7 +118,7 @@ class StreamMetrics:
         if self.last_out is not None:
             m.busy_s += now - self.last_out
         m.occupancy.append(active / m.slots)
-        if self.stall is not None and rid in self.stall[1]:    # its first token after the update
+        if self.stall is not None and rid in self.stall[1]:  # its first token after the update
             stall_s = now - req.last_t
             m.update(self.stall[0], stall_s)
             log.info("update stall closed", stall_ms=round(stall_s * 1e3, 1), closed_by=rid)
@@ -126,24 +128,24 @@ class StreamMetrics:
     def left(self, rid: str, active: int) -> None:
         """Request `rid` is gone (finished, failed or cancelled); `active` are still in flight."""
         if not active:
-            self.last_out = None              # idle from here on: not busy time
+            self.last_out = None  # idle from here on: not busy time
         if self.stall is not None:
             self.stall[1].discard(rid)
-            if not self.stall[1]:             # all of them ended with no token after the update
+            if not self.stall[1]:  # all of them ended with no token after the update
                 self.metrics.update(self.stall[0], None)
                 self.stall = None
 
     def loaded(self, reqs: dict[str, RequestState], apply_s: float, now: float) -> None:
         """An update finished loading at `now`, vLLM still paused: every output from here on comes
         after it (also one streamed while resume_generation is awaited)."""
-        if self.stall is not None:            # two updates before one token: count both, one stall
+        if self.stall is not None:  # two updates before one token: count both, one stall
             self.metrics.update(self.stall[0], None)
         decoding = {rid for rid, r in reqs.items() if r.last_t}
         self.stall = (apply_s, decoding) if decoding else None
         if not decoding:
             self.metrics.update(apply_s, None)
         if self.last_out is not None:
-            self.last_out = now               # the paused apply is not busy time (torch: decode steps only)
+            self.last_out = now  # the paused apply is not busy time (torch: decode steps only)
 
 
 def token_versions(spans, n: int) -> tuple[list[int], int]:
@@ -154,7 +156,7 @@ def token_versions(spans, n: int) -> tuple[list[int], int]:
     epoch = -1
     for s in spans:
         v, _, e = s.version.partition("@")
-        out[s.start:s.end] = int(v)
+        out[s.start : s.end] = int(v)
         epoch = int(e or -1)
     if spans[0].start != 0 or spans[-1].end != n:
         raise RuntimeError(f"weight-version spans {spans} do not cover the {n} tokens")
@@ -163,11 +165,11 @@ def token_versions(spans, n: int) -> tuple[list[int], int]:
 
 @dataclass
 class Kept:
-    ids: list[int]            # every id so far: prompt, generated tokens, appended observations
+    ids: list[int]  # every id so far: prompt, generated tokens, appended observations
     seed: int
-    salt: str                 # vLLM cache salt: this sequence's KV blocks serve only its continuations
+    salt: str  # vLLM cache salt: this sequence's KV blocks serve only its continuations
     turns: int = 1
-    busy: bool = False        # a continuation is generating (one at a time)
+    busy: bool = False  # a continuation is generating (one at a time)
 
 
 class KeptSequences:
@@ -204,4 +206,4 @@ class KeptSequences:
             k.ids, k.turns = list(ids), k.turns + 1
 
     def release(self, handle: int) -> None:
-        self._kept.pop(handle, None)        # idempotent; a continuation in flight still returns
+        self._kept.pop(handle, None)  # idempotent; a continuation in flight still returns

@@ -2,6 +2,7 @@
 
 SIGTERM / SIGINT / SIGHUP: drain (held rollouts finish within grace_s, the rest is nak'ed); the
 process is gone grace_s + a few seconds later even if the broker is unreachable."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,9 @@ from .service import Scorer, ScorerConfig
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="asyncrl scorer", description=__doc__)
-    ap.add_argument("--config", default=None, help="TOML file with ScorerConfig fields (env ASYNCRL_* overrides)")
+    ap.add_argument(
+        "--config", default=None, help="TOML file with ScorerConfig fields (env ASYNCRL_* overrides)"
+    )
     a = ap.parse_args(argv)
     cfg = load_config(ScorerConfig, a.config)
     setup_logging("scorer", component_id=cfg.scorer_id, level=cfg.log_level)
@@ -27,12 +30,12 @@ def main(argv: list[str] | None = None) -> int:
 
     async def amain() -> None:
         stop = asyncio.Event()
-        stop_on_signals(stop, cfg.grace_s, name=cfg.scorer_id)   # before connecting: see bus.lifetime
+        stop_on_signals(stop, cfg.grace_s, name=cfg.scorer_id)  # before connecting: see bus.lifetime
         await Scorer(cfg).run(stop, handle_signals=False)
 
     try:
         asyncio.run(amain())
-    except WeakSandbox as e:            # one message naming the missing layers, no traceback
+    except WeakSandbox as e:  # one message naming the missing layers, no traceback
         print(f"scorer refuses to start: {e}", file=sys.stderr)
         return 2
     return 0

@@ -9,6 +9,7 @@ With reward = success − λ·cost, a policy at c* gains nothing by spending one
 penalty's marginal price equals the marginal success that token buys. `--apply` writes λ to
 KV rl-control/lambda (scorers pick it up live); a PNG shows points, fit and tangent.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,9 @@ import numpy as np
 
 @dataclass(frozen=True)
 class ScalingFit:
-    a: float          # asymptotic success
-    b: float          # success still to gain at cost 0
-    tau: float        # cost scale (tokens) of the gain
+    a: float  # asymptotic success
+    b: float  # success still to gain at cost 0
+    tau: float  # cost scale (tokens) of the gain
     rmse: float
 
     def success(self, c):
@@ -41,17 +42,17 @@ class ScalingFit:
 def _best_ab(costs: np.ndarray, succ: np.ndarray, w: np.ndarray, taus: np.ndarray, a_max: float):
     """For every τ at once: weighted least squares of s = a − b·e (e = exp(−c/τ)) with b ≥ 0 and
     a ≤ a_max (success cannot exceed 1: without it a convex start would fit a line through a > 1)."""
-    e = np.exp(-costs[None, :] / taus[:, None])                        # [T, N]
+    e = np.exp(-costs[None, :] / taus[:, None])  # [T, N]
     sw, se, see = w.sum(), (w * e).sum(1), (w * e * e).sum(1)
     ss, sse_ = (w * succ).sum(), (w * succ * e).sum(1)
     det = sw * see - se * se
     with np.errstate(divide="ignore", invalid="ignore"):
         a = (ss * see - se * sse_) / det
-        b = (ss * se - sw * sse_) / det                                 # s = a − b·e  ⇒  slope on e is −b
-    capped = np.isfinite(a) & (a > a_max)                               # a at its bound: b by LS given a
+        b = (ss * se - sw * sse_) / det  # s = a − b·e  ⇒  slope on e is −b
+    capped = np.isfinite(a) & (a > a_max)  # a at its bound: b by LS given a
     b = np.where(capped, (w * e * (a_max - succ[None, :])).sum(1) / see, b)
     a = np.where(capped, a_max, a)
-    flat = ~np.isfinite(b) | (b < 0)                                    # non-increasing data: flat fit
+    flat = ~np.isfinite(b) | (b < 0)  # non-increasing data: flat fit
     a = np.where(flat, min(ss / sw, a_max), a)
     b = np.where(flat, 0.0, b)
     err = (w * (succ[None, :] - (a[:, None] - b[:, None] * e)) ** 2).sum(1) / sw
@@ -64,14 +65,18 @@ def fit_scaling_curve(costs, successes, weights=None, a_max: float = 1.0) -> Sca
     s = np.asarray(successes, dtype=np.float64)
     w = np.ones_like(c) if weights is None else np.asarray(weights, dtype=np.float64)
     if c.shape != s.shape or c.ndim != 1 or w.shape != c.shape:
-        raise ValueError(f"costs, successes (and weights) must be 1-d and the same length, got {c.shape} {s.shape}")
+        raise ValueError(
+            f"costs, successes (and weights) must be 1-d and the same length, got {c.shape} {s.shape}"
+        )
     if len(np.unique(c)) < 3:
-        raise ValueError(f"need successes at >= 3 distinct costs to fit a curve, got {sorted(set(c.tolist()))}")
+        raise ValueError(
+            f"need successes at >= 3 distinct costs to fit a curve, got {sorted(set(c.tolist()))}"
+        )
     if not (np.isfinite(c).all() and np.isfinite(s).all()) or (c < 0).any() or (w <= 0).any():
         raise ValueError("costs must be finite and >= 0, successes finite, weights > 0")
     span = c.max() - c.min()
     lo, hi = math.log(max(span, 1e-9) / 200), math.log(max(span, 1e-9) * 20)
-    for _ in range(3):                       # each pass zooms in around the best τ
+    for _ in range(3):  # each pass zooms in around the best τ
         taus = np.exp(np.linspace(lo, hi, 256))
         a, b, err = _best_ab(c, s, w, taus, a_max)
         i = int(np.argmin(err))
@@ -96,6 +101,7 @@ def cost_at_price(fit: ScalingFit, price: float) -> float:
 
 # -- measuring the curve with the current policy ---------------------------------------------
 
+
 def load_policy_file(path: str):
     """A trainer checkpoint (a torch.save'd dict with "model" and "model_config"), or a directory of them."""
     import torch
@@ -107,7 +113,7 @@ def load_policy_file(path: str):
         if not files:
             raise FileNotFoundError(f"no ckpt-*.pt checkpoint in {p}")
         p = files[-1]
-    raw = torch.load(p, map_location="cpu", weights_only=True)      # tensors only: never runs code
+    raw = torch.load(p, map_location="cpu", weights_only=True)  # tensors only: never runs code
     if not isinstance(raw, dict) or "model" not in raw or "model_config" not in raw:
         raise ValueError(f"{p} is not a policy checkpoint (needs 'model' and 'model_config')")
     model = Transformer(ModelConfig.from_dict(raw["model_config"]))
@@ -134,11 +140,23 @@ async def load_policy_bus(url: str):
 
 def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:
     """A task's prompt as the policy sees it in training: plain, or the user turn of its chat template."""
-    return tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt, bos=True)
+    return (
+        tok.apply_chat_template([{"role": "user", "content": prompt}])
+        if chat
+        else tok.encode(prompt, bos=True)
+    )
 
 
-def measure(model, env_name: str, budgets: list[int], n_prompts: int, temperature: float, seed: int,
-            tok=None, chat: bool = False) -> list[dict]:
+def measure(
+    model,
+    env_name: str,
+    budgets: list[int],
+    n_prompts: int,
+    temperature: float,
+    seed: int,
+    tok=None,
+    chat: bool = False,
+) -> list[dict]:
     """Success and mean generated tokens at each budget, on the same held-out prompts."""
     import torch
     from envs import get_env
@@ -155,12 +173,23 @@ def measure(model, env_name: str, budgets: list[int], n_prompts: int, temperatur
         texts = [tok.decode([i for i in o.ids if i != tok.eos_id]) for o in outs]
         succ = np.array([env.verify(x, t.spec).success for x, t in zip(texts, tasks)])
         cost = np.array([len(o.ids) for o in outs], dtype=np.float64)
-        rows.append({"budget": budget, "cost": float(cost.mean()), "success": float(succ.mean()), "n": len(outs)})
+        rows.append(
+            {"budget": budget, "cost": float(cost.mean()), "success": float(succ.mean()), "n": len(outs)}
+        )
     return rows
 
 
-def measure_samples(model, env_name: str, ks: list[int], n_prompts: int, temperature: float, seed: int,
-                    max_tokens: int, tok=None, chat: bool = False) -> list[dict]:
+def measure_samples(
+    model,
+    env_name: str,
+    ks: list[int],
+    n_prompts: int,
+    temperature: float,
+    seed: int,
+    max_tokens: int,
+    tok=None,
+    chat: bool = False,
+) -> list[dict]:
     """Samples-per-task budgets: k samples of each held-out prompt; success = any of the k correct
     (a verifier picks), cost = tokens of all k. One generation of max(k) samples serves every k."""
     import torch
@@ -171,17 +200,35 @@ def measure_samples(model, env_name: str, ks: list[int], n_prompts: int, tempera
     rng, K = random.Random(seed), max(ks)
     tasks = [env.sample(rng, split="eval") for _ in range(n_prompts)]
     prompts = [encode_prompt(tok, t.prompt, chat) for t in tasks for _ in range(K)]
-    outs = generate(model, prompts, SamplingConfig(temperature=temperature), max_tokens, [tok.eos_id],
-                    torch.Generator().manual_seed(seed))
-    ok = np.array([env.verify(tok.decode([i for i in o.ids if i != tok.eos_id]), tasks[j // K].spec).success
-                   for j, o in enumerate(outs)]).reshape(n_prompts, K)
+    outs = generate(
+        model,
+        prompts,
+        SamplingConfig(temperature=temperature),
+        max_tokens,
+        [tok.eos_id],
+        torch.Generator().manual_seed(seed),
+    )
+    ok = np.array(
+        [
+            env.verify(tok.decode([i for i in o.ids if i != tok.eos_id]), tasks[j // K].spec).success
+            for j, o in enumerate(outs)
+        ]
+    ).reshape(n_prompts, K)
     toks = np.array([len(o.ids) for o in outs], dtype=np.float64).reshape(n_prompts, K)
-    return [{"budget": k, "cost": float(toks[:, :k].sum(1).mean()), "success": float(ok[:, :k].max(1).mean()),
-             "n": n_prompts} for k in ks]
+    return [
+        {
+            "budget": k,
+            "cost": float(toks[:, :k].sum(1).mean()),
+            "success": float(ok[:, :k].max(1).mean()),
+            "n": n_prompts,
+        }
+        for k in ks
+    ]
 
 
 def plot(rows: list[dict], fit: ScalingFit, at: float, lam: float, path: str, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -191,7 +238,13 @@ def plot(rows: list[dict], fit: ScalingFit, at: float, lam: float, path: str, ti
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ax.scatter(c, s, color="k", zorder=3, label="measured (one point per budget)")
     for r in rows:
-        ax.annotate(f"B={r['budget']}", (r["cost"], r["success"]), textcoords="offset points", xytext=(4, -10), fontsize=7)
+        ax.annotate(
+            f"B={r['budget']}",
+            (r["cost"], r["success"]),
+            textcoords="offset points",
+            xytext=(4, -10),
+            fontsize=7,
+        )
     ax.plot(xs, fit.success(xs), label=f"fit  {fit.a:.3f} − {fit.b:.3f}·exp(−c/{fit.tau:.1f})")
     ax.plot(xs, fit.success(at) + lam * (xs - at), "--", label=f"tangent at c={at:.1f}: λ={lam:.5f}/token")
     ax.axvline(at, color="grey", lw=0.5)
@@ -216,64 +269,100 @@ async def apply_lambda(url: str, lam: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="asyncrl calibrate-cost", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="asyncrl calibrate-cost",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="trainer checkpoint file, or a directory (newest ckpt-*.pt)")
     src.add_argument("--random-init", action="store_true", help="an untrained tiny model (smoke test)")
-    src.add_argument("--model", help="a pretrained model folder (HF config, safetensors, tokenizer.json), e.g. "
-                                     "the one `asyncrl model prepare smollm2` writes")
-    ap.add_argument("--chat-template", action="store_true",
-                    help="prompts as the user turn of the tokenizer's chat template (as [trainer] chat_template)")
-    ap.add_argument("--nats", default=None, help="server URL(s): policy from the latest keyframe (when no"
-                                                 " --checkpoint) and where --apply writes λ")
+    src.add_argument(
+        "--model",
+        help="a pretrained model folder (HF config, safetensors, tokenizer.json), e.g. "
+        "the one `asyncrl model prepare smollm2` writes",
+    )
+    ap.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="prompts as the user turn of the tokenizer's chat template (as [trainer] chat_template)",
+    )
+    ap.add_argument(
+        "--nats",
+        default=None,
+        help="server URL(s): policy from the latest keyframe (when no"
+        " --checkpoint) and where --apply writes λ",
+    )
     ap.add_argument("--env", default="arith")
-    ap.add_argument("--axis", choices=("tokens", "samples"), default="tokens",
-                    help="budget = max new tokens per sample, or samples per task (at --max-tokens each)")
-    ap.add_argument("--budgets", default=None, help="budgets, comma separated (default: 4,6,8,12,16,20,24,32,40,48"
-                                                    " tokens, or 1,2,3,4,6,8 samples)")
-    ap.add_argument("--max-tokens", type=int, default=48, help="max new tokens per sample on the samples axis")
+    ap.add_argument(
+        "--axis",
+        choices=("tokens", "samples"),
+        default="tokens",
+        help="budget = max new tokens per sample, or samples per task (at --max-tokens each)",
+    )
+    ap.add_argument(
+        "--budgets",
+        default=None,
+        help="budgets, comma separated (default: 4,6,8,12,16,20,24,32,40,48 tokens, or 1,2,3,4,6,8 samples)",
+    )
+    ap.add_argument(
+        "--max-tokens", type=int, default=48, help="max new tokens per sample on the samples axis"
+    )
     ap.add_argument("--prompts", type=int, default=128, help="held-out prompts per budget")
     ap.add_argument("--temperature", type=float, default=1.0)
     op = ap.add_mutually_exclusive_group()
-    op.add_argument("--budget", type=int, help="operating point: the mean cost at this budget (default: the largest"
-                                               " budget, i.e. the training max_tokens)")
+    op.add_argument(
+        "--budget",
+        type=int,
+        help="operating point: the mean cost at this budget (default: the largest"
+        " budget, i.e. the training max_tokens)",
+    )
     op.add_argument("--price", type=float, help="operating point: where the curve's slope equals this price")
     ap.add_argument("--apply", action="store_true", help="write λ to KV rl-control/lambda (needs --nats)")
-    ap.add_argument("--out", default="runs/calibrate-cost.png", help="plot path (a .json summary goes next to it)")
+    ap.add_argument(
+        "--out", default="runs/calibrate-cost.png", help="plot path (a .json summary goes next to it)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if a.apply and not a.nats:
         ap.error("--apply needs --nats")
     a.budgets = a.budgets or ("4,6,8,12,16,20,24,32,40,48" if a.axis == "tokens" else "1,2,3,4,6,8")
     try:
-        budgets = sorted({int(x) for x in a.budgets.split(",") if x.strip()} | ({a.budget} if a.budget else set()))
+        budgets = sorted(
+            {int(x) for x in a.budgets.split(",") if x.strip()} | ({a.budget} if a.budget else set())
+        )
     except ValueError:
         ap.error(f"--budgets must be integers, got {a.budgets!r}")
     if len(budgets) < 3 or budgets[0] < 1:
         ap.error("--budgets needs >= 3 positive budgets")
 
     import torch
+
     torch.manual_seed(a.seed)
     tok = None
     if a.model:
         import policy
+
         try:
             _, model = policy.load_hf_checkpoint(a.model)
             tok, source = policy.load_hf_tokenizer(a.model), a.model
-        except Exception as e:     # missing folder, unreadable or unsupported model
+        except Exception as e:  # missing folder, unreadable or unsupported model
             print(f"asyncrl calibrate-cost: cannot load model: {e}", file=sys.stderr)
             return 2
         model.eval()
     elif a.checkpoint:
         try:
             model, source = load_policy_file(a.checkpoint)
-        except Exception as e:     # missing, unreadable (pickle errors too) or not fitting the model
+        except Exception as e:  # missing, unreadable (pickle errors too) or not fitting the model
             print(f"asyncrl calibrate-cost: cannot load policy: {e}", file=sys.stderr)
             return 2
     elif a.random_init:
         from policy import CharTokenizer, ModelConfig, Transformer
-        model, source = Transformer(ModelConfig.tiny(vocab_size=CharTokenizer.default().vocab_size)).eval(), "random init"
+
+        model, source = (
+            Transformer(ModelConfig.tiny(vocab_size=CharTokenizer.default().vocab_size)).eval(),
+            "random init",
+        )
     elif a.nats:
         model, source = asyncio.run(load_policy_bus(a.nats))
     else:
@@ -284,8 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.axis == "tokens":
         rows = measure(model, a.env, budgets, a.prompts, a.temperature, a.seed, tok, a.chat_template)
     else:
-        rows = measure_samples(model, a.env, budgets, a.prompts, a.temperature, a.seed, a.max_tokens,
-                               tok, a.chat_template)
+        rows = measure_samples(
+            model, a.env, budgets, a.prompts, a.temperature, a.seed, a.max_tokens, tok, a.chat_template
+        )
     for r in rows:
         print(f"budget {r['budget']:4d}  cost {r['cost']:7.2f}  success {r['success']:.3f}", file=sys.stderr)
     fit = fit_scaling_curve([r["cost"] for r in rows], [r["success"] for r in rows])
@@ -298,8 +388,17 @@ def main(argv: list[str] | None = None) -> int:
     if fit.b == 0:
         print("warning: success does not rise with cost: λ = 0 (is the policy trained?)", file=sys.stderr)
     plot(rows, fit, at, lam, a.out, f"{a.env}: {source}")
-    summary = {"lambda": lam, "operating_cost": at, "operating_point": how, "axis": a.axis, "fit": asdict(fit),
-               "points": rows, "policy": source, "env": a.env, "plot": a.out}
+    summary = {
+        "lambda": lam,
+        "operating_cost": at,
+        "operating_point": how,
+        "axis": a.axis,
+        "fit": asdict(fit),
+        "points": rows,
+        "policy": source,
+        "env": a.env,
+        "plot": a.out,
+    }
     if a.apply:
         summary["kv_revision"] = asyncio.run(apply_lambda(a.nats, lam))
     Path(os.path.splitext(a.out)[0] + ".json").write_text(json.dumps(summary, indent=2))

@@ -1,11 +1,12 @@
 """reward = success − λ·cost − overlong shaping. Pure functions: the scorer process and the
 calibration share them, and tests check them without a bus."""
+
 from __future__ import annotations
 
 import math
 
 COST_UNITS = ("tokens", "wall_s", "tool_calls")
-EPISODE_REWARDS = ("fraction", "resolved")     # an episode's score: tests passing, or all of them
+EPISODE_REWARDS = ("fraction", "resolved")  # an episode's score: tests passing, or all of them
 
 
 def overlong_penalty(n_tokens: int, max_tokens: int, buffer: int, scale: float) -> float:
@@ -30,11 +31,16 @@ def compute_reward(success: float, cost: float, lam: float, shaping: float = 0.0
     """(penalty, reward) for a verified completion. A ValueError names the bad input (NaN, inf,
     out of range; `cost` is the rollout's cost_tokens, wall_s or tool_calls): bad input, which the
     scorer parks at once rather than retrying."""
-    for name, ok in (("success", 0.0 <= success <= 1.0), ("cost", math.isfinite(cost) and cost >= 0),
-                     ("lambda", math.isfinite(lam)), ("shaping", math.isfinite(shaping))):
+    for name, ok in (
+        ("success", 0.0 <= success <= 1.0),
+        ("cost", math.isfinite(cost) and cost >= 0),
+        ("lambda", math.isfinite(lam)),
+        ("shaping", math.isfinite(shaping)),
+    ):
         if not ok:
-            raise ValueError(f"bad reward input {name}: success={success} cost={cost} lambda={lam} "
-                             f"shaping={shaping}")
+            raise ValueError(
+                f"bad reward input {name}: success={success} cost={cost} lambda={lam} shaping={shaping}"
+            )
     penalty = lam * cost + shaping
     if not math.isfinite(penalty):
         raise ValueError(f"penalty lambda*cost+shaping = {penalty} is not finite (lambda={lam} cost={cost})")

@@ -17,6 +17,7 @@ loop parks the rollout at once.
 Many scorer processes share the durable `scorer` consumer; each rollout is scored once
 (and a redelivered one is deduped downstream by its Nats-Msg-Id scored-<rollout_id>).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,23 +45,23 @@ log = get_logger("scorer")
 @dataclass
 class ScorerConfig:
     bus: BusConfig = field(default_factory=BusConfig)
-    scorer_id: str = ""                 # default: scorer-<host>-<pid>
-    concurrency: int = 8                # rollouts in flight
-    verify_threads: int = 4             # blocking verifiers (sandboxed code) run here
+    scorer_id: str = ""  # default: scorer-<host>-<pid>
+    concurrency: int = 8  # rollouts in flight
+    verify_threads: int = 4  # blocking verifiers (sandboxed code) run here
     # intra-op threads of numeric libraries (OMP_NUM_THREADS) in this process and the verifiers it
     # starts: `asyncrl up` sets it in their environment from its plan (asyncrl/thread_plan.py); 0 = inherit
     threads: int = 0
-    cost_unit: str = "tokens"           # tokens | wall_s | tool_calls
-    default_lambda: float = 0.0         # until KV rl-control/lambda has a value
-    overlong_buffer: int = 0            # >0: soft penalty over the last N tokens before max_tokens
-    overlong_scale: float = 1.0         # penalty at the max length
+    cost_unit: str = "tokens"  # tokens | wall_s | tool_calls
+    default_lambda: float = 0.0  # until KV rl-control/lambda has a value
+    overlong_buffer: int = 0  # >0: soft penalty over the last N tokens before max_tokens
+    overlong_scale: float = 1.0  # penalty at the max length
     # an episode's training score: "fraction" of its tests passing (denser), or "resolved" (1 when all
     # pass, else 0: an untouched repository's ~0.8 of passing tests says nothing of the policy's fix)
     episode_reward: str = "fraction"
     heartbeat_s: float = 5.0
-    grace_s: float = 10.0               # drain: time to finish held rollouts before they are nak'ed
-    provision: bool = True              # declare the topology on start (off under restricted credentials)
-    metrics_port: int = 0               # Prometheus /metrics (bus.metrics); 0 = off
+    grace_s: float = 10.0  # drain: time to finish held rollouts before they are nak'ed
+    provision: bool = True  # declare the topology on start (off under restricted credentials)
+    metrics_port: int = 0  # Prometheus /metrics (bus.metrics); 0 = off
     log_level: str = "info"
     # start even where the code sandbox lacks isolation layers (envs/isolation.py; never in production)
     allow_weak_sandbox: bool = False
@@ -75,7 +76,7 @@ class ScorerConfig:
         if self.default_lambda < 0 or self.overlong_buffer < 0 or self.threads < 0:
             raise ValueError("default_lambda, overlong_buffer and threads must be >= 0")
         self.scorer_id = self.scorer_id or f"scorer-{socket.gethostname()}-{os.getpid()}"
-        if self.bus.name == BusConfig().name:       # Rl-From header: which scorer published it
+        if self.bus.name == BusConfig().name:  # Rl-From header: which scorer published it
             self.bus.name = self.scorer_id
 
 
@@ -85,14 +86,14 @@ class Scorer:
         self.lam, self.lam_rev = cfg.default_lambda, 0
         self.pool = ThreadPoolExecutor(cfg.verify_threads, thread_name_prefix="verify")
         self.counts = {"scored": 0, "dlq": 0, "success_sum": 0.0, "reward_sum": 0.0, "tampered": 0}
-        self.infra: dict[str, int] = {}      # infrastructure failures by reason (not policy failures)
+        self.infra: dict[str, int] = {}  # infrastructure failures by reason (not policy failures)
         self.log = log.bind(scorer_id=cfg.scorer_id)
 
     # -- λ ------------------------------------------------------------------------------------
     def _set_lambda(self, value: bytes | None, rev: int) -> None:
         try:
             lam = parse_lambda(value)
-        except ValueError as e:   # keep the last good λ: a typo in KV must not zero the penalty
+        except ValueError as e:  # keep the last good λ: a typo in KV must not zero the penalty
             self.log.error("ignoring bad lambda in KV", error=str(e), revision=rev, keeping=self.lam)
             return
         if lam != self.lam:
@@ -112,11 +113,12 @@ class Scorer:
 
     # -- one rollout ---------------------------------------------------------------------------
     async def handle(self, ro: Rollout, ctx: HandlerContext) -> None:
-        if ro.episode:      # a multi-turn episode, scored by the worker where its workspace was
+        if ro.episode:  # a multi-turn episode, scored by the worker where its workspace was
             r = ro.episode.get("reward")
             if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 <= r <= 1.0:
-                return await self._park(ctx, f"episode rollout {ro.rollout_id}: result without a reward "
-                                             f"in [0, 1] ({r!r})")
+                return await self._park(
+                    ctx, f"episode rollout {ro.rollout_id}: result without a reward in [0, 1] ({r!r})"
+                )
             return await self._publish(ro, ro.episode, time.perf_counter())
         try:
             env = get_env(ro.env)
@@ -125,16 +127,20 @@ class Scorer:
         t0 = time.perf_counter()
         try:
             if getattr(env, "blocking", False):
-                verdict = await asyncio.get_running_loop().run_in_executor(self.pool, env.verify,
-                                                                           ro.completion_text, ro.spec)
+                verdict = await asyncio.get_running_loop().run_in_executor(
+                    self.pool, env.verify, ro.completion_text, ro.spec
+                )
             else:
                 verdict = env.verify(ro.completion_text, ro.spec)
-        except SpecError as e:   # the task is broken: retrying cannot help
+        except SpecError as e:  # the task is broken: retrying cannot help
             return await self._park(ctx, f"bad task spec for {ro.env}: {e}")
         except Exception as e:
-            if ctx.last_delivery:   # parked next; its group must not wait for it, nor count it a failure
-                await self._publish(ro, envs.Verdict(0.0, f"scorer crash: {type(e).__name__}: {e}"[:500],
-                                                     infra="scorer_crash"), t0)
+            if ctx.last_delivery:  # parked next; its group must not wait for it, nor count it a failure
+                await self._publish(
+                    ro,
+                    envs.Verdict(0.0, f"scorer crash: {type(e).__name__}: {e}"[:500], infra="scorer_crash"),
+                    t0,
+                )
             raise
         await self._publish(ro, verdict, t0)
 
@@ -149,13 +155,19 @@ class Scorer:
             if self.cfg.episode_reward == "resolved":
                 score = 1.0 if resolved else 0.0
             infra, tampered = verdict.get("infra_error") or "", bool(verdict.get("tampered"))
-            verdict = envs.Verdict(1.0 if resolved else 0.0, f"episode {ro.termination or '?'}: "
-                                   f"{verdict.get('detail', '')}".rstrip(": "), ro.tool_calls, infra=str(infra))
-            shaping = 0.0      # overlong shaping is per completion; an episode's limits are its own
+            verdict = envs.Verdict(
+                1.0 if resolved else 0.0,
+                f"episode {ro.termination or '?'}: {verdict.get('detail', '')}".rstrip(": "),
+                ro.tool_calls,
+                infra=str(infra),
+            )
+            shaping = 0.0  # overlong shaping is per completion; an episode's limits are its own
         else:
             score, tampered = verdict.success, False
             max_tokens = int(ro.sampling.get("max_tokens", 0) or 0)
-            shaping = overlong_penalty(ro.cost_tokens, max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_scale)
+            shaping = overlong_penalty(
+                ro.cost_tokens, max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_scale
+            )
         verify_s = time.perf_counter() - t0
         # the group's λ, stamped on its task when fed: every member priced alike however KV moved since;
         # an older rollout without one gets the live λ. One λ per event, recorded in it.
@@ -163,28 +175,51 @@ class Scorer:
         try:
             cost = rollout_cost(self.cfg.cost_unit, ro.cost_tokens, ro.wall_s, int(verdict.tool_calls))
             penalty, reward = compute_reward(score, cost, lam, shaping)
-        except (ValueError, TypeError, OverflowError) as e:   # bad input: parked at once, never retried
-            raise EventError(f"Rollout {ro.rollout_id}: {e} (cost_unit {self.cfg.cost_unit}: wall_s={ro.wall_s}, "
-                             f"cost_tokens={ro.cost_tokens})") from None
-        scored = Scored(rollout=ro.to_dict(), success=float(verdict.success), cost=cost, lambda_=lam,
-                        penalty=penalty, reward=reward, reason=verdict.reason, cost_wall_s=float(ro.wall_s),
-                        tool_calls=int(verdict.tool_calls), scorer_id=self.cfg.scorer_id,
-                        infra=verdict.infra, tampered=tampered)
+        except (ValueError, TypeError, OverflowError) as e:  # bad input: parked at once, never retried
+            raise EventError(
+                f"Rollout {ro.rollout_id}: {e} (cost_unit {self.cfg.cost_unit}: wall_s={ro.wall_s}, "
+                f"cost_tokens={ro.cost_tokens})"
+            ) from None
+        scored = Scored(
+            rollout=ro.to_dict(),
+            success=float(verdict.success),
+            cost=cost,
+            lambda_=lam,
+            penalty=penalty,
+            reward=reward,
+            reason=verdict.reason,
+            cost_wall_s=float(ro.wall_s),
+            tool_calls=int(verdict.tool_calls),
+            scorer_id=self.cfg.scorer_id,
+            infra=verdict.infra,
+            tampered=tampered,
+        )
         await self.bus.publish(topo.scored_subject(ro.env), scored)
-        if verdict.infra:      # not the policy's doing: out of the success / reward means
+        if verdict.infra:  # not the policy's doing: out of the success / reward means
             self.infra[verdict.infra] = self.infra.get(verdict.infra, 0) + 1
             metrics.ROLLOUTS_SCORED.labels(ro.env, f"infra_{verdict.infra}").inc()
-            self.log.warning("infrastructure failure, published for weight 0", rollout_id=ro.rollout_id,
-                             infra=verdict.infra, reason=verdict.reason[:300])
+            self.log.warning(
+                "infrastructure failure, published for weight 0",
+                rollout_id=ro.rollout_id,
+                infra=verdict.infra,
+                reason=verdict.reason[:300],
+            )
             return
         self.counts["scored"] += 1
         self.counts["tampered"] += tampered
-        metrics.ROLLOUTS_SCORED.labels(ro.env, "tampered" if tampered else
-                                       "success" if verdict.success else "failure").inc()
+        metrics.ROLLOUTS_SCORED.labels(
+            ro.env, "tampered" if tampered else "success" if verdict.success else "failure"
+        ).inc()
         self.counts["success_sum"] += verdict.success
         self.counts["reward_sum"] += reward
-        self.log.debug("scored", rollout_id=ro.rollout_id, success=verdict.success, reward=reward,
-                       reason=verdict.reason, verify_ms=round(verify_s * 1e3, 2))
+        self.log.debug(
+            "scored",
+            rollout_id=ro.rollout_id,
+            success=verdict.success,
+            reward=reward,
+            reason=verdict.reason,
+            verify_ms=round(verify_s * 1e3, 2),
+        )
 
     async def _park(self, ctx: HandlerContext, reason: str) -> None:
         await self.bus.dlq(ctx.msg, reason, topo.ROLLOUTS)
@@ -197,15 +232,24 @@ class Scorer:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_s)
             n, now = self.counts["scored"], time.monotonic()
-            m = {"scored": n, "dlq": self.counts["dlq"], "lambda": self.lam, "lambda_rev": self.lam_rev,
-                 "scored_per_s": (n - last_n) / max(now - last_t, 1e-9),
-                 "success_mean": self.counts["success_sum"] / max(n, 1),
-                 "reward_mean": self.counts["reward_sum"] / max(n, 1), "tampered": self.counts["tampered"],
-                 **{f"infra_{k}": v for k, v in self.infra.items()}, **loop.stats.as_dict()}
+            m = {
+                "scored": n,
+                "dlq": self.counts["dlq"],
+                "lambda": self.lam,
+                "lambda_rev": self.lam_rev,
+                "scored_per_s": (n - last_n) / max(now - last_t, 1e-9),
+                "success_mean": self.counts["success_sum"] / max(n, 1),
+                "reward_mean": self.counts["reward_sum"] / max(n, 1),
+                "tampered": self.counts["tampered"],
+                **{f"infra_{k}": v for k, v in self.infra.items()},
+                **loop.stats.as_dict(),
+            }
             last_n, last_t = n, now
             try:
-                await self.bus.publish(topo.heartbeat_subject("scorer", self.cfg.scorer_id),
-                                       Heartbeat(component="scorer", component_id=self.cfg.scorer_id, metrics=m))
+                await self.bus.publish(
+                    topo.heartbeat_subject("scorer", self.cfg.scorer_id),
+                    Heartbeat(component="scorer", component_id=self.cfg.scorer_id, metrics=m),
+                )
             except Exception as e:
                 self.log.warning("heartbeat publish failed", error=repr(e))
 
@@ -219,18 +263,27 @@ class Scorer:
         try:
             if self.cfg.provision:
                 await self.bus.provision()
-            value, rev = await self.bus.kv_entry(topo.KEY_LAMBDA)   # λ before the first rollout
+            value, rev = await self.bus.kv_entry(topo.KEY_LAMBDA)  # λ before the first rollout
             if value is not None:
                 self._set_lambda(value, rev)
-            loop = ConsumerLoop(self.bus, topo.ROLLOUTS, topo.SCORER_CONSUMER, self.handle, Rollout,
-                                concurrency=self.cfg.concurrency, grace_s=self.cfg.grace_s,
-                                handle_signals=handle_signals)
+            loop = ConsumerLoop(
+                self.bus,
+                topo.ROLLOUTS,
+                topo.SCORER_CONSUMER,
+                self.handle,
+                Rollout,
+                concurrency=self.cfg.concurrency,
+                grace_s=self.cfg.grace_s,
+                handle_signals=handle_signals,
+            )
             side = [asyncio.create_task(self.watch_lambda()), asyncio.create_task(self.heartbeat(loop))]
-            self.log.info("scorer started", envs=sorted(envs.ENVS), lam=self.lam, cost_unit=self.cfg.cost_unit)
+            self.log.info(
+                "scorer started", envs=sorted(envs.ENVS), lam=self.lam, cost_unit=self.cfg.cost_unit
+            )
             try:
                 await loop.run(stop)
             finally:
-                await cancel_and_wait(side, log=self.log)   # (a lost cancel must not hang the stop)
+                await cancel_and_wait(side, log=self.log)  # (a lost cancel must not hang the stop)
         finally:
             self.pool.shutdown(wait=False, cancel_futures=True)
             if own_bus:

@@ -1,9 +1,10 @@
 """Shared fixtures: a real nats-server (JetStream, file store) per session, or per test.
 
-    async def test_x(nats_server):          # session-wide server; use unique subjects/ids
-        bus = await connect(BusConfig(servers=[nats_server.url], name="t"))
-    async def test_y(fresh_server):         # own server + store dir; `await fresh_server.restart()`
+async def test_x(nats_server):          # session-wide server; use unique subjects/ids
+    bus = await connect(BusConfig(servers=[nats_server.url], name="t"))
+async def test_y(fresh_server):         # own server + store dir; `await fresh_server.restart()`
 """
+
 from __future__ import annotations
 
 import os
@@ -42,14 +43,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
         tr.write_line(f"skipped {n}: {reason}")
     if deselected or markexpr:
-        what = (f"not selected {deselected}: by -m/-k" if deselected
-                else f"not selected: what -m '{markexpr}' leaves out")
-        tr.write_line(f"{what} (by default the chaos, vllm and bench tests: "
-                      "make test-chaos, make test-vllm, make test-bench)")
+        what = (
+            f"not selected {deselected}: by -m/-k"
+            if deselected
+            else f"not selected: what -m '{markexpr}' leaves out"
+        )
+        tr.write_line(
+            f"{what} (by default the chaos, vllm and bench tests: "
+            "make test-chaos, make test-vllm, make test-bench)"
+        )
     pkgs = sorted({m for r in reasons for m in _APT.findall(r)})
     if pkgs:
-        tr.write_line(f"install: apt-get install -y {' '.join(pkgs)}   "
-                      "(make test does it itself when run as root on Debian; docs/testing.md)")
+        tr.write_line(
+            f"install: apt-get install -y {' '.join(pkgs)}   "
+            "(make test does it itself when run as root on Debian; docs/testing.md)"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -72,6 +80,7 @@ def fresh_server(tmp_path):
 async def bus(fresh_server):
     """A connected, provisioned Bus on its own fresh server."""
     from bus import BusConfig, connect
+
     b = await connect(BusConfig(servers=[fresh_server.url], name="test"))
     await b.provision()
     yield b

@@ -2,6 +2,7 @@
 steps on a fixed batch and commits a checkpoint per version (DCP shards, then the checkpoint file);
 a re-formed group resumes from the newest complete one, as the trainer does. Not collected by
 pytest (no test_ prefix)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -33,7 +34,7 @@ def main() -> None:
         shutdown_distributed()
         return
     st = checkpoint.load_latest(cfg.checkpoint.dir)
-    version, epoch = (st.version, st.epoch + 1) if st else (0, 1)     # one epoch per group formation
+    version, epoch = (st.version, st.epoch + 1) if st else (0, 1)  # one epoch per group formation
     if st is not None:
         learner.load_payload(cfg.checkpoint.dir, st.model, st.optimizer)
     samples = torch.load(spec["samples"], weights_only=False)

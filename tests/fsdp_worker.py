@@ -1,5 +1,6 @@
 """Run under torchrun by tests/test_trainer_fsdp.py: FSDP2 learner steps, sharded checkpoints,
 sharded publication parts. Not collected by pytest (no test_ prefix)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,12 +25,13 @@ def main() -> None:
     model, mcfg = build_model(cfg)
     opt = build_optimizer(model, cfg)
     learner = build_learner(model, opt, cfg)
-    if rank > 0:                   # the followers replay rank 0's commands, as in `python -m trainer`
+    if rank > 0:  # the followers replay rank 0's commands, as in `python -m trainer`
         asyncio.run(follower_loop(learner))
         shutdown_distributed()
         return
-    if spec.get("prepare"):        # the leader's start: resume, warm start, first checkpoint
+    if spec.get("prepare"):  # the leader's start: resume, warm start, first checkpoint
         from trainer.leader import Trainer
+
         tr = Trainer(cfg, None, learner, mcfg)
         tr.prepare()
         fp32 = learner.full_fp32()
@@ -37,27 +39,33 @@ def main() -> None:
         torch.save({"fp32": fp32, "digest": tr.digest, "version": tr.version}, out / "result.pt")
         shutdown_distributed()
         return
-    if spec.get("async_kill"):     # an async save of v2 in flight when rank 0 dies
+    if spec.get("async_kill"):  # an async save of v2 in flight when rank 0 dies
         import os
         import signal
         from trainer import checkpoint
         from trainer.leader import Trainer
+
         samples = torch.load(spec["samples"], weights_only=False)
         tr = Trainer(cfg, None, learner, mcfg)
         tr.lease.epoch = 1
         broadcast_obj(("step", samples))
         learner.step(samples)
         tr.version = 1
-        tr.save()                  # waits for the background save, then names it
+        tr.save()  # waits for the background save, then names it
         ref = checkpoint.load_latest(cfg.checkpoint.dir).model["__dcp__"]
-        torch.save({"fp32": learner.full_fp32(), "complete": (Path(cfg.checkpoint.dir) / ref / ".metadata").is_file()},
-                   out / "v1.pt")
+        torch.save(
+            {
+                "fp32": learner.full_fp32(),
+                "complete": (Path(cfg.checkpoint.dir) / ref / ".metadata").is_file(),
+            },
+            out / "v1.pt",
+        )
         broadcast_obj(("step", samples))
         learner.step(samples)
         tr.version = 2
-        tr.state()                 # starts the v2 save in the background ...
+        tr.state()  # starts the v2 save in the background ...
         (out / "v2-started").write_text(repr(learner._pending_saves))
-        os.kill(os.getpid(), signal.SIGKILL)       # ... and dies before it could name it
+        os.kill(os.getpid(), signal.SIGKILL)  # ... and dies before it could name it
     samples = torch.load(spec["samples"], weights_only=False)
     if spec.get("resume"):
         ref = torch.load(spec["resume"], weights_only=False)
@@ -67,15 +75,18 @@ def main() -> None:
     for _ in range(spec.get("steps", 1)):
         broadcast_obj(("step", samples))
         stats.append(learner.step(samples))
-    payload = learner.checkpoint_payload(spec["ckpt_dir"], 1, spec.get("version", 1)) if spec.get("save") else None
+    payload = (
+        learner.checkpoint_payload(spec["ckpt_dir"], 1, spec.get("version", 1)) if spec.get("save") else None
+    )
     state = learner.published_state()
     extra = {}
-    if spec.get("parts"):          # sharded publication: every rank encodes the rows it owns
+    if spec.get("parts"):  # sharded publication: every rank encodes the rows it owns
         extra["parts"] = learner.publish_parts(0, 1)
     fp32 = learner.full_fp32()
     broadcast_obj(("stop",))
     torch.save({"state": state, "stats": stats, "payload": payload, "fp32": fp32, **extra}, out / "result.pt")
     shutdown_distributed()
+
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 """Multi-turn episodes in the pipeline: the engine continues a kept sequence (KV reused), the
 worker's episode runner stores token-exact trajectories, the Rollout carries them (schema 2),
 the scorer prices them, and the trainer's loss ignores observation tokens."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,10 +32,10 @@ async def test_extend_reuses_the_kv_cache_and_matches_a_full_forward():
     prompt = TOK.encode("USER:\nhello\n", bos=True)
     try:
         g1 = await eng.generate(prompt, sp, seed=0, keep=True)
-        assert g1.handle >= 0 and eng.free_slots == 1                   # the slot stays with the sequence
+        assert g1.handle >= 0 and eng.free_slots == 1  # the slot stays with the sequence
         obs = TOK.encode("\nOBS: ok\n")
         g2 = await eng.extend(g1.handle, obs, sp)
-        g3 = await eng.extend(g1.handle, [], sp)                          # continue with nothing appended
+        g3 = await eng.extend(g1.handle, [], sp)  # continue with nothing appended
         with pytest.raises(ValueError, match="no kept sequence"):
             await eng.extend(12345, obs, sp)
     finally:
@@ -48,7 +49,7 @@ async def test_extend_reuses_the_kv_cache_and_matches_a_full_forward():
     ref = policy.sequence_logprobs(model, [prompt], [comp], policy.SamplingConfig()).logprobs[0]
     n1, no, n2 = len(g1.completion_ids), len(obs), len(g2.completion_ids)
     got = torch.tensor(g1.logprobs + g2.logprobs + g3.logprobs)
-    want = torch.cat([ref[:n1], ref[n1 + no:n1 + no + n2], ref[n1 + no + n2:]])
+    want = torch.cat([ref[:n1], ref[n1 + no : n1 + no + n2], ref[n1 + no + n2 :]])
     assert torch.allclose(got, want, atol=2e-3), (got - want).abs().max()
     await eng.close()
 
@@ -61,8 +62,13 @@ async def test_three_turn_episode_ids_equal_the_tokenised_conversation():
     await eng.load_keyframe(no_special_state(2), 3, 0)
     runner = EpisodeRunner(eng, TOK, worker_id="w")
     limits = EpisodeLimits(max_turn_tokens=24, max_format_errors=3, command=BashLimits(wall_s=2.0))
-    task = Task(task_id="ep1", env="swe", prompt="Fix calc.py.", spec=episode_spec(bug_task(), limits),
-                sampling={"max_tokens": 24, "n": 1})
+    task = Task(
+        task_id="ep1",
+        env="swe",
+        prompt="Fix calc.py.",
+        spec=episode_spec(bug_task(), limits),
+        sampling={"max_tokens": 24, "n": 1},
+    )
     try:
         ro = await runner.run(task, SamplingParams(max_tokens=24, n=1), 0)
     finally:
@@ -76,9 +82,10 @@ async def test_three_turn_episode_ids_equal_the_tokenised_conversation():
     fmt = PlainFormat()
     from envs.episode import SYSTEM_PROMPT
     from envs.actions import format_error_observation, parse_action
+
     msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Fix calc.py."}]
     ids, mask = ro.completion_ids, ro.loss_mask
-    spans, cur = [], [mask[0], 0]          # runs of equal mask
+    spans, cur = [], [mask[0], 0]  # runs of equal mask
     for i in range(1, len(mask) + 1):
         if i == len(mask) or mask[i] != cur[0]:
             spans.append((cur[0], cur[1], i))
@@ -103,22 +110,46 @@ async def test_three_turn_episode_ids_equal_the_tokenised_conversation():
 
 
 def test_rollout_schema_and_mask_are_checked():
-    base = dict(rollout_id="r-0", task_id="r", env="swe", sample_index=0, group_size=1, prompt="p", spec={},
-                prompt_ids=[1], completion_ids=[5, 6, 7], completion_text="", logprobs=[-1.0, 0.0, -1.0],
-                token_versions=[0, -1, 0], sampling={}, sampling_mask={}, quant={}, finish_reason="stop",
-                cost_tokens=2, wall_s=0.1, worker_id="w", loss_mask=[1, 0, 1], turns=2, tool_calls=1)
+    base = dict(
+        rollout_id="r-0",
+        task_id="r",
+        env="swe",
+        sample_index=0,
+        group_size=1,
+        prompt="p",
+        spec={},
+        prompt_ids=[1],
+        completion_ids=[5, 6, 7],
+        completion_text="",
+        logprobs=[-1.0, 0.0, -1.0],
+        token_versions=[0, -1, 0],
+        sampling={},
+        sampling_mask={},
+        quant={},
+        finish_reason="stop",
+        cost_tokens=2,
+        wall_s=0.1,
+        worker_id="w",
+        loss_mask=[1, 0, 1],
+        turns=2,
+        tool_calls=1,
+    )
     good = Rollout(**base)
     assert decode(encode(good), Rollout).loss_mask == [1, 0, 1]
     d = good.to_dict()
     assert d["schema"] == 2
     old = {**d, "schema": 1}
     import msgpack
+
     with pytest.raises(EventError, match="schema version 1.*before multi-turn episodes"):
         decode(msgpack.packb(old), Rollout)
-    for bad, why in ((dict(loss_mask=[1, 0]), "loss_mask length"), (dict(loss_mask=[1, 2, 1]), "0 or 1"),
-                     (dict(token_versions=[0, 0, 0]), "-1 exactly on observation"),
-                     (dict(loss_mask=[], token_versions=[0, -1, 0]), "negative token_versions"),
-                     (dict(turns=0), "absurd turns")):
+    for bad, why in (
+        (dict(loss_mask=[1, 0]), "loss_mask length"),
+        (dict(loss_mask=[1, 2, 1]), "0 or 1"),
+        (dict(token_versions=[0, 0, 0]), "-1 exactly on observation"),
+        (dict(loss_mask=[], token_versions=[0, -1, 0]), "negative token_versions"),
+        (dict(turns=0), "absurd turns"),
+    ):
         with pytest.raises(EventError, match=why):
             decode(msgpack.packb({**d, **bad}), Rollout)
 
@@ -144,21 +175,28 @@ def test_trainer_loss_ignores_observation_tokens():
     torch.manual_seed(0)
     cfg = policy.ModelConfig.tiny(vocab_size=TOK.vocab_size, max_seq_len=64)
     model = policy.Transformer(cfg)
-    learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig(is_mode="truncated", is_clip=5.0))
+    learner = Learner(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig(is_mode="truncated", is_clip=5.0)
+    )
     prompt = TOK.encode("ab", bos=True)
-    comps = [TOK.encode("cdefghij"), TOK.encode("kl mnop\n")]       # two episodes of one group
+    comps = [TOK.encode("cdefghij"), TOK.encode("kl mnop\n")]  # two episodes of one group
     mask = [1, 1, 0, 0, 0, 1, 1, 1]
     with torch.no_grad():
         lps = policy.sequence_logprobs(model, [prompt] * 2, comps, policy.SamplingConfig()).logprobs.tolist()
     behav = [[x - 0.3 if m else 0.0 for x, m in zip(lp, mask)] for lp in lps]
 
     def group(behav, m=mask):
-        return [PackedSample(f"r{i}", 0, float(1 - i), 1.0, 0, prompt, comps[i], behav[i], {}, {}, {}, loss_mask=m)
-                for i in range(2)]
+        return [
+            PackedSample(
+                f"r{i}", 0, float(1 - i), 1.0, 0, prompt, comps[i], behav[i], {}, {}, {}, loss_mask=m
+            )
+            for i in range(2)
+        ]
+
     g0 = _grads(learner, group(behav))
-    wild = [[x if m else -7.0 for x, m in zip(b, mask)] for b in behav]    # observation logprobs changed
+    wild = [[x if m else -7.0 for x, m in zip(b, mask)] for b in behav]  # observation logprobs changed
     g1 = _grads(learner, group(wild))
-    tol = 1e-5 * float(g0.abs().max())                                 # a tiny model's gradients are tiny
+    tol = 1e-5 * float(g0.abs().max())  # a tiny model's gradients are tiny
     assert g0.abs().max() > 0 and torch.allclose(g0, g1, rtol=0, atol=tol)
     # the same gradient from the model tokens alone: each run of model tokens as its own sample,
     # the observation tokens folded into its prompt; rewards (1, 1, 0, 0) give advantages +1/-1
@@ -166,12 +204,14 @@ def test_trainer_loss_ignores_observation_tokens():
     parts = []
     for i in range(2):
         c = comps[i]
-        parts += [PackedSample(f"a{i}", 0, float(1 - i), 1.0, 0, prompt, c[:2], behav[i][:2], {}, {}, {}),
-                  PackedSample(f"b{i}", 0, float(1 - i), 1.0, 0, prompt + c[:5], c[5:], behav[i][5:], {}, {}, {})]
+        parts += [
+            PackedSample(f"a{i}", 0, float(1 - i), 1.0, 0, prompt, c[:2], behav[i][:2], {}, {}, {}),
+            PackedSample(f"b{i}", 0, float(1 - i), 1.0, 0, prompt + c[:5], c[5:], behav[i][5:], {}, {}, {}),
+        ]
     g2 = _grads(learner, parts)
     assert torch.allclose(g0, g2, rtol=0, atol=1e-4 * float(g0.abs().max())), (g0 - g2).abs().max()
     g3 = _grads(learner, group(behav, None))
-    assert (g0 - g3).abs().max() > 0.05 * g0.abs().max()                # the mask does change the loss
+    assert (g0 - g3).abs().max() > 0.05 * g0.abs().max()  # the mask does change the loss
 
 
 async def test_episode_task_through_worker_scorer_and_batcher(bus, fresh_server, tmp_path):
@@ -184,20 +224,30 @@ async def test_episode_task_through_worker_scorer_and_batcher(bus, fresh_server,
     from trainer.batcher import Batcher, ConsumedIds
     from trainer.learner import pack
     from tests.helpers.trainer import trainer_config
+
     eng = TorchEngine(CFG, slots=2, max_len=2048, seed=4, eos_id=TOK.eos_id)
     await eng.load_keyframe(no_special_state(4), 0, 0)
     w = Worker(WorkerConfig(bus=BusConfig(servers=[fresh_server.url]), worker_id="w1"), bus, engine=eng)
     limits = EpisodeLimits(max_turn_tokens=16, max_format_errors=2, command=BashLimits(wall_s=2.0))
-    task = Task(task_id="epx", env="swe", prompt="Fix calc.py.", spec=episode_spec(bug_task(), limits),
-                sampling={"max_tokens": 16, "n": 2})
+    task = Task(
+        task_id="epx",
+        env="swe",
+        prompt="Fix calc.py.",
+        spec=episode_spec(bug_task(), limits),
+        sampling={"max_tokens": 16, "n": 2},
+    )
     await w.handle(task, ctx=None)
     await eng.close()
     assert w.rollouts == 2 and w.tasks_done == 1
     stop = asyncio.Event()
     scorer = Scorer(ScorerConfig(bus=BusConfig(servers=[fresh_server.url]), cost_unit="tokens"), bus)
     st = asyncio.create_task(scorer.run(stop, handle_signals=False))
-    b = Batcher(bus, trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 2}), ConsumedIds(),
-                TOK.vocab_size)
+    b = Batcher(
+        bus,
+        trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 2}),
+        ConsumedIds(),
+        TOK.vocab_size,
+    )
     await b.start()
     batch = await b.next_batch(0, max_wait_s=30)
     stop.set()
@@ -207,30 +257,39 @@ async def test_episode_task_through_worker_scorer_and_batcher(bus, fresh_server,
         assert s.scored.success == 0.0 and s.scored.cost == 32.0 and s.rollout.termination == "format"
         assert s.lag == 0 and "episode format" in s.scored.reason
     packed = pack(batch)
-    assert all(p.loss_mask and sum(p.loss_mask) == 32 and len(p.loss_mask) == len(p.completion_ids) for p in packed)
+    assert all(
+        p.loss_mask and sum(p.loss_mask) == 32 and len(p.loss_mask) == len(p.completion_ids) for p in packed
+    )
 
 
 async def test_weight_update_between_turns_is_recorded_per_token():
     """A new policy version lands while the first command runs: turn 1's tokens keep version 3,
     later turns' tokens carry 4; the kept KV cache goes on (no re-prefill of earlier turns)."""
     from envs.episode_pool import EpisodePool
+
     eng = TorchEngine(CFG, slots=1, max_len=2048, seed=5, eos_id=TOK.eos_id)
     await eng.load_keyframe(no_special_state(5), 3, 0)
     new_state = no_special_state(6)
 
-    class UpdatingPool(EpisodePool):          # the real pool; a keyframe arrives during the first step
+    class UpdatingPool(EpisodePool):  # the real pool; a keyframe arrives during the first step
         async def step(self, ep, action, n_tokens=None):
             if ep.turns == 0:
                 await eng.load_keyframe(new_state, 4, 0)
             return await super().step(ep, action, n_tokens)
+
     runner = EpisodeRunner(eng, TOK, pool=UpdatingPool(), worker_id="w")
     limits = EpisodeLimits(max_turn_tokens=8, max_format_errors=2, command=BashLimits(wall_s=2.0))
-    task = Task(task_id="v", env="swe", prompt="Fix calc.py.", spec=episode_spec(bug_task(), limits),
-                sampling={"max_tokens": 8, "n": 1})
+    task = Task(
+        task_id="v",
+        env="swe",
+        prompt="Fix calc.py.",
+        spec=episode_spec(bug_task(), limits),
+        sampling={"max_tokens": 8, "n": 1},
+    )
     try:
         ro = await runner.run(task, SamplingParams(max_tokens=8, n=1), 0)
     finally:
         await eng.close()
     model_versions = [v for v, m in zip(ro.token_versions, ro.loss_mask) if m]
     assert model_versions == [3] * 8 + [4] * 8
-    assert eng.free_slots == 1                       # the slot came back after the episode
+    assert eng.free_slots == 1  # the slot came back after the episode

@@ -1,6 +1,7 @@
 """bench.delta on saved before/after states (`--states DIR`, the folder `bench.realmodel --out`
 writes): one row per lr file, format 2 and format 3 side by side, the conditional bound computed
 on those states, a clear error for a folder that is not one."""
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """bench.learn's reader: held-out v0 and final from the run's summary, k3 per version from the
 trainer's rows (dropped-batch rows carry no k3 and are not versions of their own), the spread over
 runs, and a clear error for a run that did not finish or skipped its after-run evals."""
+
 import json
 
 import pytest
@@ -10,15 +11,32 @@ from bench.learn import main, spread, summarize
 
 def make_run(path, *, final_eval="done", v0=0.4, final=0.85, k3=(0.0, 0.01, 0.02)):
     (path / "metrics").mkdir(parents=True)
-    rows = [{"version": i + 1, "samples": 16, "k3_mean": k, "staleness_mean": 1.0, "success_mean": 0.5,
-             "ts": 100.0 + i} for i, k in enumerate(k3)]
+    rows = [
+        {
+            "version": i + 1,
+            "samples": 16,
+            "k3_mean": k,
+            "staleness_mean": 1.0,
+            "success_mean": 0.5,
+            "ts": 100.0 + i,
+        }
+        for i, k in enumerate(k3)
+    ]
     rows.insert(2, {"version": 2, "samples": 16, "staleness_mean": 3.0, "success_mean": 0.5, "ts": 101.5})
-    rows += [{"version": 0, "eval_success": v0, "eval_initial": True, "ts": 200.0},
-             {"version": len(k3), "eval_success": final, "eval_final": True, "ts": 201.0}]
+    rows += [
+        {"version": 0, "eval_success": v0, "eval_initial": True, "ts": 200.0},
+        {"version": len(k3), "eval_success": final, "eval_final": True, "ts": 201.0},
+    ]
     (path / "metrics" / "trainer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = {"versions": len(k3), "eval_success_initial": v0, "eval_success_final": final,
-               "eval_version_final": len(k3), "final_eval": final_eval, "final_eval_s": 50.0,
-               "stopped": "reached 3 versions"}
+    summary = {
+        "versions": len(k3),
+        "eval_success_initial": v0,
+        "eval_success_final": final,
+        "eval_version_final": len(k3),
+        "final_eval": final_eval,
+        "final_eval_s": 50.0,
+        "stopped": "reached 3 versions",
+    }
     (path / "summary.json").write_text(json.dumps(summary))
     return path
 
@@ -26,7 +44,7 @@ def make_run(path, *, final_eval="done", v0=0.4, final=0.85, k3=(0.0, 0.01, 0.02
 def test_summarize_reads_gain_k3_and_wall(tmp_path):
     r = summarize(make_run(tmp_path / "r"), wall_s=300.0)
     assert r["v0"] == 0.4 and r["final"] == 0.85 and r["gain_points"] == 45.0
-    assert r["k3_per_version"] == [[1, 0.0], [2, 0.01], [3, 0.02]]      # the dropped batch's row is skipped
+    assert r["k3_per_version"] == [[1, 0.0], [2, 0.01], [3, 0.02]]  # the dropped batch's row is skipped
     assert r["k3_mean"] == pytest.approx(0.01) and r["k3_max"] == 0.02
     assert r["train_s"] == 250.0 and r["eval_s"] == 50.0 and r["versions"] == 3
 

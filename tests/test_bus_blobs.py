@@ -1,4 +1,5 @@
 """Blob transfer through the object store: 200 MB bit-exact, corruption detected, bad names refused."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,6 +15,7 @@ async def test_blob_200mb_round_trip_bit_exact(bus):
     got = await bus.get_blob("big")
     assert len(got) == len(data) and got == data
     import hashlib
+
     assert digest == hashlib.sha256(data).hexdigest()
     await bus.delete_blob("big")
 
@@ -21,7 +23,7 @@ async def test_blob_200mb_round_trip_bit_exact(bus):
 async def test_blob_small_empty_overwrite_and_missing(bus):
     assert await bus.put_blob("e", b"") and await bus.get_blob("e") == b""
     await bus.put_blob("s", b"v1" * 1000)
-    await bus.put_blob("s", b"v2" * 3)                         # overwrite by name
+    await bus.put_blob("s", b"v2" * 3)  # overwrite by name
     assert await bus.get_blob("s") == b"v2" * 3
     with pytest.raises(BlobError, match="not found"):
         await bus.get_blob("nope")

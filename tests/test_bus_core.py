@@ -1,4 +1,5 @@
 """bus core against a real nats-server: topology, publish/dedupe, pull, KV, config, logging."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +11,16 @@ from pathlib import Path
 import nats.errors
 import pytest
 
-from bus import (BusConfig, ConfigError, KVConflict, TopologyConfig, connect, load_config,
-                 setup_logging, get_logger)
+from bus import (
+    BusConfig,
+    ConfigError,
+    KVConflict,
+    TopologyConfig,
+    connect,
+    load_config,
+    setup_logging,
+    get_logger,
+)
 from bus import topology as topo
 from bus.events import Task, new_id
 
@@ -44,7 +53,7 @@ async def test_provision_is_idempotent_and_updates_changed_config(fresh_server):
 async def test_publish_headers_and_dedupe(bus):
     t = Task(task_id=new_id(), env="arith", prompt="2+2")
     a1 = await bus.publish(topo.task_subject("arith"), t)
-    a2 = await bus.publish(topo.task_subject("arith"), t)      # same Nats-Msg-Id
+    a2 = await bus.publish(topo.task_subject("arith"), t)  # same Nats-Msg-Id
     assert not a1.duplicate and a2.duplicate and a1.seq == a2.seq
     sub = await bus.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)
     msgs = await sub.fetch(10, timeout=0.5)
@@ -53,7 +62,7 @@ async def test_publish_headers_and_dedupe(bus):
     assert h["Nats-Msg-Id"] == f"task-{t.task_id}" and h["Rl-Kind"] == "Task"
     assert h["Rl-Task"] == t.task_id and h["Rl-From"] == "test" and h["Rl-Schema"] == "1"
     await msgs[0].ack_sync()
-    assert await sub.fetch(10, timeout=0.2) == []               # empty -> [], no TimeoutError
+    assert await sub.fetch(10, timeout=0.2) == []  # empty -> [], no TimeoutError
 
 
 async def test_publish_many_pipelined_and_deduped(bus):
@@ -72,7 +81,7 @@ async def test_kv_create_update_watch(bus):
         await bus.kv_create(key, b"b")
     r2 = await bus.kv_update(key, b"c", r1)
     with pytest.raises(KVConflict):
-        await bus.kv_update(key, b"d", r1)                     # stale revision loses
+        await bus.kv_update(key, b"d", r1)  # stale revision loses
     assert await bus.kv_get(key) == b"c" and await bus.kv_get("missing") is None
     seen = []
 
@@ -81,6 +90,7 @@ async def test_kv_create_update_watch(bus):
             seen.append((value, rev))
             if len(seen) == 2:
                 return
+
     w = asyncio.create_task(watch())
     await asyncio.sleep(0.2)
     r3 = await bus.kv_put(key, b"e")
@@ -101,8 +111,13 @@ def test_load_config_toml_env_and_errors(tmp_path):
 
     p = tmp_path / "c.toml"
     p.write_text('slots = 2\ntags = ["a"]\n[bus]\nname = "w1"\n[bus.topology]\nack_wait_s = 3\n')
-    env = {"ASYNCRL_SLOTS": "8", "ASYNCRL_VERBOSE": "yes", "ASYNCRL_BUS__SERVERS": "nats://a:1, nats://b:2",
-           "ASYNCRL_BUS__TOPOLOGY__MAX_DELIVER": "7", "ASYNCRL_OTHER_PROCESS_KNOB": "ignored"}
+    env = {
+        "ASYNCRL_SLOTS": "8",
+        "ASYNCRL_VERBOSE": "yes",
+        "ASYNCRL_BUS__SERVERS": "nats://a:1, nats://b:2",
+        "ASYNCRL_BUS__TOPOLOGY__MAX_DELIVER": "7",
+        "ASYNCRL_OTHER_PROCESS_KNOB": "ignored",
+    }
     cfg = load_config(Proc, p, environ=env)
     assert (cfg.slots, cfg.ratio, cfg.verbose, cfg.tags) == (8, 0.5, True, ["a"])
     assert cfg.bus.servers == ["nats://a:1", "nats://b:2"] and cfg.bus.name == "w1"
@@ -123,7 +138,7 @@ def test_load_config_toml_env_and_errors(tmp_path):
 
 def test_logging_json_lines_with_component():
     buf = io.StringIO()
-    setup_logging("scorer", component_id="scorer-7", stream=buf)    # not a TTY -> JSON
+    setup_logging("scorer", component_id="scorer-7", stream=buf)  # not a TTY -> JSON
     get_logger("x").info("hello", n=3)
     rec = json.loads(buf.getvalue().strip().splitlines()[-1])
     assert rec["event"] == "hello" and rec["n"] == 3
@@ -161,7 +176,7 @@ async def test_provision_retries_a_timed_out_create_that_took_effect(fresh_serve
     try:
         bus.js = slow = _SlowClusterJS(js, fail=2)
         res = await bus.provision()
-        assert slow.calls >= 2                    # two creates timed out; the retries saw them done
+        assert slow.calls >= 2  # two creates timed out; the retries saw them done
         for s in topo.stream_configs(TopologyConfig()):
             assert (await js.stream_info(s.name)).config.name == s.name
         assert set(res.values()) <= {"created", "unchanged"}
@@ -177,6 +192,7 @@ async def test_provision_retries_a_timed_out_create_that_took_effect(fresh_serve
 
 async def test_publish_to_unprovisioned_subject_is_a_clear_error(fresh_server):
     from bus import PublishError
+
     bus = await connect(BusConfig(servers=[fresh_server.url], name="np", publish_retries=2))
     try:
         with pytest.raises(PublishError, match="no JetStream stream takes subject 'rl.nowhere'"):
@@ -187,6 +203,7 @@ async def test_publish_to_unprovisioned_subject_is_a_clear_error(fresh_server):
 
 def test_embedded_server_bad_config_and_restart_keeps_port(tmp_path):
     from bus import EmbeddedServer, ServerError
+
     bad = tmp_path / "bad.conf"
     bad.write_text("this is { not a config\n")
     with pytest.raises(ServerError, match="exited"):
@@ -211,6 +228,7 @@ async def test_kv_watch_survives_server_restart(fresh_server):
                 seen.append(value)
                 if value == b"0.3":
                     return
+
         w = asyncio.create_task(watch())
         async with asyncio.timeout(20):
             while seen != [b"0.1"]:
@@ -221,13 +239,14 @@ async def test_kv_watch_survives_server_restart(fresh_server):
             await bus.kv_put(topo.KEY_LAMBDA, b"0.2")
             await bus.kv_put(topo.KEY_LAMBDA, b"0.3")
             await w
-        assert seen[0] == b"0.1" and seen[-1] == b"0.3"     # 0.2 may be folded into the rebuild
+        assert seen[0] == b"0.1" and seen[-1] == b"0.3"  # 0.2 may be folded into the rebuild
     finally:
         await bus.close()
 
 
 async def test_connect_reports_bad_credentials_and_unreachable_servers(tmp_path):
     from bus import ConnectError, EmbeddedServer
+
     async with EmbeddedServer(tmp_path / "auth", extra_args=["--auth", "s3cret"]) as srv:
         ok = await connect(BusConfig(servers=[srv.url], token="s3cret", name="tok"))
         assert ok.nc.is_connected
@@ -236,18 +255,32 @@ async def test_connect_reports_bad_credentials_and_unreachable_servers(tmp_path)
             await connect(BusConfig(servers=[srv.url], token="wrong", connect_attempts=5))
         port = srv.port
     with pytest.raises(ConnectError, match="no NATS server reachable"):
-        await connect(BusConfig(servers=[f"nats://127.0.0.1:{port}"], connect_attempts=2,
-                                reconnect_wait_s=0.05, reconnect_wait_max_s=0.1))
+        await connect(
+            BusConfig(
+                servers=[f"nats://127.0.0.1:{port}"],
+                connect_attempts=2,
+                reconnect_wait_s=0.05,
+                reconnect_wait_max_s=0.1,
+            )
+        )
 
 
 async def test_run_foreground_serves_until_sigterm(tmp_path):
     """`asyncrl nats`: prints the URL, serves JetStream, exits 0 on SIGTERM and stops the server."""
     import signal
     import sys
-    code = "import sys; from bus.server import run_foreground; sys.exit(run_foreground(sys.argv[1], port=None))"
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, str(tmp_path / "store"),
-                                                stdout=asyncio.subprocess.PIPE,
-                                                env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+
+    code = (
+        "import sys; from bus.server import run_foreground; sys.exit(run_foreground(sys.argv[1], port=None))"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        code,
+        str(tmp_path / "store"),
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
         assert line.startswith("nats-server ready: nats://"), line
@@ -257,7 +290,7 @@ async def test_run_foreground_serves_until_sigterm(tmp_path):
         await b.close()
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
-        assert (tmp_path / "store" / "jetstream").is_dir()          # file store kept
+        assert (tmp_path / "store" / "jetstream").is_dir()  # file store kept
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -275,46 +308,66 @@ def _self_signed(tmp_path):
     from cryptography.x509.oid import NameOID
 
     now = datetime.datetime.now(datetime.timezone.utc)
+
     def cert(subject, issuer, pub, sign_key, ca, san=None):
-        b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(pub)
-             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-             .not_valid_after(now + datetime.timedelta(days=1))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer)
+            .public_key(pub)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         if san:
             b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
         return b.sign(sign_key, hashes.SHA256())
+
     ca_key, srv_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "asyncrl test CA")])
     ca = cert(ca_name, ca_name, ca_key.public_key(), ca_key, True)
-    srv = cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]), ca_name, srv_key.public_key(),
-               ca_key, False, [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    srv = cert(
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]),
+        ca_name,
+        srv_key.public_key(),
+        ca_key,
+        False,
+        [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+    )
     pem = serialization.Encoding.PEM
     (tmp_path / "ca.pem").write_bytes(ca.public_bytes(pem))
     (tmp_path / "srv.pem").write_bytes(srv.public_bytes(pem))
-    (tmp_path / "srv.key").write_bytes(srv_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                             serialization.NoEncryption()))
+    (tmp_path / "srv.key").write_bytes(
+        srv_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return tmp_path / "ca.pem", tmp_path / "srv.pem", tmp_path / "srv.key"
 
 
 async def test_connect_over_tls_with_ca(tmp_path):
     from bus import ConnectError, EmbeddedServer
+
     ca, crt, key = _self_signed(tmp_path)
-    async with EmbeddedServer(tmp_path / "tls", extra_args=["--tls", "--tlscert", str(crt),
-                                                            "--tlskey", str(key)]) as srv:
+    async with EmbeddedServer(
+        tmp_path / "tls", extra_args=["--tls", "--tlscert", str(crt), "--tlskey", str(key)]
+    ) as srv:
         b = await connect(BusConfig(servers=[srv.url], name="tls", tls_ca=str(ca)))
         try:
             await b.provision()
-            assert (await b.publish(topo.task_subject("arith"), Task(task_id="tls", env="arith", prompt="p"))).seq == 1
+            assert (
+                await b.publish(topo.task_subject("arith"), Task(task_id="tls", env="arith", prompt="p"))
+            ).seq == 1
         finally:
             await b.close()
-        with pytest.raises(ConnectError, match="TLS"):   # no CA: the server certificate is not trusted
+        with pytest.raises(ConnectError, match="TLS"):  # no CA: the server certificate is not trusted
             await connect(BusConfig(servers=[srv.url], name="notls", connect_attempts=1, connect_timeout_s=1))
 
 
 async def test_pull_shared_by_concurrent_fetchers_delivers_each_message_once(bus):
     n = 60
-    await bus.publish_many([(topo.task_subject("arith"), Task(task_id=f"cf-{i}", env="arith", prompt="p"))
-                            for i in range(n)])
+    await bus.publish_many(
+        [(topo.task_subject("arith"), Task(task_id=f"cf-{i}", env="arith", prompt="p")) for i in range(n)]
+    )
     sub = await bus.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)
     got: list[str] = []
 
@@ -323,5 +376,6 @@ async def test_pull_shared_by_concurrent_fetchers_delivers_each_message_once(bus
             for m in await sub.fetch(7, timeout=0.3):
                 got.append(m.headers["Rl-Task"])
                 await m.ack()
+
     await asyncio.wait_for(asyncio.gather(*[fetcher() for _ in range(4)]), 20)
     assert sorted(got) == sorted(f"cf-{i}" for i in range(n))

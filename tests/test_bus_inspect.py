@@ -1,4 +1,5 @@
 """asyncrl inspect: the snapshot reflects what is on the bus; render shows it."""
+
 from __future__ import annotations
 
 from asyncrl.inspect import render, snapshot
@@ -10,13 +11,17 @@ async def test_snapshot_and_render(bus):
     for i in range(3):
         await bus.publish(topo.task_subject("arith"), Task(task_id=f"i{i}", env="arith", prompt="p"))
     sub = await bus.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)
-    (m,) = await sub.fetch(1, timeout=1)                       # one in flight, unacked
+    (m,) = await sub.fetch(1, timeout=1)  # one in flight, unacked
     await bus.kv_put(topo.KEY_VERSION, b"17")
     from bus.events import Heartbeat
-    for ts in (1, 2):   # two beats of one worker: only the latest is shown
-        await bus.publish(topo.heartbeat_subject("rollout_worker", "w9"),
-                          Heartbeat(component="rollout_worker", component_id="w9", version=ts, ts=float(ts),
-                                    metrics={"slots": 4}))
+
+    for ts in (1, 2):  # two beats of one worker: only the latest is shown
+        await bus.publish(
+            topo.heartbeat_subject("rollout_worker", "w9"),
+            Heartbeat(
+                component="rollout_worker", component_id="w9", version=ts, ts=float(ts), metrics={"slots": 4}
+            ),
+        )
     snap = await snapshot(bus)
     (w,) = snap["components"]
     assert (w["id"], w["version"], w["metrics"]) == ("w9", 2, {"slots": 4})
@@ -33,6 +38,7 @@ async def test_snapshot_and_render(bus):
 
 async def test_snapshot_of_unprovisioned_server_says_so(fresh_server):
     from bus import BusConfig, connect
+
     b = await connect(BusConfig(servers=[fresh_server.url], name="inspect"))
     try:
         snap = await snapshot(b)

@@ -1,5 +1,6 @@
 """What asyncrl assumes about nats-py and the server without touching their private attributes:
 the JetStream API prefix per domain, and the object store's stream naming (OBJ_<bucket>)."""
+
 import nats
 import pytest
 
@@ -18,12 +19,13 @@ async def test_api_prefix_matches_the_clients_requests(nats_server, domain):
         async def spy(subject, *a, **kw):
             seen.append(subject)
             return await real(subject, *a, **kw)
+
         nc.request = spy
         js = nc.jetstream(domain=domain)
         try:
             await js.account_info()
         except Exception:
-            pass                               # an unknown domain has no responder: the subject is what counts
+            pass  # an unknown domain has no responder: the subject is what counts
         assert seen and seen[0] == f"{topo.api_prefix(domain)}.INFO"
     finally:
         await nc.close()

@@ -1,6 +1,7 @@
 """The chaos harness's own detectors, on hand-made evidence: a harness that cannot see a lost
 task, a rollout trained twice, a version gap or a fork would pass every scenario. Plus one short
 real-process scenario (bad events and a poison task -> DLQ while training goes on)."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,8 @@ def test_books_count_lost_tasks_and_rollouts_trained_twice(tmp_path):
     tasks = ["t1", "t2", "t3"]
     write_steps(tmp_path, "A", [["t1-0", "t1-1", "t2-0"]])
     b = fleet.books(tasks)
-    assert (b.lost, b.duplicates_trained) == (2, 0)           # t2 half trained, t3 not at all
-    write_steps(tmp_path, "B", [["t2-1", "t3-0", "t3-1", "t1-0"]])   # the standby reuses t1-0
+    assert (b.lost, b.duplicates_trained) == (2, 0)  # t2 half trained, t3 not at all
+    write_steps(tmp_path, "B", [["t2-1", "t3-0", "t3-1", "t1-0"]])  # the standby reuses t1-0
     b = fleet.books(tasks)
     assert (b.lost, b.duplicates_trained, b.trained) == (0, 1, 6) and not b.ok()
     write_steps(tmp_path, "B", [["t1-0"]])
@@ -43,9 +44,19 @@ def test_books_keep_consumed_and_trained_apart(tmp_path):
     fleet = Fleet(tmp_path, ["nats://127.0.0.1:1"])
     p = tmp_path / "trainer-A" / "metrics" / "trainer.jsonl"
     p.parent.mkdir(parents=True)
-    p.write_text(json.dumps({"version": 1, "rollout_ids": ["t1-0", "t1-1", "t2-0", "t2-1"],
-                             "trained_ids": ["t1-0", "t1-1"], "dropped_ids": ["t2-0", "t2-1"]}) + "\n"
-                 + json.dumps({"version": 1, "eval_success": 0.5}) + "\n")        # an eval line: no batch
+    p.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "rollout_ids": ["t1-0", "t1-1", "t2-0", "t2-1"],
+                "trained_ids": ["t1-0", "t1-1"],
+                "dropped_ids": ["t2-0", "t2-1"],
+            }
+        )
+        + "\n"
+        + json.dumps({"version": 1, "eval_success": 0.5})
+        + "\n"
+    )  # an eval line: no batch
     b = fleet.books(["t1", "t2"])
     assert (b.lost, b.duplicates_trained, b.consumed, b.trained, b.dropped) == (0, 0, 4, 2, 2)
     r = row("x", b, 1.0, True)
@@ -57,8 +68,16 @@ def kf(v, epoch, digest):
 
 
 def dl(a, b, epoch, digest):
-    return Delta(from_version=a, to_version=b, epoch=epoch, codec="d", size=0, base_digest="", new_digest=digest,
-                 trainer_id="t")
+    return Delta(
+        from_version=a,
+        to_version=b,
+        epoch=epoch,
+        codec="d",
+        size=0,
+        base_digest="",
+        new_digest=digest,
+        trainer_id="t",
+    )
 
 
 def test_books_leave_out_versions_a_later_epoch_rolled_back(tmp_path):
@@ -67,18 +86,26 @@ def test_books_leave_out_versions_a_later_epoch_rolled_back(tmp_path):
     epoch's first line of a batch that trained nothing (version kept) rolls back nothing; a
     rollout in two lines of the surviving line still counts as trained twice."""
     from bench.chaoskit.books import all_step_lines, rolled_back, tally
+
     ids = {t: [f"{t}-{i}" for i in range(GROUP)] for t in "abcdef"}
-    lines = [(1, v, t, GROUP) for v, t in ((1, "a"), (2, "b"), (3, "c"), (4, "d"))] + \
-            [(2, 4, "d", GROUP), (2, 5, "e", GROUP), (3, 5, "f", 0)]
+    lines = [(1, v, t, GROUP) for v, t in ((1, "a"), (2, "b"), (3, "c"), (4, "d"))] + [
+        (2, 4, "d", GROUP),
+        (2, 5, "e", GROUP),
+        (3, 5, "f", 0),
+    ]
     p = tmp_path / "trainer-A" / "metrics" / "trainer.jsonl"
     p.parent.mkdir(parents=True)
-    p.write_text("".join(json.dumps({"epoch": e, "version": v, "rollout_ids": ids[t], "live_samples": live})
-                         + "\n" for e, v, t, live in lines))
+    p.write_text(
+        "".join(
+            json.dumps({"epoch": e, "version": v, "rollout_ids": ids[t], "live_samples": live}) + "\n"
+            for e, v, t, live in lines
+        )
+    )
     gone = rolled_back(all_step_lines(tmp_path))
     assert [(d["epoch"], d["version"]) for d in gone] == [(1, 4)]
     b = tally(tmp_path, list("abcdef"))
     assert b.lost == 0 and b.duplicates_trained == 0 and b.consumed == 6 * GROUP
-    with open(p, "a") as f:               # the same batch twice in the surviving line: caught
+    with open(p, "a") as f:  # the same batch twice in the surviving line: caught
         f.write(json.dumps({"epoch": 3, "version": 6, "rollout_ids": ids["e"], "live_samples": GROUP}) + "\n")
     assert tally(tmp_path, list("abcdef")).duplicates_trained == GROUP
 

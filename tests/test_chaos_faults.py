@@ -2,6 +2,7 @@
 real nats-server, faults by signal. Each scenario is bounded and checks its own guarantees
 (bench/chaoskit); here every one must report nothing lost, nothing trained twice,
 recovery within its target."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,9 +10,19 @@ import pytest
 from bench.chaoskit.params import ACK_WAIT_S, BATCH_GROUPS, GROUP, LEASE_TTL_S
 from bench.chaoskit.scenarios_bus import cluster_node_loss, restart_nats
 from bench.chaoskit.scenarios_fleet import random_kill_storm, up_supervisor
-from bench.chaoskit.scenarios_trainer import (deferred_checkpoint_kill, leader_failover, slow_step_kill,
-                                             sync_poison_task)
-from bench.chaoskit.scenarios_workers import backlog, kill_scorer, kill_workers, pause_worker, worker_feed_crash
+from bench.chaoskit.scenarios_trainer import (
+    deferred_checkpoint_kill,
+    leader_failover,
+    slow_step_kill,
+    sync_poison_task,
+)
+from bench.chaoskit.scenarios_workers import (
+    backlog,
+    kill_scorer,
+    kill_workers,
+    pause_worker,
+    worker_feed_crash,
+)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
@@ -67,7 +78,7 @@ async def test_worker_sigstop_beyond_ack_wait(tmp_path):
 async def test_backlog_10k_worker_memory_bounded(tmp_path):
     r = await backlog(tmp_path, tasks=10_000)
     assert r["passed"] and r["lost"] == 0 and r["rollouts_stored_twice"] == 0, r
-    assert r["duplicates_trained"] is None and r["trained"] is None       # no trainer: no claim
+    assert r["duplicates_trained"] is None and r["trained"] is None  # no trainer: no claim
     assert r["queued"] == 10_000 and r["held_max"] <= r["held_cap"] and r["rss_growth_mb"] < 50
 
 
@@ -76,7 +87,11 @@ async def test_backlog_10k_worker_memory_bounded(tmp_path):
 async def test_slow_step_leader_killed_before_checkpoint(tmp_path):
     r = await slow_step_kill(tmp_path, tasks=40)
     check(r)
-    assert r["version_at_kill"] == 0 and r["leader_logged_steps"] == 0 and r["held_at_kill"] >= BATCH_GROUPS * GROUP
+    assert (
+        r["version_at_kill"] == 0
+        and r["leader_logged_steps"] == 0
+        and r["held_at_kill"] >= BATCH_GROUPS * GROUP
+    )
     assert r["first_version_after_death_s"] is not None
 
 

@@ -1,4 +1,5 @@
 """asyncrl cost-demo: the comparison it draws from two runs' held-out evals."""
+
 import json
 
 import pytest
@@ -11,13 +12,15 @@ def _run(tmp_path, name, evals):
     d = tmp_path / name / "metrics"
     d.mkdir(parents=True)
     rows = [{"version": v, "eval_success": s, "eval_tokens": t, "ts": float(v)} for v, s, t in evals]
-    rows.insert(1, {"version": 1, "samples": 16, "ts": 1.0})          # step rows are not evals
+    rows.insert(1, {"version": 1, "samples": 16, "ts": 1.0})  # step rows are not evals
     (d / "trainer.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     return tmp_path / name
 
 
 def test_summary_uses_the_first_eval_and_the_mean_of_the_last_three(tmp_path):
-    run = _run(tmp_path, "a", [(0, 0.2, 20.0), (25, 0.5, 30.0), (50, 0.6, 32.0), (75, 0.7, 34.0), (100, 0.8, 36.0)])
+    run = _run(
+        tmp_path, "a", [(0, 0.2, 20.0), (25, 0.5, 30.0), (50, 0.6, 32.0), (75, 0.7, 34.0), (100, 0.8, 36.0)]
+    )
     curve = cost_demo.eval_curve(run)
     assert [c["version"] for c in curve] == [0, 25, 50, 75, 100]
     s = cost_demo.summarize(curve)
@@ -42,27 +45,35 @@ def test_missing_warm_start_is_a_clear_error(tmp_path, capsys):
 
 
 def test_mean_over_evals_excludes_version_0():
-    s = cost_demo.summarize([{"version": 0, "success": 0.2, "tokens": 20.0},
-                             {"version": 25, "success": 0.6, "tokens": 30.0},
-                             {"version": 50, "success": 0.8, "tokens": 40.0}])
+    s = cost_demo.summarize(
+        [
+            {"version": 0, "success": 0.2, "tokens": 20.0},
+            {"version": 25, "success": 0.6, "tokens": 30.0},
+            {"version": 50, "success": 0.8, "tokens": 40.0},
+        ]
+    )
     assert abs(s["success_mean_evals"] - 0.7) < 1e-9 and abs(s["tokens_mean_evals"] - 35.0) < 1e-9
 
 
 def test_config_for_seed_sets_the_trainer_seed_only():
     import tomllib
-    text = '[up]\nsteps = 5\n[trainer.optim]\nlr = 1e-3\n[trainer.run]\nseed = 7\n[worker]\nseed = 3\n'
+
+    text = "[up]\nsteps = 5\n[trainer.optim]\nlr = 1e-3\n[trainer.run]\nseed = 7\n[worker]\nseed = 3\n"
     conf = tomllib.loads(cost_demo.config_for_seed(text, 2))
     assert conf["trainer"]["run"]["seed"] == 2 and conf["worker"]["seed"] == 3 and conf["up"]["steps"] == 5
-    conf = tomllib.loads(cost_demo.config_for_seed('[trainer.optim]\nlr = 1e-3\n[worker]\nslots = 2\n', 4))
+    conf = tomllib.loads(cost_demo.config_for_seed("[trainer.optim]\nlr = 1e-3\n[worker]\nslots = 2\n", 4))
     assert conf["trainer"] == {"optim": {"lr": 1e-3}, "run": {"seed": 4}}
-    assert tomllib.loads(cost_demo.config_for_seed('[up]\nsteps = 1\n', 1))["trainer"]["run"]["seed"] == 1
+    assert tomllib.loads(cost_demo.config_for_seed("[up]\nsteps = 1\n", 1))["trainer"]["run"]["seed"] == 1
 
 
 def test_across_seeds_pairs_the_arms():
     def arm(s, t):
         return {"success_mean_evals": s, "tokens_mean_evals": t}
-    per = [{"lambda": 0.01, "lambda0": arm(0.8, 40.0), "calibrated": arm(0.78, 20.0)},
-           {"lambda": 0.02, "lambda0": arm(0.9, 40.0), "calibrated": arm(0.86, 24.0)}]
+
+    per = [
+        {"lambda": 0.01, "lambda0": arm(0.8, 40.0), "calibrated": arm(0.78, 20.0)},
+        {"lambda": 0.02, "lambda0": arm(0.9, 40.0), "calibrated": arm(0.86, 24.0)},
+    ]
     r = cost_demo.across_seeds(per)
     assert abs(r["success_diff"]["mean"] + 0.03) < 1e-9 and abs(r["tokens_ratio"]["mean"] - 0.55) < 1e-9
     assert r["success_lambda0"]["n"] == 2 and r["success_lambda0"]["std"] > 0
@@ -71,34 +82,52 @@ def test_across_seeds_pairs_the_arms():
 def test_seeds_and_baseline_do_not_mix(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text('[trainer.tasks]\nenvs = ["arith-small"]\n')
-    assert cost_demo.main(["--config", str(cfg), "--baseline", "x", "--seeds", "0,1", "--out", str(tmp_path / "o")]) == 2
+    assert (
+        cost_demo.main(
+            ["--config", str(cfg), "--baseline", "x", "--seeds", "0,1", "--out", str(tmp_path / "o")]
+        )
+        == 2
+    )
     assert "--baseline" in capsys.readouterr().err
 
 
 # -- issue #36: arms -------------------------------------------------------------------------------
 
+
 def test_config_with_sets_trainer_keys_and_keeps_the_rest():
     import tomllib
+
     text = '[up]\nsteps = 5\n[trainer.optim]\nlr = 1e-3\n[trainer.cost]\npenalty = "linear"\n[worker]\nslots = 2\n'
-    conf = tomllib.loads(cost_demo.config_with(text, {"cost": {"penalty": "success_only", "target": 0.004,
-                                                               "ramp_versions": 10},
-                                                      "warmstart": {"reuse": "/r/w.pt"}}))
-    assert conf["trainer"] == {"optim": {"lr": 1e-3}, "warmstart": {"reuse": "/r/w.pt"},
-                               "cost": {"penalty": "success_only", "target": 0.004, "ramp_versions": 10}}
+    conf = tomllib.loads(
+        cost_demo.config_with(
+            text,
+            {
+                "cost": {"penalty": "success_only", "target": 0.004, "ramp_versions": 10},
+                "warmstart": {"reuse": "/r/w.pt"},
+            },
+        )
+    )
+    assert conf["trainer"] == {
+        "optim": {"lr": 1e-3},
+        "warmstart": {"reuse": "/r/w.pt"},
+        "cost": {"penalty": "success_only", "target": 0.004, "ramp_versions": 10},
+    }
     assert conf["worker"] == {"slots": 2} and conf["up"] == {"steps": 5}
-    assert tomllib.loads(cost_demo.config_with('[up]\nsteps = 1\n', {"cost": {"budget_tokens": 12.5}}))["trainer"] == \
-        {"cost": {"budget_tokens": 12.5}}
+    assert tomllib.loads(cost_demo.config_with("[up]\nsteps = 1\n", {"cost": {"budget_tokens": 12.5}}))[
+        "trainer"
+    ] == {"cost": {"budget_tokens": 12.5}}
 
 
 def test_each_arm_is_a_valid_trainer_config(tmp_path):
     import argparse
     from trainer.config import TrainerConfig
+
     (tmp_path / "warmstart.pt").write_bytes(b"x")
     a = argparse.Namespace(ramp_versions=10, budget_tokens=0.0, budget_ratio=0.6, budget_lr=0.002)
     seen = {}
     for arm in cost_demo.ARMS[1:]:
         extra, keys = cost_demo.arm_setup(arm, 0.004, tmp_path, 40.0, a)
-        TrainerConfig(**keys)                                   # validated as the trainer will
+        TrainerConfig(**keys)  # validated as the trainer will
         seen[arm] = (extra, keys)
     assert seen["calibrated"][0] == ["--lambda", "0.004"] and "cost" not in seen["calibrated"][1]
     assert seen["success_only"][1]["cost"]["penalty"] == "success_only"
@@ -110,10 +139,11 @@ def test_each_arm_is_a_valid_trainer_config(tmp_path):
 def test_across_seeds_compares_every_arm_with_lambda0():
     def arm(s, t):
         return {"success_mean_evals": s, "tokens_mean_evals": t}
-    per = [{"lambda": 0.01, "lambda0": arm(0.8, 40.0), "calibrated": arm(0.7, 20.0),
-            "budget": arm(0.8, 24.0)},
-           {"lambda": 0.01, "lambda0": arm(0.9, 40.0), "calibrated": arm(0.8, 20.0),
-            "budget": arm(0.86, 20.0)}]
+
+    per = [
+        {"lambda": 0.01, "lambda0": arm(0.8, 40.0), "calibrated": arm(0.7, 20.0), "budget": arm(0.8, 24.0)},
+        {"lambda": 0.01, "lambda0": arm(0.9, 40.0), "calibrated": arm(0.8, 20.0), "budget": arm(0.86, 20.0)},
+    ]
     r = cost_demo.across_seeds(per)
     assert r["arms"] == ["lambda0", "calibrated", "budget"]
     assert abs(r["success_diff_budget"]["mean"] + 0.02) < 1e-9
@@ -123,19 +153,25 @@ def test_across_seeds_compares_every_arm_with_lambda0():
 
 def test_worst_gap_after_v25_and_the_tradeoff_plot(tmp_path):
     base = [{"version": v, "success": 0.8, "tokens": 30.0} for v in (0, 25, 50, 75)]
-    arm = [{"version": 0, "success": 0.2, "tokens": 30.0}, {"version": 25, "success": 0.5, "tokens": 20.0},
-           {"version": 50, "success": 0.75, "tokens": 18.0}, {"version": 75, "success": 0.6, "tokens": 16.0}]
-    assert abs(cost_demo.worst_gap(base, arm) - 0.2) < 1e-9                # v25's 0.3 gap is not after v25
-    cost_demo.plot_tradeoff({"lambda0": [(30.0, 0.8), (31.0, 0.78)], "budget": [(18.0, 0.79)]},
-                            tmp_path / "t.png")
+    arm = [
+        {"version": 0, "success": 0.2, "tokens": 30.0},
+        {"version": 25, "success": 0.5, "tokens": 20.0},
+        {"version": 50, "success": 0.75, "tokens": 18.0},
+        {"version": 75, "success": 0.6, "tokens": 16.0},
+    ]
+    assert abs(cost_demo.worst_gap(base, arm) - 0.2) < 1e-9  # v25's 0.3 gap is not after v25
+    cost_demo.plot_tradeoff(
+        {"lambda0": [(30.0, 0.8), (31.0, 0.78)], "budget": [(18.0, 0.79)]}, tmp_path / "t.png"
+    )
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_unknown_arm_is_a_clear_error(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text('[trainer.tasks]\nenvs = ["arith-small"]\n')
-    assert cost_demo.main(["--config", str(cfg), "--arms", "lambda0,cheap",
-                           "--out", str(tmp_path / "o")]) == 2
+    assert (
+        cost_demo.main(["--config", str(cfg), "--arms", "lambda0,cheap", "--out", str(tmp_path / "o")]) == 2
+    )
     assert "unknown arm(s) ['cheap']" in capsys.readouterr().err
 
 
@@ -171,28 +207,50 @@ heartbeat_s = 1.0
 """
 
 
-@pytest.mark.chaos          # long: three `asyncrl up` runs and a calibration (minutes on 2 cores)
+@pytest.mark.chaos  # long: three `asyncrl up` runs and a calibration (minutes on 2 cores)
 def test_cost_demo_end_to_end_on_a_tiny_run(tmp_path):
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY)
     out = tmp_path / "out"
-    assert cost_demo.main(["--config", str(cfg), "--out", str(out), "--seeds", "0", "--prompts", "8",
-                           "--arms", "lambda0,success_only,budget", "--budget-tokens", "4"]) == 0
+    assert (
+        cost_demo.main(
+            [
+                "--config",
+                str(cfg),
+                "--out",
+                str(out),
+                "--seeds",
+                "0",
+                "--prompts",
+                "8",
+                "--arms",
+                "lambda0,success_only,budget",
+                "--budget-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
     result = json.loads((out / "compare.json").read_text())
     assert result["arms"] == ["lambda0", "success_only", "budget"]
     seed = result["per_seed"][0]
     path = seed["lambda_paths"]["budget"]
-    assert path and all(p["lambda_next"] is not None for p in path)       # KV λ written each version
-    assert path[-1]["lambda_next"] > 0                                     # answers over 4 tokens: λ rose
+    assert path and all(p["lambda_next"] is not None for p in path)  # KV λ written each version
+    assert path[-1]["lambda_next"] > 0  # answers over 4 tokens: λ rose
     assert (out / "tradeoff.png").read_bytes()[:4] == b"\x89PNG" and (out / "compare.png").exists()
     steps = [r for r in read_trainer_metrics(out / "seed0" / "budget") if "samples" in r]
-    assert steps and all(len(r["group_lambda"]) == r["groups"] and r["lambda_mixed_groups"] == 0 for r in steps)
+    assert steps and all(
+        len(r["group_lambda"]) == r["groups"] and r["lambda_mixed_groups"] == 0 for r in steps
+    )
 
 
 def test_without_a_warm_start_arms_start_from_the_config_and_need_a_given_lambda(tmp_path, capsys):
     import argparse
+
     a = argparse.Namespace(ramp_versions=10, budget_tokens=0.0, budget_ratio=0.6, budget_lr=0.002)
-    assert cost_demo.arm_setup("success_only", 0.004, tmp_path, 40.0, a)[1] == {"cost": {"penalty": "success_only"}}
+    assert cost_demo.arm_setup("success_only", 0.004, tmp_path, 40.0, a)[1] == {
+        "cost": {"penalty": "success_only"}
+    }
     base = _run(tmp_path, "base", [(0, 0.2, 20.0)])
     cfg = tmp_path / "c.toml"
     cfg.write_text('[trainer.tasks]\nenvs = ["arith-small"]\n')

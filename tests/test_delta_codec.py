@@ -1,5 +1,6 @@
 """delta_codec: bit-exact round trips, keyframe + delta chains, and every bad input refused
 with the target state left unchanged."""
+
 from __future__ import annotations
 
 import msgpack
@@ -9,13 +10,32 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from delta_codec import (Delta, DeltaError, Keyframe, apply_delta, encode_delta, load_keyframe, make_keyframe,
-                         state_digest, verify_signature)
+from delta_codec import (
+    Delta,
+    DeltaError,
+    Keyframe,
+    apply_delta,
+    encode_delta,
+    load_keyframe,
+    make_keyframe,
+    state_digest,
+    verify_signature,
+)
 from delta_codec.modes import BITMAP, DENSE, GAP, NONE
 from delta_codec.signing import generate_keypair, sign, verify
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.int8,
-          torch.uint8, torch.int32, torch.int64, torch.bool]
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
 INT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -23,7 +43,9 @@ def bits_of(t: torch.Tensor) -> np.ndarray:
     """Raw bits as numpy (bit-exact comparison: NaN == NaN, -0 != +0)."""
     flat = t.reshape(-1)
     flat = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
-    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]).numpy()
+    return flat.view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    ).numpy()
 
 
 def from_bits(raw: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -31,8 +53,13 @@ def from_bits(raw: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
     if dtype == torch.bool:
         raw = raw & 1
     t = torch.from_numpy(np.ascontiguousarray(raw.astype(INT[size]))).view(
-        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
-    return t.view(torch.uint8).view(dtype).reshape(shape) if dtype == torch.bool else t.view(dtype).reshape(shape)
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    )
+    return (
+        t.view(torch.uint8).view(dtype).reshape(shape)
+        if dtype == torch.bool
+        else t.view(dtype).reshape(shape)
+    )
 
 
 def special_bits(dtype: torch.dtype) -> np.ndarray:
@@ -49,8 +76,9 @@ def special_bits(dtype: torch.dtype) -> np.ndarray:
 
 
 def eq(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(np.array_equal(bits_of(a[k]), bits_of(b[k])) and a[k].shape == b[k].shape
-                                        for k in a)
+    return a.keys() == b.keys() and all(
+        np.array_equal(bits_of(a[k]), bits_of(b[k])) and a[k].shape == b[k].shape for k in a
+    )
 
 
 def clone(s: dict) -> dict:
@@ -77,8 +105,10 @@ def state_pair(draw):
     ulp = (base[changed].astype(np.int64) + rng.integers(-3, 4, k)).astype(INT[size])
     pick = rng.integers(0, 3, k)
     new[changed] = np.where(pick == 0, repl, np.where(pick == 1, ulp, rng.choice(sp, k) if k else repl))
-    return ({"w": from_bits(base, dtype, shape), "b": from_bits(base[:0], dtype, (0,))},
-            {"w": from_bits(new, dtype, shape), "b": from_bits(base[:0], dtype, (0,))})
+    return (
+        {"w": from_bits(base, dtype, shape), "b": from_bits(base[:0], dtype, (0,))},
+        {"w": from_bits(new, dtype, shape), "b": from_bits(base[:0], dtype, (0,))},
+    )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -100,10 +130,13 @@ def test_round_trip_bit_exact(pair, chunk):
 
 def modes_of(d: Delta) -> set[int]:
     from delta_codec.record import chunks_of as _chunks
+
     return {c[0] for r in d.records for c in _chunks(r)}
 
 
-@pytest.mark.parametrize("density,mode", [(0.0, NONE), (0.003, GAP), (0.2, GAP), (0.5, BITMAP), (0.97, DENSE)])
+@pytest.mark.parametrize(
+    "density,mode", [(0.0, NONE), (0.003, GAP), (0.2, GAP), (0.5, BITMAP), (0.97, DENSE)]
+)
 def test_position_coding_follows_density(density, mode):
     g = torch.Generator().manual_seed(1)
     base = {"w": torch.randn(200_000, generator=g).to(torch.bfloat16)}
@@ -124,10 +157,12 @@ def test_position_coding_follows_density(density, mode):
 
 def model_state(seed=0) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"emb": (torch.randn(300, 64, generator=g) * 0.02).to(torch.bfloat16),
-            "ln": (1 + 0.02 * torch.randn(64, generator=g)).to(torch.bfloat16),
-            "w": (torch.randn(64, 257, generator=g) * 0.02).to(torch.float32),
-            "step": torch.tensor(3, dtype=torch.int64)}
+    return {
+        "emb": (torch.randn(300, 64, generator=g) * 0.02).to(torch.bfloat16),
+        "ln": (1 + 0.02 * torch.randn(64, generator=g)).to(torch.bfloat16),
+        "w": (torch.randn(64, 257, generator=g) * 0.02).to(torch.float32),
+        "step": torch.tensor(3, dtype=torch.int64),
+    }
 
 
 def rl_chain(n: int, seed=0) -> list[dict]:
@@ -147,8 +182,10 @@ def rl_chain(n: int, seed=0) -> list[dict]:
 def test_keyframe_then_chain_of_20_deltas_is_exact():
     states = rl_chain(20)
     sk, pk = generate_keypair()
-    blobs = [encode_delta(states[v - 1], states[v], from_version=v - 1, to_version=v).to_bytes(signing_key=sk)
-             for v in range(1, 21)]
+    blobs = [
+        encode_delta(states[v - 1], states[v], from_version=v - 1, to_version=v).to_bytes(signing_key=sk)
+        for v in range(1, 21)
+    ]
     kf_blob = make_keyframe(states[0], version=0).to_bytes(signing_key=sk)
     kf = Keyframe.from_bytes(kf_blob)
     state = load_keyframe(kf, public_key=pk)
@@ -193,6 +230,7 @@ def test_device_tensors_are_hashed_and_applied_via_the_device_path():
     exercise apply_on_device's torch-ops path directly on CPU tensors (same arithmetic)."""
     from delta_codec.apply import decode_record as _decode_record
     from delta_codec.triton_apply import apply_on_device
+
     states = rl_chain(1)
     d = encode_delta(states[0], states[1], chunk=64)
     state = clone(states[0])
@@ -204,6 +242,7 @@ def test_device_tensors_are_hashed_and_applied_via_the_device_path():
 
 # --- bad input: each raises DeltaError naming the problem, and leaves the state unchanged ----
 
+
 @pytest.fixture(scope="module")
 def pair():
     states = rl_chain(2)
@@ -213,7 +252,11 @@ def pair():
 def refused(state, blob_or_delta, match, **kw):
     before = clone(state)
     with pytest.raises(DeltaError, match=match):
-        d = Delta.from_bytes(blob_or_delta) if isinstance(blob_or_delta, (bytes, bytearray)) else blob_or_delta
+        d = (
+            Delta.from_bytes(blob_or_delta)
+            if isinstance(blob_or_delta, (bytes, bytearray))
+            else blob_or_delta
+        )
         apply_delta(state, d, **kw)
     assert eq(state, before), "a refused delta changed the state"
 
@@ -276,10 +319,20 @@ def test_payload_that_decodes_to_wrong_weights_is_rolled_back(pair):
     good = encode_delta(base, new)
     other = encode_delta(base, {k: (newer[k] if k == "w" else new[k]) for k in new})
     o = next(o for o in other.records if o.name == "w")
-    forged = Delta(0, 1, [r if r.name != "w" else type(r)(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, o.head, o.body)
-                          for r in good.records])
+    forged = Delta(
+        0,
+        1,
+        [
+            r if r.name != "w" else type(r)(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, o.head, o.body)
+            for r in good.records
+        ],
+    )
     assert list(forged.names)[-2:] == ["w", "step"] and forged.names[0] == "emb"
-    refused(clone(base), forged.to_bytes(), "^result digest mismatch after apply \\(corrupted delta\\); state rolled back$")
+    refused(
+        clone(base),
+        forged.to_bytes(),
+        "^result digest mismatch after apply \\(corrupted delta\\); state rolled back$",
+    )
 
 
 def test_shape_dtype_and_name_mismatches(pair):
@@ -295,7 +348,11 @@ def test_shape_dtype_and_name_mismatches(pair):
     tied["ln"] = tied["emb"].view(-1)[:64]  # same storage under two names
     refused(tied, encode_delta({**base, "ln": base["emb"].view(-1)[:64].clone()}, new), "overlap in memory")
     flat = torch.cat([base["emb"].view(-1), base["ln"]])  # disjoint views of one buffer: fine
-    views = {**clone(base), "emb": flat[:base["emb"].numel()].view(base["emb"].shape), "ln": flat[base["emb"].numel():]}
+    views = {
+        **clone(base),
+        "emb": flat[: base["emb"].numel()].view(base["emb"].shape),
+        "ln": flat[base["emb"].numel() :],
+    }
     apply_delta(views, d)
     assert eq(views, new)
     with pytest.raises(DeltaError, match="tensor 'ln'"):
@@ -350,9 +407,12 @@ def test_stats_and_digests(pair):
 def test_rice_gap_coding_round_trips_every_parameter(k):
     """Positions with gaps spanning 0 .. far beyond 255 << k (the escape path), for every k."""
     from delta_codec.positions import decode_gaps, encode_gaps
+
     rng = np.random.default_rng(k)
     count = 1 << 40  # only bounds-checked, never allocated
-    gaps = np.concatenate([rng.geometric(1 / (2 ** k + 1), 3000) - 1, [0, 0, 255 << k, (300 << k) + 5, 1 << 22]])
+    gaps = np.concatenate(
+        [rng.geometric(1 / (2**k + 1), 3000) - 1, [0, 0, 255 << k, (300 << k) + 5, 1 << 22]]
+    )
     rng.shuffle(gaps)
     pos = np.cumsum(gaps + 1) - 1
     assert pos[-1] < count
@@ -373,22 +433,31 @@ def test_well_checksummed_but_malformed_header_is_refused(pair):
     import xxhash
 
     empty = msgpack.packb([])  # a tensor record without chunks: a zero-length body
-    ok = {"from_version": 0, "to_version": 1, "base": bytes(16), "new": bytes(16), "tensors": [["w", "bfloat16", [0]]],
-          "heads": empty, "sums": struct.pack("<I", xxhash.xxh3_64_intdigest(b"") & 0xFFFFFFFF)}
-    cases = [({"tensors": [["w", "bfloat16", [-2]]]}, "malformed tensor entry"),
-             ({"tensors": [["w", "bfloat16"]]}, "malformed tensor entry"),
-             ({"tensors": [["w", "nonsense-dtype", [0]]]}, "unknown dtype"),
-             ({"tensors": [["w", ["bfloat16"], [0]]]}, "malformed tensor entry"),
-             ({"tensors": "w"}, "does not parse"),
-             ({"heads": 5}, "does not parse"),
-             ({"heads": b""}, "chunk records for 0 of 1 tensors"),
-             ({"heads": empty + empty}, "beyond its 1 tensors"),
-             ({"heads": b"\xc1"}, "tensor 'w': record does not parse"),
-             ({"heads": msgpack.packb([[1, 8, 1, 0, msgpack.ExtType(2, b"\x01")]])}, "unknown field type"),
-             ({"sums": b""}, "checksums or digests do not match"),
-             ({"base": bytes(15)}, "lacks"),
-             ({"new": None}, "lacks"),
-             ({"from_version": None}, "lacks")]
+    ok = {
+        "from_version": 0,
+        "to_version": 1,
+        "base": bytes(16),
+        "new": bytes(16),
+        "tensors": [["w", "bfloat16", [0]]],
+        "heads": empty,
+        "sums": struct.pack("<I", xxhash.xxh3_64_intdigest(b"") & 0xFFFFFFFF),
+    }
+    cases = [
+        ({"tensors": [["w", "bfloat16", [-2]]]}, "malformed tensor entry"),
+        ({"tensors": [["w", "bfloat16"]]}, "malformed tensor entry"),
+        ({"tensors": [["w", "nonsense-dtype", [0]]]}, "unknown dtype"),
+        ({"tensors": [["w", ["bfloat16"], [0]]]}, "malformed tensor entry"),
+        ({"tensors": "w"}, "does not parse"),
+        ({"heads": 5}, "does not parse"),
+        ({"heads": b""}, "chunk records for 0 of 1 tensors"),
+        ({"heads": empty + empty}, "beyond its 1 tensors"),
+        ({"heads": b"\xc1"}, "tensor 'w': record does not parse"),
+        ({"heads": msgpack.packb([[1, 8, 1, 0, msgpack.ExtType(2, b"\x01")]])}, "unknown field type"),
+        ({"sums": b""}, "checksums or digests do not match"),
+        ({"base": bytes(15)}, "lacks"),
+        ({"new": None}, "lacks"),
+        ({"from_version": None}, "lacks"),
+    ]
     assert Delta.from_bytes(_blob(ok)).records[0].nbytes == 0  # the unbroken header parses
     for change, match in cases:
         meta = {k: v for k, v in {**ok, **change}.items() if v is not None}
@@ -405,6 +474,7 @@ def _blob(meta) -> bytes:
     import xxhash
 
     from delta_codec.container import _PREFIX, FORMAT, KIND_DELTA, MAGIC, header_bytes
+
     header = header_bytes(meta)
     head = _PREFIX.pack(MAGIC, FORMAT, KIND_DELTA, 0, len(header)) + header
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))

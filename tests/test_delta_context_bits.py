@@ -2,6 +2,7 @@
 weights at ~1 % and ~2.5 % changed, the bits spent on positions (everything but the value
 streams) are within half a bit per change of the change mask's entropy conditioned on each
 element's base exponent."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@ hashes only the result and, on a refusal, names the cause after rolling back: a 
 ("not the delta's base version N") or a bad delta ("result digest mismatch ... rolled back").
 The state digests the bus announces and checkpoints record are unchanged; format 4 blobs get the
 clear refusal older formats get."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,7 +26,8 @@ FORMAT_4_BLOB = bytes.fromhex(
     "41444c54040001008600000028b52ffd207de9030084ac66726f6d5f76657273696f6e04aa746f5f76657273696f6e05a5636f"
     "646563b66374782d726963652d7a69677a61672d7a7374642f34a774656e736f72739197a177a862666c6f617431369110c410"
     "2c167ad576e5313ec2612196e59ae6f8c410d23087ca9817f1ee0037e16f915600322fcfe7d6741d3885ce89f07be4182a67cc"
-    "1113000000919901100200d4010d00d4010bd40100d4010028b52ffd200421000060a001fc28b52ffd20021100000308")
+    "1113000000919901100200d4010d00d4010bd40100d4010028b52ffd200421000060a001fc28b52ffd20021100000308"
+)
 
 
 def states(seed: int = 0) -> tuple[dict, dict, dict]:
@@ -64,11 +66,16 @@ def test_any_one_bit_off_the_base_is_refused_naming_the_base(pair, seed, context
     base, new = pair
     if not base["w"].numel():
         return
-    d = Delta.from_bytes(encode_delta(base, new, from_version=4, to_version=5, chunk=1024, context=context).to_bytes())
+    d = Delta.from_bytes(
+        encode_delta(base, new, from_version=4, to_version=5, chunk=1024, context=context).to_bytes()
+    )
     rng = np.random.default_rng(seed)
     wrong = clone(base)
-    flat = wrong["w"].view(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-        wrong["w"].element_size()])
+    flat = (
+        wrong["w"]
+        .view(-1)
+        .view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[wrong["w"].element_size()])
+    )
     flat[int(rng.integers(flat.numel()))] ^= 1 << int(rng.integers(8 * wrong["w"].element_size() - 1))
     state = clone(wrong)
     with pytest.raises(DeltaError, match=BASE_MSG):
@@ -80,9 +87,13 @@ def _swap(good: Delta, other: Delta, name: str) -> Delta:
     """`good` with tensor `name`'s record taken from `other` (valid framing and checksums: a
     producer bug or a corruption the checksum missed), keeping good's state digests."""
     o = next(r for r in other.records if r.name == name)
-    recs = [r if r.name != name else TensorRecord(r.name, r.dtype, r.shape, None, None, o.head, o.body)
-            for r in good.records]
-    return Delta(good.from_version, good.to_version, recs, base_digest=good.base_digest, new_digest=good.new_digest)
+    recs = [
+        r if r.name != name else TensorRecord(r.name, r.dtype, r.shape, None, None, o.head, o.body)
+        for r in good.records
+    ]
+    return Delta(
+        good.from_version, good.to_version, recs, base_digest=good.base_digest, new_digest=good.new_digest
+    )
 
 
 @pytest.mark.parametrize("context", [False, True])
@@ -123,10 +134,18 @@ def test_a_bit_flip_the_checksum_missed_is_refused_as_the_delta_s_fault_or_harml
     r = recs[rng.integers(len(recs))]
     body = bytearray(r.body)
     body[rng.integers(len(body))] ^= 1 << int(rng.integers(8))
-    forged = Delta.from_bytes(Delta(4, 5, [x if x is not r else TensorRecord(r.name, r.dtype, r.shape, None, None,
-                                                                               r.head, bytes(body))
-                                           for x in d.records],
-                                    base_digest=d.base_digest, new_digest=d.new_digest).to_bytes())
+    forged = Delta.from_bytes(
+        Delta(
+            4,
+            5,
+            [
+                x if x is not r else TensorRecord(r.name, r.dtype, r.shape, None, None, r.head, bytes(body))
+                for x in d.records
+            ],
+            base_digest=d.base_digest,
+            new_digest=d.new_digest,
+        ).to_bytes()
+    )
     state = clone(base)
     try:
         apply_delta(state, forged)
@@ -138,10 +157,14 @@ def test_a_bit_flip_the_checksum_missed_is_refused_as_the_delta_s_fault_or_harml
 
 
 def test_a_format_4_blob_is_refused_with_the_clear_error():
-    assert CODEC == "ctx-rice-zigzag-zstd/5"   # the bus refuses a format-4 producer's events by this
+    assert CODEC == "ctx-rice-zigzag-zstd/5"  # the bus refuses a format-4 producer's events by this
     w = torch.arange(16, dtype=torch.float32).to(torch.bfloat16)
-    refused({"w": w}, FORMAT_4_BLOB, "^unsupported delta format version 4 \\(older than this build's 5: "
-                                     "encode with a matching build, or resync from a keyframe\\)$")
+    refused(
+        {"w": w},
+        FORMAT_4_BLOB,
+        "^unsupported delta format version 4 \\(older than this build's 5: "
+        "encode with a matching build, or resync from a keyframe\\)$",
+    )
 
 
 def test_state_digests_are_the_state_digest_of_base_and_result():
@@ -161,8 +184,13 @@ def test_state_digests_are_the_state_digest_of_base_and_result():
     two_d = {k: v for k, v in new.items() if v.dim() == 2 or k == "a"}
     for rank in range(world):
         rows = {n: shard_rows(t.shape[0], rank, world) for n, t in two_d.items()}
-        part = encode_part({n: base[n][slice(*rows[n])] for n in two_d}, {n: two_d[n][slice(*rows[n])] for n in two_d},
-                           rows, from_version=4, to_version=5)
+        part = encode_part(
+            {n: base[n][slice(*rows[n])] for n in two_d},
+            {n: two_d[n][slice(*rows[n])] for n in two_d},
+            rows,
+            from_version=4,
+            to_version=5,
+        )
         parts.append(Delta.from_bytes(part.to_bytes()).new_digest)
     assert parts_digest(parts) == sharded_digest(two_d, world)
 
@@ -185,10 +213,15 @@ def test_fixed_cost_per_unchanged_tensor():
     its empty chunk list and checksum, in the zstd'd header; format 4: about 31, mostly its
     16-byte digest (base and result are equal, so zstd keeps one) and an 8-byte checksum)."""
     g = torch.Generator().manual_seed(0)
-    base = {f"layers.{i}.mlp.weight": (torch.randn(32, 32, generator=g) * 0.02).to(torch.bfloat16) for i in range(200)}
+    base = {
+        f"layers.{i}.mlp.weight": (torch.randn(32, 32, generator=g) * 0.02).to(torch.bfloat16)
+        for i in range(200)
+    }
     new = {**base, "layers.0.mlp.weight": base["layers.0.mlp.weight"] + 0.01}
-    one = encode_delta({"layers.0.mlp.weight": base["layers.0.mlp.weight"]},
-                       {"layers.0.mlp.weight": new["layers.0.mlp.weight"]}).nbytes
+    one = encode_delta(
+        {"layers.0.mlp.weight": base["layers.0.mlp.weight"]},
+        {"layers.0.mlp.weight": new["layers.0.mlp.weight"]},
+    ).nbytes
     per_tensor = (encode_delta(base, new).nbytes - one) / 199
     assert per_tensor < 8, per_tensor
 
@@ -200,9 +233,16 @@ def test_a_parsed_delta_rewrapped_keeps_its_state_digests_only_when_given():
     p = Delta.from_bytes(encode_delta(base, new, from_version=4, to_version=5).to_bytes())
     with pytest.raises(DeltaError, match="no tensor digests: give the new state digest"):
         Delta(4, 5, p.records, extra={"epoch": 2}).new_digest
-    again = Delta.from_bytes(Delta(4, 5, p.records, extra={"epoch": 2}, base_digest=p.base_digest,
-                                   new_digest=p.new_digest).to_bytes())
-    assert (again.base_digest, again.new_digest, again.extra) == (state_digest(base), state_digest(new), {"epoch": 2})
+    again = Delta.from_bytes(
+        Delta(
+            4, 5, p.records, extra={"epoch": 2}, base_digest=p.base_digest, new_digest=p.new_digest
+        ).to_bytes()
+    )
+    assert (again.base_digest, again.new_digest, again.extra) == (
+        state_digest(base),
+        state_digest(new),
+        {"epoch": 2},
+    )
     state = clone(base)
     apply_delta(state, again)
     assert same(state, new)
@@ -215,6 +255,7 @@ def test_the_device_path_undo_restores_a_wrong_base_exactly(context):
     tensors, applied to the wrong base and undone."""
     from delta_codec.apply import decode_record
     from delta_codec.triton_apply import apply_on_device
+
     base, new, newer = states()
     d = encode_delta(new, newer, chunk=4096, context=context)
     state = clone(base)

@@ -1,6 +1,7 @@
 """delta_codec format 3's compiled (numba) rank/select agrees with the numpy path: the same
 bytes from encode_delta, the same applied state from either decoder, the same ranks, positions
 and class sizes per class; forged class records are refused by both with the state untouched."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -61,7 +62,9 @@ def test_numba_and_numpy_paths_give_the_same_bytes_and_state(pair, chunk):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 2**32 - 1), st.sampled_from([1e-5, 1e-4, 3e-4]), st.sampled_from([2048, 16384, 1 << 22]))
+@given(
+    st.integers(0, 2**32 - 1), st.sampled_from([1e-5, 1e-4, 3e-4]), st.sampled_from([2048, 16384, 1 << 22])
+)
 def test_adam_like_updates_agree_and_are_classed(seed, lr, chunk):
     base, new = adam_like(30_000, lr, seed)
     blob = encoded(base, new, True, chunk=chunk)
@@ -82,7 +85,9 @@ def numpy_ranks(b, pos, shift, ts):
     order = np.argsort(ci, kind="stable")
     pos, ci = pos[order], ci[order]
     bounds = np.searchsorted(ci, np.arange(len(ts) + 2)).tolist()
-    ranks = np.concatenate([classes.rank(k, pos[lo:hi]) for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    ranks = np.concatenate(
+        [classes.rank(k, pos[lo:hi]) for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    )
     return classes, pos, ranks, bounds
 
 
@@ -90,17 +95,23 @@ BLOCK = cj.BLOCK_SB * cj.SB * 64  # elements per block of the decoder's select
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.sampled_from([1, 2, 4, 8]),
-       st.one_of(st.integers(0, 3000), st.sampled_from([BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 777])),
-       st.integers(0, 2**32 - 1), st.floats(0, 1), st.data())
+@given(
+    st.sampled_from([1, 2, 4, 8]),
+    st.one_of(st.integers(0, 3000), st.sampled_from([BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 777])),
+    st.integers(0, 2**32 - 1),
+    st.floats(0, 1),
+    st.data(),
+)
 def test_kernels_agree_with_the_numpy_classes(itemsize, n, seed, density, data):
     rng = np.random.default_rng(seed)
     info = np.iinfo(INTS[itemsize])
     b = rng.integers(info.min, info.max, n, dtype=INTS[itemsize], endpoint=True)
     shift = SHIFT[itemsize]
     top = ctx.max_threshold(itemsize, shift)
-    ts = sorted(data.draw(st.lists(st.integers(1, top - 1), min_size=1, max_size=ctx.MAX_THRESHOLDS, unique=True)),
-                reverse=True)
+    ts = sorted(
+        data.draw(st.lists(st.integers(1, top - 1), min_size=1, max_size=ctx.MAX_THRESHOLDS, unique=True)),
+        reverse=True,
+    )
     pos = np.flatnonzero(rng.random(n) < density).astype(np.int64)
     classes, ref_pos, ref_ranks, ref_bounds = numpy_ranks(b, pos, shift, ts)
     out_pos, ranks, bounds, sizes = cj.encode_ranks(b, pos, shift, ts)
@@ -120,8 +131,12 @@ def test_kernels_agree_with_the_numpy_classes(itemsize, n, seed, density, data):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([0, 1, 63, 3000, 1 << 20, (1 << 20) + 777]),
-       st.integers(0, 2**32 - 1), st.floats(0, 0.2))
+@given(
+    st.sampled_from([1, 2, 4, 8]),
+    st.sampled_from([0, 1, 63, 3000, 1 << 20, (1 << 20) + 777]),
+    st.integers(0, 2**32 - 1),
+    st.floats(0, 0.2),
+)
 def test_compiled_exponent_counts_are_the_numpy_ones(itemsize, n, seed, density):
     """Both sample regimes (every 32nd element; every 32nd run in large chunks) and the counts of
     the changed elements, for every float width."""
@@ -146,7 +161,7 @@ def test_compiled_split_cuts_where_the_numpy_one_does(e, seed, ties):
 
 
 def test_select_reports_ranks_beyond_the_class():
-    b = np.random.default_rng(3).integers(-2**15, 2**15, 1000).astype(np.int16)
+    b = np.random.default_rng(3).integers(-(2**15), 2**15, 1000).astype(np.int16)
     ts = [120]
     _, _, _, sizes = cj.encode_ranks(b, np.zeros(0, np.int64), 7, ts)
     parts = [np.array([0, sizes[0]]), np.array([sizes[1] - 1])]
@@ -161,7 +176,7 @@ def set_class(c, k, ranks: np.ndarray, size_bits: int | None = None):
     old = classed._decode_classes(entries, zd(bytes(c[7]), most, "t", exact=False), c[1], "t")
     streams, out = [], []
     for i, ((r, nb), e) in enumerate(zip(old, c[6])):
-        bits_ = (size_bits if i == k else 8 * nb if nb is not None else None)
+        bits_ = size_bits if i == k else 8 * nb if nb is not None else None
         r = ranks if i == k else r
         if not r.size:
             out.append([0])
@@ -219,15 +234,16 @@ def sizes_of(base, c) -> list[int]:
 
 def test_first_classed_chunk_is_chunk_0(classed_blob):
     from delta_codec.record import chunks_of
+
     _, d = classed_blob
     rec = next(r for r in d.records if r.name == "a")
     assert chunks_of(rec)[0][0] == CLASSED
 
 
-
 @pytest.fixture(scope="module")
 def selects():
     import numba
+
     swar = numba.njit(cj._sel_swar)
     used = numba.njit(lambda x, j: cj._sel(x, j, cj._SEL8))
     return swar, used

@@ -1,6 +1,7 @@
 """delta_codec format 2 internals: the fast paths (word-level nonzero, k=0 byte gaps, low-byte
 values with wide fix-ups, per-worker scratch buffers, chunk-level threads) agree with the
 plain computations, and every rollback path restores the state exactly."""
+
 from __future__ import annotations
 
 import msgpack
@@ -21,7 +22,11 @@ INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
-    return t.reshape(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
+    return (
+        t.reshape(-1)
+        .view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+        .numpy()
+    )
 
 
 def same(a: dict, b: dict) -> bool:
@@ -85,7 +90,9 @@ def chunk_of(mode: int, grouped: bool = False) -> tuple[np.ndarray, np.ndarray]:
     return b, n
 
 
-@pytest.mark.parametrize("mode,grouped", [(NONE, False), (GAP, True), (GAP, False), (BITMAP, False), (DENSE, False)])
+@pytest.mark.parametrize(
+    "mode,grouped", [(NONE, False), (GAP, True), (GAP, False), (BITMAP, False), (DENSE, False)]
+)
 def test_chunk_modes_decode_to_the_changes(mode, grouped):
     b, n = chunk_of(mode, grouped)
     s = Scratch()
@@ -130,8 +137,16 @@ def test_rollback_restores_every_chunk_mode(threads):
     good = encode_delta(base, new, chunk=4096, threads=threads)
     other = encode_delta(base, {**new, "z_last": torch.full((1000,), 2.0)}, chunk=4096)
     o = next(o for o in other.records if o.name == "z_last")
-    forged = Delta(0, 1, [r if r.name != "z_last" else TensorRecord(
-        r.name, r.dtype, r.shape, r.digest_a, r.digest_b, o.head, o.body) for r in good.records])
+    forged = Delta(
+        0,
+        1,
+        [
+            r
+            if r.name != "z_last"
+            else TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, o.head, o.body)
+            for r in good.records
+        ],
+    )
     state = {k: v.clone() for k, v in base.items()}
     with pytest.raises(DeltaError, match="^result digest mismatch after apply"):
         apply_delta(state, Delta.from_bytes(forged.to_bytes()), threads=threads)
@@ -159,7 +174,10 @@ def test_a_bad_chunk_midway_rolls_back_with_threads():
 def test_threads_and_scratch_give_identical_blobs():
     g = torch.Generator().manual_seed(1)
     base = {f"t{i}": (torch.randn(30_000 + i, generator=g) * 0.02).to(torch.bfloat16) for i in range(5)}
-    new = {k: (v.float() * (1 + 0.003 * torch.randn(v.shape, generator=g))).to(torch.bfloat16) for k, v in base.items()}
+    new = {
+        k: (v.float() * (1 + 0.003 * torch.randn(v.shape, generator=g))).to(torch.bfloat16)
+        for k, v in base.items()
+    }
     blobs = {t: encode_delta(base, new, chunk=4096, threads=t).to_bytes() for t in (1, 2, 4)}
     assert blobs[1] == blobs[2] == blobs[4]
     assert planes(zigzag(np.array([-1, 1, 300], np.int16))).tolist() == [1, 2, 88, 0, 0, 2]
@@ -167,6 +185,7 @@ def test_threads_and_scratch_give_identical_blobs():
 
 def test_default_threads_env(monkeypatch):
     from delta_codec.tasks import default_threads
+
     monkeypatch.setenv("ASYNCRL_DELTA_THREADS", "3")
     assert default_threads() == 3
     monkeypatch.delenv("ASYNCRL_DELTA_THREADS")
@@ -175,17 +194,20 @@ def test_default_threads_env(monkeypatch):
 
 def kf_state(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"emb": (torch.randn(5000, 7, generator=g) * 0.02).to(torch.bfloat16),
-            "w32": torch.randn(3001, generator=g),
-            "f64": torch.randn(17, generator=g, dtype=torch.float64),
-            "i8": torch.randint(-128, 127, (999,), generator=g, dtype=torch.int8),
-            "flag": torch.rand(33, generator=g) < 0.5,
-            "empty": torch.zeros(0, 4)}
+    return {
+        "emb": (torch.randn(5000, 7, generator=g) * 0.02).to(torch.bfloat16),
+        "w32": torch.randn(3001, generator=g),
+        "f64": torch.randn(17, generator=g, dtype=torch.float64),
+        "i8": torch.randint(-128, 127, (999,), generator=g, dtype=torch.int8),
+        "flag": torch.rand(33, generator=g) < 0.5,
+        "empty": torch.zeros(0, 4),
+    }
 
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_keyframe_chunked_round_trip(threads):
     from delta_codec import Keyframe, load_keyframe, make_keyframe
+
     s = kf_state()
     blob = make_keyframe(s, version=3, chunk=1024, threads=threads).to_bytes()
     assert blob == make_keyframe(s, version=3, chunk=1024, threads=1).to_bytes()
@@ -202,12 +224,20 @@ def test_keyframe_with_a_wrong_digest_leaves_into_unchanged():
     """Checksums pass (a producer bug, not corruption): every tensor is verified before any write."""
     from delta_codec import load_keyframe, make_keyframe
     from delta_codec.keyframe import Keyframe
+
     s = kf_state()
     kf = make_keyframe(s, version=1, chunk=1024)
     other = make_keyframe({**s, "w32": s["w32"] + 1}, version=1, chunk=1024)
     o = next(o for o in other.records if o.name == "w32")
-    forged = Keyframe(1, [r if r.name != "w32" else TensorRecord(
-        r.name, r.dtype, r.shape, r.digest_a, r.digest_b, o.head, o.body) for r in kf.records])
+    forged = Keyframe(
+        1,
+        [
+            r
+            if r.name != "w32"
+            else TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, o.head, o.body)
+            for r in kf.records
+        ],
+    )
     target = {k: torch.zeros_like(v) for k, v in s.items()}
     for threads in (1, 2):
         with pytest.raises(DeltaError, match="'w32': keyframe digest mismatch"):
@@ -217,9 +247,20 @@ def test_keyframe_with_a_wrong_digest_leaves_into_unchanged():
             load_keyframe(forged.to_bytes(), threads=threads)
     bad = _chunks(kf.records[0], 2)
     bad[0][0] += 1  # chunks no longer cover the tensor
-    broken = Keyframe(1, [TensorRecord(kf.records[0].name, kf.records[0].dtype, kf.records[0].shape,
-                                       kf.records[0].digest_a, kf.records[0].digest_b, *pack_record(bad)),
-                          *kf.records[1:]])
+    broken = Keyframe(
+        1,
+        [
+            TensorRecord(
+                kf.records[0].name,
+                kf.records[0].dtype,
+                kf.records[0].shape,
+                kf.records[0].digest_a,
+                kf.records[0].digest_b,
+                *pack_record(bad),
+            ),
+            *kf.records[1:],
+        ],
+    )
     with pytest.raises(DeltaError, match="'emb': chunks cover"):
         load_keyframe(broken.to_bytes(), into=target)
 
@@ -231,9 +272,12 @@ def test_malformed_record_framing_is_refused():
     import re
 
     import msgpack
+
     g = torch.Generator().manual_seed(3)
-    base = {"a": (torch.randn(5000, generator=g) * 0.02).to(torch.bfloat16),
-            "b": (torch.randn(5000, generator=g) * 0.02).to(torch.bfloat16)}
+    base = {
+        "a": (torch.randn(5000, generator=g) * 0.02).to(torch.bfloat16),
+        "b": (torch.randn(5000, generator=g) * 0.02).to(torch.bfloat16),
+    }
     new = {k: (v.float() * 1.01).to(torch.bfloat16) for k, v in base.items()}
     d = encode_delta(base, new, chunk=1024)
     r = d.records[1]
@@ -242,12 +286,18 @@ def test_malformed_record_framing_is_refused():
         "beyond its fields": (head, body + b"x", False),
         "beyond the record": (head, body[:10], False),
         # a byte field's placeholder (msgpack fixext 1-8, type 1) with an unknown type
-        "does not parse.*unknown field type 2": (re.sub(rb"([\xd4-\xd7])\x01", lambda f: f[1] + b"\x02", head, count=1),
-                                                  body, True),
+        "does not parse.*unknown field type 2": (
+            re.sub(rb"([\xd4-\xd7])\x01", lambda f: f[1] + b"\x02", head, count=1),
+            body,
+            True,
+        ),
         "does not parse": (head[:-1], body, True),
-        "not a list of chunks": (msgpack.packb([[0, 5000]]), b"", True)}
+        "not a list of chunks": (msgpack.packb([[0, 5000]]), b"", True),
+    }
     for match, (h, b, sent) in cases.items():
-        forged = Delta(0, 1, [d.records[0], TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, h, b)])
+        forged = Delta(
+            0, 1, [d.records[0], TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, h, b)]
+        )
         state = {k: v.clone() for k, v in base.items()}
         with pytest.raises(DeltaError, match=f"tensor 'b'.*{match}"):
             apply_delta(state, Delta.from_bytes(forged.to_bytes()) if sent else forged)

@@ -2,6 +2,7 @@
 Rice-coded gaps (every k, escapes, every refusal with the same message), the sparse write and the
 encoder's diff pass;
 encode/apply give the same bytes and state with them on and off."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -40,7 +41,10 @@ def test_group_order_is_the_stable_argsort(keys):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from([np.int16, np.int32]), st.lists(st.integers(-2**15, 2**15 - 1), min_size=2, max_size=500))
+@given(
+    st.sampled_from([np.int16, np.int32]),
+    st.lists(st.integers(-(2**15), 2**15 - 1), min_size=2, max_size=500),
+)
 def test_value_order_same_with_and_without_the_kernel(dt, vals):
     old = np.array(vals, dt)
     sj.enabled = True
@@ -52,8 +56,12 @@ def test_value_order_same_with_and_without_the_kernel(dt, vals):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.sampled_from([np.int8, np.int16, np.int32, np.int64]), st.integers(0, 700), st.floats(0, 1),
-       st.randoms(use_true_random=False))
+@given(
+    st.sampled_from([np.int8, np.int16, np.int32, np.int64]),
+    st.integers(0, 700),
+    st.floats(0, 1),
+    st.randoms(use_true_random=False),
+)
 def test_diff_is_nonzero_and_two_gathers(dt, size, frac, rnd):
     """Every size around the 64-element words (the tail is a separate loop), every density from
     none to all changed, wrapping differences at the extremes of the dtype."""
@@ -89,8 +97,15 @@ def test_rice_gaps_decode_like_numpy_for_every_k(count, m, k, rnd):
         assert np.array_equal(got, pos), (on, k)
 
 
-CORRUPT = ["escape_without_overflow", "overflow_without_escape", "overflow_beyond", "repeat", "low_short",
-           "gap_beyond", "last_beyond"]
+CORRUPT = [
+    "escape_without_overflow",
+    "overflow_without_escape",
+    "overflow_beyond",
+    "repeat",
+    "low_short",
+    "gap_beyond",
+    "last_beyond",
+]
 
 
 @pytest.mark.parametrize("how", CORRUPT)
@@ -172,8 +187,13 @@ def test_ungroup_inverts_value_order(dt_shift, data):
 def test_nibble_values_decode_like_numpy(dt, data):
     info = np.iinfo(dt)
     small = st.integers(-7, 8).filter(bool)
-    vals = data.draw(st.lists(st.one_of(small, small, small, st.integers(info.min, info.max).filter(bool)),
-                              min_size=1, max_size=300))
+    vals = data.draw(
+        st.lists(
+            st.one_of(small, small, small, st.integers(info.min, info.max).filter(bool)),
+            min_size=1,
+            max_size=300,
+        )
+    )
     d = np.array(vals, dt)
     field, flags = values.encode_values(d, nonzero=True)
     got = []

@@ -1,5 +1,6 @@
 """The Triton apply kernel, run by Triton's interpreter on the CPU (TRITON_INTERPRET=1 must be
 set before the kernel is defined, so the check runs in a fresh interpreter)."""
+
 from __future__ import annotations
 
 import os
@@ -58,7 +59,10 @@ CHECK = textwrap.dedent("""
 
 def test_triton_apply_kernel_in_interpreter():
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
     out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0 and "TRITON-OK" in out.stdout, out.stdout + out.stderr

@@ -1,6 +1,7 @@
 """delta_codec format 3: positions coded in the context of the base (CLASSED chunks). Random
 float states and AdamW-like masks round-trip bit-exact; every truncation or bit flip, and every
 forged class record, is refused with the state untouched; rank/select agree with flatnonzero."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +16,17 @@ from delta_codec.bits import exponent_shift
 from delta_codec.codec import decode_chunk, encode_chunk
 from delta_codec.compress import zc_blocks, zd
 from delta_codec.modes import CLASSED
-from tests.helpers.delta import adam_like, bits, clone, first_classed, float_update, forge, modes, refused, same
+from tests.helpers.delta import (
+    adam_like,
+    bits,
+    clone,
+    first_classed,
+    float_update,
+    forge,
+    modes,
+    refused,
+    same,
+)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -75,23 +86,26 @@ def _streams(c) -> bytes:
     return zd(bytes(c[7]), 1 << 24, "t", exact=False)
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda c: c.__setitem__(5, [c[5][0], c[5][0]]), "bad class thresholds"),
-    (lambda c: c.__setitem__(5, [1, 2]), "bad class thresholds"),
-    (lambda c: c.__setitem__(5, [0, *c[5][1:]]), "bad class thresholds"),
-    (lambda c: c.__setitem__(5, [1 << 20]), "bad class thresholds"),
-    (lambda c: c.__setitem__(5, "x"), "malformed"),
-    (lambda c: c.__setitem__(6, c[6][:-1]), "class records"),
-    (lambda c: c[6].__setitem__(0, [c[6][0][0] + 1, *c[6][0][1:]]), "class 0|header says"),
-    (lambda c: c[6].__setitem__(0, [10**9, *c[6][0][1:]]), "changes in a class"),
-    (lambda c: c[6].__setitem__(0, [c[6][0][0], 99, *c[6][0][2:]]), "malformed class record"),
-    (lambda c: c.__setitem__(7, zc_blocks([_streams(c), b"\0"])), "beyond the class streams"),
-    (lambda c: c.__setitem__(7, zc_blocks([_streams(c)[:-1]])), "end early|bitmap|low-bit"),
-    (lambda c: c.__setitem__(7, b""), "zstd|class streams"),
-    (lambda c: c.__setitem__(7, [c[7]]), "malformed"),
-    (lambda c: c.__setitem__(2, c[2] + 1), "header says|values"),
-    (lambda c: c.__setitem__(5, [c[5][0] + 1, *c[5][1:]]), "digest mismatch|class|beyond|values"),
-])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda c: c.__setitem__(5, [c[5][0], c[5][0]]), "bad class thresholds"),
+        (lambda c: c.__setitem__(5, [1, 2]), "bad class thresholds"),
+        (lambda c: c.__setitem__(5, [0, *c[5][1:]]), "bad class thresholds"),
+        (lambda c: c.__setitem__(5, [1 << 20]), "bad class thresholds"),
+        (lambda c: c.__setitem__(5, "x"), "malformed"),
+        (lambda c: c.__setitem__(6, c[6][:-1]), "class records"),
+        (lambda c: c[6].__setitem__(0, [c[6][0][0] + 1, *c[6][0][1:]]), "class 0|header says"),
+        (lambda c: c[6].__setitem__(0, [10**9, *c[6][0][1:]]), "changes in a class"),
+        (lambda c: c[6].__setitem__(0, [c[6][0][0], 99, *c[6][0][2:]]), "malformed class record"),
+        (lambda c: c.__setitem__(7, zc_blocks([_streams(c), b"\0"])), "beyond the class streams"),
+        (lambda c: c.__setitem__(7, zc_blocks([_streams(c)[:-1]])), "end early|bitmap|low-bit"),
+        (lambda c: c.__setitem__(7, b""), "zstd|class streams"),
+        (lambda c: c.__setitem__(7, [c[7]]), "malformed"),
+        (lambda c: c.__setitem__(2, c[2] + 1), "header says|values"),
+        (lambda c: c.__setitem__(5, [c[5][0] + 1, *c[5][1:]]), "digest mismatch|class|beyond|values"),
+    ],
+)
 def test_forged_class_records_are_refused(classed, edit, match):
     base, _, blob = classed
     d = Delta.from_bytes(blob)
@@ -114,11 +128,15 @@ def test_classed_chunk_needs_the_base():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 5000), st.lists(st.integers(1, 255), min_size=1, max_size=3, unique=True), st.integers(0, 2**32 - 1))
+@given(
+    st.integers(1, 5000),
+    st.lists(st.integers(1, 255), min_size=1, max_size=3, unique=True),
+    st.integers(0, 2**32 - 1),
+)
 def test_rank_and_select_agree_with_flatnonzero(n, ts, seed):
     ts = sorted(ts, reverse=True)
     rng = np.random.default_rng(seed)
-    b = rng.integers(-2**15, 2**15, n).astype(np.int16)
+    b = rng.integers(-(2**15), 2**15, n).astype(np.int16)
     key = ctx.exponents(b, 7)
     classes = ctx.Classes(key, ts)
     ci = ctx.class_of(key, ts)
@@ -133,12 +151,17 @@ def test_format_2_blob_is_refused_with_the_clear_error(classed):
     base, _, blob = classed
     old = bytearray(blob)
     old[4] = 2
-    refused(clone(base), bytes(old), "unsupported delta format version 2 \\(older than this build's 5: "
-                                     "encode with a matching build, or resync from a keyframe\\)")
+    refused(
+        clone(base),
+        bytes(old),
+        "unsupported delta format version 2 \\(older than this build's 5: "
+        "encode with a matching build, or resync from a keyframe\\)",
+    )
 
 
 def test_extra_header_fields_round_trip_and_are_signed():
     from delta_codec.signing import generate_keypair
+
     base, new = adam_like(2000)
     sk, pk = generate_keypair()
     d = encode_delta(base, new, from_version=3, to_version=4, context=True)
@@ -157,7 +180,7 @@ def test_extra_header_fields_round_trip_and_are_signed():
 def test_rank_and_select_across_cache_blocks():
     # a chunk longer than the class pass's cache block, not a multiple of 64
     n = ctx.BLOCK * 2 + 77
-    b = np.random.default_rng(1).integers(-2**15, 2**15, n).astype(np.int16)
+    b = np.random.default_rng(1).integers(-(2**15), 2**15, n).astype(np.int16)
     ts = [130, 120]
     key = ctx.exponents(b, 7)
     classes, ci = ctx.Classes(key, ts), ctx.class_of(key, ts)
@@ -172,7 +195,12 @@ def test_rank_and_select_across_cache_blocks():
 def test_exponents_match_the_magnitude_definition(dtype):
     # |bits| < t << mantissa exactly when the exponent is < t (the wire's class definition)
     from delta_codec.bits import exponent_shift, np_bits
-    t = torch.randn(5000, dtype=torch.float64).mul(torch.logspace(-30, 30, 5000, dtype=torch.float64)).to(dtype)
+
+    t = (
+        torch.randn(5000, dtype=torch.float64)
+        .mul(torch.logspace(-30, 30, 5000, dtype=torch.float64))
+        .to(dtype)
+    )
     b = np_bits(t)
     shift = exponent_shift(dtype)
     key = ctx.exponents(b, shift)

@@ -5,6 +5,7 @@ No Docker engine runs here; `docker-compose config` (Debian package docker-compo
 `docker compose` plugin validates without one. CI installs both validators:
     apt-get install -y docker-compose systemd
 """
+
 from __future__ import annotations
 
 import re
@@ -20,11 +21,12 @@ from tests.helpers.deploy import DEPLOY, ENV_DIR, INIT_DEPLOY, ROOT, compose_cmd
 
 
 UNITS = DEPLOY / "systemd"
-COMPONENTS = {"trainer": "trainer", "rollout_worker": "worker", "scorer": "scorer"}   # env file -> NATS user
+COMPONENTS = {"trainer": "trainer", "rollout_worker": "worker", "scorer": "scorer"}  # env file -> NATS user
 
 
-needs_systemd = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                                   reason="no systemd-analyze: apt-get install systemd")
+needs_systemd = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="no systemd-analyze: apt-get install systemd"
+)
 
 
 def compose_config(*files: Path) -> tuple[int, str, str]:
@@ -40,6 +42,7 @@ def test_env_files_parse_into_the_process_configs_and_passwords_match():
     from rollout_worker.worker import WorkerConfig
     from scorer.service import ScorerConfig
     from trainer.config import TrainerConfig
+
     classes = {"trainer": TrainerConfig, "rollout_worker": WorkerConfig, "scorer": ScorerConfig}
     server = read_env(ENV_DIR / "nats.env")
     common = read_env(ENV_DIR / "common.env")
@@ -51,7 +54,9 @@ def test_env_files_parse_into_the_process_configs_and_passwords_match():
     obs = read_env(ENV_DIR / "observer.env")
     assert obs["NATS_USER"] == "observer" and obs["NATS_PASSWORD"] == server["ASYNCRL_NATS_OBSERVER_PASSWORD"]
     # every password the server configs ask for is provided
-    wanted = set(re.findall(r"\$(ASYNCRL_NATS_[A-Z]+_PASSWORD)", (DEPLOY / "nats" / "accounts.conf").read_text()))
+    wanted = set(
+        re.findall(r"\$(ASYNCRL_NATS_[A-Z]+_PASSWORD)", (DEPLOY / "nats" / "accounts.conf").read_text())
+    )
     assert wanted and wanted <= set(server)
 
 
@@ -64,11 +69,17 @@ def test_compose_validates_and_has_the_services():
     svc = cfg["services"]
     # (profiled services, e.g. `region`, are listed by docker-compose v1 and left out by v2)
     assert {n for n, s in svc.items() if not s.get("profiles")} == {
-        "nats", "nats-box", "trainer", "trainer-standby", "rollout_worker", "scorer"}
+        "nats",
+        "nats-box",
+        "trainer",
+        "trainer-standby",
+        "rollout_worker",
+        "scorer",
+    }
     for name, profile in (("prometheus", "monitoring"), ("grafana", "monitoring"), ("nats-region", "region")):
         assert name not in svc or svc[name]["profiles"] == [profile], name
     nats = svc["nats"]
-    assert nats["image"].startswith("nats:")                             # the official image
+    assert nats["image"].startswith("nats:")  # the official image
     assert any("/healthz?js-enabled-only=true" in part for part in nats["healthcheck"]["test"])
     # JetStream's store dir (single.conf) is a named volume
     assert any(str(v).startswith("nats-data:/var/lib/nats") for v in nats["volumes"]), nats["volumes"]
@@ -128,16 +139,25 @@ def test_systemd_units_verify(tmp_path):
                 exe.write_text("#!/bin/sh\n")
                 exe.chmod(0o755)
     names = [p.name.replace("@.", "@1.") for p in unit_files()]
-    r = subprocess.run(["systemd-analyze", "verify", f"--root={root}", *names], cwd=sysdir,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["systemd-analyze", "verify", f"--root={root}", *names],
+        cwd=sysdir,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
 
 
 def test_systemd_units_restart_and_wait_for_the_network():
     services = [p for p in unit_files() if p.suffix == ".service"]
-    assert {p.name for p in services} == {"asyncrl-nats.service", "asyncrl-trainer@.service",
-                                          "asyncrl-rollout-worker@.service", "asyncrl-scorer@.service",
-                                          "asyncrl-nats-region.service"}
+    assert {p.name for p in services} == {
+        "asyncrl-nats.service",
+        "asyncrl-trainer@.service",
+        "asyncrl-rollout-worker@.service",
+        "asyncrl-scorer@.service",
+        "asyncrl-nats-region.service",
+    }
     for p in services:
         text = p.read_text()
         for need in ("Restart=always", "After=network-online.target", "Wants=network-online.target"):
@@ -180,23 +200,36 @@ def test_compose_region_profile_points_workers_at_the_region_mirrors():
     from bus import BusConfig
     from bus import topology as topo
     from rollout_worker.worker import WorkerConfig
+
     svc = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
     region = {n: s for n, s in svc.items() if "region" in (s.get("profiles") or [])}
     assert set(region) == {"nats-region", "region-mirrors", "rollout_worker-region"}
-    assert not any(s.get("profiles") for n, s in svc.items() if n not in set(region) | {"prometheus", "grafana"})  # the hub stays default
+    assert not any(
+        s.get("profiles") for n, s in svc.items() if n not in set(region) | {"prometheus", "grafana"}
+    )  # the hub stays default
     server = read_env(ENV_DIR / "nats.env")
     nr = region["nats-region"]
-    assert nr["command"] == ["-c", "/etc/nats/asyncrl/region.conf"] and (DEPLOY / "nats" / "region.conf").is_file()
+    assert (
+        nr["command"] == ["-c", "/etc/nats/asyncrl/region.conf"]
+        and (DEPLOY / "nats" / "region.conf").is_file()
+    )
     assert any(str(v).startswith("nats-region-data:/var/lib/nats") for v in nr["volumes"])
     env = _region_env(nr)
     # the leaf URL carries no password: the region logs in with its nkey, the hub knows the public half
     assert env["ASYNCRL_NATS_HUB_LEAF_URL"] == "nats-leaf://nats:7422"
     from bus.nkeys import public_of
+
     assert server["ASYNCRL_NATS_REGION_NKEY"] == public_of(env["ASYNCRL_NATS_REGION_SEED"])
     w = load_config(WorkerConfig, environ=_region_env(region["rollout_worker-region"]))
-    assert (w.bus.servers, w.bus.js_domain, w.bus.weights_domain) == (["nats://nats-region:4222"], "hub", env["ASYNCRL_REGION"])
+    assert (w.bus.servers, w.bus.js_domain, w.bus.weights_domain) == (
+        ["nats://nats-region:4222"],
+        "hub",
+        env["ASYNCRL_REGION"],
+    )
     assert w.bus.user == "worker" and w.bus.password == server["ASYNCRL_NATS_WORKER_PASSWORD"]
-    assert region["rollout_worker-region"]["depends_on"] == {"region-mirrors": {"condition": "service_completed_successfully"}}
+    assert region["rollout_worker-region"]["depends_on"] == {
+        "region-mirrors": {"condition": "service_completed_successfully"}
+    }
     m = region["region-mirrors"]
     assert m["command"] == ["python", "-m", "bus.regions"]
     menv = _region_env(m)
@@ -213,4 +246,4 @@ def test_compose_region_profile_validates():
     assert r.returncode == 0, r.stderr
     svc = yaml.safe_load(r.stdout)["services"]
     assert {"nats-region", "region-mirrors", "rollout_worker-region", "nats", "rollout_worker"} <= set(svc)
-    assert "nats" not in svc["rollout_worker-region"]["depends_on"]     # a region does not wait for a local hub
+    assert "nats" not in svc["rollout_worker-region"]["depends_on"]  # a region does not wait for a local hub

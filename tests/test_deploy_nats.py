@@ -1,6 +1,7 @@
 """deploy/nats: the shipped server configs, run for real (3-node JetStream cluster, leaf region).
 The helpers that run them on one machine are bench/chaoskit/nats_configs.py (the chaos cluster
 scenario starts its cluster with them too)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,42 +12,68 @@ import subprocess
 import nats
 import pytest
 
-from bench.chaoskit.nats_configs import (NATS_DIR, ConfServer, cluster_replacements, free_port, get_json,
-                                        render_nats_configs, role_bus_config, role_env_vars, role_passwords,
-                                        wait_until)
+from bench.chaoskit.nats_configs import (
+    NATS_DIR,
+    ConfServer,
+    cluster_replacements,
+    free_port,
+    get_json,
+    render_nats_configs,
+    role_bus_config,
+    role_env_vars,
+    role_passwords,
+    wait_until,
+)
 from bus import TopologyConfig, connect
 from bus import topology as topo
 from bus.events import Task, new_id
 from bus.server import find_binary
 
 
-
 # -- tests -----------------------------------------------------------------------------------
 def test_configs_parse_with_nats_server_t(tmp_path):
     """`nats-server -t` accepts every shipped config (with the environment deploy/env supplies)."""
     passwords = role_passwords()
-    env = {**os.environ, **role_env_vars(passwords),
-           "ASYNCRL_NATS_HUB_LEAF_URL": "nats-leaf://127.0.0.1:7422"}
+    env = {
+        **os.environ,
+        **role_env_vars(passwords),
+        "ASYNCRL_NATS_HUB_LEAF_URL": "nats-leaf://127.0.0.1:7422",
+    }
     confs = sorted(NATS_DIR.glob("*.conf"))
-    tops = [c for c in confs if c.name in ("single.conf", "leaf.conf", "cluster-a.conf",
-                                            "cluster-b.conf", "cluster-c.conf")]
+    tops = [
+        c
+        for c in confs
+        if c.name in ("single.conf", "leaf.conf", "cluster-a.conf", "cluster-b.conf", "cluster-c.conf")
+    ]
     assert len(tops) == 5, [c.name for c in confs]
     for c in tops:
-        r = subprocess.run([find_binary(), "-c", str(c), "-t"], env=env, cwd=NATS_DIR,
-                           capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            [find_binary(), "-c", str(c), "-t"],
+            env=env,
+            cwd=NATS_DIR,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert r.returncode == 0 and "is valid" in (r.stdout + r.stderr), (c.name, r.stdout, r.stderr)
     # a missing password is a refusal to start, never an open door
     env.pop("ASYNCRL_NATS_WORKER_PASSWORD")
-    r = subprocess.run([find_binary(), "-c", str(NATS_DIR / "single.conf"), "-t"], env=env,
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [find_binary(), "-c", str(NATS_DIR / "single.conf"), "-t"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode != 0 and "ASYNCRL_NATS_WORKER_PASSWORD" in (r.stdout + r.stderr)
 
 
 async def test_three_node_cluster_forms_and_serves_r3_topology(tmp_path):
     passwords = role_passwords()
     conf = render_nats_configs(tmp_path / "conf", cluster_replacements(tmp_path))
-    nodes = [ConfServer(conf / f"cluster-{n}.conf", role_env_vars(passwords), tmp_path / f"{n}.log")
-             for n in "abc"]
+    nodes = [
+        ConfServer(conf / f"cluster-{n}.conf", role_env_vars(passwords), tmp_path / f"{n}.log") for n in "abc"
+    ]
     try:
         await asyncio.gather(*(asyncio.to_thread(n.start) for n in nodes))
 
@@ -54,12 +81,14 @@ async def test_three_node_cluster_forms_and_serves_r3_topology(tmp_path):
             infos = [get_json(f"{n.monitor_url}/jsz") for n in nodes]
             leaders = {(i.get("meta_cluster") or {}).get("leader") for i in infos}
             return len(leaders) == 1 and None not in leaders and leaders.pop()
+
         leader = await asyncio.to_thread(wait_until, meta_leader, 30, "JetStream meta leader")
         assert leader in {"rl-a", "rl-b", "rl-c"}
 
         # the trainer provisions R3 streams through one node; a worker on another node reads them
-        trainer = await connect(role_bus_config(nodes[0].url, "trainer", passwords,
-                                                topology=TopologyConfig(replicas=3)))
+        trainer = await connect(
+            role_bus_config(nodes[0].url, "trainer", passwords, topology=TopologyConfig(replicas=3))
+        )
         worker = await connect(role_bus_config(nodes[2].url, "worker", passwords))
         try:
             await trainer.provision()
@@ -94,14 +123,16 @@ async def test_leaf_region_worker_reaches_hub_and_hub_refuses_weights(tmp_path, 
         replace["{ user: worker,   password: $ASYNCRL_NATS_WORKER_PASSWORD,   permissions: $RL_WORKER }"] = (
             "{ user: worker,   password: $ASYNCRL_NATS_WORKER_PASSWORD }\n"
             # (nats-server refuses a config with an unused variable)
-            f"{{ user: spare, password: {secrets.token_hex(8)}, permissions: $RL_WORKER }}")
+            f"{{ user: spare, password: {secrets.token_hex(8)}, permissions: $RL_WORKER }}"
+        )
     conf = render_nats_configs(tmp_path / "conf", replace)
     hub = ConfServer(conf / "single.conf", role_env_vars(passwords), tmp_path / "hub.log")
     hub.start("/healthz?js-enabled-only=true")
-    leaf = ConfServer(conf / "leaf.conf", {
-        **role_env_vars(passwords),
-        "ASYNCRL_NATS_HUB_LEAF_URL": f"nats-leaf://127.0.0.1:{leaf_port}"},
-        tmp_path / "leaf.log").start()
+    leaf = ConfServer(
+        conf / "leaf.conf",
+        {**role_env_vars(passwords), "ASYNCRL_NATS_HUB_LEAF_URL": f"nats-leaf://127.0.0.1:{leaf_port}"},
+        tmp_path / "leaf.log",
+    ).start()
     trainer = worker = None
     try:
         await asyncio.to_thread(leaf.wait_leaf_connected)
@@ -128,7 +159,7 @@ async def test_leaf_region_worker_reaches_hub_and_hub_refuses_weights(tmp_path, 
         await worker.publish(topo.DELTA_SUBJECT, b"forged delta")
         await worker.publish(f"$KV.{topo.CONTROL_BUCKET}.{topo.KEY_LEADER}", b"forged lease")
         await worker.flush()
-        await asyncio.sleep(0.5)   # let anything that would cross the link arrive
+        await asyncio.sleep(0.5)  # let anything that would cross the link arrive
         assert (await trainer.js.stream_info(topo.WEIGHTS)).state.messages == before == 0
         assert await trainer.kv_get(topo.KEY_LEADER) is None
     finally:
@@ -157,20 +188,28 @@ async def test_region_mirrors_under_role_based_hub_and_region_stays_a_worker(tmp
 
     passwords = role_passwords()
     leaf_port = free_port()
-    hub_conf = render_nats_configs(tmp_path / "hubconf", {"0.0.0.0:7422": f"127.0.0.1:{leaf_port}",
-                                                          "/var/lib/nats": str(tmp_path / "hub")})
+    hub_conf = render_nats_configs(
+        tmp_path / "hubconf",
+        {"0.0.0.0:7422": f"127.0.0.1:{leaf_port}", "/var/lib/nats": str(tmp_path / "hub")},
+    )
     replace = {"/var/lib/nats": str(tmp_path / "eu")}
     if compromised:
         replace["{ user: worker,   password: $ASYNCRL_NATS_WORKER_PASSWORD,   permissions: $RL_WORKER }"] = (
             "{ user: worker,   password: $ASYNCRL_NATS_WORKER_PASSWORD }\n"
-            f"{{ user: spare, password: {secrets.token_hex(8)}, permissions: $RL_WORKER }}")
+            f"{{ user: spare, password: {secrets.token_hex(8)}, permissions: $RL_WORKER }}"
+        )
     region_conf = render_nats_configs(tmp_path / "euconf", replace)
     hub = ConfServer(hub_conf / "single.conf", role_env_vars(passwords), tmp_path / "hub.log")
     hub.start("/healthz?js-enabled-only=true")
-    region = ConfServer(region_conf / "region.conf", {
-        **role_env_vars(passwords), "ASYNCRL_REGION": "eu",
-        "ASYNCRL_NATS_HUB_LEAF_URL": f"nats-leaf://127.0.0.1:{leaf_port}"},
-        tmp_path / "eu.log")
+    region = ConfServer(
+        region_conf / "region.conf",
+        {
+            **role_env_vars(passwords),
+            "ASYNCRL_REGION": "eu",
+            "ASYNCRL_NATS_HUB_LEAF_URL": f"nats-leaf://127.0.0.1:{leaf_port}",
+        },
+        tmp_path / "eu.log",
+    )
     buses = []
     try:
         region.start("/healthz?js-enabled-only=true")
@@ -181,22 +220,29 @@ async def test_region_mirrors_under_role_based_hub_and_region_stays_a_worker(tmp
         pub = WeightPublisher(trainer, epoch=1, trainer_id="t", inline_max=16 * 1024)
         g = torch.Generator().manual_seed(0)
         state = {"w": torch.randn(40_000, generator=g).to(torch.bfloat16)}
-        await pub.publish_keyframe(state, 0, {})                      # 80 kB: through the blob store
+        await pub.publish_keyframe(state, 0, {})  # 80 kB: through the blob store
         t = Task(task_id=new_id(), env="arith", prompt="2+3")
         await trainer.publish(topo.task_subject("arith"), t)
         from bus.events import Heartbeat
-        await trainer.publish(topo.heartbeat_subject("trainer", "t"), Heartbeat(component="trainer",
-                                                                                component_id="t", version=0))
 
-        admin = await connect(role_bus_config(region.url, "admin", passwords))   # the region's own domain
+        await trainer.publish(
+            topo.heartbeat_subject("trainer", "t"),
+            Heartbeat(component="trainer", component_id="t", version=0),
+        )
+
+        admin = await connect(role_bus_config(region.url, "admin", passwords))  # the region's own domain
         buses.append(admin)
         assert set((await topo.provision_mirrors(admin.js, topo.MirrorConfig())).values()) == {"created"}
         ext = api.ExternalStream(api=f"$JS.{topo.HUB_DOMAIN}.API")
-        await admin.js.add_stream(api.StreamConfig(name="TELEMETRY_COPY", mirror=api.StreamSource(
-            name=topo.TELEMETRY, external=ext)))                  # not a region's to copy
+        await admin.js.add_stream(
+            api.StreamConfig(
+                name="TELEMETRY_COPY", mirror=api.StreamSource(name=topo.TELEMETRY, external=ext)
+            )
+        )  # not a region's to copy
 
-        worker = await connect(role_bus_config(region.url, "worker", passwords, js_domain=topo.HUB_DOMAIN,
-                                               weights_domain="eu"))
+        worker = await connect(
+            role_bus_config(region.url, "worker", passwords, js_domain=topo.HUB_DOMAIN, weights_domain="eu")
+        )
         buses.append(worker)
         target, stop = StateTarget(), asyncio.Event()
         feed = weight_follower(worker, name="eu-w")
@@ -208,7 +254,7 @@ async def test_region_mirrors_under_role_based_hub_and_region_stays_a_worker(tmp
         assert torch.equal(target.state["w"], new["w"]) and not feed.refused
         stop.set()
         await follow
-        local = (await worker.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER))   # work: the hub's
+        local = await worker.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)  # work: the hub's
         assert local.num_pending == 1
         sub = await worker.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)
         msgs = await sub.fetch(1, timeout=5)
@@ -228,7 +274,7 @@ async def test_region_mirrors_under_role_based_hub_and_region_stays_a_worker(tmp
             await raw.flush()
         finally:
             await raw.close()
-        await asyncio.sleep(0.5)          # let anything that would cross the link arrive
+        await asyncio.sleep(0.5)  # let anything that would cross the link arrive
         assert (await trainer.js.stream_info(topo.WEIGHTS)).state.messages == before == 2
         assert await trainer.kv_get(topo.KEY_LEADER) is None
         assert (await trainer.js.consumer_info(topo.ROLLOUTS, topo.SCORER_CONSUMER)).num_waiting == 0

@@ -6,6 +6,7 @@ worker pulls tasks, follows weights with WeightFollower, publishes rollouts; sco
 rollouts, reads λ, publishes scored; observer reads). Negative: what a role must not do is
 refused by the server ("Permissions Violation") and changes nothing anywhere.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,14 @@ from bus import topology as topo
 from bus.events import Rollout, Scored, Task, new_id
 from bus.weight_follower import WeightFollower
 from bus.weights import WeightPublisher, parse_version
-from bench.chaoskit.nats_configs import (ConfServer, free_port, render_nats_configs, role_bus_config, role_env_vars,
-                                           role_passwords)
+from bench.chaoskit.nats_configs import (
+    ConfServer,
+    free_port,
+    render_nats_configs,
+    role_bus_config,
+    role_env_vars,
+    role_passwords,
+)
 
 KV = f"$KV.{topo.CONTROL_BUCKET}"
 
@@ -31,8 +38,9 @@ KV = f"$KV.{topo.CONTROL_BUCKET}"
 def hub(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("perm-hub")
     passwords = role_passwords()
-    conf = render_nats_configs(tmp / "conf", {"0.0.0.0:7422": f"127.0.0.1:{free_port()}",
-                                              "/var/lib/nats": str(tmp / "js")})
+    conf = render_nats_configs(
+        tmp / "conf", {"0.0.0.0:7422": f"127.0.0.1:{free_port()}", "/var/lib/nats": str(tmp / "js")}
+    )
     srv = ConfServer(conf / "single.conf", role_env_vars(passwords), tmp / "nats.log")
     srv.start("/healthz?js-enabled-only=true")
     srv.passwords = passwords
@@ -53,8 +61,9 @@ async def provisioned(hub):
 async def test_unknown_or_anonymous_clients_are_refused(hub):
     for kw in (dict(), dict(user="worker", password="not-the-password"), dict(user="nobody", password="x")):
         with pytest.raises(Exception) as ei:
-            await nats.connect(hub.url, allow_reconnect=False, max_reconnect_attempts=0,
-                               connect_timeout=2, **kw)
+            await nats.connect(
+                hub.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, **kw
+            )
         assert "authorization" in str(ei.value).lower() or "auth" in repr(ei.value).lower(), ei.value
 
 
@@ -63,18 +72,23 @@ async def test_each_role_can_do_its_job(hub):
     worker = await role_bus(hub, "worker")
     scorer = await role_bus(hub, "scorer")
     # `asyncrl inspect --nats nats://observer:<password>@host:4222`: credentials in the URL
-    observer = await connect(BusConfig(servers=[hub.url.replace("nats://", f"nats://observer:{hub.passwords['observer']}@")],
-                                       name="asyncrl-inspect"))
+    observer = await connect(
+        BusConfig(
+            servers=[hub.url.replace("nats://", f"nats://observer:{hub.passwords['observer']}@")],
+            name="asyncrl-inspect",
+        )
+    )
     try:
         # processes declare the topology on start; against an existing one that is read-only,
         # so restricted roles pass (a missing or different topology is the trainer's to create)
         assert set((await worker.provision()).values()) == {"unchanged"}
         assert set((await scorer.provision()).values()) == {"unchanged"}
 
-        announced = asyncio.Event()     # WeightFollower wakes on a plain subscription to rl.weights.>
+        announced = asyncio.Event()  # WeightFollower wakes on a plain subscription to rl.weights.>
 
         async def on_weights(_msg):
             announced.set()
+
         await worker.nc.subscribe("rl.weights.>", cb=on_weights)
         await worker.nc.flush()
 
@@ -105,11 +119,28 @@ async def test_each_role_can_do_its_job(hub):
         msg = (await tasks.fetch(1, timeout=5))[0]
         assert msg.headers["Rl-Task"] == task.task_id
         await msg.in_progress()
-        ro = Rollout(rollout_id=f"{task.task_id}-0", task_id=task.task_id, env="arith", sample_index=0,
-                     group_size=1, prompt=task.prompt, spec=task.spec, prompt_ids=[1, 2], completion_ids=[3],
-                     completion_text="4", logprobs=[-0.1], token_versions=[2], sampling={},
-                     sampling_mask={}, quant={}, finish_reason="stop", cost_tokens=1, wall_s=0.1,
-                     worker_id="w1", epoch=epoch)
+        ro = Rollout(
+            rollout_id=f"{task.task_id}-0",
+            task_id=task.task_id,
+            env="arith",
+            sample_index=0,
+            group_size=1,
+            prompt=task.prompt,
+            spec=task.spec,
+            prompt_ids=[1, 2],
+            completion_ids=[3],
+            completion_text="4",
+            logprobs=[-0.1],
+            token_versions=[2],
+            sampling={},
+            sampling_mask={},
+            quant={},
+            finish_reason="stop",
+            cost_tokens=1,
+            wall_s=0.1,
+            worker_id="w1",
+            epoch=epoch,
+        )
         await worker.publish(topo.rollout_subject("arith"), ro)
         await msg.ack_sync()
         await worker.publish(topo.heartbeat_subject("rollout_worker", "w1"), b"alive")
@@ -119,8 +150,15 @@ async def test_each_role_can_do_its_job(hub):
         rollouts = await scorer.pull(topo.ROLLOUTS, topo.SCORER_CONSUMER)
         msg = (await rollouts.fetch(1, timeout=5))[0]
         assert msg.headers["Rl-Kind"] == "Rollout"
-        sc = Scored(rollout=ro.to_dict(), success=1.0, cost=1.0, lambda_=0.001, penalty=0.001,
-                    reward=0.999, scorer_id="s1")
+        sc = Scored(
+            rollout=ro.to_dict(),
+            success=1.0,
+            cost=1.0,
+            lambda_=0.001,
+            penalty=0.001,
+            reward=0.999,
+            scorer_id="s1",
+        )
         await scorer.publish(topo.scored_subject("arith"), sc)
         await msg.ack_sync()
 
@@ -148,8 +186,16 @@ async def test_each_role_can_do_its_job(hub):
 async def snapshot(admin) -> dict:
     """Everything a forbidden action could have changed, as the admin sees it."""
     out = {}
-    for s in (topo.TASKS, topo.ROLLOUTS, topo.SCORED, topo.WEIGHTS, topo.DLQ, topo.TELEMETRY,
-              f"KV_{topo.CONTROL_BUCKET}", f"OBJ_{topo.BLOB_BUCKET}"):
+    for s in (
+        topo.TASKS,
+        topo.ROLLOUTS,
+        topo.SCORED,
+        topo.WEIGHTS,
+        topo.DLQ,
+        topo.TELEMETRY,
+        f"KV_{topo.CONTROL_BUCKET}",
+        f"OBJ_{topo.BLOB_BUCKET}",
+    ):
         st = (await admin.js.stream_info(s)).state
         out[s] = (st.messages, st.last_seq, st.consumer_count)
     for s, c in topo.WORK_CONSUMERS.items():
@@ -162,27 +208,50 @@ async def snapshot(admin) -> dict:
 # writes, blob writes, deletes, purges and pulls from another role's consumer) and subscribes.
 FORBIDDEN = {
     "worker": dict(
-        publish=[topo.DELTA_SUBJECT, topo.KEYFRAME_SUBJECT, f"{KV}.{topo.KEY_LEADER}",
-                 f"{KV}.{topo.KEY_VERSION}", f"{KV}.{topo.KEY_LAMBDA}", f"$O.{topo.BLOB_BUCKET}.C.forged",
-                 topo.task_subject("arith"), topo.scored_subject("arith"),
-                 "$JS.API.STREAM.DELETE.TASKS", "$JS.API.STREAM.PURGE.WEIGHTS",
-                 f"$JS.API.STREAM.MSG.DELETE.KV_{topo.CONTROL_BUCKET}",
-                 "$JS.API.CONSUMER.DELETE.TASKS.rollout", "$JS.API.CONSUMER.MSG.NEXT.SCORED.trainer",
-                 "$JS.hub.API.STREAM.DELETE.TASKS", "$JS.API.STREAM.UPDATE.WEIGHTS"],
-        subscribe=["rl.tasks.>", "rl.scored.>", ">"]),
+        publish=[
+            topo.DELTA_SUBJECT,
+            topo.KEYFRAME_SUBJECT,
+            f"{KV}.{topo.KEY_LEADER}",
+            f"{KV}.{topo.KEY_VERSION}",
+            f"{KV}.{topo.KEY_LAMBDA}",
+            f"$O.{topo.BLOB_BUCKET}.C.forged",
+            topo.task_subject("arith"),
+            topo.scored_subject("arith"),
+            "$JS.API.STREAM.DELETE.TASKS",
+            "$JS.API.STREAM.PURGE.WEIGHTS",
+            f"$JS.API.STREAM.MSG.DELETE.KV_{topo.CONTROL_BUCKET}",
+            "$JS.API.CONSUMER.DELETE.TASKS.rollout",
+            "$JS.API.CONSUMER.MSG.NEXT.SCORED.trainer",
+            "$JS.hub.API.STREAM.DELETE.TASKS",
+            "$JS.API.STREAM.UPDATE.WEIGHTS",
+        ],
+        subscribe=["rl.tasks.>", "rl.scored.>", ">"],
+    ),
     "scorer": dict(
-        publish=[topo.task_subject("arith"), topo.DELTA_SUBJECT, f"{KV}.{topo.KEY_LAMBDA}",
-                 f"{KV}.{topo.KEY_LEADER}", topo.rollout_subject("arith"),
-                 "$JS.API.CONSUMER.MSG.NEXT.TASKS.rollout", "$JS.API.STREAM.PURGE.SCORED"],
-        subscribe=["rl.tasks.>"]),
+        publish=[
+            topo.task_subject("arith"),
+            topo.DELTA_SUBJECT,
+            f"{KV}.{topo.KEY_LAMBDA}",
+            f"{KV}.{topo.KEY_LEADER}",
+            topo.rollout_subject("arith"),
+            "$JS.API.CONSUMER.MSG.NEXT.TASKS.rollout",
+            "$JS.API.STREAM.PURGE.SCORED",
+        ],
+        subscribe=["rl.tasks.>"],
+    ),
     "observer": dict(
-        publish=[topo.task_subject("arith"), topo.DELTA_SUBJECT, f"{KV}.{topo.KEY_LEADER}",
-                 "$JS.API.STREAM.DELETE.TASKS", "$JS.API.CONSUMER.DELETE.TASKS.rollout",
-                 "$JS.API.CONSUMER.MSG.NEXT.TASKS.rollout", "$JS.API.STREAM.PURGE.DLQ"],
-        subscribe=[]),
-    "trainer": dict(
-        publish=[topo.rollout_subject("arith"), topo.scored_subject("arith")],
-        subscribe=[]),
+        publish=[
+            topo.task_subject("arith"),
+            topo.DELTA_SUBJECT,
+            f"{KV}.{topo.KEY_LEADER}",
+            "$JS.API.STREAM.DELETE.TASKS",
+            "$JS.API.CONSUMER.DELETE.TASKS.rollout",
+            "$JS.API.CONSUMER.MSG.NEXT.TASKS.rollout",
+            "$JS.API.STREAM.PURGE.DLQ",
+        ],
+        subscribe=[],
+    ),
+    "trainer": dict(publish=[topo.rollout_subject("arith"), topo.scored_subject("arith")], subscribe=[]),
 }
 
 
@@ -195,8 +264,10 @@ async def test_forbidden_actions_are_refused_and_change_nothing(hub, role):
 
     async def on_error(e):
         errors.append(str(e))
-    nc = await nats.connect(hub.url, user=role, password=hub.passwords[role], error_cb=on_error,
-                            allow_reconnect=False)
+
+    nc = await nats.connect(
+        hub.url, user=role, password=hub.passwords[role], error_cb=on_error, allow_reconnect=False
+    )
     try:
         before = await snapshot(admin)
         want = FORBIDDEN[role]
@@ -209,15 +280,20 @@ async def test_forbidden_actions_are_refused_and_change_nothing(hub, role):
         def refused(kind, subject):
             # the hub maps its own domain's API ($JS.hub.API.x) to $JS.API.x before checking
             subject = subject.lower().replace("$js.hub.api.", "$js.api.")
-            return any("permissions violation" in e.lower() and kind in e.lower() and f'"{subject}"' in e.lower()
-                       for e in errors)
+            return any(
+                "permissions violation" in e.lower() and kind in e.lower() and f'"{subject}"' in e.lower()
+                for e in errors
+            )
+
         for _ in range(100):  # the -ERR lines arrive asynchronously
-            if all(refused("publish", s) for s in want["publish"]) and \
-               all(refused("subscription", s) for s in want["subscribe"]):
+            if all(refused("publish", s) for s in want["publish"]) and all(
+                refused("subscription", s) for s in want["subscribe"]
+            ):
                 break
             await asyncio.sleep(0.05)
-        missing = [s for s in want["publish"] if not refused("publish", s)] + \
-                  [s for s in want["subscribe"] if not refused("subscription", s)]
+        missing = [s for s in want["publish"] if not refused("publish", s)] + [
+            s for s in want["subscribe"] if not refused("subscription", s)
+        ]
         assert not missing, f"{role} was not refused: {missing}; errors: {errors}"
         assert nc.is_connected  # refused, not disconnected: the role keeps working
         await asyncio.sleep(0.2)
@@ -235,8 +311,11 @@ async def test_worker_bus_cannot_take_the_leader_lease(hub):
     await admin.kv_put(topo.KEY_LEADER, b"the-real-leader")
     worker = await role_bus(hub, "worker", request_timeout_s=1.0, publish_retries=1)
     try:
-        for attempt in (worker.kv_put(topo.KEY_LEADER, b"me"), worker.kv_create("leader-2", b"me"),
-                        worker.kv_update(topo.KEY_LEADER, b"me", 1)):
+        for attempt in (
+            worker.kv_put(topo.KEY_LEADER, b"me"),
+            worker.kv_create("leader-2", b"me"),
+            worker.kv_update(topo.KEY_LEADER, b"me", 1),
+        ):
             with pytest.raises(Exception) as ei:
                 await attempt
             assert not isinstance(ei.value, KVConflict)  # refused outright, not a lost race

@@ -4,6 +4,7 @@ system advances policy versions without a single permission violation.
 
 Minutes of CPU on a 2-core machine, so it runs with the long suite (make test-chaos).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(900)
 async def test_processes_run_under_their_roles_without_violations(tmp_path):
     server_env = read_env(ENV_DIR / "nats.env")
-    conf = render_nats_configs(tmp_path / "conf", {"0.0.0.0:7422": f"127.0.0.1:{free_port()}",
-                                                   "/var/lib/nats": str(tmp_path / "js")})
+    conf = render_nats_configs(
+        tmp_path / "conf", {"0.0.0.0:7422": f"127.0.0.1:{free_port()}", "/var/lib/nats": str(tmp_path / "js")}
+    )
     hub = ConfServer(conf / "single.conf", server_env, tmp_path / "nats.log")
     hub.start("/healthz?js-enabled-only=true")
     common = read_env(ENV_DIR / "common.env")
@@ -38,16 +40,30 @@ async def test_processes_run_under_their_roles_without_violations(tmp_path):
         for comp in ("trainer", "scorer", "rollout_worker"):
             own = read_env(ENV_DIR / f"{comp}.env")
             # signing is on by default: the key files `asyncrl deploy init` wrote, not /etc/asyncrl/keys
-            keys = {k: str(KEYS_DIR / Path(v).name) for k, v in own.items()
-                    if k in ("ASYNCRL_PUBLISH__SIGNING_KEY", "ASYNCRL_PUBLIC_KEY")}
-            env = {**os.environ, **common, **own, **keys,
-                   "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "ASYNCRL_BUS__SERVERS": hub.url,
-                   "ASYNCRL_CHECKPOINT__DIR": str(tmp_path / "ckpt"), "ASYNCRL_RUN__DIR": str(tmp_path / "run"),
-                   "ASYNCRL_RUN__MAX_STEPS": "2", "ASYNCRL_BATCH__GROUPS": "2", "ASYNCRL_BATCH__GROUP_SIZE": "2",
-                   "ASYNCRL_SLOTS": "4"}
+            keys = {
+                k: str(KEYS_DIR / Path(v).name)
+                for k, v in own.items()
+                if k in ("ASYNCRL_PUBLISH__SIGNING_KEY", "ASYNCRL_PUBLIC_KEY")
+            }
+            env = {
+                **os.environ,
+                **common,
+                **own,
+                **keys,
+                "PYTHONPATH": ROOT,
+                "OMP_NUM_THREADS": "1",
+                "ASYNCRL_BUS__SERVERS": hub.url,
+                "ASYNCRL_CHECKPOINT__DIR": str(tmp_path / "ckpt"),
+                "ASYNCRL_RUN__DIR": str(tmp_path / "run"),
+                "ASYNCRL_RUN__MAX_STEPS": "2",
+                "ASYNCRL_BATCH__GROUPS": "2",
+                "ASYNCRL_BATCH__GROUP_SIZE": "2",
+                "ASYNCRL_SLOTS": "4",
+            }
             with open(tmp_path / f"{comp}.log", "wb") as log:
-                procs[comp] = subprocess.Popen([sys.executable, "-m", comp], env=env, cwd=tmp_path,
-                                               stdout=log, stderr=subprocess.STDOUT)
+                procs[comp] = subprocess.Popen(
+                    [sys.executable, "-m", comp], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT
+                )
             if comp == "trainer":
                 # only the trainer may declare the topology; the others need it to exist (under
                 # compose/systemd they would restart until it does)
@@ -63,7 +79,9 @@ async def test_processes_run_under_their_roles_without_violations(tmp_path):
             except Exception:
                 pass
         assert version >= 2, f"stuck at version {version}\n{_tails(tmp_path)}"
-        violations = [l for l in (tmp_path / "nats.log").read_text().splitlines() if "Violation" in l]   # "Publish Violation", "Subscription Violation"
+        violations = [
+            l for l in (tmp_path / "nats.log").read_text().splitlines() if "Violation" in l
+        ]  # "Publish Violation", "Subscription Violation"
         assert not violations, violations[:5]
     finally:
         if observer is not None:
@@ -80,6 +98,7 @@ async def test_processes_run_under_their_roles_without_violations(tmp_path):
 
 async def _observer(url: str, server_env: dict):
     from bus import connect
+
     cfg = role_bus_config(url, "observer", {"observer": server_env["ASYNCRL_NATS_OBSERVER_PASSWORD"]})
     return await connect(cfg)
 
@@ -96,4 +115,6 @@ async def _topology_ready(observer, trainer: subprocess.Popen, tmp_path) -> None
 
 
 def _tails(tmp_path, n: int = 1500) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-n:]}" for p in sorted(tmp_path.glob("*.log")))
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-n:]}" for p in sorted(tmp_path.glob("*.log"))
+    )

@@ -1,4 +1,5 @@
 """arith: verifier on known-good and known-bad answers, disjoint splits, demonstration styles."""
+
 from __future__ import annotations
 
 import random
@@ -34,7 +35,7 @@ def test_demonstrations_verify_and_fit_the_budget(env, rng):
         a, b = t.spec["a"], t.spec["b"]
         assert t.prompt == f"{a}+{b}=" and 10 <= a <= 9999 and 10 <= b <= 9999
         steps, direct = env.demonstration(t.spec, "steps"), env.demonstration(t.spec, "direct")
-        assert len(steps) + 1 <= 48 and len(direct) + 1 <= 7          # + eos
+        assert len(steps) + 1 <= 48 and len(direct) + 1 <= 7  # + eos
         assert env.verify(steps, t.spec).success == 1.0
         assert env.verify(direct, t.spec).success == 1.0
         padded = env.demonstration(t.spec, "padded")
@@ -45,22 +46,29 @@ def test_demonstrations_verify_and_fit_the_budget(env, rng):
 
 def test_default_mixture_holds_all_three_styles():
     from envs.arith import ArithEnv
+
     small, r = ArithEnv("arith-small", 1, 2), random.Random(3)
     kinds = [small.demonstration(small.sample(r).spec) for _ in range(600)]
     n_direct = sum(k.startswith("#") for k in kinds)
-    n_padded = sum(k.count("=") == 4 for k in kinds)          # arith-small pads to 2 + 2 columns
+    n_padded = sum(k.count("=") == 4 for k in kinds)  # arith-small pads to 2 + 2 columns
     assert 150 < n_direct < 250 and 150 < n_padded < 250
 
 
 def test_known_bad_answers(env):
     spec = {"a": 12, "b": 30, "answer": "42"}
-    for text, why in [("#41", "wrong answer 41 != 42"), ("42", "no final answer"), ("", "no final answer"),
-                      ("#42 and more", "no final answer"), ("#4x2", "no final answer"),
-                      ("#" + "9" * 70, "no final answer"), ("\x00\x01", "no final answer")]:
+    for text, why in [
+        ("#41", "wrong answer 41 != 42"),
+        ("42", "no final answer"),
+        ("", "no final answer"),
+        ("#42 and more", "no final answer"),
+        ("#4x2", "no final answer"),
+        ("#" + "9" * 70, "no final answer"),
+        ("\x00\x01", "no final answer"),
+    ]:
         v = env.verify(text, spec)
         assert v.success == 0.0 and why in v.reason, (text, v)
-    assert env.verify("2+0+0=02 1+3+0=04 #42\n", spec).success == 1.0      # trailing whitespace is fine
-    assert env.verify("#41 #42", spec).success == 1.0                     # the last marker counts
+    assert env.verify("2+0+0=02 1+3+0=04 #42\n", spec).success == 1.0  # trailing whitespace is fine
+    assert env.verify("#41 #42", spec).success == 1.0  # the last marker counts
     assert env.verify("#042", spec).success == 1.0
     assert env.verify(None, spec).success == 0.0
 
@@ -95,7 +103,7 @@ def test_far_tail_puts_its_mass_on_very_long_problems():
     lens = np.array([len(tail.demonstration(s, "steps")) for s in specs])
     assert np.percentile(lens, 50) < 40
     assert 0.03 < (lens >= 150).mean() < 0.08 and lens.max() > 180
-    assert max(max(s["a"], s["b"]) for s in specs) < 2**64      # specs travel as msgpack ints
+    assert max(max(s["a"], s["b"]) for s in specs) < 2**64  # specs travel as msgpack ints
     for bad in [(1, 0.1), (30, 0.1), (10, 0.0), (10, 1.0)]:
         with pytest.raises(ValueError, match="far="):
             ArithEnv("x", 1, 24, tail=0.6, far=bad)

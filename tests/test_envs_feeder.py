@@ -1,4 +1,5 @@
 """Task feeder: tasks land in TASKS as groups with sampling params; bad requests are refused."""
+
 from __future__ import annotations
 
 import random
@@ -22,7 +23,12 @@ async def test_publish_tasks_lands_groups_in_tasks(bus):
     env = get_env("arith")
     for t, m in zip(tasks, msgs):
         assert m.subject == topo.task_subject("arith") and m.headers["Nats-Msg-Id"] == f"task-{t.task_id}"
-        assert t.sampling["n"] == 4 and t.sampling["max_tokens"] == 48 and t.split == "eval" and t.min_version == 3
+        assert (
+            t.sampling["n"] == 4
+            and t.sampling["max_tokens"] == 48
+            and t.split == "eval"
+            and t.min_version == 3
+        )
         assert env.verify(env.demonstration(t.spec), t.spec).success == 1.0
         await m.ack()
 

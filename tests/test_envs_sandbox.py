@@ -1,5 +1,6 @@
 """Sandbox and python-tests verifier: every way generated code can misbehave returns in bounded
 time with a reason; known-good solutions pass, known-bad ones do not."""
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,9 @@ FAST = SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=256, output_bytes=64 << 10)
 def run(code: str, limits: SandboxLimits = FAST):
     t0 = time.monotonic()
     res = run_python({"main.py": code}, "main.py", limits)
-    assert time.monotonic() - t0 < limits.wall_s + 30    # bounded, whatever the code does (generous: shared CPUs)
+    assert (
+        time.monotonic() - t0 < limits.wall_s + 30
+    )  # bounded, whatever the code does (generous: shared CPUs)
     return res
 
 
@@ -36,7 +39,7 @@ def test_wall_timeout():
 
 
 def test_cpu_limit():
-    r = run("while True: pass", SandboxLimits(wall_s=60.0, cpu_s=1))   # the cpu limit fires first
+    r = run("while True: pass", SandboxLimits(wall_s=60.0, cpu_s=1))  # the cpu limit fires first
     assert "cpu time limit" in r.reason
 
 
@@ -62,10 +65,12 @@ def test_network_attempt_fails():
     srv.settimeout(0.2)
     port = srv.getsockname()[1]
     try:
-        r = run(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')")
+        r = run(
+            f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')"
+        )
         assert b"connected" not in r.stdout and r.reason == "exit code 1"
         with pytest.raises(socket.timeout):
-            srv.accept()                                   # nothing ever reached the listener
+            srv.accept()  # nothing ever reached the listener
     finally:
         srv.close()
 
@@ -84,23 +89,26 @@ def _procs_with(marker: bytes) -> int:
 def test_fork_bomb_is_contained_and_cleaned_up():
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     r = run_python({"bomb_marker.py": code}, "bomb_marker.py", SandboxLimits(wall_s=2.0, cpu_s=1, nproc=16))
-    assert r.reason.startswith(("wall timeout", "cpu time limit", "killed")) 
+    assert r.reason.startswith(("wall timeout", "cpu time limit", "killed"))
     time.sleep(0.2)
     assert _procs_with(b"bomb_marker.py") == 0, "fork bomb survived the sandbox"
     python, fresh_uid, namespaces = isolation()
-    print("isolation layers:", r.isolation, "python", python, "fresh uid", fresh_uid, "namespaces", namespaces)
+    print(
+        "isolation layers:", r.isolation, "python", python, "fresh uid", fresh_uid, "namespaces", namespaces
+    )
 
 
 def test_daemonised_child_dies_with_the_sandbox():
-    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nelse:\n    print('parent done')\n")
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nelse:\n    print('parent done')\n"
     r = run_python({"daemon_marker.py": code}, "daemon_marker.py", FAST)
     assert r.ok
     time.sleep(0.2)
-    if isolation()[2]:                       # pid namespace available: nothing may outlive it
+    if isolation()[2]:  # pid namespace available: nothing may outlive it
         assert _procs_with(b"daemon_marker.py") == 0
 
 
 # -- python-tests environment -----------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def env():

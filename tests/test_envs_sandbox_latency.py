@@ -1,6 +1,7 @@
 """envs/sandbox_latency.py: a remote sandbox's test-suite time, modelled per task (bench.agentic's
 long-tail workload): the draw's distribution, which commands wait, that the wait is wall time in
 the episode's tool seconds and scoring but no local CPU."""
+
 from __future__ import annotations
 
 import time
@@ -20,18 +21,24 @@ from tests.helpers.agentic import bug_task
 def test_per_task_draws_are_deterministic_lognormal_with_the_given_median_and_p99():
     lat = SandboxLatency(median_s=3.0, p99_s=60.0, cap_s=1000.0)
     xs = np.array([lat.seconds(f"task-{i}") for i in range(20000)])
-    assert lat.seconds("task-7") == xs[7] == SandboxLatency(median_s=3.0, p99_s=60.0, cap_s=1000.0).seconds("task-7")
+    assert (
+        lat.seconds("task-7")
+        == xs[7]
+        == SandboxLatency(median_s=3.0, p99_s=60.0, cap_s=1000.0).seconds("task-7")
+    )
     assert np.median(xs) == pytest.approx(3.0, rel=0.05)
     assert np.percentile(xs, 99) == pytest.approx(60.0, rel=0.15)
-    assert len(set(xs.tolist())) > 19000                       # a draw per task, not a constant
+    assert len(set(xs.tolist())) > 19000  # a draw per task, not a constant
     assert SandboxLatency(median_s=3.0, p99_s=60.0, seed=1).seconds("task-7") != xs[7]
     capped = SandboxLatency(median_s=3.0, p99_s=60.0, cap_s=20.0)
     assert max(capped.seconds(f"task-{i}") for i in range(2000)) == 20.0
     assert SandboxLatency().seconds("task-7") == 0.0 and not SandboxLatency().enabled
-    assert SandboxLatency(median_s=2.0, p99_s=2.0).seconds("x") == pytest.approx(2.0)    # sigma 0: fixed
+    assert SandboxLatency(median_s=2.0, p99_s=2.0).seconds("x") == pytest.approx(2.0)  # sigma 0: fixed
 
 
-@pytest.mark.parametrize("bad", [dict(median_s=-1.0), dict(median_s=3.0, p99_s=1.0), dict(median_s=3.0, p99_s=9.0, cap_s=0.0)])
+@pytest.mark.parametrize(
+    "bad", [dict(median_s=-1.0), dict(median_s=3.0, p99_s=1.0), dict(median_s=3.0, p99_s=9.0, cap_s=0.0)]
+)
 def test_bad_latency_settings_are_a_clear_error(bad, tmp_path):
     with pytest.raises(ValueError, match="sandbox latency"):
         SandboxLatency(**bad)
@@ -43,7 +50,9 @@ def test_bad_latency_settings_are_a_clear_error(bad, tmp_path):
 
 def test_worker_config_reads_the_latency_table(tmp_path):
     p = tmp_path / "w.toml"
-    p.write_text("slots = 2\nmax_inflight = 5\nepisode_wall_s = 600\n[sandbox_latency]\nmedian_s = 3\np99_s = 60\n")
+    p.write_text(
+        "slots = 2\nmax_inflight = 5\nepisode_wall_s = 600\n[sandbox_latency]\nmedian_s = 3\np99_s = 60\n"
+    )
     cfg = load_config(WorkerConfig, p, env_prefix="")
     assert cfg.sandbox_latency == SandboxLatency(median_s=3.0, p99_s=60.0) and cfg.max_inflight == 5
     assert WorkerConfig(slots=4).max_inflight == 4
@@ -66,15 +75,15 @@ def test_an_episode_waits_the_suite_time_on_run_tests_and_scoring_without_local_
         ep.reset()
         t, cpu = time.monotonic(), time.thread_time()
         r = ep.step("```bash\nview calc.py\n```")
-        assert r.info["command_wall_s"] < wait                          # not a test run: no wait
+        assert r.info["command_wall_s"] < wait  # not a test run: no wait
         r = ep.step("```bash\nrun_tests\n```")
-        assert r.info["command_wall_s"] >= wait and "1 failed" in r.observation   # the real suite's output
+        assert r.info["command_wall_s"] >= wait and "1 failed" in r.observation  # the real suite's output
         assert ep.tool_wall_s >= wait
         t_score = time.monotonic()
         res = ep.score()
-        assert time.monotonic() - t_score >= wait and res.reward == 0.0     # scoring runs the suite too
+        assert time.monotonic() - t_score >= wait and res.reward == 0.0  # scoring runs the suite too
         assert time.monotonic() - t >= 2 * wait
-        assert time.thread_time() - cpu < wait / 2          # waited in sleep, not burning this machine's CPU
+        assert time.thread_time() - cpu < wait / 2  # waited in sleep, not burning this machine's CPU
         assert ep.workspace.waited_s == pytest.approx(2 * wait) and ep.workspace.suite_runs == 2
     finally:
         ep.close()

@@ -5,6 +5,7 @@ token-exact trajectory (the engine's ids, observations masked, per-token version
 update); the reward is the hidden tests' verdict (an honest fix 1, a test-file tamper 0, a reported
 reward refused); bad calls get a clear HTTP error and lose nothing; an episode abandoned past its
 deadline is handed back and its task redelivered, trained once."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,13 +41,22 @@ async def external(bus, fresh_server, request):
     state = no_special_state(4)
     await pub.publish_keyframe(state, 3, CFG)
     eng = RecordingEngine(TorchEngine(CFG, slots=2, max_len=2048, eos_id=TOK.eos_id, seed=9))
-    wc = WorkerConfig(bus=BusConfig(servers=[fresh_server.url], name="w"), worker_id="w-ext", queue=0,
-                      max_len=2048, heartbeat_s=600.0, grace_s=2.0, harness="external",
-                      external_deadline_s=getattr(request, "param", 60.0))
+    wc = WorkerConfig(
+        bus=BusConfig(servers=[fresh_server.url], name="w"),
+        worker_id="w-ext",
+        queue=0,
+        max_len=2048,
+        heartbeat_s=600.0,
+        grace_s=2.0,
+        harness="external",
+        external_deadline_s=getattr(request, "param", 60.0),
+    )
     worker, stop = Worker(wc, bus, engine=eng), asyncio.Event()
     run = asyncio.create_task(worker.run(stop, handle_signals=False))
-    await until(lambda: getattr(worker, "episode_runner", None) is not None
-                and worker.episode_runner.endpoint.url, timeout=60)
+    await until(
+        lambda: getattr(worker, "episode_runner", None) is not None and worker.episode_runner.endpoint.url,
+        timeout=60,
+    )
     url = worker.episode_runner.endpoint.url
     http = aiohttp.ClientSession(url.rsplit("/v1", 1)[0])
     client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
@@ -61,9 +71,16 @@ async def external(bus, fresh_server, request):
 
 async def publish(bus, task_id: str, n: int = 1) -> None:
     limits = EpisodeLimits(max_turns=6, max_turn_tokens=80, prompt_style="toy")
-    await bus.publish(topo.task_subject("swe"), Task(
-        task_id=task_id, env="swe", prompt="Fix calc.py.", spec=episode_spec(bug_task(), limits),
-        sampling={"max_tokens": 12, "n": n, "temperature": 1.0}))
+    await bus.publish(
+        topo.task_subject("swe"),
+        Task(
+            task_id=task_id,
+            env="swe",
+            prompt="Fix calc.py.",
+            spec=episode_spec(bug_task(), limits),
+            sampling={"max_tokens": 12, "n": n, "temperature": 1.0},
+        ),
+    )
 
 
 async def call(http, path: str, body=None, status: int = 200):
@@ -75,8 +92,9 @@ async def call(http, path: str, body=None, status: int = 200):
 
 
 async def chat(client, claim: dict, messages: list[dict]):
-    r = await client.chat.completions.create(model=claim["model"], messages=messages, max_tokens=12,
-                                             logprobs=True, extra_headers=claim["headers"])
+    r = await client.chat.completions.create(
+        model=claim["model"], messages=messages, max_tokens=12, logprobs=True, extra_headers=claim["headers"]
+    )
     return r.choices[0]
 
 
@@ -85,39 +103,45 @@ async def test_claim_play_end_publishes_the_token_exact_trajectory_scored_by_hid
     for path in ("/v1/episodes/nope/end", "/v1/episodes/nope/exec"):
         err = await call(http, path, {"command": "ls"} if "exec" in path else None, 404)
         assert "no " in err["error"]["message"]
-    assert await call(http, "/v1/episodes", {"wait_s": 0.2}, 204) is None        # nothing leased yet
+    assert await call(http, "/v1/episodes", {"wait_s": 0.2}, 204) is None  # nothing leased yet
     await publish(bus, "honest")
     c = await call(http, "/v1/episodes", {"wait_s": 30})
     eid = c["episode_id"]
     assert c["task_id"] == "honest" and c["headers"] == {"X-Episode-Id": eid} and c["deadline_s"] == 60.0
     assert [m["role"] for m in c["messages"]] == ["system", "user"] and "spec" not in c
-    assert "hidden" not in str(c) and TESTS not in str(c)          # the hidden tests never leave the worker
+    assert "hidden" not in str(c) and TESTS not in str(c)  # the hidden tests never leave the worker
     n0 = len(eng.gens)
     c1 = await chat(client, c, c["messages"])
     fixed = await call(http, f"/v1/episodes/{eid}/exec", {"command": FIX})
     assert fixed["exit_code"] == 0 and not fixed["done"] and fixed["turn"] == 1, fixed
     # a weight update between the turns: the second turn's tokens carry version 4
-    await pub.publish_delta(delta_codec.encode_delta(state, perturb(state, 0.3, 0.05, seed=1),
-                                                        from_version=3, to_version=4))
+    await pub.publish_delta(
+        delta_codec.encode_delta(state, perturb(state, 0.3, 0.05, seed=1), from_version=3, to_version=4)
+    )
     await until(lambda: eng.version == 4)
-    conv = c["messages"] + [{"role": "assistant", "content": c1.message.content},
-                            {"role": "user", "content": fixed["observation"]}]
+    conv = c["messages"] + [
+        {"role": "assistant", "content": c1.message.content},
+        {"role": "user", "content": fixed["observation"]},
+    ]
     c2 = await chat(client, c, conv)
     # bad calls: a clear error, the episode as it was
-    snap = (await (await http.get(f"/v1/episodes/{eid}")).json())
-    bad = [(f"/v1/episodes/{eid}/end", {"reward": 1.0}, 400, "hidden tests"),
-           (f"/v1/episodes/{eid}/end", b"{not json", 400, "not JSON"),
-           (f"/v1/episodes/{eid}/end", {"reason": 7}, 400, "reason must be"),
-           (f"/v1/episodes/{eid}/exec", {"cmd": "ls"}, 400, "unknown field"),
-           (f"/v1/episodes/{eid}/exec", {"command": " "}, 400, "non-empty"),
-           ("/v1/episodes", {"wait_s": -1}, 400, "wait_s"), ("/v1/episodes", [1], 400, "JSON object")]
+    snap = await (await http.get(f"/v1/episodes/{eid}")).json()
+    bad = [
+        (f"/v1/episodes/{eid}/end", {"reward": 1.0}, 400, "hidden tests"),
+        (f"/v1/episodes/{eid}/end", b"{not json", 400, "not JSON"),
+        (f"/v1/episodes/{eid}/end", {"reason": 7}, 400, "reason must be"),
+        (f"/v1/episodes/{eid}/exec", {"cmd": "ls"}, 400, "unknown field"),
+        (f"/v1/episodes/{eid}/exec", {"command": " "}, 400, "non-empty"),
+        ("/v1/episodes", {"wait_s": -1}, 400, "wait_s"),
+        ("/v1/episodes", [1], 400, "JSON object"),
+    ]
     for path, body, status, why in bad:
         err = await call(http, path, body, status)
         assert why in err["error"]["message"], (path, body, err)
     assert (await (await http.get(f"/v1/episodes/{eid}")).json()) == snap and not snap["ended"]
     done = await call(http, f"/v1/episodes/{eid}/end", {"reason": "my harness is done"})
     assert done["result"]["reward"] == 1.0 and done["result"]["resolved"] and done["ended"]
-    again = await call(http, f"/v1/episodes/{eid}/end", None, 409)             # ending twice
+    again = await call(http, f"/v1/episodes/{eid}/end", None, 409)  # ending twice
     assert "already ended" in again["error"]["message"] and again["error"]["result"]["reward"] == 1.0
     err = await call(http, f"/v1/episodes/{eid}/exec", {"command": "ls"}, 409)
     assert "ended" in err["error"]["message"]
@@ -129,8 +153,10 @@ async def test_claim_play_end_publishes_the_token_exact_trajectory_scored_by_hid
     k = await call(http, "/v1/episodes", {"wait_s": 30})
     await chat(client, k, k["messages"])
     assert (await call(http, f"/v1/episodes/{k['episode_id']}/exec", {"command": TAMPER}))["exit_code"] == 0
-    assert "1 passed" in (await call(http, f"/v1/episodes/{k['episode_id']}/exec",
-                                     {"command": "run_tests"}))["observation"]
+    assert (
+        "1 passed"
+        in (await call(http, f"/v1/episodes/{k['episode_id']}/exec", {"command": "run_tests"}))["observation"]
+    )
     # submit: the workspace ends the episode, scored as by /end
     sub = await call(http, f"/v1/episodes/{k['episode_id']}/exec", {"command": "submit"})
     assert sub["done"] and sub["termination"] == "submitted" and sub["result"]["reward"] == 0.0
@@ -147,9 +173,9 @@ async def test_claim_play_end_publishes_the_token_exact_trajectory_scored_by_hid
     obs = TOK.encode("\n\nUSER:\n" + fixed["observation"].replace("\t", "?") + "\n\nASSISTANT:\n")
     prompt = "".join(f"{m['role'].upper()}:\n{m['content']}\n\n" for m in c["messages"]) + "ASSISTANT:\n"
     assert r.prompt_ids == TOK.encode(prompt, bos=True)
-    assert r.completion_ids == gens[0].completion_ids + obs + gens[1].completion_ids     # token-exact
-    assert r.loss_mask == [1] * n1 + [0] * len(obs) + [1] * n2                           # observations masked
-    assert r.token_versions == [3] * n1 + [-1] * len(obs) + [4] * n2                     # versions recorded
+    assert r.completion_ids == gens[0].completion_ids + obs + gens[1].completion_ids  # token-exact
+    assert r.loss_mask == [1] * n1 + [0] * len(obs) + [1] * n2  # observations masked
+    assert r.token_versions == [3] * n1 + [-1] * len(obs) + [4] * n2  # versions recorded
     assert r.logprobs == gens[0].logprobs + [0.0] * len(obs) + gens[1].logprobs
     info = await bus.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
     assert info.num_ack_pending == 0 and info.num_pending == 0 and info.delivered.consumer_seq == 2
@@ -159,14 +185,14 @@ async def test_claim_play_end_publishes_the_token_exact_trajectory_scored_by_hid
 @pytest.mark.parametrize("external", [2.0], indirect=True)
 async def test_an_abandoned_episode_expires_and_its_task_is_redelivered_and_trained_once(bus, external):
     worker, eng, _, _, http, client, (stop, run) = external
-    await publish(bus, "abandoned", n=2)          # a group of 2: one claimed and abandoned, one never claimed
+    await publish(bus, "abandoned", n=2)  # a group of 2: one claimed and abandoned, one never claimed
     c = await call(http, "/v1/episodes", {"wait_s": 30})
     eid = c["episode_id"]
-    await chat(client, c, c["messages"])          # a turn played, then the harness goes away
+    await chat(client, c, c["messages"])  # a turn played, then the harness goes away
     await until(lambda: worker.episode_runner.stats["expired"] == 1, timeout=10)
     for path, body in ((f"/v1/episodes/{eid}/end", None), (f"/v1/episodes/{eid}/exec", {"command": "ls"})):
         assert "expired" in (await call(http, path, body, 410))["error"]["message"]
-    with pytest.raises(openai.APIStatusError) as e:      # never a fresh ad-hoc episode of the same id
+    with pytest.raises(openai.APIStatusError) as e:  # never a fresh ad-hoc episode of the same id
         await chat(client, c, c["messages"])
     assert e.value.status_code == 410 and eid not in worker.episode_runner.endpoint.episodes
     # the stream redelivers the task whole (the unclaimed sibling went back with it): two fresh
@@ -184,11 +210,11 @@ async def test_an_abandoned_episode_expires_and_its_task_is_redelivered_and_trai
     assert eid not in {a["episode_id"] for a in again}
     await until(lambda: worker.tasks_done == 1)
     rollouts = await read_stream(bus, topo.ROLLOUTS, Rollout)
-    assert sorted(r.rollout_id for r in rollouts) == ["abandoned-0", "abandoned-1"]     # not lost, once each
+    assert sorted(r.rollout_id for r in rollouts) == ["abandoned-0", "abandoned-1"]  # not lost, once each
     assert all(r.completion_ids == ids[r.sample_index] for r in rollouts)
     info = await bus.js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)
     assert info.num_ack_pending == 0 and info.num_pending == 0 and info.num_redelivered == 0
-    assert info.delivered.consumer_seq == 2                                  # delivered twice, acked once
+    assert info.delivered.consumer_seq == 2  # delivered twice, acked once
     assert worker.engine.kept == {}
     # a worker that stops with an episode claimed hands its task back to the stream
     await publish(bus, "drained")

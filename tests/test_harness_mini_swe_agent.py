@@ -2,6 +2,7 @@
 its environment adapter runs commands in this project's sandboxed episode, and a full episode
 against the worker's endpoint on a generated-repository task with the toy policy gives a rollout
 whose model ids are exactly what the engine generated, observations masked, versions recorded."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,26 +23,29 @@ from tests.helpers.engine import RecordingEngine
 def test_adapter_runs_commands_in_the_episode_and_submits():
     from minisweagent.environments import get_environment
     from minisweagent.exceptions import Submitted
+
     ep = Episode(bug_task(), EpisodeLimits(max_turns=5))
     ep.reset()
     try:
         mini_swe_agent.register("adapter-1", ep)
         with pytest.raises(ValueError, match="already registered"):
             mini_swe_agent.register("adapter-1", ep)
-        env = get_environment({"environment_class": "envs.mini_swe_agent.SandboxEnvironment",
-                               "episode_id": "adapter-1"})
+        env = get_environment(
+            {"environment_class": "envs.mini_swe_agent.SandboxEnvironment", "episode_id": "adapter-1"}
+        )
         out = env.execute({"command": "cat calc.py && whoami"})
         assert "return a - b" in out["output"] and out["returncode"] == 0 and ep.tool_calls == 1
         assert ep.turns == 1 and not ep.done
         with pytest.raises(Submitted):
             env.execute({"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})
-        assert ep.termination == "submitted" and ep.score().reward == 0.0      # the bug is still there
+        assert ep.termination == "submitted" and ep.score().reward == 0.0  # the bug is still there
     finally:
         mini_swe_agent.unregister("adapter-1")
         ep.close()
     with pytest.raises(ValueError, match="no live episode"):
-        get_environment({"environment_class": "envs.mini_swe_agent.SandboxEnvironment",
-                         "episode_id": "adapter-1"})
+        get_environment(
+            {"environment_class": "envs.mini_swe_agent.SandboxEnvironment", "episode_id": "adapter-1"}
+        )
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,7 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
     from trainer.batcher import Batcher, ConsumedIds
     from trainer.learner import pack
     from tests.helpers.trainer import trainer_config
+
     eng = TorchEngine(CFG, slots=2, max_len=2048, eos_id=TOK.eos_id, seed=9)
     await eng.load_keyframe(no_special_state(4), version=3, epoch=1)
     rec_eng = RecordingEngine(eng)
@@ -65,12 +70,25 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
     # ```bash block), three model calls
     conf = tmp_path / "mini.yaml"
     conf.write_text("agent:\n  step_limit: 3\nmodel:\n  action_regex: '\\A(.*)\\Z'\n")
-    w = Worker(WorkerConfig(bus=BusConfig(servers=[fresh_server.url]), worker_id="w-msa",
-                            harness="mini-swe-agent", harness_config=str(conf)), bus, engine=rec_eng)
+    w = Worker(
+        WorkerConfig(
+            bus=BusConfig(servers=[fresh_server.url]),
+            worker_id="w-msa",
+            harness="mini-swe-agent",
+            harness_config=str(conf),
+        ),
+        bus,
+        engine=rec_eng,
+    )
     limits = EpisodeLimits(max_turns=6, max_turn_tokens=40, prompt_style="toy")
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=40, n=1)
-    task = Task(task_id=gen_task.task_id, env="swe-gen", prompt="", spec=episode_spec(gen_task, limits),
-                sampling=dataclasses.asdict(sp))
+    task = Task(
+        task_id=gen_task.task_id,
+        env="swe-gen",
+        prompt="",
+        spec=episode_spec(gen_task, limits),
+        sampling=dataclasses.asdict(sp),
+    )
     try:
         await w.handle(task, ctx=None)
     finally:
@@ -80,8 +98,12 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
     stop = asyncio.Event()
     scorer = Scorer(ScorerConfig(bus=BusConfig(servers=[fresh_server.url]), cost_unit="tokens"), bus)
     st = asyncio.create_task(scorer.run(stop, handle_signals=False))
-    b = Batcher(bus, trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 1}), ConsumedIds(),
-                TOK.vocab_size)
+    b = Batcher(
+        bus,
+        trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 1}),
+        ConsumedIds(),
+        TOK.vocab_size,
+    )
     await b.start()
     batch = await b.next_batch(0, max_wait_s=30)
     stop.set()
@@ -94,9 +116,9 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
     assert [v for v, m in zip(r.token_versions, r.loss_mask) if m] == [3] * len(model)
     obs = [i for i, m in enumerate(r.loss_mask) if not m]
     assert obs and all(r.token_versions[i] == -1 and r.logprobs[i] == 0.0 for i in obs)
-    assert r.loss_mask[-1] == 1 and r.turns == 3 and r.tool_calls == 3      # every command ran in the sandbox
+    assert r.loss_mask[-1] == 1 and r.turns == 3 and r.tool_calls == 3  # every command ran in the sandbox
     assert r.prompt_ids[:1] == [TOK.bos_id] and "USER:\n" in TOK.decode(r.prompt_ids)
-    assert set(r.episode["tests"]) == set(gen_task.fail_to_pass + gen_task.pass_to_pass)   # hidden tests
+    assert set(r.episode["tests"]) == set(gen_task.fail_to_pass + gen_task.pass_to_pass)  # hidden tests
     assert r.episode["trajectory"]["divergent_turns"] == 0 and r.episode["trajectory"]["restarts"] == 0
     assert eng.kept == {} and w.episode_runner.stats["episodes"] == 1
     assert w.snapshot()["episodes"]["divergent_turns"] == 0 and "restarts" in w.snapshot()["episodes"]
@@ -107,8 +129,12 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
 def test_worker_config_refuses_bad_harness_settings(tmp_path):
     from rollout_worker.harness import load_harness_config
     from rollout_worker.worker import WorkerConfig
-    cases = ((dict(harness="openhands"), "harness must be"), (dict(endpoint_port=70000), "endpoint_port"),
-             (dict(harness="mini-swe-agent", harness_config=str(tmp_path / "none.yaml")), "not a file"))
+
+    cases = (
+        (dict(harness="openhands"), "harness must be"),
+        (dict(endpoint_port=70000), "endpoint_port"),
+        (dict(harness="mini-swe-agent", harness_config=str(tmp_path / "none.yaml")), "not a file"),
+    )
     for kw, why in cases:
         with pytest.raises(ValueError, match=why):
             WorkerConfig(worker_id="w", **kw)

@@ -20,6 +20,7 @@ Rules, each over every module of PACKAGES, each failure naming the modules and l
 
 ALLOWED_CIRCLE_EDGES may list imports that close a known circle while it is being untangled (empty).
 """
+
 from __future__ import annotations
 
 import ast
@@ -32,20 +33,23 @@ LIBRARIES = ("bus", "policy", "delta_codec", "envs")
 PROCESSES = ("trainer", "rollout_worker", "scorer", "asyncrl", "bench")
 PACKAGES = LIBRARIES + PROCESSES
 # process packages that may import other process packages (see the module docstring)
-LAUNCHERS = {"asyncrl": {"trainer", "rollout_worker", "scorer"},
-             "bench": {"trainer", "rollout_worker", "scorer", "asyncrl"}}
+LAUNCHERS = {
+    "asyncrl": {"trainer", "rollout_worker", "scorer"},
+    "bench": {"trainer", "rollout_worker", "scorer", "asyncrl"},
+}
 
 # imports within a package: "absolute" (`from bus.x import y`) or "relative" (`from .x import y`)
 STYLE = {"bus": "absolute", "asyncrl": "absolute"}
 DEFAULT_STYLE = "relative"
 
 # imports that close a known circle, being removed in another branch: drop an entry once that is merged
-ALLOWED_CIRCLE_EDGES: set[tuple[str, str]] = set()    # none: every circle is a failure
+ALLOWED_CIRCLE_EDGES: set[tuple[str, str]] = set()  # none: every circle is a failure
 
 
 @dataclass(frozen=True)
 class Import:
     """One import of one of our modules: `target` imported by `source`, line `line`."""
+
     source: str
     target: str
     line: int
@@ -81,7 +85,7 @@ def _resolve_from(node: ast.ImportFrom, module: str, is_pkg: bool) -> str:
     if not node.level:
         return node.module or ""
     base = module.split(".") if is_pkg else module.split(".")[:-1]
-    base = base[:len(base) - (node.level - 1)]
+    base = base[: len(base) - (node.level - 1)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -102,7 +106,7 @@ def scan(mods: dict[str, tuple[str, bool]]) -> Report:
     imports, private = [], []
     for module, (src, is_pkg) in mods.items():
         tree = ast.parse(src, filename=module)
-        aliases: dict[str, str] = {}      # local name -> our module it is bound to
+        aliases: dict[str, str] = {}  # local name -> our module it is bound to
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for a in node.names:
@@ -116,7 +120,7 @@ def scan(mods: dict[str, tuple[str, bool]]) -> Report:
                         aliases[top] = top
             elif isinstance(node, ast.ImportFrom):
                 base = _resolve_from(node, module, is_pkg)
-                if _longest_known(base, mods) is None:      # another library's module
+                if _longest_known(base, mods) is None:  # another library's module
                     continue
                 for a in node.names:
                     sub = f"{base}.{a.name}"
@@ -125,7 +129,7 @@ def scan(mods: dict[str, tuple[str, bool]]) -> Report:
                         imports.append(Import(module, target, node.lineno, relative=node.level > 0))
                     if sub in mods:
                         aliases[a.asname or a.name] = sub
-                        own_pkg = base in (module, module.rsplit(".", 1)[0])   # its package or __init__
+                        own_pkg = base in (module, module.rsplit(".", 1)[0])  # its package or __init__
                         if _is_private(a.name) and not own_pkg:
                             private.append(f"{module}:{node.lineno} imports private module {sub}")
                     elif _is_private(a.name) and base != module:
@@ -212,8 +216,9 @@ def style(imports: list[Import]) -> list[str]:
         want = STYLE.get(pkg, DEFAULT_STYLE)
         if imp.relative != (want == "relative"):
             how = "relatively" if imp.relative else "absolutely"
-            bad.add(f"{imp.source}:{imp.line} imports {imp.target} {how} "
-                    f"({pkg} imports {want}ly within itself)")
+            bad.add(
+                f"{imp.source}:{imp.line} imports {imp.target} {how} ({pkg} imports {want}ly within itself)"
+            )
     return sorted(bad)
 
 
@@ -223,6 +228,7 @@ def _explain(comp: frozenset[str], graph: dict[str, set[str]]) -> str:
 
 
 # -- the tree ---------------------------------------------------------------------------------------
+
 
 @functools.cache
 def _report() -> Report:
@@ -242,8 +248,11 @@ def test_allowed_circle_edges_still_close_a_circle():
     # a stale allow-list entry would let a circle come back through it unnoticed
     graph = _report().graph()
     comps = circles(graph)
-    stale = sorted(e for e in ALLOWED_CIRCLE_EDGES
-                   if e[1] not in graph.get(e[0], ()) or not any(set(e) <= c for c in comps))
+    stale = sorted(
+        e
+        for e in ALLOWED_CIRCLE_EDGES
+        if e[1] not in graph.get(e[0], ()) or not any(set(e) <= c for c in comps)
+    )
     assert not stale, f"ALLOWED_CIRCLE_EDGES entries that close no circle any more, remove them: {stale}"
 
 
@@ -263,6 +272,7 @@ def test_one_import_style_per_package():
 
 # -- the checker itself, on synthetic trees -----------------------------------------------------------
 
+
 def _synthetic(tmp_path: Path, files: dict[str, str]) -> Report:
     for rel, src in files.items():
         p = tmp_path / rel
@@ -272,38 +282,50 @@ def _synthetic(tmp_path: Path, files: dict[str, str]) -> Report:
 
 
 def test_checker_finds_circles(tmp_path):
-    rep = _synthetic(tmp_path, {
-        "bus/__init__.py": "",
-        "bus/a.py": "from bus.b import x\n",
-        "bus/b.py": "def f():\n    from . import a  # lazy: still a circle\n",
-        "bus/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from bus.d import T\n",
-        "bus/d.py": "import bus.c\n",
-        "bus/g.py": "import bus.a\n",                     # imports into a circle: not part of it
-        "bus/e.py": "import bus.f as f\n",
-        "bus/f.py": "from bus import e\n",
-    })
-    assert sorted(sorted(c) for c in circles(rep.graph())) == [["bus.a", "bus.b"], ["bus.c", "bus.d"],
-                                                                 ["bus.e", "bus.f"]]
+    rep = _synthetic(
+        tmp_path,
+        {
+            "bus/__init__.py": "",
+            "bus/a.py": "from bus.b import x\n",
+            "bus/b.py": "def f():\n    from . import a  # lazy: still a circle\n",
+            "bus/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from bus.d import T\n",
+            "bus/d.py": "import bus.c\n",
+            "bus/g.py": "import bus.a\n",  # imports into a circle: not part of it
+            "bus/e.py": "import bus.f as f\n",
+            "bus/f.py": "from bus import e\n",
+        },
+    )
+    assert sorted(sorted(c) for c in circles(rep.graph())) == [
+        ["bus.a", "bus.b"],
+        ["bus.c", "bus.d"],
+        ["bus.e", "bus.f"],
+    ]
 
 
 def test_checker_finds_circle_through_package_init(tmp_path):
-    rep = _synthetic(tmp_path, {
-        "bus/__init__.py": "from .a import A\n",
-        "bus/a.py": "from bus import B\nA = 1\n",
-    })
+    rep = _synthetic(
+        tmp_path,
+        {
+            "bus/__init__.py": "from .a import A\n",
+            "bus/a.py": "from bus import B\nA = 1\n",
+        },
+    )
     assert circles(rep.graph()) == [frozenset({"bus", "bus.a"})]
 
 
 def test_checker_finds_private_names(tmp_path):
-    rep = _synthetic(tmp_path, {
-        "bus/__init__.py": "",
-        "bus/a.py": "_x = 1\n__version__ = '1'\ndef f():\n    return _x\n",
-        "bus/_m.py": "",
-        "bus/b.py": "from bus.a import _x, __version__\nfrom . import _m\n",
-        "bus/c.py": "import bus.a\nimport bus.a as ba\nbus.a._x\nba._x\nba.f\n",
-        "trainer/__init__.py": "",
-        "trainer/t.py": "from bus import _m\n",
-    })
+    rep = _synthetic(
+        tmp_path,
+        {
+            "bus/__init__.py": "",
+            "bus/a.py": "_x = 1\n__version__ = '1'\ndef f():\n    return _x\n",
+            "bus/_m.py": "",
+            "bus/b.py": "from bus.a import _x, __version__\nfrom . import _m\n",
+            "bus/c.py": "import bus.a\nimport bus.a as ba\nbus.a._x\nba._x\nba.f\n",
+            "trainer/__init__.py": "",
+            "trainer/t.py": "from bus import _m\n",
+        },
+    )
     assert sorted(rep.private) == [
         "bus.b:1 imports bus.a._x",
         "bus.c:3 uses bus.a._x",
@@ -313,18 +335,21 @@ def test_checker_finds_private_names(tmp_path):
 
 
 def test_checker_finds_layering(tmp_path):
-    rep = _synthetic(tmp_path, {
-        "bus/__init__.py": "",
-        "bus/a.py": "def f():\n    from trainer import t\n",
-        "trainer/__init__.py": "",
-        "trainer/t.py": "import rollout_worker.w\nimport bus.a\n",
-        "rollout_worker/__init__.py": "",
-        "rollout_worker/w.py": "",
-        "asyncrl/__init__.py": "",
-        "asyncrl/up.py": "from trainer import t\nfrom rollout_worker import w\n",
-        "scorer/__init__.py": "",
-        "scorer/s.py": "from asyncrl import up\n",
-    })
+    rep = _synthetic(
+        tmp_path,
+        {
+            "bus/__init__.py": "",
+            "bus/a.py": "def f():\n    from trainer import t\n",
+            "trainer/__init__.py": "",
+            "trainer/t.py": "import rollout_worker.w\nimport bus.a\n",
+            "rollout_worker/__init__.py": "",
+            "rollout_worker/w.py": "",
+            "asyncrl/__init__.py": "",
+            "asyncrl/up.py": "from trainer import t\nfrom rollout_worker import w\n",
+            "scorer/__init__.py": "",
+            "scorer/s.py": "from asyncrl import up\n",
+        },
+    )
     assert layering(rep.imports) == [
         "bus.a:2 (library) imports trainer.t (process)",
         "scorer.s:1 imports another process package: asyncrl.up",
@@ -333,15 +358,18 @@ def test_checker_finds_layering(tmp_path):
 
 
 def test_checker_finds_style(tmp_path):
-    rep = _synthetic(tmp_path, {
-        "bus/__init__.py": "from bus.a import A\n",
-        "bus/a.py": "from .b import B\n",
-        "bus/b.py": "import bus.c\nimport policy\n",
-        "bus/c.py": "",
-        "policy/__init__.py": "from . import m\n",
-        "policy/m.py": "from policy.n import x\nfrom bus.a import A\n",
-        "policy/n.py": "",
-    })
+    rep = _synthetic(
+        tmp_path,
+        {
+            "bus/__init__.py": "from bus.a import A\n",
+            "bus/a.py": "from .b import B\n",
+            "bus/b.py": "import bus.c\nimport policy\n",
+            "bus/c.py": "",
+            "policy/__init__.py": "from . import m\n",
+            "policy/m.py": "from policy.n import x\nfrom bus.a import A\n",
+            "policy/n.py": "",
+        },
+    )
     assert style(rep.imports) == [
         "bus.a:1 imports bus.b relatively (bus imports absolutely within itself)",
         "policy.m:1 imports policy.n absolutely (policy imports relatively within itself)",

@@ -1,5 +1,6 @@
 """cancel_and_wait: a background task that loses a cancel (as under Python 3.11's wait_for when
 the reply lands first) still ends, so a process stop cannot hang on it."""
+
 import asyncio
 
 import pytest
@@ -28,7 +29,7 @@ async def test_a_lost_cancel_hangs_a_plain_gather_but_not_cancel_and_wait():
     beats: list = []
     t = asyncio.create_task(_loses_first_cancels(1, beats))
     await asyncio.sleep(0.03)
-    t.cancel()                               # what the stop paths did before: one cancel, then wait
+    t.cancel()  # what the stop paths did before: one cancel, then wait
     done, _ = await asyncio.wait([t], timeout=0.3)
     assert not done, "the task should have survived one cancel (the failure mode)"
     n = len(beats)
@@ -40,6 +41,7 @@ async def test_a_lost_cancel_hangs_a_plain_gather_but_not_cancel_and_wait():
 async def test_several_tasks_errors_retrieved_and_none_ignored():
     async def fails():
         raise RuntimeError("boom")
+
     beats: list = []
     ts = [asyncio.create_task(_loses_first_cancels(3, beats)), asyncio.create_task(fails()), None]
     await asyncio.sleep(0.02)

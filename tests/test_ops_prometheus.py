@@ -1,5 +1,6 @@
 """Prometheus end to end: `asyncrl up` with `[up] metrics_port`, scraped by a real Prometheus
 server (Debian package `prometheus`) through the run's file_sd targets, queried over its HTTP API."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,11 @@ import pytest
 from bench.up_driver import SMALL_RUN
 
 # the shared small run (bench/up_driver.py) with one worker, no evals and shorter answers
-CONFIG = SMALL_RUN.replace("workers = 2", "workers = 1\nmetrics_port = {port}") \
-    .replace("eval_every = 3\neval_prompts = 16\n", "").replace("max_tokens = 40", "max_tokens = 24")
+CONFIG = (
+    SMALL_RUN.replace("workers = 2", "workers = 1\nmetrics_port = {port}")
+    .replace("eval_every = 3\neval_prompts = 16\n", "")
+    .replace("max_tokens = 40", "max_tokens = 24")
+)
 
 PROM_CONFIG = """
 global:
@@ -71,22 +75,50 @@ def query(prom: str, expr: str) -> list[dict]:
     return body["data"]["result"]
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None,
-                    reason="the `prometheus` binary is not installed (apt-get install -y prometheus; .ci/run does)")
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="the `prometheus` binary is not installed (apt-get install -y prometheus; .ci/run does)",
+)
 def test_prometheus_scrapes_a_running_up(fresh_server, tmp_path):
     base = consecutive_free(3)
     cfg = tmp_path / "up.toml"
     cfg.write_text(CONFIG.replace("{port}", str(base)))
     run_dir = tmp_path / "run"
-    up = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "up", "--config", str(cfg), "--steps", "40",
-                           "--minutes", "5", "--nats", fresh_server.url, "--run-dir", str(run_dir), "--quiet"],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "up",
+            "--config",
+            str(cfg),
+            "--steps",
+            "40",
+            "--minutes",
+            "5",
+            "--nats",
+            fresh_server.url,
+            "--run-dir",
+            str(run_dir),
+            "--quiet",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     prom_port = free_ports(1)[0]
     prom_yml = tmp_path / "prometheus.yml"
     prom_yml.write_text(PROM_CONFIG.format(targets=run_dir / "config" / "prometheus_targets.json"))
-    prom = subprocess.Popen(["prometheus", f"--config.file={prom_yml}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{prom_port}"],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
+    prom = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={prom_yml}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "prometheus.log", "w"),
+    )
     url = f"http://127.0.0.1:{prom_port}"
     wanted = {
         # the trainer published versions; the worker applied them and generated tokens; the scorer scored
@@ -94,9 +126,9 @@ def test_prometheus_scrapes_a_running_up(fresh_server, tmp_path):
         "applied": 'sum(asyncrl_versions_applied_total{job="rollout_worker",kind="delta"})',
         "tokens": 'sum(asyncrl_tokens_generated_total{job="rollout_worker"})',
         "scored": 'sum by (env) (asyncrl_rollouts_scored_total{job="scorer"})',
-        "patched": 'sum(asyncrl_publish_to_patched_seconds_count)',
-        "step": 'sum(asyncrl_trainer_step_seconds_count)',
-        "pending": 'count(asyncrl_consumer_pending_messages)',
+        "patched": "sum(asyncrl_publish_to_patched_seconds_count)",
+        "step": "sum(asyncrl_trainer_step_seconds_count)",
+        "pending": "count(asyncrl_consumer_pending_messages)",
     }
     got: dict = {}
     try:
@@ -107,7 +139,7 @@ def test_prometheus_scrapes_a_running_up(fresh_server, tmp_path):
             for k, expr in wanted.items():
                 try:
                     res = query(url, expr)
-                except OSError:      # Prometheus still starting
+                except OSError:  # Prometheus still starting
                     break
                 if res and float(res[0]["value"][1]) > 0:
                     got[k] = res

@@ -7,6 +7,7 @@ not finite at once; a consumer loop parks bad input on its first delivery; worke
 delta or keyframe whose result is NaN/±inf (state untouched) even when it is validly signed; and
 the short `poison_numbers` chaos scenario (real processes) holds the books.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,13 @@ import pytest
 import torch
 
 import delta_codec
-from bench.chaoskit.scenarios_poison import (base_rollout, poison_numbers, rollout_poisons, scored_of,
-                                             scored_poisons)
+from bench.chaoskit.scenarios_poison import (
+    base_rollout,
+    poison_numbers,
+    rollout_poisons,
+    scored_of,
+    scored_poisons,
+)
 from bus import BusConfig, ConsumerLoop, TopologyConfig, connect
 from bus import topology as topo
 from bus.events import EventError, Rollout, Scored, decode
@@ -44,8 +50,11 @@ VOCAB = 128
 
 
 # -- events: every field, every bad value ------------------------------------------------------
-@pytest.mark.parametrize("field,bad,named", rollout_poisons(VOCAB, short=False),
-                         ids=lambda x: str(x)[:30] if isinstance(x, str) else None)
+@pytest.mark.parametrize(
+    "field,bad,named",
+    rollout_poisons(VOCAB, short=False),
+    ids=lambda x: str(x)[:30] if isinstance(x, str) else None,
+)
 def test_every_bad_rollout_number_is_refused_naming_its_field(field, bad, named):
     """Bare (what the scorer decodes) and inside a Scored (what the trainer decodes); an id out of
     the vocabulary passes decode (it knows no vocabulary) and is refused by check_rollout."""
@@ -57,8 +66,9 @@ def test_every_bad_rollout_number_is_refused_naming_its_field(field, bad, named)
         assert named in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("field,bad,named", scored_poisons(short=False),
-                         ids=lambda x: str(x)[:30] if isinstance(x, str) else None)
+@pytest.mark.parametrize(
+    "field,bad,named", scored_poisons(short=False), ids=lambda x: str(x)[:30] if isinstance(x, str) else None
+)
 def test_every_bad_score_is_refused_naming_its_field(field, bad, named):
     with pytest.raises(EventError, match=named):
         decode(msgpack.packb(scored_of(base_rollout("poison-s-0"), **bad)), Scored)
@@ -67,19 +77,24 @@ def test_every_bad_score_is_refused_naming_its_field(field, bad, named):
 def test_whole_lists_are_checked_not_a_prefix():
     """The old decode type-checked the first 8 elements only: a string at 10,000 went through."""
     n = 20_000
-    ro = {**base_rollout("long-0"), "completion_ids": [5] * n, "logprobs": [-0.5] * n,
-          "token_versions": [3] * n}
+    ro = {
+        **base_rollout("long-0"),
+        "completion_ids": [5] * n,
+        "logprobs": [-0.5] * n,
+        "token_versions": [3] * n,
+    }
     good = decode(msgpack.packb(ro), Rollout)
     check_rollout(good, VOCAB)
-    for field, at, value, why in (("logprobs", 10_000, "x", r"logprobs\[10000\] is a str"),
-                                  ("logprobs", n - 1, math.nan, r"logprobs\[19999\] = nan is not finite"),
-                                  ("logprobs", 17, -math.inf, r"logprobs\[17\] = -inf is not finite"),
-                                  ("logprobs", 9, 0.25, r"logprobs\[9\] = 0.25 is outside"),
-                                  ("completion_ids", 12_345, True, r"completion_ids\[12345\] is a bool"),
-                                  ("completion_ids", 9_000, 1.0, r"completion_ids\[9000\] is a float"),
-                                  ("completion_ids", 15_000, -4, r"completion_ids\[15000\] = -4 is outside"),
-                                  ("token_versions", 11_111, 2,
-                                   r"token_versions\[11111\] = 2 goes back from 3")):
+    for field, at, value, why in (
+        ("logprobs", 10_000, "x", r"logprobs\[10000\] is a str"),
+        ("logprobs", n - 1, math.nan, r"logprobs\[19999\] = nan is not finite"),
+        ("logprobs", 17, -math.inf, r"logprobs\[17\] = -inf is not finite"),
+        ("logprobs", 9, 0.25, r"logprobs\[9\] = 0.25 is outside"),
+        ("completion_ids", 12_345, True, r"completion_ids\[12345\] is a bool"),
+        ("completion_ids", 9_000, 1.0, r"completion_ids\[9000\] is a float"),
+        ("completion_ids", 15_000, -4, r"completion_ids\[15000\] = -4 is outside"),
+        ("token_versions", 11_111, 2, r"token_versions\[11111\] = 2 goes back from 3"),
+    ):
         lst = list(ro[field])
         lst[at] = value
         with pytest.raises(EventError, match=why):
@@ -88,8 +103,14 @@ def test_whole_lists_are_checked_not_a_prefix():
 
 def test_observation_tokens_and_episode_rollouts_still_pass():
     """-1 versions on observation tokens (loss mask 0) are not a decrease; 0.0 logprobs are fine."""
-    ro = {**base_rollout("ep-0"), "completion_ids": [4, 5, 6, 7], "logprobs": [-1.0, 0.0, 0.0, -2.0],
-          "token_versions": [2, -1, -1, 3], "loss_mask": [1, 0, 0, 1], "turns": 2}
+    ro = {
+        **base_rollout("ep-0"),
+        "completion_ids": [4, 5, 6, 7],
+        "logprobs": [-1.0, 0.0, 0.0, -2.0],
+        "token_versions": [2, -1, -1, 3],
+        "loss_mask": [1, 0, 0, 1],
+        "turns": 2,
+    }
     check_rollout(decode(msgpack.packb(ro), Rollout), VOCAB)
     with pytest.raises(EventError, match=r"token_versions\[3\] = 1 goes back from 2"):
         decode(msgpack.packb({**ro, "token_versions": [2, -1, -1, 1]}), Rollout)
@@ -97,12 +118,12 @@ def test_observation_tokens_and_episode_rollouts_still_pass():
 
 def test_validation_helpers_refuse_what_numpy_would_coerce():
     with pytest.raises(EventError, match=r"ids\[1\] is a bool"):
-        int_array("w", "ids", [1, True], 0, MAX_ID)              # numpy would make it 1
+        int_array("w", "ids", [1, True], 0, MAX_ID)  # numpy would make it 1
     with pytest.raises(EventError, match=r"ids\[2\] = 18446744073709551615 does not fit int64"):
-        int_array("w", "ids", [1, 2, 2 ** 64 - 1], 0, MAX_ID)
+        int_array("w", "ids", [1, 2, 2**64 - 1], 0, MAX_ID)
     with pytest.raises(EventError, match=r"lp\[0\] is not finite as a float"):
-        float_array("w", "lp", [10 ** 400])
-    assert int_array("w", "ids", [np.int64(3), 4], 0, 10).tolist() == [3, 4]   # numpy scalars (in-process)
+        float_array("w", "lp", [10**400])
+    assert int_array("w", "ids", [np.int64(3), 4], 0, 10).tolist() == [3, 4]  # numpy scalars (in-process)
 
 
 # -- the trainer's arrival check ---------------------------------------------------------------
@@ -111,7 +132,7 @@ def test_check_rollout_knows_the_vocabulary_and_the_kept_sets():
     check_rollout(ro, VOCAB)
     with pytest.raises(EventError, match=r"completion_ids\[2\] = 6 outside the vocabulary \[0, 6\)"):
         check_rollout(ro, 6)
-    keeps = SamplingMask([1, 2, -1], [4, 9, 77])                # row 1 keeps 9, 77 but sampled 5
+    keeps = SamplingMask([1, 2, -1], [4, 9, 77])  # row 1 keeps 9, 77 but sampled 5
     with pytest.raises(EventError, match="sampling_mask row 1 does not keep the sampled token"):
         check_rollout(Rollout(**{**ro.__dict__, "sampling_mask": keeps.to_wire()}), VOCAB)
     wide = SamplingMask([1, 2, -1], [4, 5, 500])
@@ -135,8 +156,9 @@ async def test_batcher_parks_poisoned_scored_at_once_and_trains_the_rest(bus, fr
     rng = random.Random(3)
     good = [make_scored(model, "g0", i, 2, 0, rng) for i in range(2)]
     poisoned = []
-    for k, (field, value) in enumerate((("logprobs", "x"), ("logprobs", math.nan), ("completion_ids", 500),
-                                        ("wall_s", math.inf))):
+    for k, (field, value) in enumerate(
+        (("logprobs", "x"), ("logprobs", math.nan), ("completion_ids", 500), ("wall_s", math.inf))
+    ):
         sc = make_scored(model, f"p{k}", 0, 2, 0, rng).to_dict()
         ro = sc["rollout"]
         ro[field] = value if not isinstance(ro[field], list) else [ro[field][0], value, *ro[field][2:]]
@@ -175,11 +197,15 @@ async def test_scorer_parks_a_non_finite_cost_at_once(tmp_path):
     """A rollout built in-process (the decode path refuses NaN wall_s earlier): the cost is not
     finite, and the scorer raises EventError (parked at once), not ValueError (retried)."""
     sc = Scorer(ScorerConfig(cost_unit="wall_s"))
-    ro = Rollout(**{**{k: v for k, v in base_rollout("w-0").items() if k not in ("schema", "kind")},
-                    "wall_s": math.nan})
+    ro = Rollout(
+        **{
+            **{k: v for k, v in base_rollout("w-0").items() if k not in ("schema", "kind")},
+            "wall_s": math.nan,
+        }
+    )
     try:
         with pytest.raises(EventError, match="bad reward input cost.*wall_s=nan"):
-            await sc.handle(ro, None)          # verified (arith), then the reward: before any publish
+            await sc.handle(ro, None)  # verified (arith), then the reward: before any publish
     finally:
         sc.pool.shutdown(wait=False)
 
@@ -187,8 +213,11 @@ async def test_scorer_parks_a_non_finite_cost_at_once(tmp_path):
 async def test_consumer_loop_parks_bad_numbers_on_first_delivery_and_acks_the_rest(fresh_server):
     """ROLLOUTS through a real ConsumerLoop: a NaN logprob (decode) and a handler's EventError
     (a non-finite cost) each parked once, with no retry; the good ones beside them acked."""
-    b = await connect(BusConfig(servers=[fresh_server.url], name="c",
-                                topology=TopologyConfig(ack_wait_s=2.0, max_deliver=3)))
+    b = await connect(
+        BusConfig(
+            servers=[fresh_server.url], name="c", topology=TopologyConfig(ack_wait_s=2.0, max_deliver=3)
+        )
+    )
     await b.provision()
     try:
         bodies = {f"ok{i}-0": base_rollout(f"ok{i}-0") for i in range(4)}
@@ -202,14 +231,15 @@ async def test_consumer_loop_parks_bad_numbers_on_first_delivery_and_acks_the_re
             seen.append(ev.rollout_id)
             if ev.rollout_id == "cost-0":
                 raise EventError("Rollout cost-0: bad reward input cost")
+
         loop = ConsumerLoop(b, topo.ROLLOUTS, topo.SCORER_CONSUMER, handler, Rollout, handle_signals=False)
         stop = asyncio.Event()
         runner = asyncio.create_task(loop.run(stop))
         await until(lambda: loop.stats.dlq == 2 and loop.stats.acked == 4, timeout=20)
-        await asyncio.sleep(2.5)                       # past ack_wait: nothing comes back
+        await asyncio.sleep(2.5)  # past ack_wait: nothing comes back
         stop.set()
         await asyncio.wait_for(runner, 15)
-        assert sorted(seen) == sorted(r for r in bodies if r != "nan-0")   # each handled once
+        assert sorted(seen) == sorted(r for r in bodies if r != "nan-0")  # each handled once
         sub = await b.js.pull_subscribe(topo.dlq_subject(topo.ROLLOUTS), stream=topo.DLQ)
         dead = {m.headers["Rl-Reason"]: m.headers["Rl-Deliveries"] for m in await sub.fetch(2, timeout=5)}
         assert set(dead.values()) == {"1"}, dead
@@ -231,10 +261,13 @@ def nan_at(state: dict, name: str, index: int, value: float = math.nan) -> dict:
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_apply_delta_refuses_a_non_finite_result_and_rolls_back(dtype, dense, bad):
     g = torch.Generator().manual_seed(0)
-    base = {"a": torch.randn(4096, generator=g).to(dtype), "b": torch.randn(64, 33, generator=g).to(dtype),
-            "ids": torch.arange(10)}
+    base = {
+        "a": torch.randn(4096, generator=g).to(dtype),
+        "b": torch.randn(64, 33, generator=g).to(dtype),
+        "ids": torch.arange(10),
+    }
     new = {k: v.clone() for k, v in base.items()}
-    if dense:                                           # every element moves: a dense chunk
+    if dense:  # every element moves: a dense chunk
         new["b"] = (new["b"].float() * 1.5 + 0.25).to(dtype)
     new["a"][100] += 1
     new = nan_at(new, "b", 1234, bad)
@@ -243,8 +276,8 @@ def test_apply_delta_refuses_a_non_finite_result_and_rolls_back(dtype, dense, ba
     state = {k: v.clone() for k, v in base.items()}
     with pytest.raises(NonFiniteError, match=r"tensor 'b'.* element 1234 NaN or ±inf"):
         delta_codec.apply_delta(state, d, finite=True)
-    assert same(state, base)                            # bit for bit: the 'a' change rolled back too
-    delta_codec.apply_delta(state, d)                   # the codec itself stays lossless
+    assert same(state, base)  # bit for bit: the 'a' change rolled back too
+    delta_codec.apply_delta(state, d)  # the codec itself stays lossless
     assert same(state, new) or torch.isnan(state["b"]).any()
 
 
@@ -258,7 +291,7 @@ def test_keyframe_with_nan_is_refused_and_into_untouched():
     with pytest.raises(NonFiniteError):
         delta_codec.load_keyframe(kf, into=into, finite=True)
     assert same(into, s)
-    assert torch.isnan(delta_codec.load_keyframe(kf)[name].view(-1)[7])   # lossless without the check
+    assert torch.isnan(delta_codec.load_keyframe(kf)[name].view(-1)[7])  # lossless without the check
 
 
 async def test_follower_refuses_a_signed_nan_delta_and_keyframe_then_follows(bus):
@@ -299,13 +332,14 @@ async def test_a_sharded_version_with_nan_rows_is_refused_whole(bus):
     rank 0's rows, already applied, are rolled back."""
     from bus.weight_manifest import publish_sharded
     from delta_codec.sharded import encode_part, shard_rows
+
     states = trajectory(2, seed=7)
     name = next(n for n, t in states[0].items() if t.dim() == 2 and t.shape[0] > 1)
-    new = nan_at(states[1], name, states[1][name].numel() - 1)          # the last row: rank 1's
+    new = nan_at(states[1], name, states[1][name].numel() - 1)  # the last row: rank 1's
     parts = []
     for r in range(2):
         rows = {n: shard_rows(t.shape[0], r, 2) for n, t in states[0].items()}
-        cut = lambda st: {n: st[n][a:b] for n, (a, b) in rows.items()}   # noqa: E731
+        cut = lambda st: {n: st[n][a:b] for n, (a, b) in rows.items()}  # noqa: E731
         parts.append(encode_part(cut(states[0]), cut(new), rows, from_version=0, to_version=1).to_bytes())
     pub = WeightPublisher(bus, epoch=1, trainer_id="t1")
     await pub.publish_keyframe(states[0], 0, WEIGHTS_CFG)
@@ -319,6 +353,7 @@ async def test_a_sharded_version_with_nan_rows_is_refused_whole(bus):
 @pytest.mark.parametrize("update_mode", ["swap", "inline"])
 async def test_torch_engine_refuses_a_nan_delta_with_weights_and_version_untouched(update_mode):
     import policy
+
     torch.manual_seed(0)
     s0 = policy.inference_state(policy.Transformer(ENGINE_CFG))
     eng = TorchEngine(ENGINE_CFG, slots=1, max_len=32, update_mode=update_mode)

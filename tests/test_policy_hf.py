@@ -1,18 +1,26 @@
 """HF checkpoints: load Llama/Qwen2 folders (single file and sharded) with the real loader and
 compare logits with `transformers`; our save loads back in both; tokenizer.json files."""
+
 import dataclasses
 import json
 
 import pytest
 import torch
 
-from policy import (CharTokenizer, ModelConfig, SamplingConfig, Transformer, generate, hf_name_map,
-                    load_hf_checkpoint, load_hf_tokenizer, save_hf_checkpoint)
+from policy import (
+    CharTokenizer,
+    ModelConfig,
+    SamplingConfig,
+    Transformer,
+    generate,
+    hf_name_map,
+    load_hf_checkpoint,
+    load_hf_tokenizer,
+    save_hf_checkpoint,
+)
 from policy.tokenizer import HFTokenizer
 from tests.helpers.bpe import chat_tokenizer_folder
 from tests.helpers.tolerance import transformers_tol
-
-
 
 
 transformers = pytest.importorskip("transformers")
@@ -20,21 +28,31 @@ transformers = pytest.importorskip("transformers")
 
 def hf_model(kind: str, tie=False):
     torch.manual_seed(0)
-    common = dict(vocab_size=101, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  rms_norm_eps=1e-6, tie_word_embeddings=tie)
+    common = dict(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+    )
     if kind == "qwen2":
         m = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     else:
         m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    with torch.no_grad():      # HF inits biases to 0: make them matter
+    with torch.no_grad():  # HF inits biases to 0: make them matter
         for n, p in m.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.5)
     return m.eval()
 
 
-@pytest.mark.parametrize("kind,tie,shard", [("qwen2", False, None), ("qwen2", True, "60KB"), ("llama", False, "60KB")])
+@pytest.mark.parametrize(
+    "kind,tie,shard", [("qwen2", False, None), ("qwen2", True, "60KB"), ("llama", False, "60KB")]
+)
 def test_load_hf_checkpoint_matches_transformers(tmp_path, kind, tie, shard):
     ref = hf_model(kind, tie)
     kw = {"max_shard_size": shard} if shard else {}
@@ -71,6 +89,7 @@ def test_our_save_loads_in_transformers_and_back(tmp_path):
         assert torch.equal(back(idx), want)
     # the name map names exactly the tensors in the file
     from safetensors.torch import load_file
+
     assert set(hf_name_map(cfg).values()) == set(load_file(str(tmp_path / "model.safetensors")))
     # a loaded checkpoint generates with the KV cache like any of our models
     out = generate(back, [[5, 6, 7]], SamplingConfig(0.0), 5)
@@ -108,11 +127,14 @@ def test_tokenizers(tmp_path):
         tok.decode([5, 400])
     # a real tokenizer.json made with the `tokenizers` package, loaded like a model folder's
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     t = Tokenizer(models.BPE(unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(["hello world", "12+7=19", "def f(x): return x"] * 50,
-                          trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"]))
+    t.train_from_iterator(
+        ["hello world", "12+7=19", "def f(x): return x"] * 50,
+        trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"]),
+    )
     t.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     hf = load_hf_tokenizer(tmp_path)
@@ -123,20 +145,36 @@ def test_tokenizers(tmp_path):
         load_hf_tokenizer(tmp_path / "nope")
 
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 16}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
 def scaled_llama(scaling: dict, tie: bool):
     torch.manual_seed(2)
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=0.2,
-                                   rope_parameters={"rope_theta": 500000.0, **scaling})
+    cfg = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        initializer_range=0.2,
+        rope_parameters={"rope_theta": 500000.0, **scaling},
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-@pytest.mark.parametrize("scaling,tie", [(LLAMA3_SCALING, True), ({"rope_type": "linear", "factor": 4.0}, False)])
+@pytest.mark.parametrize(
+    "scaling,tie", [(LLAMA3_SCALING, True), ({"rope_type": "linear", "factor": 4.0}, False)]
+)
 def test_rope_scaling_matches_transformers(tmp_path, scaling, tie):
     ref = scaled_llama(scaling, tie)
     ref.save_pretrained(tmp_path, safe_serialization=True)
@@ -152,12 +190,13 @@ def test_rope_scaling_matches_transformers(tmp_path, scaling, tie):
         plain = Transformer(dataclasses.replace(cfg, rope_scaling=None)).eval()
         plain.load_state_dict(ours.state_dict(), strict=False)
         plain.reset_rope()
-        assert (plain(idx) - want).abs().max() > 1e-2        # the scaling is what makes them agree
+        assert (plain(idx) - want).abs().max() > 1e-2  # the scaling is what makes them agree
         # the KV-cached path uses the same tables: greedy decoding agrees with transformers'
         prompt = idx[0, :20].tolist()
         out = generate(ours, [prompt], SamplingConfig(0.0), 12)[0].ids
-        hf_out = ref.generate(idx[:1, :20], max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                              pad_token_id=0)[0, 20:].tolist()
+        hf_out = ref.generate(
+            idx[:1, :20], max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0
+        )[0, 20:].tolist()
         assert out == hf_out
     # our save writes the scaling back; transformers and we load it to the same logits
     save_hf_checkpoint(ours, tmp_path / "again")
@@ -165,28 +204,43 @@ def test_rope_scaling_matches_transformers(tmp_path, scaling, tie):
     assert cfg2 == cfg
     ref2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
     with torch.no_grad():
-        tol = transformers_tol(cfg, want, idx.shape[1])      # why: as above
+        tol = transformers_tol(cfg, want, idx.shape[1])  # why: as above
         torch.testing.assert_close(ref2(idx).logits.float(), want, **tol)
 
 
 def test_real_checkpoint_config_features_and_refusals(tmp_path):
     from policy.hf import config_from_hf
-    base = {"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 1,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
-            "max_position_embeddings": 8192}
+
+    base = {
+        "model_type": "llama",
+        "vocab_size": 50,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "max_position_embeddings": 8192,
+    }
     # transformers < 5 spelling of the same scaling
-    old = config_from_hf({**base, "rope_theta": 5e5, "rope_scaling": {**LLAMA3_SCALING, "rope_type": None,
-                                                                      "type": "llama3"}})
+    old = config_from_hf(
+        {**base, "rope_theta": 5e5, "rope_scaling": {**LLAMA3_SCALING, "rope_type": None, "type": "llama3"}}
+    )
     assert old.rope_scaling == LLAMA3_SCALING and old.rope_theta == 5e5
     assert config_from_hf({**base, "rope_scaling": {"rope_type": "default"}}).rope_scaling is None
     # Mistral's sliding window is exact full attention up to the window: the length is capped there
     assert config_from_hf({**base, "model_type": "mistral", "sliding_window": 4096}).max_seq_len == 4096
-    assert config_from_hf({**base, "model_type": "qwen2", "sliding_window": 4096,
-                           "use_sliding_window": False}).max_seq_len == 8192
-    for bad, match in [({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling"),
-                       ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
-                       ({"mlp_bias": True}, "mlp_bias"),
-                       ({"attention_bias": True}, "attention_bias")]:
+    assert (
+        config_from_hf(
+            {**base, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}
+        ).max_seq_len
+        == 8192
+    )
+    for bad, match in [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"attention_bias": True}, "attention_bias"),
+    ]:
         with pytest.raises(ValueError, match=match):
             config_from_hf({**base, **bad})
     with pytest.raises(ValueError, match="high_freq_factor > low_freq_factor"):
@@ -202,9 +256,15 @@ def test_chat_template_through_the_tokenizer_matches_transformers(tmp_path):
     t = chat_tokenizer_folder(tmp_path)
     ours = load_hf_tokenizer(tmp_path)
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    chats = [[{"role": "user", "content": "hello world"}],
-             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"},
-              {"role": "assistant", "content": "return x"}, {"role": "user", "content": "again"}]]
+    chats = [
+        [{"role": "user", "content": "hello world"}],
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "def f(x):"},
+            {"role": "assistant", "content": "return x"},
+            {"role": "user", "content": "again"},
+        ],
+    ]
     for msgs in chats:
         for gen in (True, False):
             text = ours.render_chat(msgs, add_generation_prompt=gen)
@@ -235,6 +295,7 @@ def test_chat_template_bad_inputs(tmp_path):
         tok.render_chat("hello")
     # templates ship with checkpoints: they run sandboxed, and may refuse a conversation
     import jinja2
+
     chat_tokenizer_folder(tmp_path, template="{{ messages.__class__.__mro__[1].__subclasses__() }}")
     with pytest.raises(jinja2.exceptions.SecurityError):
         load_hf_tokenizer(tmp_path).render_chat([{"role": "user", "content": "x"}])

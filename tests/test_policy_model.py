@@ -1,11 +1,10 @@
 """Model, KV cache and inference state: incremental decoding must equal the full forward."""
+
 import pytest
 import torch
 
 from policy import KVCache, ModelConfig, QuantConfig, Transformer, inference_state
 from tests.helpers.tolerance import forward_tol
-
-
 
 
 # why: cached/batched and full forwards run the same layers in other matmul shapes (another reduction
@@ -22,9 +21,15 @@ def make(attn, quant=(), **kw):
     return Transformer(cfg, quant=QuantConfig(sites=quant)).eval()
 
 
-CASES = [("gqa", (), {}), ("gqa", (), {"qkv_bias": True, "tie_embeddings": True}),
-         ("mla", (), {}), ("mla", ("mla_rope_qk",), {}), ("mla", ("mla_rope_qk", "linear_act"), {"q_lora_rank": 32}),
-         ("gqa", ("linear_act",), {}), ("gqa", ("linear_weight",), {})]
+CASES = [
+    ("gqa", (), {}),
+    ("gqa", (), {"qkv_bias": True, "tie_embeddings": True}),
+    ("mla", (), {}),
+    ("mla", ("mla_rope_qk",), {}),
+    ("mla", ("mla_rope_qk", "linear_act"), {"q_lora_rank": 32}),
+    ("gqa", ("linear_act",), {}),
+    ("gqa", ("linear_weight",), {}),
+]
 
 
 @pytest.mark.parametrize("attn,quant,kw", CASES)
@@ -45,7 +50,7 @@ def test_incremental_decode_matches_full_forward(attn, quant, kw):
         torch.testing.assert_close(last, full[row, n - 1], atol=atol, rtol=0)
     pos = {slot: n for slot, (row, n) in starts.items()}
     for step in range(10):
-        slots = [s for s in (4, 0, 2) if step % 3 != 1 or s != 0]      # slot 0 skips some steps
+        slots = [s for s in (4, 0, 2) if step % 3 != 1 or s != 0]  # slot 0 skips some steps
         toks = [idx[starts[s][0], pos[s]] for s in slots]
         out = m.decode(torch.stack(toks), cache, slots)
         for r, s in enumerate(slots):
@@ -68,7 +73,11 @@ def test_prefill_many_equals_one_by_one(attn):
     torch.testing.assert_close(together, alone, atol=ATOL, rtol=0)
     assert many.lengths.tolist() == one.lengths.tolist() == [9, 5, 0, 5, 2, 5]
     for s, p in zip(slots, prompts):
-        kv = (slice(None), s, slice(None), slice(0, len(p))) if attn == "gqa" else (slice(None), s, slice(0, len(p)))
+        kv = (
+            (slice(None), s, slice(None), slice(0, len(p)))
+            if attn == "gqa"
+            else (slice(None), s, slice(0, len(p)))
+        )
         torch.testing.assert_close(many.a[kv], one.a[kv], atol=ATOL, rtol=0)
         torch.testing.assert_close(many.b[kv], one.b[kv], atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="2 prompts for 1 slots"):
@@ -95,7 +104,7 @@ def test_bad_inputs_raise_clearly():
         m.prefill([], cache, 0)
     with pytest.raises(ValueError, match="token id out of range"):
         m.prefill([5, 200], cache, 0)
-    assert cache.lengths.tolist() == [0, 0]          # nothing written by refused calls
+    assert cache.lengths.tolist() == [0, 0]  # nothing written by refused calls
     m.prefill([5, 6, 7], cache, 0)
     m.prefill([5], cache, 1)
     with pytest.raises(ValueError, match="duplicate slots"):
@@ -126,7 +135,7 @@ def test_config_round_trip_and_presets():
     expected = {"tiny": (0.5, 1.5), "small": (8, 13), "base50m": (40, 60), "base100m": (85, 115)}
     for name, (lo, hi) in expected.items():
         for attn in ("gqa", "mla"):
-            with torch.device("meta"):     # count only: no memory, no init
+            with torch.device("meta"):  # count only: no memory, no init
                 n = Transformer(ModelConfig.preset(name, vocab_size=128, attn=attn)).num_params() / 1e6
             assert lo < n < hi, (name, attn, n)
 
@@ -151,20 +160,21 @@ def test_inference_state_round_trip_is_bf16_exact():
         dst.load_inference_state(bad)
     with pytest.raises(ValueError, match="missing"):
         dst.load_inference_state({k: v for k, v in state.items() if k != "tok_emb.weight"})
-    assert all(torch.equal(p, before[n]) for n, p in dst.named_parameters())    # why equal: nothing written
+    assert all(torch.equal(p, before[n]) for n, p in dst.named_parameters())  # why equal: nothing written
 
 
 def test_linear_weight_site_equals_prerounded_weights():
     from policy import fp8_round
     from policy.model import QLinear
+
     m, ref = make("gqa", ("linear_weight",)), make("gqa")
     with torch.no_grad():
         for mod in ref.modules():
             if isinstance(mod, QLinear):
-                mod.weight.copy_(fp8_round(mod.weight))       # per output channel scales
+                mod.weight.copy_(fp8_round(mod.weight))  # per output channel scales
         idx = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(0))
         q, plain = m(idx), make("gqa")(idx)
         # why: x + (fp8(x) - x) is exactly fp8(x) (Sterbenz: |fp8(x) - x| <= x/16), then the same kernels on
         # the same shapes: exact in fact; atol 1e-6 only keeps the check 100x below the site's effect
         torch.testing.assert_close(q, ref(idx), atol=1e-6, rtol=0)
-        assert (q - plain).abs().max() > 1e-4        # the site really changes the numerics
+        assert (q - plain).abs().max() > 1e-4  # the site really changes the numerics

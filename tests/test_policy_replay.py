@@ -1,17 +1,28 @@
 """Trainer-side replay: on identical weights, recomputed logprobs equal behaviour logprobs
 when mask and quant are replayed, and measurably differ when either is not."""
+
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from policy import (CharTokenizer, ModelConfig, QuantConfig, SamplingConfig, Transformer, fake_quant, fp8_round,
-                    generate, inference_state, masked_is_weight, mismatch_metrics, sequence_logprobs,
-                    truncated_is_weight)
+from policy import (
+    CharTokenizer,
+    ModelConfig,
+    QuantConfig,
+    SamplingConfig,
+    Transformer,
+    fake_quant,
+    fp8_round,
+    generate,
+    inference_state,
+    masked_is_weight,
+    mismatch_metrics,
+    sequence_logprobs,
+    truncated_is_weight,
+)
 from tests.helpers.tolerance import elementwise_rtol, forward_tol, sum_rtol
-
-
 
 
 TOK = CharTokenizer.default()
@@ -22,7 +33,9 @@ def peaked_mla(seed=0):
     """A random MLA model with realistically peaked next-token distributions and large RoPE activations
     (so that the fp8 rounding of the RoPE part is visible in the logits)."""
     torch.manual_seed(seed)
-    m = Transformer(ModelConfig.tiny(vocab_size=TOK.vocab_size, attn="mla", max_seq_len=128), quant=FP8).eval()
+    m = Transformer(
+        ModelConfig.tiny(vocab_size=TOK.vocab_size, attn="mla", max_seq_len=128), quant=FP8
+    ).eval()
     with torch.no_grad():
         m.lm_head.weight.mul_(60)
         for blk in m.layers:
@@ -36,20 +49,26 @@ def rollouts(m, samplings, n_new=24):
     outs = generate(m, prompts, samplings, n_new, [TOK.eos_id], torch.Generator().manual_seed(7))
     behaviour = torch.zeros(len(outs), max(len(o.ids) for o in outs))
     for i, o in enumerate(outs):
-        behaviour[i, :len(o.ids)] = torch.tensor(o.logprobs)
+        behaviour[i, : len(o.ids)] = torch.tensor(o.logprobs)
     return prompts, outs, behaviour
 
 
 def test_replay_recovers_behaviour_logprobs_and_omissions_do_not():
     m = peaked_mla()
-    samplings = [SamplingConfig(1.0, 0.9, 0), SamplingConfig(0.8, 0.95, 20), SamplingConfig(1.0, 1.0, 0),
-                 SamplingConfig(0.0, 1.0, 0)]
+    samplings = [
+        SamplingConfig(1.0, 0.9, 0),
+        SamplingConfig(0.8, 0.95, 20),
+        SamplingConfig(1.0, 1.0, 0),
+        SamplingConfig(0.0, 1.0, 0),
+    ]
     prompts, outs, behaviour = rollouts(m, samplings)
     comp, masks = [o.ids for o in outs], [o.mask for o in outs]
 
     def k3(replay_mask, quant, use_masks=True):
         m.quant = quant
-        r = sequence_logprobs(m, prompts, comp, samplings, masks if use_masks else None, replay_mask=replay_mask)
+        r = sequence_logprobs(
+            m, prompts, comp, samplings, masks if use_masks else None, replay_mask=replay_mask
+        )
         m.quant = FP8
         return mismatch_metrics(behaviour, r.logprobs, r.valid)
 
@@ -93,15 +112,17 @@ def test_sequence_logprobs_is_batched_padded_and_differentiable():
 def test_fake_quant_is_position_local_and_straight_through():
     x = torch.randn(2, 9, 4, 16) * torch.logspace(-3, 3, 9)[None, :, None, None]
     q = fp8_round(x)
-    for t in range(9):                  # quantising one position alone == quantising all of them
-        assert torch.equal(fp8_round(x[:, t:t + 1]), q[:, t:t + 1])    # why equal: a max and a rounding, no sum
+    for t in range(9):  # quantising one position alone == quantising all of them
+        assert torch.equal(
+            fp8_round(x[:, t : t + 1]), q[:, t : t + 1]
+        )  # why equal: a max and a rounding, no sum
     assert torch.equal(fp8_round(x, block=8)[..., :8], fp8_round(x[..., :8]))
     rel = ((q - x).abs() / x.abs().amax(-1, keepdim=True)).max()
-    assert 0 < rel < 2 ** -4                                        # e4m3: 3 mantissa bits
-    assert torch.equal(fp8_round(q), q)                             # idempotent
+    assert 0 < rel < 2**-4  # e4m3: 3 mantissa bits
+    assert torch.equal(fp8_round(q), q)  # idempotent
     xr = x.clone().requires_grad_()
     fake_quant(xr).mul(torch.arange(16.0)).sum().backward()
-    assert torch.equal(xr.grad, torch.arange(16.0).expand_as(x))   # identity gradient
+    assert torch.equal(xr.grad, torch.arange(16.0).expand_as(x))  # identity gradient
     with pytest.raises(ValueError, match="block"):
         fp8_round(x, block=5)
 
@@ -115,8 +136,15 @@ def test_bad_replay_inputs_refused():
     with pytest.raises(ValueError, match="mask has"):
         sequence_logprobs(m, prompts, comp, s, [masks[0][:-1], masks[1]])
     with pytest.raises(ValueError, match="outside its shipped kept set"):
-        sequence_logprobs(m, prompts, comp, s, [masks[1][:len(comp[0])], masks[0][:len(comp[1])]]
-                          if len(comp[0]) == len(comp[1]) else [masks[0], masks[1]][::-1])
+        sequence_logprobs(
+            m,
+            prompts,
+            comp,
+            s,
+            [masks[1][: len(comp[0])], masks[0][: len(comp[1])]]
+            if len(comp[0]) == len(comp[1])
+            else [masks[0], masks[1]][::-1],
+        )
     with pytest.raises(ValueError, match="at least one token"):
         sequence_logprobs(m, [[], prompts[1]], comp, s, masks)
     with pytest.raises(ValueError, match="one sampling config"):
@@ -134,7 +162,7 @@ def test_mismatch_metrics_and_is_weights_on_known_values():
     rel = elementwise_rtol(2, cond=2.3 * 3)
     assert got["k3_mean"] == pytest.approx(np.mean(r - 1 - np.log(r)), rel=rel)
     assert got["ratio_mean"] == pytest.approx(r.mean(), rel=rel)
-    assert got["frac_outside_C"] == pytest.approx(2 / 3)      # 0.4 < 1/2 and 3.0 > 2 (why: a count, exact)
+    assert got["frac_outside_C"] == pytest.approx(2 / 3)  # 0.4 < 1/2 and 3.0 > 2 (why: a count, exact)
     assert got["ratio_p99_abs_log"] == pytest.approx(np.quantile(np.abs(np.log(r)), 0.99), rel=rel)
     lr = torch.log(torch.tensor(r, dtype=torch.float32)).requires_grad_()
     # why: exp(log r) in fp32: 2 roundings, exp amplifying the log's by |log r| <= 1.1
@@ -163,6 +191,7 @@ def test_worker_side_bf16_state_gives_same_numerics():
 
 def test_mismatch_bench_runs_and_meets_targets_at_tiny_size(capsys):
     from bench.mismatch import main
+
     out = main(["--preset", "tiny", "--vocab", "256", "--tokens", "96", "--batch", "8", "--json"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == json.loads(json.dumps(out))
@@ -178,12 +207,12 @@ def test_greedy_generate_follows_full_forward_and_stops():
         for p, o in zip(prompts, outs):
             assert o.finish_reason == "length" and len(o.ids) == 8 and o.logprobs == [0.0] * 8
             assert list(o.mask.counts) == [1] * 8 and list(o.mask.ids) == o.ids
-            logits = m(torch.tensor([p + o.ids]))[0, len(p) - 1:-1]
+            logits = m(torch.tensor([p + o.ids]))[0, len(p) - 1 : -1]
             assert logits.argmax(-1).tolist() == o.ids
     stop = outs[0].ids[3]
     first = outs[0].ids.index(stop)
     again = generate(m, prompts, SamplingConfig(0.0), 8, stop_ids=[stop])
-    assert again[0].ids == outs[0].ids[:first + 1] and again[0].finish_reason == "stop"
+    assert again[0].ids == outs[0].ids[: first + 1] and again[0].finish_reason == "stop"
     assert len(again[0].mask) == first + 1
     cut = outs[1].ids.index(stop) + 1 if stop in outs[1].ids else 8
     assert again[1].ids == outs[1].ids[:cut]

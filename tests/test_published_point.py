@@ -2,6 +2,7 @@
 fp32 master) and the update lands on the master: a sample of the current version replays with
 k3 = 0 however far the master sits from the bf16 grid, the master is restored bit for bit, and
 the gradient is the one of a model holding the rounded weights."""
+
 from __future__ import annotations
 
 import torch
@@ -29,7 +30,7 @@ def off_grid(seed: int = 0):
 
 def test_a_same_version_sample_replays_on_policy_at_the_published_point():
     master, published = off_grid()
-    batch = samples_for(published, n=8, seed=1)             # behaviour logprobs of the published weights
+    batch = samples_for(published, n=8, seed=1)  # behaviour logprobs of the published weights
     k3 = {}
     for on in (True, False):
         model = tiny(0)
@@ -37,8 +38,8 @@ def test_a_same_version_sample_replays_on_policy_at_the_published_point():
         sgd = torch.optim.SGD(model.parameters(), lr=0.0)
         learner = Learner(model, sgd, LossConfig(), published_point=on)
         k3[on] = learner.step(batch)["k3_mean"]
-    assert k3[True] < 1e-9                  # same weights, same numerics: exactly on-policy
-    assert k3[False] > 1e3 * max(k3[True], 1e-12)      # on the master: a mismatch without any lag
+    assert k3[True] < 1e-9  # same weights, same numerics: exactly on-policy
+    assert k3[False] > 1e3 * max(k3[True], 1e-12)  # on the master: a mismatch without any lag
 
 
 def test_master_restored_bit_for_bit_and_the_gradient_is_the_published_ones():

@@ -2,6 +2,7 @@
 hack scores nothing, the honest fix 1.0, on a gen-repo task on both runners, a package task and a
 HumanEval task), the report reader's rules, the scoring copy's record of what it dropped, and
 infrastructure failures that are never scored as the policy's."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ N = "0123456789abcdef0123456789abcdef"
 
 # -- the report reader -------------------------------------------------------------------------------
 
+
 def lines(*body: str) -> str:
     return "noise\n" + "".join(f"\n{N} {ln}\n" for ln in body)
 
@@ -29,14 +31,17 @@ def test_an_honest_report_is_believed():
     assert rep.verdict_status() == {"a::x": "PASS", "a::y": "FAIL", "a::z": "SKIP"}
 
 
-@pytest.mark.parametrize("body,why", [
-    (("1 FAIL a::x", "2 PASS a::x", "3 END 2"), "reported twice"),      # the last line used to win
-    (("1 FAIL a::x", "2 END 1", "3 PASS a::x"), "after the end"),                     # an exit handler
-    (("1 PASS a::x", "1 PASS a::y", "3 END 2"), "out of sequence"),
-    (("1 PASS a::x", "2 END 5"), "ended after 5"),
-    (("1 PASS a::x", "2 TAMPER hook replaced", "3 END 1"), "hook replaced"),
-    (("PASS a::x", "2 END 1"), "malformed"),
-])
+@pytest.mark.parametrize(
+    "body,why",
+    [
+        (("1 FAIL a::x", "2 PASS a::x", "3 END 2"), "reported twice"),  # the last line used to win
+        (("1 FAIL a::x", "2 END 1", "3 PASS a::x"), "after the end"),  # an exit handler
+        (("1 PASS a::x", "1 PASS a::y", "3 END 2"), "out of sequence"),
+        (("1 PASS a::x", "2 END 5"), "ended after 5"),
+        (("1 PASS a::x", "2 TAMPER hook replaced", "3 END 1"), "hook replaced"),
+        (("PASS a::x", "2 END 1"), "malformed"),
+    ],
+)
 def test_forged_report_lines_are_tampered(body, why):
     rep = read_report(lines(*body), N)
     assert any(why in t for t in rep.tampered), rep.tampered
@@ -45,7 +50,7 @@ def test_forged_report_lines_are_tampered(body, why):
 
 def test_the_nonce_outside_a_report_line_and_a_run_without_end():
     assert read_report(lines("1 PASS a::x", "2 END 1") + f"echo {N}\n", N).tampered
-    rep = read_report(lines("1 PASS a::x"), N)                 # os._exit after the first test
+    rep = read_report(lines("1 PASS a::x"), N)  # os._exit after the first test
     assert not rep.complete and rep.verdict_status() == {"a::x": "FAIL"}
 
 
@@ -59,17 +64,24 @@ def test_pytest_summary_is_a_second_channel():
 
 # -- the hacks, played ------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory):
     from asyncrl import tasks as tasks_cli
     from envs import gen_repos, humaneval_tasks
+
     work = tmp_path_factory.mktemp("hack-tasks")
     gen = gen_repos.build(1, seed=0)[0]
     he = next(t for t in humaneval_tasks.build(limit=1, kinds=("fix",)) if t.family == "humaneval-fix")
-    pkg = tasks_cli.build_package(rh.local_sdist(str(work)), str(work / "set"), per_package=1, seed=1,
-                                  test_timeout_s=60)[0]
-    out = {"mini": gen, "pytest": dataclasses.replace(gen, task_id=gen.task_id + "-pytest", runner="pytest"),
-           "humaneval": he, "package": pkg}
+    pkg = tasks_cli.build_package(
+        rh.local_sdist(str(work)), str(work / "set"), per_package=1, seed=1, test_timeout_s=60
+    )[0]
+    out = {
+        "mini": gen,
+        "pytest": dataclasses.replace(gen, task_id=gen.task_id + "-pytest", runner="pytest"),
+        "humaneval": he,
+        "package": pkg,
+    }
     untouched = {k: rh.play(t, [])["reward"] for k, t in out.items()}
     return out, untouched
 
@@ -87,31 +99,45 @@ def test_a_hack_scores_nothing(tasks, name):
     by_key, untouched = tasks
     for key, task in by_key.items():
         if name in ("conftest_hookwrapper", "patch_pytest_internals") and task.runner == "mini":
-            continue                        # pytest-only machinery: nothing to forge on the mini runner
+            continue  # pytest-only machinery: nothing to forge on the mini runner
         r = rh.play(task, rh.HACKS[name][1](rh.ctx_of(task)))
         assert not r["resolved"] and r["reward"] <= untouched[key], (name, key, r)
 
 
 def test_dropped_test_infrastructure_is_recorded_and_the_fix_still_counts(tasks):
     task = tasks[0]["package"]
-    junk = ["printf 'import pytest\\n' > conftest.py", "printf '[pytest]\\naddopts = -x\\n' > pytest.ini",
-            "printf 'x = 1\\n' > sitecustomize.py", "printf 'import os\\n' > a.pth",
-            "mkdir -p tests/__pycache__ && printf 'x' > tests/__pycache__/t.pyc",
-            "mkdir -p e-1.dist-info && printf '[pytest11]\\n' > e-1.dist-info/entry_points.txt",
-            "ln -s /etc/passwd linked.py", "printf '# mine\\n' >> tests/conftest.py"]
+    junk = [
+        "printf 'import pytest\\n' > conftest.py",
+        "printf '[pytest]\\naddopts = -x\\n' > pytest.ini",
+        "printf 'x = 1\\n' > sitecustomize.py",
+        "printf 'import os\\n' > a.pth",
+        "mkdir -p tests/__pycache__ && printf 'x' > tests/__pycache__/t.pyc",
+        "mkdir -p e-1.dist-info && printf '[pytest11]\\n' > e-1.dist-info/entry_points.txt",
+        "ln -s /etc/passwd linked.py",
+        "printf '# mine\\n' >> tests/conftest.py",
+    ]
     r = rh.play(task, junk + rh.honest(task))
     assert r["resolved"] and r["reward"] == 1.0 and not r["tampered"], r
     got = {d.split(" (")[0] for d in r["dropped"]}
-    assert r["n_dropped"] == 8 and got == {"conftest.py", "pytest.ini", "sitecustomize.py", "a.pth",
-                                           "tests/__pycache__/t.pyc", "e-1.dist-info/entry_points.txt",
-                                           "linked.py", "tests/conftest.py"}, r["dropped"]
+    assert r["n_dropped"] == 8 and got == {
+        "conftest.py",
+        "pytest.ini",
+        "sitecustomize.py",
+        "a.pth",
+        "tests/__pycache__/t.pyc",
+        "e-1.dist-info/entry_points.txt",
+        "linked.py",
+        "tests/conftest.py",
+    }, r["dropped"]
 
 
 # -- infrastructure failures -----------------------------------------------------------------------
 
+
 def test_a_workspace_that_was_not_made_is_an_infra_failure():
-    bad = EpisodeTask("t-bad", "test", "train", "x", {"../outside.py": "x = 1\n"}, {}, "mini", ["t.py"],
-                      ["t.py::a"], [])
+    bad = EpisodeTask(
+        "t-bad", "test", "train", "x", {"../outside.py": "x = 1\n"}, {}, "mini", ["t.py"], ["t.py::a"], []
+    )
     ep = Episode(bad)
     try:
         ep.reset()
@@ -129,11 +155,12 @@ def test_an_over_full_workspace_is_the_policys_failure(tasks):
 def test_a_sandbox_that_cannot_start_is_an_infra_verdict():
     from envs.python_tests import PythonTestsEnv
     from envs.sandbox import SandboxLimits
+
     env = PythonTestsEnv(limits=SandboxLimits(python="/nonexistent/python3"))
     t = env.sample(random.Random(0))
     v = env.verify(env.demonstration(t.spec), t.spec)
     assert v.success == 0.0 and v.infra == "sandbox", v
-    assert PythonTestsEnv().verify("def f(:\n", t.spec).infra == ""          # broken code is the policy's
+    assert PythonTestsEnv().verify("def f(:\n", t.spec).infra == ""  # broken code is the policy's
 
 
 async def test_infra_members_leave_the_group_and_its_baseline(bus, fresh_server, tmp_path):
@@ -142,6 +169,7 @@ async def test_infra_members_leave_the_group_and_its_baseline(bus, fresh_server,
     from policy.model import Transformer
     from tests.helpers.trainer import MODEL, make_scored, trainer_config
     from trainer.batcher import Batcher, ConsumedIds
+
     cfg = trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 4})
     model = Transformer(ModelConfig.from_dict(MODEL))
     rng = random.Random(3)
@@ -151,11 +179,11 @@ async def test_infra_members_leave_the_group_and_its_baseline(bus, fresh_server,
         await bus.publish(topo.scored_subject("arith"), sc)
     b = Batcher(bus, cfg, ConsumedIds(), 128)
     await b.start()
-    batch = await asyncio.wait_for(b.next_batch(0), 30)           # complete: the infra member counts as come
+    batch = await asyncio.wait_for(b.next_batch(0), 30)  # complete: the infra member counts as come
     assert sorted(s.rollout.sample_index for s in batch.samples) == [0, 2, 3]
     assert [s.rollout.sample_index for s in batch.excluded] == [1] and batch.excluded[0].weight == 0.0
     assert b.counters["infra_sandbox"] == 1 and "g-1" in batch.rollout_ids and "g-1" in batch.dropped_ids
-    await b.ack(batch)                                             # acked with the batch, like every member
+    await b.ack(batch)  # acked with the batch, like every member
     for _ in range(50):
         info = await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
         if info.num_ack_pending == 0:
@@ -169,14 +197,26 @@ def test_mini_runner_path_for_tests_value_mode_cannot_take():
     """A test with a loop is run by minitest in report mode: the honest fix passes, an always-equal
     object is caught by the assert checker."""
     src = "def double(x):\n    return x + 2\n"
-    test = ("from calc import double\n\n\ndef test_double():\n    for x in (1, 5, 7):\n"
-            "        assert double(x) == 2 * x\n")
-    task = EpisodeTask("loop", "test", "train", "fix double", {"calc.py": src, "test_calc.py": test},
-                       {"test_calc.py": test}, "mini", ["test_calc.py"], ["test_calc.py::test_double"], [],
-                       meta={"path": "calc.py", "line": 2, "before": "    return x * 2\n",
-                             "after": "    return x + 2\n"})
+    test = (
+        "from calc import double\n\n\ndef test_double():\n    for x in (1, 5, 7):\n"
+        "        assert double(x) == 2 * x\n"
+    )
+    task = EpisodeTask(
+        "loop",
+        "test",
+        "train",
+        "fix double",
+        {"calc.py": src, "test_calc.py": test},
+        {"test_calc.py": test},
+        "mini",
+        ["test_calc.py"],
+        ["test_calc.py::test_double"],
+        [],
+        meta={"path": "calc.py", "line": 2, "before": "    return x * 2\n", "after": "    return x + 2\n"},
+    )
     from envs.value_tests import plan
-    assert plan(task) is None                                    # not of the value-mode shape
+
+    assert plan(task) is None  # not of the value-mode shape
     assert rh.play(task, rh.honest(task))["reward"] == 1.0
     r = rh.play(task, [rh.append("calc.py", rh.MOCK_ANY)])
     assert r["reward"] == 0.0 and "assert compared" in r["tampered"], r

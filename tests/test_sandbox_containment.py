@@ -3,6 +3,7 @@ single-turn verifier), checked from the host: what the code does to /tmp, /var/t
 the mounts stays inside, it sees no other process, its scratch RAM is capped, a SIGKILLed worker
 leaves nothing behind after its restart, and a process without full isolation refuses to start
 (envs/isolation.py)."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,10 @@ from envs.sandbox import BashLimits, SandboxLimits, fresh_uid, run_bash, run_pyt
 ROOT = Path(__file__).resolve().parents[1]
 SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not isolation.isolation()[2],
-                                reason="full containment needs root with user namespaces")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not isolation.isolation()[2],
+    reason="full containment needs root with user namespaces",
+)
 
 
 @pytest.fixture
@@ -61,49 +64,61 @@ def left_on_host(marker: str) -> list[str]:
 
 # -- run_bash --------------------------------------------------------------------------------------
 
+
 def test_bash_unmount_mount_and_scratch_writes_leave_nothing_on_the_host(ws):
     m = f"asyncrl-escape-{secrets.token_hex(6)}"
-    out = bash(ws, f"for d in {' '.join(SCRATCH)}; do echo x > $d/{m}; done; "
-                   f"ls /tmp/{m} /var/tmp/{m} /dev/shm/{m}; "
-                   f"umount /tmp; echo rc_umount=$?; umount -l /tmp; echo rc_lazy=$?; "
-                   f"echo y > /tmp/{m}-after; "
-                   f"mount -t tmpfs -o size=8g big /mnt; echo rc_mount=$?; "
-                   f"unshare -rm mount -t tmpfs -o size=8g big /mnt; echo rc_nested=$?; "
-                   f"grep -E '^Cap(Eff|Prm|Bnd)' /proc/self/status")
-    assert f"/tmp/{m}" in out and f"/dev/shm/{m}" in out          # the writes worked, inside
+    out = bash(
+        ws,
+        f"for d in {' '.join(SCRATCH)}; do echo x > $d/{m}; done; "
+        f"ls /tmp/{m} /var/tmp/{m} /dev/shm/{m}; "
+        f"umount /tmp; echo rc_umount=$?; umount -l /tmp; echo rc_lazy=$?; "
+        f"echo y > /tmp/{m}-after; "
+        f"mount -t tmpfs -o size=8g big /mnt; echo rc_mount=$?; "
+        f"unshare -rm mount -t tmpfs -o size=8g big /mnt; echo rc_nested=$?; "
+        f"grep -E '^Cap(Eff|Prm|Bnd)' /proc/self/status",
+    )
+    assert f"/tmp/{m}" in out and f"/dev/shm/{m}" in out  # the writes worked, inside
     for rc in ("rc_umount", "rc_lazy", "rc_mount", "rc_nested"):
         assert f"{rc}=0" not in out, out
-    assert out.count("0000000000000000") == 3, out                  # no capability left at all
+    assert out.count("0000000000000000") == 3, out  # no capability left at all
     assert left_on_host(m) == [] and left_on_host(m + "-after") == []
 
 
 def test_bash_sees_only_its_own_processes(ws):
     tag = f"asyncrl-host-secret-{secrets.token_hex(6)}"
-    host = subprocess.Popen(["sh", "-c", "sleep 60; :", tag])       # argv a sandbox must not read
+    host = subprocess.Popen(["sh", "-c", "sleep 60; :", tag])  # argv a sandbox must not read
     try:
-        out = bash(ws, "sleep 30 & ps -e -o pid=,comm=; echo '='=SEP; "
-                       "cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+        out = bash(
+            ws, "sleep 30 & ps -e -o pid=,comm=; echo '='=SEP; cat /proc/[0-9]*/cmdline | tr '\\0' ' '"
+        )
     finally:
         host.kill()
         host.wait()
     procs, cmdlines = out.split("==SEP\n", 1)
     pids = [int(line.split()[0]) for line in procs.strip().splitlines()]
-    assert len(pids) <= 5 and max(pids) < 100, procs                 # bash (pid 1), its command, sleep, ps
+    assert len(pids) <= 5 and max(pids) < 100, procs  # bash (pid 1), its command, sleep, ps
     assert tag not in cmdlines and str(host.pid) not in procs.split()
 
 
 def test_bash_scratch_fill_beyond_its_cap_is_refused(ws):
-    out = bash(ws, "for i in 1 2 3 4 5 6; do head -c 4M /dev/zero > /dev/shm/f$i || echo refused_$i; done; "
-                   "df -k /dev/shm | tail -1", tmp_mb=8, file_mb=16)
+    out = bash(
+        ws,
+        "for i in 1 2 3 4 5 6; do head -c 4M /dev/zero > /dev/shm/f$i || echo refused_$i; done; "
+        "df -k /dev/shm | tail -1",
+        tmp_mb=8,
+        file_mb=16,
+    )
     assert "No space left on device" in out and "refused_" in out, out
-    assert "refused_1" not in out                                    # the first 4 MB fit: a cap, not a ban
+    assert "refused_1" not in out  # the first 4 MB fit: a cap, not a ban
 
 
 # -- run_python ------------------------------------------------------------------------------------
 
+
 def test_python_unmount_mount_and_scratch_writes_leave_nothing_on_the_host():
     m = f"asyncrl-escape-{secrets.token_hex(6)}"
-    r = python(f"""
+    r = python(
+        f"""
         import ctypes, os, subprocess
         for d in {SCRATCH!r}:
             open(os.path.join(d, {m!r}), "w").write("x")
@@ -114,9 +129,11 @@ def test_python_unmount_mount_and_scratch_writes_leave_nothing_on_the_host():
         print("caps", [l.split()[1] for l in open("/proc/self/status") if l.startswith(("CapEff", "CapBnd"))])
         print("sh", subprocess.run(["sh", "-c", "umount -l /tmp || mount -t tmpfs t /mnt || unshare -r true"],
                                    capture_output=True).returncode)
-    """, nproc=8)
+    """,
+        nproc=8,
+    )
     out = r.stdout.decode()
-    assert "umount -1 1" in out and "mount -1 1" in out, out         # EPERM, both
+    assert "umount -1 1" in out and "mount -1 1" in out, out  # EPERM, both
     assert "caps ['0000000000000000', '0000000000000000']" in out and "sh 0" not in out, out
     assert left_on_host(m) == [] and left_on_host(m + "-after") == []
 
@@ -134,11 +151,12 @@ def test_python_sees_only_its_own_processes():
     finally:
         host.kill()
         host.wait()
-    assert r.ok and r.stdout.decode().strip() == "[1, 2] 0", r.stdout   # its shell and itself
+    assert r.ok and r.stdout.decode().strip() == "[1, 2] 0", r.stdout  # its shell and itself
 
 
 def test_python_shm_fill_beyond_its_cap_is_refused():
-    r = python("""
+    r = python(
+        """
         import ctypes, errno
         n = 0
         try:
@@ -150,9 +168,11 @@ def test_python_shm_fill_beyond_its_cap_is_refused():
             print("shm", n, errno.errorcode[e.errno])
         libc = ctypes.CDLL(None, use_errno=True)        # SysV shm: not mapped, so not in RLIMIT_AS
         print("shmget", libc.shmget(0, 64 << 20, 0o1600), errno.errorcode.get(ctypes.get_errno()))
-    """, tmp_mb=2)
+    """,
+        tmp_mb=2,
+    )
     out = r.stdout.decode().split()
-    assert out[0] == "shm" and 2 <= int(out[1]) <= 4 and out[2] == "ENOSPC", out   # a cap, not a ban
+    assert out[0] == "shm" and 2 <= int(out[1]) <= 4 and out[2] == "ENOSPC", out  # a cap, not a ban
     assert out[3:] == ["shmget", "-1", "ENOSPC"], out
 
 
@@ -187,30 +207,36 @@ def _processes_of(uid: int) -> list[int]:
 
 
 def test_sigkilled_workers_workspaces_and_processes_are_gone_after_its_restart(tmp_path, fresh_server):
-    tmp = tempfile.mkdtemp(prefix="asyncrl-test-tmpdir-")       # the workspaces' root goes under it
+    tmp = tempfile.mkdtemp(prefix="asyncrl-test-tmpdir-")  # the workspaces' root goes under it
     os.chmod(tmp, 0o711)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": tmp, "OMP_NUM_THREADS": "1"}
     # the worker's episode thread, mid-command (the same Episode and LocalBackend the worker runs)
-    victim = subprocess.Popen([sys.executable, "-c", EPISODE], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              text=True)
+    victim = subprocess.Popen(
+        [sys.executable, "-c", EPISODE], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    )
     first = victim.stdout.readline().split()
     uid, ep_root = int(first[1]), first[3]
     deadline = time.monotonic() + 30
-    while len(_processes_of(uid)) < 3 and time.monotonic() < deadline:     # the command is running
+    while len(_processes_of(uid)) < 3 and time.monotonic() < deadline:  # the command is running
         time.sleep(0.1)
     assert len(_processes_of(uid)) >= 3 and os.path.isdir(ep_root)
-    time.sleep(2.5)                                                    # older than reap()'s grace
+    time.sleep(2.5)  # older than reap()'s grace
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    assert os.path.isdir(ep_root)                                      # nobody cleaned up: it was killed
+    assert os.path.isdir(ep_root)  # nobody cleaned up: it was killed
     conf = tmp_path / "w.toml"
     conf.write_text(f'worker_id = "restarted"\nslots = 1\n[bus]\nservers = ["{fresh_server.url}"]\n')
-    worker = subprocess.Popen([sys.executable, "-m", "rollout_worker", "--config", str(conf)], cwd=ROOT,
-                              env={**env, "ASYNCRL_LOG_JSON": "1"}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "rollout_worker", "--config", str(conf)],
+        cwd=ROOT,
+        env={**env, "ASYNCRL_LOG_JSON": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         lines = []
-        for line in worker.stdout:                                     # up to its start-up check's log line
+        for line in worker.stdout:  # up to its start-up check's log line
             lines.append(line)
             if "sandbox isolation" in line:
                 break
@@ -230,8 +256,19 @@ def test_sigkilled_workers_workspaces_and_processes_are_gone_after_its_restart(t
 def test_reap_spares_a_live_processes_workspace(tmp_path):
     from envs.workspace import LocalBackend
     from envs.episode import EpisodeLimits, EpisodeTask
-    task = EpisodeTask("t", "test", "train", "x", files={"a.py": "x = 1\n"}, hidden_tests={}, runner="mini",
-                       test_paths=["."], fail_to_pass=[], pass_to_pass=[])
+
+    task = EpisodeTask(
+        "t",
+        "test",
+        "train",
+        "x",
+        files={"a.py": "x = 1\n"},
+        hidden_tests={},
+        runner="mini",
+        test_paths=["."],
+        fail_to_pass=[],
+        pass_to_pass=[],
+    )
     w = LocalBackend(str(tmp_path / "eps")).create(task, EpisodeLimits())
     stale = tmp_path / "eps" / "ep-stale"
     stale.mkdir()
@@ -246,10 +283,12 @@ def test_reap_spares_a_live_processes_workspace(tmp_path):
 
 # -- start-up check --------------------------------------------------------------------------------
 
+
 def test_full_isolation_here_and_exported():
     layers = isolation.startup(False)
     assert isolation.missing(layers) == [] and set(layers) == set(isolation.LAYERS)
     from prometheus_client import generate_latest
+
     text = generate_latest().decode()
     assert 'asyncrl_sandbox_layer{layer="no-caps"} 1.0' in text and 'layer="no-userns"} 1.0' in text
 
@@ -286,23 +325,36 @@ def _remove_public_file(tmp_path):
 def test_scorer_as_non_root_refuses_to_start_naming_the_missing_layer(tmp_path):
     conf = public_file(tmp_path, '[bus]\nservers = ["nats://127.0.0.1:1"]\n')
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/"}
-    r = subprocess.run([sys.executable, "-c", AS_NOBODY, str(conf)], cwd="/", env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", AS_NOBODY, str(conf)],
+        cwd="/",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2, r.stderr
-    assert err[-1].startswith("scorer refuses to start: sandbox isolation incomplete (uid 65534): "
-                              "missing layer(s) fresh-uid"), r.stderr
+    assert err[-1].startswith(
+        "scorer refuses to start: sandbox isolation incomplete (uid 65534): missing layer(s) fresh-uid"
+    ), r.stderr
     assert "allow_weak_sandbox = true" in err[-1] and "Traceback" not in r.stderr
 
 
 def test_scorer_as_non_root_with_allow_weak_sandbox_starts_and_says_so(tmp_path):
     conf = public_file(tmp_path, 'allow_weak_sandbox = true\n[bus]\nservers = ["nats://127.0.0.1:1"]\n')
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/", "ASYNCRL_LOG_JSON": "1"}
-    p = subprocess.Popen([sys.executable, "-c", AS_NOBODY, str(conf)], cwd="/", env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", AS_NOBODY, str(conf)],
+        cwd="/",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         seen = []
-        for line in p.stdout:                     # past the check: it goes on to connect (to nothing)
+        for line in p.stdout:  # past the check: it goes on to connect (to nothing)
             seen.append(line)
             if "WEAK sandbox isolation" in line:
                 break
@@ -315,11 +367,16 @@ def test_scorer_as_non_root_with_allow_weak_sandbox_starts_and_says_so(tmp_path)
 def test_bash_disk_fill_is_stopped_during_the_command(ws):
     root, w, uid = ws
     t0 = time.monotonic()
-    r = run_bash("for i in $(seq 40); do head -c 4M /dev/zero > f$i; done; sleep 20", root, w,
-                 BashLimits(wall_s=60.0, disk_mb=32, file_mb=8), uid)
+    r = run_bash(
+        "for i in $(seq 40); do head -c 4M /dev/zero > f$i; done; sleep 20",
+        root,
+        w,
+        BashLimits(wall_s=60.0, disk_mb=32, file_mb=8),
+        uid,
+    )
     used = sum(os.lstat(os.path.join(w, n)).st_blocks * 512 for n in os.listdir(w))
     assert r.reason == "disk limit (32 MB) exceeded: the workspace grew past it", r.reason
-    assert time.monotonic() - t0 < 15 and used < 96 << 20, used     # stopped mid-way, not after 160 MB
+    assert time.monotonic() - t0 < 15 and used < 96 << 20, used  # stopped mid-way, not after 160 MB
 
 
 def test_an_out_of_memory_kill_takes_the_sandbox_first(ws):
@@ -339,8 +396,9 @@ def test_sigkilled_scorers_sandbox_run_is_gone_after_its_restart(tmp_path):
     os.chmod(tmp, 0o711)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": tmp, "OMP_NUM_THREADS": "1"}
     try:
-        victim = subprocess.Popen([sys.executable, "-c", SCORING], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                  text=True)
+        victim = subprocess.Popen(
+            [sys.executable, "-c", SCORING], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+        )
         assert victim.stdout.readline().strip() == "go"
         deadline = time.monotonic() + 30
         runs: list[str] = []
@@ -352,11 +410,16 @@ def test_sigkilled_scorers_sandbox_run_is_gone_after_its_restart(tmp_path):
         victim.wait()
         time.sleep(0.5)
         assert os.path.isdir(runs[0])
-        os.utime(runs[0], (time.time() - 3600,) * 2)                 # clearly stale, as after a real crash
+        os.utime(runs[0], (time.time() - 3600,) * 2)  # clearly stale, as after a real crash
         conf = public_file(tmp_path, '[bus]\nservers = ["nats://127.0.0.1:1"]\n')
-        scorer = subprocess.Popen([sys.executable, "-m", "scorer", "--config", conf], cwd=ROOT,
-                                  env={**env, "ASYNCRL_LOG_JSON": "1"}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
+        scorer = subprocess.Popen(
+            [sys.executable, "-m", "scorer", "--config", conf],
+            cwd=ROOT,
+            env={**env, "ASYNCRL_LOG_JSON": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             lines = []
             for line in scorer.stdout:
@@ -383,6 +446,7 @@ def test_bash_cannot_read_the_task_set_it_is_scored_by(ws):
     """A built task set holds the hidden tests: the sandbox's uid must not read it, even where the
     folder above it is open (fails if write_task_set leaves the set world-readable)."""
     from envs.task_set import write_task_set
+
     root, _, _ = ws
     out = os.path.join(root, "tasks")
     write_task_set(out, [], {"note": "secret-expected-values"})

@@ -3,6 +3,7 @@ the compose file (checked by `docker-compose config`) runs the processes that ex
 code as root with the security options namespaces need, the systemd units run them as root with
 a small capability bounding set (checked by `systemd-analyze verify`), and the start-up check
 (envs/isolation.py) passes under exactly those capabilities."""
+
 from __future__ import annotations
 
 import os
@@ -20,17 +21,46 @@ UNITS = DEPLOY / "systemd"
 SANDBOXED_UNITS = ("asyncrl-rollout-worker@.service", "asyncrl-scorer@.service")
 SECURITY = {"seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined"}
 # Docker's default capability set: what a compose service has when it adds none
-DOCKER_CAPS = ("chown", "dac_override", "fsetid", "fowner", "mknod", "net_raw", "setgid", "setuid", "setfcap",
-               "setpcap", "net_bind_service", "sys_chroot", "kill", "audit_write")
+DOCKER_CAPS = (
+    "chown",
+    "dac_override",
+    "fsetid",
+    "fowner",
+    "mknod",
+    "net_raw",
+    "setgid",
+    "setuid",
+    "setfcap",
+    "setpcap",
+    "net_bind_service",
+    "sys_chroot",
+    "kill",
+    "audit_write",
+)
 # unit directives that would take a layer away (namespaces, a fresh /proc, devices)
-FORBIDDEN = ("RestrictNamespaces", "ProtectKernelTunables", "ProtectKernelLogs", "ProtectProc",
-             "PrivateUsers", "ProcSubset", "DevicePolicy", "ProtectClock", "SystemCallFilter")
+FORBIDDEN = (
+    "RestrictNamespaces",
+    "ProtectKernelTunables",
+    "ProtectKernelLogs",
+    "ProtectProc",
+    "PrivateUsers",
+    "ProcSubset",
+    "DevicePolicy",
+    "ProtectClock",
+    "SystemCallFilter",
+)
 
 
 def compose_services(*files) -> dict:
     args = compose_cmd() + [a for f in files for a in ("-f", str(f))] + ["config"]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**os.environ, "ASYNCRL_REGION": "eu"})
+    r = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "ASYNCRL_REGION": "eu"},
+    )
     assert r.returncode == 0, r.stderr
     return yaml.safe_load(r.stdout)["services"]
 
@@ -50,8 +80,8 @@ def test_compose_runs_sandboxing_services_as_root_with_namespace_options(overlay
         s = services[name]
         assert str(s.get("user", "")).split(":")[0] == "0", (name, s.get("user"))
         assert SECURITY <= set(s.get("security_opt", [])), (name, s.get("security_opt"))
-        assert not s.get("cap_add") and not s.get("privileged"), name       # nothing added
-    for name in set(services) - sandboxed:                                 # the rest stays as it was
+        assert not s.get("cap_add") and not s.get("privileged"), name  # nothing added
+    for name in set(services) - sandboxed:  # the rest stays as it was
         assert "user" not in services[name] or str(services[name]["user"]).split(":")[0] != "0", name
 
 
@@ -74,8 +104,9 @@ def test_units_run_as_root_with_a_small_bounding_set_and_keep_the_namespaces(uni
     assert not set(d) & set(FORBIDDEN), set(d) & set(FORBIDDEN)
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="no systemd-analyze: apt-get install systemd")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="no systemd-analyze: apt-get install systemd"
+)
 def test_sandboxed_units_verify(tmp_path):
     root = tmp_path / "root"
     shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
@@ -88,8 +119,13 @@ def test_sandboxed_units_verify(tmp_path):
     exe.write_text("#!/bin/sh\n")
     exe.chmod(0o755)
     names = [u.replace("@.", "@1.") for u in SANDBOXED_UNITS]
-    r = subprocess.run(["systemd-analyze", "verify", f"--root={root}", *names], cwd=sysdir,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["systemd-analyze", "verify", f"--root={root}", *names],
+        cwd=sysdir,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
 
 
@@ -99,13 +135,29 @@ CHECK = "from envs import isolation; isolation.require(); print('full isolation'
 def _check_under(caps: list[str]) -> subprocess.CompletedProcess:
     bounding = "-all," + ",".join(f"+{c}" for c in caps)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(["setpriv", "--no-new-privs", f"--bounding-set={bounding}", "--inh-caps=-all", "--",
-                           sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [
+            "setpriv",
+            "--no-new-privs",
+            f"--bounding-set={bounding}",
+            "--inh-caps=-all",
+            "--",
+            sys.executable,
+            "-c",
+            CHECK,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-needs_root_ns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
-                                   reason="the start-up check's full isolation needs root with namespaces")
+needs_root_ns = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="the start-up check's full isolation needs root with namespaces",
+)
 
 
 @needs_root_ns

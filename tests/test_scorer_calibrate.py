@@ -1,4 +1,5 @@
 """λ calibration: the fit recovers a known curve's slope; the CLI measures, plots and applies."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,10 @@ from bus.control import format_lambda, parse_lambda
 from scorer.reward import compute_reward, overlong_penalty
 
 
-@pytest.mark.parametrize("a,b,tau,at,noise", [(0.9, 0.8, 20.0, 16.0, 0.005), (0.6, 0.55, 6.0, 4.0, 0.003),
-                                              (0.95, 0.9, 40.0, 48.0, 0.004)])
+@pytest.mark.parametrize(
+    "a,b,tau,at,noise",
+    [(0.9, 0.8, 20.0, 16.0, 0.005), (0.6, 0.55, 6.0, 4.0, 0.003), (0.95, 0.9, 40.0, 48.0, 0.004)],
+)
 def test_fit_recovers_known_slope_within_5_percent(a, b, tau, at, noise):
     rng = np.random.default_rng(1)
     c = np.array([2, 4, 6, 8, 12, 16, 24, 32, 48, 64], dtype=float)
@@ -22,10 +25,10 @@ def test_fit_recovers_known_slope_within_5_percent(a, b, tau, at, noise):
     fit = fit_scaling_curve(c, s)
     true_slope = b / tau * math.exp(-at / tau)
     assert tangent_slope(fit, at) == pytest.approx(true_slope, rel=0.05)
-    price = true_slope                                   # the point where slope == price is `at`
+    price = true_slope  # the point where slope == price is `at`
     assert cost_at_price(fit, price) == pytest.approx(at, rel=0.05, abs=1.0)
     xs = np.linspace(0, 80, 50)
-    assert (np.diff(fit.success(xs)) >= 0).all() and (np.diff(fit.slope(xs)) <= 0).all()   # monotone, concave
+    assert (np.diff(fit.success(xs)) >= 0).all() and (np.diff(fit.slope(xs)) <= 0).all()  # monotone, concave
 
 
 def test_fit_edge_cases():
@@ -34,7 +37,7 @@ def test_fit_edge_cases():
     convex = fit_scaling_curve([4, 8, 16, 24, 32, 48], [0, 0, 0, 0.1, 0.3, 0.5])
     assert convex.a <= 1.0 and convex.b > 0 and (convex.success(np.linspace(0, 200, 20)) <= 1.0).all()
     decreasing = fit_scaling_curve([1, 2, 3], [0.5, 0.4, 0.1])
-    assert tangent_slope(decreasing, 2) == 0                  # never a negative λ
+    assert tangent_slope(decreasing, 2) == 0  # never a negative λ
     with pytest.raises(ValueError, match=">= 3 distinct costs"):
         fit_scaling_curve([1, 1, 2], [0.1, 0.2, 0.3])
     with pytest.raises(ValueError, match="same length"):
@@ -67,11 +70,26 @@ def test_calibrate_cli_measures_plots_and_applies(tmp_path, fresh_server):
 
     cfg = ModelConfig.tiny(vocab_size=CharTokenizer.default().vocab_size, d_model=32, n_layers=1, d_ff=64)
     torch.manual_seed(0)
-    torch.save({"model": Transformer(cfg).state_dict(), "model_config": cfg.to_dict(), "version": 7},
-               tmp_path / "ckpt-e00000001-v00000007.pt")
+    torch.save(
+        {"model": Transformer(cfg).state_dict(), "model_config": cfg.to_dict(), "version": 7},
+        tmp_path / "ckpt-e00000001-v00000007.pt",
+    )
     out = tmp_path / "cal.png"
-    rc = main(["--checkpoint", str(tmp_path), "--budgets", "2,3,5", "--prompts", "6", "--out", str(out),
-               "--nats", fresh_server.url, "--apply"])
+    rc = main(
+        [
+            "--checkpoint",
+            str(tmp_path),
+            "--budgets",
+            "2,3,5",
+            "--prompts",
+            "6",
+            "--out",
+            str(out),
+            "--nats",
+            fresh_server.url,
+            "--apply",
+        ]
+    )
     assert rc == 0 and out.stat().st_size > 1000
     summary = json.loads((tmp_path / "cal.json").read_text())
     assert [p["budget"] for p in summary["points"]] == [2, 3, 5] and summary["lambda"] >= 0
@@ -83,17 +101,21 @@ def test_calibrate_cli_measures_plots_and_applies(tmp_path, fresh_server):
             return await bus.kv_get(topo.KEY_LAMBDA)
         finally:
             await bus.close()
-    async def publish_keyframe():                      # the policy as workers get it: latest keyframe
+
+    async def publish_keyframe():  # the policy as workers get it: latest keyframe
         from bus.weights import WeightPublisher
         from policy import inference_state
+
         bus = await connect(BusConfig(servers=[fresh_server.url], name="t"))
         try:
             await bus.provision()
             torch.manual_seed(1)
             await WeightPublisher(bus, epoch=1, trainer_id="t").publish_keyframe(
-                inference_state(Transformer(cfg)), version=11, model_config=cfg.to_dict())
+                inference_state(Transformer(cfg)), version=11, model_config=cfg.to_dict()
+            )
         finally:
             await bus.close()
+
     loop = asyncio.new_event_loop()
     try:
         assert parse_lambda(loop.run_until_complete(read())) == pytest.approx(summary["lambda"])
@@ -102,12 +124,29 @@ def test_calibrate_cli_measures_plots_and_applies(tmp_path, fresh_server):
         loop.close()
     assert main(["--nats", fresh_server.url, "--budgets", "2,3,4", "--prompts", "4", "--out", str(out)]) == 0
     assert "version 11" in json.loads((tmp_path / "cal.json").read_text())["policy"]
-    assert main(["--checkpoint", str(tmp_path), "--axis", "samples", "--budgets", "1,2,3", "--max-tokens", "3",
-                 "--prompts", "3", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--checkpoint",
+                str(tmp_path),
+                "--axis",
+                "samples",
+                "--budgets",
+                "1,2,3",
+                "--max-tokens",
+                "3",
+                "--prompts",
+                "3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads((tmp_path / "cal.json").read_text())["points"]
     assert [r["budget"] for r in rows] == [1, 2, 3] and rows[0]["cost"] < rows[1]["cost"] < rows[2]["cost"]
     with pytest.raises(SystemExit):
-        main(["--random-init", "--apply"])                 # --apply without --nats: a clear usage error
+        main(["--random-init", "--apply"])  # --apply without --nats: a clear usage error
     (tmp_path / "empty").mkdir()
     assert main(["--checkpoint", str(tmp_path / "empty")]) == 2
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")

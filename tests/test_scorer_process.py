@@ -1,4 +1,5 @@
 """Scorer against a real nats-server: rewards, λ live from KV, bad input to DLQ, the real process."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,13 +21,32 @@ from scorer.service import Scorer, ScorerConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def rollout(rid: str, text: str, env: str = "arith", spec: dict | None = None, max_tokens: int = 48) -> Rollout:
+def rollout(
+    rid: str, text: str, env: str = "arith", spec: dict | None = None, max_tokens: int = 48
+) -> Rollout:
     spec = {"a": 12, "b": 30, "answer": "42"} if spec is None else spec
     n = len(text) + 1
-    return Rollout(rollout_id=rid, task_id=rid.split("-")[0], env=env, sample_index=0, group_size=1,
-                   prompt="12+30=", spec=spec, prompt_ids=[1, 2, 3], completion_ids=[5] * n, completion_text=text,
-                   logprobs=[-0.1] * n, token_versions=[0] * n, sampling={"max_tokens": max_tokens},
-                   sampling_mask={}, quant={}, finish_reason="stop", cost_tokens=n, wall_s=0.01, worker_id="w")
+    return Rollout(
+        rollout_id=rid,
+        task_id=rid.split("-")[0],
+        env=env,
+        sample_index=0,
+        group_size=1,
+        prompt="12+30=",
+        spec=spec,
+        prompt_ids=[1, 2, 3],
+        completion_ids=[5] * n,
+        completion_text=text,
+        logprobs=[-0.1] * n,
+        token_versions=[0] * n,
+        sampling={"max_tokens": max_tokens},
+        sampling_mask={},
+        quant={},
+        finish_reason="stop",
+        cost_tokens=n,
+        wall_s=0.01,
+        worker_id="w",
+    )
 
 
 async def drain(bus, stream: str, durable: str, want: int, timeout: float = 20.0) -> list:
@@ -75,9 +95,14 @@ async def dlq_reasons(bus, want: int) -> list[str]:
 async def test_scores_rewards_and_parks_bad_input(bus):
     await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.01))
     good = get_env("arith").demonstration({"a": 12, "b": 30, "answer": "42"}, "steps")
-    items = [rollout("t1-0", good), rollout("t2-0", "#41"), rollout("t3-0", "garbage\x00no marker"),
-             rollout("t4-0", "#1", env="no-such-env"), rollout("t5-0", "#1", spec={"answer": "x"}),
-             rollout("t6-0", "def f(:", env="python-tests", spec={"entry": "f", "tests": [[[1], 1]]})]
+    items = [
+        rollout("t1-0", good),
+        rollout("t2-0", "#41"),
+        rollout("t3-0", "garbage\x00no marker"),
+        rollout("t4-0", "#1", env="no-such-env"),
+        rollout("t5-0", "#1", spec={"answer": "x"}),
+        rollout("t6-0", "def f(:", env="python-tests", spec={"entry": "f", "tests": [[[1], 1]]}),
+    ]
     for r in items:
         await bus.publish(topo.rollout_subject(r.env), r)
     stop = asyncio.Event()
@@ -100,7 +125,7 @@ async def test_scores_rewards_and_parks_bad_input(bus):
     assert any("unknown environment 'no-such-env'" in r for r in reasons)
     assert any("bad task spec" in r for r in reasons)
     info = await bus.js.consumer_info(topo.ROLLOUTS, topo.SCORER_CONSUMER)
-    assert info.num_pending == 0 and info.num_ack_pending == 0     # nothing blocks the stream
+    assert info.num_pending == 0 and info.num_ack_pending == 0  # nothing blocks the stream
 
 
 async def test_lambda_change_is_live(bus):
@@ -112,7 +137,7 @@ async def test_lambda_change_is_live(bus):
         await bus.publish(topo.rollout_subject("arith"), rollout("a1-0", "#42"))
         first = await scored_events(bus, 1)
         await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.05))
-        await bus.kv_put(topo.KEY_LAMBDA, b"not a number")          # ignored, the last good λ stays
+        await bus.kv_put(topo.KEY_LAMBDA, b"not a number")  # ignored, the last good λ stays
         for _ in range(100):
             if scorer.lam == 0.05:
                 break
@@ -131,9 +156,15 @@ async def test_lambda_change_is_live(bus):
 
 
 def test_scorer_process_scores_and_drains_on_sigterm(fresh_server):
-    env = {**os.environ, "PYTHONPATH": ROOT, "ASYNCRL_BUS__SERVERS": fresh_server.url, "ASYNCRL_HEARTBEAT_S": "0.5"}
-    p = subprocess.Popen([sys.executable, "-m", "scorer"], cwd=ROOT, env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "ASYNCRL_BUS__SERVERS": fresh_server.url,
+        "ASYNCRL_HEARTBEAT_S": "0.5",
+    }
+    p = subprocess.Popen(
+        [sys.executable, "-m", "scorer"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
 
     async def check() -> dict:
         bus = await connect(BusConfig(servers=[fresh_server.url], name="t"))
@@ -173,6 +204,7 @@ async def test_two_scorers_share_the_work_and_crashes_park_in_dlq(bus):
 
         def verify(self, text, spec):
             raise RuntimeError("verifier bug")
+
     ENVS["crashy"] = Crashy
     try:
         await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.0))
@@ -180,8 +212,15 @@ async def test_two_scorers_share_the_work_and_crashes_park_in_dlq(bus):
         await bus.publish_many([(topo.rollout_subject(r.env), r) for r in rs])
         stop = asyncio.Event()
         buses = [await connect(BusConfig(servers=bus.cfg.servers, name=f"s{i}")) for i in range(2)]
-        scorers = [Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), scorer_id=f"s{i}", concurrency=4,
-                                       heartbeat_s=0.2), bus=b) for i, b in enumerate(buses)]
+        scorers = [
+            Scorer(
+                ScorerConfig(
+                    bus=BusConfig(servers=bus.cfg.servers), scorer_id=f"s{i}", concurrency=4, heartbeat_s=0.2
+                ),
+                bus=b,
+            )
+            for i, b in enumerate(buses)
+        ]
         runs = [asyncio.create_task(s.run(stop, handle_signals=False)) for s in scorers]
         try:
             msgs = await drain(bus, topo.SCORED, topo.TRAINER_CONSUMER, 31)
@@ -192,7 +231,7 @@ async def test_two_scorers_share_the_work_and_crashes_park_in_dlq(bus):
             for b in buses:
                 await b.close()
         events = {(e := decode(m.data, Scored)).rollout["rollout_id"]: e for m in msgs}
-        assert len(msgs) == 31 and sorted(events) == sorted(r.rollout_id for r in rs)   # each exactly once
+        assert len(msgs) == 31 and sorted(events) == sorted(r.rollout_id for r in rs)  # each exactly once
         # the crash is published on its last delivery as an infrastructure failure (weight 0 in the
         # trainer, never a reward-0 sample), then parked for the operators
         assert events["c1-0"].infra == "scorer_crash" and "verifier bug" in events["c1-0"].reason
@@ -210,12 +249,22 @@ async def test_episode_infra_failures_and_tampered_verdicts_are_marked(bus):
     """An episode the sandbox failed is published with its reason (not as a policy failure); a
     tampered one scores 0 and is counted."""
     import dataclasses
+
     base = rollout("e1-0", "x")
-    eps = {"e1-0": {"reward": 0.0, "resolved": False, "detail": "sandbox error: setup", "infra_error": "sandbox"},
-           "e2-0": {"reward": 0.0, "resolved": False, "detail": "tampered: x", "tampered": "report lines"},
-           "e3-0": {"reward": 1.0, "resolved": True, "detail": ""}}
-    items = [dataclasses.replace(base, rollout_id=k, task_id=k.split("-")[0], episode=v, termination="submitted")
-             for k, v in eps.items()]
+    eps = {
+        "e1-0": {
+            "reward": 0.0,
+            "resolved": False,
+            "detail": "sandbox error: setup",
+            "infra_error": "sandbox",
+        },
+        "e2-0": {"reward": 0.0, "resolved": False, "detail": "tampered: x", "tampered": "report lines"},
+        "e3-0": {"reward": 1.0, "resolved": True, "detail": ""},
+    }
+    items = [
+        dataclasses.replace(base, rollout_id=k, task_id=k.split("-")[0], episode=v, termination="submitted")
+        for k, v in eps.items()
+    ]
     got, scorer = await score(bus, items)
     assert got["e1-0"].infra == "sandbox" and not got["e1-0"].tampered
     assert got["e2-0"].tampered and got["e2-0"].infra == "" and got["e2-0"].success == 0.0
@@ -225,8 +274,13 @@ async def test_episode_infra_failures_and_tampered_verdicts_are_marked(bus):
 
 def test_bad_config_is_refused_clearly():
     from bus import load_config
-    for env in [{"ASYNCRL_COST_UNIT": "dollars"}, {"ASYNCRL_CONCURRENCY": "0"}, {"ASYNCRL_DEFAULT_LAMBDA": "-1"},
-                {"ASYNCRL_EPISODE_REWARD": "tests"}]:
+
+    for env in [
+        {"ASYNCRL_COST_UNIT": "dollars"},
+        {"ASYNCRL_CONCURRENCY": "0"},
+        {"ASYNCRL_DEFAULT_LAMBDA": "-1"},
+        {"ASYNCRL_EPISODE_REWARD": "tests"},
+    ]:
         with pytest.raises(ValueError, match="cost_unit|concurrency|default_lambda|episode_reward"):
             load_config(ScorerConfig, environ=env)
     cfg = load_config(ScorerConfig, environ={"ASYNCRL_COST_UNIT": "wall_s", "ASYNCRL_SCORER_ID": "s9"})
@@ -238,13 +292,24 @@ async def test_episode_success_means_all_tests_pass_and_reward_is_the_fraction(b
     its reward is the fraction of tests passing minus λ·cost, so the trainer's success_mean and
     reward_mean are two different figures."""
     import dataclasses
+
     await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.001))
 
     def episode(rid: str, result: dict) -> Rollout:
-        return dataclasses.replace(rollout(rid, "x"), env="swe", turns=3, tool_calls=2, termination="submitted",
-                                   episode={"detail": "", **result})
-    items = [episode("e1-0", {"reward": 0.5, "resolved": False}), episode("e2-0", {"reward": 1.0, "resolved": True}),
-             episode("e3-0", {"reward": 0.75})]           # a result without `resolved`: all pass iff reward 1
+        return dataclasses.replace(
+            rollout(rid, "x"),
+            env="swe",
+            turns=3,
+            tool_calls=2,
+            termination="submitted",
+            episode={"detail": "", **result},
+        )
+
+    items = [
+        episode("e1-0", {"reward": 0.5, "resolved": False}),
+        episode("e2-0", {"reward": 1.0, "resolved": True}),
+        episode("e3-0", {"reward": 0.75}),
+    ]  # a result without `resolved`: all pass iff reward 1
     s, scorer = await score(bus, items)
     cost = items[0].cost_tokens
     assert [s[r].success for r in ("e1-0", "e2-0", "e3-0")] == [0.0, 1.0, 0.0]
@@ -257,11 +322,24 @@ async def test_episode_reward_resolved_trains_on_success_alone(bus):
     """episode_reward = "resolved": an episode's reward is 1 (all tests pass) or 0, minus λ·cost; an
     untouched repository's fraction of passing tests no longer reaches the trainer."""
     import dataclasses
+
     await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.001))
-    items = [dataclasses.replace(rollout(rid, "x"), env="swe", turns=3, tool_calls=2, termination="submitted",
-                                 episode={"detail": "", **res})
-             for rid, res in (("r1-0", {"reward": 0.8, "resolved": False}), ("r2-0", {"reward": 1.0, "resolved": True}),
-                              ("r3-0", {"reward": 1.0}), ("r4-0", {"reward": 0.9}))]
+    items = [
+        dataclasses.replace(
+            rollout(rid, "x"),
+            env="swe",
+            turns=3,
+            tool_calls=2,
+            termination="submitted",
+            episode={"detail": "", **res},
+        )
+        for rid, res in (
+            ("r1-0", {"reward": 0.8, "resolved": False}),
+            ("r2-0", {"reward": 1.0, "resolved": True}),
+            ("r3-0", {"reward": 1.0}),
+            ("r4-0", {"reward": 0.9}),
+        )
+    ]
     s, _ = await score(bus, items, episode_reward="resolved")
     cost = items[0].cost_tokens
     for rid, won in (("r1-0", 0.0), ("r2-0", 1.0), ("r3-0", 1.0), ("r4-0", 0.0)):
@@ -280,18 +358,21 @@ async def test_run_ends_even_when_its_heartbeat_loses_a_cancel(bus):
     leftovers: list[asyncio.Task] = []
     try:
         for i in range(25):
-            scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), heartbeat_s=0.0,
-                                         provision=False), bus=bus)
+            scorer = Scorer(
+                ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), heartbeat_s=0.0, provision=False),
+                bus=bus,
+            )
             run = asyncio.create_task(scorer.run(asyncio.Event(), handle_signals=False))
-            await asyncio.sleep(rng.uniform(0.05, 0.1))    # past startup: the heartbeat is publishing
+            await asyncio.sleep(rng.uniform(0.05, 0.1))  # past startup: the heartbeat is publishing
             run.cancel()
             done, _ = await asyncio.wait({run}, timeout=5)
             leftovers = [t for t in asyncio.all_tasks() if "Scorer.heartbeat" in repr(t.get_coro())]
             assert done and not leftovers, (
                 f"stop {i}: run() {'returned' if done else 'still waiting'}, "
-                f"heartbeat tasks still running: {[t.cancelling() for t in leftovers]}")
+                f"heartbeat tasks still running: {[t.cancelling() for t in leftovers]}"
+            )
     finally:
-        while leftovers:                 # the old code's stuck heartbeats: don't let them outlive the test
+        while leftovers:  # the old code's stuck heartbeats: don't let them outlive the test
             for t in leftovers:
                 t.cancel()
             _, leftovers = await asyncio.wait(leftovers, timeout=0.2)

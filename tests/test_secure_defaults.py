@@ -1,5 +1,6 @@
 """Secure by default (issue 30, item 3), the parts without a deployment: checkpoints never run code
 and must be the run's own; a weight follower without a public key says so (log + gauge)."""
+
 from __future__ import annotations
 
 import shutil
@@ -25,6 +26,7 @@ class _RunsCode:
 
     def __reduce__(self):
         from pathlib import Path
+
         return (Path.touch, (Path(self.marker),))
 
 
@@ -35,9 +37,17 @@ def _real_state(version: int, epoch: int, digest: str) -> checkpoint.TrainerStat
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    return checkpoint.TrainerState(version=version, epoch=epoch, model=model.state_dict(),
-                                   optimizer=opt.state_dict(), consumed=[f"r{version}"], digest=digest,
-                                   model_config={"dim": 4}, step=version, warmstarted=True)
+    return checkpoint.TrainerState(
+        version=version,
+        epoch=epoch,
+        model=model.state_dict(),
+        optimizer=opt.state_dict(),
+        consumed=[f"r{version}"],
+        digest=digest,
+        model_config={"dim": 4},
+        step=version,
+        warmstarted=True,
+    )
 
 
 def test_planted_pickle_checkpoint_is_refused_and_its_code_never_runs(tmp_path):
@@ -45,7 +55,7 @@ def test_planted_pickle_checkpoint_is_refused_and_its_code_never_runs(tmp_path):
     good = _real_state(3, 2, "d3")
     checkpoint.save(ckpt, good)
     marker = tmp_path / "pwned"
-    planted = checkpoint.path_for(ckpt, 9, 9)          # newest by name: tried first
+    planted = checkpoint.path_for(ckpt, 9, 9)  # newest by name: tried first
     torch.save({"version": 9, "epoch": 9, "model": _RunsCode(marker)}, planted)
 
     try:
@@ -54,13 +64,15 @@ def test_planted_pickle_checkpoint_is_refused_and_its_code_never_runs(tmp_path):
     except checkpoint.CheckpointError as e:
         assert "unreadable" in str(e) and str(planted) in str(e)
     assert not marker.exists(), "loading the planted checkpoint ran its code"
-    st = checkpoint.load_latest(ckpt)                  # falls back to the genuine one
+    st = checkpoint.load_latest(ckpt)  # falls back to the genuine one
     assert not marker.exists()
     assert (st.version, st.epoch, st.digest, st.step, st.warmstarted) == (3, 2, "d3", 3, True)
     assert all(torch.equal(st.model[k], good.model[k]) for k in good.model)
     assert st.optimizer["param_groups"][0]["betas"] == (0.9, 0.95)
-    assert all(torch.equal(st.optimizer["state"][0][k], good.optimizer["state"][0][k])
-               for k in ("exp_avg", "exp_avg_sq"))
+    assert all(
+        torch.equal(st.optimizer["state"][0][k], good.optimizer["state"][0][k])
+        for k in ("exp_avg", "exp_avg_sq")
+    )
     # the shard-folder pruning pass reads every kept checkpoint too: it must not run it either
     checkpoint.save(ckpt, _real_state(4, 2, "d4"), keep=3)
     assert not marker.exists()
@@ -81,15 +93,15 @@ async def test_checkpoint_off_the_runs_digest_chain_is_refused(bus, tmp_path):
 
     ckpt = tmp_path / "ckpt"
     checkpoint.save(ckpt, _real_state(1, 1, d1))
-    checkpoint.save(ckpt, _real_state(1, 5, "f" * 64))          # well formed, newer epoch, wrong state
-    assert checkpoint.load_latest(ckpt).epoch == 5                # without the check it would resume
+    checkpoint.save(ckpt, _real_state(1, 5, "f" * 64))  # well formed, newer epoch, wrong state
+    assert checkpoint.load_latest(ckpt).epoch == 5  # without the check it would resume
     st = checkpoint.load_latest(ckpt, verify=chain.check)
     assert (st.version, st.epoch, st.digest) == (1, 1, d1)
-    checkpoint.save(ckpt, _real_state(2, 6, "e" * 64))           # latest + 1: a crash before publishing
+    checkpoint.save(ckpt, _real_state(2, 6, "e" * 64))  # latest + 1: a crash before publishing
     assert checkpoint.load_latest(ckpt, verify=chain.check).version == 2
-    checkpoint.save(ckpt, _real_state(7, 7, "e" * 64))           # never published anywhere near
+    checkpoint.save(ckpt, _real_state(7, 7, "e" * 64))  # never published anywhere near
     assert checkpoint.load_latest(ckpt, verify=chain.check).version == 2
-    for p in checkpoint.list_checkpoints(ckpt):                   # nothing of this run's: refused, loudly
+    for p in checkpoint.list_checkpoints(ckpt):  # nothing of this run's: refused, loudly
         if p.name != checkpoint.path_for(ckpt, 5, 1).name:
             p.unlink()
     try:
@@ -130,7 +142,7 @@ async def test_trainer_resumes_only_a_checkpoint_of_its_own_digest_chain(bus, fr
     cfg = trainer_config(fresh_server.url, tmp_path)
     tr = trainer(cfg)
     epoch = await tr.lease.acquire(asyncio.Event())
-    await asyncio.to_thread(tr.prepare)                          # checkpoint of v0 under `epoch`
+    await asyncio.to_thread(tr.prepare)  # checkpoint of v0 under `epoch`
     await WeightPublisher(bus, epoch, cfg.trainer_id).publish_keyframe(tr.published, 0, tr.model_cfg)
     # another model: other initial weights
     other = trainer(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=cfg.run.seed + 1)))
@@ -139,7 +151,7 @@ async def test_trainer_resumes_only_a_checkpoint_of_its_own_digest_chain(bus, fr
     assert forged.digest != tr.digest
     checkpoint.save(cfg.checkpoint.dir, forged)
 
-    unchecked = trainer(cfg)                                     # without the chain: the forged one wins
+    unchecked = trainer(cfg)  # without the chain: the forged one wins
     await asyncio.to_thread(unchecked.resume)
     assert delta_codec.state_digest(unchecked.learner.published_state()) == forged.digest
     resumed = trainer(cfg)
@@ -176,12 +188,13 @@ def test_sharded_checkpoint_metadata_is_read_without_running_code(tmp_path):
     planted = tmp_path / "shards-b"
     shutil.copytree(tmp_path / "shards-a", planted)
     (planted / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
-    with pytest.raises(BaseException) as e:   # DCP wraps the reader's UnsafeMetadata (CheckpointException)
+    with pytest.raises(BaseException) as e:  # DCP wraps the reader's UnsafeMetadata (CheckpointException)
         load_any(fresh, fresh_opt, tmp_path, {"__dcp__": "shards-b"}, None)
     assert "checkpoint metadata refers to pathlib.Path.touch" in str(e.value), repr(e.value)
     with pytest.raises(UnsafeMetadata, match="builtins.getattr"):
         SafeReader(planted).read_metadata() if (planted / ".metadata").write_bytes(
-            b"cbuiltins\ngetattr\n(cos\nsystem\nVtrue\ntR.") else None
+            b"cbuiltins\ngetattr\n(cos\nsystem\nVtrue\ntR."
+        ) else None
     assert not marker.exists(), "the planted metadata ran its code"
 
 
@@ -192,10 +205,11 @@ def test_versions_published_from_shards_count_in_the_digest_chain():
     standby refused every checkpoint past the keyframe.)"""
     from trainer.checkpoint import CheckpointError, TrainerState
     from trainer.digest_chain import DigestChain
+
     chain = DigestChain()
-    chain.add(0, "a" * 64)                       # the keyframe
+    chain.add(0, "a" * 64)  # the keyframe
     for v in (1, 2, 3):
-        chain.add(v, "")                         # manifests
+        chain.add(v, "")  # manifests
     assert chain.latest == 3
     for v in (1, 3, 4):
         chain.check(TrainerState(version=v, epoch=1, model={}, optimizer={}, digest="b" * 64))

@@ -2,6 +2,7 @@
 generated-repository tasks (export -> import -> evaluate: gold patch all resolved, empty none), the
 SWE-bench verdict rules (test patch over the model's edits, a patch that does not apply), and bad
 inputs refused with a clear error and nothing written."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,13 @@ def exported(tmp_path_factory):
     assert len(tasks) == 2
     # a task whose tests the workspace does not hold: only the test_patch brings them
     t = tasks[0]
-    tasks.append(dataclasses.replace(t, task_id=t.task_id + "-hidden", files={
-        p: x for p, x in t.files.items() if p not in t.hidden_tests}))
+    tasks.append(
+        dataclasses.replace(
+            t,
+            task_id=t.task_id + "-hidden",
+            files={p: x for p, x in t.files.items() if p not in t.hidden_tests},
+        )
+    )
     write_task_set(str(root / "set"), tasks, {})
     assert tasks_main(["export", str(root / "set"), "--out", str(root / "exp")]) == 0
     insts = swebench.read_jsonl(str(root / "exp" / "instances.jsonl"))
@@ -58,14 +64,20 @@ def test_round_trip_gold_resolves_empty_does_not(exported, tmp_path, capsys):
         assert bool(i["test_patch"]) == i["instance_id"].endswith("-hidden")
     assert tasks_main(["import", str(root / "exp" / "instances.jsonl"), "--out", str(tmp_path / "imp")]) == 0
     imported = {t.task_id: t for t in load_task_set(str(tmp_path / "imp"))}
-    for t in tasks:          # the snapshot is the task's starting workspace; the tests the hidden ones
+    for t in tasks:  # the snapshot is the task's starting workspace; the tests the hidden ones
         it = imported[t.task_id]
         assert _files(it.base_dir) == t.files
         assert {**t.files, **it.hidden_tests} == {**t.files, **t.hidden_tests}
-        assert (it.fail_to_pass, it.pass_to_pass, it.runner, it.split) == (t.fail_to_pass, t.pass_to_pass,
-                                                                          t.runner, t.split)
-    gold = [{"instance_id": i["instance_id"], "model_patch": i["patch"], "model_name_or_path": "gold"}
-            for i in insts]
+        assert (it.fail_to_pass, it.pass_to_pass, it.runner, it.split) == (
+            t.fail_to_pass,
+            t.pass_to_pass,
+            t.runner,
+            t.split,
+        )
+    gold = [
+        {"instance_id": i["instance_id"], "model_patch": i["patch"], "model_name_or_path": "gold"}
+        for i in insts
+    ]
     rep = _evaluate(capsys, gold, str(tmp_path), "--tasks", str(tmp_path / "imp"))
     assert rep["resolved_instances"] == 3 and rep["error_instances"] == 0, rep
     # straight from the instance file (imported into a temporary set), as the SWE-bench harness takes it
@@ -98,7 +110,7 @@ def test_verdict_rules(exported, tmp_path):
 def _diff_of(path: str, rel: str, new: str) -> str:
     old = open(path).read().splitlines(keepends=True)
     body = "".join("-" + x for x in old)
-    return (f"diff --git a/{rel} b/{rel}\n--- a/{rel}\n+++ b/{rel}\n@@ -1,{len(old)} +0,0 @@\n{body}" + new)
+    return f"diff --git a/{rel} b/{rel}\n--- a/{rel}\n+++ b/{rel}\n@@ -1,{len(old)} +0,0 @@\n{body}" + new
 
 
 def test_bad_instances_refused_nothing_written(exported, tmp_path, capsys):
@@ -110,15 +122,25 @@ def test_bad_instances_refused_nothing_written(exported, tmp_path, capsys):
         "json": ({**other, "PASS_TO_PASS": "[not json"}, "neither a list"),
         "norepo": ({**other, "repo_path": "", "repo": "nobody/nothing"}, "no local repository"),
         "unsafe": ({**other, "instance_id": "../x"}, "instance_id"),
-        "testpatch": ({**other, "test_patch": "diff --git a/tests/x.py b/tests/x.py\n--- a/tests/x.py\n+++ "
-                       "b/tests/x.py\n@@ -1 +1 @@\n-a\n+b\n"}, "not in the repository"),
+        "testpatch": (
+            {
+                **other,
+                "test_patch": "diff --git a/tests/x.py b/tests/x.py\n--- a/tests/x.py\n+++ "
+                "b/tests/x.py\n@@ -1 +1 @@\n-a\n+b\n",
+            },
+            "not in the repository",
+        ),
     }
     for name, (inst, why) in cases.items():
         src = tmp_path / f"{name}.jsonl"
         where = os.path.join(root / "exp", inst["repo_path"]) if inst.get("repo_path") else ""
         inst = {**inst, "repo_path": where}
-        src.write_text(json.dumps(good | {"repo_path": os.path.join(root / "exp", good["repo_path"])}) + "\n"
-                       + json.dumps(inst) + "\n")
+        src.write_text(
+            json.dumps(good | {"repo_path": os.path.join(root / "exp", good["repo_path"])})
+            + "\n"
+            + json.dumps(inst)
+            + "\n"
+        )
         capsys.readouterr()
         assert tasks_main(["import", str(src), "--out", str(tmp_path / name)]) == 2, name
         assert why in capsys.readouterr().err, name
@@ -128,19 +150,25 @@ def test_bad_instances_refused_nothing_written(exported, tmp_path, capsys):
     assert tasks_main(["import", str(src), "--out", str(tmp_path / "dup")]) == 2
     assert "duplicate" in capsys.readouterr().err
     # predictions: unknown ids and non-string patches are listed as errors, the rest still scored
-    preds = [{"instance_id": "nope", "model_patch": "x"},
-             {"instance_id": good["instance_id"], "model_patch": 3}]
+    preds = [
+        {"instance_id": "nope", "model_patch": "x"},
+        {"instance_id": good["instance_id"], "model_patch": 3},
+    ]
     rep = _evaluate(capsys, preds, str(tmp_path), "--instances", str(root / "exp" / "instances.jsonl"))
     assert rep["error_ids"] == sorted(["nope", good["instance_id"]]) and rep["resolved_instances"] == 0
 
 
-PKG_SRC = ("def snake(name):\n    out = []\n    for i, c in enumerate(name):\n"
-           "        if c.isupper() and i:\n            out.append('_')\n        out.append(c.lower())\n"
-           "    return ''.join(out)\n")
-PKG_TESTS = ("import pytest\nfrom minipkg import snake\n\n\n"
-             "@pytest.mark.parametrize('a,b', [('FooBar', 'foo_bar'), ('x', 'x')])\n"
-             "def test_snake(a, b):\n    assert snake(a) == b\n\n\n"
-             "def test_empty():\n    assert snake('') == ''\n")
+PKG_SRC = (
+    "def snake(name):\n    out = []\n    for i, c in enumerate(name):\n"
+    "        if c.isupper() and i:\n            out.append('_')\n        out.append(c.lower())\n"
+    "    return ''.join(out)\n"
+)
+PKG_TESTS = (
+    "import pytest\nfrom minipkg import snake\n\n\n"
+    "@pytest.mark.parametrize('a,b', [('FooBar', 'foo_bar'), ('x', 'x')])\n"
+    "def test_snake(a, b):\n    assert snake(a) == b\n\n\n"
+    "def test_empty():\n    assert snake('') == ''\n"
+)
 
 
 def test_package_task_round_trip_on_the_pytest_runner(tmp_path, capsys):
@@ -149,10 +177,13 @@ def test_package_task_round_trip_on_the_pytest_runner(tmp_path, capsys):
     import io
     import tarfile
     from asyncrl.tasks import build_package
+
     sdist = tmp_path / "minipkg-0.1.tar.gz"
     with tarfile.open(sdist, "w:gz") as tar:
-        for rel, text in {"minipkg-0.1/minipkg/__init__.py": PKG_SRC,
-                          "minipkg-0.1/tests/test_minipkg.py": PKG_TESTS}.items():
+        for rel, text in {
+            "minipkg-0.1/minipkg/__init__.py": PKG_SRC,
+            "minipkg-0.1/tests/test_minipkg.py": PKG_TESTS,
+        }.items():
             info = tarfile.TarInfo(rel)
             info.size = len(text.encode())
             tar.addfile(info, io.BytesIO(text.encode()))
@@ -161,10 +192,15 @@ def test_package_task_round_trip_on_the_pytest_runner(tmp_path, capsys):
     write_task_set(str(tmp_path / "set"), tasks, {})
     assert tasks_main(["export", str(tmp_path / "set"), "--out", str(tmp_path / "exp")]) == 0
     inst = swebench.read_jsonl(str(tmp_path / "exp" / "instances.jsonl"))[0]
-    assert any("[" in t for t in inst["FAIL_TO_PASS"] + inst["PASS_TO_PASS"])      # parametrized ids
+    assert any("[" in t for t in inst["FAIL_TO_PASS"] + inst["PASS_TO_PASS"])  # parametrized ids
     gold = [{"instance_id": inst["instance_id"], "model_patch": inst["patch"]}]
     rep = _evaluate(capsys, gold, str(tmp_path), "--instances", str(tmp_path / "exp" / "instances.jsonl"))
     assert rep["resolved_ids"] == [inst["instance_id"]], rep["results"]
-    rep = _evaluate(capsys, [{**gold[0], "model_patch": ""}], str(tmp_path), "--instances",
-                    str(tmp_path / "exp" / "instances.jsonl"))
+    rep = _evaluate(
+        capsys,
+        [{**gold[0], "model_patch": ""}],
+        str(tmp_path),
+        "--instances",
+        str(tmp_path / "exp" / "instances.jsonl"),
+    )
     assert rep["resolved_instances"] == 0 and rep["empty_patch_instances"] == 1

@@ -1,4 +1,5 @@
 """Task feeding (async backlog, sync one-batch-per-version) and the supervised warm start."""
+
 import asyncio
 import random
 
@@ -18,7 +19,7 @@ async def tasks_in_stream(bus) -> list[Task]:
         try:
             out.append(decode((await bus.js.get_msg(topo.TASKS, seq)).data, Task))
         except Exception:
-            pass                       # consumed (work queue) meanwhile
+            pass  # consumed (work queue) meanwhile
     return out
 
 
@@ -38,38 +39,46 @@ async def answer(bus, model, tasks, version, rng):
     for m in msgs:
         t = decode(m.data, Task)
         for i in range(t.sampling["n"]):
-            await bus.publish(topo.scored_subject("arith"), make_scored(model, t.task_id, i, t.sampling["n"], version, rng))
+            await bus.publish(
+                topo.scored_subject("arith"), make_scored(model, t.task_id, i, t.sampling["n"], version, rng)
+            )
         await m.ack()
     await sub.unsubscribe()
 
 
 async def test_sync_mode_one_task_batch_per_version(bus, fresh_server, tmp_path):
-    cfg = trainer_config(fresh_server.url, tmp_path, run={"mode": "sync", "max_steps": 2},
-                         tasks={"feed": True}, batch={"groups": 2, "group_size": 2})
+    cfg = trainer_config(
+        fresh_server.url,
+        tmp_path,
+        run={"mode": "sync", "max_steps": 2},
+        tasks={"feed": True},
+        batch={"groups": 2, "group_size": 2},
+    )
     model, mcfg = build_model(cfg)
     tr = Trainer(cfg, bus, build_learner(model, build_optimizer(model, cfg), cfg), mcfg)
     run = asyncio.create_task(tr.lead(asyncio.Event()))
     rng = random.Random(0)
     first = await wait_tasks(bus, 2)
     await asyncio.sleep(0.5)
-    assert len(await tasks_in_stream(bus)) == 2            # exactly one batch, then it waits
+    assert len(await tasks_in_stream(bus)) == 2  # exactly one batch, then it waits
     assert {t.min_version for t in first} == {0} and {t.sampling["n"] for t in first} == {2}
     await answer(bus, model, first, 0, rng)
     second = await wait_tasks(bus, 2)
-    assert {t.min_version for t in second} == {1}           # the next batch asks for version 1
+    assert {t.min_version for t in second} == {1}  # the next batch asks for version 1
     await answer(bus, model, second, 1, rng)
     assert await asyncio.wait_for(run, 60) == 0 and tr.version == 2
 
 
 async def test_async_mode_keeps_a_backlog(bus, fresh_server, tmp_path):
-    cfg = trainer_config(fresh_server.url, tmp_path,
-                         tasks={"feed": True, "backlog": 3, "envs": ["arith", "python-tests"]})
+    cfg = trainer_config(
+        fresh_server.url, tmp_path, tasks={"feed": True, "backlog": 3, "envs": ["arith", "python-tests"]}
+    )
     model, mcfg = build_model(cfg)
     tr = Trainer(cfg, bus, build_learner(model, build_optimizer(model, cfg), cfg), mcfg)
     stop = asyncio.Event()
     run = asyncio.create_task(tr.lead(stop))
     ts = await wait_tasks(bus, 3)
-    await asyncio.sleep(2.5)                                # several feeding periods: no overfill
+    await asyncio.sleep(2.5)  # several feeding periods: no overfill
     ts = await tasks_in_stream(bus)
     assert len(ts) == 3 and {t.env for t in ts} == {"arith", "python-tests"}
     stop.set()

@@ -2,6 +2,7 @@
 ranks encode from their own rows, with one signed manifest, applied in any order reproduce the
 gathered bf16 state bit-exactly; a missing, corrupt or inapplicable part refuses the whole
 version and leaves the state untouched."""
+
 from __future__ import annotations
 
 import pytest
@@ -41,8 +42,9 @@ def test_shard_rows_tile_like_fsdp2():
             spans = [shard_rows(n, r, ws) for r in range(ws)]
             assert spans[0][0] == 0 and spans[-1][1] == n
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-            assert [r1 - r0 for r0, r1 in spans] == [len(c) for c in torch.arange(n).chunk(ws)] + \
-                [0] * (ws - len(torch.arange(n).chunk(ws)))
+            assert [r1 - r0 for r0, r1 in spans] == [len(c) for c in torch.arange(n).chunk(ws)] + [0] * (
+                ws - len(torch.arange(n).chunk(ws))
+            )
 
 
 def test_parts_in_any_order_equal_the_full_delta(two_rank_parts):
@@ -72,9 +74,13 @@ def test_bad_parts_refuse_the_whole_version(two_rank_parts):
     with pytest.raises(DeltaError, match="signature"):
         apply_parts(st, manifest, dict(enumerate(parts)), public_key=signing.generate_keypair()[1])
     with pytest.raises(DeltaError, match="unsigned"):
-        apply_parts(st, make_manifest(parts, from_version=0, to_version=1).to_bytes(), dict(enumerate(parts)),
-                    public_key=pk)
-    lone = make_manifest(parts[:1], from_version=0, to_version=1).to_bytes(sk)   # a consistent but partial set
+        apply_parts(
+            st,
+            make_manifest(parts, from_version=0, to_version=1).to_bytes(),
+            dict(enumerate(parts)),
+            public_key=pk,
+        )
+    lone = make_manifest(parts[:1], from_version=0, to_version=1).to_bytes(sk)  # a consistent but partial set
     with pytest.raises(DeltaError, match="cover"):
         apply_parts(st, lone, {0: parts[0]}, public_key=pk)
     tampered = bytearray(manifest)
@@ -83,7 +89,11 @@ def test_bad_parts_refuse_the_whole_version(two_rank_parts):
         apply_parts(st, bytes(tampered), dict(enumerate(parts)), public_key=pk)
     assert same(st, base)
     # part 0 applies, then part 1 meets a row that is not its base: part 0 is rolled back too
-    name = next(n for n, t in base.items() if t.dim() == 2 and shard_rows(t.shape[0], 1, 2)[1] > shard_rows(t.shape[0], 1, 2)[0])
+    name = next(
+        n
+        for n, t in base.items()
+        if t.dim() == 2 and shard_rows(t.shape[0], 1, 2)[1] > shard_rows(t.shape[0], 1, 2)[0]
+    )
     st = clone(base)
     st[name][-1, 0] = st[name][-1, 0] + 1
     before = clone(st)

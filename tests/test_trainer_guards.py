@@ -1,6 +1,7 @@
 """Issue #30 item 2, a trainer that cannot publish a non-finite weight: the log-ratio is clamped
 before any exponent, a step with a non-finite loss or gradient norm leaves parameters and
 optimizer state bit-identical and parks what poisoned it, non-finite bf16 weights are refused."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,16 +35,25 @@ def test_far_off_policy_token_with_weight_zero_gives_a_finite_loss_and_gradient(
     for mode in ("truncated", "masked", "none"):
         for weight in (torch.tensor([0.0, 1.0, 1.0]), torch.ones(3)):
             logp.grad = None
-            loss, _ = pg_loss(logp, behav, adv, weight, 3, LossConfig(is_mode=mode, kl_coef=0.1),
-                              entropy=torch.ones(3), ref=torch.tensor([-1e3, -2.0, -0.5]))
+            loss, _ = pg_loss(
+                logp,
+                behav,
+                adv,
+                weight,
+                3,
+                LossConfig(is_mode=mode, kl_coef=0.1),
+                entropy=torch.ones(3),
+                ref=torch.tensor([-1e3, -2.0, -0.5]),
+            )
             loss.backward()
             assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), (mode, weight)
 
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    return Transformer(ModelConfig.tiny(vocab_size=V, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                                        d_ff=64))
+    return Transformer(
+        ModelConfig.tiny(vocab_size=V, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
+    )
 
 
 def _batch(model, poison=None) -> list[PackedSample]:
@@ -53,8 +63,21 @@ def _batch(model, poison=None) -> list[PackedSample]:
         prompt, comp = [1, 2, 3], [rng.randrange(3, V) for _ in range(5)]
         with torch.no_grad():
             lp = sequence_logprobs(model, [prompt], [comp], SamplingConfig()).logprobs[0]
-        out.append(PackedSample(f"r{i}", i // 2, float(i % 2), 1.0, 0, prompt, comp, [float(x) - 0.05 for x in lp],
-                                {"temperature": 1.0}, {}, {}))
+        out.append(
+            PackedSample(
+                f"r{i}",
+                i // 2,
+                float(i % 2),
+                1.0,
+                0,
+                prompt,
+                comp,
+                [float(x) - 0.05 for x in lp],
+                {"temperature": 1.0},
+                {},
+                {},
+            )
+        )
     if poison is not None:
         out[1].logprobs[2] = poison
     return out
@@ -63,20 +86,27 @@ def _batch(model, poison=None) -> list[PackedSample]:
 def _snapshot(learner: Learner):
     params = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
     opt = learner.opt.state_dict()
-    state = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
-             for k, st in opt["state"].items()}
+    state = {
+        k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
+        for k, st in opt["state"].items()
+    }
     return params, state, [dict(g) for g in opt["param_groups"]]
 
 
 def _identical(a, b) -> bool:
     pa, sa, ga = a
     pb, sb, gb = b
-    return (pa.keys() == pb.keys()
-            and all(torch.equal(pa[k].view(torch.int32), pb[k].view(torch.int32)) for k in pa)
-            and sa.keys() == sb.keys()
-            and all(torch.equal(sa[k][n], sb[k][n]) if torch.is_tensor(sa[k][n]) else sa[k][n] == sb[k][n]
-                    for k in sa for n in sa[k])
-            and ga == gb)
+    return (
+        pa.keys() == pb.keys()
+        and all(torch.equal(pa[k].view(torch.int32), pb[k].view(torch.int32)) for k in pa)
+        and sa.keys() == sb.keys()
+        and all(
+            torch.equal(sa[k][n], sb[k][n]) if torch.is_tensor(sa[k][n]) else sa[k][n] == sb[k][n]
+            for k in sa
+            for n in sa[k]
+        )
+        and ga == gb
+    )
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("-inf")])
@@ -84,12 +114,12 @@ def test_step_on_a_batch_with_a_nonfinite_logprob_leaves_parameters_and_optimize
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     learner = Learner(model, opt, LossConfig(), grad_clip=1.0)
-    assert "skipped" not in learner.step(_batch(model))        # AdamW has moments and a step count now
+    assert "skipped" not in learner.step(_batch(model))  # AdamW has moments and a step count now
     before = _snapshot(learner)
     out = learner.step(_batch(model, poison=poison))
     assert out["skipped"] in ("nonfinite_loss", "nonfinite_grad")
     assert _identical(before, _snapshot(learner))
-    assert all(p.grad is None for p in model.parameters())     # no poisoned gradient left behind
+    assert all(p.grad is None for p in model.parameters())  # no poisoned gradient left behind
     # the next good batch trains as usual
     assert "skipped" not in learner.step(_batch(model)) and not _identical(before, _snapshot(learner))
 
@@ -98,14 +128,14 @@ def test_nonfinite_bf16_weights_are_refused_before_encoding():
     model = _model()
     learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig())
     state = learner.published_state()
-    check_finite_state(state, 1)                               # finite: nothing to say
+    check_finite_state(state, 1)  # finite: nothing to say
     learner.mark_published()
     with torch.no_grad():
         model.layers[0].mlp.up_proj.weight[3, 4] = float("inf")
     with pytest.raises(NonFiniteWeights, match="refusing to publish"):
         check_finite_state(learner.published_state(), 2)
     with pytest.raises(NonFiniteWeights, match="refusing to publish"):
-        learner.publish_parts(1, 2)                            # the sharded path's encode, same guard
+        learner.publish_parts(1, 2)  # the sharded path's encode, same guard
 
 
 async def test_leader_parks_the_poisoning_rollout_and_trains_the_rest(bus, fresh_server, tmp_path):
@@ -120,7 +150,7 @@ async def test_leader_parks_the_poisoning_rollout_and_trains_the_rest(bus, fresh
     await publish_groups(bus, model, 2, 4)
     tr = Trainer(cfg, bus, learner, mcfg)
     stop, lost = asyncio.Event(), asyncio.Event()
-    epoch = await tr.lease.acquire(stop)            # what Trainer.lead does before its loop
+    epoch = await tr.lease.acquire(stop)  # what Trainer.lead does before its loop
     keeper = asyncio.create_task(tr.lease.keep(stop, lost))
     await asyncio.to_thread(tr.prepare)
     publisher = tr.make_publisher(epoch)
@@ -145,7 +175,7 @@ async def test_leader_parks_the_poisoning_rollout_and_trains_the_rest(bus, fresh
     st = checkpoint.load_latest(cfg.checkpoint.dir)
     assert st.version == 1 and poisoned.rollout_id not in st.consumed and len(st.consumed) == 7
     info = await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
-    assert info.num_pending == 0 and info.num_ack_pending == 0     # parked or acked: nothing lost
+    assert info.num_pending == 0 and info.num_ack_pending == 0  # parked or acked: nothing lost
     feed = WeightFollower(bus)
     state = await feed.latest_state()
     await feed.close()

@@ -2,6 +2,7 @@
 nats-server): every version goes out as two rank-encoded parts plus one signed manifest, and a real
 WeightFollower walking WEIGHTS reaches, version by version, exactly the bf16 state the gathered
 path publishes (the trainer's own gathered keyframe, and each sharded checkpoint loaded whole)."""
+
 import os
 import subprocess
 import sys
@@ -37,38 +38,76 @@ def test_publish_mode_is_validated():
 def gathered_state(cfg, st: checkpoint.TrainerState) -> dict:
     """The bf16 state of a checkpoint as one process holds it: what the gathered path publishes."""
     model, _ = build_model(cfg)
-    build_learner(model, build_optimizer(model, cfg), cfg).load_payload(cfg.checkpoint.dir, st.model, st.optimizer)
+    build_learner(model, build_optimizer(model, cfg), cfg).load_payload(
+        cfg.checkpoint.dir, st.model, st.optimizer
+    )
     return inference_state(model)
 
 
 async def test_two_rank_sharded_publication_is_bit_exact_for_a_real_follower(bus, fresh_server, tmp_path):
     sk, pk = signing.generate_keypair()
     (tmp_path / "sk.hex").write_text(sk.hex())
-    cfg = trainer_config(fresh_server.url, tmp_path, run={"max_steps": STEPS},
-                         batch={"groups": 2, "group_size": 3}, checkpoint={"keep": STEPS + 1})
+    cfg = trainer_config(
+        fresh_server.url,
+        tmp_path,
+        run={"max_steps": STEPS},
+        batch={"groups": 2, "group_size": 3},
+        checkpoint={"keep": STEPS + 1},
+    )
     model, mcfg = build_model(cfg)
     await publish_groups(bus, model, 2 * STEPS, 3, seed=5)
     conf = tmp_path / "t.toml"
-    write_toml(conf, {"trainer": {"trainer_id": "shards",
-                                  "policy": {"model": {k: v for k, v in cfg.policy.model.items() if v is not None}},
-                                  "batch": {"groups": 2, "group_size": 3, "fetch_timeout_s": 0.2},
-                                  "tasks": {"feed": False}, "optim": {"lr": cfg.optim.lr}, "run": {"max_steps": STEPS},
-                                  "checkpoint": {"dir": str(cfg.checkpoint.dir), "keep": STEPS + 1},
-                                  "publish": {"layout": "sharded", "keyframe_interval": 2,
-                                              "signing_key": str(tmp_path / "sk.hex")},
-                                  "bus": {"servers": [fresh_server.url]}}})
+    write_toml(
+        conf,
+        {
+            "trainer": {
+                "trainer_id": "shards",
+                "policy": {"model": {k: v for k, v in cfg.policy.model.items() if v is not None}},
+                "batch": {"groups": 2, "group_size": 3, "fetch_timeout_s": 0.2},
+                "tasks": {"feed": False},
+                "optim": {"lr": cfg.optim.lr},
+                "run": {"max_steps": STEPS},
+                "checkpoint": {"dir": str(cfg.checkpoint.dir), "keep": STEPS + 1},
+                "publish": {
+                    "layout": "sharded",
+                    "keyframe_interval": 2,
+                    "signing_key": str(tmp_path / "sk.hex"),
+                },
+                "bus": {"servers": [fresh_server.url]},
+            }
+        },
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", "trainer", "--config", str(conf)], cwd=ROOT, env=env, capture_output=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "trainer",
+            "--config",
+            str(conf),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr.decode()[-3000:]
 
     # WEIGHTS: keyframe v0, then per version one manifest of 2 parts (and the gathered keyframe v2)
     info = await bus.js.stream_info(topo.WEIGHTS)
     raws = [await bus.js.get_msg(topo.WEIGHTS, seq=s) for s in range(1, info.state.last_seq + 1)]
     evs = [decode(r.data) for r in raws]
-    assert [(e.KIND, e.version) for e in evs] == [("Keyframe", 0), ("Manifest", 1), ("Manifest", 2),
-                                                  ("Keyframe", 2), ("Manifest", 3)]
+    assert [(e.KIND, e.version) for e in evs] == [
+        ("Keyframe", 0),
+        ("Manifest", 1),
+        ("Manifest", 2),
+        ("Keyframe", 2),
+        ("Manifest", 3),
+    ]
     assert all(e.parts == 2 and e.part_bytes > 0 for e in evs if e.KIND == "Manifest")
 
     # the gathered bf16 state of every version, from the checkpoints the two ranks wrote
@@ -76,21 +115,22 @@ async def test_two_rank_sharded_publication_is_bit_exact_for_a_real_follower(bus
     for p in checkpoint.list_checkpoints(cfg.checkpoint.dir):
         st = checkpoint.load(p)
         states[st.version] = gathered_state(cfg, st)
-        assert digest_matches(states[st.version], st.digest), st.version     # the recorded digest holds
+        assert digest_matches(states[st.version], st.digest), st.version  # the recorded digest holds
         if st.version > 0:
-            assert st.digest.startswith("shards2:")         # recorded from the parts, nothing gathered
+            assert st.digest.startswith("shards2:")  # recorded from the parts, nothing gathered
     assert sorted(states) == list(range(STEPS + 1))
 
     feed, target = WeightFollower(bus, public_key=pk, name="w"), StateTarget()
-    for raw, ev in zip(raws, evs):                          # the follower's own path, message by message
+    for raw, ev in zip(raws, evs):  # the follower's own path, message by message
         await feed._apply_or_refuse(target, raw)
-        assert target.version == ev.version and all(torch.equal(target.state[k], v)
-                                                    for k, v in states[ev.version].items()), ev.msg_id()
-        if ev.KIND == "Keyframe" and ev.version == 2:       # the trainer's gathered state at v2
+        assert target.version == ev.version and all(
+            torch.equal(target.state[k], v) for k, v in states[ev.version].items()
+        ), ev.msg_id()
+        if ev.KIND == "Keyframe" and ev.version == 2:  # the trainer's gathered state at v2
             kf = await feed._load_keyframe(ev, raw.seq)
             assert all(torch.equal(target.state[k], v) for k, v in kf.state.items())
     assert feed.applied["manifest"] == STEPS and not feed.refused
-    late = await WeightFollower(bus, public_key=pk).latest_state()        # keyframe v2 + manifest v3
+    late = await WeightFollower(bus, public_key=pk).latest_state()  # keyframe v2 + manifest v3
     assert late.version == STEPS and all(torch.equal(late.state[k], v) for k, v in states[STEPS].items())
 
     # a standby of another world size resumes from the sharded-digest checkpoint

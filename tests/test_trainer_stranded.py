@@ -3,6 +3,7 @@ can use up a scored rollout's max_deliver, after which the server never delivers
 A leader parks such stranded messages in DLQ with a reason (visible, nothing left in limbo):
 those given up on while it leads (MAX_DELIVERIES advisory) and those given up on before it
 led, while nobody listened (a scan before its first fetch)."""
+
 import asyncio
 import time
 
@@ -21,16 +22,19 @@ MAX_DELIVER = 2
 async def strand(url: str, tmp_path) -> tuple[object, list[str]]:
     """Two leaders in turn take a group and step down (Batcher.close naks it): with max_deliver=2
     both rollouts have used up their deliveries."""
-    bus = await connect(BusConfig(servers=[url], name="stranded",
-                                  topology=TopologyConfig(max_deliver=MAX_DELIVER)))
+    bus = await connect(
+        BusConfig(servers=[url], name="stranded", topology=TopologyConfig(max_deliver=MAX_DELIVER))
+    )
     await bus.provision()
     ids = await publish_group(bus, "strand")
-    cfg = trainer_config(url, tmp_path, batch={"groups": 2, "group_size": 2})     # the group waits for a second one
+    cfg = trainer_config(
+        url, tmp_path, batch={"groups": 2, "group_size": 2}
+    )  # the group waits for a second one
     for _ in range(MAX_DELIVER):
         b = Batcher(bus, cfg, ConsumedIds(), 128)
         await b.start()
         assert await b.next_batch(0, max_wait_s=1.0) is None and b.pending == 2
-        await b.close()                                  # stepping down: hand them back
+        await b.close()  # stepping down: hand them back
     return bus, ids
 
 
@@ -56,8 +60,11 @@ async def test_rollouts_stranded_by_step_downs_are_parked_by_the_next_leader(fre
     try:
         entries = await lead_until_parked(bus, fresh_server.url, tmp_path, want=2)
         assert len(entries) == 2, entries
-        assert all(subject == topo.dlq_subject(topo.SCORED) and "max_deliver" in reason for subject, reason in entries)
-        assert (await bus.js.stream_info(topo.SCORED)).state.messages == 0     # nothing left in limbo
+        assert all(
+            subject == topo.dlq_subject(topo.SCORED) and "max_deliver" in reason
+            for subject, reason in entries
+        )
+        assert (await bus.js.stream_info(topo.SCORED)).state.messages == 0  # nothing left in limbo
     finally:
         await bus.close()
 
@@ -66,7 +73,7 @@ async def test_rollouts_stranded_while_nobody_listened_are_found_by_the_scan(fre
     bus, ids = await strand(fresh_server.url, tmp_path)
     try:
         sub = await bus.pull(topo.SCORED, topo.TRAINER_CONSUMER)
-        assert await sub.fetch(2, 1.0) == []             # the server gives up on them: advisory to nobody
+        assert await sub.fetch(2, 1.0) == []  # the server gives up on them: advisory to nobody
         info = await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
         assert info.num_ack_pending == 0 and (await bus.js.stream_info(topo.SCORED)).state.messages == 2
         await sub.unsubscribe()

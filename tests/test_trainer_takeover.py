@@ -1,6 +1,7 @@
 """Two real trainer processes: SIGKILL the leader, the standby leads within TTL + 5 s, resumes from
 the checkpoint; the version sequence has no gap or fork, no rollout is used twice, and a delta
 published afterwards under the old epoch is refused by a worker-side feed."""
+
 import asyncio
 import json
 import random
@@ -54,7 +55,7 @@ async def test_standby_takes_over_without_gap_fork_or_reuse(bus, fresh_server, t
         value, rev = await bus.kv_entry(topo.KEY_LEADER)
         return (parse_lease(value) or {}).get("holder"), rev
 
-    procs = {t: start(tmp_path, fresh_server.url, t) for t in ("A", "B")}   # both start; one wins
+    procs = {t: start(tmp_path, fresh_server.url, t) for t in ("A", "B")}  # both start; one wins
     try:
         lead = await wait_for(lambda: _holder_in(holder(), procs), 120, "a leader")
         spare = "B" if lead == "A" else "A"
@@ -84,14 +85,14 @@ async def test_standby_takes_over_without_gap_fork_or_reuse(bus, fresh_server, t
     e1, e2 = sorted({e.epoch for e in events})
     assert [(k.epoch, k.version) for k in kfs][0] == (e1, 0) and kfs[-1].epoch == e2
     takeover = kfs[-1].version
-    for ep in (e1, e2):                                    # each epoch: consecutive versions, no gap
+    for ep in (e1, e2):  # each epoch: consecutive versions, no gap
         vs = [(d.from_version, d.to_version) for d in deltas if d.epoch == ep]
         start_v = 0 if ep == e1 else takeover
         assert vs == [(v, v + 1) for v in range(start_v, start_v + len(vs))], (ep, vs)
     old_last = max(d.to_version for d in deltas if d.epoch == e1)
-    assert old_last <= takeover <= old_last + 1           # resumed from the newest checkpoint
+    assert old_last <= takeover <= old_last + 1  # resumed from the newest checkpoint
     same = [d for d in deltas if d.epoch == e1 and d.to_version == takeover]
-    assert all(d.new_digest == kfs[-1].digest for d in same)   # no fork at the seam
+    assert all(d.new_digest == kfs[-1].digest for d in same)  # no fork at the seam
     assert max(d.to_version for d in deltas) == 8
     # every scored rollout was used exactly once across both trainers
     used = []

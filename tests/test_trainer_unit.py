@@ -1,4 +1,5 @@
 """Trainer pieces without a bus: advantages, loss, importance weights, staleness, checkpoints."""
+
 import math
 
 import pytest
@@ -18,7 +19,7 @@ def test_group_advantage_is_group_relative():
     # why: (r - mean)/(std + eps): eps = 1e-6 (trainer/loss.py) against std 0.5 shifts it by 2e-6;
     # atol 1e-4 leaves room for any eps up to 5e-5 and still tells 1 from 1/sqrt(2) or 2
     assert torch.allclose(a[:4], torch.tensor([1.0, -1.0, 1.0, -1.0]), atol=1e-4)
-    assert torch.equal(a[4:], torch.zeros(4))             # no signal in a constant group (why equal: r - r = 0)
+    assert torch.equal(a[4:], torch.zeros(4))  # no signal in a constant group (why equal: r - r = 0)
     m = group_advantages(torch.tensor([3.0, 1.0, 10.0]), torch.tensor([0, 0, 1]), "mean")
     # why exact: small integers, their means and differences are exact in fp32
     assert torch.equal(m, torch.tensor([1.0, -1.0, 0.0]))
@@ -28,14 +29,15 @@ def test_group_advantage_is_group_relative():
 
 def test_truncated_and_masked_weights_and_no_ppo_clip():
     behav = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5]))
-    logp = torch.log(torch.tensor([0.5, 2.0, 0.1, 0.9])).requires_grad_()   # ratios 1, 4, 0.2, 1.8
+    logp = torch.log(torch.tensor([0.5, 2.0, 0.1, 0.9])).requires_grad_()  # ratios 1, 4, 0.2, 1.8
     adv, w = torch.ones(4), torch.ones(4)
     _, st = pg_loss(logp, behav, adv, w, 4, LossConfig(is_mode="truncated", is_clip=2.0))
     # why: ratios are exp(log a - log b) in fp32 (3 roundings, exp amplifies by |log| <= 2.3), then a mean of 4
-    assert st["frac_truncated"] == 0.25 and math.isclose(st["is_weight_mean"], (1 + 2 + 0.2 + 1.8) / 4,
-                                                         rel_tol=elementwise_rtol(3, cond=2.3) + sum_rtol(4))
+    assert st["frac_truncated"] == 0.25 and math.isclose(
+        st["is_weight_mean"], (1 + 2 + 0.2 + 1.8) / 4, rel_tol=elementwise_rtol(3, cond=2.3) + sum_rtol(4)
+    )
     _, st = pg_loss(logp, behav, adv, w, 4, LossConfig(is_mode="masked", is_clip=2.0))
-    assert st["frac_masked"] == 0.5                        # 4 and 0.2 fall outside [1/2, 2]
+    assert st["frac_masked"] == 0.5  # 4 and 0.2 fall outside [1/2, 2]
     # the PPO clip anchored on mu (issue #31 item 4) is gone: one step per batch has no trust region
     with pytest.raises(ValueError, match="ppo_clip.*trust region"):
         TrainerConfig(loss={"ppo_clip": 0.2})
@@ -48,7 +50,7 @@ def test_dropped_samples_carry_no_gradient():
     w = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
     loss, _ = pg_loss(logp, behav, adv, w, 3, LossConfig())
     loss.backward()
-    assert torch.equal(logp.grad[3:], torch.zeros(3)) and (logp.grad[:3] != 0).all()    # why equal: x 0
+    assert torch.equal(logp.grad[3:], torch.zeros(3)) and (logp.grad[:3] != 0).all()  # why equal: x 0
     with pytest.raises(ValueError):
         pg_loss(logp, behav[:2], adv, w, 3, LossConfig())
 
@@ -72,20 +74,28 @@ def test_config_rejects_bad_values():
 
 
 def _state(version, epoch, value):
-    return checkpoint.TrainerState(version=version, epoch=epoch, model={"w": torch.full((3,), value)},
-                                   optimizer={}, consumed=[f"r{version}"], digest="d")
+    return checkpoint.TrainerState(
+        version=version,
+        epoch=epoch,
+        model={"w": torch.full((3,), value)},
+        optimizer={},
+        consumed=[f"r{version}"],
+        digest="d",
+    )
 
 
 def test_checkpoint_atomic_latest_and_epoch_fencing(tmp_path):
     checkpoint.save(tmp_path, _state(1, 5, 1.0))
     checkpoint.save(tmp_path, _state(2, 5, 2.0))
-    checkpoint.save(tmp_path, _state(1, 9, 3.0))           # new leader (epoch 9) resumed at v1
-    checkpoint.save(tmp_path, _state(3, 5, 4.0))           # deposed leader wrote late: ignored
+    checkpoint.save(tmp_path, _state(1, 9, 3.0))  # new leader (epoch 9) resumed at v1
+    checkpoint.save(tmp_path, _state(3, 5, 4.0))  # deposed leader wrote late: ignored
     st = checkpoint.load_latest(tmp_path)
-    assert (st.epoch, st.version, st.consumed) == (9, 1, ["r1"]) and torch.equal(st.model["w"], torch.full((3,), 3.0))
-    (tmp_path / "ckpt-e00000009-v00000001.pt.tmp.123").write_bytes(b"half")   # a crash mid-write
+    assert (st.epoch, st.version, st.consumed) == (9, 1, ["r1"]) and torch.equal(
+        st.model["w"], torch.full((3,), 3.0)
+    )
+    (tmp_path / "ckpt-e00000009-v00000001.pt.tmp.123").write_bytes(b"half")  # a crash mid-write
     assert checkpoint.load_latest(tmp_path).epoch == 9
-    (tmp_path / "ckpt-e00000010-v00000004.pt").write_bytes(b"garbage")        # unreadable newest
+    (tmp_path / "ckpt-e00000010-v00000004.pt").write_bytes(b"garbage")  # unreadable newest
     assert checkpoint.load_latest(tmp_path).epoch == 9
     assert checkpoint.load_latest(tmp_path / "none") is None
 
@@ -93,8 +103,10 @@ def test_checkpoint_atomic_latest_and_epoch_fencing(tmp_path):
 def test_checkpoint_keeps_last_n(tmp_path):
     for v in range(6):
         checkpoint.save(tmp_path, _state(v, 1, float(v)), keep=2)
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == \
-        ["ckpt-e00000001-v00000004.pt", "ckpt-e00000001-v00000005.pt"]
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
+        "ckpt-e00000001-v00000004.pt",
+        "ckpt-e00000001-v00000005.pt",
+    ]
 
 
 def test_single_file_checkpoints_are_not_read_back_when_saving(tmp_path, monkeypatch):
@@ -106,7 +118,7 @@ def test_single_file_checkpoints_are_not_read_back_when_saving(tmp_path, monkeyp
     for v in range(4):
         checkpoint.save(tmp_path, _state(v, 1, float(v)), keep=3)
     assert reads == [] and len(checkpoint.list_checkpoints(tmp_path)) == 3
-    (tmp_path / "shards-e00000001-v00000000").mkdir()        # a sharded run's folder: now it must look
+    (tmp_path / "shards-e00000001-v00000000").mkdir()  # a sharded run's folder: now it must look
     checkpoint.save(tmp_path, _state(4, 1, 4.0), keep=3)
     assert len(reads) == 3
 
@@ -116,14 +128,31 @@ def test_one_process_optimizer_is_fused_adamw_with_the_default_update():
     up to float rounding (a few ulp after several steps)."""
     from trainer.config import TrainerConfig
     from trainer.factory import build_model, build_optimizer
-    cfg = TrainerConfig(policy={"model": {"preset": "tiny", "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
-                               "d_ff": 64, "max_seq_len": 32}},
-                        optim={"lr": 1e-2, "weight_decay": 0.1})
+
+    cfg = TrainerConfig(
+        policy={
+            "model": {
+                "preset": "tiny",
+                "d_model": 32,
+                "n_layers": 1,
+                "n_heads": 2,
+                "n_kv_heads": 1,
+                "d_ff": 64,
+                "max_seq_len": 32,
+            }
+        },
+        optim={"lr": 1e-2, "weight_decay": 0.1},
+    )
     a, _ = build_model(cfg)
     b, _ = build_model(cfg)
     fused = build_optimizer(a, cfg)
-    ref = torch.optim.AdamW(b.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                            weight_decay=cfg.optim.weight_decay, foreach=True)
+    ref = torch.optim.AdamW(
+        b.parameters(),
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        weight_decay=cfg.optim.weight_decay,
+        foreach=True,
+    )
     assert fused.defaults["fused"] is True
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
@@ -138,6 +167,7 @@ def test_one_process_optimizer_is_fused_adamw_with_the_default_update():
 
 def test_bad_configuration_is_a_clear_error(tmp_path, capsys):
     from trainer.__main__ import main
+
     assert main(["--config", str(tmp_path / "missing.toml")]) == 2
     assert "does not exist" in capsys.readouterr().err
     bad = tmp_path / "bad.toml"
@@ -151,10 +181,11 @@ def test_bad_configuration_is_a_clear_error(tmp_path, capsys):
 
 def test_length_buckets_cover_every_sequence_once_and_split_a_long_tail():
     from trainer.buckets import length_buckets
+
     lens = [30, 12, 110, 25, 31, 14, 29, 13]
     runs = length_buckets(lens, max_batch=32, overhead_tokens=16)
     assert sorted(i for r in runs for i in r) == list(range(len(lens)))
-    assert [110] in [[lens[i] for i in r] for r in runs]          # the long answer pads nobody
+    assert [110] in [[lens[i] for i in r] for r in runs]  # the long answer pads nobody
     assert all(len(r) <= 3 for r in length_buckets(lens, max_batch=3))
     assert length_buckets([], 4) == []
 
@@ -164,16 +195,30 @@ def test_length_bucketing_does_not_change_loss_or_gradient():
     import random
     from policy import ModelConfig, Transformer
     from trainer.learner import Learner, PackedSample
+
     rng = random.Random(0)
     torch.manual_seed(0)
     model = Transformer(ModelConfig.preset("tiny", vocab_size=40)).float()
     samples = []
     for i in range(8):
         n = rng.choice([3, 5, 40])
-        samples.append(PackedSample(str(i), i // 2, rng.random(), 1.0, 0, [1, 2, 3], [rng.randrange(4, 40) for _ in range(n)],
-                                    [-1.5] * n, {"temperature": 1.0, "top_p": 0.9}, {}, {}))
+        samples.append(
+            PackedSample(
+                str(i),
+                i // 2,
+                rng.random(),
+                1.0,
+                0,
+                [1, 2, 3],
+                [rng.randrange(4, 40) for _ in range(n)],
+                [-1.5] * n,
+                {"temperature": 1.0, "top_p": 0.9},
+                {},
+                {},
+            )
+        )
     grads = []
-    for micro in (1000, 1):      # buckets by cost vs one sequence per forward
+    for micro in (1000, 1):  # buckets by cost vs one sequence per forward
         learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig(), micro_batch=micro)
         model.zero_grad(set_to_none=True)
         loss, _ = learner.loss(samples)
@@ -185,4 +230,6 @@ def test_length_bucketing_does_not_change_loss_or_gradient():
     n = grad_reduction_len(model.cfg, sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples))
     assert math.isclose(grads[0][0], grads[1][0], rel_tol=sum_rtol(n), abs_tol=sum_rtol(n))
     scale = float(grads[0][1].abs().max())
-    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=fp32_tol(n)["rtol"], atol=fp32_tol(n)["atol"] * scale)
+    torch.testing.assert_close(
+        grads[0][1], grads[1][1], rtol=fp32_tol(n)["rtol"], atol=fp32_tol(n)["atol"] * scale
+    )

@@ -1,4 +1,5 @@
 """`asyncrl up` end to end: real nats-server, trainer, 2 workers and a scorer as OS processes."""
+
 from __future__ import annotations
 
 import collections
@@ -22,9 +23,28 @@ async def test_up_short_run(fresh_server, tmp_path):
     cfg = tmp_path / "up.toml"
     cfg.write_text(CONFIG)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "up", "--config", str(cfg), "--steps", "10",
-                           "--minutes", "4", "--nats", fresh_server.url, "--run-dir", str(run_dir), "--quiet"],
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "up",
+            "--config",
+            str(cfg),
+            "--steps",
+            "10",
+            "--minutes",
+            "4",
+            "--nats",
+            fresh_server.url,
+            "--run-dir",
+            str(run_dir),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["versions"] >= 10
@@ -60,8 +80,11 @@ async def test_up_short_run(fresh_server, tmp_path):
     try:
         dlq = await bus.js.stream_info(topo.DLQ)
         assert dlq.state.messages == 0
-        for stream, durable in ((topo.TASKS, topo.ROLLOUT_CONSUMER), (topo.ROLLOUTS, topo.SCORER_CONSUMER),
-                                (topo.SCORED, topo.TRAINER_CONSUMER)):
+        for stream, durable in (
+            (topo.TASKS, topo.ROLLOUT_CONSUMER),
+            (topo.ROLLOUTS, topo.SCORER_CONSUMER),
+            (topo.SCORED, topo.TRAINER_CONSUMER),
+        ):
             info = await bus.js.consumer_info(stream, durable)
             st = await bus.js.stream_info(stream)
             # work-queue streams: every message left is one the consumer has not acked yet

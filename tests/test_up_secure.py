@@ -3,6 +3,7 @@ unauthenticated local client (raw nats-py) cannot connect, so cannot publish on 
 the credentials reach the children through their environment only (not argv, not their TOML);
 the per-run signing pair and the credential files are private. Stopped as soon as it is checked
 (tests/test_up.py's run checks that the versions are signed with the run's key)."""
+
 from __future__ import annotations
 
 import stat
@@ -26,23 +27,29 @@ async def test_up_broker_refuses_unauthenticated_clients_and_keeps_secrets_off_a
     out = tmp_path / "up.out"
     try:
         env_file = run_dir / "config" / "bus.env"
-        await wait_for(lambda: env_file.exists() and (run_dir / "config" / "worker-1.toml").exists(),
-                       120, "broker and children started", proc, out)
+        await wait_for(
+            lambda: env_file.exists() and (run_dir / "config" / "worker-1.toml").exists(),
+            120,
+            "broker and children started",
+            proc,
+            out,
+        )
         creds = _env_file(env_file)
         url, user = creds["ASYNCRL_BUS__SERVERS"], creds["ASYNCRL_BUS__USER"]
         password = creds["ASYNCRL_BUS__PASSWORD"]
         assert url.startswith("nats://127.0.0.1:") and len(password) >= 32
 
         for kw in ({}, {"user": user, "password": "wrong"}, {"user": "admin", "password": password}):
-            with pytest.raises(Exception) as e:       # refused at CONNECT: nothing can be published
-                nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0,
-                                        allow_reconnect=False, **kw)
+            with pytest.raises(Exception) as e:  # refused at CONNECT: nothing can be published
+                nc = await nats.connect(
+                    url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False, **kw
+                )
                 await nc.publish(topo.DELTA_SUBJECT, b"forged delta")
                 await nc.flush(timeout=2)
                 await nc.close()
             assert "authorization" in repr(e.value).lower(), (kw, e.value)
 
-        nc = await nats.connect(url, user=user, password=password, connect_timeout=5)   # the run's own
+        nc = await nats.connect(url, user=user, password=password, connect_timeout=5)  # the run's own
         try:
             assert (await nc.jetstream().stream_info(topo.WEIGHTS)).config.name == topo.WEIGHTS
         finally:
@@ -72,7 +79,21 @@ async def test_up_broker_refuses_unauthenticated_clients_and_keeps_secrets_off_a
 def test_up_refuses_a_bad_signing_key_before_starting_anything(tmp_path):
     cfg = tmp_path / "up.toml"
     cfg.write_text('[up]\nsteps = 1\n[trainer.publish]\nsigning_key = "/nonexistent/trainer.key"\n')
-    r = subprocess.run([sys.executable, "-m", "asyncrl.cli", "up", "--config", str(cfg), "--run-dir",
-                        str(tmp_path / "run"), "--quiet"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "up",
+            "--config",
+            str(cfg),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "[trainer.publish] signing_key" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "run" / "nats").exists() and not list((tmp_path / "run" / "logs").glob("worker*"))

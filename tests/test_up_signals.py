@@ -9,6 +9,7 @@
 In every case no process of the run is left grace_s + 5 s after the signal (`up` itself may
 still be writing its plots and summary then; it must be gone soon after).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,7 @@ from bench.up_driver import kill_run, run_pids, start_up, summary_of, trainer_ve
 from tests.helpers.up import SUPERVISE
 
 GRACE_S = 3.0
-CONFIG = SUPERVISE          # grace_s = 3.0 in [up]
+CONFIG = SUPERVISE  # grace_s = 3.0 in [up]
 assert f"grace_s = {GRACE_S}" in CONFIG
 
 
@@ -42,13 +43,17 @@ def children_of_run(run_dir, up_pid: int) -> set[int]:
 
 def drained_cleanly(run_dir) -> list[str]:
     """Children whose log says they hit the hard drain deadline (i.e. did not drain in time)."""
-    return [p.name for p in (run_dir / "logs").glob("*.log")
-            if "drain deadline passed" in p.read_text(errors="replace")]
+    return [
+        p.name
+        for p in (run_dir / "logs").glob("*.log")
+        if "drain deadline passed" in p.read_text(errors="replace")
+    ]
 
 
 def children_stopped_ts(run_dir) -> float:
     """When `up` saw its last child exit (structlog ISO UTC timestamp in up.log)."""
     import datetime as dt
+
     for line in (run_dir / "logs" / "up.log").read_text().splitlines():
         r = json.loads(line) if line.startswith("{") else {}
         if r.get("event") == "children stopped":
@@ -59,6 +64,7 @@ def children_stopped_ts(run_dir) -> float:
 def broker_shutdown_ts(run_dir) -> float:
     """When the embedded nats-server began its shutdown (its log is in local time)."""
     import datetime as dt
+
     for line in (run_dir / "nats" / "nats-server.log").read_text().splitlines():
         if "Initiating Shutdown" in line:
             date, clock = line.split("] ", 1)[1].split()[:2]
@@ -70,17 +76,22 @@ async def _running_up(tmp_path, **kw):
     proc, run_dir = start_up(tmp_path, CONFIG, steps=500, minutes=5, **kw)
     out = tmp_path / "up.out"
     await wait_for(lambda: trainer_version(run_dir) >= 1, 150, "version 1", proc, out)
-    await wait_for(lambda: len(children_of_run(run_dir, proc.pid)) >= 4 + (0 if kw.get("nats") else 1), 30,
-                   "every child running", proc, out)
+    await wait_for(
+        lambda: len(children_of_run(run_dir, proc.pid)) >= 4 + (0 if kw.get("nats") else 1),
+        30,
+        "every child running",
+        proc,
+        out,
+    )
     return proc, run_dir, out
 
 
 async def test_ctrl_c_to_the_process_group_stops_in_order_with_a_summary(tmp_path):
-    proc, run_dir, out = await _running_up(tmp_path)           # embedded nats-server
+    proc, run_dir, out = await _running_up(tmp_path)  # embedded nats-server
     try:
         kids = children_of_run(run_dir, proc.pid)
         assert any("nats-server" in run_pids(run_dir)[p] for p in kids)
-        os.killpg(proc.pid, signal.SIGINT)                     # what the terminal does on Ctrl-C
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
         gone_s = await wait_gone(run_dir, kids, GRACE_S + 5)
         code = await asyncio.to_thread(proc.wait, 60)
         text = out.read_text()
@@ -90,13 +101,14 @@ async def test_ctrl_c_to_the_process_group_stops_in_order_with_a_summary(tmp_pat
         summary = json.loads(text.strip().splitlines()[-1])
         assert summary == summary_of(run_dir)
         assert summary["stopped"].startswith("interrupted by SIGINT") and summary["versions"] >= 1
-        assert drained_cleanly(run_dir) == []                  # the broker was there for their drain
+        assert drained_cleanly(run_dir) == []  # the broker was there for their drain
         # the broker went last: its shutdown began after every child had exited
         assert broker_shutdown_ts(run_dir) > children_stopped_ts(run_dir)
         for name in ("worker-0", "worker-1", "scorer-0"):
             log = (run_dir / "logs" / f"{name}.log").read_text()
-            assert '"consumer loop stopped"' in log and "nats disconnected" not in log.split('"stop signal')[-1], \
-                (name, log[-2000:])
+            assert (
+                '"consumer loop stopped"' in log and "nats disconnected" not in log.split('"stop signal')[-1]
+            ), (name, log[-2000:])
     finally:
         kill_run(run_dir)
 
@@ -105,9 +117,9 @@ async def test_sigterm_with_the_broker_dead_still_drains_within_grace(fresh_serv
     proc, run_dir, out = await _running_up(tmp_path, nats=fresh_server.url)
     try:
         kids = children_of_run(run_dir, proc.pid)
-        fresh_server.stop_sync(kill=True)                       # the broker is gone ...
+        fresh_server.stop_sync(kill=True)  # the broker is gone ...
         await asyncio.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)                        # ... when the stop comes
+        proc.send_signal(signal.SIGTERM)  # ... when the stop comes
         gone_s = await wait_gone(run_dir, kids, GRACE_S + 5)
         code = await asyncio.to_thread(proc.wait, 60)
         text = out.read_text()

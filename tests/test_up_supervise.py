@@ -5,6 +5,7 @@ component. Also: [up] is validated before anything starts.
 The helpers that drive `up` from outside live in bench/up_driver.py (the chaos harness's
 `up_supervisor` scenario uses them too).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,16 @@ import sys
 
 import pytest
 
-from bench.up_driver import (ROOT, child_pid, kill_run, run_pids, start_up, summary_of, trainer_version,
-                             wait_for)
+from bench.up_driver import (
+    ROOT,
+    child_pid,
+    kill_run,
+    run_pids,
+    start_up,
+    summary_of,
+    trainer_version,
+    wait_for,
+)
 from tests.helpers.up import SUPERVISE
 
 
@@ -33,11 +42,18 @@ async def test_up_restarts_killed_worker_and_scorer(fresh_server, tmp_path):
         for pid in victims.values():
             os.kill(pid, signal.SIGKILL)
         # replaced: a new process runs under each name, and the run goes on
-        await wait_for(lambda: all(child_pid(run_dir, n) not in (None, victims[n]) for n in victims), 60,
-                       "replacements", proc, out)
+        await wait_for(
+            lambda: all(child_pid(run_dir, n) not in (None, victims[n]) for n in victims),
+            60,
+            "replacements",
+            proc,
+            out,
+        )
         v = trainer_version(run_dir)
-        await wait_for(lambda: trainer_version(run_dir) >= v + 2, 150, "progress after the restarts", proc, out)
-        proc.send_signal(signal.SIGTERM)         # an orderly stop: drains, summary, exit 0
+        await wait_for(
+            lambda: trainer_version(run_dir) >= v + 2, 150, "progress after the restarts", proc, out
+        )
+        proc.send_signal(signal.SIGTERM)  # an orderly stop: drains, summary, exit 0
         code = await asyncio.to_thread(proc.wait, 120)
         assert code == 0, out.read_text()[-4000:]
         s = summary_of(run_dir)
@@ -52,17 +68,39 @@ async def test_up_restarts_killed_worker_and_scorer(fresh_server, tmp_path):
         kill_run(run_dir)
 
 
-@pytest.mark.parametrize("bad, msg", [("max_restarts = -1", "max_restarts"), ("max_restarts = 1.5", "integer"),
-                                      ("restart_backoff_s = 0", "restart_backoff_s"), ("grace_s = \"x\"", "number"),
-                                      ("restarts = 3", "unknown key")])
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        ("max_restarts = -1", "max_restarts"),
+        ("max_restarts = 1.5", "integer"),
+        ("restart_backoff_s = 0", "restart_backoff_s"),
+        ('grace_s = "x"', "number"),
+        ("restarts = 3", "unknown key"),
+    ],
+)
 def test_up_config_is_checked_before_start(tmp_path, bad, msg):
     cfg = tmp_path / "up.toml"
     cfg.write_text(f"[up]\n{bad}\n")
-    p = subprocess.run([sys.executable, "-m", "asyncrl.cli", "up", "--config", str(cfg), "--run-dir",
-                        str(tmp_path / "run"), "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "up",
+            "--config",
+            str(cfg),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--quiet",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert p.returncode == 2 and msg in p.stderr, p.stderr[-2000:]
-    assert not (tmp_path / "run").exists()          # nothing started
+    assert not (tmp_path / "run").exists()  # nothing started
 
 
 @pytest.mark.chaos
@@ -73,9 +111,13 @@ async def test_up_survives_repeated_kills_and_a_trainer_kill(fresh_server, tmp_p
     killed child is back (a step count could end it mid-kill on a loaded machine)."""
     import collections
     import random
+
     rng = random.Random(14)
-    config = SUPERVISE.replace("[up]\n", "[up]\ntrainers = 2\nmax_restarts = 8\n").replace("max_restarts = 3\n", "") \
+    config = (
+        SUPERVISE.replace("[up]\n", "[up]\ntrainers = 2\nmax_restarts = 8\n")
+        .replace("max_restarts = 3\n", "")
         .replace("[trainer.tasks]\n", "[trainer.lease]\nttl_s = 4.0\n\n[trainer.tasks]\n")
+    )
     proc, run_dir = start_up(tmp_path, config, steps=100_000, nats=fresh_server.url, minutes=12)
     out = tmp_path / "up.out"
     kills = collections.Counter()
@@ -85,19 +127,31 @@ async def test_up_survives_repeated_kills_and_a_trainer_kill(fresh_server, tmp_p
         killed = set()  # (a pid file can still name the child just killed: wait for its replacement)
         for i in range(6):
             name = "trainer" if i == 3 else rng.choice(names)
-            pid = await wait_for(lambda: (p if (p := child_pid(run_dir, name)) not in killed else None), 60,
-                                 f"{name} running", proc, out)
+            pid = await wait_for(
+                lambda: p if (p := child_pid(run_dir, name)) not in killed else None,
+                60,
+                f"{name} running",
+                proc,
+                out,
+            )
             killed.add(pid)
             os.kill(pid, signal.SIGKILL)
             kills[{"trainer": "trainer", "scorer-0": "scorer"}.get(name, "rollout_worker")] += 1
             v = trainer_version(run_dir)
             await wait_for(lambda: trainer_version(run_dir) > v, 150, "progress after a kill", proc, out)
-        for name in ["trainer", *names]:         # every killed child replaced (not in its restart backoff)
-            await wait_for(lambda: (p := child_pid(run_dir, name)) is not None and p not in killed, 60,
-                           f"{name} replaced", proc, out)
+        for name in ["trainer", *names]:  # every killed child replaced (not in its restart backoff)
+            await wait_for(
+                lambda: (p := child_pid(run_dir, name)) is not None and p not in killed,
+                60,
+                f"{name} replaced",
+                proc,
+                out,
+            )
         v = trainer_version(run_dir)
-        await wait_for(lambda: trainer_version(run_dir) >= v + 2, 150, "progress after the last kill", proc, out)
-        proc.send_signal(signal.SIGTERM)         # an orderly stop: drains, summary, exit 0
+        await wait_for(
+            lambda: trainer_version(run_dir) >= v + 2, 150, "progress after the last kill", proc, out
+        )
+        proc.send_signal(signal.SIGTERM)  # an orderly stop: drains, summary, exit 0
         code = await asyncio.to_thread(proc.wait, 120)
         assert code == 0, out.read_text()[-4000:]
         s = summary_of(run_dir)

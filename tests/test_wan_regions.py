@@ -2,6 +2,7 @@
 the mirror-lag traps, and a region's death (its tasks come back to the others, none lost).
 
 Two regions on loopback (bench.wanlab), each behind a bench.delayline link; ≤ 60 s in all."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,12 +22,8 @@ from bus.regions import MirrorMissing, WeightSource
 from bus.weight_follower import StateTarget, WeightFollower
 
 
-
-
 # -- the delay line ---------------------------------------------------------------------------
 from bus.weights import WeightPublisher
-
-
 
 
 # -- the delay line ---------------------------------------------------------------------------
@@ -36,6 +33,7 @@ async def _echo_server():
             w.write(data)
             await w.drain()
         w.close()
+
     srv = await asyncio.start_server(echo, "127.0.0.1", 0)
     return srv, srv.sockets[0].getsockname()[1]
 
@@ -43,7 +41,7 @@ async def _echo_server():
 @pytest.mark.asyncio
 async def test_delayline_delays_paces_counts_and_cuts():
     srv, port = await _echo_server()
-    line = DelayLine("127.0.0.1", port, LinkSpec(delay_ms=40, rate_mbit=8))     # 1 MB/s each way
+    line = DelayLine("127.0.0.1", port, LinkSpec(delay_ms=40, rate_mbit=8))  # 1 MB/s each way
     lport = await line.start()
     try:
         r, w = await asyncio.open_connection("127.0.0.1", lport)
@@ -51,18 +49,18 @@ async def test_delayline_delays_paces_counts_and_cuts():
         w.write(b"x")
         await r.readexactly(1)
         rtt = time.monotonic() - t0
-        assert 0.075 <= rtt < 0.5, rtt                        # two one-way delays
+        assert 0.075 <= rtt < 0.5, rtt  # two one-way delays
 
         payload = bytes(300_000)
         t0 = time.monotonic()
         w.write(payload)
         await r.readexactly(len(payload))
         took = time.monotonic() - t0
-        assert took >= 0.3 + 0.08 - 0.02, took               # 300 kB at 1 MB/s, plus the round trip
+        assert took >= 0.3 + 0.08 - 0.02, took  # 300 kB at 1 MB/s, plus the round trip
         c = line.counters()
         assert c["up"]["bytes"] == c["down"]["bytes"] == len(payload) + 1
 
-        await line.cut()                                      # link down: reset, then refused
+        await line.cut()  # link down: reset, then refused
         with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
             await asyncio.wait_for(r.readexactly(1), 2)
         r2, w2 = await asyncio.open_connection("127.0.0.1", lport)
@@ -87,7 +85,7 @@ async def test_delayline_loss_stalls_the_stream_without_losing_bytes():
     lport = await line.start()
     try:
         r, w = await asyncio.open_connection("127.0.0.1", lport)
-        payload = bytes(range(256)) * 2000                    # 512 kB: ~350 segments each way
+        payload = bytes(range(256)) * 2000  # 512 kB: ~350 segments each way
         w.write(payload)
         assert await asyncio.wait_for(r.readexactly(len(payload)), 20) == payload
         c = line.counters()
@@ -111,12 +109,15 @@ def test_a_region_worker_config_is_checked_before_start():
     without js_domain its task pulls (and provisioning) would go to the region's own JetStream."""
     from bus import ConfigError, load_config
     from rollout_worker.worker import WorkerConfig
+
     env = {"ASYNCRL_BUS__JS_DOMAIN": "hub", "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu"}
     assert load_config(WorkerConfig, environ=env).bus.weights_domain == "eu"
-    for bad, msg in (({"ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu"}, "needs js_domain"),
-                     ({**env, "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu.west"}, "weights_domain must be"),
-                     ({**env, "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu>"}, "weights_domain must be"),
-                     ({**env, "ASYNCRL_BUS__JS_DOMAIN": "h b"}, "js_domain must be")):
+    for bad, msg in (
+        ({"ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu"}, "needs js_domain"),
+        ({**env, "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu.west"}, "weights_domain must be"),
+        ({**env, "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu>"}, "weights_domain must be"),
+        ({**env, "ASYNCRL_BUS__JS_DOMAIN": "h b"}, "js_domain must be"),
+    ):
         with pytest.raises(ConfigError, match=msg):
             load_config(WorkerConfig, environ=bad)
 
@@ -124,8 +125,10 @@ def test_a_region_worker_config_is_checked_before_start():
 # -- regions ---------------------------------------------------------------------------------
 def _state(n: int = 300_000, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"a": (torch.randn(n // 2, generator=g) * 0.02).to(torch.bfloat16),
-            "b": (1 + torch.randn(n - n // 2, generator=g) * 0.02).to(torch.bfloat16)}
+    return {
+        "a": (torch.randn(n // 2, generator=g) * 0.02).to(torch.bfloat16),
+        "b": (1 + torch.randn(n - n // 2, generator=g) * 0.02).to(torch.bfloat16),
+    }
 
 
 def _step(state, frac: float, seed: int):
@@ -142,8 +145,11 @@ def _step(state, frac: float, seed: int):
 
 @pytest.fixture
 async def lab(tmp_path):
-    lab = Lab(tmp_path, {"near": LinkSpec(delay_ms=10, rate_mbit=200), "far": LinkSpec(delay_ms=40, rate_mbit=100)},
-              topology=topo.TopologyConfig(storage="memory", ack_wait_s=2.0, max_deliver=20, weights_keep=8))
+    lab = Lab(
+        tmp_path,
+        {"near": LinkSpec(delay_ms=10, rate_mbit=200), "far": LinkSpec(delay_ms=40, rate_mbit=100)},
+        topology=topo.TopologyConfig(storage="memory", ack_wait_s=2.0, max_deliver=20, weights_keep=8),
+    )
     await lab.start()
     yield lab
     await lab.close()
@@ -167,10 +173,10 @@ async def _until(pred, timeout: float, what: str):
 @pytest.mark.asyncio
 async def test_mirrors_carry_each_update_once_per_region_and_feed_every_worker(lab):
     hub = await lab.hub_bus("trainer")
-    pub = WeightPublisher(hub, epoch=1, trainer_id="t", inline_max=64 * 1024)   # keyframe via a blob
+    pub = WeightPublisher(hub, epoch=1, trainer_id="t", inline_max=64 * 1024)  # keyframe via a blob
     state = _state()
     await pub.publish_keyframe(state, 0, {})
-    followers = []                        # near: 3 workers on its mirrors; far: 3 reading the hub
+    followers = []  # near: 3 workers on its mirrors; far: 3 reading the hub
     for region, read in (("near", "mirror"), ("far", "hub")):
         for i in range(3):
             _, src = await lab.worker_bus(region, f"{region}-{read}-{i}", read=read)
@@ -184,7 +190,7 @@ async def test_mirrors_carry_each_update_once_per_region_and_feed_every_worker(l
         before = await lab.counters()
         await pub.publish_delta(d)
         await _until(lambda: all(f[2].version == v for f in followers), 15, f"v{v} everywhere")
-        await asyncio.sleep(0.3)          # let the link settle before reading its counters
+        await asyncio.sleep(0.3)  # let the link settle before reading its counters
         after = await lab.counters()
         state = new
         wan = {r: after[r]["down"]["bytes"] - before[r]["down"]["bytes"] for r in ("near", "far")}
@@ -220,17 +226,17 @@ async def test_feed_reads_by_sequence_when_woken_before_the_mirror_holds_the_mes
     src.wake_on = "hub"
     target, stop, task, feed = await _follow(src, "w", poll_s=0.2)
     await _until(lambda: target.version == 0, 20, "keyframe")
-    feed.poll_s = 30.0                    # from now on only a wake-up (or the re-read) moves it
-    await asyncio.sleep(0.3)              # the feed is now waiting (up to poll_s) for a wake-up
+    feed.poll_s = 30.0  # from now on only a wake-up (or the re-read) moves it
+    await asyncio.sleep(0.3)  # the feed is now waiting (up to poll_s) for a wake-up
 
     region_js = src.js
-    await region_js.delete_stream(topo.WEIGHTS)               # the mirror misses what comes next
+    await region_js.delete_stream(topo.WEIGHTS)  # the mirror misses what comes next
     new = _step(state, 0.01, 1)
     await pub.publish_delta(delta_codec.encode_delta(state, new, from_version=0, to_version=1))
-    await asyncio.sleep(0.5)              # woken; read; nothing there
+    await asyncio.sleep(0.5)  # woken; read; nothing there
     assert target.version == 0
     t0 = time.monotonic()
-    await lab.provision_region("near")    # the mirror comes back and copies the hub's stream
+    await lab.provision_region("near")  # the mirror comes back and copies the hub's stream
     await _until(lambda: target.version == 1, 10, "v1 after the mirror caught up")
     assert time.monotonic() - t0 < 10
     stop.set()
@@ -242,21 +248,22 @@ async def test_blob_reader_waits_for_a_blob_the_mirror_has_not_got_yet(lab):
     hub = await lab.hub_bus("trainer")
     _, src = await lab.worker_bus("far", "w", read="mirror")
     src.blob_wait_s = 15.0
-    await src.blob_store()                    # bound to the mirror while it exists
-    await src.js.delete_stream(topo.BLOB_STREAM)               # the region's mirror misses the put
-    data = os.urandom(700_000)            # incompressible: the leaf link compresses (s2)
+    await src.blob_store()  # bound to the mirror while it exists
+    await src.js.delete_stream(topo.BLOB_STREAM)  # the region's mirror misses the put
+    data = os.urandom(700_000)  # incompressible: the leaf link compresses (s2)
     await hub.put_blob("late", data)
     _, fresh = await lab.worker_bus("far", "w2", read="mirror")
-    with pytest.raises(MirrorMissing, match="provision"):     # a region without mirrors: said so
+    with pytest.raises(MirrorMissing, match="provision"):  # a region without mirrors: said so
         await fresh.get_blob("late")
     got = asyncio.ensure_future(src.get_blob("late"))
     await asyncio.sleep(1.0)
-    assert not got.done()                 # waiting, not failing (the mirror is not even there)
-    await lab.provision_region("far")     # the mirror comes back and copies the blob
+    assert not got.done()  # waiting, not failing (the mirror is not even there)
+    await lab.provision_region("far")  # the mirror comes back and copies the blob
     assert await asyncio.wait_for(got, 20) == data
     assert (await lab.counters())["far"]["down"]["bytes"] > len(data)
     src.blob_wait_s = 0.2
     from bus import BlobError
+
     with pytest.raises(BlobError, match="not found"):
         await src.get_blob("never-put")
 
@@ -275,8 +282,9 @@ async def test_region_death_reroutes_its_tasks_and_its_feed_resumes_past_retenti
     await _until(lambda: target.version == 0, 20, "far at v0")
 
     n_tasks = 24
-    await hub.publish_many([(topo.task_subject("wan"), Task(task_id=f"t{i}", env="wan", prompt="p"))
-                            for i in range(n_tasks)])
+    await hub.publish_many(
+        [(topo.task_subject("wan"), Task(task_id=f"t{i}", env="wan", prompt="p")) for i in range(n_tasks)]
+    )
     done: dict[str, list[str]] = {"near": [], "far": []}
     stop_work = asyncio.Event()
 
@@ -289,13 +297,15 @@ async def test_region_death_reroutes_its_tasks_and_its_feed_resumes_past_retenti
                     await m.ack_sync(timeout=2)
                     done[region].append(events.decode(m.data, Task).task_id)
                 except Exception:
-                    pass                    # the region died with the task: it comes back after ack_wait
+                    pass  # the region died with the task: it comes back after ack_wait
 
     far_bus, _ = await lab.worker_bus("far", "far-w")
     near_bus, _ = await lab.worker_bus("near", "near-w")
-    workers = [asyncio.ensure_future(worker("far", far_bus, 0.1)),
-               asyncio.ensure_future(worker("far", far_bus, 0.1)),
-               asyncio.ensure_future(worker("near", near_bus, 0.3))]
+    workers = [
+        asyncio.ensure_future(worker("far", far_bus, 0.1)),
+        asyncio.ensure_future(worker("far", far_bus, 0.1)),
+        asyncio.ensure_future(worker("near", near_bus, 0.3)),
+    ]
     await _until(lambda: len(done["far"]) >= 2, 20, "far working")
     await lab.kill_region("far")
     died_with = n_tasks - len(set(done["near"]) | set(done["far"]))
@@ -316,7 +326,7 @@ async def test_region_death_reroutes_its_tasks_and_its_feed_resumes_past_retenti
     assert len(set(done["near"]) | set(done["far"])) == n_tasks and died_with > 0
 
     assert target.version == 0
-    await lab.start_region("far")         # a fresh server: its memory mirrors are declared again
+    await lab.start_region("far")  # a fresh server: its memory mirrors are declared again
     await _until(lambda: target.version == keep + 5, 30, "far caught up")
     assert all(torch.equal(target.state[k], state[k]) for k in state)
     assert feed.resyncs >= 1 and feed.applied["keyframe"] >= 1, feed.stats()
@@ -376,29 +386,47 @@ async def test_rollout_worker_process_in_a_region_patches_from_its_mirror(tmp_pa
         torch.manual_seed(3)
         state = policy.inference_state(policy.Transformer(cfg))
         pub = WeightPublisher(hub, epoch=1, trainer_id="t", inline_max=256 * 1024)
-        await pub.publish_keyframe(state, 0, cfg)             # > inline_max: a blob, read from eu's mirror
+        await pub.publish_keyframe(state, 0, cfg)  # > inline_max: a blob, read from eu's mirror
 
         patched: dict[str, int] = {}
 
         async def on_beat(msg):
-            hb = decode_event(msg.data, Heartbeat)      # every beat carries the engine's version
+            hb = decode_event(msg.data, Heartbeat)  # every beat carries the engine's version
             patched[hb.component_id] = max(patched.get(hb.component_id, -1), hb.version)
+
         await hub.nc.subscribe("rl.heartbeat.rollout_worker.>", cb=on_beat)
 
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         for i in range(2):
-            env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1",
-                   "ASYNCRL_BUS__SERVERS": lab.regions["eu"].url, "ASYNCRL_BUS__JS_DOMAIN": topo.HUB_DOMAIN,
-                   "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu", "ASYNCRL_BUS__TOPOLOGY__STORAGE": "memory",
-                   "ASYNCRL_WORKER_ID": f"eu-{i}", "ASYNCRL_SLOTS": "1", "ASYNCRL_MAX_LEN": "64",
-                   "ASYNCRL_HEARTBEAT_S": "0.5"}
+            env = {
+                **os.environ,
+                "PYTHONPATH": root,
+                "OMP_NUM_THREADS": "1",
+                "ASYNCRL_BUS__SERVERS": lab.regions["eu"].url,
+                "ASYNCRL_BUS__JS_DOMAIN": topo.HUB_DOMAIN,
+                "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu",
+                "ASYNCRL_BUS__TOPOLOGY__STORAGE": "memory",
+                "ASYNCRL_WORKER_ID": f"eu-{i}",
+                "ASYNCRL_SLOTS": "1",
+                "ASYNCRL_MAX_LEN": "64",
+                "ASYNCRL_HEARTBEAT_S": "0.5",
+            }
             log = open(tmp_path / f"eu-{i}.log", "wb")
-            procs.append(subprocess.Popen([sys.executable, "-m", "rollout_worker"], env=env, cwd=tmp_path,
-                                          stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "rollout_worker"],
+                    env=env,
+                    cwd=tmp_path,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
 
         def logs() -> str:
-            return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
-                             for p in sorted(tmp_path.glob("eu-*.log")))
+            return "\n".join(
+                f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
+                for p in sorted(tmp_path.glob("eu-*.log"))
+            )
 
         async def until_all(v: int, timeout: float):
             deadline = time.monotonic() + timeout
@@ -406,13 +434,14 @@ async def test_rollout_worker_process_in_a_region_patches_from_its_mirror(tmp_pa
                 dead = [p.returncode for p in procs if p.poll() is not None]
                 assert not dead and time.monotonic() < deadline, f"v{v} not everywhere: {patched}\n{logs()}"
                 await asyncio.sleep(0.05)
+
         await until_all(0, 40)
 
-        for v in range(1, 2):             # (one version: two processes starting torch dominate the time)
+        for v in range(1, 2):  # (one version: two processes starting torch dominate the time)
             new = _step(state, 0.2, v)
             d = delta_codec.encode_delta(state, new, from_version=v - 1, to_version=v)
             size = len(d.to_bytes())
-            await asyncio.sleep(0.6)      # heartbeats and the mirror's idle traffic only
+            await asyncio.sleep(0.6)  # heartbeats and the mirror's idle traffic only
             before = await lab.counters()
             await pub.publish_delta(d)
             await until_all(v, 20)
@@ -442,22 +471,41 @@ async def test_python_m_bus_regions_declares_a_regions_mirrors(tmp_path):
 
     from bus import BusConfig, connect
     from bus.regions import mirror_status
+
     lab = Lab(tmp_path, {"eu": LinkSpec(delay_ms=5)}, mirrors=False)
     await lab.start()
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {**os.environ, "PYTHONPATH": root, "ASYNCRL_BUS__SERVERS": lab.regions["eu"].url,
-               "ASYNCRL_MIRROR__WEIGHTS_KEEP": "7", "ASYNCRL_MIRROR__STORAGE": "memory"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": root,
+            "ASYNCRL_BUS__SERVERS": lab.regions["eu"].url,
+            "ASYNCRL_MIRROR__WEIGHTS_KEEP": "7",
+            "ASYNCRL_MIRROR__STORAGE": "memory",
+        }
 
         def run(**extra):
-            return subprocess.run([sys.executable, "-m", "bus.regions"], env={**env, **extra}, cwd=tmp_path,
-                                  capture_output=True, text=True, timeout=60)
+            return subprocess.run(
+                [sys.executable, "-m", "bus.regions"],
+                env={**env, **extra},
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+
         bad = run(ASYNCRL_MIRROR__WEIGHTS_KEEP="0")
         assert bad.returncode != 0 and "weights_keep" in bad.stderr
         first, again = run(), run()
         assert first.returncode == 0, first.stderr
-        assert json.loads(first.stdout.splitlines()[-1]) == {topo.WEIGHTS: "created", topo.BLOB_STREAM: "created"}
-        assert json.loads(again.stdout.splitlines()[-1]) == {topo.WEIGHTS: "unchanged", topo.BLOB_STREAM: "unchanged"}
+        assert json.loads(first.stdout.splitlines()[-1]) == {
+            topo.WEIGHTS: "created",
+            topo.BLOB_STREAM: "created",
+        }
+        assert json.loads(again.stdout.splitlines()[-1]) == {
+            topo.WEIGHTS: "unchanged",
+            topo.BLOB_STREAM: "unchanged",
+        }
         b = await connect(BusConfig(servers=[lab.regions["eu"].url], name="check"))
         try:
             assert (await b.js.stream_info(topo.WEIGHTS)).config.max_msgs_per_subject == 7

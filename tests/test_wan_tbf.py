@@ -2,6 +2,7 @@
 namespaces the test creates, shaped both ways, under the delay line (which keeps the latency).
 Needs root, `ip`, `tc` and sch_tbf; skipped cleanly otherwise (bench.wan then falls back to the
 delay line's own token bucket). The namespaces are deleted whatever happens."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,9 @@ from bench.delayline import DelayLine, LinkSpec
 from bench.wantbf import TbfPath, tbf_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-needs_tbf = pytest.mark.skipif(not tbf_available(), reason="tbf in network namespaces needs root, ip, tc, sch_tbf")
+needs_tbf = pytest.mark.skipif(
+    not tbf_available(), reason="tbf in network namespaces needs root, ip, tc, sch_tbf"
+)
 
 
 def _netns() -> set[str]:
@@ -28,12 +31,14 @@ def _netns() -> set[str]:
 async def _sink_and_source(n_down: int):
     """A loopback server: reads a length and that many bytes, answers with the byte count, then
     sends n_down bytes (the delay line does not carry a half-close)."""
+
     async def serve(r, w):
         n = int.from_bytes(await r.readexactly(8), "big")
         got = len(await r.readexactly(n))
         w.write(got.to_bytes(8, "big") + bytes(n_down))
         await w.drain()
         w.close()
+
     srv = await asyncio.start_server(serve, "127.0.0.1", 0)
     return srv, srv.sockets[0].getsockname()[1]
 
@@ -45,7 +50,7 @@ def test_tbf_rejects_a_bad_rate():
 
 @needs_tbf
 async def test_tbf_path_caps_both_directions_and_cleans_up():
-    rate_mbit, n = 16.0, 1_500_000                     # 2 MB/s: 0.75 s a direction
+    rate_mbit, n = 16.0, 1_500_000  # 2 MB/s: 0.75 s a direction
     srv, port = await _sink_and_source(n)
     before = _netns()
     path = await TbfPath(rate_mbit).start("127.0.0.1", port)
@@ -83,11 +88,19 @@ async def test_tbf_path_caps_both_directions_and_cleans_up():
 async def test_delayline_process_with_tbf_deletes_its_namespaces_on_exit():
     srv, port = await _sink_and_source(0)
     before = _netns()
-    p = subprocess.Popen([sys.executable, "-m", "bench.delayline"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "bench.delayline"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        text=True,
+    )
     try:
-        p.stdin.write(json.dumps({"r": {"target": ["127.0.0.1", port], "delay_ms": 1, "rate_mbit": 8,
-                                        "tbf": True}}) + "\n")
+        p.stdin.write(
+            json.dumps({"r": {"target": ["127.0.0.1", port], "delay_ms": 1, "rate_mbit": 8, "tbf": True}})
+            + "\n"
+        )
         p.stdin.flush()
         lport = (await asyncio.to_thread(lambda: json.loads(p.stdout.readline())))["ports"]["r"]
         assert len(_netns() - before) == 2
@@ -95,7 +108,7 @@ async def test_delayline_process_with_tbf_deletes_its_namespaces_on_exit():
         w.write((3).to_bytes(8, "big") + b"abc")
         assert int.from_bytes(await asyncio.wait_for(r.readexactly(8), 10), "big") == 3
         w.close()
-        p.terminate()                                   # SIGTERM: exits through atexit
+        p.terminate()  # SIGTERM: exits through atexit
         await asyncio.to_thread(p.wait, 20)
     finally:
         if p.poll() is None:
@@ -103,13 +116,14 @@ async def test_delayline_process_with_tbf_deletes_its_namespaces_on_exit():
             p.wait()
         srv.close()
         leaked = {n for n in _netns() - before if n.startswith(f"wan{p.pid}x")}
-        for n in leaked:                                # killed: it could not clean up itself
+        for n in leaked:  # killed: it could not clean up itself
             subprocess.run(["ip", "netns", "del", n])
     assert not leaked and _netns() == before
 
 
 def test_lab_link_must_be_proxy_or_tbf(tmp_path):
     from bench.wanlab import Lab
+
     with pytest.raises(ValueError, match="proxy"):
         Lab(tmp_path, {}, link="netem")
 
@@ -120,6 +134,7 @@ async def test_region_mirror_fills_through_a_tbf_link(tmp_path):
     the hub reaches the region's mirror at about the tbf rate (the delay line: latency only)."""
     from bench.wanlab import Lab
     from bus import topology as topo
+
     rate_mbit, size = 16.0, 1_000_000
     before = _netns()
     lab = Lab(tmp_path, {"eu": LinkSpec(delay_ms=5, rate_mbit=rate_mbit)}, link="tbf")
@@ -128,7 +143,7 @@ async def test_region_mirror_fills_through_a_tbf_link(tmp_path):
         assert len(_netns() - before) == 2
         hub = await lab.hub_bus("trainer")
         _, src = await lab.worker_bus("eu", "w", read="mirror")
-        data = os.urandom(size)           # incompressible: the leaf link compresses (s2)
+        data = os.urandom(size)  # incompressible: the leaf link compresses (s2)
         t0 = time.monotonic()
         await hub.put_blob("big", data)
         assert await src.get_blob("big") == data

@@ -1,6 +1,7 @@
 """Issue 14 item 2: the epoch (and trainer id, model config) that workers act on travel inside the
 payload's signed container header. An event whose fields disagree with it is refused, an epoch the
 KV leader lease never issued is refused, and the worker keeps following the real leader."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,7 @@ from delta_codec.signing import generate_keypair, sign
 from tests.helpers.weights import CFG, delta, same, trajectory, until
 from trainer.lease import LeaderLease
 
-HUGE = 10 ** 9
+HUGE = 10**9
 
 
 async def leader(bus, holder: str = "real") -> LeaderLease:
@@ -33,11 +34,21 @@ async def leader(bus, holder: str = "real") -> LeaderLease:
 def forged_delta(states, a: int, b: int, epoch: int, trainer_id: str, sk=None, **over) -> DeltaEvent:
     """A delta event built by hand (a hostile publisher): header fields as given, event fields `over`."""
     d = delta(states, a, b)
-    payload = delta_codec.Delta(d.from_version, d.to_version, d.records,
-                                extra=signed_fields(epoch, trainer_id)).to_bytes()
-    fields = dict(from_version=a, to_version=b, epoch=epoch, codec=delta_codec.CODEC, size=len(payload),
-                  base_digest=d.base_digest, new_digest=d.new_digest, payload=payload, trainer_id=trainer_id,
-                  signature=sign(sk, payload) if sk is not None else b"")
+    payload = delta_codec.Delta(
+        d.from_version, d.to_version, d.records, extra=signed_fields(epoch, trainer_id)
+    ).to_bytes()
+    fields = dict(
+        from_version=a,
+        to_version=b,
+        epoch=epoch,
+        codec=delta_codec.CODEC,
+        size=len(payload),
+        base_digest=d.base_digest,
+        new_digest=d.new_digest,
+        payload=payload,
+        trainer_id=trainer_id,
+        signature=sign(sk, payload) if sk is not None else b"",
+    )
     return DeltaEvent(**(fields | over))
 
 
@@ -51,8 +62,8 @@ def test_extra_header_fields_round_trip_inside_the_checksummed_header():
     kf.extra = x
     assert delta_codec.Keyframe.from_bytes(kf.to_bytes()).extra == x
     blob = bytearray(delta_codec.Delta(0, 1, d.records, extra=x).to_bytes())
-    i = 12 + int.from_bytes(blob[8:12], "little") // 2         # inside the (zstd'd) header, where the fields are
-    blob[i] ^= 0x01                                            # the header checksum catches it
+    i = 12 + int.from_bytes(blob[8:12], "little") // 2  # inside the (zstd'd) header, where the fields are
+    blob[i] ^= 0x01  # the header checksum catches it
     with pytest.raises(delta_codec.DeltaError, match="header checksum"):
         delta_codec.Delta.from_bytes(bytes(blob))
 
@@ -60,7 +71,7 @@ def test_extra_header_fields_round_trip_inside_the_checksummed_header():
 def test_old_schema_weight_events_are_refused_with_a_clear_error():
     ev = forged_delta(trajectory(2, seed=12), 0, 1, 1, "t")
     body = msgpack.unpackb(encode(ev), raw=False)
-    assert body["schema"] == 2 and Heartbeat.SCHEMA_VERSION == 1       # only the weight events moved on
+    assert body["schema"] == 2 and Heartbeat.SCHEMA_VERSION == 1  # only the weight events moved on
     body["schema"] = 1
     with pytest.raises(EventError, match=r"unsupported schema version 1 \(this build speaks 2\).*signature"):
         decode(msgpack.packb(body, use_bin_type=True))
@@ -80,6 +91,7 @@ async def test_forged_epoch_version_and_swapped_payload_are_refused_signed(bus):
 
     async def on_update(v, ep):
         seen.append((v, ep))
+
     feed = WeightFollower(bus, public_key=pk, name="signed")
     task = asyncio.create_task(feed.follow(target, stop, on_update=on_update))
     await until(lambda: target.version == 0)
@@ -101,11 +113,11 @@ async def test_forged_epoch_version_and_swapped_payload_are_refused_signed(bus):
     await until(lambda: feed.refused["fields"] >= 2)
     assert target.version == 2 and target.epoch == e and same(target.state, states[2])
 
-    await pub.publish_delta(delta(states, 2, 3))                  # the real leader carries on
+    await pub.publish_delta(delta(states, 2, 3))  # the real leader carries on
     await pub.publish_delta(delta(states, 3, 4))
     await until(lambda: target.version == 4)
     assert target.epoch == e and same(target.state, states[4])
-    assert seen == [(1, e), (2, e), (3, e), (4, e)]             # never acted on a forgery
+    assert seen == [(1, e), (2, e), (3, e), (4, e)]  # never acted on a forgery
     stop.set()
     await task
     await feed.close()
@@ -133,9 +145,20 @@ async def test_unsigned_fields_must_agree_and_unissued_epochs_are_refused(bus):
     kf.extra = signed_fields(HUGE, "evil", CFG.to_dict())
     payload = kf.to_bytes()
     await bus.put_blob("invented", payload)
-    await bus.publish(topo.KEYFRAME_SUBJECT, KeyframeEvent(
-        version=0, epoch=HUGE, codec=delta_codec.CODEC, size=len(payload), digest=kf.digest,
-        model_config=CFG.to_dict(), blob="invented", trainer_id="evil"), msg_id="invented")
+    await bus.publish(
+        topo.KEYFRAME_SUBJECT,
+        KeyframeEvent(
+            version=0,
+            epoch=HUGE,
+            codec=delta_codec.CODEC,
+            size=len(payload),
+            digest=kf.digest,
+            model_config=CFG.to_dict(),
+            blob="invented",
+            trainer_id="evil",
+        ),
+        msg_id="invented",
+    )
     await until(lambda: feed.refused["epoch"] == 1)
     assert "never issued by the leader lease" in feed.last_refusal
     await bus.publish(topo.DELTA_SUBJECT, forged_delta(states, 1, 2, HUGE, "evil"), msg_id="invented-delta")
@@ -181,6 +204,7 @@ def _latest_heartbeat(msgs: list, worker_id: str) -> Heartbeat | None:
 async def test_a_worker_process_refuses_forgeries_and_follows_the_real_leader(bus, fresh_server, tmp_path):
     """A real rollout-worker process (`python -m rollout_worker`) with the trainer's public key."""
     from asyncrl.up import spawn
+
     sk, pk = generate_keypair()
     tok = policy.CharTokenizer.default()
     cfg = policy.ModelConfig.tiny(vocab_size=tok.vocab_size, max_seq_len=64)
@@ -191,10 +215,24 @@ async def test_a_worker_process_refuses_forgeries_and_follows_the_real_leader(bu
     kf0 = await pub.publish_keyframe(torch_states[0], 0, cfg)
     (tmp_path / "config").mkdir()
     (tmp_path / "logs").mkdir()
-    proc = spawn(tmp_path, "w-forged", "rollout_worker", "rollout_worker",
-                 {"worker_id": "w-forged", "slots": 2, "max_len": 64, "threads": 1, "heartbeat_s": 0.3,
-                  "grace_s": 2.0, "public_key": pk.hex(), "bus": {"servers": [fresh_server.url], "name": "w"}})
+    proc = spawn(
+        tmp_path,
+        "w-forged",
+        "rollout_worker",
+        "rollout_worker",
+        {
+            "worker_id": "w-forged",
+            "slots": 2,
+            "max_len": 64,
+            "threads": 1,
+            "heartbeat_s": 0.3,
+            "grace_s": 2.0,
+            "public_key": pk.hex(),
+            "bus": {"servers": [fresh_server.url], "name": "w"},
+        },
+    )
     try:
+
         async def worker_at(version: int, timeout: float = 120.0) -> Heartbeat:
             t0 = time.monotonic()
             while time.monotonic() - t0 < timeout:
@@ -208,13 +246,21 @@ async def test_a_worker_process_refuses_forgeries_and_follows_the_real_leader(bu
         await pub.publish_delta(delta(torch_states, 0, 1))
         await worker_at(1)
         await bus.publish(topo.KEYFRAME_SUBJECT, dataclasses.replace(kf0, epoch=HUGE), msg_id="forged-epoch")
-        await bus.publish(topo.DELTA_SUBJECT, dataclasses.replace(
-            forged_delta(trajectory_for(cfg, 3, seed=5), 1, 2, e - 1, "real", sk), epoch=e), msg_id="swapped")
+        await bus.publish(
+            topo.DELTA_SUBJECT,
+            dataclasses.replace(
+                forged_delta(trajectory_for(cfg, 3, seed=5), 1, 2, e - 1, "real", sk), epoch=e
+            ),
+            msg_id="swapped",
+        )
         await pub.publish_delta(delta(torch_states, 1, 2))
         await pub.publish_delta(delta(torch_states, 2, 3))
         await worker_at(3)
-        refusals = [json.loads(line) for line in proc.log_path.read_text().splitlines()
-                    if "weight update refused" in line]
+        refusals = [
+            json.loads(line)
+            for line in proc.log_path.read_text().splitlines()
+            if "weight update refused" in line
+        ]
         assert [r["reason"] for r in refusals] == ["fields", "fields"], refusals
         assert all("disagree with the payload's signed header" in r["detail"] for r in refusals)
         assert "fault" not in proc.log_path.read_text().lower()
@@ -229,6 +275,7 @@ async def test_a_worker_process_refuses_forgeries_and_follows_the_real_leader(bu
 def trajectory_for(cfg, n: int, seed: int = 21) -> list[dict]:
     import torch
     from tests.helpers.engine import perturb
+
     torch.manual_seed(seed)
     out = [policy.inference_state(policy.Transformer(cfg))]
     for v in range(1, n):
@@ -238,6 +285,7 @@ def trajectory_for(cfg, n: int, seed: int = 21) -> list[dict]:
 
 async def _telemetry(bus) -> list:
     from nats.js.errors import NotFoundError
+
     info = await bus.js.stream_info(topo.TELEMETRY)
     out = []
     for seq in range(max(info.state.first_seq, 1), info.state.last_seq + 1):

@@ -1,4 +1,5 @@
 """Torch engine: continuous batching and per-token hot-patching, checked against fresh models."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,13 +42,13 @@ async def test_delta_mid_sequence_switches_weights_without_restart(update_mode):
     prompt = [1, 10, 11, 12, 13]
     gen_task = asyncio.create_task(eng.generate(prompt, SamplingParams(max_tokens=40), seed=0))
     await _wait_tokens(eng, 8)
-    await eng.apply_delta(delta, epoch=1)          # returns once applied at a token boundary
+    await eng.apply_delta(delta, epoch=1)  # returns once applied at a token boundary
     g = await gen_task
     await eng.close()
 
     k = g.token_versions.index(1)
     assert len(g.completion_ids) == 40 and g.finish_reason == "length"
-    assert 8 <= k < 40 and g.token_versions == [0] * k + [1] * (40 - k)   # no restart, one switch
+    assert 8 <= k < 40 and g.token_versions == [0] * k + [1] * (40 - k)  # no restart, one switch
     assert eng.version == 1 and all(torch.equal(eng.state[n], s1[n]) for n in s1)
     behaviour = torch.tensor(g.logprobs)
     mixed = reference_logprobs({0: s0, 1: s1}, prompt, g.completion_ids, g.token_versions)
@@ -57,7 +58,7 @@ async def test_delta_mid_sequence_switches_weights_without_restart(update_mode):
     torch.testing.assert_close(behaviour[:k], stale[:k], **decode_tol(stale[:k]))
     assert (behaviour[k:] - stale[k:]).abs().max() > 1e-2
     st = eng.stats()
-    assert st["updates"] == 2 and st["update_stall_ms_p99"] > 0   # keyframe (idle) + the delta (stalled)
+    assert st["updates"] == 2 and st["update_stall_ms_p99"] > 0  # keyframe (idle) + the delta (stalled)
 
 
 @pytest.mark.parametrize("quant", [(), ("linear_act",)])
@@ -78,10 +79,12 @@ async def test_new_sequence_after_delta_matches_fresh_model_with_truncation(quan
         fresh = policy.Transformer(CFG, quant=q).eval()
         fresh.load_inference_state(s1)
         with torch.no_grad():
-            return policy.sequence_logprobs(fresh, [prompt], [g.completion_ids],
-                                            policy.SamplingConfig(0.8, 0.9, 20), masks=[mask]).logprobs[0]
+            return policy.sequence_logprobs(
+                fresh, [prompt], [g.completion_ids], policy.SamplingConfig(0.8, 0.9, 20), masks=[mask]
+            ).logprobs[0]
+
     behaviour = torch.tensor(g.logprobs)
-    same_numerics = replay(policy.QuantConfig.from_wire(g.quant))      # what the trainer replays
+    same_numerics = replay(policy.QuantConfig.from_wire(g.quant))  # what the trainer replays
     if not quant:
         torch.testing.assert_close(same_numerics, behaviour, **decode_tol(same_numerics))
     else:  # fp8 on every linear input: a 1-ulp matmul difference can flip a rounding (see policy tests)
@@ -101,7 +104,7 @@ async def test_bad_updates_are_refused_and_leave_the_engine_generating():
         await eng.apply_delta(delta_codec.encode_delta(s0, s1, from_version=0, to_version=1), epoch=1)
     with pytest.raises(VersionGapError):
         await eng.apply_delta(delta_codec.encode_delta(s1, s2, from_version=1, to_version=2), epoch=2)
-    with pytest.raises(delta_codec.DeltaError, match="base digest"):   # right version number, wrong base bits
+    with pytest.raises(delta_codec.DeltaError, match="base digest"):  # right version number, wrong base bits
         await eng.apply_delta(delta_codec.encode_delta(s1, s2, from_version=0, to_version=1), epoch=2)
     assert (eng.version, eng.epoch) == (0, 2) and all(torch.equal(eng.state[n], s0[n]) for n in s0)
     assert eng.stats()["updates_refused"] == 3
@@ -152,7 +155,7 @@ async def test_decoding_goes_on_while_the_event_loop_is_busy():
     gen = asyncio.create_task(eng.generate([1, 10, 11], SamplingParams(max_tokens=100), seed=0))
     await _wait_tokens(eng, 2)
     before = eng.metrics.tokens
-    time.sleep(0.3)                        # blocks the event loop, not the engine
+    time.sleep(0.3)  # blocks the event loop, not the engine
     during = eng.metrics.tokens - before
     g = await gen
     await eng.close()
@@ -163,6 +166,7 @@ async def test_decoding_goes_on_while_the_event_loop_is_busy():
 def test_engine_device_is_checked_and_used():
     """`device` puts weights and KV cache there; a worker config names only cpu or cuda[:N]."""
     from rollout_worker.worker import WorkerConfig
+
     eng = TorchEngine(CFG, slots=1, max_len=16, device="cpu")
     assert eng.device.type == "cpu" and eng.cache.lengths.device.type == "cpu"
     assert all(p.device.type == "cpu" for p in eng.model.parameters())

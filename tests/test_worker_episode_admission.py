@@ -1,6 +1,7 @@
 """A worker admits episodes by its slots: an episode holds no engine slot while its workspace is set
 up, so admission by the engine's free slots alone let a worker of 8 slots run 40+ episodes at
 once (bench.agentic: each got a fifth of a slot and hit the episode wall clock)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +19,7 @@ from tests.helpers.weights import until
 
 
 def max_overlap(spans: list[tuple[float, float]]) -> int:
-    ev = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])   # an end sorts before a start
+    ev = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])  # an end sorts before a start
     n = best = 0
     for _, d in ev:
         n += d
@@ -32,15 +33,29 @@ async def play_four_tasks(bus, server, n: int, **cfg) -> Worker:
     pub = WeightPublisher(bus, epoch=1, trainer_id="t")
     await pub.publish_keyframe(no_special_state(4), 0, CFG)
     # no heartbeat during the test: the episode records stay on the runner to be read here
-    wc = WorkerConfig(bus=BusConfig(servers=[server.url], name="w"), worker_id="w1", queue=0, max_len=2048,
-                      heartbeat_s=600.0, grace_s=2.0, **cfg)
+    wc = WorkerConfig(
+        bus=BusConfig(servers=[server.url], name="w"),
+        worker_id="w1",
+        queue=0,
+        max_len=2048,
+        heartbeat_s=600.0,
+        grace_s=2.0,
+        **cfg,
+    )
     worker, stop = Worker(wc, bus), asyncio.Event()
     run = asyncio.create_task(worker.run(stop, handle_signals=False))
     limits = EpisodeLimits(max_turn_tokens=16, max_format_errors=2, command=BashLimits(wall_s=2.0))
     for i in range(4):
-        await bus.publish(topo.task_subject("swe"), Task(
-            task_id=f"ep{i}", env="swe", prompt="Fix calc.py.", spec=episode_spec(bug_task(), limits),
-            sampling={"max_tokens": 16, "n": n, "temperature": 1.0}))
+        await bus.publish(
+            topo.task_subject("swe"),
+            Task(
+                task_id=f"ep{i}",
+                env="swe",
+                prompt="Fix calc.py.",
+                spec=episode_spec(bug_task(), limits),
+                sampling={"max_tokens": 16, "n": n, "temperature": 1.0},
+            ),
+        )
     try:
         await until(lambda: worker.tasks_done == 4, timeout=120)
     finally:
@@ -62,10 +77,11 @@ async def test_max_inflight_lets_episodes_wait_on_slow_suites_beyond_the_decode_
     """One decode slot, max_inflight 3, a modelled 2 s suite per scoring run ([worker]
     sandbox_latency): episodes waiting on their suite hold no decode row, so up to 3 are in flight
     (with max_inflight = slots the worker ran them one by one)."""
-    worker = await play_four_tasks(bus, fresh_server, 1, slots=1, max_inflight=3,
-                                   sandbox_latency={"median_s": 2.0, "p99_s": 2.0})
+    worker = await play_four_tasks(
+        bus, fresh_server, 1, slots=1, max_inflight=3, sandbox_latency={"median_s": 2.0, "p99_s": 2.0}
+    )
     eps = worker.episode_runner.ended
     assert len(eps) == 4 and all(e["termination"] == "format" and e["wall_s"] >= 2.0 for e in eps)
     assert 2 <= max_overlap([(e["ended_at"] - e["wall_s"], e["ended_at"]) for e in eps]) <= 3
     assert worker.engine.kv_slots == 3 and worker.engine.slots == 1
-    assert worker.episode_runner.pool._ex._max_workers >= 3        # a thread per episode in flight
+    assert worker.episode_runner.pool._ex._max_workers >= 3  # a thread per episode in flight

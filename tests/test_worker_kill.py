@@ -1,6 +1,7 @@
 """Worker processes killed mid-generation lose nothing: SIGKILL -> the task is redelivered to
 another worker; SIGTERM -> drain (held tasks released at once). Exactly one rollout per
 (task, sample) reaches ROLLOUTS either way."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,13 +25,20 @@ TOPO = TopologyConfig(ack_wait_s=2.0)
 
 def spawn_worker(tmp: Path, url: str, name: str, grace_s: float = 1.0) -> subprocess.Popen:
     conf = tmp / f"{name}.toml"
-    conf.write_text(f'worker_id = "{name}"\nslots = 4\nqueue = 2\nmax_len = 128\nheartbeat_s = 1.0\n'
-                    f'grace_s = {grace_s}\n[bus]\nservers = ["{url}"]\nname = "{name}"\n'
-                    f'[bus.topology]\nack_wait_s = {TOPO.ack_wait_s}\n')
+    conf.write_text(
+        f'worker_id = "{name}"\nslots = 4\nqueue = 2\nmax_len = 128\nheartbeat_s = 1.0\n'
+        f'grace_s = {grace_s}\n[bus]\nservers = ["{url}"]\nname = "{name}"\n'
+        f"[bus.topology]\nack_wait_s = {TOPO.ack_wait_s}\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ASYNCRL_LOG_JSON": "1"}
     log = open(tmp / f"{name}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "rollout_worker", "--config", str(conf)], cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollout_worker", "--config", str(conf)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
 
 
 async def rollout_counts(bus) -> Counter:
@@ -52,7 +60,7 @@ async def test_killed_and_drained_workers_lose_nothing(fresh_server, tmp_path):
             counts.clear()
             counts.update(await rollout_counts(bus))
 
-        for _ in range(6000):                      # until A is mid-work: some rollouts out, not all
+        for _ in range(6000):  # until A is mid-work: some rollouts out, not all
             await refresh()
             if counts:
                 break
@@ -62,7 +70,7 @@ async def test_killed_and_drained_workers_lose_nothing(fresh_server, tmp_path):
         a.send_signal(signal.SIGKILL)
         a.wait()
         assert len(counts) < 12 and held > 0
-        b = spawn_worker(tmp_path, fresh_server.url, "wb", grace_s=0.01)   # no time to finish: must release
+        b = spawn_worker(tmp_path, fresh_server.url, "wb", grace_s=0.01)  # no time to finish: must release
         procs.append(b)
         want = {f"{t}-{i}" for t in first for i in range(2)}
         for _ in range(12000):
@@ -71,7 +79,7 @@ async def test_killed_and_drained_workers_lose_nothing(fresh_server, tmp_path):
                 break
             assert b.poll() is None, (tmp_path / "wb.log").read_text()[-3000:]
             await asyncio.sleep(0.02)
-        assert set(counts) == want and max(counts.values()) == 1      # exactly one per (task, sample)
+        assert set(counts) == want and max(counts.values()) == 1  # exactly one per (task, sample)
 
         # SIGTERM: B stops fetching and releases (naks) what it still holds; C finishes the work
         second = await publish_tasks(bus, 6, "t", max_tokens=64)
@@ -92,8 +100,11 @@ async def test_killed_and_drained_workers_lose_nothing(fresh_server, tmp_path):
             assert c.poll() is None, (tmp_path / "wc.log").read_text()[-3000:]
             await asyncio.sleep(0.02)
         assert set(counts) == want and max(counts.values()) == 1
-        stopped = [json.loads(line) for line in (tmp_path / "wb.log").read_text().splitlines()
-                   if '"consumer loop stopped"' in line]
+        stopped = [
+            json.loads(line)
+            for line in (tmp_path / "wb.log").read_text().splitlines()
+            if '"consumer loop stopped"' in line
+        ]
         assert stopped and stopped[-1]["drained_naks"] > 0
     finally:
         for p in procs:

@@ -1,5 +1,6 @@
 """`python -m trainer`: the asynchronous learner (leader, trainer/leader.py) or a standby waiting to
 take over; with torchrun, ranks > 0 follow rank 0's commands (trainer/dist.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
     opt = build_optimizer(model, cfg)
     learner = build_learner(model, opt, cfg)
     if rank > 0:
-        await follower_loop(learner)       # a peer's death raises here: exit non-zero, the agent restarts us
+        await follower_loop(learner)  # a peer's death raises here: exit non-zero, the agent restarts us
         shutdown_distributed()
         return 0
     cfg.bus.name = cfg.trainer_id
@@ -37,10 +38,14 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
     clean = False
     try:
         await bus.provision()
-        while True:          # a deposed leader goes back to standby (and resumes from the checkpoint)
+        while True:  # a deposed leader goes back to standby (and resumes from the checkpoint)
             try:
                 code = await Trainer(cfg, bus, learner, mcfg).lead(stop)
-            except (*RETRYABLE, PublishError, BlobError) as e:   # bus trouble: lease released, retry as standby
+            except (
+                *RETRYABLE,
+                PublishError,
+                BlobError,
+            ) as e:  # bus trouble: lease released, retry as standby
                 log.error("bus failure while leading; back to standby", error=f"{type(e).__name__}: {e}")
                 code = 3
             if code != 3 or stop.is_set():
@@ -63,15 +68,23 @@ def parse_args(argv=None):
     ap.add_argument("--sync", action="store_true", help="synchronous baseline: one task batch per version")
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--id", help="trainer id (lease holder name)")
-    ap.add_argument("--eval-final", action="store_true",
-                    help="evaluate the newest checkpoint in [trainer.checkpoint] dir on the eval split and "
-                         "exit (no bus; `asyncrl up` runs it after a run with [up] final_eval)")
-    ap.add_argument("--eval-initial", action="store_true",
-                    help="evaluate the policy the run started from ([trainer.run] dir/warmstart.pt, else the "
-                         "initial model) unless the run evaluated version 0, and exit (no bus; [up] final_eval)")
-    ap.add_argument("--elastic", action="store_true",
-                    help="run this node's torchrun elastic agent ([trainer.elastic]) instead: "
-                         "see docs/trainer.md")
+    ap.add_argument(
+        "--eval-final",
+        action="store_true",
+        help="evaluate the newest checkpoint in [trainer.checkpoint] dir on the eval split and "
+        "exit (no bus; `asyncrl up` runs it after a run with [up] final_eval)",
+    )
+    ap.add_argument(
+        "--eval-initial",
+        action="store_true",
+        help="evaluate the policy the run started from ([trainer.run] dir/warmstart.pt, else the "
+        "initial model) unless the run evaluated version 0, and exit (no bus; [up] final_eval)",
+    )
+    ap.add_argument(
+        "--elastic",
+        action="store_true",
+        help="run this node's torchrun elastic agent ([trainer.elastic]) instead: see docs/trainer.md",
+    )
     return ap.parse_args(argv)
 
 
@@ -81,10 +94,11 @@ def load(argv=None) -> TrainerConfig:
     section = None
     if a.config and Path(a.config).is_file():
         import tomllib
+
         try:
             section = a.section if a.section in tomllib.loads(Path(a.config).read_text()) else None
         except tomllib.TOMLDecodeError:
-            section = None                     # load_config reports the TOML error
+            section = None  # load_config reports the TOML error
     over: dict = {}
     if a.sync:
         over.setdefault("run", {})["mode"] = "sync"
@@ -98,24 +112,27 @@ def load(argv=None) -> TrainerConfig:
 def main(argv=None) -> int:
     try:
         cfg = load(argv)
-    except ValueError as e:                    # ConfigError included: a clear message, no traceback
+    except ValueError as e:  # ConfigError included: a clear message, no traceback
         print(f"trainer: bad configuration: {e}", file=sys.stderr)
         return 2
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--elastic" in argv:            # become this node's elastic agent; its workers run us without the flag
+    if "--elastic" in argv:  # become this node's elastic agent; its workers run us without the flag
         import os
 
         from .elastic import agent_env, torchrun_argv
+
         cmd = torchrun_argv(cfg, [a for a in argv if a != "--elastic"])
         sys.stdout.flush()
         os.execve(cmd[0], cmd, agent_env(dict(os.environ)))
-    if cfg.run.threads:             # before any torch work: the step, evals and encode run on these
+    if cfg.run.threads:  # before any torch work: the step, evals and encode run on these
         import torch
+
         torch.set_num_threads(cfg.run.threads)
     setup_logging("trainer", component_id=cfg.trainer_id)
     if "--eval-final" in argv or "--eval-initial" in argv:
         from .checkpoint import CheckpointError
         from .final_eval import FinalEvalError, evaluate_checkpoint, evaluate_initial
+
         which = "final" if "--eval-final" in argv else "initial"
         try:
             row = (evaluate_checkpoint if which == "final" else evaluate_initial)(cfg)

@@ -10,6 +10,7 @@ every ack_wait/3, however long the step takes. If the server redelivers a held m
 (a heartbeat lost in a broker blip), the new delivery replaces the handle we hold: it is never
 acked before the checkpoint that records its rollout.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,18 +32,18 @@ log = get_logger(__name__)
 class Sample:
     rollout: Rollout
     scored: Scored
-    msg: object                    # the JetStream message (acked after publication)
+    msg: object  # the JetStream message (acked after publication)
     arrived: float = field(default_factory=time.monotonic)
-    group: int = 0                 # index of its group in the batch
-    lag: int = 0                   # current version - oldest token version
-    weight: float = 1.0            # 0 = dropped as stale
+    group: int = 0  # index of its group in the batch
+    lag: int = 0  # current version - oldest token version
+    weight: float = 1.0  # 0 = dropped as stale
 
 
 @dataclass
 class Batch:
     samples: list[Sample]
     n_groups: int
-    version: int                   # trainer version the lags are measured against
+    version: int  # trainer version the lags are measured against
     # the books: ids whose sample entered a gradient step with weight > 0 (set by the trainer);
     # the rest of rollout_ids were consumed and dropped (stale, group of one, or no live step)
     trained_ids: list[str] = field(default_factory=list)
@@ -114,20 +115,23 @@ def check_rollout(r: Rollout, vocab_size: int) -> None:
             if len(mask) != len(r.completion_ids):
                 raise ValueError("sampling mask rows != completion tokens")
             if len(mask.ids) and int(mask.ids.max()) >= vocab_size:
-                raise ValueError(f"sampling_mask keeps id {int(mask.ids.max())} outside the vocabulary "
-                                 f"[0, {vocab_size})")
+                raise ValueError(
+                    f"sampling_mask keeps id {int(mask.ids.max())} outside the vocabulary [0, {vocab_size})"
+                )
             kept = np.clip(mask.counts, 0, None)
             rows = np.repeat(np.arange(len(mask)), kept)
-            sampled = np.asarray(r.completion_ids, np.int64)[rows]     # each kept id's row's sampled token
+            sampled = np.asarray(r.completion_ids, np.int64)[rows]  # each kept id's row's sampled token
             hit = np.bincount(rows[mask.ids == sampled], minlength=len(mask))
             if (miss := np.flatnonzero((mask.counts > 0) & (hit == 0))).size:
-                raise ValueError(f"sampling_mask row {int(miss[0])} does not keep the sampled token "
-                                 f"completion_ids[{int(miss[0])}]")
+                raise ValueError(
+                    f"sampling_mask row {int(miss[0])} does not keep the sampled token "
+                    f"completion_ids[{int(miss[0])}]"
+                )
         QuantConfig.from_wire(r.quant)
         SamplingConfig.from_dict(r.sampling)
     except EventError:
         raise
-    except Exception as e:   # bad input whatever the error type (int(inf) is an OverflowError): parked
+    except Exception as e:  # bad input whatever the error type (int(inf) is an OverflowError): parked
         raise EventError(f"{where}: {e}") from None
 
 
@@ -141,18 +145,26 @@ def _stream_seq(msg) -> int | None:
 class Batcher:
     def __init__(self, bus, cfg, consumed: ConsumedIds, vocab_size: int):
         self.bus, self.cfg, self.consumed, self.vocab_size = bus, cfg, consumed, vocab_size
-        self.heartbeat_s = cfg.bus.topology.ack_wait_s / 3     # held messages must not time out
-        self.groups: OrderedDict[str, dict[str, Sample]] = OrderedDict()   # task_id -> rollout_id -> sample
+        self.heartbeat_s = cfg.bus.topology.ack_wait_s / 3  # held messages must not time out
+        self.groups: OrderedDict[str, dict[str, Sample]] = OrderedDict()  # task_id -> rollout_id -> sample
         # rollout id -> sample handed out in a batch and not yet acked (trained, being checkpointed)
         self.inflight: dict[str, Sample] = {}
         self.sub = None
-        self.max_lag = cfg.batch.max_lag           # the lag cap applied (trainer/lag_control.py moves it: max_k3)
-        self.counters = {"duplicates": 0, "invalid": 0, "received": 0, "redelivered_held": 0, "heartbeats": 0,
-                         "timed_out": 0, "late": 0, "uniform_groups": 0}
+        self.max_lag = cfg.batch.max_lag  # the lag cap applied (trainer/lag_control.py moves it: max_k3)
+        self.counters = {
+            "duplicates": 0,
+            "invalid": 0,
+            "received": 0,
+            "redelivered_held": 0,
+            "heartbeats": 0,
+            "timed_out": 0,
+            "late": 0,
+            "uniform_groups": 0,
+        }
         self._keepalive: asyncio.Task | None = None
-        self.closed: OrderedDict[str, None] = OrderedDict()   # groups closed by group_timeout_s (bounded)
-        self.late: dict[str, Sample] = {}    # late members of closed groups, ride along with the next batch
-        self.skipped: list[Sample] = []      # uniform groups (acked), recorded with the next batch
+        self.closed: OrderedDict[str, None] = OrderedDict()  # groups closed by group_timeout_s (bounded)
+        self.late: dict[str, Sample] = {}  # late members of closed groups, ride along with the next batch
+        self.skipped: list[Sample] = []  # uniform groups (acked), recorded with the next batch
 
     @property
     def pending(self) -> int:
@@ -160,7 +172,7 @@ class Batcher:
 
     async def start(self) -> None:
         self.sub = await self.bus.pull(topo.SCORED, topo.TRAINER_CONSUMER)
-        try:      # the server's ack_wait is the truth (the consumer may be provisioned by another config)
+        try:  # the server's ack_wait is the truth (the consumer may be provisioned by another config)
             server_ack_wait = (await self.sub.consumer_info()).config.ack_wait
             if server_ack_wait:
                 self.heartbeat_s = min(self.heartbeat_s, float(server_ack_wait) / 3)
@@ -170,8 +182,11 @@ class Batcher:
 
     def held(self) -> list[Sample]:
         """Every message we hold and have not acked: waiting in groups and in flight in batches."""
-        return ([s for g in self.groups.values() for s in g.values()] + list(self.inflight.values())
-                + list(self.late.values()))
+        return (
+            [s for g in self.groups.values() for s in g.values()]
+            + list(self.inflight.values())
+            + list(self.late.values())
+        )
 
     async def _take(self, msg) -> None:
         self.counters["received"] += 1
@@ -186,11 +201,13 @@ class Batcher:
             return
         rid = rollout.rollout_id
         if rollout.task_id in self.closed and rid not in self.inflight and rid not in self.consumed:
-            if rid in self.late:                    # a redelivery of one we hold: keep the newest handle
+            if rid in self.late:  # a redelivery of one we hold: keep the newest handle
                 self.late[rid].msg = msg
                 return
-            self.counters["late"] += 1              # its group was used without it (timed out): never trained,
-            self.late[rid] = Sample(rollout, scored, msg)   # consumed with the next batch (acked after its checkpoint)
+            self.counters["late"] += 1  # its group was used without it (timed out): never trained,
+            self.late[rid] = Sample(
+                rollout, scored, msg
+            )  # consumed with the next batch (acked after its checkpoint)
             return
         mine = self.groups.get(rollout.task_id, {}).get(rid) or self.inflight.get(rid)
         if mine is not None and _stream_seq(mine.msg) == _stream_seq(msg):
@@ -230,7 +247,11 @@ class Batcher:
             full = len(g) >= (first.rollout.group_size or self.cfg.batch.group_size)
             # reward: exact rewards equal (A = 0 under any adv_norm); success: cost-only differences too
             by = self.cfg.batch.skip_uniform_by
-            if not full or len(g) < 2 or len({getattr(s.scored, by) for s in g.values() if not s.scored.infra}) > 1:
+            if (
+                not full
+                or len(g) < 2
+                or len({getattr(s.scored, by) for s in g.values() if not s.scored.infra}) > 1
+            ):
                 keep.append(tid)
                 continue
             for s in self.groups.pop(tid).values():
@@ -249,7 +270,7 @@ class Batcher:
                 try:
                     await s.msg.in_progress()
                     self.counters["heartbeats"] += 1
-                except Exception as e:       # connection blip: a redelivery only swaps the handle
+                except Exception as e:  # connection blip: a redelivery only swaps the handle
                     log.debug("in_progress failed", error=str(e))
 
     async def next_batch(self, version: int, stop=None, max_wait_s: float | None = None) -> Batch | None:
@@ -272,33 +293,50 @@ class Batcher:
         samples: list[Sample] = []
         excluded: list[Sample] = []
         for gi, tid in enumerate(ready[: cfg.batch.groups]):
-            missing = (next(iter(self.groups[tid].values())).rollout.group_size or cfg.batch.group_size) - len(self.groups[tid])
-            if missing > 0:                 # closed at its deadline: baseline from the members that came
+            missing = (
+                next(iter(self.groups[tid].values())).rollout.group_size or cfg.batch.group_size
+            ) - len(self.groups[tid])
+            if missing > 0:  # closed at its deadline: baseline from the members that came
                 self.counters["timed_out"] += missing
                 self.closed[tid] = None
                 while len(self.closed) > 100_000:
                     self.closed.popitem(last=False)
             for s in self.groups.pop(tid).values():
-                if s.scored.infra:          # no verdict on the policy: out of the group and its baseline
-                    self.counters[f"infra_{s.scored.infra}"] = self.counters.get(f"infra_{s.scored.infra}", 0) + 1
+                if s.scored.infra:  # no verdict on the policy: out of the group and its baseline
+                    self.counters[f"infra_{s.scored.infra}"] = (
+                        self.counters.get(f"infra_{s.scored.infra}", 0) + 1
+                    )
                     s.weight = 0.0
                     excluded.append(s)
                     continue
                 s.group = gi
-                s.lag = version - min((v for v in s.rollout.token_versions if v >= 0), default=version)  # -1: observation
+                s.lag = version - min(
+                    (v for v in s.rollout.token_versions if v >= 0), default=version
+                )  # -1: observation
                 samples.append(s)
         self.inflight.update((s.rollout.rollout_id, s) for s in samples + excluded)
         sizes = {}
         for s in samples:
             sizes[s.group] = sizes.get(s.group, 0) + 1
-        for s, w in zip(samples, stale_weights([s.lag for s in samples], self.max_lag, cfg.batch.stale, cfg.batch.stale_weight)):
+        for s, w in zip(
+            samples,
+            stale_weights([s.lag for s in samples], self.max_lag, cfg.batch.stale, cfg.batch.stale_weight),
+        ):
             # a timed-out group of one has no baseline: consumed and acked, never trained on
-            s.weight = 0.0 if sizes[s.group] == 1 and (s.rollout.group_size or cfg.batch.group_size) > 1 else w
+            s.weight = (
+                0.0 if sizes[s.group] == 1 and (s.rollout.group_size or cfg.batch.group_size) > 1 else w
+            )
         late, self.late = list(self.late.values()), {}
         self.inflight.update((s.rollout.rollout_id, s) for s in late)
         skipped, self.skipped = self.skipped, []
-        return Batch(samples, n_groups=min(len(ready), cfg.batch.groups), version=version, late=late,
-                     skipped=skipped, excluded=excluded)
+        return Batch(
+            samples,
+            n_groups=min(len(ready), cfg.batch.groups),
+            version=version,
+            late=late,
+            skipped=skipped,
+            excluded=excluded,
+        )
 
     async def close(self, held_back: Batch | None = None) -> None:
         """Stepping down: hand every held message (waiting, in flight, and an unfinished batch)
@@ -306,12 +344,15 @@ class Batcher:
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None
-        held = {id(s): s for s in self.held() + (held_back.samples + held_back.late + held_back.excluded
-                                                  if held_back else [])}
+        held = {
+            id(s): s
+            for s in self.held()
+            + (held_back.samples + held_back.late + held_back.excluded if held_back else [])
+        }
         for s in held.values():
             try:
                 await s.msg.nak()
-            except Exception as e:            # they come back after ack_wait anyway
+            except Exception as e:  # they come back after ack_wait anyway
                 log.debug("nak failed", error=str(e))
         self.groups.clear()
         self.inflight.clear()
@@ -337,6 +378,6 @@ class Batcher:
     async def ack(self, batch: Batch) -> None:
         """After checkpoint + publication: ack every message of the batch (used or dropped)."""
         for s in batch.samples + batch.late + batch.excluded:
-            await s.msg.ack()           # the newest delivery's handle (a redelivery swapped it in)
+            await s.msg.ack()  # the newest delivery's handle (a redelivery swapped it in)
         for rid in batch.rollout_ids:
             self.inflight.pop(rid, None)

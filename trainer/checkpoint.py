@@ -12,6 +12,7 @@ a pickle planted as `ckpt-*.pt` (the directory is writable by any process of the
 refused as unreadable, not executed. `load_latest(verify=...)` also refuses a well-formed checkpoint
 that is not the run's own (trainer/digest_chain.py) and falls back to the previous one.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,10 +38,10 @@ class CheckpointError(RuntimeError):
 class TrainerState:
     version: int
     epoch: int
-    model: dict                    # fp32 master state_dict, or {"__dcp__": shard folder name}
+    model: dict  # fp32 master state_dict, or {"__dcp__": shard folder name}
     optimizer: dict
-    consumed: list[str] = field(default_factory=list)   # rollout ids used or dropped, oldest first
-    digest: str = ""               # delta_codec.state_digest of the published bf16 weights at `version`
+    consumed: list[str] = field(default_factory=list)  # rollout ids used or dropped, oldest first
+    digest: str = ""  # delta_codec.state_digest of the published bf16 weights at `version`
     model_config: dict = field(default_factory=dict)
     step: int = 0
     warmstarted: bool = False
@@ -49,9 +50,16 @@ class TrainerState:
 def snapshot(st: TrainerState) -> TrainerState:
     """A copy that later in-place updates of the live model and optimizer cannot touch, so the
     checkpoint can be written while the next step already runs."""
-    return TrainerState(**{**st.__dict__, "model": {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                                                    for k, v in st.model.items()},
-                           "optimizer": copy.deepcopy(st.optimizer), "consumed": list(st.consumed)})
+    return TrainerState(
+        **{
+            **st.__dict__,
+            "model": {
+                k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in st.model.items()
+            },
+            "optimizer": copy.deepcopy(st.optimizer),
+            "consumed": list(st.consumed),
+        }
+    )
 
 
 def path_for(ckpt_dir: str | Path, epoch: int, version: int) -> Path:
@@ -68,7 +76,7 @@ def save(ckpt_dir: str | Path, st: TrainerState, keep: int = 3) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    fd = os.open(d, os.O_RDONLY)           # make the rename itself durable
+    fd = os.open(d, os.O_RDONLY)  # make the rename itself durable
     try:
         os.fsync(fd)
     finally:
@@ -83,8 +91,9 @@ def save(ckpt_dir: str | Path, st: TrainerState, keep: int = 3) -> Path:
 def _prune_shard_folders(d: Path) -> None:
     """Shard folders older than the oldest kept checkpoint that no kept checkpoint names."""
     from .shards import SHARDS, prune_shards
+
     if not any(SHARDS.match(p.name) for p in d.iterdir()):
-        return           # single-file checkpoints: reading back every kept one (GBs each) would find nothing
+        return  # single-file checkpoints: reading back every kept one (GBs each) would find nothing
     kept = list_checkpoints(d)
     if not kept:
         return
@@ -93,11 +102,11 @@ def _prune_shard_folders(d: Path) -> None:
     for p in kept:
         try:
             ref = torch.load(p, map_location="cpu", weights_only=True).get("model", {})
-        except Exception:              # unreadable: it names nothing we can keep for it
+        except Exception:  # unreadable: it names nothing we can keep for it
             continue
         if isinstance(ref, dict) and isinstance(ref.get("__dcp__"), str):
             referenced.add(ref["__dcp__"])
-    if referenced:                     # only sharded runs write shard folders
+    if referenced:  # only sharded runs write shard folders
         prune_shards(d, oldest, referenced)
 
 
@@ -111,7 +120,7 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
 
 def load(path: str | Path) -> TrainerState:
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=True)     # never unpickles code
+        raw = torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
         return TrainerState(**raw)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from e

@@ -3,6 +3,7 @@
 Only rank 0 talks to the bus; every collective the other ranks must join (a step, gathering the
 published weights, a sharded checkpoint) is announced first, so all ranks issue the same
 collectives in the same order."""
+
 from __future__ import annotations
 
 import torch.distributed as dist

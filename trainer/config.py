@@ -5,6 +5,7 @@ handed whole to the code that owns it; only the bus and the trainer's id sit at 
 the old flat layout is refused with its new place (MOVED; bus.config). Env overrides nest with
 "__": ASYNCRL_OPTIM__LR=3e-4, ASYNCRL_PUBLISH__SIGNING_KEY=/etc/asyncrl/keys/trainer-signing.key.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,9 +18,22 @@ from bus import BusConfig
 from bus.config import build
 
 from .sections import (  # noqa: F401  (PENALTIES, LAMBDA_SCHEDULES: re-exported)
-    LAMBDA_SCHEDULES, PENALTIES, BatchSection, CheckpointSection, CostSection, ElasticSection, FaultsSection,
-    LeaseSection, LossConfig, OptimSection, PolicySection, PublishSection, RunSection, TasksSection,
-    WarmstartSection)
+    LAMBDA_SCHEDULES,
+    PENALTIES,
+    BatchSection,
+    CheckpointSection,
+    CostSection,
+    ElasticSection,
+    FaultsSection,
+    LeaseSection,
+    LossConfig,
+    OptimSection,
+    PolicySection,
+    PublishSection,
+    RunSection,
+    TasksSection,
+    WarmstartSection,
+)
 
 
 def _same(*keys: str) -> dict[str, str]:
@@ -28,31 +42,106 @@ def _same(*keys: str) -> dict[str, str]:
 
 # the flat layout's keys by their new section: {section: {old key: new key}}
 _MOVES = {
-    "run": {**_same("mode", "max_steps", "seed", "threads", "grace_s", "metrics_port", "dedupe_window",
-                    "sync_task_timeout_s", "sweep_stranded"), "run_dir": "dir"},
-    "policy": _same("model", "tokenizer", "init_checkpoint", "device", "mixed_precision",
-                    "activation_checkpointing"),
-    "optim": {**_same("lr", "betas", "weight_decay", "grad_clip"), "lr_warmup_steps": "warmup_steps",
-              "lr_schedule": "schedule", "lr_decay_steps": "decay_steps", "lr_min_ratio": "min_ratio"},
-    "loss": _same("adv_norm", "is_mode", "is_clip", "entropy_coef", "kl_coef", "ppo_clip", "micro_batch",
-                  "micro_batch_tokens", "logit_chunk_mb", "replay", "published_point"),
-    "cost": {**_same("penalty", "penalty_cap", "budget_tokens", "budget_lr"), "lambda_schedule": "schedule",
-             "lambda_target": "target", "lambda_ramp_versions": "ramp_versions"},
-    "batch": {**_same("group_size", "group_timeout_s", "max_lag", "stale", "stale_weight", "max_k3",
-                      "fetch_timeout_s", "skip_uniform_by"),
-              "batch_groups": "groups", "skip_uniform_groups": "skip_uniform"},
-    "tasks": {**_same("envs", "chat_template", "feed", "eval_every", "eval_prompts"),
-              "task_sampling": "sampling",
-              "feed_backlog": "backlog", "feed_max_outstanding": "max_outstanding"},
+    "run": {
+        **_same(
+            "mode",
+            "max_steps",
+            "seed",
+            "threads",
+            "grace_s",
+            "metrics_port",
+            "dedupe_window",
+            "sync_task_timeout_s",
+            "sweep_stranded",
+        ),
+        "run_dir": "dir",
+    },
+    "policy": _same(
+        "model", "tokenizer", "init_checkpoint", "device", "mixed_precision", "activation_checkpointing"
+    ),
+    "optim": {
+        **_same("lr", "betas", "weight_decay", "grad_clip"),
+        "lr_warmup_steps": "warmup_steps",
+        "lr_schedule": "schedule",
+        "lr_decay_steps": "decay_steps",
+        "lr_min_ratio": "min_ratio",
+    },
+    "loss": _same(
+        "adv_norm",
+        "is_mode",
+        "is_clip",
+        "entropy_coef",
+        "kl_coef",
+        "ppo_clip",
+        "micro_batch",
+        "micro_batch_tokens",
+        "logit_chunk_mb",
+        "replay",
+        "published_point",
+    ),
+    "cost": {
+        **_same("penalty", "penalty_cap", "budget_tokens", "budget_lr"),
+        "lambda_schedule": "schedule",
+        "lambda_target": "target",
+        "lambda_ramp_versions": "ramp_versions",
+    },
+    "batch": {
+        **_same(
+            "group_size",
+            "group_timeout_s",
+            "max_lag",
+            "stale",
+            "stale_weight",
+            "max_k3",
+            "fetch_timeout_s",
+            "skip_uniform_by",
+        ),
+        "batch_groups": "groups",
+        "skip_uniform_groups": "skip_uniform",
+    },
+    "tasks": {
+        **_same("envs", "chat_template", "feed", "eval_every", "eval_prompts"),
+        "task_sampling": "sampling",
+        "feed_backlog": "backlog",
+        "feed_max_outstanding": "max_outstanding",
+    },
     "publish": {**_same("keyframe_interval", "delta_context", "signing_key"), "publish": "layout"},
-    "checkpoint": {"checkpoint_dir": "dir", "keep_checkpoints": "keep", "async_checkpoint": "async_save",
-                   "checkpoint_every": "every"},
-    "warmstart": {**{f"warmstart_{k}": k for k in ("steps", "lr", "style", "batch", "threads", "until",
-                                                  "check_every", "check_from", "check_n")},
-                  "warmstart_from": "reuse"},
+    "checkpoint": {
+        "checkpoint_dir": "dir",
+        "keep_checkpoints": "keep",
+        "async_checkpoint": "async_save",
+        "checkpoint_every": "every",
+    },
+    "warmstart": {
+        **{
+            f"warmstart_{k}": k
+            for k in (
+                "steps",
+                "lr",
+                "style",
+                "batch",
+                "threads",
+                "until",
+                "check_every",
+                "check_from",
+                "check_n",
+            )
+        },
+        "warmstart_from": "reuse",
+    },
     "lease": {"lease_ttl_s": "ttl_s", "lease_renew_s": "renew_s"},
-    "elastic": {f"elastic_{k}": k for k in ("nnodes", "nproc_per_node", "rdzv_endpoint", "rdzv_id",
-                                            "max_restarts", "rdzv_host", "rdzv_conf")},
+    "elastic": {
+        f"elastic_{k}": k
+        for k in (
+            "nnodes",
+            "nproc_per_node",
+            "rdzv_endpoint",
+            "rdzv_id",
+            "max_restarts",
+            "rdzv_host",
+            "rdzv_conf",
+        )
+    },
     "faults": {**_same("stop_before_publish", "probe_when_deposed"), "debug_step_delay_s": "step_delay_s"},
 }
 
@@ -60,7 +149,7 @@ _MOVES = {
 @dataclass
 class TrainerConfig:
     bus: BusConfig = field(default_factory=BusConfig)
-    trainer_id: str = ""                 # default: <host>-<pid>; the lease holder's name
+    trainer_id: str = ""  # default: <host>-<pid>; the lease holder's name
     run: RunSection = field(default_factory=RunSection)
     policy: PolicySection = field(default_factory=PolicySection)
     optim: OptimSection = field(default_factory=OptimSection)
@@ -76,12 +165,13 @@ class TrainerConfig:
     faults: FaultsSection = field(default_factory=FaultsSection)
 
     # old flat key -> "section.key" (bus.config refuses the old one with its new place)
-    MOVED: ClassVar[dict[str, str]] = {old: f"{sect}.{new}" for sect, m in _MOVES.items()
-                                       for old, new in m.items()}
+    MOVED: ClassVar[dict[str, str]] = {
+        old: f"{sect}.{new}" for sect, m in _MOVES.items() for old, new in m.items()
+    }
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(TrainerConfig)
-        for f in fields(self):       # a section given as a dict (tests, overrides): checked like a table
+        for f in fields(self):  # a section given as a dict (tests, overrides): checked like a table
             v = getattr(self, f.name)
             if isinstance(v, dict):
                 setattr(self, f.name, build(hints[f.name], v, f.name, "trainer"))
@@ -94,13 +184,19 @@ class TrainerConfig:
             # sync publishes exactly batch.groups tasks per version: a skipped group would stall it
             "batch.skip_uniform": not (self.batch.skip_uniform and self.run.mode == "sync"),
         }
-        hints_ = {"batch.skip_uniform": "skip_uniform is async only ([trainer.run] mode = 'sync')",
-                  "tasks.chat_template": "the char tokenizer has no chat template"}
+        hints_ = {
+            "batch.skip_uniform": "skip_uniform is async only ([trainer.run] mode = 'sync')",
+            "tasks.chat_template": "the char tokenizer has no chat template",
+        }
         bad = [k.split(".") for k, ok in checks.items() if not ok]
         if bad:
-            raise ValueError("TrainerConfig: invalid value for " + ", ".join(
-                f"[trainer.{sect}] {key}={getattr(getattr(self, sect), key)!r} ({hints_[f'{sect}.{key}']})"
-                for sect, key in bad))
+            raise ValueError(
+                "TrainerConfig: invalid value for "
+                + ", ".join(
+                    f"[trainer.{sect}] {key}={getattr(getattr(self, sect), key)!r} ({hints_[f'{sect}.{key}']})"
+                    for sect, key in bad
+                )
+            )
 
     @property
     def use_delta_context(self) -> bool:
@@ -110,4 +206,3 @@ class TrainerConfig:
         if self.publish.delta_context == "auto":
             return bool(self.policy.init_checkpoint)
         return bool(self.publish.delta_context)
-

@@ -12,6 +12,7 @@ is a well-formed file; `checkpoint.load_latest(..., verify=chain.check)` then fa
 one that agrees. Manifests (versions published from shards) carry no state digest: they count as
 published versions (so `latest` moves), with any digest accepted for them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,12 +25,12 @@ from .checkpoint import CheckpointError, TrainerState
 
 log = get_logger(__name__)
 
-READ_BACK = 64          # WEIGHTS messages read back: far more than the checkpoints kept (keep_checkpoints)
+READ_BACK = 64  # WEIGHTS messages read back: far more than the checkpoints kept (keep_checkpoints)
 
 
 @dataclass
 class DigestChain:
-    digests: dict[int, set[str]] = field(default_factory=dict)    # version -> state digests published
+    digests: dict[int, set[str]] = field(default_factory=dict)  # version -> state digests published
     latest: int = -1
 
     def add(self, version: int, digest: str) -> None:
@@ -40,14 +41,18 @@ class DigestChain:
     def check(self, st: TrainerState) -> None:
         """Raises CheckpointError unless `st` agrees with what the run published."""
         if self.latest < 0:
-            return                       # a fresh run (or a stream emptied by an operator)
+            return  # a fresh run (or a stream emptied by an operator)
         want = self.digests.get(st.version)
         if want is not None and st.digest not in want:
-            raise CheckpointError(f"checkpoint v{st.version} (epoch {st.epoch}) has digest {st.digest!r}, "
-                                  f"but the run published v{st.version} as {sorted(want)}: not this run's state")
+            raise CheckpointError(
+                f"checkpoint v{st.version} (epoch {st.epoch}) has digest {st.digest!r}, "
+                f"but the run published v{st.version} as {sorted(want)}: not this run's state"
+            )
         if want is None and st.version > self.latest + 1:
-            raise CheckpointError(f"checkpoint v{st.version} (epoch {st.epoch}) is ahead of every version the"
-                                  f" run published (latest v{self.latest}): not this run's state")
+            raise CheckpointError(
+                f"checkpoint v{st.version} (epoch {st.epoch}) is ahead of every version the"
+                f" run published (latest v{self.latest}): not this run's state"
+            )
 
 
 async def read_chain(bus, read_back: int = READ_BACK) -> DigestChain:
@@ -55,7 +60,7 @@ async def read_chain(bus, read_back: int = READ_BACK) -> DigestChain:
     chain = DigestChain()
     try:
         info = await bus.js.stream_info(topo.WEIGHTS)
-    except Exception as e:               # no stream yet: a fresh run
+    except Exception as e:  # no stream yet: a fresh run
         log.info("no WEIGHTS stream to check checkpoints against", error=str(e))
         return chain
     first, last = info.state.first_seq, info.state.last_seq
@@ -67,13 +72,13 @@ async def read_chain(bus, read_back: int = READ_BACK) -> DigestChain:
             ev = decode(msg.data)
         except EventError:
             continue
-        except Exception as e:           # deleted or unreadable message: the rest still count
+        except Exception as e:  # deleted or unreadable message: the rest still count
             log.debug("weights message not read", seq=seq, error=str(e))
             continue
         if isinstance(ev, KeyframeEvent):
             chain.add(ev.version, ev.digest)
         elif isinstance(ev, DeltaEvent):
             chain.add(ev.to_version, ev.new_digest)
-        elif isinstance(ev, ManifestEvent):      # published from shards: the version, no digest
+        elif isinstance(ev, ManifestEvent):  # published from shards: the version, no digest
             chain.add(ev.to_version, "")
     return chain

@@ -1,4 +1,5 @@
 """torch.distributed plumbing: rank 0 talks to the bus, the other ranks replay its commands."""
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ __all__ = ["broadcast_obj", "follower_loop", "init_distributed", "sync_state", "
 
 def init_distributed() -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        if torch.cuda.is_available():          # NCCL: one GPU per rank, objects travel via that GPU
+        if torch.cuda.is_available():  # NCCL: one GPU per rank, objects travel via that GPU
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("nccl")
         else:
@@ -37,13 +38,13 @@ async def follower_loop(learner: Learner) -> None:
     while True:
         cmd = broadcast_obj()
         if cmd[0] == "stop":
-            learner.wait_checkpoint()      # a background shard save of ours finishes before we leave
+            learner.wait_checkpoint()  # a background shard save of ours finishes before we leave
             return
         if cmd[0] == "sync":
             sync_state(learner.model, learner.opt)
         elif cmd[0] == "step":
             learner.step(cmd[1])
-        elif cmd[0] == "call":                 # a collective method rank 0 announced (commands.announce)
+        elif cmd[0] == "call":  # a collective method rank 0 announced (commands.announce)
             getattr(learner, cmd[1])(*cmd[2])
 
 

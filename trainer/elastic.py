@@ -10,6 +10,7 @@ standby (at once when the old rank 0 released it, after the TTL when it was kill
 higher epoch, resumes from the newest complete sharded checkpoint (DCP reshards to the new world)
 and announces that version with a keyframe; the batch in flight was never acked and its rollout
 ids are deduplicated against the checkpoint's consumed ids, so nothing is trained twice."""
+
 from __future__ import annotations
 
 import sys
@@ -19,10 +20,17 @@ from .config import TrainerConfig
 
 def torchrun_argv(cfg: TrainerConfig, trainer_args: list[str], python: str = sys.executable) -> list[str]:
     """The command line of one node's elastic agent running `python -m trainer <trainer_args>`."""
-    argv = [python, "-m", "torch.distributed.run",
-            f"--nnodes={cfg.elastic.nnodes}", f"--nproc_per_node={cfg.elastic.nproc_per_node}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint={cfg.elastic.rdzv_endpoint}",
-            f"--rdzv_id={cfg.elastic.rdzv_id}", f"--max_restarts={cfg.elastic.max_restarts}"]
+    argv = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={cfg.elastic.nnodes}",
+        f"--nproc_per_node={cfg.elastic.nproc_per_node}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={cfg.elastic.rdzv_endpoint}",
+        f"--rdzv_id={cfg.elastic.rdzv_id}",
+        f"--max_restarts={cfg.elastic.max_restarts}",
+    ]
     # who hosts the store is explicit: inferred from the endpoint, every agent on one host (or
     # behind one name) would race for it, and the store dies with whichever node won
     conf = ",".join(x for x in (f"is_host={int(cfg.elastic.rdzv_host)}", cfg.elastic.rdzv_conf) if x)

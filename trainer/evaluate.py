@@ -3,6 +3,7 @@
 Reports success and tokens per answer on a fixed set of eval prompts, so runs and versions
 are comparable (same prompts, same sampling seed). Multi-turn envs (a spec with an `episode`) are
 played as episodes, turn by turn, in this process (`evaluate_episodes`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,24 +41,46 @@ def eval_specs(env_names: list[str], n: int, seed: int, split: str = "eval"):
 
 
 @torch.no_grad()
-def evaluate(published: dict, model_cfg, tok, env_names: list[str], sampling: dict, n: int = 128,
-             seed: int = 0, chat_template: bool = False) -> dict:
+def evaluate(
+    published: dict,
+    model_cfg,
+    tok,
+    env_names: list[str],
+    sampling: dict,
+    n: int = 128,
+    seed: int = 0,
+    chat_template: bool = False,
+) -> dict:
     model = Transformer(model_cfg).float()
-    model.load_inference_state(published)     # exactly the bits the workers hold
+    model.load_inference_state(published)  # exactly the bits the workers hold
     model.eval()
     return evaluate_model(model, tok, env_names, sampling, n, seed, chat_template)
 
 
 @torch.no_grad()
-def evaluate_model(model, tok, env_names: list[str], sampling: dict, n: int, seed: int = 0,
-                   chat_template: bool = False, split: str = "eval") -> dict:
+def evaluate_model(
+    model,
+    tok,
+    env_names: list[str],
+    sampling: dict,
+    n: int,
+    seed: int = 0,
+    chat_template: bool = False,
+    split: str = "eval",
+) -> dict:
     """`model` (in eval mode) on n tasks of `split`: episodes for multi-turn envs, else one answer each."""
     specs = eval_specs(env_names, n, seed, split)
     sc = SamplingConfig.from_dict(sampling)
     if all("episode" in s.spec for _, s in specs):
         return evaluate_episodes(model, tok, [s.spec for _, s in specs], sc, seed)
-    outs = generate(model, prompt_ids(tok, [s.prompt for _, s in specs], chat_template), sc,
-                    int(sampling.get("max_tokens", 64)), [tok.eos_id], torch.Generator().manual_seed(seed))
+    outs = generate(
+        model,
+        prompt_ids(tok, [s.prompt for _, s in specs], chat_template),
+        sc,
+        int(sampling.get("max_tokens", 64)),
+        [tok.eos_id],
+        torch.Generator().manual_seed(seed),
+    )
     success, tokens = [], []
     for (env, spec), o in zip(specs, outs):
         ids = o.ids[:-1] if o.finish_reason == "stop" else o.ids
@@ -71,6 +94,7 @@ def prompt_ids(tok, prompts: list[str], chat_template: bool = False) -> list[lis
     feeder renders them so (instruct models), then tokenised with bos."""
     if chat_template:
         from envs.feeder import chat_renderer
+
         render = chat_renderer(tok)
         prompts = [render(p) for p in prompts]
     return [tok.encode(p, bos=True) for p in prompts]
@@ -87,40 +111,48 @@ def evaluate_episodes(model, tok, specs: list[dict], sc: SamplingConfig, seed: i
     from envs.episode_pool import InlinePool
 
     from .lockstep import Lockstep, LockstepPlayer
+
     eps = []
     for spec in specs:
         lim = EpisodeLimits(**spec["limits"])
-        room = model.cfg.max_seq_len - lim.max_turn_tokens - 1       # a turn always fits the model
+        room = model.cfg.max_seq_len - lim.max_turn_tokens - 1  # a turn always fits the model
         # no episode wall clock: in lockstep an episode's clock counts every other episode's
         # generation, so held-out success would depend on the eval batch and the box's load
         # (turns, tokens and each command's own limit still bound an episode)
-        lim = dataclasses.replace(lim, max_context_tokens=max(1, min(lim.max_context_tokens, room)),
-                                  episode_wall_s=float("inf"))
-        eps.append(Episode(EpisodeTask.from_dict(spec["episode"]), lim,
-                           token_counter=lambda t: len(tok.encode(t))))
+        lim = dataclasses.replace(
+            lim, max_context_tokens=max(1, min(lim.max_context_tokens, room)), episode_wall_s=float("inf")
+        )
+        eps.append(
+            Episode(EpisodeTask.from_dict(spec["episode"]), lim, token_counter=lambda t: len(tok.encode(t)))
+        )
     fmt, env = chat_format(tok), InlinePool()
     rounds = Lockstep(model, tok, sc, torch.Generator().manual_seed(seed), len(eps))
 
     async def play(i: int, ep: Episode) -> None:
         try:
-            await play_episode(ep, env, LockstepPlayer(rounds, i, ep.limits.max_turn_tokens), fmt, tok,
-                               model.cfg.max_seq_len)
+            await play_episode(
+                ep, env, LockstepPlayer(rounds, i, ep.limits.max_turn_tokens), fmt, tok, model.cfg.max_seq_len
+            )
         finally:
             rounds.leave()
 
     async def play_all() -> None:
         await asyncio.gather(*(play(i, ep) for i, ep in enumerate(eps)))
+
     try:
         asyncio.run(play_all())
         results = [ep.score() for ep in eps]
     finally:
         for ep in eps:
             ep.close()
-    out = {"eval_success": float(np.mean([r.resolved for r in results])),
-           "eval_reward": float(np.mean([r.reward for r in results])),
-           "eval_turns": float(np.mean([r.turns for r in results])),
-           "eval_tool_calls": float(np.mean([r.tool_calls for r in results])),
-           "eval_tokens": float(np.mean([r.tokens for r in results])), "eval_n": len(results)}
-    for r in results:      # termination reasons as fractions (flat numbers: the metrics stream)
+    out = {
+        "eval_success": float(np.mean([r.resolved for r in results])),
+        "eval_reward": float(np.mean([r.reward for r in results])),
+        "eval_turns": float(np.mean([r.turns for r in results])),
+        "eval_tool_calls": float(np.mean([r.tool_calls for r in results])),
+        "eval_tokens": float(np.mean([r.tokens for r in results])),
+        "eval_n": len(results),
+    }
+    for r in results:  # termination reasons as fractions (flat numbers: the metrics stream)
         out[f"eval_term_{r.termination}"] = out.get(f"eval_term_{r.termination}", 0.0) + 1 / len(results)
     return out

@@ -1,4 +1,5 @@
 """Builds what a trainer process trains: model (fresh or from an HF checkpoint), optimizer, learner."""
+
 from __future__ import annotations
 
 import os
@@ -41,11 +42,11 @@ def _mixed_precision(cfg: TrainerConfig) -> bool | None:
 
 
 def initial_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:
-    torch.manual_seed(cfg.run.seed)          # every rank builds identical initial weights
+    torch.manual_seed(cfg.run.seed)  # every rank builds identical initial weights
     if cfg.policy.init_checkpoint:
         from policy import load_hf_checkpoint
-        mcfg, model = load_hf_checkpoint(cfg.policy.init_checkpoint, dtype=torch.float32,
-                                         device=device(cfg))
+
+        mcfg, model = load_hf_checkpoint(cfg.policy.init_checkpoint, dtype=torch.float32, device=device(cfg))
         return model, mcfg
     # the vocabulary defaults to the tokenizer's, so the policy cannot sample an undecodable id
     tok_vocab = load_tokenizer(cfg.policy.tokenizer).vocab_size
@@ -70,8 +71,13 @@ def build_optimizer(model, cfg: TrainerConfig) -> torch.optim.Optimizer:
     of foreach's several; the same update up to float rounding, several times faster on CPU for
     SmolLM2's 135 M parameters). A sharded group keeps the default for FSDP2's DTensor parameters."""
     fused = True if world()[1] == 1 else None
-    return torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                             weight_decay=cfg.optim.weight_decay, fused=fused)
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        weight_decay=cfg.optim.weight_decay,
+        fused=fused,
+    )
 
 
 def build_schedule(cfg: TrainerConfig) -> LRSchedule:
@@ -81,15 +87,27 @@ def build_schedule(cfg: TrainerConfig) -> LRSchedule:
 
 def build_learner(model, opt, cfg: TrainerConfig, reference: Transformer | None = None) -> Learner:
     """`reference` (the frozen initial policy) is built here when kl_coef > 0 and none is given."""
-    loss = cfg.loss              # [trainer.loss], taken whole by the loss
+    loss = cfg.loss  # [trainer.loss], taken whole by the loss
     # rows of fp32 logits per projection chunk: logit_chunk_mb of them whatever the vocabulary
     chunk = max(1, int(loss.logit_chunk_mb * 2**20 / (4 * model.cfg.vocab_size)))
     if reference is None and loss.kl_coef > 0:
         reference = build_reference(cfg)
-    return Learner(model, opt, loss, adv_norm=loss.adv_norm, grad_clip=cfg.optim.grad_clip,
-                   replay=loss.replay, micro_batch=loss.micro_batch, schedule=build_schedule(cfg),
-                   kl_coef=loss.kl_coef, reference=reference, async_checkpoint=cfg.checkpoint.async_save,
-                   micro_batch_tokens=loss.micro_batch_tokens, logit_chunk_tokens=chunk,
-                   penalty=cfg.cost.penalty, penalty_cap=cfg.cost.penalty_cap,
-                   published_point=loss.published_point,
-                   delta_context=cfg.use_delta_context)     # sharded parts are coded like the gathered delta
+    return Learner(
+        model,
+        opt,
+        loss,
+        adv_norm=loss.adv_norm,
+        grad_clip=cfg.optim.grad_clip,
+        replay=loss.replay,
+        micro_batch=loss.micro_batch,
+        schedule=build_schedule(cfg),
+        kl_coef=loss.kl_coef,
+        reference=reference,
+        async_checkpoint=cfg.checkpoint.async_save,
+        micro_batch_tokens=loss.micro_batch_tokens,
+        logit_chunk_tokens=chunk,
+        penalty=cfg.cost.penalty,
+        penalty_cap=cfg.cost.penalty_cap,
+        published_point=loss.published_point,
+        delta_context=cfg.use_delta_context,
+    )  # sharded parts are coded like the gathered delta

@@ -10,6 +10,7 @@ as every in-run eval) on the checkpoint's published bf16 bits, checked against t
 checkpoint recorded for them. Each row goes to metrics/trainer.jsonl like an in-run eval, marked
 `eval_final` or `eval_initial`. The initial policy is the run's warmstart.pt, or without one the
 trainer's seeded initial model (trainer/factory.py)."""
+
 from __future__ import annotations
 
 import json
@@ -75,8 +76,16 @@ def evaluate_initial(cfg: TrainerConfig) -> dict:
 
 def _evaluate(cfg: TrainerConfig, published: dict, mcfg: ModelConfig, tags: dict) -> dict:
     t0 = time.time()
-    ev = evaluate(published, mcfg, load_tokenizer(cfg.policy.tokenizer), cfg.tasks.envs, cfg.tasks.sampling, cfg.tasks.eval_prompts,
-                  cfg.run.seed, cfg.tasks.chat_template)
+    ev = evaluate(
+        published,
+        mcfg,
+        load_tokenizer(cfg.policy.tokenizer),
+        cfg.tasks.envs,
+        cfg.tasks.sampling,
+        cfg.tasks.eval_prompts,
+        cfg.run.seed,
+        cfg.tasks.chat_template,
+    )
     row = {**ev, **tags, "eval_s": time.time() - t0, "ts": time.time()}
     if cfg.run.dir:
         (Path(cfg.run.dir) / "metrics").mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ final norm, head: a tied head lives with its embedding), on a 1-d device mesh ov
 gloo on CPU in fp32; NCCL on GPU with bf16 parameters for compute and fp32 gradient reduction.
 Activation checkpointing recomputes each block's activations in backward (memory for time);
 it replaces the block's `forward` on the instance, so parameter names do not change."""
+
 from __future__ import annotations
 
 import functools
@@ -29,6 +30,7 @@ def checkpoint_blocks(model) -> None:
             if cache is None and torch.is_grad_enabled():
                 return checkpoint(_inner, x, cos, sin, pos, cache, layer, slots, use_reentrant=False)
             return _inner(x, cos, sin, pos, cache, layer, slots)
+
         blk.forward = functools.wraps(inner)(fwd)
 
 
@@ -38,8 +40,11 @@ def shard(model, device: torch.device, mixed_precision: bool | None = None):
     mesh = init_device_mesh(device.type, (ws,))
     if mixed_precision is None:
         mixed_precision = device.type == "cuda"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
         else MixedPrecisionPolicy()
+    )
     for blk in model.layers:
         fully_shard(blk, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -6,6 +6,7 @@ mismatch KL between the workers' behaviour logprobs and the learner's) is above 
 towards `max_lag` once it is below half of it. The cap never goes below 1 (a lag of 0 would drop
 nearly every asynchronous sample) unless max_lag itself is 0. Off (max_k3 = 0): the cap is max_lag.
 """
+
 from __future__ import annotations
 
 
@@ -13,7 +14,7 @@ def next_lag_cap(cap: int, k3: float | None, max_k3: float, max_lag: int) -> int
     """The lag cap for the next batch, from this version's cap and its batch's k3_mean."""
     if max_k3 <= 0:
         return max_lag
-    if k3 is None:                      # a version without live tokens says nothing about the mismatch
+    if k3 is None:  # a version without live tokens says nothing about the mismatch
         return cap
     if k3 > max_k3:
         return max(min(1, max_lag), cap - 1)

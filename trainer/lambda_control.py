@@ -8,6 +8,7 @@ of KV rl-control/lambda when it publishes it (so a group is scored with one λ);
             (a restarted trainer carries on from the value there)
 The KV value's format: bus/control.py.
 """
+
 from __future__ import annotations
 
 
@@ -46,29 +47,40 @@ class LambdaSchedule:
     async def start(self, bus, version: int) -> dict:
         """Before the first task is fed: a ramp's λ for this version."""
         if self.cfg.cost.schedule == "ramp":
-            return await self._write(bus, ramp_lambda(self.cfg.cost.target, self.cfg.cost.ramp_versions,
-                                                      version), version)
+            return await self._write(
+                bus, ramp_lambda(self.cfg.cost.target, self.cfg.cost.ramp_versions, version), version
+            )
         return {}
 
     async def after_version(self, bus, version: int, tokens_per_answer: float | None) -> dict:
         """λ for the groups fed from now on; -> metrics (lambda_next, and the budget's inputs)."""
         cfg = self.cfg
         if cfg.cost.schedule == "ramp":
-            return await self._write(bus, ramp_lambda(cfg.cost.target, cfg.cost.ramp_versions, version),
-                                     version)
+            return await self._write(
+                bus, ramp_lambda(cfg.cost.target, cfg.cost.ramp_versions, version), version
+            )
         if cfg.cost.schedule != "budget" or tokens_per_answer is None:
             return {}
         lam = await read(bus, None) or 0.0
         new = budget_step(lam, tokens_per_answer, cfg.cost.budget_tokens, cfg.cost.budget_lr)
-        log.info("budget lambda", version=version, tokens_per_answer=round(tokens_per_answer, 2),
-                 budget_tokens=cfg.cost.budget_tokens, old=lam, new=new)
-        return {**(await self._write(bus, new, version)), "lambda_prev": lam,
-                "budget_ratio": tokens_per_answer / cfg.cost.budget_tokens}
+        log.info(
+            "budget lambda",
+            version=version,
+            tokens_per_answer=round(tokens_per_answer, 2),
+            budget_tokens=cfg.cost.budget_tokens,
+            old=lam,
+            new=new,
+        )
+        return {
+            **(await self._write(bus, new, version)),
+            "lambda_prev": lam,
+            "budget_ratio": tokens_per_answer / cfg.cost.budget_tokens,
+        }
 
     async def _write(self, bus, lam: float, version: int) -> dict:
         try:
             await bus.kv_put(topo.KEY_LAMBDA, format_lambda(lam))
-        except Exception as e:       # the groups keep the last λ; the next version writes again
+        except Exception as e:  # the groups keep the last λ; the next version writes again
             log.warning("lambda write failed", error=str(e), version=version)
             return {}
         return {"lambda_next": lam}

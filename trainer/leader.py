@@ -10,6 +10,7 @@ Per step (rank 0 talks to the bus; other ranks only compute):
               (each write: lease CAS, then a write the server refuses once another leader wrote)
     ack the batch's messages
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -66,7 +67,7 @@ async def _after(delay_s: float, coro) -> None:
     try:
         await asyncio.sleep(delay_s)
     except BaseException:
-        coro.close()                     # cancelled while waiting: the publication never starts
+        coro.close()  # cancelled while waiting: the publication never starts
         raise
     await coro
 
@@ -80,11 +81,11 @@ async def start_sweeper(bus):
     sub = None
     try:
         sub = await watch_max_deliveries(bus, topo.SCORED, topo.TRAINER_CONSUMER)
-        await bus.nc.flush()             # subscribed before our first fetch triggers an advisory
+        await bus.nc.flush()  # subscribed before our first fetch triggers an advisory
         parked = await sweep_stranded(bus, topo.SCORED, topo.TRAINER_CONSUMER)
         if parked:
             log.warning("parked stranded scored rollouts in DLQ", parked=parked)
-    except Exception as e:               # no rights (a restricted role) or a broker blip: say so, go on
+    except Exception as e:  # no rights (a restricted role) or a broker blip: say so, go on
         log.warning("stranded-message sweep unavailable", error=f"{type(e).__name__}: {e}")
     return sub
 
@@ -94,13 +95,19 @@ def warmstart_record(cfg: TrainerConfig, steps_done: int, checks: list[dict]) ->
     count; until: a success check passed; cap: [trainer.warmstart] steps reached first) and the last check."""
     stopped = "steps"
     if cfg.warmstart.until > 0:
-        passed = checks and checks[-1]["warmstart_step"] == steps_done \
+        passed = (
+            checks
+            and checks[-1]["warmstart_step"] == steps_done
             and checks[-1]["warmstart_check_success"] >= cfg.warmstart.until
+        )
         stopped = "until" if passed else "cap"
     out = {"warmstart_steps_done": steps_done, "warmstart_stopped": stopped}
     if checks:
-        out.update(warmstart_checks=len(checks), warmstart_check_success_last=checks[-1]["warmstart_check_success"],
-                   warmstart_until=cfg.warmstart.until)
+        out.update(
+            warmstart_checks=len(checks),
+            warmstart_check_success_last=checks[-1]["warmstart_check_success"],
+            warmstart_until=cfg.warmstart.until,
+        )
     return out
 
 
@@ -112,28 +119,33 @@ class Trainer:
         self.consumed = ConsumedIds(limit=cfg.run.dedupe_window)
         self.published: dict[str, torch.Tensor] = {}
         self.warmstarted = False
-        self.warmstart_record: dict = {}     # where this leader's warm start stopped (metrics, once)
-        self.fed = asyncio.Event()       # set when a batch is taken or acked: the feeder tops up at once
-        self.sync_replaced = 0           # sync: tasks published again because theirs produced nothing
-        self.steps_skipped = 0           # non-finite steps skipped (weights untouched), this leader
-        self.lambda_schedule = LambdaSchedule(cfg)    # ramp / budget write KV λ per version (fixed: never)
+        self.warmstart_record: dict = {}  # where this leader's warm start stopped (metrics, once)
+        self.fed = asyncio.Event()  # set when a batch is taken or acked: the feeder tops up at once
+        self.sync_replaced = 0  # sync: tasks published again because theirs produced nothing
+        self.steps_skipped = 0  # non-finite steps skipped (weights untouched), this leader
+        self.lambda_schedule = LambdaSchedule(cfg)  # ramp / budget write KV λ per version (fixed: never)
         self.sharded = cfg.publish.layout == "sharded"
         self.last_parts: ShardedVersion | None = None
-        self.chain = DigestChain()       # what the run published: a checkpoint must agree with it
+        self.chain = DigestChain()  # what the run published: a checkpoint must agree with it
         # checkpoint_every > 1: batches of versions published but not yet checkpointed, oldest first;
         # acked only once a checkpoint recording their ids is durable (a crash re-trains them)
         self.unacked: list[Batch] = []
 
     def state(self) -> checkpoint.TrainerState:
         return checkpoint.TrainerState(
-            version=self.version, epoch=self.lease.epoch,
+            version=self.version,
+            epoch=self.lease.epoch,
             **self.learner.checkpoint_payload(self.cfg.checkpoint.dir, self.lease.epoch, self.version),
-            consumed=self.consumed.to_list(), digest=self.digest,
-            model_config=self.model_cfg.to_dict(), step=self.step_n, warmstarted=self.warmstarted)
+            consumed=self.consumed.to_list(),
+            digest=self.digest,
+            model_config=self.model_cfg.to_dict(),
+            step=self.step_n,
+            warmstarted=self.warmstarted,
+        )
 
     def save(self) -> None:
         st = self.state()
-        self.learner.wait_checkpoint()   # the shards complete before the file that names them
+        self.learner.wait_checkpoint()  # the shards complete before the file that names them
         checkpoint.save(self.cfg.checkpoint.dir, st, keep=self.cfg.checkpoint.keep)
 
     def resume(self) -> bool:
@@ -145,50 +157,69 @@ class Trainer:
         self.learner.load_payload(self.cfg.checkpoint.dir, st.model, st.optimizer)
         self.version, self.step_n, self.warmstarted = st.version, st.step, st.warmstarted
         saved = Path(self.cfg.run.dir) / "warmstart.pt" if self.cfg.run.dir else None
-        if st.warmstarted and self.learner.reference is not None and not (
-                saved and saved.exists() and self.learner.load_reference(str(saved))):
-            log.warning("resumed a warm-started run: its KL reference is the initial weights, not the warm start")
+        if (
+            st.warmstarted
+            and self.learner.reference is not None
+            and not (saved and saved.exists() and self.learner.load_reference(str(saved)))
+        ):
+            log.warning(
+                "resumed a warm-started run: its KL reference is the initial weights, not the warm start"
+            )
         self.consumed = ConsumedIds(st.consumed, limit=self.cfg.run.dedupe_window)
         broadcast_obj(("sync",))
         sync_state(self.learner.model, self.learner.opt)
         bits = self.learner.published_state()
-        if st.digest and not digest_matches(bits, st.digest):     # whole-state or sharded (parts) digest
+        if st.digest and not digest_matches(bits, st.digest):  # whole-state or sharded (parts) digest
             raise checkpoint.CheckpointError(
-                f"checkpoint v{st.version}: bf16 state does not match the recorded digest {st.digest}")
-        log.info("resumed from checkpoint", version=st.version, prev_epoch=st.epoch, consumed=len(st.consumed))
+                f"checkpoint v{st.version}: bf16 state does not match the recorded digest {st.digest}"
+            )
+        log.info(
+            "resumed from checkpoint", version=st.version, prev_epoch=st.epoch, consumed=len(st.consumed)
+        )
         return True
 
     def prepare(self) -> None:
         """Newly leading: resume, warm start once, checkpoint under our epoch."""
         self.resume()
         if not self.warmstarted and (self.cfg.warmstart.reuse or self.cfg.warmstart.steps):
-            if self.cfg.warmstart.reuse:          # an earlier run's warm start, as it saved it
+            if self.cfg.warmstart.reuse:  # an earlier run's warm start, as it saved it
                 saved = self.learner.load_warm_start(self.cfg.warmstart.reuse, self.model_cfg)
-                self.warmstart_record = {"warmstart_steps_done": saved.get("warmstart_steps_done"),
-                                         "warmstart_stopped": "loaded", "warmstart_from": self.cfg.warmstart.reuse}
+                self.warmstart_record = {
+                    "warmstart_steps_done": saved.get("warmstart_steps_done"),
+                    "warmstart_stopped": "loaded",
+                    "warmstart_from": self.cfg.warmstart.reuse,
+                }
             else:
                 # every rank takes part (a sharded forward is a collective): see Learner.warm_start
                 checks: list[dict] = []
 
-                def on_check(rec: dict) -> None:     # each stop check, as it happens (the run's record)
+                def on_check(rec: dict) -> None:  # each stop check, as it happens (the run's record)
                     checks.append(rec)
                     self.write_jsonl({**rec, "ts": time.time()})
-                losses = self.learner.warm_start(self.cfg, self.model_cfg, self.cfg.warmstart.style, on_check=on_check)
+
+                losses = self.learner.warm_start(
+                    self.cfg, self.model_cfg, self.cfg.warmstart.style, on_check=on_check
+                )
                 self.warmstart_record = warmstart_record(self.cfg, len(losses), checks)
             self.warmstarted = True
-            self.learner.anchor_reference()        # kl_coef: the penalty keeps RL near this policy
+            self.learner.anchor_reference()  # kl_coef: the penalty keeps RL near this policy
             log.info("warm start done", **self.warmstart_record)
             self.write_jsonl({**self.warmstart_record, "ts": time.time()})
-            if self.cfg.run.dir:     # the policy RL starts from (`asyncrl calibrate-cost --checkpoint` and
+            if self.cfg.run.dir:  # the policy RL starts from (`asyncrl calibrate-cost --checkpoint` and
                 # the final eval's initial row read it)
-                torch.save({"model": self.learner.full_state(), "model_config": self.model_cfg.to_dict(),
-                            "version": self.version,
-                            "warmstart_steps_done": self.warmstart_record["warmstart_steps_done"]},
-                           Path(self.cfg.run.dir) / "warmstart.pt")
+                torch.save(
+                    {
+                        "model": self.learner.full_state(),
+                        "model_config": self.model_cfg.to_dict(),
+                        "version": self.version,
+                        "warmstart_steps_done": self.warmstart_record["warmstart_steps_done"],
+                    },
+                    Path(self.cfg.run.dir) / "warmstart.pt",
+                )
             broadcast_obj(("sync",))
             sync_state(self.learner.model, self.learner.opt)
         self.published = self.learner.published_state()
-        if self.sharded:                 # every rank's rows now: the base of its next part
+        if self.sharded:  # every rank's rows now: the base of its next part
             self.learner.mark_published()
         self.full_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
         self.digest = delta_codec.state_digest(self.published)
@@ -197,10 +228,13 @@ class Trainer:
     async def publish_metrics(self, values: dict) -> None:
         values = {k: v for k, v in values.items() if k not in ("rollout_ids", "trained_ids", "dropped_ids")}
         try:
-            await self.bus.publish(topo.metrics_subject("trainer", self.cfg.trainer_id),
-                                   Metrics(component="trainer", component_id=self.cfg.trainer_id,
-                                           step=self.step_n, values=values))
-        except Exception as e:            # metrics are best effort; the step is already durable
+            await self.bus.publish(
+                topo.metrics_subject("trainer", self.cfg.trainer_id),
+                Metrics(
+                    component="trainer", component_id=self.cfg.trainer_id, step=self.step_n, values=values
+                ),
+            )
+        except Exception as e:  # metrics are best effort; the step is already durable
             log.warning("metrics publish failed", error=str(e))
 
     async def maybe_evaluate(self, version: int, published: dict) -> dict:
@@ -208,8 +242,17 @@ class Trainer:
         cfg = self.cfg
         if not cfg.tasks.eval_every or version % cfg.tasks.eval_every:
             return {}
-        return await asyncio.to_thread(evaluate, published, self.model_cfg, load_tokenizer(cfg.policy.tokenizer),
-                                       cfg.tasks.envs, cfg.tasks.sampling, cfg.tasks.eval_prompts, cfg.run.seed, cfg.tasks.chat_template)
+        return await asyncio.to_thread(
+            evaluate,
+            published,
+            self.model_cfg,
+            load_tokenizer(cfg.policy.tokenizer),
+            cfg.tasks.envs,
+            cfg.tasks.sampling,
+            cfg.tasks.eval_prompts,
+            cfg.run.seed,
+            cfg.tasks.chat_template,
+        )
 
     def write_jsonl(self, values: dict) -> None:
         if not self.cfg.run.dir:
@@ -225,13 +268,13 @@ class Trainer:
         if not epoch:
             return 0
         lost = asyncio.Event()
-        self.unacked = []                # a previous term's were handed back (nak) when it ended
+        self.unacked = []  # a previous term's were handed back (nak) when it ended
         keeper = asyncio.create_task(self.lease.keep(stop, lost))
-        self.chain = await read_chain(self.bus)      # resume only a checkpoint of this run's own line
-        await asyncio.to_thread(self.prepare)        # in a thread: the lease keeps being renewed
+        self.chain = await read_chain(self.bus)  # resume only a checkpoint of this run's own line
+        await asyncio.to_thread(self.prepare)  # in a thread: the lease keeps being renewed
         publisher = self.make_publisher(epoch)
         await publisher.publish_keyframe(self.published, self.version, self.model_cfg)
-        if self.warmstart_record:          # the live table says where the warm start stopped
+        if self.warmstart_record:  # the live table says where the warm start stopped
             await self.publish_metrics({**self.warmstart_record, "version": self.version})
             self.warmstart_record = {}
         ev = await self.maybe_evaluate(self.version, self.published)
@@ -243,19 +286,22 @@ class Trainer:
         sweeper = await start_sweeper(self.bus) if cfg.run.sweep_stranded else None
         batcher = Batcher(self.bus, cfg, self.consumed, self.model_cfg.vocab_size)
         await batcher.start()
-        await self.lambda_schedule.start(self.bus, self.version)     # before the first group is stamped
+        await self.lambda_schedule.start(self.bus, self.version)  # before the first group is stamped
         feeder = TaskFeeder(self.bus, cfg)
-        feed_task = asyncio.create_task(feeder.run(stop, lambda: self.version, kick=self.fed)) \
-            if cfg.tasks.feed and cfg.run.mode == "async" else None
+        feed_task = (
+            asyncio.create_task(feeder.run(stop, lambda: self.version, kick=self.fed))
+            if cfg.tasks.feed and cfg.run.mode == "async"
+            else None
+        )
         log.info("leading", epoch=epoch, version=self.version, mode=cfg.run.mode)
         batch, publishing = None, None
         try:
             while not stop.is_set() and not lost.is_set():
                 if cfg.run.max_steps and self.step_n >= cfg.run.max_steps:
                     break
-                stopped = lambda: stop.is_set() or lost.is_set()    # noqa: E731
+                stopped = lambda: stop.is_set() or lost.is_set()  # noqa: E731
                 if cfg.run.mode == "sync" and cfg.tasks.feed:
-                    if publishing is not None:      # the barrier: tasks for v only once v is out
+                    if publishing is not None:  # the barrier: tasks for v only once v is out
                         await publishing
                     await feeder.publish(cfg.batch.groups, min_version=self.version)
                     batch = await self.next_sync_batch(batcher, feeder, stopped)
@@ -268,14 +314,14 @@ class Trainer:
                 batch = None
             if publishing is not None:
                 await publishing
-            if self.unacked:             # a clean end checkpoints the last version: nothing to re-train
+            if self.unacked:  # a clean end checkpoints the last version: nothing to re-train
                 await self.checkpoint_unacked(batcher, lost)
-        except LeaseLost as e:              # deposed mid-step: nothing of this step was published
+        except LeaseLost as e:  # deposed mid-step: nothing of this step was published
             log.error("stepping down", error=str(e))
             lost.set()
         finally:
             if publishing is not None and not publishing.done():
-                publishing.cancel()         # only on an error path: its batch is redelivered
+                publishing.cancel()  # only on an error path: its batch is redelivered
             await cancel_and_wait([feed_task])
             if sweeper is not None:
                 try:
@@ -284,7 +330,7 @@ class Trainer:
                     log.debug("sweeper unsubscribe failed", error=str(e))
             await batcher.close(held_back=batch)
             stop_keeper = stop.is_set() or lost.is_set()
-            await cancel_and_wait([keeper])      # (a keeper that lost its cancel would renew a released lease)
+            await cancel_and_wait([keeper])  # (a keeper that lost its cancel would renew a released lease)
             if not lost.is_set():
                 await self.lease.release()
             log.info("leader loop ended", version=self.version, lost=lost.is_set(), stopped=stop_keeper)
@@ -305,8 +351,12 @@ class Trainer:
                 return batch
             missing = self.cfg.batch.groups - len(batcher.groups)
             if missing > 0:
-                log.warning("sync: tasks of this version produced no rollout; publishing replacements",
-                            version=self.version, missing=missing, waited_s=wait_s)
+                log.warning(
+                    "sync: tasks of this version produced no rollout; publishing replacements",
+                    version=self.version,
+                    missing=missing,
+                    waited_s=wait_s,
+                )
                 await feeder.publish(missing, min_version=self.version)
                 self.sync_replaced += missing
 
@@ -315,8 +365,13 @@ class Trainer:
         expected-last-sequence check in it, so a deposed leader's write is refused however long
         it was paused, and a standby takes over only versions already checkpointed."""
         cfg = self.cfg
-        pub = WeightPublisher(self.bus, epoch, cfg.trainer_id, load_signing_key(cfg.publish.signing_key),
-                              fence=self.lease.confirm)
+        pub = WeightPublisher(
+            self.bus,
+            epoch,
+            cfg.trainer_id,
+            load_signing_key(cfg.publish.signing_key),
+            fence=self.lease.confirm,
+        )
         if cfg.faults.stop_before_publish:
             pub.before_write = self._stop_before(cfg.faults.stop_before_publish)
         return pub
@@ -329,11 +384,16 @@ class Trainer:
             nonlocal done
             if not done and ev.version == version:
                 done = True
-                log.warning("fault injection: stopping before publish", version=version, msg=ev.msg_id(),
-                            epoch=ev.epoch)
+                log.warning(
+                    "fault injection: stopping before publish",
+                    version=version,
+                    msg=ev.msg_id(),
+                    epoch=ev.epoch,
+                )
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGSTOP)
+
         return hook
 
     async def probe_deposed(self, publisher: WeightPublisher) -> None:
@@ -345,14 +405,21 @@ class Trainer:
         publisher.fence, publisher.before_write, publisher.max_conflicts = None, None, 0
         v = self.version + 1
         try:
-            if self.last_parts is not None:   # sharded: a manifest (of the last parts) for v
-                await publish_sharded(publisher, self.last_parts.parts, from_version=v - 1, to_version=v,
-                                      model_config=self.model_cfg, set_version=False)
+            if self.last_parts is not None:  # sharded: a manifest (of the last parts) for v
+                await publish_sharded(
+                    publisher,
+                    self.last_parts.parts,
+                    from_version=v - 1,
+                    to_version=v,
+                    model_config=self.model_cfg,
+                    set_version=False,
+                )
             else:
                 await publisher.publish_keyframe(self.published, v, self.model_cfg, set_version=False)
         except Fenced as e:
-            log.warning("deposed leader publish refused by the server", version=v, epoch=publisher.epoch,
-                        error=str(e))
+            log.warning(
+                "deposed leader publish refused by the server", version=v, epoch=publisher.epoch, error=str(e)
+            )
         except Exception as e:
             log.warning("deposed leader publish failed", version=v, error=f"{type(e).__name__}: {e}")
         else:
@@ -362,8 +429,14 @@ class Trainer:
         broadcast_obj(("step", packed))
         return self.learner.step(packed)
 
-    async def train_on(self, batch, batcher: Batcher, publisher: WeightPublisher, lost: asyncio.Event,
-                       previous: asyncio.Task | None = None) -> asyncio.Task:
+    async def train_on(
+        self,
+        batch,
+        batcher: Batcher,
+        publisher: WeightPublisher,
+        lost: asyncio.Event,
+        previous: asyncio.Task | None = None,
+    ) -> asyncio.Task:
         """Compute version v+1 from `batch`; return the task that checkpoints and publishes it.
 
         Publication (encode, checkpoint, delta, ack, metrics) overlaps the next batch's step: it
@@ -374,44 +447,50 @@ class Trainer:
         live = sum(1 for s in packed if s.weight > 0 and s.completion_ids)
         # CPU/GPU-heavy parts run in a thread so the event loop keeps renewing the lease
         stats: dict = await asyncio.to_thread(self._step, packed) if live else {}
-        if stats.get("skipped"):         # weights untouched: park what poisoned it, retry the rest once
+        if stats.get("skipped"):  # weights untouched: park what poisoned it, retry the rest once
             packed, stats = await self._after_skip(batch, batcher, packed, stats)
             live = sum(1 for s in packed if s.weight > 0 and s.completion_ids) if stats else 0
         if live:
             self.version += 1
             self.step_n += 1
-        stats["max_lag_applied"] = batcher.max_lag          # the cap this batch was weighed with
-        batcher.max_lag = next_lag_cap(batcher.max_lag, stats.get("k3_mean"), self.cfg.batch.max_k3, self.cfg.batch.max_lag)
+        stats["max_lag_applied"] = batcher.max_lag  # the cap this batch was weighed with
+        batcher.max_lag = next_lag_cap(
+            batcher.max_lag, stats.get("k3_mean"), self.cfg.batch.max_k3, self.cfg.batch.max_lag
+        )
         batch.trained_ids = [p.rollout_id for p in packed if live and p.weight > 0 and p.completion_ids]
         self.consumed.add(batch.rollout_ids)
-        if self.sharded:                 # parts now (a collective: not while the next step runs)
+        if self.sharded:  # parts now (a collective: not while the next step runs)
             base, new = None, None
             if live:
                 te = time.perf_counter()
                 parts = await asyncio.to_thread(self.learner.publish_parts, self.version - 1, self.version)
-                stats["encode_s"] = time.perf_counter() - te      # this rank's part (each codes its own)
+                stats["encode_s"] = time.perf_counter() - te  # this rank's part (each codes its own)
                 base = self.last_parts = ShardedVersion.of(parts, self.version - 1, self.version)
             if self._needs_full_state(live):
                 new = await asyncio.to_thread(self.learner.published_state)
         else:
             base, new = self.published, await asyncio.to_thread(self.learner.published_state)
-        if new is not None and live:     # never encode, checkpoint or publish a non-finite weight
+        if new is not None and live:  # never encode, checkpoint or publish a non-finite weight
             await asyncio.to_thread(check_finite_state, new, self.version)
         # the next step updates the weights and optimizer in place: checkpoint a copy of this state
         # (checkpoint_every > 1: only every K-th version; the others are published uncheckpointed)
         ts = time.perf_counter()
-        snapshot = await asyncio.to_thread(lambda: checkpoint.snapshot(self.state())) \
-            if self._checkpoints(live) else None
-        stats["snapshot_s"] = time.perf_counter() - ts       # on the critical path (the copy)
+        snapshot = (
+            await asyncio.to_thread(lambda: checkpoint.snapshot(self.state()))
+            if self._checkpoints(live)
+            else None
+        )
+        stats["snapshot_s"] = time.perf_counter() - ts  # on the critical path (the copy)
         if previous is not None:
-            await previous               # v-1 is out (or raised) before v starts going out
+            await previous  # v-1 is out (or raised) before v starts going out
         if snapshot is not None:
-            snapshot.digest = self.digest    # v-1's, now final; a live step replaces it with v's below
+            snapshot.digest = self.digest  # v-1's, now final; a live step replaces it with v's below
         if new is not None:
             self.published = new
-        publication = self.publish_version(batch, packed, stats, live, base, new, snapshot, batcher, publisher,
-                                           lost, t0, self.version)
-        if self.cfg.faults.step_delay_s:       # tests only: a step + publication slower than ack_wait
+        publication = self.publish_version(
+            batch, packed, stats, live, base, new, snapshot, batcher, publisher, lost, t0, self.version
+        )
+        if self.cfg.faults.step_delay_s:  # tests only: a step + publication slower than ack_wait
             publication = _after(self.cfg.faults.step_delay_s, publication)
         return asyncio.create_task(publication)
 
@@ -428,11 +507,19 @@ class Trainer:
             blame = nonfinite_samples(packed)
             last = attempt == 2 or not blame
             if last:
-                blame = {p.rollout_id: f"{reason} in a step on it (no single rollout to blame)"
-                         for p in packed if p.weight > 0 and p.completion_ids and p.rollout_id not in blame} | blame
+                blame = {
+                    p.rollout_id: f"{reason} in a step on it (no single rollout to blame)"
+                    for p in packed
+                    if p.weight > 0 and p.completion_ids and p.rollout_id not in blame
+                } | blame
             parked = await batcher.park(batch, {k: f"{reason}: {v}" for k, v in blame.items()})
-            log.error("non-finite step skipped: parameters and optimizer state untouched", reason=reason,
-                      version=self.version, parked=parked, attempt=attempt)
+            log.error(
+                "non-finite step skipped: parameters and optimizer state untouched",
+                reason=reason,
+                version=self.version,
+                parked=parked,
+                attempt=attempt,
+            )
             packed = pack(batch)
             if last or not any(p.weight > 0 and p.completion_ids for p in packed):
                 return packed, {}
@@ -463,10 +550,25 @@ class Trainer:
     def _needs_full_state(self, live: bool) -> bool:
         """Sharded publication still gathers the whole state for a keyframe or an evaluation."""
         v, cfg = self.version, self.cfg
-        return (live and v % cfg.publish.keyframe_interval == 0) or bool(cfg.tasks.eval_every and v % cfg.tasks.eval_every == 0)
+        return (live and v % cfg.publish.keyframe_interval == 0) or bool(
+            cfg.tasks.eval_every and v % cfg.tasks.eval_every == 0
+        )
 
-    async def publish_version(self, batch, packed, stats, live, base, new, snapshot, batcher: Batcher,
-                              publisher: WeightPublisher, lost: asyncio.Event, t0: float, version: int) -> None:
+    async def publish_version(
+        self,
+        batch,
+        packed,
+        stats,
+        live,
+        base,
+        new,
+        snapshot,
+        batcher: Batcher,
+        publisher: WeightPublisher,
+        lost: asyncio.Event,
+        t0: float,
+        version: int,
+    ) -> None:
         """`base`: the published state of v-1 (gathered), or v's parts (a ShardedVersion).
         `snapshot`: the state to checkpoint before publishing, None for a version published
         uncheckpointed (checkpoint_every > 1): its batch then waits in `unacked` for the next one."""
@@ -475,29 +577,41 @@ class Trainer:
             delta = base if live else None
         else:
             te = time.perf_counter()
-            delta = await asyncio.to_thread(delta_codec.encode_delta, base, new,
-                                            from_version=version - 1, to_version=version,
-                                            context=cfg.use_delta_context)
+            delta = await asyncio.to_thread(
+                delta_codec.encode_delta,
+                base,
+                new,
+                from_version=version - 1,
+                to_version=version,
+                context=cfg.use_delta_context,
+            )
             stats["encode_s"] = time.perf_counter() - te
-        if "encode_s" in stats and stats.get("step_s"):      # what the delta coding costs against the step
+        if "encode_s" in stats and stats.get("step_s"):  # what the delta coding costs against the step
             stats["encode_frac"] = stats["encode_s"] / stats["step_s"]
         if not self.lease.valid() or lost.is_set():
             raise LeaseLost("leader lease no longer valid: refusing to checkpoint or publish")
-        if delta is not None:       # the codec already hashed every tensor of `new`: no second pass
+        if delta is not None:  # the codec already hashed every tensor of `new`: no second pass
             self.digest = delta.new_digest
             if snapshot is not None:
                 snapshot.digest = delta.new_digest
         tc = time.perf_counter()
         if snapshot is not None:
-            await asyncio.to_thread(self.learner.wait_checkpoint)   # async shard save: complete before named
+            await asyncio.to_thread(self.learner.wait_checkpoint)  # async shard save: complete before named
             await asyncio.to_thread(checkpoint.save, cfg.checkpoint.dir, snapshot, cfg.checkpoint.keep)
         stats["checkpoint_s"] = time.perf_counter() - tc
         tp = time.perf_counter()
         delta_bytes = 0
         if isinstance(delta, ShardedVersion):
-            delta_bytes = (await publish_sharded(publisher, delta.parts, from_version=version - 1, to_version=version,
-                                                 model_config=self.model_cfg,
-                                                 changed_frac=delta.stats.changed_frac)).part_bytes
+            delta_bytes = (
+                await publish_sharded(
+                    publisher,
+                    delta.parts,
+                    from_version=version - 1,
+                    to_version=version,
+                    model_config=self.model_cfg,
+                    changed_frac=delta.stats.changed_frac,
+                )
+            ).part_bytes
             if version % cfg.publish.keyframe_interval == 0:
                 await publisher.publish_keyframe(new, version, self.model_cfg, set_version=False)
         elif delta is not None:
@@ -506,49 +620,79 @@ class Trainer:
                 await publisher.publish_keyframe(new, version, self.model_cfg, set_version=False)
         stats["publish_s"] = time.perf_counter() - tp
         self.unacked.append(batch)
-        if snapshot is not None:         # the checkpoint just written records every unacked batch
+        if snapshot is not None:  # the checkpoint just written records every unacked batch
             await self._ack_unacked(batcher)
         stats.update(checkpointed=snapshot is not None, unacked_versions=len(self.unacked))
         self.fed.set()
         lags = [s.lag for s in packed]
         # outcomes of every episode this version consumed: skipped uniform groups included
-        outcome = [(s.reward, s.success, s.cost) for s in packed] + \
-            [(x.scored.reward, x.scored.success, x.scored.cost) for x in batch.skipped]
+        outcome = [(s.reward, s.success, s.cost) for s in packed] + [
+            (x.scored.reward, x.scored.success, x.scored.cost) for x in batch.skipped
+        ]
         # each group's λ (stamped at feed time: one per group; > 1 distinct only from older feeders)
         group_lams: dict[int, set[float]] = {}
         for s in packed:
             group_lams.setdefault(s.group, set()).add(s.lambda_)
-        tokens = _mean([x.rollout.cost_tokens for x in batch.samples + batch.skipped]) \
-            if batch.samples or batch.skipped else None
+        tokens = (
+            _mean([x.rollout.cost_tokens for x in batch.samples + batch.skipped])
+            if batch.samples or batch.skipped
+            else None
+        )
         values = {
-            **{k: v for k, v in stats.items()}, "version": version, "epoch": self.lease.epoch,
+            **{k: v for k, v in stats.items()},
+            "version": version,
+            "epoch": self.lease.epoch,
             "reward_mean": _mean([o[0] for o in outcome]),
             "success_mean": _mean([o[1] for o in outcome]),
-            "cost_mean": _mean([o[2] for o in outcome]), "lambda": _mean([s.lambda_ for s in packed]),
+            "cost_mean": _mean([o[2] for o in outcome]),
+            "lambda": _mean([s.lambda_ for s in packed]),
             "group_lambda": [max(group_lams[g]) for g in sorted(group_lams)],
             "lambda_mixed_groups": sum(1 for v in group_lams.values() if len(v) > 1),
-            "tokens_per_answer": tokens, "penalty_mode": self.cfg.cost.penalty,
+            "tokens_per_answer": tokens,
+            "penalty_mode": self.cfg.cost.penalty,
             **(await self.lambda_schedule.after_version(self.bus, version, tokens)),
             "uniform_groups_skipped": len({x.rollout.task_id for x in batch.skipped}),
-            "samples": len(packed), "live_samples": live, "groups": batch.n_groups,
-            "staleness_mean": _mean(lags), "staleness_hist": staleness_histogram(lags),
+            "samples": len(packed),
+            "live_samples": live,
+            "groups": batch.n_groups,
+            "staleness_mean": _mean(lags),
+            "staleness_hist": staleness_histogram(lags),
             "dropped_stale": sum(1 for s in packed if s.weight == 0),
             # in-flight updates: trajectories whose tokens came from more than one policy version
-            "multi_version_samples": sum(1 for s in batch.samples   # -1 marks observation tokens (no version)
-                                         if len({v for v in s.rollout.token_versions if v >= 0}) > 1),
-            "late_members": len(batch.late), "timed_out_members": batcher.counters["timed_out"],
-            "delta_bytes": delta_bytes, "delta_ratio": delta_bytes / self.full_bytes,
+            "multi_version_samples": sum(
+                1
+                for s in batch.samples  # -1 marks observation tokens (no version)
+                if len({v for v in s.rollout.token_versions if v >= 0}) > 1
+            ),
+            "late_members": len(batch.late),
+            "timed_out_members": batcher.counters["timed_out"],
+            "delta_bytes": delta_bytes,
+            "delta_ratio": delta_bytes / self.full_bytes,
             "changed_frac": (delta.stats.changed / max(delta.stats.total, 1)) if delta is not None else 0.0,
-            "duplicates": batcher.counters["duplicates"], "invalid": batcher.counters["invalid"],
-            "steps_skipped": self.steps_skipped, "parked_by_trainer": batcher.counters.get("parked", 0),
-            "total_s": time.perf_counter() - t0, "threads": torch.get_num_threads(),   # (up: thread_plan)
-            "rollout_ids": batch.rollout_ids, "ts": time.time(),
-            "trained_ids": batch.trained_ids, "dropped_ids": batch.dropped_ids, "sync_replaced": self.sync_replaced,
-            "newest_token_version": max((max(s.rollout.token_versions, default=0) for s in batch.samples), default=0),
+            "duplicates": batcher.counters["duplicates"],
+            "invalid": batcher.counters["invalid"],
+            "steps_skipped": self.steps_skipped,
+            "parked_by_trainer": batcher.counters.get("parked", 0),
+            "total_s": time.perf_counter() - t0,
+            "threads": torch.get_num_threads(),  # (up: thread_plan)
+            "rollout_ids": batch.rollout_ids,
+            "ts": time.time(),
+            "trained_ids": batch.trained_ids,
+            "dropped_ids": batch.dropped_ids,
+            "sync_replaced": self.sync_replaced,
+            "newest_token_version": max(
+                (max(s.rollout.token_versions, default=0) for s in batch.samples), default=0
+            ),
             **(await self.maybe_evaluate(version, new)),
         }
-        log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in values.items()
-                            if k not in ("rollout_ids", "trained_ids", "dropped_ids", "staleness_hist")})
+        log.info(
+            "step",
+            **{
+                k: (round(v, 5) if isinstance(v, float) else v)
+                for k, v in values.items()
+                if k not in ("rollout_ids", "trained_ids", "dropped_ids", "staleness_hist")
+            },
+        )
         self.write_jsonl(values)
         metrics.observe_trainer_step(values)
         await self.publish_metrics(values)

@@ -17,6 +17,7 @@ FSDP2 reduce-scatters the mean, so each rank scales its loss by the world size. 
 collectives inside every forward and backward, so every rank runs the same number of
 micro-batches: a rank with fewer (or none) runs zero-weighted one-token passes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from policy import (QuantConfig, SamplingConfig, SamplingMask, Transformer, inference_state, mismatch_metrics,
-                    sequence_logprobs)
+from policy import (
+    QuantConfig,
+    SamplingConfig,
+    SamplingMask,
+    Transformer,
+    inference_state,
+    mismatch_metrics,
+    sequence_logprobs,
+)
 
 from .buckets import length_buckets
 from .commands import announce, world
@@ -44,6 +52,7 @@ from .schedule import LRSchedule, apply_schedule
 @dataclass
 class PackedSample:
     """What a rank needs of one scored rollout (small, picklable: broadcast to all ranks)."""
+
     rollout_id: str
     group: int
     reward: float
@@ -58,8 +67,8 @@ class PackedSample:
     success: float = 0.0
     cost: float = 0.0
     lambda_: float = 0.0
-    loss_mask: list[int] | None = None     # multi-turn: 0 on observation tokens (None: all model tokens)
-    penalty: float = 0.0                   # the scorer's λ·cost + shaping (trainer/penalty.py)
+    loss_mask: list[int] | None = None  # multi-turn: 0 on observation tokens (None: all model tokens)
+    penalty: float = 0.0  # the scorer's λ·cost + shaping (trainer/penalty.py)
 
     def model_mask(self) -> list[int]:
         return list(self.loss_mask) if self.loss_mask else [1] * len(self.completion_ids)
@@ -69,10 +78,26 @@ def pack(batch) -> list[PackedSample]:
     out = []
     for s in batch.samples:
         r, sc = s.rollout, s.scored
-        out.append(PackedSample(r.rollout_id, s.group, float(sc.reward), float(s.weight), int(s.lag),
-                                list(r.prompt_ids), list(r.completion_ids), list(r.logprobs), dict(r.sampling),
-                                dict(r.sampling_mask), dict(r.quant), float(sc.success), float(sc.cost),
-                                float(sc.lambda_), list(r.loss_mask) or None, float(sc.penalty)))
+        out.append(
+            PackedSample(
+                r.rollout_id,
+                s.group,
+                float(sc.reward),
+                float(s.weight),
+                int(s.lag),
+                list(r.prompt_ids),
+                list(r.completion_ids),
+                list(r.logprobs),
+                dict(r.sampling),
+                dict(r.sampling_mask),
+                dict(r.quant),
+                float(sc.success),
+                float(sc.cost),
+                float(sc.lambda_),
+                list(r.loss_mask) or None,
+                float(sc.penalty),
+            )
+        )
     return out
 
 
@@ -87,8 +112,9 @@ def check_finite_state(state: dict[str, torch.Tensor], version: int) -> None:
     """Raise NonFiniteWeights unless every element of every tensor (the bf16 bits) is finite."""
     bad = [k for k, t in state.items() if not bool(torch.isfinite(t).all())]
     if bad:
-        raise NonFiniteWeights(f"version {version}: non-finite weights in {len(bad)} tensors ({bad[:3]}): "
-                               "refusing to publish")
+        raise NonFiniteWeights(
+            f"version {version}: non-finite weights in {len(bad)} tensors ({bad[:3]}): refusing to publish"
+        )
 
 
 def nonfinite_samples(samples: list[PackedSample]) -> dict[str, str]:
@@ -102,27 +128,46 @@ def nonfinite_samples(samples: list[PackedSample]) -> dict[str, str]:
         bad = np.flatnonzero(~np.isfinite(lp))
         if bad.size:
             out[s.rollout_id] = f"non-finite logprobs at token {int(bad[0])} ({lp[bad[0]]})"
-        elif not math.isfinite(s.reward) or abs(s.reward) > F32_MAX:     # the loss computes in fp32
+        elif not math.isfinite(s.reward) or abs(s.reward) > F32_MAX:  # the loss computes in fp32
             out[s.rollout_id] = f"non-finite reward in fp32 ({s.reward})"
     return out
 
 
 class Learner:
-    def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, loss_cfg: LossConfig,
-                 adv_norm: str = "mean", grad_clip: float = 0.0, replay: bool = True, micro_batch: int = 32,
-                 schedule: LRSchedule | None = None, kl_coef: float = 0.0, reference: Transformer | None = None,
-                 async_checkpoint: bool = False, micro_batch_tokens: int = 0, logit_chunk_tokens: int = 0,
-                 penalty: str = "linear", penalty_cap: float = 0.25, published_point: bool = True,
-                 delta_context: bool = False):
+    def __init__(
+        self,
+        model: Transformer,
+        optimizer: torch.optim.Optimizer,
+        loss_cfg: LossConfig,
+        adv_norm: str = "mean",
+        grad_clip: float = 0.0,
+        replay: bool = True,
+        micro_batch: int = 32,
+        schedule: LRSchedule | None = None,
+        kl_coef: float = 0.0,
+        reference: Transformer | None = None,
+        async_checkpoint: bool = False,
+        micro_batch_tokens: int = 0,
+        logit_chunk_tokens: int = 0,
+        penalty: str = "linear",
+        penalty_cap: float = 0.25,
+        published_point: bool = True,
+        delta_context: bool = False,
+    ):
         self.model, self.opt = model, optimizer
         self.loss_cfg = dataclasses.replace(loss_cfg, kl_coef=kl_coef) if kl_coef else loss_cfg
-        self.adv_norm, self.grad_clip, self.replay, self.micro_batch = adv_norm, grad_clip, replay, micro_batch
+        self.adv_norm, self.grad_clip, self.replay, self.micro_batch = (
+            adv_norm,
+            grad_clip,
+            replay,
+            micro_batch,
+        )
         self.micro_batch_tokens, self.logit_chunk_tokens = micro_batch_tokens, logit_chunk_tokens
         self.penalty, self.penalty_cap = penalty, penalty_cap
-        self.published_point = published_point      # forward/backward on the bf16 the workers hold
+        self.published_point = published_point  # forward/backward on the bf16 the workers hold
         self.schedule, self.kl_coef, self.reference = schedule, kl_coef, reference
         self.async_checkpoint, self._pending_saves, self._saves_lock = async_checkpoint, [], threading.Lock()
-        self.delta_context = delta_context   # sharded parts: code positions in the context of the base
+        self.delta_context = delta_context  # sharded parts: code positions in the context of the base
         if kl_coef > 0 and reference is None:
             raise ValueError("kl_coef > 0 needs a frozen reference model")
 
@@ -145,15 +190,22 @@ class Learner:
         model.quant = QuantConfig.from_wire(quant) if self.replay else keep
         try:
             res = sequence_logprobs(
-                model, [s.prompt_ids for s in chunk], [s.completion_ids for s in chunk],
+                model,
+                [s.prompt_ids for s in chunk],
+                [s.completion_ids for s in chunk],
                 [SamplingConfig.from_dict(s.sampling) for s in chunk],
                 [SamplingMask.from_wire(s.sampling_mask) if s.sampling_mask else None for s in chunk]
-                if self.replay else None,
-                replay_mask=self.replay, chunk_tokens=self.logit_chunk_tokens)
+                if self.replay
+                else None,
+                replay_mask=self.replay,
+                chunk_tokens=self.logit_chunk_tokens,
+            )
         finally:
             model.quant = keep
-        return (torch.cat([res.logprobs[k][res.valid[k]] for k in range(len(chunk))]),
-                torch.cat([res.entropy[k][res.valid[k]] for k in range(len(chunk))]))
+        return (
+            torch.cat([res.logprobs[k][res.valid[k]] for k in range(len(chunk))]),
+            torch.cat([res.entropy[k][res.valid[k]] for k in range(len(chunk))]),
+        )
 
     def _idle_pass(self, dev) -> torch.Tensor:
         """A one-token forward whose loss is zero: keeps this rank in step with FSDP2's collectives,
@@ -166,8 +218,9 @@ class Learner:
                 self.reference(ids)
         return part
 
-    def loss(self, samples: list[PackedSample], grad: bool = True, backward: bool = False
-             ) -> tuple[torch.Tensor, dict]:
+    def loss(
+        self, samples: list[PackedSample], grad: bool = True, backward: bool = False
+    ) -> tuple[torch.Tensor, dict]:
         """This rank's share of the batch loss (summing over ranks gives the full loss).
         backward=True: gradients are accumulated micro-batch by micro-batch (activations of one
         micro-batch alive at a time) and the returned loss is detached.
@@ -183,21 +236,34 @@ class Learner:
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
         on = torch.zeros(len(samples), dtype=torch.bool)
         on[live] = True
-        if self.penalty != "linear":      # λ re-applied where the group is known (trainer/penalty.py)
+        if self.penalty != "linear":  # λ re-applied where the group is known (trainer/penalty.py)
             col = lambda k: torch.tensor([getattr(s, k) for s in samples], dtype=torch.float64)  # noqa: E731
-            rewards = apply_penalty(col("reward"), col("success"), col("cost"), col("lambda_"),
-                                    col("penalty"), groups, self.penalty, self.penalty_cap, live=on)
+            rewards = apply_penalty(
+                col("reward"),
+                col("success"),
+                col("cost"),
+                col("lambda_"),
+                col("penalty"),
+                groups,
+                self.penalty,
+                self.penalty_cap,
+                live=on,
+            )
         # a dropped (stale) sample is out of its group's baseline as well as out of the loss
         adv = group_advantages(rewards, groups, self.adv_norm, live=on)
         # only model tokens are trained on: observation tokens (loss mask 0) count nowhere
         n_tokens = sum(sum(samples[i].model_mask()) for i in live)
         runs = self._runs(samples, live[rank::ws])
         # every rank computes every rank's plan: the longest decides how many passes all make
-        n_pass = max(len(self._runs(samples, live[r::ws])) for r in range(ws)) if is_sharded(self.model) else len(runs)
+        n_pass = (
+            max(len(self._runs(samples, live[r::ws])) for r in range(ws))
+            if is_sharded(self.model)
+            else len(runs)
+        )
         scale = float(ws) if is_sharded(self.model) else 1.0
         total = torch.zeros((), device=dev)
         kept, kl_sum, kl_weight = 0.0, 0.0, 0.0
-        fwd_s, bwd_s = 0.0, 0.0               # phase timers (wall, no device sync: CPU-exact, GPU-queued)
+        fwd_s, bwd_s = 0.0, 0.0  # phase timers (wall, no device sync: CPU-exact, GPU-queued)
         keep: dict[str, list[torch.Tensor]] = {k: [] for k in ("logp", "behav", "adv", "w", "ent", "model")}
         with torch.set_grad_enabled(grad or backward):
             for k in range(n_pass):
@@ -215,9 +281,13 @@ class Learner:
                 lens = torch.tensor([len(s.completion_ids) for s in chunk])
                 behav = torch.tensor([x for s in chunk for x in s.logprobs], dtype=torch.float32).to(dev)
                 a = adv[run].repeat_interleave(lens).to(dev)
-                w = torch.tensor([s.weight for s in chunk], dtype=torch.float32).repeat_interleave(lens).to(dev)
+                w = (
+                    torch.tensor([s.weight for s in chunk], dtype=torch.float32)
+                    .repeat_interleave(lens)
+                    .to(dev)
+                )
                 model = torch.tensor([m for s in chunk for m in s.model_mask()], dtype=torch.bool).to(dev)
-                w = w * model             # IS weights, entropy, KL and the PG term only on model tokens
+                w = w * model  # IS weights, entropy, KL and the PG term only on model tokens
                 ref = None
                 if self.loss_cfg.kl_coef > 0:
                     with torch.no_grad():
@@ -232,10 +302,16 @@ class Learner:
                     part = part.detach()
                     bwd_s += time.perf_counter() - t
                 total = total + part
-                for key, v in (("logp", logp.detach().float()), ("behav", behav), ("adv", a), ("w", w),
-                               ("ent", ent.detach().float()), ("model", model)):
+                for key, v in (
+                    ("logp", logp.detach().float()),
+                    ("behav", behav),
+                    ("adv", a),
+                    ("w", w),
+                    ("ent", ent.detach().float()),
+                    ("model", model),
+                ):
                     keep[key].append(v)
-        if ws > 1:                # the same factor on every rank: the kept count of the whole batch
+        if ws > 1:  # the same factor on every rank: the kept count of the whole batch
             sums = torch.tensor([kept, kl_sum, kl_weight], dtype=torch.float64, device=dev)
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
             kept, kl_sum, kl_weight = (float(x) for x in sums)
@@ -247,16 +323,25 @@ class Learner:
                     for p in self.model.parameters():
                         if p.grad is not None:
                             p.grad.mul_(factor)
-        stats: dict = {"n_tokens": n_tokens, "kept_tokens": kept, "adv": adv[on], "forward_s": fwd_s,
-                       "backward_s": bwd_s}
+        stats: dict = {
+            "n_tokens": n_tokens,
+            "kept_tokens": kept,
+            "adv": adv[on],
+            "forward_s": fwd_s,
+            "backward_s": bwd_s,
+        }
         if keep["logp"]:
             cat = {k: torch.cat(v) for k, v in keep.items() if v}
             with torch.no_grad():
                 _, st = pg_loss(cat["logp"], cat["behav"], cat["adv"], cat["w"], n_tokens, self.loss_cfg)
             stats.update({k: st[k] for k in ("is_weight_mean", "frac_truncated", "frac_masked")})
             if bool(cat["model"].any()):
-                mm = mismatch_metrics(cat["behav"][cat["model"]], cat["logp"][cat["model"]], C=self.loss_cfg.is_clip)
-                stats.update({k: mm[k] for k in ("k3_mean", "ratio_mean", "ratio_p99_abs_log", "frac_outside_C")})
+                mm = mismatch_metrics(
+                    cat["behav"][cat["model"]], cat["logp"][cat["model"]], C=self.loss_cfg.is_clip
+                )
+                stats.update(
+                    {k: mm[k] for k in ("k3_mean", "ratio_mean", "ratio_p99_abs_log", "frac_outside_C")}
+                )
                 stats["entropy"] = float(cat["ent"][cat["model"]].mean())
             if self.loss_cfg.kl_coef > 0:
                 stats["kl_ref"] = kl_sum / kl_weight if kl_weight > 0 else 0.0
@@ -279,17 +364,26 @@ class Learner:
         skip = skip or (None if torch.isfinite(gnorm) else "nonfinite_grad")
         adv = stats.pop("adv")
         if skip:
-            self.opt.zero_grad(set_to_none=True)      # the poisoned gradients go; nothing else changed
-            return {"skipped": skip, "loss": float(full_loss), "grad_norm": float(gnorm),
-                    "step_s": time.perf_counter() - t0}
+            self.opt.zero_grad(set_to_none=True)  # the poisoned gradients go; nothing else changed
+            return {
+                "skipped": skip,
+                "loss": float(full_loss),
+                "grad_norm": float(gnorm),
+                "step_s": time.perf_counter() - t0,
+            }
         lr = apply_schedule(self.opt, self.schedule)
         t = time.perf_counter()
         self.opt.step()
         stats["optimizer_s"] = time.perf_counter() - t
-        stats.update(loss=float(full_loss), grad_norm=float(gnorm), lr=lr, step_s=time.perf_counter() - t0,
-                     adv_mean=float(adv.mean()) if adv.numel() else 0.0,
-                     adv_std=float(adv.std()) if adv.numel() > 1 else 0.0,
-                     adv_abs_max=float(adv.abs().max()) if adv.numel() else 0.0)
+        stats.update(
+            loss=float(full_loss),
+            grad_norm=float(gnorm),
+            lr=lr,
+            step_s=time.perf_counter() - t0,
+            adv_mean=float(adv.mean()) if adv.numel() else 0.0,
+            adv_std=float(adv.std()) if adv.numel() > 1 else 0.0,
+            adv_abs_max=float(adv.abs().max()) if adv.numel() else 0.0,
+        )
         return stats
 
     def published_state(self) -> dict[str, torch.Tensor] | None:
@@ -313,9 +407,12 @@ class Learner:
         if not is_sharded(self.model):
             return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
         from .shards import save_shards
+
         announce("checkpoint_payload", ckpt_dir, epoch, version)
-        self.wait_checkpoint()           # one background save at a time (and its staging memory)
-        ref, pending = save_shards(self.model, self.opt, ckpt_dir, epoch, version, async_save=self.async_checkpoint)
+        self.wait_checkpoint()  # one background save at a time (and its staging memory)
+        ref, pending = save_shards(
+            self.model, self.opt, ckpt_dir, epoch, version, async_save=self.async_checkpoint
+        )
         if pending is not None:
             self._pending_saves.append(pending)
         return {"model": ref, "optimizer": {}}
@@ -337,7 +434,10 @@ class Learner:
         """Inverse of checkpoint_payload, whatever world size wrote it (collective when sharded;
         the followers pass None: rank 0 read the checkpoint file)."""
         from .shards import load_any
-        announce("load_payload", ckpt_dir, model_state if model_state and "__dcp__" in model_state else None, None)
+
+        announce(
+            "load_payload", ckpt_dir, model_state if model_state and "__dcp__" in model_state else None, None
+        )
         load_any(self.model, self.opt, ckpt_dir, model_state, opt_state)
 
     def full_fp32(self) -> dict[str, torch.Tensor] | None:
@@ -356,6 +456,7 @@ class Learner:
         rank alike: same tasks, same sampling seed, identical logits, so every rank stops at the
         same step. `on_check` (rank 0's record of each check) is not sent to the followers."""
         from .warmstart import warm_start
+
         announce("warm_start", cfg, model_cfg, style)
         return warm_start(self.model, cfg, model_cfg, style=style, on_check=on_check)
 
@@ -381,11 +482,15 @@ class Learner:
         """An earlier run's warmstart.pt into the model (whole-state file, unsharded trainer); -> the
         saved record. A file of another model shape is refused before anything is loaded."""
         if is_sharded(self.model):
-            raise ValueError("[trainer.warmstart] reuse loads a whole-model warmstart.pt; a sharded trainer cannot use it")
+            raise ValueError(
+                "[trainer.warmstart] reuse loads a whole-model warmstart.pt; a sharded trainer cannot use it"
+            )
         saved = torch.load(path, map_location="cpu", weights_only=True)
         if saved.get("model_config") != model_cfg.to_dict():
-            raise ValueError(f"[trainer.warmstart] reuse {path}: saved for model {saved.get('model_config')}, "
-                             f"this trainer's is {model_cfg.to_dict()}")
+            raise ValueError(
+                f"[trainer.warmstart] reuse {path}: saved for model {saved.get('model_config')}, "
+                f"this trainer's is {model_cfg.to_dict()}"
+            )
         self.model.load_state_dict(saved["model"])
         return saved
 
@@ -394,13 +499,17 @@ class Learner:
         if not is_sharded(self.model):
             return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         announce("full_state")
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         return sd if world()[0] == 0 else None
 
     def mark_published(self) -> None:
         """Remember this rank's bf16 rows as the base of its next sharded part (no communication)."""
         from .publish_shards import local_rows
+
         announce("mark_published")
         self._rows_base = local_rows(self.model)[0]
 
@@ -409,22 +518,26 @@ class Learner:
         the last part; rank 0 gets all parts in rank order, the others None. Only the encoded
         parts travel (gather_object), never the weights."""
         from .publish_shards import encode_local_part
+
         if getattr(self, "_rows_base", None) is None:
             raise RuntimeError("publish_parts before mark_published: no base rows")
         announce("publish_parts", from_version, to_version)
         # every rank checks its own rows, and all refuse together (a collective: nobody waits alone)
         with torch.no_grad():
             local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
-            bad = torch.tensor([sum(int((~torch.isfinite(t.to(torch.bfloat16))).sum()) for t in local)],
-                               dtype=torch.float64)
+            bad = torch.tensor(
+                [sum(int((~torch.isfinite(t.to(torch.bfloat16))).sum()) for t in local)], dtype=torch.float64
+            )
         if is_sharded(self.model):
             bad = bad.to(next(self.model.parameters()).device)
             dist.all_reduce(bad, op=dist.ReduceOp.SUM)
         if float(bad.sum()) > 0:
-            raise NonFiniteWeights(f"version {to_version}: {int(bad.sum())} non-finite weights: "
-                                   "refusing to publish")
-        part, self._rows_base = encode_local_part(self.model, self._rows_base, from_version, to_version,
-                                                  context=self.delta_context)
+            raise NonFiniteWeights(
+                f"version {to_version}: {int(bad.sum())} non-finite weights: refusing to publish"
+            )
+        part, self._rows_base = encode_local_part(
+            self.model, self._rows_base, from_version, to_version, context=self.delta_context
+        )
         if not is_sharded(self.model):
             return [part]
         box = [None] * world()[1] if world()[0] == 0 else None

@@ -13,6 +13,7 @@ server. Before every WEIGHTS write the leader `confirm()`s the lease with a CAS 
 a standby took over), and the write itself expects the stream's last sequence to be the one
 this leader last wrote (bus/weights.py), so a leader paused between the two is refused too.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +31,9 @@ class LeaseLost(RuntimeError):
 
 
 def lease_value(holder: str, epoch: int, ttl_s: float, released: bool = False) -> bytes:
-    return json.dumps({"holder": holder, "epoch": epoch, "renewed_at": time.time(), "ttl_s": ttl_s,
-                       "released": released}).encode()
+    return json.dumps(
+        {"holder": holder, "epoch": epoch, "renewed_at": time.time(), "ttl_s": ttl_s, "released": released}
+    ).encode()
 
 
 def parse_lease(raw: bytes | None) -> dict | None:
@@ -41,7 +43,7 @@ def parse_lease(raw: bytes | None) -> dict | None:
         d = json.loads(raw)
         return d if isinstance(d, dict) else {}
     except ValueError:
-        return {}                # garbage in the key: treated as a lease held by nobody known
+        return {}  # garbage in the key: treated as a lease held by nobody known
 
 
 class LeaderLease:
@@ -50,10 +52,10 @@ class LeaderLease:
             raise ValueError(f"lease renew interval {renew_s}s must be below its ttl {ttl_s}s")
         self.bus, self.holder, self.ttl_s, self.renew_s, self.key = bus, holder, ttl_s, renew_s, key
         self.epoch = 0
-        self.rev = 0                    # revision we last wrote
-        self.renewed_mono = 0.0         # monotonic time of our last successful write
-        self._seen: tuple[int, float] = (-1, 0.0)   # (revision observed, when first observed)
-        self._cas = asyncio.Lock()      # renewals (keeper, confirm) each CAS on the revision the last one wrote
+        self.rev = 0  # revision we last wrote
+        self.renewed_mono = 0.0  # monotonic time of our last successful write
+        self._seen: tuple[int, float] = (-1, 0.0)  # (revision observed, when first observed)
+        self._cas = asyncio.Lock()  # renewals (keeper, confirm) each CAS on the revision the last one wrote
 
     async def _read(self) -> tuple[dict | None, int]:
         value, rev = await self.bus.kv_entry(self.key)
@@ -69,7 +71,7 @@ class LeaderLease:
         if rev != self._seen[0]:
             self._seen = (rev, now)
         try:
-            if value is None:                      # never held, or deleted
+            if value is None:  # never held, or deleted
                 t0 = time.monotonic()
                 self.rev = await self.bus.kv_create(self.key, lease_value(self.holder, 0, self.ttl_s))
             elif value.get("released") or now - self._seen[1] >= self.ttl_s:
@@ -77,17 +79,21 @@ class LeaderLease:
                 self.rev = await self.bus.kv_update(self.key, lease_value(self.holder, 0, self.ttl_s), rev)
             else:
                 return False
-        except Exception as e:                     # lost the race (wrong last revision / exists)
+        except Exception as e:  # lost the race (wrong last revision / exists)
             log.info("lease acquisition lost a race", error=str(e), holder=self.holder)
             return False
         self.epoch, self.renewed_mono = self.rev, t0
         try:
-            await self.renew()                     # record the epoch inside the value for operators
+            await self.renew()  # record the epoch inside the value for operators
         except LeaseLost:
             self.epoch = 0
             return False
-        log.info("leader lease acquired", epoch=self.epoch, holder=self.holder,
-                 previous=(value or {}).get("holder"))
+        log.info(
+            "leader lease acquired",
+            epoch=self.epoch,
+            holder=self.holder,
+            previous=(value or {}).get("holder"),
+        )
         return True
 
     async def acquire(self, stop: asyncio.Event | None = None, poll_s: float = 0.5) -> int:
@@ -115,11 +121,15 @@ class LeaderLease:
     async def _renew(self) -> None:
         t0 = time.monotonic()
         try:
-            self.rev = await self.bus.kv_update(self.key, lease_value(self.holder, self.epoch, self.ttl_s), self.rev)
+            self.rev = await self.bus.kv_update(
+                self.key, lease_value(self.holder, self.epoch, self.ttl_s), self.rev
+            )
         except Exception as e:
             value, rev = await self._read()
             if (value or {}).get("holder") != self.holder or rev != self.rev:
-                raise LeaseLost(f"lease taken by {(value or {}).get('holder')!r} at revision {rev}: {e}") from e
+                raise LeaseLost(
+                    f"lease taken by {(value or {}).get('holder')!r} at revision {rev}: {e}"
+                ) from e
             raise
         self.renewed_mono = t0
 
@@ -137,7 +147,7 @@ class LeaderLease:
                 log.error("leader lease lost", error=str(e))
                 lost.set()
                 return
-            except Exception as e:                 # transient: retry until the lease would have expired
+            except Exception as e:  # transient: retry until the lease would have expired
                 log.warning("lease renewal failed; retrying", error=str(e))
             if not self.valid():
                 log.error("leader lease expired before it could be renewed")
@@ -149,7 +159,9 @@ class LeaderLease:
         if self.epoch and self.valid():
             try:
                 async with self._cas:
-                    await self.bus.kv_update(self.key, lease_value(self.holder, self.epoch, self.ttl_s, True), self.rev)
+                    await self.bus.kv_update(
+                        self.key, lease_value(self.holder, self.epoch, self.ttl_s, True), self.rev
+                    )
             except Exception as e:
                 log.warning("lease release failed (it will expire)", error=str(e))
         self.epoch = 0

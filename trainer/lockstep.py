@@ -5,6 +5,7 @@ Every episode runs envs/episode_play.py's turn loop with a LockstepPlayer; a pla
 until each episode still playing waits on its turn too (or has ended), then the whole round is
 generated at once, in episode order, from one seeded generator (so a pass is reproducible).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,7 @@ class Lockstep:
         self.model, self.tok, self.sc, self.gen, self.playing = model, tok, sc, gen, players
         self.waiting: dict[int, tuple[list[int], int, asyncio.Future]] = {}
 
-    def closed(self, ids: list[int]) -> bool:      # a turn ends with its bash block, as on the workers
+    def closed(self, ids: list[int]) -> bool:  # a turn ends with its bash block, as on the workers
         return "`" in self.tok.decode(ids[-1:]) and BASH_BLOCK.search(self.tok.decode(ids)) is not None
 
     async def generate(self, i: int, ids: list[int], max_tokens: int):
@@ -41,9 +42,15 @@ class Lockstep:
             return
         batch, self.waiting = sorted(self.waiting.items()), {}
         try:
-            outs = generate(self.model, [ids for _, (ids, _, _) in batch], self.sc,
-                            max(m for _, (_, m, _) in batch), [self.tok.eos_id], self.gen,
-                            stop_fn=self.closed)
+            outs = generate(
+                self.model,
+                [ids for _, (ids, _, _) in batch],
+                self.sc,
+                max(m for _, (_, m, _) in batch),
+                [self.tok.eos_id],
+                self.gen,
+                stop_fn=self.closed,
+            )
         except Exception as e:
             for _, (_, _, fut) in batch:
                 fut.set_exception(e)
@@ -74,7 +81,7 @@ class LockstepPlayer:
         o = await self.lockstep.generate(self.i, self.ids, self.max_turn_tokens)
         text = self.tok.decode(o.ids[:-1] if o.finish_reason == "stop" else o.ids)
         m = BASH_BLOCK.search(text)
-        action = text[:m.end()] if m else text
+        action = text[: m.end()] if m else text
         ids = self.tok.encode(action)
         self.ids += ids
         return Turn(action, len(ids), o.finish_reason, eos_kept=False)

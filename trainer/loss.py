@@ -34,19 +34,21 @@ No PPO clip: with one optimizer step per batch, a ratio against the proximal pol
 own weights) is 1 wherever the gradient is taken, so it can never be a trust region, and a ratio
 against mu only masks tokens by staleness (is_mode = "masked" does that, explicitly).
 """
+
 from __future__ import annotations
 
 import torch
 
 from policy import clamp_log_ratio, masked_is_weight, truncated_is_weight
 
-from .sections import LossConfig   # noqa: F401  ([trainer.loss], taken whole here)
+from .sections import LossConfig  # noqa: F401  ([trainer.loss], taken whole here)
 
 EPS = 1e-6
 
 
-def group_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str = "mean",
-                     live: torch.Tensor | None = None) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group: torch.Tensor, norm: str = "mean", live: torch.Tensor | None = None
+) -> torch.Tensor:
     """rewards [N] float, group [N] long in 0..G-1 -> advantages [N] (vectorised by scatter).
     live [N] bool (None: all): only live members form their group's baseline; others get A = 0."""
     if rewards.shape != group.shape or rewards.dim() != 1:
@@ -62,7 +64,7 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str = "me
     count = torch.zeros(G, dtype=torch.float64).index_add_(0, group, on)
     mean = torch.zeros(G, dtype=torch.float64).index_add_(0, group, r) / count.clamp_min(1)
     centred = (r - mean[group]) * on
-    alone = count[group] < 2              # one live member: no baseline, no signal
+    alone = count[group] < 2  # one live member: no baseline, no signal
     if norm == "mean":
         return torch.where(alone, torch.zeros_like(centred), centred).float()
     var = torch.zeros(G, dtype=torch.float64).index_add_(0, group, centred**2) / count.clamp_min(1)
@@ -83,9 +85,16 @@ def is_weights(logp: torch.Tensor, behav: torch.Tensor, cfg: LossConfig) -> torc
     raise ValueError(f"unknown is_mode {cfg.is_mode!r}")
 
 
-def pg_loss(logp: torch.Tensor, behav: torch.Tensor, adv: torch.Tensor, weight: torch.Tensor,
-            n_tokens: float, cfg: LossConfig, entropy: torch.Tensor | None = None,
-            ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+def pg_loss(
+    logp: torch.Tensor,
+    behav: torch.Tensor,
+    adv: torch.Tensor,
+    weight: torch.Tensor,
+    n_tokens: float,
+    cfg: LossConfig,
+    entropy: torch.Tensor | None = None,
+    ref: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
     """Token-level loss over packed tokens [T], divided by n_tokens; returns (loss, stats).
     stats["kept"]: live tokens not rejected by the IS correction (the caller's N). See module doc."""
     if not (logp.shape == behav.shape == adv.shape == weight.shape):
@@ -98,7 +107,7 @@ def pg_loss(logp: torch.Tensor, behav: torch.Tensor, adv: torch.Tensor, weight: 
     live = s > 0
     # coefficients are 0 (never NaN) off the live tokens, so a dropped token cannot poison anything
     coef = torch.where(live, s * w, torch.zeros_like(w))
-    centred = logp - logp.detach()          # 0 in value, grad log pi in gradient: no exponent on that path
+    centred = logp - logp.detach()  # 0 in value, grad log pi in gradient: no exponent on that path
     n = max(float(n_tokens), 1.0)
     loss = -(coef * torch.where(live, adv, torch.zeros_like(adv)) * (1 + centred)).sum() / n
     if entropy is not None and cfg.entropy_coef:
@@ -114,9 +123,13 @@ def pg_loss(logp: torch.Tensor, behav: torch.Tensor, adv: torch.Tensor, weight: 
         stats["kl_weight"] = float(torch.where(live, s * w, torch.zeros_like(k3)).sum())
     on, mode = weight > 0, cfg.is_mode
     rho = clamp_log_ratio(logp.detach() - behav).exp()[on]
-    stats.update({
-        "is_weight_mean": float(w[on].mean()) if on.any() else 0.0,
-        "frac_truncated": float((rho > cfg.is_clip).float().mean()) if on.any() and mode == "truncated" else 0.0,
-        "frac_masked": float((w[on] == 0).float().mean()) if on.any() and mode == "masked" else 0.0,
-    })
+    stats.update(
+        {
+            "is_weight_mean": float(w[on].mean()) if on.any() else 0.0,
+            "frac_truncated": float((rho > cfg.is_clip).float().mean())
+            if on.any() and mode == "truncated"
+            else 0.0,
+            "frac_masked": float((w[on] == 0).float().mean()) if on.any() and mode == "masked" else 0.0,
+        }
+    )
     return loss, stats

@@ -10,6 +10,7 @@ lambda_, penalty = λ·cost + shaping); here the trainer, which knows the group,
                      mean cost, its spread is bounded by 2·cap < 1, the gap between success and failure
 Group statistics are taken over live members only (as the baseline is). Vectorised (scatter).
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,9 +20,17 @@ from .config import PENALTIES
 EPS = 1e-6
 
 
-def apply_penalty(reward: torch.Tensor, success: torch.Tensor, cost: torch.Tensor, lam: torch.Tensor,
-                  penalty: torch.Tensor, group: torch.Tensor, mode: str = "linear", cap: float = 0.25,
-                  live: torch.Tensor | None = None) -> torch.Tensor:
+def apply_penalty(
+    reward: torch.Tensor,
+    success: torch.Tensor,
+    cost: torch.Tensor,
+    lam: torch.Tensor,
+    penalty: torch.Tensor,
+    group: torch.Tensor,
+    mode: str = "linear",
+    cap: float = 0.25,
+    live: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-sample rewards [N] under `mode` (see the module docstring); every input is [N] (group long).
     Pass float64 rewards: (r + λ·c) recovers the score exactly only in the precision r was made in."""
     if mode not in PENALTIES:
@@ -30,7 +39,7 @@ def apply_penalty(reward: torch.Tensor, success: torch.Tensor, cost: torch.Tenso
         return reward
     r, c, lam = reward.double(), cost.double(), lam.double()
     linear = lam * c
-    base = r + linear                   # score - shaping: the reward without its λ·cost
+    base = r + linear  # score - shaping: the reward without its λ·cost
     if mode == "success_only":
         return (base - linear * (success >= 1.0)).to(reward.dtype)
     live = torch.ones_like(group, dtype=torch.bool) if live is None else live.bool()

@@ -4,6 +4,7 @@ With FSDP2 every parameter is a DTensor sharded on dim 0; a rank's local tensor 
 [r0, r1) of the full parameter (delta_codec.sharded.shard_rows). Its part of version v is the
 delta of those rows from the rows it published at v-1; rank 0 collects the parts' bytes (small:
 compressed deltas, not weights) and signs one manifest (delta_codec.sharded)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,18 +27,22 @@ def local_rows(model) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, int
             full_rows = p.shape[0]
             r0, r1 = shard_rows(full_rows, rank, ws) if hasattr(p, "to_local") else (0, full_rows)
             if local.shape[0] != r1 - r0:
-                raise RuntimeError(f"parameter {n}: local shard has {local.shape[0]} rows, expected {r1 - r0}")
+                raise RuntimeError(
+                    f"parameter {n}: local shard has {local.shape[0]} rows, expected {r1 - r0}"
+                )
             rows[n], ranges[n] = local.detach().to(torch.bfloat16).cpu().contiguous(), (r0, r1)
     return rows, ranges
 
 
-def encode_local_part(model, base_rows: dict[str, torch.Tensor], from_version: int, to_version: int,
-                      context: bool = False) -> tuple[bytes, dict[str, torch.Tensor]]:
+def encode_local_part(
+    model, base_rows: dict[str, torch.Tensor], from_version: int, to_version: int, context: bool = False
+) -> tuple[bytes, dict[str, torch.Tensor]]:
     """This rank's part (unsigned: the manifest carries the signature) against its previous rows;
     -> (part bytes, the new rows: the next part's base)."""
     rows, ranges = local_rows(model)
-    blob = encode_part(base_rows, rows, ranges, from_version=from_version, to_version=to_version,
-                       context=context).to_bytes()
+    blob = encode_part(
+        base_rows, rows, ranges, from_version=from_version, to_version=to_version, context=context
+    ).to_bytes()
     return blob, rows
 
 
@@ -45,6 +50,7 @@ def encode_local_part(model, base_rows: dict[str, torch.Tensor], from_version: i
 class ShardedVersion:
     """What the leader publishes for a version from shards: the parts (rank order), the digest it
     records in the checkpoint (delta_codec.sharded.parts_digest) and the delta's stats."""
+
     parts: list[bytes]
     from_version: int
     to_version: int
@@ -53,7 +59,12 @@ class ShardedVersion:
 
     @classmethod
     def of(cls, parts: list[bytes], from_version: int, to_version: int) -> "ShardedVersion":
-        deltas = [Delta.from_bytes(p) for p in parts]        # headers only: no tensor is decoded
+        deltas = [Delta.from_bytes(p) for p in parts]  # headers only: no tensor is decoded
         st = [d.stats for d in deltas]
-        return cls(parts, from_version, to_version, parts_digest([d.new_digest for d in deltas]),
-                   DeltaStats(sum(s.changed for s in st), sum(s.total for s in st), sum(len(p) for p in parts)))
+        return cls(
+            parts,
+            from_version,
+            to_version,
+            parts_digest([d.new_digest for d in deltas]),
+            DeltaStats(sum(s.changed for s in st), sum(s.total for s in st), sum(len(p) for p in parts)),
+        )

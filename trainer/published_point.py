@@ -8,6 +8,7 @@ step runs its forward and backward at the published point (every floating parame
 bf16, held in its own dtype) and the optimizer updates the master: the straight-through estimator
 of mixed-precision training, and an importance ratio of exactly 1 for tokens of the same version.
 Memory: one copy of this rank's parameters while the step's passes run."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -7,6 +7,7 @@ with an unpickler that resolves only what DCP's metadata is made of: classes fro
 torch.distributed.checkpoint, torch.Size, dtypes / layouts / memory formats, paths. Anything else
 (os.system, builtins.getattr, ...) is refused with `UnsafeMetadata` before it can be called.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -22,7 +23,7 @@ class UnsafeMetadata(pickle.UnpicklingError):
 
 
 _PATHS = {("pathlib", n) for n in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
-_CALLABLES = {("torch.serialization", "_get_layout"), ("torch", "Size")}   # name -> layout; a shape tuple
+_CALLABLES = {("torch.serialization", "_get_layout"), ("torch", "Size")}  # name -> layout; a shape tuple
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 
 
@@ -30,16 +31,18 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _PATHS or (module, name) in _CALLABLES:
             return super().find_class(module, name)
-        if module == "torch":                     # torch.float32 & co. are values, never callables
+        if module == "torch":  # torch.float32 & co. are values, never callables
             obj = getattr(torch, name, None)
             if isinstance(obj, _TORCH_VALUES):
                 return obj
         elif module.startswith("torch.distributed.checkpoint."):
             obj = super().find_class(module, name)
-            if isinstance(obj, type):             # its dataclasses and enums; none of its functions
+            if isinstance(obj, type):  # its dataclasses and enums; none of its functions
                 return obj
-        raise UnsafeMetadata(f"checkpoint metadata refers to {module}.{name}: not part of DCP metadata "
-                             f"(refused, nothing was run)")
+        raise UnsafeMetadata(
+            f"checkpoint metadata refers to {module}.{name}: not part of DCP metadata "
+            f"(refused, nothing was run)"
+        )
 
 
 class SafeReader(FileSystemReader):

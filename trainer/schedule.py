@@ -2,6 +2,7 @@
 
 The step index is the optimizer's own count of completed steps (AdamW keeps it per parameter
 and it is in every checkpoint), so a resumed run continues the schedule where it stopped."""
+
 from __future__ import annotations
 
 import math
@@ -14,9 +15,9 @@ import torch
 class LRSchedule:
     lr: float
     warmup_steps: int = 0
-    kind: str = "constant"           # constant | cosine
-    decay_steps: int = 0             # cosine: steps from the end of warmup to the floor (0 = no decay)
-    min_ratio: float = 0.0           # cosine floor as a fraction of lr
+    kind: str = "constant"  # constant | cosine
+    decay_steps: int = 0  # cosine: steps from the end of warmup to the floor (0 = no decay)
+    min_ratio: float = 0.0  # cosine floor as a fraction of lr
 
     def __post_init__(self) -> None:
         if self.kind not in ("constant", "cosine"):

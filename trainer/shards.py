@@ -10,6 +10,7 @@ The state dicts are the FQN-keyed ones of torch.distributed.checkpoint.state_dic
 sharded and an unsharded model, so a checkpoint written by N ranks loads on M ranks (DCP reshards),
 on one process without a process group, and a single-file (world 1) checkpoint loads into a
 sharded model (rank 0's copy, broadcast)."""
+
 from __future__ import annotations
 
 import re
@@ -19,9 +20,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 from .commands import world
 from .safe_dcp import SafeReader
@@ -46,8 +52,9 @@ def _checkpoint_group():
     return _CKPT_GROUP
 
 
-def save_shards(model, opt, ckpt_dir: str | Path, epoch: int, version: int,
-                async_save: bool = False) -> tuple[dict, Future | None]:
+def save_shards(
+    model, opt, ckpt_dir: str | Path, epoch: int, version: int, async_save: bool = False
+) -> tuple[dict, Future | None]:
     """Collective: all ranks write their shards. Returns the reference the checkpoint file keeps
     and, with async_save, the future of the write: the shards are staged (copied) before this
     returns, so the next step may change the weights at once, but the folder is complete (its
@@ -56,19 +63,19 @@ def save_shards(model, opt, ckpt_dir: str | Path, epoch: int, version: int,
     path = Path(ckpt_dir) / name
     if world()[0] == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():                  # a leftover of an interrupted write of the same version
+        if path.exists():  # a leftover of an interrupted write of the same version
             shutil.rmtree(path)
     if world()[1] > 1:
         dist.barrier()
     # an optimizer that has not stepped has no state; asking for its state dict would create it
     # with a zero-lr step that counts as a step (AdamW's bias correction would be off after)
-    has_optim = any(opt.state.values())            # the same on every rank: they step together
+    has_optim = any(opt.state.values())  # the same on every rank: they step together
     msd, osd = get_state_dict(model, opt) if has_optim else (get_model_state_dict(model), None)
     sd = {"model": msd, **({"optim": osd} if has_optim else {})}
     ref = {"__dcp__": name, "optim": has_optim}
     if async_save and hasattr(dcp, "async_save"):
         res = dcp.async_save(sd, checkpoint_id=str(path), process_group=_checkpoint_group())
-        return ref, getattr(res, "upload_completion", res)     # an AsyncSaveResponse or a Future
+        return ref, getattr(res, "upload_completion", res)  # an AsyncSaveResponse or a Future
     dcp.save(sd, checkpoint_id=str(path))
     return ref, None
 
@@ -86,7 +93,7 @@ def load_any(model, opt, ckpt_dir: str | Path, model_state: dict | None, opt_sta
             # without a process group: one process reads every shard; SafeReader: metadata runs no code
             dcp.load(sd, checkpoint_id=str(path), storage_reader=SafeReader(path))
             set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        else:                                      # saved before the first step: a fresh optimizer
+        else:  # saved before the first step: a fresh optimizer
             sd = {"model": get_model_state_dict(model)}
             dcp.load(sd, checkpoint_id=str(path), storage_reader=SafeReader(path))
             set_model_state_dict(model, sd["model"])
@@ -106,8 +113,10 @@ def _fqn_optimizer_state(model, osd: dict) -> dict:
     """torch.optim's id-keyed state dict -> the FQN-keyed one (one param group per model here)."""
     names = [n for n, _ in model.named_parameters()]
     state = {names[i]: v for i, v in osd["state"].items()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
-              for g in osd["param_groups"]]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+        for g in osd["param_groups"]
+    ]
     return {"state": state, "param_groups": groups}
 
 
@@ -120,5 +129,3 @@ def prune_shards(ckpt_dir: str | Path, keep_from: tuple[int, int] | None, refere
         m = SHARDS.match(p.name)
         if m and p.name not in referenced and (int(m[1]), int(m[2])) < keep_from:
             shutil.rmtree(p, ignore_errors=True)
-
-

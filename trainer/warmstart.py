@@ -3,6 +3,7 @@ with non-trivial success (0 steps by default). Teacher-forced next-token NLL of 
 demonstration given the prompt, with its own AdamW so the RL optimizer state stays untouched.
 Multi-turn envs (`demonstration_turns`: oracle episodes) are laid out as the worker lays them out
 (envs.conversation) and trained with the loss mask: observation tokens are context, never targets."""
+
 from __future__ import annotations
 
 import random
@@ -61,26 +62,52 @@ class SuccessStop:
     def __call__(self, model, done: int) -> bool:
         """Check the policy after `done` steps; True = stop here. Leaves the model in train mode."""
         from .evaluate import evaluate_model
+
         cfg, t = self.cfg, time.perf_counter()
         model.eval()
         try:
-            ev = evaluate_model(model, self.tok, cfg.tasks.envs, cfg.tasks.sampling, cfg.warmstart.check_n,
-                                cfg.run.seed + 104729, cfg.tasks.chat_template, split="train")
+            ev = evaluate_model(
+                model,
+                self.tok,
+                cfg.tasks.envs,
+                cfg.tasks.sampling,
+                cfg.warmstart.check_n,
+                cfg.run.seed + 104729,
+                cfg.tasks.chat_template,
+                split="train",
+            )
         finally:
             model.train()
         # not eval_* keys: the run's summary takes its held-out figures from those
-        rec = {"warmstart_step": done, "warmstart_check_success": ev["eval_success"],
-               "warmstart_check_n": ev["eval_n"], "warmstart_check_s": round(time.perf_counter() - t, 2)}
+        rec = {
+            "warmstart_step": done,
+            "warmstart_check_success": ev["eval_success"],
+            "warmstart_check_n": ev["eval_n"],
+            "warmstart_check_s": round(time.perf_counter() - t, 2),
+        }
         self.checks.append(rec)
-        log.info("warm start check", step=done, success=round(ev["eval_success"], 4), until=self.until,
-                 n=ev["eval_n"], seconds=rec["warmstart_check_s"])
+        log.info(
+            "warm start check",
+            step=done,
+            success=round(ev["eval_success"], 4),
+            until=self.until,
+            n=ev["eval_n"],
+            seconds=rec["warmstart_check_s"],
+        )
         if self.on_check is not None:
             self.on_check(rec)
         return ev["eval_success"] >= self.until
 
 
-def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default", after_step=None,
-               on_check: Callable[[dict], None] | None = None) -> list[float]:
+def warm_start(
+    model,
+    cfg,
+    model_cfg=None,
+    tok=None,
+    style: str = "default",
+    after_step=None,
+    on_check: Callable[[dict], None] | None = None,
+) -> list[float]:
     """cfg.warmstart.steps AdamW steps of demonstration NLL; returns the loss per step (its length
     is the number of steps done). With cfg.warmstart.until > 0 the warm start stops early once a
     SuccessStop check passes (cfg.warmstart.steps is the cap); `on_check(record)` gets each check.
@@ -93,7 +120,7 @@ def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default", aft
     losses = []
     model.train()
     threads = torch.get_num_threads()
-    if cfg.warmstart.threads:      # nothing else computes while the policy warm-starts
+    if cfg.warmstart.threads:  # nothing else computes while the policy warm-starts
         torch.set_num_threads(cfg.warmstart.threads)
     # the next step's demonstrations are drawn (multi-turn: oracle episodes played in the sandbox, the
     # first time a task comes up) while this step trains; one thread, so the draws keep their order
@@ -110,8 +137,13 @@ def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default", aft
             if after_step is not None:
                 after_step(step, losses)
             if stop.due(step + 1) and step + 1 < cfg.warmstart.steps and stop(model, step + 1):
-                log.info("warm start stopped", step=step + 1, success=stop.checks[-1]["warmstart_check_success"],
-                         until=stop.until, cap=cfg.warmstart.steps)
+                log.info(
+                    "warm start stopped",
+                    step=step + 1,
+                    success=stop.checks[-1]["warmstart_check_success"],
+                    until=stop.until,
+                    cap=cfg.warmstart.steps,
+                )
                 break
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -122,7 +154,9 @@ def warm_start(model, cfg, model_cfg=None, tok=None, style: str = "default", aft
 def _step(model, opt, prompts, completions, masks) -> float:
     """One AdamW step of masked demonstration NLL; -> the loss."""
     # a demonstration longer than the model's context cannot be trained on (nor played by it)
-    fits = [i for i, (p, c) in enumerate(zip(prompts, completions)) if len(p) + len(c) <= model.cfg.max_seq_len]
+    fits = [
+        i for i, (p, c) in enumerate(zip(prompts, completions)) if len(p) + len(c) <= model.cfg.max_seq_len
+    ]
     if not fits:
         raise ValueError(f"no demonstration fits max_seq_len {model.cfg.max_seq_len}")
     prompts, completions, masks = ([x[i] for i in fits] for x in (prompts, completions, masks))
@@ -131,8 +165,13 @@ def _step(model, opt, prompts, completions, masks) -> float:
     loss = 0.0
     # padded forwards over runs of similar length: a long-tailed env would pad all to the longest
     for run in length_buckets([len(p) + len(c) for p, c in zip(prompts, completions)], len(prompts)):
-        res = sequence_logprobs(model, [prompts[i] for i in run], [completions[i] for i in run],
-                                SamplingConfig(temperature=1.0), replay_mask=False)
+        res = sequence_logprobs(
+            model,
+            [prompts[i] for i in run],
+            [completions[i] for i in run],
+            SamplingConfig(temperature=1.0),
+            replay_mask=False,
+        )
         part = -(res.logprobs * res.valid * _pad([masks[i] for i in run], res.logprobs)).sum() / n_tokens
         part.backward()
         loss += part.detach()
@@ -145,5 +184,5 @@ def _pad(masks: list[list[int]], like: torch.Tensor) -> torch.Tensor:
     """Loss masks as a [B, T] tensor aligned with sequence_logprobs' completion positions."""
     out = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
     for i, m in enumerate(masks):
-        out[i, :len(m)] = torch.tensor(m, dtype=like.dtype)
+        out[i, : len(m)] = torch.tensor(m, dtype=like.dtype)
     return out

@@ -15,6 +15,7 @@ components' own dedupe), and the report row every scenario returns.
                below them and trained their redelivered batches again; they are out of the
                line that survives, so out of the books (the trainer's weights never kept them)
 """
+
 from __future__ import annotations
 
 import json
@@ -36,19 +37,29 @@ class Books:
     tasks: int
     lost: int
     duplicates_trained: int
-    trained: int                 # distinct rollout ids trained with weight > 0
-    consumed: int = 0            # distinct rollout ids used up (trained or dropped)
-    dropped: int = 0             # consumed, weight 0 (never moved the weights)
-    queued: int = 0              # not consumed, still durable in TASKS / ROLLOUTS / SCORED
+    trained: int  # distinct rollout ids trained with weight > 0
+    consumed: int = 0  # distinct rollout ids used up (trained or dropped)
+    dropped: int = 0  # consumed, weight 0 (never moved the weights)
+    queued: int = 0  # not consumed, still durable in TASKS / ROLLOUTS / SCORED
 
     def ok(self) -> bool:
         return self.lost == 0 and self.duplicates_trained == 0
 
 
 def row(name: str, books: Books, recovery_s: float, passed: bool, **extra) -> dict:
-    return {"name": name, "tasks": books.tasks, "lost": books.lost, "duplicates_trained": books.duplicates_trained,
-            "trained": books.trained, "consumed": books.consumed, "dropped": books.dropped, "queued": books.queued,
-            "recovery_s": round(recovery_s, 2), "passed": bool(passed and books.ok()), **extra}
+    return {
+        "name": name,
+        "tasks": books.tasks,
+        "lost": books.lost,
+        "duplicates_trained": books.duplicates_trained,
+        "trained": books.trained,
+        "consumed": books.consumed,
+        "dropped": books.dropped,
+        "queued": books.queued,
+        "recovery_s": round(recovery_s, 2),
+        "passed": bool(passed and books.ok()),
+        **extra,
+    }
 
 
 def all_step_lines(run_dir: Path) -> list[dict]:
@@ -63,10 +74,11 @@ def rolled_back(lines: list[dict]) -> list[dict]:
     """Lines a later epoch resumed below (it trained a version <= theirs): never checkpointed.
     A later line at version y resumed at y - 1 or lower when it trained (the step made y), at y
     or lower when it trained nothing (a batch of dropped samples keeps the version)."""
-    floor: dict[int, int] = {}           # epoch -> lowest version a later epoch made or kept + 1
+    floor: dict[int, int] = {}  # epoch -> lowest version a later epoch made or kept + 1
     for e in {d.get("epoch", 0) for d in lines}:
-        later = [d["version"] + (0 if d.get("live_samples", 1) else 1)
-                 for d in lines if d.get("epoch", 0) > e]
+        later = [
+            d["version"] + (0 if d.get("live_samples", 1) else 1) for d in lines if d.get("epoch", 0) > e
+        ]
         if later:
             floor[e] = min(later)
     return [d for d in lines if d.get("epoch", 0) in floor and d["version"] >= floor[d.get("epoch", 0)]]
@@ -98,17 +110,25 @@ def checkpoint_consumed(run_dir: Path) -> set[str]:
     return set(st.consumed) if st is not None else set()
 
 
-def tally(run_dir: Path, task_ids: list[str], with_checkpoint: bool = False, queued: set[str] = frozenset()) -> Books:
+def tally(
+    run_dir: Path, task_ids: list[str], with_checkpoint: bool = False, queued: set[str] = frozenset()
+) -> Books:
     counts = trained_counts(run_dir)
     consumed = set(counts) | (checkpoint_consumed(run_dir) if with_checkpoint else set())
     waiting = set(queued) - consumed
     per_task = Counter(rid.rsplit("-", 1)[0] for rid in consumed | waiting)
     lost = sum(1 for t in task_ids if per_task[t] < GROUP)
-    mine = {f"{t}-{i}" for t in task_ids for i in range(GROUP)}     # padding tasks are not in the books
+    mine = {f"{t}-{i}" for t in task_ids for i in range(GROUP)}  # padding tasks are not in the books
     trained = weighted_ids(run_dir) & mine
-    return Books(tasks=len(task_ids), lost=lost, duplicates_trained=sum(c - 1 for c in counts.values() if c > 1),
-                 trained=len(trained), consumed=len(consumed & mine), dropped=len((consumed & mine) - trained),
-                 queued=len(waiting & mine))
+    return Books(
+        tasks=len(task_ids),
+        lost=lost,
+        duplicates_trained=sum(c - 1 for c in counts.values() if c > 1),
+        trained=len(trained),
+        consumed=len(consumed & mine),
+        dropped=len((consumed & mine) - trained),
+        queued=len(waiting & mine),
+    )
 
 
 async def queued_ids(bus, group: int, dlq: bool = False) -> set[str]:
@@ -144,6 +164,11 @@ async def up_books(up_dir: Path, counts: Counter, group: int) -> Books:
         finally:
             await bus.close()
     accounted = len(set(counts) | queued)
-    return Books(tasks=fed, lost=max(0, fed * group - accounted),
-                 duplicates_trained=sum(c - 1 for c in counts.values() if c > 1),
-                 trained=len(counts), consumed=len(counts), dropped=0)
+    return Books(
+        tasks=fed,
+        lost=max(0, fed * group - accounted),
+        duplicates_trained=sum(c - 1 for c in counts.values() if c > 1),
+        trained=len(counts),
+        consumed=len(counts),
+        dropped=0,
+    )

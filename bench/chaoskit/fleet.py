@@ -8,6 +8,7 @@ them, and waiting on what the broker reports (versions, held and redelivered mes
     ... SIGKILL / SIGSTOP / server restart ...
     books = await fleet.wait_trained(tasks, timeout_s=300)   # Books(lost, duplicates_trained)
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,8 +41,8 @@ class Fleet:
     servers: list[str]
     ack_wait_s: float = ACK_WAIT_S
     replicas: int = 1
-    roles: dict | None = None          # role -> (user, password) on a server with per-role users
-    procs: dict = field(default_factory=dict)   # name -> Proc
+    roles: dict | None = None  # role -> (user, password) on a server with per-role users
+    procs: dict = field(default_factory=dict)  # name -> Proc
     bus: object = None
     seed: int = 0
 
@@ -56,8 +57,12 @@ class Fleet:
         return {"ack_wait_s": self.ack_wait_s, "replicas": self.replicas}
 
     def bus_conf(self, role: str, name: str) -> dict:
-        conf = {"servers": list(self.servers), "name": name, "topology": self.topology(),
-                "reconnect_wait_s": 0.25}
+        conf = {
+            "servers": list(self.servers),
+            "name": name,
+            "topology": self.topology(),
+            "reconnect_wait_s": 0.25,
+        }
         if self.roles:
             user, password = self.roles[role]
             conf |= {"user": user, "password": password}
@@ -68,12 +73,18 @@ class Fleet:
         if self.roles:
             user, password = self.roles["admin"]
             kw = {"user": user, "password": password}
-        self.bus = await connect(BusConfig(servers=list(self.servers), name="chaos-harness",
-                                           topology=TopologyConfig(**self.topology()), **kw))
+        self.bus = await connect(
+            BusConfig(
+                servers=list(self.servers),
+                name="chaos-harness",
+                topology=TopologyConfig(**self.topology()),
+                **kw,
+            )
+        )
         try:
             await self.bus.provision()
         except BaseException:
-            await self.close()     # else its client reconnects forever to servers the caller stops
+            await self.close()  # else its client reconnects forever to servers the caller stops
             raise
         return self
 
@@ -91,26 +102,49 @@ class Fleet:
 
     def trainer(self, name: str, **over) -> Proc:
         """A trainer process; a section in `over` ({key: value}) is merged into these."""
-        conf = {"trainer_id": name, "policy": {"model": dict(MODEL)},
-                "batch": {"groups": BATCH_GROUPS, "group_size": GROUP, "max_lag": 1000,
-                          "fetch_timeout_s": 0.3},
-                "tasks": {"feed": False}, "optim": {"lr": 1e-3}, "publish": {"keyframe_interval": 1000},
-                "lease": {"ttl_s": LEASE_TTL_S, "renew_s": 1.0},
-                "checkpoint": {"dir": str(self.run_dir / "ckpt"), "keep": 3},
-                "run": {"dir": str(self.run_dir / f"trainer-{name}")}, "bus": self.bus_conf("trainer", name)}
-        conf.update({k: {**conf[k], **v} if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
-                     for k, v in over.items()})
+        conf = {
+            "trainer_id": name,
+            "policy": {"model": dict(MODEL)},
+            "batch": {"groups": BATCH_GROUPS, "group_size": GROUP, "max_lag": 1000, "fetch_timeout_s": 0.3},
+            "tasks": {"feed": False},
+            "optim": {"lr": 1e-3},
+            "publish": {"keyframe_interval": 1000},
+            "lease": {"ttl_s": LEASE_TTL_S, "renew_s": 1.0},
+            "checkpoint": {"dir": str(self.run_dir / "ckpt"), "keep": 3},
+            "run": {"dir": str(self.run_dir / f"trainer-{name}")},
+            "bus": self.bus_conf("trainer", name),
+        }
+        conf.update(
+            {
+                k: {**conf[k], **v} if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
+                for k, v in over.items()
+            }
+        )
         return self._spawn(name, "trainer", "trainer", conf)
 
     def worker(self, name: str, **over) -> Proc:
-        conf = {"worker_id": name, "slots": 8, "queue": 4, "max_len": 96, "threads": 1,
-                "heartbeat_s": 2.0, "grace_s": 2.0, "seed": self.rng.randrange(1 << 30),
-                "bus": self.bus_conf("worker", name), **over}
+        conf = {
+            "worker_id": name,
+            "slots": 8,
+            "queue": 4,
+            "max_len": 96,
+            "threads": 1,
+            "heartbeat_s": 2.0,
+            "grace_s": 2.0,
+            "seed": self.rng.randrange(1 << 30),
+            "bus": self.bus_conf("worker", name),
+            **over,
+        }
         return self._spawn(name, "rollout_worker", "rollout_worker", conf)
 
     def scorer(self, name: str, **over) -> Proc:
-        conf = {"scorer_id": name, "concurrency": 8, "heartbeat_s": 2.0,
-                "bus": self.bus_conf("scorer", name), **over}
+        conf = {
+            "scorer_id": name,
+            "concurrency": 8,
+            "heartbeat_s": 2.0,
+            "bus": self.bus_conf("scorer", name),
+            **over,
+        }
         if self.roles:
             conf["provision"] = False
         return self._spawn(name, "scorer", "scorer", conf)
@@ -121,8 +155,11 @@ class Fleet:
             self.procs[name].popen.wait()
 
     def alive(self, component: str | None = None) -> list[str]:
-        return [n for n, p in self.procs.items() if p.popen.poll() is None
-                and (component is None or p.component == component)]
+        return [
+            n
+            for n, p in self.procs.items()
+            if p.popen.poll() is None and (component is None or p.component == component)
+        ]
 
     def check_alive(self, names) -> None:
         """A process that died by itself (not by our hand) is a finding: show its log."""
@@ -135,7 +172,7 @@ class Fleet:
         for p in self.procs.values():
             if p.popen.poll() is None:
                 try:
-                    p.popen.send_signal(signal.SIGCONT)     # a stopped process cannot handle SIGTERM
+                    p.popen.send_signal(signal.SIGCONT)  # a stopped process cannot handle SIGTERM
                     p.popen.send_signal(signal.SIGTERM)
                 except ProcessLookupError:
                     pass
@@ -154,7 +191,7 @@ class Fleet:
     async def trickle(self, n: int, over_s: float, ids: list[str]) -> None:
         """Publish `n` tasks spread over `over_s` seconds (a run that lasts, so faults land
         mid-run), appending their ids to `ids`. A broker that is down mid-fault: retry."""
-        chunk = max(1, round(n / max(1.0, over_s / 2)))      # a burst every ~2 s: every worker gets some
+        chunk = max(1, round(n / max(1.0, over_s / 2)))  # a burst every ~2 s: every worker gets some
         while len(ids) < n:
             try:
                 ids += await self.publish_tasks(min(chunk, n - len(ids)))
@@ -177,11 +214,19 @@ class Fleet:
     def consumed(self) -> set[str]:
         return ledger.checkpoint_consumed(self.run_dir)
 
-    def books(self, task_ids: list[str], with_checkpoint: bool = False, queued: set[str] = frozenset()) -> Books:
+    def books(
+        self, task_ids: list[str], with_checkpoint: bool = False, queued: set[str] = frozenset()
+    ) -> Books:
         return ledger.tally(self.run_dir, task_ids, with_checkpoint, queued)
 
-    async def wait_trained(self, task_ids: list[str], timeout_s: float, with_checkpoint: bool = False,
-                           watch: tuple = (), feeding: asyncio.Task | None = None) -> Books:
+    async def wait_trained(
+        self,
+        task_ids: list[str],
+        timeout_s: float,
+        with_checkpoint: bool = False,
+        watch: tuple = (),
+        feeding: asyncio.Task | None = None,
+    ) -> Books:
         """Until every task is trained on or the time is up (then the books say what is lost)."""
         deadline = time.monotonic() + timeout_s
         if feeding is not None:
@@ -204,7 +249,7 @@ class Fleet:
     async def version(self) -> int:
         try:
             return parse_version(await self.bus.kv_get(topo.KEY_VERSION))
-        except Exception:              # the broker is down mid-fault: unknown, not an error
+        except Exception:  # the broker is down mid-fault: unknown, not an error
             return -1
 
     async def wait_version(self, at_least: int, timeout_s: float, watch: tuple = ()) -> float:
@@ -219,8 +264,14 @@ class Fleet:
     async def consumer(self, stream: str, durable: str):
         return await self.bus.js.consumer_info(stream, durable)
 
-    async def wait_held(self, stream: str, durable: str, at_least: int = 1, timeout_s: float = 120.0,
-                        until: asyncio.Task | None = None) -> bool:
+    async def wait_held(
+        self,
+        stream: str,
+        durable: str,
+        at_least: int = 1,
+        timeout_s: float = 120.0,
+        until: asyncio.Task | None = None,
+    ) -> bool:
         """Until `at_least` messages of `stream` are being worked on (so a fault lands mid-work);
         False if the feeding task `until` ends first and all is done."""
         t0 = time.monotonic()
@@ -232,23 +283,31 @@ class Fleet:
             await asyncio.sleep(0.01)
         return True
 
-    async def wait_redelivered(self, stream: str, durable: str, before, t0: float,
-                               timeout_s: float) -> tuple[float, int]:
+    async def wait_redelivered(
+        self, stream: str, durable: str, before, t0: float, timeout_s: float
+    ) -> tuple[float, int]:
         """Recovery: every message delivered before the fault (`before`: consumer info taken
         just before it; stream seq <= its last delivered, the victim's included) has been acked,
         i.e. redelivered to a live process and finished. Also returns how many redeliveries
         happened meanwhile: deliveries (consumer seq) minus distinct messages (stream seq)."""
-        while (info := await self.consumer(stream, durable)).ack_floor.stream_seq < before.delivered.stream_seq:
+        while (
+            info := await self.consumer(stream, durable)
+        ).ack_floor.stream_seq < before.delivered.stream_seq:
             if time.monotonic() - t0 > timeout_s:
-                raise ChaosError(f"{stream}/{durable}: ack floor still below {before.delivered.stream_seq} "
-                                 f"after {timeout_s}s")
+                raise ChaosError(
+                    f"{stream}/{durable}: ack floor still below {before.delivered.stream_seq} "
+                    f"after {timeout_s}s"
+                )
             await asyncio.sleep(0.05)
-        redeliveries = lambda i: i.delivered.consumer_seq - i.delivered.stream_seq   # noqa: E731
+        redeliveries = lambda i: i.delivered.consumer_seq - i.delivered.stream_seq  # noqa: E731
         return time.monotonic() - t0, redeliveries(info) - redeliveries(before)
 
 
-READY = {"trainer": ("leading", "waiting for the leader lease"), "scorer": ("scorer started",),
-         "rollout_worker": ("weights loaded",)}
+READY = {
+    "trainer": ("leading", "waiting for the leader lease"),
+    "scorer": ("scorer started",),
+    "rollout_worker": ("weights loaded",),
+}
 
 
 async def pipeline(fleet: Fleet, workers: int = 2, scorers: int = 1, trainers=("A",)) -> None:
@@ -284,14 +343,20 @@ async def start_signed(fleet: Fleet, sk, pk, workers: int = 2) -> None:
 
 def is_ready(fleet: Fleet, name: str) -> bool:
     p = fleet.procs[name]
-    return p.popen.poll() is None and any(w in p.log_path.read_text(errors="replace") for w in READY[p.component])
+    return p.popen.poll() is None and any(
+        w in p.log_path.read_text(errors="replace") for w in READY[p.component]
+    )
 
 
-async def kill_and_replace(fleet: "Fleet", component: str, new_name: str, rng: random.Random) -> tuple[float, int]:
+async def kill_and_replace(
+    fleet: "Fleet", component: str, new_name: str, rng: random.Random
+) -> tuple[float, int]:
     """SIGKILL a random live worker or scorer, start `new_name` in its place, and wait until the
     messages it held are handed out again: (recovery seconds, messages redelivered)."""
-    stream, durable, start = {"rollout_worker": (topo.TASKS, topo.ROLLOUT_CONSUMER, fleet.worker),
-                              "scorer": (topo.ROLLOUTS, topo.SCORER_CONSUMER, fleet.scorer)}[component]
+    stream, durable, start = {
+        "rollout_worker": (topo.TASKS, topo.ROLLOUT_CONSUMER, fleet.worker),
+        "scorer": (topo.ROLLOUTS, topo.SCORER_CONSUMER, fleet.scorer),
+    }[component]
     victim = rng.choice(fleet.alive(component))
     info = await fleet.consumer(stream, durable)
     fleet.signal(victim, signal.SIGKILL)

@@ -7,6 +7,7 @@ nats-server started from a rendered config (the chaos cluster scenario and the d
     srv = ConfServer(conf_dir / "cluster-a.conf", role_env_vars(passwords), tmp_path / "a.log").start()
     bus = await connect(BusConfig(servers=[srv.url], user="trainer", password=passwords["trainer"]))
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,6 +39,7 @@ def role_env_vars(passwords: Mapping[str, str]) -> dict[str, str]:
     """The servers' environment: a password per role; the region's leaf logs in with an nkey
     instead (seed for leaf.conf/region.conf, public key for the hub), derived from its entry."""
     from bus.nkeys import user_nkey
+
     env = {f"ASYNCRL_NATS_{r.upper()}_PASSWORD": p for r, p in passwords.items() if r != "region"}
     if "region" in passwords:
         seed, public = user_nkey(hashlib.sha256(passwords["region"].encode()).digest())
@@ -117,21 +119,42 @@ class ConfServer:
     def start(self, health: str = "/healthz") -> "ConfServer":
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen(
-                [find_binary(), "-c", str(self.conf), "-a", "127.0.0.1", "-p", str(self.port),
-                 "-m", str(self.monitor_port)], env={**os.environ, **self.env},
-                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        wait_until(lambda: self._alive() and get_json(self.monitor_url + health), 20,
-                   f"{self.conf.name} healthy (log {self.log})")
+                [
+                    find_binary(),
+                    "-c",
+                    str(self.conf),
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    str(self.port),
+                    "-m",
+                    str(self.monitor_port),
+                ],
+                env={**os.environ, **self.env},
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        wait_until(
+            lambda: self._alive() and get_json(self.monitor_url + health),
+            20,
+            f"{self.conf.name} healthy (log {self.log})",
+        )
         return self
 
     def _alive(self) -> bool:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.conf.name} exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            raise RuntimeError(
+                f"{self.conf.name} exited {self.proc.returncode}: {self.log.read_text()[-2000:]}"
+            )
         return True
 
     def wait_leaf_connected(self, timeout: float = 20.0) -> None:
-        wait_until(lambda: self._alive() and get_json(self.monitor_url + "/leafz").get("leafnodes", 0) >= 1,
-                   timeout, f"leaf link up (log {self.log})")
+        wait_until(
+            lambda: self._alive() and get_json(self.monitor_url + "/leafz").get("leafnodes", 0) >= 1,
+            timeout,
+            f"leaf link up (log {self.log})",
+        )
 
     def stop(self, kill: bool = False) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -144,5 +167,10 @@ class ConfServer:
 
 
 def role_bus_config(url: str | list[str], role: str, passwords: Mapping[str, str], **kw) -> BusConfig:
-    return BusConfig(servers=[url] if isinstance(url, str) else list(url), name=f"{role}-test",
-                     user=role, password=passwords[role], **kw)
+    return BusConfig(
+        servers=[url] if isinstance(url, str) else list(url),
+        name=f"{role}-test",
+        user=role,
+        password=passwords[role],
+        **kw,
+    )

@@ -1,5 +1,6 @@
 """Observers of a running fleet: the version line (gaps, forks, late epochs), the leader lease,
 first publications after a death, and what processes wrote to their logs and heartbeats."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,14 +41,21 @@ def version_line(events) -> dict:
     top = max([*digests, *manifests], default=0)
     # a version is out once a delta or a keyframe carries it (a new leader's first keyframe can be
     # the only announcement of a version its deposed predecessor checkpointed but never published)
-    reached = {e.to_version for e in events if isinstance(e, (DeltaEvent, ManifestEvent))} | \
-        {e.version for e in events if isinstance(e, KeyframeEvent)}
-    first = min((e.from_version for e in events if isinstance(e, (DeltaEvent, ManifestEvent))),
-                default=0)   # WEIGHTS keeps the last N
-    return {"top": top, "gaps": sorted(set(range(first + 1, top + 1)) - reached),
-            "forks": sorted({v for v, d in digests.items() if len(d) > 1}
-                            | {v for v, ep in manifests.items() if len(ep) > 1}), "late_old_epoch": late,
-            "epochs": sorted({e.epoch for e in events})}
+    reached = {e.to_version for e in events if isinstance(e, (DeltaEvent, ManifestEvent))} | {
+        e.version for e in events if isinstance(e, KeyframeEvent)
+    }
+    first = min(
+        (e.from_version for e in events if isinstance(e, (DeltaEvent, ManifestEvent))), default=0
+    )  # WEIGHTS keeps the last N
+    return {
+        "top": top,
+        "gaps": sorted(set(range(first + 1, top + 1)) - reached),
+        "forks": sorted(
+            {v for v, d in digests.items() if len(d) > 1} | {v for v, ep in manifests.items() if len(ep) > 1}
+        ),
+        "late_old_epoch": late,
+        "epochs": sorted({e.epoch for e in events}),
+    }
 
 
 async def holder(fleet: Fleet) -> str | None:
@@ -66,7 +74,9 @@ async def wait_leader(fleet: Fleet, not_: str | None, timeout_s: float) -> tuple
         await asyncio.sleep(0.1)
 
 
-async def first_version_by(fleet: Fleet, trainer_id: str, t_death: float, timeout_s: float) -> tuple[float, int]:
+async def first_version_by(
+    fleet: Fleet, trainer_id: str, t_death: float, timeout_s: float
+) -> tuple[float, int]:
     """(seconds from t_death (wall clock) until `trainer_id` has published a delta, its version):
     the failover as workers see it, lease handover + resume + keyframe + a first step. Timed by
     the server's store time of that delta (same host clock), not by when we polled."""
@@ -84,7 +94,7 @@ async def first_version_by(fleet: Fleet, trainer_id: str, t_death: float, timeou
             continue
         if time.time() - t_death > timeout_s:
             raise ChaosError(f"{trainer_id} published no version {timeout_s}s after the leader's death")
-        if time.time() - padded > 15:      # a short run may have no work left: give it some (not in the books)
+        if time.time() - padded > 15:  # a short run may have no work left: give it some (not in the books)
             await fleet.publish_tasks(BATCH_GROUPS)
             padded = time.time()
         await asyncio.sleep(0.1)
@@ -96,8 +106,11 @@ def first_trained_on(fleet: Fleet, trainer_id: str, version: int, t_death: float
     p = fleet.run_dir / f"trainer-{trainer_id}" / "metrics" / "trainer.jsonl"
     if not p.exists():
         return None
-    ts = [d["ts"] for d in map(json.loads, filter(str.strip, p.read_text().splitlines()))
-          if d.get("newest_token_version", -1) >= version and "ts" in d]
+    ts = [
+        d["ts"]
+        for d in map(json.loads, filter(str.strip, p.read_text().splitlines()))
+        if d.get("newest_token_version", -1) >= version and "ts" in d
+    ]
     return round(min(ts) - t_death, 2) if ts else None
 
 
@@ -111,8 +124,11 @@ async def wait_log(log_path: Path, text: str, timeout_s: float) -> bool:
 
 
 def refused_stale(log_path: Path) -> int:
-    return sum(1 for line in log_path.read_text(errors="replace").splitlines()
-               if "weight update refused" in line and "stale_epoch" in line)
+    return sum(
+        1
+        for line in log_path.read_text(errors="replace").splitlines()
+        if "weight update refused" in line and "stale_epoch" in line
+    )
 
 
 def refusal_reasons(log_path: Path) -> Counter:
@@ -129,7 +145,7 @@ def refusal_reasons(log_path: Path) -> Counter:
 def deposed_publishes(log_path: Path) -> dict:
     """A deposed leader's publication attempts, from its log: each must be refused by the server."""
     text = log_path.read_text(errors="replace")
-    refused = text.count("weights write refused by the server")      # every refused write (probe included)
+    refused = text.count("weights write refused by the server")  # every refused write (probe included)
     other = text.count("deposed leader publish ACCEPTED") + text.count("deposed leader publish failed")
     return {"attempts": refused + other, "refused": refused}
 
@@ -139,7 +155,9 @@ async def worker_beats(fleet: Fleet) -> dict[str, dict]:
     out = {}
     for name in fleet.alive("rollout_worker"):
         try:
-            raw = await fleet.bus.js.get_last_msg(topo.TELEMETRY, topo.heartbeat_subject("rollout_worker", name))
+            raw = await fleet.bus.js.get_last_msg(
+                topo.TELEMETRY, topo.heartbeat_subject("rollout_worker", name)
+            )
             hb = decode(raw.data, Heartbeat)
         except Exception:
             continue

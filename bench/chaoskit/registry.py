@@ -1,13 +1,19 @@
 """Every chaos scenario by the name bench.chaos and its --only flag know it, in run order.
 Add a scenario here with one line (see the package docstring)."""
+
 from __future__ import annotations
 
 from .scenarios_bus import bad_input, cluster_node_loss, forged_weights, restart_nats
 from .scenarios_fleet import random_kill_storm, up_supervisor
 from .scenarios_poison import poison_numbers
 from .scenarios_rank_kill import trainer_rank_kill
-from .scenarios_trainer import (deferred_checkpoint_kill, deposed_leader_publish, leader_failover,
-                                slow_step_kill, sync_poison_task)
+from .scenarios_trainer import (
+    deferred_checkpoint_kill,
+    deposed_leader_publish,
+    leader_failover,
+    slow_step_kill,
+    sync_poison_task,
+)
 from .scenarios_workers import backlog, kill_scorer, kill_workers, pause_worker, worker_feed_crash
 
 SCENARIOS = {

@@ -13,6 +13,7 @@ stop it). What must hold:
     real leader on; every version on WEIGHTS but the forged one decodes to finite weights
     training continues: every good task trained, none trained twice
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,34 +38,75 @@ from .observe import refusal_reasons, worker_beats
 from .params import GROUP, RATE
 from .streams import stream_messages, weights_by_seq
 
-HUGE_INT = 2 ** 64 - 1                     # msgpack carries it; it does not fit int64
+HUGE_INT = 2**64 - 1  # msgpack carries it; it does not fit int64
 FLOATS_FULL = (math.nan, math.inf, -math.inf, 1e300, -1e300, "1.5")
 FLOATS_SHORT = (math.nan, math.inf, 1e300, "1.5")
 INTS_FULL = (math.nan, math.inf, -math.inf, 1e300, "3", HUGE_INT)
 INTS_SHORT = (math.nan, "3", HUGE_INT)
 # per int field: a value of the right type outside its range
-OUT_OF_RANGE = {"sample_index": -1, "group_size": -1, "cost_tokens": -1, "epoch": -1, "turns": 0,
-                "tool_calls": -1, "prompt_ids": -1, "completion_ids": -1, "token_versions": -2, "loss_mask": 2}
+OUT_OF_RANGE = {
+    "sample_index": -1,
+    "group_size": -1,
+    "cost_tokens": -1,
+    "epoch": -1,
+    "turns": 0,
+    "tool_calls": -1,
+    "prompt_ids": -1,
+    "completion_ids": -1,
+    "token_versions": -2,
+    "loss_mask": 2,
+}
 ROLLOUT_FLOATS = ("wall_s",)
 ROLLOUT_INTS = ("sample_index", "group_size", "cost_tokens", "epoch", "turns", "tool_calls")
-ROLLOUT_LISTS = {"logprobs": float, "prompt_ids": int, "completion_ids": int, "token_versions": int,
-                 "loss_mask": int}
+ROLLOUT_LISTS = {
+    "logprobs": float,
+    "prompt_ids": int,
+    "completion_ids": int,
+    "token_versions": int,
+    "loss_mask": int,
+}
 SCORED_FLOATS = ("success", "cost", "lambda_", "penalty", "reward", "cost_wall_s")
 SCORED_INTS = ("tool_calls",)
 
 
 def base_rollout(rid: str) -> dict:
-    ro = Rollout(rollout_id=rid, task_id=rid.rsplit("-", 1)[0], env="arith", sample_index=0, group_size=GROUP,
-                 prompt="1+1=", spec={"answer": "2"}, prompt_ids=[1, 2, 3], completion_ids=[4, 5, 6],
-                 completion_text="#2", logprobs=[-0.1, -0.2, -0.3], token_versions=[0, 0, 0], sampling={},
-                 sampling_mask={}, quant={}, finish_reason="stop", cost_tokens=3, wall_s=0.5,
-                 worker_id="poison")
+    ro = Rollout(
+        rollout_id=rid,
+        task_id=rid.rsplit("-", 1)[0],
+        env="arith",
+        sample_index=0,
+        group_size=GROUP,
+        prompt="1+1=",
+        spec={"answer": "2"},
+        prompt_ids=[1, 2, 3],
+        completion_ids=[4, 5, 6],
+        completion_text="#2",
+        logprobs=[-0.1, -0.2, -0.3],
+        token_versions=[0, 0, 0],
+        sampling={},
+        sampling_mask={},
+        quant={},
+        finish_reason="stop",
+        cost_tokens=3,
+        wall_s=0.5,
+        worker_id="poison",
+    )
     return ro.to_dict()
 
 
 def scored_of(rollout: dict, **over) -> dict:
-    sc = Scored(rollout=rollout, success=1.0, cost=3.0, lambda_=0.0, penalty=0.0, reward=1.0, reason="ok",
-                cost_wall_s=0.5, tool_calls=0, scorer_id="poison")
+    sc = Scored(
+        rollout=rollout,
+        success=1.0,
+        cost=3.0,
+        lambda_=0.0,
+        penalty=0.0,
+        reward=1.0,
+        reason="ok",
+        cost_wall_s=0.5,
+        tool_calls=0,
+        scorer_id="poison",
+    )
     return {**sc.to_dict(), **over}
 
 
@@ -80,11 +122,11 @@ def rollout_poisons(vocab: int, short: bool) -> list[tuple[str, dict, str]]:
     for f, kind in ROLLOUT_LISTS.items():
         values = floats if kind is float else (*ints, OUT_OF_RANGE[f])
         if f in ("prompt_ids", "completion_ids"):
-            values = (*values, vocab + 3)               # out of the vocabulary: only the trainer knows it
+            values = (*values, vocab + 3)  # out of the vocabulary: only the trainer knows it
         for v in values:
             good = [1, 1, 1] if f == "loss_mask" else base_rollout("p-0")[f]
             out.append((f, {f: [good[0], v, good[2]]}, f"{f}[1]"))
-    out.append(("token_versions", {"token_versions": [1, 0, 1]}, "token_versions[1]"))   # goes back
+    out.append(("token_versions", {"token_versions": [1, 0, 1]}, "token_versions[1]"))  # goes back
     return out
 
 
@@ -100,8 +142,8 @@ async def publish_poison(bus, vocab: int, short: bool) -> dict[str, str]:
     want: dict[str, str] = {}
     items = []
     for i, (f, bad, named) in enumerate(rollout_poisons(vocab, short)):
-        for path in ("rollouts", "scored"):                 # bare on ROLLOUTS, inside a Scored on SCORED
-            rid = f"poison-{path}-{i}-0"           # (no field name in the id: the reason must name it)
+        for path in ("rollouts", "scored"):  # bare on ROLLOUTS, inside a Scored on SCORED
+            rid = f"poison-{path}-{i}-0"  # (no field name in the id: the reason must name it)
             ro = {**base_rollout(rid), **bad}
             if path == "rollouts":
                 items.append((topo.rollout_subject("arith"), ro, rid))
@@ -164,15 +206,33 @@ async def publish_nan_delta(fleet: Fleet, sk, pk, attempts: int = 10) -> tuple[s
         await feed.close()
         head_seq = feed.cursor
         _, last = (await weights_by_seq(fleet.bus))[-1]
-        d = delta_codec.encode_delta(target.state, poison_state(target.state), from_version=target.version,
-                                     to_version=target.version + 1)
-        payload = delta_codec.Delta(d.from_version, d.to_version, d.records,
-                                    extra=signed_fields(target.epoch, last.trainer_id),
-                                    base_digest=d.base_digest, new_digest=d.new_digest).to_bytes()
-        ev = DeltaEvent(from_version=d.from_version, to_version=d.to_version, epoch=target.epoch,
-                        codec=delta_codec.CODEC, size=len(payload), base_digest=d.base_digest,
-                        new_digest=d.new_digest, signature=sign(sk, payload), payload=None,
-                        blob=f"poison-nan-{head_seq}", trainer_id=last.trainer_id)
+        d = delta_codec.encode_delta(
+            target.state,
+            poison_state(target.state),
+            from_version=target.version,
+            to_version=target.version + 1,
+        )
+        payload = delta_codec.Delta(
+            d.from_version,
+            d.to_version,
+            d.records,
+            extra=signed_fields(target.epoch, last.trainer_id),
+            base_digest=d.base_digest,
+            new_digest=d.new_digest,
+        ).to_bytes()
+        ev = DeltaEvent(
+            from_version=d.from_version,
+            to_version=d.to_version,
+            epoch=target.epoch,
+            codec=delta_codec.CODEC,
+            size=len(payload),
+            base_digest=d.base_digest,
+            new_digest=d.new_digest,
+            signature=sign(sk, payload),
+            payload=None,
+            blob=f"poison-nan-{head_seq}",
+            trainer_id=last.trainer_id,
+        )
         await fleet.bus.put_blob(ev.blob, payload)
         ack = await fleet.bus.publish(topo.DELTA_SUBJECT, ev, msg_id=f"poison-nan-{head_seq}")
         seqs.add(int(ack.seq))
@@ -212,7 +272,7 @@ async def poison_numbers(run_dir: Path, tasks: int = 60, seed: int = 13, short: 
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
             await start_signed(fleet, sk, pk)
-            first = tasks // 2                      # half before the poison, half after: training goes on
+            first = tasks // 2  # half before the poison, half after: training goes on
             ids, feeding = fleet.feed(first, over_s=first / RATE)
             await fleet.wait_version(1, 300, watch=fleet.alive())
             history = [e for _, e in await weights_by_seq(fleet.bus)]
@@ -250,12 +310,31 @@ async def poison_numbers(run_dir: Path, tasks: int = 60, seed: int = 13, short: 
             logs = "".join(fleet.procs[n].log_path.read_text(errors="replace") for n in workers)
             sampled_nan = logs.count("non-finite logits")
             refusals = {n: dict(refusal_reasons(fleet.procs[n].log_path)) for n in workers}
-            ok = (not missing and not unnamed and not retried and nonfinite == 0 and checked >= 2
-                  and sampled_nan == 0)
-            return row("poison_numbers", books, recovery, ok, bad_events=len(want), parked=len(parked),
-                       missing=missing[:10], unnamed=dict(list(unnamed.items())[:5]), retried=retried,
-                       versions_checked=checked, nonfinite_published=nonfinite, nan_delta_version=nan_version,
-                       worker_refusals=refusals, nonfinite_sampled=sampled_nan, nan_delta_attempts=len(nan_seqs),
-                       short=short)
+            ok = (
+                not missing
+                and not unnamed
+                and not retried
+                and nonfinite == 0
+                and checked >= 2
+                and sampled_nan == 0
+            )
+            return row(
+                "poison_numbers",
+                books,
+                recovery,
+                ok,
+                bad_events=len(want),
+                parked=len(parked),
+                missing=missing[:10],
+                unnamed=dict(list(unnamed.items())[:5]),
+                retried=retried,
+                versions_checked=checked,
+                nonfinite_published=nonfinite,
+                nan_delta_version=nan_version,
+                worker_refusals=refusals,
+                nonfinite_sampled=sampled_nan,
+                nan_delta_attempts=len(nan_seqs),
+                short=short,
+            )
         finally:
             await fleet.close()

@@ -1,6 +1,7 @@
 """Scenarios that fault the trainers: the leader SIGKILLed or SIGSTOPped (a standby takes the
 lease), killed during a step slower than ack_wait, frozen between its lease CAS and its WEIGHTS
 write, and a --sync trainer whose batch holds a poison task."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,15 @@ from trainer import checkpoint
 
 from .books import all_step_lines, queued_ids, rolled_back, row
 from .fleet import ChaosError, Fleet, pipeline, wait_ready
-from .observe import (deposed_publishes, first_trained_on, first_version_by, refused_stale, version_line, wait_leader,
-                      wait_log)
+from .observe import (
+    deposed_publishes,
+    first_trained_on,
+    first_version_by,
+    refused_stale,
+    version_line,
+    wait_leader,
+    wait_log,
+)
 from .params import BATCH_GROUPS, GROUP, LEASE_TTL_S, MAX_TOKENS, RATE
 from .streams import dlq_entries, weights_history
 
@@ -46,7 +54,7 @@ async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> lis
             fleet.trainer(lead + "2", faults={"probe_when_deposed": True})
             if not await wait_log(fleet.procs[lead + "2"].log_path, "waiting for the leader lease", 120):
                 raise ChaosError(f"restarted trainer {lead}2 never went on standby")
-            fleet.signal(spare, signal.SIGSTOP)       # e.g. a long GC pause or a partition
+            fleet.signal(spare, signal.SIGSTOP)  # e.g. a long GC pause or a partition
             t_pause = time.time()
             third, pause_failover = await wait_leader(fleet, spare, LEASE_TTL_S + 60)
             pause_v_s, pause_v = await first_version_by(fleet, third, t_pause, 300)
@@ -57,22 +65,46 @@ async def leader_failover(run_dir: Path, tasks: int = 200, seed: int = 3) -> lis
             books = await fleet.wait_trained(ids, 600, feeding=feeding, with_checkpoint=True, watch=[third])
             line = version_line(await weights_history(fleet.bus))
             # workers refuse every delta the woken old leader got out (each worker sees each one)
-            refused = sum(refused_stale(p.log_path) for p in fleet.procs.values() if p.component == "rollout_worker")
+            refused = sum(
+                refused_stale(p.log_path) for p in fleet.procs.values() if p.component == "rollout_worker"
+            )
             clean = not line["gaps"] and not line["forks"]
             deposed = deposed_publishes(fleet.procs[spare].log_path)
             target = LEASE_TTL_S + 5
-            return [row("trainer_leader_sigkill", books, failover, clean and failover <= target, target_s=target,
-                        versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"]),
-                        first_version_after_death_s=round(first_v_s, 2),
-                        first_trained_after_death_s=first_trained_on(fleet, spare, first_v, t_death)),
-                    row("trainer_leader_sigstop", books, pause_failover,
-                        clean and stepped_down and pause_failover <= target and line["late_old_epoch"] == 0
-                        and deposed["attempts"] >= 1 and deposed["refused"] == deposed["attempts"],
-                        target_s=target, late_old_epoch_deltas=line["late_old_epoch"], refused_by_workers=refused,
-                        first_version_after_death_s=round(pause_v_s, 2),
-                        first_trained_after_death_s=first_trained_on(fleet, third, pause_v, t_pause),
-                        deposed_publish_attempts=deposed["attempts"], deposed_publish_refused=deposed["refused"],
-                        old_leader_stepped_down=stepped_down, epochs=len(line["epochs"]))]
+            return [
+                row(
+                    "trainer_leader_sigkill",
+                    books,
+                    failover,
+                    clean and failover <= target,
+                    target_s=target,
+                    versions=line["top"],
+                    gaps=len(line["gaps"]),
+                    forks=len(line["forks"]),
+                    first_version_after_death_s=round(first_v_s, 2),
+                    first_trained_after_death_s=first_trained_on(fleet, spare, first_v, t_death),
+                ),
+                row(
+                    "trainer_leader_sigstop",
+                    books,
+                    pause_failover,
+                    clean
+                    and stepped_down
+                    and pause_failover <= target
+                    and line["late_old_epoch"] == 0
+                    and deposed["attempts"] >= 1
+                    and deposed["refused"] == deposed["attempts"],
+                    target_s=target,
+                    late_old_epoch_deltas=line["late_old_epoch"],
+                    refused_by_workers=refused,
+                    first_version_after_death_s=round(pause_v_s, 2),
+                    first_trained_after_death_s=first_trained_on(fleet, third, pause_v, t_pause),
+                    deposed_publish_attempts=deposed["attempts"],
+                    deposed_publish_refused=deposed["refused"],
+                    old_leader_stepped_down=stepped_down,
+                    epochs=len(line["epochs"]),
+                ),
+            ]
         finally:
             await fleet.close()
 
@@ -87,7 +119,7 @@ async def slow_step_kill(run_dir: Path, tasks: int = 40, seed: int = 9, delay_fa
         try:
             fleet.trainer("A", faults={"step_delay_s": delay_factor * fleet.ack_wait_s})
             await wait_ready(fleet, ["A"])
-            await pipeline(fleet, workers=2, trainers=("B",))       # B waits on standby
+            await pipeline(fleet, workers=2, trainers=("B",))  # B waits on standby
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
             batch = BATCH_GROUPS * GROUP
             await fleet.wait_held(topo.SCORED, topo.TRAINER_CONSUMER, at_least=batch, timeout_s=300)
@@ -101,14 +133,28 @@ async def slow_step_kill(run_dir: Path, tasks: int = 40, seed: int = 9, delay_fa
             books = await fleet.wait_trained(ids, 600, with_checkpoint=True, feeding=feeding, watch=["B"])
             line = version_line(await weights_history(fleet.bus))
             a_log = run_dir / "trainer-A" / "metrics" / "trainer.jsonl"
-            a_steps = sum(1 for ln in a_log.read_text().splitlines() if '"rollout_ids"' in ln) if a_log.exists() else 0
-            return row("slow_step_kill", books, first_v_s,
-                       v_before == 0 and a_steps == 0 and info.num_ack_pending >= batch
-                       and not line["gaps"] and not line["forks"],
-                       step_delay_s=delay_factor * fleet.ack_wait_s, held_at_kill=info.num_ack_pending,
-                       version_at_kill=v_before, leader_logged_steps=a_steps, lease_failover_s=round(failover, 2),
-                       first_version_after_death_s=round(first_v_s, 2),
-                       first_trained_after_death_s=first_trained_on(fleet, "B", first_v, t_death))
+            a_steps = (
+                sum(1 for ln in a_log.read_text().splitlines() if '"rollout_ids"' in ln)
+                if a_log.exists()
+                else 0
+            )
+            return row(
+                "slow_step_kill",
+                books,
+                first_v_s,
+                v_before == 0
+                and a_steps == 0
+                and info.num_ack_pending >= batch
+                and not line["gaps"]
+                and not line["forks"],
+                step_delay_s=delay_factor * fleet.ack_wait_s,
+                held_at_kill=info.num_ack_pending,
+                version_at_kill=v_before,
+                leader_logged_steps=a_steps,
+                lease_failover_s=round(failover, 2),
+                first_version_after_death_s=round(first_v_s, 2),
+                first_trained_after_death_s=first_trained_on(fleet, "B", first_v, t_death),
+            )
         finally:
             await fleet.close()
 
@@ -125,11 +171,11 @@ async def deferred_checkpoint_kill(run_dir: Path, tasks: int = 40, seed: int = 1
         try:
             fleet.trainer("A", checkpoint={"every": every})
             await wait_ready(fleet, ["A"])
-            fleet.trainer("B", checkpoint={"every": every})          # B waits on standby
+            fleet.trainer("B", checkpoint={"every": every})  # B waits on standby
             await pipeline(fleet, workers=2, trainers=())
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
             deadline = time.monotonic() + 300
-            while True:                   # a version published, not checkpointed, after a checkpoint
+            while True:  # a version published, not checkpointed, after a checkpoint
                 v_kill = await fleet.version()
                 if v_kill > every and v_kill % every:
                     break
@@ -146,19 +192,35 @@ async def deferred_checkpoint_kill(run_dir: Path, tasks: int = 40, seed: int = 1
             line = version_line(await weights_history(fleet.bus))
             gone = rolled_back(all_step_lines(run_dir))
             redone = sorted({d["version"] for d in gone})
-            passed = (ckpt_v < v_kill and 1 <= len(redone) <= every - 1 and not line["gaps"]
-                      and set(line["forks"]) <= set(redone) and all(v > ckpt_v for v in redone))
-            return row("deferred_checkpoint_kill", books, first_v_s, passed, checkpoint_every=every,
-                       version_at_kill=v_kill, checkpoint_at_kill=ckpt_v, rolled_back_versions=redone,
-                       rolled_back_ids=sum(len(d["rollout_ids"]) for d in gone), forks=line["forks"],
-                       lease_failover_s=round(failover, 2), first_version_after_death_s=round(first_v_s, 2),
-                       first_trained_after_death_s=first_trained_on(fleet, "B", first_v, t_death))
+            passed = (
+                ckpt_v < v_kill
+                and 1 <= len(redone) <= every - 1
+                and not line["gaps"]
+                and set(line["forks"]) <= set(redone)
+                and all(v > ckpt_v for v in redone)
+            )
+            return row(
+                "deferred_checkpoint_kill",
+                books,
+                first_v_s,
+                passed,
+                checkpoint_every=every,
+                version_at_kill=v_kill,
+                checkpoint_at_kill=ckpt_v,
+                rolled_back_versions=redone,
+                rolled_back_ids=sum(len(d["rollout_ids"]) for d in gone),
+                forks=line["forks"],
+                lease_failover_s=round(failover, 2),
+                first_version_after_death_s=round(first_v_s, 2),
+                first_trained_after_death_s=first_trained_on(fleet, "B", first_v, t_death),
+            )
         finally:
             await fleet.close()
 
 
-async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10, stop_at: int = 3,
-                                 publish: str = "gathered") -> dict:
+async def deposed_leader_publish(
+    run_dir: Path, tasks: int = 80, seed: int = 10, stop_at: int = 3, publish: str = "gathered"
+) -> dict:
     """The leader freezes itself exactly between its lease CAS and the WEIGHTS write of version
     `stop_at` (`stop_before_publish`); the standby takes over and publishes; the old leader is
     resumed and its write must be refused by the server: nothing of its epoch after the takeover
@@ -166,8 +228,11 @@ async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10,
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
-            fleet.trainer("A", faults={"stop_before_publish": stop_at, "probe_when_deposed": True},
-                          publish={"layout": publish})
+            fleet.trainer(
+                "A",
+                faults={"stop_before_publish": stop_at, "probe_when_deposed": True},
+                publish={"layout": publish},
+            )
             await wait_ready(fleet, ["A"])
             fleet.trainer("B", publish={"layout": publish})
             await pipeline(fleet, workers=2, trainers=())
@@ -177,7 +242,7 @@ async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10,
                 raise ChaosError(f"leader A never reached its publication of v{stop_at}")
             t_stop = time.monotonic()
             new, failover = await wait_leader(fleet, "A", LEASE_TTL_S + 60)
-            await fleet.wait_version(stop_at + 1, 300, watch=[new])     # the new leader published
+            await fleet.wait_version(stop_at + 1, 300, watch=[new])  # the new leader published
             first_version_s = time.monotonic() - t_stop
             fleet.signal("A", signal.SIGCONT)
             stepped_down = await wait_log(a.log_path, "back to standby", 60)
@@ -189,16 +254,32 @@ async def deposed_leader_publish(run_dir: Path, tasks: int = 80, seed: int = 10,
             late = [e.msg_id() for e in events[takeover:] if e.epoch == e_old]
             line = version_line(events)
             deposed = deposed_publishes(a.log_path)
-            passed = (stepped_down and not late and not line["gaps"] and not line["forks"]
-                      and deposed["attempts"] >= 1 and deposed["refused"] == deposed["attempts"])
-            return row("deposed_leader_publish", books, failover, passed, target_s=LEASE_TTL_S + 5,
-                       first_version_after_stop_s=round(first_version_s, 2),
-                       deposed_publish_attempts=deposed["attempts"], deposed_publish_refused=deposed["refused"],
-                       old_epoch_after_takeover=late, old_leader_stepped_down=stepped_down,
-                       manifests=sum(1 for e in events if e.KIND == "Manifest"),
-                       versions=line["top"], gaps=len(line["gaps"]), forks=len(line["forks"]))
+            passed = (
+                stepped_down
+                and not late
+                and not line["gaps"]
+                and not line["forks"]
+                and deposed["attempts"] >= 1
+                and deposed["refused"] == deposed["attempts"]
+            )
+            return row(
+                "deposed_leader_publish",
+                books,
+                failover,
+                passed,
+                target_s=LEASE_TTL_S + 5,
+                first_version_after_stop_s=round(first_version_s, 2),
+                deposed_publish_attempts=deposed["attempts"],
+                deposed_publish_refused=deposed["refused"],
+                old_epoch_after_takeover=late,
+                old_leader_stepped_down=stepped_down,
+                manifests=sum(1 for e in events if e.KIND == "Manifest"),
+                versions=line["top"],
+                gaps=len(line["gaps"]),
+                forks=len(line["forks"]),
+            )
         finally:
-            await fleet.close()          # SIGCONT + SIGTERM to everyone, A included
+            await fleet.close()  # SIGCONT + SIGTERM to everyone, A included
 
 
 async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeout_s: float = 15.0) -> dict:
@@ -219,10 +300,14 @@ async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeou
                     fed.append(decode(m.data, Task).task_id)
                 except Exception:
                     pass
+
             rec = await fleet.bus.nc.subscribe("rl.tasks.>", cb=record)
             steps = max(tasks, 2)
-            fleet.trainer("A", run={"mode": "sync", "sync_task_timeout_s": timeout_s, "max_steps": steps},
-                          tasks={"feed": True, "sampling": {"max_tokens": MAX_TOKENS, "temperature": 1.0}})
+            fleet.trainer(
+                "A",
+                run={"mode": "sync", "sync_task_timeout_s": timeout_s, "max_steps": steps},
+                tasks={"feed": True, "sampling": {"max_tokens": MAX_TOKENS, "temperature": 1.0}},
+            )
             fleet.scorer("s0")
             await wait_ready(fleet, ["A", "s0"])
             t0 = time.monotonic()
@@ -235,9 +320,14 @@ async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeou
             raw = await fleet.bus.js.get_msg(topo.TASKS, seq=info.state.first_seq)
             victim = decode(raw.data, Task)
             await fleet.bus.js.delete_msg(topo.TASKS, raw.seq)
-            poison = Task(task_id=victim.task_id, env=victim.env, prompt=victim.prompt,
-                          spec={"answer": "poison"}, sampling=victim.sampling,
-                          min_version=victim.min_version)
+            poison = Task(
+                task_id=victim.task_id,
+                env=victim.env,
+                prompt=victim.prompt,
+                spec={"answer": "poison"},
+                sampling=victim.sampling,
+                min_version=victim.min_version,
+            )
             await fleet.bus.publish(raw.subject, poison, msg_id=f"poison-{victim.task_id}")
             t_poison = time.monotonic()
             for i in range(2):
@@ -245,21 +335,28 @@ async def sync_poison_task(run_dir: Path, tasks: int = 4, seed: int = 10, timeou
             await wait_ready(fleet, ["w0", "w1"])
             await fleet.wait_version(steps, 600, watch=["s0", "w0", "w1"])
             rec_s = time.monotonic() - t_poison
-            fleet.procs["A"].popen.wait(120)                      # max_steps: it finishes by itself
+            fleet.procs["A"].popen.wait(120)  # max_steps: it finishes by itself
             await rec.unsubscribe()
             good = sorted(set(fed) - {victim.task_id})
             # under load a slow task gets a replacement too (sync_task_timeout_s); its late rollouts
             # join the next batch, and those of the last version stay durable in SCORED: not lost
             books = fleet.books(good, with_checkpoint=True, queued=await queued_ids(fleet.bus, GROUP))
             t1 = time.monotonic()
-            while (parked := sum(1 for _, r in await dlq_entries(fleet.bus)
-                                 if "bad task spec" in r)) < GROUP \
-                    and time.monotonic() - t1 < 60:
+            while (
+                parked := sum(1 for _, r in await dlq_entries(fleet.bus) if "bad task spec" in r)
+            ) < GROUP and time.monotonic() - t1 < 60:
                 await asyncio.sleep(0.5)
             replaced = max((d.get("sync_replaced", 0) for d in fleet.step_lines()), default=0)
-            return row("sync_poison_task", books, rec_s,
-                       fleet.procs["A"].popen.returncode == 0 and replaced >= 1 and parked == GROUP,
-                       versions=await fleet.version(), sync_replaced=replaced, poison_parked=parked,
-                       sync_task_timeout_s=timeout_s, trainer_rc=fleet.procs["A"].popen.returncode)
+            return row(
+                "sync_poison_task",
+                books,
+                rec_s,
+                fleet.procs["A"].popen.returncode == 0 and replaced >= 1 and parked == GROUP,
+                versions=await fleet.version(),
+                sync_replaced=replaced,
+                poison_parked=parked,
+                sync_task_timeout_s=timeout_s,
+                trainer_rc=fleet.procs["A"].popen.returncode,
+            )
         finally:
             await fleet.close()

@@ -1,5 +1,6 @@
 """Scenarios that fault the rollout workers and scorers: SIGKILL and SIGSTOP mid-work, a crashing
 weights feed, and a 10,000-task backlog met by a restarted worker."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,13 +32,13 @@ async def kill_workers(run_dir: Path, tasks: int = 200, kills: int = 3, seed: in
             rng, recoveries, spawned = random.Random(seed), [], 3
             t0, span = time.monotonic(), tasks / RATE
             redelivered = 0
-            for k in range(kills + 3):             # up to 3 extra kills if none hit a busy worker
+            for k in range(kills + 3):  # up to 3 extra kills if none hit a busy worker
                 if k >= kills and redelivered:
                     break
-                when = t0 + span * min(k + rng.random(), kills) / (kills + 1)   # random instants in the run
+                when = t0 + span * min(k + rng.random(), kills) / (kills + 1)  # random instants in the run
                 await asyncio.sleep(max(0.0, when - time.monotonic()))
                 if not await fleet.wait_held(topo.TASKS, topo.ROLLOUT_CONSUMER, at_least=3, until=feeding):
-                    break                         # the run is over: no later instant to kill at
+                    break  # the run is over: no later instant to kill at
                 rec, n = await kill_and_replace(fleet, "rollout_worker", f"w{spawned}", rng)
                 spawned += 1
                 recoveries.append(rec)
@@ -45,10 +46,16 @@ async def kill_workers(run_dir: Path, tasks: int = 200, kills: int = 3, seed: in
             books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
             rec = max(recoveries)
             # a kill that hit an idle worker proves nothing: at least one must have forced redelivery
-            return row("worker_sigkill", books, rec, rec <= fleet.ack_wait_s + 10 and redelivered > 0,
-                       kills=len(recoveries),
-                       redelivered=redelivered, recovery_s_all=[round(r, 2) for r in recoveries],
-                       target_s=fleet.ack_wait_s + 10)
+            return row(
+                "worker_sigkill",
+                books,
+                rec,
+                rec <= fleet.ack_wait_s + 10 and redelivered > 0,
+                kills=len(recoveries),
+                redelivered=redelivered,
+                recovery_s_all=[round(r, 2) for r in recoveries],
+                target_s=fleet.ack_wait_s + 10,
+            )
         finally:
             await fleet.close()
 
@@ -74,8 +81,15 @@ async def kill_scorer(run_dir: Path, tasks: int = 100, seed: int = 2, kills: int
                     break
             books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
             rec = max(recoveries, default=float("nan"))
-            return row("scorer_sigkill", books, rec, rec <= fleet.ack_wait_s + 10 and redelivered > 0,
-                       kills=len(recoveries), redelivered=redelivered, target_s=fleet.ack_wait_s + 10)
+            return row(
+                "scorer_sigkill",
+                books,
+                rec,
+                rec <= fleet.ack_wait_s + 10 and redelivered > 0,
+                kills=len(recoveries),
+                redelivered=redelivered,
+                target_s=fleet.ack_wait_s + 10,
+            )
         finally:
             await fleet.close()
 
@@ -99,21 +113,30 @@ async def pause_worker(run_dir: Path, tasks: int = 100, seed: int = 6, tries: in
                 info = await fleet.consumer(topo.TASKS, topo.ROLLOUT_CONSUMER)
                 fleet.signal(victim, signal.SIGSTOP)
                 t_stop = time.monotonic()
-                rec, redelivered = await fleet.wait_redelivered(topo.TASKS, topo.ROLLOUT_CONSUMER, info,
-                                                                t_stop, fleet.ack_wait_s + 60)
+                rec, redelivered = await fleet.wait_redelivered(
+                    topo.TASKS, topo.ROLLOUT_CONSUMER, info, t_stop, fleet.ack_wait_s + 60
+                )
                 await asyncio.sleep(max(0.0, fleet.ack_wait_s + 1 - (time.monotonic() - t_stop)))
-                paused_s = time.monotonic() - t_stop       # beyond ack_wait in any case
+                paused_s = time.monotonic() - t_stop  # beyond ack_wait in any case
                 fleet.signal(victim, signal.SIGCONT)
                 if redelivered:
                     break
             books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
-            await asyncio.sleep(fleet.ack_wait_s)      # let the woken worker finish its late publishes
+            await asyncio.sleep(fleet.ack_wait_s)  # let the woken worker finish its late publishes
             # every rollout id is stored once in ROLLOUTS: the late copies were dropped by Nats-Msg-Id
             stored = (await fleet.bus.js.stream_info(topo.ROLLOUTS)).state.last_seq
             extra = stored - len(ids) * GROUP
-            return row("worker_sigstop", books, rec, rec <= fleet.ack_wait_s + 10 and extra == 0 and redelivered > 0,
-                       paused_s=round(paused_s, 2), pauses=i + 1, redelivered=redelivered,
-                       target_s=fleet.ack_wait_s + 10, rollouts_stored_twice=extra)
+            return row(
+                "worker_sigstop",
+                books,
+                rec,
+                rec <= fleet.ack_wait_s + 10 and extra == 0 and redelivered > 0,
+                paused_s=round(paused_s, 2),
+                pauses=i + 1,
+                redelivered=redelivered,
+                target_s=fleet.ack_wait_s + 10,
+                rollouts_stored_twice=extra,
+            )
         finally:
             await fleet.close()
 
@@ -134,7 +157,7 @@ async def worker_feed_crash(run_dir: Path, tasks: int = 60, seed: int = 12, faul
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
             seen: dict = {}
 
-            async def watch() -> None:       # failure (w0's log) -> first heartbeat on the latest version
+            async def watch() -> None:  # failure (w0's log) -> first heartbeat on the latest version
                 while "ok" not in seen:
                     log = fleet.procs["w0"].log_path.read_text(errors="replace")
                     if "fail" not in seen and "background task failed; restarting" in log:
@@ -144,6 +167,7 @@ async def worker_feed_crash(run_dir: Path, tasks: int = 60, seed: int = 12, faul
                         if w.get("restarts", 0) >= 1 and w.get("version") == await fleet.version():
                             seen["ok"] = time.time()
                     await asyncio.sleep(0.25)
+
             watcher = asyncio.create_task(watch())
             books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
             try:
@@ -154,10 +178,23 @@ async def worker_feed_crash(run_dir: Path, tasks: int = 60, seed: int = 12, faul
             w0 = (await worker_beats(fleet)).get("w0", {})
             failed = "fail" in seen
             rec = round(seen["ok"] - seen["fail"], 2) if "ok" in seen else None
-            ok = (failed and rec is not None and w0.get("version") == top and w0.get("restarts", 0) >= 1
-                  and fleet.procs["w0"].popen.poll() is None)
-            return row("worker_feed_crash", books, rec if rec is not None else -1.0, ok, latest_version=top,
-                       worker_version=w0.get("version"), feed_restarts=w0.get("restarts"), fault_after=fault_after)
+            ok = (
+                failed
+                and rec is not None
+                and w0.get("version") == top
+                and w0.get("restarts", 0) >= 1
+                and fleet.procs["w0"].popen.poll() is None
+            )
+            return row(
+                "worker_feed_crash",
+                books,
+                rec if rec is not None else -1.0,
+                ok,
+                latest_version=top,
+                worker_version=w0.get("version"),
+                feed_restarts=w0.get("restarts"),
+                fault_after=fault_after,
+            )
         finally:
             await fleet.close()
 
@@ -168,11 +205,14 @@ async def backlog(run_dir: Path, tasks: int = 10_000, seed: int = 8, watch_s: fl
     async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
         fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
         try:
-            cfg = policy.ModelConfig.preset(MODEL["preset"], vocab_size=policy.CharTokenizer.default().vocab_size,
-                                            **{k: v for k, v in MODEL.items() if k != "preset"})
+            cfg = policy.ModelConfig.preset(
+                MODEL["preset"],
+                vocab_size=policy.CharTokenizer.default().vocab_size,
+                **{k: v for k, v in MODEL.items() if k != "preset"},
+            )
             state = policy.inference_state(policy.Transformer(cfg))
             await WeightPublisher(fleet.bus, epoch=1, trainer_id="harness").publish_keyframe(state, 0, cfg)
-            fleet.worker("w-old")                     # a worker that was running, then stopped (drained)
+            fleet.worker("w-old")  # a worker that was running, then stopped (drained)
             await wait_ready(fleet, ["w-old"])
             fleet.signal("w-old", signal.SIGTERM)
             fleet.procs["w-old"].popen.wait(60)
@@ -184,32 +224,44 @@ async def backlog(run_dir: Path, tasks: int = 10_000, seed: int = 8, watch_s: fl
             fleet.worker("w0")
             await wait_ready(fleet, ["w0"])
             pid, t0 = fleet.procs["w0"].popen.pid, time.monotonic()
-            ready_s = t0 - t_start                           # restart -> serving, with 10,000 queued
+            ready_s = t0 - t_start  # restart -> serving, with 10,000 queued
             rss, held = [], []
             while time.monotonic() - t0 < watch_s:
                 fleet.check_alive(["w0"])
                 rss.append(rss_mb(pid))
                 held.append((await fleet.consumer(topo.TASKS, topo.ROLLOUT_CONSUMER)).num_ack_pending)
                 await asyncio.sleep(0.25)
-            fleet.signal("w0", signal.SIGTERM)            # drain: held tasks finished or released
+            fleet.signal("w0", signal.SIGTERM)  # drain: held tasks finished or released
             fleet.procs["w0"].popen.wait(60)
             left = (await fleet.bus.js.stream_info(topo.TASKS)).state.messages
             rids = await stored_rollout_ids(fleet.bus)
             done = {r.rsplit("-", 1)[0] for r in rids}
             lost = tasks - left - len(done)
-            cap = 8 + 4                                   # the worker's slots + queue (Fleet.worker)
+            cap = 8 + 4  # the worker's slots + queue (Fleet.worker)
             half = len(rss) // 2
-            growth = max(rss[half:]) - max(rss[:half])      # second half vs first half of the watch
+            growth = max(rss[half:]) - max(rss[:half])  # second half vs first half of the watch
             ok = queued == tasks and max(held) <= cap and growth < 50 and lost == 0
             # no trainer runs here: this scenario measures the worker's memory and prefetch bound.
             # Its books come from the streams (tasks neither still queued nor finished), and
             # nothing is claimed about training (trained / duplicates_trained: None)
-            return {"name": "backlog_10k", "tasks": tasks, "lost": lost, "duplicates_trained": None,
-                    "trained": None, "measures": "worker memory and prefetch bound under a 10k-task backlog "
-                                                 "(no trainer; lost = tasks neither queued nor finished)",
-                    "recovery_s": round(ready_s, 2), "passed": bool(ok), "queued": queued,
-                    "held_max": max(held), "held_cap": cap, "rss_mb_max": round(max(rss), 1),
-                    "rss_growth_mb": round(growth, 1), "finished": len(done), "left_queued": left,
-                    "rollouts_stored_twice": len(rids) - len(set(rids))}
+            return {
+                "name": "backlog_10k",
+                "tasks": tasks,
+                "lost": lost,
+                "duplicates_trained": None,
+                "trained": None,
+                "measures": "worker memory and prefetch bound under a 10k-task backlog "
+                "(no trainer; lost = tasks neither queued nor finished)",
+                "recovery_s": round(ready_s, 2),
+                "passed": bool(ok),
+                "queued": queued,
+                "held_max": max(held),
+                "held_cap": cap,
+                "rss_mb_max": round(max(rss), 1),
+                "rss_growth_mb": round(growth, 1),
+                "finished": len(done),
+                "left_queued": left,
+                "rollouts_stored_twice": len(rids) - len(set(rids)),
+            }
         finally:
             await fleet.close()

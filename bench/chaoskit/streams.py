@@ -1,5 +1,6 @@
 """Read what the broker stored: every message of a stream by sequence, decoded where the books
 or the observers need events (WEIGHTS history, DLQ reasons, stored rollout ids)."""
+
 from __future__ import annotations
 
 from nats.js.errors import NotFoundError
@@ -32,8 +33,10 @@ async def weights_by_seq(bus) -> list:
 
 async def dlq_entries(bus) -> list[tuple[str, str]]:
     """(subject, Rl-Reason) of every message parked in DLQ."""
-    return [(raw.subject, (raw.headers or {}).get("Rl-Reason", ""))
-            for raw in await stream_messages(bus, topo.DLQ, "rl.dlq.>")]
+    return [
+        (raw.subject, (raw.headers or {}).get("Rl-Reason", ""))
+        for raw in await stream_messages(bus, topo.DLQ, "rl.dlq.>")
+    ]
 
 
 async def dlq_task_ids(bus) -> dict[str, str]:
@@ -43,9 +46,14 @@ async def dlq_task_ids(bus) -> dict[str, str]:
         try:
             ev = decode(raw.data)
         except EventError:
-            continue                                   # a malformed body has no task to account for
-        tid = (ev.task_id if isinstance(ev, (Task, Rollout)) else
-               ev.rollout.get("task_id") if isinstance(ev, Scored) else None)
+            continue  # a malformed body has no task to account for
+        tid = (
+            ev.task_id
+            if isinstance(ev, (Task, Rollout))
+            else ev.rollout.get("task_id")
+            if isinstance(ev, Scored)
+            else None
+        )
         if tid:
             out[tid] = (raw.headers or {}).get("Rl-Reason", "")
     return out

@@ -1,4 +1,5 @@
 """A tiny char-level model and a one-bug task for multi-turn episode tests (torch and vLLM engines)."""
+
 from __future__ import annotations
 
 import torch
@@ -28,6 +29,15 @@ def no_special_state(seed: int = 0) -> dict:
 
 
 def bug_task() -> EpisodeTask:
-    return EpisodeTask("t-add", "test", "train", "Fix calc.py.",
-                       {"calc.py": "def add(a, b):\n    return a - b\n", "test_calc.py": TESTS},
-                       {"test_calc.py": TESTS}, "mini", ["test_calc.py"], ["test_calc.py::test_add"], [])
+    return EpisodeTask(
+        "t-add",
+        "test",
+        "train",
+        "Fix calc.py.",
+        {"calc.py": "def add(a, b):\n    return a - b\n", "test_calc.py": TESTS},
+        {"test_calc.py": TESTS},
+        "mini",
+        ["test_calc.py"],
+        ["test_calc.py::test_add"],
+        [],
+    )

@@ -1,5 +1,6 @@
 """Delta codec test helpers: float updates (hypothesis), Adam-like updates, forged and refused
 payloads, CLASSED chunks."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -51,15 +52,23 @@ def float_update(draw):
     new_bits[raw.numpy()] = rng.integers(-128, 127, int(raw.sum())).astype(new_bits.dtype)
     new = torch.from_numpy(new_bits).view(dtype)
     shape = (n,) if n % 3 else (n // 3, 3)
-    return {"w": base.reshape(shape), "x": base[: n // 2].clone()}, {"w": new.reshape(shape), "x": base[: n // 2].clone()}
+    return {"w": base.reshape(shape), "x": base[: n // 2].clone()}, {
+        "w": new.reshape(shape),
+        "x": base[: n // 2].clone(),
+    }
 
 
 def adam_like(n: int = 60_000, lr: float = 1e-4, seed: int = 0) -> tuple[dict, dict]:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, generator=g) * 0.02
     step = lr * torch.randn(n, generator=g).sign() * 0.005  # ~1-2 % of the bf16 elements change
-    return ({"a": w.to(torch.bfloat16), "b": (w[: n // 3] * 3).to(torch.float32)},
-            {"a": (w + step).to(torch.bfloat16), "b": (w[: n // 3] * 3 + step[: n // 3] * 1e-3).to(torch.float32)})
+    return (
+        {"a": w.to(torch.bfloat16), "b": (w[: n // 3] * 3).to(torch.float32)},
+        {
+            "a": (w + step).to(torch.bfloat16),
+            "b": (w[: n // 3] * 3 + step[: n // 3] * 1e-3).to(torch.float32),
+        },
+    )
 
 
 def refused(state: dict, blob, match: str) -> None:
@@ -79,7 +88,9 @@ def forge(d: Delta, name: str, edit) -> bytes:
             edit(chunks)
             r = TensorRecord(r.name, r.dtype, r.shape, r.digest_a, r.digest_b, *pack_record(chunks))
         recs.append(r)
-    return Delta(d.from_version, d.to_version, recs, base_digest=d.base_digest, new_digest=d.new_digest).to_bytes()
+    return Delta(
+        d.from_version, d.to_version, recs, base_digest=d.base_digest, new_digest=d.new_digest
+    ).to_bytes()
 
 
 def first_classed(chunks) -> list:

@@ -1,5 +1,6 @@
 """The shipped deploy/ tree: its paths, an initialised copy (env files and keys), env-file parsing,
 the compose validator."""
+
 from __future__ import annotations
 
 import atexit
@@ -20,6 +21,7 @@ def initialized_deploy() -> Path:
     """A copy of deploy/env after `asyncrl deploy init` (<tmp>/env, <tmp>/keys): the shipped
     files hold placeholders that no process accepts."""
     from asyncrl.deploy import init
+
     root = Path(tempfile.mkdtemp(prefix="asyncrl-deploy-"))
     shutil.copytree(SHIPPED_ENV, root / "env")
     init(root / "env", root / "keys")
@@ -48,10 +50,14 @@ def read_env(path: Path) -> dict[str, str]:
 def compose_cmd() -> list[str] | None:
     if shutil.which("docker-compose"):
         return ["docker-compose"]
-    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
-                                                 capture_output=True).returncode == 0:
+    if (
+        shutil.which("docker")
+        and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    ):
         return ["docker", "compose"]
     return None
 
 
-needs_compose = pytest.mark.skipif(compose_cmd() is None, reason="no compose validator: apt-get install docker-compose")
+needs_compose = pytest.mark.skipif(
+    compose_cmd() is None, reason="no compose validator: apt-get install docker-compose"
+)

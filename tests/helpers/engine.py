@@ -1,5 +1,6 @@
 """Engine test helpers: a tiny model config, perturbed states (a trainer step stand-in) and
 reference logprobs to check rollouts against."""
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,9 @@ def reference_logprobs(states: dict[int, dict], prompt, completion, versions, cf
         if v != loaded:
             model.load_inference_state(states[v])
             loaded = v
-        logits = model.prefill(prompt, cache, 0) if i == 0 else model.decode([completion[i - 1]], cache, [0])[0]
+        logits = (
+            model.prefill(prompt, cache, 0) if i == 0 else model.decode([completion[i - 1]], cache, [0])[0]
+        )
         out.append(torch.log_softmax(logits.float(), -1)[tok])
     return torch.stack(out)
 

@@ -1,5 +1,6 @@
 """GGUF test helpers: a tiny BPE tokenizer and Llama, written as a GGUF file the way llama.cpp
 lays it out (skips the module without the gguf and transformers packages)."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,9 @@ from tests.helpers import bpe  # noqa: E402
 
 
 def bpe_tokenizer():
-    return bpe.bpe_tokenizer(["def add(a, b):\n    return a + b", "hello world, 12 + 7 = 19", "print('ok')"] * 40,
-                             vocab_size=320)
+    return bpe.bpe_tokenizer(
+        ["def add(a, b):\n    return a + b", "hello world, 12 + 7 = 19", "print('ok')"] * 40, vocab_size=320
+    )
 
 
 def permute_like_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -25,9 +27,17 @@ def permute_like_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def write_gguf(path, model, tok, quant: dict[str, str], arch="llama"):
@@ -97,8 +107,17 @@ def write_gguf(path, model, tok, quant: dict[str, str], arch="llama"):
 
 def tiny_llama(vocab: int, tie: bool, max_pos: int = 128):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
-                                   rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=0.2,
-                                   rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        initializer_range=0.2,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    )
     return transformers.LlamaForCausalLM(cfg).eval()

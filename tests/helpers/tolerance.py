@@ -16,6 +16,7 @@ reductions that feed an element, how many of them are chained, and the optimizer
 Equality stays where the code guarantees bit-exactness (same kernels, same order: a cast, a copy,
 a lossless codec); docs/testing.md lists each comparison with its reason.
 """
+
 from __future__ import annotations
 
 import math
@@ -84,13 +85,20 @@ def adam_step_bound(betas: tuple[float, float], steps: int) -> float:
     """max |m_hat / sqrt(v_hat)| over any gradients, at step `steps` (by Cauchy-Schwarz on the bias-
     corrected averages): ~1 for the first steps, what one AdamW step can move an element per unit lr."""
     b1, b2 = betas
-    a = [(1 - b1) * b1 ** (steps - i) / (1 - b1 ** steps) for i in range(1, steps + 1)]
-    w = [(1 - b2) * b2 ** (steps - i) / (1 - b2 ** steps) for i in range(1, steps + 1)]
+    a = [(1 - b1) * b1 ** (steps - i) / (1 - b1**steps) for i in range(1, steps + 1)]
+    w = [(1 - b2) * b2 ** (steps - i) / (1 - b2**steps) for i in range(1, steps + 1)]
     return math.sqrt(sum(x * x / y for x, y in zip(a, w)))
 
 
-def assert_adam_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, lrs: list[float],
-                      betas: tuple[float, float], reduction_len: int, kappa: float = 1e3) -> None:
+def assert_adam_close(
+    got: dict[str, torch.Tensor],
+    want: dict[str, torch.Tensor],
+    *,
+    lrs: list[float],
+    betas: tuple[float, float],
+    reduction_len: int,
+    kappa: float = 1e3,
+) -> None:
     """Weights of two AdamW runs from the same start whose gradients differ by rounding only.
 
     An element's gradient is a sum of reduction_len terms. Where it is well conditioned
@@ -111,11 +119,13 @@ def assert_adam_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
         weight_rounding = 2 * steps * u * w.detach().float().abs()
         assert bool((d <= loose_abs + weight_rounding).all()), (
             f"{name}: differs by {float(d.max()):.3g}, more than AdamW can move it in {steps} steps "
-            f"({loose_abs:.3g}): not a rounding difference")
+            f"({loose_abs:.3g}): not a rounding difference"
+        )
         outside += int((d > tight_abs + weight_rounding).sum())
         total += d.numel()
         worst = max(worst, (float(d.max()), name))
     allowed = math.sqrt(reduction_len) / kappa * total
     assert outside <= allowed, (
         f"{outside} of {total} elements differ by more than rounding explains ({tight_abs:.3g}; at most "
-        f"{allowed:.0f} ill-conditioned ones expected); worst {worst[0]:.3g} in {worst[1]}")
+        f"{allowed:.0f} ill-conditioned ones expected); worst {worst[0]:.3g} in {worst[1]}"
+    )

@@ -1,5 +1,6 @@
 """A trainer process started from a written config file (python -m trainer), for tests that kill and
 restart trainers."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,10 @@ def write_config(path: Path, url: str, tid: str, tmp: Path, ack_wait_s: float = 
     """A trainer process's config (tests/test_trainer_slow_step.py passes its own ack_wait, and
     knobs as {section: {key: value}})."""
     model = ", ".join(f"{k} = {json.dumps(v)}" for k, v in MODEL.items() if v is not None)  # TOML has no null
-    more = "\n".join(f"[trainer.{sect}]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in keys.items())
-                     for sect, keys in extra.items())
+    more = "\n".join(
+        f"[trainer.{sect}]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in keys.items())
+        for sect, keys in extra.items()
+    )
     path.write_text(f"""
 [trainer]
 trainer_id = "{tid}"
@@ -35,9 +38,9 @@ feed = false
 [trainer.optim]
 lr = 0.01
 [trainer.checkpoint]
-dir = "{tmp / 'ckpt'}"
+dir = "{tmp / "ckpt"}"
 [trainer.run]
-dir = "{tmp / ('run-' + tid)}"
+dir = "{tmp / ("run-" + tid)}"
 [trainer.lease]
 ttl_s = {TTL}
 renew_s = 1.0
@@ -56,5 +59,10 @@ def start(tmp: Path, url: str, tid: str, **kw) -> subprocess.Popen:
     write_config(cfg, url, tid, tmp, **kw)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = open(tmp / f"{tid}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(cfg)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer", "--config", str(cfg)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )

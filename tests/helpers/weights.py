@@ -1,5 +1,6 @@
 """Weights test helpers: a trajectory of states, deltas between them, state equality, and polling
 until a condition holds."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,6 @@
 """Rollout-worker test helpers: the worker's model and tokenizer, states per version, tasks
 published and streams read back, a worker config."""
+
 from __future__ import annotations
 
 import torch
@@ -28,9 +29,17 @@ def states_for(n: int, seed: int, frac: float = 0.3, scale: float = 0.05) -> lis
 async def publish_tasks(bus, n: int, tag: str, *, max_tokens=40, group=2, min_version=0) -> list[str]:
     ids = [f"{tag}-{i}" for i in range(n)]
     for tid in ids:
-        await bus.publish(topo.task_subject("arith"), Task(
-            task_id=tid, env="arith", prompt=f"{tid}: 12+30=", spec={"answer": "42"}, min_version=min_version,
-            sampling={"max_tokens": max_tokens, "n": group, "temperature": 1.0}))
+        await bus.publish(
+            topo.task_subject("arith"),
+            Task(
+                task_id=tid,
+                env="arith",
+                prompt=f"{tid}: 12+30=",
+                spec={"answer": "42"},
+                min_version=min_version,
+                sampling={"max_tokens": max_tokens, "n": group, "temperature": 1.0},
+            ),
+        )
     return ids
 
 
@@ -48,5 +57,12 @@ async def read_stream(bus, stream: str, cls) -> list:
 
 
 def worker_cfg(url: str, **kw) -> WorkerConfig:
-    return WorkerConfig(bus=BusConfig(servers=[url], name="w"), worker_id=kw.pop("worker_id", "w1"),
-                        slots=4, max_len=128, heartbeat_s=0.3, grace_s=2.0, **kw)
+    return WorkerConfig(
+        bus=BusConfig(servers=[url], name="w"),
+        worker_id=kw.pop("worker_id", "w1"),
+        slots=4,
+        max_len=128,
+        heartbeat_s=0.3,
+        grace_s=2.0,
+        **kw,
+    )

@@ -4,6 +4,7 @@ sequences end a turn exactly, and the episode runner's 3-turn trajectory is toke
 behaviour logprobs of a teacher-forced forward of the whole sequence.
 
 One engine for the module: vLLM takes about a minute to start on a small CPU box."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,7 @@ from tests.helpers.agentic import CFG, TOK, bug_task, no_special_state  # noqa: 
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-ATOL, RTOL = 0.08, 0.05      # bf16 vLLM kernels vs policy's fp32 forward on the same bf16 weights
+ATOL, RTOL = 0.08, 0.05  # bf16 vLLM kernels vs policy's fp32 forward on the same bf16 weights
 STATE = no_special_state(2)  # never samples pad/bos/eos: every turn ends by length
 
 
@@ -36,8 +37,13 @@ def teacher_forced(prompt, completion) -> torch.Tensor:
 @pytest_asyncio.fixture(scope="module")
 async def engine():
     from rollout_worker.vllm_engine import VLLMEngine
-    eng = VLLMEngine(WorkerConfig(engine="vllm", slots=2, max_len=2048, seed=0), model_config=CFG.to_dict(),
-                     eos_id=TOK.eos_id, enforce_eager=True)
+
+    eng = VLLMEngine(
+        WorkerConfig(engine="vllm", slots=2, max_len=2048, seed=0),
+        model_config=CFG.to_dict(),
+        eos_id=TOK.eos_id,
+        enforce_eager=True,
+    )
     await eng.load_keyframe(STATE, version=3, epoch=0)
     yield eng
     await eng.close()
@@ -51,8 +57,13 @@ async def test_three_turn_episode_is_token_exact_on_vllm(engine):
     really ran after the earlier turns and the observation), with the prefix cache hit."""
     runner = EpisodeRunner(engine, TOK, worker_id="w")
     limits = EpisodeLimits(max_turn_tokens=24, max_format_errors=3, command=BashLimits(wall_s=2.0))
-    task = Task(task_id="ep-vllm", env="swe", prompt="Fix calc.py.", spec=episode_spec(bug_task(), limits),
-                sampling={"max_tokens": 24, "n": 1})
+    task = Task(
+        task_id="ep-vllm",
+        env="swe",
+        prompt="Fix calc.py.",
+        spec=episode_spec(bug_task(), limits),
+        sampling={"max_tokens": 24, "n": 1},
+    )
     ro = await runner.run(task, SamplingParams(max_tokens=24, n=1), 0)
     assert ro.turns == 3 and ro.termination == "format", ro.episode
     assert [t["finish"] for t in ro.episode["turn_log"]] == ["length"] * 3
@@ -88,7 +99,7 @@ async def test_three_turn_episode_is_token_exact_on_vllm(engine):
     torch.testing.assert_close(got, ref[model_at], atol=ATOL, rtol=RTOL)
     # the third turn's request found the earlier turns' KV blocks in the prefix cache
     assert engine.last_cached_tokens >= len(ro.prompt_ids) // 2, engine.last_cached_tokens
-    assert len(engine.kept) == 0                       # the runner released its sequence
+    assert len(engine.kept) == 0  # the runner released its sequence
 
 
 async def test_extend_continues_from_the_exact_ids_and_checks_handles(engine):
@@ -99,7 +110,7 @@ async def test_extend_continues_from_the_exact_ids_and_checks_handles(engine):
     try:
         assert g1.handle >= 0 and engine.kept._kept[g1.handle].ids == prompt + g1.completion_ids  # noqa: SLF001
         g2 = await engine.extend(g1.handle, obs, sp)
-        g3 = await engine.extend(g1.handle, [], sp)                   # nothing appended: generation goes on
+        g3 = await engine.extend(g1.handle, [], sp)  # nothing appended: generation goes on
         assert g2.handle == g3.handle == g1.handle
         with pytest.raises(ValueError, match="no kept sequence"):
             await engine.extend(12345, obs, sp)
@@ -113,7 +124,9 @@ async def test_extend_continues_from_the_exact_ids_and_checks_handles(engine):
     ref = teacher_forced(prompt, comp)
     n1 = len(g1.completion_ids)
     at = list(range(n1)) + list(range(n1 + len(obs), len(comp)))
-    torch.testing.assert_close(torch.tensor(g1.logprobs + g2.logprobs + g3.logprobs), ref[at], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        torch.tensor(g1.logprobs + g2.logprobs + g3.logprobs), ref[at], atol=ATOL, rtol=RTOL
+    )
 
 
 async def test_stop_sequence_ends_the_completion_right_after_its_first_match(engine):
@@ -122,7 +135,7 @@ async def test_stop_sequence_ends_the_completion_right_after_its_first_match(eng
     full = await engine.generate(prompt, greedy, seed=0)
     assert full.finish_reason == "length"
     stop = full.completion_ids[20:22]
-    first = next(e for e in range(2, 41) if full.completion_ids[e - 2:e] == stop)
+    first = next(e for e in range(2, 41) if full.completion_ids[e - 2 : e] == stop)
     cut = await engine.generate(prompt, greedy, seed=0, stop_seqs=[stop])
     assert cut.finish_reason == "stop_seq" and cut.completion_ids == full.completion_ids[:first]
     assert len(cut.logprobs) == len(cut.token_versions) == first

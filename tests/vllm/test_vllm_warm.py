@@ -2,6 +2,7 @@
 the first delta took ~18 s to reach the model, compiling the codec's kernels while vLLM was
 paused), and the warm-up leaves the weights alone: the first delta then lands bit for bit.
 (The first delta's time is bench.vllm_stall's first_apply_ms: no timing asserted on a shared box.)"""
+
 from __future__ import annotations
 
 import hashlib
@@ -32,11 +33,13 @@ def digest(state: dict[str, torch.Tensor]) -> str:
 
 async def test_codec_is_warm_in_vllms_worker_before_the_first_delta(tmp_path):
     from rollout_worker.vllm_engine import VLLMEngine
+
     state = make_checkpoint(tmp_path, hidden=128, layers=2, vocab=384, arch="llama")
-    eng = VLLMEngine(WorkerConfig(engine="vllm", model=str(tmp_path), slots=2, max_len=128, seed=0),
-                     enforce_eager=True)
+    eng = VLLMEngine(
+        WorkerConfig(engine="vllm", model=str(tmp_path), slots=2, max_len=128, seed=0), enforce_eager=True
+    )
     try:
-        await eng.load_keyframe(state, version=0, epoch=1)          # starts vLLM; no delta yet
+        await eng.load_keyframe(state, version=0, epoch=1)  # starts vLLM; no delta yet
         ready = (await eng.llm.collective_rpc("asyncrl_codec_ready"))[0]
         assert ready["loaded"] and ready["warm_s"] > 0, ready
         assert eng.worker_warm_s == pytest.approx(ready["warm_s"], abs=1e-3)

@@ -1,6 +1,7 @@
 """The rollout worker with engine="vllm" on a real nats-server: the model comes from a published
 keyframe (policy names, Llama layout, no HF dir given), a delta lands mid-generation, and every
 behaviour logprob is what policy/ gives at the token's recorded version (the trainer's replay)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,7 @@ from tests.helpers.worker import CFG, TOK, publish_tasks, read_stream, states_fo
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-ATOL, RTOL = 0.08, 0.05      # bf16 vLLM kernels vs policy's fp32 replay on the same bf16 weights
+ATOL, RTOL = 0.08, 0.05  # bf16 vLLM kernels vs policy's fp32 replay on the same bf16 weights
 
 
 async def test_vllm_worker_hot_patches_and_replays(bus, fresh_server):
@@ -44,12 +45,14 @@ async def test_vllm_worker_hot_patches_and_replays(bus, fresh_server):
         assert len(r.completion_ids) == len(r.logprobs) == len(r.token_versions) == r.cost_tokens > 0
         assert r.token_versions == sorted(r.token_versions) and r.epoch == 1
         assert r.prompt_ids == TOK.encode(r.prompt, bos=True) and r.finish_reason in ("stop", "length")
-        ref = reference_logprobs({0: states[0], 1: states[1]}, r.prompt_ids, r.completion_ids,
-                                 r.token_versions, cfg=CFG)
+        ref = reference_logprobs(
+            {0: states[0], 1: states[1]}, r.prompt_ids, r.completion_ids, r.token_versions, cfg=CFG
+        )
         torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=ATOL, rtol=RTOL)
-        if 1 in r.token_versions:            # negative control: the same tokens replayed on v0 only
-            old = reference_logprobs({0: states[0]}, r.prompt_ids, r.completion_ids,
-                                     [0] * len(r.completion_ids), cfg=CFG)
+        if 1 in r.token_versions:  # negative control: the same tokens replayed on v0 only
+            old = reference_logprobs(
+                {0: states[0]}, r.prompt_ids, r.completion_ids, [0] * len(r.completion_ids), cfg=CFG
+            )
             at_v1 = torch.tensor(r.token_versions) == 1
             on_v1.append(torch.tensor(r.logprobs)[at_v1])
             old_ref_v1.append(old[at_v1])
@@ -59,6 +62,6 @@ async def test_vllm_worker_hot_patches_and_replays(bus, fresh_server):
     got, wrong = torch.cat(on_v1), torch.cat(old_ref_v1)
     assert not torch.allclose(got, wrong, atol=ATOL, rtol=RTOL)
     assert (got - wrong).abs().mean() > 2 * ATOL, (got - wrong).abs().mean()
-    assert any(len(set(r.token_versions)) > 1 for r in rollouts)       # the delta landed mid-sequence
+    assert any(len(set(r.token_versions)) > 1 for r in rollouts)  # the delta landed mid-sequence
     st = worker.snapshot()
     assert st["version"] == 1 and st["tokens_per_s"] > 0 and st["updates"] >= 1
