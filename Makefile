@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # real pretrained models (asyncrl model prepare) are installed and converted here, once
 export ASYNCRL_CACHE ?= $(CURDIR)/$(VENV)/asyncrl-cache
 
-.PHONY: demo test test-numeric test-chaos test-bench test-vllm bench venv clean models tools
+.PHONY: demo lint test test-numeric test-chaos test-bench test-vllm bench venv clean models tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -51,11 +51,17 @@ tools:
 	  echo "note: $$missing not installed; their tests will skip (apt-get install -y $$missing)"; \
 	fi
 
+# ruff (its config: [tool.ruff] in pyproject.toml): lint, then the formatter's check; seconds, so
+# `make test` runs it first and any finding fails the run. `ruff format .` and `ruff check --fix .` fix most.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
 # two pytest processes, a test file each at a time (module fixtures stay in one process): most tests
 # wait on real processes and a real nats-server, so two share a 2-core box well (timings:
 # docs/testing.md). TEST_JOBS=0 runs in one process.
 TEST_JOBS ?= 2
-test: $(STAMP) $(KERNELS) models tools
+test: lint $(STAMP) $(KERNELS) models tools
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 # the numeric tests (trainer, policy, delta codec) under each intra-op thread count in NUMERIC_THREADS:

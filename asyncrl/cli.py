@@ -40,8 +40,8 @@ COMMANDS = {
 
 
 def _inspect(argv: list[str]) -> int:
-    from bus import BusConfig, connect, load_config
     from asyncrl.inspect import render, snapshot
+    from bus import BusConfig, connect, load_config
 
     ap = argparse.ArgumentParser(prog="asyncrl inspect", description=__doc__)
     ap.add_argument(

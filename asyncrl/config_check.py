@@ -32,10 +32,9 @@ import sys
 import tomllib
 from pathlib import Path
 
-from bus.config import ConfigError, load_config
-
 from asyncrl import thread_plan
 from asyncrl.upconfig import UpConfig
+from bus.config import ConfigError, load_config
 
 SECTIONS = {"up", "trainer", "worker", "scorer"}
 
@@ -102,8 +101,8 @@ def cross_check(resolved: dict, sync: bool = False) -> None:
             )
     if tc.tasks.chat_template:
         import policy
-        from envs.feeder import chat_renderer
         from asyncrl.model_refs import resolve as resolve_model_refs
+        from envs.feeder import chat_renderer
 
         try:  # (`asyncrl up` checks before it resolves model:NAME for the children)
             chat_renderer(policy.load_tokenizer(resolve_model_refs({"tokenizer": t.tokenizer})["tokenizer"]))

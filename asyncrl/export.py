@@ -88,10 +88,11 @@ def from_checkpoint(path: Path) -> tuple[dict, dict, str]:
 
 async def replay(store_dir: Path, version: int, public_key=None) -> tuple[dict, dict, str]:
     """Rebuild version `version` from the WEIGHTS stream of a stopped run's store."""
+    from nats.js.errors import NotFoundError
+
     from bus import BusConfig, EmbeddedServer, connect, events
     from bus import topology as topo
     from bus.weights import WEIGHTS_SUBJECTS
-    from nats.js.errors import NotFoundError
 
     if not (store_dir / "jetstream").is_dir():
         raise ExportError(

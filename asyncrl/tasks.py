@@ -328,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd in ("import", "export", "evaluate"):
         return swebench_command(a)
     if a.cmd == "stats":
-        from envs.task_set import load_task_set
         from collections import Counter
+
+        from envs.task_set import load_task_set
 
         ts = load_task_set(a.path)
         print(

@@ -17,9 +17,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from bus.config import ConfigError
-
 from asyncrl import child_conf
+from bus.config import ConfigError
 
 SECTIONS = ("trainer", "worker", "scorer")
 

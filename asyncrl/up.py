@@ -23,18 +23,17 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncrl import child_conf, config_check, metrics_ports, run_secrets, thread_plan, tracking
 from asyncrl.model_refs import resolve as resolve_model_refs
+from asyncrl.resume import resume_run
 from asyncrl.supervisor import ChildSpec, Supervisor, child_env, write_toml
+from asyncrl.upconfig import UpConfig
 from bus import BusConfig, EmbeddedServer, connect, get_logger, setup_logging
 from bus import topology as topo
-from bus.events import EventError, decode
-from bus.lifetime import EXIT_MARGIN_S, STOP_SIGNALS
-
-from asyncrl import child_conf, config_check, metrics_ports, run_secrets, thread_plan, tracking
-from asyncrl.resume import resume_run
-from asyncrl.upconfig import UpConfig
 from bus.config import ConfigError
 from bus.control import format_lambda
+from bus.events import EventError, decode
+from bus.lifetime import EXIT_MARGIN_S, STOP_SIGNALS
 
 log = get_logger("asyncrl.up")
 
@@ -189,7 +188,7 @@ async def watch(
         while True:
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             version = seen["version"]
             if stop.is_set():

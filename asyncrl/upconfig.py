@@ -31,7 +31,7 @@ class UpConfig:
     wandb_tags: list = field(default_factory=list)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "UpConfig":
+    def from_dict(cls, d: dict) -> UpConfig:
         d = dict(d)
         if "lambda" in d:
             d["lambda_"] = d.pop("lambda")

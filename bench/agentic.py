@@ -23,10 +23,11 @@ episode wall seconds; scoring not included); worker_idle_frac (the share of slot
 window that no episode held: an episode holds its slot while its command runs; from each
 episode's end time and wall seconds); decoder_idle_frac (the share of the window without a decode
 step, from the engines' decode seconds); suite_wait_share and suite_runs (long-tail: seconds waiting
-on the modelled suites, scoring included, / episode wall seconds; suite runs per episode); trainer_step_s and step_interval_s (sync: the interval is
-the wait for the whole batch + scoring + the step + the weight publish); decode_slot_occupancy
-(the engine's busy slots per decode step, blind to slots waiting on a command); optionally
-held-out success of each run's last weights (--eval-prompts, eval-split tasks).
+on the modelled suites, scoring included, / episode wall seconds; suite runs per episode);
+trainer_step_s and step_interval_s (sync: the interval is the wait for the whole batch + scoring +
+the step + the weight publish); decode_slot_occupancy (the engine's busy slots per decode step,
+blind to slots waiting on a command); optionally held-out success of each run's last weights
+(--eval-prompts, eval-split tasks).
 
 Workloads (the JSON's `workload` says which ran, with its caveats):
   default     the tier-1 repositories' own commands: tests in tenths of a second (tools < 1 % of an
@@ -270,7 +271,8 @@ def caveats(ra: dict, rs: dict, work: dict | None = None) -> list[str]:
         runs = [r["suite_runs"]["mean"] for r in (ra, rs) if r.get("suite_runs")]
         if runs and min(runs) < 1.5:
             out.append(
-                f"the policy rarely runs the tests itself ({max(min(runs) - 1, 0):.2f} run_tests per episode besides the "
+                f"the policy rarely runs the tests itself ({max(min(runs) - 1, 0):.2f} run_tests per episode "
+                "besides the "
                 "scoring run): the long tail is mostly the scoring run's; a longer warm start "
                 "(--warmstart-steps 400) plays run_tests as the oracle does"
             )
@@ -289,7 +291,8 @@ def caveats(ra: dict, rs: dict, work: dict | None = None) -> list[str]:
     }
     if abs(share["async"] - share["sync"]) > 0.1:
         out.append(
-            f"episodes ended by the episode wall clock: {share['async']:.0%} async vs {share['sync']:.0%} sync: "
+            f"episodes ended by the episode wall clock: {share['async']:.0%} async vs "
+            f"{share['sync']:.0%} sync: "
             "decode too slow for episode_wall_s (a loaded box?), the runs saw different episodes"
         )
     if ra["trainer_busy_frac"] > 0.85:

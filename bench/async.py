@@ -39,11 +39,10 @@ def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None 
 
     from asyncrl.up import write_toml
     from bus import load_config
-    from policy import inference_state, load_hf_checkpoint, save_hf_checkpoint
-    from trainer.factory import build_model
+    from policy import inference_state, load_hf_checkpoint, load_tokenizer, save_hf_checkpoint
     from trainer.config import TrainerConfig
     from trainer.evaluate import evaluate
-    from policy import load_tokenizer
+    from trainer.factory import build_model
     from trainer.warmstart import warm_start
 
     conf = tomllib.loads(Path(config).read_text())
@@ -82,11 +81,10 @@ def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None 
 def final_eval(run_dir: Path, config: str, n: int) -> dict:
     """Held-out success of a run's last checkpoint (bf16, as the workers would sample it)."""
     from bus import load_config
-    from policy import inference_state
+    from policy import inference_state, load_tokenizer
     from scorer.calibrate import load_policy_file
     from trainer.config import TrainerConfig
     from trainer.evaluate import evaluate
-    from policy import load_tokenizer
 
     cfg = load_config(TrainerConfig, config, section="trainer")
     model, source = load_policy_file(str(run_dir / "checkpoints"))

@@ -256,8 +256,6 @@ async def _serve(specs: dict) -> None:
     command lines `cut NAME` | `restore NAME` | `counters` | `spec NAME {json}`; stdout: one JSON
     answer per line (the first: {"ports": {name: port}}). tbf: true caps rate_mbit with the kernel's
     tbf on a veth between namespaces made here (bench.wantbf), deleted when this process ends."""
-    import json
-    import sys
 
     links: dict[str, DelayLine] = {}
     paths: dict = {}
@@ -274,8 +272,8 @@ async def _serve(specs: dict) -> None:
             await links[name].start()
         await _commands(links, paths)
     finally:
-        for l in links.values():
-            await l.close()
+        for link in links.values():
+            await link.close()
         for p in paths.values():
             await p.close()
 
@@ -288,7 +286,7 @@ async def _commands(links: dict, paths: dict) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    say({"ports": {n: l.port for n, l in links.items()}})
+    say({"ports": {n: link.port for n, link in links.items()}})
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -297,7 +295,7 @@ async def _commands(links: dict, paths: dict) -> None:
         name, _, arg = rest.partition(" ")
         try:
             if cmd == "counters":
-                say({n: l.counters() for n, l in links.items()})
+                say({n: link.counters() for n, link in links.items()})
             elif cmd == "cut":
                 await links[name].cut()
                 say({"ok": True})

@@ -16,13 +16,13 @@ state (the cumulative change of the run's steps, what a worker that missed them 
 
 Reports per lr, for the codec (format 3, positions coded in the context of the base) and for
 format 2's coding of the same update (`encode_delta`'s default, context=False: the same chunk
-records a format-2 build wrote; format 3 here is `context=True`): changed_frac, bits_per_changed, ratio (encoded / full bf16
-bytes); for format 3 also position_bits_per_changed (everything but the value streams) next to
-two bounds, the i.i.d. position entropy H(p)/p and the entropy of the change mask conditioned on
-each element's base exponent (per tensor), position_entropy_cond_bits; encode_gb_s and
-apply_gb_s (and per CPU-second) of format 3, and the same for format 2 under `format2` (GB of
-bf16 weights per second, median of --reps, both in this process; the codec's default threads,
-ASYNCRL_DELTA_THREADS overrides); and the ratio of baselines computed on the same
+records a format-2 build wrote; format 3 here is `context=True`): changed_frac, bits_per_changed,
+ratio (encoded / full bf16 bytes); for format 3 also position_bits_per_changed (everything but the
+value streams) next to two bounds, the i.i.d. position entropy H(p)/p and the entropy of the change
+mask conditioned on each element's base exponent (per tensor), position_entropy_cond_bits;
+encode_gb_s and apply_gb_s (and per CPU-second) of format 3, and the same for format 2 under
+`format2` (GB of bf16 weights per second, median of --reps, both in this process; the codec's
+default threads, ASYNCRL_DELTA_THREADS overrides); and the ratio of baselines computed on the same
 update, with our margin over the fair one (uint16 gaps + int16 raw-bit difference + zstd);
 format3_kernels: "numba" or "numpy" (format 3's rank/select; numba's compile is warmed first).
 Last line: one JSON object {"runs": [...], "baselines": {...}, "weights": ...}.
@@ -41,8 +41,7 @@ import numpy as np
 import torch
 import zstandard
 
-from delta_codec import Delta, apply_delta, encode_delta
-from delta_codec import context_jit, sparse_jit
+from delta_codec import Delta, apply_delta, context_jit, encode_delta, sparse_jit
 from delta_codec.bits import exponent_shift, int_view
 from delta_codec.modes import NONE
 from delta_codec.record import chunks_of
@@ -330,11 +329,13 @@ def main(argv=None) -> None:
             b = r["baselines"]
             print(
                 f"lr={lr:g} params={r['params'] / 1e6:.1f}M changed={r['changed_frac']:.3%} "
-                f"bits/changed={r['bits_per_changed']:.2f} (format 2: {r['format2']['bits_per_changed']:.2f}; "
+                f"bits/changed={r['bits_per_changed']:.2f} "
+                f"(format 2: {r['format2']['bits_per_changed']:.2f}; "
                 f"positions {r['position_bits_per_changed']:.2f}, conditional bound "
                 f"{r['position_entropy_cond_bits']:.2f}, i.i.d. {r['position_entropy_bits']:.2f}) "
                 + (f"margin over fair baseline {r['margin_over_fair_baseline']:.2f}x " if b else "")
-                + f"ratio={r['ratio']:.4%} encode={r['encode_gb_s']:.2f} GB/s ({r['encode_gb_cpu_s']:.2f}/cpu-s) "
+                + f"ratio={r['ratio']:.4%} encode={r['encode_gb_s']:.2f} GB/s "
+                f"({r['encode_gb_cpu_s']:.2f}/cpu-s) "
                 f"apply={r['apply_gb_s']:.2f} GB/s ({r['apply_gb_cpu_s']:.2f}/cpu-s) threads={r['threads']} "
                 f"load={r['load_avg_1m']:.1f} | " + " ".join(f"{k}={v:.4%}" for k, v in b.items()),
                 flush=True,

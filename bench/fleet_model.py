@@ -166,7 +166,7 @@ def from_bench(path: str, inp: Inputs) -> Inputs:
         d = json.loads(f.read().strip().splitlines()[-1])
     run = next(r for r in d["runs"] if r["weights"] == "delta" and r["read"] == "mirror")
     ratios, rtts = [], []
-    for name, r in run["regions"].items():
+    for _name, r in run["regions"].items():
         link = r["link"]
         ratios.append(r["wan_per_payload"])
         one_way = link["delay_ms"] / 1000

@@ -139,7 +139,8 @@ def main(argv=None):
         print(f"{'replay':>6} {'k3_mean':>11} {'ratio_mean':>11} {'p99|log r|':>11} {'frac_out_2':>11}")
         for k, v in results.items():
             print(
-                f"{k:>6} {v['k3_mean']:11.3e} {v['ratio_mean']:11.6f} {v['ratio_p99_abs_log']:11.3e} {v['frac_outside_2']:11.3e}"
+                f"{k:>6} {v['k3_mean']:11.3e} {v['ratio_mean']:11.6f} {v['ratio_p99_abs_log']:11.3e} "
+                f"{v['frac_outside_2']:11.3e}"
             )
     print(json.dumps(out))
     return out

@@ -4,10 +4,10 @@ SmolLM2-135M-Instruct (`asyncrl model prepare smollm2`; its weights are dequanti
 values) is trained with a few real RL steps per learning rate, each starting again from the base
 weights: the torch engine samples `--group` completions of `--tasks` python-tests tasks
 (HumanEval-style function problems, ChatML prompts through the model's chat template), the
-sandboxed unit tests score them (plus 0.1 for defining the asked-for function), group-relative advantages weight an on-policy policy gradient
-over the trainer's replay of the behaviour tokens (same kept sets), and AdamW steps the fp32
-master weights; the bf16 cast is the published state and its delta goes to the engine before the
-next step. Per lr it reports (per step and summed up):
+sandboxed unit tests score them (plus 0.1 for defining the asked-for function), group-relative
+advantages weight an on-policy policy gradient over the trainer's replay of the behaviour tokens
+(same kept sets), and AdamW steps the fp32 master weights; the bf16 cast is the published state and
+its delta goes to the engine before the next step. Per lr it reports (per step and summed up):
 
   changed_frac, bits_per_changed, ratio (delta bytes / full bf16 bytes), encode_gb_s, apply_gb_s
   k3_published   engine behaviour logprobs vs a replay on the same published bf16 weights
@@ -204,6 +204,7 @@ async def rl_run(folder: Path, lr: float, args, env, tok, base: dict, out_dir: P
 async def profile_part(folder: Path, cfg_model, args, env, tok, base: dict) -> dict:
     """Generations of the base model (their kept sets and logprobs), then the trainer's step on them."""
     from rollout_worker.torch_engine import TorchEngine
+
     from .step_profile import packed, profile_step
 
     n = args.profile_tasks * args.group
@@ -417,7 +418,8 @@ def vllm_subprocess(python: str, folder: Path, args) -> dict:
         tail = (p.stderr or "")[-1500:] + p.stdout[-500:]
         print(tail, file=sys.stderr)
         return {
-            "skipped": f"the vLLM part failed (exit {p.returncode}) in {python}; its output's end is on stderr"
+            "skipped": f"the vLLM part failed (exit {p.returncode}) in {python}; "
+            "its output's end is on stderr"
         }
     return {**json.loads(lines[-1]), "python": python}
 
@@ -540,7 +542,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--vllm-compile",
         action="store_true",
-        help="let vLLM compile its graph (default eager, like the torch engine; compiling takes minutes on a CPU)",
+        help="let vLLM compile its graph (default eager, like the torch engine; "
+        "compiling takes minutes on a CPU)",
     )
     ap.add_argument(
         "--vllm-python",
@@ -579,12 +582,14 @@ def main(argv=None) -> int:
         for r in res["runs"]:
             print(
                 f"lr {r['lr']:g}: changed {r['changed_frac']:.4%}, {r['bits_per_changed']:.2f} bits/changed, "
-                f"ratio {r['ratio']:.4f}, encode {r['encode_gb_s']:.2f} GB/s, apply {r['apply_gb_s']:.2f} GB/s, "
+                f"ratio {r['ratio']:.4f}, encode {r['encode_gb_s']:.2f} GB/s, "
+                f"apply {r['apply_gb_s']:.2f} GB/s, "
                 f"k3 published {r['k3_published']:.2e} master {r['k3_master']:.2e}, step {r['step_s']:.1f} s"
             )
         for d in res["decode_side_by_side"]:
             v = (
-                f", vllm engine {d['vllm_tokens_per_s']:.1f} (x{d['vllm_over_torch']:.2f}, {d['faster']} faster)"
+                f", vllm engine {d['vllm_tokens_per_s']:.1f} "
+                f"(x{d['vllm_over_torch']:.2f}, {d['faster']} faster)"
                 if d["vllm_tokens_per_s"] is not None
                 else ""
             )

@@ -2,9 +2,9 @@
 
 A hub and N regions on one machine (bench.wanlab): each region a nats-server with its own
 JetStream domain behind a bench.delayline link (one-way delay, rate, loss), K workers per region
-in one process per region (bench.wan_region), each running the real WeightFollower + apply on a bf16 state. A publisher
-on the hub sends versions of a transformer-shaped bf16 model (~`--changed` of the elements moved
-per version) at a fixed interval. The 2 x 2:
+in one process per region (bench.wan_region), each running the real WeightFollower + apply on a
+bf16 state. A publisher on the hub sends versions of a transformer-shaped bf16 model (~`--changed`
+of the elements moved per version) at a fixed interval. The 2 x 2:
 
     weights  full : a keyframe (full bf16) every version
              delta: a sparse codec delta every version, a keyframe every --keyframe-every
@@ -271,7 +271,7 @@ def parse_regions(spec: str, rate_scale: float, loss: float) -> dict[str, LinkSp
             name, delay, rate = part.split(":")
             out[name] = LinkSpec(delay_ms=float(delay), rate_mbit=float(rate) * rate_scale, loss=loss)
         except ValueError as e:
-            raise SystemExit(f"--regions: {part!r} is not name:delay_ms:rate_mbit ({e})")
+            raise SystemExit(f"--regions: {part!r} is not name:delay_ms:rate_mbit ({e})") from e
     return out
 
 
@@ -357,7 +357,8 @@ def main(argv=None) -> None:
             print(
                 f"{r['weights']:5s} {r['read']:6s} egress/v={r['hub_egress_per_version']:.0f}B  "
                 + "  ".join(
-                    f"{n}: p50={x['patch_p50_s']} p95={x['patch_p95_s']} wan/v={x['wan_bytes_per_version']:.0f}"
+                    f"{n}: p50={x['patch_p50_s']} p95={x['patch_p95_s']} "
+                    f"wan/v={x['wan_bytes_per_version']:.0f}"
                     for n, x in r["regions"].items()
                 )
             )

@@ -151,7 +151,7 @@ class RegionProc:
             try:
                 self.proc.stdin.close()
                 await asyncio.wait_for(self.proc.wait(), 15)
-            except (asyncio.TimeoutError, ConnectionError):
+            except (TimeoutError, ConnectionError):
                 self.proc.kill()
                 await self.proc.wait()
         if self._reader:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from bus import BusConfig, EmbeddedServer, connect
 from bus import topology as topo
-from bus.regions import weight_source
 from bus.lifetime import cancel_and_wait
+from bus.regions import weight_source
 
 from .delayline import LinkSpec
 
@@ -81,7 +81,7 @@ class Links:
             try:
                 await self.proc.stdin.drain()
                 await asyncio.wait_for(self.proc.wait(), 10)
-            except (asyncio.TimeoutError, ConnectionError):
+            except (TimeoutError, ConnectionError):
                 self.proc.kill()
                 await self.proc.wait()
 
@@ -116,7 +116,7 @@ class Lab:
         p.write_text(text)
         return str(p)
 
-    async def start(self) -> "Lab":
+    async def start(self) -> Lab:
         self.root.mkdir(parents=True, exist_ok=True)
         # leaf port -1: the server picks one; read back from /varz
         self.hub = EmbeddedServer(
@@ -154,7 +154,8 @@ class Lab:
                     name,
                     (
                         f"server_name: {name}\nmax_payload: 8MB\njetstream {{ domain: {name} }}\n"
-                        f'leafnodes {{ reconnect: 1s\n  remotes: [ {{ url: "nats-leaf://127.0.0.1:{ports[name]}" }} ] }}\n'
+                        "leafnodes { reconnect: 1s\n"
+                        f'  remotes: [ {{ url: "nats-leaf://127.0.0.1:{ports[name]}" }} ] }}\n'
                     ),
                 ),
             )

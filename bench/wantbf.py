@@ -173,7 +173,7 @@ class TbfPath:
             _delete_netns(ns)
 
     # -- the relay ---------------------------------------------------------------------------------
-    async def start(self, target_host: str, target_port: int) -> "TbfPath":
+    async def start(self, target_host: str, target_port: int) -> TbfPath:
         """Namespaces up, and a listener in B relaying to the target (root namespace)."""
         self.target = (target_host, target_port)
         await asyncio.to_thread(self.setup)

@@ -48,7 +48,6 @@ from rollout_worker.worker import Worker, WorkerConfig
 
 from .stats import pct
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -103,7 +103,7 @@ async def get_blob(bus, name: str, timeout_s: float = 120.0, wait_s: float = 0.0
         consumer = (await bus.js.add_consumer(topo.BLOB_STREAM, cfg)).name
         try:
             await asyncio.wait_for(done.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise BlobError(
                 f"blob {name!r}: got {state['chunks']}/{info.chunks} chunks in {timeout_s}s"
             ) from None

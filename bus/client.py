@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import nats
 import nats.errors
@@ -21,9 +21,9 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from bus import metrics
 from bus import topology as topo
+from bus.blobs import get_blob, put_blob
 from bus.config import BusConfig
 from bus.errors import BlobError, ConnectError, KVConflict, PublishError  # noqa: F401  (re-exported)
-from bus.blobs import get_blob, put_blob
 from bus.events import Event, encode
 from bus.log import get_logger
 from bus.pull import ResilientPull
@@ -59,7 +59,7 @@ def _auth_failure(e: BaseException | None) -> bool:
     )
 
 
-async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
+async def connect(cfg: BusConfig | None = None, **overrides) -> Bus:
     """Connect (retrying the first time) and return a Bus. Reconnects forever afterwards.
     Raises ConnectError when no server answers after `connect_attempts`, at once on bad credentials."""
     cfg = cfg or BusConfig()
@@ -127,7 +127,7 @@ async def connect(cfg: BusConfig | None = None, **overrides) -> "Bus":
                 limit = (cfg.connect_timeout_s + cfg.reconnect_wait_s) * 2 * len(cfg.servers) + 1
                 try:
                     nc = await asyncio.wait_for(nats.connect(**opts), limit)
-                except (OSError, nats.errors.NoServersError, asyncio.TimeoutError, nats.errors.Error) as e:
+                except (TimeoutError, OSError, nats.errors.NoServersError, nats.errors.Error) as e:
                     if _auth_failure(state["err"]) or _auth_failure(e):
                         raise ConnectError(
                             f"NATS at {cfg.servers} refused the credentials of "
@@ -244,7 +244,7 @@ class Bus:
                     asyncio.gather(*[f for f in futs if f is not None], return_exceptions=True),
                     timeout=self.cfg.request_timeout_s,
                 )
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 done = [None] * sum(f is not None for f in futs)
             it = iter(done)
             for i, f in enumerate(futs):
@@ -353,7 +353,7 @@ class Bus:
                 while gen == self.reconnects:
                     try:
                         e = await watcher.updates(timeout=1.0)
-                    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    except (TimeoutError, nats.errors.TimeoutError):
                         continue
                     if e is None or e.revision <= last_rev:  # None: end of initial values
                         continue
@@ -406,7 +406,7 @@ class Bus:
         except OSError as e:  # the broker is already gone: nothing left to flush or tell it
             log.debug("close on a lost connection", error=repr(e))
 
-    async def __aenter__(self) -> "Bus":
+    async def __aenter__(self) -> Bus:
         return self
 
     async def __aexit__(self, *exc) -> None:

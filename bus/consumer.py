@@ -26,14 +26,14 @@ import json
 import math
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 import nats.js.errors as jse
 from nats.aio.msg import Msg
 
 from bus import metrics
-from bus.events import EventError, Event, decode
+from bus.events import Event, EventError, decode
 from bus.lifetime import cancel_and_wait
 from bus.log import get_logger
 
@@ -54,7 +54,7 @@ class HandlerContext:
     deliveries: int
     max_deliver: int
     stream: str
-    _loop: "ConsumerLoop" = field(repr=False, default=None)
+    _loop: ConsumerLoop = field(repr=False, default=None)
 
     @property
     def last_delivery(self) -> bool:

@@ -100,7 +100,7 @@ class ResilientPull:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
         code, desc = self._status.get(token, ("", ""))
         if code == "409" and "deleted" in desc.lower():

@@ -99,7 +99,7 @@ class EmbeddedServer:
         ]
         return args + self.extra_args
 
-    def start_sync(self) -> "EmbeddedServer":
+    def start_sync(self) -> EmbeddedServer:
         if self.proc and self.proc.poll() is None:
             return self
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
@@ -180,13 +180,13 @@ class EmbeddedServer:
                 self._kill()
         self.proc = None
 
-    async def start(self) -> "EmbeddedServer":
+    async def start(self) -> EmbeddedServer:
         return await asyncio.to_thread(self.start_sync)
 
     async def stop(self, kill: bool = False) -> None:
         await asyncio.to_thread(self.stop_sync, kill)
 
-    async def restart(self, kill: bool = False, down_s: float = 0.0) -> "EmbeddedServer":
+    async def restart(self, kill: bool = False, down_s: float = 0.0) -> EmbeddedServer:
         """Stop (or crash) and start again on the same port with the same store dir."""
         await self.stop(kill=kill)
         if down_s:
@@ -202,13 +202,13 @@ class EmbeddedServer:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    async def __aenter__(self) -> "EmbeddedServer":
+    async def __aenter__(self) -> EmbeddedServer:
         return await self.start()
 
     async def __aexit__(self, *exc) -> None:
         await asyncio.to_thread(self.cleanup)
 
-    def __enter__(self) -> "EmbeddedServer":
+    def __enter__(self) -> EmbeddedServer:
         return self.start_sync()
 
     def __exit__(self, *exc) -> None:

@@ -10,17 +10,17 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
-import delta_codec
-from delta_codec import signing
-from delta_codec.errors import NonFiniteError
-from delta_codec.sharded import apply_parts
 from nats.js.errors import NotFoundError
 
+import delta_codec
 from bus import events, metrics
 from bus import topology as topo
 from bus.log import get_logger
 from bus.weight_manifest import apply_manifest, read_manifest
 from bus.weights import CODEC, WEIGHTS_SUBJECTS, Refused, is_replay, signed_fields
+from delta_codec import signing
+from delta_codec.errors import NonFiniteError
+from delta_codec.sharded import apply_parts
 
 log = get_logger(__name__)
 
@@ -47,7 +47,7 @@ class WeightTarget(Protocol):
     epoch: int
 
     async def load_keyframe(self, state, version: int, epoch: int) -> None: ...
-    async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None: ...
+    async def apply_delta(self, delta: delta_codec.Delta, epoch: int) -> None: ...
 
     # optional: async apply_parts(manifest, parts, epoch), a version published from shards
     # (bus/weight_manifest.py), all-or-nothing; a target without it follows keyframes only

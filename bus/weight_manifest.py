@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import asyncio
 
+from bus import events
+from bus.weights import Refused, WeightPublisher, config_dict, signed_fields
 from delta_codec import DeltaError
 from delta_codec.errors import NonFiniteError
 from delta_codec.sharded import Manifest, check_part, make_manifest
-
-from bus import events
-from bus.weights import Refused, WeightPublisher, config_dict, signed_fields
 
 
 def part_blob_name(epoch: int, version: int, index: int) -> str:

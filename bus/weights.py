@@ -7,8 +7,8 @@ The epoch, trainer id (and a keyframe's model config) also travel inside the pay
 container header, which the signature covers. Every write is conditional on the server
 (expected last sequence of WEIGHTS): a deposed leader's write is refused, see `_write`.
 
-Worker side, `WeightFollower` (bus/weight_follower.py): each reader keeps its own cursor (a stream sequence) on `WEIGHTS`
-and walks the stream in order with direct gets (`next_by_subj`), woken by a plain NATS
+Worker side, `WeightFollower` (bus/weight_follower.py): each reader keeps its own cursor (a stream
+sequence) on `WEIGHTS` and walks the stream in order with direct gets (`next_by_subj`), woken by a plain NATS
 subscription, so there is no consumer state on the server to lose on reconnect. Every
 update is checked before it touches the weights:
 
@@ -37,15 +37,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import delta_codec
-from delta_codec import signing
-from delta_codec.sharded import Manifest
 from nats.js.errors import APIError
 
+import delta_codec
 from bus import events, metrics
 from bus import topology as topo
 from bus.errors import PublishError
 from bus.log import get_logger
+from delta_codec import signing
+from delta_codec.sharded import Manifest
 
 log = get_logger(__name__)
 
@@ -192,7 +192,7 @@ class WeightPublisher:
         return ev
 
     async def publish_delta(
-        self, delta: "delta_codec.Delta", epoch: int | None = None, *, set_version: bool = True
+        self, delta: delta_codec.Delta, epoch: int | None = None, *, set_version: bool = True
     ) -> events.DeltaEvent:
         epoch = self.epoch if epoch is None else int(epoch)
         signed = delta_codec.Delta(

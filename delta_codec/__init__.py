@@ -6,9 +6,10 @@
 
 Modules: bits (raw-bit views, digests), codec (one chunk's record) with modes (its codings and
 thresholds), values, positions (gaps, Rice, bitmaps), classed (positions by base magnitude, with
-context / context_jit), sparse_jit (compiled per-change decoding) and compress (zstd); container (the binary format), record (a tensor's
-record framing), tasks (the thread pool), delta / encode / apply, keyframe, verify (signatures
-of either kind), signing (ed25519), triton_apply (device tensors).
+context / context_jit), sparse_jit (compiled per-change decoding) and compress (zstd); container
+(the binary format), record (a tensor's record framing), tasks (the thread pool), delta / encode /
+apply, keyframe, verify (signatures of either kind), signing (ed25519), triton_apply (device
+tensors).
 """
 
 from .apply import apply_delta

@@ -2,18 +2,18 @@
 
 A chunk is CHUNK consecutive elements of one tensor (4 Mi: large enough that the ~50 numpy
 calls per chunk are few, so two threads rarely wait on each other's GIL hand-offs; see
-docs/benchmarks.md; its temporaries live in per-worker Scratch buffers). Its changed positions are coded one of three
-ways, chosen from the chunk's density before anything is built (measured crossovers; the sizes
-are close there):
+docs/benchmarks.md; its temporaries live in per-worker Scratch buffers). Its changed positions are
+coded one of three ways, chosen from the chunk's density before anything is built (measured
+crossovers; the sizes are close there):
   GAP    gaps between changes, Rice-coded: k raw low bits + the high part as bytes, zstd'd.
          k = 0 up to a mean gap of 32 (the gaps themselves as bytes: zstd's Huffman stage codes
          them near their entropy, and decoding is one zstd call and one cumsum)
   BITMAP one bit per element, zstd'd (40-60 % changed)
   DENSE  no positions at all: every element gets a value (>= 60 % changed)
-  CLASSED (format 3, encode_delta(context=True); float dtypes below CONTEXT_BELOW) positions coded per class of base magnitude
-         (context.py): each class's changes as ranks among its members, gaps or a bitmap over
-         the members by that class's density. Chosen when the estimated saving beats the
-         classes' cost; otherwise GAP.
+  CLASSED (format 3, encode_delta(context=True); float dtypes below CONTEXT_BELOW) positions coded
+         per class of base magnitude (context.py): each class's changes as ranks among its members,
+         gaps or a bitmap over the members by that class's density. Chosen when the estimated saving
+         beats the classes' cost; otherwise GAP.
 Values are the difference of the raw integer bit patterns (wrapping at the element width, so a
 bijection for any pair; a small float update moves the pattern by a few units either way),
 zig-zag coded, then zstd'd as nibble pairs (changed values: codes < 16 two a byte, larger ones

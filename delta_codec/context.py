@@ -36,12 +36,18 @@ import numpy as np
 from .bits import UNSIGNED_INT, fresh
 from .errors import DeltaError
 
-MAX_THRESHOLDS = 4  # at most 5 classes: each threshold is one more vector compare per 64 elements on both sides and one more class pass in the decoder; fewer leave more than half a bit per change to the conditional bound at ~1 % changed (tests/test_delta_context_bits.py)
+# at most 5 classes: each threshold is one more vector compare per 64 elements on both sides and one
+# more class pass in the decoder; fewer leave more than half a bit per change to the conditional
+# bound at ~1 % changed (tests/test_delta_context_bits.py)
+MAX_THRESHOLDS = 4
 MIN_CHANGES = 64  # fewer changes: the class headers cost more than they save
-CLASS_COST_BITS = 256  # a class's header entry, its block in the shared frame (3 bytes + a literal table) and its decode pass, in bits, charged when choosing thresholds
+# a class's header entry, its block in the shared frame (3 bytes + a literal table) and its decode
+# pass, in bits, charged when choosing thresholds
+CLASS_COST_BITS = 256
 SAMPLE_STRIDE = 32  # element counts per exponent are estimated on 1/32 of the elements: every 32nd
 SAMPLE_RUN = 512  # run of 512 (1 KiB of bf16: contiguous, so 1/32 of the cache lines are read,
-# not all of them as with every 32nd element), in chunks of >= 64 * 32 such runs (fewer runs: measured larger on real weights, whose rows differ)
+# not all of them as with every 32nd element), in chunks of >= 64 * 32 such runs (fewer runs:
+# measured larger on real weights, whose rows differ)
 BLOCK = 1 << 19  # elements per cache block of the class pass (its bool temporaries stay in L2)
 
 _SEL8 = np.zeros(256 * 8, np.uint8)  # _SEL8[8 * byte + j]: bit index of the byte's j-th set bit

@@ -126,7 +126,7 @@ class Delta(SignedBlob):
         return pack_blob(KIND_DELTA, self._meta(), self.records, signing_key)
 
     @classmethod
-    def from_bytes(cls, blob) -> "Delta":
+    def from_bytes(cls, blob) -> Delta:
         meta, recs, region, sig = unpack_blob(blob, KIND_DELTA)
         try:
             digests = [meta[k] for k in ("base", "new")]

@@ -48,7 +48,7 @@ class Keyframe(SignedBlob):
         )
 
     @classmethod
-    def from_bytes(cls, blob) -> "Keyframe":
+    def from_bytes(cls, blob) -> Keyframe:
         meta, recs, region, sig = unpack_blob(blob, KIND_KEYFRAME)
         try:
             kf = cls(meta["version"], recs, meta.get("extra"))

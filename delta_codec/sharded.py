@@ -88,7 +88,7 @@ class Manifest:
         return MAGIC + len(body).to_bytes(4, "big") + body + sig
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> "Manifest":
+    def from_bytes(cls, blob: bytes) -> Manifest:
         blob = bytes(blob)
         if blob[:8] != MAGIC or len(blob) < 12:
             raise DeltaError("not a sharded-version manifest (bad magic)")

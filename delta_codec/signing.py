@@ -45,7 +45,7 @@ class KeyRing:
         raise InvalidSignature()
 
 
-def public_key(key) -> "Ed25519PublicKey | KeyRing":
+def public_key(key) -> Ed25519PublicKey | KeyRing:
     """One key (object, raw bytes, hex) or several: a list, or hex keys separated by commas or
     whitespace (a key file with one key per line) -> a KeyRing accepting any of them."""
     if isinstance(key, (Ed25519PublicKey, KeyRing)):

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 from .actions import (
     command_observation,
+    failures_summary,
     format_error_observation,
     is_run_tests,
     is_submit,
     parse_action,
-    failures_summary,
 )
 from .sandbox import BashLimits
 
@@ -60,7 +60,7 @@ class EpisodeTask:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "EpisodeTask":
+    def from_dict(cls, d: dict) -> EpisodeTask:
         names = {f.name for f in dataclasses.fields(cls)}
         missing = {
             f.name
@@ -195,7 +195,7 @@ EOF
 submit                end"""
 
 
-def initial_messages(task: EpisodeTask, limits: "EpisodeLimits") -> list[dict]:
+def initial_messages(task: EpisodeTask, limits: EpisodeLimits) -> list[dict]:
     """[system, user]: the full prompt and the task's instruction, or for the toy style the toy
     prompt and a one-line brief built from the task (its first failing tests and source files):
     the toy policy's warm start pays a forward and backward for every prompt character."""

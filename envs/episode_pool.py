@@ -14,8 +14,8 @@ call on an episode that has one in flight rather than interleave them.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Awaitable, Callable
 
 from .episode import Episode, EpisodeResult, StepResult
 

@@ -4,7 +4,7 @@ sampling.n completions of it). Used by the trainer, by `asyncrl up` and by bench
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from bus import topology as topo
 from bus.events import SamplingParams, Task, new_id

@@ -34,8 +34,16 @@ import signal
 import tempfile
 import time
 
-from .sandbox import FRESH_UID_BASE, BashLimits, SandboxLimits, fresh_uid, isolation, run_bash, run_python
-from .sandbox import claim  # noqa: F401  (re-exported: a workspace claims its directory)
+from .sandbox import (
+    FRESH_UID_BASE,
+    BashLimits,
+    SandboxLimits,
+    claim,  # noqa: F401  (re-exported: a workspace claims its directory)
+    fresh_uid,
+    isolation,
+    run_bash,
+    run_python,
+)
 
 LAYERS = (
     "fresh-uid",

@@ -83,8 +83,8 @@ def oracle_actions(task: EpisodeTask) -> list[str]:
     return [
         "Let me run the tests.\n```bash\nrun_tests\n```",
         read,
-        fix
-        + f"```bash\nreplace {path} <<'EOF'\n<<<<<<< SEARCH\n{nl(search)}=======\n{nl(replace)}>>>>>>> REPLACE\nEOF\n```",
+        fix + f"```bash\nreplace {path} <<'EOF'\n<<<<<<< SEARCH\n{nl(search)}=======\n"
+        f"{nl(replace)}>>>>>>> REPLACE\nEOF\n```",
         "Now the tests again.\n```bash\nrun_tests\n```",
         "All tests pass.\n```bash\nsubmit\n```",
     ]

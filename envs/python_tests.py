@@ -10,9 +10,9 @@ import json
 import re
 import secrets
 
+from .arith import randint
 from .base import SpecError, TaskSpec, Verdict, check_split, register, split_of
 from .sandbox import SandboxLimits, run_python
-from .arith import randint
 
 
 # name -> (signature, description, reference source, input generator(rng) -> args list)
@@ -46,7 +46,8 @@ PROBLEMS: dict[str, tuple[str, str, str, object]] = {
     "max_gap": (
         "max_gap(xs)",
         "return the largest difference between consecutive elements of sorted(xs), 0 if fewer than 2",
-        "def max_gap(xs):\n    s = sorted(xs)\n    return max((b - a for a, b in zip(s, s[1:])), default=0)\n",
+        "def max_gap(xs):\n    s = sorted(xs)\n"
+        "    return max((b - a for a, b in zip(s, s[1:])), default=0)\n",
         lambda r: [_ints(r, randint(r, 0, 7))],
     ),
     "is_palindrome": (

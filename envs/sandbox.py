@@ -421,7 +421,7 @@ echo ok >&"$mark"
 exec {mark}>&-
 "$@"
 exit $?
-"""
+"""  # noqa: E501  (the lines of a script run in the sandbox, kept as written)
 
 SETUP_FAILED = 197
 

@@ -76,7 +76,7 @@ class LatencyBackend:
     def __init__(self, inner, latency: SandboxLatency):
         self.inner, self.latency = inner, latency
 
-    def create(self, task, limits) -> "LatencyWorkspace":
+    def create(self, task, limits) -> LatencyWorkspace:
         return LatencyWorkspace(self.inner.create(task, limits), self.latency.seconds(task.task_id))
 
 

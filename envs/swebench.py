@@ -37,7 +37,7 @@ import shutil
 import subprocess
 import tempfile
 
-from .episode import Episode, EpisodeLimits, EpisodeTask, SPLITS
+from .episode import SPLITS, Episode, EpisodeLimits, EpisodeTask
 
 REQUIRED = (
     "instance_id",

@@ -61,7 +61,7 @@ class BuildReport:
             self.kept[family, kind] += 1
             self.splits[family, split] += 1
 
-    def merge(self, other: "BuildReport") -> "BuildReport":
+    def merge(self, other: BuildReport) -> BuildReport:
         self.tried.update(other.tried)
         self.kept.update(other.kept)
         self.splits.update(other.splits)

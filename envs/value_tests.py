@@ -236,7 +236,9 @@ def _test_plan(fn: ast.FunctionDef, cands: set[str], cmods: set[str]) -> tuple[l
             f = node.func
             while isinstance(f, ast.Attribute):
                 f = f.value
-            return isinstance(f, ast.Name) and (f.id in names and f is node.func or f.id in cmods)
+            return isinstance(f, ast.Name) and (
+                f.id in names and f is node.func or f.id in cmods  # noqa: B023  (used in this iteration only)
+            )
 
         class Swap(ast.NodeTransformer):
             def visit_Call(self, node):

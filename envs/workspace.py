@@ -27,10 +27,10 @@ import sys
 import tempfile
 from typing import Protocol
 
+from . import scoring_run
 from .isolation import claim
 from .safe_path import clear_for_write
 from .sandbox import SYSTEM_PYTHONS, BashLimits, SandboxResult, fresh_uid, isolation, run_bash
-from . import scoring_run
 from .test_report import ScoreInfo, parse_report  # noqa: F401  (parse_report: re-exported)
 from .workspace_tools import tool_files
 
@@ -85,8 +85,8 @@ def sandbox_runtime(root_dir: str) -> tuple[str, str]:
 def _copy_dists(names: list[str], dest: str) -> None:
     """Copy installed distributions and their requirements (files under site-packages only)."""
     import re
-    from importlib import metadata
     import threading
+    from importlib import metadata
 
     tmp = dest + f".tmp{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -114,7 +114,7 @@ def _copy_dists(names: list[str], dest: str) -> None:
                 d = os.path.join(tmp, *f.parts)
                 os.makedirs(os.path.dirname(d), exist_ok=True)
                 shutil.copyfile(src, d)
-    for d, dirs, files in os.walk(tmp):
+    for d, _dirs, files in os.walk(tmp):
         os.chmod(d, 0o755)
         for x in files:
             os.chmod(os.path.join(d, x), 0o644)
@@ -135,7 +135,7 @@ class LocalBackend:
     def __init__(self, root_dir: str | None = None, python: str | None = None):
         self.root_dir, self.python = root_dir or default_root(), python
 
-    def create(self, task, limits) -> "LocalWorkspace":
+    def create(self, task, limits) -> LocalWorkspace:
         os.makedirs(self.root_dir, exist_ok=True)
         os.chmod(self.root_dir, 0o711)
         python, site = (self.python, "") if self.python else sandbox_runtime(self.root_dir)

@@ -4,7 +4,8 @@ For SWE-bench-style instances, whose repositories need their own image and depen
 machines with Docker. Same interface as envs/workspace.py's LocalBackend (the episode, the action
 format, the helpers and the scoring are unchanged; only where commands run differs):
 
-    create            docker create --network none --pids-limit --memory --cpus --tmpfs /tmp IMAGE sleep infinity
+    create            docker create --network none --pids-limit --memory --cpus --tmpfs /tmp
+                        IMAGE sleep infinity
                       docker cp -a - NAME:/      (a tar: the task's files in WORKDIR, owned by the
                                                   episode's user; the helpers in TOOLS, root-owned)
                       docker start NAME
@@ -61,7 +62,7 @@ class DockerBackend:
     tmp_mb: int = 64
     client_slack_s: float = 30.0  # the docker client's wall limit beyond the command's
 
-    def create(self, task, limits) -> "DockerWorkspace":
+    def create(self, task, limits) -> DockerWorkspace:
         return DockerWorkspace(task, self)
 
 
@@ -122,7 +123,7 @@ if [ "$size" -le $((2 * keep)) ]; then cat "$out"; else
   head -c "$keep" "$out"; printf '\n[... %s bytes omitted ...]\n' $((size - 2 * keep)); tail -c "$keep" "$out"; fi
 rm -f "$out"
 exit $rc
-"""
+"""  # noqa: E501  (the lines of a script run in the sandbox, kept as written)
 
 
 def exec_argv(

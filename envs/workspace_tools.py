@@ -48,7 +48,7 @@ if n != 1:
 with open(path, "w", encoding="utf-8") as f:
     f.write(text.replace(old, new, 1))
 print(f"replaced {old.count(chr(10)) + 1} line(s) with {new.count(chr(10)) + 1 if new else 0} in {path}")
-"""
+"""  # noqa: E501  (the lines of a script run in the sandbox, kept as written)
 
 # rewrite FILE <<'EOF' / def name(...): ... / EOF: the function (or a class's method) called `name`
 # in FILE becomes the given one, decorators included. A fix is then the whole corrected function,
@@ -105,7 +105,7 @@ except SyntaxError as e:
 with open(real, "w", encoding="utf-8") as fh:
     fh.write(out)
 print(f"rewrote {name}")
-"""
+"""  # noqa: E501  (the lines of a script run in the sandbox, kept as written)
 
 SUBMIT = r"""#!/bin/sh
 echo "submit must be the only command of its turn (a block containing just: submit)" >&2
@@ -501,7 +501,7 @@ def pytest_runtest_logreport(report, _f=_log):
 
 def pytest_unconfigure(config, _f=_unconf):
     _f(config)
-""".replace("# CHECKER", CHECKER)
+""".replace("# CHECKER", CHECKER)  # noqa: E501  (the lines of a script run in the sandbox, kept as written)
 
 
 def test_command(runner: str, test_paths: list[str], tools: str, report: bool = False) -> str:

@@ -1,22 +1,22 @@
 """policy: the numerics trainer and rollout workers share bit for bit (model, tokenizer,
 sampling transform, fp8 fake-quant, logprob recomputation, mismatch metrics)."""
 
-from .config import ModelConfig, QuantConfig, QUANT_SITES
-from .quant import fake_quant, fp8_round
-from .model import Transformer, KVCache, inference_state
-from .tokenizer import CharTokenizer, HFTokenizer, load_hf_tokenizer, load_tokenizer
-from .sampling import SamplingConfig, SamplingMask, SampleOut, sample, FULL
+from .config import QUANT_SITES, ModelConfig, QuantConfig
+from .generate import GenOut, generate
+from .hf import hf_name_map, load_hf_checkpoint, save_hf_checkpoint
 from .logprobs import (
     LOG_RATIO_CLAMP,
     LogprobResult,
     clamp_log_ratio,
-    sequence_logprobs,
-    mismatch_metrics,
-    truncated_is_weight,
     masked_is_weight,
+    mismatch_metrics,
+    sequence_logprobs,
+    truncated_is_weight,
 )
-from .generate import GenOut, generate
-from .hf import load_hf_checkpoint, save_hf_checkpoint, hf_name_map
+from .model import KVCache, Transformer, inference_state
+from .quant import fake_quant, fp8_round
+from .sampling import FULL, SampleOut, SamplingConfig, SamplingMask, sample
+from .tokenizer import CharTokenizer, HFTokenizer, load_hf_tokenizer, load_tokenizer
 
 __all__ = [
     "ModelConfig",

@@ -54,7 +54,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict) -> ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
@@ -63,7 +63,7 @@ class ModelConfig:
 
     # presets: parameter counts are for the transformer body plus embeddings at the given vocab
     @classmethod
-    def tiny(cls, vocab_size: int = 128, **kw) -> "ModelConfig":  # ~1 M
+    def tiny(cls, vocab_size: int = 128, **kw) -> ModelConfig:  # ~1 M
         return cls(
             **{
                 **dict(
@@ -83,7 +83,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def small(cls, vocab_size: int = 128, **kw) -> "ModelConfig":  # ~10 M
+    def small(cls, vocab_size: int = 128, **kw) -> ModelConfig:  # ~10 M
         return cls(
             **{
                 **dict(
@@ -103,7 +103,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def base50m(cls, vocab_size: int = 128, **kw) -> "ModelConfig":  # ~50 M
+    def base50m(cls, vocab_size: int = 128, **kw) -> ModelConfig:  # ~50 M
         return cls(
             **{
                 **dict(
@@ -123,7 +123,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def base100m(cls, vocab_size: int = 128, **kw) -> "ModelConfig":  # ~100 M
+    def base100m(cls, vocab_size: int = 128, **kw) -> ModelConfig:  # ~100 M
         return cls(
             **{
                 **dict(
@@ -143,7 +143,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def preset(cls, name: str, vocab_size: int = 128, **kw) -> "ModelConfig":
+    def preset(cls, name: str, vocab_size: int = 128, **kw) -> ModelConfig:
         presets = {"tiny": cls.tiny, "small": cls.small, "base50m": cls.base50m, "base100m": cls.base100m}
         if name not in presets:
             raise ValueError(f"unknown model preset {name!r}; known: {sorted(presets)}")
@@ -205,7 +205,7 @@ class QuantConfig:
         return {"sites": list(self.sites), "fmt": self.fmt, "block": self.block}
 
     @classmethod
-    def from_wire(cls, d: dict | None) -> "QuantConfig":
+    def from_wire(cls, d: dict | None) -> QuantConfig:
         if not d:
             return cls()
         if not isinstance(d, dict):

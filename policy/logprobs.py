@@ -11,8 +11,8 @@ place): exp(±20) is finite in fp32, and a weight of 0 times it stays 0 (inf * 0
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -123,7 +123,7 @@ class RowSets:
     before: np.ndarray  # [N + 1] number of given rows before each flat row
 
     @classmethod
-    def of(cls, masks, clen, replay_mask: bool, temperature, top_p, top_k) -> "RowSets":
+    def of(cls, masks, clen, replay_mask: bool, temperature, top_p, top_k) -> RowSets:
         dev = temperature.device
         if not replay_mask:
             masks = [None] * len(clen)

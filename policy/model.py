@@ -22,7 +22,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # normalise in fp32 like HF Llama, whatever the param dtype (one fused kernel: x * rsqrt(mean(x^2) + eps))
+        # normalise in fp32 like HF Llama, whatever the param dtype (one fused kernel:
+        # x * rsqrt(mean(x^2) + eps))
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
 
 

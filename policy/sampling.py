@@ -4,8 +4,8 @@ compact mask of the kept set so the trainer can rebuild exactly that distributio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ class SamplingConfig:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SamplingConfig":
+    def from_dict(cls, d: dict) -> SamplingConfig:
         """Accepts a bus SamplingParams dict (its other keys: max_tokens, n, stop are not ours)."""
         return cls(
             temperature=float(d.get("temperature", 1.0)),
@@ -49,7 +49,8 @@ class SamplingConfig:
 
 class SamplingMask:
     """Kept set per sampled token, CSR-like: counts[i] kept ids for row i (FULL = whole vocab,
-    no ids stored), ids = concatenation of each row's kept ids (ascending within a row, as sample() makes them)."""
+    no ids stored), ids = concatenation of each row's kept ids (ascending within a row, as sample()
+    makes them)."""
 
     def __init__(self, counts, ids):
         self.counts = np.asarray(counts, dtype=np.int32).reshape(-1)
@@ -86,7 +87,7 @@ class SamplingMask:
         return self._offsets
 
     @classmethod
-    def full(cls, rows: int) -> "SamplingMask":
+    def full(cls, rows: int) -> SamplingMask:
         return cls(np.full(rows, FULL, np.int32), np.zeros(0, np.int32))
 
     def row(self, i: int) -> np.ndarray | None:
@@ -96,7 +97,7 @@ class SamplingMask:
         o = self.offsets
         return self.ids[o[i] : o[i + 1]]
 
-    def __getitem__(self, sl) -> "SamplingMask":
+    def __getitem__(self, sl) -> SamplingMask:
         if isinstance(sl, int):
             sl = slice(sl, sl + 1 if sl != -1 else None)
         if not isinstance(sl, slice) or sl.step not in (None, 1):
@@ -112,13 +113,13 @@ class SamplingMask:
         return [(c, None if c == FULL else self.ids[o[i] : o[i + 1]]) for i, c in enumerate(counts)]
 
     @classmethod
-    def from_rows(cls, rows: Sequence[tuple[int, np.ndarray | None]]) -> "SamplingMask":
+    def from_rows(cls, rows: Sequence[tuple[int, np.ndarray | None]]) -> SamplingMask:
         """The mask of rows collected from `row_parts` (one sequence's tokens, in order)."""
         ids = [r for _, r in rows if r is not None]
         return cls([c for c, _ in rows], np.concatenate(ids) if ids else np.zeros(0, np.int32))
 
     @classmethod
-    def concat(cls, masks: Sequence["SamplingMask"]) -> "SamplingMask":
+    def concat(cls, masks: Sequence[SamplingMask]) -> SamplingMask:
         if not masks:
             return cls.full(0)
         return cls(np.concatenate([m.counts for m in masks]), np.concatenate([m.ids for m in masks]))
@@ -150,7 +151,7 @@ class SamplingMask:
         }
 
     @classmethod
-    def from_wire(cls, d: dict) -> "SamplingMask":
+    def from_wire(cls, d: dict) -> SamplingMask:
         if not isinstance(d, dict) or "format" not in d or "rows" not in d:
             raise ValueError(f"bad sampling mask wire form: {str(d)[:80]}")
         rows = int(d["rows"])

@@ -20,7 +20,7 @@ class CharTokenizer:
         self.vocab_size = len(self.SPECIALS) + len(chars)
 
     @classmethod
-    def default(cls) -> "CharTokenizer":
+    def default(cls) -> CharTokenizer:
         return cls("".join(chr(c) for c in range(32, 127)) + "\n")
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:

@@ -16,7 +16,6 @@ import sys
 from bus import connect, get_logger, load_config, setup_logging
 from bus.lifetime import stop_on_signals
 from bus.metrics import start_metrics_server
-
 from envs import isolation
 from envs.isolation import WeakSandbox
 from envs.workspace import default_root

@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from bus import metrics
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
     import delta_codec
     from bus.events import SamplingParams
 
@@ -68,13 +70,13 @@ class Engine(Protocol):
     def free_slots(self) -> int:
         """Sequences it can start now (may be negative when requests queue); sizes task fetches."""
 
-    async def generate(self, prompt_ids: list[int], sampling: "SamplingParams", seed: int) -> Generation: ...
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, seed: int) -> Generation: ...
 
-    async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None:
+    async def apply_delta(self, delta: delta_codec.Delta, epoch: int) -> None:
         """Apply at the next token boundary; raises WeightUpdateError / delta_codec.DeltaError
         (state unchanged) when refused."""
 
-    async def load_keyframe(self, state: "dict[str, torch.Tensor]", version: int, epoch: int) -> None: ...
+    async def load_keyframe(self, state: dict[str, torch.Tensor], version: int, epoch: int) -> None: ...
 
     def stats(self) -> dict: ...
 
@@ -92,7 +94,7 @@ def check_prompt(prompt_ids, vocab_size: int) -> list[int]:
     return ids
 
 
-def check_delta(version: int, epoch: int, delta: "delta_codec.Delta", delta_epoch: int) -> None:
+def check_delta(version: int, epoch: int, delta: delta_codec.Delta, delta_epoch: int) -> None:
     """Epoch rule: accept iff delta_epoch >= epoch and from_version == version."""
     if delta_epoch < epoch:
         raise StaleEpochError(

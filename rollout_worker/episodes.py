@@ -29,10 +29,12 @@ import zlib
 
 from bus.events import Rollout, SamplingParams, Task
 from bus.rollout_build import build_rollout
+
+# (shared with the warm start: re-exported)
+from envs.conversation import PlainFormat, TemplateFormat, chat_format, episode_spec  # noqa: F401
 from envs.episode import Episode, EpisodeLimits, EpisodeTask
 from envs.episode_play import Turn, play_episode
 from envs.episode_pool import EpisodePool
-from envs.conversation import PlainFormat, TemplateFormat, chat_format, episode_spec  # noqa: F401  (shared with the warm start)
 
 OBS_VERSION = -1
 FENCE = "\n```"  # a turn may end at its bash block's closing fence (a stop sequence)

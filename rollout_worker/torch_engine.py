@@ -125,7 +125,8 @@ class TorchEngine:
             torch.set_num_threads(threads)
         self.metrics = EngineMetrics(slots)
         self.updates = UpdateQueue()
-        delta_codec.warm()  # the codec's compiled kernels now, not at the first delta (between two decode steps)
+        # the codec's compiled kernels now, not at the first delta (between two decode steps)
+        delta_codec.warm()
         self.waiting: list[_Seq] = []
         self.active: dict[int, _Seq] = {}
         self.free = list(range(kv_slots))[::-1]
@@ -260,7 +261,7 @@ class TorchEngine:
             stop_seqs=seqs,
         )
 
-    async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None:
+    async def apply_delta(self, delta: delta_codec.Delta, epoch: int) -> None:
         await self._checked_update(delta, epoch, lambda: self._prepare_delta(delta))
 
     async def apply_parts(self, manifest, parts: dict[int, bytes], epoch: int) -> None:
@@ -437,7 +438,8 @@ class TorchEngine:
                 admits = self._take_admits()
             try:
                 finished = self._turn(pending, admits)
-                # the Generation (mask wire form, maybe zstd) is built on the event loop, off the decode thread
+                # the Generation (mask wire form, maybe zstd) is built on the event loop, off the decode
+                # thread
                 results = [(s.future, None, s) for s in finished]
             except Exception as e:  # a bug in a turn must not hang callers: fail what was in it
                 log.exception("engine turn failed", error=str(e))

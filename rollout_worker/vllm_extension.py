@@ -13,12 +13,11 @@ from __future__ import annotations
 import math
 import sys
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -144,7 +143,7 @@ class DeltaTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
                 shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
         packed = getattr(self.model, "packed_modules_mapping", {}) or {}
         views = {}
-        for key, members in layer_groups(shapes, packed).items():
+        for key, _members in layer_groups(shapes, packed).items():
             try:
                 mod = self.model.get_submodule(key)
             except AttributeError:

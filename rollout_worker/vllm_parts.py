@@ -14,7 +14,7 @@ This module imports nothing from vLLM, so both processes can import it.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -22,6 +22,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+import policy
 from bus import BusConfig, ConsumerLoop, TransientError, get_logger, metrics
 from bus import topology as topo
 from bus.events import Heartbeat, Metrics, SamplingParams, Task
@@ -33,7 +34,6 @@ from envs import isolation
 from envs.episode_pool import EpisodePool
 from envs.sandbox_latency import SandboxLatency
 from envs.workspace import default_root
-import policy
 
 from .engine import Engine, EngineClosed
 from .episodes import EpisodeRunner, is_episode_task, workspace_backend

@@ -12,7 +12,6 @@ import sys
 from bus import load_config, setup_logging
 from bus.lifetime import stop_on_signals
 from bus.metrics import start_metrics_server
-
 from envs.isolation import WeakSandbox
 
 from .service import Scorer, ScorerConfig

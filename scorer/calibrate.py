@@ -105,6 +105,7 @@ def cost_at_price(fit: ScalingFit, price: float) -> float:
 def load_policy_file(path: str):
     """A trainer checkpoint (a torch.save'd dict with "model" and "model_config"), or a directory of them."""
     import torch
+
     from policy import ModelConfig, Transformer
 
     p = Path(path)
@@ -159,6 +160,7 @@ def measure(
 ) -> list[dict]:
     """Success and mean generated tokens at each budget, on the same held-out prompts."""
     import torch
+
     from envs import get_env
     from policy import CharTokenizer, SamplingConfig, generate
 
@@ -193,6 +195,7 @@ def measure_samples(
     """Samples-per-task budgets: k samples of each held-out prompt; success = any of the k correct
     (a verifier picks), cost = tokens of all k. One generation of max(k) samples serves every k."""
     import torch
+
     from envs import get_env
     from policy import CharTokenizer, SamplingConfig, generate
 

@@ -27,15 +27,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import envs
 from bus import BusConfig, ConsumerLoop, HandlerContext, connect, get_logger, metrics
 from bus import topology as topo
+from bus.control import parse_lambda
 from bus.events import EventError, Heartbeat, Rollout, Scored
 from bus.lifetime import cancel_and_wait
-
-import envs
 from envs import SpecError, get_env, isolation
-
-from bus.control import parse_lambda
 
 from .reward import COST_UNITS, EPISODE_REWARDS, compute_reward, overlong_penalty, rollout_cost
 

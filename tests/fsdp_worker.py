@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from trainer.commands import world
+from trainer.config import TrainerConfig
 from trainer.dist import broadcast_obj, follower_loop, init_distributed, shutdown_distributed
 from trainer.factory import build_learner, build_model, build_optimizer
-from trainer.config import TrainerConfig
 
 
 def main() -> None:
@@ -42,6 +42,7 @@ def main() -> None:
     if spec.get("async_kill"):  # an async save of v2 in flight when rank 0 dies
         import os
         import signal
+
         from trainer import checkpoint
         from trainer.leader import Trainer
 

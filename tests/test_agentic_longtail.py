@@ -9,9 +9,8 @@ import random
 from bus import topology as topo
 from policy.config import ModelConfig
 from policy.model import Transformer
-from trainer.batcher import Batcher, ConsumedIds
-
 from tests.helpers.trainer import MODEL, make_scored, trainer_config
+from trainer.batcher import Batcher, ConsumedIds
 
 
 async def test_stuck_member_times_out_and_its_late_rollout_is_not_trained(bus, fresh_server, tmp_path):

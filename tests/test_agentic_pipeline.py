@@ -16,10 +16,9 @@ from envs.sandbox import BashLimits
 from rollout_worker.episodes import EpisodeRunner, PlainFormat, episode_spec
 from rollout_worker.torch_engine import TorchEngine
 from scorer.reward import rollout_cost
+from tests.helpers.agentic import CFG, TOK, bug_task, no_special_state
 from trainer.learner import Learner, PackedSample
 from trainer.loss import LossConfig
-
-from tests.helpers.agentic import CFG, TOK, bug_task, no_special_state
 
 
 async def test_extend_reuses_the_kv_cache_and_matches_a_full_forward():
@@ -80,8 +79,8 @@ async def test_three_turn_episode_ids_equal_the_tokenised_conversation():
     assert [t["finish"] for t in turns] == ["length"] * 3
     # rebuild the conversation as text from its parts: prompt, each action, each observation
     fmt = PlainFormat()
-    from envs.episode import SYSTEM_PROMPT
     from envs.actions import format_error_observation, parse_action
+    from envs.episode import SYSTEM_PROMPT
 
     msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Fix calc.py."}]
     ids, mask = ro.completion_ids, ro.loss_mask
@@ -221,9 +220,9 @@ async def test_episode_task_through_worker_scorer_and_batcher(bus, fresh_server,
     from bus import BusConfig
     from rollout_worker.worker import Worker, WorkerConfig
     from scorer.service import Scorer, ScorerConfig
+    from tests.helpers.trainer import trainer_config
     from trainer.batcher import Batcher, ConsumedIds
     from trainer.learner import pack
-    from tests.helpers.trainer import trainer_config
 
     eng = TorchEngine(CFG, slots=2, max_len=2048, seed=4, eos_id=TOK.eos_id)
     await eng.load_keyframe(no_special_state(4), 0, 0)

@@ -17,9 +17,9 @@ from bus import (
     KVConflict,
     TopologyConfig,
     connect,
+    get_logger,
     load_config,
     setup_logging,
-    get_logger,
 )
 from bus import topology as topo
 from bus.events import Task, new_id
@@ -224,7 +224,7 @@ async def test_kv_watch_survives_server_restart(fresh_server):
         seen = []
 
         async def watch():
-            async for value, rev in bus.kv_watch(topo.KEY_LAMBDA):
+            async for value, _rev in bus.kv_watch(topo.KEY_LAMBDA):
                 seen.append(value)
                 if value == b"0.3":
                     return
@@ -307,7 +307,7 @@ def _self_signed(tmp_path):
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def cert(subject, issuer, pub, sign_key, ca, san=None):
         b = (

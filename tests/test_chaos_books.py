@@ -8,13 +8,14 @@ import json
 
 import pytest
 
-from bus.events import DeltaEvent as Delta, KeyframeEvent as Keyframe
 from bench.chaoskit.books import row
 from bench.chaoskit.fleet import Fleet
 from bench.chaoskit.observe import version_line
 from bench.chaoskit.params import GROUP
 from bench.chaoskit.scenarios_bus import bad_input
 from bench.chaoskit.scenarios_trainer import slow_step_kill, sync_poison_task
+from bus.events import DeltaEvent as Delta
+from bus.events import KeyframeEvent as Keyframe
 
 
 def write_steps(fleet_dir, trainer: str, steps: list[list[str]]) -> None:

@@ -1,8 +1,8 @@
 """Spare-node swap end to end (make test-chaos): three torchrun elastic agents (nnodes 2:2, one
 spare) on a real nats-server with a real worker and scorer; the leader rank's node and then the other
-rank's node SIGKILLed mid-step; the group re-forms with the spare from the last sharded checkpoint. Minutes on 2 cores,
-hence chaos-marked; the pieces it relies on have short tests in tests/test_trainer_fsdp.py and
-tests/test_trainer_elastic.py."""
+rank's node SIGKILLed mid-step; the group re-forms with the spare from the last sharded checkpoint.
+Minutes on 2 cores, hence chaos-marked; the pieces it relies on have short tests in
+tests/test_trainer_fsdp.py and tests/test_trainer_elastic.py."""
 
 from __future__ import annotations
 

@@ -97,7 +97,10 @@ def test_seeds_and_baseline_do_not_mix(tmp_path, capsys):
 def test_config_with_sets_trainer_keys_and_keeps_the_rest():
     import tomllib
 
-    text = '[up]\nsteps = 5\n[trainer.optim]\nlr = 1e-3\n[trainer.cost]\npenalty = "linear"\n[worker]\nslots = 2\n'
+    text = (
+        '[up]\nsteps = 5\n[trainer.optim]\nlr = 1e-3\n[trainer.cost]\npenalty = "linear"\n'
+        "[worker]\nslots = 2\n"
+    )
     conf = tomllib.loads(
         cost_demo.config_with(
             text,
@@ -120,6 +123,7 @@ def test_config_with_sets_trainer_keys_and_keeps_the_rest():
 
 def test_each_arm_is_a_valid_trainer_config(tmp_path):
     import argparse
+
     from trainer.config import TrainerConfig
 
     (tmp_path / "warmstart.pt").write_bytes(b"x")

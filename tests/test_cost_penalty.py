@@ -13,21 +13,20 @@ import torch
 
 from bus import BusConfig
 from bus import topology as topo
+from bus.control import format_lambda, parse_lambda
 from bus.events import EventError, Rollout, Task, decode, encode
 from envs import get_env
-from bus.control import format_lambda, parse_lambda
-from scorer.service import Scorer, ScorerConfig
 from policy import ModelConfig, SamplingConfig, Transformer, sequence_logprobs
+from scorer.service import Scorer, ScorerConfig
+from tests.helpers.trainer import trainer_config
+from tests.test_scorer_process import scored_events
+from tests.test_trainer_feed import wait_tasks
 from trainer import lambda_control
 from trainer.config import TrainerConfig
 from trainer.feeding import TaskFeeder
 from trainer.learner import Learner, PackedSample
 from trainer.loss import LossConfig, group_advantages
 from trainer.penalty import apply_penalty
-
-from tests.helpers.trainer import trainer_config
-from tests.test_scorer_process import scored_events
-from tests.test_trainer_feed import wait_tasks
 
 
 def member(task: Task, i: int, text: str) -> Rollout:
@@ -127,8 +126,8 @@ def test_a_bad_lambda_on_a_task_or_rollout_is_refused_by_name(bad):
     rd = r.to_dict() | {"lambda_": bad}
     with pytest.raises(EventError, match="lambda_"):
         decode(__import__("msgpack").packb(rd), Rollout)
-    from envs.feeder import make_tasks
     from bus.events import SamplingParams
+    from envs.feeder import make_tasks
 
     if not isinstance(bad, (bool, str)):  # the feeder refuses it before anything is sent
         with pytest.raises(EventError, match="lambda_"):

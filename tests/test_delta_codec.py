@@ -170,7 +170,7 @@ def rl_chain(n: int, seed=0) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     master = {k: v.double() for k, v in model_state(seed).items()}
     out = []
-    for v in range(n + 1):
+    for _v in range(n + 1):
         out.append({k: master[k].to(model_state()[k].dtype) for k in master})
         for k in master:
             if k != "step":

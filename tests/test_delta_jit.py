@@ -10,13 +10,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from delta_codec import Delta, apply_delta, encode_delta
+from delta_codec import Delta, apply_delta, classed, encode_delta
 from delta_codec import context as ctx
-from delta_codec import classed
 from delta_codec.compress import zc_blocks, zd
 from delta_codec.modes import CLASSED
 from delta_codec.positions import gap_streams, gaps_of
-
 from tests.helpers.delta import adam_like, clone, first_classed, float_update, forge, modes, refused, same
 
 pytest.importorskip("numba")

@@ -15,8 +15,9 @@ from delta_codec.codec import decode_chunk, encode_chunk
 from delta_codec.compress import zc
 from delta_codec.modes import BITMAP, DENSE, GAP, GROUPED, NIBBLES, NONE
 from delta_codec.positions import decode_gaps, encode_gaps, positions
+from delta_codec.record import TensorRecord, pack_record
+from delta_codec.record import chunks_of as _chunks
 from delta_codec.values import decode_values, encode_values
-from delta_codec.record import TensorRecord, chunks_of as _chunks, pack_record
 
 INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 

@@ -10,11 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from delta_codec import Delta, apply_delta, encode_delta
-from delta_codec import values
+from delta_codec import Delta, apply_delta, encode_delta, values
 from delta_codec.errors import DeltaError
-from delta_codec.positions import ESC, gap_streams, gaps_from, gaps_of
-
+from delta_codec.positions import gap_streams, gaps_from, gaps_of
 from tests.helpers.delta import clone, float_update, same
 
 pytest.importorskip("numba")

@@ -19,7 +19,6 @@ import yaml
 from bus import load_config
 from tests.helpers.deploy import DEPLOY, ENV_DIR, INIT_DEPLOY, ROOT, compose_cmd, needs_compose, read_env
 
-
 UNITS = DEPLOY / "systemd"
 COMPONENTS = {"trainer": "trainer", "rollout_worker": "worker", "scorer": "scorer"}  # env file -> NATS user
 

@@ -179,12 +179,12 @@ async def test_region_mirrors_under_role_based_hub_and_region_stays_a_worker(tmp
     anything else stays empty, and neither the region's worker nor (with `compromised`, its
     local worker login unrestricted) the region itself can publish weights or write the lease."""
     import torch
+    from nats.js import api
 
     import delta_codec
     from bus.regions import weight_follower
     from bus.weight_follower import StateTarget
     from bus.weights import WeightPublisher
-    from nats.js import api
 
     passwords = role_passwords()
     leaf_port = free_port()

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.chaoskit.nats_configs import ConfServer, free_port, render_nats_configs, role_bus_config
 from bus import topology as topo
 from bus.weights import parse_version
 from tests.helpers.deploy import ENV_DIR, KEYS_DIR, read_env
-from bench.chaoskit.nats_configs import ConfServer, free_port, render_nats_configs, role_bus_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,7 +80,7 @@ async def test_processes_run_under_their_roles_without_violations(tmp_path):
                 pass
         assert version >= 2, f"stuck at version {version}\n{_tails(tmp_path)}"
         violations = [
-            l for l in (tmp_path / "nats.log").read_text().splitlines() if "Violation" in l
+            line for line in (tmp_path / "nats.log").read_text().splitlines() if "Violation" in line
         ]  # "Publish Violation", "Subscription Violation"
         assert not violations, violations[:5]
     finally:

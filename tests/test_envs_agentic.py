@@ -8,12 +8,11 @@ import os
 import pickle
 import socket
 import time
+from dataclasses import replace
 
 import pytest
 
-from dataclasses import replace
-
-from envs.actions import cut_lines, is_run_tests, parse_action, failures_summary
+from envs.actions import cut_lines, failures_summary, is_run_tests, parse_action
 from envs.episode import TOY_SYSTEM_PROMPT, Episode, EpisodeLimits, EpisodeTask
 from envs.episode_pool import EpisodePool
 from envs.sandbox import BashLimits, isolation
@@ -471,7 +470,8 @@ def test_rewrite_bad_input_is_a_clear_error_and_changes_nothing(episode, path, b
     ep = episode(module_task())
     ep.step(
         bash(
-            "ln -s /etc/hostname link.py; printf 'def f():\\n    return 1\\n\\n\\ndef f():\\n    return 1\\n' "
+            "ln -s /etc/hostname link.py; "
+            "printf 'def f():\\n    return 1\\n\\n\\ndef f():\\n    return 1\\n' "
             "> dup.py; printf 'def f(:\\n' > broken.py"
         )
     )

@@ -66,7 +66,8 @@ def test_network_attempt_fails():
     port = srv.getsockname()[1]
     try:
         r = run(
-            f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')"
+            f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+            "print('connected')"
         )
         assert b"connected" not in r.stdout and r.reason == "exit code 1"
         with pytest.raises(socket.timeout):
@@ -99,7 +100,10 @@ def test_fork_bomb_is_contained_and_cleaned_up():
 
 
 def test_daemonised_child_dies_with_the_sandbox():
-    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nelse:\n    print('parent done')\n"
+    code = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n"
+        "else:\n    print('parent done')\n"
+    )
     r = run_python({"daemon_marker.py": code}, "daemon_marker.py", FAST)
     assert r.ok
     time.sleep(0.2)
@@ -140,7 +144,8 @@ def test_known_bad_and_malicious_completions(env):
         # a forged report with the real nonce still needs the right values: the sandbox never sees them
         "import sys, json\nf = sys._getframe()\nwhile 'nonce' not in f.f_globals:\n    f = f.f_back\n"
         "nonce = f.f_globals['nonce']\n"
-        "print('\\n' + nonce + ' ' + json.dumps({'results': [['ok', 0]] * 8}), flush=True)\nimport os; os._exit(0)": "passed ",
+        "print('\\n' + nonce + ' ' + json.dumps({'results': [['ok', 0]] * 8}), flush=True)\n"
+        "import os; os._exit(0)": "passed ",
     }
     fast = PythonTestsEnv(limits=SandboxLimits(wall_s=1.5, cpu_s=1, memory_mb=256))
     for code, why in cases.items():

@@ -119,8 +119,8 @@ def test_a_task_with_a_base_dir_is_refused_clearly():
 @pytest.mark.skipif(not wd.available(), reason="no working docker daemon here")
 def test_an_episode_runs_in_a_container():
     """The oracle episode of a generated task in a python image: same observations and score as local."""
-    from envs.oracle import run_oracle
     from envs.episode import Episode
+    from envs.oracle import run_oracle
 
     b = wd.DockerBackend()
     _, turns, res = run_oracle(task(), EpisodeLimits(command=BashLimits(wall_s=20.0)), b)
@@ -129,7 +129,8 @@ def test_an_episode_runs_in_a_container():
     try:
         ep.reset()
         r = ep.step(
-            "```bash\ncat /etc/hostname; python -c 'import socket; socket.create_connection((\"1.1.1.1\", 80), 2)'\n```"
+            "```bash\ncat /etc/hostname; "
+            "python -c 'import socket; socket.create_connection((\"1.1.1.1\", 80), 2)'\n```"
         )
         assert "exit code" in r.observation or "Error" in r.observation
         r = ep.step("```bash\nsleep 60\n```")

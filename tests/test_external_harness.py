@@ -24,10 +24,9 @@ from rollout_worker.episodes import episode_spec
 from rollout_worker.torch_engine import TorchEngine
 from rollout_worker.worker import Worker, WorkerConfig
 from tests.helpers.agentic import CFG, TESTS, TOK, bug_task, no_special_state
-from tests.helpers.engine import perturb
+from tests.helpers.engine import RecordingEngine, perturb
 from tests.helpers.weights import until
 from tests.helpers.worker import read_stream
-from tests.helpers.engine import RecordingEngine
 
 FIX = "rewrite calc.py <<'EOF'\ndef add(a, b):\n    return a + b\nEOF"
 TAMPER = "cat > test_calc.py <<'EOF'\ndef test_add():\n    pass\nEOF"

@@ -59,9 +59,9 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
     from bus import BusConfig
     from rollout_worker.worker import Worker, WorkerConfig
     from scorer.service import Scorer, ScorerConfig
+    from tests.helpers.trainer import trainer_config
     from trainer.batcher import Batcher, ConsumedIds
     from trainer.learner import pack
-    from tests.helpers.trainer import trainer_config
 
     eng = TorchEngine(CFG, slots=2, max_len=2048, eos_id=TOK.eos_id, seed=9)
     await eng.load_keyframe(no_special_state(4), version=3, epoch=1)

@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from policy import ModelConfig, SamplingConfig, SamplingMask, Transformer, sequence_logprobs
 from policy.logprobs import masked_is_weight
-from trainer.config import TrainerConfig
 from trainer.buckets import length_buckets
+from trainer.config import TrainerConfig
 from trainer.learner import Learner, PackedSample
 from trainer.loss import LossConfig, group_advantages, pg_loss
 
@@ -274,8 +274,8 @@ async def test_skip_uniform_by_success_skips_groups_that_differ_by_cost_alone(
     """A group that always succeeds, rewards 1 - lambda * length: skipped with skip_uniform_by =
     "success" (its signal is lambda * length alone), kept with "reward" (its rewards differ)."""
     from bus import topology as topo
-    from trainer.batcher import Batcher, ConsumedIds
     from tests.helpers.trainer import MODEL, make_scored, trainer_config
+    from trainer.batcher import Batcher, ConsumedIds
 
     cfg = trainer_config(fresh_server.url, tmp_path, batch={"skip_uniform": True, "skip_uniform_by": by})
     model = Transformer(ModelConfig.from_dict(MODEL))
@@ -319,8 +319,8 @@ def test_lag_cap_moves_one_version_at_a_time_with_the_mismatch():
 
 async def test_batcher_weighs_staleness_with_the_lag_cap_it_is_given(bus, fresh_server, tmp_path):
     from bus import topology as topo
-    from trainer.batcher import Batcher, ConsumedIds
     from tests.helpers.trainer import MODEL, make_scored, trainer_config
+    from trainer.batcher import Batcher, ConsumedIds
 
     cfg = trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "max_lag": 4, "max_k3": 0.01})
     model = Transformer(ModelConfig.from_dict(MODEL))

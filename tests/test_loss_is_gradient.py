@@ -4,8 +4,8 @@
 
 import torch
 
-from trainer.loss import LossConfig, pg_loss
 from tests.helpers.tolerance import elementwise_rtol
+from trainer.loss import LossConfig, pg_loss
 
 # why: d loss/d logp_t is elementwise (exp of a logp difference, min, products, /N: ~8 roundings, each
 # gradient one term), exp amplifying the difference's rounding by |logp| + |behav| <= 6 here

@@ -13,13 +13,15 @@ import zipfile
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policy import load_hf_checkpoint, load_hf_tokenizer
 from policy.gguf import convert_gguf, dequantize
 from tests.helpers.gguf import bpe_tokenizer, gguf, tiny_llama, transformers, write_gguf
 from tests.helpers.tolerance import transformers_tol
 
+# isort: split
 from gguf import quants as Q  # noqa: E402  (after the helpers' importorskip)
 
 
@@ -73,7 +75,8 @@ def test_converted_gguf_matches_the_model_it_came_from(tmp_path, tie, quant):
     hf = json.loads((out / "config.json").read_text())
     assert (hf["num_attention_heads"], hf["num_key_value_heads"], hf["tie_word_embeddings"]) == (4, 2, tie)
     assert hf["rope_theta"] == 100000.0 and hf["rms_norm_eps"] == 1e-5  # float32 fields, as written
-    # the reference: the original model holding the values the GGUF decodes to, rounded to bf16 like the folder
+    # the reference: the original model holding the values the GGUF decodes to, rounded to bf16 like
+    # the folder
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in decoded:
@@ -119,7 +122,9 @@ def make_wheel(path, gguf_file):
         "tinymodel/__init__.py": b"",
         "tinymodel/tiny.gguf": gguf_file.read_bytes(),
         "tinymodel-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinymodel\nVersion: 0.1\n",
-        "tinymodel-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        "tinymodel-0.1.dist-info/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
     }
     record = []
     for name, data in files.items():

@@ -9,15 +9,15 @@ import pytest
 import torch
 
 import delta_codec
-from asyncrl.export import ExportError, write_export
 from asyncrl.cli import main as cli_main
+from asyncrl.export import ExportError, write_export
 from bus import BusConfig, EmbeddedServer, connect
 from bus import topology as topo
 from bus.weights import WeightPublisher
 from delta_codec import signing
 from policy import CharTokenizer, ModelConfig, Transformer
-from tests.helpers.tolerance import transformers_tol
 from policy.model import inference_state
+from tests.helpers.tolerance import transformers_tol
 from trainer import checkpoint
 
 transformers = pytest.importorskip("transformers")

@@ -22,7 +22,6 @@ from policy.tokenizer import HFTokenizer
 from tests.helpers.bpe import chat_tokenizer_folder
 from tests.helpers.tolerance import transformers_tol
 
-
 transformers = pytest.importorskip("transformers")
 
 

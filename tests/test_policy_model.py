@@ -6,7 +6,6 @@ import torch
 from policy import KVCache, ModelConfig, QuantConfig, Transformer, inference_state
 from tests.helpers.tolerance import forward_tol
 
-
 # why: cached/batched and full forwards run the same layers in other matmul shapes (another reduction
 # order): forward_tol of the tiny model (~1.5e-4), its logits O(1)
 ATOL = forward_tol(ModelConfig.tiny(vocab_size=97))["atol"]

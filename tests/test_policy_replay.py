@@ -24,7 +24,6 @@ from policy import (
 )
 from tests.helpers.tolerance import elementwise_rtol, forward_tol, sum_rtol
 
-
 TOK = CharTokenizer.default()
 FP8 = QuantConfig(sites=("mla_rope_qk",))
 

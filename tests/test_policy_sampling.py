@@ -5,7 +5,8 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policy import FULL, SamplingConfig, SamplingMask, sample
 from tests.helpers.tolerance import elementwise_rtol, sum_rtol

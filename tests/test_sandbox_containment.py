@@ -254,8 +254,8 @@ def test_sigkilled_workers_workspaces_and_processes_are_gone_after_its_restart(t
 
 
 def test_reap_spares_a_live_processes_workspace(tmp_path):
-    from envs.workspace import LocalBackend
     from envs.episode import EpisodeLimits, EpisodeTask
+    from envs.workspace import LocalBackend
 
     task = EpisodeTask(
         "t",

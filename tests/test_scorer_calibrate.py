@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from scorer.calibrate import cost_at_price, fit_scaling_curve, main, tangent_slope
 from bus.control import format_lambda, parse_lambda
+from scorer.calibrate import cost_at_price, fit_scaling_curve, main, tangent_slope
 from scorer.reward import compute_reward, overlong_penalty
 
 
@@ -64,6 +64,7 @@ def test_reward_components():
 
 def test_calibrate_cli_measures_plots_and_applies(tmp_path, fresh_server):
     import torch
+
     from bus import BusConfig, connect
     from bus import topology as topo
     from policy import CharTokenizer, ModelConfig, Transformer

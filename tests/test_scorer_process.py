@@ -13,9 +13,9 @@ import pytest
 
 from bus import BusConfig, connect
 from bus import topology as topo
+from bus.control import format_lambda
 from bus.events import Rollout, Scored, decode
 from envs import get_env
-from bus.control import format_lambda
 from scorer.service import Scorer, ScorerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

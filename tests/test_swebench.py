@@ -176,6 +176,7 @@ def test_package_task_round_trip_on_the_pytest_runner(tmp_path, capsys):
     pytest node ids with parameters, a repository snapshot under the task set."""
     import io
     import tarfile
+
     from asyncrl.tasks import build_package
 
     sdist = tmp_path / "minipkg-0.1.tar.gz"

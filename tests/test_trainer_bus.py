@@ -9,22 +9,22 @@ import pytest
 import torch
 
 import delta_codec
-from delta_codec import signing
 from bus import BusConfig, EmbeddedServer, connect
 from bus import topology as topo
 from bus.weight_follower import WeightFollower
+from delta_codec import signing
 from policy.config import ModelConfig
 from policy.model import Transformer, inference_state
 from policy.sampling import SamplingConfig, SamplingMask
-from trainer import checkpoint
-from trainer.factory import build_learner, build_model, build_optimizer
-from trainer.leader import Trainer
-from trainer.batcher import Batch, Batcher, ConsumedIds, Sample
-from trainer.config import TrainerConfig
-from trainer.learner import pack
-from trainer.lease import LeaderLease, LeaseLost
 from tests.helpers.tolerance import forward_tol
 from tests.helpers.trainer import MODEL, make_scored, publish_groups, trainer_config
+from trainer import checkpoint
+from trainer.batcher import Batch, Batcher, ConsumedIds, Sample
+from trainer.config import TrainerConfig
+from trainer.factory import build_learner, build_model, build_optimizer
+from trainer.leader import Trainer
+from trainer.learner import pack
+from trainer.lease import LeaderLease, LeaseLost
 
 
 async def test_step_lowers_loss_and_publishes_bit_exact_delta(bus, fresh_server, tmp_path):
@@ -244,6 +244,7 @@ async def test_checkpoint_every_k_acks_only_after_the_checkpoint_and_a_crash_ret
     only one re-trained) and the last one, checkpoints its final version on a clean end, and
     every rollout is recorded consumed once, nothing left pending."""
     import json
+
     from bus.weights import WeightPublisher
 
     cfg = trainer_config(
@@ -308,6 +309,7 @@ async def test_delta_context_publishes_classed_positions_a_follower_applies(bus,
     follower applies the version bit-exact. Off, or "auto" (the default) on a freshly initialised
     model, no chunk is CLASSED. Each version's metrics carry the encode time and its share of the step."""
     import json
+
     from bus.events import DeltaEvent, decode
     from delta_codec.modes import CLASSED
     from delta_codec.record import chunks_of

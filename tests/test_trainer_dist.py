@@ -10,14 +10,12 @@ from pathlib import Path
 import torch
 
 from asyncrl.up import write_toml
-
-from trainer import checkpoint
-from trainer.factory import build_learner, build_model, build_optimizer
-from trainer.batcher import Batcher, ConsumedIds
-from trainer.learner import pack
-
 from tests.helpers.tolerance import assert_adam_close, grad_reduction_len
 from tests.helpers.trainer import publish_groups, trainer_config
+from trainer import checkpoint
+from trainer.batcher import Batcher, ConsumedIds
+from trainer.factory import build_learner, build_model, build_optimizer
+from trainer.learner import pack
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,11 +5,10 @@ import random
 
 from bus import topology as topo
 from bus.events import Task, decode
+from tests.helpers.trainer import make_scored, trainer_config
 from trainer.factory import build_learner, build_model, build_optimizer
 from trainer.leader import Trainer
 from trainer.warmstart import warm_start
-
-from tests.helpers.trainer import make_scored, trainer_config
 
 
 async def tasks_in_stream(bus) -> list[Task]:

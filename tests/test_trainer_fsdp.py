@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import TrainerConfig
-from trainer.factory import build_learner, build_model, build_optimizer
 from tests.helpers.fsdp import cfg_dict, make_samples, torchrun
 from tests.helpers.tolerance import assert_adam_close, grad_reduction_len, sum_rtol
+from trainer.config import TrainerConfig
+from trainer.factory import build_learner, build_model, build_optimizer
 
 
 def one_process(cfg: dict, samples, steps: int):

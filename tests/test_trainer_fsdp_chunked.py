@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from tests.helpers.fsdp import cfg_dict, make_samples, torchrun
-from tests.test_trainer_fsdp import assert_runs_close, grad_len, one_process
 from tests.helpers.tolerance import sum_rtol
+from tests.test_trainer_fsdp import assert_runs_close, grad_len, one_process
 
 
 def test_world2_chunked_masked_step_equals_world1(tmp_path):

@@ -11,10 +11,9 @@ import torch
 from delta_codec import DeltaError, apply_delta, encode_delta, signing
 from delta_codec.sharded import Manifest, apply_parts, make_manifest, shard_rows
 from policy import inference_state
+from tests.helpers.fsdp import cfg_dict, make_samples, torchrun
 from trainer.config import TrainerConfig
 from trainer.factory import build_model
-
-from tests.helpers.fsdp import cfg_dict, make_samples, torchrun
 
 
 def clone(state):

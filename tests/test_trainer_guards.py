@@ -12,17 +12,17 @@ import torch
 
 from bench.chaoskit.streams import dlq_entries
 from bus import metrics
-from bus.lifetime import cancel_and_wait
 from bus import topology as topo
+from bus.lifetime import cancel_and_wait
 from bus.weight_follower import WeightFollower
 from policy import ModelConfig, SamplingConfig, Transformer, sequence_logprobs
+from tests.helpers.trainer import publish_groups, trainer_config
 from trainer import checkpoint
 from trainer.batcher import Batcher
 from trainer.factory import build_learner, build_model, build_optimizer
 from trainer.leader import Trainer
 from trainer.learner import Learner, NonFiniteWeights, PackedSample, check_finite_state
 from trainer.loss import LossConfig, pg_loss
-from tests.helpers.trainer import publish_groups, trainer_config
 
 V = 50
 

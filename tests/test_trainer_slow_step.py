@@ -16,10 +16,9 @@ from pathlib import Path
 
 from bus import BusConfig, TopologyConfig, connect
 from bus import topology as topo
-from trainer.batcher import Batcher, ConsumedIds
-
 from tests.helpers.trainer import publish_group, trainer_config
 from tests.helpers.trainer_process import start as start_trainer
+from trainer.batcher import Batcher, ConsumedIds
 
 ACK_WAIT = 2.0
 

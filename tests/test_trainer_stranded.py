@@ -7,14 +7,13 @@ led, while nobody listened (a scan before its first fetch)."""
 import asyncio
 import time
 
+from bench.chaoskit.streams import dlq_entries
 from bus import BusConfig, TopologyConfig, connect
 from bus import topology as topo
+from tests.helpers.trainer import publish_group, trainer_config
 from trainer.batcher import Batcher, ConsumedIds
 from trainer.factory import build_learner, build_model, build_optimizer
 from trainer.leader import Trainer
-
-from bench.chaoskit.streams import dlq_entries
-from tests.helpers.trainer import publish_group, trainer_config
 
 MAX_DELIVER = 2
 

@@ -5,15 +5,14 @@ sync_task_timeout_s instead of waiting forever for a group that cannot form."""
 import asyncio
 import random
 
+from bench.chaoskit.streams import dlq_entries
 from bus import topology as topo
 from bus.events import Task, decode
 from policy.config import ModelConfig
 from policy.model import Transformer
+from tests.helpers.trainer import MODEL, make_scored, trainer_config
 from trainer.factory import build_learner, build_model, build_optimizer
 from trainer.leader import Trainer
-
-from tests.helpers.trainer import MODEL, make_scored, trainer_config
-from bench.chaoskit.streams import dlq_entries
 
 
 async def generate(bus, group_size: int, poison: list[str], stop: asyncio.Event) -> None:

@@ -10,16 +10,18 @@ import time
 from pathlib import Path
 
 import delta_codec
+from bench.chaoskit.streams import weights_history as weights_events  # every Delta/Keyframe, in order
 from bus import topology as topo
-from bus.events import DeltaEvent as Delta, KeyframeEvent as Keyframe
+from bus.events import DeltaEvent as Delta
+from bus.events import KeyframeEvent as Keyframe
 from bus.weight_follower import WeightFollower
 from bus.weights import WeightPublisher, parse_version
 from policy.config import ModelConfig
 from policy.model import Transformer
+from tests.helpers.trainer import MODEL, make_scored
+from tests.helpers.trainer_process import TTL, start
 from trainer import checkpoint
 from trainer.lease import parse_lease
-
-from tests.helpers.trainer import MODEL, make_scored
 
 
 async def wait_for(pred, timeout: float, what: str):
@@ -30,10 +32,6 @@ async def wait_for(pred, timeout: float, what: str):
             return v
         await asyncio.sleep(0.1)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-from bench.chaoskit.streams import weights_history as weights_events  # every Delta/Keyframe, in order
-from tests.helpers.trainer_process import TTL, start
 
 
 async def test_standby_takes_over_without_gap_fork_or_reuse(bus, fresh_server, tmp_path):

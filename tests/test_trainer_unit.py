@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
+from tests.helpers.tolerance import elementwise_rtol, fp32_tol, grad_reduction_len, sum_rtol
 from trainer import checkpoint
 from trainer.batcher import ConsumedIds, stale_weights
 from trainer.config import TrainerConfig
 from trainer.loss import LossConfig, group_advantages, pg_loss
-from tests.helpers.tolerance import elementwise_rtol, fp32_tol, grad_reduction_len, sum_rtol
 
 
 def test_group_advantage_is_group_relative():
@@ -32,7 +32,8 @@ def test_truncated_and_masked_weights_and_no_ppo_clip():
     logp = torch.log(torch.tensor([0.5, 2.0, 0.1, 0.9])).requires_grad_()  # ratios 1, 4, 0.2, 1.8
     adv, w = torch.ones(4), torch.ones(4)
     _, st = pg_loss(logp, behav, adv, w, 4, LossConfig(is_mode="truncated", is_clip=2.0))
-    # why: ratios are exp(log a - log b) in fp32 (3 roundings, exp amplifies by |log| <= 2.3), then a mean of 4
+    # why: ratios are exp(log a - log b) in fp32 (3 roundings, exp amplifies by |log| <= 2.3), then a
+    # mean of 4
     assert st["frac_truncated"] == 0.25 and math.isclose(
         st["is_weight_mean"], (1 + 2 + 0.2 + 1.8) / 4, rel_tol=elementwise_rtol(3, cond=2.3) + sum_rtol(4)
     )
@@ -193,6 +194,7 @@ def test_length_buckets_cover_every_sequence_once_and_split_a_long_tail():
 def test_length_bucketing_does_not_change_loss_or_gradient():
     """Micro-batching by length is only a cost decision: loss and gradients are unchanged."""
     import random
+
     from policy import ModelConfig, Transformer
     from trainer.learner import Learner, PackedSample
 

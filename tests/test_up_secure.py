@@ -58,7 +58,7 @@ async def test_up_broker_refuses_unauthenticated_clients_and_keeps_secrets_off_a
         # secrets: 0600 files; never on a command line, never in the children's TOML or run.json
         for p in (env_file, run_dir / "config" / "nats-auth.conf", run_dir / "keys" / "run-signing.key"):
             assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
-        for pid, cmd in run_pids(run_dir).items():
+        for _pid, cmd in run_pids(run_dir).items():
             assert password not in cmd, cmd
         for p in list((run_dir / "config").glob("*.toml")) + [run_dir / "config" / "run.json"]:
             assert password not in p.read_text(), p

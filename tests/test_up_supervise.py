@@ -128,7 +128,8 @@ async def test_up_survives_repeated_kills_and_a_trainer_kill(fresh_server, tmp_p
         for i in range(6):
             name = "trainer" if i == 3 else rng.choice(names)
             pid = await wait_for(
-                lambda: p if (p := child_pid(run_dir, name)) not in killed else None,
+                # B023: the lambda is called in this iteration only
+                lambda: p if (p := child_pid(run_dir, name)) not in killed else None,  # noqa: B023
                 60,
                 f"{name} running",
                 proc,
@@ -138,10 +139,17 @@ async def test_up_survives_repeated_kills_and_a_trainer_kill(fresh_server, tmp_p
             os.kill(pid, signal.SIGKILL)
             kills[{"trainer": "trainer", "scorer-0": "scorer"}.get(name, "rollout_worker")] += 1
             v = trainer_version(run_dir)
-            await wait_for(lambda: trainer_version(run_dir) > v, 150, "progress after a kill", proc, out)
+            await wait_for(
+                lambda: trainer_version(run_dir) > v,  # noqa: B023  (called in this iteration only)
+                150,
+                "progress after a kill",
+                proc,
+                out,
+            )
         for name in ["trainer", *names]:  # every killed child replaced (not in its restart backoff)
             await wait_for(
-                lambda: (p := child_pid(run_dir, name)) is not None and p not in killed,
+                # B023: the lambda is called in this iteration only
+                lambda: (p := child_pid(run_dir, name)) is not None and p not in killed,  # noqa: B023
                 60,
                 f"{name} replaced",
                 proc,

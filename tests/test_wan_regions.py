@@ -15,12 +15,11 @@ import torch
 import delta_codec
 from bench.delayline import DelayLine, LinkSpec
 from bench.wanlab import Lab
-from bus import topology as topo
 from bus import events
+from bus import topology as topo
 from bus.events import Task
 from bus.regions import MirrorMissing, WeightSource
 from bus.weight_follower import StateTarget, WeightFollower
-
 
 # -- the delay line ---------------------------------------------------------------------------
 from bus.weights import WeightPublisher
@@ -189,7 +188,8 @@ async def test_mirrors_carry_each_update_once_per_region_and_feed_every_worker(l
         size = len(d.to_bytes())
         before = await lab.counters()
         await pub.publish_delta(d)
-        await _until(lambda: all(f[2].version == v for f in followers), 15, f"v{v} everywhere")
+        # B023: the lambda is called in this iteration only
+        await _until(lambda: all(f[2].version == v for f in followers), 15, f"v{v} everywhere")  # noqa: B023
         await asyncio.sleep(0.3)  # let the link settle before reading its counters
         after = await lab.counters()
         state = new
@@ -198,7 +198,7 @@ async def test_mirrors_carry_each_update_once_per_region_and_feed_every_worker(l
         # copy on the plain wake-up subject
         assert size < wan["near"] < 1.5 * size, (v, wan, size)
         assert wan["far"] > 3 * size, (v, wan, size)
-    for region, read, target, stop, task, feed in followers:
+    for region, read, target, stop, _task, feed in followers:
         assert all(torch.equal(target.state[k], state[k]) for k in state), (region, read)
         assert not feed.refused, (region, read, feed.stats())
         stop.set()
@@ -209,7 +209,7 @@ async def test_mirrors_carry_each_update_once_per_region_and_feed_every_worker(l
     _, src = await lab.worker_bus("far", "probe", read="mirror")
     assert isinstance(src, WeightSource)
     obs = await src.js.object_store(topo.BLOB_BUCKET)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017  (nats.py's own failure, whatever its type)
         await obs.get("keyframe-e1-v0")
     assert len(await src.get_blob("keyframe-e1-v0")) > 64 * 1024
 
@@ -374,7 +374,8 @@ async def test_rollout_worker_process_in_a_region_patches_from_its_mirror(tmp_pa
     import sys
 
     import policy
-    from bus.events import Heartbeat, decode as decode_event
+    from bus.events import Heartbeat
+    from bus.events import decode as decode_event
 
     topology = topo.TopologyConfig(storage="memory")
     lab = Lab(tmp_path, {"eu": LinkSpec(delay_ms=10, rate_mbit=200)}, topology=topology)

@@ -133,7 +133,6 @@ async def test_region_mirror_fills_through_a_tbf_link(tmp_path):
     """bench.wanlab with link="tbf": the region's leaf link crosses the shaped veth; a blob put on
     the hub reaches the region's mirror at about the tbf rate (the delay line: latency only)."""
     from bench.wanlab import Lab
-    from bus import topology as topo
 
     rate_mbit, size = 16.0, 1_000_000
     before = _netns()

@@ -11,13 +11,13 @@ import delta_codec
 from asyncrl import config_check
 from asyncrl.report import at_version_time, finish_run
 from bus.config import ConfigError
+from policy import inference_state, load_tokenizer
 from trainer import warmstart as ws
 from trainer.config import TrainerConfig
 from trainer.evaluate import evaluate
 from trainer.factory import build_learner, build_model, build_optimizer, initial_model
 from trainer.final_eval import evaluate_initial
 from trainer.leader import Trainer
-from policy import inference_state, load_tokenizer
 
 from .test_warmstart_until import config, say_digit  # noqa: F401  (the fixture)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-
 import delta_codec
 import policy
 from bus import topology as topo
@@ -12,8 +11,6 @@ from bus.events import DeltaEvent
 from bus.weight_follower import StateTarget, WeightFollower
 from bus.weights import WeightPublisher, parse_version
 from delta_codec.signing import generate_keypair, sign
-
-
 from tests.helpers.weights import CFG, delta, same, trajectory, until
 
 

@@ -274,6 +274,7 @@ async def test_a_worker_process_refuses_forgeries_and_follows_the_real_leader(bu
 
 def trajectory_for(cfg, n: int, seed: int = 21) -> list[dict]:
     import torch
+
     from tests.helpers.engine import perturb
 
     torch.manual_seed(seed)

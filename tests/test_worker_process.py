@@ -15,9 +15,9 @@ from bus.events import DeltaEvent, Heartbeat, Rollout, Task, decode
 from bus.weights import WeightPublisher
 from delta_codec.signing import generate_keypair, sign
 from rollout_worker.worker import Worker
-from tests.helpers.weights import delta, same, until
 from tests.helpers.engine import reference_logprobs
 from tests.helpers.tolerance import forward_tol
+from tests.helpers.weights import delta, same, until
 from tests.helpers.worker import CFG, TOK, publish_tasks, read_stream, states_for, worker_cfg
 
 

@@ -10,14 +10,13 @@ from pathlib import Path
 
 from bus import RETRYABLE, BlobError, PublishError, connect, get_logger, load_config, setup_logging
 from bus.lifetime import stop_on_signals
-
 from bus.metrics import start_metrics_server
 
+from .commands import world
 from .config import TrainerConfig
 from .dist import broadcast_obj, follower_loop, init_distributed, shutdown_distributed
 from .factory import build_learner, build_model, build_optimizer
 from .leader import Trainer
-from .commands import world
 
 log = get_logger("trainer")
 

@@ -193,7 +193,8 @@ class TrainerConfig:
             raise ValueError(
                 "TrainerConfig: invalid value for "
                 + ", ".join(
-                    f"[trainer.{sect}] {key}={getattr(getattr(self, sect), key)!r} ({hints_[f'{sect}.{key}']})"
+                    f"[trainer.{sect}] {key}={getattr(getattr(self, sect), key)!r} "
+                    f"({hints_[f'{sect}.{key}']})"
                     for sect, key in bad
                 )
             )

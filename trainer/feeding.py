@@ -9,8 +9,8 @@ import asyncio
 import random
 
 from bus import get_logger
-from bus.events import SamplingParams
 from bus import topology as topo
+from bus.events import SamplingParams
 
 from . import lambda_control
 
@@ -86,5 +86,5 @@ class TaskFeeder:
                 log.warning("task feeding failed", error=str(e))
             try:
                 await asyncio.wait_for(kick.wait(), period_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass

@@ -11,7 +11,6 @@ The KV value's format: bus/control.py.
 
 from __future__ import annotations
 
-
 from bus import get_logger
 from bus import topology as topo
 from bus.control import format_lambda, parse_lambda

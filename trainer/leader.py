@@ -27,9 +27,9 @@ import torch
 import delta_codec
 from bus import get_logger, metrics
 from bus import topology as topo
+from bus.consumer import sweep_stranded, watch_max_deliveries
 from bus.events import Metrics
 from bus.lifetime import cancel_and_wait
-from bus.consumer import sweep_stranded, watch_max_deliveries
 from bus.weight_manifest import publish_sharded
 from bus.weights import Fenced, WeightPublisher
 from delta_codec.sharded import digest_matches
@@ -43,11 +43,11 @@ from .dist import broadcast_obj, sync_state
 from .evaluate import evaluate
 from .feeding import TaskFeeder
 from .keys import load_signing_key
-from .lambda_control import LambdaSchedule
 from .lag_control import next_lag_cap
+from .lambda_control import LambdaSchedule
 from .learner import Learner, check_finite_state, nonfinite_samples, pack
-from .publish_shards import ShardedVersion
 from .lease import LeaderLease, LeaseLost
+from .publish_shards import ShardedVersion
 
 log = get_logger("trainer")
 

@@ -139,7 +139,7 @@ class LeaderLease:
             try:
                 await asyncio.wait_for(stop.wait(), self.renew_s)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             try:
                 await self.renew()

@@ -58,7 +58,7 @@ class ShardedVersion:
     stats: DeltaStats
 
     @classmethod
-    def of(cls, parts: list[bytes], from_version: int, to_version: int) -> "ShardedVersion":
+    def of(cls, parts: list[bytes], from_version: int, to_version: int) -> ShardedVersion:
         deltas = [Delta.from_bytes(p) for p in parts]  # headers only: no tensor is decoded
         st = [d.stats for d in deltas]
         return cls(

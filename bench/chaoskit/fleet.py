@@ -68,7 +68,7 @@ class Fleet:
             conf |= {"user": user, "password": password}
         return conf
 
-    async def open(self) -> "Fleet":
+    async def open(self) -> Fleet:
         kw = {}
         if self.roles:
             user, password = self.roles["admin"]
@@ -349,7 +349,7 @@ def is_ready(fleet: Fleet, name: str) -> bool:
 
 
 async def kill_and_replace(
-    fleet: "Fleet", component: str, new_name: str, rng: random.Random
+    fleet: Fleet, component: str, new_name: str, rng: random.Random
 ) -> tuple[float, int]:
     """SIGKILL a random live worker or scorer, start `new_name` in its place, and wait until the
     messages it held are handed out again: (recovery seconds, messages redelivered)."""

@@ -19,8 +19,8 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from bus import BusConfig
 from bus.server import find_binary
@@ -116,7 +116,7 @@ class ConfServer:
         self.monitor_url = f"http://127.0.0.1:{self.monitor_port}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, health: str = "/healthz") -> "ConfServer":
+    def start(self, health: str = "/healthz") -> ConfServer:
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen(
                 [

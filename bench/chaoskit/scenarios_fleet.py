@@ -124,12 +124,22 @@ async def up_supervisor(
         for _ in range(kills):
             await asyncio.sleep(rng.uniform(0.5, 2.0))
             name = rng.choice(["worker-0", "worker-1", "scorer-0"])
-            pid = await wait_for(lambda: child_pid(up_dir, name), 60, f"{name} running", proc, out)
+            pid = await wait_for(
+                lambda: child_pid(up_dir, name),  # noqa: B023  (called in this iteration only)
+                60,
+                f"{name} running",
+                proc,
+                out,
+            )
             os.kill(pid, signal.SIGKILL)
             t = time.monotonic()
             done["scorer" if name.startswith("scorer") else "rollout_worker"] += 1
             await wait_for(
-                lambda: child_pid(up_dir, name) not in (None, pid), 60, f"{name} replaced", proc, out
+                lambda: child_pid(up_dir, name) not in (None, pid),  # noqa: B023  (as above)
+                60,
+                f"{name} replaced",
+                proc,
+                out,
             )
             recs.append(time.monotonic() - t)
         last = trainer_version(up_dir)

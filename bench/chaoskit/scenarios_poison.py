@@ -141,7 +141,7 @@ async def publish_poison(bus, vocab: int, short: bool) -> dict[str, str]:
     """Publish every poisoned event; -> rollout id -> the text its DLQ reason must contain."""
     want: dict[str, str] = {}
     items = []
-    for i, (f, bad, named) in enumerate(rollout_poisons(vocab, short)):
+    for i, (_f, bad, named) in enumerate(rollout_poisons(vocab, short)):
         for path in ("rollouts", "scored"):  # bare on ROLLOUTS, inside a Scored on SCORED
             rid = f"poison-{path}-{i}-0"  # (no field name in the id: the reason must name it)
             ro = {**base_rollout(rid), **bad}
@@ -150,7 +150,7 @@ async def publish_poison(bus, vocab: int, short: bool) -> dict[str, str]:
             else:
                 items.append((topo.scored_subject("arith"), scored_of(ro), rid))
             want[rid] = named
-    for i, (f, bad, named) in enumerate(scored_poisons(short)):
+    for i, (_f, bad, named) in enumerate(scored_poisons(short)):
         rid = f"poison-score-{i}-0"
         items.append((topo.scored_subject("arith"), scored_of(base_rollout(rid), **bad), rid))
         want[rid] = named

@@ -7,9 +7,10 @@ spare; the rendezvous store runs in a process of its own. When the group is busy
 is burning CPU) we SIGKILL one rank together with its agent (the node is gone): first rank 0, the
 leader, then (a replacement spare waiting) rank 1. The surviving rank's next collective fails, its
 agent re-rendezvouses, the spare joins; the new rank 0 takes the leader lease (after the TTL when
-the dead rank held it), resumes from the last complete sharded checkpoint and goes on. Reported: seconds from the kill to the next published
-version, lost / duplicated rollouts (books as in bench/chaoskit/books.py), gaps and forks in the
-version line, epochs, whether the spare took part."""
+the dead rank held it), resumes from the last complete sharded checkpoint and goes on. Reported:
+seconds from the kill to the next published version, lost / duplicated rollouts (books as in
+bench/chaoskit/books.py), gaps and forks in the version line, epochs, whether the spare took
+part."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from bus import EmbeddedServer
 from bus import topology as topo
 from bus.events import Task, decode
-
 from trainer import checkpoint
 
 from .books import all_step_lines, queued_ids, rolled_back, row

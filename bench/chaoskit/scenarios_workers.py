@@ -172,7 +172,7 @@ async def worker_feed_crash(run_dir: Path, tasks: int = 60, seed: int = 12, faul
             books = await fleet.wait_trained(ids, 600, feeding=feeding, watch=fleet.alive())
             try:
                 await asyncio.wait_for(watcher, 60)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             top = await fleet.version()
             w0 = (await worker_beats(fleet)).get("w0", {})

@@ -38,7 +38,7 @@ class TestCA:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.key = ec.generate_private_key(ec.SECP256R1())
-        now = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.UTC)
         self.cert = (
             x509.CertificateBuilder()
             .subject_name(_name(name))
@@ -70,7 +70,7 @@ class TestCA:
     def issue(self, stem: str, hosts: list[str] | None = None) -> tuple[Path, Path]:
         """stem.pem + stem-key.pem, signed by this CA; usable as server (SANs `hosts`) and client."""
         key = ec.generate_private_key(ec.SECP256R1())
-        now = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.UTC)
         sans: list[x509.GeneralName] = []
         for h in hosts or []:
             try:

@@ -9,7 +9,6 @@ import torch
 
 import delta_codec
 import policy
-
 from tests.helpers.engine import perturb  # (a trainer step stand-in)
 
 CFG = policy.ModelConfig.tiny(vocab_size=64, max_seq_len=64)

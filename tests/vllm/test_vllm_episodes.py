@@ -108,7 +108,9 @@ async def test_extend_continues_from_the_exact_ids_and_checks_handles(engine):
     g1 = await engine.generate(prompt, sp, seed=5, keep=True)
     obs = TOK.encode("\nOBS: ok\n")
     try:
-        assert g1.handle >= 0 and engine.kept._kept[g1.handle].ids == prompt + g1.completion_ids  # noqa: SLF001
+        assert g1.handle >= 0 and (
+            engine.kept._kept[g1.handle].ids == prompt + g1.completion_ids  # noqa: SLF001
+        )
         g2 = await engine.extend(g1.handle, obs, sp)
         g3 = await engine.extend(g1.handle, [], sp)  # nothing appended: generation goes on
         assert g2.handle == g3.handle == g1.handle

@@ -16,8 +16,8 @@ from bus import topology as topo  # noqa: E402
 from bus.events import Rollout  # noqa: E402
 from bus.weights import WeightPublisher  # noqa: E402
 from rollout_worker.worker import Worker  # noqa: E402
-from tests.helpers.weights import delta, until  # noqa: E402
 from tests.helpers.engine import reference_logprobs  # noqa: E402
+from tests.helpers.weights import delta, until  # noqa: E402
 from tests.helpers.worker import CFG, TOK, publish_tasks, read_stream, states_for, worker_cfg  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
