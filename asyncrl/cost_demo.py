@@ -82,11 +82,14 @@ def calibrate(
 
 
 def eval_curve(run_dir: Path) -> list[dict]:
-    return [
+    """Held-out evals by version. Sorted: the after-run evals (`[up] final_eval`) append the last
+    version's eval before the initial one's."""
+    rows = [
         {"version": r["version"], "success": r["eval_success"], "tokens": r["eval_tokens"]}
         for r in read_trainer_metrics(run_dir)
         if r.get("eval_success") is not None
     ]
+    return sorted(rows, key=lambda c: c["version"])
 
 
 def summarize(curve: list[dict], last: int = 3) -> dict:

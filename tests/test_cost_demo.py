@@ -29,6 +29,14 @@ def test_summary_uses_the_first_eval_and_the_mean_of_the_last_three(tmp_path):
     assert s["final_versions"] == [50, 75, 100]
 
 
+def test_after_run_evals_written_last_first_are_read_in_version_order(tmp_path):
+    """`[up] final_eval` appends the last version's eval before the initial one's (SmolLM2 runs):
+    read in file order, v41 was taken for the starting point and v0 for the result."""
+    run = _run(tmp_path, "a", [(41, 0.92, 9.7), (0, 0.41, 17.2)])
+    s = cost_demo.summarize(cost_demo.eval_curve(run))
+    assert s["success_initial"] == 0.41 and s["success_mean_evals"] == 0.92 and s["tokens_mean_evals"] == 9.7
+
+
 def test_plot_writes_a_png(tmp_path):
     a = cost_demo.eval_curve(_run(tmp_path, "a", [(0, 0.2, 20.0), (25, 0.5, 30.0)]))
     b = cost_demo.eval_curve(_run(tmp_path, "b", [(0, 0.2, 20.0), (25, 0.5, 18.0)]))
