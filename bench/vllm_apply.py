@@ -23,18 +23,6 @@ import os
 import statistics
 import time
 
-import torch
-
-
-def perturbed(state: dict, seed: int, frac: float, rel: float = 0.01) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for k, t in state.items():
-        f = t.float()
-        hit = torch.rand(t.shape, generator=g) < frac
-        out[k] = (f + f * rel * torch.randn(t.shape, generator=g) * hit).to(torch.bfloat16)
-    return out
-
 
 async def run(a) -> dict:
     import delta_codec
@@ -42,6 +30,8 @@ async def run(a) -> dict:
     from asyncrl import model as models
     from rollout_worker.vllm_engine import VLLMEngine
     from rollout_worker.worker import WorkerConfig
+
+    from .vllm_stall import changed
 
     cache = os.environ.get("ASYNCRL_CACHE") or os.path.join(".venv", "asyncrl-cache")
     if not models.is_prepared("smollm2", cache):
@@ -60,7 +50,7 @@ async def run(a) -> dict:
         for i in range(a.updates):
             old = {k: t.clone() for k, t in eng.state.items()}
             d = delta_codec.encode_delta(
-                old, perturbed(old, i + 1, a.frac), from_version=eng.version, to_version=eng.version + 1
+                old, changed(old, a.frac, seed=i + 1), from_version=eng.version, to_version=eng.version + 1
             )
             t0 = time.perf_counter()
             await eng.apply_delta(d, epoch=1)

@@ -23,6 +23,15 @@ def chat_renderer(tok) -> Callable[[str], str]:
     return lambda prompt: tok.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
 
 
+def prompt_ids(tok, prompts: list[str], chat_template: bool = False) -> list[list[int]]:
+    """Prompts as the workers see them: through the chat template when the trainer's feeder
+    renders them so (instruct models), then tokenised with bos (evals, calibrate-cost)."""
+    if chat_template:
+        render = chat_renderer(tok)
+        prompts = [render(p) for p in prompts]
+    return [tok.encode(p, bos=True) for p in prompts]
+
+
 def make_tasks(
     env_name: str,
     n: int,

@@ -139,15 +139,6 @@ async def load_policy_bus(url: str):
     return model.eval(), f"bus {url} (version {target.version})"
 
 
-def encode_prompt(tok, prompt: str, chat: bool) -> list[int]:
-    """A task's prompt as the policy sees it in training: plain, or the user turn of its chat template."""
-    return (
-        tok.apply_chat_template([{"role": "user", "content": prompt}])
-        if chat
-        else tok.encode(prompt, bos=True)
-    )
-
-
 def measure(
     model,
     env_name: str,
@@ -162,12 +153,13 @@ def measure(
     import torch
 
     from envs import get_env
+    from envs.feeder import prompt_ids
     from policy import CharTokenizer, SamplingConfig, generate
 
     env, tok = get_env(env_name), tok or CharTokenizer.default()
     rng = random.Random(seed)
     tasks = [env.sample(rng, split="eval") for _ in range(n_prompts)]
-    prompts = [encode_prompt(tok, t.prompt, chat) for t in tasks]
+    prompts = prompt_ids(tok, [t.prompt for t in tasks], chat)
     rows = []
     for budget in budgets:
         gen = torch.Generator().manual_seed(seed)
@@ -197,12 +189,13 @@ def measure_samples(
     import torch
 
     from envs import get_env
+    from envs.feeder import prompt_ids
     from policy import CharTokenizer, SamplingConfig, generate
 
     env, tok = get_env(env_name), tok or CharTokenizer.default()
     rng, K = random.Random(seed), max(ks)
     tasks = [env.sample(rng, split="eval") for _ in range(n_prompts)]
-    prompts = [encode_prompt(tok, t.prompt, chat) for t in tasks for _ in range(K)]
+    prompts = prompt_ids(tok, [t.prompt for t in tasks for _ in range(K)], chat)
     outs = generate(
         model,
         prompts,

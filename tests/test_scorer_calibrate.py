@@ -152,3 +152,16 @@ def test_calibrate_cli_measures_plots_and_applies(tmp_path, fresh_server):
     assert main(["--checkpoint", str(tmp_path / "empty")]) == 2
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     assert main(["--checkpoint", str(tmp_path / "bad.pt")]) == 2
+
+
+def test_calibrate_model_and_chat_template_refuse_bad_input(tmp_path, capsys):
+    """--model on a folder that is not a model: exit 2 naming it; --chat-template without --model
+    (the char tokenizer has no template): a usage error. Nothing is measured or written."""
+    (tmp_path / "notamodel").mkdir()
+    out = tmp_path / "cal.png"
+    assert main(["--model", str(tmp_path / "notamodel"), "--out", str(out)]) == 2
+    assert "cannot load model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--random-init", "--chat-template", "--out", str(out)])
+    assert "--chat-template needs --model" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "cal.json").exists()

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from envs import get_env
+from envs.feeder import prompt_ids
 from policy import SamplingConfig, Transformer, generate
 
 
@@ -87,17 +88,6 @@ def evaluate_model(
         success.append(env.verify(tok.decode(ids), spec.spec).success)
         tokens.append(len(o.ids))
     return {"eval_success": float(np.mean(success)), "eval_tokens": float(np.mean(tokens)), "eval_n": n}
-
-
-def prompt_ids(tok, prompts: list[str], chat_template: bool = False) -> list[list[int]]:
-    """Held-out prompts as the workers see them: through the chat template when the trainer's
-    feeder renders them so (instruct models), then tokenised with bos."""
-    if chat_template:
-        from envs.feeder import chat_renderer
-
-        render = chat_renderer(tok)
-        prompts = [render(p) for p in prompts]
-    return [tok.encode(p, bos=True) for p in prompts]
 
 
 def evaluate_episodes(model, tok, specs: list[dict], sc: SamplingConfig, seed: int = 0) -> dict:
