@@ -92,7 +92,7 @@ async def replay(store_dir: Path, version: int, public_key=None) -> tuple[dict, 
 
     from bus import BusConfig, EmbeddedServer, connect, events
     from bus import topology as topo
-    from bus.weights import WEIGHTS_SUBJECTS
+    from bus.weights.rules import WEIGHTS_SUBJECTS
 
     if not (store_dir / "jetstream").is_dir():
         raise ExportError(

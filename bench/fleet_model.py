@@ -7,7 +7,7 @@ when its last byte arrives plus a fixed protocol cost in round trips. Three stra
     full   full bf16 weights every version, one copy per region (a relay in each region)
     delta  sparse delta every version (keyframe every --keyframe-every), pulled across the WAN by
            each of the region's --nodes inference nodes (no regional mirror: K copies)
-    relay  sparse delta, one copy per region into its mirror (bus.regions); nodes read locally
+    relay  sparse delta, one copy per region into its mirror (bus.weights.regions); nodes read locally
 
 Printed per strategy and region count: time to patch (p50 / max over regions), hub egress per
 step, share of rollouts generated with a policy more than --max-lag versions old (the lag a

@@ -9,7 +9,7 @@ of the elements moved per version) at a fixed interval. The 2 x 2:
     weights  full : a keyframe (full bf16) every version
              delta: a sparse codec delta every version, a keyframe every --keyframe-every
     read     hub   : every worker reads WEIGHTS and blobs from the hub, across the WAN
-             mirror: workers read their region's mirrors (bus.regions); one copy crosses
+             mirror: workers read their region's mirrors (bus.weights.regions); one copy crosses
 
 Per configuration and region: publish-ack -> patched p50/p95 (wall clock, one machine), WAN bytes
 per version (hub -> region, counted at the link), version lag seen by the workers over time; and
@@ -41,7 +41,7 @@ import delta_codec
 from bus import setup_logging
 from bus import topology as topo
 from bus.events import Task
-from bus.weights import WeightPublisher
+from bus.weights.publisher import WeightPublisher
 
 from .delayline import LinkSpec
 from .stats import pct

@@ -18,8 +18,8 @@ import delta_codec
 from bus import BusConfig, connect, events, setup_logging
 from bus import topology as topo
 from bus.events import Task
-from bus.regions import weight_source
-from bus.weight_follower import StateTarget, WeightFollower
+from bus.weights.follower import StateTarget, WeightFollower
+from bus.weights.regions import weight_source
 
 from .wanlab import Lab
 

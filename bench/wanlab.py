@@ -24,7 +24,7 @@ from pathlib import Path
 from bus import BusConfig, EmbeddedServer, connect
 from bus import topology as topo
 from bus.lifetime import cancel_and_wait
-from bus.regions import weight_source
+from bus.weights.regions import weight_source
 
 from .delayline import LinkSpec
 

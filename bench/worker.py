@@ -43,7 +43,7 @@ import policy
 from bus import BusConfig, EmbeddedServer, connect, setup_logging
 from bus import topology as topo
 from bus.events import Heartbeat, Task, decode
-from bus.weights import WeightPublisher
+from bus.weights.publisher import WeightPublisher
 from rollout_worker.worker import Worker, WorkerConfig
 
 from .stats import pct

@@ -21,12 +21,12 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from bus import metrics
 from bus import topology as topo
-from bus.blobs import get_blob, put_blob
 from bus.config import BusConfig
 from bus.errors import BlobError, ConnectError, KVConflict, PublishError  # noqa: F401  (re-exported)
 from bus.events import Event, encode
 from bus.log import get_logger
 from bus.pull import ResilientPull
+from bus.weights.blobs import get_blob, put_blob
 
 log = get_logger("bus")
 
@@ -367,7 +367,7 @@ class Bus:
 
     # -- blobs (object store rl-blobs) ------------------------------------------------------
     async def blob_store(self):
-        """The object store (created on first use); bus/blobs.py moves blobs through it."""
+        """The object store (created on first use); bus/weights/blobs.py moves blobs through it."""
         if self._obs is None:
             try:
                 self._obs = await self.js.object_store(topo.BLOB_BUCKET)

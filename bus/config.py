@@ -53,7 +53,7 @@ class BusConfig:
     publish_retries: int = 8  # a publish is retried (safe: Nats-Msg-Id dedupes)
     js_domain: str | None = None  # JetStream domain (a worker behind a leaf node reaches the hub's "hub")
     weights_domain: str | None = (
-        None  # a region's JetStream domain: read WEIGHTS + blobs from its mirrors (bus.regions)
+        None  # a region's JetStream domain: read WEIGHTS + blobs from its mirrors (bus.weights.regions)
     )
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 

@@ -42,7 +42,7 @@ def metrics_subject(component: str, cid: str) -> str:
 
 DELTA_SUBJECT = "rl.weights.delta"
 KEYFRAME_SUBJECT = "rl.weights.keyframe"
-MANIFEST_SUBJECT = "rl.weights.manifest"  # a version published from shards (bus/weight_manifest.py)
+MANIFEST_SUBJECT = "rl.weights.manifest"  # a version published from shards (bus/weights/manifest.py)
 
 # durable consumers
 ROLLOUT_CONSUMER = "rollout"  # on TASKS, shared by all workers

@@ -265,7 +265,7 @@ class TorchEngine:
         await self._checked_update(delta, epoch, lambda: self._prepare_delta(delta))
 
     async def apply_parts(self, manifest, parts: dict[int, bytes], epoch: int) -> None:
-        """A version published from shards (bus/weight_manifest.py), verified by the follower:
+        """A version published from shards (bus/weights/manifest.py), verified by the follower:
         every part applies, in any order, or none (state unchanged)."""
         await self._checked_update(manifest, epoch, lambda: self._prepare_parts(manifest, parts))
 

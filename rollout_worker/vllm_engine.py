@@ -415,7 +415,7 @@ class VLLMEngine:
                 raise
 
     async def apply_parts(self, manifest, parts: dict[int, bytes], epoch: int) -> None:
-        """A version published from shards (bus/weight_manifest.py), as apply_delta: every part
+        """A version published from shards (bus/weights/manifest.py), as apply_delta: every part
         verified and applied to the shadow, all-or-nothing (refused: vLLM never paused), then the
         compressed parts pushed into vLLM's worker at one token boundary (`vllm_parts.py`)."""
         async with self._update_lock:

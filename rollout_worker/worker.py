@@ -27,9 +27,9 @@ from bus import BusConfig, ConsumerLoop, TransientError, get_logger, metrics
 from bus import topology as topo
 from bus.events import Heartbeat, Metrics, SamplingParams, Task
 from bus.lifetime import cancel_and_wait
-from bus.regions import weight_follower
 from bus.rollout_build import build_rollout
-from bus.weights import parse_version
+from bus.weights.regions import weight_follower
+from bus.weights.rules import parse_version
 from envs import isolation
 from envs.episode_pool import EpisodePool
 from envs.sandbox_latency import SandboxLatency

@@ -124,7 +124,7 @@ def load_policy_file(path: str):
 
 async def load_policy_bus(url: str):
     from bus import BusConfig, connect
-    from bus.weight_follower import WeightFollower
+    from bus.weights.follower import WeightFollower
     from policy import ModelConfig, Transformer
 
     bus = await connect(BusConfig(servers=url.split(","), name="calibrate-cost"))

@@ -300,7 +300,7 @@ async def test_budget_schedule_moves_kv_lambda_from_measured_tokens(bus):
 
 
 async def test_the_worker_carries_its_tasks_lambda_onto_every_rollout(bus, fresh_server):
-    from bus.weights import WeightPublisher
+    from bus.weights.publisher import WeightPublisher
     from rollout_worker.worker import Worker
     from tests.helpers.worker import CFG, read_stream, states_for, worker_cfg
 

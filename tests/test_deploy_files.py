@@ -230,7 +230,7 @@ def test_compose_region_profile_points_workers_at_the_region_mirrors():
         "region-mirrors": {"condition": "service_completed_successfully"}
     }
     m = region["region-mirrors"]
-    assert m["command"] == ["python", "-m", "bus.regions"]
+    assert m["command"] == ["python", "-m", "bus.weights.regions"]
     menv = _region_env(m)
     b = load_config(BusConfig, env_prefix="ASYNCRL_BUS__", environ=menv)
     assert b.servers == ["nats://nats-region:4222"] and b.js_domain is None

@@ -182,9 +182,9 @@ async def test_region_mirrors_under_role_based_hub_and_region_stays_a_worker(tmp
     from nats.js import api
 
     import delta_codec
-    from bus.regions import weight_follower
-    from bus.weight_follower import StateTarget
-    from bus.weights import WeightPublisher
+    from bus.weights.follower import StateTarget
+    from bus.weights.publisher import WeightPublisher
+    from bus.weights.regions import weight_follower
 
     passwords = role_passwords()
     leaf_port = free_port()

@@ -28,8 +28,9 @@ from bench.chaoskit.nats_configs import (
 from bus import BlobError, BusConfig, KVConflict, connect
 from bus import topology as topo
 from bus.events import Rollout, Scored, Task, new_id
-from bus.weight_follower import WeightFollower
-from bus.weights import WeightPublisher, parse_version
+from bus.weights.follower import WeightFollower
+from bus.weights.publisher import WeightPublisher
+from bus.weights.rules import parse_version
 
 KV = f"$KV.{topo.CONTROL_BUCKET}"
 

@@ -18,7 +18,7 @@ import pytest
 
 from bench.chaoskit.nats_configs import ConfServer, free_port, render_nats_configs, role_bus_config
 from bus import topology as topo
-from bus.weights import parse_version
+from bus.weights.rules import parse_version
 from tests.helpers.deploy import ENV_DIR, KEYS_DIR, read_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

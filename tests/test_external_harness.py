@@ -18,7 +18,7 @@ import delta_codec
 from bus import BusConfig
 from bus import topology as topo
 from bus.events import Rollout, Task, decode
-from bus.weights import WeightPublisher
+from bus.weights.publisher import WeightPublisher
 from envs.episode import EpisodeLimits
 from rollout_worker.episodes import episode_spec
 from rollout_worker.torch_engine import TorchEngine

@@ -13,7 +13,7 @@ from asyncrl.cli import main as cli_main
 from asyncrl.export import ExportError, write_export
 from bus import BusConfig, EmbeddedServer, connect
 from bus import topology as topo
-from bus.weights import WeightPublisher
+from bus.weights.publisher import WeightPublisher
 from delta_codec import signing
 from policy import CharTokenizer, ModelConfig, Transformer
 from policy.model import inference_state

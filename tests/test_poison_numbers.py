@@ -31,8 +31,8 @@ from bus import BusConfig, ConsumerLoop, TopologyConfig, connect
 from bus import topology as topo
 from bus.events import EventError, Rollout, Scored, decode
 from bus.validation import MAX_ID, float_array, int_array
-from bus.weight_follower import StateTarget, WeightFollower
-from bus.weights import WeightPublisher
+from bus.weights.follower import StateTarget, WeightFollower
+from bus.weights.publisher import WeightPublisher
 from delta_codec import signing
 from delta_codec.errors import NonFiniteError
 from policy.config import ModelConfig
@@ -331,7 +331,7 @@ async def test_follower_refuses_a_signed_nan_delta_and_keyframe_then_follows(bus
 async def test_a_sharded_version_with_nan_rows_is_refused_whole(bus):
     """Rank 0's part is fine, rank 1's rows hold NaN: the version is refused (`nonfinite`) and
     rank 0's rows, already applied, are rolled back."""
-    from bus.weight_manifest import publish_sharded
+    from bus.weights.manifest import publish_sharded
     from delta_codec.sharded import encode_part, shard_rows
 
     states = trajectory(2, seed=7)

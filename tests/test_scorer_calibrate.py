@@ -104,7 +104,7 @@ def test_calibrate_cli_measures_plots_and_applies(tmp_path, fresh_server):
             await bus.close()
 
     async def publish_keyframe():  # the policy as workers get it: latest keyframe
-        from bus.weights import WeightPublisher
+        from bus.weights.publisher import WeightPublisher
         from policy import inference_state
 
         bus = await connect(BusConfig(servers=[fresh_server.url], name="t"))

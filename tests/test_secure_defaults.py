@@ -11,8 +11,8 @@ from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
 import delta_codec
-from bus.weight_follower import WeightFollower
-from bus.weights import WeightPublisher
+from bus.weights.follower import WeightFollower
+from bus.weights.publisher import WeightPublisher
 from delta_codec import signing
 from trainer import checkpoint
 from trainer.digest_chain import read_chain

@@ -11,7 +11,7 @@ import torch
 import delta_codec
 from bus import BusConfig, EmbeddedServer, connect
 from bus import topology as topo
-from bus.weight_follower import WeightFollower
+from bus.weights.follower import WeightFollower
 from delta_codec import signing
 from policy.config import ModelConfig
 from policy.model import Transformer, inference_state
@@ -205,7 +205,7 @@ async def test_overlapped_publication_checkpoints_the_right_digest_after_a_dropp
     """Version v publishes in the background while the next batch is handled; a batch whose
     samples are all dropped changes no weights, and its checkpoint must carry v's digest even
     though it was prepared before v's publication had finished."""
-    from bus.weights import WeightPublisher
+    from bus.weights.publisher import WeightPublisher
 
     cfg = trainer_config(fresh_server.url, tmp_path, batch={"groups": 1, "group_size": 4, "max_lag": 0})
     model, mcfg = build_model(cfg)
@@ -245,7 +245,7 @@ async def test_checkpoint_every_k_acks_only_after_the_checkpoint_and_a_crash_ret
     every rollout is recorded consumed once, nothing left pending."""
     import json
 
-    from bus.weights import WeightPublisher
+    from bus.weights.publisher import WeightPublisher
 
     cfg = trainer_config(
         fresh_server.url,

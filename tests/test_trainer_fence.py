@@ -12,8 +12,8 @@ import asyncio
 import pytest
 
 from bus import topology as topo
-from bus.weight_follower import StateTarget, WeightFollower
-from bus.weights import Fenced, WeightPublisher
+from bus.weights.follower import StateTarget, WeightFollower
+from bus.weights.publisher import Fenced, WeightPublisher
 from tests.helpers.weights import CFG, delta, same, trajectory, until
 from trainer.lease import LeaderLease, LeaseLost
 

@@ -14,7 +14,7 @@ from bench.chaoskit.streams import dlq_entries
 from bus import metrics
 from bus import topology as topo
 from bus.lifetime import cancel_and_wait
-from bus.weight_follower import WeightFollower
+from bus.weights.follower import WeightFollower
 from policy import ModelConfig, SamplingConfig, Transformer, sequence_logprobs
 from tests.helpers.trainer import publish_groups, trainer_config
 from trainer import checkpoint

@@ -14,7 +14,7 @@ import torch
 from asyncrl.up import write_toml
 from bus import topology as topo
 from bus.events import decode
-from bus.weight_follower import StateTarget, WeightFollower
+from bus.weights.follower import StateTarget, WeightFollower
 from delta_codec import signing
 from delta_codec.sharded import digest_matches
 from policy import inference_state

@@ -14,8 +14,9 @@ from bench.chaoskit.streams import weights_history as weights_events  # every De
 from bus import topology as topo
 from bus.events import DeltaEvent as Delta
 from bus.events import KeyframeEvent as Keyframe
-from bus.weight_follower import WeightFollower
-from bus.weights import WeightPublisher, parse_version
+from bus.weights.follower import WeightFollower
+from bus.weights.publisher import WeightPublisher
+from bus.weights.rules import parse_version
 from policy.config import ModelConfig
 from policy.model import Transformer
 from tests.helpers.trainer import MODEL, make_scored

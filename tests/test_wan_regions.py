@@ -18,11 +18,11 @@ from bench.wanlab import Lab
 from bus import events
 from bus import topology as topo
 from bus.events import Task
-from bus.regions import MirrorMissing, WeightSource
-from bus.weight_follower import StateTarget, WeightFollower
+from bus.weights.follower import StateTarget, WeightFollower
 
 # -- the delay line ---------------------------------------------------------------------------
-from bus.weights import WeightPublisher
+from bus.weights.publisher import WeightPublisher
+from bus.weights.regions import MirrorMissing, WeightSource
 
 
 # -- the delay line ---------------------------------------------------------------------------
@@ -471,7 +471,7 @@ async def test_python_m_bus_regions_declares_a_regions_mirrors(tmp_path):
     import sys
 
     from bus import BusConfig, connect
-    from bus.regions import mirror_status
+    from bus.weights.regions import mirror_status
 
     lab = Lab(tmp_path, {"eu": LinkSpec(delay_ms=5)}, mirrors=False)
     await lab.start()
@@ -487,7 +487,7 @@ async def test_python_m_bus_regions_declares_a_regions_mirrors(tmp_path):
 
         def run(**extra):
             return subprocess.run(
-                [sys.executable, "-m", "bus.regions"],
+                [sys.executable, "-m", "bus.weights.regions"],
                 env={**env, **extra},
                 cwd=tmp_path,
                 capture_output=True,

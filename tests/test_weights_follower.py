@@ -8,8 +8,9 @@ import delta_codec
 import policy
 from bus import topology as topo
 from bus.events import DeltaEvent
-from bus.weight_follower import StateTarget, WeightFollower
-from bus.weights import WeightPublisher, parse_version
+from bus.weights.follower import StateTarget, WeightFollower
+from bus.weights.publisher import WeightPublisher
+from bus.weights.rules import parse_version
 from delta_codec.signing import generate_keypair, sign
 from tests.helpers.weights import CFG, delta, same, trajectory, until
 

@@ -1,4 +1,4 @@
-"""Versions published from shards on a real nats-server (bus/weight_manifest.py): parts in the
+"""Versions published from shards on a real nats-server (bus/weights/manifest.py): parts in the
 object store, one signed ManifestEvent on WEIGHTS through the fenced write. A follower applies a
 good version bit-exact; every bad input (missing part, wrong digest, forged manifest, a part of
 another version, parts that don't cover the state) is refused with its reason and leaves the
@@ -14,9 +14,10 @@ from nats.js.errors import NotFoundError
 
 from bus import topology as topo
 from bus.events import ManifestEvent, SamplingParams
-from bus.weight_follower import StateTarget, WeightFollower
-from bus.weight_manifest import part_blob_name, publish_sharded
-from bus.weights import Fenced, WeightPublisher, parse_version, signed_fields
+from bus.weights.follower import StateTarget, WeightFollower
+from bus.weights.manifest import part_blob_name, publish_sharded
+from bus.weights.publisher import Fenced, WeightPublisher
+from bus.weights.rules import parse_version, signed_fields
 from delta_codec import CODEC
 from delta_codec.sharded import encode_part, make_manifest, shard_rows
 from delta_codec.signing import generate_keypair, sign

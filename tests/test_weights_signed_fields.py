@@ -16,8 +16,9 @@ import delta_codec
 import policy
 from bus import topology as topo
 from bus.events import DeltaEvent, EventError, Heartbeat, KeyframeEvent, decode, encode
-from bus.weight_follower import StateTarget, WeightFollower
-from bus.weights import WeightPublisher, signed_fields
+from bus.weights.follower import StateTarget, WeightFollower
+from bus.weights.publisher import WeightPublisher
+from bus.weights.rules import signed_fields
 from delta_codec.signing import generate_keypair, sign
 from tests.helpers.weights import CFG, delta, same, trajectory, until
 from trainer.lease import LeaderLease

@@ -9,7 +9,7 @@ import asyncio
 from bus import BusConfig
 from bus import topology as topo
 from bus.events import Task
-from bus.weights import WeightPublisher
+from bus.weights.publisher import WeightPublisher
 from envs.episode import EpisodeLimits
 from envs.sandbox import BashLimits
 from rollout_worker.episodes import episode_spec

@@ -16,7 +16,7 @@ from pathlib import Path
 from bus import BusConfig, TopologyConfig, connect
 from bus import topology as topo
 from bus.events import Rollout
-from bus.weights import WeightPublisher
+from bus.weights.publisher import WeightPublisher
 from tests.helpers.worker import CFG, publish_tasks, read_stream, states_for
 
 ROOT = Path(__file__).resolve().parents[1]

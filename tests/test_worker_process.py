@@ -12,7 +12,7 @@ import policy
 from bus import BusConfig
 from bus import topology as topo
 from bus.events import DeltaEvent, Heartbeat, Rollout, Task, decode
-from bus.weights import WeightPublisher
+from bus.weights.publisher import WeightPublisher
 from delta_codec.signing import generate_keypair, sign
 from rollout_worker.worker import Worker
 from tests.helpers.engine import reference_logprobs

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bus.weights import WeightPublisher
+from bus.weights.publisher import WeightPublisher
 from rollout_worker.worker import Worker
 from tests.helpers.weights import delta, same, until
 from tests.helpers.worker import CFG, states_for, worker_cfg

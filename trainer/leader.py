@@ -3,10 +3,11 @@
 Per step (rank 0 talks to the bus; other ranks only compute):
     batch   <- SCORED (complete groups, deduped, stale samples dropped / down-weighted)
     step    <- PG loss with importance correction, gradient all-reduce, AdamW on fp32 master
-    bf16    <- policy.inference_state;  delta = encode_delta(last published bf16, bf16)
-    checkpoint (version v, epoch, consumed ids)  -> publish delta (+ keyframe every K) -> KV version
-    (publish = "sharded": every rank encodes the delta of its own rows instead, and rank 0 publishes
-     the parts with one signed manifest: bus/weight_manifest.py)
+    encode  <- the encoder chosen at startup (trainer/encoders.py): gathered, the delta of the last
+               published bf16 state to the new one; sharded, every rank encodes the delta of its own
+               rows (one signed manifest: bus/weights/manifest.py). Either is one EncodedVersion.
+    checkpoint (version v, epoch, consumed ids)  -> publisher.publish(version): the delta or the
+               manifest (+ keyframe every K) -> KV version
               (each write: lease CAS, then a write the server refuses once another leader wrote)
     ack the batch's messages
 """
@@ -30,8 +31,7 @@ from bus import topology as topo
 from bus.consumer import sweep_stranded, watch_max_deliveries
 from bus.events import Metrics
 from bus.lifetime import cancel_and_wait
-from bus.weight_manifest import publish_sharded
-from bus.weights import Fenced, WeightPublisher
+from bus.weights.publisher import Fenced, WeightPublisher
 from delta_codec.sharded import digest_matches
 from policy import ModelConfig, load_tokenizer
 
@@ -40,6 +40,7 @@ from .batcher import Batch, Batcher, ConsumedIds
 from .config import TrainerConfig
 from .digest_chain import DigestChain, read_chain
 from .dist import broadcast_obj, sync_state
+from .encoders import Taken, make_encoder
 from .evaluate import evaluate
 from .feeding import TaskFeeder
 from .keys import load_signing_key
@@ -47,7 +48,6 @@ from .lag_control import next_lag_cap
 from .lambda_control import LambdaSchedule
 from .learner import Learner, check_finite_state, nonfinite_samples, pack
 from .lease import LeaderLease, LeaseLost
-from .publish_shards import ShardedVersion
 
 log = get_logger("trainer")
 
@@ -124,8 +124,7 @@ class Trainer:
         self.sync_replaced = 0  # sync: tasks published again because theirs produced nothing
         self.steps_skipped = 0  # non-finite steps skipped (weights untouched), this leader
         self.lambda_schedule = LambdaSchedule(cfg)  # ramp / budget write KV λ per version (fixed: never)
-        self.sharded = cfg.publish.layout == "sharded"
-        self.last_parts: ShardedVersion | None = None
+        self.encoder = make_encoder(cfg, learner)  # gathered or sharded, once: see trainer/encoders.py
         self.chain = DigestChain()  # what the run published: a checkpoint must agree with it
         # checkpoint_every > 1: batches of versions published but not yet checkpointed, oldest first;
         # acked only once a checkpoint recording their ids is durable (a crash re-trains them)
@@ -219,8 +218,7 @@ class Trainer:
             broadcast_obj(("sync",))
             sync_state(self.learner.model, self.learner.opt)
         self.published = self.learner.published_state()
-        if self.sharded:  # every rank's rows now: the base of its next part
-            self.learner.mark_published()
+        self.encoder.start()  # the base of the next version (sharded: every rank's rows)
         self.full_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
         self.digest = delta_codec.state_digest(self.published)
         self.save()
@@ -404,18 +402,8 @@ class Trainer:
             return
         publisher.fence, publisher.before_write, publisher.max_conflicts = None, None, 0
         v = self.version + 1
-        try:
-            if self.last_parts is not None:  # sharded: a manifest (of the last parts) for v
-                await publish_sharded(
-                    publisher,
-                    self.last_parts.parts,
-                    from_version=v - 1,
-                    to_version=v,
-                    model_config=self.model_cfg,
-                    set_version=False,
-                )
-            else:
-                await publisher.publish_keyframe(self.published, v, self.model_cfg, set_version=False)
+        try:  # a keyframe; sharded, a manifest of the last parts once there are some
+            await self.encoder.probe(publisher, self.published, v, self.model_cfg)
         except Fenced as e:
             log.warning(
                 "deposed leader publish refused by the server", version=v, epoch=publisher.epoch, error=str(e)
@@ -459,17 +447,10 @@ class Trainer:
         )
         batch.trained_ids = [p.rollout_id for p in packed if live and p.weight > 0 and p.completion_ids]
         self.consumed.add(batch.rollout_ids)
-        if self.sharded:  # parts now (a collective: not while the next step runs)
-            base, new = None, None
-            if live:
-                te = time.perf_counter()
-                parts = await asyncio.to_thread(self.learner.publish_parts, self.version - 1, self.version)
-                stats["encode_s"] = time.perf_counter() - te  # this rank's part (each codes its own)
-                base = self.last_parts = ShardedVersion.of(parts, self.version - 1, self.version)
-            if self._needs_full_state(live):
-                new = await asyncio.to_thread(self.learner.published_state)
-        else:
-            base, new = self.published, await asyncio.to_thread(self.learner.published_state)
+        # what the learner hands over now, before the next step changes the weights: the gathered
+        # state, or (sharded) every rank's part, a collective
+        taken = await self.encoder.take(self.published, live, self.version, stats)
+        new = taken.state
         if new is not None and live:  # never encode, checkpoint or publish a non-finite weight
             await asyncio.to_thread(check_finite_state, new, self.version)
         # the next step updates the weights and optimizer in place: checkpoint a copy of this state
@@ -488,7 +469,7 @@ class Trainer:
         if new is not None:
             self.published = new
         publication = self.publish_version(
-            batch, packed, stats, live, base, new, snapshot, batcher, publisher, lost, t0, self.version
+            batch, packed, stats, live, taken, snapshot, batcher, publisher, lost, t0, self.version
         )
         if self.cfg.faults.step_delay_s:  # tests only: a step + publication slower than ack_wait
             publication = _after(self.cfg.faults.step_delay_s, publication)
@@ -547,21 +528,13 @@ class Trainer:
             await batcher.ack(self.unacked[0])
             self.unacked.pop(0)
 
-    def _needs_full_state(self, live: bool) -> bool:
-        """Sharded publication still gathers the whole state for a keyframe or an evaluation."""
-        v, cfg = self.version, self.cfg
-        return (live and v % cfg.publish.keyframe_interval == 0) or bool(
-            cfg.tasks.eval_every and v % cfg.tasks.eval_every == 0
-        )
-
     async def publish_version(
         self,
         batch,
         packed,
         stats,
         live,
-        base,
-        new,
+        taken: Taken,
         snapshot,
         batcher: Batcher,
         publisher: WeightPublisher,
@@ -569,55 +542,28 @@ class Trainer:
         t0: float,
         version: int,
     ) -> None:
-        """`base`: the published state of v-1 (gathered), or v's parts (a ShardedVersion).
+        """`taken`: version v as the step left it (trainer/encoders.py), encoded here into the one
+        EncodedVersion the publisher takes (None when the batch trained nothing: nothing goes out).
         `snapshot`: the state to checkpoint before publishing, None for a version published
         uncheckpointed (checkpoint_every > 1): its batch then waits in `unacked` for the next one."""
         cfg = self.cfg
-        if isinstance(base, ShardedVersion) or not live:
-            delta = base if live else None
-        else:
-            te = time.perf_counter()
-            delta = await asyncio.to_thread(
-                delta_codec.encode_delta,
-                base,
-                new,
-                from_version=version - 1,
-                to_version=version,
-                context=cfg.use_delta_context,
-            )
-            stats["encode_s"] = time.perf_counter() - te
+        encoded = await taken.encode(stats)  # gathered: the delta is coded now (encode_s)
         if "encode_s" in stats and stats.get("step_s"):  # what the delta coding costs against the step
             stats["encode_frac"] = stats["encode_s"] / stats["step_s"]
         if not self.lease.valid() or lost.is_set():
             raise LeaseLost("leader lease no longer valid: refusing to checkpoint or publish")
-        if delta is not None:  # the codec already hashed every tensor of `new`: no second pass
-            self.digest = delta.new_digest
+        if encoded is not None:  # the codec already hashed every tensor of v: no second pass
+            self.digest = encoded.new_digest
             if snapshot is not None:
-                snapshot.digest = delta.new_digest
+                snapshot.digest = encoded.new_digest
         tc = time.perf_counter()
         if snapshot is not None:
             await asyncio.to_thread(self.learner.wait_checkpoint)  # async shard save: complete before named
             await asyncio.to_thread(checkpoint.save, cfg.checkpoint.dir, snapshot, cfg.checkpoint.keep)
         stats["checkpoint_s"] = time.perf_counter() - tc
         tp = time.perf_counter()
-        delta_bytes = 0
-        if isinstance(delta, ShardedVersion):
-            delta_bytes = (
-                await publish_sharded(
-                    publisher,
-                    delta.parts,
-                    from_version=version - 1,
-                    to_version=version,
-                    model_config=self.model_cfg,
-                    changed_frac=delta.stats.changed_frac,
-                )
-            ).part_bytes
-            if version % cfg.publish.keyframe_interval == 0:
-                await publisher.publish_keyframe(new, version, self.model_cfg, set_version=False)
-        elif delta is not None:
-            delta_bytes = (await publisher.publish_delta(delta)).size
-            if version % cfg.publish.keyframe_interval == 0:
-                await publisher.publish_keyframe(new, version, self.model_cfg, set_version=False)
+        # the delta or the manifest, then the keyframe every keyframe_interval versions
+        delta_bytes = await publisher.publish(encoded, self.model_cfg) if encoded is not None else 0
         stats["publish_s"] = time.perf_counter() - tp
         self.unacked.append(batch)
         if snapshot is not None:  # the checkpoint just written records every unacked batch
@@ -668,7 +614,7 @@ class Trainer:
             "timed_out_members": batcher.counters["timed_out"],
             "delta_bytes": delta_bytes,
             "delta_ratio": delta_bytes / self.full_bytes,
-            "changed_frac": (delta.stats.changed / max(delta.stats.total, 1)) if delta is not None else 0.0,
+            "changed_frac": encoded.changed_frac if encoded is not None else 0.0,
             "duplicates": batcher.counters["duplicates"],
             "invalid": batcher.counters["invalid"],
             "steps_skipped": self.steps_skipped,
@@ -683,7 +629,7 @@ class Trainer:
             "newest_token_version": max(
                 (max(s.rollout.token_versions, default=0) for s in batch.samples), default=0
             ),
-            **(await self.maybe_evaluate(version, new)),
+            **(await self.maybe_evaluate(version, taken.state)),
         }
         log.info(
             "step",

@@ -11,7 +11,7 @@ A leader that cannot renew for ttl_s (partition, SIGSTOP) considers itself depos
 (`valid()` is false) and must not publish. That is only a local check: the fence is on the
 server. Before every WEIGHTS write the leader `confirm()`s the lease with a CAS (refused once
 a standby took over), and the write itself expects the stream's last sequence to be the one
-this leader last wrote (bus/weights.py), so a leader paused between the two is refused too.
+this leader last wrote (bus/weights/publisher.py), so a leader paused between the two is refused too.
 """
 
 from __future__ import annotations

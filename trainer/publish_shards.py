@@ -2,17 +2,15 @@
 
 With FSDP2 every parameter is a DTensor sharded on dim 0; a rank's local tensor is rows
 [r0, r1) of the full parameter (delta_codec.sharded.shard_rows). Its part of version v is the
-delta of those rows from the rows it published at v-1; rank 0 collects the parts' bytes (small:
-compressed deltas, not weights) and signs one manifest (delta_codec.sharded)."""
+delta of those rows from the rows it published at v-1 (Learner.publish_parts); rank 0 collects the
+parts' bytes (small: compressed deltas, not weights), and the leader publishes them as one
+`ShardedVersion` (trainer/encoders.py, bus/weights/manifest.py) with one signed manifest."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from delta_codec import Delta, DeltaStats
-from delta_codec.sharded import encode_part, parts_digest, shard_rows
+from delta_codec.sharded import encode_part, shard_rows
 
 from .commands import world
 
@@ -44,27 +42,3 @@ def encode_local_part(
         base_rows, rows, ranges, from_version=from_version, to_version=to_version, context=context
     ).to_bytes()
     return blob, rows
-
-
-@dataclass
-class ShardedVersion:
-    """What the leader publishes for a version from shards: the parts (rank order), the digest it
-    records in the checkpoint (delta_codec.sharded.parts_digest) and the delta's stats."""
-
-    parts: list[bytes]
-    from_version: int
-    to_version: int
-    new_digest: str
-    stats: DeltaStats
-
-    @classmethod
-    def of(cls, parts: list[bytes], from_version: int, to_version: int) -> ShardedVersion:
-        deltas = [Delta.from_bytes(p) for p in parts]  # headers only: no tensor is decoded
-        st = [d.stats for d in deltas]
-        return cls(
-            parts,
-            from_version,
-            to_version,
-            parts_digest([d.new_digest for d in deltas]),
-            DeltaStats(sum(s.changed for s in st), sum(s.total for s in st), sum(len(p) for p in parts)),
-        )

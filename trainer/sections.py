@@ -245,12 +245,12 @@ class TasksSection:
 
 @dataclass
 class PublishSection:
-    """How each version reaches the workers (trainer/leader.py, trainer/publish_shards.py)."""
+    """How each version reaches the workers (trainer/encoders.py, bus/weights/)."""
 
     keyframe_interval: int = 20  # a full keyframe every K versions
     # gathered: rank 0 gathers the bf16 state and publishes one delta per version; sharded: every
     # rank encodes the delta of the rows it owns, rank 0 stores the parts and signs one manifest
-    # (bus/weight_manifest.py; docs/trainer.md). Keyframes are gathered either way.
+    # (bus/weights/manifest.py; docs/trainer.md). Keyframes are gathered either way.
     layout: str = "gathered"
     # code delta positions in the context of the base weights (format 4 CLASSED: smaller on real weights,
     # slower to encode and apply; docs/benchmarks.md#delta). "auto": on when the trainer starts from a

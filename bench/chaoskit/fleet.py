@@ -23,7 +23,7 @@ from asyncrl.up import Proc, spawn
 from bus import BusConfig, TopologyConfig, connect
 from bus import topology as topo
 from bus.events import SamplingParams
-from bus.weights import parse_version
+from bus.weights.rules import parse_version
 from envs import feeder
 
 from . import books as ledger

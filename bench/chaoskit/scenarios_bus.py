@@ -16,7 +16,7 @@ import delta_codec
 from bus import EmbeddedServer
 from bus import topology as topo
 from bus.events import Rollout, Scored, Task
-from bus.weights import signed_fields
+from bus.weights.rules import signed_fields
 from delta_codec.signing import generate_keypair, sign
 
 from .books import row

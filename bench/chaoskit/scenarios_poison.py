@@ -27,8 +27,8 @@ import delta_codec
 from bus import EmbeddedServer
 from bus import topology as topo
 from bus.events import DeltaEvent, Rollout, Scored
-from bus.weight_follower import WeightFollower
-from bus.weights import signed_fields
+from bus.weights.follower import WeightFollower
+from bus.weights.rules import signed_fields
 from delta_codec.errors import NonFiniteError
 from delta_codec.signing import generate_keypair, sign
 

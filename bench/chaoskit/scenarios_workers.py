@@ -12,7 +12,7 @@ from pathlib import Path
 import policy
 from bus import EmbeddedServer
 from bus import topology as topo
-from bus.weights import WeightPublisher
+from bus.weights.publisher import WeightPublisher
 
 from .books import row
 from .fleet import Fleet, kill_and_replace, pipeline, wait_ready

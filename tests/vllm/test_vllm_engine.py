@@ -276,8 +276,8 @@ async def test_feed_resyncs_a_failed_push_from_an_older_keyframe(engine, ref, bu
     """Through the real WeightFollower: a push fails, the feed resyncs and loads the latest keyframe
     although it is older than the engine's last version, then replays the deltas after it; the
     weights served are then exactly the trainer's (logprobs = replay of the final state)."""
-    from bus.weight_follower import WeightFollower
-    from bus.weights import WeightPublisher
+    from bus.weights.follower import WeightFollower
+    from bus.weights.publisher import WeightPublisher
 
     base = {k: t.clone() for k, t in engine.state.items()}
     states = [perturbed(base, seed=40)]

@@ -172,9 +172,9 @@ async def test_failed_push_of_parts_waits_for_a_keyframe(engine):
 async def test_manifest_through_the_feed(engine, bus):
     """publish_sharded -> WeightFollower -> VLLMEngine.apply_parts: the engine follows a trainer
     publishing from shards (it refused every manifest as `unsupported` before)."""
-    from bus.weight_follower import WeightFollower
-    from bus.weight_manifest import publish_sharded
-    from bus.weights import WeightPublisher
+    from bus.weights.follower import WeightFollower
+    from bus.weights.manifest import publish_sharded
+    from bus.weights.publisher import WeightPublisher
 
     s0 = perturbed({k: t.clone() for k, t in engine.state.items()}, seed=81)
     s1 = perturbed(s0, seed=82)

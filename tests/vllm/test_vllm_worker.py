@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 import policy  # noqa: E402
 from bus import topology as topo  # noqa: E402
 from bus.events import Rollout  # noqa: E402
-from bus.weights import WeightPublisher  # noqa: E402
+from bus.weights.publisher import WeightPublisher  # noqa: E402
 from rollout_worker.worker import Worker  # noqa: E402
 from tests.helpers.engine import reference_logprobs  # noqa: E402
 from tests.helpers.weights import delta, until  # noqa: E402

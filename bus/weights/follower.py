@@ -1,4 +1,4 @@
-"""The worker side of the weight protocol (bus/weights.py has the rules): `WeightFollower` walks
+"""The worker side of the weight path (bus/weights/__init__.py has the rules): `WeightFollower` walks
 WEIGHTS from its own cursor and hands each verified update to a target (an engine, or
 `StateTarget`, a plain state dict); a refused update never touches the target."""
 
@@ -16,8 +16,8 @@ import delta_codec
 from bus import events, metrics
 from bus import topology as topo
 from bus.log import get_logger
-from bus.weight_manifest import apply_manifest, read_manifest
-from bus.weights import CODEC, WEIGHTS_SUBJECTS, Refused, is_replay, signed_fields
+from bus.weights.manifest import apply_manifest, read_manifest
+from bus.weights.rules import CODEC, WEIGHTS_SUBJECTS, Refused, is_replay, signed_fields
 from delta_codec import signing
 from delta_codec.errors import NonFiniteError
 from delta_codec.sharded import apply_parts
@@ -50,7 +50,7 @@ class WeightTarget(Protocol):
     async def apply_delta(self, delta: delta_codec.Delta, epoch: int) -> None: ...
 
     # optional: async apply_parts(manifest, parts, epoch), a version published from shards
-    # (bus/weight_manifest.py), all-or-nothing; a target without it follows keyframes only
+    # (bus/weights/manifest.py), all-or-nothing; a target without it follows keyframes only
 
 
 class StateTarget:
@@ -121,7 +121,7 @@ class WeightFollower:
             async def on_msg(_msg):
                 self._wake.set()
 
-            # a regional source (bus.regions.WeightSource) wakes us when its mirror stores a message
+            # a regional source (bus.weights.regions.WeightSource) wakes us when its mirror stores a message
             subscribe = getattr(self.bus, "subscribe_weights", None)
             self._sub = await (
                 subscribe(on_msg)
@@ -346,7 +346,7 @@ class WeightFollower:
         metrics.applied("delta", raw)
 
     async def _step_manifest(self, target: WeightTarget, ev: events.ManifestEvent, raw) -> None:
-        """A version published from shards (bus/weight_manifest.py): a delta's checks, then its parts."""
+        """A version published from shards (bus/weights/manifest.py): a delta's checks, then its parts."""
         if is_replay(ev, target):
             self.applied["replay"] += 1
             return

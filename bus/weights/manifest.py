@@ -1,12 +1,14 @@
 """Versions published from shards: N delta parts (one per trainer rank) in the object store and
 one signed manifest on WEIGHTS (a `ManifestEvent`).
 
-Trainer side, `publish_sharded`: every part is stored first (`part-e<epoch>-v<version>-r<rank>`),
-then the manifest (each part's sha256, size and name; versions; epoch, trainer id and model
-config in its signed header) goes out through the publisher's fenced write: the lease CAS, then
-a write the server refuses once another leader wrote (Nats-Expected-Last-Sequence). A deposed
-leader may leave orphan parts in the object store (they expire with the bucket's TTL), never a
-manifest on WEIGHTS.
+Trainer side, `ShardedVersion`: the parts of version v (rank order) and what the trainer reads of
+them (the digest it records, the changed fraction), published through the one publisher interface
+(`WeightPublisher.publish`, bus/weights/publisher.py) by `publish_sharded`: every part is stored
+first (`part-e<epoch>-v<version>-r<rank>`), then the manifest (each part's sha256, size and name;
+versions; epoch, trainer id and model config in its signed header) goes out through the
+publisher's fenced write: the lease CAS, then a write the server refuses once another leader wrote
+(Nats-Expected-Last-Sequence). A deposed leader may leave orphan parts in the object store (they
+expire with the bucket's TTL), never a manifest on WEIGHTS.
 
 Worker side, WeightFollower checks a ManifestEvent as it checks a delta, with `read_manifest` and
 `apply_manifest` from here, in order, nothing written until every check passed:
@@ -14,7 +16,7 @@ Worker side, WeightFollower checks a ManifestEvent as it checks a delta, with `r
     epoch <  mine                      -> refused (deposed leader), no resync
     to_version <= mine, same epoch     -> replay, skipped
     from_version != mine               -> gap: resync from the latest keyframe
-    payload size / signature / codec   -> refused: resync (WeightFollower._payload)
+    payload size / signature / codec   -> refused: resync (as a delta's payload: follower.py)
     manifest malformed, versions or part count differ from the event -> refused: resync
     fields != the manifest's signed header (epoch, trainer id, model config) -> refused
     newer epoch the lease never issued -> refused
@@ -27,12 +29,14 @@ Worker side, WeightFollower checks a ManifestEvent as it checks a delta, with `r
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from bus import events
-from bus.weights import Refused, WeightPublisher, config_dict, signed_fields
-from delta_codec import DeltaError
+from bus.weights.publisher import WeightPublisher
+from bus.weights.rules import Refused, config_dict, signed_fields
+from delta_codec import Delta, DeltaError, DeltaStats
 from delta_codec.errors import NonFiniteError
-from delta_codec.sharded import Manifest, check_part, make_manifest
+from delta_codec.sharded import Manifest, check_part, make_manifest, parts_digest
 
 
 def part_blob_name(epoch: int, version: int, index: int) -> str:
@@ -64,6 +68,51 @@ async def publish_sharded(
         extra=signed_fields(pub.epoch, pub.trainer_id, config),
     )
     return await pub.publish_manifest(manifest, config, changed_frac=changed_frac, set_version=set_version)
+
+
+@dataclass
+class ShardedVersion:
+    """A version encoded from shards, as the trainer publishes it (`WeightPublisher.publish`): the
+    parts (rank order), the digest the trainer records (delta_codec.sharded.parts_digest), the
+    parts' summed stats, and the full state when v is also a keyframe (gathered for it)."""
+
+    parts: list[bytes]
+    from_version: int
+    to_version: int
+    new_digest: str
+    stats: DeltaStats
+    keyframe: dict | None = None
+
+    @classmethod
+    def of(
+        cls, parts: list[bytes], from_version: int, to_version: int, keyframe: dict | None = None
+    ) -> ShardedVersion:
+        deltas = [Delta.from_bytes(p) for p in parts]  # headers only: no tensor is decoded
+        st = [d.stats for d in deltas]
+        return cls(
+            parts,
+            from_version,
+            to_version,
+            parts_digest([d.new_digest for d in deltas]),
+            DeltaStats(sum(s.changed for s in st), sum(s.total for s in st), sum(len(p) for p in parts)),
+            keyframe,
+        )
+
+    @property
+    def changed_frac(self) -> float:
+        return self.stats.changed_frac
+
+    async def write(self, pub: WeightPublisher, model_config, *, set_version: bool) -> int:
+        ev = await publish_sharded(
+            pub,
+            self.parts,
+            from_version=self.from_version,
+            to_version=self.to_version,
+            model_config=model_config,
+            changed_frac=self.changed_frac,
+            set_version=set_version,
+        )
+        return ev.part_bytes
 
 
 async def fetch_parts(bus, manifest: Manifest) -> dict[int, bytes]:

@@ -1,41 +1,20 @@
-"""The weight protocol on the bus: how policy versions travel from trainer to workers.
+"""Trainer side of the weight path: `WeightPublisher`, the fenced writer of WEIGHTS, and its one
+interface for a trained version, `publish(EncodedVersion)`.
 
-Trainer side, `WeightPublisher`: a keyframe (full bf16 state) every K versions and a sparse
-lossless delta for every version in between, signed, inline when small and in the object
-store otherwise; then the KV key `version` is bumped so workers can measure their lag.
-The epoch, trainer id (and a keyframe's model config) also travel inside the payload's
-container header, which the signature covers. Every write is conditional on the server
-(expected last sequence of WEIGHTS): a deposed leader's write is refused, see `_write`.
+An `EncodedVersion` is what the trainer's encoder made of version v: `GatheredVersion` (here: one
+delta_codec Delta of the whole state, v-1 -> v) or `ShardedVersion` (bus/weights/manifest.py: one
+delta part per trainer rank and a signed manifest); either may carry the full state as well, to go
+out as a keyframe of v right after it. The trainer reads the same fields of both (`new_digest`,
+`changed_frac`) and the bytes `publish` returns, and never asks which kind it holds.
 
-Worker side, `WeightFollower` (bus/weight_follower.py): each reader keeps its own cursor (a stream
-sequence) on `WEIGHTS` and walks the stream in order with direct gets (`next_by_subj`), woken by a plain NATS
-subscription, so there is no consumer state on the server to lose on reconnect. Every
-update is checked before it touches the weights:
-
-    keyframe   accepted iff newer epoch, or same epoch and newer version; digest + signature;
-               fields == the payload's signed header; epoch issued by the KV leader lease
-    delta      epoch <  mine                      -> refused (deposed leader), no resync
-               to_version <= mine, same epoch     -> replay, skipped
-               from_version != mine               -> gap: resync from the latest keyframe
-               bad signature / payload / codec    -> refused: resync
-               fields != the signed header        -> refused (a forgery: the real one is in the stream)
-               newer epoch the lease never issued -> refused
-               target refuses (base digest)       -> refused: resync
-    manifest   a version published from shards: the delta rules, then every part checked and the
-               version applied whole or not at all (bus/weight_manifest.py)
-
-Signing is what stops forgery: without a public key the field check only catches accidental
-mismatches (anyone able to publish on rl.weights.> can then build a consistent payload), and
-the lease check only bounds the epoch to one the KV has issued.
-
-Resync loads the latest keyframe if it moves us forward and continues from it; otherwise
-the reader keeps walking until a newer keyframe shows up. The target (an engine) keeps
-generating meanwhile: it only ever sees whole, verified updates.
+Every write is conditional on the server (expected last sequence of WEIGHTS): a deposed leader's
+write is refused, see `WeightPublisher._write`. The rules a follower checks: bus/weights/__init__.py.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol
 
 from nats.js.errors import APIError
 
@@ -44,29 +23,11 @@ from bus import events, metrics
 from bus import topology as topo
 from bus.errors import PublishError
 from bus.log import get_logger
+from bus.weights.rules import CODEC, config_dict, encode_version, signed_fields
 from delta_codec import signing
 from delta_codec.sharded import Manifest
 
 log = get_logger(__name__)
-
-WEIGHTS_SUBJECTS = "rl.weights.>"
-CODEC = delta_codec.CODEC
-
-
-def encode_version(v: int) -> bytes:
-    return str(int(v)).encode()
-
-
-def parse_version(raw: bytes | None) -> int:
-    """KV `version` value -> int (-1 when unset or unreadable)."""
-    try:
-        return int(raw.decode()) if raw else -1
-    except (ValueError, UnicodeDecodeError):
-        return -1
-
-
-def config_dict(model_config: Any) -> dict:
-    return model_config.to_dict() if hasattr(model_config, "to_dict") else dict(model_config)
 
 
 EXPECTED_LAST_SEQ = "Nats-Expected-Last-Sequence"
@@ -79,12 +40,63 @@ class Fenced(PublishError):
     A PublishError: the trainer goes back to standby on it."""
 
 
-def signed_fields(epoch: int, trainer_id: str, model_config: dict | None = None) -> dict:
-    """The event fields a publisher also puts inside the payload's signed container header."""
-    d = {"epoch": int(epoch), "trainer_id": trainer_id}
-    if model_config is not None:
-        d["model_config"] = model_config
-    return d
+class EncodedVersion(Protocol):
+    """Version `to_version` as the trainer publishes it, whatever its encoding: the fields the
+    trainer reads, and `write`, which `WeightPublisher.publish` calls to put the update on WEIGHTS."""
+
+    @property
+    def from_version(self) -> int: ...
+
+    @property
+    def to_version(self) -> int: ...
+
+    @property
+    def new_digest(self) -> str:
+        """The digest of version v's bf16 state the trainer records (checkpoint, resume check)."""
+        ...
+
+    @property
+    def changed_frac(self) -> float:
+        """The fraction of the weights that changed from v-1."""
+        ...
+
+    @property
+    def keyframe(self) -> dict | None:
+        """The full state of v when it also goes out as a keyframe, else None."""
+        ...
+
+    async def write(self, pub: WeightPublisher, model_config, *, set_version: bool) -> int:
+        """The update v-1 -> v on WEIGHTS through `pub`'s fenced write (the KV version bumped when
+        `set_version`); -> the bytes of the update (a delta's payload, a sharded version's parts)."""
+        ...
+
+
+@dataclass
+class GatheredVersion:
+    """A version encoded from the whole state on one process: one delta_codec Delta (v-1 -> v),
+    and the state itself when v is also a keyframe."""
+
+    delta: delta_codec.Delta
+    keyframe: dict | None = None
+
+    @property
+    def from_version(self) -> int:
+        return int(self.delta.from_version)
+
+    @property
+    def to_version(self) -> int:
+        return int(self.delta.to_version)
+
+    @property
+    def new_digest(self) -> str:
+        return self.delta.new_digest  # the codec hashed every tensor of v: no second pass
+
+    @property
+    def changed_frac(self) -> float:
+        return self.delta.stats.changed_frac
+
+    async def write(self, pub: WeightPublisher, model_config, *, set_version: bool) -> int:
+        return (await pub.publish_delta(self.delta, set_version=set_version)).size
 
 
 class WeightPublisher:
@@ -161,6 +173,15 @@ class WeightPublisher:
             f"{ev.msg_id()}: refused by the server ({self.max_conflicts + 1} attempts): WEIGHTS "
             f"moved on since this publisher's last write"
         )
+
+    async def publish(self, version: EncodedVersion, model_config, *, set_version: bool = True) -> int:
+        """The one way a trained version goes out, gathered or sharded: its update (a delta, or the
+        parts and their manifest), then its keyframe when it carries one (the KV version is bumped
+        once, by the update). -> the bytes of the update."""
+        nbytes = await version.write(self, model_config, set_version=set_version)
+        if version.keyframe is not None:
+            await self.publish_keyframe(version.keyframe, version.to_version, model_config, set_version=False)
+        return nbytes
 
     async def publish_keyframe(
         self, state, version: int, model_config, *, set_version: bool = True
@@ -239,7 +260,7 @@ class WeightPublisher:
         self, manifest: Manifest, model_config: dict, *, changed_frac: float = 0.0, set_version: bool = True
     ) -> events.ManifestEvent:
         """A version published from shards: its manifest, whose parts are already in the object store
-        (bus/weight_manifest.py), signed and written like a delta."""
+        (bus/weights/manifest.py), signed and written like a delta."""
         from_version, to_version = manifest.from_version, manifest.to_version
         payload = manifest.to_bytes()  # signed as a whole by the event's signature, like a delta
         inline, blob = await self._place(f"manifest-e{self.epoch}-v{to_version}", payload)
@@ -274,27 +295,3 @@ class WeightPublisher:
 
     async def set_version(self, v: int) -> int:
         return await self.bus.kv_put(topo.KEY_VERSION, encode_version(v))
-
-
-class Refused(Exception):
-    """A weight update a follower will not apply: `reason` (a metrics label), and whether the
-    follower must resync from the latest keyframe."""
-
-    def __init__(self, reason: str, detail: str, resync: bool):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail, self.resync = reason, detail, resync
-
-
-def is_replay(ev: events.WeightEvent, target) -> bool:
-    """The version rules a delta or a manifest meets before its payload is read: an older epoch
-    is refused, a version the target has (same epoch) is a replay to skip (True), and one that
-    does not start at the target's version is a gap (resync)."""
-    if ev.epoch < target.epoch:
-        raise Refused("stale_epoch", f"{ev.msg_id()} from epoch {ev.epoch} < {target.epoch}", resync=False)
-    if ev.to_version <= target.version and ev.epoch == target.epoch:
-        return True
-    if ev.from_version != target.version:
-        raise Refused(
-            "gap", f"{ev.msg_id()} starts at v{ev.from_version}, target at v{target.version}", resync=True
-        )
-    return False

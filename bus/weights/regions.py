@@ -25,6 +25,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from bus import topology as topo
 from bus.log import get_logger
+from bus.weights import blobs
 
 log = get_logger(__name__)
 
@@ -67,9 +68,7 @@ class WeightSource:
 
     async def get_blob(self, name: str) -> bytes:
         """Read from the region's blob mirror, waiting for a blob that has not arrived yet."""
-        from bus.blobs import get_blob
-
-        return await get_blob(self, name, wait_s=self.blob_wait_s)
+        return await blobs.get_blob(self, name, wait_s=self.blob_wait_s)
 
     async def subscribe_weights(self, cb):
         """Wake-ups for WeightFollower. "mirror": when the local mirror stores a WEIGHTS message
@@ -99,7 +98,7 @@ def weight_source(bus, **kw):
 def weight_follower(bus, **feed_kw):
     """The WeightFollower a process should follow: its region's mirrors when its BusConfig names
     one (`weights_domain`), else the Bus. One call, so processes need no region logic."""
-    from bus.weight_follower import WeightFollower
+    from bus.weights.follower import WeightFollower  # here: `python -m bus.weights.regions` needs no torch
 
     return WeightFollower(weight_source(bus), **feed_kw)
 
@@ -125,7 +124,7 @@ async def mirror_status(js) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bus.regions`: declare (or update) the mirrors on a region's server, once, as
+    """`python -m bus.weights.regions`: declare (or update) the mirrors on a region's server, once, as
     its admin: ASYNCRL_BUS__SERVERS/USER/PASSWORD name the region's server (no js_domain: its
     own domain), ASYNCRL_MIRROR__WEIGHTS_KEEP etc. the retention (topology.MirrorConfig)."""
     import asyncio
