@@ -146,7 +146,7 @@ def trainer_section(args, folder: Path, dev: torch.device) -> tuple[dict, dict, 
                 "k3_mean": st["k3_mean"],
             }
         )
-    new = learner.published_state()
+    new = learner.publication.published_state()
     t0 = time.perf_counter()
     delta = delta_codec.encode_delta(base, new, from_version=0, to_version=1)
     enc_s = time.perf_counter() - t0

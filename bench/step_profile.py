@@ -128,13 +128,13 @@ def profile_step(
         with FlopCounterMode(display=False) as fc:  # one counted step (not timed)
             learner.step(samples)
         step_flops = float(fc.get_total_flops())
-        prev = learner.published_state()
+        prev = learner.publication.published_state()
         rows = []
         for v in range(1, steps + 1):
             st = learner.step(samples)
             ph = {"forward": st["forward_s"], "backward": st["backward_s"], "optimizer": st["optimizer_s"]}
             t = time.perf_counter()
-            new = learner.published_state()
+            new = learner.publication.published_state()
             ph["cast"] = time.perf_counter() - t
             t = time.perf_counter()
             delta = delta_codec.encode_delta(
@@ -145,7 +145,7 @@ def profile_step(
             state = checkpoint.TrainerState(
                 version=v,
                 epoch=1,
-                **learner.checkpoint_payload(tmp, 1, v),
+                **learner.checkpoint.payload(tmp, 1, v),
                 consumed=[s.rollout_id for s in samples],
                 digest=delta.new_digest,
                 model_config=mcfg.to_dict(),

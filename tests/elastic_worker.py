@@ -17,7 +17,7 @@ import torch
 from trainer import checkpoint
 from trainer.commands import world
 from trainer.config import TrainerConfig
-from trainer.dist import broadcast_obj, follower_loop, init_distributed, shutdown_distributed
+from trainer.dist import follower_loop, init_distributed, shutdown_distributed, stop_followers
 from trainer.factory import build_learner, build_model, build_optimizer
 
 
@@ -36,19 +36,18 @@ def main() -> None:
     st = checkpoint.load_latest(cfg.checkpoint.dir)
     version, epoch = (st.version, st.epoch + 1) if st else (0, 1)  # one epoch per group formation
     if st is not None:
-        learner.load_payload(cfg.checkpoint.dir, st.model, st.optimizer)
+        learner.checkpoint.load(cfg.checkpoint.dir, st.model, st.optimizer)
     samples = torch.load(spec["samples"], weights_only=False)
     while version < spec["target"]:
-        broadcast_obj(("step", samples))
         learner.step(samples)
         version += 1
-        payload = learner.checkpoint_payload(cfg.checkpoint.dir, epoch, version)
-        learner.wait_checkpoint()
+        payload = learner.checkpoint.payload(cfg.checkpoint.dir, epoch, version)
+        learner.checkpoint.wait()
         checkpoint.save(cfg.checkpoint.dir, checkpoint.TrainerState(version=version, epoch=epoch, **payload))
         with open(out / "versions.txt", "a") as f:
             f.write(json.dumps({"version": version, "epoch": epoch, "world": ws, "pid": os.getpid()}) + "\n")
         time.sleep(spec.get("pause_s", 0.0))
-    broadcast_obj(("stop",))
+    stop_followers(learner)
     shutdown_distributed()
 
 

@@ -12,7 +12,7 @@ import torch
 
 from trainer.commands import world
 from trainer.config import TrainerConfig
-from trainer.dist import broadcast_obj, follower_loop, init_distributed, shutdown_distributed
+from trainer.dist import follower_loop, init_distributed, shutdown_distributed, stop_followers
 from trainer.factory import build_learner, build_model, build_optimizer
 
 
@@ -34,8 +34,8 @@ def main() -> None:
 
         tr = Trainer(cfg, None, learner, mcfg)
         tr.prepare()
-        fp32 = learner.full_fp32()
-        broadcast_obj(("stop",))
+        fp32 = learner.publication.full_fp32()
+        stop_followers(learner)
         torch.save({"fp32": fp32, "digest": tr.digest, "version": tr.version}, out / "result.pt")
         shutdown_distributed()
         return
@@ -49,42 +49,39 @@ def main() -> None:
         samples = torch.load(spec["samples"], weights_only=False)
         tr = Trainer(cfg, None, learner, mcfg)
         tr.lease.epoch = 1
-        broadcast_obj(("step", samples))
         learner.step(samples)
         tr.version = 1
         tr.save()  # waits for the background save, then names it
         ref = checkpoint.load_latest(cfg.checkpoint.dir).model["__dcp__"]
         torch.save(
             {
-                "fp32": learner.full_fp32(),
+                "fp32": learner.publication.full_fp32(),
                 "complete": (Path(cfg.checkpoint.dir) / ref / ".metadata").is_file(),
             },
             out / "v1.pt",
         )
-        broadcast_obj(("step", samples))
         learner.step(samples)
         tr.version = 2
         tr.state()  # starts the v2 save in the background ...
-        (out / "v2-started").write_text(repr(learner._pending_saves))
+        (out / "v2-started").write_text(repr(learner.checkpoint.pending))
         os.kill(os.getpid(), signal.SIGKILL)  # ... and dies before it could name it
     samples = torch.load(spec["samples"], weights_only=False)
     if spec.get("resume"):
         ref = torch.load(spec["resume"], weights_only=False)
-        learner.load_payload(spec["ckpt_dir"], ref["model"], ref["optimizer"])
+        learner.checkpoint.load(spec["ckpt_dir"], ref["model"], ref["optimizer"])
     stats = []
-    learner.mark_published()
+    learner.publication.mark_published()
     for _ in range(spec.get("steps", 1)):
-        broadcast_obj(("step", samples))
         stats.append(learner.step(samples))
     payload = (
-        learner.checkpoint_payload(spec["ckpt_dir"], 1, spec.get("version", 1)) if spec.get("save") else None
+        learner.checkpoint.payload(spec["ckpt_dir"], 1, spec.get("version", 1)) if spec.get("save") else None
     )
-    state = learner.published_state()
+    state = learner.publication.published_state()
     extra = {}
     if spec.get("parts"):  # sharded publication: every rank encodes the rows it owns
-        extra["parts"] = learner.publish_parts(0, 1)
-    fp32 = learner.full_fp32()
-    broadcast_obj(("stop",))
+        extra["parts"] = learner.publication.publish_parts(0, 1)
+    fp32 = learner.publication.full_fp32()
+    stop_followers(learner)
     torch.save({"state": state, "stats": stats, "payload": payload, "fp32": fp32, **extra}, out / "result.pt")
     shutdown_distributed()
 

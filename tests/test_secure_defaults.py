@@ -147,18 +147,21 @@ async def test_trainer_resumes_only_a_checkpoint_of_its_own_digest_chain(bus, fr
     # another model: other initial weights
     other = trainer(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=cfg.run.seed + 1)))
     forged = other.state()
-    forged.epoch, forged.digest = epoch + 50, delta_codec.state_digest(other.learner.published_state())
+    forged.epoch, forged.digest = (
+        epoch + 50,
+        delta_codec.state_digest(other.learner.publication.published_state()),
+    )
     assert forged.digest != tr.digest
     checkpoint.save(cfg.checkpoint.dir, forged)
 
     unchecked = trainer(cfg)  # without the chain: the forged one wins
     await asyncio.to_thread(unchecked.resume)
-    assert delta_codec.state_digest(unchecked.learner.published_state()) == forged.digest
+    assert delta_codec.state_digest(unchecked.learner.publication.published_state()) == forged.digest
     resumed = trainer(cfg)
     resumed.chain = await read_chain(bus)
     assert isinstance(resumed.chain, DigestChain) and resumed.chain.latest == 0
     await asyncio.to_thread(resumed.resume)
-    assert delta_codec.state_digest(resumed.learner.published_state()) == tr.digest
+    assert delta_codec.state_digest(resumed.learner.publication.published_state()) == tr.digest
 
 
 def test_sharded_checkpoint_metadata_is_read_without_running_code(tmp_path):

@@ -73,7 +73,7 @@ async def test_two_process_gloo_matches_one_process(bus, fresh_server, tmp_path)
     st = checkpoint.load_latest(cfg.checkpoint.dir)
     assert st.version == 1 and "__dcp__" in st.model  # written by both ranks
     loaded, _ = build_model(cfg)
-    build_learner(loaded, build_optimizer(loaded, cfg), cfg).load_payload(
+    build_learner(loaded, build_optimizer(loaded, cfg), cfg).checkpoint.load(
         cfg.checkpoint.dir, st.model, st.optimizer
     )
     # why: 2 ranks sum the gradients in another order than one process: AdamW's bound for one step

@@ -199,7 +199,7 @@ def test_spare_node_swap_resumes_the_sharded_line(tmp_path):
     c = TrainerConfig(**cfg)
     model, _ = build_model(c)
     learner = build_learner(model, build_optimizer(model, c), c)
-    learner.load_payload(cfg["checkpoint"]["dir"], st.model, st.optimizer)
+    learner.checkpoint.load(cfg["checkpoint"]["dir"], st.model, st.optimizer)
     straight, stats = one_process(cfg, samples, target)
     # why: world 2 (and the re-formed group) sums gradients in another order: AdamW's bound over the steps
     assert_runs_close(dict(model.named_parameters()), straight.model, cfg, samples, [s["lr"] for s in stats])

@@ -89,7 +89,7 @@ def test_sharded_checkpoint_resumes_on_one_process(tmp_path):
     c = TrainerConfig(**cfg)
     model, _ = build_model(c)
     learner = build_learner(model, build_optimizer(model, c), c)
-    learner.load_payload(cfg["checkpoint"]["dir"], ref_payload["model"], ref_payload["optimizer"])
+    learner.checkpoint.load(cfg["checkpoint"]["dir"], ref_payload["model"], ref_payload["optimizer"])
     for n, p in model.named_parameters():  # why equal: a load copies the saved bits
         assert torch.equal(p.detach(), res["fp32"][n]), n
     learner.step(samples)
@@ -104,7 +104,7 @@ def test_sharded_checkpoint_resumes_on_one_process(tmp_path):
     assert checkpoint.load_latest(cfg["checkpoint"]["dir"]).model == ref_payload["model"]
     (folder / ".metadata").unlink()
     with pytest.raises(FileNotFoundError, match="incomplete"):
-        learner.load_payload(cfg["checkpoint"]["dir"], ref_payload["model"], {})
+        learner.checkpoint.load(cfg["checkpoint"]["dir"], ref_payload["model"], {})
 
 
 def test_warm_start_under_world2_matches_one_process(tmp_path):
@@ -171,7 +171,7 @@ def test_async_save_in_flight_then_kill_resumes_from_last_complete(tmp_path):
     c = TrainerConfig(**cfg)
     model, _ = build_model(c)
     learner = build_learner(model, build_optimizer(model, c), c)
-    learner.load_payload(cfg["checkpoint"]["dir"], st.model, st.optimizer)
+    learner.checkpoint.load(cfg["checkpoint"]["dir"], st.model, st.optimizer)
     for n, p in model.named_parameters():  # why equal: a load copies the saved bits
         assert torch.equal(p.detach(), v1["fp32"][n]), n
     # and it continues like an uninterrupted run (step 1 on 2 ranks: AdamW's bound)

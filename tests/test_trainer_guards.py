@@ -21,8 +21,9 @@ from trainer import checkpoint
 from trainer.batcher import Batcher
 from trainer.factory import build_learner, build_model, build_optimizer
 from trainer.leader import Trainer
-from trainer.learner import Learner, NonFiniteWeights, PackedSample, check_finite_state
+from trainer.learner import Learner, PackedSample
 from trainer.loss import LossConfig, pg_loss
+from trainer.published import NonFiniteWeights, check_finite_state
 
 V = 50
 
@@ -127,15 +128,15 @@ def test_step_on_a_batch_with_a_nonfinite_logprob_leaves_parameters_and_optimize
 def test_nonfinite_bf16_weights_are_refused_before_encoding():
     model = _model()
     learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig())
-    state = learner.published_state()
+    state = learner.publication.published_state()
     check_finite_state(state, 1)  # finite: nothing to say
-    learner.mark_published()
+    learner.publication.mark_published()
     with torch.no_grad():
         model.layers[0].mlp.up_proj.weight[3, 4] = float("inf")
     with pytest.raises(NonFiniteWeights, match="refusing to publish"):
-        check_finite_state(learner.published_state(), 2)
+        check_finite_state(learner.publication.published_state(), 2)
     with pytest.raises(NonFiniteWeights, match="refusing to publish"):
-        learner.publish_parts(1, 2)  # the sharded path's encode, same guard
+        learner.publication.publish_parts(1, 2)  # the sharded path's encode, same guard
 
 
 async def test_leader_parks_the_poisoning_rollout_and_trains_the_rest(bus, fresh_server, tmp_path):

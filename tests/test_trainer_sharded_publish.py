@@ -38,7 +38,7 @@ def test_publish_mode_is_validated():
 def gathered_state(cfg, st: checkpoint.TrainerState) -> dict:
     """The bf16 state of a checkpoint as one process holds it: what the gathered path publishes."""
     model, _ = build_model(cfg)
-    build_learner(model, build_optimizer(model, cfg), cfg).load_payload(
+    build_learner(model, build_optimizer(model, cfg), cfg).checkpoint.load(
         cfg.checkpoint.dir, st.model, st.optimizer
     )
     return inference_state(model)

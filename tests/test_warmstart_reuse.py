@@ -177,7 +177,7 @@ def test_kl_reference_is_the_warm_started_policy_also_after_a_resume(tmp_path, s
     with torch.no_grad():
         for p in tr.learner.model.parameters():
             p.add_(0.01)  # RL moved the policy
-    tr.published = tr.learner.published_state()
+    tr.published = tr.learner.publication.published_state()
     tr.digest = delta_codec.state_digest(tr.published)
     tr.save()
     again = leader(cfg)

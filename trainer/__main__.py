@@ -1,5 +1,5 @@
 """`python -m trainer`: the asynchronous learner (leader, trainer/leader.py) or a standby waiting to
-take over; with torchrun, ranks > 0 follow rank 0's commands (trainer/dist.py)."""
+take over; with torchrun, ranks > 0 run rank 0's collectives (trainer/commands.py, trainer/dist.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from bus.metrics import start_metrics_server
 
 from .commands import world
 from .config import TrainerConfig
-from .dist import broadcast_obj, follower_loop, init_distributed, shutdown_distributed
+from .dist import follower_loop, init_distributed, shutdown_distributed, stop_followers
 from .factory import build_learner, build_model, build_optimizer
 from .leader import Trainer
 
@@ -55,7 +55,7 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
         # a failed collective (a peer died: torchrun's agent re-forms the group) leaves the group
         # unusable: no goodbye to the followers, just exit non-zero and let the agent restart us
         if ws > 1 and clean:
-            broadcast_obj(("stop",))
+            stop_followers(learner)
             shutdown_distributed()
         await bus.close()
 

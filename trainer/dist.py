@@ -1,17 +1,26 @@
-"""torch.distributed plumbing: rank 0 talks to the bus, the other ranks replay its commands."""
+"""torch.distributed plumbing: rank 0 talks to the bus, the other ranks run its collectives
+(trainer/commands.py) in `follower_loop` until it sends `Stop`."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .commands import broadcast_obj, world
+from .commands import Collective, broadcast_obj, collective, follow, world
 from .fsdp import is_sharded
 from .learner import Learner
 
-__all__ = ["broadcast_obj", "follower_loop", "init_distributed", "sync_state", "world"]
+__all__ = [
+    "broadcast_obj",
+    "follower_loop",
+    "init_distributed",
+    "stop_followers",
+    "sync_state",
+    "world",
+]
 
 
 def init_distributed() -> None:
@@ -23,29 +32,42 @@ def init_distributed() -> None:
             dist.init_process_group("gloo")
 
 
-def sync_state(model, opt) -> None:
+def sync_state(learner: Learner) -> None:
     """After rank 0 changed its weights alone (an unsharded group): every rank gets its model and
     optimizer state. A sharded model is only ever changed by collectives: nothing to do."""
-    if world()[1] == 1 or is_sharded(model):
-        return
-    for p in model.state_dict().values():
-        dist.broadcast(p, src=0)
-    opt.load_state_dict(broadcast_obj(opt.state_dict() if world()[0] == 0 else None))
+    collective(Sync(), learner)
+
+
+def stop_followers(learner: Learner) -> None:
+    """Rank 0: the other ranks leave `follower_loop` (each first waits for its background save)."""
+    collective(Stop(), learner)
+
+
+@dataclass(frozen=True)
+class Sync(Collective[None], on=Learner):
+    """Rank 0's model and optimizer state to every rank (nothing when sharded or alone)."""
+
+    def run(self, learner: Learner) -> None:
+        model, opt = learner.model, learner.opt
+        if world()[1] == 1 or is_sharded(model):
+            return
+        for p in model.state_dict().values():
+            dist.broadcast(p, src=0)
+        opt.load_state_dict(broadcast_obj(opt.state_dict() if world()[0] == 0 else None))
+
+
+@dataclass(frozen=True)
+class Stop(Collective[None], on=Learner, last=True):
+    """The followers' last command: a background shard save of theirs finishes before they leave
+    (on rank 0 nothing is pending by then: the leader waits before naming every save)."""
+
+    def run(self, learner: Learner) -> None:
+        learner.checkpoint.wait()
 
 
 async def follower_loop(learner: Learner) -> None:
-    """Ranks > 0: do whatever rank 0 broadcasts until told to stop."""
-    while True:
-        cmd = broadcast_obj()
-        if cmd[0] == "stop":
-            learner.wait_checkpoint()  # a background shard save of ours finishes before we leave
-            return
-        if cmd[0] == "sync":
-            sync_state(learner.model, learner.opt)
-        elif cmd[0] == "step":
-            learner.step(cmd[1])
-        elif cmd[0] == "call":  # a collective method rank 0 announced (commands.announce)
-            getattr(learner, cmd[1])(*cmd[2])
+    """Ranks > 0: run whatever rank 0 sends until told to stop."""
+    follow([learner, learner.checkpoint, learner.publication])
 
 
 def shutdown_distributed() -> None:

@@ -111,7 +111,7 @@ class GatheredEncoder(VersionEncoder):
         pass  # the base is the state the leader holds as published, handed to `take`
 
     async def take(self, published: dict, live: bool, version: int, stats: dict) -> Taken:
-        new = await asyncio.to_thread(self.learner.published_state)
+        new = await asyncio.to_thread(self.learner.publication.published_state)
         return TakenState(
             published,
             new,
@@ -129,7 +129,7 @@ class ShardedEncoder(VersionEncoder):
         self.last: ShardedVersion | None = None  # the last version encoded (the deposed probe's parts)
 
     def start(self) -> None:
-        self.learner.mark_published()  # every rank's rows now: the base of its next part
+        self.learner.publication.mark_published()  # every rank's rows now: the base of its next part
 
     def needs_full_state(self, live: bool, version: int) -> bool:
         """Sharded publication still gathers the whole state for a keyframe or an evaluation."""
@@ -142,11 +142,11 @@ class ShardedEncoder(VersionEncoder):
         parts = None
         if live:  # parts now (a collective: not while the next step runs)
             te = time.perf_counter()
-            parts = await asyncio.to_thread(self.learner.publish_parts, version - 1, version)
+            parts = await asyncio.to_thread(self.learner.publication.publish_parts, version - 1, version)
             stats["encode_s"] = time.perf_counter() - te  # this rank's part (each codes its own)
         new = None
         if self.needs_full_state(live, version):
-            new = await asyncio.to_thread(self.learner.published_state)
+            new = await asyncio.to_thread(self.learner.publication.published_state)
         if parts is None:
             return TakenParts(None, new)
         keyframe = new if self.keyframe_due(version) else None

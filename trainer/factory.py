@@ -27,7 +27,7 @@ def build_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:
 
 def build_reference(cfg: TrainerConfig) -> Transformer | None:
     """The frozen reference of the KL penalty (kl_coef > 0), sharded like the model: the initial
-    weights here; a warm start moves it to the warm-started policy (Learner.anchor_reference)."""
+    weights here; a warm start moves it to the warm-started policy (trainer/warmstart.py anchor_reference)."""
     if cfg.loss.kl_coef <= 0:
         return None
     ref, _ = initial_model(cfg)

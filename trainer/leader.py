@@ -39,15 +39,17 @@ from . import checkpoint
 from .batcher import Batch, Batcher, ConsumedIds
 from .config import TrainerConfig
 from .digest_chain import DigestChain, read_chain
-from .dist import broadcast_obj, sync_state
+from .dist import sync_state
 from .encoders import Taken, make_encoder
 from .evaluate import evaluate
 from .feeding import TaskFeeder
 from .keys import load_signing_key
 from .lag_control import next_lag_cap
 from .lambda_control import LambdaSchedule
-from .learner import Learner, check_finite_state, nonfinite_samples, pack
+from .learner import Learner, nonfinite_samples, pack
 from .lease import LeaderLease, LeaseLost
+from .published import check_finite_state
+from .warmstart import anchor_reference, load_reference, load_warm_start, warm_start_learner
 
 log = get_logger("trainer")
 
@@ -134,7 +136,7 @@ class Trainer:
         return checkpoint.TrainerState(
             version=self.version,
             epoch=self.lease.epoch,
-            **self.learner.checkpoint_payload(self.cfg.checkpoint.dir, self.lease.epoch, self.version),
+            **self.learner.checkpoint.payload(self.cfg.checkpoint.dir, self.lease.epoch, self.version),
             consumed=self.consumed.to_list(),
             digest=self.digest,
             model_config=self.model_cfg.to_dict(),
@@ -144,30 +146,28 @@ class Trainer:
 
     def save(self) -> None:
         st = self.state()
-        self.learner.wait_checkpoint()  # the shards complete before the file that names them
+        self.learner.checkpoint.wait()  # the shards complete before the file that names them
         checkpoint.save(self.cfg.checkpoint.dir, st, keep=self.cfg.checkpoint.keep)
 
     def resume(self) -> bool:
         st = checkpoint.load_latest(self.cfg.checkpoint.dir, verify=self.chain.check)
         if st is None:
-            broadcast_obj(("sync",))
-            sync_state(self.learner.model, self.learner.opt)
+            sync_state(self.learner)
             return False
-        self.learner.load_payload(self.cfg.checkpoint.dir, st.model, st.optimizer)
+        self.learner.checkpoint.load(self.cfg.checkpoint.dir, st.model, st.optimizer)
         self.version, self.step_n, self.warmstarted = st.version, st.step, st.warmstarted
         saved = Path(self.cfg.run.dir) / "warmstart.pt" if self.cfg.run.dir else None
         if (
             st.warmstarted
             and self.learner.reference is not None
-            and not (saved and saved.exists() and self.learner.load_reference(str(saved)))
+            and not (saved and saved.exists() and load_reference(self.learner.reference, str(saved)))
         ):
             log.warning(
                 "resumed a warm-started run: its KL reference is the initial weights, not the warm start"
             )
         self.consumed = ConsumedIds(st.consumed, limit=self.cfg.run.dedupe_window)
-        broadcast_obj(("sync",))
-        sync_state(self.learner.model, self.learner.opt)
-        bits = self.learner.published_state()
+        sync_state(self.learner)
+        bits = self.learner.publication.published_state()
         if st.digest and not digest_matches(bits, st.digest):  # whole-state or sharded (parts) digest
             raise checkpoint.CheckpointError(
                 f"checkpoint v{st.version}: bf16 state does not match the recorded digest {st.digest}"
@@ -182,42 +182,41 @@ class Trainer:
         self.resume()
         if not self.warmstarted and (self.cfg.warmstart.reuse or self.cfg.warmstart.steps):
             if self.cfg.warmstart.reuse:  # an earlier run's warm start, as it saved it
-                saved = self.learner.load_warm_start(self.cfg.warmstart.reuse, self.model_cfg)
+                saved = load_warm_start(self.learner.model, self.cfg.warmstart.reuse, self.model_cfg)
                 self.warmstart_record = {
                     "warmstart_steps_done": saved.get("warmstart_steps_done"),
                     "warmstart_stopped": "loaded",
                     "warmstart_from": self.cfg.warmstart.reuse,
                 }
             else:
-                # every rank takes part (a sharded forward is a collective): see Learner.warm_start
+                # every rank takes part (a sharded forward is a collective): see warm_start_learner
                 checks: list[dict] = []
 
                 def on_check(rec: dict) -> None:  # each stop check, as it happens (the run's record)
                     checks.append(rec)
                     self.write_jsonl({**rec, "ts": time.time()})
 
-                losses = self.learner.warm_start(
-                    self.cfg, self.model_cfg, self.cfg.warmstart.style, on_check=on_check
+                losses = warm_start_learner(
+                    self.learner, self.cfg, self.model_cfg, self.cfg.warmstart.style, on_check=on_check
                 )
                 self.warmstart_record = warmstart_record(self.cfg, len(losses), checks)
             self.warmstarted = True
-            self.learner.anchor_reference()  # kl_coef: the penalty keeps RL near this policy
+            anchor_reference(self.learner)  # kl_coef: the penalty keeps RL near this policy
             log.info("warm start done", **self.warmstart_record)
             self.write_jsonl({**self.warmstart_record, "ts": time.time()})
             if self.cfg.run.dir:  # the policy RL starts from (`asyncrl calibrate-cost --checkpoint` and
                 # the final eval's initial row read it)
                 torch.save(
                     {
-                        "model": self.learner.full_state(),
+                        "model": self.learner.publication.full_state(),
                         "model_config": self.model_cfg.to_dict(),
                         "version": self.version,
                         "warmstart_steps_done": self.warmstart_record["warmstart_steps_done"],
                     },
                     Path(self.cfg.run.dir) / "warmstart.pt",
                 )
-            broadcast_obj(("sync",))
-            sync_state(self.learner.model, self.learner.opt)
-        self.published = self.learner.published_state()
+            sync_state(self.learner)
+        self.published = self.learner.publication.published_state()
         self.encoder.start()  # the base of the next version (sharded: every rank's rows)
         self.full_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
         self.digest = delta_codec.state_digest(self.published)
@@ -414,7 +413,6 @@ class Trainer:
             log.error("deposed leader publish ACCEPTED by the server", version=v, epoch=publisher.epoch)
 
     def _step(self, packed) -> dict:
-        broadcast_obj(("step", packed))
         return self.learner.step(packed)
 
     async def train_on(
@@ -558,7 +556,7 @@ class Trainer:
                 snapshot.digest = encoded.new_digest
         tc = time.perf_counter()
         if snapshot is not None:
-            await asyncio.to_thread(self.learner.wait_checkpoint)  # async shard save: complete before named
+            await asyncio.to_thread(self.learner.checkpoint.wait)  # async shard save: complete before named
             await asyncio.to_thread(checkpoint.save, cfg.checkpoint.dir, snapshot, cfg.checkpoint.keep)
         stats["checkpoint_s"] = time.perf_counter() - tc
         tp = time.perf_counter()

@@ -15,14 +15,20 @@ it) and works on samples i ≡ rank (mod world). Each rank's loss is its share o
 sum over the global token count, so the sum of the ranks' gradients is the 1-process gradient;
 FSDP2 reduce-scatters the mean, so each rank scales its loss by the world size. FSDP2 runs
 collectives inside every forward and backward, so every rank runs the same number of
-micro-batches: a rank with fewer (or none) runs zero-weighted one-token passes.
+micro-batches: a rank with fewer (or none) runs zero-weighted one-token passes. The step itself is
+a collective (`Step`, trainer/commands.py): rank 0's `Learner.step` sends the batch, and every
+rank runs the same step on it.
+
+What else every rank holds lives with its own concern: `Learner.checkpoint` (the model and
+optimizer part of a checkpoint, trainer/checkpoint_state.py), `Learner.publication` (the published
+bf16 state and sharded parts, trainer/published.py); the warm start and the KL reference's anchor
+run on the learner (trainer/warmstart.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import time
 from dataclasses import dataclass
 
@@ -35,16 +41,17 @@ from policy import (
     SamplingConfig,
     SamplingMask,
     Transformer,
-    inference_state,
     mismatch_metrics,
     sequence_logprobs,
 )
 
 from .buckets import length_buckets
-from .commands import announce, world
+from .checkpoint_state import CheckpointState
+from .commands import Collective, collective, world
 from .fsdp import full_tensor, is_sharded
 from .loss import LossConfig, group_advantages, pg_loss
 from .penalty import apply_penalty
+from .published import Publication
 from .published_point import at_published_point
 from .schedule import LRSchedule, apply_schedule
 
@@ -104,19 +111,6 @@ def pack(batch) -> list[PackedSample]:
 F32_MAX = float(torch.finfo(torch.float32).max)
 
 
-class NonFiniteWeights(RuntimeError):
-    """A version whose bf16 weights hold a non-finite element: never encoded, checkpointed or published."""
-
-
-def check_finite_state(state: dict[str, torch.Tensor], version: int) -> None:
-    """Raise NonFiniteWeights unless every element of every tensor (the bf16 bits) is finite."""
-    bad = [k for k, t in state.items() if not bool(torch.isfinite(t).all())]
-    if bad:
-        raise NonFiniteWeights(
-            f"version {version}: non-finite weights in {len(bad)} tensors ({bad[:3]}): refusing to publish"
-        )
-
-
 def nonfinite_samples(samples: list[PackedSample]) -> dict[str, str]:
     """{rollout id: reason} of the live samples whose shipped numbers cannot enter a step (a
     non-finite behaviour logprob or reward): what a skipped step blames first."""
@@ -166,10 +160,11 @@ class Learner:
         self.penalty, self.penalty_cap = penalty, penalty_cap
         self.published_point = published_point  # forward/backward on the bf16 the workers hold
         self.schedule, self.kl_coef, self.reference = schedule, kl_coef, reference
-        self.async_checkpoint, self._pending_saves, self._saves_lock = async_checkpoint, [], threading.Lock()
-        self.delta_context = delta_context  # sharded parts: code positions in the context of the base
         if kl_coef > 0 and reference is None:
             raise ValueError("kl_coef > 0 needs a frozen reference model")
+        self.checkpoint = CheckpointState(model, optimizer, async_save=async_checkpoint)
+        # delta_context: sharded parts code positions in the context of the base
+        self.publication = Publication(model, delta_context=delta_context)
 
     def _runs(self, samples: list[PackedSample], idx: list[int]) -> list[tuple[dict, list[int]]]:
         """(quant, sample indices) of each micro-batch: shared quant config, similar lengths."""
@@ -348,6 +343,10 @@ class Learner:
         return total, stats
 
     def step(self, samples: list[PackedSample]) -> dict:
+        """One optimizer step on `samples` (the whole batch), on every rank: a collective."""
+        return collective(Step(samples), self)
+
+    def _step(self, samples: list[PackedSample]) -> dict:
         t0 = time.perf_counter()
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
@@ -386,160 +385,12 @@ class Learner:
         )
         return stats
 
-    def published_state(self) -> dict[str, torch.Tensor] | None:
-        """The bf16 bits workers will hold (on the CPU: the codec and the bus work there). Sharded:
-        a collective that gathers each parameter; rank 0 gets the dict, the others None."""
-        if not is_sharded(self.model):
-            return {k: v.cpu() for k, v in inference_state(self.model, dtype=torch.bfloat16).items()}
-        announce("published_state")
-        out = {}
-        with torch.no_grad():
-            for n, p in self.model.named_parameters():
-                full = full_tensor(p.detach()).to(torch.bfloat16).cpu()
-                if world()[0] == 0:
-                    out[n] = full
-        return out if world()[0] == 0 else None
 
-    def checkpoint_payload(self, ckpt_dir: str, epoch: int, version: int) -> dict:
-        """The model and optimizer part of a trainer checkpoint. One process: the state dicts
-        (single-file format). Sharded: every rank writes its shards with torch.distributed.checkpoint
-        into a folder named after (epoch, version) and the checkpoint file records that name."""
-        if not is_sharded(self.model):
-            return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
-        from .shards import save_shards
+@dataclass(frozen=True)
+class Step(Collective[dict], on=Learner):
+    """Every rank steps on the whole batch (each replays its own share of it): see the module doc."""
 
-        announce("checkpoint_payload", ckpt_dir, epoch, version)
-        self.wait_checkpoint()  # one background save at a time (and its staging memory)
-        ref, pending = save_shards(
-            self.model, self.opt, ckpt_dir, epoch, version, async_save=self.async_checkpoint
-        )
-        if pending is not None:
-            self._pending_saves.append(pending)
-        return {"model": ref, "optimizer": {}}
+    samples: list[PackedSample]
 
-    def wait_checkpoint(self) -> None:
-        """Block until this rank's background shard save (async_checkpoint) is complete; raises
-        its error. The trainer checkpoint file that names the folder is written only after this
-        (on rank 0, whose save completes last: it writes `.metadata` once every rank wrote)."""
-        # the leader's publication of v-1 and the step of v may both wait (two threads): saves
-        # complete in order, so waiting for every pending one is never early for either
-        while self._pending_saves:
-            f = self._pending_saves[0]
-            f.result()
-            with self._saves_lock:
-                if self._pending_saves and self._pending_saves[0] is f:
-                    self._pending_saves.pop(0)
-
-    def load_payload(self, ckpt_dir: str, model_state: dict | None, opt_state: dict | None) -> None:
-        """Inverse of checkpoint_payload, whatever world size wrote it (collective when sharded;
-        the followers pass None: rank 0 read the checkpoint file)."""
-        from .shards import load_any
-
-        announce(
-            "load_payload", ckpt_dir, model_state if model_state and "__dcp__" in model_state else None, None
-        )
-        load_any(self.model, self.opt, ckpt_dir, model_state, opt_state)
-
-    def full_fp32(self) -> dict[str, torch.Tensor] | None:
-        """The fp32 master weights gathered on rank 0 (a collective when sharded; tests, export)."""
-        if not is_sharded(self.model):
-            return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
-        announce("full_fp32")
-        out = {n: full_tensor(p.detach()).cpu() for n, p in self.model.named_parameters()}
-        return out if world()[0] == 0 else None
-
-    def warm_start(self, cfg, model_cfg, style: str = "default", on_check=None) -> list[float]:
-        """Supervised warm start (trainer/warmstart.py) on every rank: a sharded model's forward and
-        backward are collectives, so rank 0 alone would wait forever for its peers. Every rank
-        draws the same demonstrations (same seed) and FSDP2 averages identical gradients: the
-        same update as one process. A success-stopped warm start ([trainer.warmstart] until) checks on every
-        rank alike: same tasks, same sampling seed, identical logits, so every rank stops at the
-        same step. `on_check` (rank 0's record of each check) is not sent to the followers."""
-        from .warmstart import warm_start
-
-        announce("warm_start", cfg, model_cfg, style)
-        return warm_start(self.model, cfg, model_cfg, style=style, on_check=on_check)
-
-    def anchor_reference(self) -> None:
-        """The KL penalty's reference becomes the current policy: after a warm start RL is kept near
-        the warm-started policy, not the random initial weights. Every rank copies its own shard."""
-        if self.reference is None:
-            return
-        announce("anchor_reference")
-        with torch.no_grad():
-            for r, p in zip(self.reference.parameters(), self.model.parameters()):
-                r.copy_(p)
-
-    def load_reference(self, path: str) -> bool:
-        """A resumed run's KL reference from its saved warmstart.pt (whole state, unsharded trainer);
-        False where that cannot be done (the reference then stays the initial weights)."""
-        if self.reference is None or is_sharded(self.reference):
-            return False
-        self.reference.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["model"])
-        return True
-
-    def load_warm_start(self, path: str, model_cfg) -> dict:
-        """An earlier run's warmstart.pt into the model (whole-state file, unsharded trainer); -> the
-        saved record. A file of another model shape is refused before anything is loaded."""
-        if is_sharded(self.model):
-            raise ValueError(
-                "[trainer.warmstart] reuse loads a whole-model warmstart.pt; a sharded trainer cannot use it"
-            )
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        if saved.get("model_config") != model_cfg.to_dict():
-            raise ValueError(
-                f"[trainer.warmstart] reuse {path}: saved for model {saved.get('model_config')}, "
-                f"this trainer's is {model_cfg.to_dict()}"
-            )
-        self.model.load_state_dict(saved["model"])
-        return saved
-
-    def full_state(self) -> dict[str, torch.Tensor] | None:
-        """The whole model state dict on rank 0 (a collective when sharded; others get None)."""
-        if not is_sharded(self.model):
-            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        announce("full_state")
-        sd = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        return sd if world()[0] == 0 else None
-
-    def mark_published(self) -> None:
-        """Remember this rank's bf16 rows as the base of its next sharded part (no communication)."""
-        from .publish_shards import local_rows
-
-        announce("mark_published")
-        self._rows_base = local_rows(self.model)[0]
-
-    def publish_parts(self, from_version: int, to_version: int) -> list[bytes] | None:
-        """Sharded publication: every rank encodes the delta of its own rows since mark_published /
-        the last part; rank 0 gets all parts in rank order, the others None. Only the encoded
-        parts travel (gather_object), never the weights."""
-        from .publish_shards import encode_local_part
-
-        if getattr(self, "_rows_base", None) is None:
-            raise RuntimeError("publish_parts before mark_published: no base rows")
-        announce("publish_parts", from_version, to_version)
-        # every rank checks its own rows, and all refuse together (a collective: nobody waits alone)
-        with torch.no_grad():
-            local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
-            bad = torch.tensor(
-                [sum(int((~torch.isfinite(t.to(torch.bfloat16))).sum()) for t in local)], dtype=torch.float64
-            )
-        if is_sharded(self.model):
-            bad = bad.to(next(self.model.parameters()).device)
-            dist.all_reduce(bad, op=dist.ReduceOp.SUM)
-        if float(bad.sum()) > 0:
-            raise NonFiniteWeights(
-                f"version {to_version}: {int(bad.sum())} non-finite weights: refusing to publish"
-            )
-        part, self._rows_base = encode_local_part(
-            self.model, self._rows_base, from_version, to_version, context=self.delta_context
-        )
-        if not is_sharded(self.model):
-            return [part]
-        box = [None] * world()[1] if world()[0] == 0 else None
-        dist.gather_object(part, box, dst=0)
-        return box
+    def run(self, learner: Learner) -> dict:
+        return learner._step(self.samples)

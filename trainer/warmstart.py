@@ -2,7 +2,12 @@
 with non-trivial success (0 steps by default). Teacher-forced next-token NLL of the
 demonstration given the prompt, with its own AdamW so the RL optimizer state stays untouched.
 Multi-turn envs (`demonstration_turns`: oracle episodes) are laid out as the worker lays them out
-(envs.conversation) and trained with the loss mask: observation tokens are context, never targets."""
+(envs.conversation) and trained with the loss mask: observation tokens are context, never targets.
+
+In a sharded trainer the warm start runs on every rank (`warm_start_learner`: a collective, see
+trainer/commands.py), and so does anchoring the KL reference to the warm-started policy
+(`anchor_reference`). An earlier run's warm start is loaded whole (`load_warm_start`,
+`load_reference`: unsharded trainers)."""
 
 from __future__ import annotations
 
@@ -10,15 +15,20 @@ import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import torch
 
 from bus import get_logger
 from envs import get_env
 from envs.conversation import chat_format
-from policy import SamplingConfig, load_tokenizer, sequence_logprobs
+from policy import ModelConfig, SamplingConfig, load_tokenizer, sequence_logprobs
 
 from .buckets import length_buckets
+from .commands import Collective, collective
+from .config import TrainerConfig
+from .fsdp import is_sharded
+from .learner import Learner
 
 log = get_logger(__name__)
 
@@ -186,3 +196,84 @@ def _pad(masks: list[list[int]], like: torch.Tensor) -> torch.Tensor:
     for i, m in enumerate(masks):
         out[i, : len(m)] = torch.tensor(m, dtype=like.dtype)
     return out
+
+
+# -- on every rank of a trainer ----------------------------------------------------------------------
+
+
+def warm_start_learner(
+    learner: Learner,
+    cfg: TrainerConfig,
+    model_cfg: ModelConfig | None,
+    style: str = "default",
+    on_check: Callable[[dict], None] | None = None,
+) -> list[float]:
+    """The warm start of the learner's model, on every rank: a sharded model's forward and backward
+    are collectives, so rank 0 alone would wait forever for its peers. Every rank draws the same
+    demonstrations (same seed) and FSDP2 averages identical gradients: the same update as one
+    process. A success-stopped warm start ([trainer.warmstart] until) checks on every rank alike:
+    same tasks, same sampling seed, identical logits, so every rank stops at the same step.
+    `on_check` (rank 0's record of each check) is not sent to the other ranks."""
+    return collective(WarmStart(cfg, model_cfg, style, on_check), learner)
+
+
+def anchor_reference(learner: Learner) -> None:
+    """The KL penalty's reference becomes the current policy: after a warm start RL is kept near
+    the warm-started policy, not the random initial weights. Every rank copies its own shard."""
+    if learner.reference is not None:
+        collective(AnchorReference(), learner)
+
+
+def load_reference(reference, path: str) -> bool:
+    """A resumed run's KL reference from its saved warmstart.pt (whole state, unsharded trainer);
+    False where that cannot be done (the reference then stays the initial weights)."""
+    if reference is None or is_sharded(reference):
+        return False
+    reference.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["model"])
+    return True
+
+
+def load_warm_start(model, path: str, model_cfg: ModelConfig) -> dict:
+    """An earlier run's warmstart.pt into the model (whole-state file, unsharded trainer); -> the
+    saved record. A file of another model shape is refused before anything is loaded."""
+    if is_sharded(model):
+        raise ValueError(
+            "[trainer.warmstart] reuse loads a whole-model warmstart.pt; a sharded trainer cannot use it"
+        )
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if saved.get("model_config") != model_cfg.to_dict():
+        raise ValueError(
+            f"[trainer.warmstart] reuse {path}: saved for model {saved.get('model_config')}, "
+            f"this trainer's is {model_cfg.to_dict()}"
+        )
+    model.load_state_dict(saved["model"])
+    return saved
+
+
+@dataclass(frozen=True)
+class WarmStart(Collective[list], on=Learner):
+    """Every rank runs `warm_start` on its model (see warm_start_learner); -> the loss per step."""
+
+    cfg: TrainerConfig
+    model_cfg: ModelConfig | None
+    style: str = "default"
+    on_check: Callable[[dict], None] | None = None
+
+    def wire(self) -> WarmStart:
+        return replace(self, on_check=None)  # rank 0's callback stays there
+
+    def run(self, learner: Learner) -> list[float]:
+        return warm_start(learner.model, self.cfg, self.model_cfg, style=self.style, on_check=self.on_check)
+
+
+@dataclass(frozen=True)
+class AnchorReference(Collective[None], on=Learner):
+    """Every rank copies its shard of the policy into its shard of the reference."""
+
+    def run(self, learner: Learner) -> None:
+        for m in (learner.model, learner.reference):
+            if is_sharded(m):  # a forward without backward (a success check) leaves the root unsharded
+                m.reshard()  # local: frees the gathered copy, so both sides are shards again
+        with torch.no_grad():
+            for r, p in zip(learner.reference.parameters(), learner.model.parameters()):
+                r.copy_(p)
