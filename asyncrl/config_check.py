@@ -8,15 +8,16 @@ single process can see is checked here, naming both sides:
     [up]        keys, types and ranges (asyncrl.upconfig.UpConfig), like every other table
     tokenizer   trainer and workers decode with the same one (same spec; same file contents);
                 with [trainer.tasks] chat_template = true it has a chat template
-    max_lag     the worker's admission bound equals the trainer's staleness bound ([trainer.batch]): a worker
-                allowed further ahead generates samples the trainer then drops
+    max_lag     the worker's admission bound ([worker.admission]) equals the trainer's staleness bound
+                ([trainer.batch]): a worker allowed further ahead generates samples the trainer then drops
     signing     a worker that checks signatures must accept the trainer's key: the public key
-                derived from the trainer's private key is among the worker's public_key(s);
+                derived from the trainer's private key is among the worker's public_key(s)
+                ([worker.weights]);
                 a worker checking signatures of an unsigned trainer would refuse every update
     threads     each section's `threads` is an integer >= 1 when set; `config check` prints the
                 plan `up` applies (asyncrl.thread_plan)
 Warnings (printed, never a refusal; `up` prints them too):
-    vllm-cpu    [worker] engine = "vllm" with no CUDA device on a CPU without AVX-512 or AMX:
+    vllm-cpu    [worker.engine] kind = "vllm" with no CUDA device on a CPU without AVX-512 or AMX:
                 vLLM-cpu's bf16 matmuls fall back to slow kernels there and the torch engine
                 is the faster one (docs/vllm.md)
 """
@@ -41,7 +42,7 @@ SECTIONS = {"up", "trainer", "worker", "scorer"}
 
 def resolve(conf: dict, environ=None) -> dict:
     """{process: typed config} as each process would build it (file table + ASYNCRL_* env)."""
-    from rollout_worker.worker import WorkerConfig
+    from rollout_worker.config import WorkerConfig
     from scorer.service import ScorerConfig
     from trainer.config import TrainerConfig
 
@@ -82,12 +83,12 @@ def _public_keys(spec: str) -> set[bytes]:
 
 
 def cross_check(resolved: dict, sync: bool = False) -> None:
-    tc, w = resolved["trainer"], resolved["worker"]
-    t = tc.policy
+    tc, wc = resolved["trainer"], resolved["worker"]
+    t, w = tc.policy, wc.engine
     if t.tokenizer != w.tokenizer and _file_digest(t.tokenizer) != _file_digest(w.tokenizer):
         raise ConfigError(
             f"tokenizer disagrees: [trainer.policy] tokenizer = {t.tokenizer!r}, "
-            f"[worker] tokenizer = {w.tokenizer!r} (workers must decode with the trainer's)"
+            f"[worker.engine] tokenizer = {w.tokenizer!r} (workers must decode with the trainer's)"
         )
     vocab = (t.model or {}).get("vocab_size")
     if vocab and t.tokenizer != "char" and Path(t.tokenizer).is_file():
@@ -113,15 +114,17 @@ def cross_check(resolved: dict, sync: bool = False) -> None:
             "[trainer.batch] skip_uniform = true is async only (a sync run's barrier waits for "
             "exactly `groups` tasks per version): set it false for --sync"
         )
-    if not sync and tc.batch.max_lag != w.max_lag:
+    lag = wc.admission.max_lag
+    if not sync and tc.batch.max_lag != lag:
         raise ConfigError(
-            f"max_lag disagrees: [trainer.batch] max_lag = {tc.batch.max_lag}, [worker] max_lag = {w.max_lag}"
+            f"max_lag disagrees: [trainer.batch] max_lag = {tc.batch.max_lag}, "
+            f"[worker.admission] max_lag = {lag}"
         )
-    key = tc.publish.signing_key
-    if w.public_key:
+    key, public_key = tc.publish.signing_key, wc.weights.public_key
+    if public_key:
         if not key:
             raise ConfigError(
-                f"signing disagrees: [worker] public_key = {w.public_key!r} checks signatures, "
+                f"signing disagrees: [worker.weights] public_key = {public_key!r} checks signatures, "
                 f"but [trainer.publish] signing_key is empty (every update would be refused)"
             )
         from cryptography.hazmat.primitives import serialization
@@ -133,10 +136,10 @@ def cross_check(resolved: dict, sync: bool = False) -> None:
             .public_key()
             .public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         )
-        if pub not in _public_keys(w.public_key):
+        if pub not in _public_keys(public_key):
             raise ConfigError(
                 f"signing key pair disagrees: [trainer.publish] signing_key = {key!r} has "
-                f"public key {pub.hex()}, which [worker] public_key = {w.public_key!r} "
+                f"public key {pub.hex()}, which [worker.weights] public_key = {public_key!r} "
                 f"does not accept"
             )
 
@@ -162,9 +165,9 @@ def vllm_cpu_warning(flags: set[str], cuda: bool) -> str | None:
     if any(f.startswith(("avx512", "amx")) for f in flags):
         return None
     return (
-        '[worker] engine = "vllm" on a CPU without AVX-512 or AMX and no CUDA device: vLLM-cpu\'s bf16 '
+        '[worker.engine] kind = "vllm" on a CPU without AVX-512 or AMX and no CUDA device: vLLM-cpu\'s bf16 '
         "matmuls fall back to slow kernels on this CPU (under `asyncrl up` on such a CPU it was measured "
-        'several times slower than engine = "torch"); the torch engine is likely the faster one here '
+        'several times slower than kind = "torch"); the torch engine is likely the faster one here '
         "(docs/vllm.md)"
     )
 
@@ -172,7 +175,7 @@ def vllm_cpu_warning(flags: set[str], cuda: bool) -> str | None:
 def warnings(resolved: dict) -> list[str]:
     """Settings (resolve()'s typed configs) that will work but badly on this machine (never a refusal)."""
     out = []
-    if resolved["worker"].engine == "vllm":
+    if resolved["worker"].engine.kind == "vllm":
         import torch
 
         w = vllm_cpu_warning(cpu_flags(), torch.cuda.is_available())

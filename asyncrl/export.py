@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--public-key",
         default=None,
-        help="verify the replayed updates' signatures (hex or a file, like workers' public_key)",
+        help="verify the replayed updates' signatures (hex or a file, like [worker.weights] public_key)",
     )
     a = ap.parse_args(argv)
     pk = None

@@ -2,8 +2,9 @@
 
     DIR/NAME.key   private key, hex, mode 0600 (trainer: [trainer.publish] signing_key,
                    env ASYNCRL_PUBLISH__SIGNING_KEY)
-    DIR/NAME.pub   public key, hex (workers: public_key / ASYNCRL_PUBLIC_KEY; several keys, one
-                   per line, are all accepted: the rotation window, docs/operations.md)
+    DIR/NAME.pub   public key, hex (workers: [worker.weights] public_key, env
+                   ASYNCRL_WEIGHTS__PUBLIC_KEY; several keys, one per line, are all accepted: the
+                   rotation window, docs/operations.md)
 An existing private key is never overwritten. --owner hands the private key (still 0600) to the
 user that runs the trainer: the compose trainer runs as uid 10001 and cannot read a key the host
 user owns (`sudo asyncrl keygen --owner 10001`, or `asyncrl deploy init --key-owner 10001`).

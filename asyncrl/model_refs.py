@@ -3,7 +3,7 @@
 `asyncrl up` resolves these before it writes the children's configs, so the processes only ever
 see plain paths: `init_checkpoint = "model:smollm2"` -> the HF folder, `tokenizer = "model:smollm2"`
 -> the folder (its tokenizer.json), a worker's `model = "model:smollm2"` (vLLM) -> the folder.
-Nested tables (the trainer's [trainer.policy]) are resolved too."""
+Nested tables (the trainer's [trainer.policy], the worker's [worker.engine]) are resolved too."""
 
 from __future__ import annotations
 

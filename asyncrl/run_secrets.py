@@ -1,8 +1,8 @@
 """The secrets of one `asyncrl up` run, made in its run directory: secure by default.
 
     with_signing(conf, run_dir)   the run config with weight signing on. No key configured (neither
-                                  [trainer.publish] signing_key nor [worker] public_key, in the file or the
-                                  ASYNCRL_* environment): an ed25519 pair in run_dir/keys (0600
+                                  [trainer.publish] signing_key nor [worker.weights] public_key, in the
+                                  file or the ASYNCRL_* environment): an ed25519 pair in run_dir/keys (0600
                                   private key; made once, a resumed run reuses it) signs every
                                   version and every worker verifies it. A configured signing key
                                   with no public key: the workers get the key's public half.
@@ -41,11 +41,12 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def with_signing(conf: dict, run_dir: Path, environ=None) -> dict:
-    """`conf` with [trainer.publish] signing_key and [worker] public_key filled in (see the module doc)."""
+    """`conf` with [trainer.publish] signing_key and [worker.weights] public_key filled in (see the
+    module doc)."""
     from asyncrl.config_check import resolve
 
     resolved = resolve(conf, environ)
-    key, pub = resolved["trainer"].publish.signing_key, resolved["worker"].public_key
+    key, pub = resolved["trainer"].publish.signing_key, resolved["worker"].weights.public_key
     out = {**conf, "trainer": dict(conf.get("trainer", {})), "worker": dict(conf.get("worker", {}))}
     if key and pub:
         return out
@@ -62,7 +63,7 @@ def with_signing(conf: dict, run_dir: Path, environ=None) -> dict:
         pub_path = run_dir / "keys" / "trainer-signing.pub"
         pub_path.parent.mkdir(parents=True, exist_ok=True)
         pub_path.write_text(raw.hex() + "\n")
-        out["worker"]["public_key"] = str(pub_path)
+        out["worker"]["weights"] = {**out["worker"].get("weights", {}), "public_key": str(pub_path)}
         return out
     if pub:
         return out  # a worker key with no trainer key: config_check names the disagreement
@@ -71,7 +72,7 @@ def with_signing(conf: dict, run_dir: Path, environ=None) -> dict:
     if not key_path.exists():
         write_keypair(keys, RUN_KEY_NAME)
     out["trainer"]["publish"] = {**out["trainer"].get("publish", {}), "signing_key": str(key_path)}
-    out["worker"]["public_key"] = str(pub_path)
+    out["worker"]["weights"] = {**out["worker"].get("weights", {}), "public_key": str(pub_path)}
     return out
 
 

@@ -317,7 +317,8 @@ async def run(a: argparse.Namespace) -> int:
         conf = run_secrets.with_signing(conf, run_dir)
     except (ValueError, OSError) as e:
         print(
-            f"asyncrl up: signing ([trainer.publish] signing_key, [worker] public_key): {e}", file=sys.stderr
+            f"asyncrl up: signing ([trainer.publish] signing_key, [worker.weights] public_key): {e}",
+            file=sys.stderr,
         )
         return 2
 
@@ -364,14 +365,14 @@ async def run(a: argparse.Namespace) -> int:
     }
     if sync:
         trainer_conf["batch"] = {**trainer.get("batch", {}), "max_lag": 0}
+    worker = resolve_model_refs(conf.get("worker", {}))
     worker_conf = {
-        **drain,
-        **resolve_model_refs(conf.get("worker", {})),
+        **worker,
         "bus": bus_conf,
-        "threads": threads.worker,
+        "run": {**drain, **worker.get("run", {}), "threads": threads.worker},
     }
     if sync:
-        worker_conf["max_lag"] = 0
+        worker_conf["admission"] = {**worker.get("admission", {}), "max_lag": 0}
     scorer_conf = {**drain, **conf.get("scorer", {}), "bus": bus_conf, "threads": threads.scorer}
     (run_dir / "config" / "run.json").write_text(
         json.dumps(
@@ -429,7 +430,11 @@ async def run(a: argparse.Namespace) -> int:
             f"worker-{i}",
             "rollout_worker",
             "rollout_worker",
-            {**worker_conf, "worker_id": f"worker-{i}", "seed": 1000 + i},
+            {
+                **worker_conf,
+                "worker_id": f"worker-{i}",
+                "engine": {**worker_conf.get("engine", {}), "seed": 1000 + i},
+            },
             nice=worker_nice,
             threads=threads.worker,
         )

@@ -76,18 +76,18 @@ def with_overrides(
     up: dict | None = None,
     trainer: dict | None = None,
 ) -> str:
-    """A copy of `config` with [worker] and [up] keys, and [trainer.<section>] keys ({section: {key:
-    value}}), replaced (those given and not None)."""
+    """A copy of `config` with [up] keys, and [worker.<section>] and [trainer.<section>] keys
+    ({section: {key: value}}), replaced (those given and not None)."""
     import tomllib
 
     from asyncrl.up import write_toml
 
     conf = tomllib.loads(Path(config).read_text())
-    for section, keys in (("worker", worker or {}), ("up", up or {})):
-        conf[section] = {**conf.get(section, {}), **{k: v for k, v in keys.items() if v is not None}}
-    t = conf.setdefault("trainer", {})
-    for section, keys in (trainer or {}).items():
-        t[section] = {**t.get(section, {}), **{k: v for k, v in keys.items() if v is not None}}
+    conf["up"] = {**conf.get("up", {}), **{k: v for k, v in (up or {}).items() if v is not None}}
+    for process, sections in (("worker", worker), ("trainer", trainer)):
+        t = conf.setdefault(process, {})
+        for section, keys in (sections or {}).items():
+            t[section] = {**t.get(section, {}), **{k: v for k, v in keys.items() if v is not None}}
     path = out / name
     write_toml(path, conf)
     return str(path)
@@ -109,12 +109,12 @@ def pcts(xs: list[float]) -> dict:
 def worker_slots(run_dir: Path) -> int:
     """Engine slots over all the run's workers, from the configs `up` wrote for them."""
     from bus import load_config
-    from rollout_worker.worker import WorkerConfig
+    from rollout_worker.config import WorkerConfig
 
     confs = sorted((run_dir / "config").glob("worker-*.toml"))
     if not confs:
         raise RuntimeError(f"{run_dir}/config has no worker-*.toml: not an `asyncrl up` run dir")
-    return sum(load_config(WorkerConfig, c).slots for c in confs)
+    return sum(load_config(WorkerConfig, c).engine.slots for c in confs)
 
 
 def busy_fraction(intervals: list[tuple[float, float]], slots: int, t0: float, t1: float) -> float:
@@ -211,7 +211,7 @@ def workload(run_dir: Path) -> dict:
     import tomllib
 
     from bus import load_config
-    from rollout_worker.worker import WorkerConfig
+    from rollout_worker.config import WorkerConfig
     from trainer.sections import BatchSection
 
     confs = sorted((run_dir / "config").glob("worker-*.toml"))
@@ -220,13 +220,13 @@ def workload(run_dir: Path) -> dict:
     wc = load_config(WorkerConfig, confs[0], env_prefix="")
     trainer = run_dir / "config" / "trainer.toml"
     tc = tomllib.loads(trainer.read_text()) if trainer.exists() else {}
-    lat = wc.sandbox_latency
+    lat = wc.episodes.sandbox_latency
     w = {
         "name": "long-tail" if lat.enabled else "default",
-        "slots": wc.slots,
-        "max_inflight": wc.max_inflight,
-        "queue": wc.queue,
-        "episode_wall_s": wc.episode_wall_s or None,
+        "slots": wc.engine.slots,
+        "max_inflight": wc.admission.max_inflight,
+        "queue": wc.admission.queue,
+        "episode_wall_s": wc.episodes.episode_wall_s or None,
         "group_timeout_s": tc.get("batch", {}).get("group_timeout_s", BatchSection.group_timeout_s),
     }
     if lat.enabled:
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         default=60,
         help="supervised oracle batches before both runs (0: the config's)",
     )
-    ap.add_argument("--slots", type=int, default=None, help="[worker] slots (default: the config's)")
+    ap.add_argument("--slots", type=int, default=None, help="[worker.engine] slots (default: the config's)")
     ap.add_argument(
         "--group-size", type=int, default=None, help="[trainer.batch] group_size (default: the config's)"
     )
@@ -349,13 +349,14 @@ def main(argv: list[str] | None = None) -> int:
         "--max-inflight",
         type=int,
         default=None,
-        help="[worker] max_inflight: episodes in flight on the slots (default: the config's / slots)",
+        help="[worker.admission] max_inflight: episodes in flight on the slots (default: the config's)",
     )
     ap.add_argument(
         "--episode-wall-s",
         type=float,
         default=None,
-        help="[worker] episode_wall_s (long-tail default 900: the toy limits' 120 s assume fast tests)",
+        help="[worker.episodes] episode_wall_s (long-tail default 900: the toy limits' 120 s assume fast "
+        "tests)",
     )
     ap.add_argument(
         "--group-timeout-s",
@@ -401,11 +402,9 @@ def main(argv: list[str] | None = None) -> int:
             a.config,
             out,
             worker={
-                "slots": a.slots,
-                "max_lag": a.max_lag,
-                "max_inflight": a.max_inflight,
-                "sandbox_latency": latency,
-                "episode_wall_s": a.episode_wall_s,
+                "engine": {"slots": a.slots},
+                "admission": {"max_lag": a.max_lag, "max_inflight": a.max_inflight},
+                "episodes": {"sandbox_latency": latency, "episode_wall_s": a.episode_wall_s},
             },
             trainer={
                 "warmstart": {"steps": a.warmstart_steps or None},
@@ -493,7 +492,7 @@ def harness_comparison(a, config: str, out: Path, warm: dict) -> int:
             "harness": with_overrides(
                 config,
                 out,
-                worker={"harness": a.harness},
+                worker={"harness": {"kind": a.harness}},
                 up={"final_eval": False},
                 name="bench-agentic-harness.toml",
             ),

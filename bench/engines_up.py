@@ -4,7 +4,7 @@
                                       [--vllm-python .venv-vllm/bin/python]
 
 Procedure: `asyncrl up` runs twice on copies of --config (bench.agentic.with_overrides), first
-with [worker] engine = "torch" (this interpreter), then engine = "vllm" (`<vllm-python> -m
+with [worker.engine] kind = "torch" (this interpreter), then kind = "vllm" (`<vllm-python> -m
 asyncrl.cli up`). Each run is stopped with SIGINT (up drains and writes its summary) --minutes
 after the worker first reports a version >= 1; anything left of its process group is killed
 (up's children run in their own sessions with PDEATHSIG SIGTERM: they follow up).
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             conf = with_overrides(
                 a.config,
                 out,
-                worker={"engine": engine},
+                worker={"engine": {"kind": engine}},
                 name=f"engines-up-{engine}.toml",
                 up={"steps": 10**6, "minutes": backstop},
             )

@@ -385,15 +385,13 @@ async def engine_section(args, base: dict, upd: dict, dev: torch.device) -> dict
 
 
 async def vllm_section(args, folder: Path, base: dict, upd: dict, dev: torch.device) -> dict:
+    from rollout_worker.sections import EngineSection
     from rollout_worker.vllm_engine import VLLMEngine
-    from rollout_worker.worker import WorkerConfig
 
     cfg = upd["cfg"]
     kw = {"enforce_eager": True} if dev.type == "cpu" else {"gpu_memory_utilization": args.gpu_mem}
     eng = VLLMEngine(
-        WorkerConfig(
-            engine="vllm", model=str(folder), slots=args.slots, max_len=args.max_len, seed=args.seed
-        ),
+        EngineSection(kind="vllm", model=str(folder), slots=args.slots, max_len=args.max_len, seed=args.seed),
         model_config=cfg.to_dict(),
         eos_id=None,
         **kw,

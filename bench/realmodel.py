@@ -273,13 +273,13 @@ async def vllm_decode_and_mismatch(
 ) -> dict:
     """One vLLM engine (max_num_seqs = the largest slot count) for the decode runs, then the k3 of
     its behaviour logprobs vs the replay on the same weights."""
+    from rollout_worker.sections import EngineSection
     from rollout_worker.vllm_engine import VLLMEngine
-    from rollout_worker.worker import WorkerConfig
 
     mm_tokens = args.max_new
     eng = VLLMEngine(
-        WorkerConfig(
-            engine="vllm",
+        EngineSection(
+            kind="vllm",
             model=str(folder),
             slots=max(slots_list),
             max_len=max(max_len, len(prompt) + mm_tokens + 1),

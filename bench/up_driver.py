@@ -36,9 +36,13 @@ groups = 2
 group_size = 4
 max_lag = 8
 
-[worker]
+[worker.engine]
 slots = 8
+
+[worker.admission]
 max_lag = 8
+
+[worker.run]
 threads = 1
 heartbeat_s = 1.0
 

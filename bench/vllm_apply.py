@@ -28,8 +28,8 @@ async def run(a) -> dict:
     import delta_codec
     import policy
     from asyncrl import model as models
+    from rollout_worker.sections import EngineSection
     from rollout_worker.vllm_engine import VLLMEngine
-    from rollout_worker.worker import WorkerConfig
 
     from .vllm_stall import changed
 
@@ -39,7 +39,7 @@ async def run(a) -> dict:
     folder = models.model_dir("smollm2", cache)
     cfg, model = policy.load_hf_checkpoint(folder)
     eng = VLLMEngine(
-        WorkerConfig(engine="vllm", model=str(folder), slots=2, max_len=128, seed=0),
+        EngineSection(kind="vllm", model=str(folder), slots=2, max_len=128, seed=0),
         model_config=cfg.to_dict(),
         eos_id=None,
         enforce_eager=True,

@@ -77,8 +77,8 @@ def changed(state: dict, frac: float, seed: int) -> dict:
 async def run(a) -> dict:
     import delta_codec
     from bus.events import SamplingParams
+    from rollout_worker.sections import EngineSection
     from rollout_worker.vllm_engine import VLLMEngine
-    from rollout_worker.worker import WorkerConfig
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-vllm-")
     state = make_checkpoint(tmp.name, a.hidden, a.layers, a.vocab, a.arch)
@@ -91,7 +91,7 @@ async def run(a) -> dict:
         for i in range(a.updates)
     ]
     eng = VLLMEngine(
-        WorkerConfig(engine="vllm", model=tmp.name, slots=a.slots, max_len=a.max_tokens + 16, seed=0),
+        EngineSection(kind="vllm", model=tmp.name, slots=a.slots, max_len=a.max_tokens + 16, seed=0),
         enforce_eager=True,
     )
     t0 = time.perf_counter()

@@ -40,11 +40,13 @@ import torch
 
 import delta_codec
 import policy
+from asyncrl.supervisor import write_toml
 from bus import BusConfig, EmbeddedServer, connect, setup_logging
 from bus import topology as topo
 from bus.events import Heartbeat, Task, decode
 from bus.weights.publisher import WeightPublisher
-from rollout_worker.worker import Worker, WorkerConfig
+from rollout_worker.config import WorkerConfig
+from rollout_worker.worker import Worker
 
 from .stats import pct
 
@@ -116,21 +118,13 @@ class Fleet:
         for wid in ids:
             conf = dict(
                 worker_id=wid,
-                slots=self.a.slots,
-                max_lag=10**6,
-                max_len=self.a.max_len,
-                heartbeat_s=0.5,
-                threads=self.a.threads,
-                grace_s=1.0,
-                log_level="warning",
-                update_mode=self.a.update_mode,
+                engine=dict(slots=self.a.slots, max_len=self.a.max_len, update_mode=self.a.update_mode),
+                admission=dict(max_lag=10**6),
+                run=dict(heartbeat_s=0.5, threads=self.a.threads, grace_s=1.0, log_level="warning"),
             )
             if self.a.mode == "proc":
                 path = self.tmp / f"{wid}.toml"
-                path.write_text(
-                    "".join(f"{k} = {json.dumps(v)}\n" for k, v in conf.items())
-                    + f'[bus]\nservers = ["{self.url}"]\nname = "{wid}"\n'
-                )
+                write_toml(path, {**conf, "bus": {"servers": [self.url], "name": wid}})
                 env = {
                     **os.environ,
                     "OMP_NUM_THREADS": str(self.a.threads),
@@ -148,7 +142,7 @@ class Fleet:
                 )
             else:
                 b = await connect(BusConfig(servers=[self.url], name=wid))
-                conf.pop("log_level")
+                conf["run"].pop("log_level")
                 w = Worker(WorkerConfig(bus=b.cfg, **conf), b)
                 self.buses.append(b)
                 self.workers.append(w)

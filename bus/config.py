@@ -218,11 +218,15 @@ def _env_overrides(cls, env_prefix: str, environ, table: str = "") -> dict:
         tp, ok = cls, True
         for i, p in enumerate(path):
             fields = {f.name: f for f in dataclasses.fields(tp)} if _is_dataclass_type(tp) else {}
-            if p not in fields:
+            # moved: gone from tp, or now a section's name and given a plain value (ASYNCRL_ENGINE=vllm)
+            section = p in fields and i == len(path) - 1 and _is_dataclass_type(typing.get_type_hints(tp)[p])
+            if p not in fields or section:
                 if _is_dataclass_type(tp) and p in moved_keys(tp):
                     new = path[:i] + moved_keys(tp)[p].split(".")
                     msg = _moved_error(tp, [p], ".".join(path[:i]), table)
                     raise ConfigError(f"env {key}: {msg}: set {env_prefix}{'__'.join(new).upper()}")
+                if section:  # a plain value for a table: the loader says so
+                    break
                 ok = False
                 break
             tp = typing.get_type_hints(tp)[p]

@@ -61,7 +61,8 @@ LAYERS = (
 HOW = (
     "run it as root where unprivileged user namespaces are allowed (container: user 0 with security_opt "
     "seccomp, apparmor and systempaths unconfined, as deploy/docker-compose.yml; systemd: "
-    "deploy/systemd/asyncrl-*@.service), or set allow_weak_sandbox = true"
+    "deploy/systemd/asyncrl-*@.service), or set allow_weak_sandbox = true (the scorer's [scorer], "
+    "the rollout worker's [worker.episodes])"
 )
 
 # Runs in run_bash; $1: our mount namespace, $2: a marker name. Mount attempts only in a mount

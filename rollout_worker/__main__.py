@@ -3,7 +3,8 @@
 SIGTERM / SIGINT / SIGHUP: drain (held tasks finish within grace_s, the rest is nak'ed); the
 process is gone grace_s + a few seconds later even if the broker is unreachable. Exit code 1
 when a background task (weights feed, version watch, heartbeat) failed past its restarts, so
-a supervisor replaces the process.
+a supervisor replaces the process; exit code 2 on a bad configuration (an old flat key is refused
+with its new place: `slots: moved to [engine] slots`, ASYNCRL_SLOTS -> ASYNCRL_ENGINE__SLOTS).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from envs import isolation
 from envs.isolation import WeakSandbox
 from envs.workspace import default_root
 
-from .worker import BackgroundFailed, Worker, WorkerConfig
+from .config import WorkerConfig
+from .worker import BackgroundFailed, Worker
 
 log = get_logger("rollout_worker")
 
@@ -28,11 +30,11 @@ log = get_logger("rollout_worker")
 async def amain(cfg: WorkerConfig) -> int:
     stop = asyncio.Event()
     stop_on_signals(
-        stop, cfg.grace_s, name=cfg.worker_id
+        stop, cfg.run.grace_s, name=cfg.worker_id
     )  # before connecting: a dead broker must not trap us
     # the sandbox before the broker: a worker that may not run episodes must not hold tasks
     await isolation.startup_async(
-        cfg.allow_weak_sandbox, default_root() if cfg.workspace == "local" else None
+        cfg.episodes.allow_weak_sandbox, default_root() if cfg.episodes.workspace == "local" else None
     )
     bus = await connect(cfg.bus)
     try:
@@ -48,12 +50,20 @@ async def amain(cfg: WorkerConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rollout_worker", description=__doc__)
-    ap.add_argument("--config", default=None, help="TOML with WorkerConfig fields (env ASYNCRL_* overrides)")
+    ap.add_argument(
+        "--config",
+        default=None,
+        help="TOML with WorkerConfig fields and [engine], [admission], ... tables (env ASYNCRL_* overrides)",
+    )
     a = ap.parse_args(argv)
-    cfg = load_config(WorkerConfig, a.config)
+    try:
+        cfg = load_config(WorkerConfig, a.config)
+    except ValueError as e:  # ConfigError included (an old flat key names its new place): no traceback
+        print(f"rollout worker: bad configuration: {e}", file=sys.stderr)
+        return 2
     json_logs = {"1": True, "0": False}.get(os.environ.get("ASYNCRL_LOG_JSON", ""), None)
-    setup_logging("rollout_worker", json=json_logs, component_id=cfg.worker_id, level=cfg.log_level)
-    start_metrics_server(cfg.metrics_port)
+    setup_logging("rollout_worker", json=json_logs, component_id=cfg.worker_id, level=cfg.run.log_level)
+    start_metrics_server(cfg.run.metrics_port)
     try:
         return asyncio.run(amain(cfg))
     except WeakSandbox as e:  # one message naming the missing layers, no traceback

@@ -48,7 +48,7 @@ class Offer:
 
 class ClaimBoard:
     def __init__(self) -> None:
-        self.enabled = False  # the worker's [worker] harness = "external"
+        self.enabled = False  # the worker's [worker.harness] kind = "external"
         self.offers: dict[str, Offer] = {}
         self._ready: collections.deque[Offer] = collections.deque()
         self._changed = asyncio.Event()

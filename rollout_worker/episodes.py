@@ -276,14 +276,15 @@ class EpisodeRunner:
 
 
 def workspace_backend(cfg):
-    """The worker config's workspace backend (None: the episode's default, LocalBackend), with the
-    modelled remote test-suite time around it when `sandbox_latency` is on."""
+    """The workspace backend of a `[worker.episodes]` section (rollout_worker.sections.EpisodesSection;
+    None: the episode's default, LocalBackend), with the modelled remote test-suite time around it
+    when `sandbox_latency` is on."""
     backend = None
-    if getattr(cfg, "workspace", "local") == "docker":
+    if cfg.workspace == "docker":
         from envs.workspace_docker import DockerBackend
 
         backend = DockerBackend(image=cfg.docker_image) if cfg.docker_image else DockerBackend()
-    latency = getattr(cfg, "sandbox_latency", None)
+    latency = cfg.sandbox_latency
     if latency is not None and latency.enabled:
         from envs.sandbox_latency import LatencyBackend
         from envs.workspace import LocalBackend

@@ -1,6 +1,6 @@
 """Episodes played by a harness the worker does not launch (bring your own harness).
 
-    [worker] harness = "external"        external_deadline_s = 600   endpoint_port = 8100
+    [worker.harness] kind = "external"        external_deadline_s = 600   endpoint_port = 8100
 
 The worker takes tasks from TASKS exactly as for its own loop (same capacity, same lease: the
 consumer loop keeps the message in progress while the episode lives, acks it only after the

@@ -1,6 +1,6 @@
 """Episodes played by an external agent harness through the worker's OpenAI-compatible endpoint.
 
-    [worker] harness = "mini-swe-agent"      (default "builtin": rollout_worker/episodes.py's loop)
+    [worker.harness] kind = "mini-swe-agent"      (default "builtin": rollout_worker/episodes.py's loop)
 
 Per episode (same task stream, same books as the built-in loop):
 
@@ -13,7 +13,7 @@ Per episode (same task stream, same books as the built-in loop):
     Episode.score()            -> hidden tests; one Rollout from the recorded trajectory: model ids
                                    as generated, observations masked (version -1), per-token versions
 
-The harness config is mini-swe-agent's YAML (`harness_config`, merged over DEFAULT_CONFIG); the
+The harness config is mini-swe-agent's YAML (`[worker.harness] config`, merged over DEFAULT_CONFIG); the
 runner sets only the model's api_base / model name / episode header and the environment's class
 and episode id.
 """
@@ -73,9 +73,11 @@ def load_harness_config(path: str = "") -> dict:
         with open(path) as f:
             user = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"harness_config {path}: {e}") from None
+        raise ValueError(f"[worker.harness] config {path}: {e}") from None
     if not isinstance(user, dict) or set(user) - {"agent", "model", "environment", "run"}:
-        raise ValueError(f"harness_config {path}: expected mini-swe-agent sections agent/model/environment")
+        raise ValueError(
+            f"[worker.harness] config {path}: expected mini-swe-agent sections agent/model/environment"
+        )
     return _merge(DEFAULT_CONFIG, user)
 
 

@@ -8,7 +8,7 @@
                                   opened it with a task), trajectory summary back
     GET  /v1/episodes/{id}        the trajectory so far (ids, mask, versions, counters)
 
-Bring your own harness ([worker] harness = "external"; the worker plays no episode itself):
+Bring your own harness ([worker.harness] kind = "external"; the worker plays no episode itself):
 
     POST /v1/episodes             claim the next episode of the worker's task stream. Body (optional):
                                   {"wait_s": 0..60} (default 10). 200: {"episode_id", "task_id", "env",
@@ -26,7 +26,7 @@ Bring your own harness ([worker] harness = "external"; the worker plays no episo
                                   tests, termination); the Rollout is published to ROLLOUTS and the
                                   task acked after that, like any episode (trained exactly once)
 
-Each claimed episode is leased for `deadline_s` ([worker] external_deadline_s) from its claim: not
+Each claimed episode is leased for `deadline_s` ([worker.harness] external_deadline_s) from its claim: not
 ended by then, it expires and its task goes back to the stream (redelivered, a fresh episode id).
 Errors (JSON, OpenAI's shape): 400 malformed body or unknown field, 404 unknown episode, 409
 ended already (the first end's result attached) / not claimed / no model turn to score yet, 410
@@ -540,7 +540,7 @@ class OpenAIEndpoint:
                 raise ClaimError(
                     404,
                     "this worker offers no episodes to external harnesses "
-                    '([worker] harness = "external" does)',
+                    '([worker.harness] kind = "external" does)',
                 )
             body = await self._small_body(request, {"wait_s": (int, float)})
             wait_s = float(body.get("wait_s", 10.0))

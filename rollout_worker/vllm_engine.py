@@ -72,7 +72,9 @@ CHUNK_BYTES = 256 << 20  # one update_weights call carries whole layers up to ab
 
 
 class VLLMEngine:
-    """Engine interface over vLLM's AsyncLLM, with deltas applied between two engine steps."""
+    """Engine interface over vLLM's AsyncLLM, with deltas applied between two engine steps. `cfg`
+    is the worker's [worker.engine] section (rollout_worker.sections.EngineSection): its slots,
+    model, max_len and seed."""
 
     def __init__(
         self,
@@ -87,7 +89,7 @@ class VLLMEngine:
         if quant is not None and quant.sites:
             raise ValueError(
                 f"the vLLM engine cannot run policy fake-quant sites {list(quant.sites)}; "
-                "use engine='torch' for quantisation replay"
+                "use [worker.engine] kind = 'torch' for quantisation replay"
             )
         if delta_transport not in ("delta", "layers"):
             raise ValueError(f"delta_transport must be 'delta' or 'layers', got {delta_transport!r}")
@@ -108,7 +110,9 @@ class VLLMEngine:
             self._tmp = tempfile.TemporaryDirectory(prefix="asyncrl-vllm-")
             self.model_dir = write_hf_dir(model_config, Path(self._tmp.name))
         else:
-            raise ValueError("the vLLM engine needs a model dir (cfg.model) or a policy model_config")
+            raise ValueError(
+                "the vLLM engine needs a model dir ([worker.engine] model) or a policy model_config"
+            )
         hf = json.loads((self.model_dir / "config.json").read_text())
         self.vocab_size = int(hf["vocab_size"])
         self.max_len = int(cfg.max_len or hf.get("max_position_embeddings", 2048))

@@ -10,20 +10,20 @@ drain     SIGTERM: stop fetching, finish within grace_s, nak the rest (EngineClo
 supervise weight follower, version watch and heartbeat are restarted with backoff when they fail (the
           follower from the latest keyframe, so the engine is back on the newest policy);
           past max_restarts in a row the worker stops and run() raises BackgroundFailed
+config    WorkerConfig (rollout_worker/config.py), in sections: [worker.engine] to make_engine,
+          [worker.admission] to admissible/capacity, [worker.episodes] and [worker.harness] to
+          make_episode_runner, [worker.weights] to the follower, [worker.run] to the loops
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
-import socket
 import time
 import zlib
-from dataclasses import dataclass, field
 
 import policy
-from bus import BusConfig, ConsumerLoop, TransientError, get_logger, metrics
+from bus import ConsumerLoop, TransientError, get_logger, metrics
 from bus import topology as topo
 from bus.events import Heartbeat, Metrics, SamplingParams, Task
 from bus.lifetime import cancel_and_wait
@@ -32,109 +32,13 @@ from bus.weights.regions import weight_follower
 from bus.weights.rules import parse_version
 from envs import isolation
 from envs.episode_pool import EpisodePool
-from envs.sandbox_latency import SandboxLatency
 from envs.workspace import default_root
 
+from .config import WorkerConfig
 from .engine import Engine, EngineClosed
 from .episodes import EpisodeRunner, is_episode_task, workspace_backend
 
 log = get_logger(__name__)
-
-
-@dataclass
-class WorkerConfig:
-    bus: BusConfig = field(default_factory=BusConfig)
-    worker_id: str = ""  # default: <host>-<pid>
-    engine: str = "torch"  # torch | vllm
-    slots: int = 8  # concurrent sequences (KV cache slots)
-    queue: int = -1  # sequences allowed to wait for a slot (-1: slots // 2), keeps slots full
-    # episodes in flight at most (0: slots). An episode waiting on its command holds a KV row but
-    # no decode row (torch engine: kv_slots = this), so > slots keeps the decoder busy while
-    # episodes wait on slow tools, at the memory of the extra KV rows
-    max_inflight: int = 0
-    max_lag: int = 4  # stop admitting while latest_version - my_version > max_lag
-    max_len: int = 0  # KV positions per slot (0: the model's max_seq_len)
-    model: str = ""  # vllm: HF model dir; torch: unused (the model comes from the keyframe)
-    tokenizer: str = "char"  # char (policy.CharTokenizer) | path to a tokenizer.json
-    quant_sites: list[str] = field(default_factory=list)  # policy fp8 fake-quant sites to run (and replay)
-    quant_block: int = 0
-    seed: int = 0
-    threads: int = 0  # torch intra-op threads (0: torch default)
-    update_mode: str = "swap"  # torch: swap (prepare off the decode path) | inline (at the boundary)
-    device: str = "cpu"  # torch engine: cpu | cuda | cuda:N (weights, KV cache and delta apply there)
-    public_key: str = ""  # trainer's ed25519 public key: hex, or a file holding it; empty: no check
-    metrics_port: int = 0  # Prometheus /metrics (bus.metrics); 0 = off
-    heartbeat_s: float = 5.0
-    grace_s: float = 30.0  # drain: time to finish held tasks before they are nak'ed
-    max_restarts: int = 5  # a background task failing this many times in a row stops the worker
-    restart_backoff_s: float = 0.5  # first restart delay; doubles per consecutive failure (max 30 s)
-    workspace: str = "local"  # episodes' workspaces: local (directories + sandbox) | docker (containers)
-    docker_image: str = ""  # workspace="docker": the default image (a task's meta["image"] wins)
-    # a remote sandbox's test-suite time, modelled (envs/sandbox_latency.py; median_s 0: off):
-    # every run_tests and scoring run of a task waits its deterministic lognormal draw, no local CPU
-    sandbox_latency: SandboxLatency = field(default_factory=SandboxLatency)
-    episode_wall_s: float = 0.0  # > 0: replaces the tasks' episode wall limit (slow sandboxes)
-    # who plays multi-turn episodes: "builtin" (rollout_worker/episodes.py) | "mini-swe-agent" (an
-    # external harness through the OpenAI-compatible endpoint, rollout_worker/harness.py) |
-    # "external" (a harness the worker does not launch claims episodes on the endpoint,
-    # rollout_worker/external.py)
-    harness: str = "builtin"
-    external_deadline_s: float = 600.0  # external: a claimed episode not ended by then is handed back
-    harness_config: str = ""  # the harness's own config file (mini-swe-agent YAML), merged over ours
-    endpoint_host: str = "127.0.0.1"  # the OpenAI-compatible endpoint the harness talks to
-    endpoint_port: int = 0  # 0: any free port
-    fault_weights_after: int = 0  # test hook: the weight follower fails once, at its Nth update (0: never)
-    log_level: str = "info"
-    # start even where the code sandbox lacks isolation layers (envs/isolation.py; never in production)
-    allow_weak_sandbox: bool = False
-
-    def __post_init__(self):
-        if not self.worker_id:
-            self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
-        if self.engine not in ("torch", "vllm"):
-            raise ValueError(f"engine must be 'torch' or 'vllm', got {self.engine!r}")
-        if self.slots < 1:
-            raise ValueError(f"slots must be >= 1, got {self.slots}")
-        if self.workspace not in ("local", "docker"):
-            raise ValueError(f"workspace must be 'local' or 'docker', got {self.workspace!r}")
-        if self.max_lag < 0:
-            raise ValueError(f"max_lag must be >= 0, got {self.max_lag}")
-        if self.queue < 0:
-            self.queue = self.slots // 2
-        if isinstance(self.sandbox_latency, dict):
-            self.sandbox_latency = SandboxLatency(**self.sandbox_latency)
-        if self.max_inflight == 0:
-            self.max_inflight = self.slots
-        if self.max_inflight < self.slots:
-            raise ValueError(f"max_inflight must be 0 or >= slots ({self.slots}), got {self.max_inflight}")
-        if self.harness not in ("builtin", "mini-swe-agent", "external"):
-            raise ValueError(
-                f"harness must be 'builtin', 'mini-swe-agent' or 'external', got {self.harness!r}"
-            )
-        if self.external_deadline_s <= 0:
-            raise ValueError(f"external_deadline_s must be > 0, got {self.external_deadline_s}")
-        if not 0 <= self.endpoint_port <= 65535:
-            raise ValueError(f"endpoint_port must be in [0, 65535], got {self.endpoint_port}")
-        if self.harness_config and not os.path.isfile(self.harness_config):
-            raise ValueError(f"harness_config {self.harness_config!r} is not a file")
-        if self.harness == "mini-swe-agent":
-            import importlib.util
-
-            if importlib.util.find_spec("minisweagent") is None:
-                raise ValueError(
-                    "harness 'mini-swe-agent' needs the mini-swe-agent package: pip install 'asyncrl[agents]'"
-                )
-        if self.episode_wall_s < 0:
-            raise ValueError(f"episode_wall_s must be >= 0, got {self.episode_wall_s}")
-        if self.max_restarts < 0 or self.restart_backoff_s <= 0:
-            raise ValueError(
-                f"max_restarts must be >= 0 and restart_backoff_s > 0, got "
-                f"{self.max_restarts}, {self.restart_backoff_s}"
-            )
-        if self.fault_weights_after < 0:
-            raise ValueError(f"fault_weights_after must be >= 0, got {self.fault_weights_after}")
-        if not (self.device == "cpu" or self.device == "cuda" or re.fullmatch(r"cuda:\d+", self.device)):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
 
 class BackgroundFailed(RuntimeError):
@@ -142,65 +46,69 @@ class BackgroundFailed(RuntimeError):
 
 
 class InjectedFault(RuntimeError):
-    """Raised by the fault_weights_after test hook."""
+    """Raised by the [worker.faults] weights_after test hook."""
 
 
 def make_engine(cfg: WorkerConfig, model_config: dict, eos_id: int | None) -> Engine:
+    """The engine [worker.engine] names; the torch engine keeps a KV row per episode that may be in
+    flight ([worker.admission] max_inflight) and runs on the process's threads ([worker.run])."""
     import policy
 
-    quant = policy.QuantConfig(sites=tuple(cfg.quant_sites), block=cfg.quant_block)
-    if cfg.engine == "vllm":
+    eng = cfg.engine
+    quant = policy.QuantConfig(sites=tuple(eng.quant_sites), block=eng.quant_block)
+    if eng.kind == "vllm":
         from .vllm_engine import VLLMEngine
 
-        return VLLMEngine(cfg, model_config=model_config, quant=quant, eos_id=eos_id)
+        return VLLMEngine(eng, model_config=model_config, quant=quant, eos_id=eos_id)
     from .torch_engine import TorchEngine
 
     return TorchEngine(
         model_config,
-        slots=cfg.slots,
-        max_len=cfg.max_len,
+        slots=eng.slots,
+        max_len=eng.max_len,
         quant=quant,
         eos_id=eos_id,
-        seed=cfg.seed,
-        threads=cfg.threads,
-        update_mode=cfg.update_mode,
-        device=cfg.device,
-        kv_slots=cfg.max_inflight,
+        seed=eng.seed,
+        threads=cfg.run.threads,
+        update_mode=eng.update_mode,
+        device=eng.device,
+        kv_slots=cfg.admission.max_inflight,
     )
 
 
 def make_episode_runner(cfg: WorkerConfig, engine: Engine, tok) -> EpisodeRunner:
-    """The runner of multi-turn tasks `cfg.harness` names; its thread pool hosts every episode's commands."""
+    """The runner of multi-turn tasks [worker.harness] kind names; its thread pool hosts every
+    episode's commands."""
+    adm, h = cfg.admission, cfg.harness
     # a pool thread per episode that can be in flight: one waiting on a slow command must
     # not hold another's reset or step back (8 threads served 12 episodes before)
     kw = dict(
-        pool=EpisodePool(max(getattr(cfg, "max_inflight", cfg.slots) + cfg.queue, 1)),
+        pool=EpisodePool(max(adm.max_inflight + adm.queue, 1)),
         worker_id=cfg.worker_id,
-        backend=workspace_backend(cfg),
-        episode_wall_s=getattr(cfg, "episode_wall_s", 0.0),
+        backend=workspace_backend(cfg.episodes),
+        episode_wall_s=cfg.episodes.episode_wall_s,
     )
-    harness = getattr(cfg, "harness", "builtin")
-    if harness == "external":  # a harness the worker does not launch (rollout_worker/external.py)
+    if h.kind == "external":  # a harness the worker does not launch (rollout_worker/external.py)
         from .external import ExternalRunner
 
         return ExternalRunner(
             engine,
             tok,
-            host=cfg.endpoint_host,
-            port=cfg.endpoint_port,
-            deadline_s=cfg.external_deadline_s,
+            host=h.endpoint_host,
+            port=h.endpoint_port,
+            deadline_s=h.external_deadline_s,
             **kw,
         )
-    if harness != "builtin":  # a harness the worker launches (rollout_worker/harness.py)
+    if h.kind != "builtin":  # a harness the worker launches (rollout_worker/harness.py)
         from .harness import HarnessRunner
 
         return HarnessRunner(
             engine,
             tok,
-            harness=cfg.harness,
-            harness_config=cfg.harness_config,
-            host=cfg.endpoint_host,
-            port=cfg.endpoint_port,
+            harness=h.kind,
+            harness_config=h.config,
+            host=h.endpoint_host,
+            port=h.endpoint_port,
             **kw,
         )
     return EpisodeRunner(engine, tok, **kw)
@@ -220,13 +128,13 @@ def parse_sampling(d: dict) -> SamplingParams:
 class Worker:
     def __init__(self, cfg: WorkerConfig, bus, engine: Engine | None = None):
         self.cfg, self.bus, self.engine = cfg, bus, engine
-        self.tok = policy.load_tokenizer(cfg.tokenizer)
+        self.tok = policy.load_tokenizer(cfg.engine.tokenizer)
         self.eos_id = getattr(self.tok, "eos_id", None)
         public_key = None
-        if cfg.public_key:
+        if cfg.weights.public_key:
             from delta_codec import signing
 
-            key = cfg.public_key
+            key = cfg.weights.public_key
             if os.path.isfile(key):
                 key = open(key).read().strip()
             public_key = signing.public_key(key)  # raises a clear DeltaError on a bad key
@@ -254,14 +162,14 @@ class Worker:
         return max(0, self.latest_version - self.engine.version)
 
     def admissible(self) -> bool:
-        ok = self.lag <= self.cfg.max_lag
+        ok = self.lag <= self.cfg.admission.max_lag
         if ok == self.paused:  # log transitions only
             self.paused = not ok
             self.log.info(
                 "admission paused" if self.paused else "admission resumed",
                 version=self.engine.version,
                 latest=self.latest_version,
-                max_lag=self.cfg.max_lag,
+                max_lag=self.cfg.admission.max_lag,
             )
         return ok
 
@@ -269,10 +177,10 @@ class Worker:
         if not self.admissible():
             return 0
         free = min(
-            getattr(self.engine, "free_slots", self.cfg.slots),
-            self.cfg.max_inflight - self.episodes_in_flight,
+            getattr(self.engine, "free_slots", self.cfg.engine.slots),
+            self.cfg.admission.max_inflight - self.episodes_in_flight,
         )
-        room = max(0, free + self.cfg.queue)
+        room = max(0, free + self.cfg.admission.queue)
         if not self.group_hint:  # a task's n is unknown until one is seen: one at a time till then
             return min(room, 1)
         return room // self.group_hint
@@ -413,9 +321,10 @@ class Worker:
         """A new version is live: say so at once (operators, `inspect`, bench.worker's publish->patched)."""
         self.log.debug("weights updated", version=version, epoch=epoch)
         self.updates += 1
-        if self.updates == self.cfg.fault_weights_after:  # the one injection point of the test hook
+        if self.updates == self.cfg.faults.weights_after:  # the one injection point of the test hook
             raise InjectedFault(
-                f"injected weights-follower failure at weight update {self.updates} (fault_weights_after)"
+                f"injected weights-follower failure at weight update {self.updates} "
+                "([worker.faults] weights_after)"
             )
         await self.beat("patched")
 
@@ -440,7 +349,7 @@ class Worker:
                 raise
             except Exception as e:
                 in_a_row = 1 if time.monotonic() - t0 > 60.0 else in_a_row + 1
-                if in_a_row > self.cfg.max_restarts:
+                if in_a_row > self.cfg.run.max_restarts:
                     self.failed = f"{name}: {type(e).__name__}: {e}"
                     self.log.error(
                         "background task failed past max_restarts; stopping the worker",
@@ -450,7 +359,7 @@ class Worker:
                     )
                     stop.set()
                     return
-                delay = min(self.cfg.restart_backoff_s * 2 ** (in_a_row - 1), 30.0)
+                delay = min(self.cfg.run.restart_backoff_s * 2 ** (in_a_row - 1), 30.0)
                 self.restarts[name] = self.restarts.get(name, 0) + 1
                 self.log.error(
                     "background task failed; restarting",
@@ -467,7 +376,7 @@ class Worker:
     async def heartbeat(self) -> None:
         step = 0
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_s)
+            await asyncio.sleep(self.cfg.run.heartbeat_s)
             step += 1
             m, flat = await self.beat()
             if self.episode_runner:  # per-episode records ride on the metrics only
@@ -492,28 +401,29 @@ class Worker:
         if kf is None:
             return None
         vocab = int(kf.model_config.get("vocab_size", 0))
-        if self.cfg.engine == "torch" and getattr(self.tok, "vocab_size", 0) > vocab:
+        if self.cfg.engine.kind == "torch" and getattr(self.tok, "vocab_size", 0) > vocab:
             raise ValueError(
-                f"tokenizer {self.cfg.tokenizer!r} has {self.tok.vocab_size} ids but the "
+                f"tokenizer {self.cfg.engine.tokenizer!r} has {self.tok.vocab_size} ids but the "
                 f"published model's vocab_size is {vocab}"
             )
         if self.engine is None:
             self.engine = make_engine(self.cfg, kf.model_config, self.eos_id)
         await self.engine.load_keyframe(kf.state, kf.version, kf.epoch)
-        self.log.info("weights loaded", version=kf.version, epoch=kf.epoch, engine=self.cfg.engine)
+        self.log.info("weights loaded", version=kf.version, epoch=kf.epoch, engine=self.cfg.engine.kind)
         return kf
 
     async def run(self, stop: asyncio.Event | None = None, handle_signals: bool = True) -> None:
         # before anything else: a killed predecessor's workspaces go, and no episode runs in a
         # sandbox weaker than promised
         await isolation.startup_async(
-            self.cfg.allow_weak_sandbox, default_root() if self.cfg.workspace == "local" else None
+            self.cfg.episodes.allow_weak_sandbox,
+            default_root() if self.cfg.episodes.workspace == "local" else None,
         )
         stop = stop or asyncio.Event()
         kf = await self.start_weights(stop)
         if kf is None:
             return
-        if self.cfg.harness == "external":  # harnesses claim episodes there: serving before any task
+        if self.cfg.harness.kind == "external":  # harnesses claim episodes there: serving before any task
             await self.open_episodes().url()
         follow_stop = asyncio.Event()
         specs = {
@@ -531,9 +441,9 @@ class Worker:
             topo.ROLLOUT_CONSUMER,
             self.handle,
             Task,
-            concurrency=self.cfg.max_inflight + self.cfg.queue,
+            concurrency=self.cfg.admission.max_inflight + self.cfg.admission.queue,
             capacity=self.capacity,
-            grace_s=self.cfg.grace_s,
+            grace_s=self.cfg.run.grace_s,
             handle_signals=handle_signals,
         )
         t0 = time.perf_counter()

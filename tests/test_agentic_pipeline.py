@@ -218,7 +218,8 @@ async def test_episode_task_through_worker_scorer_and_batcher(bus, fresh_server,
     per episode (schema 2), the scorer's reward from the episode and its cost in model tokens,
     the learner's packed sample carrying the loss mask."""
     from bus import BusConfig
-    from rollout_worker.worker import Worker, WorkerConfig
+    from rollout_worker.config import WorkerConfig
+    from rollout_worker.worker import Worker
     from scorer.service import Scorer, ScorerConfig
     from tests.helpers.trainer import trainer_config
     from trainer.batcher import Batcher, ConsumedIds

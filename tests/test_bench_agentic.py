@@ -70,7 +70,7 @@ def write_run(d: Path, episodes: list[dict], t0: float, t1: float, slots: int) -
     (d / "metrics" / "trainer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     beats = [{"ts": e["ended_at"] + 0.1, "slot_occupancy": 0.5, "episodes_ended": [e]} for e in episodes]
     (d / "metrics" / "rollout_worker-worker-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in beats))
-    (d / "config" / "worker-0.toml").write_text(f'worker_id = "worker-0"\nslots = {slots}\n')
+    (d / "config" / "worker-0.toml").write_text(f'worker_id = "worker-0"\n[engine]\nslots = {slots}\n')
 
 
 async def test_episode_stats_read_the_records_a_real_worker_writes(tmp_path):
@@ -145,7 +145,8 @@ def test_workload_is_read_from_the_run_configs_and_named_in_the_caveats(tmp_path
     write_run(longtail, [], 0.0, 10.0, slots=8)
     with open(longtail / "config" / "worker-0.toml", "a") as f:
         f.write(
-            "max_inflight = 16\nepisode_wall_s = 900.0\n[sandbox_latency]\nmedian_s = 3.0\np99_s = 60.0\n"
+            "[admission]\nmax_inflight = 16\n[episodes]\nepisode_wall_s = 900.0\n"
+            "[episodes.sandbox_latency]\nmedian_s = 3.0\np99_s = 60.0\n"
         )
     (longtail / "config" / "trainer.toml").write_text("[batch]\ngroup_timeout_s = 1200.0\n")
     w = bench.workload(longtail)

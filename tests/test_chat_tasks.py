@@ -68,7 +68,7 @@ def test_chat_template_without_a_template_is_refused(tmp_path):
         chat_renderer(load_tokenizer(str(tmp_path)))
     conf = {
         "up": {"workers": 1, "steps": 3},
-        "worker": {"max_lag": 4, "tokenizer": str(tmp_path)},
+        "worker": {"admission": {"max_lag": 4}, "engine": {"tokenizer": str(tmp_path)}},
         "scorer": {},
         "trainer": {
             "batch": {"max_lag": 4},
@@ -79,11 +79,11 @@ def test_chat_template_without_a_template_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"\[trainer.tasks\] chat_template = true: .*chat template"):
         config_check.cross_check(config_check.resolve(conf, environ={}))
     missing = str(tmp_path / "nope")
-    conf["trainer"]["policy"]["tokenizer"] = conf["worker"]["tokenizer"] = missing
+    conf["trainer"]["policy"]["tokenizer"] = conf["worker"]["engine"]["tokenizer"] = missing
     with pytest.raises(ConfigError, match=r"\[trainer.tasks\] chat_template = true: no tokenizer.json"):
         config_check.cross_check(config_check.resolve(conf, environ={}))
     chat_tokenizer_folder(tmp_path)  # with a template: passes
-    conf["trainer"]["policy"]["tokenizer"] = conf["worker"]["tokenizer"] = str(tmp_path)
+    conf["trainer"]["policy"]["tokenizer"] = conf["worker"]["engine"]["tokenizer"] = str(tmp_path)
     config_check.cross_check(config_check.resolve(conf, environ={}))
 
 

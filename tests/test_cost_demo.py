@@ -66,10 +66,13 @@ def test_mean_over_evals_excludes_version_0():
 def test_config_for_seed_sets_the_trainer_seed_only():
     import tomllib
 
-    text = "[up]\nsteps = 5\n[trainer.optim]\nlr = 1e-3\n[trainer.run]\nseed = 7\n[worker]\nseed = 3\n"
+    text = "[up]\nsteps = 5\n[trainer.optim]\nlr = 1e-3\n[trainer.run]\nseed = 7\n[worker.engine]\nseed = 3\n"
     conf = tomllib.loads(cost_demo.config_for_seed(text, 2))
-    assert conf["trainer"]["run"]["seed"] == 2 and conf["worker"]["seed"] == 3 and conf["up"]["steps"] == 5
-    conf = tomllib.loads(cost_demo.config_for_seed("[trainer.optim]\nlr = 1e-3\n[worker]\nslots = 2\n", 4))
+    assert conf["trainer"]["run"]["seed"] == 2 and conf["worker"]["engine"]["seed"] == 3
+    assert conf["up"]["steps"] == 5
+    conf = tomllib.loads(
+        cost_demo.config_for_seed("[trainer.optim]\nlr = 1e-3\n[worker.engine]\nslots = 2\n", 4)
+    )
     assert conf["trainer"] == {"optim": {"lr": 1e-3}, "run": {"seed": 4}}
     assert tomllib.loads(cost_demo.config_for_seed("[up]\nsteps = 1\n", 1))["trainer"]["run"]["seed"] == 1
 
@@ -107,7 +110,7 @@ def test_config_with_sets_trainer_keys_and_keeps_the_rest():
 
     text = (
         '[up]\nsteps = 5\n[trainer.optim]\nlr = 1e-3\n[trainer.cost]\npenalty = "linear"\n'
-        "[worker]\nslots = 2\n"
+        "[worker.engine]\nslots = 2\n"
     )
     conf = tomllib.loads(
         cost_demo.config_with(
@@ -123,7 +126,7 @@ def test_config_with_sets_trainer_keys_and_keeps_the_rest():
         "warmstart": {"reuse": "/r/w.pt"},
         "cost": {"penalty": "success_only", "target": 0.004, "ramp_versions": 10},
     }
-    assert conf["worker"] == {"slots": 2} and conf["up"] == {"steps": 5}
+    assert conf["worker"] == {"engine": {"slots": 2}} and conf["up"] == {"steps": 5}
     assert tomllib.loads(cost_demo.config_with("[up]\nsteps = 1\n", {"cost": {"budget_tokens": 12.5}}))[
         "trainer"
     ] == {"cost": {"budget_tokens": 12.5}}
@@ -209,8 +212,10 @@ group_size = 2
 steps = 5
 batch = 8
 
-[worker]
+[worker.engine]
 slots = 4
+
+[worker.run]
 threads = 1
 heartbeat_s = 1.0
 

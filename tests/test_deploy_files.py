@@ -38,7 +38,7 @@ def compose_config(*files: Path) -> tuple[int, str, str]:
 def test_env_files_parse_into_the_process_configs_and_passwords_match():
     """Every component's env file is accepted by its process config (load_config), logs in as
     its own role, and its password is the one the server gets for that role."""
-    from rollout_worker.worker import WorkerConfig
+    from rollout_worker.config import WorkerConfig
     from scorer.service import ScorerConfig
     from trainer.config import TrainerConfig
 
@@ -98,7 +98,7 @@ def test_compose_validates_and_has_the_services():
     rc, out, err = compose_config(DEPLOY / "docker-compose.yml", DEPLOY / "docker-compose.gpu.yml")
     assert rc == 0, err
     gpu = yaml.safe_load(out)["services"]["rollout_worker"]
-    assert gpu["environment"]["ASYNCRL_ENGINE"] == "vllm"
+    assert gpu["environment"]["ASYNCRL_ENGINE__KIND"] == "vllm"
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
 
 
@@ -198,7 +198,7 @@ def test_compose_region_profile_points_workers_at_the_region_mirrors():
     from the hub's domain and weights from the region's (accepted by WorkerConfig)."""
     from bus import BusConfig
     from bus import topology as topo
-    from rollout_worker.worker import WorkerConfig
+    from rollout_worker.config import WorkerConfig
 
     svc = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
     region = {n: s for n, s in svc.items() if "region" in (s.get("profiles") or [])}

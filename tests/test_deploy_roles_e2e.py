@@ -43,7 +43,7 @@ async def test_processes_run_under_their_roles_without_violations(tmp_path):
             keys = {
                 k: str(KEYS_DIR / Path(v).name)
                 for k, v in own.items()
-                if k in ("ASYNCRL_PUBLISH__SIGNING_KEY", "ASYNCRL_PUBLIC_KEY")
+                if k in ("ASYNCRL_PUBLISH__SIGNING_KEY", "ASYNCRL_WEIGHTS__PUBLIC_KEY")
             }
             env = {
                 **os.environ,
@@ -58,7 +58,7 @@ async def test_processes_run_under_their_roles_without_violations(tmp_path):
                 "ASYNCRL_RUN__MAX_STEPS": "2",
                 "ASYNCRL_BATCH__GROUPS": "2",
                 "ASYNCRL_BATCH__GROUP_SIZE": "2",
-                "ASYNCRL_SLOTS": "4",
+                "ASYNCRL_ENGINE__SLOTS": "4",
             }
             with open(tmp_path / f"{comp}.log", "wb") as log:
                 procs[comp] = subprocess.Popen(

@@ -14,7 +14,7 @@ from envs.episode import Episode, EpisodeLimits
 from envs.sandbox import BashLimits
 from envs.sandbox_latency import LatencyBackend, SandboxLatency, runs_tests
 from envs.workspace import LocalBackend
-from rollout_worker.worker import WorkerConfig
+from rollout_worker.config import WorkerConfig
 from tests.helpers.agentic import bug_task
 
 
@@ -43,7 +43,7 @@ def test_bad_latency_settings_are_a_clear_error(bad, tmp_path):
     with pytest.raises(ValueError, match="sandbox latency"):
         SandboxLatency(**bad)
     p = tmp_path / "w.toml"
-    p.write_text("[sandbox_latency]\n" + "".join(f"{k} = {v}\n" for k, v in bad.items()))
+    p.write_text("[episodes.sandbox_latency]\n" + "".join(f"{k} = {v}\n" for k, v in bad.items()))
     with pytest.raises(Exception, match="sandbox latency"):
         load_config(WorkerConfig, p, env_prefix="")
 
@@ -51,13 +51,15 @@ def test_bad_latency_settings_are_a_clear_error(bad, tmp_path):
 def test_worker_config_reads_the_latency_table(tmp_path):
     p = tmp_path / "w.toml"
     p.write_text(
-        "slots = 2\nmax_inflight = 5\nepisode_wall_s = 600\n[sandbox_latency]\nmedian_s = 3\np99_s = 60\n"
+        "[engine]\nslots = 2\n[admission]\nmax_inflight = 5\n[episodes]\nepisode_wall_s = 600\n"
+        "[episodes.sandbox_latency]\nmedian_s = 3\np99_s = 60\n"
     )
     cfg = load_config(WorkerConfig, p, env_prefix="")
-    assert cfg.sandbox_latency == SandboxLatency(median_s=3.0, p99_s=60.0) and cfg.max_inflight == 5
-    assert WorkerConfig(slots=4).max_inflight == 4
+    assert cfg.episodes.sandbox_latency == SandboxLatency(median_s=3.0, p99_s=60.0)
+    assert cfg.admission.max_inflight == 5
+    assert WorkerConfig(engine={"slots": 4}).admission.max_inflight == 4
     with pytest.raises(ValueError, match="max_inflight"):
-        WorkerConfig(slots=4, max_inflight=2)
+        WorkerConfig(engine={"slots": 4}, admission={"max_inflight": 2})
 
 
 def test_which_commands_run_the_suite():

@@ -146,14 +146,15 @@ def test_an_episode_runs_in_a_container():
 
 
 def test_the_worker_config_selects_the_backend():
+    from rollout_worker.config import WorkerConfig
     from rollout_worker.episodes import workspace_backend
-    from rollout_worker.worker import WorkerConfig
 
-    assert workspace_backend(WorkerConfig(worker_id="w")) is None  # local: the default
-    b = workspace_backend(WorkerConfig(worker_id="w", workspace="docker", docker_image="swe:1"))
+    def backend(**episodes):  # the [worker.episodes] section, handed whole to workspace_backend
+        return workspace_backend(WorkerConfig(worker_id="w", episodes=episodes).episodes)
+
+    assert backend() is None  # local: the default
+    b = backend(workspace="docker", docker_image="swe:1")
     assert isinstance(b, wd.DockerBackend) and b.image == "swe:1"
-    assert (
-        workspace_backend(WorkerConfig(worker_id="w", workspace="docker")).image == wd.DockerBackend().image
-    )
+    assert backend(workspace="docker").image == wd.DockerBackend().image
     with pytest.raises(ValueError, match="workspace must be 'local' or 'docker'"):
-        WorkerConfig(worker_id="w", workspace="podman")
+        WorkerConfig(worker_id="w", episodes={"workspace": "podman"})

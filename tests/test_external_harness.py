@@ -1,4 +1,4 @@
-"""Bring your own harness ([worker] harness = "external", rollout_worker/external.py): a scripted
+"""Bring your own harness ([worker.harness] kind = "external", rollout_worker/external.py): a scripted
 client claims episodes of the worker's task stream on its endpoint, plays model turns through the
 official `openai` client and commands through /exec, and ends them. The Rollout published is the
 token-exact trajectory (the engine's ids, observations masked, per-token versions across a weight
@@ -20,9 +20,10 @@ from bus import topology as topo
 from bus.events import Rollout, Task, decode
 from bus.weights.publisher import WeightPublisher
 from envs.episode import EpisodeLimits
+from rollout_worker.config import WorkerConfig
 from rollout_worker.episodes import episode_spec
 from rollout_worker.torch_engine import TorchEngine
-from rollout_worker.worker import Worker, WorkerConfig
+from rollout_worker.worker import Worker
 from tests.helpers.agentic import CFG, TESTS, TOK, bug_task, no_special_state
 from tests.helpers.engine import RecordingEngine, perturb
 from tests.helpers.weights import until
@@ -34,8 +35,9 @@ TAMPER = "cat > test_calc.py <<'EOF'\ndef test_add():\n    pass\nEOF"
 
 @pytest.fixture
 async def external(bus, fresh_server, request):
-    """A worker with harness = "external" (external_deadline_s: the indirect parameter, default 60) on
-    version 3 of the toy policy; -> (worker, recording engine, publisher, state, aiohttp, openai)."""
+    """A worker with [worker.harness] kind = "external" (external_deadline_s: the indirect parameter,
+    default 60) on version 3 of the toy policy; -> (worker, recording engine, publisher, state,
+    aiohttp, openai)."""
     pub = WeightPublisher(bus, epoch=1, trainer_id="t")
     state = no_special_state(4)
     await pub.publish_keyframe(state, 3, CFG)
@@ -43,12 +45,10 @@ async def external(bus, fresh_server, request):
     wc = WorkerConfig(
         bus=BusConfig(servers=[fresh_server.url], name="w"),
         worker_id="w-ext",
-        queue=0,
-        max_len=2048,
-        heartbeat_s=600.0,
-        grace_s=2.0,
-        harness="external",
-        external_deadline_s=getattr(request, "param", 60.0),
+        engine={"max_len": 2048},
+        admission={"queue": 0},
+        run={"heartbeat_s": 600.0, "grace_s": 2.0},
+        harness={"kind": "external", "external_deadline_s": getattr(request, "param", 60.0)},
     )
     worker, stop = Worker(wc, bus, engine=eng), asyncio.Event()
     run = asyncio.create_task(worker.run(stop, handle_signals=False))

@@ -54,10 +54,12 @@ def gen_task():
 
 
 async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fresh_server):
-    """harness = "mini-swe-agent" in the worker's config: the real handler plays the task through the
-    harness and publishes the rollout; the scorer and the trainer's batcher take it like any other."""
+    """[worker.harness] kind = "mini-swe-agent" in the worker's config: the real handler plays the task
+    through the harness and publishes the rollout; the scorer and the trainer's batcher take it like
+    any other."""
     from bus import BusConfig
-    from rollout_worker.worker import Worker, WorkerConfig
+    from rollout_worker.config import WorkerConfig
+    from rollout_worker.worker import Worker
     from scorer.service import Scorer, ScorerConfig
     from tests.helpers.trainer import trainer_config
     from trainer.batcher import Batcher, ConsumedIds
@@ -74,8 +76,7 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
         WorkerConfig(
             bus=BusConfig(servers=[fresh_server.url]),
             worker_id="w-msa",
-            harness="mini-swe-agent",
-            harness_config=str(conf),
+            harness={"kind": "mini-swe-agent", "config": str(conf)},
         ),
         bus,
         engine=rec_eng,
@@ -127,19 +128,19 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
 
 
 def test_worker_config_refuses_bad_harness_settings(tmp_path):
+    from rollout_worker.config import WorkerConfig
     from rollout_worker.harness import load_harness_config
-    from rollout_worker.worker import WorkerConfig
 
     cases = (
-        (dict(harness="openhands"), "harness must be"),
+        (dict(kind="openhands"), "harness must be"),
         (dict(endpoint_port=70000), "endpoint_port"),
-        (dict(harness="mini-swe-agent", harness_config=str(tmp_path / "none.yaml")), "not a file"),
+        (dict(kind="mini-swe-agent", config=str(tmp_path / "none.yaml")), "not a file"),
     )
     for kw, why in cases:
         with pytest.raises(ValueError, match=why):
-            WorkerConfig(worker_id="w", **kw)
+            WorkerConfig(worker_id="w", harness=kw)
     bad = tmp_path / "bad.yaml"
     bad.write_text("agentt:\n  step_limit: 3\n")
     with pytest.raises(ValueError, match="agent/model/environment"):
         load_harness_config(str(bad))
-    assert WorkerConfig(worker_id="w", harness="mini-swe-agent").harness == "mini-swe-agent"
+    assert WorkerConfig(worker_id="w", harness={"kind": "mini-swe-agent"}).harness.kind == "mini-swe-agent"

@@ -16,7 +16,7 @@ from delta_codec import DeltaError, signing
 GOOD = {
     "up": {"workers": 1, "steps": 3},
     "trainer": {"batch": {"max_lag": 4}},
-    "worker": {"max_lag": 4},
+    "worker": {"admission": {"max_lag": 4}},
     "scorer": {},
 }
 
@@ -35,9 +35,10 @@ def test_unknown_up_key_is_refused():
 
 
 def test_max_lag_disagreement_names_both_sides():
-    with pytest.raises(ConfigError, match=r"\[trainer.batch\] max_lag = 4, \[worker\] max_lag = 8"):
-        check({**GOOD, "worker": {"max_lag": 8}})
-    config_check.cross_check(config_check.resolve({**GOOD, "worker": {"max_lag": 8}}, environ={}), sync=True)
+    lag8 = {**GOOD, "worker": {"admission": {"max_lag": 8}}}
+    with pytest.raises(ConfigError, match=r"\[trainer.batch\] max_lag = 4, \[worker.admission\] max_lag = 8"):
+        check(lag8)
+    config_check.cross_check(config_check.resolve(lag8, environ={}), sync=True)
 
 
 def test_skip_uniform_groups_is_refused_for_a_sync_run():
@@ -51,9 +52,10 @@ def test_tokenizer_disagreement(tmp_path):
     tok = tmp_path / "tokenizer.json"
     tok.write_text("{}")
     with pytest.raises(
-        ConfigError, match=r"\[trainer.policy\] tokenizer = 'char', \[worker\] tokenizer = .*tokenizer.json"
+        ConfigError,
+        match=r"\[trainer.policy\] tokenizer = 'char', \[worker.engine\] tokenizer = .*tokenizer.json",
     ):
-        check({**GOOD, "worker": {"max_lag": 4, "tokenizer": str(tok)}})
+        check({**GOOD, "worker": {"admission": {"max_lag": 4}, "engine": {"tokenizer": str(tok)}}})
 
 
 def test_signing_pair_must_match(tmp_path):
@@ -63,23 +65,23 @@ def test_signing_pair_must_match(tmp_path):
         {
             **GOOD,
             "trainer": {"batch": {"max_lag": 4}, "publish": {"signing_key": str(k1)}},
-            "worker": {"max_lag": 4, "public_key": str(p1)},
+            "worker": {"admission": {"max_lag": 4}, "weights": {"public_key": str(p1)}},
         }
     )
     with pytest.raises(
         ConfigError,
         match=r"signing key pair disagrees: \[trainer.publish\] signing_key = .*a.key.*"
-        r"\[worker\] public_key = .*b.pub",
+        r"\[worker.weights\] public_key = .*b.pub",
     ):
         check(
             {
                 **GOOD,
                 "trainer": {"batch": {"max_lag": 4}, "publish": {"signing_key": str(k1)}},
-                "worker": {"max_lag": 4, "public_key": str(p2)},
+                "worker": {"admission": {"max_lag": 4}, "weights": {"public_key": str(p2)}},
             }
         )
     with pytest.raises(ConfigError, match=r"\[trainer.publish\] signing_key is empty"):
-        check({**GOOD, "worker": {"max_lag": 4, "public_key": str(p1)}})
+        check({**GOOD, "worker": {"admission": {"max_lag": 4}, "weights": {"public_key": str(p1)}}})
     # rotation window: the worker's key file lists old and new keys; either trainer key passes
     both = tmp_path / "both.pub"
     both.write_text(p2.read_text() + p1.read_text())
@@ -87,14 +89,14 @@ def test_signing_pair_must_match(tmp_path):
         {
             **GOOD,
             "trainer": {"batch": {"max_lag": 4}, "publish": {"signing_key": str(k1)}},
-            "worker": {"max_lag": 4, "public_key": str(both)},
+            "worker": {"admission": {"max_lag": 4}, "weights": {"public_key": str(both)}},
         }
     )
 
 
 def test_up_refuses_before_starting_anything(tmp_path):
     cfg = tmp_path / "up.toml"
-    cfg.write_text("[up]\nsteps = 2\n[trainer.batch]\nmax_lag = 2\n[worker]\nmax_lag = 6\n")
+    cfg.write_text("[up]\nsteps = 2\n[trainer.batch]\nmax_lag = 2\n[worker.admission]\nmax_lag = 6\n")
     r = subprocess.run(
         [
             sys.executable,
@@ -113,14 +115,15 @@ def test_up_refuses_before_starting_anything(tmp_path):
     )
     assert r.returncode != 0
     assert (
-        "bad configuration: max_lag disagrees: [trainer.batch] max_lag = 2, [worker] max_lag = 6" in r.stderr
+        "bad configuration: max_lag disagrees: [trainer.batch] max_lag = 2, [worker.admission] max_lag = 6"
+        in r.stderr
     )
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
 
 def test_config_check_cli(tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text("[up]\nworkers = 1\n[trainer.batch]\nmax_lag = 3\n[worker]\nmax_lag = 3\n")
+    cfg.write_text("[up]\nworkers = 1\n[trainer.batch]\nmax_lag = 3\n[worker.admission]\nmax_lag = 3\n")
     r = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "config", "check", str(cfg)], capture_output=True, text=True
     )

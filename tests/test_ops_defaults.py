@@ -87,8 +87,8 @@ def test_init_then_signed_compose_validates(tmp_path):
     for name, var, f in (
         ("trainer", "ASYNCRL_PUBLISH__SIGNING_KEY", "trainer-signing.key"),
         ("trainer-standby", "ASYNCRL_PUBLISH__SIGNING_KEY", "trainer-signing.key"),
-        ("rollout_worker", "ASYNCRL_PUBLIC_KEY", "trainer-signing.pub"),
-        ("rollout_worker-region", "ASYNCRL_PUBLIC_KEY", "trainer-signing.pub"),
+        ("rollout_worker", "ASYNCRL_WEIGHTS__PUBLIC_KEY", "trainer-signing.pub"),
+        ("rollout_worker-region", "ASYNCRL_WEIGHTS__PUBLIC_KEY", "trainer-signing.pub"),
     ):
         if name not in svc:  # docker-compose v2 leaves profiled services out
             continue

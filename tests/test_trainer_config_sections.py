@@ -50,7 +50,7 @@ def test_old_flat_keys_fail_config_check_naming_every_new_place(tmp_path):
     cfg = tmp_path / "old.toml"
     cfg.write_text(
         '[up]\nworkers = 1\n[trainer]\nlr = 3e-4\nbatch_groups = 8\nwarmstart_from = "w.pt"\n'
-        'publish = "sharded"\nelastic_nnodes = "2:2"\n[worker]\nmax_lag = 4\n'
+        'publish = "sharded"\nelastic_nnodes = "2:2"\n[worker.admission]\nmax_lag = 4\n'
     )
     r = check(cfg)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -83,7 +83,7 @@ def test_env_override_of_a_nested_key_and_a_flat_one_refused():
             "ASYNCRL_OPTIM__LR": "3e-4",
             "ASYNCRL_BATCH__GROUPS": "8",
             "ASYNCRL_BUS__SERVERS": "nats://a:4222,nats://b:4222",
-            "ASYNCRL_SLOTS": "4",
+            "ASYNCRL_ENGINE__SLOTS": "4",
         },
     )  # another process's: ignored
     assert cfg.optim.lr == 3e-4 and cfg.batch.groups == 8
@@ -116,7 +116,8 @@ def test_env_override_reaches_a_trainer_process(tmp_path):
 def test_config_check_prints_the_tree(tmp_path):
     cfg = tmp_path / "new.toml"
     cfg.write_text(
-        "[up]\nworkers = 1\n[trainer.optim]\nlr = 3e-4\n[trainer.batch]\nmax_lag = 3\n[worker]\nmax_lag = 3\n"
+        "[up]\nworkers = 1\n[trainer.optim]\nlr = 3e-4\n[trainer.batch]\nmax_lag = 3\n"
+        "[worker.admission]\nmax_lag = 3\n"
     )
     r = check(cfg)
     assert r.returncode == 0, r.stderr

@@ -19,7 +19,7 @@ from tests.helpers.up import SUPERVISE
 def test_plan_default_gives_the_trainer_the_cores_the_workers_leave():
     p = thread_plan.plan({}, workers=3, scorers=2, cpus=8)
     assert (p.trainer, p.worker, p.scorer, p.configured) == (5, 1, 1, ())
-    p = thread_plan.plan({"worker": {"threads": 2}}, workers=3, scorers=1, cpus=8)
+    p = thread_plan.plan({"worker": {"run": {"threads": 2}}}, workers=3, scorers=1, cpus=8)
     assert (p.trainer, p.worker) == (2, 2)
     assert thread_plan.plan({}, workers=4, scorers=1, cpus=2).trainer == 1  # never below one
     p = thread_plan.plan(
@@ -32,8 +32,8 @@ def test_plan_default_gives_the_trainer_the_cores_the_workers_leave():
 @pytest.mark.parametrize("section,value", [("trainer", 0), ("worker", -1), ("scorer", "2"), ("worker", True)])
 def test_a_bad_threads_value_is_refused_naming_it(section, value):
     table, where = (
-        ({"run": {"threads": value}}, "trainer.run")
-        if section == "trainer"
+        ({"run": {"threads": value}}, f"{section}.run")
+        if section in ("trainer", "worker")
         else ({"threads": value}, section)
     )
     with pytest.raises(ConfigError, match=rf"\[{where}\] threads = {value!r}: must be an integer >= 1"):
@@ -42,9 +42,9 @@ def test_a_bad_threads_value_is_refused_naming_it(section, value):
 
 def test_up_refuses_bad_threads_before_starting_anything(tmp_path, capsys):
     cfg = tmp_path / "up.toml"
-    cfg.write_text("[up]\nsteps = 1\n[worker]\nthreads = 0\n")
+    cfg.write_text("[up]\nsteps = 1\n[worker.run]\nthreads = 0\n")
     rc = up_cli.main(["--config", str(cfg), "--run-dir", str(tmp_path / "run"), "--quiet"])
-    assert rc == 2 and "[worker] threads = 0: must be an integer >= 1" in capsys.readouterr().err
+    assert rc == 2 and "[worker.run] threads = 0: must be an integer >= 1" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # no run dir, no broker, no child
 
 
@@ -62,7 +62,7 @@ def test_vllm_cpu_warning_from_cpu_flags(flags, cuda, warns):
     w = config_check.vllm_cpu_warning(flags, cuda)
     assert (w is not None) == warns
     if warns:
-        assert 'engine = "vllm"' in w and "AVX-512 or AMX" in w and 'engine = "torch"' in w
+        assert '[worker.engine] kind = "vllm"' in w and "AVX-512 or AMX" in w and 'kind = "torch"' in w
 
 
 def test_cpu_flags_reads_the_flags_line(tmp_path):
@@ -74,7 +74,7 @@ def test_cpu_flags_reads_the_flags_line(tmp_path):
 
 def test_config_check_prints_the_plan_and_the_vllm_warning(tmp_path, capsys):
     cfg = tmp_path / "run.toml"
-    cfg.write_text('[up]\nworkers = 2\n[trainer.run]\nthreads = 3\n[worker]\nengine = "vllm"\n')
+    cfg.write_text('[up]\nworkers = 2\n[trainer.run]\nthreads = 3\n[worker.engine]\nkind = "vllm"\n')
     assert config_check.main(["check", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "trainer 3 [set], worker 1 x 2 [default], scorer 1 x 1 [default]" in out
@@ -92,7 +92,7 @@ def _environ(pid: int) -> dict[str, str]:
 async def test_up_children_get_their_configured_threads(tmp_path):
     conf = SUPERVISE.replace("[trainer.tasks]\n", "[trainer.run]\nthreads = 3\n\n[trainer.tasks]\n").replace(
         "threads = 1\n", "threads = 2\n"
-    )  # [worker] threads
+    )  # [worker.run] threads
     assert "threads = 3" in conf and "threads = 2" in conf
     proc, run_dir = start_up(tmp_path, conf, steps=500, minutes=3)
     out = tmp_path / "up.out"

@@ -107,7 +107,7 @@ def test_a_region_worker_config_is_checked_before_start():
     """weights_domain is a subject token, and a region's worker must address the hub for work:
     without js_domain its task pulls (and provisioning) would go to the region's own JetStream."""
     from bus import ConfigError, load_config
-    from rollout_worker.worker import WorkerConfig
+    from rollout_worker.config import WorkerConfig
 
     env = {"ASYNCRL_BUS__JS_DOMAIN": "hub", "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu"}
     assert load_config(WorkerConfig, environ=env).bus.weights_domain == "eu"
@@ -408,9 +408,9 @@ async def test_rollout_worker_process_in_a_region_patches_from_its_mirror(tmp_pa
                 "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu",
                 "ASYNCRL_BUS__TOPOLOGY__STORAGE": "memory",
                 "ASYNCRL_WORKER_ID": f"eu-{i}",
-                "ASYNCRL_SLOTS": "1",
-                "ASYNCRL_MAX_LEN": "64",
-                "ASYNCRL_HEARTBEAT_S": "0.5",
+                "ASYNCRL_ENGINE__SLOTS": "1",
+                "ASYNCRL_ENGINE__MAX_LEN": "64",
+                "ASYNCRL_RUN__HEARTBEAT_S": "0.5",
             }
             log = open(tmp_path / f"eu-{i}.log", "wb")
             procs.append(

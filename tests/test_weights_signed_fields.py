@@ -223,12 +223,9 @@ async def test_a_worker_process_refuses_forgeries_and_follows_the_real_leader(bu
         "rollout_worker",
         {
             "worker_id": "w-forged",
-            "slots": 2,
-            "max_len": 64,
-            "threads": 1,
-            "heartbeat_s": 0.3,
-            "grace_s": 2.0,
-            "public_key": pk.hex(),
+            "engine": {"slots": 2, "max_len": 64},
+            "run": {"threads": 1, "heartbeat_s": 0.3, "grace_s": 2.0},
+            "weights": {"public_key": pk.hex()},
             "bus": {"servers": [fresh_server.url], "name": "w"},
         },
     )

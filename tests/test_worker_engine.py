@@ -165,12 +165,12 @@ async def test_decoding_goes_on_while_the_event_loop_is_busy():
 
 def test_engine_device_is_checked_and_used():
     """`device` puts weights and KV cache there; a worker config names only cpu or cuda[:N]."""
-    from rollout_worker.worker import WorkerConfig
+    from rollout_worker.config import WorkerConfig
 
     eng = TorchEngine(CFG, slots=1, max_len=16, device="cpu")
     assert eng.device.type == "cpu" and eng.cache.lengths.device.type == "cpu"
     assert all(p.device.type == "cpu" for p in eng.model.parameters())
-    assert WorkerConfig(device="cuda:1").device == "cuda:1"
+    assert WorkerConfig(engine={"device": "cuda:1"}).engine.device == "cuda:1"
     for bad in ("gpu", "cuda:x", "meta"):
         with pytest.raises(ValueError, match="device must be"):
-            WorkerConfig(device=bad)
+            WorkerConfig(engine={"device": bad})

@@ -12,8 +12,9 @@ from bus.events import Task
 from bus.weights.publisher import WeightPublisher
 from envs.episode import EpisodeLimits
 from envs.sandbox import BashLimits
+from rollout_worker.config import WorkerConfig
 from rollout_worker.episodes import episode_spec
-from rollout_worker.worker import Worker, WorkerConfig
+from rollout_worker.worker import Worker
 from tests.helpers.agentic import CFG, bug_task, no_special_state
 from tests.helpers.weights import until
 
@@ -27,8 +28,8 @@ def max_overlap(spans: list[tuple[float, float]]) -> int:
     return best
 
 
-async def play_four_tasks(bus, server, n: int, **cfg) -> Worker:
-    """A worker (cfg: its sizes) plays 4 episode tasks of n samples each (format errors end them
+async def play_four_tasks(bus, server, n: int, engine: dict, admission=None, episodes=None) -> Worker:
+    """A worker (its sections' sizes) plays 4 episode tasks of n samples each (format errors end them
     fast) until done; -> the stopped worker, its episode records on its runner."""
     pub = WeightPublisher(bus, epoch=1, trainer_id="t")
     await pub.publish_keyframe(no_special_state(4), 0, CFG)
@@ -36,11 +37,10 @@ async def play_four_tasks(bus, server, n: int, **cfg) -> Worker:
     wc = WorkerConfig(
         bus=BusConfig(servers=[server.url], name="w"),
         worker_id="w1",
-        queue=0,
-        max_len=2048,
-        heartbeat_s=600.0,
-        grace_s=2.0,
-        **cfg,
+        engine={"max_len": 2048, **engine},
+        admission={"queue": 0, **(admission or {})},
+        episodes=episodes or {},
+        run={"heartbeat_s": 600.0, "grace_s": 2.0},
     )
     worker, stop = Worker(wc, bus), asyncio.Event()
     run = asyncio.create_task(worker.run(stop, handle_signals=False))
@@ -65,7 +65,7 @@ async def play_four_tasks(bus, server, n: int, **cfg) -> Worker:
 
 
 async def test_episodes_in_flight_never_exceed_slots_plus_queue(bus, fresh_server):
-    worker = await play_four_tasks(bus, fresh_server, 2, slots=2)
+    worker = await play_four_tasks(bus, fresh_server, 2, engine={"slots": 2})
     eps = worker.episode_runner.ended
     assert len(eps) == 8 and all(e["termination"] == "format" for e in eps)
     # each episode from its reset to its end: never more at once than the worker's 2 slots
@@ -74,11 +74,16 @@ async def test_episodes_in_flight_never_exceed_slots_plus_queue(bus, fresh_serve
 
 
 async def test_max_inflight_lets_episodes_wait_on_slow_suites_beyond_the_decode_slots(bus, fresh_server):
-    """One decode slot, max_inflight 3, a modelled 2 s suite per scoring run ([worker]
+    """One decode slot, max_inflight 3, a modelled 2 s suite per scoring run ([worker.episodes]
     sandbox_latency): episodes waiting on their suite hold no decode row, so up to 3 are in flight
     (with max_inflight = slots the worker ran them one by one)."""
     worker = await play_four_tasks(
-        bus, fresh_server, 1, slots=1, max_inflight=3, sandbox_latency={"median_s": 2.0, "p99_s": 2.0}
+        bus,
+        fresh_server,
+        1,
+        engine={"slots": 1},
+        admission={"max_inflight": 3},
+        episodes={"sandbox_latency": {"median_s": 2.0, "p99_s": 2.0}},
     )
     eps = worker.episode_runner.ended
     assert len(eps) == 4 and all(e["termination"] == "format" and e["wall_s"] >= 2.0 for e in eps)

@@ -26,8 +26,8 @@ TOPO = TopologyConfig(ack_wait_s=2.0)
 def spawn_worker(tmp: Path, url: str, name: str, grace_s: float = 1.0) -> subprocess.Popen:
     conf = tmp / f"{name}.toml"
     conf.write_text(
-        f'worker_id = "{name}"\nslots = 4\nqueue = 2\nmax_len = 128\nheartbeat_s = 1.0\n'
-        f'grace_s = {grace_s}\n[bus]\nservers = ["{url}"]\nname = "{name}"\n'
+        f'worker_id = "{name}"\n[engine]\nslots = 4\nmax_len = 128\n[admission]\nqueue = 2\n'
+        f'[run]\nheartbeat_s = 1.0\ngrace_s = {grace_s}\n[bus]\nservers = ["{url}"]\nname = "{name}"\n'
         f"[bus.topology]\nack_wait_s = {TOPO.ack_wait_s}\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ASYNCRL_LOG_JSON": "1"}

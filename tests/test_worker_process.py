@@ -81,7 +81,7 @@ async def test_max_lag_stops_admission_and_min_version_waits(bus, fresh_server):
     states = states_for(6, seed=8, frac=0.01, scale=0.02)
     pub = WeightPublisher(bus, epoch=1, trainer_id="t")
     await pub.publish_keyframe(states[0], 0, CFG)
-    worker, stop = Worker(worker_cfg(fresh_server.url, max_lag=1), bus), asyncio.Event()
+    worker, stop = Worker(worker_cfg(fresh_server.url, admission={"max_lag": 1}), bus), asyncio.Event()
     run = asyncio.create_task(worker.run(stop, handle_signals=False))
     await until(lambda: worker.engine is not None and worker.loop is not None)
     await pub.set_version(3)  # the trainer is 3 versions ahead
@@ -114,7 +114,7 @@ async def test_corrupted_delta_is_refused_and_generation_continues(bus, fresh_se
     states = states_for(3, seed=9, frac=0.01, scale=0.02)
     pub = WeightPublisher(bus, epoch=1, trainer_id="t", signing_key=sk)
     worker, stop, run, _ = await generating_worker(
-        bus, fresh_server.url, pub, states[0], 6, "a", public_key=pk.hex()
+        bus, fresh_server.url, pub, states[0], 6, "a", weights={"public_key": pk.hex()}
     )
     d = delta(states, 0, 1)
     blob = bytearray(d.to_bytes())

@@ -2,7 +2,7 @@
 with backoff and the engine is back on the newest policy; a feed that keeps failing past
 `max_restarts` stops the worker with exit code 1, so a supervisor (`asyncrl up`) replaces it.
 
-The failure is injected by the worker's one test hook, `fault_weights_after` (the feed raises at
+The failure is injected by the worker's one test hook, `[worker.faults] weights_after` (the feed raises at
 its Nth weight update), so no sleep or patch touches the production path.
 Reusable by the chaos harness: `feed_crash_worker` and `wait_version`.
 """
@@ -27,7 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 async def feed_crash_worker(bus, url: str, fault_after: int, **cfg):
     """A worker (in this process) whose feed fails at weight update `fault_after`."""
     worker, stop = (
-        Worker(worker_cfg(url, fault_weights_after=fault_after, restart_backoff_s=0.05, **cfg), bus),
+        Worker(
+            worker_cfg(url, faults={"weights_after": fault_after}, run={"restart_backoff_s": 0.05}, **cfg),
+            bus,
+        ),
         asyncio.Event(),
     )
     run = asyncio.create_task(worker.run(stop, handle_signals=False))
@@ -64,8 +67,8 @@ async def test_feed_failing_past_max_restarts_exits_nonzero(bus, fresh_server, t
     await pub.publish_keyframe(states[0], 0, CFG)
     conf = tmp_path / "w.toml"
     conf.write_text(
-        f'worker_id = "wf"\nslots = 2\nmax_len = 128\nheartbeat_s = 0.5\ngrace_s = 1.0\n'
-        f'max_restarts = 0\nfault_weights_after = 1\n[bus]\nservers = ["{fresh_server.url}"]\n'
+        f'worker_id = "wf"\n[engine]\nslots = 2\nmax_len = 128\n[run]\nheartbeat_s = 0.5\ngrace_s = 1.0\n'
+        f'max_restarts = 0\n[faults]\nweights_after = 1\n[bus]\nservers = ["{fresh_server.url}"]\n'
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ASYNCRL_LOG_JSON": "1"}
     log = tmp_path / "wf.log"

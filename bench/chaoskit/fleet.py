@@ -123,18 +123,20 @@ class Fleet:
         return self._spawn(name, "trainer", "trainer", conf)
 
     def worker(self, name: str, **over) -> Proc:
+        """A rollout worker process; a section in `over` ({key: value}) is merged into these."""
         conf = {
             "worker_id": name,
-            "slots": 8,
-            "queue": 4,
-            "max_len": 96,
-            "threads": 1,
-            "heartbeat_s": 2.0,
-            "grace_s": 2.0,
-            "seed": self.rng.randrange(1 << 30),
+            "engine": {"slots": 8, "max_len": 96, "seed": self.rng.randrange(1 << 30)},
+            "admission": {"queue": 4},
+            "run": {"threads": 1, "heartbeat_s": 2.0, "grace_s": 2.0},
             "bus": self.bus_conf("worker", name),
-            **over,
         }
+        conf.update(
+            {
+                k: {**conf[k], **v} if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
+                for k, v in over.items()
+            }
+        )
         return self._spawn(name, "rollout_worker", "rollout_worker", conf)
 
     def scorer(self, name: str, **over) -> Proc:
@@ -336,7 +338,7 @@ async def start_signed(fleet: Fleet, sk, pk, workers: int = 2) -> None:
     """A signed run: leader A signs with `sk`, `workers` workers verify with `pk`, one scorer; all ready."""
     fleet.trainer("A", publish={"signing_key": sk.hex()})
     for i in range(workers):
-        fleet.worker(f"w{i}", public_key=pk.hex())
+        fleet.worker(f"w{i}", weights={"public_key": pk.hex()})
     fleet.scorer("s0")
     await wait_ready(fleet, list(fleet.procs))
 

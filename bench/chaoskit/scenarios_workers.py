@@ -151,7 +151,7 @@ async def worker_feed_crash(run_dir: Path, tasks: int = 60, seed: int = 12, faul
         try:
             fleet.trainer("A")
             fleet.scorer("s0")
-            fleet.worker("w0", fault_weights_after=fault_after, restart_backoff_s=0.5)
+            fleet.worker("w0", faults={"weights_after": fault_after}, run={"restart_backoff_s": 0.5})
             fleet.worker("w1")
             await wait_ready(fleet, ["A", "s0", "w0", "w1"])
             ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)

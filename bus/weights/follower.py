@@ -102,7 +102,7 @@ class WeightFollower:
         if public_key is None:
             log.warning(
                 "following weights WITHOUT signature checks: no public key configured "
-                "(workers: public_key / ASYNCRL_PUBLIC_KEY)",
+                "(workers: [worker.weights] public_key / ASYNCRL_WEIGHTS__PUBLIC_KEY)",
                 follower=name,
             )
         self.issued_epoch = 0  # highest epoch the KV leader lease is known to have issued

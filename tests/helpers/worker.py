@@ -10,7 +10,7 @@ import policy
 from bus import BusConfig
 from bus import topology as topo
 from bus.events import Task, decode
-from rollout_worker.worker import WorkerConfig
+from rollout_worker.config import WorkerConfig
 from tests.helpers.engine import perturb
 
 TOK = policy.CharTokenizer.default()
@@ -57,12 +57,14 @@ async def read_stream(bus, stream: str, cls) -> list:
 
 
 def worker_cfg(url: str, **kw) -> WorkerConfig:
+    """A small worker's config; `kw` sets top-level keys, and a section given as a dict is merged over
+    the helper's own keys of it (worker_cfg(url, engine={"kind": "vllm"}) keeps 4 slots)."""
+    base = {"engine": {"slots": 4, "max_len": 128}, "run": {"heartbeat_s": 0.3, "grace_s": 2.0}}
+    given = {k: kw.pop(k) for k in [k for k, v in kw.items() if isinstance(v, dict)]}
+    sections = {k: {**base.get(k, {}), **given.get(k, {})} for k in {*base, *given}}
     return WorkerConfig(
         bus=BusConfig(servers=[url], name="w"),
         worker_id=kw.pop("worker_id", "w1"),
-        slots=4,
-        max_len=128,
-        heartbeat_s=0.3,
-        grace_s=2.0,
+        **sections,
         **kw,
     )

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 import delta_codec  # noqa: E402
 from bus.events import SamplingParams  # noqa: E402
 from rollout_worker.engine import StaleEpochError, VersionGapError  # noqa: E402
-from rollout_worker.worker import WorkerConfig  # noqa: E402
+from rollout_worker.sections import EngineSection  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -90,7 +90,7 @@ async def engine(ckpt):
 
     folder, state = ckpt
     eng = VLLMEngine(
-        WorkerConfig(engine="vllm", model=str(folder), slots=4, max_len=256, seed=0),
+        EngineSection(kind="vllm", model=str(folder), slots=4, max_len=256, seed=0),
         eos_id=None,
         enforce_eager=True,
     )
@@ -326,7 +326,7 @@ def test_quant_sites_refused(ckpt):
 
     with pytest.raises(ValueError, match="fake-quant"):
         VLLMEngine(
-            WorkerConfig(engine="vllm", model=str(ckpt[0])), quant=policy.QuantConfig(sites=("linear_act",))
+            EngineSection(kind="vllm", model=str(ckpt[0])), quant=policy.QuantConfig(sites=("linear_act",))
         )
 
 
@@ -335,7 +335,7 @@ async def test_keyframe_of_another_model_is_refused_before_vllm_starts(ckpt):
     from rollout_worker.vllm_engine import VLLMEngine
 
     cfg = policy.ModelConfig.tiny(vocab_size=VOCAB, n_layers=3)
-    eng = VLLMEngine(WorkerConfig(engine="vllm", model=str(ckpt[0])), model_config=cfg.to_dict())
+    eng = VLLMEngine(EngineSection(kind="vllm", model=str(ckpt[0])), model_config=cfg.to_dict())
     state = policy.inference_state(policy.Transformer(cfg))
     with pytest.raises(ValueError, match="does not hold this model"):
         await eng.load_keyframe(state, version=0, epoch=1)

@@ -19,7 +19,7 @@ from envs.actions import format_error_observation, parse_action  # noqa: E402
 from envs.episode import SYSTEM_PROMPT, EpisodeLimits  # noqa: E402
 from envs.sandbox import BashLimits  # noqa: E402
 from rollout_worker.episodes import EpisodeRunner, PlainFormat, episode_spec  # noqa: E402
-from rollout_worker.worker import WorkerConfig  # noqa: E402
+from rollout_worker.sections import EngineSection  # noqa: E402
 from tests.helpers.agentic import CFG, TOK, bug_task, no_special_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -39,7 +39,7 @@ async def engine():
     from rollout_worker.vllm_engine import VLLMEngine
 
     eng = VLLMEngine(
-        WorkerConfig(engine="vllm", slots=2, max_len=2048, seed=0),
+        EngineSection(kind="vllm", slots=2, max_len=2048, seed=0),
         model_config=CFG.to_dict(),
         eos_id=TOK.eos_id,
         enforce_eager=True,

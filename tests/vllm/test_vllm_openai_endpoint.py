@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 
 import policy  # noqa: E402
 from rollout_worker.openai_api import OpenAIEndpoint  # noqa: E402
-from rollout_worker.worker import WorkerConfig  # noqa: E402
+from rollout_worker.sections import EngineSection  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -47,7 +47,7 @@ async def served():
     cfg, model = policy.load_hf_checkpoint(folder)
     tok = policy.load_hf_tokenizer(folder)
     eng = VLLMEngine(
-        WorkerConfig(engine="vllm", model=str(folder), slots=2, max_len=256, seed=0),
+        EngineSection(kind="vllm", model=str(folder), slots=2, max_len=256, seed=0),
         model_config=cfg.to_dict(),
         eos_id=tok.eos_id,
         enforce_eager=True,

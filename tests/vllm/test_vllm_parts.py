@@ -23,7 +23,7 @@ import delta_codec  # noqa: E402
 from bus.events import SamplingParams  # noqa: E402
 from delta_codec.sharded import encode_part, make_manifest, shard_rows  # noqa: E402
 from rollout_worker.engine import StaleEpochError, VersionGapError, WeightUpdateError  # noqa: E402
-from rollout_worker.worker import WorkerConfig  # noqa: E402
+from rollout_worker.sections import EngineSection  # noqa: E402
 
 from .test_vllm_engine import PROMPT, VOCAB, _until, _wait_tokens, make_checkpoint, perturbed  # noqa: E402
 
@@ -64,7 +64,7 @@ async def engine(ckpt):
 
     folder, state = ckpt
     eng = VLLMEngine(
-        WorkerConfig(engine="vllm", model=str(folder), slots=4, max_len=256, seed=0),
+        EngineSection(kind="vllm", model=str(folder), slots=4, max_len=256, seed=0),
         eos_id=None,
         enforce_eager=True,
     )

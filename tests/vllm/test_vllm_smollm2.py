@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 import delta_codec  # noqa: E402
 import policy  # noqa: E402
 from bus.events import SamplingParams  # noqa: E402
-from rollout_worker.worker import WorkerConfig  # noqa: E402
+from rollout_worker.sections import EngineSection  # noqa: E402
 from tests.helpers.engine import reference_logprobs  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -99,7 +99,7 @@ async def engine(folder, loaded):
 
     cfg, _, base = loaded
     eng = VLLMEngine(
-        WorkerConfig(engine="vllm", model=str(folder), slots=2, max_len=128, seed=0),
+        EngineSection(kind="vllm", model=str(folder), slots=2, max_len=128, seed=0),
         model_config=cfg.to_dict(),
         eos_id=None,
         enforce_eager=True,

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 import delta_codec  # noqa: E402
 from bench.vllm_stall import changed, make_checkpoint  # noqa: E402
 from bus.events import SamplingParams  # noqa: E402
-from rollout_worker.worker import WorkerConfig  # noqa: E402
+from rollout_worker.sections import EngineSection  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -36,7 +36,7 @@ async def test_codec_is_warm_in_vllms_worker_before_the_first_delta(tmp_path):
 
     state = make_checkpoint(tmp_path, hidden=128, layers=2, vocab=384, arch="llama")
     eng = VLLMEngine(
-        WorkerConfig(engine="vllm", model=str(tmp_path), slots=2, max_len=128, seed=0), enforce_eager=True
+        EngineSection(kind="vllm", model=str(tmp_path), slots=2, max_len=128, seed=0), enforce_eager=True
     )
     try:
         await eng.load_keyframe(state, version=0, epoch=1)  # starts vLLM; no delta yet

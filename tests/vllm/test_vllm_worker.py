@@ -29,7 +29,7 @@ async def test_vllm_worker_hot_patches_and_replays(bus, fresh_server):
     states = [{k: v.to(torch.bfloat16) for k, v in s.items()} for s in states_for(2, seed=7)]
     pub = WeightPublisher(bus, epoch=1, trainer_id="t")
     await pub.publish_keyframe(states[0], 0, CFG)
-    worker, stop = Worker(worker_cfg(fresh_server.url, engine="vllm"), bus), asyncio.Event()
+    worker, stop = Worker(worker_cfg(fresh_server.url, engine={"kind": "vllm"}), bus), asyncio.Event()
     run = asyncio.create_task(worker.run(stop, handle_signals=False))
     ids = await publish_tasks(bus, 4, "vllm", max_tokens=60)
     await until(lambda: worker.engine is not None and worker.engine.stats()["tokens"] > 20, timeout=300)

@@ -1,0 +1,250 @@
+"""WorkerConfig in sections (rollout_worker/sections.py): the layout, old flat keys refused with their
+new place (files, dicts, env; `asyncrl config check` and the worker as real processes), nested env
+overrides, a bad value per section still a clear error, the resolved tree printed, and `up`'s
+process-wide keys in [worker.run]."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tomllib
+import typing
+from pathlib import Path
+
+import pytest
+
+from asyncrl import child_conf
+from bus.config import ConfigError, load_config
+from rollout_worker.config import WorkerConfig
+from rollout_worker.sections import AdmissionSection, EngineSection, EpisodesSection, RunSection
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SECTIONS = {
+    "engine": {"kind", "slots", "max_len", "model", "tokenizer", "quant_sites", "quant_block", "seed"}
+    | {"update_mode", "device"},
+    "admission": {"max_lag", "queue", "max_inflight"},
+    "episodes": {"workspace", "docker_image", "sandbox_latency", "episode_wall_s", "allow_weak_sandbox"},
+    "harness": {"kind", "config", "endpoint_host", "endpoint_port", "external_deadline_s"},
+    "weights": {"public_key"},
+    "run": {"threads", "heartbeat_s", "grace_s", "max_restarts", "restart_backoff_s", "metrics_port"}
+    | {"log_level"},
+    "faults": {"weights_after"},
+}
+# every key of the flat layout (38 fields before issue 34) but the two that stay at the top
+FLAT = (
+    "engine slots queue max_inflight max_lag max_len model tokenizer quant_sites quant_block seed threads "
+    "update_mode device public_key metrics_port heartbeat_s grace_s max_restarts restart_backoff_s "
+    "workspace docker_image sandbox_latency episode_wall_s harness external_deadline_s harness_config "
+    "endpoint_host endpoint_port fault_weights_after log_level allow_weak_sandbox"
+).split()
+
+
+def run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without ASYNCRL_* settings (the cache excepted), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") or k == "ASYNCRL_CACHE"}
+    return {**env, "PYTHONPATH": str(ROOT), **extra}
+
+
+def test_the_section_layout():
+    hints = typing.get_type_hints(WorkerConfig)
+    names = [f.name for f in dataclasses.fields(WorkerConfig)]
+    assert names == ["bus", "worker_id", *SECTIONS], names
+    assert len(names) <= 15
+    for sect, keys in SECTIONS.items():
+        assert dataclasses.is_dataclass(hints[sect]), sect
+        assert {f.name for f in dataclasses.fields(hints[sect])} == keys, sect
+    cfg = WorkerConfig()
+    assert isinstance(cfg.engine, EngineSection) and isinstance(cfg.run, RunSection)
+    # what two sections decide: the admission's defaults from the engine's slots
+    assert (cfg.admission.queue, cfg.admission.max_inflight) == (4, 8)
+    cfg = WorkerConfig(engine={"slots": 6})
+    assert (cfg.admission.queue, cfg.admission.max_inflight) == (3, 6)
+
+
+def test_every_old_flat_key_moved_to_an_existing_field():
+    assert set(WorkerConfig.MOVED) == set(FLAT)
+    hints = typing.get_type_hints(WorkerConfig)
+    for old, new in WorkerConfig.MOVED.items():
+        sect, key = new.split(".")
+        assert key in {f.name for f in dataclasses.fields(hints[sect])}, (old, new)
+    assert WorkerConfig.MOVED["engine"] == "engine.kind" and WorkerConfig.MOVED["harness"] == "harness.kind"
+    assert WorkerConfig.MOVED["fault_weights_after"] == "faults.weights_after"
+
+
+def test_old_flat_keys_in_a_file_or_a_dict_are_refused_naming_the_new_key(tmp_path):
+    f = tmp_path / "w.toml"
+    f.write_text('worker_id = "w"\nslots = 4\nmax_lag = 2\nengine = "vllm"\npublic_key = "k.pub"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(WorkerConfig, f, environ={})
+    for moved in (
+        "slots: moved to [engine] slots",
+        "max_lag: moved to [admission] max_lag",
+        "engine: moved to [engine] kind",
+        "public_key: moved to [weights] public_key",
+    ):
+        assert moved in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match=r"harness_config: moved to \[worker.harness\] config"):
+        load_config(WorkerConfig, None, overrides={"harness_config": "m.yaml"}, environ={}, table="worker")
+    with pytest.raises(ConfigError, match=r"fault_weights_after: moved to \[worker.faults\] weights_after"):
+        load_config(WorkerConfig, None, overrides={"fault_weights_after": 1}, environ={}, table="worker")
+
+
+def test_old_flat_keys_fail_config_check_naming_every_new_place(tmp_path):
+    cfg = tmp_path / "old.toml"
+    cfg.write_text(
+        "[up]\nworkers = 1\n[trainer.batch]\nmax_lag = 4\n[worker]\nslots = 4\nmax_lag = 4\n"
+        'harness = "external"\nheartbeat_s = 1.0\nallow_weak_sandbox = true\n'
+    )
+    r = run("-m", "asyncrl.cli", "config", "check", str(cfg))
+    assert r.returncode == 2, r.stdout + r.stderr
+    for moved in (
+        "slots: moved to [worker.engine] slots",
+        "max_lag: moved to [worker.admission] max_lag",
+        "harness: moved to [worker.harness] kind",
+        "heartbeat_s: moved to [worker.run] heartbeat_s",
+        "allow_weak_sandbox: moved to [worker.episodes] allow_weak_sandbox",
+    ):
+        assert moved in r.stderr, r.stderr
+
+
+def test_the_worker_process_refuses_an_old_key_and_reads_nested_env(tmp_path):
+    """As `python -m rollout_worker` reads them (both fail before any broker is needed)."""
+    f = tmp_path / "w.toml"
+    f.write_text("max_inflight = 4\n")
+    r = run("-m", "rollout_worker", "--config", str(f), env=clean_env())
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "max_inflight: moved to [admission] max_inflight" in r.stderr and "Traceback" not in r.stderr
+    # a nested variable reaches the process's config (a bad value, so it stops before connecting)
+    r = run("-m", "rollout_worker", env=clean_env(ASYNCRL_ENGINE__KIND="tpu"))
+    assert r.returncode == 2 and "engine must be 'torch' or 'vllm', got 'tpu'" in r.stderr, r.stderr[-2000:]
+    r = run("-m", "rollout_worker", env=clean_env(ASYNCRL_SLOTS="4"))
+    assert r.returncode == 2 and "set ASYNCRL_ENGINE__SLOTS" in r.stderr, r.stderr[-2000:]
+
+
+def test_env_overrides_nest_and_a_flat_one_is_refused_with_its_variable():
+    cfg = load_config(
+        WorkerConfig,
+        None,
+        environ={
+            "ASYNCRL_ENGINE__SLOTS": "16",
+            "ASYNCRL_ENGINE__KIND": "vllm",
+            "ASYNCRL_ADMISSION__MAX_LAG": "2",
+            "ASYNCRL_WEIGHTS__PUBLIC_KEY": "/etc/asyncrl/keys/trainer-signing.pub",
+            "ASYNCRL_RUN__METRICS_PORT": "9400",
+            "ASYNCRL_EPISODES__SANDBOX_LATENCY__MEDIAN_S": "3",
+            "ASYNCRL_EPISODES__SANDBOX_LATENCY__P99_S": "60",
+            "ASYNCRL_WORKER_ID": "w7",
+            "ASYNCRL_OPTIM__LR": "3e-4",  # the trainer's: ignored
+            "ASYNCRL_RUN__DIR": "/x",  # the trainer's [trainer.run] dir: not a worker key, ignored
+        },
+    )
+    assert (cfg.engine.slots, cfg.engine.kind, cfg.admission.max_lag) == (16, "vllm", 2)
+    assert cfg.admission.max_inflight == 16 and cfg.run.metrics_port == 9400 and cfg.worker_id == "w7"
+    assert cfg.weights.public_key == "/etc/asyncrl/keys/trainer-signing.pub"
+    assert cfg.episodes.sandbox_latency.enabled and cfg.episodes.sandbox_latency.p99_s == 60.0
+    for var, new in (
+        ("ASYNCRL_PUBLIC_KEY", "ASYNCRL_WEIGHTS__PUBLIC_KEY"),
+        ("ASYNCRL_MAX_LAG", "ASYNCRL_ADMISSION__MAX_LAG"),
+        ("ASYNCRL_METRICS_PORT", "ASYNCRL_RUN__METRICS_PORT"),
+        ("ASYNCRL_ENGINE", "ASYNCRL_ENGINE__KIND"),  # now a section's name, given a plain value
+        ("ASYNCRL_HARNESS", "ASYNCRL_HARNESS__KIND"),
+        ("ASYNCRL_FAULT_WEIGHTS_AFTER", "ASYNCRL_FAULTS__WEIGHTS_AFTER"),
+    ):
+        with pytest.raises(ConfigError, match=rf"env {var}: .*moved to .*: set {new}$"):
+            load_config(WorkerConfig, None, environ={var: "1"})
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        (
+            {"engine": {"kind": "jax"}},
+            r"engine: engine must be 'torch' or 'vllm', got 'jax' \(\[worker.engine\] kind\)",
+        ),
+        ({"engine": {"slots": 0}}, "engine: slots must be >= 1, got 0"),
+        ({"engine": {"device": "gpu"}}, "engine: device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
+        ({"engine": {"slots": "many"}}, "engine.slots: expected int, got 'many'"),
+        ({"admission": {"max_lag": -1}}, "admission: max_lag must be >= 0, got -1"),
+        (
+            {"engine": {"slots": 4}, "admission": {"max_inflight": 2}},
+            r"max_inflight must be 0 or >= slots \(4\), got 2",
+        ),
+        (
+            {"episodes": {"workspace": "podman"}},
+            "episodes: workspace must be 'local' or 'docker', got 'podman'",
+        ),
+        ({"episodes": {"episode_wall_s": -1}}, "episodes: episode_wall_s must be >= 0, got -1"),
+        ({"episodes": {"sandbox_latency": {"median_s": 3, "p99_s": 1}}}, "sandbox latency needs"),
+        (
+            {"harness": {"kind": "openhands"}},
+            "harness: harness must be 'builtin', 'mini-swe-agent' or 'external'",
+        ),
+        ({"harness": {"endpoint_port": 70000}}, r"harness: endpoint_port must be in \[0, 65535\], got 70000"),
+        ({"harness": {"external_deadline_s": 0}}, "harness: external_deadline_s must be > 0, got 0"),
+        ({"harness": {"config": "/nonexistent.yaml"}}, r"harness config '/nonexistent.yaml' is not a file"),
+        (
+            {"run": {"max_restarts": -1}},
+            r"run: max_restarts must be >= 0 and restart_backoff_s > 0, got -1, 0.5",
+        ),
+        ({"run": {"restart_backoff_s": 0}}, "run: max_restarts must be >= 0 and restart_backoff_s > 0"),
+        ({"faults": {"weights_after": -2}}, r"faults: weights_after must be >= 0, got -2"),
+        ({"engine": {"slotz": 4}}, r"engine: unknown key\(s\) \['slotz'\]"),
+    ],
+)
+def test_a_bad_value_in_each_section_is_a_clear_error(values, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(WorkerConfig, None, overrides=values, environ={}, table="worker")
+
+
+def test_sections_check_themselves():
+    with pytest.raises(ValueError, match="max_lag must be >= 0"):
+        AdmissionSection(max_lag=-1)
+    with pytest.raises(ValueError, match="workspace must be"):
+        EpisodesSection(workspace="nfs")
+    assert EpisodesSection(sandbox_latency={"median_s": 2.0, "p99_s": 2.0}).sandbox_latency.enabled
+
+
+def test_config_check_prints_the_worker_tree(tmp_path):
+    cfg = tmp_path / "new.toml"
+    cfg.write_text(
+        "[up]\nworkers = 1\n[trainer.batch]\nmax_lag = 3\n[worker.engine]\nslots = 4\n"
+        '[worker.admission]\nmax_lag = 3\n[worker.harness]\nkind = "external"\n'
+    )
+    r = run("-m", "asyncrl.cli", "config", "check", str(cfg), env=clean_env())
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    start = text.index("[worker]\n") + len("[worker]\n")
+    tree = json.JSONDecoder().raw_decode(text[start:])[0]
+    assert set(tree) == {f.name for f in dataclasses.fields(WorkerConfig)}
+    assert tree["engine"]["slots"] == 4 and tree["engine"]["kind"] == "torch"
+    assert tree["admission"] == {"max_lag": 3, "queue": 2, "max_inflight": 4}
+    assert tree["harness"]["kind"] == "external" and tree["episodes"]["sandbox_latency"]["median_s"] == 0.0
+
+
+def test_up_finds_the_process_wide_keys_in_worker_run():
+    conf = {"engine": {"slots": 2}, "run": {"grace_s": 3.0, "threads": 2}}
+    for component in ("worker", "rollout_worker"):
+        assert child_conf.get(component, conf, "grace_s") == 3.0
+        out = child_conf.with_keys(component, conf, metrics_port=9401)
+        assert (
+            out["run"] == {"grace_s": 3.0, "threads": 2, "metrics_port": 9401}
+            and out["engine"] == conf["engine"]
+        )
+    assert child_conf.where("worker") == "worker.run"
+
+
+def test_shipped_configs_use_the_sections():
+    for path in sorted((ROOT / "deploy").glob("*.toml")) + [ROOT / "bench" / "async.toml"]:
+        table = tomllib.loads(path.read_text()).get("worker", {})
+        assert not set(table) & set(WorkerConfig.MOVED) - set(SECTIONS), path
+        load_config(WorkerConfig, None, overrides=table, environ={}, table="worker")
