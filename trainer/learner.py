@@ -346,7 +346,8 @@ class Learner:
         """One optimizer step on `samples` (the whole batch), on every rank: a collective."""
         return collective(Step(samples), self)
 
-    def _step(self, samples: list[PackedSample]) -> dict:
+    def local_step(self, samples: list[PackedSample]) -> dict:
+        """This rank's part of `step` (what the Step collective runs on each rank); call `step`."""
         t0 = time.perf_counter()
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
@@ -393,4 +394,4 @@ class Step(Collective[dict], on=Learner):
     samples: list[PackedSample]
 
     def run(self, learner: Learner) -> dict:
-        return learner._step(self.samples)
+        return learner.local_step(self.samples)
