@@ -18,6 +18,13 @@ Sections, each timed and recorded on its own (one failing does not lose the othe
             while they decode (every later token labelled with the new version), update stall in
             decode steps, and the mismatch k3 of a generation on the new weights vs the trainer's
             replay on them
+  llama8b   (--llama8b) the trainer's step at Llama-3-8B's shapes, random weights made on the
+            device: tokens/s, model FLOPs, MFU against the chip's bf16 peak (bench/gpu_llama8b.py)
+  logprob_memory  (--logprob-memory) peak device memory of the trainer's log-prob path at Qwen2's
+            152 k vocabulary, chunked vs whole, and the chunked logprobs checked against the whole
+            (bench/gpu_logprob_memory.py)
+  The last two run as child processes (`python -m bench.gpu_llama8b --json`, ...) after the
+  others, each on a device this process has emptied; their JSON becomes the section.
 
 Without CUDA it exits at once with status 2 and says why. `--dry-run` runs the same code on the
 CPU with a tiny random Llama-layout model (vLLM only with --vllm: it takes minutes to start on a
@@ -29,8 +36,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -464,6 +474,34 @@ async def vllm_section(args, folder: Path, base: dict, upd: dict, dev: torch.dev
         await eng.close()
 
 
+CHILD_SECTIONS = {"llama8b": "bench.gpu_llama8b", "logprob_memory": "bench.gpu_logprob_memory"}
+
+
+def child_section(args, name: str, dev: torch.device) -> dict:
+    """Run a section's module as a child process on the emptied device; its JSON line is the result."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # the child needs the device's memory, not this process's cache
+    cmd = [sys.executable, "-m", CHILD_SECTIONS[name], "--json", "--seed", str(args.seed)]
+    if args.dry_run:
+        cmd.append("--dry-run")
+    if name == "llama8b" and args.peak_tflops:
+        cmd += ["--peak-tflops", str(args.peak_tflops)]
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    sys.stderr.write(p.stderr[-4000:])
+    lines = p.stdout.strip().splitlines()
+    if not lines:
+        raise RuntimeError(
+            f"{CHILD_SECTIONS[name]} exited {p.returncode} without a result: {p.stderr[-500:]}"
+        )
+    res = json.loads(lines[-1])
+    if p.returncode != 0:
+        raise RuntimeError(f"{CHILD_SECTIONS[name]} exited {p.returncode}: {res.get('error', res)}")
+    return res
+
+
 def vllm_importable() -> str | None:
     try:
         import vllm  # noqa: F401
@@ -528,6 +566,10 @@ def run(args) -> dict:
                 out["sections"]["vllm"] = {"skipped": why}
             else:
                 section("vllm", lambda: asyncio.run(vllm_section(args, folder, base, upd, dev)))
+        for name, on in (("llama8b", args.llama8b), ("logprob_memory", args.logprob_memory)):
+            if on:
+                # B023: the lambda is called in this iteration only
+                section(name, lambda: child_section(args, name, dev))  # noqa: B023
     out["total_s"] = time.perf_counter() - t_all
     out["ok"] = not errors
     write(args, out)
@@ -577,6 +619,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--llama8b", action="store_true", help="also the 8 B trainer step (bench/gpu_llama8b.py)")
+    ap.add_argument(
+        "--logprob-memory",
+        action="store_true",
+        help="also the 152 k log-prob memory (bench/gpu_logprob_memory.py)",
+    )
+    ap.add_argument("--peak-tflops", type=float, default=None, help="llama8b: the chip's dense bf16 peak")
+    ap.add_argument("--child-timeout", type=float, default=240.0, help="seconds for each child section")
     args = ap.parse_args(argv)
     # tiny on the CPU, real on the GPU; explicit flags win
     sizes = (

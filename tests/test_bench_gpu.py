@@ -30,7 +30,7 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def test_dry_run_runs_the_sections_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
-    p = run("--dry-run", "--json", "--out", str(out))
+    p = run("--dry-run", "--json", "--out", str(out), "--llama8b", "--logprob-memory", timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res == json.loads(out.read_text())
@@ -52,6 +52,10 @@ def test_dry_run_runs_the_sections_on_cpu(tmp_path):
     assert inf["bit_exact"] and inf["versions_ordered"] and inf["state_on"] == "cpu"
     v = res["sections"]["vllm"]
     assert "skipped" in v and ("vllm" in v["skipped"])  # says why, never silently absent
+    # the two child sections (their own tests: test_bench_gpu_llama8b.py, ..._logprob_memory.py)
+    ll, lp = res["sections"]["llama8b"], res["sections"]["logprob_memory"]
+    assert ll["ok"] and ll["scale"] == "tiny" and ll["tokens_per_s"] > 0 and ll["mfu"] is None
+    assert lp["ok"] and lp["vocab"] == 1000 and all(r.get("allclose", True) for r in lp["runs"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this box has CUDA")
