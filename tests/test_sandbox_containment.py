@@ -225,7 +225,9 @@ def test_sigkilled_workers_workspaces_and_processes_are_gone_after_its_restart(t
     victim.wait()
     assert os.path.isdir(ep_root)  # nobody cleaned up: it was killed
     conf = tmp_path / "w.toml"
-    conf.write_text(f'worker_id = "restarted"\nslots = 1\n[bus]\nservers = ["{fresh_server.url}"]\n')
+    conf.write_text(
+        f'worker_id = "restarted"\n[engine]\nslots = 1\n[bus]\nservers = ["{fresh_server.url}"]\n'
+    )
     worker = subprocess.Popen(
         [sys.executable, "-m", "rollout_worker", "--config", str(conf)],
         cwd=ROOT,
