@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import secrets
 import socket
@@ -48,7 +49,25 @@ def role_env_vars(passwords: Mapping[str, str]) -> dict[str, str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, from below the kernel's ephemeral range: a port the kernel handed out
+    (bind to 0) can be taken again, before the server binds it, as the source port of any
+    outgoing connection on the box (seen: a leafnode port lost that way, "address already in
+    use"); a port below that range is only ever taken by an explicit bind."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # nothing free down there: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
