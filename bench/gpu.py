@@ -510,18 +510,22 @@ def vllm_importable() -> str | None:
     return None
 
 
-def run(args) -> dict:
-    if args.dry_run:
-        dev = torch.device("cpu")
-    elif not torch.cuda.is_available():
+def gpu_or_dry_run(dry_run: bool, name: str) -> torch.device:
+    """The CPU for a `--dry-run` (tiny sizes), else the first GPU; none: exit NO_CUDA, saying why."""
+    if dry_run:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
         print(
-            f"bench.gpu: no CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
-            "this check needs one GPU. `--dry-run` runs the same code on the CPU with a tiny model.",
+            f"{name}: no CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
+            "this check needs one GPU. `--dry-run` runs the same code on the CPU at a tiny size.",
             file=sys.stderr,
         )
         raise SystemExit(NO_CUDA)
-    else:
-        dev = torch.device("cuda", 0)
+    return torch.device("cuda", 0)
+
+
+def run(args) -> dict:
+    dev = gpu_or_dry_run(args.dry_run, "bench.gpu")
     out = {
         "bench": "gpu",
         "dry_run": args.dry_run,

@@ -64,9 +64,7 @@ from trainer.fsdp import checkpoint_blocks, shard
 from trainer.learner import Learner, PackedSample
 from trainer.loss import LossConfig
 
-from .gpu import sync, world_one
-
-NO_CUDA = 2
+from .gpu import gpu_or_dry_run, sync, world_one
 
 # dense bf16 tensor-core peak, TFLOP/s, by a substring of torch.cuda.get_device_name; first match
 # wins; None: a known name whose figure is not in this table (MFU needs --peak-tflops)
@@ -270,17 +268,7 @@ def attempt(args, cfg: policy.ModelConfig, dev: torch.device) -> dict:
 
 
 def run(args) -> dict:
-    if args.dry_run:
-        dev = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        print(
-            "bench.gpu_llama8b: no CUDA device; this section needs one GPU. `--dry-run` runs it on the CPU "
-            "at a tiny size.",
-            file=sys.stderr,
-        )
-        raise SystemExit(NO_CUDA)
-    else:
-        dev = torch.device("cuda", 0)
+    dev = gpu_or_dry_run(args.dry_run, "bench.gpu_llama8b")
     full = llama8b_config() if args.llama_scale == "8b" else tiny_config()
     if args.llama_seq > full.max_seq_len or not 0 < args.llama_prompt < args.llama_seq:
         raise SystemExit(f"need 0 < --llama-prompt < --llama-seq <= {full.max_seq_len}")

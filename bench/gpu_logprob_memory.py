@@ -37,9 +37,8 @@ import torch
 import policy
 from trainer.loss import LossConfig
 
-from .gpu import sync
+from .gpu import gpu_or_dry_run, sync
 
-NO_CUDA = 2
 ATOL = {torch.bfloat16: 1 / 16, torch.float32: 1e-5}
 
 
@@ -131,17 +130,7 @@ def one_run(model, prompts, comps, chunk: int, dev: torch.device) -> dict:
 
 
 def run(args) -> dict:
-    if args.dry_run:
-        dev = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        print(
-            "bench.gpu_logprob_memory: no CUDA device; this section needs one GPU. `--dry-run` runs it "
-            "on the CPU at a tiny size.",
-            file=sys.stderr,
-        )
-        raise SystemExit(NO_CUDA)
-    else:
-        dev = torch.device("cuda", 0)
+    dev = gpu_or_dry_run(args.dry_run, "bench.gpu_logprob_memory")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     seq = args.lp_prompt + args.lp_completion
     cfg = tiny_config(max(256, seq)) if args.lp_scale == "tiny" else qwen2_head_config(max(4096, seq))

@@ -153,6 +153,26 @@ def _coerce(value: Any, tp: Any, where: str, table: str = "") -> Any:
     return value  # Any / unannotated
 
 
+def same_keys(*keys: str) -> dict[str, str]:
+    """{key: key}: keys that kept their name when they moved into a section."""
+    return {k: k for k in keys}
+
+
+def moved_map(moves: dict[str, dict[str, str]]) -> dict[str, str]:
+    """{section: {old flat key: new key}} -> the MOVED map {old key: "section.new key"}."""
+    return {old: f"{sect}.{new}" for sect, m in moves.items() for old, new in m.items()}
+
+
+def build_sections(obj, table: str) -> None:
+    """In a sectioned config's __post_init__: a section given as a dict (tests, overrides) is
+    built and checked like its TOML table, so a bad key or value gets the same error."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, dict):
+            setattr(obj, f.name, build(hints[f.name], v, f.name, table))
+
+
 def moved_keys(cls) -> dict[str, str]:
     """{old key: new dotted path} of a config class (its MOVED class attribute; {} without one)."""
     return dict(getattr(cls, "MOVED", {}) or {})

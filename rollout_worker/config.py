@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import os
 import socket
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from bus import BusConfig
-from bus.config import build
+from bus.config import build_sections, moved_map, same_keys
 
 from .sections import (
     AdmissionSection,
@@ -27,15 +26,10 @@ from .sections import (
     WeightsSection,
 )
 
-
-def _same(*keys: str) -> dict[str, str]:
-    return {k: k for k in keys}
-
-
 # the flat layout's keys by their new section: {section: {old key: new key}}
 _MOVES = {
     "engine": {
-        **_same(
+        **same_keys(
             "slots",
             "max_len",
             "model",
@@ -48,15 +42,17 @@ _MOVES = {
         ),
         "engine": "kind",
     },
-    "admission": _same("max_lag", "queue", "max_inflight"),
-    "episodes": _same("workspace", "docker_image", "sandbox_latency", "episode_wall_s", "allow_weak_sandbox"),
+    "admission": same_keys("max_lag", "queue", "max_inflight"),
+    "episodes": same_keys(
+        "workspace", "docker_image", "sandbox_latency", "episode_wall_s", "allow_weak_sandbox"
+    ),
     "harness": {
-        **_same("endpoint_host", "endpoint_port", "external_deadline_s"),
+        **same_keys("endpoint_host", "endpoint_port", "external_deadline_s"),
         "harness": "kind",
         "harness_config": "config",
     },
-    "weights": _same("public_key"),
-    "run": _same(
+    "weights": same_keys("public_key"),
+    "run": same_keys(
         "threads", "heartbeat_s", "grace_s", "max_restarts", "restart_backoff_s", "metrics_port", "log_level"
     ),
     "faults": {"fault_weights_after": "weights_after"},
@@ -76,16 +72,10 @@ class WorkerConfig:
     faults: FaultsSection = field(default_factory=FaultsSection)
 
     # old flat key -> "section.key" (bus.config refuses the old one with its new place)
-    MOVED: ClassVar[dict[str, str]] = {
-        old: f"{sect}.{new}" for sect, m in _MOVES.items() for old, new in m.items()
-    }
+    MOVED: ClassVar[dict[str, str]] = moved_map(_MOVES)
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(WorkerConfig)
-        for f in fields(self):  # a section given as a dict (tests, overrides): checked like a table
-            v = getattr(self, f.name)
-            if isinstance(v, dict):
-                setattr(self, f.name, build(hints[f.name], v, f.name, "worker"))
+        build_sections(self, "worker")
         if not self.worker_id:
             self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
         # what no single section can see: the admission's defaults and bounds come from the slots

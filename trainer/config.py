@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import os
 import socket
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from bus import BusConfig
-from bus.config import build
+from bus.config import build_sections, moved_map, same_keys
 
 from .sections import (  # noqa: F401  (PENALTIES, LAMBDA_SCHEDULES: re-exported)
     LAMBDA_SCHEDULES,
@@ -35,15 +34,10 @@ from .sections import (  # noqa: F401  (PENALTIES, LAMBDA_SCHEDULES: re-exported
     WarmstartSection,
 )
 
-
-def _same(*keys: str) -> dict[str, str]:
-    return {k: k for k in keys}
-
-
 # the flat layout's keys by their new section: {section: {old key: new key}}
 _MOVES = {
     "run": {
-        **_same(
+        **same_keys(
             "mode",
             "max_steps",
             "seed",
@@ -56,17 +50,17 @@ _MOVES = {
         ),
         "run_dir": "dir",
     },
-    "policy": _same(
+    "policy": same_keys(
         "model", "tokenizer", "init_checkpoint", "device", "mixed_precision", "activation_checkpointing"
     ),
     "optim": {
-        **_same("lr", "betas", "weight_decay", "grad_clip"),
+        **same_keys("lr", "betas", "weight_decay", "grad_clip"),
         "lr_warmup_steps": "warmup_steps",
         "lr_schedule": "schedule",
         "lr_decay_steps": "decay_steps",
         "lr_min_ratio": "min_ratio",
     },
-    "loss": _same(
+    "loss": same_keys(
         "adv_norm",
         "is_mode",
         "is_clip",
@@ -80,13 +74,13 @@ _MOVES = {
         "published_point",
     ),
     "cost": {
-        **_same("penalty", "penalty_cap", "budget_tokens", "budget_lr"),
+        **same_keys("penalty", "penalty_cap", "budget_tokens", "budget_lr"),
         "lambda_schedule": "schedule",
         "lambda_target": "target",
         "lambda_ramp_versions": "ramp_versions",
     },
     "batch": {
-        **_same(
+        **same_keys(
             "group_size",
             "group_timeout_s",
             "max_lag",
@@ -100,12 +94,12 @@ _MOVES = {
         "skip_uniform_groups": "skip_uniform",
     },
     "tasks": {
-        **_same("envs", "chat_template", "feed", "eval_every", "eval_prompts"),
+        **same_keys("envs", "chat_template", "feed", "eval_every", "eval_prompts"),
         "task_sampling": "sampling",
         "feed_backlog": "backlog",
         "feed_max_outstanding": "max_outstanding",
     },
-    "publish": {**_same("keyframe_interval", "delta_context", "signing_key"), "publish": "layout"},
+    "publish": {**same_keys("keyframe_interval", "delta_context", "signing_key"), "publish": "layout"},
     "checkpoint": {
         "checkpoint_dir": "dir",
         "keep_checkpoints": "keep",
@@ -142,7 +136,10 @@ _MOVES = {
             "rdzv_conf",
         )
     },
-    "faults": {**_same("stop_before_publish", "probe_when_deposed"), "debug_step_delay_s": "step_delay_s"},
+    "faults": {
+        **same_keys("stop_before_publish", "probe_when_deposed"),
+        "debug_step_delay_s": "step_delay_s",
+    },
 }
 
 
@@ -165,16 +162,10 @@ class TrainerConfig:
     faults: FaultsSection = field(default_factory=FaultsSection)
 
     # old flat key -> "section.key" (bus.config refuses the old one with its new place)
-    MOVED: ClassVar[dict[str, str]] = {
-        old: f"{sect}.{new}" for sect, m in _MOVES.items() for old, new in m.items()
-    }
+    MOVED: ClassVar[dict[str, str]] = moved_map(_MOVES)
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(TrainerConfig)
-        for f in fields(self):  # a section given as a dict (tests, overrides): checked like a table
-            v = getattr(self, f.name)
-            if isinstance(v, dict):
-                setattr(self, f.name, build(hints[f.name], v, f.name, "trainer"))
+        build_sections(self, "trainer")
         if not self.trainer_id:
             self.trainer_id = f"{socket.gethostname()}-{os.getpid()}"
         # what no single section can see
