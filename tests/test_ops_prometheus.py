@@ -92,8 +92,8 @@ def test_prometheus_scrapes_a_running_up(fresh_server, tmp_path):
             "up",
             "--config",
             str(cfg),
-            "--steps",
-            "40",
+            "--steps",  # bounded by the minutes: the test stops the run (SIGINT) once all is seen; a
+            "100000",  # 40-version run once ended before Prometheus had scraped every series
             "--minutes",
             "5",
             "--nats",
