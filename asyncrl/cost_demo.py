@@ -94,8 +94,10 @@ def eval_curve(run_dir: Path) -> list[dict]:
 
 def summarize(curve: list[dict], last: int = 3) -> dict:
     """Initial and final held-out numbers; final = mean of the last `last` evals (one eval is noisy);
-    `*_mean_evals`: mean over every eval after the first (the whole RL run, not its last point)."""
-    tail, rl = curve[-last:], curve[1:] or curve
+    `*_mean_evals`: mean over every eval after the first (the whole RL run, not its last point).
+    The initial eval is never part of `final` (a run with only the after-run evals has two)."""
+    rl = curve[1:] or curve
+    tail = rl[-last:]
     return {
         "success_initial": curve[0]["success"],
         "tokens_initial": curve[0]["tokens"],

@@ -585,6 +585,26 @@ def write(args, out: dict) -> None:
         Path(args.out).write_text(json.dumps(out, indent=1, default=str))
 
 
+def run_reported(name: str, args, run_fn) -> dict:
+    """One child check (bench/gpu_*.py) as its JSON report: `run_fn(args)`'s result, or the error it
+    raised (traceback on stderr), with total_s; written to --out, shown indented on stderr unless
+    --json, and printed as the last line."""
+    t0 = time.perf_counter()
+    try:
+        res = run_fn(args)
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 — reported in the JSON, with the traceback on stderr
+        traceback.print_exc(file=sys.stderr)
+        res = {"bench": name, "ok": False, "error": f"{type(e).__name__}: {e}"}
+    res["total_s"] = time.perf_counter() - t0
+    write(args, res)
+    if not args.json:
+        print(json.dumps(res, indent=1, default=str), file=sys.stderr)
+    print(json.dumps(res, default=str))
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print only the JSON result line")

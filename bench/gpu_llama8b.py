@@ -48,14 +48,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import random
-import sys
 import time
-import traceback
-from pathlib import Path
 
 import torch
 
@@ -64,7 +60,7 @@ from trainer.fsdp import checkpoint_blocks, shard
 from trainer.learner import Learner, PackedSample
 from trainer.loss import LossConfig
 
-from .gpu import gpu_or_dry_run, sync, world_one
+from .gpu import gpu_or_dry_run, run_reported, sync, world_one
 
 # dense bf16 tensor-core peak, TFLOP/s, by a substring of torch.cuda.get_device_name; first match
 # wins; None: a known name whose figure is not in this table (MFU needs --peak-tflops)
@@ -366,6 +362,7 @@ def run(args) -> dict:
         )
     else:
         out.update(peak_allocated_bytes=None, peak_reserved_bytes=None, peak_mem_gib=None)
+    out["ok"] = not any("skipped" in s for s in out["steps"])
     return out
 
 
@@ -406,21 +403,7 @@ def main(argv=None) -> int:
             setattr(args, k, v)
     if args.llama_scale is None:
         args.llama_scale = "tiny" if args.dry_run else "8b"
-    t0 = time.perf_counter()
-    try:
-        res = run(args)
-        res["ok"] = not any("skipped" in s for s in res["steps"])
-    except SystemExit:
-        raise
-    except Exception as e:  # noqa: BLE001 — reported in the JSON, with the traceback on stderr
-        traceback.print_exc(file=sys.stderr)
-        res = {"bench": "gpu_llama8b", "ok": False, "error": f"{type(e).__name__}: {e}"}
-    res["total_s"] = time.perf_counter() - t0
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
-    if not args.json:
-        print(json.dumps(res, indent=1, default=str), file=sys.stderr)
-    print(json.dumps(res, default=str))
+    res = run_reported("gpu_llama8b", args, run)
     import torch.distributed as dist
 
     if dist.is_initialized():

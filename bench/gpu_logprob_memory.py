@@ -26,18 +26,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import sys
 import time
-import traceback
-from pathlib import Path
 
 import torch
 
 import policy
 from trainer.loss import LossConfig
 
-from .gpu import gpu_or_dry_run, sync
+from .gpu import gpu_or_dry_run, run_reported, sync
 
 ATOL = {torch.bfloat16: 1 / 16, torch.float32: 1e-5}
 
@@ -209,20 +205,7 @@ def main(argv=None) -> int:
     for k, v in sizes.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    t0 = time.perf_counter()
-    try:
-        res = run(args)
-    except SystemExit:
-        raise
-    except Exception as e:  # noqa: BLE001 — reported in the JSON, with the traceback on stderr
-        traceback.print_exc(file=sys.stderr)
-        res = {"bench": "gpu_logprob_memory", "ok": False, "error": f"{type(e).__name__}: {e}"}
-    res["total_s"] = time.perf_counter() - t0
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
-    if not args.json:
-        print(json.dumps(res, indent=1, default=str), file=sys.stderr)
-    print(json.dumps(res, default=str))
+    res = run_reported("gpu_logprob_memory", args, run)
     return 0 if res["ok"] else 1
 
 

@@ -35,6 +35,8 @@ def test_after_run_evals_written_last_first_are_read_in_version_order(tmp_path):
     run = _run(tmp_path, "a", [(41, 0.92, 9.7), (0, 0.41, 17.2)])
     s = cost_demo.summarize(cost_demo.eval_curve(run))
     assert s["success_initial"] == 0.41 and s["success_mean_evals"] == 0.92 and s["tokens_mean_evals"] == 9.7
+    # "final" is the last version's eval, not the mean of it and the starting point
+    assert s["success_final"] == 0.92 and s["tokens_final"] == 9.7 and s["final_versions"] == [41]
 
 
 def test_plot_writes_a_png(tmp_path):
