@@ -43,3 +43,19 @@ def test_bad_checkpoint_is_a_clear_error(smollm2, tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no ckpt"):
         main(["--json", "--model", str(smollm2), "--checkpoint", str(tmp_path)])
+
+
+def test_forced_forms_impose_their_opening_and_verify_the_whole_reply(smollm2):
+    """The equation form (opening "a + b = ") is right far more often than a bare number the model
+    must start with a digit (SmolLM2 echoes the first operand): the floor a penalty cannot pass."""
+    import policy
+    from bench.answer_forms import FORCED, forced_forms
+
+    _, model = policy.load_hf_checkpoint(str(smollm2))
+    tok = policy.load_hf_tokenizer(str(smollm2))
+    res = forced_forms(model.eval(), tok, "arith-chat", prompts=8, seed=0)
+    assert set(res) == set(FORCED)
+    assert res["bare"]["example"].isdigit() and 2 <= res["bare"]["tokens_mean"] <= 4
+    assert res["equation"]["example"].split("=")[0].count("+") == 1  # the imposed opening is kept
+    assert res["the answer is"]["example"].startswith("The answer is ")
+    assert res["equation"]["success"] >= 0.75 > res["bare"]["success"]
