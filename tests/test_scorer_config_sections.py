@@ -6,13 +6,7 @@ printed, `up`'s process-wide keys in [scorer.run], and every shipped config's [s
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 import tomllib
-import typing
-from pathlib import Path
 
 import pytest
 
@@ -20,9 +14,8 @@ from asyncrl import child_conf, config_check
 from bus.config import ConfigError, load_config
 from scorer.config import ScorerConfig
 from scorer.sections import RewardSection, RunSection, SandboxSection
+from tests.helpers import config_sections as shared
 from tests.helpers.deploy import ENV_DIR, read_env
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SECTIONS = {
     "reward": {"cost_unit", "default_lambda", "overlong_buffer", "overlong_scale", "episode_reward"},
@@ -30,6 +23,8 @@ SECTIONS = {
     | {"log_level"},
     "sandbox": {"allow_weak_sandbox"},
 }
+# the other processes' tables of a run config, agreeing (config check's cross-process checks pass)
+AGREE = "[up]\nworkers = 1\n[trainer.batch]\nmax_lag = 4\n[worker.admission]\nmax_lag = 4\n"
 # every key of the flat layout (16 fields before the sections) but the two that stay at the top
 FLAT = (
     "concurrency verify_threads threads cost_unit default_lambda overlong_buffer overlong_scale "
@@ -37,25 +32,8 @@ FLAT = (
 ).split()
 
 
-def run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without ASYNCRL_* settings (the cache excepted), plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") or k == "ASYNCRL_CACHE"}
-    return {**env, "PYTHONPATH": str(ROOT), **extra}
-
-
 def test_the_section_layout():
-    hints = typing.get_type_hints(ScorerConfig)
-    names = [f.name for f in dataclasses.fields(ScorerConfig)]
-    assert names == ["bus", "scorer_id", *SECTIONS], names
-    for sect, keys in SECTIONS.items():
-        assert dataclasses.is_dataclass(hints[sect]), sect
-        assert {f.name for f in dataclasses.fields(hints[sect])} == keys, sect
+    shared.check_layout(ScorerConfig, ["bus", "scorer_id"], SECTIONS)
     cfg = ScorerConfig()
     assert isinstance(cfg.reward, RewardSection) and isinstance(cfg.run, RunSection)
     assert isinstance(cfg.sandbox, SandboxSection) and not cfg.sandbox.allow_weak_sandbox
@@ -78,11 +56,7 @@ def test_the_section_layout():
 
 
 def test_every_old_flat_key_moved_to_an_existing_field():
-    assert set(ScorerConfig.MOVED) == set(FLAT)
-    hints = typing.get_type_hints(ScorerConfig)
-    for old, new in ScorerConfig.MOVED.items():
-        sect, key = new.split(".")
-        assert key in {f.name for f in dataclasses.fields(hints[sect])}, (old, new)
+    shared.check_moved(ScorerConfig, FLAT)
     assert ScorerConfig.MOVED["cost_unit"] == "reward.cost_unit"
     assert ScorerConfig.MOVED["allow_weak_sandbox"] == "sandbox.allow_weak_sandbox"
 
@@ -122,11 +96,10 @@ def test_old_flat_keys_in_a_file_or_a_dict_are_refused_naming_the_new_key(tmp_pa
 def test_old_flat_keys_fail_config_check_naming_every_new_place(tmp_path):
     cfg = tmp_path / "old.toml"
     cfg.write_text(
-        "[up]\nworkers = 1\n[trainer.batch]\nmax_lag = 4\n[worker.admission]\nmax_lag = 4\n"
-        '[scorer]\nconcurrency = 4\nheartbeat_s = 2.0\nepisode_reward = "resolved"\n'
+        AGREE + '[scorer]\nconcurrency = 4\nheartbeat_s = 2.0\nepisode_reward = "resolved"\n'
         "allow_weak_sandbox = true\n"
     )
-    r = run("-m", "asyncrl.cli", "config", "check", str(cfg), env=clean_env())
+    r = shared.run_config_check(cfg, env=shared.clean_env())
     assert r.returncode == 2, r.stdout + r.stderr
     for moved in (
         "concurrency: moved to [scorer.run] concurrency",
@@ -144,14 +117,14 @@ def test_the_scorer_process_refuses_an_old_key_and_reads_nested_env(tmp_path):
     """As `python -m scorer` reads them (each fails before any broker is needed)."""
     f = tmp_path / "s.toml"
     f.write_text("concurrency = 4\n")
-    r = run("-m", "scorer", "--config", str(f), env=clean_env())
+    r = shared.run("-m", "scorer", "--config", str(f), env=shared.clean_env())
     assert r.returncode == 2, r.stderr[-2000:]
     assert "concurrency: moved to [run] concurrency" in r.stderr and "Traceback" not in r.stderr
     # a nested variable reaches the process's config (a bad value, so it stops before connecting)
-    r = run("-m", "scorer", env=clean_env(ASYNCRL_REWARD__COST_UNIT="dollars"))
+    r = shared.run("-m", "scorer", env=shared.clean_env(ASYNCRL_REWARD__COST_UNIT="dollars"))
     assert r.returncode == 2 and "[scorer.reward] invalid value for cost_unit" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
-    r = run("-m", "scorer", env=clean_env(ASYNCRL_CONCURRENCY="4"))
+    r = shared.run("-m", "scorer", env=shared.clean_env(ASYNCRL_CONCURRENCY="4"))
     assert r.returncode == 2 and "set ASYNCRL_RUN__CONCURRENCY" in r.stderr, r.stderr[-2000:]
 
 
@@ -249,15 +222,13 @@ def test_sections_check_themselves():
 def test_config_check_prints_the_scorer_tree(tmp_path):
     cfg = tmp_path / "new.toml"
     cfg.write_text(
-        "[up]\nworkers = 1\n[trainer.batch]\nmax_lag = 4\n[worker.admission]\nmax_lag = 4\n"
-        '[scorer.run]\nconcurrency = 4\n[scorer.reward]\ncost_unit = "wall_s"\ndefault_lambda = 0.01\n'
+        AGREE
+        + '[scorer.run]\nconcurrency = 4\n[scorer.reward]\ncost_unit = "wall_s"\ndefault_lambda = 0.01\n'
         "[scorer.sandbox]\nallow_weak_sandbox = true\n"
     )
-    r = run("-m", "asyncrl.cli", "config", "check", str(cfg), env=clean_env())
+    r = shared.run_config_check(cfg, env=shared.clean_env())
     assert r.returncode == 0, r.stderr
-    text = r.stdout
-    start = text.index("[scorer]\n") + len("[scorer]\n")
-    tree = json.JSONDecoder().raw_decode(text[start:])[0]
+    tree = shared.printed_tree(r.stdout, "scorer")
     assert set(tree) == {f.name for f in dataclasses.fields(ScorerConfig)}
     assert tree["run"]["concurrency"] == 4 and tree["run"]["verify_threads"] == 4
     assert tree["reward"] == {
@@ -283,13 +254,8 @@ def test_up_finds_the_process_wide_keys_in_scorer_run():
 
 
 def test_shipped_configs_use_the_sections():
-    paths = sorted((ROOT / "deploy").glob("*.toml")) + [ROOT / "bench" / "async.toml"]
-    assert len(paths) > 2
-    for path in paths:
-        table = tomllib.loads(path.read_text()).get("scorer", {})
-        assert not set(table) & set(ScorerConfig.MOVED), path
-        load_config(ScorerConfig, None, overrides=table, environ={}, table="scorer")
-    swe = tomllib.loads((ROOT / "deploy" / "swe-demo.toml").read_text())["scorer"]
+    shared.check_shipped(ScorerConfig, "scorer")
+    swe = tomllib.loads((shared.ROOT / "deploy" / "swe-demo.toml").read_text())["scorer"]
     assert swe["reward"]["episode_reward"] == "resolved"
 
 
