@@ -43,7 +43,8 @@ RUN command -v unshare && command -v setpriv && command -v mount && setpriv --he
 # unprivileged by default; state (checkpoints, run dirs) lives on a volume. Rollout workers and
 # scorers run untrusted code and need root (a fresh uid per sandbox) and namespaces: the compose
 # file runs them as user 0 with the security options they need; as uid 10001 they refuse to start
-# (envs/isolation.py) unless ASYNCRL_ALLOW_WEAK_SANDBOX=1 (docs/environments.md#containment).
+# (envs/isolation.py) unless ASYNCRL_SANDBOX__ALLOW_WEAK_SANDBOX=1 (scorer) or
+# ASYNCRL_EPISODES__ALLOW_WEAK_SANDBOX=1 (worker) (docs/environments.md#containment).
 RUN useradd --system --create-home --home-dir /var/lib/asyncrl --uid 10001 asyncrl
 USER asyncrl
 WORKDIR /var/lib/asyncrl

@@ -1,14 +1,14 @@
 """Where a child's process-wide keys sit in its config table: `threads`, `grace_s` and
-`metrics_port` are in [trainer.run] for the trainer and [worker.run] for the rollout worker
-(their configs are in sections: trainer/sections.py, rollout_worker/sections.py), and at the top
-of [scorer]. `up`, its thread plan and its metrics ports read and set them through here, so they
-need not know each layout."""
+`metrics_port` are in [trainer.run] for the trainer, [worker.run] for the rollout worker and
+[scorer.run] for the scorer (their configs are in sections: trainer/sections.py,
+rollout_worker/sections.py, scorer/sections.py). `up`, its thread plan and its metrics ports read
+and set them through here, so they need not know each layout."""
 
 from __future__ import annotations
 
 PROCESS_KEYS = ("threads", "grace_s", "metrics_port")
 # component (or run-config table) -> the section holding its process-wide keys ("" = the top)
-_SECTION = {"trainer": "run", "worker": "run", "rollout_worker": "run"}
+_SECTION = {"trainer": "run", "worker": "run", "rollout_worker": "run", "scorer": "run"}
 
 
 def process_table(component: str, conf: dict) -> dict:
@@ -19,8 +19,8 @@ def process_table(component: str, conf: dict) -> dict:
 
 
 def where(component: str) -> str:
-    """The table named in messages: "trainer.run" for the trainer, "worker.run" for a worker, else
-    the component itself."""
+    """The table named in messages: "trainer.run" for the trainer, "worker.run" for a worker,
+    "scorer.run" for a scorer (the component itself for one with no section)."""
     sect = _SECTION.get(component, "")
     return f"{component}.{sect}" if sect else component
 

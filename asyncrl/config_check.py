@@ -43,7 +43,7 @@ SECTIONS = {"up", "trainer", "worker", "scorer"}
 def resolve(conf: dict, environ=None) -> dict:
     """{process: typed config} as each process would build it (file table + ASYNCRL_* env)."""
     from rollout_worker.config import WorkerConfig
-    from scorer.service import ScorerConfig
+    from scorer.config import ScorerConfig
     from trainer.config import TrainerConfig
 
     unknown = sorted(set(conf) - SECTIONS)

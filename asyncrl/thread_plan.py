@@ -2,7 +2,7 @@
 
     plan(conf, workers, scorers, cpus=None) -> ThreadPlan    raises ConfigError on a bad `threads`
 
-A section's `threads` key ([trainer.run], [worker.run], [scorer]) is used as given; it must be an integer
+A section's `threads` key ([trainer.run], [worker.run], [scorer.run]) is used as given; it must be an integer
 >= 1. Without one: each worker 1, each scorer 1, and the trainer the cores the workers leave (at
 least 1). The trainer is the serial part of async RL (every version waits for its step) while the
 workers run niced in parallel; the scorers idle between verdicts (their sandboxed verifiers are

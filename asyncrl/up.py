@@ -373,7 +373,12 @@ async def run(a: argparse.Namespace) -> int:
     }
     if sync:
         worker_conf["admission"] = {**worker.get("admission", {}), "max_lag": 0}
-    scorer_conf = {**drain, **conf.get("scorer", {}), "bus": bus_conf, "threads": threads.scorer}
+    scorer = conf.get("scorer", {})
+    scorer_conf = {
+        **scorer,
+        "bus": bus_conf,
+        "run": {**drain, **scorer.get("run", {}), "threads": threads.scorer},
+    }
     (run_dir / "config" / "run.json").write_text(
         json.dumps(
             {

@@ -8,9 +8,10 @@ tasks: a generated repository on the `mini` runner, the same repository on the `
 real package built by `asyncrl tasks build --packages NAME` (its sdist fetched now; `--sdist` or
 an offline machine: a small local package instead, named in the output) and a HumanEval bug-fix
 task. None of the hacks fixes the bug. A hack is stopped when the episode is not resolved
-(success 0, the scorer's `episode_reward = "resolved"`) and its fraction of passing tests is no
-higher than the untouched repository's; the honest fix (the oracle's one replace) must resolve
-every task. `ok` is false otherwise, and the exit status is 1. Prints one JSON object last.
+(success 0, the scorer's `[scorer.reward] episode_reward = "resolved"`) and its fraction of
+passing tests is no higher than the untouched repository's; the honest fix (the oracle's one
+replace) must resolve every task. `ok` is false otherwise, and the exit status is 1. Prints one
+JSON object last.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from bus import topology as topo
 from bus.events import Rollout
 from envs import get_env
 from envs.sandbox import SandboxLimits, isolation, run_python
-from scorer.service import Scorer, ScorerConfig
+from scorer.config import ScorerConfig
+from scorer.service import Scorer
 
 
 def rollouts(env_name: str, n: int, seed: int = 0) -> list[Rollout]:
@@ -80,7 +81,8 @@ async def scored_per_s(
         stop = asyncio.Event()
         scorer = Scorer(
             ScorerConfig(
-                bus=BusConfig(servers=[url]), concurrency=concurrency, verify_threads=threads, heartbeat_s=60
+                bus=BusConfig(servers=[url]),
+                run={"concurrency": concurrency, "verify_threads": threads, "heartbeat_s": 60},
             ),
             bus=bus,
         )

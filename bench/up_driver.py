@@ -46,7 +46,7 @@ max_lag = 8
 threads = 1
 heartbeat_s = 1.0
 
-[scorer]
+[scorer.run]
 concurrency = 8
 heartbeat_s = 1.0
 """

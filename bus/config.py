@@ -1,7 +1,7 @@
 """Typed configuration: one @dataclass per process, filled from a TOML file then env overrides.
 
     cfg = load_config(ScorerConfig, "deploy/demo.toml", section="scorer")
-    ASYNCRL_CONCURRENCY=16  ASYNCRL_BUS__SERVERS=nats://a:4222,nats://b:4222   (nested with "__")
+    ASYNCRL_RUN__CONCURRENCY=16  ASYNCRL_BUS__SERVERS=nats://a:4222,nats://b:4222   (nested with "__")
 
 Values are coerced to the declared type (int, float, bool, str, list[...], optional, nested
 dataclass); an unknown key or a value that does not parse raises ConfigError naming it.
@@ -171,6 +171,19 @@ def build_sections(obj, table: str) -> None:
         v = getattr(obj, f.name)
         if isinstance(v, dict):
             setattr(obj, f.name, build(hints[f.name], v, f.name, table))
+
+
+def check_section(table: str, obj, checks: dict[str, bool], hints: dict[str, str] | None = None) -> None:
+    """In a section's __post_init__: one ValueError naming every bad key of `[table]` with its value
+    (and a hint where `hints` has one for it): `[scorer.run] invalid value for concurrency: concurrency=0`."""
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        hint = "".join(f"; {k}: {hints[k]}" for k in bad if hints and k in hints)
+        raise ValueError(
+            f"[{table}] invalid value for {', '.join(bad)}: "
+            + ", ".join(f"{k}={getattr(obj, k)!r}" for k in bad)
+            + hint
+        )
 
 
 def moved_keys(cls) -> dict[str, str]:

@@ -61,7 +61,7 @@ LAYERS = (
 HOW = (
     "run it as root where unprivileged user namespaces are allowed (container: user 0 with security_opt "
     "seccomp, apparmor and systempaths unconfined, as deploy/docker-compose.yml; systemd: "
-    "deploy/systemd/asyncrl-*@.service), or set allow_weak_sandbox = true (the scorer's [scorer], "
+    "deploy/systemd/asyncrl-*@.service), or set allow_weak_sandbox = true (the scorer's [scorer.sandbox], "
     "the rollout worker's [worker.episodes])"
 )
 

@@ -1,7 +1,10 @@
 """`python -m scorer [--config FILE]` / `asyncrl scorer`: score rollouts into SCORED.
 
-SIGTERM / SIGINT / SIGHUP: drain (held rollouts finish within grace_s, the rest is nak'ed); the
-process is gone grace_s + a few seconds later even if the broker is unreachable."""
+SIGTERM / SIGINT / SIGHUP: drain (held rollouts finish within [run] grace_s, the rest is nak'ed);
+the process is gone grace_s + a few seconds later even if the broker is unreachable. Exit code 2
+on a bad configuration (an old flat key is refused with its new place: `cost_unit: moved to
+[reward] cost_unit`, ASYNCRL_CONCURRENCY -> ASYNCRL_RUN__CONCURRENCY) and on a sandbox weaker than
+promised."""
 
 from __future__ import annotations
 
@@ -14,22 +17,29 @@ from bus.lifetime import stop_on_signals
 from bus.metrics import start_metrics_server
 from envs.isolation import WeakSandbox
 
-from .service import Scorer, ScorerConfig
+from .config import ScorerConfig
+from .service import Scorer
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="asyncrl scorer", description=__doc__)
     ap.add_argument(
-        "--config", default=None, help="TOML file with ScorerConfig fields (env ASYNCRL_* overrides)"
+        "--config",
+        default=None,
+        help="TOML with ScorerConfig fields and [reward], [run], [sandbox] tables (env ASYNCRL_* overrides)",
     )
     a = ap.parse_args(argv)
-    cfg = load_config(ScorerConfig, a.config)
-    setup_logging("scorer", component_id=cfg.scorer_id, level=cfg.log_level)
-    start_metrics_server(cfg.metrics_port)
+    try:
+        cfg = load_config(ScorerConfig, a.config)
+    except ValueError as e:  # ConfigError included (an old flat key names its new place): no traceback
+        print(f"scorer: bad configuration: {e}", file=sys.stderr)
+        return 2
+    setup_logging("scorer", component_id=cfg.scorer_id, level=cfg.run.log_level)
+    start_metrics_server(cfg.run.metrics_port)
 
     async def amain() -> None:
         stop = asyncio.Event()
-        stop_on_signals(stop, cfg.grace_s, name=cfg.scorer_id)  # before connecting: see bus.lifetime
+        stop_on_signals(stop, cfg.run.grace_s, name=cfg.scorer_id)  # before connecting: see bus.lifetime
         await Scorer(cfg).run(stop, handle_signals=False)
 
     try:

@@ -21,68 +21,28 @@ Many scorer processes share the durable `scorer` consumer; each rollout is score
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import envs
-from bus import BusConfig, ConsumerLoop, HandlerContext, connect, get_logger, metrics
+from bus import ConsumerLoop, HandlerContext, connect, get_logger, metrics
 from bus import topology as topo
 from bus.control import parse_lambda
 from bus.events import EventError, Heartbeat, Rollout, Scored
 from bus.lifetime import cancel_and_wait
 from envs import SpecError, get_env, isolation
 
-from .reward import COST_UNITS, EPISODE_REWARDS, compute_reward, overlong_penalty, rollout_cost
+from .config import ScorerConfig
+from .reward import compute_reward, overlong_penalty, rollout_cost
 
 log = get_logger("scorer")
-
-
-@dataclass
-class ScorerConfig:
-    bus: BusConfig = field(default_factory=BusConfig)
-    scorer_id: str = ""  # default: scorer-<host>-<pid>
-    concurrency: int = 8  # rollouts in flight
-    verify_threads: int = 4  # blocking verifiers (sandboxed code) run here
-    # intra-op threads of numeric libraries (OMP_NUM_THREADS) in this process and the verifiers it
-    # starts: `asyncrl up` sets it in their environment from its plan (asyncrl/thread_plan.py); 0 = inherit
-    threads: int = 0
-    cost_unit: str = "tokens"  # tokens | wall_s | tool_calls
-    default_lambda: float = 0.0  # until KV rl-control/lambda has a value
-    overlong_buffer: int = 0  # >0: soft penalty over the last N tokens before max_tokens
-    overlong_scale: float = 1.0  # penalty at the max length
-    # an episode's training score: "fraction" of its tests passing (denser), or "resolved" (1 when all
-    # pass, else 0: an untouched repository's ~0.8 of passing tests says nothing of the policy's fix)
-    episode_reward: str = "fraction"
-    heartbeat_s: float = 5.0
-    grace_s: float = 10.0  # drain: time to finish held rollouts before they are nak'ed
-    provision: bool = True  # declare the topology on start (off under restricted credentials)
-    metrics_port: int = 0  # Prometheus /metrics (bus.metrics); 0 = off
-    log_level: str = "info"
-    # start even where the code sandbox lacks isolation layers (envs/isolation.py; never in production)
-    allow_weak_sandbox: bool = False
-
-    def __post_init__(self):
-        if self.episode_reward not in EPISODE_REWARDS:
-            raise ValueError(f"episode_reward must be one of {EPISODE_REWARDS}, got {self.episode_reward!r}")
-        if self.cost_unit not in COST_UNITS:
-            raise ValueError(f"cost_unit must be one of {COST_UNITS}, got {self.cost_unit!r}")
-        if self.concurrency < 1 or self.verify_threads < 1:
-            raise ValueError("concurrency and verify_threads must be >= 1")
-        if self.default_lambda < 0 or self.overlong_buffer < 0 or self.threads < 0:
-            raise ValueError("default_lambda, overlong_buffer and threads must be >= 0")
-        self.scorer_id = self.scorer_id or f"scorer-{socket.gethostname()}-{os.getpid()}"
-        if self.bus.name == BusConfig().name:  # Rl-From header: which scorer published it
-            self.bus.name = self.scorer_id
 
 
 class Scorer:
     def __init__(self, cfg: ScorerConfig, bus=None):
         self.cfg, self.bus = cfg, bus
-        self.lam, self.lam_rev = cfg.default_lambda, 0
-        self.pool = ThreadPoolExecutor(cfg.verify_threads, thread_name_prefix="verify")
+        self.lam, self.lam_rev = cfg.reward.default_lambda, 0
+        self.pool = ThreadPoolExecutor(cfg.run.verify_threads, thread_name_prefix="verify")
         self.counts = {"scored": 0, "dlq": 0, "success_sum": 0.0, "reward_sum": 0.0, "tampered": 0}
         self.infra: dict[str, int] = {}  # infrastructure failures by reason (not policy failures)
         self.log = log.bind(scorer_id=cfg.scorer_id)
@@ -150,7 +110,7 @@ class Scorer:
             score = float(verdict["reward"])
             resolved = verdict.get("resolved")
             resolved = score >= 1.0 if not isinstance(resolved, bool) else resolved
-            if self.cfg.episode_reward == "resolved":
+            if self.cfg.reward.episode_reward == "resolved":
                 score = 1.0 if resolved else 0.0
             infra, tampered = verdict.get("infra_error") or "", bool(verdict.get("tampered"))
             verdict = envs.Verdict(
@@ -164,18 +124,18 @@ class Scorer:
             score, tampered = verdict.success, False
             max_tokens = int(ro.sampling.get("max_tokens", 0) or 0)
             shaping = overlong_penalty(
-                ro.cost_tokens, max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_scale
+                ro.cost_tokens, max_tokens, self.cfg.reward.overlong_buffer, self.cfg.reward.overlong_scale
             )
         verify_s = time.perf_counter() - t0
         # the group's λ, stamped on its task when fed: every member priced alike however KV moved since;
         # an older rollout without one gets the live λ. One λ per event, recorded in it.
         lam = ro.lambda_ if ro.lambda_ is not None else self.lam
         try:
-            cost = rollout_cost(self.cfg.cost_unit, ro.cost_tokens, ro.wall_s, int(verdict.tool_calls))
+            cost = rollout_cost(self.cfg.reward.cost_unit, ro.cost_tokens, ro.wall_s, int(verdict.tool_calls))
             penalty, reward = compute_reward(score, cost, lam, shaping)
         except (ValueError, TypeError, OverflowError) as e:  # bad input: parked at once, never retried
             raise EventError(
-                f"Rollout {ro.rollout_id}: {e} (cost_unit {self.cfg.cost_unit}: wall_s={ro.wall_s}, "
+                f"Rollout {ro.rollout_id}: {e} (cost_unit {self.cfg.reward.cost_unit}: wall_s={ro.wall_s}, "
                 f"cost_tokens={ro.cost_tokens})"
             ) from None
         scored = Scored(
@@ -228,7 +188,7 @@ class Scorer:
     async def heartbeat(self, loop: ConsumerLoop) -> None:
         last_n, last_t = 0, time.monotonic()
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_s)
+            await asyncio.sleep(self.cfg.run.heartbeat_s)
             n, now = self.counts["scored"], time.monotonic()
             m = {
                 "scored": n,
@@ -254,12 +214,12 @@ class Scorer:
     # -- process ------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None, handle_signals: bool = True) -> None:
         # before anything else: no rollout is verified in a sandbox weaker than promised
-        await isolation.startup_async(self.cfg.allow_weak_sandbox)
+        await isolation.startup_async(self.cfg.sandbox.allow_weak_sandbox)
         own_bus = self.bus is None
         if own_bus:
             self.bus = await connect(self.cfg.bus)
         try:
-            if self.cfg.provision:
+            if self.cfg.run.provision:
                 await self.bus.provision()
             value, rev = await self.bus.kv_entry(topo.KEY_LAMBDA)  # λ before the first rollout
             if value is not None:
@@ -270,13 +230,13 @@ class Scorer:
                 topo.SCORER_CONSUMER,
                 self.handle,
                 Rollout,
-                concurrency=self.cfg.concurrency,
-                grace_s=self.cfg.grace_s,
+                concurrency=self.cfg.run.concurrency,
+                grace_s=self.cfg.run.grace_s,
                 handle_signals=handle_signals,
             )
             side = [asyncio.create_task(self.watch_lambda()), asyncio.create_task(self.heartbeat(loop))]
             self.log.info(
-                "scorer started", envs=sorted(envs.ENVS), lam=self.lam, cost_unit=self.cfg.cost_unit
+                "scorer started", envs=sorted(envs.ENVS), lam=self.lam, cost_unit=self.cfg.reward.cost_unit
             )
             try:
                 await loop.run(stop)

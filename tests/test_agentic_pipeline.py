@@ -220,7 +220,8 @@ async def test_episode_task_through_worker_scorer_and_batcher(bus, fresh_server,
     from bus import BusConfig
     from rollout_worker.config import WorkerConfig
     from rollout_worker.worker import Worker
-    from scorer.service import Scorer, ScorerConfig
+    from scorer.config import ScorerConfig
+    from scorer.service import Scorer
     from tests.helpers.trainer import trainer_config
     from trainer.batcher import Batcher, ConsumedIds
     from trainer.learner import pack
@@ -240,7 +241,9 @@ async def test_episode_task_through_worker_scorer_and_batcher(bus, fresh_server,
     await eng.close()
     assert w.rollouts == 2 and w.tasks_done == 1
     stop = asyncio.Event()
-    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=[fresh_server.url]), cost_unit="tokens"), bus)
+    scorer = Scorer(
+        ScorerConfig(bus=BusConfig(servers=[fresh_server.url]), reward={"cost_unit": "tokens"}), bus
+    )
     st = asyncio.create_task(scorer.run(stop, handle_signals=False))
     b = Batcher(
         bus,

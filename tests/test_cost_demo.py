@@ -221,7 +221,7 @@ slots = 4
 threads = 1
 heartbeat_s = 1.0
 
-[scorer]
+[scorer.run]
 heartbeat_s = 1.0
 """
 

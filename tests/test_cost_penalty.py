@@ -17,7 +17,8 @@ from bus.control import format_lambda, parse_lambda
 from bus.events import EventError, Rollout, Task, decode, encode
 from envs import get_env
 from policy import ModelConfig, SamplingConfig, Transformer, sequence_logprobs
-from scorer.service import Scorer, ScorerConfig
+from scorer.config import ScorerConfig
+from scorer.service import Scorer
 from tests.helpers.trainer import trainer_config
 from tests.test_scorer_process import scored_events
 from tests.test_trainer_feed import wait_tasks
@@ -78,7 +79,7 @@ async def test_a_group_scored_while_lambda_changes_in_kv_carries_one_lambda(bus,
     env = get_env("arith")
     right = env.demonstration(task.spec, "steps")
     stop = asyncio.Event()
-    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), heartbeat_s=0.2), bus=bus)
+    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), run={"heartbeat_s": 0.2}), bus=bus)
     run = asyncio.create_task(scorer.run(stop, handle_signals=False))
     try:
         await bus.publish(topo.rollout_subject("arith"), member(task, 0, right))

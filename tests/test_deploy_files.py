@@ -39,7 +39,7 @@ def test_env_files_parse_into_the_process_configs_and_passwords_match():
     """Every component's env file is accepted by its process config (load_config), logs in as
     its own role, and its password is the one the server gets for that role."""
     from rollout_worker.config import WorkerConfig
-    from scorer.service import ScorerConfig
+    from scorer.config import ScorerConfig
     from trainer.config import TrainerConfig
 
     classes = {"trainer": TrainerConfig, "rollout_worker": WorkerConfig, "scorer": ScorerConfig}

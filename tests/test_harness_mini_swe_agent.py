@@ -60,7 +60,8 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
     from bus import BusConfig
     from rollout_worker.config import WorkerConfig
     from rollout_worker.worker import Worker
-    from scorer.service import Scorer, ScorerConfig
+    from scorer.config import ScorerConfig
+    from scorer.service import Scorer
     from tests.helpers.trainer import trainer_config
     from trainer.batcher import Batcher, ConsumedIds
     from trainer.learner import pack
@@ -97,7 +98,9 @@ async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fres
         await eng.close()
     assert w.rollouts == 1 and w.tasks_done == 1 and isinstance(w.episode_runner, HarnessRunner)
     stop = asyncio.Event()
-    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=[fresh_server.url]), cost_unit="tokens"), bus)
+    scorer = Scorer(
+        ScorerConfig(bus=BusConfig(servers=[fresh_server.url]), reward={"cost_unit": "tokens"}), bus
+    )
     st = asyncio.create_task(scorer.run(stop, handle_signals=False))
     b = Batcher(
         bus,

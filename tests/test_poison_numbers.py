@@ -39,8 +39,9 @@ from policy.config import ModelConfig
 from policy.model import Transformer
 from policy.sampling import SamplingMask
 from rollout_worker.torch_engine import TorchEngine
+from scorer.config import ScorerConfig
 from scorer.reward import compute_reward
-from scorer.service import Scorer, ScorerConfig
+from scorer.service import Scorer
 from tests.helpers.engine import CFG as ENGINE_CFG
 from tests.helpers.trainer import MODEL, make_scored, trainer_config
 from tests.helpers.weights import CFG as WEIGHTS_CFG
@@ -197,7 +198,7 @@ def test_compute_reward_names_the_bad_input():
 async def test_scorer_parks_a_non_finite_cost_at_once(tmp_path):
     """A rollout built in-process (the decode path refuses NaN wall_s earlier): the cost is not
     finite, and the scorer raises EventError (parked at once), not ValueError (retried)."""
-    sc = Scorer(ScorerConfig(cost_unit="wall_s"))
+    sc = Scorer(ScorerConfig(reward={"cost_unit": "wall_s"}))
     ro = Rollout(
         **{
             **{k: v for k, v in base_rollout("w-0").items() if k not in ("schema", "kind")},

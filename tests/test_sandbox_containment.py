@@ -344,7 +344,9 @@ def test_scorer_as_non_root_refuses_to_start_naming_the_missing_layer(tmp_path):
 
 
 def test_scorer_as_non_root_with_allow_weak_sandbox_starts_and_says_so(tmp_path):
-    conf = public_file(tmp_path, 'allow_weak_sandbox = true\n[bus]\nservers = ["nats://127.0.0.1:1"]\n')
+    conf = public_file(
+        tmp_path, '[sandbox]\nallow_weak_sandbox = true\n[bus]\nservers = ["nats://127.0.0.1:1"]\n'
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/", "ASYNCRL_LOG_JSON": "1"}
     p = subprocess.Popen(
         [sys.executable, "-c", AS_NOBODY, str(conf)],

@@ -16,7 +16,8 @@ from bus import topology as topo
 from bus.control import format_lambda
 from bus.events import Rollout, Scored, decode
 from envs import get_env
-from scorer.service import Scorer, ScorerConfig
+from scorer.config import ScorerConfig
+from scorer.service import Scorer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,13 +65,14 @@ async def scored_events(bus, want: int) -> dict[str, Scored]:
     return {(s := decode(m.data, Scored)).rollout["rollout_id"]: s for m in msgs}
 
 
-async def score(bus, items: list[Rollout], **cfg) -> tuple[dict[str, Scored], Scorer]:
-    """Publish the rollouts, run a real Scorer (cfg: its config) until each is scored; -> the
-    scored events by rollout id, the stopped scorer."""
+async def score(bus, items: list[Rollout], **sections) -> tuple[dict[str, Scored], Scorer]:
+    """Publish the rollouts, run a real Scorer (sections: its config's, {key: value}) until each is
+    scored; -> the scored events by rollout id, the stopped scorer."""
     for r in items:
         await bus.publish(topo.rollout_subject(r.env), r)
     stop = asyncio.Event()
-    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), heartbeat_s=0.2, **cfg), bus=bus)
+    cfg = ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), run={"heartbeat_s": 0.2}, **sections)
+    scorer = Scorer(cfg, bus=bus)
     run = asyncio.create_task(scorer.run(stop, handle_signals=False))
     try:
         return await scored_events(bus, len(items)), scorer
@@ -106,7 +108,7 @@ async def test_scores_rewards_and_parks_bad_input(bus):
     for r in items:
         await bus.publish(topo.rollout_subject(r.env), r)
     stop = asyncio.Event()
-    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), heartbeat_s=0.2), bus=bus)
+    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), run={"heartbeat_s": 0.2}), bus=bus)
     run = asyncio.create_task(scorer.run(stop, handle_signals=False))
     try:
         s = await scored_events(bus, 4)
@@ -131,7 +133,9 @@ async def test_scores_rewards_and_parks_bad_input(bus):
 async def test_lambda_change_is_live(bus):
     await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.001))
     stop = asyncio.Event()
-    scorer = Scorer(ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), overlong_buffer=8), bus=bus)
+    scorer = Scorer(
+        ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), reward={"overlong_buffer": 8}), bus=bus
+    )
     run = asyncio.create_task(scorer.run(stop, handle_signals=False))
     try:
         await bus.publish(topo.rollout_subject("arith"), rollout("a1-0", "#42"))
@@ -160,7 +164,7 @@ def test_scorer_process_scores_and_drains_on_sigterm(fresh_server):
         **os.environ,
         "PYTHONPATH": ROOT,
         "ASYNCRL_BUS__SERVERS": fresh_server.url,
-        "ASYNCRL_HEARTBEAT_S": "0.5",
+        "ASYNCRL_RUN__HEARTBEAT_S": "0.5",
     }
     p = subprocess.Popen(
         [sys.executable, "-m", "scorer"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
@@ -215,7 +219,9 @@ async def test_two_scorers_share_the_work_and_crashes_park_in_dlq(bus):
         scorers = [
             Scorer(
                 ScorerConfig(
-                    bus=BusConfig(servers=bus.cfg.servers), scorer_id=f"s{i}", concurrency=4, heartbeat_s=0.2
+                    bus=BusConfig(servers=bus.cfg.servers),
+                    scorer_id=f"s{i}",
+                    run={"concurrency": 4, "heartbeat_s": 0.2},
                 ),
                 bus=b,
             )
@@ -276,15 +282,17 @@ def test_bad_config_is_refused_clearly():
     from bus import load_config
 
     for env in [
-        {"ASYNCRL_COST_UNIT": "dollars"},
-        {"ASYNCRL_CONCURRENCY": "0"},
-        {"ASYNCRL_DEFAULT_LAMBDA": "-1"},
-        {"ASYNCRL_EPISODE_REWARD": "tests"},
+        {"ASYNCRL_REWARD__COST_UNIT": "dollars"},
+        {"ASYNCRL_RUN__CONCURRENCY": "0"},
+        {"ASYNCRL_REWARD__DEFAULT_LAMBDA": "-1"},
+        {"ASYNCRL_REWARD__EPISODE_REWARD": "tests"},
     ]:
         with pytest.raises(ValueError, match="cost_unit|concurrency|default_lambda|episode_reward"):
             load_config(ScorerConfig, environ=env)
-    cfg = load_config(ScorerConfig, environ={"ASYNCRL_COST_UNIT": "wall_s", "ASYNCRL_SCORER_ID": "s9"})
-    assert cfg.cost_unit == "wall_s" and cfg.bus.name == "s9"
+    cfg = load_config(
+        ScorerConfig, environ={"ASYNCRL_REWARD__COST_UNIT": "wall_s", "ASYNCRL_SCORER_ID": "s9"}
+    )
+    assert cfg.reward.cost_unit == "wall_s" and cfg.bus.name == "s9"
 
 
 async def test_episode_success_means_all_tests_pass_and_reward_is_the_fraction(bus):
@@ -340,7 +348,7 @@ async def test_episode_reward_resolved_trains_on_success_alone(bus):
             ("r4-0", {"reward": 0.9}),
         )
     ]
-    s, _ = await score(bus, items, episode_reward="resolved")
+    s, _ = await score(bus, items, reward={"episode_reward": "resolved"})
     cost = items[0].cost_tokens
     for rid, won in (("r1-0", 0.0), ("r2-0", 1.0), ("r3-0", 1.0), ("r4-0", 0.0)):
         assert s[rid].success == won and s[rid].reward == pytest.approx(won - 0.001 * cost)
@@ -359,7 +367,9 @@ async def test_run_ends_even_when_its_heartbeat_loses_a_cancel(bus):
     try:
         for i in range(25):
             scorer = Scorer(
-                ScorerConfig(bus=BusConfig(servers=bus.cfg.servers), heartbeat_s=0.0, provision=False),
+                ScorerConfig(
+                    bus=BusConfig(servers=bus.cfg.servers), run={"heartbeat_s": 0.0, "provision": False}
+                ),
                 bus=bus,
             )
             run = asyncio.create_task(scorer.run(asyncio.Event(), handle_signals=False))

@@ -5,31 +5,16 @@ the resolved tree printed."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
-import tomllib
-import typing
-from pathlib import Path
 
 import pytest
 
 from bus.config import ConfigError, load_config
+from tests.helpers.config_sections import ROOT, check_moved, check_shipped, printed_tree, run_config_check
 from trainer.config import TrainerConfig
 from trainer.loss import LossConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def check(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "config", "check", str(path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_trainer_config_has_at_most_15_top_level_fields():
@@ -39,11 +24,7 @@ def test_trainer_config_has_at_most_15_top_level_fields():
 
 
 def test_every_moved_key_names_an_existing_section_field():
-    hints = typing.get_type_hints(TrainerConfig)
-    for old, new in TrainerConfig.MOVED.items():
-        sect, key = new.split(".")
-        assert dataclasses.is_dataclass(hints[sect]), (old, new)
-        assert key in {f.name for f in dataclasses.fields(hints[sect])}, (old, new)
+    check_moved(TrainerConfig)
 
 
 def test_old_flat_keys_fail_config_check_naming_every_new_place(tmp_path):
@@ -52,7 +33,7 @@ def test_old_flat_keys_fail_config_check_naming_every_new_place(tmp_path):
         '[up]\nworkers = 1\n[trainer]\nlr = 3e-4\nbatch_groups = 8\nwarmstart_from = "w.pt"\n'
         'publish = "sharded"\nelastic_nnodes = "2:2"\n[worker.admission]\nmax_lag = 4\n'
     )
-    r = check(cfg)
+    r = run_config_check(cfg)
     assert r.returncode == 2, r.stdout + r.stderr
     for moved in (
         "lr: moved to [trainer.optim] lr",
@@ -119,18 +100,13 @@ def test_config_check_prints_the_tree(tmp_path):
         "[up]\nworkers = 1\n[trainer.optim]\nlr = 3e-4\n[trainer.batch]\nmax_lag = 3\n"
         "[worker.admission]\nmax_lag = 3\n"
     )
-    r = check(cfg)
+    r = run_config_check(cfg)
     assert r.returncode == 0, r.stderr
-    text = r.stdout
-    start = text.index("[trainer]\n") + len("[trainer]\n")
-    tree = json.JSONDecoder().raw_decode(text[start:])[0]
+    tree = printed_tree(r.stdout, "trainer")
     assert tree["optim"]["lr"] == 3e-4 and tree["batch"]["max_lag"] == 3
     assert tree["loss"]["is_mode"] == "truncated"
     assert set(tree) == {f.name for f in dataclasses.fields(TrainerConfig)}
 
 
 def test_shipped_configs_use_the_sections():
-    for path in sorted((ROOT / "deploy").glob("*.toml")) + [ROOT / "bench" / "async.toml"]:
-        table = tomllib.loads(path.read_text()).get("trainer", {})
-        assert not set(table) & set(TrainerConfig.MOVED) - {"publish"}, path
-        load_config(TrainerConfig, None, overrides=table, environ={}, table="trainer")
+    check_shipped(TrainerConfig, "trainer")

@@ -23,7 +23,7 @@ def test_plan_default_gives_the_trainer_the_cores_the_workers_leave():
     assert (p.trainer, p.worker) == (2, 2)
     assert thread_plan.plan({}, workers=4, scorers=1, cpus=2).trainer == 1  # never below one
     p = thread_plan.plan(
-        {"trainer": {"run": {"threads": 6}}, "scorer": {"threads": 3}}, workers=2, scorers=1, cpus=4
+        {"trainer": {"run": {"threads": 6}}, "scorer": {"run": {"threads": 3}}}, workers=2, scorers=1, cpus=4
     )
     assert (p.trainer, p.worker, p.scorer, p.configured) == (6, 1, 3, ("trainer", "scorer"))
     assert "trainer 6 (+1 standby) [set], worker 1 x 2 [default], scorer 3 x 1 [set]" in p.line(2, 1, 2)
@@ -31,11 +31,7 @@ def test_plan_default_gives_the_trainer_the_cores_the_workers_leave():
 
 @pytest.mark.parametrize("section,value", [("trainer", 0), ("worker", -1), ("scorer", "2"), ("worker", True)])
 def test_a_bad_threads_value_is_refused_naming_it(section, value):
-    table, where = (
-        ({"run": {"threads": value}}, f"{section}.run")
-        if section in ("trainer", "worker")
-        else ({"threads": value}, section)
-    )
+    table, where = {"run": {"threads": value}}, f"{section}.run"  # every process: in its [<section>.run]
     with pytest.raises(ConfigError, match=rf"\[{where}\] threads = {value!r}: must be an integer >= 1"):
         config_check.resolve({section: table}, environ={})
 

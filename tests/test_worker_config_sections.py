@@ -6,13 +6,6 @@ process-wide keys in [worker.run]."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-import tomllib
-import typing
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +13,15 @@ from asyncrl import child_conf
 from bus.config import ConfigError, load_config
 from rollout_worker.config import WorkerConfig
 from rollout_worker.sections import AdmissionSection, EngineSection, EpisodesSection, RunSection
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.config_sections import (
+    check_layout,
+    check_moved,
+    check_shipped,
+    clean_env,
+    printed_tree,
+    run,
+    run_config_check,
+)
 
 SECTIONS = {
     "engine": {"kind", "slots", "max_len", "model", "tokenizer", "quant_sites", "quant_block", "seed"}
@@ -43,26 +43,9 @@ FLAT = (
 ).split()
 
 
-def run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without ASYNCRL_* settings (the cache excepted), plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") or k == "ASYNCRL_CACHE"}
-    return {**env, "PYTHONPATH": str(ROOT), **extra}
-
-
 def test_the_section_layout():
-    hints = typing.get_type_hints(WorkerConfig)
-    names = [f.name for f in dataclasses.fields(WorkerConfig)]
-    assert names == ["bus", "worker_id", *SECTIONS], names
-    assert len(names) <= 15
-    for sect, keys in SECTIONS.items():
-        assert dataclasses.is_dataclass(hints[sect]), sect
-        assert {f.name for f in dataclasses.fields(hints[sect])} == keys, sect
+    check_layout(WorkerConfig, ["bus", "worker_id"], SECTIONS)
+    assert len(dataclasses.fields(WorkerConfig)) <= 15
     cfg = WorkerConfig()
     assert isinstance(cfg.engine, EngineSection) and isinstance(cfg.run, RunSection)
     # what two sections decide: the admission's defaults from the engine's slots
@@ -72,11 +55,7 @@ def test_the_section_layout():
 
 
 def test_every_old_flat_key_moved_to_an_existing_field():
-    assert set(WorkerConfig.MOVED) == set(FLAT)
-    hints = typing.get_type_hints(WorkerConfig)
-    for old, new in WorkerConfig.MOVED.items():
-        sect, key = new.split(".")
-        assert key in {f.name for f in dataclasses.fields(hints[sect])}, (old, new)
+    check_moved(WorkerConfig, FLAT)
     assert WorkerConfig.MOVED["engine"] == "engine.kind" and WorkerConfig.MOVED["harness"] == "harness.kind"
     assert WorkerConfig.MOVED["fault_weights_after"] == "faults.weights_after"
 
@@ -105,7 +84,7 @@ def test_old_flat_keys_fail_config_check_naming_every_new_place(tmp_path):
         "[up]\nworkers = 1\n[trainer.batch]\nmax_lag = 4\n[worker]\nslots = 4\nmax_lag = 4\n"
         'harness = "external"\nheartbeat_s = 1.0\nallow_weak_sandbox = true\n'
     )
-    r = run("-m", "asyncrl.cli", "config", "check", str(cfg))
+    r = run_config_check(cfg)
     assert r.returncode == 2, r.stdout + r.stderr
     for moved in (
         "slots: moved to [worker.engine] slots",
@@ -220,11 +199,9 @@ def test_config_check_prints_the_worker_tree(tmp_path):
         "[up]\nworkers = 1\n[trainer.batch]\nmax_lag = 3\n[worker.engine]\nslots = 4\n"
         '[worker.admission]\nmax_lag = 3\n[worker.harness]\nkind = "external"\n'
     )
-    r = run("-m", "asyncrl.cli", "config", "check", str(cfg), env=clean_env())
+    r = run_config_check(cfg, env=clean_env())
     assert r.returncode == 0, r.stderr
-    text = r.stdout
-    start = text.index("[worker]\n") + len("[worker]\n")
-    tree = json.JSONDecoder().raw_decode(text[start:])[0]
+    tree = printed_tree(r.stdout, "worker")
     assert set(tree) == {f.name for f in dataclasses.fields(WorkerConfig)}
     assert tree["engine"]["slots"] == 4 and tree["engine"]["kind"] == "torch"
     assert tree["admission"] == {"max_lag": 3, "queue": 2, "max_inflight": 4}
@@ -244,7 +221,4 @@ def test_up_finds_the_process_wide_keys_in_worker_run():
 
 
 def test_shipped_configs_use_the_sections():
-    for path in sorted((ROOT / "deploy").glob("*.toml")) + [ROOT / "bench" / "async.toml"]:
-        table = tomllib.loads(path.read_text()).get("worker", {})
-        assert not set(table) & set(WorkerConfig.MOVED) - set(SECTIONS), path
-        load_config(WorkerConfig, None, overrides=table, environ={}, table="worker")
+    check_shipped(WorkerConfig, "worker")

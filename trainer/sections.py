@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus.config import check_section
+
 PENALTIES = ("linear", "success_only", "group_normalised")
 LAMBDA_SCHEDULES = ("fixed", "ramp", "budget")
 
@@ -25,14 +27,7 @@ HINTS = {
 
 def check(section: str, obj, checks: dict[str, bool]) -> None:
     """ValueError naming every bad key of a section with its value (and a hint where one helps)."""
-    bad = [k for k, ok in checks.items() if not ok]
-    if bad:
-        hint = "".join(f"; {k}: {HINTS[k]}" for k in bad if k in HINTS)
-        raise ValueError(
-            f"[trainer.{section}] invalid value for {', '.join(bad)}: "
-            + ", ".join(f"{k}={getattr(obj, k)!r}" for k in bad)
-            + hint
-        )
+    check_section(f"trainer.{section}", obj, checks, HINTS)
 
 
 @dataclass

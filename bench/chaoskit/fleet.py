@@ -35,6 +35,17 @@ class ChaosError(AssertionError):
     pass
 
 
+def merged(conf: dict, over: dict) -> dict:
+    """`conf` with `over` on top: a section given in both ({key: value}) is merged key by key."""
+    return {
+        **conf,
+        **{
+            k: {**conf[k], **v} if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
+            for k, v in over.items()
+        },
+    }
+
+
 @dataclass
 class Fleet:
     run_dir: Path
@@ -114,13 +125,7 @@ class Fleet:
             "run": {"dir": str(self.run_dir / f"trainer-{name}")},
             "bus": self.bus_conf("trainer", name),
         }
-        conf.update(
-            {
-                k: {**conf[k], **v} if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
-                for k, v in over.items()
-            }
-        )
-        return self._spawn(name, "trainer", "trainer", conf)
+        return self._spawn(name, "trainer", "trainer", merged(conf, over))
 
     def worker(self, name: str, **over) -> Proc:
         """A rollout worker process; a section in `over` ({key: value}) is merged into these."""
@@ -131,25 +136,16 @@ class Fleet:
             "run": {"threads": 1, "heartbeat_s": 2.0, "grace_s": 2.0},
             "bus": self.bus_conf("worker", name),
         }
-        conf.update(
-            {
-                k: {**conf[k], **v} if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
-                for k, v in over.items()
-            }
-        )
-        return self._spawn(name, "rollout_worker", "rollout_worker", conf)
+        return self._spawn(name, "rollout_worker", "rollout_worker", merged(conf, over))
 
     def scorer(self, name: str, **over) -> Proc:
+        """A scorer process; a section in `over` ({key: value}) is merged into these."""
         conf = {
             "scorer_id": name,
-            "concurrency": 8,
-            "heartbeat_s": 2.0,
+            "run": {"concurrency": 8, "heartbeat_s": 2.0, "provision": not self.roles},
             "bus": self.bus_conf("scorer", name),
-            **over,
         }
-        if self.roles:
-            conf["provision"] = False
-        return self._spawn(name, "scorer", "scorer", conf)
+        return self._spawn(name, "scorer", "scorer", merged(conf, over))
 
     def signal(self, name: str, sig: int) -> None:
         self.procs[name].popen.send_signal(sig)

@@ -1,0 +1,78 @@
+"""What the tests of the sectioned process configs (trainer, worker, scorer: bus.config's MOVED,
+build_sections) share: running a process or `asyncrl config check` with a clean environment, the
+printed tree, the layout and MOVED checks, the shipped configs' tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tomllib
+import typing
+from pathlib import Path
+
+from bus.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python *argv` from the repository root (a process as deployed: its own config, its own env)."""
+    return subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without ASYNCRL_* settings (the cache excepted), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") or k == "ASYNCRL_CACHE"}
+    return {**env, "PYTHONPATH": str(ROOT), **extra}
+
+
+def run_config_check(path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`asyncrl config check FILE` as a process."""
+    return run("-m", "asyncrl.cli", "config", "check", str(path), env=env)
+
+
+def printed_tree(stdout: str, table: str) -> dict:
+    """The resolved config `asyncrl config check` printed for `[table]` (a JSON object after it)."""
+    start = stdout.index(f"[{table}]\n") + len(f"[{table}]\n")
+    return json.JSONDecoder().raw_decode(stdout[start:])[0]
+
+
+def check_layout(cls, top: list[str], sections: dict[str, set[str]]) -> None:
+    """`cls` has the fields `top` then one section per `sections` entry, each with exactly its keys."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    assert names == [*top, *sections], names
+    for sect, keys in sections.items():
+        assert dataclasses.is_dataclass(hints[sect]), sect
+        assert {f.name for f in dataclasses.fields(hints[sect])} == keys, sect
+
+
+def check_moved(cls, flat: list[str] | None = None) -> None:
+    """Every MOVED key names an existing field of a section (and, given `flat`, MOVED is exactly it)."""
+    if flat is not None:
+        assert set(cls.MOVED) == set(flat)
+    hints = typing.get_type_hints(cls)
+    for old, new in cls.MOVED.items():
+        sect, key = new.split(".")
+        assert dataclasses.is_dataclass(hints[sect]), (old, new)
+        assert key in {f.name for f in dataclasses.fields(hints[sect])}, (old, new)
+
+
+def shipped_tables(table: str) -> list[tuple[Path, dict]]:
+    """(file, its `[table]`) of every shipped run config (deploy/*.toml, bench/async.toml)."""
+    paths = sorted((ROOT / "deploy").glob("*.toml")) + [ROOT / "bench" / "async.toml"]
+    return [(p, tomllib.loads(p.read_text()).get(table, {})) for p in paths]
+
+
+def check_shipped(cls, table: str) -> None:
+    """Every shipped config's `[table]` uses the sections (no MOVED key but a section's own name)
+    and loads as the process reads it."""
+    sections = {f.name for f in dataclasses.fields(cls)}
+    for path, values in shipped_tables(table):
+        assert not set(values) & set(cls.MOVED) - sections, path
+        load_config(cls, None, overrides=values, environ={}, table=table)
