@@ -158,7 +158,8 @@ def main(argv=None) -> int:
         for r in res["by_length"]:
             print(f"{r['tokens']:3d} tokens  {r['right']:3d} / {r['n']:3d} right   e.g. {r['example']!r:.60}")
         for name, r in res.get("forced", {}).items():
-            print(f"forced {name!r}: {r['success']:.3f} right at {r['tokens_mean']:.1f} tokens, e.g. {r['example']!r}")
+            ok, n = r["success"], r["tokens_mean"]
+            print(f"forced {name!r}: {ok:.3f} right at {n:.1f} tokens, e.g. {r['example']!r}")
     print(json.dumps(res))
     return 0
 
