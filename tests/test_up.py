@@ -103,3 +103,28 @@ async def test_up_short_run(fresh_server, tmp_path):
             assert "WITHOUT signature" not in (run_dir / "logs" / f"{n}.log").read_text(), n
     finally:
         await bus.close()
+
+
+def test_up_checkpointing_every_k_versions_keeps_feeding(fresh_server, tmp_path):
+    """[trainer.checkpoint] every = 8: the batches of versions published uncheckpointed stay unacked
+    in SCORED until the 8th. The feeder counted them as work ready to train and stopped feeding at
+    3 × groups; once the queued work was trained the run waited for a batch that never came
+    (deploy/demo.toml with every = 4: "time limit at version 3"). It must run on to its steps and
+    checkpoint the 8th version."""
+    cfg = tmp_path / "up.toml"
+    cfg.write_text(CONFIG.replace("backlog = 6", "backlog = 2") + "\n[trainer.checkpoint]\nevery = 8\n")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "up", "--config", str(cfg), "--steps", "10", "--minutes", "3"]
+        + ["--nats", fresh_server.url, "--run-dir", str(run_dir), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["stopped"].startswith("reached") and summary["versions"] >= 10, summary
+    steps = [r for r in read_jsonl(run_dir / "metrics" / "trainer.jsonl") if "samples" in r]
+    done = [r["version"] for r in steps if r["checkpointed"]]
+    assert done[0] == 8 and all(v % 8 == 0 for v in done[:-1]), done  # the last: a clean end
+    assert max(r["unacked_versions"] for r in steps) == 7

@@ -18,8 +18,10 @@ log = get_logger(__name__)
 
 
 class TaskFeeder:
-    def __init__(self, bus, cfg):
-        self.bus, self.cfg = bus, cfg
+    def __init__(self, bus, cfg, held=lambda: 0):
+        """`held()`: SCORED messages the leader has trained on and holds unacked until a checkpoint
+        records them ([trainer.checkpoint] every > 1): consumed work, not work ready to train."""
+        self.bus, self.cfg, self.held = bus, cfg, held
         self.published = 0
         self._next_env = 0
         self.rng = random.Random(f"{cfg.run.seed}-{cfg.trainer_id}")
@@ -60,10 +62,14 @@ class TaskFeeder:
 
         Tasks being generated count towards neither: capping them would leave worker slots idle,
         and they are bounded by the workers' slots anyway. Finished work that waits for the
-        trainer is capped: produced faster than the trainer consumes it, it only goes stale."""
+        trainer is capped: produced faster than the trainer consumes it, it only goes stale.
+        Batches already trained but held for a checkpoint stay in SCORED (a work queue drops a
+        message on its ack) and are not counted: counted, K - 1 of them would stop the feeding
+        before the K-th version could train, and the run would wait forever for its checkpoint."""
         js = self.bus.js
         pending = (await js.consumer_info(topo.TASKS, topo.ROLLOUT_CONSUMER)).num_pending
         done = sum([(await js.stream_info(s)).state.messages for s in (topo.ROLLOUTS, topo.SCORED)])
+        done = max(done - self.held(), 0)
         return int(pending), done / max(self.cfg.batch.group_size, 1)
 
     def max_ready(self) -> int:

@@ -284,7 +284,7 @@ class Trainer:
         batcher = Batcher(self.bus, cfg, self.consumed, self.model_cfg.vocab_size)
         await batcher.start()
         await self.lambda_schedule.start(self.bus, self.version)  # before the first group is stamped
-        feeder = TaskFeeder(self.bus, cfg)
+        feeder = TaskFeeder(self.bus, cfg, held=self.held_messages)
         feed_task = (
             asyncio.create_task(feeder.run(stop, lambda: self.version, kick=self.fed))
             if cfg.tasks.feed and cfg.run.mode == "async"
@@ -519,6 +519,10 @@ class Trainer:
             raise LeaseLost("leader lease no longer valid: refusing to checkpoint")
         await asyncio.to_thread(self.save)
         await self._ack_unacked(batcher)
+
+    def held_messages(self) -> int:
+        """SCORED messages of versions published but not yet checkpointed (acked by the next one)."""
+        return sum(len(b.samples) + len(b.late) + len(b.excluded) for b in self.unacked)
 
     async def _ack_unacked(self, batcher: Batcher) -> None:
         """A checkpoint recording every batch in `unacked` is durable: ack them, oldest first."""
