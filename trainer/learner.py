@@ -127,6 +127,22 @@ def nonfinite_samples(samples: list[PackedSample]) -> dict[str, str]:
     return out
 
 
+# a pass's per-token tensors that the batch statistics use
+_PASS_TENSORS = ("logp", "behav", "adv", "w", "ent", "model")
+
+
+def _token_tensors(chunk: list[PackedSample], adv: torch.Tensor, dev):
+    """One pass's per-token tensors [T] on dev: behaviour logprobs, the samples' advantages and
+    weights repeated per token (weights 0 off the model tokens), the model-token mask."""
+    lens = torch.tensor([len(s.completion_ids) for s in chunk])
+    behav = torch.tensor([x for s in chunk for x in s.logprobs], dtype=torch.float32).to(dev)
+    a = adv.repeat_interleave(lens).to(dev)
+    w = torch.tensor([s.weight for s in chunk], dtype=torch.float32).repeat_interleave(lens).to(dev)
+    model = torch.tensor([m for s in chunk for m in s.model_mask()], dtype=torch.bool).to(dev)
+    w = w * model  # IS weights, entropy, KL and the PG term only on model tokens
+    return behav, a, w, model
+
+
 class Learner:
     def __init__(
         self,
@@ -227,6 +243,43 @@ class Learner:
         rank, ws = world()
         dev = next(self.model.parameters()).device
         live = [i for i, s in enumerate(samples) if s.weight > 0 and s.completion_ids]
+        adv, on = self._advantages(samples, live)
+        # only model tokens are trained on: observation tokens (loss mask 0) count nowhere
+        n_tokens = sum(sum(samples[i].model_mask()) for i in live)
+        runs, n_pass, scale = self._plan(samples, live, rank, ws)
+        total = torch.zeros((), device=dev)
+        sums = {"kept": 0.0, "kl_sum": 0.0, "kl_weight": 0.0}  # this rank's: summed over ranks at the end
+        fwd_s, bwd_s = 0.0, 0.0  # phase timers (wall, no device sync: CPU-exact, GPU-queued)
+        keep: list[tuple[torch.Tensor, ...]] = []  # each pass's _PASS_TENSORS, for the batch stats
+        with torch.set_grad_enabled(grad or backward):
+            for k in range(n_pass):
+                if k >= len(runs):  # this rank's micro-batches are done: a zero pass keeps it in step
+                    part = self._idle_pass(dev)
+                    if backward:
+                        part.backward()
+                    else:
+                        total = total + part
+                    continue
+                quant, run = runs[k]
+                chunk = [samples[i] for i in run]
+                t = time.perf_counter()
+                part, st, tokens = self._micro_batch_loss(chunk, quant, adv[run], n_tokens, dev)
+                fwd_s += time.perf_counter() - t
+                sums = {key: v + st.get(key, 0.0) for key, v in sums.items()}
+                if backward:
+                    t = time.perf_counter()
+                    (part * scale).backward()
+                    part = part.detach()
+                    bwd_s += time.perf_counter() - t
+                total = total + part
+                keep.append(tokens)
+        total, kept, kl_sum, kl_weight = self._rescale_to_kept(total, n_tokens, sums, backward, dev, ws)
+        stats = dict(n_tokens=n_tokens, kept_tokens=kept, adv=adv[on], forward_s=fwd_s, backward_s=bwd_s)
+        stats.update(self._batch_stats(keep, n_tokens, kl_sum, kl_weight))
+        return total, stats
+
+    def _advantages(self, samples: list[PackedSample], live: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(group advantages [N], live mask [N]): the penalty re-applied first (non-linear modes)."""
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
         on = torch.zeros(len(samples), dtype=torch.bool)
@@ -245,9 +298,10 @@ class Learner:
                 live=on,
             )
         # a dropped (stale) sample is out of its group's baseline as well as out of the loss
-        adv = group_advantages(rewards, groups, self.adv_norm, live=on)
-        # only model tokens are trained on: observation tokens (loss mask 0) count nowhere
-        n_tokens = sum(sum(samples[i].model_mask()) for i in live)
+        return group_advantages(rewards, groups, self.adv_norm, live=on), on
+
+    def _plan(self, samples: list[PackedSample], live: list[int], rank: int, ws: int):
+        """(this rank's micro-batches, passes every rank makes, the loss's scale for FSDP2's mean)."""
         runs = self._runs(samples, live[rank::ws])
         # every rank computes every rank's plan: the longest decides how many passes all make
         n_pass = (
@@ -256,60 +310,29 @@ class Learner:
             else len(runs)
         )
         scale = float(ws) if is_sharded(self.model) else 1.0
-        total = torch.zeros((), device=dev)
-        kept, kl_sum, kl_weight = 0.0, 0.0, 0.0
-        fwd_s, bwd_s = 0.0, 0.0  # phase timers (wall, no device sync: CPU-exact, GPU-queued)
-        keep: dict[str, list[torch.Tensor]] = {k: [] for k in ("logp", "behav", "adv", "w", "ent", "model")}
-        with torch.set_grad_enabled(grad or backward):
-            for k in range(n_pass):
-                if k >= len(runs):
-                    part = self._idle_pass(dev)
-                    if backward:
-                        part.backward()
-                    else:
-                        total = total + part
-                    continue
-                quant, run = runs[k]
-                chunk = [samples[i] for i in run]
-                t = time.perf_counter()
-                logp, ent = self._run_logprobs(self.model, chunk, quant)
-                lens = torch.tensor([len(s.completion_ids) for s in chunk])
-                behav = torch.tensor([x for s in chunk for x in s.logprobs], dtype=torch.float32).to(dev)
-                a = adv[run].repeat_interleave(lens).to(dev)
-                w = (
-                    torch.tensor([s.weight for s in chunk], dtype=torch.float32)
-                    .repeat_interleave(lens)
-                    .to(dev)
-                )
-                model = torch.tensor([m for s in chunk for m in s.model_mask()], dtype=torch.bool).to(dev)
-                w = w * model  # IS weights, entropy, KL and the PG term only on model tokens
-                ref = None
-                if self.loss_cfg.kl_coef > 0:
-                    with torch.no_grad():
-                        ref = self._run_logprobs(self.reference, chunk, quant)[0].float()
-                part, st = pg_loss(logp.float(), behav, a, w, n_tokens, self.loss_cfg, ent.float(), ref=ref)
-                fwd_s += time.perf_counter() - t
-                kept += st["kept"]
-                kl_sum, kl_weight = kl_sum + st.get("kl_sum", 0.0), kl_weight + st.get("kl_weight", 0.0)
-                if backward:
-                    t = time.perf_counter()
-                    (part * scale).backward()
-                    part = part.detach()
-                    bwd_s += time.perf_counter() - t
-                total = total + part
-                for key, v in (
-                    ("logp", logp.detach().float()),
-                    ("behav", behav),
-                    ("adv", a),
-                    ("w", w),
-                    ("ent", ent.detach().float()),
-                    ("model", model),
-                ):
-                    keep[key].append(v)
+        return runs, n_pass, scale
+
+    def _micro_batch_loss(
+        self, chunk: list[PackedSample], quant: dict, adv: torch.Tensor, n_tokens: int, dev
+    ):
+        """One pass: (loss part, pg_loss stats, its per-token tensors for the batch stats: _PASS_TENSORS)."""
+        logp, ent = self._run_logprobs(self.model, chunk, quant)
+        behav, a, w, model = _token_tensors(chunk, adv, dev)
+        ref = None
+        if self.loss_cfg.kl_coef > 0:
+            with torch.no_grad():
+                ref = self._run_logprobs(self.reference, chunk, quant)[0].float()
+        part, st = pg_loss(logp.float(), behav, a, w, n_tokens, self.loss_cfg, ent.float(), ref=ref)
+        return part, st, (logp.detach().float(), behav, a, w, ent.detach().float(), model)
+
+    def _rescale_to_kept(self, total: torch.Tensor, n_tokens: int, sums: dict, backward: bool, dev, ws: int):
+        """The loss (and the accumulated gradients) times N0 / kept, kept summed over all ranks;
+        returns (loss, kept, kl_sum, kl_weight), the sums those of the whole batch."""
+        kept, kl_sum, kl_weight = sums["kept"], sums["kl_sum"], sums["kl_weight"]
         if ws > 1:  # the same factor on every rank: the kept count of the whole batch
-            sums = torch.tensor([kept, kl_sum, kl_weight], dtype=torch.float64, device=dev)
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-            kept, kl_sum, kl_weight = (float(x) for x in sums)
+            total_sums = torch.tensor([kept, kl_sum, kl_weight], dtype=torch.float64, device=dev)
+            dist.all_reduce(total_sums, op=dist.ReduceOp.SUM)
+            kept, kl_sum, kl_weight = (float(x) for x in total_sums)
         factor = n_tokens / kept if kept > 0 else 1.0
         if factor != 1.0:
             total = total * factor
@@ -318,29 +341,28 @@ class Learner:
                     for p in self.model.parameters():
                         if p.grad is not None:
                             p.grad.mul_(factor)
-        stats: dict = {
-            "n_tokens": n_tokens,
-            "kept_tokens": kept,
-            "adv": adv[on],
-            "forward_s": fwd_s,
-            "backward_s": bwd_s,
-        }
-        if keep["logp"]:
-            cat = {k: torch.cat(v) for k, v in keep.items() if v}
-            with torch.no_grad():
-                _, st = pg_loss(cat["logp"], cat["behav"], cat["adv"], cat["w"], n_tokens, self.loss_cfg)
-            stats.update({k: st[k] for k in ("is_weight_mean", "frac_truncated", "frac_masked")})
-            if bool(cat["model"].any()):
-                mm = mismatch_metrics(
-                    cat["behav"][cat["model"]], cat["logp"][cat["model"]], C=self.loss_cfg.is_clip
-                )
-                stats.update(
-                    {k: mm[k] for k in ("k3_mean", "ratio_mean", "ratio_p99_abs_log", "frac_outside_C")}
-                )
-                stats["entropy"] = float(cat["ent"][cat["model"]].mean())
-            if self.loss_cfg.kl_coef > 0:
-                stats["kl_ref"] = kl_sum / kl_weight if kl_weight > 0 else 0.0
-        return total, stats
+        return total, kept, kl_sum, kl_weight
+
+    def _batch_stats(
+        self, keep: list[tuple[torch.Tensor, ...]], n_tokens: int, kl_sum: float, kl_weight: float
+    ) -> dict:
+        """IS, mismatch, entropy and KL statistics of this rank's share, from its kept per-token tensors."""
+        stats: dict = {}
+        if not keep:
+            return stats
+        cat = {k: torch.cat(v) for k, v in zip(_PASS_TENSORS, zip(*keep))}
+        with torch.no_grad():
+            _, st = pg_loss(cat["logp"], cat["behav"], cat["adv"], cat["w"], n_tokens, self.loss_cfg)
+        stats.update({k: st[k] for k in ("is_weight_mean", "frac_truncated", "frac_masked")})
+        if bool(cat["model"].any()):
+            mm = mismatch_metrics(
+                cat["behav"][cat["model"]], cat["logp"][cat["model"]], C=self.loss_cfg.is_clip
+            )
+            stats.update({k: mm[k] for k in ("k3_mean", "ratio_mean", "ratio_p99_abs_log", "frac_outside_C")})
+            stats["entropy"] = float(cat["ent"][cat["model"]].mean())
+        if self.loss_cfg.kl_coef > 0:
+            stats["kl_ref"] = kl_sum / kl_weight if kl_weight > 0 else 0.0
+        return stats
 
     def step(self, samples: list[PackedSample]) -> dict:
         """One optimizer step on `samples` (the whole batch), on every rank: a collective."""
