@@ -70,6 +70,22 @@ def all_step_lines(run_dir: Path) -> list[dict]:
     return [d for d in out if "rollout_ids" in d]
 
 
+def stepped_versions(trainer_dir: Path) -> set[int]:
+    """The versions one trainer has written a step line for (its metrics JSONL, read now)."""
+    p = Path(trainer_dir) / "metrics" / "trainer.jsonl"
+    lines = p.read_text().splitlines() if p.exists() else []
+    # a line being appended may be cut short: only whole JSON lines count
+    out = set()
+    for line in lines:
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if "rollout_ids" in d:
+            out.add(d["version"])
+    return out
+
+
 def rolled_back(lines: list[dict]) -> list[dict]:
     """Lines a later epoch resumed below (it trained a version <= theirs): never checkpointed.
     A later line at version y resumed at y - 1 or lower when it trained (the step made y), at y

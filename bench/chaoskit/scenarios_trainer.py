@@ -14,7 +14,7 @@ from bus import topology as topo
 from bus.events import Task, decode
 from trainer import checkpoint
 
-from .books import all_step_lines, queued_ids, rolled_back, row
+from .books import all_step_lines, queued_ids, rolled_back, row, stepped_versions
 from .fleet import ChaosError, Fleet, pipeline, wait_ready
 from .observe import (
     deposed_publishes,
@@ -176,7 +176,9 @@ async def deferred_checkpoint_kill(run_dir: Path, tasks: int = 40, seed: int = 1
             deadline = time.monotonic() + 300
             while True:  # a version published, not checkpointed, after a checkpoint
                 v_kill = await fleet.version()
-                if v_kill > every and v_kill % every:
+                # and its step line written: the books find rolled-back versions by their lines (a kill
+                # between the version's KV write and its line left none, and the run looked clean)
+                if v_kill > every and v_kill % every and v_kill in stepped_versions(run_dir / "trainer-A"):
                     break
                 fleet.check_alive(["A"])
                 if time.monotonic() > deadline:
