@@ -79,10 +79,23 @@ async def test_three_node_cluster_forms_and_serves_r3_topology(tmp_path):
 
         def meta_leader():
             infos = [get_json(f"{n.monitor_url}/jsz") for n in nodes]
-            leaders = {(i.get("meta_cluster") or {}).get("leader") for i in infos}
-            return len(leaders) == 1 and None not in leaders and leaders.pop()
+            metas = [i.get("meta_cluster") or {} for i in infos]
+            leaders = {m.get("leader") for m in metas}
+            if len(leaders) != 1 or None in leaders:
+                return False
+            # and every peer current and online as the leader sees it: an R3 stream placed before
+            # then is refused ("no suitable peers for placement, peer offline"; seen once under load)
+            # (the leader's own view lists the two other peers)
+            ok = any(
+                len(m.get("replicas") or []) == 2
+                and all(r.get("current") and not r.get("offline") for r in m["replicas"])
+                for m in metas
+            )
+            return ok and leaders.pop()
 
-        leader = await asyncio.to_thread(wait_until, meta_leader, 30, "JetStream meta leader")
+        leader = await asyncio.to_thread(
+            wait_until, meta_leader, 30, "JetStream meta leader, every peer current"
+        )
         assert leader in {"rl-a", "rl-b", "rl-c"}
 
         # the trainer provisions R3 streams through one node; a worker on another node reads them
