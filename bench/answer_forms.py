@@ -94,7 +94,8 @@ def forced_forms(model, tok, env_name: str, prompts: int, seed: int, answer_toke
     tasks = [env.sample(rng, split="eval") for _ in range(prompts)]
     base = prompt_ids(tok, [t.prompt for t in tasks], True)
     out = {}
-    digits = {i: d for d in "0123456789" if len(i_ := tok.encode(d)) == 1 for i in i_}
+    encoded = {d: tok.encode(d) for d in "0123456789"}
+    digits = {v[0]: d for d, v in encoded.items() if len(v) == 1}  # digit token id -> its digit
     with torch.no_grad():
         bare = [bare_answer(model, b, digits) for b in base]
     out["bare"] = {
