@@ -5,8 +5,6 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 VLLM_VENV := .venv-vllm
 PYTEST_ARGS ?=
-# real pretrained models (asyncrl model prepare) are installed and converted here, once
-export ASYNCRL_CACHE ?= $(CURDIR)/$(VENV)/asyncrl-cache
 
 .PHONY: demo lint test test-numeric test-chaos test-bench test-vllm bench venv clean models tools
 

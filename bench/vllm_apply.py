@@ -33,10 +33,9 @@ async def run(a) -> dict:
 
     from .vllm_stall import changed
 
-    cache = os.environ.get("ASYNCRL_CACHE") or os.path.join(".venv", "asyncrl-cache")
-    if not models.is_prepared("smollm2", cache):
-        raise SystemExit(f"smollm2 is not prepared under {cache} (make models)")
-    folder = models.model_dir("smollm2", cache)
+    if not models.is_prepared("smollm2"):
+        raise SystemExit(f"smollm2 is not prepared under {models.cache_dir()} (make models)")
+    folder = models.model_dir("smollm2")
     cfg, model = policy.load_hf_checkpoint(folder)
     eng = VLLMEngine(
         EngineSection(kind="vllm", model=str(folder), slots=2, max_len=128, seed=0),

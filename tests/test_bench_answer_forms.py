@@ -1,7 +1,6 @@
 """bench.answer_forms on the real SmolLM2: every reply counted once, by its length, verified."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 def smollm2() -> Path:
     from asyncrl import model as M
 
-    cache = os.environ.get("ASYNCRL_CACHE") or REPO / ".venv" / "asyncrl-cache"
+    cache = None  # the one cache (asyncrl.model.cache_dir)
     if not M.is_prepared("smollm2", cache):
         pytest.skip("smollm2 not prepared (make models)")
     return M.model_dir("smollm2", cache)

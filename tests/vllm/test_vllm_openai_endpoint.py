@@ -9,7 +9,6 @@ vLLM's start (about a minute here) dominates: one engine, few tokens."""
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 def smollm2_dir() -> Path:
     from asyncrl import model as M
 
-    cache = os.environ.get("ASYNCRL_CACHE") or REPO / ".venv" / "asyncrl-cache"
+    cache = None  # the one cache (asyncrl.model.cache_dir)
     if not M.is_prepared("smollm2", cache):
         try:  # `make test-vllm` prepared it already; this is for a bare `pytest` run
             M.prepare("smollm2", cache)

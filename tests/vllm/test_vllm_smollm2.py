@@ -13,7 +13,6 @@ Short prompts, few tokens, 2 slots: vLLM's start (about a minute here) dominates
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,7 @@ MEAN_TOL, MAX_TOL, K3_TOL = 0.08, 0.5, 1e-2
 def smollm2_dir() -> Path:
     from asyncrl import model as M
 
-    cache = os.environ.get("ASYNCRL_CACHE") or REPO / ".venv" / "asyncrl-cache"
+    cache = None  # the one cache (asyncrl.model.cache_dir)
     if not M.is_prepared("smollm2", cache):
         try:  # `make test-vllm` prepared it already; this is for a bare `pytest` run
             M.prepare("smollm2", cache)
