@@ -22,8 +22,8 @@ def resolve(conf: dict) -> dict:
             name = v[len(PREFIX) :]
             if not is_prepared(name):
                 raise ValueError(
-                    f"{key} = {v!r}: model {name!r} is not prepared in the model cache {model_dir(name).parent.parent}; "
-                    f"run `make models` or `asyncrl model prepare {name}`"
+                    f"{key} = {v!r}: model {name!r} is not prepared in the model cache "
+                    f"{model_dir(name).parent.parent}; run `make models` or `asyncrl model prepare {name}`"
                 )
             out[key] = str(model_dir(name) / leaf) if leaf else str(model_dir(name))
     return out
