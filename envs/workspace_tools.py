@@ -389,6 +389,10 @@ def _setup():
     R, Rep, RW = _pytest.runner, _pytest.reports.TestReport, _pytest.assertion.rewrite
     chk, transform = _make_checker(lambda kind, rest: emit(kind, rest), key, root)
     rewrite = RW.rewrite_asserts
+    # modules rewritten with the checker must never be cached: pytest would write them beside the
+    # installed plugins (anyio's, hypothesis's) wherever that is writable, and every later pytest
+    # of the same version would load them and fail on the missing _asyncrl_chk
+    sys.dont_write_bytecode = True
 
     def rewrite_asserts(mod, source, module_path=None, config=None):
         return rewrite(transform(mod), source, module_path, config)

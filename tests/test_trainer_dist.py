@@ -2,14 +2,12 @@
 weights as one process on the same batch; its checkpoint is sharded (torch.distributed.checkpoint)
 and loads in one process."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from asyncrl.up import write_toml
+from tests.helpers.fsdp import launch
 from tests.helpers.tolerance import assert_adam_close, grad_reduction_len
 from tests.helpers.trainer import publish_groups, trainer_config
 from trainer import checkpoint
@@ -51,24 +49,7 @@ async def test_two_process_gloo_matches_one_process(bus, fresh_server, tmp_path)
             }
         },
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "trainer",
-            "--config",
-            str(conf),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        timeout=240,
-    )
+    out = launch(["-m", "trainer", "--config", str(conf)], timeout_s=240)
     assert out.returncode == 0, out.stderr.decode()[-3000:]
     st = checkpoint.load_latest(cfg.checkpoint.dir)
     assert st.version == 1 and "__dcp__" in st.model  # written by both ranks

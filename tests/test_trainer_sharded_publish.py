@@ -3,9 +3,6 @@ nats-server): every version goes out as two rank-encoded parts plus one signed m
 WeightFollower walking WEIGHTS reaches, version by version, exactly the bf16 state the gathered
 path publishes (the trainer's own gathered keyframe, and each sharded checkpoint loaded whole)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ from bus.weights.follower import StateTarget, WeightFollower
 from delta_codec import signing
 from delta_codec.sharded import digest_matches
 from policy import inference_state
+from tests.helpers.fsdp import launch
 from trainer import checkpoint
 from trainer.config import TrainerConfig
 from trainer.factory import build_learner, build_model, build_optimizer
@@ -77,24 +75,7 @@ async def test_two_rank_sharded_publication_is_bit_exact_for_a_real_follower(bus
             }
         },
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "trainer",
-            "--config",
-            str(conf),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        timeout=300,
-    )
+    out = launch(["-m", "trainer", "--config", str(conf)], timeout_s=300)
     assert out.returncode == 0, out.stderr.decode()[-3000:]
 
     # WEIGHTS: keyframe v0, then per version one manifest of 2 parts (and the gathered keyframe v2)

@@ -8,7 +8,6 @@ import os
 import random
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -53,55 +52,35 @@ def cfg_dict(tmp_path: Path, **over) -> dict:
     return {**d, **{k: {**d[k], **v} if isinstance(d.get(k), dict) else v for k, v in over.items()}}
 
 
-TEARDOWN_ABORT = b"terminate called without an active exception"
-
-
-def _run_group(tmp_path: Path, out: Path, nproc: int, env: dict, timeout_s: float) -> tuple[int, bytes]:
-    # a session of its own: a hung group is killed whole on timeout (torchrun's workers included)
+def launch(args: list[str], nproc: int = 2, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node N ARGS` from the repository root: the one way the
+    tests start a rank group. One intra-op thread per rank unless OMP_NUM_THREADS says otherwise
+    (make test-numeric runs 1 and 2). Its own session: a hung group is killed whole on timeout
+    (torchrun's workers included), then the timeout is raised."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            str(ROOT / "tests" / "fsdp_worker.py"),
-            str(tmp_path / "spec.json"),
-            str(out),
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
     try:
-        _, err = p.communicate(timeout=timeout_s)
+        out, err = p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, 9)
         p.communicate()
         raise
-    return p.returncode, err
+    return subprocess.CompletedProcess(argv, p.returncode, out, err)
 
 
 def torchrun(tmp_path: Path, spec: dict, nproc: int = 2, timeout_s: float = 240, ok: bool = True) -> dict:
+    """tests/fsdp_worker.py under torchrun with `spec`; its rank 0's result."""
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    # one intra-op thread per rank unless OMP_NUM_THREADS says otherwise (make test-numeric runs 1 and 2)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    for attempt in (1, 2):
-        rc, err = _run_group(tmp_path, out, nproc, env, timeout_s)
-        # a gloo rank aborting in its C++ teardown ("terminate called without an active exception",
-        # trainer/dist.shutdown_distributed) was seen once in ~13 runs of this file: one retry of
-        # the whole group, only for that signature (the results are asserted as ever)
-        if rc == 0 or not ok or TEARDOWN_ABORT not in err or attempt == 2:
-            break
-        warnings.warn(
-            f"torchrun group aborted in teardown, retried once:\n{err.decode()[-1500:]}", stacklevel=2
-        )
+    r = launch(
+        [str(ROOT / "tests" / "fsdp_worker.py"), str(tmp_path / "spec.json"), str(out)], nproc, timeout_s
+    )
     if not ok:
-        assert rc != 0
+        assert r.returncode != 0
         return {}
-    assert rc == 0, err.decode()[-4000:]
+    assert r.returncode == 0, r.stderr.decode()[-4000:]
     return torch.load(out / "result.pt", weights_only=False)
