@@ -1,4 +1,4 @@
-"""Both rollout engines under `asyncrl up` on one config, side by side (issue 32).
+"""Both rollout engines under `asyncrl up` on one config, side by side.
 
     python -m bench.engines_up --json [--config deploy/smollm2.toml] [--minutes 4] [--out DIR]
                                       [--vllm-python .venv-vllm/bin/python]

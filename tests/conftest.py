@@ -28,7 +28,7 @@ _APT = re.compile(r"apt-get install (?:-y )?([a-z0-9][a-z0-9.+-]*)")
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Close every run with what it skipped, why, and the apt line that brings the missing tools,
-    so a run that checks less than CI's says so (issue 35)."""
+    so a run that checks less than CI's says so."""
     reasons = Counter()
     for rep in terminalreporter.stats.get("skipped", []):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)

@@ -132,7 +132,7 @@ async def test_bad_events_and_poison_task_park_in_dlq_while_training_goes_on(tmp
 
 @pytest.mark.timeout(300)
 async def test_sync_poison_task_short(tmp_path):
-    """Short default-suite run of the sync_poison_task scenario (issue 14, item 4)."""
+    """Short default-suite run of the sync_poison_task scenario."""
     r = await sync_poison_task(tmp_path, tasks=2, timeout_s=5.0)
     assert r["lost"] == 0 and r["duplicates_trained"] == 0, r
     assert r["versions"] >= 2 and r["sync_replaced"] >= 1 and r["poison_parked"] == GROUP, r
@@ -141,7 +141,7 @@ async def test_sync_poison_task_short(tmp_path):
 
 @pytest.mark.timeout(300)
 async def test_slow_step_kill_short(tmp_path):
-    """Short default-suite run of the slow_step_kill scenario (issue 14, item 1)."""
+    """Short default-suite run of the slow_step_kill scenario."""
     r = await slow_step_kill(tmp_path, tasks=16)
     assert r["lost"] == 0 and r["duplicates_trained"] == 0, r
     assert r["version_at_kill"] == 0 and r["leader_logged_steps"] == 0, r

@@ -82,7 +82,7 @@ async def test_backlog_10k_worker_memory_bounded(tmp_path):
     assert r["queued"] == 10_000 and r["held_max"] <= r["held_cap"] and r["rss_growth_mb"] < 50
 
 
-# issue 14 (short versions in the default suite: tests/test_trainer_slow_step.py,
+# (short versions in the default suite: tests/test_trainer_slow_step.py,
 # tests/test_trainer_sync_dlq.py)
 async def test_slow_step_leader_killed_before_checkpoint(tmp_path):
     r = await slow_step_kill(tmp_path, tasks=40)
@@ -95,7 +95,7 @@ async def test_slow_step_leader_killed_before_checkpoint(tmp_path):
     assert r["first_version_after_death_s"] is not None
 
 
-# issue 32 (short version in the default suite: tests/test_trainer_bus.py
+# (short version in the default suite: tests/test_trainer_bus.py
 # test_checkpoint_every_k_acks_only_after_the_checkpoint_and_a_crash_retrains_the_rest)
 async def test_leader_killed_between_a_step_and_its_deferred_checkpoint(tmp_path):
     r = await deferred_checkpoint_kill(tmp_path, tasks=40, every=3)

@@ -1,5 +1,5 @@
-"""Issue 14 items 2 and 3 end to end (make test-chaos): real trainer / scorer / worker processes on
-a real nats-server. The short versions in the default suite are tests/test_trainer_fence.py and
+"""Signed epochs and server fencing end to end (make test-chaos): real trainer / scorer / worker
+processes on a real nats-server. The short versions in the default suite are tests/test_trainer_fence.py and
 tests/test_weights_signed_fields.py."""
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def test_seeds_and_baseline_do_not_mix(tmp_path, capsys):
     assert "--baseline" in capsys.readouterr().err
 
 
-# -- issue #36: arms -------------------------------------------------------------------------------
+# -- arms -------------------------------------------------------------------------------------------
 
 
 def test_config_with_sets_trainer_keys_and_keeps_the_rest():

@@ -1,4 +1,4 @@
-"""Issue #36: one λ per group (stamped at feed time, carried Task -> Rollout -> Scored, recorded per
+"""One λ per group (stamped at feed time, carried Task -> Rollout -> Scored, recorded per
 group), the penalty modes that keep success first (trainer/penalty.py) and the λ schedules
 (ramp, budget: trainer/lambda_control.py). Bus tests run a real nats-server and a real Scorer."""
 

@@ -1,4 +1,4 @@
-"""Per-role NATS users of deploy/nats (issue 9), against a real server run from single.conf.
+"""Per-role NATS users of deploy/nats, against a real server run from single.conf.
 
 Positive: every role can do its job through the real bus code (trainer provisions, feeds
 tasks, publishes weights through WeightPublisher and the object store, holds the lease;

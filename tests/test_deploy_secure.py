@@ -1,4 +1,4 @@
-"""deploy/ secure by default (issue 30, item 3), checked for real:
+"""deploy/ secure by default, checked for real:
 
 placeholders    deploy/nats/check-secrets.sh, run as compose's entrypoint and systemd's
                 ExecStartPre run it, refuses CHANGE-ME-*, empty secrets and a leaf URL with

@@ -1,4 +1,4 @@
-"""docs/design.md's map stays true (issue #34): checked from the files, nothing imported.
+"""docs/design.md's map stays true: checked from the files, nothing imported.
 
 Convention: in the section `## Where each file lives`, a table row whose first cell is a path in
 backticks ending in `.py` (`| `trainer/sections.py` | what it owns |`) names that file, by its path

@@ -1,4 +1,4 @@
-"""Import structure of the packages, checked from source with `ast` (nothing is imported; issue #34).
+"""Import structure of the packages, checked from source with `ast` (nothing is imported).
 
 Rules, each over every module of PACKAGES, each failure naming the modules and lines:
 - no import circle between modules. Every import statement counts wherever it stands: inside

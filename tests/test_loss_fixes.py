@@ -1,4 +1,4 @@
-"""Issue #31 items 1-6, the loss a real model needs: lambda survives the advantage, rejected tokens
+"""The loss a real model needs: lambda survives the advantage, rejected tokens
 leave the denominator, the KL term has the gradient of KL(pi || ref) under mu's samples, no PPO
 clip pretending to be a trust region, chunked logprobs bounded in memory with the same gradient,
 and a sample dropped as stale is out of its group's baseline."""

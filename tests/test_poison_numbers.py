@@ -1,4 +1,4 @@
-"""Issue 30, part 1: one bad number must not poison the fleet.
+"""One bad number must not poison the fleet.
 
 Every number of a Rollout and a Scored is validated on decode, whole lists (a reason naming the
 field and the index); the trainer checks ids against its vocabulary and parks a bad scored

@@ -1,4 +1,4 @@
-"""Rewards a policy cannot forge (issue #29 items 1-3): the short form of bench.reward_hacks (every
+"""Rewards a policy cannot forge: the short form of bench.reward_hacks (every
 hack scores nothing, the honest fix 1.0, on a gen-repo task on both runners, a package task and a
 HumanEval task), the report reader's rules, the scoring copy's record of what it dropped, and
 infrastructure failures that are never scored as the policy's."""
@@ -95,7 +95,7 @@ def test_the_honest_fix_resolves_every_task(tasks):
 @pytest.mark.parametrize("name", rh.QUICK)
 def test_a_hack_scores_nothing(tasks, name):
     """Each hack, on each task: not resolved, and no more tests passing than in the untouched repository
-    (every one of these resolved a task or scored above it before the fix of issue #29)."""
+    (every one of these resolved a task or scored above it before the scorer was hardened)."""
     by_key, untouched = tasks
     for key, task in by_key.items():
         if name in ("conftest_hookwrapper", "patch_pytest_internals") and task.runner == "mini":

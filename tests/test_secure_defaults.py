@@ -1,4 +1,4 @@
-"""Secure by default (issue 30, item 3), the parts without a deployment: checkpoints never run code
+"""Secure by default, the parts without a deployment: checkpoints never run code
 and must be the run's own; a weight follower without a public key says so (log + gauge)."""
 
 from __future__ import annotations

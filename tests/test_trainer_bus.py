@@ -93,7 +93,7 @@ async def test_stale_dropped_duplicates_and_bad_rollouts_refused(bus, fresh_serv
     # the dropped samples change nothing in the loss
     learner = build_learner(model, build_optimizer(model, cfg), cfg)
     packed = pack(batch)
-    # dropped samples are out of their group's baseline and their tokens weigh nothing (issue #31 item 6)
+    # dropped samples are out of their group's baseline and their tokens weigh nothing
     scrambled = [
         s
         if s.weight > 0

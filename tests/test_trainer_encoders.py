@@ -1,4 +1,4 @@
-"""The weight path's one publisher interface (issue #34): a gathered and a sharded version go out
+"""The weight path's one publisher interface: a gathered and a sharded version go out
 through `WeightPublisher.publish` alike, and the leader's step and publication take either encoder
 (trainer/encoders.py) the same way: same events order, same metrics, same digest handling."""
 

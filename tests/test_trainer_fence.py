@@ -1,4 +1,4 @@
-"""Issue 14 item 3: fencing is a conditional write on the server, not a check.
+"""Fencing is a conditional write on the server, not a check.
 
 A leader's publication is (1) a compare-and-set on its lease, then (2) a WEIGHTS write that
 expects the stream's last sequence to be the one this leader last wrote. A leader paused between

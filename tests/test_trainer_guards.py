@@ -1,4 +1,4 @@
-"""Issue #30 item 2, a trainer that cannot publish a non-finite weight: the log-ratio is clamped
+"""A trainer that cannot publish a non-finite weight: the log-ratio is clamped
 before any exponent, a step with a non-finite loss or gradient norm leaves parameters and
 optimizer state bit-identical and parks what poisoned it, non-finite bf16 weights are refused."""
 

@@ -39,7 +39,7 @@ def test_truncated_and_masked_weights_and_no_ppo_clip():
     )
     _, st = pg_loss(logp, behav, adv, w, 4, LossConfig(is_mode="masked", is_clip=2.0))
     assert st["frac_masked"] == 0.5  # 4 and 0.2 fall outside [1/2, 2]
-    # the PPO clip anchored on mu (issue #31 item 4) is gone: one step per batch has no trust region
+    # the PPO clip anchored on mu is gone: one step per batch has no trust region
     with pytest.raises(ValueError, match="ppo_clip.*trust region"):
         TrainerConfig(loss={"ppo_clip": 0.2})
 

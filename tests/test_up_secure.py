@@ -1,4 +1,4 @@
-"""`asyncrl up`'s embedded broker admits only the run's own processes (issue 30, item 3): an
+"""`asyncrl up`'s embedded broker admits only the run's own processes: an
 unauthenticated local client (raw nats-py) cannot connect, so cannot publish on rl.weights.>;
 the credentials reach the children through their environment only (not argv, not their TOML);
 the per-run signing pair and the credential files are private. Stopped as soon as it is checked

@@ -1,4 +1,4 @@
-"""Stopping `asyncrl up` the ways users and init systems do (issue 14, item 9).
+"""Stopping `asyncrl up` the ways users and init systems do.
 
     SIGINT to the process group (a terminal's Ctrl-C)   the embedded broker (own session) outlives
                                                          the children's drain; summary, no traceback

@@ -1,4 +1,4 @@
-"""`asyncrl up` replaces dead children (issue 14, item 8): a SIGKILLed worker and scorer are
+"""`asyncrl up` replaces dead children: a SIGKILLed worker and scorer are
 restarted with backoff, the run goes on, and summary.json counts the restarts per
 component. Also: [up] is validated before anything starts.
 
@@ -32,7 +32,7 @@ from tests.helpers.up import SUPERVISE
 
 async def test_up_restarts_killed_worker_and_scorer(fresh_server, tmp_path):
     """No step limit: a run that reached its steps while the test still looked for the
-    replacements exited 0 under it (CI, session 10); it is stopped by SIGTERM once both are back."""
+    replacements exited 0 under it (in CI); it is stopped by SIGTERM once both are back."""
     proc, run_dir = start_up(tmp_path, SUPERVISE, steps=100_000, nats=fresh_server.url, minutes=8)
     out = tmp_path / "up.out"
     try:

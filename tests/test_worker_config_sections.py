@@ -34,7 +34,7 @@ SECTIONS = {
     | {"log_level"},
     "faults": {"weights_after"},
 }
-# every key of the flat layout (38 fields before issue 34) but the two that stay at the top
+# every key of the flat layout (38 fields before the sections) but the two that stay at the top
 FLAT = (
     "engine slots queue max_inflight max_lag max_len model tokenizer quant_sites quant_block seed threads "
     "update_mode device public_key metrics_port heartbeat_s grace_s max_restarts restart_backoff_s "

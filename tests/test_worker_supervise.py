@@ -1,4 +1,4 @@
-"""Worker background tasks are supervised (issue 14, item 5): a feed that crashes is restarted
+"""Worker background tasks are supervised: a feed that crashes is restarted
 with backoff and the engine is back on the newest policy; a feed that keeps failing past
 `max_restarts` stops the worker with exit code 1, so a supervisor (`asyncrl up`) replaces it.
 

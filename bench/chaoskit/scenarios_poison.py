@@ -1,4 +1,4 @@
-"""Poisoned numbers (issue 30): one bad number must not poison the fleet.
+"""Poisoned numbers: one bad number must not poison the fleet.
 
 While a signed run trains, a hostile (or broken) sender publishes, on ROLLOUTS and SCORED, events
 with NaN, ±inf, 1e300, strings, ints beyond int64, out-of-range values and out-of-vocabulary ids

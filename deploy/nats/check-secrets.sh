@@ -1,5 +1,5 @@
 #!/bin/sh
-# Refuse to start a server whose secrets are still the shipped placeholders (issue 30).
+# Refuse to start a server whose secrets are still the shipped placeholders.
 #   check-secrets.sh                 check only (systemd ExecStartPre: a non-zero exit stops the start)
 #   check-secrets.sh CMD [ARGS...]   check, then exec CMD (compose: the entrypoint in front of the server)
 # Refused, naming the variable (never its value):

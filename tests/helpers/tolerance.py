@@ -1,4 +1,4 @@
-"""Tolerances for float comparisons, derived from what is compared (issue 35; docs/testing.md).
+"""Tolerances for float comparisons, derived from what is compared (docs/testing.md).
 
 Two computations of one quantity that differ only in reduction order (intra-op threads, FSDP shards,
 micro-batching, another CPU's kernels) differ by rounding. A fixed rtol/atol that held on one CPU

@@ -1,4 +1,4 @@
-"""The delta codec is warm inside vLLM's worker process once the engine has started (issue 32:
+"""The delta codec is warm inside vLLM's worker process once the engine has started (before:
 the first delta took ~18 s to reach the model, compiling the codec's kernels while vLLM was
 paused), and the warm-up leaves the weights alone: the first delta then lands bit for bit.
 (The first delta's time is bench.vllm_stall's first_apply_ms: no timing asserted on a shared box.)"""
