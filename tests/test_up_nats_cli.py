@@ -72,7 +72,15 @@ async def test_the_official_client_reads_a_live_run_from_nats_env_and_cannot_wri
         creds = _sourced(env_file)
         assert creds["NATS_USER"] == "observer" and creds["NATS_URL"].startswith("nats://127.0.0.1:")
         r = subprocess.run(
-            ["node", str(observer_script), topo.CONTROL_BUCKET, topo.KEY_VERSION, topo.DELTA_SUBJECT],
+            [
+                "node",
+                str(observer_script),
+                topo.CONTROL_BUCKET,
+                topo.KEY_VERSION,
+                topo.DELTA_SUBJECT,
+                topo.TASKS,
+                topo.ROLLOUT_CONSUMER,
+            ],
             capture_output=True,
             text=True,
             timeout=60,
@@ -82,6 +90,7 @@ async def test_the_official_client_reads_a_live_run_from_nats_env_and_cannot_wri
         seen = json.loads(r.stdout.strip().splitlines()[-1])
         assert {topo.TASKS, topo.WEIGHTS, f"KV_{topo.CONTROL_BUCKET}"} <= set(seen["streams"])
         assert seen["account_streams"] == len(seen["streams"])
+        assert seen["consumer"]["delivered"] > 0  # `nats consumer info TASKS rollout`
         assert seen["kv"] is not None and int(seen["kv"]) >= 0  # the run's current version
         for what, answer in seen["writes"].items():  # read-only: every write refused by the broker
             assert answer.startswith("refused"), (what, answer)

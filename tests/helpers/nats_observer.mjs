@@ -5,7 +5,7 @@ import { connect } from "@nats-io/transport-node";
 import { jetstream, jetstreamManager } from "@nats-io/jetstream";
 import { Kvm } from "@nats-io/kv";
 
-const [bucket, key, subject] = process.argv.slice(2);
+const [bucket, key, subject, stream, consumer] = process.argv.slice(2);
 const out = { writes: {} };
 const nc = await connect({
   servers: process.env.NATS_URL.split(","),
@@ -17,6 +17,8 @@ const jsm = await jetstreamManager(nc);
 out.streams = [];
 for await (const si of jsm.streams.list()) out.streams.push(si.config.name);
 out.account_streams = (await jsm.getAccountInfo()).streams;
+const ci = await jsm.consumers.info(stream, consumer);
+out.consumer = { pending: ci.num_pending, ack_pending: ci.num_ack_pending, delivered: ci.delivered.stream_seq };
 const kv = await new Kvm(nc).open(bucket);
 const entry = await kv.get(key);
 out.kv = entry ? new TextDecoder().decode(entry.value) : null;
