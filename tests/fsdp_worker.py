@@ -12,7 +12,13 @@ import torch
 
 from trainer.commands import world
 from trainer.config import TrainerConfig
-from trainer.dist import follower_loop, init_distributed, shutdown_distributed, stop_followers
+from trainer.dist import (
+    end_rank_process,
+    follower_loop,
+    init_distributed,
+    shutdown_distributed,
+    stop_followers,
+)
 from trainer.factory import build_learner, build_model, build_optimizer
 
 
@@ -88,3 +94,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_rank_process(0)  # every clean path left the group; a failure raised before this

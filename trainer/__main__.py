@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from bus.metrics import start_metrics_server
 
 from .commands import world
 from .config import TrainerConfig
-from .dist import follower_loop, init_distributed, shutdown_distributed, stop_followers
+from .dist import end_rank_process, follower_loop, init_distributed, shutdown_distributed, stop_followers
 from .factory import build_learner, build_model, build_optimizer
 from .leader import Trainer
 
@@ -116,8 +117,6 @@ def main(argv=None) -> int:
         return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--elastic" in argv:  # become this node's elastic agent; its workers run us without the flag
-        import os
-
         from .elastic import agent_env, torchrun_argv
 
         cmd = torchrun_argv(cfg, [a for a in argv if a != "--elastic"])
@@ -148,7 +147,10 @@ def main(argv=None) -> int:
         stop_on_signals(stop, cfg.run.grace_s, name=cfg.trainer_id)
         return await run(cfg, stop)
 
-    return asyncio.run(_main())
+    code = asyncio.run(_main())
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun rank: see end_rank_process
+        end_rank_process(code)
+    return code
 
 
 if __name__ == "__main__":
