@@ -36,6 +36,7 @@ from envs.workspace import default_root
 
 from .config import WorkerConfig
 from .engine import Engine, EngineClosed
+from .endpoint_token import load_tokens
 from .episodes import EpisodeRunner, is_episode_task, workspace_backend
 
 log = get_logger(__name__)
@@ -88,17 +89,19 @@ def make_episode_runner(cfg: WorkerConfig, engine: Engine, tok) -> EpisodeRunner
         backend=workspace_backend(cfg.episodes),
         episode_wall_s=cfg.episodes.episode_wall_s,
     )
+    if h.kind != "builtin":  # the endpoint's bearer tokens: from the file, else one in memory
+        kw.update(
+            host=h.endpoint_host,
+            port=h.endpoint_port,
+            bounds=h.bounds,
+            tokens=load_tokens(h.endpoint_token_file) if h.endpoint_token_file else None,
+        )
+        if h.endpoint_token_file:
+            log.info("endpoint bearer token", file=h.endpoint_token_file)  # where, never the token
     if h.kind == "external":  # a harness the worker does not launch (rollout_worker/external.py)
         from .external import ExternalRunner
 
-        return ExternalRunner(
-            engine,
-            tok,
-            host=h.endpoint_host,
-            port=h.endpoint_port,
-            deadline_s=h.external_deadline_s,
-            **kw,
-        )
+        return ExternalRunner(engine, tok, deadline_s=h.external_deadline_s, **kw)
     if h.kind != "builtin":  # a harness the worker launches (rollout_worker/harness.py)
         from .harness import HarnessRunner
 
@@ -107,8 +110,6 @@ def make_episode_runner(cfg: WorkerConfig, engine: Engine, tok) -> EpisodeRunner
             tok,
             harness=h.kind,
             harness_config=h.config,
-            host=h.endpoint_host,
-            port=h.endpoint_port,
             **kw,
         )
     return EpisodeRunner(engine, tok, **kw)
