@@ -110,7 +110,8 @@ def _field_problem(v, path: str, depth: int, max_depth: int) -> str:
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError as e:
-                return f"{path or 'the body'}: a lone surrogate (\\u{ord(v[e.start]):04x}) at character {e.start}"
+                code = f"\\u{ord(v[e.start]):04x}"
+                return f"{path or 'the body'}: a lone surrogate ({code}) at character {e.start}"
         elif isinstance(v, dict):
             todo += [(x, f"{path}.{k}" if path else str(k), depth + 1) for k, x in v.items()]
             todo += [(k, f"{path}{{key}}", depth + 1) for k in v]
@@ -330,7 +331,8 @@ class OpenAIEndpoint:
         eid = request.headers.get("X-Episode-Id") or body.get("episode_id") or body.get("user")
         if eid is not None and not (isinstance(eid, str) and 0 < len(eid) <= 200 and eid.isprintable()):
             raise RequestError(
-                "episode id (X-Episode-Id, episode_id or user) must be a printable string of at most 200 characters"
+                "episode id (X-Episode-Id, episode_id or user) must be a printable string of "
+                "at most 200 characters"
             )
         owner = request[OWNER]
         rec = self.episodes.get(eid) if eid else None

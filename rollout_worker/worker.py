@@ -35,8 +35,8 @@ from envs.episode_pool import EpisodePool
 from envs.workspace import default_root
 
 from .config import WorkerConfig
-from .engine import Engine, EngineClosed
 from .endpoint_token import load_tokens
+from .engine import Engine, EngineClosed
 from .episodes import EpisodeRunner, is_episode_task, workspace_backend
 
 log = get_logger(__name__)
