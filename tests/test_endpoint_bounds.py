@@ -182,8 +182,8 @@ async def test_malformed_bodies_are_4xx_naming_the_field_and_leave_the_episode(s
     assert len(r.choices[0].model_extra["token_ids"]) == 3
 
 
-def test_a_command_no_shell_can_run_is_an_observation_in_the_builtin_loop(tmp_path):
-    ep = Episode(bug_task(), EpisodeLimits(max_turns=6, prompt_style="toy"), LocalBackend(str(tmp_path / "eps")))
+def test_a_command_no_shell_can_run_is_an_observation_in_the_builtin_loop():
+    ep = Episode(bug_task(), EpisodeLimits(max_turns=6, prompt_style="toy"), LocalBackend())
     ep.reset()
     try:
         for bad, why in (("echo a\x00b", "NUL byte"), ("echo \udcff", "lone surrogate")):
