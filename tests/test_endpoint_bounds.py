@@ -103,7 +103,7 @@ async def test_a_slow_client_is_cut_at_the_header_and_body_timeouts(served):
     w.write(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
         + ep.token.encode()
-        + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"messages\": ["
+        + b'\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"messages": ['
     )
     await w.drain()
     got = await asyncio.wait_for(r.read(), 30)
@@ -161,8 +161,11 @@ async def test_malformed_bodies_are_4xx_naming_the_field_and_leave_the_episode(s
         cur = cur["x"]
     bad = [
         # a lone surrogate (a \ud800 escape is valid JSON, not valid Unicode)
-        (b'{"episode_id": "e1", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
-         "messages[0].content: a lone surrogate"),
+        (
+            b'{"episode_id": "e1", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+            400,
+            "messages[0].content: a lone surrogate",
+        ),
         ("[" * 30_000 + "]" * 30_000, 400, "nests deeper"),
         (json.dumps({**deep, "episode_id": "e1"}), 400, "metadata.x.x"),
         (b'{"episode_id": "e1", "messages": "\xff\xfe"}', 400, "not UTF-8"),
@@ -172,7 +175,9 @@ async def test_malformed_bodies_are_4xx_naming_the_field_and_leave_the_episode(s
         (json.dumps({"episode_id": "e1", "messages": SYS, "max_tokens": "many"}), 400, "max_tokens"),
     ]
     for data, status, why in bad:
-        got = await post(http, "/v1/chat/completions", data if isinstance(data, bytes) else data.encode(), status)
+        got = await post(
+            http, "/v1/chat/completions", data if isinstance(data, bytes) else data.encode(), status
+        )
         assert why in got["error"]["message"], (why, got)
     assert (list(rec.traj.ids), list(rec.traj.mask), dict(rec.stats), len(spy.asked)) == snap
     # and the episode goes on
