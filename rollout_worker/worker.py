@@ -32,7 +32,7 @@ from bus.weights.regions import weight_follower
 from bus.weights.rules import parse_version
 from envs import isolation
 from envs.episode_pool import EpisodePool
-from envs.workspace import default_root
+from envs.workspace import default_root, private_root
 
 from .config import WorkerConfig
 from .endpoint_token import load_tokens
@@ -414,8 +414,10 @@ class Worker:
         return kf
 
     async def run(self, stop: asyncio.Event | None = None, handle_signals: bool = True) -> None:
-        # before anything else: a killed predecessor's workspaces go, and no episode runs in a
-        # sandbox weaker than promised
+        # before anything else: the episodes root is this uid's own, a killed predecessor's
+        # workspaces go, and no episode runs in a sandbox weaker than promised
+        if self.cfg.episodes.workspace == "local":
+            private_root(default_root())
         await isolation.startup_async(
             self.cfg.episodes.allow_weak_sandbox,
             default_root() if self.cfg.episodes.workspace == "local" else None,
