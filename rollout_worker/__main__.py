@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     json_logs = {"1": True, "0": False}.get(os.environ.get("ASYNCRL_LOG_JSON", ""), None)
     setup_logging("rollout_worker", json=json_logs, component_id=cfg.worker_id, level=cfg.run.log_level)
+    if cfg.harness.token_problem():
+        print(f"rollout worker: bad configuration: {cfg.harness.token_problem()}", file=sys.stderr)
+        return 2
     if cfg.episodes.workspace == "local":
         try:  # this uid's own, private episodes root (a planted one decides what scoring imports)
             private_root(default_root())

@@ -78,7 +78,7 @@ from envs.conversation import chat_format
 from .claims import ANY, ClaimBoard, ClaimError
 from .endpoint_token import fresh_token, owner_of
 from .http_guard import ConnectionGuard
-from .sections import EndpointBounds
+from .sections import LOOPBACK, EndpointBounds
 from .trajectory import RequestError, TrajectoryRecorder, check_messages, encode
 
 log = get_logger(__name__)
@@ -226,6 +226,12 @@ class OpenAIEndpoint:
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{port}/v1"
         log.info("openai endpoint serving", url=self.url, model=self.model_name)
+        if self.host not in LOOPBACK:
+            log.warning(
+                "the endpoint serves plain HTTP beyond this machine: its bearer token and "
+                "trajectories cross the network in clear; put TLS in front or bind 127.0.0.1",
+                host=self.host,
+            )
         return self.url
 
     async def close(self) -> None:

@@ -148,16 +148,22 @@ class HarnessSection:
             self.bounds = EndpointBounds(**self.bounds)
         if self.config and not os.path.isfile(self.config):
             raise ValueError(f"harness config {self.config!r} is not a file ([worker.harness] config)")
-        if self.kind == "external" and not self.endpoint_token_file:
-            raise ValueError(
-                'harness "external" needs [worker.harness] endpoint_token_file: the bearer token(s) '
-                "its harnesses send (a 0600 file; a path that does not exist yet is created with a "
-                "fresh token; `asyncrl up` makes runs/<id>/config/endpoint.token)"
-            )
         if self.kind == "mini-swe-agent" and importlib.util.find_spec("minisweagent") is None:
             raise ValueError(
                 "harness 'mini-swe-agent' needs the mini-swe-agent package: pip install 'asyncrl[agents]'"
             )
+
+    def token_problem(self) -> str:
+        """Why the worker cannot serve its endpoint ('' if it can): an external harness must know
+        the token, so it lives in a file (a launched harness gets the worker's own). Checked when
+        the worker starts, not here: `asyncrl up` sets the file after checking the config."""
+        if self.kind == "external" and not self.endpoint_token_file:
+            return (
+                'harness "external" needs [worker.harness] endpoint_token_file: the bearer token(s) '
+                "its harnesses send (a 0600 file; a path that does not exist yet is created with a "
+                "fresh token; `asyncrl up` makes runs/<id>/config/endpoint.token)"
+            )
+        return ""
 
 
 @dataclass

@@ -89,6 +89,8 @@ def make_episode_runner(cfg: WorkerConfig, engine: Engine, tok) -> EpisodeRunner
         backend=workspace_backend(cfg.episodes),
         episode_wall_s=cfg.episodes.episode_wall_s,
     )
+    if h.token_problem():
+        raise ValueError(h.token_problem())
     if h.kind != "builtin":  # the endpoint's bearer tokens: from the file, else one in memory
         kw.update(
             host=h.endpoint_host,

@@ -209,5 +209,19 @@ def test_the_token_file_must_be_this_uids_and_private(tmp_path):
     g.chmod(0o600)
     with pytest.raises(ValueError, match="shorter than 16"):
         load_tokens(str(g))
-    with pytest.raises(ValueError, match="endpoint_token_file"):
-        WorkerConfig(harness={"kind": "external"})
+    assert "endpoint_token_file" in WorkerConfig(harness={"kind": "external"}).harness.token_problem()
+    assert not WorkerConfig(
+        harness={"kind": "external", "endpoint_token_file": str(f)}
+    ).harness.token_problem()
+
+
+def test_a_non_loopback_bind_without_tls_is_a_config_check_warning(tmp_path):
+    from asyncrl.config_check import resolve, warnings
+
+    def warned(host: str) -> list[str]:
+        conf = {"worker": {"harness": {"kind": "external", "endpoint_host": host}}}
+        return [w for w in warnings(resolve(conf)) if "endpoint_host" in w]
+
+    assert warned("127.0.0.1") == [] and warned("::1") == []
+    (w,) = warned("0.0.0.0")
+    assert "TLS" in w and "in clear" in w and "bind 127.0.0.1" in w
