@@ -780,14 +780,16 @@ class OpenAIEndpoint:
                 raise ConnectionResetError("the caller hung up")
             await resp.prepare(request)
             await resp.write_eof()
-        except (ConnectionError, asyncio.CancelledError):
+        except (ConnectionError, asyncio.CancelledError) as e:
             # never delivered: the offer goes to the next caller, as if never claimed
             offer.owner = None
             if rec is not None:
                 rec.owner = None
             self.board.release(offer)
             log.info("claim not delivered: offered again", episode_id=short_id(eid))
-            raise
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return resp
         self.board.confirm(offer)
         log.info("episode claimed", episode_id=short_id(eid), deadline_s=offer.deadline_s)
         return resp
