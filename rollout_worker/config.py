@@ -47,7 +47,7 @@ _MOVES = {
         "workspace", "docker_image", "sandbox_latency", "episode_wall_s", "allow_weak_sandbox"
     ),
     "harness": {
-        **same_keys("endpoint_host", "endpoint_port", "external_deadline_s", "endpoint_token_file"),
+        **same_keys("endpoint_host", "endpoint_port", "external_deadline_s"),
         "harness": "kind",
         "harness_config": "config",
     },
