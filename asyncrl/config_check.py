@@ -174,7 +174,18 @@ def vllm_cpu_warning(flags: set[str], cuda: bool) -> str | None:
 
 def warnings(resolved: dict) -> list[str]:
     """Settings (resolve()'s typed configs) that will work but badly on this machine (never a refusal)."""
+    from rollout_worker.sections import LOOPBACK
+
     out = []
+    h = resolved["worker"].harness
+    if h.kind != "builtin" and h.endpoint_host not in LOOPBACK:
+        out.append(
+            f"[worker.harness] endpoint_host = {h.endpoint_host!r} serves the OpenAI-compatible endpoint "
+            "beyond this machine over plain HTTP: its bearer token, prompts and trajectories cross "
+            "the network in clear, readable and replayable by anyone on the path. Put TLS in front "
+            "(a reverse proxy terminating https on that address, the endpoint on 127.0.0.1 behind "
+            "it) or bind 127.0.0.1"
+        )
     if resolved["worker"].engine.kind == "vllm":
         import torch
 

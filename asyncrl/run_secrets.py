@@ -124,6 +124,38 @@ class BrokerAuth:
             )
 
 
+ENDPOINT_TOKEN = "endpoint.token"
+
+
+def endpoint_token(run_dir: Path) -> Path:
+    """run_dir/config/endpoint.token (0600): the bearer token of the run's workers' OpenAI-compatible
+    endpoints (made once; a resumed run keeps it). The workers read it from the file
+    ([worker.harness] endpoint_token_file), a harness a worker launches gets it from its worker, and
+    a user's own harness reads the file: the token is never in argv, a log or run.json."""
+    path = run_dir / "config" / ENDPOINT_TOKEN
+    if not path.exists():
+        _write_private(path, secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def external_broker(servers: list[str]) -> tuple[list[str], dict[str, str]]:
+    """--nats URLs with their credentials taken out, and those credentials as the children's
+    environment (ASYNCRL_BUS__USER/PASSWORD or ASYNCRL_BUS__TOKEN): what run.json, the children's
+    config files and the logs show carries no password. ValueError if the URLs disagree."""
+    from bus.config import url_credentials
+
+    clean, found = [], []
+    for url in servers:
+        u, creds = url_credentials(url)
+        clean.append(u)
+        if creds:
+            found.append(creds)
+    if any(c != found[0] for c in found):
+        raise ValueError("--nats: the URLs carry different credentials; give one user for all of them")
+    creds = found[0] if found else {}
+    return clean, {f"ASYNCRL_BUS__{k.upper()}": v for k, v in creds.items()}
+
+
 def broker_auth(run_dir: Path) -> BrokerAuth:
     password = secrets.token_hex(24)  # hex: no quoting in the server config or env files
     observer = secrets.token_hex(24)

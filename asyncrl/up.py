@@ -335,9 +335,14 @@ async def run(a: argparse.Namespace) -> int:
         )
         return 2
 
-    server, auth, creds = None, None, {}
-    if a.nats:
-        servers = a.nats.split(",")
+    server, auth, creds, child_env = None, None, {}, {}
+    if a.nats:  # its credentials: the environment of the children, never run.json or a log
+        try:
+            servers, child_env = run_secrets.external_broker(a.nats.split(","))
+        except ValueError as e:
+            print(f"asyncrl up: {e}", file=sys.stderr)
+            return 2
+        creds = {k.removeprefix("ASYNCRL_BUS__").lower(): v for k, v in child_env.items()}
     else:
         # own session: a terminal's Ctrl-C must not stop the broker before the children drained;
         # started from this (main) thread so its parent-death signal follows this process.
@@ -353,6 +358,7 @@ async def run(a: argparse.Namespace) -> int:
         servers = [server.url]
         auth.write_env_file(servers)
         creds = {"user": auth.user, "password": auth.password}
+        child_env = auth.env()
     bus = await connect(BusConfig(servers=servers, name="asyncrl-up", **creds))
     await bus.provision()
     lam = a.lam if a.lam is not None else up.lambda_
@@ -379,6 +385,17 @@ async def run(a: argparse.Namespace) -> int:
     if sync:
         trainer_conf["batch"] = {**trainer.get("batch", {}), "max_lag": 0}
     worker = resolve_model_refs(conf.get("worker", {}))
+    harness = dict(worker.get("harness", {}))
+    if resolved["worker"].harness.kind != "builtin" and not resolved["worker"].harness.endpoint_token_file:
+        # the run's endpoint token: a file (0600) the workers and the user's harness read
+        harness["endpoint_token_file"] = str(run_secrets.endpoint_token(run_dir))
+        worker = {**worker, "harness": harness}
+        print(
+            f"asyncrl up: the workers' OpenAI-compatible endpoint takes the bearer token in "
+            f"{harness['endpoint_token_file']} (Authorization: Bearer <token>)",
+            file=sys.stderr,
+        )
+        log.info("endpoint token", file=harness["endpoint_token_file"])
     worker_conf = {
         **worker,
         "bus": bus_conf,
@@ -420,7 +437,7 @@ async def run(a: argparse.Namespace) -> int:
         run_dir,
         max_restarts=up.max_restarts,
         backoff_s=up.restart_backoff_s,
-        env=auth.env() if auth else None,
+        env=child_env or None,
     )  # the broker's credentials: environment only
     specs = [ChildSpec("trainer", "trainer", "trainer", trainer_conf, threads=threads.trainer)]
     specs += [

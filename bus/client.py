@@ -21,7 +21,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from bus import metrics
 from bus import topology as topo
-from bus.config import BusConfig
+from bus.config import BusConfig, redact_url
 from bus.errors import BlobError, ConnectError, KVConflict, PublishError  # noqa: F401  (re-exported)
 from bus.events import Event, encode
 from bus.log import get_logger
@@ -68,6 +68,7 @@ async def connect(cfg: BusConfig | None = None, **overrides) -> Bus:
 
         cfg = dataclasses.replace(cfg, **overrides)
     blog = log.bind(client=cfg.name)
+    shown = [redact_url(u) for u in cfg.servers]  # a URL's password never reaches a log or message
     state: dict = {"bus": None, "err": None}
 
     async def on_disconnect():
@@ -130,21 +131,20 @@ async def connect(cfg: BusConfig | None = None, **overrides) -> Bus:
                 except (TimeoutError, OSError, nats.errors.NoServersError, nats.errors.Error) as e:
                     if _auth_failure(state["err"]) or _auth_failure(e):
                         raise ConnectError(
-                            f"NATS at {cfg.servers} refused the credentials of "
-                            f"{cfg.name!r}: {state['err'] or e!r}"
+                            f"NATS at {shown} refused the credentials of {cfg.name!r}: {state['err'] or e!r}"
                         ) from None
                     if isinstance(state["err"], ssl.SSLError) or isinstance(e, ssl.SSLError):
                         raise ConnectError(
-                            f"TLS with NATS at {cfg.servers} failed (tls_ca / tls_cert / "
+                            f"TLS with NATS at {shown} failed (tls_ca / tls_cert / "
                             f"tls_key?): {state['err'] or e!r}"
                         ) from None
                     raise _Unreachable(repr(state["err"] or e)) from e
     except _Unreachable as e:
         raise ConnectError(
-            f"no NATS server reachable at {cfg.servers} after {cfg.connect_attempts} attempts: {e}"
+            f"no NATS server reachable at {shown} after {cfg.connect_attempts} attempts: {e}"
         ) from None
     nc.options["max_reconnect_attempts"] = -1  # from now on: reconnect forever
-    blog.info("nats connected", servers=cfg.servers)
+    blog.info("nats connected", servers=shown)
     state["bus"] = Bus(nc, cfg)
     return state["bus"]
 

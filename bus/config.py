@@ -30,6 +30,30 @@ class ConfigError(ValueError):
     pass
 
 
+def redact_url(url: str) -> str:
+    """A server URL with its credentials (user:password@ or token@) shown as ***@: for logs,
+    messages and files. Anything else unchanged."""
+    scheme, sep, rest = url.partition("://")
+    netloc = (rest if sep else url).split("/", 1)[0]
+    if "@" not in netloc:
+        return url
+    return url.replace(netloc, "***@" + netloc.rsplit("@", 1)[1], 1)
+
+
+def url_credentials(url: str) -> tuple[str, dict[str, str]]:
+    """(the URL without credentials, {"user", "password"} or {"token"} it carried, URL-decoded)."""
+    from urllib.parse import unquote
+
+    scheme, sep, rest = url.partition("://")
+    netloc = (rest if sep else url).split("/", 1)[0]
+    if "@" not in netloc:
+        return url, {}
+    info, host = netloc.rsplit("@", 1)
+    user, colon, password = info.partition(":")
+    creds = {"user": unquote(user), "password": unquote(password)} if colon else {"token": unquote(user)}
+    return url.replace(netloc, host, 1), creds
+
+
 @dataclass
 class BusConfig:
     servers: list[str] = field(default_factory=lambda: ["nats://127.0.0.1:4222"])

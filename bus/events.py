@@ -49,6 +49,12 @@ SCHEMA = 1
 ROLLOUT_SCHEMA = 2  # Rollout only: 2 added multi-turn episodes (loss mask, turns, tool calls)
 MAX_TOKENS = 1 << 17  # longest sequence a Rollout may claim (absurd sizes are refused)
 MAX_BODY = 64 * 1024 * 1024  # largest body decode accepts
+# what one body may make decode build (unpack_bounded): items of one array (token lists, with room),
+# pairs of one map, and maps + arrays in all
+MAX_ARRAY = 2 * MAX_TOKENS
+MAX_MAP = 1 << 16
+MAX_CONTAINERS_FLOOR = 4096
+BYTES_PER_CONTAINER = 64
 
 
 def new_id() -> str:
@@ -459,12 +465,49 @@ def _check_value(kind: str, name: str, v: Any, tp: Any) -> None:
         raise EventError(f"{kind}: field {name!r} = {v} does not fit int64")
 
 
+def unpack_bounded(body: bytes):
+    """msgpack → Python, refused before it allocates much more than the body: every length is
+    checked against its header before the object is built (no array of more than MAX_ARRAY items,
+    no map of more than MAX_MAP pairs, no string or bytes longer than the body), and maps and arrays
+    together number at most MAX_CONTAINERS_FLOOR + len(body) // BYTES_PER_CONTAINER (an empty map
+    is 1 byte on the wire and ~70 as a dict: 8 MiB of them would be ~600 MB). Nesting is bounded by
+    msgpack's own stack. A legitimate event holds a few dozen containers and its large arrays are
+    token lists (<= MAX_TOKENS each)."""
+    left = MAX_CONTAINERS_FLOOR + len(body) // BYTES_PER_CONTAINER
+
+    def count(obj):
+        nonlocal left
+        left -= 1
+        if left < 0:
+            raise EventError(
+                f"more than {MAX_CONTAINERS_FLOOR + len(body) // BYTES_PER_CONTAINER} maps and "
+                f"arrays in a body of {len(body)} bytes"
+            )
+        return obj
+
+    n = len(body)
+    return msgpack.unpackb(
+        body,
+        raw=False,
+        strict_map_key=False,
+        max_str_len=n,
+        max_bin_len=n,
+        max_ext_len=n,
+        max_array_len=min(n, MAX_ARRAY),
+        max_map_len=min(n, MAX_MAP),
+        object_hook=count,
+        list_hook=count,
+    )
+
+
 def decode(body: bytes, cls: type[Event] | None = None) -> Event:
     """Bytes → validated event. Raises EventError (never anything else) on bad input."""
     if len(body) > MAX_BODY:
         raise EventError(f"body of {len(body)} bytes exceeds {MAX_BODY}")
     try:
-        d = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        d = unpack_bounded(body)
+    except EventError:
+        raise
     except Exception as e:  # msgpack raises several exception types
         raise EventError(
             f"malformed msgpack: {str(e) or type(e).__name__}"

@@ -160,9 +160,24 @@ class EpisodeResult:
         return dataclasses.asdict(self)
 
 
+UNRUNNABLE_EXIT = 126  # the shell's "cannot execute"
+
+
+def unrunnable(command: str) -> str:
+    """Why no shell can run `command` ('' if one can): a NUL byte ends a C string, and a lone
+    surrogate has no bytes."""
+    if "\x00" in command:
+        return f"it contains a NUL byte (character {command.index(chr(0))})"
+    try:
+        command.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"it is not valid UTF-8 (a lone surrogate at character {e.start})"
+    return ""
+
+
 def approx_tokens(text: str) -> int:
     """Token count when the worker passes no tokenizer-exact figure: ~4 bytes a token."""
-    return (len(text.encode("utf-8")) + 3) // 4
+    return (len(text.encode("utf-8", "surrogatepass")) + 3) // 4
 
 
 SYSTEM_PROMPT = """You are a software engineer working in a repository through a bash shell.
@@ -326,6 +341,11 @@ class Episode:
     # -- internals --------------------------------------------------------------------------------
     def _run(self, command: str, info: dict) -> str:
         L = self.limits
+        why = unrunnable(command)
+        if why:  # the policy's own output: it sees why, the turn counts, nothing is run
+            self.tool_calls += 1
+            info.update(exit_code=UNRUNNABLE_EXIT, command_reason=why)
+            return command_observation(UNRUNNABLE_EXIT, "", f"command not run: {why}")
         res = self.workspace.run(command, L.command)
         self.tool_calls += 1
         self.tool_wall_s += res.wall_s

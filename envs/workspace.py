@@ -126,7 +126,40 @@ def _copy_dists(names: list[str], dest: str) -> None:
 
 
 def default_root() -> str:
-    return os.path.join(tempfile.gettempdir(), "asyncrl-episodes")
+    """The episodes root, per user: $XDG_RUNTIME_DIR/asyncrl-episodes for a user that is not root
+    (its sandboxed commands run as itself), else /tmp/asyncrl-<uid> (root's sandbox uids must
+    traverse it: 0711). Checked by private_root before use."""
+    uid, run = os.geteuid(), os.environ.get("XDG_RUNTIME_DIR", "")
+    if uid != 0 and run and os.path.isdir(run) and os.stat(run).st_uid == uid:
+        return os.path.join(run, "asyncrl-episodes")
+    return os.path.join(tempfile.gettempdir(), f"asyncrl-{uid}")
+
+
+def private_root(path: str) -> str:
+    """`path` made (0711) or checked as an episodes root: a real directory this process's uid owns
+    that no other user may list or write (mode 0700, or 0711: sandbox uids reach their own
+    workspace only). Anything else is refused (ValueError): a root another user planted decides
+    what the scoring runs import (a runner module there made an untouched repository score 1.0)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        os.mkdir(path, 0o711)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    fix = "remove it, or give the worker another root"
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"episodes root {path} is not a directory (a symlink or file is there): {fix}")
+    if st.st_uid != os.geteuid():
+        raise ValueError(
+            f"episodes root {path} is owned by uid {st.st_uid}, not by this process's uid "
+            f"{os.geteuid()}: another user may have planted it; {fix}"
+        )
+    if st.st_mode & 0o066:
+        raise ValueError(
+            f"episodes root {path} has mode {st.st_mode & 0o777:o}: other users may list or write it "
+            "(chmod 711)"
+        )
+    return path
 
 
 class LocalBackend:
@@ -136,7 +169,7 @@ class LocalBackend:
         self.root_dir, self.python = root_dir or default_root(), python
 
     def create(self, task, limits) -> LocalWorkspace:
-        os.makedirs(self.root_dir, exist_ok=True)
+        private_root(self.root_dir)
         os.chmod(self.root_dir, 0o711)
         python, site = (self.python, "") if self.python else sandbox_runtime(self.root_dir)
         return LocalWorkspace(task, self.root_dir, python, site)
@@ -147,7 +180,7 @@ class LocalWorkspace:
         self.error, self.python, self.site, self.root_dir = "", python, site, root_dir
         self.score_info = ScoreInfo()  # what the last scoring run found (Episode.score reads it)
         self.uid = fresh_uid()
-        os.makedirs(root_dir, exist_ok=True)
+        private_root(root_dir)
         os.chmod(root_dir, 0o711)
         self.root = tempfile.mkdtemp(prefix="ep-", dir=root_dir)
         self._claim = claim(self.root)  # held while we live: a restart's reap() spares it

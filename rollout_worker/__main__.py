@@ -19,7 +19,7 @@ from bus.lifetime import stop_on_signals
 from bus.metrics import start_metrics_server
 from envs import isolation
 from envs.isolation import WeakSandbox
-from envs.workspace import default_root
+from envs.workspace import default_root, private_root
 
 from .config import WorkerConfig
 from .worker import BackgroundFailed, Worker
@@ -63,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     json_logs = {"1": True, "0": False}.get(os.environ.get("ASYNCRL_LOG_JSON", ""), None)
     setup_logging("rollout_worker", json=json_logs, component_id=cfg.worker_id, level=cfg.run.log_level)
+    if cfg.harness.token_problem():
+        print(f"rollout worker: bad configuration: {cfg.harness.token_problem()}", file=sys.stderr)
+        return 2
+    if cfg.episodes.workspace == "local":
+        try:  # this uid's own, private episodes root (a planted one decides what scoring imports)
+            private_root(default_root())
+        except (OSError, ValueError) as e:
+            print(f"rollout worker refuses to start: {e}", file=sys.stderr)
+            return 2
     start_metrics_server(cfg.run.metrics_port)
     try:
         return asyncio.run(amain(cfg))

@@ -28,7 +28,6 @@ worker that dies or drains hands it back).
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 from bus import TransientError, get_logger
@@ -36,11 +35,28 @@ from bus.events import Rollout, SamplingParams, Task
 
 from .claims import ClaimError
 from .harness import EndpointRunner
+from .openai_api import new_episode_id, short_id
 from .trajectory import count_episode, rollout_of
 
 log = get_logger(__name__)
 
 EXPIRED = "expired"
+# what a harness learns of its episode's score: the verdict and counts, never the hidden tests'
+# ids (nor the scoring run's detail or the dropped files' names)
+RESULT_KEYS = ("task_id", "reward", "resolved", "termination", "turns", "tool_calls", "format_errors")
+
+
+def harness_result(result, rollout_id: str) -> dict:
+    d = result.to_dict()
+    out = {k: d[k] for k in RESULT_KEYS}
+    out.update(
+        tests_passed=sum(bool(v) for v in d["tests"].values()),
+        tests_total=len(d["tests"]),
+        tampered=bool(d.get("tampered")),
+        infra_error=d.get("infra_error", ""),
+        rollout_id=rollout_id,
+    )
+    return out
 
 
 class ExternalRunner(EndpointRunner):
@@ -59,7 +75,8 @@ class ExternalRunner(EndpointRunner):
     async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
         await self.url()  # (the worker serves before taking tasks; this is a no-op then)
         _, limits, ep, _ = self.open(task)
-        eid = f"{task.task_id}-{index}-{os.urandom(4).hex()}"  # a redelivered task: a fresh id
+        eid = new_episode_id()  # 128 random bits; a redelivered task: a fresh id
+        sid = short_id(eid)
         loop = asyncio.get_running_loop()
         ended, scored = loop.create_future(), loop.create_future()
         lock = asyncio.Lock()  # one workspace call at a time (steps, then score/close)
@@ -74,13 +91,13 @@ class ExternalRunner(EndpointRunner):
                 return await asyncio.shield(scored)
             except asyncio.CancelledError:
                 if scored.cancelled():  # the worker let the task go (drain) before scoring it
-                    raise ClaimError(410, f"episode {eid} was handed back by the worker") from None
+                    raise ClaimError(410, f"episode {sid} was handed back by the worker") from None
                 raise
 
         async def execute(command: str) -> dict:
             async with lock:
                 if rec.ended or ep.done:
-                    raise ClaimError(409, f"episode {eid} has ended ({ep.termination or rec.end_reason})")
+                    raise ClaimError(409, f"episode {sid} has ended ({ep.termination or rec.end_reason})")
                 submit = command.strip() == "submit"
                 r = await self.pool.step(
                     ep,
@@ -99,7 +116,14 @@ class ExternalRunner(EndpointRunner):
         t0 = time.perf_counter()
         try:
             msgs = await self.pool.reset(ep)
-            rec = self.endpoint.open_episode(eid, on_end=on_end, meta={"task_id": task.task_id}, sampling=sp)
+            rec = self.endpoint.open_episode(
+                eid,
+                on_end=on_end,
+                meta={"task_id": task.task_id},
+                sampling=sp,
+                owner=None,  # the claiming harness's token, at the claim
+                max_turn_tokens=min(sp.max_tokens, limits.max_turn_tokens),
+            )
             info = {
                 "task_id": task.task_id,
                 "env": task.env,
@@ -139,33 +163,30 @@ class ExternalRunner(EndpointRunner):
                 self.endpoint.retire(
                     eid,
                     410,
-                    f"episode {eid} expired: not ended within {self.deadline_s}s "
+                    f"episode {sid} expired: not ended within {self.deadline_s}s "
                     f"of its claim; its task went back to the stream",
                 )
                 log.warning(
-                    "external episode expired; task handed back", episode_id=eid, task_id=task.task_id
+                    "external episode expired; task handed back", episode_id=sid, task_id=task.task_id
                 )
                 raise TransientError(
-                    f"episode {eid} expired (no end within {self.deadline_s}s of its claim)", delay=0
+                    f"episode {sid} expired (no end within {self.deadline_s}s of its claim)", delay=0
                 )
             try:
                 async with lock:
                     result = await self.pool.score(ep)
-                res = {
-                    **{k: v for k, v in result.to_dict().items() if k not in ("detail",)},
-                    "rollout_id": f"{task.task_id}-{index}",
-                }
+                res = harness_result(result, f"{task.task_id}-{index}")
             except BaseException as e:
                 scored.set_exception(
                     ClaimError(
                         503,
-                        f"scoring episode {eid} failed ({type(e).__name__}); "
+                        f"scoring episode {sid} failed ({type(e).__name__}); "
                         f"its task goes back to the stream",
                     )
                 )
                 raise
             scored.set_result(res)
-            self.endpoint.retire(eid, 409, f"episode {eid} has already ended ({rec.end_reason})", res)
+            self.endpoint.retire(eid, 409, f"episode {sid} has already ended ({rec.end_reason})", res)
         finally:
             group = self._unclaimed.get(id(task), {})
             group.pop(eid, None)
@@ -174,7 +195,7 @@ class ExternalRunner(EndpointRunner):
             if rec is not None and eid in self.endpoint.episodes:
                 # cancelled (the worker drains) or failed before an end: nobody may continue it
                 self.stats["handed_back"] += 1
-                self.endpoint.retire(eid, 410, f"episode {eid} was handed back by the worker")
+                self.endpoint.retire(eid, 410, f"episode {sid} was handed back by the worker")
             self.endpoint.board.withdraw(eid)
             if not scored.done():
                 scored.cancel()

@@ -28,7 +28,8 @@ import time
 from bus.events import Rollout, SamplingParams, Task
 
 from .episodes import EpisodeRunner
-from .openai_api import OpenAIEndpoint
+from .openai_api import OpenAIEndpoint, new_episode_id, short_id
+from .sections import EndpointBounds
 from .trajectory import count_episode, rollout_of
 
 HARNESSES = ("builtin", "mini-swe-agent")
@@ -81,14 +82,17 @@ def load_harness_config(path: str = "") -> dict:
     return _merge(DEFAULT_CONFIG, user)
 
 
-def episode_config(base: dict, url: str, model_name: str, episode_id: str, max_tokens: int) -> dict:
-    """The harness's own config for one episode: its model points at the endpoint, its
-    environment at the live episode."""
+def episode_config(
+    base: dict, url: str, model_name: str, episode_id: str, max_tokens: int, api_key: str
+) -> dict:
+    """The harness's own config for one episode: its model points at the endpoint (with the
+    endpoint's bearer token: litellm sends `api_key` as `Authorization: Bearer`, as OPENAI_API_KEY
+    would), its environment at the live episode."""
     cfg = copy.deepcopy(base)
     m = cfg["model"]
     m["model_name"] = f"openai/{model_name}"  # litellm's OpenAI-compatible provider
     kw = m.setdefault("model_kwargs", {})
-    kw.update(api_base=url, api_key="asyncrl", extra_headers={"X-Episode-Id": episode_id})
+    kw.update(api_base=url, api_key=api_key, extra_headers={"X-Episode-Id": episode_id})
     kw.setdefault("max_tokens", max_tokens)
     cfg["environment"]["episode_id"] = episode_id
     return cfg
@@ -125,10 +129,28 @@ class EndpointRunner(EpisodeRunner):
     worker's OpenAI-compatible endpoint, which it owns: started once, on first use."""
 
     def __init__(
-        self, engine, tok, *, host: str = "127.0.0.1", port: int = 0, model_name: str = "asyncrl-policy", **kw
+        self,
+        engine,
+        tok,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_name: str = "asyncrl-policy",
+        tokens: list[str] | None = None,
+        bounds: EndpointBounds | None = None,
+        **kw,
     ):
         super().__init__(engine, tok, **kw)
-        self.endpoint = OpenAIEndpoint(engine, tok, host=host, port=port, model_name=model_name, fmt=self.fmt)
+        self.endpoint = OpenAIEndpoint(
+            engine,
+            tok,
+            host=host,
+            port=port,
+            model_name=model_name,
+            fmt=self.fmt,
+            tokens=tokens,
+            bounds=bounds,
+        )
         self._started: asyncio.Future | None = None
 
     async def url(self) -> str:
@@ -154,9 +176,12 @@ class HarnessRunner(EndpointRunner):
         from envs import mini_swe_agent
 
         et, limits, ep, _ = self.open(task)
-        eid = f"{task.task_id}-{index}-{os.urandom(4).hex()}"  # a redelivered task: a fresh id
+        eid = new_episode_id()  # a redelivered task: a fresh id
         url = await self.url()
-        rec = self.endpoint.open_episode(eid, meta={"task_id": task.task_id}, sampling=sp)
+        budget = min(sp.max_tokens, limits.max_turn_tokens)
+        rec = self.endpoint.open_episode(
+            eid, meta={"task_id": task.task_id}, sampling=sp, max_turn_tokens=budget
+        )
         t0 = time.perf_counter()
         exit_info: dict = {}
         try:
@@ -164,11 +189,7 @@ class HarnessRunner(EndpointRunner):
             mini_swe_agent.register(eid, ep)
             try:
                 cfg = episode_config(
-                    self.config,
-                    url,
-                    self.endpoint.model_name,
-                    eid,
-                    min(sp.max_tokens, limits.max_turn_tokens),
+                    self.config, url, self.endpoint.model_name, eid, budget, self.endpoint.token
                 )
                 exit_info = await asyncio.to_thread(run_mini_swe_agent, cfg, et.instruction)
             finally:
@@ -179,7 +200,7 @@ class HarnessRunner(EndpointRunner):
             self.endpoint.forget(eid)
             await self.pool.close(ep)
         if rec.traj is None or not rec.traj.ids:
-            raise ValueError(f"the harness ended episode {eid} without a model turn ({exit_info})")
+            raise ValueError(f"the harness ended episode {short_id(eid)} without a model turn ({exit_info})")
         count_episode(
             self.stats, self.ended, rec, result, time.perf_counter() - t0, exit_info.get("exit_status", "")
         )

@@ -28,7 +28,18 @@ Bring your own harness ([worker.harness] kind = "external"; the worker plays no 
 
 Each claimed episode is leased for `deadline_s` ([worker.harness] external_deadline_s) from its claim: not
 ended by then, it expires and its task goes back to the stream (redelivered, a fresh episode id).
-Errors (JSON, OpenAI's shape): 400 malformed body or unknown field, 404 unknown episode, 409
+Every route takes `Authorization: Bearer <token>` (one of [worker.harness] endpoint_token_file's,
+compared in constant time; 401 otherwise). An episode is open only to the token that claimed it (or,
+ad hoc, opened it; the worker's own token for episodes of a harness it launches): another token
+gets 404, as for an id that does not exist. Episode ids carry 128 random bits; logs name their first
+characters only. What one caller may cost is bounded ([worker.harness.bounds],
+rollout_worker/sections.py: EndpointBounds): header and body timeouts, a connection cap, body
+size, message count, JSON depth, `n`, ad-hoc recorders (dropped when idle, capped), and a claimed
+episode's max_tokens is capped to its turn budget. A claim goes only to a caller still connected:
+one that hung up while waiting or before the reply was written leaves the offer to the next caller.
+
+Errors (JSON, OpenAI's shape): 400 malformed body or unknown field (named), 401 no or a wrong
+token, 404 unknown episode, 408 body too slow, 413 body too large, 429 ad-hoc episodes full, 409
 ended already (the first end's result attached) / not claimed / no model turn to score yet, 410
 expired or handed back (later calls of an expired episode get 410, never a fresh ad-hoc episode).
 Nothing a refused call sent changes the episode.
@@ -50,10 +61,12 @@ logprobs, the behaviour logprob of each sampled token (the sampler's truncated d
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import hmac
 import json
+import secrets
 import time
-import uuid
 import zlib
 
 from aiohttp import web
@@ -62,14 +75,49 @@ from bus import get_logger
 from bus.events import SamplingParams
 from envs.conversation import chat_format
 
-from .claims import ClaimBoard, ClaimError
+from .claims import ANY, ClaimBoard, ClaimError
+from .endpoint_token import fresh_token, owner_of
+from .http_guard import ConnectionGuard
+from .sections import LOOPBACK, EndpointBounds
 from .trajectory import RequestError, TrajectoryRecorder, check_messages, encode
 
 log = get_logger(__name__)
 
-MAX_N = 16
-MAX_COMMAND = 64 << 10
 MAX_CLAIM_WAIT_S = 60.0
+OWNER = web.RequestKey("owner", str)  # the caller's token (endpoint_token.owner_of), set by _gate
+
+
+def new_episode_id() -> str:
+    return f"ep-{secrets.token_hex(16)}"  # 128 random bits: not guessable, not enumerable
+
+
+def short_id(eid: str | None) -> str:
+    """What logs and messages name an episode by: enough to tell episodes apart, not to call one."""
+    eid = str(eid or "")
+    return eid if len(eid) <= 12 else eid[:11] + "…"
+
+
+def _field_problem(v, path: str, depth: int, max_depth: int) -> str:
+    """Why a decoded JSON body cannot be used ('' if it can): nesting deeper than max_depth, or a
+    string that is not valid Unicode (a lone surrogate, from a \\ud800 escape). Iterative: a body
+    at the depth limit costs no recursion."""
+    todo = [(v, path, depth)]
+    while todo:
+        v, path, depth = todo.pop()
+        if depth > max_depth:
+            return f"{path or 'the body'} nests deeper than {max_depth} levels"
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                code = f"\\u{ord(v[e.start]):04x}"
+                return f"{path or 'the body'}: a lone surrogate ({code}) at character {e.start}"
+        elif isinstance(v, dict):
+            todo += [(x, f"{path}.{k}" if path else str(k), depth + 1) for k, x in v.items()]
+            todo += [(k, f"{path}{{key}}", depth + 1) for k in v]
+        elif isinstance(v, list):
+            todo += [(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v)]
+    return ""
 
 
 class OpenAIEndpoint:
@@ -86,11 +134,23 @@ class OpenAIEndpoint:
         port: int = 0,
         default_max_tokens: int = 256,
         fmt=None,
+        tokens: list[str] | None = None,
+        bounds: EndpointBounds | None = None,
     ):
+        """`tokens`: the bearer tokens callers may send (none given: one fresh token, `self.token`,
+        for a harness the worker launches); the first is the endpoint's own (`self.token`)."""
         self.engine, self.tok, self.model_name = engine, tok, model_name
         self.host, self.port, self.default_max_tokens = host, port, default_max_tokens
         self.fmt = fmt or chat_format(tok)
+        self.bounds = bounds or EndpointBounds()
+        tokens = list(tokens or [fresh_token()])
+        self.token = tokens[0]
+        self._tokens = [(t.encode(), owner_of(t)) for t in tokens]
+        self.owner = owner_of(self.token)  # owns the episodes the worker opens for its own harness
         self.episodes: dict[str, TrajectoryRecorder] = {}
+        self._adhoc: collections.OrderedDict[str, float] = collections.OrderedDict()  # id -> last use
+        self.guard = ConnectionGuard(self.bounds.max_connections, self.bounds.header_timeout_s)
+        self._server: asyncio.AbstractServer | None = None
         self.board = ClaimBoard()  # episodes offered to external harnesses (rollout_worker/claims.py)
         self.stats = {
             "requests": 0,
@@ -101,13 +161,50 @@ class OpenAIEndpoint:
             "divergent_turns": 0,
             "restarts": 0,
             "tokens": 0,
+            "unauthorized": 0,
+            "adhoc_dropped": 0,
         }
         self._runner: web.AppRunner | None = None
         self.url = ""
 
     # -- lifecycle ------------------------------------------------------------------------------
+    @web.middleware
+    async def _gate(self, request: web.Request, handler):
+        """Every route: the connection is busy (no header deadline) while its request runs, and the
+        caller's bearer token is checked (constant time, against every token: no early exit)."""
+        self.guard.busy(request.transport)
+        try:
+            got = request.headers.get("Authorization", "")
+            scheme, _, cred = got.partition(" ")
+            cred_b = cred.strip().encode("utf-8", "replace")
+            owner = None
+            for tok, who in self._tokens:
+                if hmac.compare_digest(cred_b, tok) and scheme.lower() == "bearer":
+                    owner = who
+            if owner is None:
+                self.stats["unauthorized"] += 1
+                return web.json_response(
+                    {
+                        "error": {
+                            "message": "missing or wrong bearer token: send 'Authorization: Bearer "
+                            "<token>' ([worker.harness] endpoint_token_file; under `asyncrl up`: "
+                            "runs/<id>/config/endpoint.token)",
+                            "type": "invalid_request_error",
+                            "code": "invalid_api_key",
+                            "param": "Authorization",
+                        }
+                    },
+                    status=401,
+                    headers={"WWW-Authenticate": 'Bearer realm="asyncrl"'},
+                )
+            request[OWNER] = owner
+            return await handler(request)
+        finally:
+            self.guard.idle(request.transport)
+
     async def start(self) -> str:
-        app = web.Application(client_max_size=64 << 20)
+        b = self.bounds
+        app = web.Application(client_max_size=b.max_body_bytes, middlewares=[self._gate])
         app.add_routes(
             [
                 web.get("/v1/models", self.models),
@@ -121,17 +218,31 @@ class OpenAIEndpoint:
         )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001  (aiohttp has no public getter)
-        self.url = f"http://{self.host}:{port}/v1"
+        # our own listening socket: aiohttp's protocol behind the connection guard (http_guard.py)
+        self._server = await asyncio.get_running_loop().create_server(
+            self.guard.factory(self._runner.server), self.host, self.port, backlog=128
+        )
+        port = self._server.sockets[0].getsockname()[1]
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{host}:{port}/v1"
         log.info("openai endpoint serving", url=self.url, model=self.model_name)
+        if self.host not in LOOPBACK:
+            log.warning(
+                "the endpoint serves plain HTTP beyond this machine: its bearer token and "
+                "trajectories cross the network in clear; put TLS in front or bind 127.0.0.1",
+                host=self.host,
+            )
         return self.url
 
     async def close(self) -> None:
         for rec in list(self.episodes.values()):
             self._release(rec)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         if self._runner is not None:
+            await self._runner.shutdown()
+            self.guard.close_all()
             await self._runner.cleanup()
             self._runner = None
 
@@ -142,13 +253,19 @@ class OpenAIEndpoint:
         on_end=None,
         meta: dict | None = None,
         sampling: SamplingParams | None = None,
+        owner: str | None = "",
+        max_turn_tokens: int = 0,
     ) -> TrajectoryRecorder:
         """`sampling`: the task's; its temperature / top_p / top_k replace the harness's (the
-        trainer replays the rollout with the task's sampling parameters)."""
+        trainer replays the rollout with the task's sampling parameters). `owner`: the token (its
+        owner_of name) whose calls may use the episode; "" (default): the endpoint's own token;
+        None: nobody until a harness claims it. `max_turn_tokens` > 0 caps each turn's max_tokens."""
         if episode_id in self.episodes:
-            raise ValueError(f"episode {episode_id!r} is already open")
-        rec = TrajectoryRecorder(self.tok, self.fmt, episode_id, on_end, meta)
+            raise ValueError(f"episode {short_id(episode_id)!r} is already open")
+        rec = TrajectoryRecorder(self.tok, self.fmt, episode_id or new_episode_id(), on_end, meta)
         rec.sampling = sampling
+        rec.owner = self.owner if owner == "" else owner
+        rec.max_turn_tokens = max_turn_tokens
         self.episodes[rec.episode_id] = rec
         self.stats["episodes_opened"] += 1
         return rec
@@ -165,7 +282,9 @@ class OpenAIEndpoint:
         async with rec.lock:
             if rec.ended:
                 if once:
-                    raise ClaimError(409, f"episode {episode_id} has already ended ({rec.end_reason})")
+                    raise ClaimError(
+                        409, f"episode {short_id(episode_id)} has already ended ({rec.end_reason})"
+                    )
                 return rec
             rec.ended, rec.end_reason = True, reason
             self._release(rec)
@@ -180,13 +299,34 @@ class OpenAIEndpoint:
     def retire(self, episode_id: str, status: int, message: str, result: dict | None = None) -> None:
         """The episode is gone (ended and scored, expired, handed back): later calls naming it get
         `status` and `message` (see the module docstring)."""
-        self.board.retire(episode_id, status, message, result)
+        rec = self.episodes.get(episode_id)
+        self.board.retire(episode_id, status, message, result, rec.owner if rec is not None else ANY)
         self.forget(episode_id)
 
     def forget(self, episode_id: str) -> None:
+        self._adhoc.pop(episode_id, None)
         rec = self.episodes.pop(episode_id, None)
         if rec is not None:
             self._release(rec)
+
+    def _adhoc_room(self) -> None:
+        """Ad-hoc recorders (a request naming no episode the worker opened) are dropped once idle
+        for adhoc_idle_s, and the least recently used idle one goes when max_adhoc_episodes are
+        open; all busy: 429. Nobody ends an ad-hoc episode, so without this they would pile up."""
+        b, now = self.bounds, time.monotonic()
+        for eid, last in list(self._adhoc.items()):
+            if len(self._adhoc) < b.max_adhoc_episodes and now - last < b.adhoc_idle_s:
+                break
+            rec = self.episodes.get(eid)
+            if rec is None or not rec.lock.locked():
+                self.forget(eid)
+                self.stats["adhoc_dropped"] += 1
+        if len(self._adhoc) >= b.max_adhoc_episodes:
+            raise ClaimError(
+                429,
+                f"{len(self._adhoc)} ad-hoc episodes are busy (max_adhoc_episodes "
+                f"{b.max_adhoc_episodes}): name an episode (X-Episode-Id) or retry later",
+            )
 
     def _release(self, rec: TrajectoryRecorder) -> None:
         if rec.handle is not None and hasattr(self.engine, "release"):
@@ -195,27 +335,44 @@ class OpenAIEndpoint:
 
     def _episode_of(self, request: web.Request, body: dict) -> TrajectoryRecorder:
         eid = request.headers.get("X-Episode-Id") or body.get("episode_id") or body.get("user")
-        if eid is not None and not isinstance(eid, str):
-            raise RequestError("episode id (X-Episode-Id, episode_id or user) must be a string")
+        if eid is not None and not (isinstance(eid, str) and 0 < len(eid) <= 200 and eid.isprintable()):
+            raise RequestError(
+                "episode id (X-Episode-Id, episode_id or user) must be a printable string of "
+                "at most 200 characters"
+            )
+        owner = request[OWNER]
         rec = self.episodes.get(eid) if eid else None
-        gone = self.board.retired(eid) if eid else None
+        gone = self.board.retired(eid, owner) if eid else None
         if rec is None and gone is not None:
             raise gone
-        offer = self.board.get(eid) if rec is not None else None
-        if offer is not None and not offer.claimed.is_set():
-            raise ClaimError(409, f"episode {eid} is offered but not claimed: POST /v1/episodes first")
-        if rec is None:
-            rec = self.open_episode(eid)
+        if rec is not None and rec.owner != owner:
+            if rec.owner is None:  # offered, nobody's yet
+                raise ClaimError(
+                    409, f"episode {short_id(eid)} is offered but not claimed: POST /v1/episodes first"
+                )
+            raise ClaimError(404, f"no episode {short_id(eid)} for this token")
+        created = rec is None
+        if created:
+            if eid and self.board.retired(eid) is not None:  # another token's, ended
+                raise ClaimError(404, f"no episode {short_id(eid)} for this token")
+            self._adhoc_room()
+            rec = self.open_episode(eid, owner=owner)
             # nobody ends an ad-hoc episode for sure: it holds no KV row between requests (each
             # request prefills its whole context; the ids are the same either way)
             rec.keep = False
             self.stats["episodes_assigned"] += 1
+        if created or rec.episode_id in self._adhoc:
+            self._adhoc[rec.episode_id] = time.monotonic()
+            self._adhoc.move_to_end(rec.episode_id)
         if rec.ended:
-            raise RequestError(f"episode {rec.episode_id} has ended")
+            raise RequestError(f"episode {short_id(rec.episode_id)} has ended")
         return rec
 
     # -- request parsing ------------------------------------------------------------------------
-    def _sampling(self, body: dict, used: int) -> tuple[SamplingParams, list[str], int]:
+    def _sampling(self, body: dict, used: int, budget: int = 0) -> tuple[SamplingParams, list[str], int]:
+        """`budget` > 0: the episode's turn budget; a larger max_tokens is cut to it (the built-in
+        loop's turns are no longer: the harness cannot buy more compute per turn)."""
+
         def num(key, default, lo, hi, kind=float):
             v = body.get(key, default)
             v = default if v is None else v
@@ -234,8 +391,11 @@ class OpenAIEndpoint:
                 f"context_length_exceeded: the conversation is {used} tokens, the engine's "
                 f"max_len {self.engine.max_len}"
             )
-        want = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = num("max_tokens", want or min(self.default_max_tokens, room), 1, 1 << 20, int)
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        want = body.get(key)
+        max_tokens = num(key, want or min(self.default_max_tokens, room), 1, 1 << 20, int)
+        if budget > 0:
+            max_tokens = min(max_tokens, budget)
         if max_tokens > room:
             raise RequestError(
                 f"context_length_exceeded: {used} tokens of conversation + max_tokens "
@@ -243,7 +403,7 @@ class OpenAIEndpoint:
             )
         temperature = num("temperature", 1.0, 0.0, 10.0)
         top_p = num("top_p", 1.0, 1e-6, 1.0)
-        n = num("n", 1, 1, MAX_N, int)
+        n = num("n", 1, 1, self.bounds.max_n, int)
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or len(stop) > 8 or not all(isinstance(s, str) and s for s in stop):
@@ -252,13 +412,38 @@ class OpenAIEndpoint:
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, n=n)
         return sp, stop, n
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _read(self, request: web.Request) -> bytes:
+        """The raw body, within body_timeout_s (408) and max_body_bytes (413)."""
+        b = self.bounds
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-            raise RequestError("the body is not JSON") from None
+            return await asyncio.wait_for(request.read(), b.body_timeout_s)
+        except TimeoutError:
+            raise ClaimError(
+                408, f"the body did not arrive within body_timeout_s {b.body_timeout_s}"
+            ) from None
+        except web.HTTPRequestEntityTooLarge:
+            raise ClaimError(
+                413, f"the body is over max_body_bytes {b.max_body_bytes} ([worker.harness.bounds])"
+            ) from None
+
+    async def _body(self, request: web.Request) -> dict:
+        raw = await self._read(request)
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise RequestError(f"the body is not UTF-8 (byte {e.start})") from None
+        except RecursionError:
+            raise RequestError(f"the body nests deeper than {self.bounds.max_json_depth} levels") from None
+        except ValueError as e:
+            raise RequestError(f"the body is not JSON ({e})") from None
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
+        why = _field_problem(body, "", 1, self.bounds.max_json_depth)
+        if why:
+            raise RequestError(why)
+        msgs = body.get("messages")
+        if isinstance(msgs, list) and len(msgs) > self.bounds.max_messages:
+            raise RequestError(f"messages: {len(msgs)} messages, max_messages {self.bounds.max_messages}")
         if body.get("tools") or body.get("functions"):
             raise RequestError(
                 "tools are not supported: use a text-based harness (actions in the message text)"
@@ -379,11 +564,15 @@ class OpenAIEndpoint:
             return self._error(e)
         async with rec.lock:
             if rec.ended:
-                return self._error(RequestError(f"episode {rec.episode_id} has ended"))
+                return self._error(RequestError(f"episode {short_id(rec.episode_id)} has ended"))
             saved = rec.checkpoint()
+            before = (rec.stats["divergent_turns"], rec.stats["restarts"])
             try:
-                obs = rec.plan_chat(messages) if chat else rec.plan_completion(prompt)
-                sp, stop, n = self._sampling(body, len(rec.context_ids) + len(obs))
+                # tokenising a long conversation is CPU work: off the event loop (the body's size is
+                # bounded already), so other episodes' requests and the bus keep going meanwhile
+                plan = rec.plan_chat if chat else rec.plan_completion
+                obs = await asyncio.to_thread(plan, messages if chat else prompt)
+                sp, stop, n = self._sampling(body, len(rec.context_ids) + len(obs), rec.max_turn_tokens)
                 if rec.sampling is not None:
                     task = rec.sampling
                     sp = dataclasses.replace(
@@ -394,10 +583,10 @@ class OpenAIEndpoint:
             except (RequestError, ValueError) as e:  # the engine refuses bad ids / lengths with ValueError
                 rec.restore(saved)  # a refused request leaves the episode as it was
                 return self._error(e)
-        self.stats["divergent_turns"] = sum(r.stats["divergent_turns"] for r in self.episodes.values())
-        self.stats["restarts"] = sum(r.stats["restarts"] for r in self.episodes.values())
+        self.stats["divergent_turns"] += rec.stats["divergent_turns"] - before[0]
+        self.stats["restarts"] += rec.stats["restarts"] - before[1]
         want_lp = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         headers = {"X-Episode-Id": rec.episode_id}
         usage = {
             "prompt_tokens": len(rec.context_ids) - len(choices[0][0].completion_ids),
@@ -509,7 +698,7 @@ class OpenAIEndpoint:
     # -- external harnesses (rollout_worker/claims.py, rollout_worker/external.py) -------------------
     async def _small_body(self, request: web.Request, fields: dict) -> dict:
         """An optional JSON object with only `fields` (name -> type); RequestError otherwise."""
-        if not await request.read():
+        if not await self._read(request):
             return {}
         body = await self._body(request)
         for k, v in body.items():
@@ -524,15 +713,25 @@ class OpenAIEndpoint:
                 raise RequestError(f"{k} must be {' or '.join(t.__name__ for t in fields[k])}, got {v!r}")
         return body
 
-    def _claimed(self, eid: str):
-        """(offer, recorder) of a claimed, live episode; ClaimError otherwise."""
+    def _claimed(self, eid: str, owner: str):
+        """(offer, recorder) of a live episode `owner` claimed; ClaimError otherwise (another
+        token's episode: 404, as one that does not exist)."""
         offer, rec = self.board.get(eid), self.episodes.get(eid)
         if offer is None or rec is None:
-            gone = self.board.retired(eid)
-            raise gone if gone is not None else ClaimError(404, f"no claimed episode {eid!r}")
-        if not offer.claimed.is_set():
-            raise ClaimError(409, f"episode {eid} is offered but not claimed: POST /v1/episodes first")
+            gone = self.board.retired(eid, owner)
+            raise gone if gone is not None else ClaimError(404, f"no claimed episode {short_id(eid)!r}")
+        if offer.owner is None:
+            raise ClaimError(
+                409, f"episode {short_id(eid)} is offered but not claimed: POST /v1/episodes first"
+            )
+        if offer.owner != owner:
+            raise ClaimError(404, f"no claimed episode {short_id(eid)!r} for this token")
         return offer, rec
+
+    @staticmethod
+    def _connected(request: web.Request) -> bool:
+        t = request.transport
+        return t is not None and not t.is_closing()
 
     async def claim_http(self, request: web.Request) -> web.Response:
         try:
@@ -548,13 +747,18 @@ class OpenAIEndpoint:
                 raise RequestError(f"wait_s must be in [0, {MAX_CLAIM_WAIT_S}], got {wait_s}")
         except RequestError as e:
             return self._error(e)
-        offer = await self.board.claim(wait_s)
+        owner = request[OWNER]
+        # reserved, not claimed: the caller must still be there (it may have hung up while waiting)
+        offer = await self.board.claim(wait_s, lambda: self._connected(request))
         if offer is None:
             return web.Response(status=204, headers={"Retry-After": "1"})
         eid = offer.episode_id
+        rec = self.episodes.get(eid)
+        offer.owner = owner
+        if rec is not None:
+            rec.owner = owner
         base = self.url.rsplit("/v1", 1)[0] if self.url else ""
-        log.info("episode claimed", episode_id=eid, deadline_s=offer.deadline_s)
-        return web.json_response(
+        resp = web.json_response(
             {
                 **offer.info,
                 "episode_id": eid,
@@ -571,18 +775,43 @@ class OpenAIEndpoint:
             },
             headers={"X-Episode-Id": eid},
         )
+        try:
+            if not self._connected(request):
+                raise ConnectionResetError("the caller hung up")
+            await resp.prepare(request)
+            await resp.write_eof()
+        except (ConnectionError, asyncio.CancelledError) as e:
+            # never delivered: the offer goes to the next caller, as if never claimed
+            offer.owner = None
+            if rec is not None:
+                rec.owner = None
+            self.board.release(offer)
+            log.info("claim not delivered: offered again", episode_id=short_id(eid))
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return resp
+        self.board.confirm(offer)
+        log.info("episode claimed", episode_id=short_id(eid), deadline_s=offer.deadline_s)
+        return resp
 
     async def exec_http(self, request: web.Request) -> web.Response:
         eid = request.match_info["eid"]
         self.stats["requests"] += 1
         try:
-            offer, rec = self._claimed(eid)
+            offer, rec = self._claimed(eid, request[OWNER])
             body = await self._small_body(request, {"command": (str,)})
             command = body.get("command", "")
-            if not command.strip() or len(command) > MAX_COMMAND:
-                raise RequestError(f"command must be a non-empty string of at most {MAX_COMMAND} characters")
+            limit = self.bounds.max_command_chars
+            if not command.strip() or len(command) > limit:
+                raise RequestError(
+                    f"command must be a non-empty string of at most {limit} characters (max_command_chars)"
+                )
+            if "\x00" in command:
+                raise RequestError(
+                    f"command: a NUL byte at character {command.index(chr(0))}: no shell can run it"
+                )
             if rec.ended:
-                raise ClaimError(409, f"episode {eid} has ended ({rec.end_reason})")
+                raise ClaimError(409, f"episode {short_id(eid)} has ended ({rec.end_reason})")
             out = await offer.execute(command)
             if out["done"]:  # the workspace ended it (submit, max_turns, ...): as an /end
                 if rec.traj is not None and any(rec.traj.mask):
@@ -595,20 +824,22 @@ class OpenAIEndpoint:
         return web.json_response(out, headers={"X-Episode-Id": eid})
 
     async def end_http(self, request: web.Request) -> web.Response:
-        eid = request.match_info["eid"]
+        eid, owner = request.match_info["eid"], request[OWNER]
         try:
             body = await self._small_body(request, {"reason": (str,)})
-            reason = body.get("reason") or "explicit"
+            reason = (body.get("reason") or "explicit")[:200]
             if self.board.get(eid) is None and eid not in self.episodes:
-                gone = self.board.retired(eid)
-                raise gone if gone is not None else ClaimError(404, f"no episode {eid!r}")
+                gone = self.board.retired(eid, owner)
+                raise gone if gone is not None else ClaimError(404, f"no episode {short_id(eid)!r}")
             if self.board.get(eid) is None:  # an episode the worker opened itself, or ad hoc
+                if self.episodes[eid].owner != owner:
+                    raise ClaimError(404, f"no episode {short_id(eid)!r} for this token")
                 return web.json_response(self.summary(await self.end_episode(eid, reason)))
-            _, rec = self._claimed(eid)
+            _, rec = self._claimed(eid, owner)
             if not rec.ended and (rec.traj is None or not any(rec.traj.mask)):
                 raise ClaimError(
                     409,
-                    f"episode {eid} has no model turn yet: nothing to score (play a turn "
+                    f"episode {short_id(eid)} has no model turn yet: nothing to score (play a turn "
                     f"through /v1/chat/completions with X-Episode-Id first)",
                 )
             rec = await self.end_episode(eid, reason, once=True)
@@ -618,7 +849,7 @@ class OpenAIEndpoint:
 
     async def episode_http(self, request: web.Request) -> web.Response:
         rec = self.episodes.get(request.match_info["eid"])
-        if rec is None:
+        if rec is None or rec.owner != request[OWNER]:
             return web.json_response(
                 {"error": {"message": "no such episode", "type": "not_found"}}, status=404
             )

@@ -10,6 +10,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from bus.config import check_section
 from envs.sandbox_latency import SandboxLatency
 
 HARNESSES = ("builtin", "mini-swe-agent", "external")
@@ -80,6 +81,42 @@ class EpisodesSection:
 
 
 @dataclass
+class EndpointBounds:
+    """What one caller may cost the OpenAI-compatible endpoint (rollout_worker/openai_api.py):
+    `[worker.harness.bounds]`. Sized for real harnesses: a whole conversation per request, a few
+    harnesses per worker."""
+
+    header_timeout_s: float = 10.0  # a connection sends its request's headers within this, else closed
+    body_timeout_s: float = 30.0  # and its body within this of the headers (408)
+    max_connections: int = 256  # open connections at once; more are closed on accept
+    max_body_bytes: int = 8 << 20  # a request body (413 beyond)
+    max_messages: int = 2048  # messages of one chat request
+    max_json_depth: int = 32  # nesting of a request body
+    max_n: int = 4  # choices per request (each a full generation)
+    max_command_chars: int = 64 << 10  # one /exec command
+    max_adhoc_episodes: int = 64  # requests naming no episode the worker opened: recorders kept at most
+    adhoc_idle_s: float = 300.0  # such a recorder unused this long is dropped
+
+    def __post_init__(self) -> None:
+        checks = {
+            "header_timeout_s": self.header_timeout_s > 0,
+            "body_timeout_s": self.body_timeout_s > 0,
+            "max_connections": self.max_connections >= 1,
+            "max_body_bytes": self.max_body_bytes >= 1024,
+            "max_messages": self.max_messages >= 1,
+            "max_json_depth": 4 <= self.max_json_depth <= 512,
+            "max_n": 1 <= self.max_n <= 64,
+            "max_command_chars": self.max_command_chars >= 1,
+            "max_adhoc_episodes": self.max_adhoc_episodes >= 0,
+            "adhoc_idle_s": self.adhoc_idle_s > 0,
+        }
+        check_section("worker.harness.bounds", self, checks)
+
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+@dataclass
 class HarnessSection:
     """Who plays multi-turn episodes (worker.make_episode_runner): "builtin"
     (rollout_worker/episodes.py) | "mini-swe-agent" (an external harness the worker launches, through
@@ -91,6 +128,11 @@ class HarnessSection:
     endpoint_host: str = "127.0.0.1"  # the OpenAI-compatible endpoint the harness talks to
     endpoint_port: int = 0  # 0: any free port
     external_deadline_s: float = 600.0  # external: a claimed episode not ended by then is handed back
+    # the endpoint's bearer token(s), one a line, in a file only this uid may read (0600). Empty: a
+    # launched harness gets a fresh token in memory; kind "external" needs one (`asyncrl up` makes
+    # runs/<id>/config/endpoint.token); a path that does not exist yet is created with a fresh token
+    endpoint_token_file: str = ""
+    bounds: EndpointBounds = field(default_factory=EndpointBounds)
 
     def __post_init__(self) -> None:
         if self.kind not in HARNESSES:
@@ -102,12 +144,26 @@ class HarnessSection:
             raise ValueError(f"external_deadline_s must be > 0, got {self.external_deadline_s}")
         if not 0 <= self.endpoint_port <= 65535:
             raise ValueError(f"endpoint_port must be in [0, 65535], got {self.endpoint_port}")
+        if isinstance(self.bounds, dict):
+            self.bounds = EndpointBounds(**self.bounds)
         if self.config and not os.path.isfile(self.config):
             raise ValueError(f"harness config {self.config!r} is not a file ([worker.harness] config)")
         if self.kind == "mini-swe-agent" and importlib.util.find_spec("minisweagent") is None:
             raise ValueError(
                 "harness 'mini-swe-agent' needs the mini-swe-agent package: pip install 'asyncrl[agents]'"
             )
+
+    def token_problem(self) -> str:
+        """Why the worker cannot serve its endpoint ('' if it can): an external harness must know
+        the token, so it lives in a file (a launched harness gets the worker's own). Checked when
+        the worker starts, not here: `asyncrl up` sets the file after checking the config."""
+        if self.kind == "external" and not self.endpoint_token_file:
+            return (
+                'harness "external" needs [worker.harness] endpoint_token_file: the bearer token(s) '
+                "its harnesses send (a 0600 file; a path that does not exist yet is created with a "
+                "fresh token; `asyncrl up` makes runs/<id>/config/endpoint.token)"
+            )
+        return ""
 
 
 @dataclass

@@ -32,9 +32,10 @@ from bus.weights.regions import weight_follower
 from bus.weights.rules import parse_version
 from envs import isolation
 from envs.episode_pool import EpisodePool
-from envs.workspace import default_root
+from envs.workspace import default_root, private_root
 
 from .config import WorkerConfig
+from .endpoint_token import load_tokens
 from .engine import Engine, EngineClosed
 from .episodes import EpisodeRunner, is_episode_task, workspace_backend
 
@@ -88,17 +89,21 @@ def make_episode_runner(cfg: WorkerConfig, engine: Engine, tok) -> EpisodeRunner
         backend=workspace_backend(cfg.episodes),
         episode_wall_s=cfg.episodes.episode_wall_s,
     )
+    if h.token_problem():
+        raise ValueError(h.token_problem())
+    if h.kind != "builtin":  # the endpoint's bearer tokens: from the file, else one in memory
+        kw.update(
+            host=h.endpoint_host,
+            port=h.endpoint_port,
+            bounds=h.bounds,
+            tokens=load_tokens(h.endpoint_token_file) if h.endpoint_token_file else None,
+        )
+        if h.endpoint_token_file:
+            log.info("endpoint bearer token", file=h.endpoint_token_file)  # where, never the token
     if h.kind == "external":  # a harness the worker does not launch (rollout_worker/external.py)
         from .external import ExternalRunner
 
-        return ExternalRunner(
-            engine,
-            tok,
-            host=h.endpoint_host,
-            port=h.endpoint_port,
-            deadline_s=h.external_deadline_s,
-            **kw,
-        )
+        return ExternalRunner(engine, tok, deadline_s=h.external_deadline_s, **kw)
     if h.kind != "builtin":  # a harness the worker launches (rollout_worker/harness.py)
         from .harness import HarnessRunner
 
@@ -107,8 +112,6 @@ def make_episode_runner(cfg: WorkerConfig, engine: Engine, tok) -> EpisodeRunner
             tok,
             harness=h.kind,
             harness_config=h.config,
-            host=h.endpoint_host,
-            port=h.endpoint_port,
             **kw,
         )
     return EpisodeRunner(engine, tok, **kw)
@@ -413,8 +416,10 @@ class Worker:
         return kf
 
     async def run(self, stop: asyncio.Event | None = None, handle_signals: bool = True) -> None:
-        # before anything else: a killed predecessor's workspaces go, and no episode runs in a
-        # sandbox weaker than promised
+        # before anything else: the episodes root is this uid's own, a killed predecessor's
+        # workspaces go, and no episode runs in a sandbox weaker than promised
+        if self.cfg.episodes.workspace == "local":
+            private_root(default_root())
         await isolation.startup_async(
             self.cfg.episodes.allow_weak_sandbox,
             default_root() if self.cfg.episodes.workspace == "local" else None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import io
 import json
+import os
 import random
 import tarfile
 
@@ -20,6 +21,7 @@ from envs.oracle import function_fix, oracle_actions, run_oracle
 from envs.sandbox import BashLimits
 from envs.task_set import load_task_set, write_task_set
 from envs.task_validation import BuildReport
+from envs.workspace import default_root
 
 SRC = '''"""doc"""
 LIMIT = 10
@@ -134,7 +136,7 @@ def test_oracle_solves_and_doing_nothing_does_not(gen_tasks):
         assert "FAILED" in turns[0]["observation"] and "0 failed" in turns[3]["observation"]
         assert (
             'File "tests/test_' in turns[0]["observation"]
-            and "asyncrl-episodes" not in turns[0]["observation"]
+            and os.path.basename(default_root()) not in turns[0]["observation"]
         )
     ep = Episode(tasks[0])
     try:

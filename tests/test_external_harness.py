@@ -34,7 +34,7 @@ TAMPER = "cat > test_calc.py <<'EOF'\ndef test_add():\n    pass\nEOF"
 
 
 @pytest.fixture
-async def external(bus, fresh_server, request):
+async def external(bus, fresh_server, request, tmp_path):
     """A worker with [worker.harness] kind = "external" (external_deadline_s: the indirect parameter,
     default 60) on version 3 of the toy policy; -> (worker, recording engine, publisher, state,
     aiohttp, openai)."""
@@ -48,7 +48,11 @@ async def external(bus, fresh_server, request):
         engine={"max_len": 2048},
         admission={"queue": 0},
         run={"heartbeat_s": 600.0, "grace_s": 2.0},
-        harness={"kind": "external", "external_deadline_s": getattr(request, "param", 60.0)},
+        harness={
+            "kind": "external",
+            "external_deadline_s": getattr(request, "param", 60.0),
+            "endpoint_token_file": str(tmp_path / "endpoint.token"),  # made with a fresh token
+        },
     )
     worker, stop = Worker(wc, bus, engine=eng), asyncio.Event()
     run = asyncio.create_task(worker.run(stop, handle_signals=False))
@@ -57,8 +61,9 @@ async def external(bus, fresh_server, request):
         timeout=60,
     )
     url = worker.episode_runner.endpoint.url
-    http = aiohttp.ClientSession(url.rsplit("/v1", 1)[0])
-    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
+    token = (tmp_path / "endpoint.token").read_text().strip()  # as a user's harness finds it
+    http = aiohttp.ClientSession(url.rsplit("/v1", 1)[0], headers={"Authorization": f"Bearer {token}"})
+    client = openai.AsyncOpenAI(base_url=url, api_key=token, max_retries=0)
     try:
         yield worker, eng, pub, state, http, client, (stop, run)
     finally:

@@ -29,7 +29,7 @@ async def served():
     await eng.load_keyframe(state, version=0, epoch=1)
     ep = OpenAIEndpoint(eng, TOK, model_name="toy")
     url = await ep.start()
-    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=url, api_key=ep.token, max_retries=0)
     try:
         yield ep, eng, client, state
     finally:
@@ -182,7 +182,7 @@ async def test_streaming_completions_assignment_and_bad_requests(served):
     ended = []
     ep.episodes[eid].on_end = lambda rec: asyncio.sleep(0, ended.append(rec.episode_id))
     base = ep.url.rsplit("/v1", 1)[0]
-    async with httpx.AsyncClient(base_url=base) as http:
+    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {ep.token}"}) as http:
         got = (await http.get(f"/v1/episodes/{eid}")).json()
         assert got["ids"] == t.ids and got["mask"] == t.mask and not got["ended"]
         for _ in range(2):

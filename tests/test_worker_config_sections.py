@@ -28,7 +28,8 @@ SECTIONS = {
     | {"update_mode", "device"},
     "admission": {"max_lag", "queue", "max_inflight"},
     "episodes": {"workspace", "docker_image", "sandbox_latency", "episode_wall_s", "allow_weak_sandbox"},
-    "harness": {"kind", "config", "endpoint_host", "endpoint_port", "external_deadline_s"},
+    "harness": {"kind", "config", "endpoint_host", "endpoint_port", "external_deadline_s"}
+    | {"endpoint_token_file", "bounds"},
     "weights": {"public_key"},
     "run": {"threads", "heartbeat_s", "grace_s", "max_restarts", "restart_backoff_s", "metrics_port"}
     | {"log_level"},
