@@ -79,13 +79,15 @@ def score(task, repo: str, dest: str, tools: str, run, prepare) -> tuple[dict[st
             and scoring_copy.infra_kind(r, task)
             and (plan is None or not scoring_copy.is_test_path(r, task))
         }
+        own = sorted({r.split("/")[0].removesuffix(".py") for r in snap if "/" in r or r.endswith(".py")})
         key, body = (
-            (PROBES, plan.job(nonce))
+            (PROBES, {**plan.job(nonce), "own": own})
             if plan
             else (
                 REPORT_KEY,
                 {
                     "nonce": nonce,
+                    "own": own,
                     "tests": tamper.tests_digest(task, snap),
                     **tamper.checker_key(task, copy.changed, copy.originals),
                 },

@@ -199,24 +199,29 @@ def _make_checker(emit, key, root):
 
 # Where the code under test goes on sys.path. Started isolated (`python -I`: no working directory,
 # no script directory, no PYTHON* variables, no user site on the path) by the scoring run, a runner
-# imports itself and everything it needs first, then puts the scoring copy right after the
-# standard library: no module of the standard library and none the runner already imported (pytest,
-# pluggy, the report plugin) can be replaced by a file of the workspace, while the task's own
-# packages still come before an installed copy of them. Started plainly (the agent's run_tests),
-# the copy goes first, as `python -m` would put it.
+# imports itself first, then appends the scoring copy to the end of the path: the standard library,
+# pytest, its plugins and anything they import later come from where they are installed, never
+# from a file of the workspace. Only the task's own top-level modules (`own`: the names of the
+# task's snapshot, from the key) are taken from the copy before an installed copy of them. Started
+# plainly (the agent's run_tests), the copy goes first, as `python -m` would put it.
 CODE_PATH = """
-def _code_path(root):
-    import sysconfig
+def _code_path(root, own):
     if not sys.flags.isolated:
         sys.path.insert(0, root)
         return
-    std = [os.path.realpath(sysconfig.get_path(k)) for k in ("stdlib", "platstdlib")]
+    import importlib.machinery
+    if own is None:  # a key without the task's names (the container backend): what is there now
+        own = [n[:-3] if n.endswith(".py") else n for n in os.listdir(root)]
+    own = frozenset(own)
 
-    def is_std(p):
-        r = os.path.realpath(p or ".")
-        inside = any(r == s or r.startswith(s + os.sep) for s in std)
-        return r.endswith(".zip") or inside and "-packages" not in r
-    sys.path.insert(max((i + 1 for i, p in enumerate(sys.path) if is_std(p)), default=0), root)
+    class _Own:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if path is None and name in own:
+                return importlib.machinery.PathFinder.find_spec(name, [root])
+            return None
+    sys.meta_path.insert(0, _Own)
+    sys.path.append(root)
 """
 
 
@@ -236,7 +241,7 @@ if args[:1] == ["--report"]:
     except (OSError, ValueError):
         _key = {"nonce": "", "tests": {}}
 # CODE_PATH
-_code_path(os.getcwd())
+_code_path(os.getcwd(), (_key or {}).get("own"))
 
 
 def _reporter(key):
@@ -336,7 +341,7 @@ with open(".asyncrl-probes") as f:
     _job = json.load(f)
 os.unlink(".asyncrl-probes")
 # CODE_PATH
-_code_path(os.getcwd())
+_code_path(os.getcwd(), _job.get("own"))
 _nonce, _fd, _write = _job["nonce"], os.dup(1), os.write
 _plain = (int, float, str, bool, type(None), bytes, complex)
 
@@ -531,14 +536,19 @@ def pytest_unconfigure(config, _f=_unconf):
 
 # pytest for the scoring run, started `python -I` by path: pytest, pluggy and the report plugin (loaded
 # from this directory by file, registered as an object: no module name is looked up for it) are
-# imported before the scoring copy is on the path (CODE_PATH), and test modules are appended to the
-# path (--import-mode=append), never put before it. The site dir of a sandbox python without pytest
-# comes from PYTHONPATH, which -I leaves to us to read.
+# imported before the scoring copy is on the path, which then comes last (CODE_PATH), and test
+# modules are appended to the path (--import-mode=append), never put before it. The site dir of a
+# sandbox python without pytest comes from PYTHONPATH, which -I leaves to us to read.
 PYTEST_RUN = r"""
 import os, sys
 if sys.flags.isolated:
     sys.path += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
-import importlib.util
+import importlib.util, json
+try:
+    with open(".asyncrl-report-key") as f:
+        _own = json.load(f).get("own")  # the plugin reads the rest and deletes the file
+except (OSError, ValueError, AttributeError):
+    _own = None
 import pluggy, pytest, _pytest.config, _pytest.main, _pytest.python, _pytest.runner, _pytest.terminal
 _spec = importlib.util.spec_from_file_location(
     "asyncrl_report", os.path.join(os.path.dirname(os.path.abspath(__file__)), "asyncrl_report.py"))
@@ -546,7 +556,7 @@ _plugin = importlib.util.module_from_spec(_spec)
 sys.modules["asyncrl_report"] = _plugin
 _spec.loader.exec_module(_plugin)
 # CODE_PATH
-_code_path(os.getcwd())
+_code_path(os.getcwd(), _own)
 sys.exit(pytest.main(sys.argv[1:], plugins=[_plugin]))
 """.replace("# CODE_PATH", CODE_PATH)
 
