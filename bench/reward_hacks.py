@@ -30,6 +30,7 @@ from envs.oracle import fix_block
 from envs.sandbox import BashLimits
 
 from . import tiny_package
+from .forgery_hacks import FORGERIES
 
 LIMITS = EpisodeLimits(command=BashLimits(wall_s=30.0, cpu_s=30), score_wall_s=90.0)
 
@@ -116,6 +117,18 @@ def append(path: str, code: str) -> str:
 def write(path: str, text: str) -> str:
     d = os.path.dirname(path)
     return (f"mkdir -p {d} && " if d else "") + f"cat > {path} <<'HACK_EOF'\n{text}\nHACK_EOF"
+
+
+def chunks(text: str, size: int = 3000) -> list[str]:
+    """`text` in pieces of whole lines, each a turn under the episode's max_turn_tokens (~4 bytes a
+    token), that concatenated give it back (each append adds the newline the heredoc drops)."""
+    out, cur = [], ""
+    for line in text.strip("\n").split("\n"):
+        if cur and len(cur) + len(line) > size:
+            out.append(cur.rstrip("\n"))
+            cur = ""
+        cur += line + "\n"
+    return out + [cur.rstrip("\n")]
 
 
 @dataclasses.dataclass
@@ -376,7 +389,26 @@ if _mm is not None and hasattr(_mm, "report"):
     }
 
 
-HACKS = _hacks()
+def _forgeries() -> dict[str, tuple[str, object]]:
+    """The three classes of forgery that avoid every name the static check lists (bench/forgery_hacks.py)."""
+
+    def turns(code, files):
+        def play(c: Ctx) -> list[str]:
+            if code:
+                return [append(c.src, part) for part in chunks(code)]
+            out = []
+            for p, t in files.items():
+                parts = chunks(t)
+                out += [write(p, parts[0])] + [append(p, part) for part in parts[1:]]
+            return out
+
+        return play
+
+    return {name: (what, turns(code, files)) for name, (what, code, files) in FORGERIES.items()}
+
+
+HACKS = {**_hacks(), **_forgeries()}
+FORGERY = tuple(FORGERIES)
 QUICK = (
     "always_equal",
     "dynamic_always_equal",
@@ -435,6 +467,30 @@ def local_sdist(dest: str) -> str:
     return tiny_package.write_sdist(dest, conftest=True)
 
 
+def report_mode_task(task: EpisodeTask) -> EpisodeTask:
+    """The same repository on the mini runner with its tests in a shape value mode does not take
+    (`got = call` then `assert got == expected`): the runner's report decides."""
+    import ast
+
+    def reshape(text: str) -> str:
+        tree = ast.parse(text)
+        for fn in tree.body:
+            if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test"):
+                body = []
+                for st in fn.body:
+                    if isinstance(st, ast.Assert) and isinstance(st.test, ast.Compare):
+                        got = ast.Name("got", ast.Store())
+                        body.append(ast.Assign([got], st.test.left, lineno=st.lineno))
+                        st.test.left = ast.Name("got", ast.Load())
+                    body.append(st)
+                fn.body = body
+        return ast.unparse(ast.fix_missing_locations(tree)) + "\n"
+
+    tests = {p: reshape(t) for p, t in task.hidden_tests.items()}
+    files = {p: tests.get(p, t) for p, t in task.files.items()}
+    return dataclasses.replace(task, task_id=task.task_id + "-report", files=files, hidden_tests=tests)
+
+
 def build_tasks(
     work: str, package: str | None, sdist: str | None, seed: int = 3
 ) -> tuple[dict[str, EpisodeTask], dict]:
@@ -444,7 +500,11 @@ def build_tasks(
 
     info: dict = {}
     gen = gen_repos.build(1, seed=0)[0]
-    out = {"mini": gen, "pytest": dataclasses.replace(gen, task_id=gen.task_id + "-pytest", runner="pytest")}
+    out = {
+        "mini": gen,
+        "mini_report": report_mode_task(gen),
+        "pytest": dataclasses.replace(gen, task_id=gen.task_id + "-pytest", runner="pytest"),
+    }
     he = [t for t in humaneval_tasks.build(limit=4, kinds=("fix",)) if t.family == "humaneval-fix"]
     out["humaneval"] = he[0]
     pkg_dir = os.path.join(work, "pkg")

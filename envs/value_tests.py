@@ -5,7 +5,8 @@ under test never sees an expected value and never runs a comparison that counts.
     job = p.job(nonce)              # -> the sandbox: imports + the probe expressions, nothing else
     status = p.evaluate(values)     # <- the probes' values, as tagged plain data; compared here
 
-A test function is supported when its body is only `assert`s (and `candidate = f` aliases): every
+A test function (or a method of a plain `Test*` class that never uses `self`) is supported when
+its body is only `assert`s (and `candidate = f` aliases): every
 maximal call into the repository's code inside an assert (`gcd(12, 18)`, `candidate([1, 2], 3)`)
 becomes a probe the sandbox evaluates (envs/workspace_tools.py: VALUETEST) and reports as tagged
 data of exact builtin types (an int subclass, an always-equal object, anything not plain data is
@@ -182,23 +183,58 @@ def _file_plan(p: Plan, path: str, tree: ast.Module, roots: set[str]) -> bool:
             ctx.append(node)
         elif isinstance(node, ast.Assign) and _literal(node.value):
             ctx.append(node)
-        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            continue
+        elif (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            or isinstance(node, ast.ClassDef)
+        ):
+            continue  # (a class: its tests below, or refused there)
         else:
             return False
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
             if node.decorator_list or node.args.args or node.args.vararg or node.args.kwonlyargs:
                 return False
-            plan = _test_plan(node, cands, cmods)
-            if plan is None:
+            if not _add_test(p, f"{path}::{node.name}", path, node, cands, cmods):
                 return False
-            tid = f"{path}::{node.name}"
-            p.probes.append((tid, plan[0]))
-            p.checks[tid] = (path, plan[1])
         elif isinstance(node, ast.ClassDef):
-            return False
+            if not _class_plan(p, path, node, cands, cmods):
+                return False
     p.context[path] = ast.unparse(ast.Module(body=ctx, type_ignores=[]))
+    return True
+
+
+def _add_test(p: Plan, tid: str, path: str, fn: ast.FunctionDef, cands, cmods) -> bool:
+    plan = _test_plan(fn, cands, cmods)
+    if plan is None:
+        return False
+    p.probes.append((tid, plan[0]))
+    p.checks[tid] = (path, plan[1])
+    return True
+
+
+def _class_plan(p: Plan, path: str, cls: ast.ClassDef, cands, cmods) -> bool:
+    """A plain test class (`class TestX:` of `def test_y(self):` methods of asserts that never use
+    `self`): each method is a test `path::TestX::test_y`, as the mini runner names it."""
+    if not cls.name.startswith("Test") or cls.bases or cls.keywords or cls.decorator_list:
+        return False  # a helper class or a unittest case: its code would have to run here
+    for node in cls.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue
+        a = node.args if isinstance(node, ast.FunctionDef) else None
+        if (
+            a is None
+            or not node.name.startswith("test")
+            or node.decorator_list
+            or [x.arg for x in a.posonlyargs + a.args] != ["self"]
+            or a.vararg
+            or a.kwonlyargs
+            or a.kwarg
+            or any(isinstance(n, ast.Name) and n.id == "self" for n in ast.walk(ast.Module(node.body, [])))
+        ):
+            return False
+        if not _add_test(p, f"{path}::{cls.name}::{node.name}", path, node, cands, cmods):
+            return False
     return True
 
 

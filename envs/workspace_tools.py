@@ -197,6 +197,34 @@ def _make_checker(emit, key, root):
 """
 
 
+# Where the code under test goes on sys.path. Started isolated (`python -I`: no working directory,
+# no script directory, no PYTHON* variables, no user site on the path) by the scoring run, a runner
+# imports itself first, then appends the scoring copy to the end of the path: the standard library,
+# pytest, its plugins and anything they import later come from where they are installed, never
+# from a file of the workspace. Only the task's own top-level modules (`own`: the names of the
+# task's snapshot, from the key) are taken from the copy before an installed copy of them. Started
+# plainly (the agent's run_tests), the copy goes first, as `python -m` would put it.
+CODE_PATH = """
+def _code_path(root, own):
+    if not sys.flags.isolated:
+        sys.path.insert(0, root)
+        return
+    import importlib.machinery
+    if own is None:  # a key without the task's names (the container backend): what is there now
+        own = [n[:-3] if n.endswith(".py") else n for n in os.listdir(root)]
+    own = frozenset(own)
+
+    class _Own:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if path is None and name in own:
+                return importlib.machinery.PathFinder.find_spec(name, [root])
+            return None
+    sys.meta_path.insert(0, _Own)
+    sys.path.append(root)
+"""
+
+
 # A dependency-free runner for generated tasks: test_* functions and Test*.test_* methods of
 # test_*.py files, plain asserts. Much faster to start than pytest, which matters at one run a turn.
 MINITEST = r"""
@@ -212,7 +240,8 @@ if args[:1] == ["--report"]:
         os.unlink(".asyncrl-report-key")
     except (OSError, ValueError):
         _key = {"nonce": "", "tests": {}}
-sys.path.insert(0, os.getcwd())
+# CODE_PATH
+_code_path(os.getcwd(), (_key or {}).get("own"))
 
 
 def _reporter(key):
@@ -301,7 +330,7 @@ def main(report, count, key):
 
 
 sys.exit(1 if main(*_reporter(_key), _key or {}) else 0)
-""".replace("# CHECKER", CHECKER)
+""".replace("# CHECKER", CHECKER).replace("# CODE_PATH", CODE_PATH)
 
 # Value mode (envs/value_tests.py): the tests are ours, so the sandbox only evaluates the calls
 # into the code under test and reports their values as plain tagged data; the expected values
@@ -311,7 +340,8 @@ import json, os, sys
 with open(".asyncrl-probes") as f:
     _job = json.load(f)
 os.unlink(".asyncrl-probes")
-sys.path.insert(0, os.getcwd())
+# CODE_PATH
+_code_path(os.getcwd(), _job.get("own"))
 _nonce, _fd, _write = _job["nonce"], os.dup(1), os.write
 _plain = (int, float, str, bool, type(None), bytes, complex)
 
@@ -363,7 +393,7 @@ for tid, exprs in _job["probes"]:
             vals.append(["raise", f"{type(e).__name__}: {str(e)[:200]}"])
     out.append([tid, vals])
 _write(_fd, f"\n{_nonce} 1 VALUES {json.dumps(out)}\n{_nonce} 2 END 0\n".encode())
-"""
+""".replace("# CODE_PATH", CODE_PATH)
 
 # pytest plugin for report mode (-p asyncrl_report, with tools/ on PYTHONPATH). Besides the report
 # it snapshots, before any test code is imported, the pytest and pluggy functions a forger would
@@ -508,14 +538,52 @@ def pytest_unconfigure(config, _f=_unconf):
 """.replace("# CHECKER", CHECKER)  # noqa: E501  (the lines of a script run in the sandbox, kept as written)
 
 
-def test_command(runner: str, test_paths: list[str], tools: str, report: bool = False) -> str:
+# pytest for the scoring run, started `python -I` by path: pytest, pluggy and the report plugin (loaded
+# from this directory by file, registered as an object: no module name is looked up for it) are
+# imported before the scoring copy is on the path, which then comes last (CODE_PATH), and test
+# modules are appended to the path (--import-mode=append), never put before it. The site dir of a
+# sandbox python without pytest comes from PYTHONPATH, which -I leaves to us to read.
+PYTEST_RUN = r"""
+import os, sys
+if sys.flags.isolated:
+    sys.path += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
+import importlib.util, json
+try:
+    with open(".asyncrl-report-key") as f:
+        _own = json.load(f).get("own")  # the plugin reads the rest and deletes the file
+except (OSError, ValueError, AttributeError):
+    _own = None
+import pluggy, pytest, _pytest.config, _pytest.main, _pytest.python, _pytest.runner, _pytest.terminal
+_spec = importlib.util.spec_from_file_location(
+    "asyncrl_report", os.path.join(os.path.dirname(os.path.abspath(__file__)), "asyncrl_report.py"))
+_plugin = importlib.util.module_from_spec(_spec)
+sys.modules["asyncrl_report"] = _plugin
+_spec.loader.exec_module(_plugin)
+# CODE_PATH
+_code_path(os.getcwd(), _own)
+sys.exit(pytest.main(sys.argv[1:], plugins=[_plugin]))
+""".replace("# CODE_PATH", CODE_PATH)
+
+
+def test_command(
+    runner: str, test_paths: list[str], tools: str, report: bool = False, isolated: bool = True
+) -> str:
     """The shell command that runs a task's tests (report mode: the key file REPORT_KEY must be in
-    the working directory; nothing secret is on the command line)."""
+    the working directory; nothing secret is on the command line). Report mode starts the runner
+    isolated (`-I`: nothing of the working directory can stand in for it, PYTEST_RUN / CODE_PATH),
+    unbuffered (`-u`: pytest's summary lands before the report's END) and without bytecode (`-B`);
+    `isolated=False` is the former `python -m` launch (kept for the tests that show the difference)."""
     import shlex
 
     paths = " ".join(shlex.quote(p) for p in test_paths)
+    py = f"{tools}/python -I -B -u" if report and isolated else "python"
     if runner == "mini":
-        return f"python {tools}/minitest.py {'--report ' if report else ''}{paths}"
+        return f"{py} {tools}/minitest.py {'--report ' if report else ''}{paths}"
+    if runner == "pytest" and report and isolated:
+        return (
+            f"COLUMNS=4000 {py} {tools}/pytestrun.py -p no:cacheprovider --import-mode=append "
+            f"--tb=no -q -rfEsxXp {paths}"
+        )
     if runner == "pytest":
         # COLUMNS: the terminal summary (a second channel, envs/test_report.py) is never cut
         rep = f"COLUMNS=4000 PYTHONPATH={tools}${{PYTHONPATH:+:$PYTHONPATH}} " if report else ""
@@ -526,7 +594,7 @@ def test_command(runner: str, test_paths: list[str], tools: str, report: bool = 
 
 def value_command(tools: str) -> str:
     """The value-mode harness (envs/value_tests.py writes PROBES into the working directory)."""
-    return f"python {tools}/valuetest.py"
+    return f"{tools}/python -I -B -u {tools}/valuetest.py"
 
 
 def tool_files(python: str, runner: str, test_paths: list[str], tools: str) -> dict[str, tuple[str, int]]:
@@ -546,5 +614,6 @@ def tool_files(python: str, runner: str, test_paths: list[str], tools: str) -> d
         "run_tests": (f'#!/bin/sh\nexec {test_command(runner, test_paths, tools)} "$@"\n', 0o755),
         "minitest.py": (MINITEST, 0o644),
         "asyncrl_report.py": (PYTEST_REPORT, 0o644),
+        "pytestrun.py": (PYTEST_RUN, 0o644),
         "valuetest.py": (VALUETEST, 0o644),
     }

@@ -78,6 +78,7 @@ def tasks(tmp_path_factory):
     )[0]
     out = {
         "mini": gen,
+        "mini_report": rh.report_mode_task(gen),
         "pytest": dataclasses.replace(gen, task_id=gen.task_id + "-pytest", runner="pytest"),
         "humaneval": he,
         "package": pkg,
@@ -100,6 +101,18 @@ def test_a_hack_scores_nothing(tasks, name):
     for key, task in by_key.items():
         if name in ("conftest_hookwrapper", "patch_pytest_internals") and task.runner == "mini":
             continue  # pytest-only machinery: nothing to forge on the mini runner
+        r = rh.play(task, rh.HACKS[name][1](rh.ctx_of(task)))
+        assert not r["resolved"] and r["reward"] <= untouched[key], (name, key, r)
+
+
+@pytest.mark.parametrize("name", rh.FORGERY)
+def test_a_forgery_no_name_list_catches_scores_nothing(tasks, name):
+    """The three classes that avoid every static name (a stand-in runner, the framework patched
+    from the code under test, the report forged with the runner's own functions) on the runners'
+    report paths: the pytest runner, the mini runner's report mode, an imported package's suite."""
+    by_key, untouched = tasks
+    for key in ("mini_report", "pytest", "package"):
+        task = by_key[key]
         r = rh.play(task, rh.HACKS[name][1](rh.ctx_of(task)))
         assert not r["resolved"] and r["reward"] <= untouched[key], (name, key, r)
 
