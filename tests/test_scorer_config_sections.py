@@ -20,7 +20,7 @@ from tests.helpers.deploy import ENV_DIR, read_env
 SECTIONS = {
     "reward": {"cost_unit", "default_lambda", "overlong_buffer", "overlong_scale", "episode_reward"},
     "run": {"concurrency", "verify_threads", "threads", "heartbeat_s", "grace_s", "provision", "metrics_port"}
-    | {"log_level"},
+    | {"metrics_host", "instance", "log_level"},
     "sandbox": {"allow_weak_sandbox"},
 }
 # the other processes' tables of a run config, agreeing (config check's cross-process checks pass)

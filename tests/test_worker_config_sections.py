@@ -31,7 +31,7 @@ SECTIONS = {
     "harness": {"kind", "config", "endpoint_host", "endpoint_port", "external_deadline_s"},
     "weights": {"public_key"},
     "run": {"threads", "heartbeat_s", "grace_s", "max_restarts", "restart_backoff_s", "metrics_port"}
-    | {"log_level"},
+    | {"metrics_host", "instance", "log_level"},
     "faults": {"weights_after"},
 }
 # every key of the flat layout (38 fields before issue 34) but the two that stay at the top
