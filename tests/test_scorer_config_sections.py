@@ -20,7 +20,7 @@ from tests.helpers.deploy import ENV_DIR, read_env
 SECTIONS = {
     "reward": {"cost_unit", "default_lambda", "overlong_buffer", "overlong_scale", "episode_reward"},
     "run": {"concurrency", "verify_threads", "threads", "heartbeat_s", "grace_s", "provision", "metrics_port"}
-    | {"log_level"},
+    | {"metrics_host", "instance", "log_level"},
     "sandbox": {"allow_weak_sandbox"},
 }
 # the other processes' tables of a run config, agreeing (config check's cross-process checks pass)
@@ -264,4 +264,4 @@ def test_the_scorer_env_file_uses_the_sections():
     env = {**read_env(ENV_DIR / "common.env"), **read_env(ENV_DIR / "scorer.env")}
     assert not {k.removeprefix("ASYNCRL_").lower() for k in env} & set(ScorerConfig.MOVED)
     cfg = load_config(ScorerConfig, None, environ=env)
-    assert cfg.run.provision is False and cfg.run.metrics_port == 9400 and cfg.run.concurrency == 8
+    assert cfg.run.provision is False and cfg.run.metrics_port == 9500 and cfg.run.concurrency == 8

@@ -32,7 +32,7 @@ SECTIONS = {
     | {"endpoint_token_file", "bounds"},
     "weights": {"public_key"},
     "run": {"threads", "heartbeat_s", "grace_s", "max_restarts", "restart_backoff_s", "metrics_port"}
-    | {"log_level"},
+    | {"metrics_host", "instance", "log_level"},
     "faults": {"weights_after"},
 }
 # every key of the flat layout (38 fields before the sections) but the two that stay at the top

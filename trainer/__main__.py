@@ -7,11 +7,11 @@ import argparse
 import asyncio
 import os
 import sys
-from pathlib import Path
 
 from bus import RETRYABLE, BlobError, PublishError, connect, get_logger, load_config, setup_logging
+from bus.config import run_section
 from bus.lifetime import stop_on_signals
-from bus.metrics import start_metrics_server
+from bus.metrics import serve_metrics
 
 from .commands import world
 from .config import TrainerConfig
@@ -63,7 +63,7 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="trainer", description="asyncrl trainer (leader or standby)")
-    ap.add_argument("--config", help="TOML file ([trainer] section, or the whole file)")
+    ap.add_argument("--config", help="TOML file: a run TOML (its [trainer] table) or the trainer's own keys")
     ap.add_argument("--section", default="trainer")
     ap.add_argument("--sync", action="store_true", help="synchronous baseline: one task batch per version")
     ap.add_argument("--max-steps", type=int)
@@ -89,16 +89,9 @@ def parse_args(argv=None):
 
 
 def load(argv=None) -> TrainerConfig:
-    """Config from --config (its [trainer] section if it has one, else the whole file), env, flags."""
+    """Config from --config (a run TOML's [trainer] table, else the whole file), env, flags."""
     a = parse_args(argv)
-    section = None
-    if a.config and Path(a.config).is_file():
-        import tomllib
-
-        try:
-            section = a.section if a.section in tomllib.loads(Path(a.config).read_text()) else None
-        except tomllib.TOMLDecodeError:
-            section = None  # load_config reports the TOML error
+    section = run_section(a.config, a.section)
     over: dict = {}
     if a.sync:
         over.setdefault("run", {})["mode"] = "sync"
@@ -139,7 +132,7 @@ def main(argv=None) -> int:
             return 1
         log.info(f"{which} eval", **(row or {"skipped": "the run already evaluated that version"}))
         return 0
-    start_metrics_server(cfg.run.metrics_port)
+    serve_metrics(cfg.run)
 
     async def _main() -> int:
         stop = asyncio.Event()

@@ -43,6 +43,9 @@ class RunSection:
     threads: int = 0
     grace_s: float = 30.0  # SIGTERM: gone within grace_s + bus.lifetime.EXIT_MARGIN_S
     metrics_port: int = 0  # Prometheus /metrics (bus.metrics); 0 = off
+    # the address /metrics listens on: loopback unless an operator opens it (a container's own
+    # network: 0.0.0.0, deploy/docker-compose.yml); it has no auth
+    metrics_host: str = "127.0.0.1"
     dedupe_window: int = 200_000  # consumed rollout ids remembered (in the checkpoint)
     # sync: a task of the version's batch that yields no group at all (every rollout parked in DLQ,
     # or the task expired) would stall the barrier; after this long without a full batch the
