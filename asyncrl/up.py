@@ -366,10 +366,14 @@ async def run(a: argparse.Namespace) -> int:
     if sync:
         trainer_conf["batch"] = {**trainer.get("batch", {}), "max_lag": 0}
     worker = resolve_model_refs(conf.get("worker", {}))
+    # the run's environments: where none runs code (arithmetic) the workers and scorers start without
+    # the sandbox check (envs/isolation.py), so a user who is not root can run them
+    run_envs = list(resolved["trainer"].tasks.envs)
     worker_conf = {
         **worker,
         "bus": bus_conf,
         "run": {**drain, **worker.get("run", {}), "threads": threads.worker},
+        "episodes": {"envs": run_envs, **worker.get("episodes", {})},
     }
     if sync:
         worker_conf["admission"] = {**worker.get("admission", {}), "max_lag": 0}
@@ -378,6 +382,7 @@ async def run(a: argparse.Namespace) -> int:
         **scorer,
         "bus": bus_conf,
         "run": {**drain, **scorer.get("run", {}), "threads": threads.scorer},
+        "sandbox": {"envs": run_envs, **scorer.get("sandbox", {})},
     }
     (run_dir / "config" / "run.json").write_text(
         json.dumps(
