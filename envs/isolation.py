@@ -349,7 +349,7 @@ def reap(root_dir: str, grace_s: float = 2.0, prefixes: tuple[str, ...] = ("ep-"
     made) and kill what still runs in them."""
     try:
         names = [n for n in os.listdir(root_dir) if n.startswith(prefixes)]
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):  # (another user's root: nothing of ours in it)
         return {"workspaces": 0, "processes": 0}
     now = time.time()
     stale = []

@@ -189,6 +189,11 @@ def isolation() -> tuple[str, bool, bool]:
     use_uid = root and works([python, "-I", "-S", "-c", "pass"], probe_uid)
     if root and not use_uid:
         python = sys.executable
+    if not root:  # ours, unless it lives where we may not run it (started as root, then dropped)
+        python = next(
+            (p for p in (sys.executable, *SYSTEM_PYTHONS) if works([p, "-I", "-S", "-c", "pass"], None)),
+            sys.executable,
+        )
     ns_cmd = (
         [
             setpriv,
