@@ -86,7 +86,8 @@ from envs.sandbox import BashLimits
 from envs.workspace import LocalBackend
 
 root, outside = sys.argv[1], sys.argv[2]
-TESTS = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\ndef test_zero():\n    assert add(0, 0) == 0\n"
+TESTS = ("from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+         "def test_zero():\n    assert add(0, 0) == 0\n")
 task = EpisodeTask("t-add", "test", "train", "Fix calc.py.",
                    {"calc.py": "def add(a, b):\n    return a - b\n", "test_calc.py": TESTS},
                    {"test_calc.py": TESTS}, "mini", ["test_calc.py"], ["test_calc.py::test_add"],

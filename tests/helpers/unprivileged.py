@@ -145,6 +145,7 @@ def unprivileged() -> User | str:
         return f"{NAME} could not start python in time"
     if py is None:
         u.close()
-        return f"no python that {NAME} may run imports this environment ({sys.executable} and no system python{sys.version_info[0]}.{sys.version_info[1]})"
+        ver = f"{sys.version_info[0]}.{sys.version_info[1]}"
+        return f"no python that {NAME} may run imports this environment ({sys.executable}; python{ver})"
     u.python, u.env = py, _env(u.name, base, py, cache)
     return u
