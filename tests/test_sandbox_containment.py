@@ -324,29 +324,37 @@ def _remove_public_file(tmp_path):
         os.unlink(p.read_text())
 
 
-def test_scorer_as_non_root_refuses_to_start_naming_the_missing_layer(tmp_path):
+# AS_NOBODY in a user namespace (root and 65534 mapped to themselves) where no user namespace may
+# be made below: as a host that forbids them to users who are not root. argv[1]: the code to run.
+NO_USERNS = """
+import ctypes, os, sys
+r, w = os.pipe()
+r2, w2 = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(r)
+    if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:   # CLONE_NEWUSER
+        os._exit(90)
+    os.write(w, b"1")
+    os.read(r2, 1)                                   # the parent has written the maps
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:
+        f.write("0")
+    exec(sys.argv.pop(1))
+    sys.exit(0)
+os.close(w)
+if os.read(r, 1) != b"1":
+    sys.exit(91)
+for name in ("uid_map", "gid_map"):
+    with open(f"/proc/{pid}/{name}", "w") as f:
+        f.write("0 0 1\\n65534 65534 1\\n")
+os.write(w2, b"1")
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_scorer_as_non_root_starts_with_the_rootless_sandbox(tmp_path):
+    """Not root, user namespaces allowed: the rootless sandbox, every layer it promises in place."""
     conf = public_file(tmp_path, '[bus]\nservers = ["nats://127.0.0.1:1"]\n')
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/"}
-    r = subprocess.run(
-        [sys.executable, "-c", AS_NOBODY, str(conf)],
-        cwd="/",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    err = r.stderr.strip().splitlines()
-    assert r.returncode == 2, r.stderr
-    assert err[-1].startswith(
-        "scorer refuses to start: sandbox isolation incomplete (uid 65534): missing layer(s) fresh-uid"
-    ), r.stderr
-    assert "allow_weak_sandbox = true" in err[-1] and "Traceback" not in r.stderr
-
-
-def test_scorer_as_non_root_with_allow_weak_sandbox_starts_and_says_so(tmp_path):
-    conf = public_file(
-        tmp_path, '[sandbox]\nallow_weak_sandbox = true\n[bus]\nservers = ["nats://127.0.0.1:1"]\n'
-    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/", "ASYNCRL_LOG_JSON": "1"}
     p = subprocess.Popen(
         [sys.executable, "-c", AS_NOBODY, str(conf)],
@@ -360,11 +368,61 @@ def test_scorer_as_non_root_with_allow_weak_sandbox_starts_and_says_so(tmp_path)
         seen = []
         for line in p.stdout:  # past the check: it goes on to connect (to nothing)
             seen.append(line)
-            if "WEAK sandbox isolation" in line:
+            if '"sandbox isolation"' in line:
                 break
-        assert any("WEAK sandbox isolation" in x and "fresh-uid" in x for x in seen), "".join(seen)
+        line = seen[-1]
+        assert '"mode": "rootless"' in line and '"missing": []' in line, "".join(seen)
+        for layer in isolation.ROOTLESS_LAYERS:
+            assert f'"{layer}"' in line, (layer, line)
     finally:
         p.kill()
+        p.wait()
+
+
+def test_scorer_as_non_root_without_user_namespaces_refuses_naming_the_layers_and_the_fix(tmp_path):
+    conf = public_file(tmp_path, '[bus]\nservers = ["nats://127.0.0.1:1"]\n')
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/"}
+    r = subprocess.run(
+        [sys.executable, "-c", NO_USERNS, AS_NOBODY, str(conf)],
+        cwd="/",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert err[-1].startswith(
+        "scorer refuses to start: rootless sandbox incomplete (uid 65534): missing layer(s) netns, pidns"
+    ), r.stderr
+    assert "needs user namespaces" in err[-1] and "max_user_namespaces" in err[-1], err[-1]
+    assert "fresh-uid" not in err[-1]  # (root only: not asked of a user who is not root)
+    assert "allow_weak_sandbox = true" in err[-1] and "Traceback" not in r.stderr
+
+
+def test_scorer_as_non_root_with_allow_weak_sandbox_starts_and_says_so(tmp_path):
+    conf = public_file(
+        tmp_path, '[sandbox]\nallow_weak_sandbox = true\n[bus]\nservers = ["nats://127.0.0.1:1"]\n'
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/", "ASYNCRL_LOG_JSON": "1"}
+    p = subprocess.Popen(
+        [sys.executable, "-c", NO_USERNS, AS_NOBODY, str(conf)],
+        cwd="/",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the scorer is the wrapper's child: both go
+    )
+    try:
+        seen = []
+        for line in p.stdout:  # past the check: it goes on to connect (to nothing)
+            seen.append(line)
+            if "WEAK sandbox isolation" in line:
+                break
+        assert any("WEAK sandbox isolation" in x and "netns" in x for x in seen), "".join(seen)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
 
