@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
+from bus import BusConfig, connect
+from bus import topology as topo
 from envs import isolation, runs_code
-from tests.helpers.unprivileged import ROOT, unprivileged
+from tests.helpers.unprivileged import AS_NOBODY, NO_USERNS, ROOT, unprivileged
+from tests.test_scorer_process import dlq_reasons, rollout, scored_events
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +40,48 @@ def test_arithmetic_runs_no_code_and_code_environments_do():
 
 def test_a_process_serving_arithmetic_only_starts_without_the_check():
     assert isolation.startup(False, None, ["arith-small"]) == {}
+
+
+async def test_a_scorer_for_arithmetic_without_user_namespaces_scores_it_and_parks_code(fresh_server):
+    """Not root, no user namespace allowed, [sandbox] envs = ["arith"]: it starts (no check), scores
+    arithmetic, and a rollout that would run code (python-tests) is parked with the refusal, not
+    run in a sandbox it lacks; nothing is lost (the DLQ keeps it)."""
+    fd, conf = tempfile.mkstemp(prefix="asyncrl-test-", suffix=".toml")  # readable by uid 65534
+    with os.fdopen(fd, "w") as f:
+        f.write(
+            '[sandbox]\nenvs = ["arith"]\n[run]\nheartbeat_s = 0.5\n'
+            f'[bus]\nservers = ["{fresh_server.url}"]\n'
+        )
+    os.chmod(conf, 0o644)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/", "ASYNCRL_LOG_JSON": "1"}
+    p = subprocess.Popen(
+        [sys.executable, "-c", NO_USERNS, AS_NOBODY, conf],
+        cwd="/",
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    bus = await connect(BusConfig(servers=[fresh_server.url], name="t"))
+    try:
+        await bus.provision()
+        code = rollout(
+            "t2-0", "def f(x):\n    return x", env="python-tests", spec={"entry": "f", "tests": [[[1], 1]]}
+        )
+        for r in (rollout("t1-0", "#42"), code):
+            await bus.publish(topo.rollout_subject(r.env), r)
+        scored = await scored_events(bus, 1)
+        assert scored["t1-0"].success == 1.0 and "t2-0" not in scored
+        reasons = await dlq_reasons(bus, 1)
+        assert len(reasons) == 1 and reasons[0].startswith(
+            "rollout of python-tests refused: rootless sandbox incomplete (uid 65534): missing layer(s) netns"
+        ), reasons
+        assert "needs user namespaces" in reasons[0]
+    finally:
+        await bus.close()
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        os.unlink(conf)
 
 
 def test_the_refusal_names_each_missing_layer_and_what_provides_it():

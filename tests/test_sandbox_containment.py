@@ -21,6 +21,7 @@ import pytest
 
 from envs import isolation
 from envs.sandbox import BashLimits, SandboxLimits, fresh_uid, run_bash, run_python
+from tests.helpers.unprivileged import AS_NOBODY, NO_USERNS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")
@@ -295,17 +296,6 @@ def test_full_isolation_here_and_exported():
     assert 'asyncrl_sandbox_layer{layer="no-caps"} 1.0' in text and 'layer="no-userns"} 1.0' in text
 
 
-# Runs the real start-up path (scorer's __main__) as an unprivileged user: imports as root (the
-# interpreter lives where nobody cannot read), then drops to uid/gid 65534 for good.
-AS_NOBODY = """
-import ctypes, os, sys
-import scorer.__main__ as m
-os.setgroups([]); os.setgid(65534); os.setuid(65534)
-ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)          # dumpable again (its /proc/self/ns, as any process)
-sys.exit(m.main(["--config", sys.argv[1]]))
-"""
-
-
 def public_file(tmp_path, text: str) -> str:
     """A file uid 65534 can read (pytest's tmp_path is closed to it); removed with tmp_path's test."""
     fd, path = tempfile.mkstemp(prefix="asyncrl-test-", suffix=".toml")
@@ -322,34 +312,6 @@ def _remove_public_file(tmp_path):
     p = tmp_path / "public"
     if p.exists():
         os.unlink(p.read_text())
-
-
-# AS_NOBODY in a user namespace (root and 65534 mapped to themselves) where no user namespace may
-# be made below: as a host that forbids them to users who are not root. argv[1]: the code to run.
-NO_USERNS = """
-import ctypes, os, sys
-r, w = os.pipe()
-r2, w2 = os.pipe()
-pid = os.fork()
-if pid == 0:
-    os.close(r)
-    if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:   # CLONE_NEWUSER
-        os._exit(90)
-    os.write(w, b"1")
-    os.read(r2, 1)                                   # the parent has written the maps
-    with open("/proc/sys/user/max_user_namespaces", "w") as f:
-        f.write("0")
-    exec(sys.argv.pop(1))
-    sys.exit(0)
-os.close(w)
-if os.read(r, 1) != b"1":
-    sys.exit(91)
-for name in ("uid_map", "gid_map"):
-    with open(f"/proc/{pid}/{name}", "w") as f:
-        f.write("0 0 1\\n65534 65534 1\\n")
-os.write(w2, b"1")
-sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-"""
 
 
 def test_scorer_as_non_root_starts_with_the_rootless_sandbox(tmp_path):

@@ -6,6 +6,7 @@ sees this environment's packages: this venv's own interpreter when the user may 
 system python of the same version with a venv of its own pointing at this one's site-packages (an
 interpreter under /root, 0700, is out of its reach). It returns a reason instead when something a
 non-root run needs is missing here (root, user namespaces, a readable checkout), for a skip.
+AS_NOBODY and NO_USERNS run the scorer's start-up as uid 65534, with user namespaces or without.
 """
 
 from __future__ import annotations
@@ -149,3 +150,42 @@ def unprivileged() -> User | str:
         return f"no python that {NAME} may run imports this environment ({sys.executable}; python{ver})"
     u.python, u.env = py, _env(u.name, base, py, cache)
     return u
+
+
+# Runs the real start-up path (scorer's __main__) as an unprivileged user: imports as root (the
+# interpreter lives where nobody cannot read), then drops to uid/gid 65534 for good.
+AS_NOBODY = """
+import ctypes, os, sys
+import scorer.__main__ as m
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)          # dumpable again (its /proc/self/ns, as any process)
+sys.exit(m.main(["--config", sys.argv[1]]))
+"""
+
+
+# Runs the code in argv[1] (AS_NOBODY) in a user namespace (root and 65534 mapped to themselves)
+# where no user namespace may be made below: a host that forbids them to users who are not root.
+NO_USERNS = """
+import ctypes, os, sys
+r, w = os.pipe()
+r2, w2 = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(r)
+    if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:   # CLONE_NEWUSER
+        os._exit(90)
+    os.write(w, b"1")
+    os.read(r2, 1)                                   # the parent has written the maps
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:
+        f.write("0")
+    exec(sys.argv.pop(1))
+    sys.exit(0)
+os.close(w)
+if os.read(r, 1) != b"1":
+    sys.exit(91)
+for name in ("uid_map", "gid_map"):
+    with open(f"/proc/{pid}/{name}", "w") as f:
+        f.write("0 0 1\\n65534 65534 1\\n")
+os.write(w2, b"1")
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
