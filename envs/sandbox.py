@@ -14,8 +14,10 @@ Layers (each one covers a way generated code goes wrong; docs/environments.md#co
     namespace (max_user_namespaces = 0 inside), so it can neither unmount the masks nor mount
     a tmpfs of its own; the launcher dies with its caller (PR_SET_PDEATHSIG);
   * when the scorer runs as root (where RLIMIT_NPROC is not enforced) the code runs under a
-    fresh random uid, so RLIMIT_NPROC caps a fork bomb at `nproc` processes; as a non-root
-    user RLIMIT_NPROC is 1, so the code cannot fork or start threads at all;
+    fresh random uid, so RLIMIT_NPROC caps a fork bomb at `nproc` processes; as any other user
+    (rootless) the code keeps that user's uid, so every mount but its working directory and the
+    private tmpfs is remounted read-only for it, and RLIMIT_NPROC = `nproc` counts only its user
+    namespace's tasks (Linux >= 5.14; older: 1 for python, no fork or thread at all);
   * oom_score_adj 1000: if memory runs out anyway (host, container or unit limit), the kernel
     kills the sandbox first, never the worker or the trainer next to it;
   * rlimits set in-process before any untrusted byte runs: CPU seconds, address space,
