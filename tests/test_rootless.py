@@ -125,7 +125,7 @@ def test_demo_as_a_user_who_is_not_root_reaches_versions(user):
 
 
 # Run as the user: two episodes of one task in the rootless sandbox, workspaces under its own root.
-# One plays the hacks a policy would (write outside its workspace: the user's files, the helpers
+# One plays the hacks a policy would (write outside its workspace: the user's files, the tools
 # the scoring runs, the other episode's workspace) and submits unfixed; the other fixes the bug.
 EPISODES = r"""
 import json, os, sys
@@ -183,7 +183,7 @@ def test_code_episode_in_the_rootless_sandbox_as_that_user(user):
     assert {"ro-host", "nproc-ns"} <= got and "fresh-uid" not in got, got
     # root of its namespace, which is the user's own uid outside it
     assert out["ids"] == ["0", "0", str(user.uid), "1"], out["ids"]
-    # every write outside its workspace refused: nothing left, the helpers and the other episode intact
+    # every write outside its workspace refused: nothing left, the tools and the other episode intact
     assert out["escape"].count("Read-only file system") >= 5, out["escape"]
     assert out["left"] == [] and out["tools_intact"] and out["honest_intact"], out
     assert not outside.exists()
