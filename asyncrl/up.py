@@ -396,10 +396,14 @@ async def run(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         log.info("endpoint token", file=harness["endpoint_token_file"])
+    # the run's environments: where none runs code (arithmetic) the workers and scorers start without
+    # the sandbox check (envs/isolation.py), so a user who is not root can run them
+    run_envs = list(resolved["trainer"].tasks.envs)
     worker_conf = {
         **worker,
         "bus": bus_conf,
         "run": {**drain, **worker.get("run", {}), "threads": threads.worker},
+        "episodes": {"envs": run_envs, **worker.get("episodes", {})},
     }
     if sync:
         worker_conf["admission"] = {**worker.get("admission", {}), "max_lag": 0}
@@ -408,6 +412,7 @@ async def run(a: argparse.Namespace) -> int:
         **scorer,
         "bus": bus_conf,
         "run": {**drain, **scorer.get("run", {}), "threads": threads.scorer},
+        "sandbox": {"envs": run_envs, **scorer.get("sandbox", {})},
     }
     (run_dir / "config" / "run.json").write_text(
         json.dumps(

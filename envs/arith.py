@@ -176,17 +176,18 @@ class ChatArithEnv(ArithEnv):
 CHAT_NUMBER = re.compile(r"(?<![\w.])-?\d{1,3}(?:,\d{3})+(?![\w,]\d)|(?<![\w.])-?\d{1,64}(?![\w]|\.\d)")
 
 
-register("arith")(lambda: ArithEnv("arith", 2, 4))
-register("arith-long")(lambda: ArithEnv("arith-long", 1, 12, tail=0.6))
+# arithmetic only compares numbers: it runs no code (no sandbox needed)
+register("arith", runs_code=False)(lambda: ArithEnv("arith", 2, 4))
+register("arith-long", runs_code=False)(lambda: ArithEnv("arith-long", 1, 12, tail=0.6))
 # operands stay below 2**64: task specs travel as msgpack ints
-register("arith-tail")(lambda: ArithEnv("arith-tail", 1, 19, tail=0.6, far=(15, 0.03)))
+register("arith-tail", runs_code=False)(lambda: ArithEnv("arith-tail", 1, 19, tail=0.6, far=(15, 0.03)))
 # the demo's env: 1–2 digit operands, which a ~1M-param char model learns (steps style) in a
 # ~1-minute warm start, leaving RL visible room: direct answers mostly wrong, steps mostly right
-register("arith-small")(lambda: ArithEnv("arith-small", 1, 2))
+register("arith-small", runs_code=False)(lambda: ArithEnv("arith-small", 1, 2))
 # for instruct models through their chat template (deploy/smollm2.toml): one-digit sums in words,
 # which SmolLM2-135M-Instruct (4-bit) gets right about a third of the time at temperature 0.7
-register("arith-chat")(lambda: ChatArithEnv("arith-chat", 1, 1))
+register("arith-chat", runs_code=False)(lambda: ChatArithEnv("arith-chat", 1, 1))
 # harder chat tasks: operands of 1-2 digits (deploy/learn-smollm2-harder.toml; SmolLM2 starts at
 # ~20 %), and two-digit sums only (~3 % right: too few groups with a success to learn from at 4 x 4)
-register("arith-chat-12")(lambda: ChatArithEnv("arith-chat-12", 1, 2))
-register("arith-chat-2")(lambda: ChatArithEnv("arith-chat-2", 2, 2))
+register("arith-chat-12", runs_code=False)(lambda: ChatArithEnv("arith-chat-12", 1, 2))
+register("arith-chat-2", runs_code=False)(lambda: ChatArithEnv("arith-chat-2", 2, 2))

@@ -42,15 +42,24 @@ class Env(Protocol):
 
 
 ENVS: dict[str, Callable[[], Env]] = {}  # name -> factory
+# name -> whether its verifier or its episodes run the policy's output as code (then the worker
+# and scorer serving it need the sandbox: envs/isolation.py); declared at registration
+RUNS_CODE: dict[str, bool] = {}
 _INSTANCES: dict[str, Env] = {}
 
 
-def register(name: str):
+def register(name: str, runs_code: bool = True):
     def deco(factory):
         ENVS[name] = factory
+        RUNS_CODE[name] = runs_code
         return factory
 
     return deco
+
+
+def runs_code(name: str) -> bool:
+    """Whether environment `name` runs the policy's code (unknown: assumed to)."""
+    return RUNS_CODE.get(name, True)
 
 
 def get_env(name: str) -> Env:

@@ -15,10 +15,20 @@ for every layer the containment promises (docs/environments.md#containment):
     no-userns   a nested user namespace (where it would be root again) is refused
     pdeathsig   the launcher dies with its caller (static: setpriv --pdeathsig is used)
 
-`require(allow_weak)` raises WeakSandbox naming the missing layers unless weak isolation is
-allowed. `reap(root_dir)` removes the `ep-*` workspaces no live process holds (a workspace's
-creator holds a lock on its directory: `claim()`), killing any process still working in them;
-`startup()` also reaps the sandboxes' own run directories (`asyncrl-sbx-*`, `asyncrl-cmd-*`).
+Rootless (this process is not root): the code runs as our own uid, mapped to root of its user
+namespace and stripped of every capability, so `fresh-uid` (which needs root) is replaced by
+
+    ro-host     every mount but the code's own working directory and the private tmpfs is read-only
+                to it (it can write nothing of ours, nor another episode's workspace)
+    nproc-ns    RLIMIT_NPROC counts the namespace's own tasks (Linux >= 5.14): a fork bomb is capped
+
+`expected()` is the set required of this process (LAYERS as root, ROOTLESS_LAYERS otherwise);
+`require(allow_weak)` raises WeakSandbox naming each missing layer and what provides it unless
+weak isolation is allowed. A process whose environments run no code (`needed(envs)`: arithmetic)
+skips the check at start; `require_async()` runs it on the first code it meets.
+`reap(root_dir)` removes the `ep-*` workspaces no live process holds (a workspace's creator holds
+a lock on its directory: `claim()`), killing any process still working in them; `startup()` also
+reaps the sandboxes' own run directories (`asyncrl-sbx-*`, `asyncrl-cmd-*`).
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import signal
 import tempfile
 import time
 
+from .base import runs_code
 from .sandbox import (
     FRESH_UID_BASE,
     BashLimits,
@@ -41,6 +52,7 @@ from .sandbox import (
     claim,  # noqa: F401  (re-exported: a workspace claims its directory)
     fresh_uid,
     isolation,
+    nproc_per_userns,
     run_bash,
     run_python,
 )
@@ -58,15 +70,34 @@ LAYERS = (
     "no-userns",
     "pdeathsig",
 )
+# as a user other than root: the code runs as that uid, the host read-only to it
+ROOTLESS_LAYERS = tuple(k for k in LAYERS if k != "fresh-uid") + ("ro-host", "nproc-ns")
+USERNS = (
+    "needs user namespaces (unshare and setpriv from util-linux; sysctl user.max_user_namespaces > 0, "
+    "and kernel.unprivileged_userns_clone = 1 on older Debian kernels, "
+    "kernel.apparmor_restrict_unprivileged_userns = 0 on Ubuntu 24.04+; in a container: security_opt "
+    "seccomp, apparmor and systempaths unconfined, as deploy/docker-compose.yml)"
+)
+# what provides each layer, named in the refusal
+FIX = {
+    "fresh-uid": "needs root with a system python any uid may run (/usr/bin/python3)",
+    "pdeathsig": "needs setpriv (util-linux)",
+    "nproc-ns": "needs Linux >= 5.14 and user namespaces, or root (then a fresh uid caps it)",
+    **{k: USERNS for k in LAYERS + ROOTLESS_LAYERS if k not in ("fresh-uid", "pdeathsig", "nproc-ns")},
+}
+WEAK = (
+    "or set allow_weak_sandbox = true (the scorer's [scorer.sandbox], the rollout worker's "
+    "[worker.episodes]; never in production)"
+)
 HOW = (
-    "run it as root where unprivileged user namespaces are allowed (container: user 0 with security_opt "
+    "run it as root where user namespaces are allowed (container: user 0 with security_opt "
     "seccomp, apparmor and systempaths unconfined, as deploy/docker-compose.yml; systemd: "
-    "deploy/systemd/asyncrl-*@.service), or set allow_weak_sandbox = true (the scorer's [scorer.sandbox], "
-    "the rollout worker's [worker.episodes])"
+    "deploy/systemd/asyncrl-*@.service), " + WEAK
 )
 
-# Runs in run_bash; $1: our mount namespace, $2: a marker name. Mount attempts only in a mount
-# namespace known to be its own (in ours, as root, an `umount /tmp` would be real).
+# Runs in run_bash; $1: our mount namespace, $2: a marker name, $3: the episode root (not the
+# workspace). Mount attempts only in a mount namespace known to be its own (in ours, as root, an
+# `umount /tmp` would be real).
 BASH_PROBE = r"""
 for n in net pid mnt ipc; do echo "ns_$n=$(readlink /proc/self/ns/$n)"; done
 echo "uid=$(id -u) map=$(head -n1 /proc/self/uid_map | tr -s ' ' ' ')"
@@ -74,6 +105,10 @@ echo "caps=$(grep -E '^Cap(Eff|Prm|Bnd)' /proc/self/status | tr -s '\t ' ' ' | c
 echo "pids=$(ls /proc | grep -c '^[0-9]')"
 echo "ifaces=$(tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\n' ,)"
 echo "shm_kb=$(df -k /dev/shm | tail -n1 | tr -s ' ' | cut -d' ' -f2)"
+echo "nproc=$(ulimit -u)"
+rw=$(awk '{m[$5] = $6} END {for (p in m) if (m[p] !~ /^ro(,|$)/) printf "%s,", p}' /proc/self/mountinfo) &&
+  echo "rw=$rw"
+echo x 2>/dev/null >"$3/$2" && echo wrote=root
 for d in /tmp /var/tmp /dev/shm; do echo x > "$d/$2"; done
 if [ "$1" != unknown ] && [ "$(readlink /proc/self/ns/mnt)" != "$1" ]; then
   umount -l /tmp 2>/dev/null && echo mounted=umount
@@ -90,6 +125,12 @@ print("ns_" + " ns_".join(f"{n}={os.readlink('/proc/self/ns/' + n)}" for n in ("
 st = dict(l.split(":", 1) for l in open("/proc/self/status") if l.startswith("Cap"))
 print("caps=" + ",".join(st[k].strip() for k in ("CapEff", "CapPrm", "CapBnd")))
 print("pids=%d" % sum(p.isdigit() for p in os.listdir("/proc")))
+import resource
+print("nproc=%d" % resource.getrlimit(resource.RLIMIT_NPROC)[0])
+top = {}
+for l in open("/proc/self/mountinfo"):
+    top[l.split()[4]] = l.split()[5]
+print("rw=" + ",".join(m for m, o in top.items() if o.split(",")[0] != "ro"), "cwd=" + os.getcwd())
 for d in ("/tmp", "/var/tmp", "/dev/shm"):
     open(os.path.join(d, sys.argv[1]), "w").write("x")
 """
@@ -121,6 +162,22 @@ def _caps_zero(caps: str) -> bool:
     return len(vals) == 3 and all(int(v, 16) == 0 for v in vals)
 
 
+# writable in every sandbox: the private tmpfs, /proc (its own pid namespace's), and the code's cwd
+RW_OK = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/proc")
+
+
+def _ro_host(f: dict[str, str], cwd: str) -> bool:
+    """Whether the only writable mounts the code sees are its own (rw= missing: not known, not)."""
+    if "rw" not in f:
+        return False
+    rw = [m for m in f["rw"].split(",") if m]
+    return all(m in RW_OK or m.startswith("/proc/") or m == cwd or m.startswith(cwd + "/") for m in rw)
+
+
+def _nproc_capped(f: dict[str, str], want: int) -> bool:
+    return nproc_per_userns() and f.get("nproc") == str(want)
+
+
 def _left_on_host(marker: str) -> bool:
     found = False
     for d in ("/tmp", "/var/tmp", "/dev/shm"):
@@ -141,7 +198,10 @@ def _probe_bash() -> dict[str, bool]:
         uid = fresh_uid()
         if uid is not None:
             os.chown(ws, uid, uid)
-        cmd = f"bash -c {shlex.quote(BASH_PROBE)} probe {shlex.quote(_ours('mnt') or 'unknown')} {marker}"
+        cmd = (
+            f"bash -c {shlex.quote(BASH_PROBE)} probe {shlex.quote(_ours('mnt') or 'unknown')} {marker} "
+            f"{shlex.quote(root)}"
+        )
         r = run_bash(cmd, root, ws, BashLimits(wall_s=20.0), uid)
         out = r.stdout.decode("utf-8", "replace")
         f = _fields(out)
@@ -163,6 +223,8 @@ def _probe_bash() -> dict[str, bool]:
         "no-mount": r.ok and _own(f, "mnt") and "mounted=" not in out,
         "no-userns": r.ok and _own(f, "mnt") and "nested=" not in out,
         "pdeathsig": r.ok and isolation()[2],
+        "ro-host": r.ok and _ro_host(f, ws) and "wrote=" not in out,
+        "nproc-ns": r.ok and outer_uid == os.geteuid() != 0 and _nproc_capped(f, BashLimits().nproc),
     }
 
 
@@ -178,21 +240,43 @@ def _probe_python() -> dict[str, bool]:
         "tmp-masks": r.ok and not left,
         "ipcns": r.ok and _own(f, "ipc"),
         "no-caps": r.ok and _caps_zero(f.get("caps", "")),
+        "ro-host": r.ok and _ro_host(f, f.get("cwd", "")),
+        "nproc-ns": r.ok and os.geteuid() != 0 and _nproc_capped(f, SandboxLimits().nproc),
     }
 
 
 @functools.cache
 def check() -> dict[str, bool]:
-    """{layer: in place} for both sandboxes (a layer counts only when both have it): one real run
-    of each, once per process."""
+    """{layer: in place} for both sandboxes (a layer counts only when both have it), for the layers
+    expected here: one real run of each, once per process."""
     layers = _probe_bash()
     for k, v in _probe_python().items():
         layers[k] = layers[k] and v
-    return layers
+    return {k: layers[k] for k in expected()}
+
+
+def expected() -> tuple[str, ...]:
+    """The layers required here: every one as root, the rootless set as any other user."""
+    return LAYERS if os.geteuid() == 0 else ROOTLESS_LAYERS
 
 
 def missing(layers: dict[str, bool]) -> list[str]:
-    return [k for k in LAYERS if not layers.get(k)]
+    return [k for k in expected() if not layers.get(k)]
+
+
+def refusal(gone: list[str], uid: int | None = None) -> str:
+    """Why a sandbox without the layers `gone` is refused, naming each with what provides it."""
+    uid = os.geteuid() if uid is None else uid
+    if uid == 0:
+        return f"sandbox isolation incomplete (uid 0): missing layer(s) {', '.join(gone)}; {HOW}"
+    by_fix: dict[str, list[str]] = {}
+    for k in gone:
+        by_fix.setdefault(FIX.get(k, USERNS), []).append(k)
+    why = "; ".join(f"{', '.join(ks)}: {fix}" for fix, ks in by_fix.items())
+    return (
+        f"rootless sandbox incomplete (uid {uid}): missing layer(s) {', '.join(gone)}: {why}; "
+        f"or run it as root; {WEAK}"
+    )
 
 
 def require(allow_weak: bool = False) -> dict[str, bool]:
@@ -200,10 +284,22 @@ def require(allow_weak: bool = False) -> dict[str, bool]:
     layers = check()
     gone = missing(layers)
     if gone and not allow_weak:
-        raise WeakSandbox(
-            f"sandbox isolation incomplete (uid {os.geteuid()}): missing layer(s) {', '.join(gone)}; {HOW}"
-        )
+        raise WeakSandbox(refusal(gone))
     return layers
+
+
+async def require_async(allow_weak: bool = False) -> dict[str, bool]:
+    """require() for an event loop: the check runs off the loop the first time."""
+    if check.cache_info().currsize:
+        return require(allow_weak)
+    import asyncio
+
+    return await asyncio.to_thread(require, allow_weak)
+
+
+def needed(envs) -> bool:
+    """Whether a process serving `envs` needs the sandbox (none named: it may meet any)."""
+    return not envs or any(runs_code(e) for e in envs)
 
 
 # -- leftovers of a killed process ----------------------------------------------------------------
@@ -253,7 +349,7 @@ def reap(root_dir: str, grace_s: float = 2.0, prefixes: tuple[str, ...] = ("ep-"
     made) and kill what still runs in them."""
     try:
         names = [n for n in os.listdir(root_dir) if n.startswith(prefixes)]
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):  # (another user's root: nothing of ours in it)
         return {"workspaces": 0, "processes": 0}
     now = time.time()
     stale = []
@@ -271,10 +367,11 @@ def reap(root_dir: str, grace_s: float = 2.0, prefixes: tuple[str, ...] = ("ep-"
     return {"workspaces": len(stale), "processes": killed}
 
 
-def startup(allow_weak: bool = False, workspaces: str | None = None) -> dict[str, bool]:
+def startup(allow_weak: bool = False, workspaces: str | None = None, envs=()) -> dict[str, bool]:
     """A worker's or scorer's sandbox start-up: reap a killed predecessor's workspaces under
     `workspaces` (a LocalBackend root), check the isolation, log the layers it has and export
-    them (asyncrl_sandbox_layer). Raises WeakSandbox unless complete or `allow_weak`."""
+    them (asyncrl_sandbox_layer). Raises WeakSandbox unless complete or `allow_weak`. With `envs`
+    none of which runs code, the check is left to the first code met (require_async): {}."""
     from bus import get_logger, metrics  # (a library: logging and metrics only)
 
     log = get_logger("envs.isolation")
@@ -285,21 +382,31 @@ def startup(allow_weak: bool = False, workspaces: str | None = None) -> dict[str
         reaped = reap(root, grace, prefixes) if root else {}
         if reaped.get("workspaces") or reaped.get("processes"):
             log.warning("reaped a killed process's leftovers", root=root, **reaped)
+    if not needed(envs):
+        log.info("sandbox check skipped: no environment here runs code", envs=list(envs))
+        return {}
     layers = check()
     metrics.observe_sandbox(layers)
     gone = missing(layers)
-    log.info("sandbox isolation", layers=[k for k in LAYERS if layers.get(k)], missing=gone)
+    log.info(
+        "sandbox isolation",
+        mode="root" if os.geteuid() == 0 else "rootless",
+        layers=[k for k in expected() if layers.get(k)],
+        missing=gone,
+    )
+    if os.geteuid() != 0 and not gone:
+        log.info("rootless sandbox: the code runs as our uid, the host read-only to it", uid=os.geteuid())
     if gone and allow_weak:
         log.warning("running with WEAK sandbox isolation (allow_weak_sandbox = true)", missing=gone)
     return require(allow_weak)
 
 
-async def startup_async(allow_weak: bool = False, workspaces: str | None = None) -> dict[str, bool]:
+async def startup_async(allow_weak: bool = False, workspaces: str | None = None, envs=()) -> dict[str, bool]:
     """startup() for an event loop: off the loop the first time (the check runs commands), inline
     once the check is known (a process that starts a second service, e.g. in tests, keeps its
     timing)."""
-    if check.cache_info().currsize:
-        return startup(allow_weak, workspaces)
+    if check.cache_info().currsize or not needed(envs):
+        return startup(allow_weak, workspaces, envs)
     import asyncio
 
-    return await asyncio.to_thread(startup, allow_weak, workspaces)
+    return await asyncio.to_thread(startup, allow_weak, workspaces, envs)

@@ -14,8 +14,10 @@ Layers (each one covers a way generated code goes wrong; docs/environments.md#co
     namespace (max_user_namespaces = 0 inside), so it can neither unmount the masks nor mount
     a tmpfs of its own; the launcher dies with its caller (PR_SET_PDEATHSIG);
   * when the scorer runs as root (where RLIMIT_NPROC is not enforced) the code runs under a
-    fresh random uid, so RLIMIT_NPROC caps a fork bomb at `nproc` processes; as a non-root
-    user RLIMIT_NPROC is 1, so the code cannot fork or start threads at all;
+    fresh random uid, so RLIMIT_NPROC caps a fork bomb at `nproc` processes; as any other user
+    (rootless) the code keeps that user's uid, so every mount but its working directory and the
+    private tmpfs is remounted read-only for it, and RLIMIT_NPROC = `nproc` counts only its user
+    namespace's tasks (Linux >= 5.14; older: 1 for python, no fork or thread at all);
   * oom_score_adj 1000: if memory runs out anyway (host, container or unit limit), the kernel
     kills the sandbox first, never the worker or the trainer next to it;
   * rlimits set in-process before any untrusted byte runs: CPU seconds, address space,
@@ -45,7 +47,8 @@ from dataclasses import dataclass, field
 # drops every capability here), limits and guards, then the script. Parameters come as argv.
 PRELUDE = r"""
 import resource, sys, os
-cpu, mem, fsize, nproc, nofile, net, contain, tmp_mb, mark, script = sys.argv[1:11]
+RW_MOUNTS = (b"/tmp", b"/var/tmp", b"/dev/shm", b"/run/lock", b"/proc")
+cpu, mem, fsize, nproc, nofile, net, contain, tmp_mb, ro, mark, script = sys.argv[1:12]
 if contain == "1":
     import ctypes
     _libc = ctypes.CDLL(None, use_errno=True)
@@ -64,6 +67,21 @@ if contain == "1":
     for _k, _v in (("user/max_user_namespaces", "0"), ("kernel/shmall", str(int(tmp_mb) << 8))):
         with open("/proc/sys/" + _k, "w") as _f:
             _f.write(_v)
+    if ro == "1":  # rootless: the code has the caller's uid, so every mount but its run dir goes read-only
+        import codecs
+        _fl = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+        _top = {}
+        for _l in open("/proc/self/mountinfo"):
+            _p = _l.split()
+            _top[codecs.escape_decode(_p[4].encode())[0]] = _p[5].split(",")
+        for _m, _o in _top.items():
+            if _m in RW_MOUNTS or _m.startswith(b"/proc/") or _m == _cwd or _m.startswith(_cwd + b"/"):
+                continue
+            _f = 4129 | sum(_fl.get(_x, 0) for _x in _o)                   # MS_REMOUNT|MS_BIND|MS_RDONLY
+            # a mount it cannot reach (under a mask, or where our uid may not enter) it cannot write
+            if _libc.mount(None, _m, None, _f, None) != 0 and os.path.exists(_m):
+                _ok(-1, f"read-only {_m.decode(errors='replace')}")
+        del codecs, _fl, _top, _l, _p, _m, _o
     for _c in range(int(open("/proc/sys/kernel/cap_last_cap").read()) + 1):
         _ok(_libc.prctl(24, _c, 0, 0, 0), "drop bounding set")          # PR_CAPBSET_DROP
     _ok(_libc.prctl(47, 4, 0, 0, 0), "clear ambient caps")               # PR_CAP_AMBIENT_CLEAR_ALL
@@ -85,8 +103,8 @@ if net == "0":
     sys.addaudithook(_no_network)
 os.write(int(mark), b"ok")
 os.close(int(mark))
-del resource, cpu, mem, fsize, nproc, nofile, net, contain, tmp_mb, mark
-sys.argv = [script] + sys.argv[11:]
+del RW_MOUNTS, resource, cpu, mem, fsize, nproc, nofile, net, contain, tmp_mb, ro, mark
+sys.argv = [script] + sys.argv[12:]
 sys.path.insert(0, ".")
 with open(script) as f:
     code = compile(f.read(), script, "exec")
@@ -173,6 +191,11 @@ def isolation() -> tuple[str, bool, bool]:
     use_uid = root and works([python, "-I", "-S", "-c", "pass"], probe_uid)
     if root and not use_uid:
         python = sys.executable
+    if not root:  # ours, unless it lives where we may not run it (started as root, then dropped)
+        python = next(
+            (p for p in (sys.executable, *SYSTEM_PYTHONS) if works([p, "-I", "-S", "-c", "pass"], None)),
+            sys.executable,
+        )
     ns_cmd = (
         [
             setpriv,
@@ -201,13 +224,33 @@ def _launcher(netns: bool) -> list[str]:
     return [_tool("setpriv") or "setpriv", *PDEATHSIG, _tool("unshare") or "unshare", *flags, "--"]
 
 
-def _nproc_limit(limits: SandboxLimits, uid: int | None) -> int:
+def _nproc_limit(limits: SandboxLimits, uid: int | None, use_ns: bool = False) -> int:
     """RLIMIT_NPROC for the code. It counts every task of the uid: under a fresh uid that is only
-    the sandbox, so `nproc`; under a shared non-root uid, 1 (the uid already has more: no fork or
-    thread at all); root ignores it (0 = not set; root uses fresh uids when it can)."""
-    if uid is not None:
+    the sandbox, so `nproc`; in a user namespace of its own (rootless) the kernel counts only the
+    namespace's tasks (Linux >= 5.14), so `nproc` again; under a shared non-root uid otherwise, 1
+    (the uid already has more: no fork or thread at all); root ignores it (0 = not set; root uses
+    fresh uids when it can)."""
+    if uid is not None or (use_ns and os.geteuid() != 0 and nproc_per_userns()):
         return limits.nproc
     return 1 if os.geteuid() != 0 else 0
+
+
+def rootless_layers(ro: bool) -> list[str]:
+    """What a rootless run has on top of the namespaces: a read-only host, and (where the kernel
+    counts per user namespace) a fork-bomb cap of its own."""
+    if not ro:
+        return []
+    return ["ro-host", "nproc-ns"] if os.geteuid() != 0 and nproc_per_userns() else ["ro-host"]
+
+
+@functools.cache
+def nproc_per_userns() -> bool:
+    """Whether RLIMIT_NPROC counts a user namespace's own tasks only (ucounts: Linux 5.14)."""
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 14)
 
 
 def _fresh_uid() -> int:
@@ -245,6 +288,7 @@ def run_python(
     if limits.python:
         python = limits.python
     uid = _fresh_uid() if use_uid else None
+    ro = use_ns and uid is None  # rootless: the code has our uid, the host is read-only to it
     layers = ["pgroup", "rlimits", "audit-net" if not limits.network else "net-allowed"]
     tmp = tempfile.mkdtemp(prefix="asyncrl-sbx-")
     held = claim(tmp)  # a restart's isolation.reap() spares it while we live
@@ -267,11 +311,12 @@ def run_python(
             str(limits.cpu_s),
             str(limits.memory_mb << 20),
             str(limits.output_bytes),
-            str(_nproc_limit(limits, uid)),
+            str(_nproc_limit(limits, uid, use_ns)),
             str(limits.open_files),
             "1" if limits.network else "0",
             "1" if use_ns else "0",
             str(limits.tmp_mb),
+            "1" if ro else "0",
             str(mark_w),
             script,
             *(args or []),
@@ -283,6 +328,7 @@ def run_python(
             cmd = [*_launcher(netns), "/bin/sh", "-c", '"$@"; exit $?', "sh", *cmd]
             layers += NS_LAYERS
             layers += ["netns"] if netns else []
+            layers += rootless_layers(ro)
         kw = {}
         if uid is not None:
             os.chown(tmp, uid, uid)
@@ -400,8 +446,8 @@ def _read_capped(path: str, cap: int) -> bytes:
 # then the command (under setpriv: without any capability), as a child, so pid 1 keeps normal signal
 # handling and everything left in the namespace dies when it exits.
 BASH_SETUP = r"""
-root=$1 ws=$2 ns=$3 tmp_mb=$4 cpu=$5 mem_kb=$6 fsize_kb=$7 nofile=$8 nproc=$9 mark=${10}
-shift 10
+root=$1 ws=$2 ns=$3 tmp_mb=$4 cpu=$5 mem_kb=$6 fsize_kb=$7 nofile=$8 nproc=$9 mark=${10} ro=${11}
+shift 11
 fail() { echo "sandbox setup failed: $*" >&2; exit 197; }
 cd "$root" || fail "no episode root $root"
 if [ "$ns" = 1 ]; then
@@ -412,6 +458,16 @@ if [ "$ns" = 1 ]; then
   mkdir -p "$root" && mount --no-canonicalize --rbind /proc/self/cwd "$root" || fail "bind $root"
   echo 0 >/proc/sys/user/max_user_namespaces || fail "nested user namespaces"
   echo $((tmp_mb << 8)) >/proc/sys/kernel/shmall || fail "shm cap"
+  if [ "$ro" = 1 ]; then  # rootless: the command has our uid: every mount but its workspace read-only
+    mount --bind "$ws" "$ws" || fail "bind $ws"
+    while read -r _ _ _ _ mp opts _; do
+      mp=$(printf '%b' "$mp")
+      case "$mp" in /tmp|/var/tmp|/dev/shm|/run/lock|/proc|/proc/*|"$ws"|"$ws"/*) continue ;; esac
+      o=${opts#r[ow]}
+      # a mount it cannot reach (under a mask, or a directory our uid may not enter) it cannot write
+      mount -o "remount,bind,ro$o" "$mp" 2>/dev/null || [ ! -e "$mp" ] || fail "read-only $mp"
+    done </proc/self/mountinfo
+  fi
 fi
 cd "$ws" || fail "no workspace $ws"
 echo 1000 >/proc/self/oom_score_adj || fail "oom_score_adj"
@@ -471,13 +527,15 @@ def run_bash(
         out_path, mark_path = os.path.join(out_dir, "out"), os.path.join(out_dir, "mark")
         # RLIMIT_NPROC counts every task of the uid: only meaningful under a fresh uid (a shared
         # uid already has more; root ignores it)
-        nproc = limits.nproc if uid is not None else 0
+        ro = use_ns and uid is None  # rootless: the command has our uid, the host is read-only to it
+        nproc = limits.nproc if uid is not None or (ro and nproc_per_userns()) else 0
         kw = {}
         if uid is not None:
             kw = dict(user=uid, group=uid, extra_groups=[])
             layers.append("fresh-uid")
         if use_ns:
             layers += ["netns", *NS_LAYERS]
+            layers += rootless_layers(ro)
         base_env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
             "LANG": "C.UTF-8",
@@ -509,6 +567,7 @@ def run_bash(
                 str(limits.open_files),
                 str(nproc),
                 str(mark.fileno()),
+                "1" if ro else "0",
                 *tail,
             ]
             if use_ns:

@@ -35,7 +35,9 @@ async def amain(cfg: WorkerConfig) -> int:
     )  # before connecting: a dead broker must not trap us
     # the sandbox before the broker: a worker that may not run episodes must not hold tasks
     await isolation.startup_async(
-        cfg.episodes.allow_weak_sandbox, default_root() if cfg.episodes.workspace == "local" else None
+        cfg.episodes.allow_weak_sandbox,
+        default_root() if cfg.episodes.workspace == "local" else None,
+        cfg.episodes.envs,
     )
     bus = await connect(cfg.bus)
     try:

@@ -70,6 +70,9 @@ class EpisodesSection:
     episode_wall_s: float = 0.0  # > 0: replaces the tasks' episode wall limit (slow sandboxes)
     # start even where the code sandbox lacks isolation layers (envs/isolation.py; never in production)
     allow_weak_sandbox: bool = False
+    # the environments whose tasks this worker serves ([]: any; `asyncrl up` sets [trainer.tasks] envs):
+    # when none runs code (arithmetic) the sandbox check waits for the first episode instead of the start
+    envs: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.workspace not in ("local", "docker"):

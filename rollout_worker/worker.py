@@ -241,6 +241,10 @@ class Worker:
             runner.parse(task)
         except (ValueError, TypeError, KeyError) as e:
             return await self._park(ctx, task, f"bad episode task: {e}")
+        try:  # a worker started for code-free environments checks the sandbox on its first episode
+            await isolation.require_async(self.cfg.episodes.allow_weak_sandbox)
+        except isolation.WeakSandbox as e:
+            return await self._park(ctx, task, f"episode of {task.env} refused: {e}")
         self.group_hint = sp.n
         subject = topo.rollout_subject(task.env)
         self.episodes_in_flight += sp.n  # counted from here: capacity() must see them at once
@@ -423,6 +427,7 @@ class Worker:
         await isolation.startup_async(
             self.cfg.episodes.allow_weak_sandbox,
             default_root() if self.cfg.episodes.workspace == "local" else None,
+            self.cfg.episodes.envs,
         )
         stop = stop or asyncio.Event()
         kf = await self.start_weights(stop)

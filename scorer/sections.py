@@ -6,7 +6,7 @@ any process starts."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bus.config import check_section
 
@@ -98,3 +98,6 @@ class SandboxSection:
 
     # start even where the code sandbox lacks isolation layers (envs/isolation.py; never in production)
     allow_weak_sandbox: bool = False
+    # the environments this scorer verifies ([]: any; `asyncrl up` sets [trainer.tasks] envs): when none
+    # runs code (arithmetic) the sandbox check waits for the first rollout that does
+    envs: list[str] = field(default_factory=list)

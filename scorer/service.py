@@ -30,7 +30,7 @@ from bus import topology as topo
 from bus.control import parse_lambda
 from bus.events import EventError, Heartbeat, Rollout, Scored
 from bus.lifetime import cancel_and_wait
-from envs import SpecError, get_env, isolation
+from envs import SpecError, get_env, isolation, runs_code
 
 from .config import ScorerConfig
 from .reward import compute_reward, overlong_penalty, rollout_cost
@@ -82,6 +82,11 @@ class Scorer:
             env = get_env(ro.env)
         except KeyError as e:
             return await self._park(ctx, e.args[0] if e.args else f"unknown environment {ro.env!r}")
+        if runs_code(ro.env):  # a scorer started for code-free environments checks it on the first code
+            try:
+                await isolation.require_async(self.cfg.sandbox.allow_weak_sandbox)
+            except isolation.WeakSandbox as e:
+                return await self._park(ctx, f"rollout of {ro.env} refused: {e}")
         t0 = time.perf_counter()
         try:
             if getattr(env, "blocking", False):
@@ -214,7 +219,7 @@ class Scorer:
     # -- process ------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None, handle_signals: bool = True) -> None:
         # before anything else: no rollout is verified in a sandbox weaker than promised
-        await isolation.startup_async(self.cfg.sandbox.allow_weak_sandbox)
+        await isolation.startup_async(self.cfg.sandbox.allow_weak_sandbox, envs=self.cfg.sandbox.envs)
         own_bus = self.bus is None
         if own_bus:
             self.bus = await connect(self.cfg.bus)

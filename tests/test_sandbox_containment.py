@@ -21,6 +21,7 @@ import pytest
 
 from envs import isolation
 from envs.sandbox import BashLimits, SandboxLimits, fresh_uid, run_bash, run_python
+from tests.helpers.unprivileged import AS_NOBODY, NO_USERNS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")
@@ -295,17 +296,6 @@ def test_full_isolation_here_and_exported():
     assert 'asyncrl_sandbox_layer{layer="no-caps"} 1.0' in text and 'layer="no-userns"} 1.0' in text
 
 
-# Runs the real start-up path (scorer's __main__) as an unprivileged user: imports as root (the
-# interpreter lives where nobody cannot read), then drops to uid/gid 65534 for good.
-AS_NOBODY = """
-import ctypes, os, sys
-import scorer.__main__ as m
-os.setgroups([]); os.setgid(65534); os.setuid(65534)
-ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)          # dumpable again (its /proc/self/ns, as any process)
-sys.exit(m.main(["--config", sys.argv[1]]))
-"""
-
-
 def public_file(tmp_path, text: str) -> str:
     """A file uid 65534 can read (pytest's tmp_path is closed to it); removed with tmp_path's test."""
     fd, path = tempfile.mkstemp(prefix="asyncrl-test-", suffix=".toml")
@@ -324,29 +314,9 @@ def _remove_public_file(tmp_path):
         os.unlink(p.read_text())
 
 
-def test_scorer_as_non_root_refuses_to_start_naming_the_missing_layer(tmp_path):
+def test_scorer_as_non_root_starts_with_the_rootless_sandbox(tmp_path):
+    """Not root, user namespaces allowed: the rootless sandbox, every layer it promises in place."""
     conf = public_file(tmp_path, '[bus]\nservers = ["nats://127.0.0.1:1"]\n')
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/"}
-    r = subprocess.run(
-        [sys.executable, "-c", AS_NOBODY, str(conf)],
-        cwd="/",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    err = r.stderr.strip().splitlines()
-    assert r.returncode == 2, r.stderr
-    assert err[-1].startswith(
-        "scorer refuses to start: sandbox isolation incomplete (uid 65534): missing layer(s) fresh-uid"
-    ), r.stderr
-    assert "allow_weak_sandbox = true" in err[-1] and "Traceback" not in r.stderr
-
-
-def test_scorer_as_non_root_with_allow_weak_sandbox_starts_and_says_so(tmp_path):
-    conf = public_file(
-        tmp_path, '[sandbox]\nallow_weak_sandbox = true\n[bus]\nservers = ["nats://127.0.0.1:1"]\n'
-    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/", "ASYNCRL_LOG_JSON": "1"}
     p = subprocess.Popen(
         [sys.executable, "-c", AS_NOBODY, str(conf)],
@@ -360,11 +330,61 @@ def test_scorer_as_non_root_with_allow_weak_sandbox_starts_and_says_so(tmp_path)
         seen = []
         for line in p.stdout:  # past the check: it goes on to connect (to nothing)
             seen.append(line)
-            if "WEAK sandbox isolation" in line:
+            if '"sandbox isolation"' in line:
                 break
-        assert any("WEAK sandbox isolation" in x and "fresh-uid" in x for x in seen), "".join(seen)
+        line = seen[-1]
+        assert '"mode": "rootless"' in line and '"missing": []' in line, "".join(seen)
+        for layer in isolation.ROOTLESS_LAYERS:
+            assert f'"{layer}"' in line, (layer, line)
     finally:
         p.kill()
+        p.wait()
+
+
+def test_scorer_as_non_root_without_user_namespaces_refuses_naming_the_layers_and_the_fix(tmp_path):
+    conf = public_file(tmp_path, '[bus]\nservers = ["nats://127.0.0.1:1"]\n')
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/"}
+    r = subprocess.run(
+        [sys.executable, "-c", NO_USERNS, AS_NOBODY, str(conf)],
+        cwd="/",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert err[-1].startswith(
+        "scorer refuses to start: rootless sandbox incomplete (uid 65534): missing layer(s) netns, pidns"
+    ), r.stderr
+    assert "needs user namespaces" in err[-1] and "max_user_namespaces" in err[-1], err[-1]
+    assert "fresh-uid" not in err[-1]  # (root only: not asked of a user who is not root)
+    assert "allow_weak_sandbox = true" in err[-1] and "Traceback" not in r.stderr
+
+
+def test_scorer_as_non_root_with_allow_weak_sandbox_starts_and_says_so(tmp_path):
+    conf = public_file(
+        tmp_path, '[sandbox]\nallow_weak_sandbox = true\n[bus]\nservers = ["nats://127.0.0.1:1"]\n'
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/", "ASYNCRL_LOG_JSON": "1"}
+    p = subprocess.Popen(
+        [sys.executable, "-c", NO_USERNS, AS_NOBODY, str(conf)],
+        cwd="/",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the scorer is the wrapper's child: both go
+    )
+    try:
+        seen = []
+        for line in p.stdout:  # past the check: it goes on to connect (to nothing)
+            seen.append(line)
+            if "WEAK sandbox isolation" in line:
+                break
+        assert any("WEAK sandbox isolation" in x and "netns" in x for x in seen), "".join(seen)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
 

@@ -21,7 +21,7 @@ SECTIONS = {
     "reward": {"cost_unit", "default_lambda", "overlong_buffer", "overlong_scale", "episode_reward"},
     "run": {"concurrency", "verify_threads", "threads", "heartbeat_s", "grace_s", "provision", "metrics_port"}
     | {"metrics_host", "instance", "log_level"},
-    "sandbox": {"allow_weak_sandbox"},
+    "sandbox": {"allow_weak_sandbox", "envs"},
 }
 # the other processes' tables of a run config, agreeing (config check's cross-process checks pass)
 AGREE = "[up]\nworkers = 1\n[trainer.batch]\nmax_lag = 4\n[worker.admission]\nmax_lag = 4\n"
@@ -238,7 +238,7 @@ def test_config_check_prints_the_scorer_tree(tmp_path):
         "overlong_scale": 1.0,
         "episode_reward": "fraction",
     }
-    assert tree["sandbox"] == {"allow_weak_sandbox": True}
+    assert tree["sandbox"] == {"allow_weak_sandbox": True, "envs": []}
 
 
 def test_up_finds_the_process_wide_keys_in_scorer_run():

@@ -27,7 +27,8 @@ SECTIONS = {
     "engine": {"kind", "slots", "max_len", "model", "tokenizer", "quant_sites", "quant_block", "seed"}
     | {"update_mode", "device"},
     "admission": {"max_lag", "queue", "max_inflight"},
-    "episodes": {"workspace", "docker_image", "sandbox_latency", "episode_wall_s", "allow_weak_sandbox"},
+    "episodes": {"workspace", "docker_image", "sandbox_latency", "episode_wall_s", "allow_weak_sandbox"}
+    | {"envs"},
     "harness": {"kind", "config", "endpoint_host", "endpoint_port", "external_deadline_s"}
     | {"endpoint_token_file", "bounds"},
     "weights": {"public_key"},
