@@ -20,6 +20,7 @@ from bus.metrics import start_metrics_server
 from envs import isolation
 from envs.isolation import WeakSandbox
 from envs.workspace import default_root
+from policy.devices import device_env
 
 from .config import WorkerConfig
 from .worker import BackgroundFailed, Worker
@@ -64,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     json_logs = {"1": True, "0": False}.get(os.environ.get("ASYNCRL_LOG_JSON", ""), None)
     setup_logging("rollout_worker", json=json_logs, component_id=cfg.worker_id, level=cfg.run.log_level)
     start_metrics_server(cfg.run.metrics_port)
+    # where it runs ([layout]: its CUDA_VISIBLE_DEVICES; vLLM shards over tensor_parallel_size of them)
+    log.info(
+        "devices",
+        **device_env(),
+        engine=cfg.engine.kind,
+        device=cfg.engine.device if cfg.engine.kind == "torch" else "cuda",
+        tensor_parallel_size=cfg.engine.tensor_parallel_size,
+    )
     try:
         return asyncio.run(amain(cfg))
     except WeakSandbox as e:  # one message naming the missing layers, no traceback

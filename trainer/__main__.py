@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
 from bus import RETRYABLE, BlobError, PublishError, connect, get_logger, load_config, setup_logging
 from bus.lifetime import stop_on_signals
 from bus.metrics import start_metrics_server
+from policy.devices import device_env
 
 from .commands import world
 from .config import TrainerConfig
 from .dist import follower_loop, init_distributed, shutdown_distributed, stop_followers
-from .factory import build_learner, build_model, build_optimizer
+from .factory import build_learner, build_model, build_optimizer, device
 from .leader import Trainer
 
 log = get_logger("trainer")
@@ -28,6 +30,7 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
     model, mcfg = build_model(cfg)
     opt = build_optimizer(model, cfg)
     learner = build_learner(model, opt, cfg)
+    log.info("devices", **device_env(), device=str(device(cfg)))  # each rank: where it runs ([layout])
     if rank > 0:
         await follower_loop(learner)  # a peer's death raises here: exit non-zero, the agent restarts us
         shutdown_distributed()
@@ -116,8 +119,6 @@ def main(argv=None) -> int:
         return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--elastic" in argv:  # become this node's elastic agent; its workers run us without the flag
-        import os
-
         from .elastic import agent_env, torchrun_argv
 
         cmd = torchrun_argv(cfg, [a for a in argv if a != "--elastic"])
@@ -140,7 +141,8 @@ def main(argv=None) -> int:
             return 1
         log.info(f"{which} eval", **(row or {"skipped": "the run already evaluated that version"}))
         return 0
-    start_metrics_server(cfg.run.metrics_port)
+    if int(os.environ.get("RANK", "0")) == 0:  # a trainer group: /metrics from rank 0 (on the bus)
+        start_metrics_server(cfg.run.metrics_port)
 
     async def _main() -> int:
         stop = asyncio.Event()
