@@ -196,7 +196,7 @@ class Plan:
             m = self.memory
             out.append(
                 f"  trainer memory per device: ~{m['need'] / GiB:.1f} GiB of {m['budget'] / GiB:.1f} GiB "
-                f"(a {m['params'] / 1e9:.2f} B-parameter model over {self.ranks} rank(s); policy/memory.py "
+                f"(a {_params(m['params'])}-parameter model over {self.ranks} rank(s); policy/memory.py "
                 f"estimate, {HEADROOM:.0%} of a device may be used)"
             )
         elif self.memory_note:
@@ -206,6 +206,10 @@ class Plan:
 
 def _ids(acc: str, ids: tuple[int, ...]) -> str:
     return ",".join(f"{acc}:{i}" for i in ids)
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
 
 
 def _env_line(env: dict) -> str:
@@ -286,7 +290,7 @@ def _fit(lc: LayoutConfig, resolved: dict, trainer: tuple[int, ...]) -> tuple[di
         raise ConfigError(
             "[layout] the model does not fit the trainer's share: a step needs "
             f"~{est['total'] / GiB:.1f} GiB per device on {len(trainer)} device(s) "
-            f"(a {m['params'] / 1e9:.2f} B-parameter model; "
+            f"(a {_params(m['params'])}-parameter model; "
             f"GiB by part: {parts}), a device has {budget / GiB:.1f} GiB ({source}; "
             f"{HEADROOM:.0%} usable): give trainer_devices more devices, or lower [trainer.loss] "
             "micro_batch_tokens"
