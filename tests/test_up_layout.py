@@ -239,6 +239,7 @@ def hf_files(folder) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "README.txt"}
 
 
+@pytest.mark.chaos  # minutes on a loaded 2-core box: two torchrun parts, W&B, final eval (make test-chaos)
 async def test_layout_run_two_rank_group_resumes_and_exports(tmp_path):
     pytest.importorskip("wandb", reason="wandb is a dev extra (pip install -e .[dev])")
     transformers = pytest.importorskip("transformers")
@@ -333,7 +334,8 @@ async def test_layout_run_two_rank_group_resumes_and_exports(tmp_path):
     replayed = tmp_path / "replayed"
     shutil.copytree(run_dir / "config", replayed / "config")
     shutil.copytree(run_dir / "nats", replayed / "nats")
-    assert "replayed" in write_export(replayed, tmp_path / "hf-replayed", st.version)["source"]
+    got = await asyncio.to_thread(write_export, replayed, tmp_path / "hf-replayed", st.version)
+    assert "replayed" in got["source"]
     assert hf_files(tmp_path / "hf") == hf_files(tmp_path / "hf-replayed")
 
     # transformers loads it with the trainer's logits (its published bf16 point)
