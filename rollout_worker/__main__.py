@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         "devices",
         **device_env(),
         engine=cfg.engine.kind,
-        device=cfg.engine.device if cfg.engine.kind == "torch" else "cuda",
+        device=cfg.engine.device if cfg.engine.kind == "torch" else None,  # vLLM: its visible GPUs
         tensor_parallel_size=cfg.engine.tensor_parallel_size,
     )
     try:
