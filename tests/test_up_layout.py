@@ -25,6 +25,7 @@ from asyncrl.supervisor import ChildSpec
 from bench.up_driver import ROOT, kill_run, start_up, trainer_version, wait_for
 from bus.config import ConfigError
 from tests.helpers.up import SUPERVISE
+from trainer import checkpoint
 
 CPU_LAYOUT = '[layout]\naccelerator = "cpu"\ndevices = 4\ntrainer_devices = [0, 1]\nengine_devices = [2, 3]\n'
 
@@ -239,74 +240,33 @@ def hf_files(folder) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "README.txt"}
 
 
-@pytest.mark.chaos  # minutes on a loaded 2-core box: two torchrun parts, W&B, final eval (make test-chaos)
-async def test_layout_run_two_rank_group_resumes_and_exports(tmp_path):
-    pytest.importorskip("wandb", reason="wandb is a dev extra (pip install -e .[dev])")
-    transformers = pytest.importorskip("transformers")
-    # the workers come from the plan: one per engine device ([up] workers left out)
-    config = (
-        SUPERVISE.replace(
-            "workers = 2\n", 'final_eval = true\nwandb_project = "asyncrl-test"\nwandb_mode = "offline"\n'
+def assert_placed(run_dir) -> None:
+    """Each child's own account of its devices (logged from its environment at start)."""
+    ranks = device_lines(run_dir / "logs" / "trainer.log")
+    assert sorted((r["rank"], r["local_rank"], r["world_size"]) for r in ranks) == [
+        ("0", "0", "2"),
+        ("1", "1", "2"),
+    ]
+    assert {(r["plan"], r["cuda_visible_devices"], r["device"]) for r in ranks} == {
+        ("cpu:0,cpu:1", "", "cpu")
+    }
+    for i in (0, 1):
+        (w,) = device_lines(run_dir / "logs" / f"worker-{i}.log")
+        assert (w["plan"], w["cuda_visible_devices"], w["device"], w["rank"]) == (
+            f"cpu:{2 + i}",
+            "",
+            "cpu",
+            None,
         )
-        .replace("eval_prompts = 16", "eval_prompts = 4")
-        .replace("max_tokens = 40", "max_tokens = 24")
-        + CPU_LAYOUT
-    )
-    os.environ.setdefault("WANDB_SILENT", "true")
-    proc, run_dir = start_up(tmp_path, config, steps=500, minutes=8)
-    out = tmp_path / "up.out"
-    try:
-        await wait_for(lambda: trainer_version(run_dir) >= 2, 400, "version 2", proc, out)
-        # each child's own account of its devices (logged from its environment at start)
-        ranks = device_lines(run_dir / "logs" / "trainer.log")
-        assert sorted((r["rank"], r["local_rank"], r["world_size"]) for r in ranks) == [
-            ("0", "0", "2"),
-            ("1", "1", "2"),
-        ]
-        assert {(r["plan"], r["cuda_visible_devices"], r["device"]) for r in ranks} == {
-            ("cpu:0,cpu:1", "", "cpu")
-        }
-        for i in (0, 1):
-            (w,) = device_lines(run_dir / "logs" / f"worker-{i}.log")
-            assert (w["plan"], w["cuda_visible_devices"], w["device"], w["rank"]) == (
-                f"cpu:{2 + i}",
-                "",
-                "cpu",
-                None,
-            )
-        cmd = (run_dir / "config" / "run.json").read_text()
-        assert json.loads(cmd)["layout"]["trainer_env"] == {
-            "CUDA_VISIBLE_DEVICES": "",
-            "ASYNCRL_DEVICES": "cpu:0,cpu:1",
-        }
-        os.killpg(proc.pid, signal.SIGINT)
-        assert await asyncio.to_thread(proc.wait, 120) == 0, out.read_text()[-3000:]
-    finally:
-        kill_run(run_dir)
-    first = steps_of(run_dir)
-    v1 = max(r["version"] for r in first)
-    from trainer import checkpoint
+    meta = json.loads((run_dir / "config" / "run.json").read_text())
+    assert meta["layout"]["trainer_env"] == {"CUDA_VISIBLE_DEVICES": "", "ASYNCRL_DEVICES": "cpu:0,cpu:1"}
+    assert meta["workers"] == 2  # one per engine device
 
-    st = checkpoint.load_latest(run_dir / "checkpoints")
-    assert "__dcp__" in st.model and st.version == v1  # written by both ranks
 
-    # resumed: the same plan from the run's own config, on to v1 + 2, then the final eval
-    r = await asyncio.to_thread(
-        cli, "up", "--resume", str(run_dir), "--steps", str(v1 + 2), "--minutes", "6", "--quiet", timeout=600
-    )
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["stopped"].startswith("reached"), summary
-    assert summary["final_eval"] == "done", summary
-    versions = [x["version"] for x in steps_of(run_dir)]
-    assert versions == list(range(1, max(versions) + 1)) and max(versions) >= v1 + 2  # no gap, no repeat
-    rows = read_jsonl(run_dir / "metrics" / "trainer.jsonl")
-    final = [x for x in rows if x.get("eval_final")]
-    st = checkpoint.load_latest(run_dir / "checkpoints")
-    assert "__dcp__" in st.model and final and final[-1]["version"] == st.version
-    run_id = (run_dir / "wandb_run_id").read_text().strip()
-    assert len(list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))) == 2  # one W&B run, both parts
-
+def assert_exports(run_dir, st, tmp_path, transformers) -> None:
+    """`asyncrl export` of the sharded checkpoint `st`: the same HF folder as the gathered weights
+    and as the published weights replayed from the store; transformers gives the trainer's logits.
+    (Synchronous: the replay starts its own event loop; call it from a thread in an async test.)"""
     # export of the sharded checkpoint == export of the same weights gathered into one file ...
     exported = write_export(run_dir, tmp_path / "hf")
     assert exported["version"] == st.version and exported["source"].startswith("checkpoint")
@@ -334,7 +294,7 @@ async def test_layout_run_two_rank_group_resumes_and_exports(tmp_path):
     replayed = tmp_path / "replayed"
     shutil.copytree(run_dir / "config", replayed / "config")
     shutil.copytree(run_dir / "nats", replayed / "nats")
-    got = await asyncio.to_thread(write_export, replayed, tmp_path / "hf-replayed", st.version)
+    got = write_export(replayed, tmp_path / "hf-replayed", st.version)
     assert "replayed" in got["source"]
     assert hf_files(tmp_path / "hf") == hf_files(tmp_path / "hf-replayed")
 
@@ -352,3 +312,70 @@ async def test_layout_run_two_rank_group_resumes_and_exports(tmp_path):
         torch.testing.assert_close(
             ref(idx).logits.float(), want, **transformers_tol(ours.cfg, want, idx.shape[1])
         )
+
+
+async def test_layout_run_places_the_group_and_exports_its_shards(tmp_path):
+    """The short version (default suite): 2 versions, each child on its devices, the sharded
+    checkpoint exported. The whole story (resume, final eval, W&B) is the chaos test below."""
+    transformers = pytest.importorskip("transformers")
+    config = SUPERVISE.replace("workers = 2\n", "").replace("max_tokens = 40", "max_tokens = 24") + CPU_LAYOUT
+    proc, run_dir = start_up(tmp_path, config, steps=2, minutes=6)
+    out = tmp_path / "up.out"
+    try:
+        assert await asyncio.to_thread(proc.wait, 500) == 0, out.read_text()[-3000:]
+    finally:
+        kill_run(run_dir)
+    assert_placed(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped"].startswith("reached"), summary
+    st = checkpoint.load_latest(run_dir / "checkpoints")
+    assert "__dcp__" in st.model and st.version >= 2  # written by both ranks
+    await asyncio.to_thread(assert_exports, run_dir, st, tmp_path, transformers)
+
+
+@pytest.mark.chaos  # minutes on a loaded 2-core box: two torchrun parts, W&B, final eval (make test-chaos)
+async def test_layout_run_two_rank_group_resumes_and_exports(tmp_path):
+    pytest.importorskip("wandb", reason="wandb is a dev extra (pip install -e .[dev])")
+    transformers = pytest.importorskip("transformers")
+    # the workers come from the plan: one per engine device ([up] workers left out)
+    config = (
+        SUPERVISE.replace(
+            "workers = 2\n", 'final_eval = true\nwandb_project = "asyncrl-test"\nwandb_mode = "offline"\n'
+        )
+        .replace("eval_prompts = 16", "eval_prompts = 4")
+        .replace("max_tokens = 40", "max_tokens = 24")
+        + CPU_LAYOUT
+    )
+    os.environ.setdefault("WANDB_SILENT", "true")
+    proc, run_dir = start_up(tmp_path, config, steps=500, minutes=8)
+    out = tmp_path / "up.out"
+    try:
+        await wait_for(lambda: trainer_version(run_dir) >= 2, 400, "version 2", proc, out)
+        assert_placed(run_dir)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert await asyncio.to_thread(proc.wait, 120) == 0, out.read_text()[-3000:]
+    finally:
+        kill_run(run_dir)
+    first = steps_of(run_dir)
+    v1 = max(r["version"] for r in first)
+    st = checkpoint.load_latest(run_dir / "checkpoints")
+    assert "__dcp__" in st.model and st.version == v1  # written by both ranks
+
+    # resumed: the same plan from the run's own config, on to v1 + 2, then the final eval
+    r = await asyncio.to_thread(
+        cli, "up", "--resume", str(run_dir), "--steps", str(v1 + 2), "--minutes", "6", "--quiet", timeout=600
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["stopped"].startswith("reached"), summary
+    assert summary["final_eval"] == "done", summary
+    versions = [x["version"] for x in steps_of(run_dir)]
+    assert versions == list(range(1, max(versions) + 1)) and max(versions) >= v1 + 2  # no gap, no repeat
+    rows = read_jsonl(run_dir / "metrics" / "trainer.jsonl")
+    final = [x for x in rows if x.get("eval_final")]
+    st = checkpoint.load_latest(run_dir / "checkpoints")
+    assert "__dcp__" in st.model and final and final[-1]["version"] == st.version
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    assert len(list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))) == 2  # one W&B run, both parts
+
+    await asyncio.to_thread(assert_exports, run_dir, st, tmp_path, transformers)
