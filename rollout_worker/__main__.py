@@ -21,6 +21,7 @@ from bus.metrics import serve_metrics
 from envs import isolation
 from envs.isolation import WeakSandbox
 from envs.workspace import default_root, private_root
+from policy.devices import device_env
 
 from .config import WorkerConfig
 from .worker import BackgroundFailed, Worker
@@ -78,6 +79,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rollout worker refuses to start: {e}", file=sys.stderr)
             return 2
     serve_metrics(cfg.run)
+    # where it runs ([layout]: its CUDA_VISIBLE_DEVICES; vLLM shards over tensor_parallel_size of them)
+    log.info(
+        "devices",
+        **device_env(),
+        engine=cfg.engine.kind,
+        device=cfg.engine.device if cfg.engine.kind == "torch" else None,  # vLLM: its visible GPUs
+        tensor_parallel_size=cfg.engine.tensor_parallel_size,
+    )
     try:
         return asyncio.run(amain(cfg))
     except WeakSandbox as e:  # one message naming the missing layers, no traceback

@@ -31,6 +31,10 @@ class EngineSection:
     seed: int = 0
     update_mode: str = "swap"  # torch: swap (prepare off the decode path) | inline (at the boundary)
     device: str = "cpu"  # torch engine: cpu | cuda | cuda:N (weights, KV cache and delta apply there)
+    # vllm: the share of each of its GPUs vLLM may take (weights, KV cache, activations)
+    gpu_memory_utilization: float = 0.9
+    # vllm: GPUs one engine shards its model over (its CUDA_VISIBLE_DEVICES; [layout] engine_devices)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in ("torch", "vllm"):
@@ -39,6 +43,15 @@ class EngineSection:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         if not (self.device == "cpu" or self.device == "cuda" or re.fullmatch(r"cuda:\d+", self.device)):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.kind != "vllm":
+            raise ValueError(
+                f"tensor_parallel_size = {self.tensor_parallel_size} needs kind = 'vllm' "
+                "(the torch engine runs on one device)"
+            )
 
 
 @dataclass

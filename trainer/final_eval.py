@@ -26,6 +26,7 @@ from . import checkpoint
 from .config import TrainerConfig
 from .evaluate import evaluate
 from .factory import initial_model
+from .shards import load_model_state
 
 
 class FinalEvalError(RuntimeError):
@@ -40,14 +41,12 @@ def evaluate_checkpoint(cfg: TrainerConfig) -> dict:
     st = checkpoint.load_latest(cfg.checkpoint.dir)
     if st is None:
         raise FinalEvalError(f"no checkpoint in {cfg.checkpoint.dir}: nothing to evaluate")
-    if "__dcp__" in st.model:
-        raise FinalEvalError("the final eval reads whole-state checkpoints; this one is sharded (DCP)")
     rows = _rows(cfg)
     if any(r.get("eval_success") is not None and r.get("version") == st.version for r in rows):
         return {}
     mcfg = ModelConfig.from_dict(st.model_config)
     model = Transformer(mcfg)
-    model.load_state_dict(st.model)
+    load_model_state(model, cfg.checkpoint.dir, st.model)  # a trainer group's shards too (DCP)
     published = inference_state(model)
     if st.digest and delta_codec.state_digest(published) != st.digest:
         raise FinalEvalError(f"checkpoint v{st.version}: bf16 state does not match its recorded digest")

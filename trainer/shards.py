@@ -109,6 +109,20 @@ def load_any(model, opt, ckpt_dir: str | Path, model_state: dict | None, opt_sta
     set_optimizer_state_dict(model, opt, full_osd, options=opts)
 
 
+def load_model_state(model, ckpt_dir: str | Path, model_state: dict) -> None:
+    """A checkpoint's model weights, whole or sharded, into an unsharded `model` in one process
+    without a process group (the final eval, `asyncrl export`): DCP reads every rank's shards."""
+    if "__dcp__" not in model_state:
+        model.load_state_dict(model_state)
+        return
+    path = Path(ckpt_dir) / model_state["__dcp__"]
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"sharded checkpoint {path} is incomplete (no .metadata)")
+    sd = {"model": get_model_state_dict(model)}
+    dcp.load(sd, checkpoint_id=str(path), storage_reader=SafeReader(path))  # only the model's keys
+    set_model_state_dict(model, sd["model"])
+
+
 def _fqn_optimizer_state(model, osd: dict) -> dict:
     """torch.optim's id-keyed state dict -> the FQN-keyed one (one param group per model here)."""
     names = [n for n, _ in model.named_parameters()]
