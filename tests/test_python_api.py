@@ -46,3 +46,12 @@ def test_a_bad_config_raises_with_where_to_look(tmp_path):
     with pytest.raises(RuntimeError, match="exited 2"):
         asyncrl.up(cfg, steps=1, run_dir=tmp_path / "c")
     assert "bad configuration" in (tmp_path / "c" / "logs" / "up.out").read_text()
+
+
+def test_asyncrl_up_is_callable_after_the_up_module_is_imported(tmp_path):
+    import asyncrl.up  # noqa: F401  (the CLI's module of the same name)
+
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[up]\nno_such_key = 1\n")
+    with pytest.raises(RuntimeError, match="exited 2"):
+        asyncrl.up(cfg, steps=1, run_dir=tmp_path / "d")

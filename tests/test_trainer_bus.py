@@ -230,7 +230,12 @@ async def test_overlapped_publication_checkpoints_the_right_digest_after_a_dropp
     assert tr.version == st.version == 1
     assert st.digest == delta_codec.state_digest(inference_state(model))
     assert sorted(st.consumed) == sorted(live.rollout_ids + stale.rollout_ids)
-    info = await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
+    # acks are one-way messages: the server may count them a moment after (fsync'd consumer state)
+    for _ in range(100):
+        info = await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)
+        if info.num_ack_pending == 0:
+            break
+        await asyncio.sleep(0.1)
     assert info.num_ack_pending == 0 and info.num_pending == 0
     await batcher.close()
 
