@@ -60,9 +60,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         )
 
 
+# The shared test brokers keep nats-server's own flush interval: tests that read a consumer's ack
+# count right after acking raced the fsync'd consumer state. The product's default
+# (sync_interval always) is tested by tests/test_nats_durability.py and by every `asyncrl up` test.
+TEST_SYNC = None
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory):
-    srv = EmbeddedServer(store_dir=tmp_path_factory.mktemp("nats-session"))
+    srv = EmbeddedServer(store_dir=tmp_path_factory.mktemp("nats-session"), sync=TEST_SYNC)
     srv.start_sync()
     yield srv
     srv.stop_sync()
@@ -70,7 +76,7 @@ def nats_server(tmp_path_factory):
 
 @pytest.fixture
 def fresh_server(tmp_path):
-    srv = EmbeddedServer(store_dir=tmp_path / "nats")
+    srv = EmbeddedServer(store_dir=tmp_path / "nats", sync=TEST_SYNC)
     srv.start_sync()
     yield srv
     srv.stop_sync()

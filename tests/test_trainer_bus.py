@@ -269,8 +269,15 @@ async def test_checkpoint_every_k_acks_only_after_the_checkpoint_and_a_crash_ret
     await batcher.start()
     lost, ids = asyncio.Event(), []
 
-    async def pending() -> int:
-        return (await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)).num_ack_pending
+    async def pending(want: int = 0) -> int:
+        # acks are one-way messages the server counts a moment after (fsync'd consumer state): wait
+        # up to 10 s for `want`; acks only ever lower the count, so an early ack still shows
+        for _ in range(100):
+            n = (await bus.js.consumer_info(topo.SCORED, topo.TRAINER_CONSUMER)).num_ack_pending
+            if n <= want:
+                return n
+            await asyncio.sleep(0.1)
+        return n
 
     for v in range(1, 5):
         batch = await batcher.next_batch(tr.version)
@@ -279,7 +286,7 @@ async def test_checkpoint_every_k_acks_only_after_the_checkpoint_and_a_crash_ret
         st = checkpoint.load_latest(cfg.checkpoint.dir)
         assert int((await bus.kv_get(topo.KEY_VERSION)).decode()) == v  # published at once
         assert st.version == (3 if v >= 3 else 0), (v, st.version)
-        assert await pending() == 4 * (v % 3), v  # unacked until a checkpoint records them
+        assert await pending(4 * (v % 3)) == 4 * (v % 3), v  # unacked until a checkpoint records them
     assert sorted(st.consumed) == sorted(x for b in ids[:3] for x in b)
     await batcher.close()  # the leader dies: what it held comes back (nak: at once)
     await tr.lease.release()
