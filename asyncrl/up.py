@@ -340,14 +340,14 @@ async def run(a: argparse.Namespace) -> int:
         )
         return 2
 
-    server, auth, creds, child_env = None, None, {}, {}
+    server, auth, creds, broker_env = None, None, {}, {}
     if a.nats:  # its credentials: the environment of the children, never run.json or a log
         try:
-            servers, child_env = run_secrets.external_broker(a.nats.split(","))
+            servers, broker_env = run_secrets.external_broker(a.nats.split(","))
         except ValueError as e:
             print(f"asyncrl up: {e}", file=sys.stderr)
             return 2
-        creds = {k.removeprefix("ASYNCRL_BUS__").lower(): v for k, v in child_env.items()}
+        creds = {k.removeprefix("ASYNCRL_BUS__").lower(): v for k, v in broker_env.items()}
     else:
         # own session: a terminal's Ctrl-C must not stop the broker before the children drained;
         # started from this (main) thread so its parent-death signal follows this process.
@@ -363,7 +363,7 @@ async def run(a: argparse.Namespace) -> int:
         servers = [server.url]
         auth.write_env_file(servers)
         creds = {"user": auth.user, "password": auth.password}
-        child_env = auth.env()
+        broker_env = auth.env()
     bus = await connect(BusConfig(servers=servers, name="asyncrl-up", **creds))
     await bus.provision()
     lam = a.lam if a.lam is not None else up.lambda_
@@ -448,7 +448,7 @@ async def run(a: argparse.Namespace) -> int:
         run_dir,
         max_restarts=up.max_restarts,
         backoff_s=up.restart_backoff_s,
-        env=child_env or None,
+        env=broker_env or None,
     )  # the broker's credentials: environment only
     specs = [ChildSpec("trainer", "trainer", "trainer", trainer_conf, threads=threads.trainer)]
     specs += [
