@@ -55,7 +55,7 @@ async def served():
     del model
     ep = OpenAIEndpoint(eng, tok, model_name="smollm2")
     url = await ep.start()
-    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=url, api_key=ep.token, max_retries=0)  # the endpoint's bearer token
     try:
         yield ep, eng, tok, client
     finally:
