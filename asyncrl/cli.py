@@ -24,7 +24,7 @@ import sys
 
 # subcommand -> module whose main(argv) runs it (imported lazily: each pulls in torch etc.)
 COMMANDS = {
-    "up": "asyncrl.up",
+    "up": "asyncrl.launch",
     "trainer": "trainer.__main__",
     "rollout-worker": "rollout_worker.__main__",
     "scorer": "scorer.__main__",

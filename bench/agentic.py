@@ -80,7 +80,7 @@ def with_overrides(
     ({section: {key: value}}), replaced (those given and not None)."""
     import tomllib
 
-    from asyncrl.up import write_toml
+    from asyncrl.launch import write_toml
 
     conf = tomllib.loads(Path(config).read_text())
     conf["up"] = {**conf.get("up", {}), **{k: v for k, v in (up or {}).items() if v is not None}}

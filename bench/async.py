@@ -37,7 +37,7 @@ def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None 
 
     import torch
 
-    from asyncrl.up import write_toml
+    from asyncrl.launch import write_toml
     from bus import load_config
     from policy import inference_state, load_hf_checkpoint, load_tokenizer, save_hf_checkpoint
     from trainer.config import TrainerConfig

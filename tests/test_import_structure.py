@@ -345,14 +345,14 @@ def test_checker_finds_layering(tmp_path):
             "rollout_worker/__init__.py": "",
             "rollout_worker/w.py": "",
             "asyncrl/__init__.py": "",
-            "asyncrl/up.py": "from trainer import t\nfrom rollout_worker import w\n",
+            "asyncrl/launch.py": "from trainer import t\nfrom rollout_worker import w\n",
             "scorer/__init__.py": "",
-            "scorer/s.py": "from asyncrl import up\n",
+            "scorer/s.py": "from asyncrl import launch\n",
         },
     )
     assert layering(rep.imports) == [
         "bus.a:2 (library) imports trainer.t (process)",
-        "scorer.s:1 imports another process package: asyncrl.up",
+        "scorer.s:1 imports another process package: asyncrl.launch",
         "trainer.t:1 imports another process package: rollout_worker.w",
     ]
 

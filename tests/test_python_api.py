@@ -48,8 +48,9 @@ def test_a_bad_config_raises_with_where_to_look(tmp_path):
     assert "bad configuration" in (tmp_path / "c" / "logs" / "up.out").read_text()
 
 
-def test_asyncrl_up_is_callable_after_the_up_module_is_imported(tmp_path):
-    import asyncrl.up  # noqa: F401  (the CLI's module of the same name)
+def test_asyncrl_up_is_callable_after_the_cli_modules_are_imported(tmp_path):
+    import asyncrl.cli  # noqa: F401
+    import asyncrl.launch  # noqa: F401  (`asyncrl up`'s module: a different name, nothing shadows)
 
     cfg = tmp_path / "bad.toml"
     cfg.write_text("[up]\nno_such_key = 1\n")

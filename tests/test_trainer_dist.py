@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.up import write_toml
+from asyncrl.launch import write_toml
 from tests.helpers.fsdp import launch
 from tests.helpers.tolerance import assert_adam_close, grad_reduction_len
 from tests.helpers.trainer import publish_groups, trainer_config

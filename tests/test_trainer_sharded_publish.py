@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.up import write_toml
+from asyncrl.launch import write_toml
 from bus import topology as topo
 from bus.events import decode
 from bus.weights.follower import StateTarget, WeightFollower

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from asyncrl import config_check
+from asyncrl.launch import Telemetry, warmstart_line
 from asyncrl.report import finish_run
-from asyncrl.up import Telemetry, warmstart_line
 from bus.config import ConfigError
 from envs import base
 from envs.base import TaskSpec, Verdict

@@ -204,7 +204,7 @@ def _latest_heartbeat(msgs: list, worker_id: str) -> Heartbeat | None:
 
 async def test_a_worker_process_refuses_forgeries_and_follows_the_real_leader(bus, fresh_server, tmp_path):
     """A real rollout-worker process (`python -m rollout_worker`) with the trainer's public key."""
-    from asyncrl.up import spawn
+    from asyncrl.launch import spawn
 
     sk, pk = generate_keypair()
     tok = policy.CharTokenizer.default()

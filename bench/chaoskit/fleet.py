@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl.up import Proc, spawn
+from asyncrl.launch import Proc, spawn
 from bus import BusConfig, TopologyConfig, connect
 from bus import topology as topo
 from bus.events import SamplingParams

@@ -83,8 +83,8 @@ def agent_conf(fleet: Fleet, port: int, **over) -> dict:
 
 def start_agent(fleet: Fleet, name: str, conf: dict):
     """One node: `python -m trainer --elastic` (it execs torchrun), in a session of its own."""
+    from asyncrl.launch import Proc
     from asyncrl.supervisor import write_toml
-    from asyncrl.up import Proc
 
     cfg_path = fleet.run_dir / "config" / f"{name}.toml"
     write_toml(cfg_path, conf)

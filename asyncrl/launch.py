@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 import tomllib
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from bus.control import format_lambda
 from bus.events import EventError, decode
 from bus.lifetime import EXIT_MARGIN_S, STOP_SIGNALS
 
-log = get_logger("asyncrl.up")
+log = get_logger("asyncrl.launch")
 
 
 @dataclass
@@ -567,16 +566,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-class _CallableModule(types.ModuleType):
-    """`asyncrl.up(config)` is the Python entry point (asyncrl/run_handle.py); once this module is
-    imported, `asyncrl.up` names the module, so calling it starts a run all the same."""
-
-    def __call__(self, *args, **kwargs):
-        from asyncrl.run_handle import up
-
-        return up(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
