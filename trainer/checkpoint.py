@@ -47,17 +47,29 @@ class TrainerState:
     warmstarted: bool = False
 
 
+def _cpu_copy(x):
+    """Every tensor copied to fresh CPU memory (never a view of the original: `.to("cpu")` of a CPU
+    tensor would return the tensor itself), containers rebuilt, anything else deep-copied."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, dict):
+        return {k: _cpu_copy(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cpu_copy(v) for v in x)
+    return copy.deepcopy(x)
+
+
 def snapshot(st: TrainerState) -> TrainerState:
-    """A copy that later in-place updates of the live model and optimizer cannot touch, so the
-    checkpoint can be written while the next step already runs."""
+    """A CPU copy that later in-place updates of the live model and optimizer cannot touch, so the
+    checkpoint can be written (in the background: trainer/checkpoint_writer.py) while the next step
+    already runs."""
     return TrainerState(
         **{
             **st.__dict__,
-            "model": {
-                k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in st.model.items()
-            },
-            "optimizer": copy.deepcopy(st.optimizer),
+            "model": _cpu_copy(st.model),
+            "optimizer": _cpu_copy(st.optimizer),
             "consumed": list(st.consumed),
+            "model_config": copy.deepcopy(st.model_config),
         }
     )
 
@@ -66,7 +78,9 @@ def path_for(ckpt_dir: str | Path, epoch: int, version: int) -> Path:
     return Path(ckpt_dir) / f"ckpt-e{epoch:08d}-v{version:08d}.pt"
 
 
-def save(ckpt_dir: str | Path, st: TrainerState, keep: int = 3) -> Path:
+def save(ckpt_dir: str | Path, st: TrainerState, keep: int = 3, commit_if=None) -> Path:
+    """`commit_if()` (a background write: the writer's lease still held) is asked once the data is
+    durable, just before the rename that commits it; False: the tmp file is removed, nothing lands."""
     d = Path(ckpt_dir)
     d.mkdir(parents=True, exist_ok=True)
     final = path_for(d, st.epoch, st.version)
@@ -75,6 +89,9 @@ def save(ckpt_dir: str | Path, st: TrainerState, keep: int = 3) -> Path:
         torch.save(st.__dict__, f)
         f.flush()
         os.fsync(f.fileno())
+    if commit_if is not None and not commit_if():
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"checkpoint v{st.version} e{st.epoch} not committed: no longer leading")
     os.replace(tmp, final)
     fd = os.open(d, os.O_RDONLY)  # make the rename itself durable
     try:
