@@ -47,27 +47,40 @@ class TrainerState:
     warmstarted: bool = False
 
 
-def _cpu_copy(x):
-    """Every tensor copied to fresh CPU memory (never a view of the original: `.to("cpu")` of a CPU
-    tensor would return the tensor itself), containers rebuilt, anything else deep-copied."""
+def _cpu_copy(x, into=None):
+    """Every tensor copied to CPU memory of its own (never a view of the original: `.to("cpu")` of a
+    CPU tensor would return the tensor itself), containers rebuilt, anything else deep-copied.
+    `into`: an earlier copy of the same structure nobody reads any more; its tensors of the same
+    shape and dtype are overwritten in place (a GB-sized state: no fresh pages to fault in)."""
     if isinstance(x, torch.Tensor):
+        if (
+            isinstance(into, torch.Tensor)
+            and into.device.type == "cpu"
+            and into.shape == x.shape
+            and into.dtype == x.dtype
+            and into.is_contiguous()
+        ):
+            return into.copy_(x.detach())
         return x.detach().to("cpu", copy=True)
     if isinstance(x, dict):
-        return {k: _cpu_copy(v) for k, v in x.items()}
+        prev = into if isinstance(into, dict) else {}
+        return {k: _cpu_copy(v, prev.get(k)) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return type(x)(_cpu_copy(v) for v in x)
+        prev = into if type(into) is type(x) and len(into) == len(x) else [None] * len(x)
+        return type(x)(_cpu_copy(v, p) for v, p in zip(x, prev))
     return copy.deepcopy(x)
 
 
-def snapshot(st: TrainerState) -> TrainerState:
+def snapshot(st: TrainerState, reuse: TrainerState | None = None) -> TrainerState:
     """A CPU copy that later in-place updates of the live model and optimizer cannot touch, so the
     checkpoint can be written (in the background: trainer/checkpoint_writer.py) while the next step
-    already runs."""
+    already runs. `reuse`: an earlier snapshot whose write has completed (the background writer is
+    idle whenever a snapshot is due): its buffers are overwritten instead of allocating new ones."""
     return TrainerState(
         **{
             **st.__dict__,
-            "model": _cpu_copy(st.model),
-            "optimizer": _cpu_copy(st.optimizer),
+            "model": _cpu_copy(st.model, reuse.model if reuse else None),
+            "optimizer": _cpu_copy(st.optimizer, reuse.optimizer if reuse else None),
             "consumed": list(st.consumed),
             "model_config": copy.deepcopy(st.model_config),
         }

@@ -148,6 +148,7 @@ class Trainer:
         self.ack_lock = asyncio.Lock()
         self.write_error: BaseException | None = None
         self.submitted_version = 0  # the version of the newest snapshot handed to the writer
+        self.last_snapshot: checkpoint.TrainerState | None = None  # its CPU buffers, reused
         # the checkpoint's share of this term's wall time: seconds the loop was blocked on it
         self.ckpt_block_total_s, self.lead_t0 = 0.0, time.perf_counter()
 
@@ -488,7 +489,12 @@ class Trainer:
         if due and self.writer is not None:
             self.writer.claim()  # the next version finds the writer busy: it takes no second snapshot
             self.submitted_version = self.version
-        snapshot = await asyncio.to_thread(lambda: checkpoint.snapshot(self.state())) if due else None
+        snapshot = None
+        if due and self.writer is not None:  # the writer is idle: the last snapshot's buffers are free
+            snapshot = await asyncio.to_thread(lambda: checkpoint.snapshot(self.state(), self.last_snapshot))
+            self.last_snapshot = snapshot
+        elif due:  # inline: the previous publication may still be writing its snapshot
+            snapshot = await asyncio.to_thread(lambda: checkpoint.snapshot(self.state()))
         stats["snapshot_s"] = time.perf_counter() - ts  # on the critical path (the copy)
         if previous is not None:
             await previous  # v-1 is out (or raised) before v starts going out
