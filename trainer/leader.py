@@ -668,6 +668,8 @@ class Trainer:
         tc = time.perf_counter()
         write = None
         if snapshot is not None and self.writer is not None:  # published now, acked once durable
+            # (idle: it was claimed for this snapshot; waiting here, off the event loop, only if not)
+            await asyncio.to_thread(self.writer.wait_quietly)
             write = self.writer.submit(snapshot, commit_if=self.lease.valid)
         elif snapshot is not None:
             await asyncio.to_thread(self.learner.checkpoint.wait)  # async shard save: complete before named
