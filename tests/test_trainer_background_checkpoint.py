@@ -239,3 +239,26 @@ def test_background_resolves_on_for_a_pretrained_start_and_as_set_otherwise():
     assert TrainerConfig(checkpoint={"background": True}).checkpoint_in_background
     off = TrainerConfig(policy={"init_checkpoint": "/some/hf/dir"}, checkpoint={"background": False})
     assert not off.checkpoint_in_background
+
+
+def test_a_deposed_leaders_late_write_never_lands_nor_wins(tmp_path):
+    """Fencing of the background writer: a write whose lease is gone by its rename leaves nothing
+    (not even its tmp file); one that passed the check just before a takeover lands under the old
+    epoch, and resume still takes the new leader's checkpoint."""
+    from trainer.checkpoint_writer import CheckpointWriter
+
+    def state(epoch: int, version: int) -> checkpoint.TrainerState:
+        return checkpoint.TrainerState(
+            version=version, epoch=epoch, model={"w": torch.full((3,), float(version))}, optimizer={}
+        )
+
+    checkpoint.save(tmp_path, state(2, 5))  # the new leader (epoch 2) resumed at v5 and saved
+    writer = CheckpointWriter(tmp_path, keep=3)
+    late = writer.submit(state(1, 7), commit_if=lambda: False)  # epoch 1's lease has expired
+    with pytest.raises(checkpoint.CheckpointError, match="no longer leading"):
+        late.result(timeout=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-e00000002-v00000005.pt"]
+    writer.submit(state(1, 8), commit_if=lambda: True).result(timeout=60)  # checked just before
+    writer.close()
+    st = checkpoint.load_latest(tmp_path)
+    assert (st.epoch, st.version) == (2, 5) and torch.equal(st.model["w"], torch.full((3,), 5.0))
