@@ -11,6 +11,7 @@ from bench.chaoskit.params import ACK_WAIT_S, BATCH_GROUPS, GROUP, LEASE_TTL_S
 from bench.chaoskit.scenarios_bus import cluster_node_loss, restart_nats
 from bench.chaoskit.scenarios_fleet import random_kill_storm, up_supervisor
 from bench.chaoskit.scenarios_trainer import (
+    background_checkpoint_kill,
     deferred_checkpoint_kill,
     leader_failover,
     slow_step_kill,
@@ -101,6 +102,14 @@ async def test_leader_killed_between_a_step_and_its_deferred_checkpoint(tmp_path
     r = await deferred_checkpoint_kill(tmp_path, tasks=40, every=3)
     check(r)
     assert r["checkpoint_at_kill"] < r["version_at_kill"] and 1 <= len(r["rolled_back_versions"]) <= 2, r
+    assert r["rolled_back_ids"] >= BATCH_GROUPS * GROUP and r["trained"] == 40 * GROUP - r["dropped"], r
+
+
+# (short version in the default suite: tests/test_trainer_background_checkpoint.py)
+async def test_leader_killed_with_a_background_checkpoint_in_flight(tmp_path):
+    r = await background_checkpoint_kill(tmp_path, tasks=40)
+    check(r)
+    assert r["checkpoint_at_kill"] < r["version_at_kill"] and r["rolled_back_versions"], r
     assert r["rolled_back_ids"] >= BATCH_GROUPS * GROUP and r["trained"] == 40 * GROUP - r["dropped"], r
 
 

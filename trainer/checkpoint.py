@@ -47,17 +47,42 @@ class TrainerState:
     warmstarted: bool = False
 
 
-def snapshot(st: TrainerState) -> TrainerState:
-    """A copy that later in-place updates of the live model and optimizer cannot touch, so the
-    checkpoint can be written while the next step already runs."""
+def _cpu_copy(x, into=None):
+    """Every tensor copied to CPU memory of its own (never a view of the original: `.to("cpu")` of a
+    CPU tensor would return the tensor itself), containers rebuilt, anything else deep-copied.
+    `into`: an earlier copy of the same structure nobody reads any more; its tensors of the same
+    shape and dtype are overwritten in place (a GB-sized state: no fresh pages to fault in)."""
+    if isinstance(x, torch.Tensor):
+        if (
+            isinstance(into, torch.Tensor)
+            and into.device.type == "cpu"
+            and into.shape == x.shape
+            and into.dtype == x.dtype
+            and into.is_contiguous()
+        ):
+            return into.copy_(x.detach())
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, dict):
+        prev = into if isinstance(into, dict) else {}
+        return {k: _cpu_copy(v, prev.get(k)) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        prev = into if type(into) is type(x) and len(into) == len(x) else [None] * len(x)
+        return type(x)(_cpu_copy(v, p) for v, p in zip(x, prev))
+    return copy.deepcopy(x)
+
+
+def snapshot(st: TrainerState, reuse: TrainerState | None = None) -> TrainerState:
+    """A CPU copy that later in-place updates of the live model and optimizer cannot touch, so the
+    checkpoint can be written (in the background: trainer/checkpoint_writer.py) while the next step
+    already runs. `reuse`: an earlier snapshot whose write has completed (the background writer is
+    idle whenever a snapshot is due): its buffers are overwritten instead of allocating new ones."""
     return TrainerState(
         **{
             **st.__dict__,
-            "model": {
-                k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in st.model.items()
-            },
-            "optimizer": copy.deepcopy(st.optimizer),
+            "model": _cpu_copy(st.model, reuse.model if reuse else None),
+            "optimizer": _cpu_copy(st.optimizer, reuse.optimizer if reuse else None),
             "consumed": list(st.consumed),
+            "model_config": copy.deepcopy(st.model_config),
         }
     )
 
@@ -66,7 +91,9 @@ def path_for(ckpt_dir: str | Path, epoch: int, version: int) -> Path:
     return Path(ckpt_dir) / f"ckpt-e{epoch:08d}-v{version:08d}.pt"
 
 
-def save(ckpt_dir: str | Path, st: TrainerState, keep: int = 3) -> Path:
+def save(ckpt_dir: str | Path, st: TrainerState, keep: int = 3, commit_if=None) -> Path:
+    """`commit_if()` (a background write: the writer's lease still held) is asked once the data is
+    durable, just before the rename that commits it; False: the tmp file is removed, nothing lands."""
     d = Path(ckpt_dir)
     d.mkdir(parents=True, exist_ok=True)
     final = path_for(d, st.epoch, st.version)
@@ -75,6 +102,9 @@ def save(ckpt_dir: str | Path, st: TrainerState, keep: int = 3) -> Path:
         torch.save(st.__dict__, f)
         f.flush()
         os.fsync(f.fileno())
+    if commit_if is not None and not commit_if():
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"checkpoint v{st.version} e{st.epoch} not committed: no longer leading")
     os.replace(tmp, final)
     fd = os.open(d, os.O_RDONLY)  # make the rename itself durable
     try:

@@ -198,3 +198,11 @@ class TrainerConfig:
         if self.publish.delta_context == "auto":
             return bool(self.policy.init_checkpoint)
         return bool(self.publish.delta_context)
+
+    @property
+    def checkpoint_in_background(self) -> bool:
+        """checkpoint.background resolved: "auto" writes in the background exactly when the weights
+        are pretrained (a real model's state is GBs: its write would dominate the version)."""
+        if self.checkpoint.background == "auto":
+            return bool(self.policy.init_checkpoint)
+        return bool(self.checkpoint.background)

@@ -37,6 +37,7 @@ from policy import ModelConfig, load_tokenizer
 
 from . import checkpoint
 from .batcher import Batch, Batcher, ConsumedIds
+from .checkpoint_writer import CheckpointWriter
 from .config import TrainerConfig
 from .digest_chain import DigestChain, read_chain
 from .dist import sync_state
@@ -131,6 +132,25 @@ class Trainer:
         # checkpoint_every > 1: batches of versions published but not yet checkpointed, oldest first;
         # acked only once a checkpoint recording their ids is durable (a crash re-trains them)
         self.unacked: list[Batch] = []
+        # [trainer.checkpoint] background: the writer thread, the task acking its newest write (each
+        # chained after the previous one's), a write's error (raised at the next step)
+        self.writer = (
+            CheckpointWriter(
+                cfg.checkpoint.dir,
+                cfg.checkpoint.keep,
+                before_write=learner.checkpoint.wait,  # sharded: the shards complete before named
+                delay_s=cfg.faults.checkpoint_delay_s,
+            )
+            if cfg.checkpoint_in_background
+            else None
+        )
+        self.acking: asyncio.Task | None = None
+        self.ack_lock = asyncio.Lock()
+        self.write_error: BaseException | None = None
+        self.submitted_version = 0  # the version of the newest snapshot handed to the writer
+        self.last_snapshot: checkpoint.TrainerState | None = None  # its CPU buffers, reused
+        # the checkpoint's share of this term's wall time: seconds the loop was blocked on it
+        self.ckpt_block_total_s, self.lead_t0 = 0.0, time.perf_counter()
 
     def state(self) -> checkpoint.TrainerState:
         return checkpoint.TrainerState(
@@ -217,6 +237,7 @@ class Trainer:
                 )
             sync_state(self.learner)
         self.published = self.learner.publication.published_state()
+        self.submitted_version = self.version
         self.encoder.start()  # the base of the next version (sharded: every rank's rows)
         self.full_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
         self.digest = delta_codec.state_digest(self.published)
@@ -291,6 +312,7 @@ class Trainer:
             else None
         )
         log.info("leading", epoch=epoch, version=self.version, mode=cfg.run.mode)
+        self.ckpt_block_total_s, self.lead_t0 = 0.0, time.perf_counter()
         batch, publishing = None, None
         try:
             while not stop.is_set() and not lost.is_set():
@@ -311,6 +333,7 @@ class Trainer:
                 batch = None
             if publishing is not None:
                 await publishing
+            await self._drain_writes()  # a clean stop: the write in flight lands (and acks) first
             if self.unacked:  # a clean end checkpoints the last version: nothing to re-train
                 await self.checkpoint_unacked(batcher, lost)
         except LeaseLost as e:  # deposed mid-step: nothing of this step was published
@@ -320,6 +343,12 @@ class Trainer:
             if publishing is not None and not publishing.done():
                 publishing.cancel()  # only on an error path: its batch is redelivered
             await cancel_and_wait([feed_task])
+            if self.writer is not None:  # never a write of this term in flight past it
+                await asyncio.to_thread(self.writer.wait_quietly)
+                self.writer.release()
+                if self.acking is not None:  # acks only while leading: deposed, it acks nothing
+                    await asyncio.gather(self.acking, return_exceptions=True)
+                self.acking = None
             if sweeper is not None:
                 try:
                     await sweeper.unsubscribe()
@@ -429,6 +458,8 @@ class Trainer:
         waits on I/O and the bus more than on the CPU. At most one publication is in flight, and
         each starts only after the previous one finished, so versions go out in order."""
         t0 = time.perf_counter()
+        if self.write_error is not None:  # a background write failed: stop as an inline one would
+            raise self.write_error
         packed = pack(batch)
         live = sum(1 for s in packed if s.weight > 0 and s.completion_ids)
         # CPU/GPU-heavy parts run in a thread so the event loop keeps renewing the lease
@@ -454,11 +485,16 @@ class Trainer:
         # the next step updates the weights and optimizer in place: checkpoint a copy of this state
         # (checkpoint_every > 1: only every K-th version; the others are published uncheckpointed)
         ts = time.perf_counter()
-        snapshot = (
-            await asyncio.to_thread(lambda: checkpoint.snapshot(self.state()))
-            if self._checkpoints(live)
-            else None
-        )
+        due = self._checkpoints(live)
+        if due and self.writer is not None:
+            self.writer.claim()  # the next version finds the writer busy: it takes no second snapshot
+            self.submitted_version = self.version
+        snapshot = None
+        if due and self.writer is not None:  # the writer is idle: the last snapshot's buffers are free
+            snapshot = await asyncio.to_thread(lambda: checkpoint.snapshot(self.state(), self.last_snapshot))
+            self.last_snapshot = snapshot
+        elif due:  # inline: the previous publication may still be writing its snapshot
+            snapshot = await asyncio.to_thread(lambda: checkpoint.snapshot(self.state()))
         stats["snapshot_s"] = time.perf_counter() - ts  # on the critical path (the copy)
         if previous is not None:
             await previous  # v-1 is out (or raised) before v starts going out
@@ -509,9 +545,55 @@ class Trainer:
 
     def _checkpoints(self, live: bool) -> bool:
         """Whether this version is checkpointed before it goes out: every version, or (checkpoint_every
-        = K > 1) every K-th trained one; a batch that trained nothing waits for the next checkpoint."""
+        = K > 1) every K-th trained one; a batch that trained nothing waits for the next checkpoint.
+        In the background: a version due while a write is still in flight is published uncheckpointed
+        (trainer/checkpoint_writer.py says why), K counted from the last version written."""
         k = self.cfg.checkpoint.every
-        return k == 1 or (live and self.version % k == 0)
+        if self.writer is None:
+            return k == 1 or (live and self.version % k == 0)
+        if not self.writer.idle():
+            return False
+        return k == 1 or (live and self.version - self.submitted_version >= k)
+
+    def _track_write(self, fut, upto: Batch, batcher: Batcher, lost: asyncio.Event) -> None:
+        """Ack, once the write `fut` is durable, every unacked batch up to `upto` (its snapshot records
+        their ids); in write order (each ack task awaits the previous one)."""
+        self.acking = asyncio.create_task(self._ack_when_durable(fut, upto, batcher, lost, self.acking))
+
+    async def _ack_when_durable(self, fut, upto: Batch, batcher: Batcher, lost: asyncio.Event, prev) -> None:
+        if prev is not None:
+            await asyncio.gather(prev, return_exceptions=True)
+        try:
+            await asyncio.wrap_future(fut)
+        except Exception as e:
+            if not self.lease.valid() or lost.is_set():  # refused its rename (commit_if): deposed
+                log.warning("background checkpoint not committed: no longer leading", error=str(e))
+                lost.set()
+            else:
+                log.error("background checkpoint failed", error=f"{type(e).__name__}: {e}")
+                self.write_error = e
+            return
+        async with self.ack_lock:
+            while any(b is upto for b in self.unacked):
+                # acks only while leading (as the inline path): a new leader resumed without this
+                # file may need these messages; unacked, they come back to it
+                if not self.lease.valid() or lost.is_set():
+                    log.warning(
+                        "deposed: a durable checkpoint's batches left unacked", held=len(self.unacked)
+                    )
+                    return
+                await batcher.ack(self.unacked[0])
+                self.unacked.pop(0)
+        self.fed.set()
+
+    async def _drain_writes(self) -> None:
+        """The background write in flight is durable and its batches acked; raises a write's error."""
+        if self.writer is None:
+            return
+        if self.acking is not None:
+            await self.acking
+        if self.write_error is not None:
+            raise self.write_error
 
     async def checkpoint_unacked(self, batcher: Batcher, lost: asyncio.Event) -> None:
         """Checkpoint the current state (no step running) and ack the batches it records."""
@@ -526,9 +608,34 @@ class Trainer:
 
     async def _ack_unacked(self, batcher: Batcher) -> None:
         """A checkpoint recording every batch in `unacked` is durable: ack them, oldest first."""
-        while self.unacked:
-            await batcher.ack(self.unacked[0])
-            self.unacked.pop(0)
+        async with self.ack_lock:
+            while self.unacked:
+                await batcher.ack(self.unacked[0])
+                self.unacked.pop(0)
+
+    def _checkpoint_metrics(self, stats: dict) -> None:
+        """checkpoint_block_s: what this version's checkpoint held the loop up (the CPU copy, plus the
+        write itself when inline: a version goes out only after it); checkpoint_write_s: the newest
+        completed write (background: off the critical path); checkpoint_share: this term's blocked
+        seconds over its wall seconds."""
+        block = stats.get("snapshot_s", 0.0) + stats.get("checkpoint_s", 0.0)
+        self.ckpt_block_total_s += block
+        wall = time.perf_counter() - self.lead_t0
+        stats.update(
+            checkpoint_background=self.writer is not None,
+            checkpoint_block_s=block,
+            checkpoint_block_total_s=self.ckpt_block_total_s,
+            lead_wall_s=wall,
+            checkpoint_share=self.ckpt_block_total_s / wall if wall > 0 else 0.0,
+        )
+        if self.writer is None:
+            stats["checkpoint_write_s"] = stats.get("checkpoint_s", 0.0)
+        elif self.writer.last_write_s is not None:
+            stats.update(
+                checkpoint_write_s=self.writer.last_write_s,
+                checkpoint_written_version=self.writer.last_written_version,
+                checkpoint_write_total_s=self.writer.write_total_s,
+            )
 
     async def publish_version(
         self,
@@ -559,16 +666,24 @@ class Trainer:
             if snapshot is not None:
                 snapshot.digest = encoded.new_digest
         tc = time.perf_counter()
-        if snapshot is not None:
+        write = None
+        if snapshot is not None and self.writer is not None:  # published now, acked once durable
+            # (idle: it was claimed for this snapshot; waiting here, off the event loop, only if not)
+            await asyncio.to_thread(self.writer.wait_quietly)
+            write = self.writer.submit(snapshot, commit_if=self.lease.valid)
+        elif snapshot is not None:
             await asyncio.to_thread(self.learner.checkpoint.wait)  # async shard save: complete before named
             await asyncio.to_thread(checkpoint.save, cfg.checkpoint.dir, snapshot, cfg.checkpoint.keep)
         stats["checkpoint_s"] = time.perf_counter() - tc
+        self._checkpoint_metrics(stats)
         tp = time.perf_counter()
         # the delta or the manifest, then the keyframe every keyframe_interval versions
         delta_bytes = await publisher.publish(encoded, self.model_cfg) if encoded is not None else 0
         stats["publish_s"] = time.perf_counter() - tp
         self.unacked.append(batch)
-        if snapshot is not None:  # the checkpoint just written records every unacked batch
+        if write is not None:  # the checkpoint being written records every unacked batch
+            self._track_write(write, batch, batcher, lost)
+        elif snapshot is not None:  # the checkpoint just written records every unacked batch
             await self._ack_unacked(batcher)
         stats.update(checkpointed=snapshot is not None, unacked_versions=len(self.unacked))
         self.fed.set()

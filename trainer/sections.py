@@ -21,6 +21,7 @@ HINTS = {
     "ramp_versions": "schedule = 'ramp' needs ramp_versions >= 1 (and target)",
     "budget_tokens": "schedule = 'budget' needs budget_tokens > 0 (tokens per answer aimed at)",
     "delta_context": 'true, false or "auto" (on when [trainer.policy] init_checkpoint is set)',
+    "background": 'true, false or "auto" (on when [trainer.policy] init_checkpoint is set)',
     "budget_lr": "schedule = 'budget' needs budget_lr > 0 (λ's step per version at 2x the budget)",
 }
 
@@ -283,9 +284,19 @@ class CheckpointSection:
     # new leader publishes its resumed version under its new epoch (followers take it). The last
     # version before a clean stop is always checkpointed. 1 = every version (the default)
     every: int = 1
+    # write the checkpoint file in one background thread: the step's state is copied to CPU, the
+    # version is published at once and its batch acked only once its file is durable; a version due
+    # while the previous write still runs is published uncheckpointed (the `every` path) and recorded
+    # by the next write. "auto": on when the trainer starts from a pretrained checkpoint
+    # (policy.init_checkpoint: GB-sized state), off for a fresh model. TrainerConfig.checkpoint_in_background
+    background: bool | str = "auto"
 
     def __post_init__(self) -> None:
-        check("checkpoint", self, {"every": self.every >= 1})
+        check(
+            "checkpoint",
+            self,
+            {"every": self.every >= 1, "background": self.background in (True, False, "auto")},
+        )
 
 
 @dataclass
@@ -381,9 +392,16 @@ class FaultsSection:
     # hold each trained batch this long between its step and its checkpoint, i.e. a step +
     # publication slower than ack_wait (tests/test_trainer_slow_step.py). 0 = off.
     step_delay_s: float = 0.0
+    # background checkpoints: the writer sleeps this long before each write, so that versions go out
+    # ahead of their checkpoint (tests/test_trainer_background_checkpoint.py). 0 = off.
+    checkpoint_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
-        check("faults", self, {"step_delay_s": self.step_delay_s >= 0})
+        check(
+            "faults",
+            self,
+            {"step_delay_s": self.step_delay_s >= 0, "checkpoint_delay_s": self.checkpoint_delay_s >= 0},
+        )
 
 
 def _nnodes_ok(v: str) -> bool:

@@ -8,6 +8,7 @@ from .scenarios_fleet import random_kill_storm, up_supervisor
 from .scenarios_poison import poison_numbers
 from .scenarios_rank_kill import trainer_rank_kill
 from .scenarios_trainer import (
+    background_checkpoint_kill,
     deferred_checkpoint_kill,
     deposed_leader_publish,
     leader_failover,
@@ -27,6 +28,7 @@ SCENARIOS = {
     "backlog_10k": backlog,
     "slow_step_kill": slow_step_kill,
     "deferred_checkpoint_kill": deferred_checkpoint_kill,
+    "background_checkpoint_kill": background_checkpoint_kill,
     "sync_poison_task": sync_poison_task,
     "random_kill_storm": random_kill_storm,
     "forged_weights": forged_weights,

@@ -219,6 +219,70 @@ async def deferred_checkpoint_kill(run_dir: Path, tasks: int = 40, seed: int = 1
             await fleet.close()
 
 
+async def background_checkpoint_kill(
+    run_dir: Path, tasks: int = 40, seed: int = 12, delay_s: float = 3.0
+) -> dict:
+    """[trainer.checkpoint] background: versions go out at once and each batch is acked only once a
+    checkpoint recording it is durable; the writer is slowed (`checkpoint_delay_s`) so versions run
+    ahead of it. The leader is SIGKILLed with versions published past its newest durable checkpoint
+    (a write in flight); the standby resumes from that checkpoint and re-trains the redelivered
+    batches: nothing lost, nothing trained twice, and the only forks of the version line are the
+    rolled-back versions, all past the checkpoint."""
+    async with EmbeddedServer(store_dir=run_dir / "nats") as srv:
+        fleet = await Fleet(run_dir, [srv.url], seed=seed).open()
+        try:
+            slow = {"checkpoint": {"background": True}, "faults": {"checkpoint_delay_s": delay_s}}
+            fleet.trainer("A", **slow)
+            await wait_ready(fleet, ["A"])
+            fleet.trainer("B", checkpoint={"background": True})  # B waits on standby
+            await pipeline(fleet, workers=2, trainers=())
+            ids, feeding = fleet.feed(tasks, over_s=tasks / RATE)
+            deadline = time.monotonic() + 300
+            while True:  # a version published (its step line written) past a first durable checkpoint
+                v_kill = await fleet.version()
+                st = checkpoint.load_latest(run_dir / "ckpt")
+                ckpt_v = st.version if st is not None else 0
+                if 1 <= ckpt_v < v_kill and v_kill in stepped_versions(run_dir / "trainer-A"):
+                    break
+                fleet.check_alive(["A"])
+                if time.monotonic() > deadline:
+                    raise ChaosError("leader A never got a version ahead of a durable background checkpoint")
+                await asyncio.sleep(0.05)
+            fleet.signal("A", signal.SIGKILL)
+            t_death = time.time()
+            ckpt_v = checkpoint.load_latest(run_dir / "ckpt").version
+            _, failover = await wait_leader(fleet, "A", LEASE_TTL_S + 60)
+            first_v_s, first_v = await first_version_by(fleet, "B", t_death, 300)
+            books = await fleet.wait_trained(ids, 600, with_checkpoint=True, feeding=feeding, watch=["B"])
+            line = version_line(await weights_history(fleet.bus))
+            gone = rolled_back(all_step_lines(run_dir))
+            redone = sorted({d["version"] for d in gone})
+            passed = (
+                ckpt_v < v_kill
+                and len(redone) >= 1
+                and not line["gaps"]
+                and set(line["forks"]) <= set(redone)
+                and all(v > ckpt_v for v in redone)
+            )
+            return row(
+                "background_checkpoint_kill",
+                books,
+                first_v_s,
+                passed,
+                checkpoint_delay_s=delay_s,
+                version_at_kill=v_kill,
+                checkpoint_at_kill=ckpt_v,
+                rolled_back_versions=redone,
+                rolled_back_ids=sum(len(d["rollout_ids"]) for d in gone),
+                forks=line["forks"],
+                lease_failover_s=round(failover, 2),
+                first_version_after_death_s=round(first_v_s, 2),
+                first_trained_after_death_s=first_trained_on(fleet, "B", first_v, t_death),
+            )
+        finally:
+            await fleet.close()
+
+
 async def deposed_leader_publish(
     run_dir: Path, tasks: int = 80, seed: int = 10, stop_at: int = 3, publish: str = "gathered"
 ) -> dict:
