@@ -410,6 +410,10 @@ async def run(a: argparse.Namespace) -> int:
         "run": {**drain, **worker.get("run", {}), "threads": threads.worker},
         "episodes": {"envs": run_envs, **worker.get("episodes", {})},
     }
+    if "swe" in run_envs:  # the workers start episodes from the trainer's task set, and only from it
+        worker_conf["episodes"].setdefault(
+            "task_set", os.path.abspath(resolved["trainer"].tasks.swe.task_set)
+        )
     if sync:
         worker_conf["admission"] = {**worker.get("admission", {}), "max_lag": 0}
     scorer = conf.get("scorer", {})
