@@ -210,9 +210,9 @@ def apply_on_host(tree: str | None, patch: str, iid: str) -> dict[str, str]:
             if kind == "modified":
                 if not tree or not os.path.isfile(src):
                     note = "" if tree else " (image-only instances: new test files only)"
-                raise InstanceError(
-                    f"{iid}: the test_patch modifies {p}, which is not in the repository snapshot{note}"
-                )
+                    raise InstanceError(
+                        f"{iid}: the test_patch modifies {p}, which is not in the repository snapshot{note}"
+                    )
                 os.makedirs(os.path.dirname(os.path.join(tmp, p)) or tmp, exist_ok=True)
                 shutil.copyfile(src, os.path.join(tmp, p))
         with open(os.path.join(tmp, ".asyncrl.patch"), "w", encoding="utf-8") as f:
