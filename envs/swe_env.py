@@ -151,10 +151,11 @@ _CONFIG = None  # the SweSection `configure` was last given (None: `swe` has no 
 
 def configure(section) -> SweEnv:
     """Point the `swe` env of this process at `section`'s task set, limits, prompt and reward mode
-    (an envs.swe_config.SweSection); the shared instance get_env("swe") returns is replaced."""
+    (an envs.swe_config.SweSection; None: no task set again); the shared instance get_env("swe")
+    returns is replaced."""
     global _CONFIG
     _CONFIG = section
-    base._INSTANCES.pop("swe", None)
+    base.drop_instance("swe")
     return base.get_env("swe")
 
 

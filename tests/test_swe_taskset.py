@@ -38,11 +38,9 @@ LIMITS = {"max_turns": 6, "turn_tokens": 4096, "command_wall_s": 20.0, "score_wa
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    from envs import base
-
     path, insts = imported_set(str(tmp_path_factory.mktemp("swe")))
     yield path, insts
-    base._INSTANCES.pop("swe", None)  # the next module's configure starts afresh
+    configure(None)  # later modules find `swe` unconfigured
 
 
 def swe(path: str, **kw) -> SweEnv:
