@@ -15,21 +15,17 @@ from asyncrl import config_check
 from bus.config import ConfigError
 from bus.events import Task
 from envs import get_env
-from envs.conversation import PlainFormat
 from envs.episode import (
     SYSTEM_PROMPT,
     TOY_SYSTEM_PROMPT,
-    Episode,
     EpisodeLimits,
     EpisodeTask,
     initial_messages,
 )
-from envs.episode_play import Turn, play_episode
-from envs.episode_pool import InlinePool
 from envs.swe_config import SweSection, episode_reward
 from envs.swe_env import TOY_LIMITS, SweEnv, configure
 from policy import CharTokenizer
-from tests.helpers.swe_sets import as_turn, fix_commands, imported_set
+from tests.helpers.swe_sets import fix_commands, imported_set, play
 from trainer.config import TrainerConfig
 
 TOK = CharTokenizer.default()
@@ -45,39 +41,6 @@ def imported(tmp_path_factory):
 
 def swe(path: str, **kw) -> SweEnv:
     return configure(SweSection(task_set=path, **{"limits": dict(LIMITS), **kw}))
-
-
-class ScriptedPlayer:
-    """A player whose turns are given: the turn loop, the episode and its scoring are the real ones."""
-
-    def __init__(self, turns: list[str]):
-        self.turns, self.n = list(turns), 0
-
-    def start(self, ids):
-        self.n = len(ids)
-
-    async def turn(self) -> Turn:
-        action = self.turns.pop(0) if self.turns else as_turn("submit")
-        k = len(TOK.encode(action))
-        self.n += k
-        return Turn(action, k, "stop", False)
-
-    def observe(self, ids):
-        self.n += len(ids)
-
-    def length(self) -> int:
-        return self.n
-
-
-async def play(spec: dict, commands: list[str]):
-    ep = Episode(EpisodeTask.from_dict(spec["episode"]), EpisodeLimits(**spec["limits"]))
-    try:
-        log = await play_episode(
-            ep, InlinePool(), ScriptedPlayer([as_turn(c) for c in commands]), PlainFormat(), TOK, 1 << 16
-        )
-        return log, ep.score()
-    finally:
-        ep.close()
 
 
 async def test_every_instance_honest_resolves_empty_and_tampered_score_zero(imported):

@@ -9,7 +9,14 @@ import os
 
 from asyncrl.tasks import main as tasks_main
 from envs import gen_repos, swebench
+from envs.conversation import PlainFormat
+from envs.episode import Episode, EpisodeLimits, EpisodeTask
+from envs.episode_play import Turn, play_episode
+from envs.episode_pool import InlinePool
 from envs.task_set import write_task_set
+from policy import CharTokenizer
+
+TOK = CharTokenizer.default()
 
 SPLITS = ("train", "train", "eval")
 
@@ -36,3 +43,41 @@ def fix_commands(task, instance: dict) -> list[str]:
 
 def as_turn(command: str) -> str:
     return f"I apply the change.\n```bash\n{command}\n```"
+
+
+class ScriptedPlayer:
+    """A player whose turns are given: the turn loop, the episode and its scoring are the real ones."""
+
+    def __init__(self, turns: list[str]):
+        self.turns, self.n = list(turns), 0
+
+    def start(self, ids):
+        self.n = len(ids)
+
+    async def turn(self) -> Turn:
+        action = self.turns.pop(0) if self.turns else as_turn("submit")
+        k = len(TOK.encode(action))
+        self.n += k
+        return Turn(action, k, "stop", False)
+
+    def observe(self, ids):
+        self.n += len(ids)
+
+    def length(self) -> int:
+        return self.n
+
+
+async def play(spec: dict, commands: list[str], keep=None):
+    """Play `commands` (one a turn) in the episode of a task spec through the turn loop; -> (turn
+    log, EpisodeResult). `keep(episode)`: called once scored, before the workspace goes."""
+    ep = Episode(EpisodeTask.from_dict(spec["episode"]), EpisodeLimits(**spec["limits"]))
+    try:
+        log = await play_episode(
+            ep, InlinePool(), ScriptedPlayer([as_turn(c) for c in commands]), PlainFormat(), TOK, 1 << 16
+        )
+        result = ep.score()
+        if keep is not None:
+            keep(ep)
+        return log, result
+    finally:
+        ep.close()
