@@ -113,3 +113,45 @@ def test_predict_bad_inputs_refused_nothing_written(imported, tmp_path, capsys):
         assert tasks_main([*argv, "--out", str(out)]) == 2, argv
         assert why in capsys.readouterr().err, argv
         assert not out.exists() and not os.path.exists(str(out) + ".tmp")
+
+
+def test_predict_from_a_run_checkpoint_is_the_exported_folders(imported, tmp_path, capsys):
+    """--run RUN_DIR plays the checkpoint's policy: the same predictions as `asyncrl export` of
+    that run, played with --model."""
+    import delta_codec
+    from asyncrl.cli import main as cli_main
+    from policy import Transformer
+    from policy.model import inference_state
+    from tests.helpers.agentic import CFG, no_special_state
+    from trainer import checkpoint
+
+    path, _ = imported
+    run = tmp_path / "run"
+    (run / "config").mkdir(parents=True)
+    (run / "config" / "run.json").write_text(json.dumps({"trainer": {"tokenizer": "char"}}))
+    m = Transformer(CFG)
+    m.load_inference_state(no_special_state(5))
+    checkpoint.save(
+        run / "checkpoints",
+        checkpoint.TrainerState(
+            version=7,
+            epoch=1,
+            model=m.state_dict(),
+            optimizer={},
+            digest=delta_codec.state_digest(inference_state(m)),
+            model_config=m.cfg.to_dict(),
+        ),
+    )
+    conf = tmp_path / "run.toml"
+    conf.write_text("[trainer.tasks.swe.limits]\nmax_turns = 2\nturn_tokens = 40\n")
+    common = ["--config", str(conf), "--split", "train", "--name", "p"]
+    assert tasks_main(["predict", path, "--run", str(run), "--out", str(tmp_path / "a.jsonl"), *common]) == 0
+    assert cli_main(["export", str(run), str(tmp_path / "hf")]) == 0
+    assert (
+        tasks_main(
+            ["predict", path, "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "b.jsonl"), *common]
+        )
+        == 0
+    )
+    a, b = ((tmp_path / f"{x}.jsonl").read_text() for x in "ab")
+    assert a == b and len(a.splitlines()) == 2  # the two train instances
