@@ -230,3 +230,90 @@ def test_up_gives_the_workers_the_trainers_task_set(imported, monkeypatch, tmp_p
         "envs": ["arith"],
         "workspace": "docker",
     }
+
+
+UP_RUN = """
+[up]
+workers = 1
+scorers = 1
+
+[trainer.tasks]
+envs = ["swe"]
+backlog = 2
+sampling = {temperature = 1.0, max_tokens = 32}
+
+[trainer.tasks.swe]
+task_set = "TASK_SET"
+reward = "resolved"
+prompt = "toy"
+test_output = "failures"
+
+[trainer.tasks.swe.limits]
+max_turns = 2
+turn_tokens = 32
+command_wall_s = 10.0
+
+[trainer.policy]
+model = {preset = "tiny", max_seq_len = 1024}
+
+[trainer.batch]
+groups = 1
+group_size = 2
+
+[worker.engine]
+slots = 4
+
+[worker.run]
+threads = 1
+heartbeat_s = 1.0
+
+[scorer.run]
+heartbeat_s = 1.0
+"""
+
+
+async def test_asyncrl_up_trains_on_an_imported_task_set(imported, fresh_server, tmp_path):
+    """`asyncrl up` with env "swe": the trainer samples the imported set's train split under the
+    config's limits, the worker plays them (from the trainer's task set), the scorer scores them in
+    the config's reward mode, versions advance, nothing is parked (a snapshot outside the workers'
+    task set or an unknown reward mode would be)."""
+    import json
+    import subprocess
+    import sys
+
+    from asyncrl.report import read_jsonl
+    from bus import BusConfig, connect
+    from bus import topology as topo
+
+    path, _ = imported
+    cfg = tmp_path / "up.toml"
+    cfg.write_text(UP_RUN.replace("TASK_SET", path))
+    run_dir = tmp_path / "run"
+    argv = ["up", "--config", str(cfg), "--steps", "2", "--minutes", "4", "--nats", fresh_server.url]
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", *argv, "--run-dir", str(run_dir), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["versions"] >= 2
+    import tomllib
+
+    worker = tomllib.loads((run_dir / "config" / "worker-0.toml").read_text())
+    assert worker["episodes"]["task_set"] == os.path.abspath(path)  # the trainer's, given by up
+    steps = [r for r in read_jsonl(run_dir / "metrics" / "trainer.jsonl") if "samples" in r]
+    trained = {rid.rsplit("-", 1)[0] for r in steps for rid in r["rollout_ids"]}
+    assert trained, steps
+    episodes = [
+        e
+        for r in read_jsonl(next((run_dir / "metrics").glob("rollout_worker-*.jsonl")))
+        for e in r.get("episodes_ended", [])
+    ]
+    assert episodes and all(e["turns"] <= 2 for e in episodes), episodes[:3]  # the config's max_turns
+    assert {e["termination"] for e in episodes} <= {"max_turns", "format", "submitted", "context_limit"}
+    bus = await connect(BusConfig(servers=[fresh_server.url], name="check"))
+    try:
+        assert (await bus.js.stream_info(topo.DLQ)).state.messages == 0
+    finally:
+        await bus.close()
