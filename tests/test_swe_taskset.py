@@ -106,6 +106,7 @@ def test_presets_are_task_sets_of_the_swe_env():
         e = base.ENVS[name]()  # fresh: get_env's shared ones read tasks/...
         assert isinstance(e, SweEnv) and e.limits == TOY_LIMITS and e.families == ("gen-repo",)
         assert e.reward is None and e.build is not None  # the scorer's episode_reward decides
+    assert base.runs_code("swe")  # its episodes run the policy's commands: workers need the sandbox
 
 
 def test_worker_refuses_a_snapshot_outside_its_task_set(imported, tmp_path):
