@@ -8,6 +8,9 @@ single process can see is checked here, naming both sides:
     [up]        keys, types and ranges (asyncrl.upconfig.UpConfig), like every other table
     tokenizer   trainer and workers decode with the same one (same spec; same file contents);
                 with [trainer.tasks] chat_template = true it has a chat template
+    swe         with env "swe": the worker's [worker.episodes] task_set (when set) is the trainer's
+                [trainer.tasks.swe] task_set, and the worker's slot (max_len) holds a turn of
+                [trainer.tasks.swe.limits] turn_tokens with room for the prompt
     max_lag     the worker's admission bound ([worker.admission]) equals the trainer's staleness bound
                 ([trainer.batch]): a worker allowed further ahead generates samples the trainer then drops
     signing     a worker that checks signatures must accept the trainer's key: the public key
@@ -86,6 +89,25 @@ def _public_keys(spec: str) -> set[bytes]:
     return {k.public_bytes(*raw) for k in keys}
 
 
+def check_swe(tc, wc) -> None:
+    """The `swe` env's settings the trainer (which samples the tasks) and the worker (which plays
+    them) must agree on."""
+    swe, ep = tc.tasks.swe, wc.episodes
+    if ep.task_set and os.path.realpath(ep.task_set) != os.path.realpath(swe.task_set):
+        raise ConfigError(
+            f"task set disagrees: [trainer.tasks.swe] task_set = {swe.task_set!r}, "
+            f"[worker.episodes] task_set = {ep.task_set!r} (the worker would refuse every task)"
+        )
+    max_len = wc.engine.max_len or int((tc.policy.model or {}).get("max_seq_len", 0) or 0)
+    turn = swe.limits.turn_tokens
+    if max_len and turn + 1 >= max_len:
+        raise ConfigError(
+            f"turn length disagrees: [trainer.tasks.swe.limits] turn_tokens = {turn} leaves no room "
+            f"for the prompt in the worker's sequence of {max_len} tokens ([worker.engine] max_len, "
+            f"else [trainer.policy] model.max_seq_len)"
+        )
+
+
 def cross_check(resolved: dict, sync: bool = False) -> None:
     tc, wc = resolved["trainer"], resolved["worker"]
     t, w = tc.policy, wc.engine
@@ -118,6 +140,8 @@ def cross_check(resolved: dict, sync: bool = False) -> None:
             "[trainer.batch] skip_uniform = true is async only (a sync run's barrier waits for "
             "exactly `groups` tasks per version): set it false for --sync"
         )
+    if "swe" in tc.tasks.envs:
+        check_swe(tc, wc)
     lag = wc.admission.max_lag
     if not sync and tc.batch.max_lag != lag:
         raise ConfigError(

@@ -263,6 +263,16 @@ async def _eval_process(run_dir: Path, which: str, stop: asyncio.Event, threads:
     return rc
 
 
+def worker_episodes(tasks, episodes: dict) -> dict:
+    """The workers' [worker.episodes] table: the run's environments (where none runs code the
+    sandbox check waits for the first episode) and, with env "swe", the trainer's task set (the
+    workers start episodes from it, and only from it); the file's own keys win."""
+    out = {"envs": list(tasks.envs)}
+    if "swe" in tasks.envs:
+        out["task_set"] = os.path.abspath(tasks.swe.task_set)
+    return {**out, **episodes}
+
+
 def load_run_config(path: str | None) -> dict:
     if not path:
         return {}
@@ -407,7 +417,7 @@ async def run(a: argparse.Namespace) -> int:
         **worker,
         "bus": bus_conf,
         "run": {**drain, **worker.get("run", {}), "threads": threads.worker},
-        "episodes": {"envs": run_envs, **worker.get("episodes", {})},
+        "episodes": worker_episodes(resolved["trainer"].tasks, worker.get("episodes", {})),
     }
     if sync:
         worker_conf["admission"] = {**worker.get("admission", {}), "max_lag": 0}

@@ -5,6 +5,8 @@
     asyncrl tasks import swe.jsonl --out DIR [--repos CLONES]        # SWE-bench-format instances in
     asyncrl tasks export DIR --out OUT                               # OUT/instances.jsonl + OUT/repos/
     asyncrl tasks evaluate preds.jsonl --tasks DIR | --instances swe.jsonl   # resolved, as SWE-bench
+    asyncrl tasks predict DIR --model HF_DIR | --run RUN --out preds.jsonl  # a policy's model_patch per
+                                                                     # eval task (asyncrl/predict.py)
 
 Tiers: generated repositories (envs/gen_repos.py), HumanEval stub and bug-fix tasks
 (envs/humaneval_tasks.py) and real packages with their own test suites (here): the source
@@ -324,7 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("stats", help="counts of a built task set")
     s.add_argument("path")
     add_swebench_commands(sub)
+    from asyncrl.predict import add_predict_command, predict_command
+
+    add_predict_command(sub)
     a = ap.parse_args(argv)
+    if a.cmd == "predict":
+        return predict_command(a)
     if a.cmd in ("import", "export", "evaluate"):
         return swebench_command(a)
     if a.cmd == "stats":

@@ -71,6 +71,11 @@ def get_env(name: str) -> Env:
     return _INSTANCES[name]
 
 
+def drop_instance(name: str) -> None:
+    """Forget the shared instance of `name`: the next get_env builds it anew (its config changed)."""
+    _INSTANCES.pop(name, None)
+
+
 def check_split(split: str) -> None:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")

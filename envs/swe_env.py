@@ -1,16 +1,17 @@
-"""`swe-gen`: tier-1 bug-fix episodes (generated repositories, one injected bug each) as tasks for
-the trainer's feeder. `sample` returns a multi-turn task spec (an EpisodeTask and its limits: the
-worker plays the episode and scores it); `demonstration` is the scripted oracle's transcript.
+"""`swe`: multi-turn repository tasks from any task set on disk (built by `asyncrl tasks build` or
+imported from SWE-bench-format JSONL by `asyncrl tasks import`) as tasks for the trainer's feeder.
+`sample` returns a multi-turn task spec (an EpisodeTask, its limits and its reward mode: the worker
+plays the episode and scores it); `split_specs` the whole held-out split; `demonstration` the
+scripted oracle's transcript (tasks with a recorded mutation).
 
-Tasks come from a task set on disk (`ASYNCRL_SWE_TASKS`, default `tasks/swe-gen`). When it is
-missing the env builds one (`ASYNCRL_SWE_GEN` generated repositories, default 48) and writes it
-there, so the processes of a run (trainer, eval) read the same tasks; `asyncrl tasks build --out
-tasks/swe-gen --gen 48` builds it ahead of time (the build runs every mutant's tests: minutes).
-The split is the builder's (a function of the bug's identity, with at least `gen_repos.MIN_EVAL`
-eval tasks): eval tasks are never trained on.
+The run config names the task set, the limits, the prompt and the reward mode
+(`[trainer.tasks.swe]`: envs/swe_config.py); the trainer calls `configure` with it before it samples.
+Every task family of the set is played, on the set's own train/eval split: eval tasks are never
+trained on.
 
-Limits are sized for the char-level toy policy: few turns, short observations, so an episode fits
-its context (the worker caps `max_context_tokens` to its engine's slot as well).
+`swe-gen` and `swe-demo` are presets of it: a generated task set of their own (built on first use
+when missing, so the processes of a run read the same tasks) under the toy limits (TOY_LIMITS: few
+turns, short observations, the toy prompt, sized for the char-level toy policy).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
 
 from bus import get_logger
 
+from . import base
 from .base import SpecError, TaskSpec, Verdict, check_split, register
 from .conversation import PlainFormat, episode_spec, transcript
-from .episode import EpisodeLimits, EpisodeTask
+from .episode import SPLITS, EpisodeLimits, EpisodeTask
 from .oracle import run_oracle
 from .sandbox import BashLimits
 
@@ -50,22 +53,25 @@ TOY_LIMITS = EpisodeLimits(
 DEMO_FUNCTIONS = ("clamp", "count_words", "gcd", "is_prime", "median_low", "overlaps", "rotate", "total")
 
 
-class SweGenEnv:
+class SweEnv:
+    """Episodes of one task set under one set of limits (see the module docstring).
+
+    `reward`: the reward mode the spec carries ("fraction" | "resolved"; None: the scorer's
+    `[scorer.reward] episode_reward` decides). `families`: only these task families (None: all).
+    `build(task_dir)`: writes the set when the directory holds none (presets), else a missing set
+    is an error."""
+
     def __init__(
         self,
-        name: str = "swe-gen",
-        task_dir: str | None = None,
-        n_gen: int | None = None,
-        seed: int = 0,
-        limits: EpisodeLimits = TOY_LIMITS,
-        functions: tuple[str, ...] | None = None,
-        n_modules: int = 2,
-        eval_fraction: float = 0.2,
+        name: str = "swe",
+        task_dir: str = "",
+        limits: EpisodeLimits | None = None,
+        reward: str | None = None,
+        families: tuple[str, ...] | None = None,
+        build: Callable[[str], None] | None = None,
     ):
-        self.name, self.seed, self.limits = name, seed, limits
-        self.functions, self.n_modules, self.eval_fraction = functions, n_modules, eval_fraction
-        self.task_dir = task_dir or os.environ.get("ASYNCRL_SWE_TASKS", "tasks/swe-gen")
-        self.n_gen = int(n_gen if n_gen is not None else os.environ.get("ASYNCRL_SWE_GEN", "48"))
+        self.name, self.task_dir, self.limits = name, task_dir, limits or EpisodeLimits()
+        self.reward, self.families, self.build = reward, families, build
         self._tasks: dict[str, list[EpisodeTask]] | None = None
         self._demos: dict[str, tuple[str, list[tuple[str, bool]]]] = {}
         self._lock = threading.Lock()  # the trainer samples from its loop and from eval threads
@@ -78,49 +84,45 @@ class SweGenEnv:
         return self._tasks[split]
 
     def _load(self) -> dict[str, list[EpisodeTask]]:
-        from .task_set import load_task_set, write_task_set
+        from .task_set import load_task_set
 
-        if not os.path.exists(os.path.join(self.task_dir, "manifest.json")):
-            from . import gen_repos
-            from .task_validation import BuildReport
-
-            log.info("building the task set", env=self.name, dir=self.task_dir, repos=self.n_gen)
-            report = BuildReport()
-            write_task_set(
-                self.task_dir,
-                gen_repos.build(
-                    self.n_gen,
-                    seed=self.seed,
-                    eval_fraction=self.eval_fraction,
-                    n_modules=self.n_modules,
-                    report=report,
-                    min_eval=gen_repos.MIN_EVAL,
-                    functions=self.functions,
-                ),
-                report.to_dict(),
-            )
-        tasks = [t for t in load_task_set(self.task_dir) if t.family == "gen-repo"]
-        by = {
-            s: sorted((t for t in tasks if t.split == s), key=lambda t: t.task_id) for s in ("train", "eval")
-        }
-        if not by["train"] or not by["eval"]:
+        if not self.task_dir:
             raise ValueError(
-                f"{self.task_dir}: {self.name} needs gen-repo tasks in both splits, "
+                f"env {self.name!r} has no task set: set [trainer.tasks.swe] task_set "
+                f"(the trainer configures the env from it: envs.swe_env.configure)"
+            )
+        if self.build is not None and not os.path.exists(os.path.join(self.task_dir, "manifest.json")):
+            self.build(self.task_dir)
+        tasks = [
+            t for t in load_task_set(self.task_dir) if self.families is None or t.family in self.families
+        ]
+        by = {s: sorted((t for t in tasks if t.split == s), key=lambda t: t.task_id) for s in SPLITS}
+        if not by["train"] or not by["eval"]:
+            which = f"{'/'.join(self.families)} tasks" if self.families else "tasks"
+            raise ValueError(
+                f"{self.task_dir}: {self.name} needs {which} in both splits, "
                 f"got {len(by['train'])} train and {len(by['eval'])} eval"
             )
         return by
 
+    def spec(self, task: EpisodeTask) -> TaskSpec:
+        spec = episode_spec(task, self.limits)
+        if self.reward is not None:
+            spec["reward"] = self.reward
+        return TaskSpec(prompt=task.instruction, spec=spec)
+
     def sample(self, rng, split: str = "train") -> TaskSpec:
         pool = self.tasks(split)
-        t = pool[rng.randrange(len(pool)) if hasattr(rng, "randrange") else int(rng.integers(len(pool)))]
-        return TaskSpec(prompt=t.instruction, spec=episode_spec(t, self.limits))
+        return self.spec(
+            pool[rng.randrange(len(pool)) if hasattr(rng, "randrange") else int(rng.integers(len(pool)))]
+        )
 
     def split_specs(self, split: str = "eval") -> list[TaskSpec]:
         """Every task of the split (a finite set: the held-out eval plays each in turn)."""
-        return [TaskSpec(prompt=t.instruction, spec=episode_spec(t, self.limits)) for t in self.tasks(split)]
+        return [self.spec(t) for t in self.tasks(split)]
 
     def verify(self, text: str, spec: dict) -> Verdict:
-        raise SpecError("swe-gen tasks are episodes: the worker plays and scores them (Rollout.episode)")
+        raise SpecError(f"{self.name} tasks are episodes: the worker plays and scores them (Rollout.episode)")
 
     def demonstration_turns(self, spec: dict, fmt=None) -> tuple[str, list[tuple[str, bool]]]:
         """The oracle episode of the spec's task, played in the sandbox (cached per task):
@@ -130,7 +132,10 @@ class SweGenEnv:
         key = f"{task.task_id}|{type(fmt).__name__}"
         if key not in self._demos:
             limits = EpisodeLimits(**spec["limits"]) if "limits" in spec else self.limits
-            msgs, turns, result = run_oracle(task, dataclasses.replace(limits))
+            try:
+                msgs, turns, result = run_oracle(task, dataclasses.replace(limits))
+            except (KeyError, ValueError) as e:  # no recorded mutation (an imported instance)
+                raise SpecError(f"task {task.task_id}: no oracle episode ({type(e).__name__}: {e})") from None
             if result.reward < 1.0:
                 raise SpecError(f"task {task.task_id}: the oracle scored {result.reward} ({result.detail})")
             self._demos[key] = transcript(fmt, msgs, turns)
@@ -139,6 +144,89 @@ class SweGenEnv:
     def demonstration(self, spec: dict, style: str = "default") -> str:
         """The oracle's completion text (model turns and the observations between them)."""
         return "".join(text for text, _ in self.demonstration_turns(spec)[1])
+
+
+_CONFIG = None  # the SweSection `configure` was last given (None: `swe` has no task set)
+
+
+def configure(section) -> SweEnv:
+    """Point the `swe` env of this process at `section`'s task set, limits, prompt and reward mode
+    (an envs.swe_config.SweSection; None: no task set again); the shared instance get_env("swe")
+    returns is replaced."""
+    global _CONFIG
+    _CONFIG = section
+    base.drop_instance("swe")
+    return base.get_env("swe")
+
+
+@register("swe")
+def swe() -> SweEnv:
+    if _CONFIG is None:
+        return SweEnv("swe")
+    return SweEnv("swe", _CONFIG.task_set, _CONFIG.episode_limits(), _CONFIG.reward)
+
+
+def generated_set(
+    n_gen: int, seed: int, eval_fraction: float, n_modules: int, functions: tuple[str, ...] | None, name: str
+) -> Callable[[str], None]:
+    """A preset's builder: `n_gen` generated repositories (one validated bug each) written as a
+    task set, with at least gen_repos.MIN_EVAL eval tasks."""
+
+    def build(task_dir: str) -> None:
+        from . import gen_repos
+        from .task_set import write_task_set
+        from .task_validation import BuildReport
+
+        log.info("building the task set", env=name, dir=task_dir, repos=n_gen)
+        report = BuildReport()
+        tasks = gen_repos.build(
+            n_gen,
+            seed=seed,
+            eval_fraction=eval_fraction,
+            n_modules=n_modules,
+            report=report,
+            min_eval=gen_repos.MIN_EVAL,
+            functions=functions,
+        )
+        write_task_set(task_dir, tasks, report.to_dict())
+
+    return build
+
+
+class SweGenEnv(SweEnv):
+    """The `swe-gen` preset: generated repositories (gen-repo tasks) in `task_dir` (default
+    `ASYNCRL_SWE_TASKS`, else tasks/swe-gen; built with `ASYNCRL_SWE_GEN` repositories, default 48,
+    when missing: `asyncrl tasks build --out tasks/swe-gen --gen 48` builds it ahead of time) under
+    the toy limits; the scorer's episode_reward decides the reward."""
+
+    def __init__(
+        self,
+        name: str = "swe-gen",
+        task_dir: str | None = None,
+        n_gen: int | None = None,
+        seed: int = 0,
+        limits: EpisodeLimits = TOY_LIMITS,
+        functions: tuple[str, ...] | None = None,
+        n_modules: int = 2,
+        eval_fraction: float = 0.2,
+    ):
+        super().__init__(
+            name,
+            task_dir or os.environ.get("ASYNCRL_SWE_TASKS", "tasks/swe-gen"),
+            limits,
+            families=("gen-repo",),
+        )
+        self.seed, self.functions, self.n_modules, self.eval_fraction = (
+            seed,
+            functions,
+            n_modules,
+            eval_fraction,
+        )
+        self.n_gen = int(n_gen if n_gen is not None else os.environ.get("ASYNCRL_SWE_GEN", "48"))
+        # read n_gen when building (a caller may size the set after construction)
+        self.build = lambda d: generated_set(
+            self.n_gen, self.seed, self.eval_fraction, self.n_modules, self.functions, self.name
+        )(d)
 
 
 register("swe-gen")(SweGenEnv)

@@ -210,9 +210,9 @@ def apply_on_host(tree: str | None, patch: str, iid: str) -> dict[str, str]:
             if kind == "modified":
                 if not tree or not os.path.isfile(src):
                     note = "" if tree else " (image-only instances: new test files only)"
-                raise InstanceError(
-                    f"{iid}: the test_patch modifies {p}, which is not in the repository snapshot{note}"
-                )
+                    raise InstanceError(
+                        f"{iid}: the test_patch modifies {p}, which is not in the repository snapshot{note}"
+                    )
                 os.makedirs(os.path.dirname(os.path.join(tmp, p)) or tmp, exist_ok=True)
                 shutil.copyfile(src, os.path.join(tmp, p))
         with open(os.path.join(tmp, ".asyncrl.patch"), "w", encoding="utf-8") as f:
@@ -351,6 +351,41 @@ def task_to_instance(task: EpisodeTask, out_dir: str) -> dict:
         "split": task.split,
         "family": task.family,
     }
+
+
+# what a played workspace holds that is no change of the agent's: caches its commands left behind
+_NOT_CHANGES = ("__pycache__/", "*.pyc", ".pytest_cache/")
+
+
+def workspace_patch(task: EpisodeTask, repo: str) -> str:
+    """The agent's change as a SWE-bench `model_patch`: `git diff` of the played workspace `repo`
+    against the task's starting workspace (base_dir + files), caches left out; "" when unchanged."""
+    with tempfile.TemporaryDirectory(prefix="swebench-patch-") as tmp:
+        dest = os.path.join(tmp, "repo")
+        os.makedirs(dest)
+        if task.base_dir:
+            shutil.copytree(task.base_dir, dest, symlinks=True, dirs_exist_ok=True)
+        _write_tree(dest, task.files)
+        _git(["init", "-q", "-b", "main"], dest)
+        _git(["config", "core.fileMode", "false"], dest)  # the sandbox's modes are no change
+        with open(os.path.join(dest, ".git", "info", "exclude"), "a") as f:
+            f.write("\n".join(_NOT_CHANGES) + "\n")
+        _git(["add", "-A"], dest)
+        _git(["commit", "-q", "--no-verify", "--allow-empty", "-m", "start"], dest)
+        for name in os.listdir(dest):  # the played tree in place of the starting one
+            if name != ".git":
+                p = os.path.join(dest, name)
+                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+        for name in os.listdir(repo):
+            if name == ".git":
+                continue
+            src, dst = os.path.join(repo, name), os.path.join(dest, name)
+            if os.path.isdir(src) and not os.path.islink(src):
+                shutil.copytree(src, dst, symlinks=True)
+            else:
+                shutil.copy2(src, dst, follow_symlinks=False)
+        _git(["add", "-A"], dest)
+        return _git(["diff", "--cached", "--binary", "HEAD"], dest).decode("utf-8", "replace")
 
 
 def export_tasks(tasks: list[EpisodeTask], out_dir: str) -> tuple[str, list[str]]:

@@ -24,6 +24,7 @@ and KV cache) or the vLLM engine (a new request on the exact ids so far, KV from
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import zlib
 
@@ -165,6 +166,7 @@ class EpisodeRunner:
         fence_stop: bool = True,
         backend=None,
         episode_wall_s: float = 0.0,
+        task_set: str = "",
     ):
         if not hasattr(engine, "extend"):
             raise ValueError(
@@ -174,6 +176,8 @@ class EpisodeRunner:
         self.engine, self.tok, self.worker_id = engine, tok, worker_id
         self.backend = backend  # envs WorkspaceBackend; None: LocalBackend
         self.episode_wall_s = episode_wall_s  # > 0: replaces the task's episode wall limit
+        # where tasks' repository snapshots may lie ('' : anywhere): [worker.episodes] task_set
+        self.task_root = os.path.realpath(task_set) if task_set else ""
         self.pool = pool or EpisodePool()
         self.fmt = fmt or chat_format(tok)
         # the closing fence as a stop sequence only where it is one token run whatever precedes it
@@ -192,7 +196,15 @@ class EpisodeRunner:
         lim = spec.get("limits") or {}
         if not isinstance(lim, dict):
             raise ValueError(f"episode limits must be a map, got {type(lim).__name__}")
-        return EpisodeTask.from_dict(spec["episode"]), EpisodeLimits(**lim)
+        et = EpisodeTask.from_dict(spec["episode"])
+        if self.task_root and et.base_dir:
+            real = os.path.realpath(et.base_dir)
+            if not real.startswith(self.task_root + os.sep):
+                raise ValueError(
+                    f"task {et.task_id}: repository snapshot {et.base_dir} is outside this worker's "
+                    f"task set {self.task_root} ([worker.episodes] task_set)"
+                )
+        return et, EpisodeLimits(**lim)
 
     def open(self, task: Task) -> tuple[EpisodeTask, EpisodeLimits, Episode, int]:
         """The task's episode, its limits fitted to the engine, and the context room left for it."""

@@ -86,8 +86,14 @@ class EpisodesSection:
     # the environments whose tasks this worker serves ([]: any; `asyncrl up` sets [trainer.tasks] envs):
     # when none runs code (arithmetic) the sandbox check waits for the first episode instead of the start
     envs: list[str] = field(default_factory=list)
+    # the task set whose repository snapshots this worker's episodes start from (the `swe` env's
+    # [trainer.tasks.swe] task_set; `asyncrl up` sets it): a task whose snapshot lies outside it is
+    # refused. Empty: any
+    task_set: str = ""
 
     def __post_init__(self) -> None:
+        if self.task_set and not os.path.isdir(self.task_set):
+            raise ValueError(f"[worker.episodes] task_set = {self.task_set!r}: no such directory")
         if self.workspace not in ("local", "docker"):
             raise ValueError(f"workspace must be 'local' or 'docker', got {self.workspace!r}")
         if isinstance(self.sandbox_latency, dict):

@@ -88,6 +88,7 @@ def make_episode_runner(cfg: WorkerConfig, engine: Engine, tok) -> EpisodeRunner
         worker_id=cfg.worker_id,
         backend=workspace_backend(cfg.episodes),
         episode_wall_s=cfg.episodes.episode_wall_s,
+        task_set=cfg.episodes.task_set,
     )
     if h.token_problem():
         raise ValueError(h.token_problem())

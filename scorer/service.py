@@ -31,6 +31,7 @@ from bus.control import parse_lambda
 from bus.events import EventError, Heartbeat, Rollout, Scored
 from bus.lifetime import cancel_and_wait
 from envs import SpecError, get_env, isolation, runs_code
+from envs.swe_config import REWARDS, episode_reward
 
 from .config import ScorerConfig
 from .reward import compute_reward, overlong_penalty, rollout_cost
@@ -77,6 +78,11 @@ class Scorer:
                 return await self._park(
                     ctx, f"episode rollout {ro.rollout_id}: result without a reward in [0, 1] ({r!r})"
                 )
+            mode = ro.spec.get("reward") if isinstance(ro.spec, dict) else None
+            if mode is not None and mode not in REWARDS:
+                return await self._park(
+                    ctx, f"episode rollout {ro.rollout_id}: reward mode {mode!r} is not one of {REWARDS}"
+                )
             return await self._publish(ro, ro.episode, time.perf_counter())
         try:
             env = get_env(ro.env)
@@ -112,11 +118,10 @@ class Scorer:
         if isinstance(verdict, dict):
             # an episode is trained on the fraction of its tests that pass (episode_reward "fraction")
             # or on its success; its success is all of them passing, as held-out eval_success counts it
-            score = float(verdict["reward"])
-            resolved = verdict.get("resolved")
-            resolved = score >= 1.0 if not isinstance(resolved, bool) else resolved
-            if self.cfg.reward.episode_reward == "resolved":
-                score = 1.0 if resolved else 0.0
+            # the task's own mode where its env carries one (the `swe` env: [trainer.tasks.swe] reward)
+            mode = ro.spec.get("reward") if isinstance(ro.spec, dict) else None
+            mode = mode if mode in REWARDS else self.cfg.reward.episode_reward
+            score, resolved = episode_reward(verdict, mode)
             infra, tampered = verdict.get("infra_error") or "", bool(verdict.get("tampered"))
             verdict = envs.Verdict(
                 1.0 if resolved else 0.0,

@@ -19,7 +19,7 @@ from bus import BusConfig
 from bus import topology as topo
 from bus.events import Rollout, Task, decode
 from bus.weights.publisher import WeightPublisher
-from envs.episode import EpisodeLimits
+from envs.episode import EpisodeLimits, EpisodeTask
 from rollout_worker.config import WorkerConfig
 from rollout_worker.episodes import episode_spec
 from rollout_worker.torch_engine import TorchEngine
@@ -230,3 +230,41 @@ async def test_an_abandoned_episode_expires_and_its_task_is_redelivered_and_trai
     msgs = await (await bus.pull(topo.TASKS, topo.ROLLOUT_CONSUMER)).fetch(1, timeout=10)
     assert [decode(m.data, Task).task_id for m in msgs] == ["drained"]
     assert len(await read_stream(bus, topo.ROLLOUTS, Rollout)) == 2
+
+
+async def test_a_swe_env_task_of_an_imported_set_played_by_the_harness(bus, external, tmp_path):
+    """The `swe` env's tasks (an imported SWE-bench set, the run config's limits and reward mode):
+    the harness's honest episode resolves (reward 1), its empty one scores 0."""
+    from envs.swe_config import SweSection, episode_reward
+    from envs.swe_env import configure
+    from tests.helpers.swe_sets import fix_commands, imported_set
+
+    worker, *_, http, client, _ = external
+    path, insts = imported_set(str(tmp_path / "swe"))
+    limits = {"max_turns": 5, "turn_tokens": 1024, "context_tokens": 1900, "command_wall_s": 20.0}
+    env = configure(SweSection(task_set=path, reward="resolved", prompt="toy", limits=limits))
+    spec = env.split_specs("eval")[0].spec
+    task = EpisodeTask.from_dict(spec["episode"])
+    for name in ("honest", "empty"):
+        await bus.publish(
+            topo.task_subject("swe"),
+            Task(task_id=name, env="swe", prompt="", spec=spec, sampling={"max_tokens": 12, "n": 1}),
+        )
+        c = await call(http, "/v1/episodes", {"wait_s": 30})
+        assert (
+            c["task_id"] == name and c["limits"]["max_turns"] == 5 and c["limits"]["max_turn_tokens"] == 1024
+        )
+        eid = c["episode_id"]
+        await chat(client, c, c["messages"])  # the model's turn; the harness then runs its commands
+        for command in fix_commands(task, insts[task.task_id])[:-1] if name == "honest" else []:
+            assert (await call(http, f"/v1/episodes/{eid}/exec", {"command": command}))["exit_code"] == 0
+        end = await call(http, f"/v1/episodes/{eid}/exec", {"command": "submit"})
+        assert end["done"] and end["termination"] == "submitted", end
+        assert episode_reward(end["result"], spec["reward"]) == (
+            (1.0, True) if name == "honest" else (0.0, False)
+        )
+    await until(lambda: worker.tasks_done == 2)
+    configure(None)
+    rollouts = {r.task_id: r for r in await read_stream(bus, topo.ROLLOUTS, Rollout)}
+    assert rollouts["honest"].episode["resolved"] and not rollouts["empty"].episode["resolved"]
+    assert rollouts["honest"].spec["reward"] == "resolved"  # the scorer scores it in the config's mode

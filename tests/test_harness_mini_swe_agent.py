@@ -48,6 +48,43 @@ def test_adapter_runs_commands_in_the_episode_and_submits():
         )
 
 
+def test_adapter_plays_a_swe_env_task_of_an_imported_set(tmp_path):
+    """The `swe` env's task (an imported SWE-bench set, the config's limits and reward mode) through
+    mini-swe-agent's environment: the honest commands resolve it (reward 1), none score 0."""
+    from minisweagent.environments import get_environment
+    from minisweagent.exceptions import Submitted
+
+    from envs.episode import EpisodeTask
+    from envs.swe_config import SweSection, episode_reward
+    from envs.swe_env import configure
+    from tests.helpers.swe_sets import fix_commands, imported_set
+
+    path, insts = imported_set(str(tmp_path))
+    try:
+        env = configure(SweSection(task_set=path, reward="resolved", limits={"max_turns": 5}))
+        spec = env.split_specs("train")[0].spec
+    finally:
+        configure(None)
+    task = EpisodeTask.from_dict(spec["episode"])
+    for name, commands in (("honest", fix_commands(task, insts[task.task_id])[:-1]), ("empty", [])):
+        ep = Episode(task, EpisodeLimits(**spec["limits"]))
+        ep.reset()
+        try:
+            mini_swe_agent.register(f"swe-{name}", ep)
+            agent_env = get_environment(
+                {"environment_class": "envs.mini_swe_agent.SandboxEnvironment", "episode_id": f"swe-{name}"}
+            )
+            for command in commands:
+                assert agent_env.execute({"command": command})["returncode"] == 0
+            with pytest.raises(Submitted):
+                agent_env.execute({"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})
+            got = episode_reward(ep.score().to_dict(), spec["reward"])
+            assert got == ((1.0, True) if name == "honest" else (0.0, False)), (name, got)
+        finally:
+            mini_swe_agent.unregister(f"swe-{name}")
+            ep.close()
+
+
 @pytest.fixture(scope="module")
 def gen_task():
     return gen_repos.build(1, seed=2, n_modules=1)[0]

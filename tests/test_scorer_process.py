@@ -354,6 +354,48 @@ async def test_episode_reward_resolved_trains_on_success_alone(bus):
         assert s[rid].success == won and s[rid].reward == pytest.approx(won - 0.001 * cost)
 
 
+async def test_the_task_spec_reward_mode_wins_and_an_unknown_one_is_parked(bus):
+    """The `swe` env's tasks carry [trainer.tasks.swe] reward in their spec: the scorer scores each
+    episode in that mode whatever its own episode_reward; a spec naming an unknown mode is parked."""
+    import dataclasses
+
+    await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.0))
+
+    def episode(rid: str, mode, result: dict) -> Rollout:
+        spec = {"episode": {}, "limits": {}} | ({} if mode is None else {"reward": mode})
+        return dataclasses.replace(
+            rollout(rid, "x", env="swe", spec=spec), turns=2, termination="submitted", episode=result
+        )
+
+    items = [
+        episode("m1-0", "resolved", {"reward": 0.8, "resolved": False}),
+        episode("m2-0", "resolved", {"reward": 1.0, "resolved": True}),
+        episode("m3-0", "fraction", {"reward": 0.8, "resolved": False}),
+        episode("m4-0", None, {"reward": 0.8, "resolved": False}),  # none: the scorer's own mode
+        episode("m5-0", "best", {"reward": 1.0, "resolved": True}),
+    ]
+    for r in items:
+        await bus.publish(topo.rollout_subject(r.env), r)
+    stop = asyncio.Event()
+    cfg = ScorerConfig(
+        bus=BusConfig(servers=bus.cfg.servers),
+        run={"heartbeat_s": 0.2},
+        reward={"episode_reward": "resolved"},
+    )
+    scorer = Scorer(cfg, bus=bus)
+    run = asyncio.create_task(scorer.run(stop, handle_signals=False))
+    try:
+        s = await scored_events(bus, 4)
+        reasons = await dlq_reasons(bus, 1)
+    finally:
+        stop.set()
+        await run
+    assert set(s) == {"m1-0", "m2-0", "m3-0", "m4-0"}
+    got = {rid: s[rid].reward for rid in s}
+    assert got == {"m1-0": 0.0, "m2-0": 1.0, "m3-0": pytest.approx(0.8), "m4-0": 0.0}, got
+    assert len(reasons) == 1 and "reward mode 'best'" in reasons[0], reasons
+
+
 async def test_run_ends_even_when_its_heartbeat_loses_a_cancel(bus):
     """Scorer.run ends its side tasks before returning. On Python 3.11 a cancel can be lost:
     nats-py's request (asyncio.wait_for) returns the pub-ack instead of raising when the cancel

@@ -28,7 +28,7 @@ SECTIONS = {
     | {"update_mode", "device", "gpu_memory_utilization", "tensor_parallel_size"},
     "admission": {"max_lag", "queue", "max_inflight"},
     "episodes": {"workspace", "docker_image", "sandbox_latency", "episode_wall_s", "allow_weak_sandbox"}
-    | {"envs"},
+    | {"envs", "task_set"},
     "harness": {"kind", "config", "endpoint_host", "endpoint_port", "external_deadline_s"}
     | {"endpoint_token_file", "bounds"},
     "weights": {"public_key"},

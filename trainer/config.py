@@ -190,6 +190,14 @@ class TrainerConfig:
                 )
             )
 
+    def configure_envs(self) -> None:
+        """Point the configurable environments of this process at this config's tables (the `swe`
+        env at [trainer.tasks.swe]) before anything samples a task."""
+        if "swe" in self.tasks.envs:
+            from envs.swe_env import configure
+
+            configure(self.tasks.swe)
+
     @property
     def use_delta_context(self) -> bool:
         """publish.delta_context resolved: "auto" codes by context exactly when the weights are

@@ -90,11 +90,15 @@ def evaluate_model(
     return {"eval_success": float(np.mean(success)), "eval_tokens": float(np.mean(tokens)), "eval_n": n}
 
 
-def evaluate_episodes(model, tok, specs: list[dict], sc: SamplingConfig, seed: int = 0) -> dict:
+def evaluate_episodes(
+    model, tok, specs: list[dict], sc: SamplingConfig, seed: int = 0, on_scored=None
+) -> dict:
     """Play one episode per spec with `model`, all in lockstep (trainer/lockstep.py): each round
     generates the next turn of every live episode in one batch (from the whole conversation so far,
     laid out as the worker lays it out: envs.conversation), cut at the closing fence of its bash
-    block, and steps it in the sandbox. Success = resolved (every hidden test passes)."""
+    block, and steps it in the sandbox. Success = resolved (every hidden test passes).
+    `on_scored(episode, result)`: called for each episode once scored, before its workspace goes
+    (`asyncrl tasks predict` reads the agent's change there)."""
     from envs.conversation import chat_format
     from envs.episode import Episode, EpisodeLimits, EpisodeTask
     from envs.episode_play import play_episode
@@ -132,6 +136,9 @@ def evaluate_episodes(model, tok, specs: list[dict], sc: SamplingConfig, seed: i
     try:
         asyncio.run(play_all())
         results = [ep.score() for ep in eps]
+        if on_scored is not None:
+            for ep, r in zip(eps, results):
+                on_scored(ep, r)
     finally:
         for ep in eps:
             ep.close()

@@ -75,6 +75,7 @@ def evaluate_initial(cfg: TrainerConfig) -> dict:
 
 def _evaluate(cfg: TrainerConfig, published: dict, mcfg: ModelConfig, tags: dict) -> dict:
     t0 = time.time()
+    cfg.configure_envs()
     ev = evaluate(
         published,
         mcfg,

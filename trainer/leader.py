@@ -117,6 +117,7 @@ def warmstart_record(cfg: TrainerConfig, steps_done: int, checks: list[dict]) ->
 class Trainer:
     def __init__(self, cfg: TrainerConfig, bus, learner: Learner, model_cfg: ModelConfig):
         self.cfg, self.bus, self.learner, self.model_cfg = cfg, bus, learner, model_cfg
+        cfg.configure_envs()  # before the warm start, the feeder or an eval samples a task
         self.lease = LeaderLease(bus, cfg.trainer_id, cfg.lease.ttl_s, cfg.lease.renew_every_s)
         self.version, self.step_n, self.digest = 0, 0, ""
         self.consumed = ConsumedIds(limit=cfg.run.dedupe_window)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bus.config import check_section
+from envs.swe_config import SweSection
 
 PENALTIES = ("linear", "success_only", "group_normalised")
 LAMBDA_SCHEDULES = ("fixed", "ramp", "budget")
@@ -240,6 +241,15 @@ class TasksSection:
     max_outstanding: int = 0  # async: generated groups not yet trained, at most (0: 3 x groups)
     eval_every: int = 0  # held-out eval of the published policy every N versions (0 = off)
     eval_prompts: int = 128
+    # the `swe` env: its task set, episode limits, prompt and reward mode (envs/swe_config.py);
+    # checked (the set read, both splits non-empty) when "swe" is among `envs`
+    swe: SweSection = field(default_factory=SweSection)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.swe, dict):
+            self.swe = SweSection(**self.swe)
+        if "swe" in self.envs:
+            self.swe.check_task_set()
 
 
 @dataclass
