@@ -145,8 +145,8 @@ async def test_delta_mid_generation_reaches_the_model(engine, loaded, prompts):
     old = {k: t.clone() for k, t in engine.state.items()}
     new = perturbed(old, seed=2, frac=0.3, rel=0.1)
     delta = delta_codec.encode_delta(old, new, from_version=v, to_version=v + 1)
-    # 88 tokens (prompt + 88 fit the engine's 128): room for the delta to land mid-way on a loaded 2-core box, where decoding goes on
-    # while the delta is sent and decoded (40 left it 2 steps once)
+    # 88 tokens (prompt + 88 fit the engine's 128): room for the delta to land mid-way on a loaded
+    # 2-core box, where decoding goes on while the delta is sent and decoded (40 left it 2 steps)
     sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=88)
     task = asyncio.create_task(engine.generate(prompts[0], sp, seed=7))
     await _wait_tokens(engine, 4)
