@@ -218,7 +218,7 @@ def test_spec_limits_round_trip(imported):
 def test_up_gives_the_workers_the_trainers_task_set(imported, monkeypatch, tmp_path):
     """`asyncrl up`: the workers' [worker.episodes] task_set is the trainer's (absolute: the
     children's working directory may differ), and the configs it starts agree."""
-    from asyncrl.up import worker_episodes
+    from asyncrl.launch import worker_episodes
 
     path, _ = imported
     monkeypatch.chdir(os.path.dirname(path))

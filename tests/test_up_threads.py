@@ -10,7 +10,7 @@ import os
 import pytest
 
 from asyncrl import config_check, thread_plan
-from asyncrl import up as up_cli
+from asyncrl import launch as up_cli
 from bench.up_driver import child_pid, start_up, stop_run, wait_for
 from bus.config import ConfigError
 from tests.helpers.up import SUPERVISE
