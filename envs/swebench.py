@@ -149,7 +149,8 @@ def test_list(inst: dict, key: str, iid: str | None = None) -> list[str]:
         except json.JSONDecodeError:
             raise _bad(iid, key, "is a string that is not a JSON list of test ids") from None
     if not isinstance(v, list) or not all(isinstance(t, str) for t in v):
-        got = type(v).__name__ if not isinstance(v, list) else "a list holding non-strings"
+        odd = next((t for t in v if not isinstance(t, str)), None) if isinstance(v, list) else None
+        got = type(v).__name__ if not isinstance(v, list) else f"a list holding {odd!r}"
         raise _bad(iid, key, f"must be a list of test ids (or a JSON string of one), got {got}")
     return v
 
@@ -177,7 +178,7 @@ def check_instance(inst: dict, where: str = "") -> str:
     if not _REPO.match(inst["repo"]) or any(p in (".", "..") for p in inst["repo"].split("/")):
         raise _bad(iid, "repo", f"must be 'owner/name', got {inst['repo']!r}")
     if not _COMMIT.match(inst["base_commit"]):
-        raise _bad(iid, "base_commit", f"must be a commit id, got {inst['base_commit'][:60]!r}")
+        raise _bad(iid, "base_commit", f"must be a commit id, got {inst['base_commit'][:200]!r}")
     if not inst["problem_statement"].strip():
         raise _bad(iid, "problem_statement", "is empty: it is the task's instruction")
     f2p, p2p = test_list(inst, "FAIL_TO_PASS", iid), test_list(inst, "PASS_TO_PASS", iid)

@@ -113,7 +113,7 @@ def staged(out_dir: str) -> Iterator[str]:
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not _is_task_set(out_dir):
         raise ValueError(f"{out_dir} holds files but no task set (no manifest.json): not replacing it")
     os.makedirs(parent, exist_ok=True)
-    prefix = STAGE.format(name=name, pid="")
+    prefix = STAGE.format(name=name, pid="")[:-1]  # up to the pid
     for old in os.listdir(parent):  # stages of killed writers
         pid = old[len(prefix) :].split("-", 1)[0]
         if old.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
