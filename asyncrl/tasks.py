@@ -230,13 +230,17 @@ def build_package(
 
 def add_swebench_commands(sub) -> None:
     """`import`, `export`, `evaluate`: SWE-bench-format data (envs/swebench.py)."""
-    i = sub.add_parser("import", help="SWE-bench / SWE-Gym / SWE-smith instances (JSONL) -> a task set")
+    i = sub.add_parser(
+        "import",
+        help="SWE-bench / SWE-Gym / SWE-smith instances (JSONL) -> a task set",
+        description="Each instance that cannot be used is skipped with one line naming it, the field "
+        "and why; the rest are imported. Exit 0 when any instance imported, 1 when none did (nothing "
+        "written), 2 when the file cannot be read. --out is replaced only by a whole new set.",
+    )
     i.add_argument("instances")
     i.add_argument("--out", required=True)
     i.add_argument("--repos", default=None, help="directory of git clones named <owner>__<name>")
     i.add_argument("--split", default="train", help="split of instances that name none (train | eval)")
-    # exit status: 0 when at least one instance imported (the others listed, each with its reason),
-    # 1 when none did, 2 when the file cannot be read; --out is replaced only by a whole new set
     e = sub.add_parser("export", help="a task set -> SWE-bench instances (DIR/instances.jsonl + DIR/repos/)")
     e.add_argument("tasks")
     e.add_argument("--out", required=True)
