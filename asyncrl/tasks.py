@@ -230,7 +230,13 @@ def build_package(
 
 def add_swebench_commands(sub) -> None:
     """`import`, `export`, `evaluate`: SWE-bench-format data (envs/swebench.py)."""
-    i = sub.add_parser("import", help="SWE-bench / SWE-Gym / SWE-smith instances (JSONL) -> a task set")
+    i = sub.add_parser(
+        "import",
+        help="SWE-bench / SWE-Gym / SWE-smith instances (JSONL) -> a task set",
+        description="Each instance that cannot be used is skipped with one line naming it, the field "
+        "and why; the rest are imported. Exit 0 when any instance imported, 1 when none did (nothing "
+        "written), 2 when the file cannot be read. --out is replaced only by a whole new set.",
+    )
     i.add_argument("instances")
     i.add_argument("--out", required=True)
     i.add_argument("--repos", default=None, help="directory of git clones named <owner>__<name>")
@@ -248,26 +254,68 @@ def add_swebench_commands(sub) -> None:
     v.add_argument("--report", default=None, help="also write the report (JSON) here")
 
 
+def import_command(a) -> int:
+    """`asyncrl tasks import`: every usable instance imported, each other one listed with why; the
+    set is written whole (envs/task_set.py staged) or, when no instance imports, not at all."""
+    from envs import swebench
+    from envs.task_set import staged
+
+    if a.split not in ("train", "eval"):
+        raise swebench.InstanceError(f"--split must be train or eval, got {a.split!r}")
+    with staged(a.out) as stage:
+        got = swebench.import_each(a.instances, stage, a.repos, a.split)
+        for line in skipped_lines(got.skipped):
+            print(line, file=sys.stderr)
+        if not got.tasks:
+            print(f"imported none of {got.total} instances: nothing written to {a.out}", file=sys.stderr)
+            raise NothingImported
+        report = {
+            "imported_from": os.path.abspath(a.instances),
+            "instances": len(got.tasks),
+            "skipped": got.skipped,
+        }
+        write_task_set(stage, got.tasks, report)
+    splits = {s: sum(t.split == s for t in got.tasks) for s in ("train", "eval")}
+    print(
+        f"imported {len(got.tasks)} of {got.total} instances into {a.out} ({splits['train']} train, "
+        f"{splits['eval']} eval); {len(got.skipped)} skipped"
+        + (" (listed above and in its manifest.json)" if got.skipped else ""),
+        file=sys.stderr,
+    )
+    for s, n in splits.items():
+        if not n:
+            print(
+                f"note: the {s} split has no tasks; the `swe` env needs both (--split, or a `split` "
+                f"field per instance)",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def skipped_lines(skipped: list[dict]) -> list[str]:
+    """One line per skipped instance: where it is in the file, its id, the field and why."""
+    return [
+        f"skipped {s['reason']}"
+        if s["reason"].startswith(f"{s['where']}:")
+        else f"skipped {s['where']}: {s['reason']}"
+        for s in skipped
+    ]
+
+
+class NothingImported(Exception):
+    """No instance of the file could be imported (each one's reason is printed)."""
+
+
 def swebench_command(a) -> int:
     from envs import swebench
     from envs.task_set import load_task_set
 
     try:
         if a.cmd == "import":
-            if a.split not in ("train", "eval"):
-                raise swebench.InstanceError(f"--split must be train or eval, got {a.split!r}")
-            fresh = not os.path.exists(a.out)
             try:
-                tasks = swebench.import_instances(a.instances, a.out, a.repos, a.split)
-            except (ValueError, OSError):
-                if fresh:  # all or nothing: no half-imported set left behind
-                    shutil.rmtree(a.out, ignore_errors=True)
-                raise
-            write_task_set(
-                a.out, tasks, {"imported_from": os.path.abspath(a.instances), "instances": len(tasks)}
-            )
-            print(f"imported {len(tasks)} instances into {a.out}", file=sys.stderr)
-            return 0
+                return import_command(a)
+            except NothingImported:
+                return 1
         if a.cmd == "export":
             path, notes = swebench.export_tasks(load_task_set(a.tasks, split=a.split), a.out)
             for n in notes:
@@ -276,11 +324,16 @@ def swebench_command(a) -> int:
             return 0
         preds = swebench.read_jsonl(a.predictions)
         with tempfile.TemporaryDirectory(prefix="swebench-eval-") as tmp:
-            tasks = (
-                load_task_set(a.tasks) if a.tasks else swebench.import_instances(a.instances, tmp, a.repos)
-            )
-            report = swebench.evaluate_predictions(tasks, preds)
-    except (ValueError, FileNotFoundError) as e:  # InstanceError is a ValueError
+            skipped = {}
+            if a.tasks:
+                tasks = load_task_set(a.tasks)
+            else:
+                got = swebench.import_each(a.instances, tmp, a.repos)
+                tasks, skipped = got.tasks, {s["instance"]: s["reason"] for s in got.skipped}
+                for line in skipped_lines(got.skipped):
+                    print(line, file=sys.stderr)
+            report = swebench.evaluate_predictions(tasks, preds, skipped=skipped)
+    except (ValueError, OSError) as e:  # InstanceError is a ValueError
         print(f"asyncrl tasks {a.cmd}: {e}", file=sys.stderr)
         return 2
     text = json.dumps(report, indent=2, sort_keys=True)

@@ -36,8 +36,10 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 
 from .episode import SPLITS, Episode, EpisodeLimits, EpisodeTask
+from .node_ids import ELSEWHERE, unknown_ids
 
 REQUIRED = (
     "instance_id",
@@ -47,6 +49,20 @@ REQUIRED = (
     "test_patch",
     "FAIL_TO_PASS",
     "PASS_TO_PASS",
+)
+# the fields read as strings (required ones may not be null; optional ones null: absent)
+STRINGS = (
+    "instance_id",
+    "repo",
+    "base_commit",
+    "problem_statement",
+    "test_patch",
+    "patch",
+    "repo_path",
+    "image_name",
+    "runner",
+    "split",
+    "family",
 )
 FAMILY = "swebench"
 # a deterministic identity for the commits export makes (same task set -> same base_commit)
@@ -62,81 +78,135 @@ _GIT_ENV = {
     "GIT_TERMINAL_PROMPT": "0",
 }
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_REPO = re.compile(r"^[A-Za-z0-9_.\-]+/[A-Za-z0-9_.\-]+$")
+_COMMIT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-/]{0,255}$")  # never an option to git
 
 
 class InstanceError(ValueError):
-    """An instance (or prediction) that cannot be used, with the reason."""
+    """An instance (or prediction) that cannot be used, with the reason; `instance` and `field` name
+    the instance (its id, else its place in the file) and the field at fault, where known."""
+
+    def __init__(self, message: str, instance: str | None = None, field: str | None = None):
+        super().__init__(message)
+        self.instance, self.field = instance, field
+
+
+def _bad(iid: str, field: str, text: str) -> InstanceError:
+    return InstanceError(f"{iid}: {field} {text}", iid, field)
 
 
 # -- reading --------------------------------------------------------------------------------------
 def read_jsonl(path: str) -> list[dict]:
     """Objects of a .jsonl file, or of a .json file holding a list (or a map id -> object, the
     form SWE-bench also accepts for predictions); a clear error naming the line otherwise."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith(".json"):
-        data = json.loads(text)
-        if isinstance(data, dict):
-            data = [{"instance_id": k, **v} for k, v in data.items()]
-        if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
-            raise InstanceError(f"{path}: expected a list of objects")
-        return data
     out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InstanceError(f"{path}:{n}: not JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise InstanceError(f"{path}:{n}: expected an object, got {type(d).__name__}")
+    for where, d in iter_instances(path):
+        if isinstance(d, InstanceError):
+            raise InstanceError(f"{path}:{where.split()[-1]}: {d}")
         out.append(d)
     return out
 
 
-def test_list(inst: dict, key: str) -> list[str]:
+def iter_instances(path: str) -> Iterator[tuple[str, dict | InstanceError]]:
+    """(where, object) of each object of a .jsonl file ("line N"), read line by line (a file of any
+    size, or a pipe), or of a .json file holding a list or a map id -> object ("item N"). A line that
+    is no JSON object comes as an InstanceError in its place, so the rest are still read; a .json
+    file that is not one is an InstanceError raised."""
+    if path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise InstanceError(f"{path}: not JSON: {e}") from None
+        if isinstance(data, dict):
+            data = [{"instance_id": k, **v} if isinstance(v, dict) else v for k, v in data.items()]
+        if not isinstance(data, list):
+            raise InstanceError(f"{path}: expected a list of objects, got {type(data).__name__}")
+        for n, d in enumerate(data, 1):
+            ok = isinstance(d, dict)
+            yield f"item {n}", d if ok else InstanceError(f"expected an object, got {type(d).__name__}")
+        return
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                d = json.loads(raw.decode("utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                yield f"line {n}", InstanceError(f"not JSON: {e}")
+                continue
+            ok = isinstance(d, dict)
+            yield f"line {n}", d if ok else InstanceError(f"expected an object, got {type(d).__name__}")
+
+
+def test_list(inst: dict, key: str, iid: str | None = None) -> list[str]:
     """FAIL_TO_PASS / PASS_TO_PASS as a list (the published datasets store a JSON string)."""
+    iid = iid or str(inst.get("instance_id"))
     v = inst.get(key, [])
     if isinstance(v, str):
         try:
             v = json.loads(v) if v.strip() else []
         except json.JSONDecodeError:
-            raise InstanceError(
-                f"{inst.get('instance_id')}: {key} is neither a list nor a JSON list"
-            ) from None
+            raise _bad(iid, key, "is a string that is not a JSON list of test ids") from None
     if not isinstance(v, list) or not all(isinstance(t, str) for t in v):
-        raise InstanceError(f"{inst.get('instance_id')}: {key} must be a list of test ids")
+        odd = next((t for t in v if not isinstance(t, str)), None) if isinstance(v, list) else None
+        got = type(v).__name__ if not isinstance(v, list) else f"a list holding {odd!r}"
+        raise _bad(iid, key, f"must be a list of test ids (or a JSON string of one), got {got}")
     return v
 
 
-def check_instance(inst: dict) -> None:
-    missing = [k for k in REQUIRED if k not in inst]
+def check_instance(inst: dict, where: str = "") -> str:
+    """The instance's id, once its fields are there and of their types; InstanceError naming the
+    instance (its id, else `where`) and the field otherwise."""
     iid = inst.get("instance_id")
-    if missing:
-        raise InstanceError(f"instance {iid!r}: missing {missing}")
+    if "instance_id" not in inst:
+        raise InstanceError(f"{where}: instance_id missing (a required field)", where, "instance_id")
     if not isinstance(iid, str) or not _SAFE_ID.match(iid):
-        raise InstanceError(f"instance_id {iid!r}: letters, digits, '_', '-', '.' only")
-    tests = test_list(inst, "FAIL_TO_PASS") + test_list(inst, "PASS_TO_PASS")
-    if not tests:
-        raise InstanceError(f"{iid}: no FAIL_TO_PASS or PASS_TO_PASS tests")
-    bad = [t for t in tests if "::" not in t]
-    if bad:
         raise InstanceError(
-            f"{iid}: test ids must be pytest node ids 'path::name' (the runners here report "
-            f"those), got {bad[:3]}"
+            f"{where}: instance_id {iid!r}: a string of letters, digits, '_', '-', '.' only",
+            where,
+            "instance_id",
         )
-    if inst.get("runner", "pytest") not in ("pytest", "mini"):
-        raise InstanceError(f"{iid}: runner must be 'pytest' or 'mini', got {inst.get('runner')!r}")
-    if inst.get("split", "train") not in SPLITS:
-        raise InstanceError(f"{iid}: split must be one of {SPLITS}, got {inst.get('split')!r}")
+    missing = [k for k in REQUIRED if k not in inst]
+    if missing:
+        s = "s" if len(missing) > 1 else ""
+        raise InstanceError(f"{iid}: missing required field{s} {', '.join(missing)}", iid, missing[0])
+    for k in STRINGS:
+        if k in inst and not isinstance(inst[k], str) and (inst[k] is not None or k in REQUIRED):
+            got = "null" if inst[k] is None else f"{type(inst[k]).__name__} {str(inst[k])[:40]!r}"
+            raise _bad(iid, k, f"must be a string, got {got}")
+    if not _REPO.match(inst["repo"]) or any(p in (".", "..") for p in inst["repo"].split("/")):
+        raise _bad(iid, "repo", f"must be 'owner/name', got {inst['repo']!r}")
+    if not _COMMIT.match(inst["base_commit"]):
+        raise _bad(iid, "base_commit", f"must be a commit id, got {inst['base_commit'][:200]!r}")
+    if not inst["problem_statement"].strip():
+        raise _bad(iid, "problem_statement", "is empty: it is the task's instruction")
+    f2p, p2p = test_list(inst, "FAIL_TO_PASS", iid), test_list(inst, "PASS_TO_PASS", iid)
+    if not f2p:
+        raise _bad(iid, "FAIL_TO_PASS", "is empty: no test tells a fix from the starting code")
+    both = sorted(set(f2p) & set(p2p))
+    if both:
+        raise _bad(iid, "FAIL_TO_PASS", f"and PASS_TO_PASS both list {both[:3]}")
+    for key, ids in (("FAIL_TO_PASS", f2p), ("PASS_TO_PASS", p2p)):
+        bad = [t for t in ids if "::" not in t]
+        if bad:
+            raise _bad(
+                iid,
+                key,
+                f"ids must be pytest node ids 'path::name' (the runners here report those), got {bad[:3]}",
+            )
+    if inst.get("runner") not in (None, "pytest", "mini"):
+        raise _bad(iid, "runner", f"must be 'pytest' or 'mini', got {inst.get('runner')!r}")
+    if inst.get("split") not in (None, *SPLITS):
+        raise _bad(iid, "split", f"must be one of {SPLITS}, got {inst.get('split')!r}")
+    return iid
 
 
 # -- import ---------------------------------------------------------------------------------------
 def _git(args: list[str], cwd: str, inp: bytes | None = None) -> bytes:
-    r = subprocess.run(
-        ["git", *args], cwd=cwd, input=inp, capture_output=True, timeout=300, env={**os.environ, **_GIT_ENV}
-    )
+    # the ceiling keeps git from taking a repository above cwd for the one to work in
+    env = {**os.environ, **_GIT_ENV, "GIT_CEILING_DIRECTORIES": os.path.dirname(os.path.abspath(cwd))}
+    r = subprocess.run(["git", *args], cwd=cwd, input=inp, capture_output=True, timeout=300, env=env)
     if r.returncode != 0:
         why = r.stderr.decode(errors="replace").strip()[-400:]
         raise InstanceError(f"git {args[0]} failed in {cwd}: {why}")
@@ -145,11 +215,12 @@ def _git(args: list[str], cwd: str, inp: bytes | None = None) -> bytes:
 
 def repo_source(inst: dict, base: str, repos_dir: str | None) -> str | None:
     """Where the instance's repository is on this machine (None: image only)."""
+    iid = inst["instance_id"]
     if inst.get("repo_path"):
         p = inst["repo_path"]
         p = p if os.path.isabs(p) else os.path.join(base, p)
         if not os.path.isdir(p):
-            raise InstanceError(f"{inst['instance_id']}: repo_path {p} is not a directory")
+            raise _bad(iid, "repo_path", f"{p} is not a directory")
         return p
     if repos_dir:
         p = os.path.join(repos_dir, str(inst["repo"]).replace("/", "__"))
@@ -157,90 +228,149 @@ def repo_source(inst: dict, base: str, repos_dir: str | None) -> str | None:
             return p
     if inst.get("image_name"):
         return None
-    raise InstanceError(
-        f"{inst['instance_id']}: no local repository for {inst['repo']!r} (give repo_path, "
-        f"--repos DIR holding {str(inst['repo']).replace('/', '__')}/, or an image_name)"
+    raise _bad(
+        iid,
+        "repo",
+        f"{inst['repo']!r}: no local repository (give repo_path, --repos DIR holding "
+        f"{str(inst['repo']).replace('/', '__')}/, or an image_name)",
     )
 
 
-def snapshot(src: str, commit: str, dest: str) -> None:
+def snapshot(src: str, commit: str, dest: str, iid: str = "") -> None:
     """dest = the tree of `commit` in the git repository `src` (no .git), or a copy of `src` when
     it is a plain directory (then it is the snapshot already)."""
     shutil.rmtree(dest, ignore_errors=True)
     os.makedirs(dest)
     if os.path.exists(os.path.join(src, ".git")) or os.path.isfile(os.path.join(src, "HEAD")):
-        tar = _git(["archive", "--format=tar", commit], src)
+        try:
+            sha = _git(["rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"], src).decode().strip()
+        except InstanceError:
+            raise _bad(iid, "base_commit", f"{commit!r} is not a commit of the repository {src}") from None
+        tar = _git(["archive", "--format=tar", sha], src)
         r = subprocess.run(["tar", "-x", "-C", dest], input=tar, capture_output=True, timeout=300)
         if r.returncode != 0:
             why = r.stderr.decode(errors="replace")[-300:]
-            raise InstanceError(f"unpacking {commit} of {src} failed: {why}")
+            raise _bad(iid, "base_commit", f"{commit}: unpacking its tree from {src} failed: {why}")
     else:
         shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
 
 
-def patch_files(patch: str) -> list[tuple[str, str]]:
-    """(path, kind) of each file a git-format patch touches; kind "new" | "deleted" | "modified"."""
+def _patch_entries(patch: str) -> list[list[str]]:
+    """[old path, new path, kind] of each file of a git-format patch."""
     out, cur = [], None
     for line in patch.splitlines():
         if line.startswith("diff --git "):
             m = re.match(r"diff --git a/(.+) b/(.+)$", line)
             if not m:
-                raise InstanceError(f"unreadable patch header {line!r}")
-            cur = [m.group(2), "modified"]
+                raise InstanceError(f"has an unreadable header {line[:120]!r}")
+            cur = [m.group(1), m.group(2), "modified"]
             out.append(cur)
         elif cur is not None and line.startswith("new file mode"):
-            cur[1] = "new"
+            cur[2] = "new"
         elif cur is not None and line.startswith("deleted file mode"):
-            cur[1] = "deleted"
-    return [(p, k) for p, k in out]
+            cur[2] = "deleted"
+    return out
 
 
-def apply_on_host(tree: str | None, patch: str, iid: str) -> dict[str, str]:
-    """{path: text after the patch} of the files `patch` touches, applied on a scratch copy of just
-    those files from `tree` (git apply refuses paths that leave the directory or go through links)."""
-    files = patch_files(patch)
-    if any(k == "deleted" for _, k in files):
-        raise InstanceError(
-            f"{iid}: the test_patch deletes {[p for p, k in files if k == 'deleted']}: "
-            f"hidden tests cannot express a deletion"
-        )
+def patch_files(patch: str) -> list[tuple[str, str]]:
+    """(path, kind) of each file a git-format patch touches; kind "new" | "deleted" | "modified"."""
+    return [(new, kind) for _, new, kind in _patch_entries(patch)]
+
+
+def _inside(tree: str, rel: str) -> bool:
+    if os.path.isabs(rel) or ".." in rel.split("/"):
+        return False
+    root = os.path.realpath(tree)
+    return os.path.realpath(os.path.join(root, rel)).startswith(root + os.sep)
+
+
+def apply_on_host(tree: str | None, patch: str, iid: str, field: str = "test_patch") -> dict[str, str]:
+    """{path: text after the patch} of the files `patch` (the instance's `field`) creates or
+    changes, applied on a scratch copy of just those files from `tree` (git apply refuses paths that
+    leave the directory or go through links). A test_patch may not delete files."""
+    try:
+        entries = _patch_entries(patch)
+    except InstanceError as e:
+        raise _bad(iid, field, str(e)) from None
+    if not entries:
+        raise _bad(iid, field, "holds no file diff ('diff --git a/... b/...')")
+    deleted = [new for _, new, k in entries if k == "deleted"]
+    if deleted and field == "test_patch":
+        raise _bad(iid, field, f"deletes {deleted}: hidden tests cannot express a deletion")
     with tempfile.TemporaryDirectory(prefix="swebench-") as tmp:
-        for p, kind in files:
-            src = os.path.join(tree, p) if tree else ""
-            if kind == "modified":
-                if not tree or not os.path.isfile(src):
-                    note = "" if tree else " (image-only instances: new test files only)"
-                    raise InstanceError(
-                        f"{iid}: the test_patch modifies {p}, which is not in the repository snapshot{note}"
-                    )
-                os.makedirs(os.path.dirname(os.path.join(tmp, p)) or tmp, exist_ok=True)
-                shutil.copyfile(src, os.path.join(tmp, p))
+        for old, new, kind in entries:
+            for p in (old, new):
+                if not _inside(tmp, p):
+                    raise _bad(iid, field, f"touches {p!r}, outside the repository")
+            if kind == "new":
+                continue
+            src = os.path.join(tree, old) if tree else ""
+            if not tree or not _inside(tree, old) or not os.path.isfile(src):
+                note = "" if tree else " (image-only instances: new test files only)"
+                raise _bad(iid, field, f"modifies {old}, which is not in the repository snapshot{note}")
+            os.makedirs(os.path.dirname(os.path.join(tmp, old)) or tmp, exist_ok=True)
+            shutil.copyfile(src, os.path.join(tmp, old))
         with open(os.path.join(tmp, ".asyncrl.patch"), "w", encoding="utf-8") as f:
             f.write(patch if patch.endswith("\n") else patch + "\n")
         try:
             _git(["apply", "--whitespace=nowarn", ".asyncrl.patch"], tmp)
         except InstanceError as e:
-            raise InstanceError(f"{iid}: the test_patch does not apply: {e}") from None
+            why = "; ".join(str(e).split(": ", 1)[-1].splitlines())  # git's lines, on one
+            raise _bad(iid, field, f"does not apply to the repository at base_commit: {why}") from None
         out = {}
-        for p, _ in files:
-            with open(os.path.join(tmp, p), encoding="utf-8") as f:
-                out[p] = f.read()
+        for _, p, kind in entries:
+            if kind != "deleted":
+                try:
+                    with open(os.path.join(tmp, p), encoding="utf-8") as f:
+                        out[p] = f.read()
+                except UnicodeDecodeError:
+                    raise _bad(iid, field, f"makes {p} a file that is not UTF-8 text") from None
         return out
+
+
+def _check_test_ids(iid: str, snap: str | None, hidden: dict[str, str], f2p, p2p) -> None:
+    """Every FAIL_TO_PASS / PASS_TO_PASS id names a test its file (test_patch over the snapshot)
+    defines; a file of an image-only instance, not here to read, is taken on trust."""
+
+    def text_of(path: str):
+        if path in hidden:
+            return hidden[path]
+        if snap is None:
+            return ELSEWHERE
+        f = os.path.join(snap, path)
+        if not _inside(snap, path) or not os.path.isfile(f):
+            return None
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+
+    for key, ids in (("FAIL_TO_PASS", f2p), ("PASS_TO_PASS", p2p)):
+        bad = unknown_ids(ids, text_of)
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            named = "; ".join(f"{t} ({why})" for t, why in bad[:3])
+            raise _bad(iid, key, f"names tests the test files do not contain: {named}{more}")
 
 
 def instance_to_task(
     inst: dict, out_dir: str, base: str = ".", repos_dir: str | None = None, split: str = "train"
 ) -> EpisodeTask:
-    """The EpisodeTask of one instance; its snapshot is written to out_dir/repos/<instance_id>."""
-    check_instance(inst)
-    iid = inst["instance_id"]
+    """The EpisodeTask of one instance; its snapshot is written to out_dir/repos/<instance_id>
+    (and removed again when the instance is refused)."""
+    iid = check_instance(inst)
     f2p, p2p = test_list(inst, "FAIL_TO_PASS"), test_list(inst, "PASS_TO_PASS")
     src = repo_source(inst, base, repos_dir)
-    snap = None
-    if src is not None:
-        snap = os.path.join(out_dir, "repos", iid)
-        snapshot(src, str(inst["base_commit"]), snap)
-    hidden = apply_on_host(snap, inst["test_patch"], iid) if inst["test_patch"].strip() else {}
+    snap = None if src is None else os.path.join(out_dir, "repos", iid)
+    try:
+        if snap is not None:
+            snapshot(src, inst["base_commit"], snap, iid)
+        hidden = apply_on_host(snap, inst["test_patch"], iid) if inst["test_patch"].strip() else {}
+        if snap is not None and (inst.get("patch") or "").strip():
+            apply_on_host(snap, inst["patch"], iid, field="patch")  # the gold fix applies
+        _check_test_ids(iid, snap, hidden, f2p, p2p)
+    except BaseException:
+        if snap is not None:
+            shutil.rmtree(snap, ignore_errors=True)
+        raise
     test_paths = sorted({t.split("::", 1)[0] for t in f2p + p2p})
     keep = (
         "instance_id",
@@ -258,12 +388,12 @@ def instance_to_task(
         meta["image"] = inst["image_name"]
     return EpisodeTask(
         task_id=iid,
-        family=inst.get("family", FAMILY),
-        split=inst.get("split", split),
+        family=inst.get("family") or FAMILY,
+        split=inst.get("split") or split,
         instruction=inst["problem_statement"],
         files={},
         hidden_tests=hidden,
-        runner=inst.get("runner", "pytest"),
+        runner=inst.get("runner") or "pytest",
         test_paths=test_paths,
         fail_to_pass=f2p,
         pass_to_pass=p2p,
@@ -272,18 +402,63 @@ def instance_to_task(
     )
 
 
+@dataclasses.dataclass
+class Imported:
+    """What an import made of an instance file: the tasks, and each instance left out with why."""
+
+    tasks: list[EpisodeTask]
+    # {"instance": id (else "line N"), "where": "line N", "field": the field at fault or None, "reason"}
+    skipped: list[dict]
+
+    @property
+    def total(self) -> int:
+        return len(self.tasks) + len(self.skipped)
+
+
+def import_each(path: str, out_dir: str, repos_dir: str | None = None, split: str = "train") -> Imported:
+    """Every instance of `path` that can be used, as tasks (snapshots under out_dir/repos/); each
+    one that cannot is skipped with the reason naming it and its field, and the rest still imported.
+    A file that cannot be read at all raises (OSError, InstanceError)."""
+    base = os.path.dirname(os.path.abspath(path))
+    tasks, skipped, seen = [], [], {}
+
+    def skip(where: str, e: Exception) -> None:
+        inst = getattr(e, "instance", None) or where
+        reason = str(e) if isinstance(e, InstanceError) and e.instance else f"{inst}: {e}"
+        field = getattr(e, "field", None)
+        skipped.append({"instance": inst, "where": where, "field": field, "reason": reason})
+
+    for where, inst in iter_instances(path):
+        if isinstance(inst, InstanceError):
+            skip(where, InstanceError(f"{where}: {inst}", where))
+            continue
+        iid = inst.get("instance_id")
+        if isinstance(iid, str) and iid in seen:
+            why = f"repeats that of {seen[iid]} (the first of an id is the one read)"
+            skip(where, _bad(iid, "instance_id", why))
+            continue
+        if isinstance(iid, str):
+            seen[iid] = where
+        try:
+            check_instance(inst, where)
+            tasks.append(instance_to_task(inst, out_dir, base, repos_dir, split))
+        except InstanceError as e:
+            skip(where, e)
+        except (OSError, ValueError, subprocess.SubprocessError) as e:  # a copy or a git run gone wrong
+            skip(where, InstanceError(f"{iid}: {e}", iid) if isinstance(iid, str) else e)
+    return Imported(tasks, skipped)
+
+
 def import_instances(
     path: str, out_dir: str, repos_dir: str | None = None, split: str = "train"
 ) -> list[EpisodeTask]:
-    """Every instance of `path` as tasks (snapshots under out_dir/repos/); all or nothing: the
-    first bad instance raises InstanceError naming it."""
-    insts = read_jsonl(path)
-    ids = [i.get("instance_id") for i in insts]
-    dup = sorted({i for i in ids if ids.count(i) > 1}, key=str)
-    if dup:
-        raise InstanceError(f"{path}: duplicate instance ids {dup[:5]}")
-    base = os.path.dirname(os.path.abspath(path))
-    return [instance_to_task(i, out_dir, base, repos_dir, split) for i in insts]
+    """Every instance of `path` as tasks (snapshots under out_dir/repos/), all or nothing: the first
+    instance that cannot be used raises InstanceError naming it (import_each skips it instead)."""
+    got = import_each(path, out_dir, repos_dir, split)
+    if got.skipped:
+        first = got.skipped[0]
+        raise InstanceError(first["reason"], first["instance"], first["field"])
+    return got.tasks
 
 
 # -- export ---------------------------------------------------------------------------------------
@@ -465,15 +640,23 @@ def evaluate_patch(
 
 
 def evaluate_predictions(
-    tasks: list[EpisodeTask], predictions: list[dict], limits: EpisodeLimits | None = None, backend=None
+    tasks: list[EpisodeTask],
+    predictions: list[dict],
+    limits: EpisodeLimits | None = None,
+    backend=None,
+    skipped: dict[str, str] | None = None,
 ) -> dict:
     """A SWE-bench style report over `predictions` ({"instance_id", "model_patch", ...} each);
-    a prediction for an unknown instance, or without model_patch, is an error (listed, not scored)."""
+    a prediction for an unknown instance (`skipped`: {id: why} of instances the import left out),
+    or without model_patch, is an error (listed, not scored)."""
     by_id = {t.task_id: t for t in tasks}
+    skipped = skipped or {}
     results, errors = {}, {}
     for p in predictions:
         iid = p.get("instance_id")
-        if iid not in by_id:
+        if iid in skipped:
+            errors[str(iid)] = f"instance not imported: {skipped[iid]}"
+        elif iid not in by_id:
             errors[str(iid)] = "unknown instance_id"
         elif not isinstance(p.get("model_patch", ""), (str, type(None))):
             errors[iid] = "model_patch must be a string"

@@ -4,13 +4,18 @@
     DIR/tasks.jsonl       one EpisodeTask per line (base_dir relative to DIR)
     DIR/repos/NAME/       repository snapshots the package tasks start from
 
-Nothing here touches the network: a built set is read as is.
+Nothing here touches the network: a built set is read as is. `staged(DIR)` writes a set whole or
+not at all (`asyncrl tasks import`: a failed or killed import leaves no half-written set).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 from .episode import SPLITS, EpisodeTask
 
@@ -81,3 +86,60 @@ def _atomic_write(path: str, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+STAGE = ".{name}.writing-{pid}-"  # a set being written, beside the one it becomes
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def staged(out_dir: str) -> Iterator[str]:
+    """A task set written whole or not at all: yields an empty directory beside `out_dir` to write
+    it in; when the block ends normally it takes `out_dir`'s place (an earlier set there goes),
+    else it is removed and `out_dir` is as it was. A process killed mid-way leaves its stage, which
+    the next write to the same `out_dir` removes. An `out_dir` that holds files but no task set is
+    refused (ValueError): replacing it would lose them."""
+    out_dir = os.path.abspath(out_dir)
+    parent, name = os.path.dirname(out_dir), os.path.basename(out_dir)
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not _is_task_set(out_dir):
+        raise ValueError(f"{out_dir} holds files but no task set (no manifest.json): not replacing it")
+    os.makedirs(parent, exist_ok=True)
+    prefix = STAGE.format(name=name, pid="")[:-1]  # up to the pid
+    for old in os.listdir(parent):  # stages of killed writers
+        pid = old[len(prefix) :].split("-", 1)[0]
+        if old.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+            held = os.path.join(parent, old, name)  # killed between the two renames below
+            if os.path.isdir(held) and not os.path.lexists(out_dir):
+                os.rename(held, out_dir)
+            shutil.rmtree(os.path.join(parent, old), ignore_errors=True)
+    stage = tempfile.mkdtemp(prefix=STAGE.format(name=name, pid=os.getpid()), dir=parent)
+    try:
+        yield stage
+        if not os.path.lexists(out_dir):
+            os.rename(stage, out_dir)
+            return
+        # a directory cannot be renamed over a full one: the old set steps aside first
+        gone = tempfile.mkdtemp(prefix=STAGE.format(name=name, pid=os.getpid()), dir=parent)
+        os.rename(out_dir, os.path.join(gone, name))
+        try:
+            os.rename(stage, out_dir)
+        except BaseException:
+            os.rename(os.path.join(gone, name), out_dir)
+            raise
+        shutil.rmtree(gone, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def _is_task_set(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "manifest.json"))

@@ -1,7 +1,8 @@
 """SWE-bench-format data (envs/swebench.py, `asyncrl tasks import|export|evaluate`): a round trip of
 generated-repository tasks (export -> import -> evaluate: gold patch all resolved, empty none), the
 SWE-bench verdict rules (test patch over the model's edits, a patch that does not apply), and bad
-inputs refused with a clear error and nothing written."""
+instances skipped with the reason while the rest import (tests/test_swe_import_errors.py: each
+kind of bad input on its own)."""
 
 from __future__ import annotations
 
@@ -113,13 +114,16 @@ def _diff_of(path: str, rel: str, new: str) -> str:
     return f"diff --git a/{rel} b/{rel}\n--- a/{rel}\n+++ b/{rel}\n@@ -1,{len(old)} +0,0 @@\n{body}" + new
 
 
-def test_bad_instances_refused_nothing_written(exported, tmp_path, capsys):
+def test_bad_instances_skipped_with_the_reason(exported, tmp_path, capsys):
     root, tasks, insts = exported
     good, other = insts[:2]
     cases = {
-        "missing": ({k: v for k, v in other.items() if k != "test_patch"}, "missing ['test_patch']"),
+        "missing": (
+            {k: v for k, v in other.items() if k != "test_patch"},
+            "missing required field test_patch",
+        ),
         "ids": ({**other, "FAIL_TO_PASS": ["test_one (tests.Foo)"]}, "pytest node ids"),
-        "json": ({**other, "PASS_TO_PASS": "[not json"}, "neither a list"),
+        "json": ({**other, "PASS_TO_PASS": "[not json"}, "not a JSON list"),
         "norepo": ({**other, "repo_path": "", "repo": "nobody/nothing"}, "no local repository"),
         "unsafe": ({**other, "instance_id": "../x"}, "instance_id"),
         "testpatch": (
@@ -142,13 +146,15 @@ def test_bad_instances_refused_nothing_written(exported, tmp_path, capsys):
             + "\n"
         )
         capsys.readouterr()
-        assert tasks_main(["import", str(src), "--out", str(tmp_path / name)]) == 2, name
-        assert why in capsys.readouterr().err, name
-        assert not os.path.exists(tmp_path / name / "tasks.jsonl"), name
+        assert tasks_main(["import", str(src), "--out", str(tmp_path / name)]) == 0, name
+        err = capsys.readouterr().err
+        assert why in err and "skipped line 2: " in err, (name, err)
+        assert [t.task_id for t in load_task_set(str(tmp_path / name))] == [good["instance_id"]], name
     src = tmp_path / "dup.jsonl"
-    src.write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n")
-    assert tasks_main(["import", str(src), "--out", str(tmp_path / "dup")]) == 2
-    assert "duplicate" in capsys.readouterr().err
+    here = good | {"repo_path": os.path.join(root / "exp", good["repo_path"])}
+    src.write_text(json.dumps(here) + "\n" + json.dumps(here) + "\n")
+    assert tasks_main(["import", str(src), "--out", str(tmp_path / "dup")]) == 0
+    assert "instance_id repeats that of line 1" in capsys.readouterr().err
     # predictions: unknown ids and non-string patches are listed as errors, the rest still scored
     preds = [
         {"instance_id": "nope", "model_patch": "x"},
@@ -156,6 +162,19 @@ def test_bad_instances_refused_nothing_written(exported, tmp_path, capsys):
     ]
     rep = _evaluate(capsys, preds, str(tmp_path), "--instances", str(root / "exp" / "instances.jsonl"))
     assert rep["error_ids"] == sorted(["nope", good["instance_id"]]) and rep["resolved_instances"] == 0
+    # a prediction for an instance the import skipped names why
+    bad = {**good, "repo_path": os.path.join(root / "exp", good["repo_path"]), "base_commit": "0" * 40}
+    (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+    rep = _evaluate(
+        capsys,
+        [{**preds[0], "instance_id": good["instance_id"]}],
+        str(tmp_path),
+        "--instances",
+        str(tmp_path / "bad.jsonl"),
+    )
+    assert rep["errors"][good["instance_id"]].startswith(
+        f"instance not imported: {good['instance_id']}: base_commit '{'0' * 40}' is not a commit"
+    ), rep
 
 
 PKG_SRC = (

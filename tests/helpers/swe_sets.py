@@ -21,16 +21,23 @@ TOK = CharTokenizer.default()
 SPLITS = ("train", "train", "eval")
 
 
-def imported_set(root: str, splits: tuple[str, ...] = SPLITS) -> tuple[str, dict[str, dict]]:
-    """(task-set directory, {instance_id: instance}) of len(splits) instances, one per split given."""
+def exported_instances(root: str, splits: tuple[str, ...] = SPLITS) -> tuple[str, list[dict]]:
+    """(instance file, its instances) of len(splits) generated-repository tasks, one per split
+    given, exported as SWE-bench instances (each repository a git clone under root/exp/repos/)."""
     tasks = gen_repos.build(len(splits), seed=11, n_modules=1)
     assert len(tasks) == len(splits)
     tasks = [dataclasses.replace(t, split=s) for t, s in zip(tasks, splits)]
     write_task_set(os.path.join(root, "built"), tasks, {})
     assert tasks_main(["export", os.path.join(root, "built"), "--out", os.path.join(root, "exp")]) == 0
     jsonl = os.path.join(root, "exp", "instances.jsonl")
+    return jsonl, swebench.read_jsonl(jsonl)
+
+
+def imported_set(root: str, splits: tuple[str, ...] = SPLITS) -> tuple[str, dict[str, dict]]:
+    """(task-set directory, {instance_id: instance}) of len(splits) instances, one per split given."""
+    jsonl, insts = exported_instances(root, splits)
     assert tasks_main(["import", jsonl, "--out", os.path.join(root, "set")]) == 0
-    return os.path.join(root, "set"), {i["instance_id"]: i for i in swebench.read_jsonl(jsonl)}
+    return os.path.join(root, "set"), {i["instance_id"]: i for i in insts}
 
 
 def fix_commands(task, instance: dict) -> list[str]:
