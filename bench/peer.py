@@ -75,6 +75,8 @@ def run_asyncrl(config: str, out: Path, minutes: float, every_s: float) -> dict:
     run_dir = out / "run"
     wall = run_once(conf, run_dir, sys.executable)
     rows = [r for r in read_trainer_metrics(run_dir) if "samples" in r]
+    if not any("lead_wall_s" in r for r in rows):
+        raise RuntimeError(f"{run_dir}: no trained version with the trainer's clock (lead_wall_s)")
     picked = pick_versions(rows, every_s, minutes * 60)
     policies = []
     for p in picked:
