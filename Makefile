@@ -4,9 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 VLLM_VENV := .venv-vllm
+PEER_VENV := .venv-peer
 PYTEST_ARGS ?=
 
-.PHONY: demo lint test test-numeric test-chaos test-bench test-vllm bench venv clean models tools
+.PHONY: demo lint test test-numeric test-chaos test-bench test-vllm bench venv clean models tools peer-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -99,5 +100,21 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/asyncrl model prepare smollm2 >/dev/null || echo "warning: smollm2 not prepared; its tests will skip"
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 
+# TRL, the synchronous peer bench.peer compares against, in its own venv: its GRPOTrainer runs there on
+# the same HF folder, the project installed without its dependencies plus the few that `envs` (task
+# prompts, verifier) imports. Pinned: another TRL release is another peer.
+$(PEER_VENV)/.installed: pyproject.toml Makefile
+	test -x $(PEER_VENV)/bin/python || $(PY) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install -q --disable-pip-version-check -U pip
+	$(PEER_VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
+	$(PEER_VENV)/bin/pip install -q --disable-pip-version-check 'trl==1.16.*' transformers accelerate
+	$(PEER_VENV)/bin/pip install -q --disable-pip-version-check 'nats-py>=2.9' 'msgpack>=1.0' 'structlog>=24' \
+	  'tenacity>=8' 'numpy>=1.26' 'rich>=13' 'prometheus_client>=0.20' 'aiohttp>=3.9' 'safetensors>=0.4' \
+	  'zstandard>=0.22' 'tokenizers>=0.15' 'jinja2>=3.1'
+	$(PEER_VENV)/bin/pip install -q --disable-pip-version-check -e . --no-deps
+	touch $@
+
+peer-venv: $(PEER_VENV)/.installed
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(PEER_VENV) runs
