@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from bench import reward_hacks as rh
+from . import reward_hacks as rh
 from envs import scoring_run
 from envs.episode import Episode
 
