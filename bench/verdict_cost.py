@@ -26,9 +26,10 @@ import sys
 import tempfile
 import time
 
-from . import reward_hacks as rh
 from envs import scoring_run
 from envs.episode import Episode
+
+from . import reward_hacks as rh
 
 ARMS = {
     "all": scoring_run.Layers(),
