@@ -5,16 +5,19 @@ reference), on random groups: the linear mode bit for bit, the others within flo
 from __future__ import annotations
 
 import math
+import random
 import subprocess
 import sys
 
+import msgpack
 import numpy as np
 import pytest
 import torch
 
+from bus.events import EventError, Scored, decode, encode
+from policy import ModelConfig, Transformer
 from policy.reward import PENALTIES, price, trained_rewards
-from scorer.reward import compute_reward
-from trainer.penalty import apply_penalty
+from tests.helpers.trainer import MODEL, make_scored
 
 REF_EPS = 1e-6
 
@@ -84,7 +87,7 @@ def test_price_is_the_scorers_reward_bit_for_bit():
             float(rng.random() * 0.01),
             float(rng.random()),
         )
-        assert price(*x) == reference_price(*x) == compute_reward(*x)
+        assert price(*x) == reference_price(*x)
     for bad in ((math.nan, 1.0, 0.1), (1.0, math.nan, 0.1), (1.0, -1.0, 0.1), (1.0, 1e300, 1e300)):
         with pytest.raises(ValueError, match="bad reward input|not finite"):
             price(*bad)
@@ -120,9 +123,6 @@ def test_every_mode_matches_the_old_formulas_on_random_groups(mode):
             assert np.array_equal(new, g["reward"])
         old = reference_penalty(t["reward"], *args, live=live_t)
         np.testing.assert_allclose(new, old.numpy(), rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(
-            new, apply_penalty(t["reward"], *args, live=live_t).numpy(), rtol=1e-12, atol=1e-12
-        )
 
 
 def test_the_reward_module_loads_no_torch():
@@ -131,3 +131,22 @@ def test_the_reward_module_loads_no_torch():
     code = "import sys, policy.reward, scorer.service; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_scored_carries_the_parts_and_an_older_scorers_event_still_decodes():
+    """Scored carries score and shaping (the penalty modes start from them); an older scorer's body,
+    without them, decodes and gives the same parts back from its price (within float64)."""
+    base = make_scored(Transformer(ModelConfig.from_dict(MODEL)), "t", 0, 2, 0, random.Random(0))
+    score, cost, lam, shaping = 0.75, 321.0, 0.003, 0.125
+    penalty, reward = price(score, cost, lam, shaping)
+    fields = dict(rollout=base.rollout, success=0.0, cost=cost, lambda_=lam, penalty=penalty, reward=reward)
+    new = decode(encode(Scored(**fields, score=score, shaping=shaping)), Scored)
+    assert (new.score, new.shaping) == (score, shaping) and new.unpriced() == (score, shaping)
+    body = Scored(**fields).to_dict()
+    del body["score"], body["shaping"]  # an older scorer's body: no such keys
+    old = decode(msgpack.packb(body), Scored)
+    assert old.score is None and old.shaping is None
+    np.testing.assert_allclose(old.unpriced(), (score, shaping), rtol=0, atol=1e-12)
+    for bad in (dict(score=1.5, shaping=0.0), dict(score=0.5, shaping=math.inf)):
+        with pytest.raises(EventError, match="score|shaping"):
+            decode(encode(Scored(**fields, **bad)), Scored)
