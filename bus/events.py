@@ -7,10 +7,10 @@ each event type has its own schema version and `decode` refuses any other.
 Every number is checked, whole lists included (vectorised, `validation.py`): every element of a
 list has its declared type, every float field is finite, every int fits int64, and each kind's
 `validate` adds its ranges (a Rollout's logprobs finite and <= 0, token ids >= 0, versions
-monotone, wall_s finite and >= 0; a Scored's rewards and costs finite and bounded; a Task's
-and a Rollout's λ, where stamped, finite and >= 0). A reason
-names the field and the index (`Rollout r-0: logprobs[3] = nan is not finite`). Token ids are
-checked against the vocabulary by the consumer that knows it (the trainer: check_rollout).
+monotone, wall_s finite and >= 0; a Scored's rewards and costs finite and bounded, its score in
+[0, 1]; a Task's and a Rollout's λ, where stamped, finite and >= 0). A reason names the field
+and the index (`Rollout r-0: logprobs[3] = nan is not finite`). Token ids are checked against the
+vocabulary by the consumer that knows it (the trainer: check_rollout).
 
 Large arrays (token ids, logprobs) travel as lists: msgpack packs small ints in 1 byte and
 floats as float64, so float32 logprobs round-trip exactly.
