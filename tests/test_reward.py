@@ -18,6 +18,9 @@ from bus.events import EventError, Scored, decode, encode
 from policy import ModelConfig, Transformer
 from policy.reward import PENALTIES, price, trained_rewards
 from tests.helpers.trainer import MODEL, make_scored
+from trainer.batcher import Batch, Sample
+from trainer.learner import Learner, pack
+from trainer.loss import LossConfig, group_advantages
 
 REF_EPS = 1e-6
 
@@ -150,3 +153,40 @@ def test_scored_carries_the_parts_and_an_older_scorers_event_still_decodes():
     for bad in (dict(score=1.5, shaping=0.0), dict(score=0.5, shaping=math.inf)):
         with pytest.raises(EventError, match="score|shaping"):
             decode(encode(Scored(**fields, **bad)), Scored)
+
+
+@pytest.mark.parametrize("mode", PENALTIES)
+def test_the_learner_trains_on_the_same_rewards_as_before(mode):
+    """Scored events (with their parts, and an older scorer's without) packed and passed through
+    the learner: its advantages are those of the old formulas' rewards, in every mode."""
+    rng = np.random.default_rng(7)
+    g = random_groups(rng, 5)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_dict(MODEL))
+    base = make_scored(model, "t", 0, 2, 0, random.Random(0))
+    members = []
+    for i in range(g["group"].size):
+        sc = Scored(
+            rollout=base.rollout,
+            success=float(g["success"][i]),
+            cost=float(g["cost"][i]),
+            lambda_=float(g["lam"][i]),
+            penalty=float(g["penalty"][i]),
+            reward=float(g["reward"][i]),
+            **({} if i % 3 == 0 else dict(score=float(g["score"][i]), shaping=float(g["shaping"][i]))),
+        )
+        sc = decode(encode(sc), Scored)  # every third: an older scorer's event, parts from its price
+        weight = 1.0 if g["live"][i] else 0.0
+        members.append(Sample(sc.get_rollout(), sc, None, group=int(g["group"][i]), weight=weight))
+    samples = pack(Batch(members, n_groups=5, version=0))
+    learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig(), penalty=mode)
+    _, stats = learner.loss(samples, grad=False)
+    t = {k: torch.from_numpy(np.asarray(v)) for k, v in g.items()}
+    reward = t["reward"].float() if mode == "linear" else t["reward"]
+    parts = (t["success"], t["cost"], t["lam"], t["penalty"], t["group"])
+    old = reference_penalty(reward, *parts, mode, 0.25, t["live"])
+    want = group_advantages(old, t["group"], live=t["live"])[t["live"]]
+    if mode == "linear":
+        assert torch.equal(stats["adv"], want)
+    else:
+        torch.testing.assert_close(stats["adv"], want, rtol=0, atol=1e-6)
