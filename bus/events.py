@@ -7,10 +7,10 @@ each event type has its own schema version and `decode` refuses any other.
 Every number is checked, whole lists included (vectorised, `validation.py`): every element of a
 list has its declared type, every float field is finite, every int fits int64, and each kind's
 `validate` adds its ranges (a Rollout's logprobs finite and <= 0, token ids >= 0, versions
-monotone, wall_s finite and >= 0; a Scored's rewards and costs finite and bounded; a Task's
-and a Rollout's λ, where stamped, finite and >= 0). A reason
-names the field and the index (`Rollout r-0: logprobs[3] = nan is not finite`). Token ids are
-checked against the vocabulary by the consumer that knows it (the trainer: check_rollout).
+monotone, wall_s finite and >= 0; a Scored's rewards and costs finite and bounded, its score in
+[0, 1]; a Task's and a Rollout's λ, where stamped, finite and >= 0). A reason names the field
+and the index (`Rollout r-0: logprobs[3] = nan is not finite`). Token ids are checked against the
+vocabulary by the consumer that knows it (the trainer: check_rollout).
 
 Large arrays (token ids, logprobs) travel as lists: msgpack packs small ints in 1 byte and
 floats as float64, so float32 logprobs round-trip exactly.
@@ -226,11 +226,13 @@ class Rollout(Event):
 class Scored(Event):
     KIND: ClassVar[str] = "Scored"
     rollout: dict  # the Rollout, as its dict
+    # the member's parts and its price (policy/reward.py): the trainer's penalty modes start from
+    # the parts, the linear mode trains on `reward` as it is
     success: float  # 0..1 (an episode: 1 iff all its tests pass)
     cost: float  # cost units (generated tokens by default)
-    lambda_: float  # λ used
-    penalty: float  # λ·cost (+ overlong shaping)
-    reward: float  # success - penalty (an episode: fraction of tests passing - penalty)
+    lambda_: float  # λ used (the group's)
+    penalty: float  # λ·cost + shaping
+    reward: float  # score - penalty
     reason: str = ""  # verifier verdict / failure reason
     cost_wall_s: float = 0.0
     tool_calls: int = 0
@@ -240,6 +242,11 @@ class Scored(Event):
     # older scorer's event (without the field) decodes as "" (scored normally).
     infra: str = ""
     tampered: bool = False  # the verdict was judged forged (reward 0; counted by the scorer)
+    # what the verifier or episode scored before any price (a completion: its success; an episode:
+    # its share of passing tests, or its success) and the overlong shaping. An older scorer's event
+    # carries neither (None): `unpriced` reads them from its price.
+    score: float | None = None
+    shaping: float | None = None
 
     @property
     def task_id(self) -> str:  # for headers
@@ -251,6 +258,13 @@ class Scored(Event):
     def get_rollout(self) -> Rollout:
         return typing.cast(Rollout, from_dict(self.rollout, Rollout))
 
+    def unpriced(self) -> tuple[float, float]:
+        """(score, shaping) of this member. An older scorer's event carried only its price
+        (reward = score - penalty, penalty = λ·cost + shaping): its parts are read back from it."""
+        if self.score is not None and self.shaping is not None:
+            return self.score, self.shaping
+        return self.reward + self.penalty, self.penalty - self.lambda_ * self.cost
+
     def validate(self) -> None:
         """The scores finite and bounded (the trainer's advantages are made of them), then the rollout."""
         where = f"Scored {self.rollout.get('rollout_id') if isinstance(self.rollout, dict) else '?'}"
@@ -259,6 +273,10 @@ class Scored(Event):
         check_float(where, "lambda_", self.lambda_, 0.0, MAX_REWARD)
         check_float(where, "penalty", self.penalty, -MAX_REWARD, MAX_REWARD)
         check_float(where, "reward", self.reward, -MAX_REWARD, MAX_REWARD)
+        if self.score is not None:
+            check_float(where, "score", self.score, 0.0, 1.0)
+        if self.shaping is not None:
+            check_float(where, "shaping", self.shaping, -MAX_REWARD, MAX_REWARD)
         check_float(where, "cost_wall_s", self.cost_wall_s, 0.0, MAX_WALL_S)
         check_int(where, "tool_calls", self.tool_calls, 0, MAX_TOKENS + 1)
         try:

@@ -21,11 +21,11 @@ import os
 from dataclasses import dataclass, field
 
 from bus.config import check_section
+from policy.reward import EPISODE_REWARDS
 
 from .episode import PROMPT_STYLES, SPLITS, TEST_OUTPUTS, EpisodeLimits
 from .sandbox import BashLimits
 
-REWARDS = ("fraction", "resolved")
 TABLE = "trainer.tasks.swe"
 
 
@@ -89,12 +89,12 @@ class SweSection:
             TABLE,
             self,
             {
-                "reward": self.reward in REWARDS,
+                "reward": self.reward in EPISODE_REWARDS,
                 "prompt": self.prompt in PROMPT_STYLES,
                 "test_output": self.test_output in TEST_OUTPUTS,
             },
             {
-                "reward": f"one of {', '.join(REWARDS)}",
+                "reward": f"one of {', '.join(EPISODE_REWARDS)}",
                 "prompt": f"one of {', '.join(PROMPT_STYLES)}",
                 "test_output": f"one of {', '.join(TEST_OUTPUTS)}",
             },
@@ -145,14 +145,3 @@ def check_task_set(path: str, key: str) -> dict[str, int]:
             f"eval (`asyncrl tasks import --split eval` or a `split` field per instance assigns them)"
         )
     return counts
-
-
-def episode_reward(result: dict, mode: str) -> tuple[float, bool]:
-    """(reward, resolved) of a scored episode (EpisodeResult.to_dict()) in reward mode `mode`:
-    "fraction" the share of its tests that pass, "resolved" 1 when all of them pass, else 0."""
-    if mode not in REWARDS:
-        raise ValueError(f"reward mode must be one of {REWARDS}, got {mode!r}")
-    score = float(result["reward"])
-    resolved = result.get("resolved")
-    resolved = score >= 1.0 if not isinstance(resolved, bool) else resolved
-    return (1.0 if resolved else 0.0) if mode == "resolved" else score, resolved

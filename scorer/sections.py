@@ -9,8 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from bus.config import check_section
-
-from .reward import COST_UNITS, EPISODE_REWARDS
+from policy.reward import COST_UNITS, EPISODE_REWARDS
 
 HINTS = {
     "cost_unit": f"one of {', '.join(COST_UNITS)}",
@@ -32,7 +31,7 @@ def check(section: str, obj, checks: dict[str, bool]) -> None:
 @dataclass
 class RewardSection:
     """How a verdict becomes a reward: success − λ·cost − overlong shaping (Scorer._publish,
-    scorer/reward.py)."""
+    policy/reward.py)."""
 
     cost_unit: str = "tokens"  # tokens | wall_s | tool_calls
     default_lambda: float = 0.0  # until KV rl-control/lambda has a value

@@ -2,7 +2,8 @@
 
     rollout ─▶ env = get_env(rollout.env)          unknown env / bad spec  ─▶ DLQ with reason
              ─▶ verdict = env.verify(text, spec)   (thread pool: the sandbox waits on a subprocess)
-             ─▶ reward = success − λ·cost − overlong shaping
+             ─▶ score, cost, shaping, then its price: reward = score − λ·cost − shaping
+                  (policy/reward.py: every formula; the trainer's penalty modes start from these parts)
                   λ: the rollout's own (stamped on its task at feed time: one per group), else
                   the live value of KV rl-control/lambda (a rollout of an older worker)
              ─▶ publish Scored(rl.scored.<env>) ─▶ return (the ConsumerLoop acks)
@@ -12,7 +13,7 @@ last delivery the scorer first publishes it as an infrastructure failure (Scored
 Infrastructure failures (the sandbox, a workspace that was not made, the scorer) and forged
 verdicts (Scored.tampered) are counted by reason in the heartbeat and /metrics.
 Bad numbers (NaN/inf wall_s, a score out of [0, 1]) are bad input: the rollout's decode
-(bus/events.py) or compute_reward refuses them with an EventError naming the field, and the
+(bus/events.py) or policy.reward.price refuses them with an EventError naming the field, and the
 loop parks the rollout at once.
 Many scorer processes share the durable `scorer` consumer; each rollout is scored once
 (and a redelivered one is deduped downstream by its Nats-Msg-Id scored-<rollout_id>).
@@ -31,10 +32,9 @@ from bus.control import parse_lambda
 from bus.events import EventError, Heartbeat, Rollout, Scored
 from bus.lifetime import cancel_and_wait
 from envs import SpecError, get_env, isolation, runs_code
-from envs.swe_config import REWARDS, episode_reward
+from policy.reward import EPISODE_REWARDS, episode_score, overlong_shaping, price, rollout_cost
 
 from .config import ScorerConfig
-from .reward import compute_reward, overlong_penalty, rollout_cost
 
 log = get_logger("scorer")
 
@@ -79,9 +79,10 @@ class Scorer:
                     ctx, f"episode rollout {ro.rollout_id}: result without a reward in [0, 1] ({r!r})"
                 )
             mode = ro.spec.get("reward") if isinstance(ro.spec, dict) else None
-            if mode is not None and mode not in REWARDS:
+            if mode is not None and mode not in EPISODE_REWARDS:
                 return await self._park(
-                    ctx, f"episode rollout {ro.rollout_id}: reward mode {mode!r} is not one of {REWARDS}"
+                    ctx,
+                    f"episode rollout {ro.rollout_id}: reward mode {mode!r} is not one of {EPISODE_REWARDS}",
                 )
             return await self._publish(ro, ro.episode, time.perf_counter())
         try:
@@ -116,12 +117,12 @@ class Scorer:
     async def _publish(self, ro: Rollout, verdict, t0: float) -> None:
         """verdict: an envs Verdict, or an episode's EpisodeResult dict (reward, termination, tool calls)."""
         if isinstance(verdict, dict):
-            # an episode is trained on the fraction of its tests that pass (episode_reward "fraction")
+            # an episode is trained on the fraction of its tests that pass (episode_score "fraction")
             # or on its success; its success is all of them passing, as held-out eval_success counts it
             # the task's own mode where its env carries one (the `swe` env: [trainer.tasks.swe] reward)
             mode = ro.spec.get("reward") if isinstance(ro.spec, dict) else None
-            mode = mode if mode in REWARDS else self.cfg.reward.episode_reward
-            score, resolved = episode_reward(verdict, mode)
+            mode = mode if mode in EPISODE_REWARDS else self.cfg.reward.episode_reward
+            score, resolved = episode_score(verdict, mode)
             infra, tampered = verdict.get("infra_error") or "", bool(verdict.get("tampered"))
             verdict = envs.Verdict(
                 1.0 if resolved else 0.0,
@@ -133,7 +134,7 @@ class Scorer:
         else:
             score, tampered = verdict.success, False
             max_tokens = int(ro.sampling.get("max_tokens", 0) or 0)
-            shaping = overlong_penalty(
+            shaping = overlong_shaping(
                 ro.cost_tokens, max_tokens, self.cfg.reward.overlong_buffer, self.cfg.reward.overlong_scale
             )
         verify_s = time.perf_counter() - t0
@@ -142,7 +143,7 @@ class Scorer:
         lam = ro.lambda_ if ro.lambda_ is not None else self.lam
         try:
             cost = rollout_cost(self.cfg.reward.cost_unit, ro.cost_tokens, ro.wall_s, int(verdict.tool_calls))
-            penalty, reward = compute_reward(score, cost, lam, shaping)
+            penalty, reward = price(score, cost, lam, shaping)
         except (ValueError, TypeError, OverflowError) as e:  # bad input: parked at once, never retried
             raise EventError(
                 f"Rollout {ro.rollout_id}: {e} (cost_unit {self.cfg.reward.cost_unit}: wall_s={ro.wall_s}, "
@@ -155,6 +156,8 @@ class Scorer:
             lambda_=lam,
             penalty=penalty,
             reward=reward,
+            score=float(score),
+            shaping=shaping,
             reason=verdict.reason,
             cost_wall_s=float(ro.wall_s),
             tool_calls=int(verdict.tool_calls),

@@ -13,9 +13,9 @@ import policy
 from bus.events import EventError, Rollout, SamplingParams, Task, decode, encode
 from envs.episode import EpisodeLimits
 from envs.sandbox import BashLimits
+from policy.reward import rollout_cost
 from rollout_worker.episodes import EpisodeRunner, PlainFormat, episode_spec
 from rollout_worker.torch_engine import TorchEngine
-from scorer.reward import rollout_cost
 from tests.helpers.agentic import CFG, TOK, bug_task, no_special_state
 from trainer.learner import Learner, PackedSample
 from trainer.loss import LossConfig

@@ -1,6 +1,7 @@
 """One λ per group (stamped at feed time, carried Task -> Rollout -> Scored, recorded per
-group), the penalty modes that keep success first (trainer/penalty.py) and the λ schedules
-(ramp, budget: trainer/lambda_control.py). Bus tests run a real nats-server and a real Scorer."""
+group), the penalty modes that keep success first and the λ schedules (ramp, budget: their
+formulas in policy/reward.py, KV in trainer/lambda_control.py). Bus tests run a real nats-server
+and a real Scorer."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from bus.control import format_lambda, parse_lambda
 from bus.events import EventError, Rollout, Task, decode, encode
 from envs import get_env
 from policy import ModelConfig, SamplingConfig, Transformer, sequence_logprobs
+from policy.reward import budget_step, price, ramp_lambda, trained_rewards
 from scorer.config import ScorerConfig
 from scorer.service import Scorer
 from tests.helpers.trainer import trainer_config
@@ -27,7 +30,6 @@ from trainer.config import TrainerConfig
 from trainer.feeding import TaskFeeder
 from trainer.learner import Learner, PackedSample
 from trainer.loss import LossConfig, group_advantages
-from trainer.penalty import apply_penalty
 
 
 def member(task: Task, i: int, text: str) -> Rollout:
@@ -151,58 +153,60 @@ def test_older_events_without_lambda_still_decode():
 
 
 def _group(success, cost, lam=0.01, shaping=0.0):
-    s = torch.tensor(success, dtype=torch.float64)
-    c = torch.tensor(cost, dtype=torch.float64)
-    lam_t = torch.full_like(c, lam)
-    pen = lam_t * c + shaping
-    return s - pen, s, c, lam_t, pen, torch.zeros(len(success), dtype=torch.long)  # float64, as the learner
+    """A group as the scorer prices it: its members' parts and prices (policy/reward.price)."""
+    n = len(success)
+    s, c = np.array(success, dtype=np.float64), np.array(cost, dtype=np.float64)
+    lam_a, shaping_a = np.full(n, lam), np.full(n, shaping)
+    r = np.array([price(*x)[1] for x in zip(s, c, lam_a, shaping_a)])
+    return dict(reward=r, score=s, success=s, cost=c, lam=lam_a, shaping=shaping_a, group=np.zeros(n, int))
+
+
+def rewards(g, mode, cap=0.25, live=None):
+    return torch.from_numpy(trained_rewards(mode, **g, cap=cap, live=live))
 
 
 def test_linear_is_the_scorers_reward_unchanged():
-    r, s, c, lam, pen, g = _group([1, 0, 1], [10, 40, 20])
-    assert torch.equal(apply_penalty(r, s, c, lam, pen, g, "linear"), r)
+    g = _group([1, 0, 1], [10, 40, 20])
+    assert np.array_equal(trained_rewards("linear", **g), g["reward"])
 
 
 def test_success_only_a_group_where_all_fail_has_no_cost_signal():
-    r, s, c, lam, pen, g = _group([0, 0, 0, 0], [5, 10, 30, 60], shaping=0.0)
-    out = apply_penalty(r, s, c, lam, pen, g, "success_only")
-    assert torch.equal(group_advantages(out, g), torch.zeros(4))
-    assert group_advantages(r, g).abs().sum() > 0  # linear: the failures are ranked by cost
+    g = _group([0, 0, 0, 0], [5, 10, 30, 60], shaping=0.0)
+    gi = torch.from_numpy(g["group"])
+    assert torch.equal(group_advantages(rewards(g, "success_only"), gi), torch.zeros(4))
+    assert group_advantages(rewards(g, "linear"), gi).abs().sum() > 0  # linear: failures ranked by cost
     # a mixed group: successes pay λ·cost, failures nothing; overlong shaping is kept for everyone
-    r, s, c, lam, pen, g = _group([1, 0, 1, 0], [10, 40, 20, 40], shaping=0.1)
-    out = apply_penalty(r, s, c, lam, pen, g, "success_only")
+    g = _group([1, 0, 1, 0], [10, 40, 20, 40], shaping=0.1)
+    out = rewards(g, "success_only")
     torch.testing.assert_close(out, torch.tensor([1 - 0.1 - 0.1, -0.1, 1 - 0.2 - 0.1, -0.1], dtype=out.dtype))
 
 
 def test_group_normalised_is_bounded_so_success_always_outranks_failure():
     # a λ so large that linear would make the long success worse than every failure
-    r, s, c, lam, pen, g = _group([1, 1, 0, 0], [100, 10, 5, 100], lam=0.05)
-    assert r[0] < r[2]
-    out = apply_penalty(r, s, c, lam, pen, g, "group_normalised", cap=0.25)
+    g = _group([1, 1, 0, 0], [100, 10, 5, 100], lam=0.05)
+    assert g["reward"][0] < g["reward"][2]
+    out = rewards(g, "group_normalised", cap=0.25)
     assert out[:2].min() > out[2:].max()  # success first
     assert out[1] > out[0] and out[2] > out[3]  # cost ranks within equal success
-    assert (out - s).abs().max() <= 0.25 + 1e-6
+    assert (out - torch.from_numpy(g["success"])).abs().max() <= 0.25 + 1e-6
     # a small λ: the scale is the linear penalty at the group's mean cost, spread by the z-score
-    r, s, c, lam, pen, g = _group([1, 1], [10, 30], lam=0.001)
-    out = apply_penalty(r, s, c, lam, pen, g, "group_normalised", cap=0.25)
+    out = rewards(_group([1, 1], [10, 30], lam=0.001), "group_normalised", cap=0.25)
     torch.testing.assert_close(out, torch.tensor([1 + 0.02, 1 - 0.02], dtype=out.dtype), rtol=0, atol=1e-5)
     # equal cost in a group, or λ = 0: no penalty at all
-    r, s, c, lam, pen, g = _group([1, 0], [10, 10])
-    torch.testing.assert_close(apply_penalty(r, s, c, lam, pen, g, "group_normalised"), s)
+    g = _group([1, 0], [10, 10])
+    torch.testing.assert_close(rewards(g, "group_normalised"), torch.from_numpy(g["success"]))
 
 
 def test_group_normalised_takes_statistics_over_live_members_per_group():
-    r, s, c, lam, pen, _ = _group([1, 1, 1, 1, 1], [10, 30, 1000, 10, 30], lam=0.001)
-    g = torch.tensor([0, 0, 0, 1, 1])
-    live = torch.tensor([True, True, False, True, True])
-    out = apply_penalty(r, s, c, lam, pen, g, "group_normalised", live=live)
+    g = _group([1, 1, 1, 1, 1], [10, 30, 1000, 10, 30], lam=0.001)
+    g["group"] = np.array([0, 0, 0, 1, 1])
+    out = rewards(g, "group_normalised", live=np.array([True, True, False, True, True]))
     torch.testing.assert_close(out[[0, 1]], out[[3, 4]])  # the dead 1000-token member: no effect
 
 
 def test_unknown_penalty_and_bad_options_are_refused():
-    r, s, c, lam, pen, g = _group([1], [1])
     with pytest.raises(ValueError, match="unknown penalty"):
-        apply_penalty(r, s, c, lam, pen, g, "quadratic")
+        trained_rewards("quadratic", **_group([1], [1]))
     for kw in (
         dict(penalty="quadratic"),
         dict(penalty_cap=0.5),
@@ -245,7 +249,7 @@ def _tiny_samples(success, cost_tokens, lam=0.01):
                 success=sc,
                 cost=float(T),
                 lambda_=lam,
-                penalty=lam * T,
+                score=sc,
             )
         )
     return model, out
@@ -266,7 +270,7 @@ def test_success_only_gives_a_group_of_failures_no_gradient_in_the_learner(mode)
 def test_budget_lambda_rises_over_the_target_and_falls_to_zero_under_it():
     lam, path = 0.0, []
     for tokens in (200, 200, 150, 100, 50, 50, 50, 50, 50, 50):  # budget 100 tokens per answer
-        lam = lambda_control.budget_step(lam, tokens, 100.0, 0.01)
+        lam = budget_step(lam, tokens, 100.0, 0.01)
         path.append(lam)
     assert path[:3] == pytest.approx([0.01, 0.02, 0.025])
     assert path[3] == pytest.approx(0.025)  # at the budget: unchanged
@@ -274,9 +278,7 @@ def test_budget_lambda_rises_over_the_target_and_falls_to_zero_under_it():
 
 
 def test_ramp_goes_from_zero_to_the_target_over_k_versions():
-    assert [lambda_control.ramp_lambda(0.02, 4, v) for v in (0, 1, 2, 4, 9)] == pytest.approx(
-        [0.0, 0.005, 0.01, 0.02, 0.02]
-    )
+    assert [ramp_lambda(0.02, 4, v) for v in (0, 1, 2, 4, 9)] == pytest.approx([0.0, 0.005, 0.01, 0.02, 0.02])
 
 
 async def test_budget_schedule_moves_kv_lambda_from_measured_tokens(bus):

@@ -235,8 +235,9 @@ async def test_an_abandoned_episode_expires_and_its_task_is_redelivered_and_trai
 async def test_a_swe_env_task_of_an_imported_set_played_by_the_harness(bus, external, tmp_path):
     """The `swe` env's tasks (an imported SWE-bench set, the run config's limits and reward mode):
     the harness's honest episode resolves (reward 1), its empty one scores 0."""
-    from envs.swe_config import SweSection, episode_reward
+    from envs.swe_config import SweSection
     from envs.swe_env import configure
+    from policy.reward import episode_score
     from tests.helpers.swe_sets import fix_commands, imported_set
 
     worker, *_, http, client, _ = external
@@ -260,7 +261,7 @@ async def test_a_swe_env_task_of_an_imported_set_played_by_the_harness(bus, exte
             assert (await call(http, f"/v1/episodes/{eid}/exec", {"command": command}))["exit_code"] == 0
         end = await call(http, f"/v1/episodes/{eid}/exec", {"command": "submit"})
         assert end["done"] and end["termination"] == "submitted", end
-        assert episode_reward(end["result"], spec["reward"]) == (
+        assert episode_score(end["result"], spec["reward"]) == (
             (1.0, True) if name == "honest" else (0.0, False)
         )
     await until(lambda: worker.tasks_done == 2)

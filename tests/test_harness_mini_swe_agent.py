@@ -55,8 +55,9 @@ def test_adapter_plays_a_swe_env_task_of_an_imported_set(tmp_path):
     from minisweagent.exceptions import Submitted
 
     from envs.episode import EpisodeTask
-    from envs.swe_config import SweSection, episode_reward
+    from envs.swe_config import SweSection
     from envs.swe_env import configure
+    from policy.reward import episode_score
     from tests.helpers.swe_sets import fix_commands, imported_set
 
     path, insts = imported_set(str(tmp_path))
@@ -78,7 +79,7 @@ def test_adapter_plays_a_swe_env_task_of_an_imported_set(tmp_path):
                 assert agent_env.execute({"command": command})["returncode"] == 0
             with pytest.raises(Submitted):
                 agent_env.execute({"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})
-            got = episode_reward(ep.score().to_dict(), spec["reward"])
+            got = episode_score(ep.score().to_dict(), spec["reward"])
             assert got == ((1.0, True) if name == "honest" else (0.0, False)), (name, got)
         finally:
             mini_swe_agent.unregister(f"swe-{name}")

@@ -37,10 +37,10 @@ from delta_codec import signing
 from delta_codec.errors import NonFiniteError
 from policy.config import ModelConfig
 from policy.model import Transformer
+from policy.reward import price
 from policy.sampling import SamplingMask
 from rollout_worker.torch_engine import TorchEngine
 from scorer.config import ScorerConfig
-from scorer.reward import compute_reward
 from scorer.service import Scorer
 from tests.helpers.engine import CFG as ENGINE_CFG
 from tests.helpers.trainer import MODEL, make_scored, trainer_config
@@ -186,13 +186,13 @@ async def test_batcher_parks_poisoned_scored_at_once_and_trains_the_rest(bus, fr
 
 
 # -- the scorer --------------------------------------------------------------------------------
-def test_compute_reward_names_the_bad_input():
+def test_price_names_the_bad_input():
     with pytest.raises(ValueError, match="bad reward input cost"):
-        compute_reward(1.0, math.nan, 0.1)
+        price(1.0, math.nan, 0.1)
     with pytest.raises(ValueError, match="bad reward input success"):
-        compute_reward(math.nan, 1.0, 0.1)
+        price(math.nan, 1.0, 0.1)
     with pytest.raises(ValueError, match="penalty .* is not finite"):
-        compute_reward(1.0, 1e300, 1e300)
+        price(1.0, 1e300, 1e300)
 
 
 async def test_scorer_parks_a_non_finite_cost_at_once(tmp_path):

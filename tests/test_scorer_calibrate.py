@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from bus.control import format_lambda, parse_lambda
+from policy import reward
 from scorer.calibrate import cost_at_price, fit_scaling_curve, main, tangent_slope
-from scorer.reward import compute_reward, overlong_penalty
 
 
 @pytest.mark.parametrize(
@@ -49,13 +49,13 @@ def test_fit_edge_cases():
 
 
 def test_reward_components():
-    assert compute_reward(1.0, 40, 0.01) == pytest.approx((0.4, 0.6))
-    assert compute_reward(0.0, 5, 0.0, shaping=0.25) == (0.25, -0.25)
-    assert overlong_penalty(30, 48, 8, 1.0) == 0 and overlong_penalty(44, 48, 8, 1.0) == 0.5
-    assert overlong_penalty(60, 48, 8, 0.5) == 0.5 and overlong_penalty(47, 48, 0, 1.0) == 0
+    assert reward.price(1.0, 40, 0.01) == pytest.approx((0.4, 0.6))
+    assert reward.price(0.0, 5, 0.0, shaping=0.25) == (0.25, -0.25)
+    assert reward.overlong_shaping(30, 48, 8, 1.0) == 0 and reward.overlong_shaping(44, 48, 8, 1.0) == 0.5
+    assert reward.overlong_shaping(60, 48, 8, 0.5) == 0.5 and reward.overlong_shaping(47, 48, 0, 1.0) == 0
     for bad in [(1.5, 1, 0.1), (0.5, -1, 0.1), (0.5, 1, float("inf"))]:
         with pytest.raises(ValueError):
-            compute_reward(*bad)
+            reward.price(*bad)
     assert parse_lambda(format_lambda(0.0025)) == 0.0025 and parse_lambda(b" 0.5\n") == 0.5
     for bad in [None, b"", b"abc", b"-1", b"nan", b"\xff"]:
         with pytest.raises(ValueError):

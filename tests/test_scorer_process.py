@@ -157,6 +157,7 @@ async def test_lambda_change_is_live(bus):
     assert second["a2-0"].lambda_ == 0.05 and second["a2-0"].reward == pytest.approx(1 - 0.05 * 4)
     long = second["a3-0"]
     assert long.cost == 45 and long.penalty == pytest.approx(0.05 * 45 + 0.625)
+    assert (long.score, long.shaping) == (1.0, 0.625) and long.reward == 1.0 - (0.05 * 45 + 0.625)
 
 
 def test_scorer_process_scores_and_drains_on_sigterm(fresh_server):
@@ -323,6 +324,8 @@ async def test_episode_success_means_all_tests_pass_and_reward_is_the_fraction(b
     assert [s[r].success for r in ("e1-0", "e2-0", "e3-0")] == [0.0, 1.0, 0.0]
     for rid, frac in (("e1-0", 0.5), ("e2-0", 1.0), ("e3-0", 0.75)):
         assert s[rid].reward == pytest.approx(frac - 0.001 * cost) and s[rid].cost == cost
+        # the parts travel: the trainer's penalty modes start from the fraction, not from the price
+        assert s[rid].score == frac and s[rid].shaping == 0.0 and s[rid].unpriced() == (frac, 0.0)
     assert scorer.counts["success_sum"] == 1.0
 
 

@@ -22,9 +22,10 @@ from envs.episode import (
     EpisodeTask,
     initial_messages,
 )
-from envs.swe_config import SweSection, episode_reward
+from envs.swe_config import SweSection
 from envs.swe_env import TOY_LIMITS, SweEnv, configure
 from policy import CharTokenizer
+from policy.reward import episode_score
 from tests.helpers.swe_sets import fix_commands, imported_set, play
 from trainer.config import TrainerConfig
 
@@ -60,16 +61,16 @@ async def test_every_instance_honest_resolves_empty_and_tampered_score_zero(impo
         inst = insts[task.task_id]
         log, honest = await play(spec, fix_commands(task, inst))
         assert honest.termination == "submitted" and honest.resolved, (honest.detail, log[-2:])
-        assert episode_reward(honest.to_dict(), spec["reward"]) == (1.0, True)
+        assert episode_score(honest.to_dict(), spec["reward"]) == (1.0, True)
         _, empty = await play(spec, ["submit"])
         assert empty.termination == "submitted" and not empty.resolved
-        assert episode_reward(empty.to_dict(), spec["reward"]) == (0.0, False)
+        assert episode_score(empty.to_dict(), spec["reward"]) == (0.0, False)
         # fraction mode: the share of tests passing (the pass-to-pass ones do), never a resolve
-        assert 0.0 < episode_reward(empty.to_dict(), "fraction")[0] == empty.reward < 1.0
+        assert 0.0 < episode_score(empty.to_dict(), "fraction")[0] == empty.reward < 1.0
         # the hack: the failing tests rewritten to pass; the hidden ones, from the snapshot, still fail
         f2p = task.fail_to_pass[0].split("::")[0]
         _, hack = await play(spec, [f"printf 'def test_ok():\\n    pass\\n' > {f2p}", "run_tests", "submit"])
-        assert episode_reward(hack.to_dict(), spec["reward"]) == (0.0, False), hack.detail
+        assert episode_score(hack.to_dict(), spec["reward"]) == (0.0, False), hack.detail
 
 
 async def test_config_limits_bind(imported):
@@ -201,10 +202,10 @@ def test_trainer_and_worker_must_agree(imported, tmp_path):
 
 def test_scorer_reward_mode_comes_from_the_spec():
     r = {"reward": 0.5, "resolved": False}
-    assert episode_reward(r, "fraction") == (0.5, False) and episode_reward(r, "resolved") == (0.0, False)
-    assert episode_reward({"reward": 1.0, "resolved": True}, "resolved") == (1.0, True)
+    assert episode_score(r, "fraction") == (0.5, False) and episode_score(r, "resolved") == (0.0, False)
+    assert episode_score({"reward": 1.0, "resolved": True}, "resolved") == (1.0, True)
     with pytest.raises(ValueError, match="reward mode"):
-        episode_reward(r, "best")
+        episode_score(r, "best")
 
 
 def test_spec_limits_round_trip(imported):

@@ -6,6 +6,7 @@ of KV rl-control/lambda when it publishes it (so a group is scored with one λ);
     budget  λ is a dual variable: after version v, with T_v its mean tokens per answer,
             λ <- max(0, λ + budget_lr · (T_v / budget_tokens - 1)), read from and written back to KV
             (a restarted trainer carries on from the value there)
+The formulas are policy/reward.py's (ramp_lambda, budget_step); this module reads and writes KV.
 The KV value's format: bus/control.py.
 """
 
@@ -14,17 +15,9 @@ from __future__ import annotations
 from bus import get_logger
 from bus import topology as topo
 from bus.control import format_lambda, parse_lambda
+from policy.reward import budget_step, ramp_lambda
 
 log = get_logger(__name__)
-
-
-def ramp_lambda(target: float, versions: int, version: int) -> float:
-    return target * min(1.0, max(version, 0) / versions)
-
-
-def budget_step(lam: float, tokens_per_answer: float, budget_tokens: float, lr: float) -> float:
-    """One dual-ascent step: up when answers are longer than the budget, down (to 0 at least) under it."""
-    return max(0.0, lam + lr * (tokens_per_answer / budget_tokens - 1.0))
 
 
 async def read(bus, last: float | None = None) -> float | None:

@@ -44,13 +44,13 @@ from policy import (
     mismatch_metrics,
     sequence_logprobs,
 )
+from policy.reward import trained_rewards
 
 from .buckets import length_buckets
 from .checkpoint_state import CheckpointState
 from .commands import Collective, collective, world
 from .fsdp import full_tensor, is_sharded
 from .loss import LossConfig, group_advantages, pg_loss
-from .penalty import apply_penalty
 from .published import Publication
 from .published_point import at_published_point
 from .schedule import LRSchedule, apply_schedule
@@ -75,7 +75,10 @@ class PackedSample:
     cost: float = 0.0
     lambda_: float = 0.0
     loss_mask: list[int] | None = None  # multi-turn: 0 on observation tokens (None: all model tokens)
-    penalty: float = 0.0  # the scorer's λ·cost + shaping (trainer/penalty.py)
+    # what the member scored before its price, and its overlong shaping (Scored.unpriced): the
+    # penalty modes other than linear start from them (policy/reward.py)
+    score: float = 0.0
+    shaping: float = 0.0
 
     def model_mask(self) -> list[int]:
         return list(self.loss_mask) if self.loss_mask else [1] * len(self.completion_ids)
@@ -85,6 +88,7 @@ def pack(batch) -> list[PackedSample]:
     out = []
     for s in batch.samples:
         r, sc = s.rollout, s.scored
+        score, shaping = sc.unpriced()
         out.append(
             PackedSample(
                 r.rollout_id,
@@ -102,7 +106,8 @@ def pack(batch) -> list[PackedSample]:
                 float(sc.cost),
                 float(sc.lambda_),
                 list(r.loss_mask) or None,
-                float(sc.penalty),
+                float(score),
+                float(shaping),
             )
         )
     return out
@@ -279,24 +284,28 @@ class Learner:
         return total, stats
 
     def _advantages(self, samples: list[PackedSample], live: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(group advantages [N], live mask [N]): the penalty re-applied first (non-linear modes)."""
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        """(group advantages [N], live mask [N]) of the rewards trained on: each member's price
+        (linear), or its group's under the penalty mode (policy/reward.py, where the group is known)."""
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
         on = torch.zeros(len(samples), dtype=torch.bool)
         on[live] = True
-        if self.penalty != "linear":  # λ re-applied where the group is known (trainer/penalty.py)
-            col = lambda k: torch.tensor([getattr(s, k) for s in samples], dtype=torch.float64)  # noqa: E731
-            rewards = apply_penalty(
+        col = lambda k: np.array([getattr(s, k) for s in samples], dtype=np.float64)  # noqa: E731
+        rewards = torch.from_numpy(
+            trained_rewards(
+                self.penalty,
                 col("reward"),
+                col("score"),
                 col("success"),
                 col("cost"),
                 col("lambda_"),
-                col("penalty"),
-                groups,
-                self.penalty,
+                col("shaping"),
+                groups.numpy(),
                 self.penalty_cap,
-                live=on,
+                live=on.numpy(),
             )
+        )
+        if self.penalty == "linear":  # the price enters the baseline in fp32, as it always has
+            rewards = rewards.float()
         # a dropped (stale) sample is out of its group's baseline as well as out of the loss
         return group_advantages(rewards, groups, self.adv_norm, live=on), on
 

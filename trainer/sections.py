@@ -10,8 +10,8 @@ from pathlib import Path
 
 from bus.config import check_section
 from envs.swe_config import SweSection
+from policy.reward import PENALTIES
 
-PENALTIES = ("linear", "success_only", "group_normalised")
 LAMBDA_SCHEDULES = ("fixed", "ramp", "budget")
 
 HINTS = {
@@ -153,7 +153,7 @@ class LossConfig:
 
 @dataclass
 class CostSection:
-    """The cost penalty and who sets λ (trainer/penalty.py, trainer/lambda_control.py)."""
+    """The cost penalty and who sets λ (policy/reward.py: the modes, λ steps; trainer/lambda_control.py)."""
 
     # how the cost penalty enters the advantage (docs/trainer.md#cost-penalty): linear (the scorer's
     # success - λ·cost) | success_only (only successful members pay λ·cost) | group_normalised
