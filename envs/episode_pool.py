@@ -25,6 +25,7 @@ class EpisodePool:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self._ex = ThreadPoolExecutor(max_workers, thread_name_prefix="episode")
+        self.max_workers = max_workers  # episodes it can serve at once
         self._busy: set[int] = set()
 
     async def _call(self, ep: Episode, fn, *args):

@@ -24,6 +24,7 @@ import asyncio
 import copy
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from bus.events import Rollout, SamplingParams, Task
 
@@ -171,6 +172,13 @@ class HarnessRunner(EndpointRunner):
         if harness not in HARNESSES[1:]:
             raise ValueError(f"harness must be one of {HARNESSES}, got {harness!r}")
         self.harness, self.config = harness, load_harness_config(harness_config)
+        # one thread per episode in flight, apart from the loop's default executor: a blocking
+        # harness run there would starve whatever else awaits a thread (weight updates, the sandbox)
+        self._threads = ThreadPoolExecutor(self.pool.max_workers, thread_name_prefix="harness")
+
+    async def close(self) -> None:
+        await super().close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
         from envs import mini_swe_agent
@@ -191,7 +199,8 @@ class HarnessRunner(EndpointRunner):
                 cfg = episode_config(
                     self.config, url, self.endpoint.model_name, eid, budget, self.endpoint.token
                 )
-                exit_info = await asyncio.to_thread(run_mini_swe_agent, cfg, et.instruction)
+                loop = asyncio.get_running_loop()
+                exit_info = await loop.run_in_executor(self._threads, run_mini_swe_agent, cfg, et.instruction)
             finally:
                 mini_swe_agent.unregister(eid)
             await self.endpoint.end_episode(eid, exit_info.get("exit_status", ""))

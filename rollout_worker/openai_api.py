@@ -68,6 +68,7 @@ import json
 import secrets
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
@@ -166,6 +167,10 @@ class OpenAIEndpoint:
         }
         self._runner: web.AppRunner | None = None
         self.url = ""
+        # tokenising runs on threads of its own, not the loop's default executor: a harness the
+        # worker runs in threads (blocking on this endpoint) must never hold the threads its own
+        # requests need to be answered
+        self._cpu = ThreadPoolExecutor(2, thread_name_prefix="endpoint")
 
     # -- lifecycle ------------------------------------------------------------------------------
     @web.middleware
@@ -245,6 +250,7 @@ class OpenAIEndpoint:
             self.guard.close_all()
             await self._runner.cleanup()
             self._runner = None
+        self._cpu.shutdown(wait=False, cancel_futures=True)
 
     # -- episodes -------------------------------------------------------------------------------
     def open_episode(
@@ -571,7 +577,8 @@ class OpenAIEndpoint:
                 # tokenising a long conversation is CPU work: off the event loop (the body's size is
                 # bounded already), so other episodes' requests and the bus keep going meanwhile
                 plan = rec.plan_chat if chat else rec.plan_completion
-                obs = await asyncio.to_thread(plan, messages if chat else prompt)
+                loop = asyncio.get_running_loop()
+                obs = await loop.run_in_executor(self._cpu, plan, messages if chat else prompt)
                 sp, stop, n = self._sampling(body, len(rec.context_ids) + len(obs), rec.max_turn_tokens)
                 if rec.sampling is not None:
                     task = rec.sampling

@@ -185,3 +185,49 @@ def test_worker_config_refuses_bad_harness_settings(tmp_path):
     with pytest.raises(ValueError, match="agent/model/environment"):
         load_harness_config(str(bad))
     assert WorkerConfig(worker_id="w", harness={"kind": "mini-swe-agent"}).harness.kind == "mini-swe-agent"
+
+
+async def test_harness_episodes_do_not_starve_the_endpoint(gen_task, tmp_path, bus, fresh_server):
+    """Harness runs block a thread each while they wait on the endpoint; with more of them in flight
+    than the loop's default executor has threads, the endpoint must still answer them (its own
+    tokenising threads, the harness's own pool): two episodes at once on a 1-thread default
+    executor both finish, each with its three model calls."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bus import BusConfig
+    from rollout_worker.config import WorkerConfig
+    from rollout_worker.worker import Worker
+
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+    eng = TorchEngine(CFG, slots=2, max_len=2048, eos_id=TOK.eos_id, seed=9)
+    await eng.load_keyframe(no_special_state(4), version=3, epoch=1)
+    rec_eng = RecordingEngine(eng)
+    conf = tmp_path / "mini.yaml"
+    conf.write_text("agent:\n  step_limit: 3\nmodel:\n  action_regex: '\\A(.*)\\Z'\n")
+    w = Worker(
+        WorkerConfig(
+            bus=BusConfig(servers=[fresh_server.url]),
+            worker_id="w-msa2",
+            harness={"kind": "mini-swe-agent", "config": str(conf)},
+        ),
+        bus,
+        engine=rec_eng,
+    )
+    limits = EpisodeLimits(max_turns=6, max_turn_tokens=40, prompt_style="toy")
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=40, n=1)
+    tasks = [
+        Task(
+            task_id=f"{gen_task.task_id}-{k}",
+            env="swe-gen",
+            prompt="",
+            spec=episode_spec(gen_task, limits),
+            sampling=dataclasses.asdict(sp),
+        )
+        for k in "ab"
+    ]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(w.handle(t, ctx=None) for t in tasks)), 90)
+    finally:
+        await w.episode_runner.close()
+        await eng.close()
+    assert w.rollouts == 2 and w.tasks_done == 2 and len(rec_eng.gens) == 6
