@@ -91,44 +91,44 @@ def gen_task():
     return gen_repos.build(1, seed=2, n_modules=1)[0]
 
 
+async def harness_worker(tmp_path, bus, fresh_server, worker_id: str):
+    """(engine, recording engine, Worker) with [worker.harness] kind = "mini-swe-agent" and the
+    harness's own config: every reply is the command (the random toy policy writes no ```bash
+    block), three model calls an episode."""
+    from bus import BusConfig
+    from rollout_worker.config import WorkerConfig
+    from rollout_worker.worker import Worker
+
+    eng = TorchEngine(CFG, slots=2, max_len=2048, eos_id=TOK.eos_id, seed=9)
+    await eng.load_keyframe(no_special_state(4), version=3, epoch=1)
+    rec_eng = RecordingEngine(eng)
+    conf = tmp_path / "mini.yaml"
+    conf.write_text("agent:\n  step_limit: 3\nmodel:\n  action_regex: '\\A(.*)\\Z'\n")
+    harness = {"kind": "mini-swe-agent", "config": str(conf)}
+    cfg = WorkerConfig(bus=BusConfig(servers=[fresh_server.url]), worker_id=worker_id, harness=harness)
+    return eng, rec_eng, Worker(cfg, bus, engine=rec_eng)
+
+
+def episode_task(gen_task, task_id: str) -> Task:
+    limits = EpisodeLimits(max_turns=6, max_turn_tokens=40, prompt_style="toy")
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=40, n=1)
+    spec = episode_spec(gen_task, limits)
+    return Task(task_id=task_id, env="swe-gen", prompt="", spec=spec, sampling=dataclasses.asdict(sp))
+
+
 async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fresh_server):
     """[worker.harness] kind = "mini-swe-agent" in the worker's config: the real handler plays the task
     through the harness and publishes the rollout; the scorer and the trainer's batcher take it like
     any other."""
     from bus import BusConfig
-    from rollout_worker.config import WorkerConfig
-    from rollout_worker.worker import Worker
     from scorer.config import ScorerConfig
     from scorer.service import Scorer
     from tests.helpers.trainer import trainer_config
     from trainer.batcher import Batcher, ConsumedIds
     from trainer.learner import pack
 
-    eng = TorchEngine(CFG, slots=2, max_len=2048, eos_id=TOK.eos_id, seed=9)
-    await eng.load_keyframe(no_special_state(4), version=3, epoch=1)
-    rec_eng = RecordingEngine(eng)
-    # the harness's own config: every reply is the command (the random toy policy writes no
-    # ```bash block), three model calls
-    conf = tmp_path / "mini.yaml"
-    conf.write_text("agent:\n  step_limit: 3\nmodel:\n  action_regex: '\\A(.*)\\Z'\n")
-    w = Worker(
-        WorkerConfig(
-            bus=BusConfig(servers=[fresh_server.url]),
-            worker_id="w-msa",
-            harness={"kind": "mini-swe-agent", "config": str(conf)},
-        ),
-        bus,
-        engine=rec_eng,
-    )
-    limits = EpisodeLimits(max_turns=6, max_turn_tokens=40, prompt_style="toy")
-    sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=40, n=1)
-    task = Task(
-        task_id=gen_task.task_id,
-        env="swe-gen",
-        prompt="",
-        spec=episode_spec(gen_task, limits),
-        sampling=dataclasses.asdict(sp),
-    )
+    eng, rec_eng, w = await harness_worker(tmp_path, bus, fresh_server, "w-msa")
+    task = episode_task(gen_task, gen_task.task_id)
     try:
         await w.handle(task, ctx=None)
     finally:
@@ -194,37 +194,9 @@ async def test_harness_episodes_do_not_starve_the_endpoint(gen_task, tmp_path, b
     executor both finish, each with its three model calls."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from bus import BusConfig
-    from rollout_worker.config import WorkerConfig
-    from rollout_worker.worker import Worker
-
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
-    eng = TorchEngine(CFG, slots=2, max_len=2048, eos_id=TOK.eos_id, seed=9)
-    await eng.load_keyframe(no_special_state(4), version=3, epoch=1)
-    rec_eng = RecordingEngine(eng)
-    conf = tmp_path / "mini.yaml"
-    conf.write_text("agent:\n  step_limit: 3\nmodel:\n  action_regex: '\\A(.*)\\Z'\n")
-    w = Worker(
-        WorkerConfig(
-            bus=BusConfig(servers=[fresh_server.url]),
-            worker_id="w-msa2",
-            harness={"kind": "mini-swe-agent", "config": str(conf)},
-        ),
-        bus,
-        engine=rec_eng,
-    )
-    limits = EpisodeLimits(max_turns=6, max_turn_tokens=40, prompt_style="toy")
-    sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=40, n=1)
-    tasks = [
-        Task(
-            task_id=f"{gen_task.task_id}-{k}",
-            env="swe-gen",
-            prompt="",
-            spec=episode_spec(gen_task, limits),
-            sampling=dataclasses.asdict(sp),
-        )
-        for k in "ab"
-    ]
+    eng, rec_eng, w = await harness_worker(tmp_path, bus, fresh_server, "w-msa2")
+    tasks = [episode_task(gen_task, f"{gen_task.task_id}-{k}") for k in "ab"]
     try:
         await asyncio.wait_for(asyncio.gather(*(w.handle(t, ctx=None) for t in tasks)), 90)
     finally:
