@@ -40,6 +40,7 @@ from collections.abc import Iterator
 
 from .episode import SPLITS, Episode, EpisodeLimits, EpisodeTask
 from .node_ids import ELSEWHERE, unknown_ids
+from .repo_env import Builder, EnvError, env_key
 
 REQUIRED = (
     "instance_id",
@@ -415,10 +416,15 @@ class Imported:
         return len(self.tasks) + len(self.skipped)
 
 
-def import_each(path: str, out_dir: str, repos_dir: str | None = None, split: str = "train") -> Imported:
+def import_each(
+    path: str, out_dir: str, repos_dir: str | None = None, split: str = "train", envs: Builder | None = None
+) -> Imported:
     """Every instance of `path` that can be used, as tasks (snapshots under out_dir/repos/); each
     one that cannot is skipped with the reason naming it and its field, and the rest still imported.
-    A file that cannot be read at all raises (OSError, InstanceError)."""
+    With `envs`, each repository and version gets its environment (envs/repo_env.py, under
+    out_dir/envs/), built from the first of its instances' snapshot; an instance whose environment
+    cannot be built is skipped (field "environment"). A file that cannot be read at all raises
+    (OSError, InstanceError)."""
     base = os.path.dirname(os.path.abspath(path))
     tasks, skipped, seen = [], [], {}
 
@@ -441,12 +447,28 @@ def import_each(path: str, out_dir: str, repos_dir: str | None = None, split: st
             seen[iid] = where
         try:
             check_instance(inst, where)
-            tasks.append(instance_to_task(inst, out_dir, base, repos_dir, split))
+            task = instance_to_task(inst, out_dir, base, repos_dir, split)
+            if envs is not None and task.base_dir:
+                task = with_env(task, inst, envs)
+            tasks.append(task)
         except InstanceError as e:
             skip(where, e)
         except (OSError, ValueError, subprocess.SubprocessError) as e:  # a copy or a git run gone wrong
             skip(where, InstanceError(f"{iid}: {e}", iid) if isinstance(iid, str) else e)
     return Imported(tasks, skipped)
+
+
+def with_env(task: EpisodeTask, inst: dict, envs: Builder) -> EpisodeTask:
+    """The task with its repository's environment (built the first time its key is met); when it
+    cannot be built, the task's snapshot is removed and InstanceError names the instance and why."""
+    version = inst.get("version")
+    key = env_key(inst["repo"], None if version is None else str(version))
+    try:
+        env_dir = envs.for_repo(key, task.base_dir, {"repo": inst["repo"], "version": version})
+    except EnvError as e:
+        shutil.rmtree(task.base_dir, ignore_errors=True)
+        raise InstanceError(f"{task.task_id}: {e}", task.task_id, "environment") from e
+    return dataclasses.replace(task, env_dir=env_dir)
 
 
 def import_instances(
