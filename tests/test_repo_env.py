@@ -85,8 +85,8 @@ def diff(old: str, new: str, path: str, create: bool = False) -> str:
     import difflib
 
     a = [] if create else old.splitlines(keepends=True)
-    body = "".join(difflib.unified_diff(a, new.splitlines(keepends=True), "/dev/null" if create else f"a/{path}",
-                                        f"b/{path}"))  # fmt: skip
+    old_name = "/dev/null" if create else f"a/{path}"
+    body = "".join(difflib.unified_diff(a, new.splitlines(keepends=True), old_name, f"b/{path}"))
     head = f"diff --git a/{path} b/{path}\n" + ("new file mode 100644\n" if create else "")
     return head + body
 
@@ -156,9 +156,8 @@ def src(tmp_path_factory):
     slugger, c2 = make_repo(
         root, "slugger", {"requirements.txt": "slugkit==0.1\n", "slugger.py": SLUGGER_BUG}
     )
-    broken, c3 = make_repo(root, "broken", {
-        "setup.cfg": "[options]\ninstall_requires =\n    nosuchpkg-for-asyncrl>=1\n", "broken.py": SLUGGER_BUG,
-    })  # fmt: skip
+    cfg = "[options]\ninstall_requires =\n    nosuchpkg-for-asyncrl>=1\n"
+    broken, c3 = make_repo(root, "broken", {"setup.cfg": cfg, "broken.py": SLUGGER_BUG})
     t = "tests/test_namer.py"
     insts = [
         instance("acme__namer-1", "acme/namer", namer, c1, ("namer/__init__.py", NAMER_BUG, NAMER_OK),
@@ -201,7 +200,8 @@ def test_requirements_are_read_not_run(tmp_path):
         'extra = ["attrs"]\ndocs = ["sphinx"]\n'
     )
     (tmp_path / "setup.cfg").write_text(
-        "[options]\ninstall_requires =\n    six  # a comment\n[options.extras_require]\ntesting =\n    hypothesis\n"
+        "[options]\ninstall_requires =\n    six  # a comment\n"
+        "[options.extras_require]\ntesting =\n    hypothesis\n"
     )
     (tmp_path / "requirements.txt").write_text("-r requirements-base.txt\n-e .\nidna==3.4 --hash=sha256:00\n")
     (tmp_path / "requirements-base.txt").write_text("# base\ncharset-normalizer\n--index-url http://x\n")
@@ -288,8 +288,8 @@ def test_honest_fix_needs_the_environment_and_resolves_with_it(imported):
     finally:
         ep.close()
     assert not r.tampered and not r.infra_error, r
-    assert r.tests == {"tests/test_namer.py::test_table_name": False, "tests/test_namer.py::test_person": False,
-                       "tests/test_namer.py::test_field_name": True}  # fmt: skip
+    t = "tests/test_namer.py::test_"
+    assert r.tests == {f"{t}table_name": False, f"{t}person": False, f"{t}field_name": True}
 
 
 def test_the_agents_commands_see_the_environment_read_only(imported):
@@ -299,7 +299,8 @@ def test_the_agents_commands_see_the_environment_read_only(imported):
     try:
         ep.reset()
         r = ep.step(
-            "```bash\npython -c \"import slugkit, inflection; print(slugkit.slug('A B'), inflection.__file__)\"\n```"
+            '```bash\npython -c "import slugkit, inflection; '
+            "print(slugkit.slug('A B'), inflection.__file__)\"\n```"
         )
         out_text = r.observation
         assert "<returncode>0</returncode>" in out_text and "a-b" in out_text, out_text
