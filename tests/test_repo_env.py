@@ -336,3 +336,44 @@ def test_a_broken_environment_is_an_infrastructure_error(imported, tmp_path):
         ep.close()
     assert r.termination == "sandbox_error" and r.infra_error == "workspace", r
     assert "not a built environment" in r.detail, r.detail
+
+
+def test_build_sdist_installs_the_packages_declared_dependencies(src, tmp_path, capsys):
+    """`asyncrl tasks build --sdist --find-links`: a package whose source imports inflection gets
+    its environment, so its tests pass on the original and its bugs are found; without environments
+    no test passes there and the package is left out."""
+    from bench.tiny_package import TINY_SRC, write_sdist
+
+    jsonl, links, insts = src
+    extra = {
+        "tinypkg-0.1/setup.cfg": "[options]\ninstall_requires =\n    inflection\n",
+        "tinypkg-0.1/tinypkg/__init__.py": "import inflection\n" + TINY_SRC,
+    }
+    sdist = write_sdist(str(tmp_path), extra=extra)
+    out = tmp_path / "set"
+    args = ["build", "--out", str(out), "--sdist", sdist, "--per-package", "1", "--test-timeout", "60"]
+    assert tasks_main([*args, "--find-links", links]) == 0, capsys.readouterr()
+    (task,) = load_task_set(str(out))
+    assert task.env_dir == str(out / "envs" / "tinypkg-0.1") and task.fail_to_pass
+    man = repo_env.read_manifest(task.env_dir)
+    assert man["package"] == "tinypkg-0.1" and [d["name"] for d in man["installed"]] == ["inflection"]
+    capsys.readouterr()
+    assert tasks_main([*args[:2], str(tmp_path / "bare"), *args[3:], "--no-envs"]) == 1
+    assert "tinypkg-0.1: skipped, no test passes on the original" in capsys.readouterr().out
+
+
+def test_a_workspace_module_cannot_stand_in_for_a_dependency(imported):
+    """A top-level `inflection.py` in the patch answering the tests' inputs: the scoring run finds the
+    environment's inflection first (only the task's own modules come from the copy before it)."""
+    out, err, insts = imported
+    task = next(t for t in load_task_set(out) if t.task_id == "acme__namer-1")
+    fake = (
+        "def underscore(s):\n    return {'BlogPost': 'blog_posts', 'Person': 'people', "
+        "'CreatedAt': 'created_at'}[s]\n\n\ndef pluralize(s):\n    return s\n"
+    )
+    patch = diff("", fake, "inflection.py", create=True)
+    got = swebench.evaluate_patch(task, patch)
+    assert got["patch_applied"] and not got["resolved"], got
+    assert got["tests_status"]["FAIL_TO_PASS"]["success"] == [], got
+    # where no installed copy exists, the copy's module is the one found: the stand-in then works
+    assert swebench.evaluate_patch(dataclasses.replace(task, env_dir=None), patch)["resolved"]
