@@ -377,3 +377,28 @@ def test_a_workspace_module_cannot_stand_in_for_a_dependency(imported):
     assert got["tests_status"]["FAIL_TO_PASS"]["success"] == [], got
     # where no installed copy exists, the copy's module is the one found: the stand-in then works
     assert swebench.evaluate_patch(dataclasses.replace(task, env_dir=None), patch)["resolved"]
+
+
+def test_worker_refuses_an_environment_outside_its_task_set(imported, tmp_path):
+    from bus.events import Task
+    from policy import CharTokenizer
+    from rollout_worker.episodes import EpisodeRunner
+    from rollout_worker.torch_engine import TorchEngine
+    from tests.helpers.agentic import CFG
+
+    out, err, insts = imported
+    task = next(t for t in load_task_set(out) if t.task_id == "acme__namer-1")
+    tok = CharTokenizer.default()
+    eng = TorchEngine(CFG, slots=1, max_len=2048, eos_id=tok.eos_id)
+    runner = EpisodeRunner(eng, tok, task_set=out)
+
+    def spec(t):
+        return Task(
+            task_id="t", env="swe", prompt="p", spec={"episode": t.to_dict(), "limits": {}}, sampling={}
+        )
+
+    assert runner.parse(spec(task))[0].env_dir == task.env_dir  # its own set: fine
+    other = tmp_path / "envs" / "acme__namer-1.0"
+    other.mkdir(parents=True)
+    with pytest.raises(ValueError, match="repository environment .* is outside this worker's task set"):
+        runner.parse(spec(dataclasses.replace(task, env_dir=str(other))))
