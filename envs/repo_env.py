@@ -73,10 +73,12 @@ def _pyproject(repo: str) -> tuple[str, list[str], dict[str, list[str]]]:
             proj = tomllib.load(f).get("project") or {}
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise EnvError(f"pyproject.toml does not parse: {e}") from e
-    opt = proj.get("optional-dependencies") or {}
+    deps, opt = proj.get("dependencies") or [], proj.get("optional-dependencies") or {}
+    if not isinstance(deps, list) or not isinstance(opt, dict):
+        raise EnvError("pyproject.toml: [project] dependencies must be a list, optional-dependencies a table")
     return (
         str(proj.get("name") or ""),
-        [str(r) for r in proj.get("dependencies") or []],
+        [str(r) for r in deps],
         {norm(k): [str(r) for r in v] for k, v in opt.items() if isinstance(v, list)},
     )
 
@@ -251,6 +253,11 @@ def build(
         if find_links:
             if not os.path.isdir(find_links):
                 raise EnvError(f"--find-links {find_links} is not a directory")
+            direct = [r for r in reqs if re.search(r"@\s*\S+://", r)]
+            if direct:  # pip would fetch these whatever --no-index says
+                raise EnvError(
+                    f"{direct[0]!r} is a direct URL; offline, packages come from {find_links} only"
+                )
             # offline: this directory and nothing else (no pip configuration's index or links)
             cmd += ["--no-index", "--find-links", os.path.abspath(find_links), "--no-build-isolation"]
             env = {k: v for k, v in env.items() if not k.startswith("PIP_")}

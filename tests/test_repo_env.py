@@ -402,3 +402,26 @@ def test_worker_refuses_an_environment_outside_its_task_set(imported, tmp_path):
     other.mkdir(parents=True)
     with pytest.raises(ValueError, match="repository environment .* is outside this worker's task set"):
         runner.parse(spec(dataclasses.replace(task, env_dir=str(other))))
+
+
+def test_bad_declarations_are_refused_with_the_reason(src, tmp_path):
+    jsonl, links, insts = src
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "pyproject.toml").write_text('[project]\nname = "x"\ndependencies = "inflection"\n')
+    builder = repo_env.Builder(str(tmp_path / "envs"), links)
+    with pytest.raises(repo_env.EnvError, match="env-a cannot be built: pyproject.toml: .*must be a list"):
+        builder.for_repo("env-a", str(tmp_path / "r"))
+    with pytest.raises(repo_env.EnvError, match="must be a list"):  # the same outcome, not built again
+        builder.for_repo("env-a", str(tmp_path / "other"))
+    (tmp_path / "r" / "pyproject.toml").write_text(
+        '[project]\nname = "x"\ndependencies = ["inflection @ https://example.invalid/i.whl"]\n'
+    )
+    with pytest.raises(repo_env.EnvError, match="is a direct URL; offline, packages come from"):
+        builder.for_repo("env-b", str(tmp_path / "r"))
+    # a repository declaring nothing gets no environment, and no pip run
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "setup.py").write_text(
+        "from setuptools import setup\nsetup(install_requires=['x'])\n"
+    )
+    assert builder.for_repo("env-c", str(tmp_path / "empty")) is None
+    assert not (tmp_path / "envs").exists() or os.listdir(tmp_path / "envs") == []
