@@ -64,9 +64,15 @@ def _req_name(req: str) -> tuple[str, list[str]]:
     return norm(m.group(1)), extras
 
 
+def _declared(repo: str, rel: str) -> str | None:
+    """`repo/rel` when it is a file inside the repository (a link out of it is not read)."""
+    real = os.path.realpath(os.path.join(repo, rel))
+    return real if real.startswith(os.path.realpath(repo) + os.sep) and os.path.isfile(real) else None
+
+
 def _pyproject(repo: str) -> tuple[str, list[str], dict[str, list[str]]]:
-    path = os.path.join(repo, "pyproject.toml")
-    if not os.path.isfile(path):
+    path = _declared(repo, "pyproject.toml")
+    if path is None:
         return "", [], {}
     try:
         with open(path, "rb") as f:
@@ -84,8 +90,8 @@ def _pyproject(repo: str) -> tuple[str, list[str], dict[str, list[str]]]:
 
 
 def _setup_cfg(repo: str) -> tuple[str, list[str], dict[str, list[str]]]:
-    path = os.path.join(repo, "setup.cfg")
-    if not os.path.isfile(path):
+    path = _declared(repo, "setup.cfg")
+    if path is None:
         return "", [], {}
     cfg = configparser.ConfigParser(interpolation=None)
     try:
@@ -123,8 +129,8 @@ _REQ_DIR_FILES = {"base.txt", "main.txt", "test.txt", "tests.txt", "testing.txt"
 
 
 def _read_requirements(repo: str, rel: str, seen: set[str]) -> list[str]:
-    real = os.path.realpath(os.path.join(repo, rel))
-    if real in seen or not real.startswith(os.path.realpath(repo) + os.sep) or not os.path.isfile(real):
+    real = _declared(repo, rel)
+    if real is None or real in seen:
         return []
     seen.add(real)
     out = []
@@ -172,13 +178,11 @@ def requirements(repo: str) -> list[str]:
     seen: set[str] = set()
     for rel in _requirement_files(repo):
         found += _read_requirements(repo, rel, seen)
-    out, names = [], set()
+    out: list[str] = []
     for r in found:
         n, _ = _req_name(r)
-        if not n or n in own or n in PROVIDED or r in names:
-            continue
-        names.add(r)
-        out.append(r)
+        if n and n not in own and n not in PROVIDED and r not in out:
+            out.append(r)
     return out
 
 
@@ -193,7 +197,7 @@ def _digest(site: str) -> str:
                 h.update(b"L" + os.readlink(p).encode())
             else:
                 with open(p, "rb") as fh:
-                    h.update(hashlib.sha256(fh.read()).digest())
+                    h.update(hashlib.file_digest(fh, "sha256").digest())
     return h.hexdigest()
 
 
