@@ -425,3 +425,55 @@ def test_bad_declarations_are_refused_with_the_reason(src, tmp_path):
     )
     assert builder.for_repo("env-c", str(tmp_path / "empty")) is None
     assert not (tmp_path / "envs").exists() or os.listdir(tmp_path / "envs") == []
+
+
+# Run as a user who is not root: build an environment from the find-links directory, then play
+# an episode that needs it in the rootless sandbox (every mount read-only but the workspace).
+ROOTLESS = r"""
+import json, sys
+from envs import repo_env
+from envs.episode import Episode, EpisodeLimits, EpisodeTask
+from envs.workspace import LocalBackend
+
+base, links = sys.argv[1], sys.argv[2]
+env_dir = repo_env.build(base + "/envs", "namer", ["inflection"], links)
+TESTS = "from namer import plural\n\n\ndef test_plural():\n    assert plural('person') == 'people'\n"
+BUG = "import inflection\n\n\ndef plural(w):\n    return w\n"
+task = EpisodeTask("t-namer", "test", "train", "Fix namer.py.", {"namer.py": BUG, "test_namer.py": TESTS},
+                   {"test_namer.py": TESTS}, "pytest", ["test_namer.py"], ["test_namer.py::test_plural"], [],
+                   env_dir=env_dir)
+ep = Episode(task, EpisodeLimits(), backend=LocalBackend(base + "/episodes"))
+ep.reset()
+bash = lambda c: f"```bash\n{c}\n```"
+where = "python -c 'import inflection; print(inflection.__file__)'"
+out = {"import": ep.step(bash(where)).observation}
+out["write"] = ep.step(bash(f"touch $(dirname $({where}))/x")).observation
+fix = "import inflection\\n\\n\\ndef plural(w):\\n    return inflection.pluralize(w)\\n"
+ep.step(bash(f"printf '{fix}' > namer.py"))
+ep.step(bash("submit"))
+r = ep.score()
+out["honest"] = [r.reward, r.resolved, r.detail]
+ep.close()
+print(json.dumps(out))
+"""
+
+
+def test_environment_in_the_rootless_sandbox(src, tmp_path):
+    from tests.helpers.unprivileged import unprivileged
+
+    user = unprivileged()
+    if isinstance(user, str):
+        pytest.skip(user)
+    try:
+        jsonl, links, insts = src
+        mine = user.base / "links"
+        subprocess.run(["cp", "-r", links, str(mine)], check=True)
+        subprocess.run(["chown", "-R", f"{user.uid}:{user.gid}", str(mine)], check=True)
+        r = user.run([user.python, "-c", ROOTLESS, str(user.base), str(mine)], timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert "<returncode>0</returncode>" in out["import"] and "/envs/namer-" in out["import"], out
+        assert "Read-only file system" in out["write"], out
+        assert out["honest"][:2] == [1.0, True], out
+    finally:
+        user.close()
