@@ -20,10 +20,12 @@ project writes and reads (other tools ignore them): `runner` ("pytest" | "mini")
     result = evaluate_patch(task, model_patch)            # the SWE-bench verdict for one prediction
 
 An imported task is an ordinary EpisodeTask: the workspace starts from the snapshot, the hidden
-tests are the test_patch's files, and F2P + P2P are its tests. `evaluate_patch` scores a patch
-the way the SWE-bench harness does (pristine snapshot + model patch, test patch over it, every
-F2P and P2P test must pass: resolved) through envs.episode.Episode, i.e. the same scoring path
-as every episode (the hidden tests run on a scoring copy, so the patch cannot touch them).
+tests are the test_patch's files, and F2P + P2P are its tests; with a `Builder`
+(envs/repo_env.py) it also gets its repository's environment, one per repository and version.
+`evaluate_patch` scores a patch the way the SWE-bench harness does (pristine snapshot + model
+patch, test patch over it, every F2P and P2P test must pass: resolved) through
+envs.episode.Episode, i.e. the same scoring path as every episode (the hidden tests run on a
+scoring copy, so the patch cannot touch them).
 """
 
 from __future__ import annotations
@@ -472,11 +474,11 @@ def with_env(task: EpisodeTask, inst: dict, envs: Builder) -> EpisodeTask:
 
 
 def import_instances(
-    path: str, out_dir: str, repos_dir: str | None = None, split: str = "train"
+    path: str, out_dir: str, repos_dir: str | None = None, split: str = "train", envs: Builder | None = None
 ) -> list[EpisodeTask]:
     """Every instance of `path` as tasks (snapshots under out_dir/repos/), all or nothing: the first
     instance that cannot be used raises InstanceError naming it (import_each skips it instead)."""
-    got = import_each(path, out_dir, repos_dir, split)
+    got = import_each(path, out_dir, repos_dir, split, envs)
     if got.skipped:
         first = got.skipped[0]
         raise InstanceError(first["reason"], first["instance"], first["field"])
