@@ -303,9 +303,16 @@ def import_command(a) -> int:
     if a.split not in ("train", "eval"):
         raise swebench.InstanceError(f"--split must be train or eval, got {a.split!r}")
     with staged(a.out) as stage:
-        got = swebench.import_each(a.instances, stage, a.repos, a.split, env_builder(a, stage))
+        envs = env_builder(a, stage)
+        got = swebench.import_each(a.instances, stage, a.repos, a.split, envs)
         for line in skipped_lines(got.skipped):
             print(line, file=sys.stderr)
+        built = envs.summary() if envs else {}
+        for key, e in built.items():
+            if "installed" in e:
+                print(
+                    f"environment {key}: {', '.join(e['installed']) or 'nothing to install'}", file=sys.stderr
+                )
         if not got.tasks:
             print(f"imported none of {got.total} instances: nothing written to {a.out}", file=sys.stderr)
             raise NothingImported
@@ -313,6 +320,7 @@ def import_command(a) -> int:
             "imported_from": os.path.abspath(a.instances),
             "instances": len(got.tasks),
             "skipped": got.skipped,
+            "environments": built,
         }
         write_task_set(stage, got.tasks, report)
     splits = {s: sum(t.split == s for t in got.tasks) for s in ("train", "eval")}

@@ -382,3 +382,16 @@ class Builder:
         if isinstance(got, EnvError):
             raise got
         return got
+
+    def summary(self) -> dict[str, dict]:
+        """Per key: {"installed": ["name==version", ...]}, {"error": why}, or {} (nothing declared)."""
+        out = {}
+        for key, got in sorted(self.done.items()):
+            if isinstance(got, EnvError):
+                out[key] = {"error": str(got)}
+            elif got is None:
+                out[key] = {}
+            else:
+                man = read_manifest(got)
+                out[key] = {"installed": [f"{d['name']}=={d['version']}" for d in man["installed"]]}
+        return out

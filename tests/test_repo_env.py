@@ -236,6 +236,11 @@ def test_import_builds_one_env_per_repository_and_version(imported):
     # a runtime dependency of a dependency: slugkit brings inflection
     assert sorted(d["name"] for d in slugger["installed"]) == ["inflection", "slugkit"]
     assert os.path.isfile(os.path.join(envs_dir, "acme__slugger-2.0", "site", "slugkit", "__init__.py"))
+    # the import says what it installed, on stderr and in the set's manifest
+    assert "environment acme__slugger-2.0: inflection==0.5.1, slugkit==0.1" in err, err
+    report = json.loads(open(os.path.join(out, "manifest.json")).read())["report"]["environments"]
+    assert report["acme__namer-1.0"] == {"installed": ["inflection==0.5.1"]}
+    assert report["acme__broken-1.0"]["error"].startswith("environment acme__broken-1.0 cannot be built: ")
     # tasks.jsonl keeps the environment relative to the set (the set can move)
     with open(os.path.join(out, "tasks.jsonl")) as f:
         assert {json.loads(x)["env_dir"] for x in f} == {"envs/acme__namer-1.0", "envs/acme__slugger-2.0"}
@@ -336,6 +341,18 @@ def test_a_broken_environment_is_an_infrastructure_error(imported, tmp_path):
         ep.close()
     assert r.termination == "sandbox_error" and r.infra_error == "workspace", r
     assert "not a built environment" in r.detail, r.detail
+    # one built for another python: refused with the reason, not run with the wrong packages
+    other = tmp_path / "envs" / "other"
+    subprocess.run(["cp", "-r", task.env_dir, str(other)], check=True)
+    man = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**man, "python": "2.7"}))
+    ep = Episode(dataclasses.replace(task, env_dir=str(other)), EpisodeLimits())
+    try:
+        ep.reset()
+        r = ep.score()
+    finally:
+        ep.close()
+    assert r.infra_error == "workspace" and "was built for python 2.7" in r.detail, r.detail
 
 
 def test_build_sdist_installs_the_packages_declared_dependencies(src, tmp_path, capsys):
