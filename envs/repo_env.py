@@ -341,7 +341,8 @@ def mount(root_dir: str, env_dir: str) -> str:
         os.makedirs(base, exist_ok=True)
         os.chmod(base, 0o711)
         if not os.path.isfile(os.path.join(dest, ".complete")):
-            tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=base)
+            _reap_copies(base)
+            tmp = tempfile.mkdtemp(prefix=f".copy-{os.getpid()}-", dir=base)
             try:
                 shutil.copytree(os.path.join(env_dir, SITE), os.path.join(tmp, SITE), symlinks=True)
                 _readable(tmp)
@@ -356,6 +357,19 @@ def mount(root_dir: str, env_dir: str) -> str:
     if not os.path.isfile(os.path.join(dest, ".complete")):
         raise EnvError(f"environment {name} could not be made ready under {base}")
     return os.path.join(dest, SITE)
+
+
+def _reap_copies(base: str) -> None:
+    """Remove the half-made copies of processes that died making them (`.copy-<pid>-*`)."""
+    for n in os.listdir(base):
+        pid = n.split("-")[1] if n.startswith(".copy-") else ""
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(os.path.join(base, n), ignore_errors=True)
+            except PermissionError:
+                pass  # alive, another user's
 
 
 class Builder:

@@ -494,3 +494,21 @@ def test_environment_in_the_rootless_sandbox(src, tmp_path):
         assert out["honest"][:2] == [1.0, True], out
     finally:
         user.close()
+
+
+def test_mount_copies_once_read_only_and_reaps_dead_copies(imported, tmp_path):
+    out, err, insts = imported
+    env_dir = os.path.join(out, "envs", "acme__namer-1.0")
+    root = tmp_path / "root"
+    root.mkdir()
+    dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True).stdout.strip()
+    half = root / "envs" / f".copy-{dead}-x"
+    half.mkdir(parents=True)
+    site = repo_env.mount(str(root), env_dir)
+    assert not half.exists()  # its process is gone: a half-made copy
+    assert site.startswith(str(root / "envs" / "acme__namer-1.0-")) and site.endswith("/site")
+    init = os.path.join(site, "inflection", "__init__.py")
+    assert os.stat(init).st_mode & 0o777 == 0o644 and os.stat(site).st_mode & 0o777 == 0o755
+    before = os.stat(init).st_mtime_ns
+    assert repo_env.mount(str(root), env_dir) == site and os.stat(init).st_mtime_ns == before
+    assert sorted(os.listdir(root / "envs")) == [os.path.basename(os.path.dirname(site))]
