@@ -512,3 +512,16 @@ def test_mount_copies_once_read_only_and_reaps_dead_copies(imported, tmp_path):
     before = os.stat(init).st_mtime_ns
     assert repo_env.mount(str(root), env_dir) == site and os.stat(init).st_mtime_ns == before
     assert sorted(os.listdir(root / "envs")) == [os.path.basename(os.path.dirname(site))]
+
+
+def test_a_set_whose_environment_is_gone_is_refused_on_load(imported, tmp_path):
+    out, err, insts = imported
+    moved = tmp_path / "set"
+    subprocess.run(["cp", "-r", out, str(moved)], check=True)
+    assert {t.env_dir for t in load_task_set(str(moved))} == {
+        str(moved / "envs" / "acme__namer-1.0"),
+        str(moved / "envs" / "acme__slugger-2.0"),
+    }  # relative to the set: it moves with it
+    subprocess.run(["rm", "-r", str(moved / "envs" / "acme__slugger-2.0")], check=True)
+    with pytest.raises(ValueError, match="missing repository environment .*acme__slugger-2.0"):
+        load_task_set(str(moved))
