@@ -3,6 +3,7 @@
     asyncrl tasks build --out tasks/swe --gen 200 --humaneval 164 --packages inflection,toolz --per-package 20
     asyncrl tasks build --out DIR --sdist ./mypkg-1.0.tar.gz          # a local sdist, no network
     asyncrl tasks import swe.jsonl --out DIR [--repos CLONES]        # SWE-bench-format instances in
+                     [--find-links WHEELS | --no-envs]               # each repository's environment
     asyncrl tasks export DIR --out OUT                               # OUT/instances.jsonl + OUT/repos/
     asyncrl tasks evaluate preds.jsonl --tasks DIR | --instances swe.jsonl   # resolved, as SWE-bench
     asyncrl tasks predict DIR --model HF_DIR | --run RUN --out preds.jsonl  # a policy's model_patch per
@@ -32,6 +33,7 @@ import zipfile
 from envs.base import split_of
 from envs.episode import EpisodeLimits, EpisodeTask
 from envs.mutations import balanced_order, candidates
+from envs.repo_env import Builder, EnvError
 from envs.sandbox import BashLimits
 from envs.task_set import write_task_set
 from envs.task_validation import BuildReport, fail_pass_split, run_suite
@@ -151,8 +153,10 @@ def build_package(
     tries: int = 4,
     test_timeout_s: float = 120.0,
     report: BuildReport | None = None,
+    envs: Builder | None = None,
 ) -> list[EpisodeTask]:
-    """Validated bug-fix tasks of one package's source distribution (repository in out_dir/repos/)."""
+    """Validated bug-fix tasks of one package's source distribution (repository in out_dir/repos/;
+    with `envs`, its declared dependencies in out_dir/envs/<name-version>, envs/repo_env.py)."""
     report = report if report is not None else BuildReport()
     repos = os.path.join(out_dir, "repos")
     os.makedirs(repos, exist_ok=True)
@@ -162,10 +166,18 @@ def build_package(
     if not src or not tests:
         report.notes.append(f"{name}: skipped, {len(src)} source and {len(tests)} test files")
         return []
+    env_dir = None
+    if envs is not None:
+        try:
+            env_dir = envs.for_repo(name, repo, {"package": name})
+        except EnvError as e:
+            shutil.rmtree(repo, ignore_errors=True)
+            report.notes.append(f"{name}: skipped, {e}")
+            return []
     limits = EpisodeLimits(
         score_wall_s=test_timeout_s, command=BashLimits(wall_s=test_timeout_s, cpu_s=int(test_timeout_s))
     )
-    original, why = run_suite({}, "pytest", tests, base_dir=repo, limits=limits)
+    original, why = run_suite({}, "pytest", tests, base_dir=repo, limits=limits, env_dir=env_dir)
     if not any(s == "PASS" for s in original.values()):
         report.notes.append(f"{name}: skipped, no test passes on the original ({why or 'no report'})")
         return []
@@ -188,7 +200,9 @@ def build_package(
     for m in muts[: per_package * tries]:
         if len(out) >= per_package:
             break
-        status, _ = run_suite({m.path: m.source}, "pytest", tests, base_dir=repo, limits=limits)
+        status, _ = run_suite(
+            {m.path: m.source}, "pytest", tests, base_dir=repo, limits=limits, env_dir=env_dir
+        )
         f2p, p2p = fail_pass_split(original, status)
         split = (
             split_of(f"{FAMILY}|{name}|{m.path}|{m.line}|{m.after}|{m.kind}", eval_fraction) if f2p else None
@@ -215,6 +229,7 @@ def build_package(
                 fail_to_pass=f2p,
                 pass_to_pass=p2p,
                 base_dir=repo,
+                env_dir=env_dir,
                 meta={
                     "kind": m.kind,
                     "path": m.path,
@@ -241,6 +256,7 @@ def add_swebench_commands(sub) -> None:
     i.add_argument("--out", required=True)
     i.add_argument("--repos", default=None, help="directory of git clones named <owner>__<name>")
     i.add_argument("--split", default="train", help="split of instances that name none (train | eval)")
+    add_env_flags(i)
     e = sub.add_parser("export", help="a task set -> SWE-bench instances (DIR/instances.jsonl + DIR/repos/)")
     e.add_argument("tasks")
     e.add_argument("--out", required=True)
@@ -251,7 +267,31 @@ def add_swebench_commands(sub) -> None:
     src.add_argument("--tasks", help="an imported (or built) task set")
     src.add_argument("--instances", help="an instance file (imported into a temporary task set first)")
     v.add_argument("--repos", default=None, help="with --instances: directory of <owner>__<name> clones")
+    add_env_flags(v)
     v.add_argument("--report", default=None, help="also write the report (JSON) here")
+
+
+def add_env_flags(p) -> None:
+    """How the repositories' environments are built (envs/repo_env.py)."""
+    p.add_argument(
+        "--find-links",
+        default=None,
+        metavar="DIR",
+        help="install each repository's dependencies from DIR's wheels / sdists only (offline), "
+        "not from the package index",
+    )
+    p.add_argument(
+        "--no-envs",
+        action="store_true",
+        help="build no repository environments (the sandbox python's own packages only)",
+    )
+    p.add_argument("--env-timeout", type=float, default=900.0, help="seconds for one environment's install")
+
+
+def env_builder(a, out_dir: str) -> Builder | None:
+    if a.no_envs:
+        return None
+    return Builder(os.path.join(out_dir, "envs"), a.find_links, a.env_timeout)
 
 
 def import_command(a) -> int:
@@ -263,9 +303,16 @@ def import_command(a) -> int:
     if a.split not in ("train", "eval"):
         raise swebench.InstanceError(f"--split must be train or eval, got {a.split!r}")
     with staged(a.out) as stage:
-        got = swebench.import_each(a.instances, stage, a.repos, a.split)
+        envs = env_builder(a, stage)
+        got = swebench.import_each(a.instances, stage, a.repos, a.split, envs)
         for line in skipped_lines(got.skipped):
             print(line, file=sys.stderr)
+        built = envs.summary() if envs else {}
+        for key, e in built.items():
+            if "installed" in e:
+                print(
+                    f"environment {key}: {', '.join(e['installed']) or 'nothing to install'}", file=sys.stderr
+                )
         if not got.tasks:
             print(f"imported none of {got.total} instances: nothing written to {a.out}", file=sys.stderr)
             raise NothingImported
@@ -273,6 +320,7 @@ def import_command(a) -> int:
             "imported_from": os.path.abspath(a.instances),
             "instances": len(got.tasks),
             "skipped": got.skipped,
+            "environments": built,
         }
         write_task_set(stage, got.tasks, report)
     splits = {s: sum(t.split == s for t in got.tasks) for s in ("train", "eval")}
@@ -328,7 +376,7 @@ def swebench_command(a) -> int:
             if a.tasks:
                 tasks = load_task_set(a.tasks)
             else:
-                got = swebench.import_each(a.instances, tmp, a.repos)
+                got = swebench.import_each(a.instances, tmp, a.repos, envs=env_builder(a, tmp))
                 tasks, skipped = got.tasks, {s["instance"]: s["reason"] for s in got.skipped}
                 for line in skipped_lines(got.skipped):
                     print(line, file=sys.stderr)
@@ -376,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         "--test-timeout", type=float, default=120.0, help="seconds for one run of a package's tests"
     )
     b.add_argument("--json", action="store_true", help="print the build report as JSON")
+    add_env_flags(b)
     s = sub.add_parser("stats", help="counts of a built task set")
     s.add_argument("path")
     add_swebench_commands(sub)
@@ -442,9 +491,17 @@ def main(argv: list[str] | None = None) -> int:
                 sdists.append(fetch_sdist(name, cache))
             except (RuntimeError, subprocess.SubprocessError, OSError) as e:
                 report.notes.append(f"{name}: not fetched: {e}")
+    envs = env_builder(a, a.out)
     for sd in sdists:
         tasks += build_package(
-            sd, a.out, a.per_package, a.seed, a.eval_fraction, test_timeout_s=a.test_timeout, report=report
+            sd,
+            a.out,
+            a.per_package,
+            a.seed,
+            a.eval_fraction,
+            test_timeout_s=a.test_timeout,
+            report=report,
+            envs=envs,
         )
     write_task_set(a.out, tasks, report.to_dict())
     print(json.dumps(report.to_dict(), indent=2) if a.json else report.render())

@@ -55,6 +55,9 @@ class EpisodeTask:
     pass_to_pass: list[str]
     base_dir: str | None = None  # a directory copied first (a task set's repository snapshot)
     meta: dict = field(default_factory=dict)  # mutation kind, location, before/after (the oracle uses it)
+    # the repository's environment (envs/repo_env.py: a task set's envs/<key>): its packages are on
+    # the sandbox python's path for the agent's commands and the scoring run
+    env_dir: str | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

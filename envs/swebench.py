@@ -20,10 +20,12 @@ project writes and reads (other tools ignore them): `runner` ("pytest" | "mini")
     result = evaluate_patch(task, model_patch)            # the SWE-bench verdict for one prediction
 
 An imported task is an ordinary EpisodeTask: the workspace starts from the snapshot, the hidden
-tests are the test_patch's files, and F2P + P2P are its tests. `evaluate_patch` scores a patch
-the way the SWE-bench harness does (pristine snapshot + model patch, test patch over it, every
-F2P and P2P test must pass: resolved) through envs.episode.Episode, i.e. the same scoring path
-as every episode (the hidden tests run on a scoring copy, so the patch cannot touch them).
+tests are the test_patch's files, and F2P + P2P are its tests; with a `Builder`
+(envs/repo_env.py) it also gets its repository's environment, one per repository and version.
+`evaluate_patch` scores a patch the way the SWE-bench harness does (pristine snapshot + model
+patch, test patch over it, every F2P and P2P test must pass: resolved) through
+envs.episode.Episode, i.e. the same scoring path as every episode (the hidden tests run on a
+scoring copy, so the patch cannot touch them).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from collections.abc import Iterator
 
 from .episode import SPLITS, Episode, EpisodeLimits, EpisodeTask
 from .node_ids import ELSEWHERE, unknown_ids
+from .repo_env import Builder, EnvError, env_key
 
 REQUIRED = (
     "instance_id",
@@ -415,10 +418,15 @@ class Imported:
         return len(self.tasks) + len(self.skipped)
 
 
-def import_each(path: str, out_dir: str, repos_dir: str | None = None, split: str = "train") -> Imported:
+def import_each(
+    path: str, out_dir: str, repos_dir: str | None = None, split: str = "train", envs: Builder | None = None
+) -> Imported:
     """Every instance of `path` that can be used, as tasks (snapshots under out_dir/repos/); each
     one that cannot is skipped with the reason naming it and its field, and the rest still imported.
-    A file that cannot be read at all raises (OSError, InstanceError)."""
+    With `envs`, each repository and version gets its environment (envs/repo_env.py, under
+    out_dir/envs/), built from the first of its instances' snapshot; an instance whose environment
+    cannot be built is skipped (field "environment"). A file that cannot be read at all raises
+    (OSError, InstanceError)."""
     base = os.path.dirname(os.path.abspath(path))
     tasks, skipped, seen = [], [], {}
 
@@ -441,7 +449,10 @@ def import_each(path: str, out_dir: str, repos_dir: str | None = None, split: st
             seen[iid] = where
         try:
             check_instance(inst, where)
-            tasks.append(instance_to_task(inst, out_dir, base, repos_dir, split))
+            task = instance_to_task(inst, out_dir, base, repos_dir, split)
+            if envs is not None and task.base_dir:
+                task = with_env(task, inst, envs)
+            tasks.append(task)
         except InstanceError as e:
             skip(where, e)
         except (OSError, ValueError, subprocess.SubprocessError) as e:  # a copy or a git run gone wrong
@@ -449,12 +460,25 @@ def import_each(path: str, out_dir: str, repos_dir: str | None = None, split: st
     return Imported(tasks, skipped)
 
 
+def with_env(task: EpisodeTask, inst: dict, envs: Builder) -> EpisodeTask:
+    """The task with its repository's environment (built the first time its key is met); when it
+    cannot be built, the task's snapshot is removed and InstanceError names the instance and why."""
+    version = inst.get("version")
+    key = env_key(inst["repo"], None if version is None else str(version))
+    try:
+        env_dir = envs.for_repo(key, task.base_dir, {"repo": inst["repo"], "version": version})
+    except EnvError as e:
+        shutil.rmtree(task.base_dir, ignore_errors=True)
+        raise InstanceError(f"{task.task_id}: {e}", task.task_id, "environment") from e
+    return dataclasses.replace(task, env_dir=env_dir)
+
+
 def import_instances(
-    path: str, out_dir: str, repos_dir: str | None = None, split: str = "train"
+    path: str, out_dir: str, repos_dir: str | None = None, split: str = "train", envs: Builder | None = None
 ) -> list[EpisodeTask]:
     """Every instance of `path` as tasks (snapshots under out_dir/repos/), all or nothing: the first
     instance that cannot be used raises InstanceError naming it (import_each skips it instead)."""
-    got = import_each(path, out_dir, repos_dir, split)
+    got = import_each(path, out_dir, repos_dir, split, envs)
     if got.skipped:
         first = got.skipped[0]
         raise InstanceError(first["reason"], first["instance"], first["field"])

@@ -3,6 +3,8 @@
     DIR/manifest.json     {"format": 1, "tasks": N, "report": {...builder counts...}}
     DIR/tasks.jsonl       one EpisodeTask per line (base_dir relative to DIR)
     DIR/repos/NAME/       repository snapshots the package tasks start from
+    DIR/envs/KEY/         repository environments (envs/repo_env.py: site/ + manifest.json), one
+                          per repository and version, shared by its tasks (env_dir relative to DIR)
 
 Nothing here touches the network: a built set is read as is. `staged(DIR)` writes a set whole or
 not at all (`asyncrl tasks import`: a failed or killed import leaves no half-written set).
@@ -23,7 +25,8 @@ FORMAT = 1
 
 
 def write_task_set(out_dir: str, tasks: list[EpisodeTask], report: dict) -> str:
-    """Write tasks.jsonl and manifest.json (atomically each); `base_dir`s must lie under out_dir."""
+    """Write tasks.jsonl and manifest.json (atomically each); `base_dir`s and `env_dir`s must lie
+    under out_dir."""
     os.makedirs(out_dir, exist_ok=True)
     # the set holds every task's hidden tests and expected values: closed to other uids, so a
     # sandboxed command (a fresh unprivileged uid) cannot read the answers of its own task
@@ -32,11 +35,12 @@ def write_task_set(out_dir: str, tasks: list[EpisodeTask], report: dict) -> str:
     lines = []
     for t in tasks:
         d = t.to_dict()
-        if t.base_dir:
-            real = os.path.realpath(t.base_dir)
-            if not real.startswith(root + os.sep):
-                raise ValueError(f"task {t.task_id}: base_dir {t.base_dir} is outside the task set {out_dir}")
-            d["base_dir"] = os.path.relpath(real, root)
+        for key in ("base_dir", "env_dir"):
+            if d[key]:
+                real = os.path.realpath(d[key])
+                if not real.startswith(root + os.sep):
+                    raise ValueError(f"task {t.task_id}: {key} {d[key]} is outside the task set {out_dir}")
+                d[key] = os.path.relpath(real, root)
         lines.append(json.dumps(d, sort_keys=True))
     _atomic_write(os.path.join(out_dir, "tasks.jsonl"), "\n".join(lines) + ("\n" if lines else ""))
     _atomic_write(
@@ -67,10 +71,11 @@ def load_task_set(path: str, split: str | None = None, family: str | None = None
                 continue
             try:
                 d = json.loads(line)
-                if d.get("base_dir"):
-                    d["base_dir"] = os.path.join(os.path.abspath(path), d["base_dir"])
-                    if not os.path.isdir(d["base_dir"]):
-                        raise ValueError(f"missing repository snapshot {d['base_dir']}")
+                for key, what in (("base_dir", "repository snapshot"), ("env_dir", "repository environment")):
+                    if d.get(key):
+                        d[key] = os.path.join(os.path.abspath(path), d[key])
+                        if not os.path.isdir(d[key]):
+                            raise ValueError(f"missing {what} {d[key]}")
                 t = EpisodeTask.from_dict(d)
             except (ValueError, TypeError) as e:
                 raise ValueError(f"{tasks_path}:{n}: {e}") from e

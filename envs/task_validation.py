@@ -21,13 +21,26 @@ def run_suite(
     base_dir: str | None = None,
     limits: EpisodeLimits | None = None,
     backend=None,
+    env_dir: str | None = None,
 ) -> tuple[dict[str, str], str]:
-    """{test id: PASS|FAIL|SKIP} of `files` (over `base_dir`) under the task's runner, in the sandbox."""
+    """{test id: PASS|FAIL|SKIP} of `files` (over `base_dir`) under the task's runner, in the sandbox
+    (with the repository's environment `env_dir`, when given)."""
     from .workspace import LocalBackend
 
     limits = limits or VALIDATION_LIMITS
     task = EpisodeTask(
-        "validation", "validation", "train", "", files, {}, runner, test_paths, [], [], base_dir
+        "validation",
+        "validation",
+        "train",
+        "",
+        files,
+        {},
+        runner,
+        test_paths,
+        [],
+        [],
+        base_dir,
+        env_dir=env_dir,
     )
     ws = (backend or LocalBackend()).create(task, limits)
     try:

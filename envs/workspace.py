@@ -9,6 +9,8 @@ that owns only `repo/`; root_dir is what stays visible inside the sandbox's moun
 
     <root_dir>/                  0711  traversable, not listable
       site-3.X/                  0755  pytest for the sandbox python, when it has none
+      envs/KEY-DIGEST/site/      0755  a repository's environment (envs/repo_env.py: mount), read-only
+                                       to the sandbox uid; on its python path with site-3.X
       ep-XXXX/                   0711
         repo/                    0700  the workspace: the task's files, the command's cwd
         tools/                   0755  helpers on PATH (view, replace, run_tests, submit, runners)
@@ -27,7 +29,7 @@ import sys
 import tempfile
 from typing import Protocol
 
-from . import scoring_run
+from . import repo_env, scoring_run
 from .isolation import claim
 from .safe_path import clear_for_write
 from .sandbox import SYSTEM_PYTHONS, BashLimits, SandboxResult, fresh_uid, isolation, run_bash
@@ -178,6 +180,7 @@ class LocalBackend:
 class LocalWorkspace:
     def __init__(self, task, root_dir: str, python: str, site: str = ""):
         self.error, self.python, self.site, self.root_dir = "", python, site, root_dir
+        self.env_site = ""  # the repository's environment as mounted (envs/repo_env.py), if any
         self.score_info = ScoreInfo()  # what the last scoring run found (Episode.score reads it)
         self.uid = fresh_uid()
         private_root(root_dir)
@@ -200,13 +203,17 @@ class LocalWorkspace:
                     f.write(text)
                 os.chmod(p, mode)
             os.chmod(self.tools, 0o755)
-        except (OSError, ValueError) as e:
+            if task.env_dir:
+                self.env_site = repo_env.mount(root_dir, task.env_dir)
+        except (OSError, ValueError, repo_env.EnvError) as e:
             self.error = f"workspace setup failed: {e}"
 
     def _env(self) -> dict[str, str]:
         env = {"PATH": f"{self.tools}:/usr/local/bin:/usr/bin:/bin"}
-        if self.site:
-            env["PYTHONPATH"] = self.site
+        # the same path for the agent's commands and the scoring run (CODE_PATH places it there)
+        path = [p for p in (self.site, self.env_site) if p]
+        if path:
+            env["PYTHONPATH"] = os.pathsep.join(path)
         return env
 
     def run(self, command: str, limits: BashLimits) -> SandboxResult:

@@ -204,12 +204,22 @@ def _make_checker(emit, key, root):
 # from a file of the workspace. Only the task's own top-level modules (`own`: the names of the
 # task's snapshot, from the key) are taken from the copy before an installed copy of them. Started
 # plainly (the agent's run_tests), the copy goes first, as `python -m` would put it.
+# The sandbox's site dirs (PYTHONPATH, set by the workspace, not the agent: the pytest copy and the
+# repository's environment, envs/repo_env.py; both root-owned) go after the standard library and
+# before the interpreter's own packages, where a plain `python` of the agent's finds them too, so
+# both see the same packages; a runner that imported pytest already keeps the one it imported.
 CODE_PATH = """
 def _code_path(root, own):
     if not sys.flags.isolated:
         sys.path.insert(0, root)
         return
-    import importlib.machinery
+    import importlib.machinery, site
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
+    sys.path[:] = [p for p in sys.path if p not in extra]
+    own_site = set(site.getsitepackages())
+    at = next((i for i, p in enumerate(sys.path)
+               if p in own_site or os.path.basename(p) in ("site-packages", "dist-packages")), len(sys.path))
+    sys.path[at:at] = extra
     if own is None:  # a key without the task's names (the container backend): what is there now
         own = [n[:-3] if n.endswith(".py") else n for n in os.listdir(root)]
     own = frozenset(own)

@@ -197,11 +197,10 @@ class EpisodeRunner:
         if not isinstance(lim, dict):
             raise ValueError(f"episode limits must be a map, got {type(lim).__name__}")
         et = EpisodeTask.from_dict(spec["episode"])
-        if self.task_root and et.base_dir:
-            real = os.path.realpath(et.base_dir)
-            if not real.startswith(self.task_root + os.sep):
+        for path, what in ((et.base_dir, "repository snapshot"), (et.env_dir, "repository environment")):
+            if self.task_root and path and not os.path.realpath(path).startswith(self.task_root + os.sep):
                 raise ValueError(
-                    f"task {et.task_id}: repository snapshot {et.base_dir} is outside this worker's "
+                    f"task {et.task_id}: {what} {path} is outside this worker's "
                     f"task set {self.task_root} ([worker.episodes] task_set)"
                 )
         return et, EpisodeLimits(**lim)
