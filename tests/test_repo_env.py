@@ -18,7 +18,7 @@ import tarfile
 import pytest
 
 from asyncrl.tasks import main as tasks_main
-from envs import repo_env, swebench
+from envs import repo_env, repo_requirements, swebench
 from envs.episode import Episode, EpisodeLimits
 from envs.task_set import load_task_set
 
@@ -207,13 +207,13 @@ def test_requirements_are_read_not_run(tmp_path):
     (tmp_path / "requirements-base.txt").write_text("# base\ncharset-normalizer\n--index-url http://x\n")
     (tmp_path / "requirements-docs.txt").write_text("furo\n")
     (tmp_path / "setup.py").write_text("open('ran', 'w').write('x')\n")
-    got = repo_env.requirements(str(tmp_path))
+    got = repo_requirements.requirements(str(tmp_path))
     assert got == ["inflection>=0.5", "toolz; python_version>='3'", "more-itertools", "attrs", "six",
                    "hypothesis", "charset-normalizer", "idna==3.4"]  # fmt: skip
     assert not (tmp_path / "ran").exists()
     (tmp_path / "pyproject.toml").write_text("[project\n")
     with pytest.raises(repo_env.EnvError, match="pyproject.toml does not parse"):
-        repo_env.requirements(str(tmp_path))
+        repo_requirements.requirements(str(tmp_path))
 
 
 def test_import_builds_one_env_per_repository_and_version(imported):
