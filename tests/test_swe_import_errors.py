@@ -410,6 +410,9 @@ def _import_through_a_pipe(tmp_path, first: dict, out) -> subprocess.Popen:
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT},
         stderr=subprocess.PIPE,
+        # SIGINT as a terminal delivers it: a shell's background job (`make test &`) inherits it
+        # ignored, and Python then never turns it into KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
     while True:  # the pipe opens for writing once the import has it open for reading
