@@ -96,7 +96,9 @@ def bug_instance(task: EpisodeTask, repo: str, root: str, out_dir: str) -> dict:
     dest = os.path.join(out_dir, "repos", repo.replace("/", "__"))
     _git(dest, "reset", "-q", "--hard", root)
     _write(dest, task.files)
-    base = _commit_all(dest, f"{task.task_id}: {task.meta.get('kind', 'a bug')} in {task.meta.get('path', '')}")
+    base = _commit_all(
+        dest, f"{task.task_id}: {task.meta.get('kind', 'a bug')} in {task.meta.get('path', '')}"
+    )
     _git(dest, "update-ref", f"refs/heads/bugs/{task.task_id}", base)
     patch = _git(dest, "diff", "--binary", base, root)
     _write(dest, task.hidden_tests)  # what the hidden tests change over the tree (nothing, for a package)
