@@ -37,3 +37,10 @@ def test_the_check_finds_what_it_looks_for():
         assert MAKING.search(line), line
     for line in ("start_new_session=True", "the pytest session fixture", "an issue with 3 parts"):
         assert not MAKING.search(line), line
+
+
+def test_the_readme_is_one_page():
+    """The README is the product's front page: what it is, the two commands, where to go next and one
+    table of figures; the detail lives in docs/ (150 lines at most)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into docs/"
