@@ -11,6 +11,7 @@ reading cannot check (doctest ids, a non-`.py` file) is taken on trust.
 from __future__ import annotations
 
 import ast
+import functools
 
 # statements whose bodies still bind names of the enclosing scope
 _BLOCKS = (ast.If, ast.Try, ast.With, ast.AsyncWith, ast.For, ast.AsyncFor, ast.While)
@@ -69,6 +70,16 @@ def _may_inherit(cls: ast.ClassDef) -> bool:
     return bool(cls.bases or cls.keywords or cls.decorator_list)
 
 
+@functools.lru_cache(maxsize=8)
+def _module_scope(text: str) -> dict[str, ast.AST] | None:
+    """The names a test file binds at module level, once per file text (a package's suite lists
+    hundreds of ids of one large file); None when it does not parse."""
+    try:
+        return _bound(ast.parse(text).body)
+    except (SyntaxError, ValueError):
+        return None
+
+
 def why_unknown(node_id: str, text: str) -> str | None:
     """Why the file `text` (the one node_id's path names) defines no such test, or None (defined,
     or not decidable by reading)."""
@@ -77,9 +88,8 @@ def why_unknown(node_id: str, text: str) -> str | None:
         return None
     if "globals()" in text:  # tests made at import time: pytest knows them, a reading does not
         return None
-    try:
-        scope = _bound(ast.parse(text).body)
-    except (SyntaxError, ValueError):
+    scope = _module_scope(text)
+    if scope is None:
         return None
     for depth, name in enumerate(names):
         if scope is _TRUST:

@@ -589,10 +589,19 @@ def workspace_patch(task: EpisodeTask, repo: str) -> str:
 
 def export_tasks(tasks: list[EpisodeTask], out_dir: str) -> tuple[str, list[str]]:
     """Write out_dir/instances.jsonl (+ repos/); returns (its path, notes on tasks left out: those
-    without a gold patch)."""
+    without a gold patch). A real package's tasks share one repository (envs/package_repos.py);
+    every other task is a repository of its own (task_to_instance)."""
+    from .package_repos import is_package_task, package_instances
+
     os.makedirs(out_dir, exist_ok=True)
     lines, notes = [], []
-    for t in tasks:
+    packages = [t for t in tasks if is_package_task(t)]
+    try:  # a package's bugs: commits of one repository per package (envs/package_repos.py)
+        insts, notes = package_instances(packages, out_dir)
+        lines += [json.dumps(i, sort_keys=True) for i in insts]
+    except (RuntimeError, ValueError, OSError) as e:
+        notes += [f"{t.task_id}: left out: {e}" for t in packages]
+    for t in (t for t in tasks if not is_package_task(t)):
         try:
             lines.append(json.dumps(task_to_instance(t, out_dir), sort_keys=True))
         except (InstanceError, ValueError, KeyError) as e:

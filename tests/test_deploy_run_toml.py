@@ -44,7 +44,7 @@ def test_each_process_reads_its_table_of_every_shipped_run_toml(path):
         assert getattr(w.engine, key) == v, (path.name, key)
     for key, v in conf.get("scorer", {}).get("run", {}).items():
         assert getattr(s.run, key) == v, (path.name, key)
-    with pytest.MonkeyPatch.context() as mp:  # the trainer's loader reads os.environ
+    with pytest.MonkeyPatch.context() as mp, shared.shipped_task_sets():  # the loader reads os.environ
         for k in [k for k in os.environ if k.startswith("ASYNCRL_") and k != "ASYNCRL_CACHE"]:
             mp.delenv(k)
         t = load(["--config", str(path)])

@@ -1,14 +1,17 @@
 """What the tests of the sectioned process configs (trainer, worker, scorer: bus.config's MOVED,
 build_sections) share: running a process or `asyncrl config check` with a clean environment, the
-printed tree, the layout and MOVED checks, the shipped configs' tables."""
+printed tree, the layout and MOVED checks, the shipped configs' tables (and stand-ins for the task
+sets they name)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import tomllib
 import typing
 from pathlib import Path
@@ -69,10 +72,30 @@ def shipped_tables(table: str) -> list[tuple[Path, dict]]:
     return [(p, tomllib.loads(p.read_text()).get(table, {})) for p in paths]
 
 
+@contextlib.contextmanager
+def shipped_task_sets():
+    """The working directory moved to a scratch one holding a small task set (one train task, one
+    eval task) wherever a shipped config's `[trainer.tasks.swe] task_set` points (relative to where
+    `asyncrl up` runs): those sets are made by the commands the config's header gives, not shipped,
+    and the trainer refuses a config whose set is missing."""
+    from envs.task_set import write_task_set
+    from tests.helpers.agentic import bug_task
+
+    train = bug_task()
+    held_out = dataclasses.replace(train, task_id="t-add-eval", split="eval")
+    with tempfile.TemporaryDirectory(prefix="shipped-sets-") as tmp, contextlib.chdir(tmp):
+        for _, trainer in shipped_tables("trainer"):
+            path = trainer.get("tasks", {}).get("swe", {}).get("task_set")
+            if path and not os.path.isabs(path):
+                write_task_set(path, [train, held_out], {})
+        yield tmp
+
+
 def check_shipped(cls, table: str) -> None:
     """Every shipped config's `[table]` uses the sections (no MOVED key but a section's own name)
     and loads as the process reads it."""
     sections = {f.name for f in dataclasses.fields(cls)}
-    for path, values in shipped_tables(table):
-        assert not set(values) & set(cls.MOVED) - sections, path
-        load_config(cls, None, overrides=values, environ={}, table=table)
+    with shipped_task_sets():
+        for path, values in shipped_tables(table):
+            assert not set(values) & set(cls.MOVED) - sections, path
+            load_config(cls, None, overrides=values, environ={}, table=table)
