@@ -65,14 +65,34 @@ def _runs(py: str, code: str, uid: int | None, env: dict | None = None) -> bool:
         return False
 
 
+# the sandbox puts a private tmpfs over these (envs/sandbox.py): an environment that lives under one
+# (a venv in /tmp) runs for the sandbox uid outside it, but inside only its base interpreter is left
+MASKED = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+
+
+def _under_masks(path: str) -> bool:
+    real = os.path.realpath(path)
+    return any(real == m or real.startswith(m + "/") for m in MASKED)
+
+
+def _hidden_in_sandbox() -> bool:
+    """This environment, or the pytest it would score with (a .pth may add a site dir from
+    elsewhere), lies under a masked directory."""
+    import importlib.util
+
+    found = [importlib.util.find_spec(m) for m in ("pytest", "pluggy")]
+    return any(_under_masks(p) for p in [sys.prefix] + [s.origin for s in found if s and s.origin])
+
+
 @functools.cache
 def sandbox_runtime(root_dir: str) -> tuple[str, str]:
     """(python, site dir or "") for the sandbox: this interpreter when the sandbox uid can run it
-    (it has pytest), else a system python plus a read-only copy of pytest and its (pure-Python)
-    requirements from this environment in `root_dir/site-<python version>`: this environment
-    may live where a fresh uid cannot read (a venv under /root)."""
+    (it has pytest) and the sandbox does not hide its environment (MASKED), else a system python
+    plus a read-only copy of pytest and its (pure-Python) requirements from this environment in
+    `root_dir/site-<python version>`: this environment may live where a fresh uid cannot read (a
+    venv under /root)."""
     uid = fresh_uid()
-    if _runs(sys.executable, "import pytest", uid):
+    if not _hidden_in_sandbox() and _runs(sys.executable, "import pytest", uid):
         return sys.executable, ""
     py = next((p for p in SYSTEM_PYTHONS if _runs(p, "pass", uid)), isolation()[0])
     if _runs(py, "import pytest", uid):

@@ -159,3 +159,21 @@ def test_bad_spec_raises(env):
     for spec in [{}, {"entry": "f"}, {"entry": "1x", "tests": [[[1], 1]]}, {"entry": "f", "tests": [[1, 1]]}]:
         with pytest.raises(SpecError):
             env.verify("def f(x): return x", spec)
+
+
+def test_an_environment_the_sandbox_masks_is_not_its_runtime(tmp_path, monkeypatch):
+    """A venv under /tmp (or a .pth adding a site dir there) runs for the sandbox uid outside the
+    sandbox, but the sandbox's private /tmp hides it: its runtime is then a system python with a copy
+    of pytest (every scoring run needs it)."""
+    from envs import workspace
+
+    monkeypatch.setattr(workspace.sys, "prefix", "/tmp/some-venv")
+    root = tmp_path / "root"
+    root.mkdir()
+    python, site = workspace.sandbox_runtime.__wrapped__(str(root))
+    assert python != workspace.sys.executable
+    if site:  # that python has no pytest of its own: the copy holds pytest and what it imports
+        assert os.path.isfile(os.path.join(site, "pytest", "__init__.py"))
+        assert os.path.isfile(os.path.join(site, "pluggy", "__init__.py"))
+    assert workspace._under_masks("/tmp") and workspace._under_masks("/dev/shm/x")
+    assert not workspace._under_masks("/tmpfoo") and not workspace._under_masks("/usr/lib")

@@ -225,6 +225,23 @@ def test_snapshot_shares_no_memory_with_the_live_state():
     assert_same(snap2.model, at2, "model at 2, after a third step")
 
 
+def test_the_writer_runs_at_the_lowest_priority_and_counts_its_cpu(tmp_path):
+    """Under `up` the write competes with the rollout workers (nice 10) for the cores: it must lose."""
+    from trainer.checkpoint_writer import CheckpointWriter
+
+    seen = {}
+    writer = CheckpointWriter(
+        tmp_path, keep=1, before_write=lambda: seen.update(nice=os.getpriority(os.PRIO_PROCESS, 0))
+    )
+    st = checkpoint.TrainerState(version=1, epoch=1, model={"w": torch.ones(1024, 256)}, optimizer={})
+    path = writer.submit(st).result()
+    writer.close()
+    assert seen["nice"] == 19  # the writer thread's own nice (a thread id on Linux)
+    assert os.getpriority(os.PRIO_PROCESS, 0) != 19  # the calling thread keeps its priority
+    assert checkpoint.load(path).version == 1
+    assert writer.writes == 1 and 0.0 <= writer.write_cpu_total_s <= writer.write_total_s + 0.05
+
+
 @pytest.mark.parametrize("bad", ["always", 2, "inline"])  # ("yes", "on": true, as from env)
 def test_a_bad_background_value_is_refused_clearly(bad):
     with pytest.raises(ValueError) as e:

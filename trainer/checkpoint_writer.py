@@ -21,6 +21,8 @@ only while it still leads); they come back and the new leader's consumed ids dec
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -32,14 +34,27 @@ from . import checkpoint
 log = get_logger(__name__)
 
 
+def _lowest_priority() -> None:
+    """The writer thread runs at nice 19: its CPU (serialising GBs into the page cache) is taken
+    from whatever else is runnable, and on a small machine that is the rollout workers (nice 10 under
+    `up`), which the trainer waits on. A write that yields to them finishes later, which costs nothing:
+    the next version only finds the writer busy and goes out uncheckpointed (see above)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not permitted: the default priority
+        pass
+
+
 class CheckpointWriter:
     def __init__(self, ckpt_dir: str | Path, keep: int, before_write=None, delay_s: float = 0.0):
         self.ckpt_dir, self.keep, self.delay_s = ckpt_dir, keep, delay_s
         self.before_write = before_write  # e.g. CheckpointState.wait: shards complete before named
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="checkpoint-writer", initializer=_lowest_priority
+        )
         self._inflight: Future | None = None
         self._claimed = False  # a snapshot is taken for a write not yet submitted
-        self.writes, self.write_total_s = 0, 0.0
+        self.writes, self.write_total_s, self.write_cpu_total_s = 0, 0.0, 0.0
         self.last_write_s: float | None = None
         self.last_written_version: int | None = None
 
@@ -65,7 +80,7 @@ class CheckpointWriter:
         return self._inflight
 
     def _write(self, st: checkpoint.TrainerState, commit_if) -> Path:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         if self.delay_s:  # fault injection (tests): a write slower than a step
             time.sleep(self.delay_s)
         if self.before_write is not None:
@@ -73,6 +88,7 @@ class CheckpointWriter:
         path = checkpoint.save(self.ckpt_dir, st, keep=self.keep, commit_if=commit_if)
         self.last_write_s = time.perf_counter() - t0
         self.write_total_s += self.last_write_s
+        self.write_cpu_total_s += time.thread_time() - c0
         self.writes += 1
         self.last_written_version = st.version
         return path

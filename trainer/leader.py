@@ -636,6 +636,7 @@ class Trainer:
                 checkpoint_write_s=self.writer.last_write_s,
                 checkpoint_written_version=self.writer.last_written_version,
                 checkpoint_write_total_s=self.writer.write_total_s,
+                checkpoint_write_cpu_total_s=self.writer.write_cpu_total_s,
             )
 
     async def publish_version(
