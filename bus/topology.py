@@ -70,7 +70,36 @@ import dataclasses  # noqa: E402  (kept below the names: the names are the contr
 from dataclasses import dataclass  # noqa: E402
 
 from nats.js import api  # noqa: E402
-from nats.js.errors import BucketNotFoundError, NotFoundError  # noqa: E402
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError  # noqa: E402
+from tenacity import (  # noqa: E402
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_delay,
+    wait_exponential,
+)
+
+# "no suitable peers for placement": a forming cluster refuses a replicated stream for a few seconds
+# even after its meta leader lists every peer current (its placement reads peer state of its own)
+PLACEMENT_REFUSED = 10005
+PLACEMENT_WAIT_S = 30.0
+
+
+def _placement_refused(e: BaseException) -> bool:
+    return isinstance(e, BadRequestError) and e.err_code == PLACEMENT_REFUSED
+
+
+async def _create(make):
+    """`make()` (a stream or bucket creation), retried while the cluster refuses placement only;
+    every other error, and a refusal that outlasts PLACEMENT_WAIT_S, is raised as it came."""
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception(_placement_refused),
+        stop=stop_after_delay(PLACEMENT_WAIT_S),
+        wait=wait_exponential(multiplier=0.2, max=2.0),
+        reraise=True,
+    ):
+        with attempt:
+            return await make()
+
 
 WORK_STREAMS = {TASKS: "rl.tasks.>", ROLLOUTS: "rl.rollouts.>", SCORED: "rl.scored.>"}
 WORK_CONSUMERS = {TASKS: ROLLOUT_CONSUMER, ROLLOUTS: SCORER_CONSUMER, SCORED: TRAINER_CONSUMER}
@@ -195,7 +224,7 @@ async def provision(js, cfg: TopologyConfig | None = None, log=None) -> dict[str
         try:
             have = (await js.stream_info(want.name)).config
         except NotFoundError:
-            await js.add_stream(want)
+            await _create(lambda w=want: js.add_stream(w))
             done[want.name] = "created"
             continue
         changed = _differs(want, have, _STREAM_FIELDS)
@@ -248,11 +277,10 @@ async def provision(js, cfg: TopologyConfig | None = None, log=None) -> dict[str
         else:
             done[CONTROL_BUCKET] = "unchanged"
     except BucketNotFoundError:
-        await js.create_key_value(
-            api.KeyValueConfig(
-                bucket=CONTROL_BUCKET, history=cfg.kv_history, replicas=cfg.replicas, storage=storage
-            )
+        kv = api.KeyValueConfig(
+            bucket=CONTROL_BUCKET, history=cfg.kv_history, replicas=cfg.replicas, storage=storage
         )
+        await _create(lambda: js.create_key_value(kv))
         done[CONTROL_BUCKET] = "created"
 
     try:
@@ -264,12 +292,10 @@ async def provision(js, cfg: TopologyConfig | None = None, log=None) -> dict[str
         else:
             done[BLOB_BUCKET] = "unchanged"
     except (BucketNotFoundError, NotFoundError):
-        await js.create_object_store(
-            BLOB_BUCKET,
-            config=api.ObjectStoreConfig(
-                bucket=BLOB_BUCKET, ttl=cfg.blob_ttl_s, replicas=cfg.replicas, storage=storage
-            ),
+        blobs = api.ObjectStoreConfig(
+            bucket=BLOB_BUCKET, ttl=cfg.blob_ttl_s, replicas=cfg.replicas, storage=storage
         )
+        await _create(lambda: js.create_object_store(BLOB_BUCKET, config=blobs))
         done[BLOB_BUCKET] = "created"
     return done
 
@@ -341,7 +367,7 @@ async def provision_mirrors(js, m: MirrorConfig | None = None, log=None) -> dict
         try:
             have = (await js.stream_info(want.name)).config
         except NotFoundError:
-            await js.add_stream(want)
+            await _create(lambda w=want: js.add_stream(w))
             done[want.name] = "created"
             continue
         src = have.mirror

@@ -296,3 +296,30 @@ async def test_region_mirrors_under_role_based_hub_and_region_stays_a_worker(tmp
             await b.close()
         region.stop()
         hub.stop()
+
+
+async def test_creation_waits_out_a_forming_clusters_placement_refusal_only(monkeypatch):
+    """A cluster still forming refuses a replicated stream ("no suitable peers for placement") for
+    a few seconds: creation retries that refusal, and raises every other error at once."""
+    from nats.js.errors import BadRequestError
+
+    from bus import topology
+
+    monkeypatch.setattr(topology, "PLACEMENT_WAIT_S", 5.0)
+    calls = []
+
+    async def refused_twice():
+        calls.append(1)
+        if len(calls) < 3:
+            raise BadRequestError(code=400, err_code=10005, description="no suitable peers for placement")
+        return "made"
+
+    assert await topology._create(refused_twice) == "made" and len(calls) == 3
+
+    async def other():
+        calls.append(2)
+        raise BadRequestError(code=400, err_code=10058, description="stream name already in use")
+
+    with pytest.raises(BadRequestError) as e:
+        await topology._create(other)
+    assert e.value.err_code == 10058 and calls.count(2) == 1
