@@ -2,8 +2,11 @@
 
     python -m bench.peer --json [--minutes 15] [--every-s 60] [--eval-n 256] [--eval-seed 0]
                                 [--config deploy/learn-smollm2.toml] [--out DIR] [--plot PNG]
-                                [--peer-python .venv-peer/bin/python]
+                                [--peer-python .venv-peer/bin/python | --trl-from OUT/trl]
     python -m bench.peer --json --from-json OUT/peer.json [--plot PNG]     (the reader alone)
+
+--trl-from reuses an earlier run's TRL side (same --minutes and --every-s; its policies evaluated
+again by the same seeded evaluator) to compare asyncrl configs against one peer run.
 
 Same model (SmolLM2-135M-Instruct, the HF folder `asyncrl model prepare smollm2` writes), same task
 prompts and verifier (`arith-chat-12`: sums of 1-2 digit numbers asked in words, through the chat
@@ -117,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="runs, policies and peer.json go here (default: a temp dir)")
     ap.add_argument("--plot", default=None, help="PNG of success vs wall clock (default: OUT/peer.png)")
     ap.add_argument("--from-json", default=None, help="a recorded OUT/peer.json: report and plot only")
+    ap.add_argument(
+        "--trl-from",
+        default=None,
+        help="a recorded TRL side (an earlier OUT/trl: curve.json and its policies) instead of a new "
+        "TRL run: asyncrl configs compared against one peer run",
+    )
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     a = ap.parse_args(argv)
 
@@ -130,17 +139,26 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result, default=float))
         return 0
 
+    trl = None
+    if a.trl_from:  # its budget and marks must be this run's, or the two curves are not comparable
+        trl = json.loads((Path(a.trl_from) / "curve.json").read_text())
+        if (float(trl["minutes"]), float(trl["every_s"])) != (a.minutes, a.every_s):
+            ap.error(
+                f"--trl-from {a.trl_from} ran --minutes {trl['minutes']} --every-s {trl['every_s']}, "
+                f"not {a.minutes} and {a.every_s}"
+            )
     model = model_dir("smollm2")
     if not is_prepared("smollm2"):
         print("bench.peer: SmolLM2 is not prepared: run `make models`", file=sys.stderr)
         return 2
-    if not Path(a.peer_python).is_file():
+    if not a.trl_from and not Path(a.peer_python).is_file():
         print(f"bench.peer: no {a.peer_python}: run `make peer-venv`", file=sys.stderr)
         return 2
     out = Path(a.out or tempfile.mkdtemp(prefix="bench-peer-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    trl = run_trl(a.peer_python, model, out / "trl", a.minutes, a.every_s, a.seed)
+    if trl is None:
+        trl = run_trl(a.peer_python, model, out / "trl", a.minutes, a.every_s, a.seed)
     print(f"trl: {trl['steps']} steps, {len(trl['policies'])} policies saved", flush=True)
     ours = run_asyncrl(a.config, out / "asyncrl", a.minutes, a.every_s)
     print(f"asyncrl: {ours['versions']} versions, {len(ours['policies'])} exported", flush=True)

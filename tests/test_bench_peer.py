@@ -87,3 +87,28 @@ def test_reader_main_writes_the_plot_and_prints_one_json(recorded, tmp_path, cap
     assert last["ratio"] == pytest.approx(compare(recorded["policies"])["ratio"])
     assert last["eval"]["distinct_problems"] >= 100 and last["plot"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_the_reader_on_a_measured_pair(tmp_path, capsys):
+    """A measured pair (bench.peer --minutes 8 --every-s 90 on this project's 2-core box): the reader
+    gives back what the bench printed when it ran, from the recorded file alone."""
+    measured = Path(__file__).parent / "data" / "peer_measured_1.json"
+    recorded = json.loads(measured.read_text())
+    assert recorded["eval"] == {"n": 256, "seed": 0, "distinct_problems": 168}
+    assert recorded["runs"]["trl"]["steps"] == 35 and recorded["runs"]["asyncrl"]["versions"] == 53
+    assert main(["--from-json", str(measured), "--plot", str(tmp_path / "p.png"), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["target"] == pytest.approx(0.5586, abs=1e-4)
+    assert r["trl"]["reach_s"] == pytest.approx(364.1, abs=0.1)
+    assert r["asyncrl"]["best"] == pytest.approx(0.5078, abs=1e-4) and r["asyncrl"]["reach_s"] is None
+    assert r["ratio"] is None and r["ratio_at_least"] == pytest.approx(473.6 / 364.1, abs=1e-3)
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_a_recorded_trl_side_of_another_budget_is_refused(tmp_path, capsys):
+    (tmp_path / "curve.json").write_text(json.dumps({"minutes": 8.0, "every_s": 90.0, "policies": []}))
+    with pytest.raises(SystemExit) as e:
+        main(["--trl-from", str(tmp_path), "--minutes", "5", "--every-s", "90", "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+    assert "ran --minutes 8.0 --every-s 90.0, not 5.0 and 90.0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before anything runs
