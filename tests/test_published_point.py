@@ -81,3 +81,52 @@ def test_off_leaves_the_model_alone_and_restores_after_an_error():
     except RuntimeError:
         pass
     assert all(torch.equal(a, b) for a, b in zip(keep, model.parameters()))
+
+
+def test_a_dithered_master_publishes_the_same_point_and_rounds_without_bias():
+    from trainer.published_point import dither_master
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(256, 256)
+    with torch.no_grad():
+        m.weight.copy_(m.weight.to(torch.bfloat16).float())  # a bf16 checkpoint: on the grid
+        m.bias.add_(1e-4)  # off the grid: left as it is
+    w0, b0 = m.weight.detach().clone(), m.bias.detach().clone()
+    moved = dither_master(m, seed=3)
+    assert moved > 0.99 * w0.numel() and torch.equal(m.bias, b0)
+    assert torch.equal(m.weight.to(torch.bfloat16), w0.to(torch.bfloat16))  # v0 is the same policy
+    assert not torch.equal(m.weight, w0)
+    _, e = torch.frexp(w0)
+    step = torch.ldexp(torch.full_like(w0, torch.finfo(torch.bfloat16).eps), e - 1)
+    drift = 0.1 * step  # a tenth of a grid step of learning in every weight
+    seen = lambda master: float((((master + drift).to(torch.bfloat16).float() - w0) / drift).mean())  # noqa: E731
+    assert abs(seen(m.weight.detach()) - 1.0) < 0.05  # the published point moved with the master
+    assert seen(w0) == 0.0  # undithered: it did not move at all
+    flipped = ((m.weight + drift).to(torch.bfloat16) != w0.to(torch.bfloat16)).float().mean()
+    assert 0.05 < float(flipped) < 0.15  # ~a tenth of the weights flip: the delta stays sparse
+    again = torch.nn.Linear(256, 256)
+    with torch.no_grad():
+        again.weight.copy_(w0)
+    dither_master(again, seed=3)
+    assert torch.equal(again.weight, m.weight)  # seeded: every rank of a group alike
+
+
+def test_the_trainer_dithers_only_when_asked():
+    from trainer.config import TrainerConfig
+    from trainer.factory import build_model
+
+    def weights(**loss):
+        model, _ = build_model(TrainerConfig(policy={"model": {"preset": "tiny"}}, loss=loss))
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    plain, dithered = weights(), weights(master_dither=True)
+    off = weights(master_dither=True, published_point=False)
+    assert all(torch.equal(plain[k], off[k]) for k in plain)  # no published point: nothing to dither
+    assert all(torch.equal(plain[k].to(torch.bfloat16), dithered[k].to(torch.bfloat16)) for k in plain)
+    # a fresh fp32 init is off the grid (but for ~1 in 2^16 elements by chance); its norm gains start
+    # at 1.0, on it: those move
+    norms = [k for k in plain if "norm" in k]
+    assert norms and all(not torch.equal(plain[k], dithered[k]) for k in norms)
+    rest = [k for k in plain if k not in norms]
+    changed = sum(int((plain[k] != dithered[k]).sum()) for k in rest)
+    assert changed < 1e-3 * sum(plain[k].numel() for k in rest)

@@ -72,6 +72,7 @@ _MOVES = {
         "logit_chunk_mb",
         "replay",
         "published_point",
+        "master_dither",
     ),
     "cost": {
         **same_keys("penalty", "penalty_cap", "budget_tokens", "budget_lr"),

@@ -12,12 +12,15 @@ from .commands import world
 from .config import TrainerConfig
 from .fsdp import checkpoint_blocks, shard
 from .learner import Learner
+from .published_point import dither_master
 from .schedule import LRSchedule
 
 
 def build_model(cfg: TrainerConfig) -> tuple[Transformer, ModelConfig]:
     """The model every rank trains: whole with one process, sharded by FSDP2 in a group."""
     model, mcfg = initial_model(cfg)
+    if cfg.loss.published_point and cfg.loss.master_dither:  # a resume then loads the dithered master
+        dither_master(model, cfg.run.seed)
     if cfg.policy.activation_checkpointing:
         checkpoint_blocks(model)
     if world()[1] > 1:

@@ -133,6 +133,9 @@ class LossConfig:
     # forward/backward at the bf16 rounding of the master (what workers sample from), the update
     # applied to the fp32 master (trainer/published_point.py); false: on the master itself
     published_point: bool = True
+    # with published_point: the master starts a uniform random fraction of a bf16 step off each
+    # weight on the bf16 grid, so the published bf16 moves from the first step (published_point.py)
+    master_dither: bool = False
 
     def __post_init__(self) -> None:
         check(
