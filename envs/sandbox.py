@@ -43,6 +43,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+# the directories the sandbox puts its one private tmpfs over (PRELUDE below mounts them): nothing of
+# the host under them is visible inside
+MASKED_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+
 # Runs first inside the sandbox: containment (when in the namespaces: it is their root until it
 # drops every capability here), limits and guards, then the script. Parameters come as argv.
 PRELUDE = r"""

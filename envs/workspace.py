@@ -32,7 +32,7 @@ from typing import Protocol
 from . import repo_env, scoring_run
 from .isolation import claim
 from .safe_path import clear_for_write
-from .sandbox import SYSTEM_PYTHONS, BashLimits, SandboxResult, fresh_uid, isolation, run_bash
+from .sandbox import MASKED_DIRS, SYSTEM_PYTHONS, BashLimits, SandboxResult, fresh_uid, isolation, run_bash
 from .test_report import ScoreInfo, parse_report  # noqa: F401  (parse_report: re-exported)
 from .workspace_tools import tool_files
 
@@ -65,14 +65,11 @@ def _runs(py: str, code: str, uid: int | None, env: dict | None = None) -> bool:
         return False
 
 
-# the sandbox puts a private tmpfs over these (envs/sandbox.py): an environment that lives under one
-# (a venv in /tmp) runs for the sandbox uid outside it, but inside only its base interpreter is left
-MASKED = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
-
-
 def _under_masks(path: str) -> bool:
+    """An environment under a masked directory (a venv in /tmp) runs for the sandbox uid outside
+    the sandbox, but inside only its base interpreter is left."""
     real = os.path.realpath(path)
-    return any(real == m or real.startswith(m + "/") for m in MASKED)
+    return any(real == m or real.startswith(m + "/") for m in MASKED_DIRS)
 
 
 def _hidden_in_sandbox() -> bool:
@@ -87,7 +84,7 @@ def _hidden_in_sandbox() -> bool:
 @functools.cache
 def sandbox_runtime(root_dir: str) -> tuple[str, str]:
     """(python, site dir or "") for the sandbox: this interpreter when the sandbox uid can run it
-    (it has pytest) and the sandbox does not hide its environment (MASKED), else a system python
+    (it has pytest) and the sandbox does not hide its environment (MASKED_DIRS), else a system python
     plus a read-only copy of pytest and its (pure-Python) requirements from this environment in
     `root_dir/site-<python version>`: this environment may live where a fresh uid cannot read (a
     venv under /root)."""

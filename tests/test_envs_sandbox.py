@@ -175,5 +175,9 @@ def test_an_environment_the_sandbox_masks_is_not_its_runtime(tmp_path, monkeypat
     if site:  # that python has no pytest of its own: the copy holds pytest and what it imports
         assert os.path.isfile(os.path.join(site, "pytest", "__init__.py"))
         assert os.path.isfile(os.path.join(site, "pluggy", "__init__.py"))
+    # the normal user's case: the sandbox uid can run this interpreter (outside the sandbox), so only
+    # the mask can rule it out
+    monkeypatch.setattr(workspace, "_runs", lambda *a, **k: True)
+    assert workspace.sandbox_runtime.__wrapped__(str(root))[0] != workspace.sys.executable
     assert workspace._under_masks("/tmp") and workspace._under_masks("/dev/shm/x")
     assert not workspace._under_masks("/tmpfoo") and not workspace._under_masks("/usr/lib")
