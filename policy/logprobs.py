@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .packing import one_per_row, shared_prompts
 from .sampling import (
     FULL,
     SamplingConfig,
@@ -53,12 +54,16 @@ def sequence_logprobs(
     masks: Sequence[SamplingMask | None] | None = None,
     replay_mask: bool = True,
     chunk_tokens: int = 0,
+    share_prompts: bool = False,
+    packed_row_tokens: int = 0,
 ) -> LogprobResult:
     """Batched, differentiable. replay_mask=True: each token's distribution is rebuilt from its
     shipped kept set (mask=None: re-derived from our own logits with the same truncation).
     replay_mask=False: temperature only, no truncation (what a naive trainer would compute).
     Quant replay is `model.quant`. chunk_tokens: completion tokens projected to the vocabulary
-    at a time (0 = all)."""
+    at a time (0 = all). share_prompts: the completions of one prompt run packed behind a single
+    copy of it (policy/packing.py): the same numbers, the prompt computed once; a packed row
+    holds at most packed_row_tokens tokens (0: no cap)."""
     B = len(prompts)
     if len(completions) != B:
         raise ValueError(f"{B} prompts but {len(completions)} completions")
@@ -80,19 +85,15 @@ def sequence_logprobs(
         if m is not None and len(m) != n:
             raise ValueError(f"sequence {i}: mask has {len(m)} rows for {n} completion tokens")
     dev = next(model.parameters()).device
-    Tc, Tf = max(clen, default=0), max(p + c for p, c in zip(plen, clen))
-    idx = torch.zeros(B, Tf, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        idx[i, : plen[i] + clen[i]] = torch.as_tensor(list(p) + list(c), dtype=torch.long)
-    idx = idx.to(dev)
-    P, C = torch.tensor(plen, device=dev), torch.tensor(clen, device=dev)
+    if share_prompts:
+        rows = shared_prompts(prompts, completions, dev, packed_row_tokens)
+    else:
+        rows = one_per_row(prompts, completions, dev)
+    Tc = max(clen, default=0)
+    C = torch.tensor(clen, device=dev)
     j = torch.arange(Tc, device=dev)
     valid = j[None] < C[:, None]
-    # logits at position plen-1+j predict completion token j (right padding never leaks: causal)
-    pos = (P[:, None] - 1 + j[None]).clamp(max=Tf - 1)
-    rows = torch.arange(B, device=dev)[:, None].expand(B, Tc)
-    rv, pv = rows[valid], pos[valid]  # N = total completion tokens
-    target = idx[rv, (pos + 1).clamp(max=Tf - 1)[valid]]
+    rv, pv, target = rows.row, rows.at, rows.target  # N = total completion tokens, sample-major
     temperature, top_p, top_k = (t.repeat_interleave(C) for t in sampling_tensors(samplings, B, dev))
     if not replay_mask:
         temperature = torch.where(temperature > 0, temperature, 1.0)  # greedy: plain softmax
@@ -101,8 +102,9 @@ def sequence_logprobs(
     def head(h, w):  # inside the model's forward: only completion positions, chunk by chunk
         return token_logprobs(h[rv, pv], w, target, temperature, top_p, top_k, rowsets, chunk_tokens)
 
-    tok_lp, ent = model(idx, head=head)
-    at = (rv, j.expand(B, Tc)[valid])
+    packed = {} if rows.mask is None else {"pos": rows.pos, "mask": rows.mask}
+    tok_lp, ent = model(rows.idx, head=head, **packed)
+    at = (torch.arange(B, device=dev)[:, None].expand(B, Tc)[valid], j.expand(B, Tc)[valid])
     out_lp = torch.zeros(B, Tc, device=dev, dtype=tok_lp.dtype).index_put(at, tok_lp)
     out_ent = torch.zeros(B, Tc, device=dev, dtype=ent.dtype).index_put(at, ent)
     return LogprobResult(out_lp, out_ent, valid)

@@ -116,11 +116,14 @@ class KVCache:
         return self.a[layer, slots, :n], self.b[layer, slots, :n]
 
 
-def attend(q, k, v, pos, causal_full: bool):
+def attend(q, k, v, pos, causal_full: bool, mask=None):
     """q [B,H,T,d], k [B,Hk,S,d], v [B,Hk,S,dv] (Hk divides H: grouped-query heads share k/v).
-    Full forward: plain causal mask. Cached: key j is visible to the query at absolute position
-    p iff j <= p (each slot has its own length)."""
+    Full forward: plain causal mask, or `mask` [B, T, T] bool (True: key visible) where the
+    caller packs several sequences into a row (policy/packing.py). Cached: key j is visible to
+    the query at absolute position p iff j <= p (each slot has its own length)."""
     gqa = k.shape[1] != q.shape[1]
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
     if causal_full:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     keys = torch.arange(k.shape[2], device=q.device)
@@ -146,7 +149,7 @@ class GQAttention(nn.Module):
         self.o_proj = QLinear(H * D, cfg.d_model, bias=False)
         self.quant = QuantConfig()
 
-    def forward(self, x, cos, sin, pos, cache=None, layer=0, slots=None):
+    def forward(self, x, cos, sin, pos, cache=None, layer=0, slots=None, mask=None):
         c, (B, T, _) = self.cfg, x.shape
         q = apply_rope(self.q_proj(x).view(B, T, c.n_heads, c.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim), cos, sin)
@@ -155,7 +158,7 @@ class GQAttention(nn.Module):
             k, v = cache.write_and_read(layer, slots, pos, k, v)  # [B, Hk, S, d]
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-        y = attend(q.transpose(1, 2), k, v, pos, causal_full=cache is None)
+        y = attend(q.transpose(1, 2), k, v, pos, causal_full=cache is None, mask=mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -176,7 +179,7 @@ class MLAttention(nn.Module):
         self.o_proj = QLinear(H * cfg.v_head_dim, cfg.d_model, bias=False)
         self.quant = QuantConfig()
 
-    def forward(self, x, cos, sin, pos, cache=None, layer=0, slots=None):
+    def forward(self, x, cos, sin, pos, cache=None, layer=0, slots=None, mask=None):
         c, (B, T, _) = self.cfg, x.shape
         H, dn, dr = c.n_heads, c.qk_nope_dim, c.qk_rope_dim
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if c.q_lora_rank else self.q_proj(x)
@@ -193,7 +196,9 @@ class MLAttention(nn.Module):
         k_nope, v = self.kv_b_proj(c_kv).view(B, S, H, dn + c.v_head_dim).split([dn, c.v_head_dim], -1)
         k = torch.cat([k_nope, k_rope[:, :, None, :].expand(B, S, H, dr)], -1)
         q = torch.cat([q_nope, q_rope], -1)
-        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, causal_full=cache is None)
+        y = attend(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, causal_full=cache is None, mask=mask
+        )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -216,8 +221,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, pos, cache, layer, slots):
-        x = x + self.attn(self.attn_norm(x), cos, sin, pos, cache, layer, slots)
+    def forward(self, x, cos, sin, pos, cache, layer, slots, mask=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, pos, cache, layer, slots, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -276,7 +281,7 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def _run(self, idx, pos, cache=None, slots=None, head=None):
+    def _run(self, idx, pos, cache=None, slots=None, head=None, mask=None):
         if int(pos.max()) >= self.cfg.max_seq_len:
             raise ValueError(f"position {int(pos.max())} >= max_seq_len {self.cfg.max_seq_len}")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.cfg.vocab_size):
@@ -287,21 +292,30 @@ class Transformer(nn.Module):
         x = self.tok_emb(idx)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         for i, blk in enumerate(self.layers):
-            x = blk(x, cos, sin, pos, cache, i, slots)
+            x = blk(x, cos, sin, pos, cache, i, slots, mask)
         x = self.norm(x)
         w = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
         if head is not None:
             return head(x, w)
         return F.linear(x, w).float()
 
-    def forward(self, idx: torch.Tensor, head=None):
+    def forward(self, idx: torch.Tensor, head=None, pos=None, mask=None):
         """Teacher-forced causal forward: idx [B, T] -> logits [B, T, V] (fp32). With `head`, the
         result of head(hidden [B, T, d], output weight [V, d]) instead of the full projection:
         called inside forward, where FSDP2 holds the root's parameters gathered, so a caller can
-        project only the positions it needs, a few at a time (policy.sequence_logprobs)."""
+        project only the positions it needs, a few at a time (policy.sequence_logprobs).
+        Packed rows (policy/packing.py): `pos` [B, T] each token's position in its own sequence
+        and `mask` [B, T, T] bool (True: the query may attend to the key) instead of causal."""
         B, T = idx.shape
-        pos = torch.arange(T, device=idx.device).expand(B, T)
-        return self._run(idx, pos, head=head)
+        if (pos is None) != (mask is None):
+            raise ValueError("a packed forward needs both pos and mask")
+        if pos is None:
+            pos = torch.arange(T, device=idx.device).expand(B, T)
+        elif pos.shape != idx.shape or mask.shape != (B, T, T):
+            raise ValueError(
+                f"packed forward: pos {tuple(pos.shape)} and mask {tuple(mask.shape)} for idx {(B, T)}"
+            )
+        return self._run(idx, pos, head=head, mask=mask)
 
     def _cached(self, idx, cache: KVCache, slots: torch.Tensor):
         if len(torch.unique(slots)) != len(slots):

@@ -71,6 +71,8 @@ _MOVES = {
         "micro_batch_tokens",
         "logit_chunk_mb",
         "replay",
+        "share_prompts",
+        "packed_row_tokens",
         "published_point",
         "master_dither",
     ),

@@ -26,10 +26,10 @@ def checkpoint_blocks(model) -> None:
     for blk in model.layers:
         inner = blk.forward
 
-        def fwd(x, cos, sin, pos, cache=None, layer=0, slots=None, _inner=inner):
+        def fwd(x, cos, sin, pos, cache=None, layer=0, slots=None, mask=None, *, _inner=inner):
             if cache is None and torch.is_grad_enabled():
-                return checkpoint(_inner, x, cos, sin, pos, cache, layer, slots, use_reentrant=False)
-            return _inner(x, cos, sin, pos, cache, layer, slots)
+                return checkpoint(_inner, x, cos, sin, pos, cache, layer, slots, mask, use_reentrant=False)
+            return _inner(x, cos, sin, pos, cache, layer, slots, mask)
 
         blk.forward = functools.wraps(inner)(fwd)
 

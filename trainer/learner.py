@@ -44,6 +44,7 @@ from policy import (
     mismatch_metrics,
     sequence_logprobs,
 )
+from policy.packing import prompt_units
 from policy.reward import trained_rewards
 
 from .buckets import length_buckets
@@ -187,17 +188,43 @@ class Learner:
         # delta_context: sharded parts code positions in the context of the base
         self.publication = Publication(model, delta_context=delta_context)
 
+    def _units(self, samples: list[PackedSample], idx: list[int]) -> list[list[int]]:
+        """Sample indices that run as one packed row (one prompt's completions behind one copy of
+        it, policy/packing.py), or one each with share_prompts off."""
+        if not self.loss_cfg.share_prompts:
+            return [[i] for i in idx]
+        units = prompt_units(
+            [samples[i].prompt_ids for i in idx],
+            [samples[i].completion_ids for i in idx],
+            self.loss_cfg.packed_row_tokens,
+        )
+        return [[idx[k] for k in u] for u in units]
+
     def _runs(self, samples: list[PackedSample], idx: list[int]) -> list[tuple[dict, list[int]]]:
-        """(quant, sample indices) of each micro-batch: shared quant config, similar lengths."""
+        """(quant, sample indices) of each micro-batch: shared quant config, similar lengths; a
+        packed unit counts its packed tokens and stays whole (at most micro_batch sequences per
+        pass where units allow)."""
         by_quant: dict[str, list[int]] = {}
         for i in idx:
             by_quant.setdefault(repr(sorted(samples[i].quant.items())), []).append(i)
         out = []
         for group in by_quant.values():
-            lens = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in group]
-            runs = length_buckets(lens, self.micro_batch, max_tokens=self.micro_batch_tokens)
-            out += [(samples[group[0]].quant, [group[r] for r in run]) for run in runs]
+            units = self._units(samples, group)
+            lens = [
+                len(samples[u[0]].prompt_ids) + sum(len(samples[i].completion_ids) for i in u) for u in units
+            ]
+            widest = max(len(u) for u in units)
+            runs = length_buckets(
+                lens, max(1, self.micro_batch // widest), max_tokens=self.micro_batch_tokens
+            )
+            out += [(samples[group[0]].quant, [i for r in run for i in units[r]]) for run in runs]
         return out
+
+    def _share(self, samples: list[PackedSample], live: list[int], rank: int, ws: int) -> list[int]:
+        """This rank's samples: every ws-th unit (a packed unit is never split over ranks)."""
+        if ws == 1:
+            return live
+        return [i for u in self._units(samples, live)[rank::ws] for i in u]
 
     def _run_logprobs(self, model, chunk: list[PackedSample], quant: dict):
         """Packed [T] logprobs and entropies of one micro-batch, replaying its kept sets and fp8
@@ -215,6 +242,8 @@ class Learner:
                 else None,
                 replay_mask=self.replay,
                 chunk_tokens=self.logit_chunk_tokens,
+                share_prompts=self.loss_cfg.share_prompts,
+                packed_row_tokens=self.loss_cfg.packed_row_tokens,
             )
         finally:
             model.quant = keep
@@ -311,10 +340,10 @@ class Learner:
 
     def _plan(self, samples: list[PackedSample], live: list[int], rank: int, ws: int):
         """(this rank's micro-batches, passes every rank makes, the loss's scale for FSDP2's mean)."""
-        runs = self._runs(samples, live[rank::ws])
+        runs = self._runs(samples, self._share(samples, live, rank, ws))
         # every rank computes every rank's plan: the longest decides how many passes all make
         n_pass = (
-            max(len(self._runs(samples, live[r::ws])) for r in range(ws))
+            max(len(self._runs(samples, self._share(samples, live, r, ws))) for r in range(ws))
             if is_sharded(self.model)
             else len(runs)
         )

@@ -130,6 +130,10 @@ class LossConfig:
     micro_batch_tokens: int = 16384  # padded tokens per forward (at most; a longer sequence runs alone)
     logit_chunk_mb: float = 64.0  # fp32 [tokens, vocab] logits projected at a time (chunked logprobs)
     replay: bool = True  # recompute logprobs with the workers' sampling masks + fp8 sites
+    # a group's completions run packed behind one copy of their prompt (policy/packing.py): the
+    # same logprobs and gradients, the prompt's forward and backward done once, not group_size times
+    share_prompts: bool = True
+    packed_row_tokens: int = 4096  # a packed row holds at most this many tokens (its attention is [L, L])
     # forward/backward at the bf16 rounding of the master (what workers sample from), the update
     # applied to the fp32 master (trainer/published_point.py); false: on the master itself
     published_point: bool = True
@@ -150,6 +154,7 @@ class LossConfig:
                 "micro_batch": self.micro_batch >= 1,
                 "micro_batch_tokens": self.micro_batch_tokens >= 0,
                 "logit_chunk_mb": self.logit_chunk_mb > 0,
+                "packed_row_tokens": self.packed_row_tokens >= 1,
             },
         )
 
