@@ -2,6 +2,9 @@
 
     python -m bench.peer --json [--minutes 15] [--every-s 60] [--eval-n 256] [--eval-seed 0]
                                 [--config deploy/learn-smollm2.toml] [--out DIR] [--plot PNG]
+                                [--env arith-chat-12 --max-tokens 24]
+    python -m bench.peer --json --config deploy/learn-smollm2-code.toml --env python-funcs
+                                --max-tokens 128                                 (the code task)
                                 [--peer-python .venv-peer/bin/python | --trl-from OUT/trl]
     python -m bench.peer --json --from-json OUT/peer.json [--plot PNG]     (the reader alone)
 
@@ -9,10 +12,11 @@
 again by the same seeded evaluator) to compare asyncrl configs against one peer run.
 
 Same model (SmolLM2-135M-Instruct, the HF folder `asyncrl model prepare smollm2` writes), same task
-prompts and verifier (`arith-chat-12`: sums of 1-2 digit numbers asked in words, through the chat
-template), same settings (4 prompts x 4 completions a step, lr 1e-5 with 2 warmup steps, AdamW
-(0.9, 0.95), grad clip 1, T 0.7, 24 new tokens, no KL, advantage = reward - group mean, token mean
-over the batch), the same training wall-clock budget (--minutes), one after the other, alone:
+prompts and verifier (--env: `arith-chat-12`, sums of 1-2 digit numbers asked in words, or
+`python-funcs`, short functions asked in words and scored by hidden tests in the sandbox; through
+the chat template), same settings (4 prompts x 4 completions a step, lr 1e-5 with 2 warmup steps,
+AdamW (0.9, 0.95), grad clip 1, T 0.7, --max-tokens new tokens, no KL, advantage = reward - group
+mean, token mean over the batch), the same training wall-clock budget (--minutes), one after the other, alone:
 
 1. TRL: `bench.peer_trl` in `.venv-peer` (`make peer-venv`); its clock starts with training and
    excludes the saves; a policy saved after the first step past each --every-s mark and at the end.
@@ -58,9 +62,12 @@ MAX_VERSIONS = 64
 UP_STARTUP_MIN = 2.0  # `asyncrl up`'s own clock includes starting the processes and loading the model
 
 
-def run_trl(python: str, model: Path, out: Path, minutes: float, every_s: float, seed: int) -> dict:
+def run_trl(
+    python: str, model: Path, out: Path, minutes: float, every_s: float, seed: int, env: str, max_tokens: int
+) -> dict:
     cmd = [python, "-m", "bench.peer_trl", "--model", str(model), "--out", str(out)]
     cmd += ["--minutes", str(minutes), "--every-s", str(every_s), "--seed", str(seed)]
+    cmd += ["--env", env, "--max-new-tokens", str(max_tokens)]
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "trl.out", "wb") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -69,12 +76,14 @@ def run_trl(python: str, model: Path, out: Path, minutes: float, every_s: float,
     return json.loads((out / "curve.json").read_text())
 
 
-def run_asyncrl(config: str, out: Path, minutes: float, every_s: float) -> dict:
+def run_asyncrl(config: str, out: Path, minutes: float, every_s: float, env: str, max_tokens: int) -> dict:
     from asyncrl.export import write_export
 
     out.mkdir(parents=True, exist_ok=True)
     up = {"steps": MAX_VERSIONS, "minutes": minutes + UP_STARTUP_MIN, "final_eval": False}
-    conf = with_overrides(config, out, name="bench-peer.toml", up=up, trainer={"tasks": {"envs": [ENV]}})
+    sampling = {"temperature": 0.7, "top_p": 1.0, "max_tokens": max_tokens}
+    tasks = {"envs": [env], "sampling": sampling}
+    conf = with_overrides(config, out, name="bench-peer.toml", up=up, trainer={"tasks": tasks})
     run_dir = out / "run"
     wall = run_once(conf, run_dir, sys.executable)
     rows = [r for r in read_trainer_metrics(run_dir) if "samples" in r]
@@ -112,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=15.0, help="training wall clock per side")
     ap.add_argument("--every-s", type=float, default=60.0, help="evaluate the policy at these clock marks")
+    ap.add_argument("--env", default=ENV, help="the task: arith-chat-12, or python-funcs (the code task)")
+    ap.add_argument("--max-tokens", type=int, default=24, help="new tokens per completion, both sides")
     ap.add_argument("--eval-n", type=int, default=256)
     ap.add_argument("--eval-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0, help="TRL's seed (its task order and sampling)")
@@ -142,10 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     trl = None
     if a.trl_from:  # its budget and marks must be this run's, or the two curves are not comparable
         trl = json.loads((Path(a.trl_from) / "curve.json").read_text())
-        if (float(trl["minutes"]), float(trl["every_s"])) != (a.minutes, a.every_s):
+        ran = (float(trl["minutes"]), float(trl["every_s"]), trl.get("env", ENV))
+        ran += (int(trl.get("settings", {}).get("max_new_tokens", 24)),)
+        if ran != (a.minutes, a.every_s, a.env, a.max_tokens):
             ap.error(
-                f"--trl-from {a.trl_from} ran --minutes {trl['minutes']} --every-s {trl['every_s']}, "
-                f"not {a.minutes} and {a.every_s}"
+                f"--trl-from {a.trl_from} ran --minutes {ran[0]} --every-s {ran[1]} --env {ran[2]} "
+                f"--max-tokens {ran[3]}, not {a.minutes}, {a.every_s}, {a.env}, {a.max_tokens}"
             )
     model = model_dir("smollm2")
     if not is_prepared("smollm2"):
@@ -158,24 +171,31 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if trl is None:
-        trl = run_trl(a.peer_python, model, out / "trl", a.minutes, a.every_s, a.seed)
+        trl = run_trl(a.peer_python, model, out / "trl", a.minutes, a.every_s, a.seed, a.env, a.max_tokens)
     print(f"trl: {trl['steps']} steps, {len(trl['policies'])} policies saved", flush=True)
-    ours = run_asyncrl(a.config, out / "asyncrl", a.minutes, a.every_s)
+    ours = run_asyncrl(a.config, out / "asyncrl", a.minutes, a.every_s, a.env, a.max_tokens)
     print(f"asyncrl: {ours['versions']} versions, {len(ours['policies'])} exported", flush=True)
     entries = [{"side": s, "wall_s": 0.0, "policy": str(model)} for s in ("trl", "asyncrl")]
     entries += [{"side": "trl", **p} for p in trl["policies"]]
     entries += [{"side": "asyncrl", **p} for p in ours["policies"]]
     evaluated = evaluate_policies(
-        entries, str(model), a.eval_n, a.eval_seed, ENV, log=lambda m: print(m, flush=True)
+        entries,
+        str(model),
+        a.eval_n,
+        a.eval_seed,
+        a.env,
+        log=lambda m: print(m, flush=True),
+        max_tokens=a.max_tokens,
     )
     recorded = {
-        "env": ENV,
+        "env": a.env,
+        "max_tokens": a.max_tokens,
         "minutes": a.minutes,
         "every_s": a.every_s,
         "eval": {
             "n": a.eval_n,
             "seed": a.eval_seed,
-            "distinct_problems": distinct_problems(a.eval_n, a.eval_seed),
+            "distinct_problems": distinct_problems(a.eval_n, a.eval_seed, a.env),
         },
         "runs": {
             "trl": {k: v for k, v in trl.items() if k != "policies"},

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 ENV = "arith-chat-12"
-# the training sampling of both sides: T 0.7, no top-p/top-k cut, 24 new tokens
+# the training sampling of both sides: T 0.7, no top-p/top-k cut, 24 new tokens (arith-chat-12)
 SAMPLING = {"temperature": 0.7, "top_p": 1.0, "max_tokens": 24}
 
 
@@ -32,7 +32,13 @@ def distinct_problems(n: int, seed: int, env: str = ENV) -> int:
 
 
 def evaluate_policies(
-    entries: list[dict], tokenizer: str, n: int = 256, seed: int = 0, env: str = ENV, log=print
+    entries: list[dict],
+    tokenizer: str,
+    n: int = 256,
+    seed: int = 0,
+    env: str = ENV,
+    log=print,
+    max_tokens: int = SAMPLING["max_tokens"],
 ) -> list[dict]:
     """entries: {"side", "wall_s", "policy": folder, ...}; returns each with its held-out
     `success`, `tokens` (per answer) and `eval_s` added, in the given order."""
@@ -50,7 +56,8 @@ def evaluate_policies(
             t0 = time.perf_counter()
             _, model = load_hf_checkpoint(key, dtype=torch.float32)
             model.eval()
-            r = evaluate_model(model, tok, [env], SAMPLING, n, seed, chat_template=True, split="eval")
+            sampling = {**SAMPLING, "max_tokens": max_tokens}
+            r = evaluate_model(model, tok, [env], sampling, n, seed, chat_template=True, split="eval")
             done[key] = {
                 "success": r["eval_success"],
                 "tokens": r["eval_tokens"],
@@ -74,9 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--env", default=ENV)
+    ap.add_argument("--max-tokens", type=int, default=SAMPLING["max_tokens"])
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    rows = evaluate_policies([parse_entry(x) for x in a.entries], a.tokenizer, a.n, a.seed, a.env)
+    rows = evaluate_policies(
+        [parse_entry(x) for x in a.entries], a.tokenizer, a.n, a.seed, a.env, max_tokens=a.max_tokens
+    )
     result = {
         "env": a.env,
         "n": a.n,

@@ -1,6 +1,7 @@
 """TRL's GRPOTrainer on the task asyncrl learns, saving its policy at fixed training-clock points.
 
     .venv-peer/bin/python -m bench.peer_trl --model DIR --out DIR [--minutes 15] [--every-s 60]
+                                            [--env arith-chat-12] [--max-new-tokens 24]
                                             [--max-steps 0] [--seed 0] [--json]
 
 The synchronous peer of bench.peer, run in `.venv-peer` (`make peer-venv`: TRL pinned) on the same HF
@@ -8,14 +9,15 @@ folder asyncrl trains (SmolLM2-135M-Instruct from the model cache), with asyncrl
 
   batch        4 prompts x 4 completions per optimizer step (per_device_train_batch_size 16,
                num_generations 4, one step per generation, no accumulation)
-  sampling     temperature 0.7, top_p 1, no top-k, 24 new tokens
+  sampling     temperature 0.7, top_p 1, no top-k, 24 new tokens (--max-new-tokens)
   loss         beta 0 (no KL), scale_rewards "none" (advantage = reward - group mean), loss_type
                "dapo" (token mean over the whole batch, as asyncrl's), one iteration per batch
   optimizer    AdamW on fp32 weights (fused), lr 1e-5, betas (0.9, 0.95), no weight decay, grad
                clip 1.0, linear warmup lr/2 -> lr over 2 steps then constant (asyncrl's schedule;
                HF's own warmup would start at lr 0)
-  tasks        the env's train split (`arith-chat-12` prompts in words, through the tokenizer's chat
-               template) and the project's verifier as the reward function
+  tasks        the env's train split (--env: `arith-chat-12` prompts in words, or `python-funcs`
+               functions asked in words, through the tokenizer's chat template) and the project's
+               verifier as the reward function
 
 The clock starts when training starts (model loaded) and stops the run at --minutes. After the
 first step that ends past each --every-s mark, and after the last step, the policy is saved in fp32
@@ -139,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--minutes", type=float, default=15.0, help="training clock budget")
     ap.add_argument("--every-s", type=float, default=60.0, help="save the policy at these clock marks")
+    ap.add_argument("--env", default=ENV, help="the task environment (its train split, its verifier)")
+    ap.add_argument("--max-new-tokens", type=int, default=SETTINGS["max_new_tokens"])
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps too (0: clock only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
@@ -154,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(a.seed)
     max_steps = a.max_steps or 100_000
-    s = SETTINGS
-    rows = train_rows(s["prompts_per_step"] * min(max_steps, 2_000), a.seed)
+    s = {**SETTINGS, "max_new_tokens": a.max_new_tokens}
+    rows = train_rows(s["prompts_per_step"] * min(max_steps, 2_000), a.seed, a.env)
     tok = AutoTokenizer.from_pretrained(folder)
     check_prompts(tok, folder, rows[:16])
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     saves = wall_clock_saves(out, a.every_s, a.minutes * 60)
     trainer = trl.GRPOTrainer(
         model=model,
-        reward_funcs=reward_fn(),
+        reward_funcs=reward_fn(a.env),
         args=args,
         train_dataset=datasets.Dataset.from_list(rows),
         processing_class=tok,
@@ -204,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "trl": trl.__version__,
         "transformers": transformers.__version__,
         "torch": torch.__version__,
-        "env": ENV,
+        "env": a.env,
         "settings": s,
         "minutes": a.minutes,
         "every_s": a.every_s,

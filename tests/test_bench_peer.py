@@ -110,5 +110,12 @@ def test_a_recorded_trl_side_of_another_budget_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--trl-from", str(tmp_path), "--minutes", "5", "--every-s", "90", "--out", str(tmp_path / "o")])
     assert e.value.code == 2
-    assert "ran --minutes 8.0 --every-s 90.0, not 5.0 and 90.0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "ran --minutes 8.0 --every-s 90.0 --env arith-chat-12 --max-tokens 24, not 5.0, 90.0" in err
     assert not (tmp_path / "o").exists()  # refused before anything runs
+    # another task or completion length is another budget too
+    rec = {"minutes": 8.0, "every_s": 90.0, "env": "arith-chat-12", "settings": {"max_new_tokens": 24}}
+    (tmp_path / "curve.json").write_text(json.dumps({**rec, "policies": []}))
+    with pytest.raises(SystemExit):
+        main(["--trl-from", str(tmp_path), "--minutes", "8", "--every-s", "90", "--env", "python-funcs"])
+    assert "--env arith-chat-12" in capsys.readouterr().err
