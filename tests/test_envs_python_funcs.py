@@ -44,10 +44,13 @@ def hacks(entry: str) -> dict[str, str]:
         "False always": f"def {entry}(*a):\n    return False\n",
         "the input back": f"def {entry}(x):\n    return x\n",
         "exit before the tests": f"import sys\nsys.exit(0)\ndef {entry}(*a):\n    return 0\n",
-        # the nonce is in the harness's globals: a forged report of its own still has to hold the values
+        # the harness that imports the code holds the nonce: a forged report still has to hold the values
         "a forged report": (
-            "import __main__, json, os\n"
-            "line = __main__.nonce + ' ' + json.dumps({'results': [['ok', 1]] * 8})\n"
+            "import json, os, sys\n"
+            "f = sys._getframe()\n"
+            "while 'nonce' not in f.f_globals:\n"
+            "    f = f.f_back\n"
+            "line = f.f_globals['nonce'] + ' ' + json.dumps({'results': [['ok', 1]] * 8})\n"
             "os.write(1, ('\\n' + line + '\\n').encode())\n"
             "os._exit(0)\n"
         ),
