@@ -373,12 +373,14 @@ async def run(a: argparse.Namespace) -> int:
         auth.write_env_file(servers)
         creds = {"user": auth.user, "password": auth.password}
         broker_env = auth.env()
-    bus = await connect(BusConfig(servers=servers, name="asyncrl-up", **creds))
+    topology = topo.TopologyConfig(weights_keep=up.weights_keep)
+    bus = await connect(BusConfig(servers=servers, name="asyncrl-up", topology=topology, **creds))
     await bus.provision()
     lam = a.lam if a.lam is not None else up.lambda_
     if lam is not None:  # λ for the scorers (they watch KV rl-control/lambda live)
         await bus.kv_put(topo.KEY_LAMBDA, format_lambda(lam))
-    bus_conf = {"servers": servers}
+    # every child provisions too ("update what changed"): they get the same retention
+    bus_conf = {"servers": servers, "topology": {"weights_keep": up.weights_keep}}
     drain = {"grace_s": up.grace_s}  # each child drains within this (its own section may override)
 
     # a fixed trainer id seeds the task feeder the same way in every run (async vs sync see the same tasks)

@@ -23,6 +23,9 @@ class UpConfig:
     # after the run: the trainer's held-out eval of the last checkpoint (a `python -m trainer
     # --eval-final` child), so the final policy is measured without spending the run's time on it
     final_eval: bool = False
+    # versions the WEIGHTS stream keeps per subject (deltas, keyframes): `asyncrl export` rebuilds a
+    # version of a stopped run from its store only while the deltas from a keyframe up to it are held
+    weights_keep: int = 64
     metrics_port: int = 0  # > 0: the trainer serves /metrics here, scorers and workers on the next ports
     wandb_project: str = ""  # set: log the run to Weights & Biases (asyncrl/tracking.py)
     wandb_entity: str = ""
@@ -57,6 +60,7 @@ class UpConfig:
                 "worker_nice",
                 "max_restarts",
                 "metrics_port",
+                "weights_keep",
             ):
                 ok, want = number and isinstance(v, int), "an integer"
             else:
@@ -77,6 +81,7 @@ class UpConfig:
             ("restart_backoff_s", self.restart_backoff_s > 0),
             ("lambda", self.lambda_ is None or self.lambda_ >= 0),
             ("metrics_port", 0 <= self.metrics_port < 65536),
+            ("weights_keep", self.weights_keep >= 1),
         ]
         bad = [k for k, ok in checks if not ok]
         if bad:

@@ -56,9 +56,9 @@ from .peer_eval import ENV, distinct_problems, evaluate_policies
 from .peer_report import compare, pick_versions, plot
 
 ROOT = Path(__file__).resolve().parent.parent
-# WEIGHTS keeps the last 64 deltas per subject (bus.topology.TopologyConfig.weights_keep): a longer
-# run could not replay its early versions from the store
-MAX_VERSIONS = 64
+# versions a run may make: its WEIGHTS stream keeps this many per subject ([up] weights_keep), so
+# every version can still be rebuilt from the run's store for the evaluator
+MAX_VERSIONS = 256
 UP_STARTUP_MIN = 2.0  # `asyncrl up`'s own clock includes starting the processes and loading the model
 
 
@@ -81,6 +81,7 @@ def run_asyncrl(config: str, out: Path, minutes: float, every_s: float, env: str
 
     out.mkdir(parents=True, exist_ok=True)
     up = {"steps": MAX_VERSIONS, "minutes": minutes + UP_STARTUP_MIN, "final_eval": False}
+    up["weights_keep"] = MAX_VERSIONS
     sampling = {"temperature": 0.7, "top_p": 1.0, "max_tokens": max_tokens}
     tasks = {"envs": [env], "sampling": sampling}
     conf = with_overrides(config, out, name="bench-peer.toml", up=up, trainer={"tasks": tasks})

@@ -5,15 +5,20 @@ error."""
 
 from __future__ import annotations
 
+import asyncio
+import tomllib
+
 import pytest
 
 import asyncrl
+from bus import BusConfig, connect
+from bus import topology as topo
 from tests.helpers.up import SUPERVISE
 
 
 def test_up_from_python_then_load_run(tmp_path, fresh_server):
     cfg = tmp_path / "run.toml"
-    cfg.write_text(SUPERVISE)
+    cfg.write_text(SUPERVISE.replace("[up]\n", "[up]\nweights_keep = 12\n"))
     run = asyncrl.up(
         cfg, steps=4, minutes=3, run_dir=tmp_path / "runs" / "a", extra_args=["--nats", fresh_server.url]
     )
@@ -22,11 +27,23 @@ def test_up_from_python_then_load_run(tmp_path, fresh_server):
     assert [r["version"] for r in run.metrics() if "samples" in r][:4] == [1, 2, 3, 4]
     assert {"up", "trainer", "worker", "scorer"} <= set(run.config)  # the sections as given
     assert any(p.name == "run.png" for p in run.plots())
+    # [up] weights_keep: the WEIGHTS stream's retention, the same in every child (each provisions too)
+    children = tomllib.loads((run.dir / "config" / "trainer.toml").read_text())
+    assert children["bus"]["topology"] == {"weights_keep": 12}
+    assert asyncio.run(weights_retention(fresh_server.url)) == 12
 
     again = asyncrl.load_run(tmp_path / "runs" / "latest")
     assert again.dir == run.dir and again.summary == run.summary and not again.running
     with pytest.raises(FileNotFoundError, match="not an asyncrl run directory"):
         asyncrl.load_run(tmp_path)
+
+
+async def weights_retention(url: str) -> int:
+    bus = await connect(BusConfig(servers=[url], name="t"))
+    try:
+        return (await bus.js.stream_info(topo.WEIGHTS)).config.max_msgs_per_subject
+    finally:
+        await bus.close()
 
 
 def test_a_run_started_without_waiting_can_be_stopped(tmp_path, fresh_server):

@@ -29,7 +29,7 @@ def make_samples(n: int = 7, seed: int = 0) -> list[PackedSample]:
                 rng.random(),
                 1.0,
                 0,
-                [1, 2, 3],
+                [1, 2, 3 + i // 3],  # a prompt per group: packed units (policy/packing.py) spread over ranks
                 [rng.randrange(4, 40) for _ in range(k)],
                 [-1.5 - 0.1 * j for j in range(k)],
                 {"temperature": 1.0, "top_p": 0.9},
