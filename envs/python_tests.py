@@ -141,6 +141,18 @@ def extract_code(text: str) -> str:
     return m.group(1) if m else text
 
 
+def same_value(got, want) -> bool:
+    """JSON values equal as Python compares them, except that a bool is not a number: True == 1
+    and False == 0 in Python, so "return 1" would pass for "return True" and "return False" for 0."""
+    if isinstance(got, bool) or isinstance(want, bool):
+        return type(got) is type(want) and got == want
+    if isinstance(got, list) and isinstance(want, list):
+        return len(got) == len(want) and all(same_value(a, b) for a, b in zip(got, want))
+    if isinstance(got, dict) and isinstance(want, dict):
+        return got.keys() == want.keys() and all(same_value(got[k], want[k]) for k in want)
+    return got == want
+
+
 class PythonTestsEnv:
     blocking = True  # verify() waits on a subprocess: callers run it off the event loop
 
@@ -229,8 +241,9 @@ class PythonTestsEnv:
         passed, first = 0, None
         for (args, want), out in zip(spec["tests"], results):  # compared here, outside the sandbox
             returned = isinstance(out, list) and len(out) == 2 and out[0] == "ok"
-            passed += returned and out[1] == want
-            if not (returned and out[1] == want) and first is None:
+            right = returned and same_value(out[1], want)
+            passed += right
+            if not right and first is None:
                 call = f"{spec['entry']}{tuple(args)!r:.80}"
                 first = (
                     f"{call} returned {out[1]!r:.60}, expected {want!r:.60}"

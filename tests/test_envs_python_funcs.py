@@ -50,7 +50,7 @@ def hacks(entry: str) -> dict[str, str]:
             "f = sys._getframe()\n"
             "while 'nonce' not in f.f_globals:\n"
             "    f = f.f_back\n"
-            "line = f.f_globals['nonce'] + ' ' + json.dumps({'results': [['ok', 1]] * 8})\n"
+            "line = f.f_globals['nonce'] + ' ' + json.dumps({'results': [['ok', 'forged']] * 8})\n"
             "os.write(1, ('\\n' + line + '\\n').encode())\n"
             "os._exit(0)\n"
         ),
@@ -68,6 +68,14 @@ def test_what_a_policy_tries_instead_scores_below_a_solution(env, family):
             assert v.success <= 0.75, (family, name, v.reason)
             if name in ("exit before the tests", "a forged report"):
                 assert v.success == 0.0, (family, name, v.reason)
+
+
+def test_a_bool_is_not_a_number():
+    from envs.python_tests import same_value
+
+    assert not same_value(1, True) and not same_value(0, False) and not same_value([1, 0], [True, False])
+    assert same_value(True, True) and same_value([[1, "a"]], [[1, "a"]]) and same_value(4, 4.0)
+    assert not same_value({"a": 1}, {"a": True}) and not same_value([1], [1, 2])
 
 
 def test_a_problem_without_a_reference_is_a_spec_error(env):
