@@ -116,6 +116,8 @@ class TorchEngine:
         # delta is applied there (delta_codec's Triton kernel) and only the compressed bytes cross PCIe
         self.device = torch.device(device)
         self.model = policy.Transformer(model_config, quant=self.quant).to(self.device).eval()
+        if self.device.type == "cpu":
+            column_major(self.model)
         self.cache = policy.KVCache(model_config, slots=kv_slots, max_len=self.max_len, device=self.device)
         self.state: dict[str, torch.Tensor] | None = None  # bf16 bits as published (deltas apply here)
         self.params = dict(self.model.named_parameters())
@@ -587,6 +589,18 @@ class TorchEngine:
             quant=self.quant.to_wire(),
             handle=s.handle,
         )
+
+
+def column_major(model: torch.nn.Module) -> None:
+    """Every matrix the decode step multiplies (x @ W.T) stored as W.T contiguous, in place: on a CPU
+    a decode step is a skinny matmul (one row per sequence), and against a contiguous W.T it is
+    ~1.5x faster at 16 rows (SmolLM2's MLP, one thread: 534 -> 267 us; docs/benchmarks.md#peer).
+    The parameters keep their shapes; updates copy into buffers made with empty_like, which keeps
+    the layout, so every later version stays column-major too."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.data = p.data.t().contiguous().t()
 
 
 def _settle(fut: asyncio.Future, exc, res) -> None:

@@ -1,5 +1,6 @@
-"""One learner step: recompute logprobs under the workers' sampler, PG loss (+ optional KL to
-the initial weights), gradients reduced by torch FSDP2, AdamW with an LR schedule.
+"""One learner step: recompute logprobs under the workers' sampler (a group's completions packed
+behind one copy of their prompt), PG loss (+ optional KL to the initial weights), gradients
+reduced by torch FSDP2, AdamW with an LR schedule.
 
 Micro-batches hold at most `micro_batch` sequences and `micro_batch_tokens` padded tokens (a
 longer sequence goes alone); the vocabulary projection runs `logit_chunk_tokens` completion
@@ -11,9 +12,11 @@ update, so parameters and optimizer state stay bit-identical (every rank decides
 all-reduced numbers); `step` returns {"skipped": reason} and the leader parks the rollouts.
 
 Data parallel over FSDP2 (trainer/fsdp.py): every rank holds the whole batch (rank 0 broadcasts
-it) and works on samples i ≡ rank (mod world). Each rank's loss is its share of the global token
-sum over the global token count, so the sum of the ranks' gradients is the 1-process gradient;
-FSDP2 reduce-scatters the mean, so each rank scales its loss by the world size. FSDP2 runs
+it) and works on prompt units u ≡ rank (mod world) (a unit: the samples packed behind one copy of
+their prompt, policy/packing.py; one sample with share_prompts off). Each rank's loss is its
+share of the global token sum over the global token count, so the sum of the ranks' gradients
+is the 1-process gradient; FSDP2 reduce-scatters the mean, so each rank scales its loss by the
+world size. FSDP2 runs
 collectives inside every forward and backward, so every rank runs the same number of
 micro-batches: a rank with fewer (or none) runs zero-weighted one-token passes. The step itself is
 a collective (`Step`, trainer/commands.py): rank 0's `Learner.step` sends the batch, and every
