@@ -12,7 +12,7 @@ import json
 
 from .arith import randint
 from .base import SpecError, TaskSpec, check_split, register, split_of
-from .python_tests import PythonTestsEnv, _ints, _word
+from .python_tests import PythonTestsEnv, ints, word
 
 # name -> (signature, description, reference, constants(rng) -> dict, inputs(rng, constants) -> args)
 # descriptions and references are format strings over the constants
@@ -29,21 +29,21 @@ FAMILIES: dict[str, tuple[str, str, str, object, object]] = {
         "returns how many elements of the list xs are greater than {a}",
         "def count_above(xs):\n    return sum(1 for x in xs if x > {a})\n",
         lambda r: {"a": randint(r, -40, 40)},
-        lambda r, k: [_ints(r, randint(r, 0, 8), -30, 30)],
+        lambda r, k: [ints(r, randint(r, 0, 8), -30, 30)],
     ),
     "keep_multiples": (
         "keep_multiples(xs)",
         "returns the elements of the list xs that are divisible by {a}, in their order",
         "def keep_multiples(xs):\n    return [x for x in xs if x % {a} == 0]\n",
         lambda r: {"a": randint(r, 2, 25)},
-        lambda r, k: [_ints(r, randint(r, 0, 8), -40, 40)],
+        lambda r, k: [ints(r, randint(r, 0, 8), -40, 40)],
     ),
     "add_each": (
         "add_each(xs)",
         "returns a new list with {a} added to every element of the list xs",
         "def add_each(xs):\n    return [x + {a} for x in xs]\n",
         lambda r: {"a": randint(r, 1, 50)},
-        lambda r, k: [_ints(r, randint(r, 0, 8))],
+        lambda r, k: [ints(r, randint(r, 0, 8))],
     ),
     "clip": (
         "clip(x)",
@@ -57,14 +57,14 @@ FAMILIES: dict[str, tuple[str, str, str, object, object]] = {
         "returns the string s repeated {a} times",
         "def repeat_str(s):\n    return s * {a}\n",
         lambda r: {"a": randint(r, 2, 30)},
-        lambda r, k: [_word(r, "abcxyz", 0, 5)],
+        lambda r, k: [word(r, "abcxyz", 0, 5)],
     ),
     "first_chars": (
         "first_chars(s)",
         "returns the first {a} characters of the string s (all of s if it is shorter)",
         "def first_chars(s):\n    return s[:{a}]\n",
         lambda r: {"a": randint(r, 1, 20)},
-        lambda r, k: [_word(r, "abcdefgh", 0, 12)],
+        lambda r, k: [word(r, "abcdefgh", 0, 12)],
     ),
     "divisible": (
         "divisible(n)",
@@ -79,7 +79,7 @@ FAMILIES: dict[str, tuple[str, str, str, object, object]] = {
         "returns how many times the character '{c}' occurs in the string s",
         "def count_char(s):\n    return s.count('{c}')\n",
         lambda r: {"c": "abcdefghijklmnopqrstuvwxyz"[randint(r, 0, 25)]},
-        lambda r, k: [_word(r, "abcdefgh" + k["c"] * 3, 0, 14)],
+        lambda r, k: [word(r, "abcdefgh" + k["c"] * 3, 0, 14)],
     ),
     "replace_char": (
         "replace_char(s)",
@@ -88,28 +88,28 @@ FAMILIES: dict[str, tuple[str, str, str, object, object]] = {
         lambda r: (lambda c: {"c": c, "d": "xyz*-"[randint(r, 0, 4)]})(
             "abcdefghijklmnopq"[randint(r, 0, 16)]
         ),
-        lambda r, k: [_word(r, "abcdef" + k["c"] * 3, 0, 12)],
+        lambda r, k: [word(r, "abcdef" + k["c"] * 3, 0, 12)],
     ),
     "sum_times": (
         "sum_times(xs)",
         "returns the sum of the elements of the list xs, multiplied by {a}",
         "def sum_times(xs):\n    return sum(xs) * {a}\n",
         lambda r: {"a": randint(r, 2, 30)},
-        lambda r, k: [_ints(r, randint(r, 0, 8))],
+        lambda r, k: [ints(r, randint(r, 0, 8))],
     ),
     "max_plus": (
         "max_plus(xs)",
         "returns the largest element of the list xs plus {a}, or {b} if xs is empty",
         "def max_plus(xs):\n    return max(xs) + {a} if xs else {b}\n",
         lambda r: {"a": randint(r, 1, 20), "b": randint(r, -9, 0)},
-        lambda r, k: [_ints(r, randint(r, 0, 7))],
+        lambda r, k: [ints(r, randint(r, 0, 7))],
     ),
     "last_items": (
         "last_items(xs)",
         "returns the last {a} elements of the list xs (all of xs if it is shorter)",
         "def last_items(xs):\n    return xs[-{a}:]\n",
         lambda r: {"a": randint(r, 1, 12)},
-        lambda r, k: [_ints(r, randint(r, 0, 9))],
+        lambda r, k: [ints(r, randint(r, 0, 9))],
     ),
     "power_mod": (
         "power_mod(n)",
@@ -123,7 +123,7 @@ FAMILIES: dict[str, tuple[str, str, str, object, object]] = {
         "returns the strings of the list words joined by '{c}'",
         "def join_with(words):\n    return '{c}'.join(words)\n",
         lambda r: {"c": ["-", "+", ",", ";", ":", "/", "|", "_", ", ", " - ", "::", "."][randint(r, 0, 11)]},
-        lambda r, k: [[_word(r, "abcde", 1, 4) for _ in range(randint(r, 0, 5))]],
+        lambda r, k: [[word(r, "abcde", 1, 4) for _ in range(randint(r, 0, 5))]],
     ),
     "between": (
         "between(x)",
@@ -140,21 +140,21 @@ FAMILIES: dict[str, tuple[str, str, str, object, object]] = {
         "returns the string s padded on the left with '{c}' to length {a} (s itself if it is not shorter)",
         "def pad_left(s):\n    return s.rjust({a}, '{c}')\n",
         lambda r: {"a": randint(r, 3, 14), "c": "0*.#-_"[randint(r, 0, 5)]},
-        lambda r, k: [_word(r, "abc", 0, 10)],
+        lambda r, k: [word(r, "abc", 0, 10)],
     ),
     "min_times": (
         "min_times(xs)",
         "returns the smallest element of the list xs times {a}, or 0 if xs is empty",
         "def min_times(xs):\n    return min(xs) * {a} if xs else 0\n",
         lambda r: {"a": randint(r, 2, 30)},
-        lambda r, k: [_ints(r, randint(r, 0, 7))],
+        lambda r, k: [ints(r, randint(r, 0, 7))],
     ),
     "count_long": (
         "count_long(words)",
         "returns how many strings in the list words are longer than {a} characters",
         "def count_long(words):\n    return sum(1 for w in words if len(w) > {a})\n",
         lambda r: {"a": randint(r, 1, 8)},
-        lambda r, k: [[_word(r, "abcde", 0, 10) for _ in range(randint(r, 0, 6))]],
+        lambda r, k: [[word(r, "abcde", 0, 10) for _ in range(randint(r, 0, 6))]],
     ),
     "digits_times": (
         "digits_times(n)",

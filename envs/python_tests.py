@@ -16,11 +16,11 @@ from .sandbox import SandboxLimits, run_python
 
 
 # name -> (signature, description, reference source, input generator(rng) -> args list)
-def _ints(rng, n, lo=-50, hi=50):
+def ints(rng, n, lo=-50, hi=50):
     return [randint(rng, lo, hi) for _ in range(n)]
 
 
-def _word(rng, alphabet="abcde", lo=0, hi=8):
+def word(rng, alphabet="abcde", lo=0, hi=8):
     return "".join(alphabet[randint(rng, 0, len(alphabet) - 1)] for _ in range(randint(rng, lo, hi)))
 
 
@@ -29,32 +29,32 @@ PROBLEMS: dict[str, tuple[str, str, str, object]] = {
         "sum_even(xs)",
         "return the sum of the even numbers in the list xs",
         "def sum_even(xs):\n    return sum(x for x in xs if x % 2 == 0)\n",
-        lambda r: [_ints(r, randint(r, 0, 8))],
+        lambda r: [ints(r, randint(r, 0, 8))],
     ),
     "reverse_words": (
         "reverse_words(s)",
         "return s with the order of its space-separated words reversed",
         "def reverse_words(s):\n    return ' '.join(s.split(' ')[::-1])\n",
-        lambda r: [" ".join(_word(r, lo=1) for _ in range(randint(r, 1, 4)))],
+        lambda r: [" ".join(word(r, lo=1) for _ in range(randint(r, 1, 4)))],
     ),
     "count_vowels": (
         "count_vowels(s)",
         "return how many characters of s are vowels (aeiou)",
         "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s)\n",
-        lambda r: [_word(r, "abeiouxyz")],
+        lambda r: [word(r, "abeiouxyz")],
     ),
     "max_gap": (
         "max_gap(xs)",
         "return the largest difference between consecutive elements of sorted(xs), 0 if fewer than 2",
         "def max_gap(xs):\n    s = sorted(xs)\n"
         "    return max((b - a for a, b in zip(s, s[1:])), default=0)\n",
-        lambda r: [_ints(r, randint(r, 0, 7))],
+        lambda r: [ints(r, randint(r, 0, 7))],
     ),
     "is_palindrome": (
         "is_palindrome(s)",
         "return True if s reads the same backwards, else False",
         "def is_palindrome(s):\n    return s == s[::-1]\n",
-        lambda r: [(lambda w: w + w[::-1][randint(r, 0, 1) :] if randint(r, 0, 1) else w)(_word(r, "ab"))],
+        lambda r: [(lambda w: w + w[::-1][randint(r, 0, 1) :] if randint(r, 0, 1) else w)(word(r, "ab"))],
     ),
     "gcd": (
         "gcd(a, b)",
@@ -67,13 +67,13 @@ PROBLEMS: dict[str, tuple[str, str, str, object]] = {
         "return the run-length encoding of s as a list of [char, count] pairs",
         "def run_length(s):\n    out = []\n    for c in s:\n        if out and out[-1][0] == c:\n"
         "            out[-1][1] += 1\n        else:\n            out.append([c, 1])\n    return out\n",
-        lambda r: [_word(r, "aab", 0, 10)],
+        lambda r: [word(r, "aab", 0, 10)],
     ),
     "second_largest": (
         "second_largest(xs)",
         "return the second largest distinct value in xs, or None if there is none",
         "def second_largest(xs):\n    s = sorted(set(xs))\n    return s[-2] if len(s) > 1 else None\n",
-        lambda r: [_ints(r, randint(r, 0, 6), -5, 5)],
+        lambda r: [ints(r, randint(r, 0, 6), -5, 5)],
     ),
     "fib": (
         "fib(n)",
@@ -92,7 +92,7 @@ PROBLEMS: dict[str, tuple[str, str, str, object]] = {
         "return xs without repeated elements, keeping the first occurrence of each",
         "def dedupe(xs):\n    seen, out = set(), []\n    for x in xs:\n        if x not in seen:\n"
         "            seen.add(x)\n            out.append(x)\n    return out\n",
-        lambda r: [_ints(r, randint(r, 0, 9), 0, 5)],
+        lambda r: [ints(r, randint(r, 0, 9), 0, 5)],
     ),
     "is_prime": (
         "is_prime(n)",
