@@ -1,7 +1,7 @@
 """`python-funcs`: short Python functions asked in words, many distinct problems. A problem is a
 family (what the function does) with its constants ("return how many elements of xs are greater
-than 7"): ~20 families and their constants give ~2,000 problems, split train/eval by the
-problem itself, so the held-out split holds hundreds of problems the policy never trained on
+than 7"): 20 families and their constants give ~5,000 problems, split train/eval by the
+problem itself, so the held-out split holds ~1,000 problems the policy never trained on
 (python-tests has 14, its split is by test inputs). Scored like python-tests: 8 fresh test inputs
 per task, the expected outputs from the family's reference (trusted code, run here), the
 completion's code run in the sandbox, reward the fraction it passes."""
