@@ -68,7 +68,7 @@ test: lint $(STAMP) $(KERNELS) models tools
 # on a user's machine (docs/testing.md). tests/conftest.py and the torchrun helpers follow OMP_NUM_THREADS.
 NUMERIC_TESTS := tests/test_trainer_unit.py tests/test_loss_is_gradient.py tests/test_trainer_fsdp.py \
 	tests/test_policy_model.py tests/test_policy_replay.py tests/test_policy_sampling.py \
-	tests/test_policy_hf.py tests/test_delta_codec.py
+	tests/test_policy_hf.py tests/test_delta_codec.py tests/test_packing.py
 NUMERIC_THREADS ?= 1 2
 test-numeric: $(STAMP) $(KERNELS)
 	@for t in $(NUMERIC_THREADS); do \
