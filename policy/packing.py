@@ -82,16 +82,17 @@ def shared_prompts(
 ) -> Rows:
     """The sequences of each prompt unit (prompt_units) packed into one row behind one copy of
     the prompt (module doc)."""
-    units = {r: (prompts[m[0]], m) for r, m in enumerate(prompt_units(prompts, completions, max_row))}
+    units = prompt_units(prompts, completions, max_row)
     R = len(units)
-    lens = [len(p) + sum(len(completions[i]) for i in m) for p, m in units.values()]
+    lens = [len(prompts[m[0]]) + sum(len(completions[i]) for i in m) for m in units]
     L = max(lens, default=0)
     idx = torch.zeros(R, L, dtype=torch.long)
     pos = torch.zeros(R, L, dtype=torch.long)
     seg = torch.full((R, L), -1, dtype=torch.long)  # 0 prompt, k + 1 its k-th completion, -1 padding
     row = torch.zeros(len(prompts), dtype=torch.long)  # each sequence's packed row
     start = torch.zeros(len(prompts), dtype=torch.long)  # where its completion begins in that row
-    for r, (p, members) in units.items():
+    for r, members in enumerate(units):
+        p = prompts[members[0]]
         P = len(p)
         idx[r, :P], pos[r, :P], seg[r, :P] = torch.tensor(p, dtype=torch.long), torch.arange(P), 0
         at = P
