@@ -54,7 +54,14 @@ def up(config: str, run_dir: Path, extra: list[str]) -> None:
 
 
 def calibrate(
-    run_dir: Path, env: str, axis: str, budget: int, max_tokens: int, prompts: int, out: Path
+    run_dir: Path,
+    env: str,
+    axis: str,
+    budget: int,
+    max_tokens: int,
+    prompts: int,
+    out: Path,
+    temperature: float = 1.0,
 ) -> dict:
     cmd = [
         sys.executable,
@@ -75,6 +82,8 @@ def calibrate(
         str(prompts),
         "--out",
         str(out),
+        "--temperature",
+        repr(temperature),
     ]
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
     res = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
@@ -84,8 +93,12 @@ def calibrate(
 def eval_curve(run_dir: Path) -> list[dict]:
     """Held-out evals by version. Sorted: the after-run evals (`[up] final_eval`) append the last
     version's eval before the initial one's."""
-    rows = [
-        {"version": r["version"], "success": r["eval_success"], "tokens": r["eval_tokens"]}
+    rows = [  # an episode's cost is its policy tokens (eval_model_tokens), not its whole context
+        {
+            "version": r["version"],
+            "success": r["eval_success"],
+            "tokens": r.get("eval_model_tokens", r["eval_tokens"]),
+        }
         for r in read_trainer_metrics(run_dir)
         if r.get("eval_success") is not None
     ]
@@ -183,6 +196,19 @@ def arm_setup(arm: str, lam_cal: float, base: Path, tokens0: float, a) -> tuple[
     raise ValueError(f"unknown arm {arm!r} (one of {ARMS})")
 
 
+def objective(summary: dict, lam: float) -> dict:
+    """What the penalty optimises, judged on held-out evals (means over the run's evals after v0):
+    success − λ·cost at the given λ, and, apart, the success rate and the cost per success."""
+    s, c = summary["success_mean_evals"], summary["tokens_mean_evals"]
+    return {
+        "lambda": lam,
+        "value": s - lam * c,
+        "success": s,
+        "cost": c,
+        "cost_per_success": c / s if s > 0 else None,
+    }
+
+
 def lambda_path(run_dir: Path) -> list[dict]:
     """How λ moved in a run: per version, the mean λ its groups were scored with and the value set next."""
     return [
@@ -224,6 +250,11 @@ def across_seeds(per_seed: list[dict]) -> dict:
         s1, t1 = pick(arm, "success_mean_evals"), pick(arm, "tokens_mean_evals")
         out[f"success_diff_{arm}"] = mean_std([b - a for a, b in zip(s0, s1)])
         out[f"tokens_ratio_{arm}"] = mean_std([b / a for a, b in zip(t0, t1)])
+    value = lambda r, arm: objective(r[arm], r["lambda"])["value"]  # noqa: E731
+    for arm in arms:  # the objective itself: held-out success − λ·cost at the seed's λ
+        out[f"objective_{arm}"] = mean_std([value(r, arm) for r in per_seed])
+        if arm != "lambda0":
+            out[f"objective_diff_{arm}"] = mean_std([value(r, arm) - value(r, "lambda0") for r in per_seed])
     if "calibrated" in arms:
         out["success_diff"] = out["success_diff_calibrated"]
         out["tokens_ratio"] = out["tokens_ratio_calibrated"]
@@ -280,7 +311,9 @@ def one_seed(a, config: str, out: Path, env: str, max_tokens: int, baseline: str
             f"give the tangent λ with --lambda-cal)"
         )
     else:
-        cal = calibrate(base, env, a.axis, a.budget, max_tokens, a.prompts, out / "calibrate.png")
+        cal = calibrate(
+            base, env, a.axis, a.budget, max_tokens, a.prompts, out / "calibrate.png", a.calibrate_temperature
+        )
     lam = float(cal["lambda"]) * a.lambda_scale
     c0 = eval_curve(base)
     if not c0:
@@ -290,7 +323,7 @@ def one_seed(a, config: str, out: Path, env: str, max_tokens: int, baseline: str
         "lambda": lam,
         "lambda_scale": a.lambda_scale,
         "calibration": {k: cal[k] for k in ("lambda", "operating_cost", "operating_point", "axis", "fit")},
-        "lambda0": summarize(c0),
+        "lambda0": {**summarize(c0), "objective": objective(summarize(c0), lam)},
         "runs": {"lambda0": str(base)},
         "lambda_paths": {},
     }
@@ -308,6 +341,7 @@ def one_seed(a, config: str, out: Path, env: str, max_tokens: int, baseline: str
             "tokens_ratio": r1["tokens_mean_evals"] / r0["tokens_mean_evals"],
             "success_diff_mean_evals": r1["success_mean_evals"] - r0["success_mean_evals"],
             "worst_gap_after_v25": worst_gap(c0, curves[arm]),
+            "objective": objective(r1, lam),
             "trainer": keys,
             "up_args": extra,
         }
@@ -335,8 +369,8 @@ def plot_tradeoff(points: dict[str, list[tuple[float, float]]], path: Path) -> N
         ax.scatter(xs, ys, color=f"C{i}", alpha=0.5, s=25)
         ax.scatter([sum(xs) / len(xs)], [sum(ys) / len(ys)], color=f"C{i}", s=110, edgecolor="k", label=arm)
     ax.set(
-        title="success against cost (mean over held-out evals)",
-        xlabel="tokens per answer",
+        title="success against cost (held-out evals after v0)",
+        xlabel="cost: policy tokens per answer or episode",
         ylabel="held-out success",
     )
     ax.grid(alpha=0.3)
@@ -356,7 +390,13 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline", default=None, help="a finished λ = 0 run dir of the same config (skips step 1)"
     )
     ap.add_argument("--env", default=None, help="calibration env (default: the config's first trainer env)")
-    ap.add_argument("--axis", choices=("tokens", "samples"), default="samples")
+    ap.add_argument(
+        "--axis",
+        choices=("tokens", "samples", "turns"),
+        default="samples",
+        help="calibration budgets: max tokens, samples per task, or an episode's turns (multi-turn envs,"
+        " sampled at the config's temperature)",
+    )
     ap.add_argument("--budget", type=int, default=1, help="operating point on the axis (1 sample per task)")
     ap.add_argument(
         "--lambda-scale",
@@ -411,7 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     text = Path(a.config).read_text()
     tr = tomllib.loads(text).get("trainer", {})
     env = a.env or tr.get("tasks", {}).get("envs", ["arith"])[0]
-    max_tokens = a.max_tokens or int(tr.get("tasks", {}).get("sampling", {}).get("max_tokens", 48))
+    sampling = tr.get("tasks", {}).get("sampling", {})
+    max_tokens = a.max_tokens or int(sampling.get("max_tokens", 48))
+    # episodes are calibrated where the run samples them; single answers at T = 1 (as measured before)
+    a.calibrate_temperature = float(sampling.get("temperature", 1.0)) if a.axis == "turns" else 1.0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else None
@@ -448,17 +491,19 @@ def main(argv: list[str] | None = None) -> int:
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     for arm in a.arm_list:
         if seeds:
-            s_, t_ = result[f"success_{arm}"], result[f"tokens_{arm}"]
+            s_, t_, o_ = result[f"success_{arm}"], result[f"tokens_{arm}"], result[f"objective_{arm}"]
             print(
                 f"{arm:>16}: held-out success (mean over evals, {len(seeds)} seeds) {s_['mean']:.3f} ± "
-                f"{s_['std']:.3f}, tokens per answer {t_['mean']:.1f} ± {t_['std']:.1f}",
+                f"{s_['std']:.3f}, tokens per answer {t_['mean']:.1f} ± {t_['std']:.1f}, "
+                f"success − λ·cost {o_['mean']:.3f} ± {o_['std']:.3f}",
                 file=sys.stderr,
             )
         else:
             r = result[arm]
             print(
                 f"{arm:>16}: held-out success (mean over evals) {r['success_mean_evals']:.3f}, "
-                f"tokens per answer {r['tokens_mean_evals']:.1f}",
+                f"tokens per answer {r['tokens_mean_evals']:.1f}, "
+                f"success − λ·cost {r['objective']['value']:.3f}",
                 file=sys.stderr,
             )
     print(

@@ -6,7 +6,7 @@
 TASKS: a task set (`asyncrl tasks build` / `asyncrl tasks import`). The policy: an HF folder (as
 `asyncrl export` writes it) or a run's checkpoint (exported first, checked against its digest). Each
 task of the split is played once through the built-in turn loop (the held-out eval's:
-trainer/evaluate.py evaluate_episodes, under the episode limits, prompt and sampling of the run
+envs/held_out.py play_held_out, under the episode limits, prompt and sampling of the run
 config's [trainer.tasks.swe] and [trainer.tasks] sampling; defaults without --config), and the
 agent's change to its workspace (a `git diff` against the starting tree, caches left out) is the
 instance's `model_patch`. The file is what `asyncrl tasks evaluate` and the SWE-bench harness read:
@@ -75,9 +75,9 @@ def load_policy(model_dir: str, tokenizer: str = ""):
 def predict(model, tok, section: SweSection, sampling: dict, name: str, split: str = "eval", seed: int = 0):
     """-> (predictions, summary): every task of the split played once by `model`."""
     from envs import swebench
+    from envs.held_out import play_held_out
     from envs.swe_env import SweEnv
     from policy import SamplingConfig
-    from trainer.evaluate import evaluate_episodes
 
     section.check_task_set()
     env = SweEnv("swe", section.task_set, section.episode_limits(), section.reward)
@@ -91,7 +91,7 @@ def predict(model, tok, section: SweSection, sampling: dict, name: str, split: s
         if result.resolved:
             resolved.append(ep.task.task_id)
 
-    metrics = evaluate_episodes(model, tok, specs, SamplingConfig.from_dict(sampling), seed, on_scored=keep)
+    metrics = play_held_out(model, tok, specs, SamplingConfig.from_dict(sampling), seed, on_scored=keep)
     summary = {
         "instances": len(preds),
         "resolved_ids": sorted(resolved),

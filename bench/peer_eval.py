@@ -26,7 +26,7 @@ SAMPLING = {"temperature": 0.7, "top_p": 1.0, "max_tokens": 24}
 
 def distinct_problems(n: int, seed: int, env: str = ENV) -> int:
     """How many different problems the n held-out draws hold."""
-    from trainer.evaluate import eval_specs
+    from envs.held_out import eval_specs
 
     return len({s.prompt for _, s in eval_specs([env], n, seed, "eval")})
 

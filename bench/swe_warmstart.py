@@ -5,7 +5,7 @@
 
 Builds the policy as the trainer does (the config's [trainer] section, overridden by the flags),
 runs trainer/warmstart.py on the config's envs and, at each `--eval-at` step, plays `--eval-n`
-held-out episodes (eval split, the config's [trainer.tasks] sampling) with trainer/evaluate.py's lockstep
+held-out episodes (eval split, the config's [trainer.tasks] sampling) with envs/held_out.py's lockstep
 episodes. Used to size [trainer.warmstart] steps / lr / batch so that RL starts from a
 moderate held-out success within the demo's 15 minutes. Prints one JSON object last.
 """
@@ -41,9 +41,9 @@ def main() -> None:
     import torch
 
     from bus import load_config
+    from envs.held_out import eval_specs, play_held_out
     from policy import SamplingConfig, load_tokenizer
     from trainer.config import TrainerConfig
-    from trainer.evaluate import eval_specs, evaluate_episodes
     from trainer.factory import build_model
     from trainer.warmstart import warm_start
 
@@ -72,7 +72,7 @@ def main() -> None:
             model.eval()
             t = time.perf_counter()
             with torch.no_grad():
-                ev = evaluate_episodes(model, tok, specs, SamplingConfig.from_dict(sampling), cfg.run.seed)
+                ev = play_held_out(model, tok, specs, SamplingConfig.from_dict(sampling), cfg.run.seed)
             ev.update(
                 step=step + 1,
                 temperature=sampling["temperature"],

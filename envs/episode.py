@@ -243,6 +243,7 @@ class Episode:
         self.count_tokens = token_counter
         self.workspace = None
         self.turns = self.tool_calls = self.format_errors = self._format_run = self.tokens = 0
+        self.action_tokens = 0  # the policy's own tokens (what a cost in tokens counts), of `tokens`
         self.tool_wall_s, self.t0, self.done, self.termination, self.detail = 0.0, 0.0, False, "", ""
         self.infra = ""  # set when the sandbox, not the policy, ended the episode
 
@@ -267,6 +268,7 @@ class Episode:
         self.turns += 1
         n = self.count_tokens(action) if n_tokens is None else n_tokens
         self.tokens += n
+        self.action_tokens += n
         info = {"turn": self.turns, "action_tokens": n}
         command, why = parse_action(action)
         if command is None or n > self.limits.max_turn_tokens:

@@ -1,5 +1,5 @@
 """The turn loop of a multi-turn episode, the one both players use: the worker (its engine, a kept
-KV row: rollout_worker/episodes.py) and the held-out eval (a model in lockstep: trainer/lockstep.py).
+KV row: rollout_worker/episodes.py) and the held-out eval (a model in lockstep: envs/lockstep.py).
 
     msgs   = reset                                  -> prompt ids (the conversation layout: `fmt`)
     turn   = player.turn()                          -> the action text, its token count, why it ended

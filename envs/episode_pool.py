@@ -70,7 +70,7 @@ class EpisodePool:
 
 class InlinePool:
     """EpisodePool's calls made in the caller's thread: the held-out eval, whose episodes wait on
-    each other's generation anyway (trainer/lockstep.py)."""
+    each other's generation anyway (envs/lockstep.py)."""
 
     async def reset(self, ep: Episode) -> list[dict]:
         return ep.reset()

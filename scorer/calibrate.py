@@ -1,13 +1,18 @@
 """`asyncrl calibrate-cost`: λ from the policy's own test-time scaling curve.
 
-    for each budget B (max new tokens, or samples per task):  run the policy on held-out prompts
-                                                               → (mean cost in tokens, success)
+    for each budget B (max new tokens, samples per task, or an episode's turns):
+                      run the policy on held-out tasks → (mean cost in its own tokens, success)
     fit   s(c) = a − b·exp(−c/τ)      (b ≥ 0, τ > 0: monotone increasing and concave)
     λ   = s'(c*) = (b/τ)·exp(−c*/τ)   at the operating point c*: the mean cost at a given budget,
                                       or the cost where the slope equals a given price of compute
 With reward = success − λ·cost, a policy at c* gains nothing by spending one more token: the
 penalty's marginal price equals the marginal success that token buys. `--apply` writes λ to
 KV rl-control/lambda (scorers pick it up live); a PNG shows points, fit and tangent.
+
+On a multi-turn env (`--axis turns`, e.g. swe-demo) each budget is an episode's max_turns: the same
+held-out episodes are played at every budget (envs/held_out.py, as the trainer's eval plays them),
+success = resolved, cost = the policy's tokens an episode (its turns; prompt and observations are
+not its doing and are not priced, as the scorer's cost_unit "tokens" counts them).
 """
 
 from __future__ import annotations
@@ -222,6 +227,34 @@ def measure_samples(
     ]
 
 
+def measure_turns(
+    model, env_name: str, budgets: list[int], n_prompts: int, temperature: float, seed: int, tok=None
+) -> list[dict]:
+    """Turn budgets: the same held-out episodes played at each max_turns -> resolved rate and the
+    policy's tokens an episode (envs/held_out.py, lockstep, seeded: budgets differ only in turns)."""
+    from envs.held_out import eval_specs, play_held_out
+    from policy import CharTokenizer, SamplingConfig
+
+    tok = tok or CharTokenizer.default()
+    specs = [s.spec for _, s in eval_specs([env_name], n_prompts, seed)]
+    if not all("episode" in s for s in specs):
+        raise ValueError(f"--axis turns needs a multi-turn env; {env_name!r} has single-answer tasks")
+    rows = []
+    for budget in budgets:
+        capped = [{**s, "limits": {**s["limits"], "max_turns": budget}} for s in specs]
+        ev = play_held_out(model, tok, capped, SamplingConfig(temperature=temperature), seed)
+        rows.append(
+            {
+                "budget": budget,
+                "cost": ev["eval_model_tokens"],
+                "success": ev["eval_success"],
+                "turns": ev["eval_turns"],
+                "n": ev["eval_n"],
+            }
+        )
+    return rows
+
+
 def plot(rows: list[dict], fit: ScalingFit, at: float, lam: float, path: str, title: str) -> None:
     import matplotlib
 
@@ -292,14 +325,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env", default="arith")
     ap.add_argument(
         "--axis",
-        choices=("tokens", "samples"),
+        choices=("tokens", "samples", "turns"),
         default="tokens",
-        help="budget = max new tokens per sample, or samples per task (at --max-tokens each)",
+        help="budget = max new tokens per sample, samples per task (at --max-tokens each), or an"
+        " episode's max_turns (multi-turn envs)",
     )
     ap.add_argument(
         "--budgets",
         default=None,
-        help="budgets, comma separated (default: 4,6,8,12,16,20,24,32,40,48 tokens, or 1,2,3,4,6,8 samples)",
+        help="budgets, comma separated (default: 4,6,8,12,16,20,24,32,40,48 tokens, 1,2,3,4,6,8 samples,"
+        " 1,2,3,4,5,6 turns)",
     )
     ap.add_argument(
         "--max-tokens", type=int, default=48, help="max new tokens per sample on the samples axis"
@@ -322,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.apply and not a.nats:
         ap.error("--apply needs --nats")
-    a.budgets = a.budgets or ("4,6,8,12,16,20,24,32,40,48" if a.axis == "tokens" else "1,2,3,4,6,8")
+    default = {"tokens": "4,6,8,12,16,20,24,32,40,48", "samples": "1,2,3,4,6,8", "turns": "1,2,3,4,5,6"}
+    a.budgets = a.budgets or default[a.axis]
     try:
         budgets = sorted(
             {int(x) for x in a.budgets.split(",") if x.strip()} | ({a.budget} if a.budget else set())
@@ -366,7 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.chat_template and tok is None:
         ap.error("--chat-template needs --model (the char tokenizer has no chat template)")
 
-    if a.axis == "tokens":
+    if a.axis == "turns":
+        try:
+            rows = measure_turns(model, a.env, budgets, a.prompts, a.temperature, a.seed, tok)
+        except (ValueError, KeyError) as e:  # a single-answer env, or no such env
+            print(f"asyncrl calibrate-cost: {e}", file=sys.stderr)
+            return 2
+    elif a.axis == "tokens":
         rows = measure(model, a.env, budgets, a.prompts, a.temperature, a.seed, tok, a.chat_template)
     else:
         rows = measure_samples(

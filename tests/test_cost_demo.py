@@ -276,3 +276,33 @@ def test_without_a_warm_start_arms_start_from_the_config_and_need_a_given_lambda
     assert cost_demo.main(["--config", str(cfg), "--baseline", str(base), "--out", str(tmp_path / "o")]) == 2
     assert "--lambda-cal" in capsys.readouterr().err
     assert cost_demo.main(["--config", str(cfg), "--lambda-cal", "-1", "--out", str(tmp_path / "o")]) == 2
+
+
+def test_the_objective_is_judged_at_the_arms_lambda_with_success_and_cost_apart():
+    """success − λ·cost on held-out evals (the penalty's own objective), paired by seed; the success
+    rate and the cost per success reported apart. Episodes are priced by the policy's tokens."""
+    o = cost_demo.objective({"success_mean_evals": 0.5, "tokens_mean_evals": 200.0}, 0.001)
+    assert o["value"] == pytest.approx(0.3) and o["cost_per_success"] == pytest.approx(400.0)
+    assert (
+        cost_demo.objective({"success_mean_evals": 0.0, "tokens_mean_evals": 9.0}, 0.1)["cost_per_success"]
+        is None
+    )
+
+    def arm(s, t):
+        return {"success_mean_evals": s, "tokens_mean_evals": t}
+
+    per = [
+        {"lambda": 0.001, "lambda0": arm(0.6, 300.0), "calibrated": arm(0.55, 150.0)},
+        {"lambda": 0.002, "lambda0": arm(0.6, 300.0), "calibrated": arm(0.62, 280.0)},
+    ]
+    r = cost_demo.across_seeds(per)
+    assert r["objective_lambda0"]["values"] == pytest.approx([0.3, 0.0])
+    assert r["objective_diff_calibrated"]["values"] == pytest.approx([0.1, 0.06])
+
+
+def test_episode_evals_are_priced_by_the_policy_tokens(tmp_path):
+    d = tmp_path / "ep" / "metrics"
+    d.mkdir(parents=True)
+    rows = [{"version": 0, "eval_success": 0.5, "eval_tokens": 1500.0, "eval_model_tokens": 240.0, "ts": 0.0}]
+    (d / "trainer.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert cost_demo.eval_curve(tmp_path / "ep")[0]["tokens"] == 240.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 
@@ -165,3 +166,57 @@ def test_calibrate_model_and_chat_template_refuse_bad_input(tmp_path, capsys):
         main(["--random-init", "--chat-template", "--out", str(out)])
     assert "--chat-template needs --model" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "cal.json").exists()
+
+
+@pytest.fixture()
+def small_swe_gen(tmp_path):
+    """A 10-repository swe-gen set in tmp_path, standing in for the registered one."""
+    from envs import base
+    from envs.swe_env import SweGenEnv
+
+    e = SweGenEnv(task_dir=str(tmp_path / "set"), n_gen=10)
+    e.tasks("train")
+    old = base._INSTANCES.get("swe-gen")
+    base._INSTANCES["swe-gen"] = e
+    yield e
+    base._INSTANCES.pop("swe-gen")
+    if old is not None:
+        base._INSTANCES["swe-gen"] = old
+
+
+def test_turns_axis_plays_the_same_episodes_at_each_turn_budget(small_swe_gen):
+    """--axis turns: each budget caps max_turns of the same held-out episodes; the cost is the
+    policy's own tokens (an untrained model's turns, each at most turn_tokens), never the prompt's."""
+    import torch
+
+    from policy import CharTokenizer, ModelConfig, Transformer
+    from scorer.calibrate import measure_turns
+
+    tok = CharTokenizer.default()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(tok.vocab_size, n_layers=1, max_seq_len=4096)).float().eval()
+    small_swe_gen.limits = dataclasses.replace(small_swe_gen.limits, max_turn_tokens=24)
+    with torch.no_grad():
+        rows = measure_turns(model, "swe-gen", [1, 2], 3, 1.0, 0, tok)
+    assert [r["budget"] for r in rows] == [1, 2] and all(r["n"] == 3 for r in rows)
+    assert rows[0]["turns"] == 1.0 and 1.0 <= rows[1]["turns"] <= 2.0
+    assert 0 < rows[0]["cost"] < rows[1]["cost"]  # a second turn is paid for
+    assert all(r["success"] == 0.0 for r in rows)  # an untrained model fixes nothing
+
+
+def test_turns_axis_refuses_a_single_answer_env(tmp_path, capsys):
+    rc = main(
+        [
+            "--random-init",
+            "--env",
+            "arith",
+            "--axis",
+            "turns",
+            "--prompts",
+            "2",
+            "--out",
+            str(tmp_path / "c.png"),
+        ]
+    )
+    assert rc == 2 and "multi-turn" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()

@@ -10,10 +10,10 @@ import torch
 from envs import get_env
 from envs.base import SpecError
 from envs.episode import EpisodeLimits, EpisodeTask
+from envs.held_out import eval_specs, play_held_out
 from envs.swe_env import SweGenEnv
 from policy import CharTokenizer, ModelConfig, SamplingConfig, Transformer
 from trainer.config import TrainerConfig
-from trainer.evaluate import eval_specs, evaluate_episodes
 from trainer.warmstart import demo_batch, warm_start
 
 
@@ -119,7 +119,7 @@ def test_warm_start_loss_ignores_observation_tokens(env, monkeypatch):
     assert float(everything) != pytest.approx(got, rel=1e-3)
 
 
-def test_evaluate_episodes_plays_held_out_episodes(env):
+def test_play_held_out_plays_held_out_episodes(env):
     tok = CharTokenizer.default()
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny(tok.vocab_size, n_layers=1, max_seq_len=2048)).float().eval()
@@ -128,13 +128,13 @@ def test_evaluate_episodes_plays_held_out_episodes(env):
     for s in specs:
         s["limits"]["max_turns"], s["limits"]["max_turn_tokens"] = 2, 32
     with torch.no_grad():
-        out = evaluate_episodes(model, tok, specs, SamplingConfig(temperature=1.0), seed=0)
+        out = play_held_out(model, tok, specs, SamplingConfig(temperature=1.0), seed=0)
     assert out["eval_n"] == 2 and out["eval_success"] == 0.0  # an untrained model fixes nothing
     assert 1 <= out["eval_turns"] <= 2
     assert sum(v for k, v in out.items() if k.startswith("eval_term_")) == pytest.approx(1.0)
 
 
-def test_evaluate_episodes_has_no_episode_wall_clock(env):
+def test_play_held_out_has_no_episode_wall_clock(env):
     """Held-out episodes are played in lockstep, so an episode's wall clock would count the others'
     generation: the eval ends episodes by turns and tokens, never by `timeout`."""
     tok = CharTokenizer.default()
@@ -143,7 +143,7 @@ def test_evaluate_episodes_has_no_episode_wall_clock(env):
     specs = [env.sample(random.Random(1), "eval").spec]
     specs[0]["limits"].update(max_turns=2, max_turn_tokens=32, episode_wall_s=1e-6)
     with torch.no_grad():
-        out = evaluate_episodes(model, tok, specs, SamplingConfig(temperature=1.0), seed=0)
+        out = play_held_out(model, tok, specs, SamplingConfig(temperature=1.0), seed=0)
     assert out["eval_n"] == 1 and "eval_term_timeout" not in out, out
 
 

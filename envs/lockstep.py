@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 
-from envs.actions import BASH_BLOCK
-from envs.episode_play import Turn
 from policy import SamplingConfig, generate
+
+from .actions import BASH_BLOCK
+from .episode_play import Turn
 
 
 class Lockstep:
