@@ -268,6 +268,16 @@ def add_swebench_commands(sub) -> None:
     src.add_argument("--instances", help="an instance file (imported into a temporary task set first)")
     v.add_argument("--repos", default=None, help="with --instances: directory of <owner>__<name> clones")
     add_env_flags(v)
+    v.add_argument(
+        "--workspace",
+        choices=("local", "docker"),
+        default="local",
+        help="where each prediction's tests run: the local sandbox, or a container per run (needs a"
+        " docker daemon; as the worker's [worker.episodes] workspace)",
+    )
+    v.add_argument(
+        "--docker-image", default="", help="--workspace docker: the image (a task's own image wins)"
+    )
     v.add_argument("--report", default=None, help="also write the report (JSON) here")
 
 
@@ -354,6 +364,15 @@ class NothingImported(Exception):
     """No instance of the file could be imported (each one's reason is printed)."""
 
 
+def scoring_backend(a):
+    """`tasks evaluate --workspace`: None (the local sandbox) or the container backend."""
+    if a.workspace != "docker":
+        return None
+    from envs.workspace_docker import DockerBackend
+
+    return DockerBackend(image=a.docker_image) if a.docker_image else DockerBackend()
+
+
 def swebench_command(a) -> int:
     from envs import swebench
     from envs.task_set import load_task_set
@@ -380,7 +399,7 @@ def swebench_command(a) -> int:
                 tasks, skipped = got.tasks, {s["instance"]: s["reason"] for s in got.skipped}
                 for line in skipped_lines(got.skipped):
                     print(line, file=sys.stderr)
-            report = swebench.evaluate_predictions(tasks, preds, skipped=skipped)
+            report = swebench.evaluate_predictions(tasks, preds, skipped=skipped, backend=scoring_backend(a))
     except (ValueError, OSError) as e:  # InstanceError is a ValueError
         print(f"asyncrl tasks {a.cmd}: {e}", file=sys.stderr)
         return 2

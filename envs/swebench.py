@@ -11,7 +11,9 @@ Everything here is offline. The repository at `base_commit` comes from, in order
 `repo_path` (this project's extension: a git repository holding base_commit, or a directory
 that *is* the snapshot; relative to the instance file), `<repos>/<owner>__<name>` (a git clone,
 SWE-bench's own naming), or nothing when the instance names an `image_name` (the docker
-workspace backend runs it; then the test_patch may only create files). Further extensions this
+workspace backend runs it from the image's workdir, the local backend refuses it; then the
+test_patch may only create files). An instance with both keeps its image (`meta["image"]`): the
+docker backend runs the snapshot in it, the local backend the snapshot alone. Further extensions this
 project writes and reads (other tools ignore them): `runner` ("pytest" | "mini"), `split`,
 `family`.
 

@@ -94,11 +94,18 @@ def sandbox_runtime(root_dir: str) -> tuple[str, str]:
     py = next((p for p in SYSTEM_PYTHONS if _runs(p, "pass", uid)), isolation()[0])
     if _runs(py, "import pytest", uid):
         return py, ""
+    site = pytest_site(root_dir)
+    ok = _runs(py, "import pytest", uid, {"PYTHONPATH": site, "PATH": "/usr/bin:/bin"})
+    return py, site if ok else ""
+
+
+def pytest_site(root_dir: str) -> str:
+    """`root_dir/site-<python version>`: a copy of pytest and its (pure-Python) requirements from
+    this environment, made once (the sandbox's, or a container image's, when its python has none)."""
     site = os.path.join(root_dir, f"site-{sys.version_info[0]}.{sys.version_info[1]}")
     if not os.path.exists(os.path.join(site, ".complete")):
         _copy_dists(["pytest"], site)
-    ok = _runs(py, "import pytest", uid, {"PYTHONPATH": site, "PATH": "/usr/bin:/bin"})
-    return py, site if ok else ""
+    return site
 
 
 def _copy_dists(names: list[str], dest: str) -> None:
@@ -207,6 +214,12 @@ class LocalWorkspace:
         os.chmod(self.root, 0o711)
         self.repo, self.tools = os.path.join(self.root, "repo"), os.path.join(self.root, "tools")
         try:
+            image = (task.meta or {}).get("image")
+            if image and not task.base_dir:
+                raise ValueError(
+                    f"the repository of task {task.task_id} is only in its image {image} (no snapshot "
+                    'here): run it with the docker workspace backend ([worker.episodes] workspace = "docker")'
+                )
             if task.base_dir:
                 _copy_tree(task.base_dir, self.repo)
             os.makedirs(self.repo, exist_ok=True)

@@ -220,7 +220,7 @@ def _code_path(root, own):
     at = next((i for i, p in enumerate(sys.path)
                if p in own_site or os.path.basename(p) in ("site-packages", "dist-packages")), len(sys.path))
     sys.path[at:at] = extra
-    if own is None:  # a key without the task's names (the container backend): what is there now
+    if own is None:  # a key without the task's names: what is there now
         own = [n[:-3] if n.endswith(".py") else n for n in os.listdir(root)]
     own = frozenset(own)
 
