@@ -123,11 +123,13 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 def load_hf_tokenizer(folder) -> HFTokenizer:
-    """tokenizer.json (+ special tokens and chat template from tokenizer_config.json /
-    special_tokens_map.json / chat_template.jinja / config.json)."""
+    """A folder's tokenizer.json (the folder, or that file's path) with special tokens and chat
+    template from tokenizer_config.json / special_tokens_map.json / chat_template.jinja / config.json."""
     from tokenizers import Tokenizer
 
     folder = Path(folder)
+    if folder.is_file():  # the tokenizer.json itself: its folder holds the rest
+        folder = folder.parent
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {folder}")

@@ -16,6 +16,7 @@ from policy import (
     hf_name_map,
     load_hf_checkpoint,
     load_hf_tokenizer,
+    load_tokenizer,
     save_hf_checkpoint,
 )
 from policy.tokenizer import HFTokenizer
@@ -140,6 +141,9 @@ def test_tokenizers(tmp_path):
     assert isinstance(hf, HFTokenizer) and hf.eos_id == t.token_to_id("<|endoftext|>")
     ids = hf.encode("hello world", eos=True)
     assert ids[-1] == hf.eos_id and hf.decode(ids) == "hello world"
+    # the tokenizer.json's own path (as `asyncrl tasks predict --model` passes it): the same tokenizer
+    by_file = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert by_file.eos_id == hf.eos_id and by_file.encode("hello world") == hf.encode("hello world")
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_hf_tokenizer(tmp_path / "nope")
 
