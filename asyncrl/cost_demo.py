@@ -394,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         "--axis",
         choices=("tokens", "samples", "turns"),
         default="samples",
-        help="calibration budgets: max tokens, samples per task, or an episode's turns (multi-turn envs,"
-        " sampled at the config's temperature)",
+        help="calibration budgets (sampled at the config's temperature): max tokens, samples per task"
+        " (episodes on a multi-turn env), or an episode's turns",
     )
     ap.add_argument("--budget", type=int, default=1, help="operating point on the axis (1 sample per task)")
     ap.add_argument(
@@ -405,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         help="λ = scale × the measured tangent slope (below 1: pay less for tokens, keep more success)",
     )
     ap.add_argument("--seeds", default=None, help="comma-separated trainer seeds: both arms per seed")
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="with --seeds: a seed's finished λ = 0 run in --out (seedN/lambda0, with its evals) is kept",
+    )
     ap.add_argument("--max-tokens", type=int, default=None, help="default: the config's task max_tokens")
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument(
@@ -453,8 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     env = a.env or tr.get("tasks", {}).get("envs", ["arith"])[0]
     sampling = tr.get("tasks", {}).get("sampling", {})
     max_tokens = a.max_tokens or int(sampling.get("max_tokens", 48))
-    # episodes are calibrated where the run samples them; single answers at T = 1 (as measured before)
-    a.calibrate_temperature = float(sampling.get("temperature", 1.0)) if a.axis == "turns" else 1.0
+    a.calibrate_temperature = float(sampling.get("temperature", 1.0))  # the curve where the run samples
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else None
@@ -473,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
                 d.mkdir(parents=True, exist_ok=True)
                 cfg = d / "config.toml"
                 cfg.write_text(config_for_seed(text, sd))
-                r, c = one_seed(a, str(cfg), d, env, max_tokens, None)
+                done = a.reuse and (d / "lambda0" / "warmstart.pt").exists() and eval_curve(d / "lambda0")
+                r, c = one_seed(a, str(cfg), d, env, max_tokens, str(d / "lambda0") if done else None)
                 per_seed.append({"seed": sd, **r})
                 curves.update({f"{arm} #{sd}": v for arm, v in c.items()})
             result = {"seeds": seeds, "per_seed": per_seed, **across_seeds(per_seed)}

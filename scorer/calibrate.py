@@ -9,10 +9,13 @@ With reward = success − λ·cost, a policy at c* gains nothing by spending one
 penalty's marginal price equals the marginal success that token buys. `--apply` writes λ to
 KV rl-control/lambda (scorers pick it up live); a PNG shows points, fit and tangent.
 
-On a multi-turn env (`--axis turns`, e.g. swe-demo) each budget is an episode's max_turns: the same
-held-out episodes are played at every budget (envs/held_out.py, as the trainer's eval plays them),
-success = resolved, cost = the policy's tokens an episode (its turns; prompt and observations are
-not its doing and are not priced, as the scorer's cost_unit "tokens" counts them).
+On a multi-turn env (e.g. swe-demo) the held-out tasks are played as episodes (envs/held_out.py, as
+the trainer's eval plays them), success = resolved, cost = the policy's tokens (its turns; prompt
+and command output are not its doing and are not priced, as the scorer's cost_unit "tokens"
+counts them): `--axis samples` k episodes a task (resolved by any), `--axis turns` one episode
+capped at max_turns = the budget. A policy whose success stops rising before its turn limit has a
+tangent of ~0 on the turns axis (its last turns buy nothing), while a second attempt still buys
+success: the samples axis prices that.
 """
 
 from __future__ import annotations
@@ -255,6 +258,46 @@ def measure_turns(
     return rows
 
 
+def measure_episode_samples(
+    model, env_name: str, ks: list[int], n_prompts: int, temperature: float, seed: int, tok=None
+) -> list[dict]:
+    """Samples-per-task budgets on episodes: k attempts at each held-out task, success = any of
+    them resolved (the hidden tests pick), cost = the policy's tokens of all k. One pass of
+    max(k) episodes per task, in lockstep, serves every k."""
+    from envs.held_out import eval_specs, play_held_out
+    from policy import CharTokenizer, SamplingConfig
+
+    tok, K = tok or CharTokenizer.default(), max(ks)
+    specs = [s.spec for _, s in eval_specs([env_name], n_prompts, seed)]
+    played: list[tuple[bool, int]] = []
+    play_held_out(
+        model,
+        tok,
+        [s for s in specs for _ in range(K)],
+        SamplingConfig(temperature=temperature),
+        seed,
+        on_scored=lambda ep, r: played.append((bool(r.resolved), ep.action_tokens)),
+    )
+    ok = np.array([p[0] for p in played]).reshape(len(specs), K)
+    toks = np.array([p[1] for p in played], dtype=np.float64).reshape(len(specs), K)
+    return [
+        {
+            "budget": k,
+            "cost": float(toks[:, :k].sum(1).mean()),
+            "success": float(ok[:, :k].max(1).mean()),
+            "n": len(specs),
+        }
+        for k in ks
+    ]
+
+
+def multi_turn(env_name: str, seed: int = 0) -> bool:
+    """Whether the env's tasks are episodes (its eval specs carry one)."""
+    from envs.held_out import eval_specs
+
+    return all("episode" in s.spec for _, s in eval_specs([env_name], 1, seed))
+
+
 def plot(rows: list[dict], fit: ScalingFit, at: float, lam: float, path: str, title: str) -> None:
     import matplotlib
 
@@ -408,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, KeyError) as e:  # a single-answer env, or no such env
             print(f"asyncrl calibrate-cost: {e}", file=sys.stderr)
             return 2
+    elif a.axis == "samples" and multi_turn(a.env, a.seed):
+        rows = measure_episode_samples(model, a.env, budgets, a.prompts, a.temperature, a.seed, tok)
     elif a.axis == "tokens":
         rows = measure(model, a.env, budgets, a.prompts, a.temperature, a.seed, tok, a.chat_template)
     else:

@@ -220,3 +220,22 @@ def test_turns_axis_refuses_a_single_answer_env(tmp_path, capsys):
     )
     assert rc == 2 and "multi-turn" in capsys.readouterr().err
     assert not (tmp_path / "c.json").exists()
+
+
+def test_samples_axis_on_episodes_prices_every_attempt(small_swe_gen):
+    """--axis samples on a multi-turn env: k episodes a task, cost = the policy's tokens of all k."""
+    import torch
+
+    from policy import CharTokenizer, ModelConfig, Transformer
+    from scorer.calibrate import measure_episode_samples, multi_turn
+
+    assert multi_turn("swe-gen") and not multi_turn("arith")
+    tok = CharTokenizer.default()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(tok.vocab_size, n_layers=1, max_seq_len=4096)).float().eval()
+    small_swe_gen.limits = dataclasses.replace(small_swe_gen.limits, max_turn_tokens=24, max_turns=1)
+    with torch.no_grad():
+        rows = measure_episode_samples(model, "swe-gen", [1, 2], 3, 1.0, 0, tok)
+    assert [r["budget"] for r in rows] == [1, 2] and all(r["n"] == 3 for r in rows)
+    assert 0 < rows[0]["cost"] < rows[1]["cost"] <= 2 * 24  # two attempts, each one turn of <= 24 tokens
+    assert all(r["success"] == 0.0 for r in rows)
