@@ -3,6 +3,8 @@
     asyncrl cost-demo [--config deploy/demo.toml] [--out runs/cost-demo] [--baseline RUN_DIR]
     asyncrl cost-demo --seeds 0,1,2 [--lambda-scale 0.5]     # both arms per seed, mean ± std
     asyncrl cost-demo --seeds 0,1,2 --arms lambda0,calibrated,success_only,group_normalised,ramp,budget
+    asyncrl cost-demo --config deploy/cost-swe-demo.toml --axis samples --budget 1 --prompts 36 --seeds 0,1
+                                                             # episodes: resolved − λ·cost
 
 Arms (each a full run from the λ = 0 run's warm start, same seed and tasks; λ_cal = the tangent λ):
     lambda0           λ = 0
@@ -19,6 +21,10 @@ Arms (each a full run from the λ = 0 run's warm start, same seed and tasks; λ_
 3. the same run again with `--lambda λ` (same seed, same warm start, same tasks);
 4. held-out success and tokens per answer of every arm, side by side: compare.json, compare.png
    (curves per version) and tradeoff.png (success against tokens per answer, one point per arm and seed).
+
+Each arm is also judged by the objective itself, held-out success − λ·cost at the arm's λ, with the
+success rate and the cost per success apart (an episode's cost: the policy's tokens, eval_model_tokens).
+`--reuse` keeps a seed's finished λ = 0 run found in --out (seedN/lambda0).
 
 Success is reported as the mean over every eval after version 0 (one eval of 256 prompts has
 σ ≈ 0.02-0.03) and, with --seeds, as mean ± std over seeds (the trainer seed sets the model's
