@@ -1,6 +1,6 @@
 """Held-out episodes: which eval specs a pass takes (`eval_specs`), and a model playing them, all
 in lockstep, turn by turn, in the calling process (`play_held_out`). The trainer's held-out eval,
-`asyncrl tasks predict` and `asyncrl calibrate-cost --axis turns` play episodes through here, so
+`asyncrl tasks predict` and `asyncrl calibrate-cost` on episodes play them through here, so
 they measure the same thing on the same policy."""
 
 from __future__ import annotations

@@ -240,8 +240,6 @@ def measure_turns(
 
     tok = tok or CharTokenizer.default()
     specs = [s.spec for _, s in eval_specs([env_name], n_prompts, seed)]
-    if not all("episode" in s for s in specs):
-        raise ValueError(f"--axis turns needs a multi-turn env; {env_name!r} has single-answer tasks")
     rows = []
     for budget in budgets:
         capped = [{**s, "limits": {**s["limits"], "max_turns": budget}} for s in specs]
@@ -445,13 +443,20 @@ def main(argv: list[str] | None = None) -> int:
     if a.chat_template and tok is None:
         ap.error("--chat-template needs --model (the char tokenizer has no chat template)")
 
+    try:
+        episodes = multi_turn(a.env, a.seed)
+    except KeyError as e:  # no such env
+        print(f"asyncrl calibrate-cost: {e.args[0]}", file=sys.stderr)
+        return 2
+    if a.axis == "turns" and not episodes:
+        print(
+            f"asyncrl calibrate-cost: --axis turns needs a multi-turn env; {a.env!r} has single-answer tasks",
+            file=sys.stderr,
+        )
+        return 2
     if a.axis == "turns":
-        try:
-            rows = measure_turns(model, a.env, budgets, a.prompts, a.temperature, a.seed, tok)
-        except (ValueError, KeyError) as e:  # a single-answer env, or no such env
-            print(f"asyncrl calibrate-cost: {e}", file=sys.stderr)
-            return 2
-    elif a.axis == "samples" and multi_turn(a.env, a.seed):
+        rows = measure_turns(model, a.env, budgets, a.prompts, a.temperature, a.seed, tok)
+    elif a.axis == "samples" and episodes:
         rows = measure_episode_samples(model, a.env, budgets, a.prompts, a.temperature, a.seed, tok)
     elif a.axis == "tokens":
         rows = measure(model, a.env, budgets, a.prompts, a.temperature, a.seed, tok, a.chat_template)

@@ -17,6 +17,11 @@ def _run(tmp_path, name, evals):
     return tmp_path / name
 
 
+def arm(s, t):
+    """One arm's summary, as cost_demo.summarize gives it: mean success and tokens over its evals."""
+    return {"success_mean_evals": s, "tokens_mean_evals": t}
+
+
 def test_summary_uses_the_first_eval_and_the_mean_of_the_last_three(tmp_path):
     run = _run(
         tmp_path, "a", [(0, 0.2, 20.0), (25, 0.5, 30.0), (50, 0.6, 32.0), (75, 0.7, 34.0), (100, 0.8, 36.0)]
@@ -80,9 +85,6 @@ def test_config_for_seed_sets_the_trainer_seed_only():
 
 
 def test_across_seeds_pairs_the_arms():
-    def arm(s, t):
-        return {"success_mean_evals": s, "tokens_mean_evals": t}
-
     per = [
         {"lambda": 0.01, "lambda0": arm(0.8, 40.0), "calibrated": arm(0.78, 20.0)},
         {"lambda": 0.02, "lambda0": arm(0.9, 40.0), "calibrated": arm(0.86, 24.0)},
@@ -154,9 +156,6 @@ def test_each_arm_is_a_valid_trainer_config(tmp_path):
 
 
 def test_across_seeds_compares_every_arm_with_lambda0():
-    def arm(s, t):
-        return {"success_mean_evals": s, "tokens_mean_evals": t}
-
     per = [
         {"lambda": 0.01, "lambda0": arm(0.8, 40.0), "calibrated": arm(0.7, 20.0), "budget": arm(0.8, 24.0)},
         {"lambda": 0.01, "lambda0": arm(0.9, 40.0), "calibrated": arm(0.8, 20.0), "budget": arm(0.86, 20.0)},
@@ -287,9 +286,6 @@ def test_the_objective_is_judged_at_the_arms_lambda_with_success_and_cost_apart(
         cost_demo.objective({"success_mean_evals": 0.0, "tokens_mean_evals": 9.0}, 0.1)["cost_per_success"]
         is None
     )
-
-    def arm(s, t):
-        return {"success_mean_evals": s, "tokens_mean_evals": t}
 
     per = [
         {"lambda": 0.001, "lambda0": arm(0.6, 300.0), "calibrated": arm(0.55, 150.0)},

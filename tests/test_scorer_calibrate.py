@@ -220,6 +220,9 @@ def test_turns_axis_refuses_a_single_answer_env(tmp_path, capsys):
     )
     assert rc == 2 and "multi-turn" in capsys.readouterr().err
     assert not (tmp_path / "c.json").exists()
+    rc = main(["--random-init", "--env", "no-such-env", "--prompts", "2", "--out", str(tmp_path / "c.png")])
+    assert rc == 2 and "unknown environment 'no-such-env'" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()
 
 
 def test_samples_axis_on_episodes_prices_every_attempt(small_swe_gen):
