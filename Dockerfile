@@ -33,6 +33,7 @@ ARG VARIANT
 ARG CUDA_EXTRAS=vllm,agents,wandb
 WORKDIR /opt/asyncrl
 COPY pyproject.toml README.md ./
+COPY kernel ./kernel
 COPY bus ./bus
 COPY policy ./policy
 COPY delta_codec ./delta_codec

@@ -41,7 +41,8 @@ COMMANDS = {
 
 def _inspect(argv: list[str]) -> int:
     from asyncrl.inspect import render, snapshot
-    from bus import BusConfig, connect, load_config
+    from bus import BusConfig, connect
+    from kernel import load_config
 
     ap = argparse.ArgumentParser(prog="asyncrl inspect", description=__doc__)
     ap.add_argument(
@@ -83,7 +84,7 @@ def _inspect(argv: list[str]) -> int:
 
 
 def _nats(argv: list[str]) -> int:
-    from bus.server import run_foreground
+    from asyncrl.nats_server import run_foreground
 
     ap = argparse.ArgumentParser(prog="asyncrl nats", description="local nats-server with JetStream")
     ap.add_argument("--store", default=None, help="store dir (default: a temporary one)")

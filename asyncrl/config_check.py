@@ -40,7 +40,7 @@ from pathlib import Path
 
 from asyncrl import layout, thread_plan
 from asyncrl.upconfig import UpConfig
-from bus.config import ConfigError, load_config
+from kernel.config import ConfigError, load_config
 
 SECTIONS = {"up", "layout", "trainer", "worker", "scorer"}
 

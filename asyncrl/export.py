@@ -95,7 +95,8 @@ async def replay(store_dir: Path, version: int, public_key=None) -> tuple[dict, 
     """Rebuild version `version` from the WEIGHTS stream of a stopped run's store."""
     from nats.js.errors import NotFoundError
 
-    from bus import BusConfig, EmbeddedServer, connect, events
+    from asyncrl.nats_server import EmbeddedServer
+    from bus import BusConfig, connect, events
     from bus import topology as topo
     from bus.weights.rules import WEIGHTS_SUBJECTS
 

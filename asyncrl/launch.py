@@ -26,15 +26,17 @@ from pathlib import Path
 
 from asyncrl import child_conf, config_check, layout, metrics_ports, run_secrets, thread_plan, tracking
 from asyncrl.model_refs import resolve as resolve_model_refs
+from asyncrl.nats_server import EmbeddedServer
 from asyncrl.resume import resume_run
 from asyncrl.supervisor import ChildSpec, Supervisor, child_env, write_toml
 from asyncrl.upconfig import UpConfig
-from bus import BusConfig, EmbeddedServer, connect, get_logger, setup_logging
+from bus import BusConfig, connect
 from bus import topology as topo
-from bus.config import ConfigError
 from bus.control import format_lambda
 from bus.events import EventError, decode
-from bus.lifetime import EXIT_MARGIN_S, STOP_SIGNALS
+from kernel import get_logger, setup_logging
+from kernel.config import ConfigError
+from kernel.lifetime import EXIT_MARGIN_S, STOP_SIGNALS
 
 log = get_logger("asyncrl.launch")
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from asyncrl.model_refs import resolve as resolve_model_refs
 from asyncrl.supervisor import ChildSpec
 from asyncrl.thread_plan import available_cpus
-from bus.config import ConfigError
+from kernel.config import ConfigError
 from policy import ModelConfig, load_tokenizer
 from policy.hf import config_from_hf
 from policy.memory import HEADROOM, memory_estimate, param_count

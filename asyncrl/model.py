@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bus.log import get_logger
+from kernel.log import get_logger
 
 log = get_logger(__name__)
 

@@ -23,8 +23,8 @@ import tempfile
 import tomllib
 from pathlib import Path
 
-from bus.config import ConfigError, build
 from envs.swe_config import SweSection
+from kernel.config import ConfigError, build
 
 DEFAULT_SAMPLING = {"temperature": 0.0, "max_tokens": 1024}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bus.config import ConfigError
+from kernel.config import ConfigError
 
 # [up] keys run.json records as resolved (flags included), reused as the resumed run's [up]
 RESOLVED = ("steps", "minutes", "workers", "scorers", "sync", "lambda")

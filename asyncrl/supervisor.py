@@ -2,7 +2,7 @@
 
     start(spec)     its own session (a terminal's Ctrl-C reaches `up` only, which then stops
                     everything in order) and PR_SET_PDEATHSIG SIGTERM: if `up` itself is
-                    SIGKILLed the kernel tells every child to drain and go (bus.lifetime)
+                    SIGKILLed the kernel tells every child to drain and go (kernel.lifetime)
     check()         an unexpected exit is logged and restarted after backoff_s · 2^k (max
                     backoff_max_s), at most max_restarts times per child; a trainer that exits 0
                     has finished (max_steps) and is not restarted
@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus import get_logger
-from bus.lifetime import die_with_parent
+from kernel import get_logger
+from kernel.lifetime import die_with_parent
 
 log = get_logger("asyncrl.supervisor")
 

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 
 from asyncrl import child_conf
-from bus.config import ConfigError
+from kernel.config import ConfigError
 
 SECTIONS = ("trainer", "worker", "scorer")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bus import get_logger
+from kernel import get_logger
 
 log = get_logger(__name__)
 

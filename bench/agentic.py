@@ -108,7 +108,7 @@ def pcts(xs: list[float]) -> dict:
 
 def worker_slots(run_dir: Path) -> int:
     """Engine slots over all the run's workers, from the configs `up` wrote for them."""
-    from bus import load_config
+    from kernel import load_config
     from rollout_worker.config import WorkerConfig
 
     confs = sorted((run_dir / "config").glob("worker-*.toml"))
@@ -210,7 +210,7 @@ def workload(run_dir: Path) -> dict:
     commands) or long-tail (a modelled remote test-suite time per task), and the knobs that shape it."""
     import tomllib
 
-    from bus import load_config
+    from kernel import load_config
     from rollout_worker.config import WorkerConfig
     from trainer.sections import BatchSection
 

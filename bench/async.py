@@ -38,7 +38,7 @@ def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None 
     import torch
 
     from asyncrl.launch import write_toml
-    from bus import load_config
+    from kernel import load_config
     from policy import inference_state, load_hf_checkpoint, load_tokenizer, save_hf_checkpoint
     from trainer.config import TrainerConfig
     from trainer.evaluate import evaluate
@@ -80,7 +80,7 @@ def warm_start_once(config: str, out: Path, eval_prompts: int, init: str | None 
 
 def final_eval(run_dir: Path, config: str, n: int) -> dict:
     """Held-out success of a run's last checkpoint (bf16, as the workers would sample it)."""
-    from bus import load_config
+    from kernel import load_config
     from policy import inference_state, load_tokenizer
     from scorer.calibrate import load_policy_file
     from trainer.config import TrainerConfig

@@ -22,9 +22,11 @@ import statistics
 import tempfile
 import time
 
-from bus import BusConfig, ConsumerLoop, EmbeddedServer, TopologyConfig, connect, setup_logging
+from asyncrl.nats_server import EmbeddedServer
+from bus import BusConfig, ConsumerLoop, TopologyConfig, connect
 from bus import topology as topo
 from bus.events import Task
+from kernel import setup_logging
 
 
 def tasks(n: int, tag: str, size: int = 1024) -> list[tuple[str, Task]]:

@@ -66,7 +66,7 @@ async def run(names: list[str], tasks: int | None, timeout_s: float, keep: str |
 
 
 def main(argv=None) -> int:
-    from bus import setup_logging
+    from kernel import setup_logging
 
     ap = argparse.ArgumentParser(
         prog="python -m bench.chaos",

@@ -18,11 +18,13 @@ import statistics
 import sys
 import time
 
-from bus import BusConfig, EmbeddedServer, connect, setup_logging
+from asyncrl.nats_server import EmbeddedServer
+from bus import BusConfig, connect
 from bus import topology as topo
 from bus.events import Rollout
 from envs import get_env
 from envs.sandbox import SandboxLimits, isolation, run_python
+from kernel import setup_logging
 from scorer.config import ScorerConfig
 from scorer.service import Scorer
 

@@ -40,8 +40,8 @@ def main() -> None:
 
     import torch
 
-    from bus import load_config
     from envs.held_out import eval_specs, play_held_out
+    from kernel import load_config
     from policy import SamplingConfig, load_tokenizer
     from trainer.config import TrainerConfig
     from trainer.factory import build_model

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import torch
 
 import delta_codec
-from bus import setup_logging
 from bus import topology as topo
 from bus.events import Task
 from bus.weights.publisher import WeightPublisher
+from kernel import setup_logging
 
 from .delayline import LinkSpec
 from .stats import pct

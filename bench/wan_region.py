@@ -15,11 +15,12 @@ import sys
 import time
 
 import delta_codec
-from bus import BusConfig, connect, events, setup_logging
+from bus import BusConfig, connect, events
 from bus import topology as topo
 from bus.events import Task
 from bus.weights.follower import StateTarget, WeightFollower
 from bus.weights.regions import weight_source
+from kernel import setup_logging
 
 from .wanlab import Lab
 

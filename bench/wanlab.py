@@ -21,10 +21,11 @@ import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
-from bus import BusConfig, EmbeddedServer, connect
+from asyncrl.nats_server import EmbeddedServer
+from bus import BusConfig, connect
 from bus import topology as topo
-from bus.lifetime import cancel_and_wait
 from bus.weights.regions import weight_source
+from kernel.lifetime import cancel_and_wait
 
 from .delayline import LinkSpec
 

@@ -40,11 +40,13 @@ import torch
 
 import delta_codec
 import policy
+from asyncrl.nats_server import EmbeddedServer
 from asyncrl.supervisor import write_toml
-from bus import BusConfig, EmbeddedServer, connect, setup_logging
+from bus import BusConfig, connect
 from bus import topology as topo
 from bus.events import Heartbeat, Task, decode
 from bus.weights.publisher import WeightPublisher
+from kernel import setup_logging
 from rollout_worker.config import WorkerConfig
 from rollout_worker.worker import Worker
 

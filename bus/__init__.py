@@ -1,4 +1,6 @@
-"""bus: the JetStream backbone (connection, topology, events, consumer loop, blobs, logging)."""
+"""bus: the JetStream transport (connection, topology, events, consumer loop, blobs) and weights.
+
+Config loading, logging, metrics and process lifetime live in `kernel`, below this package."""
 
 from bus.client import (
     RETRYABLE,
@@ -10,7 +12,7 @@ from bus.client import (
     ResilientPull,
     connect,
 )
-from bus.config import BusConfig, ConfigError, load_config
+from bus.config import BusConfig
 from bus.consumer import (
     ConsumerLoop,
     HandlerContext,
@@ -20,17 +22,10 @@ from bus.consumer import (
     watch_max_deliveries,
 )
 from bus.events import EventError
-from bus.log import get_logger, setup_logging
-from bus.server import EmbeddedServer, ServerError, run_foreground
 from bus.topology import TopologyConfig
 
 __all__ = [
-    "EmbeddedServer",
-    "ServerError",
-    "run_foreground",
     "BusConfig",
-    "ConfigError",
-    "load_config",
     "Bus",
     "connect",
     "ConnectError",
@@ -46,7 +41,5 @@ __all__ = [
     "park_max_delivered",
     "watch_max_deliveries",
     "EventError",
-    "setup_logging",
-    "get_logger",
     "TopologyConfig",
 ]

@@ -19,14 +19,14 @@ from nats.aio.msg import Msg
 from nats.js import api
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
-from bus import metrics
 from bus import topology as topo
 from bus.config import BusConfig, redact_url
 from bus.errors import BlobError, ConnectError, KVConflict, PublishError  # noqa: F401  (re-exported)
 from bus.events import Event, encode
-from bus.log import get_logger
 from bus.pull import ResilientPull
 from bus.weights.blobs import get_blob, put_blob
+from kernel import metrics
+from kernel.log import get_logger
 
 log = get_logger("bus")
 

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 import nats.js.errors as jse
 from nats.aio.msg import Msg
 
-from bus import metrics
 from bus.events import Event, EventError, decode
-from bus.lifetime import cancel_and_wait
-from bus.log import get_logger
+from kernel import metrics
+from kernel.lifetime import cancel_and_wait
+from kernel.log import get_logger
 
 log = get_logger("bus.consumer")
 

@@ -14,7 +14,7 @@ from nats.js import api
 
 from bus import topology as topo
 from bus.config import BusConfig
-from bus.log import get_logger
+from kernel.log import get_logger
 
 log = get_logger("bus")
 

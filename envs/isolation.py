@@ -372,7 +372,7 @@ def startup(allow_weak: bool = False, workspaces: str | None = None, envs=()) ->
     `workspaces` (a LocalBackend root), check the isolation, log the layers it has and export
     them (asyncrl_sandbox_layer). Raises WeakSandbox unless complete or `allow_weak`. With `envs`
     none of which runs code, the check is left to the first code met (require_async): {}."""
-    from bus import get_logger, metrics  # (a library: logging and metrics only)
+    from kernel import get_logger, metrics  # (a library: logging and metrics only)
 
     log = get_logger("envs.isolation")
     for root, prefixes, grace in (

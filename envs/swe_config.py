@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from bus.config import check_section
+from kernel.config import check_section
 from policy.reward import EPISODE_REWARDS
 
 from .episode import PROMPT_STYLES, SPLITS, TEST_OUTPUTS, EpisodeLimits

@@ -21,7 +21,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from bus import get_logger
+from kernel import get_logger
 
 from . import base
 from .base import SpecError, TaskSpec, Verdict, check_split, register

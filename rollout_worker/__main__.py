@@ -14,13 +14,14 @@ import asyncio
 import os
 import sys
 
-from bus import connect, get_logger, load_config, setup_logging
-from bus.config import run_section
-from bus.lifetime import stop_on_signals
-from bus.metrics import serve_metrics
+from bus import connect
 from envs import isolation
 from envs.isolation import WeakSandbox
 from envs.workspace import default_root, private_root
+from kernel import get_logger, load_config, setup_logging
+from kernel.config import run_section
+from kernel.lifetime import stop_on_signals
+from kernel.metrics import serve_metrics
 from policy.devices import device_env
 
 from .config import WorkerConfig

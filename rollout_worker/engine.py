@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from bus import metrics
+from kernel import metrics
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

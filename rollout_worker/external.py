@@ -30,8 +30,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from bus import TransientError, get_logger
+from bus import TransientError
 from bus.events import Rollout, SamplingParams, Task
+from kernel import get_logger
 
 from .claims import ClaimError
 from .harness import EndpointRunner

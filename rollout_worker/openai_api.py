@@ -72,9 +72,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from bus import get_logger
 from bus.events import SamplingParams
 from envs.conversation import chat_format
+from kernel import get_logger
 
 from .claims import ANY, ClaimBoard, ClaimError
 from .endpoint_token import fresh_token, owner_of

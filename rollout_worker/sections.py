@@ -10,8 +10,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from bus.config import check_section
 from envs.sandbox_latency import SandboxLatency
+from kernel.config import check_section
 
 HARNESSES = ("builtin", "mini-swe-agent", "external")
 
@@ -208,7 +208,7 @@ class RunSection:
     grace_s: float = 30.0  # drain: time to finish held tasks before they are nak'ed
     max_restarts: int = 5  # a background task failing this many times in a row stops the worker
     restart_backoff_s: float = 0.5  # first restart delay; doubles per consecutive failure (max 30 s)
-    metrics_port: int = 0  # Prometheus /metrics (bus.metrics); 0 = off
+    metrics_port: int = 0  # Prometheus /metrics (kernel.metrics); 0 = off
     # the address /metrics listens on: loopback unless an operator opens it (a container's own
     # network: 0.0.0.0, deploy/docker-compose.yml); it has no auth
     metrics_host: str = "127.0.0.1"

@@ -35,7 +35,7 @@ import torch
 import delta_codec
 import policy
 from bus.events import SamplingParams
-from bus.log import get_logger
+from kernel.log import get_logger
 
 from .engine import (
     EngineClosed,

@@ -57,7 +57,7 @@ import torch
 import delta_codec
 import policy
 from bus.events import SamplingParams
-from bus.log import get_logger
+from kernel.log import get_logger
 from policy.hf import hf_name_map
 
 from . import vllm_parts

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import policy
-from bus.log import get_logger
+from kernel.log import get_logger
 from policy.sampling import FULL
 
 from .engine import EngineMetrics

@@ -23,16 +23,17 @@ import time
 import zlib
 
 import policy
-from bus import ConsumerLoop, TransientError, get_logger, metrics
+from bus import ConsumerLoop, TransientError
 from bus import topology as topo
 from bus.events import Heartbeat, Metrics, SamplingParams, Task
-from bus.lifetime import cancel_and_wait
 from bus.rollout_build import build_rollout
 from bus.weights.regions import weight_follower
 from bus.weights.rules import parse_version
 from envs import isolation
 from envs.episode_pool import EpisodePool
 from envs.workspace import default_root, private_root
+from kernel import get_logger, metrics
+from kernel.lifetime import cancel_and_wait
 
 from .config import WorkerConfig
 from .endpoint_token import load_tokens

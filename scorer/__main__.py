@@ -12,11 +12,11 @@ import argparse
 import asyncio
 import sys
 
-from bus import load_config, setup_logging
-from bus.config import run_section
-from bus.lifetime import stop_on_signals
-from bus.metrics import serve_metrics
 from envs.isolation import WeakSandbox
+from kernel import load_config, setup_logging
+from kernel.config import run_section
+from kernel.lifetime import stop_on_signals
+from kernel.metrics import serve_metrics
 
 from .config import ScorerConfig
 from .service import Scorer
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def amain() -> None:
         stop = asyncio.Event()
-        stop_on_signals(stop, cfg.run.grace_s, name=cfg.scorer_id)  # before connecting: see bus.lifetime
+        stop_on_signals(stop, cfg.run.grace_s, name=cfg.scorer_id)  # before connecting: see kernel.lifetime
         await Scorer(cfg).run(stop, handle_signals=False)
 
     try:

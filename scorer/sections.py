@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from bus.config import check_section
+from kernel.config import check_section
 from policy.reward import COST_UNITS, EPISODE_REWARDS
 
 HINTS = {
@@ -68,7 +68,7 @@ class RunSection:
     heartbeat_s: float = 5.0
     grace_s: float = 10.0  # drain: time to finish held rollouts before they are nak'ed
     provision: bool = True  # declare the topology on start (off under restricted credentials)
-    metrics_port: int = 0  # Prometheus /metrics (bus.metrics); 0 = off
+    metrics_port: int = 0  # Prometheus /metrics (kernel.metrics); 0 = off
     # the address /metrics listens on: loopback unless an operator opens it (a container's own
     # network: 0.0.0.0, deploy/docker-compose.yml); it has no auth
     metrics_host: str = "127.0.0.1"

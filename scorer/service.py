@@ -26,12 +26,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import envs
-from bus import ConsumerLoop, HandlerContext, connect, get_logger, metrics
+from bus import ConsumerLoop, HandlerContext, connect
 from bus import topology as topo
 from bus.control import parse_lambda
 from bus.events import EventError, Heartbeat, Rollout, Scored
-from bus.lifetime import cancel_and_wait
 from envs import SpecError, get_env, isolation, runs_code
+from kernel import get_logger, metrics
+from kernel.lifetime import cancel_and_wait
 from policy.reward import EPISODE_REWARDS, episode_score, overlong_shaping, price, rollout_cost
 
 from .config import ScorerConfig

@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from bus.server import EmbeddedServer
+from asyncrl.nats_server import EmbeddedServer
 
 # 2-core CI box: torch's default intra-op threads thrash small matmuls (10x slower measured), so one
 # thread unless OMP_NUM_THREADS says otherwise: `make test-numeric` runs the numeric tests under 1 and 2

@@ -11,18 +11,10 @@ from pathlib import Path
 import nats.errors
 import pytest
 
-from bus import (
-    BusConfig,
-    ConfigError,
-    KVConflict,
-    TopologyConfig,
-    connect,
-    get_logger,
-    load_config,
-    setup_logging,
-)
+from bus import BusConfig, KVConflict, TopologyConfig, connect
 from bus import topology as topo
 from bus.events import Task, new_id
+from kernel import ConfigError, get_logger, load_config, setup_logging
 
 
 async def test_provision_is_idempotent_and_updates_changed_config(fresh_server):
@@ -202,7 +194,7 @@ async def test_publish_to_unprovisioned_subject_is_a_clear_error(fresh_server):
 
 
 def test_embedded_server_bad_config_and_restart_keeps_port(tmp_path):
-    from bus import EmbeddedServer, ServerError
+    from asyncrl.nats_server import EmbeddedServer, ServerError
 
     bad = tmp_path / "bad.conf"
     bad.write_text("this is { not a config\n")
@@ -245,7 +237,8 @@ async def test_kv_watch_survives_server_restart(fresh_server):
 
 
 async def test_connect_reports_bad_credentials_and_unreachable_servers(tmp_path):
-    from bus import ConnectError, EmbeddedServer
+    from asyncrl.nats_server import EmbeddedServer
+    from bus import ConnectError
 
     async with EmbeddedServer(tmp_path / "auth", extra_args=["--auth", "s3cret"]) as srv:
         ok = await connect(BusConfig(servers=[srv.url], token="s3cret", name="tok"))
@@ -271,7 +264,8 @@ async def test_run_foreground_serves_until_sigterm(tmp_path):
     import sys
 
     code = (
-        "import sys; from bus.server import run_foreground; sys.exit(run_foreground(sys.argv[1], port=None))"
+        "import sys; from asyncrl.nats_server import run_foreground; "
+        "sys.exit(run_foreground(sys.argv[1], port=None))"
     )
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -345,7 +339,8 @@ def _self_signed(tmp_path):
 
 
 async def test_connect_over_tls_with_ca(tmp_path):
-    from bus import ConnectError, EmbeddedServer
+    from asyncrl.nats_server import EmbeddedServer
+    from bus import ConnectError
 
     ca, crt, key = _self_signed(tmp_path)
     async with EmbeddedServer(

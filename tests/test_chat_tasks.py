@@ -12,11 +12,11 @@ import transformers
 
 from asyncrl import config_check
 from bus import topology as topo
-from bus.config import ConfigError
 from bus.events import Task, decode
 from envs import get_env
 from envs.base import SpecError
 from envs.feeder import chat_renderer, make_tasks
+from kernel.config import ConfigError
 from policy import load_hf_tokenizer, load_tokenizer
 from tests.helpers.bpe import chat_tokenizer_folder
 from trainer.config import TrainerConfig

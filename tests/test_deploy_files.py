@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bus import load_config
+from kernel import load_config
 from tests.helpers.deploy import DEPLOY, ENV_DIR, INIT_DEPLOY, ROOT, compose_cmd, needs_compose, read_env
 
 UNITS = DEPLOY / "systemd"
@@ -421,7 +421,7 @@ def _install(dest: Path, wheel: Path, *extra: str) -> subprocess.CompletedProces
     import os
     import sys
 
-    from bus.server import find_binary
+    from asyncrl.nats_server import find_binary
 
     return subprocess.run(
         ["sh", str(DEPLOY / "install.sh"), "--destdir", str(dest), "--nats-server", find_binary()]

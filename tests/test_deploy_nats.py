@@ -12,6 +12,7 @@ import subprocess
 import nats
 import pytest
 
+from asyncrl.nats_server import find_binary
 from bench.chaoskit.nats_configs import (
     NATS_DIR,
     ConfServer,
@@ -27,7 +28,6 @@ from bench.chaoskit.nats_configs import (
 from bus import TopologyConfig, connect
 from bus import topology as topo
 from bus.events import Task, new_id
-from bus.server import find_binary
 
 
 # -- tests -----------------------------------------------------------------------------------

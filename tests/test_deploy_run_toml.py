@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from bus import load_config
-from bus.config import ConfigError, run_section
+from kernel import load_config
+from kernel.config import ConfigError, run_section
 from rollout_worker.config import WorkerConfig
 from scorer.config import ScorerConfig
 from tests.helpers import config_sections as shared

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from asyncrl.nats_server import find_binary
 from bench.chaoskit.nats_configs import (
     ConfServer,
     free_port,
@@ -37,10 +38,10 @@ from bench.chaoskit.nats_configs import (
     role_passwords,
     wait_until,
 )
-from bus import BusConfig, ConfigError
+from bus import BusConfig
 from bus import topology as topo
 from bus.client import ConnectError, connect
-from bus.server import find_binary
+from kernel import ConfigError
 from tests.helpers.deploy import DEPLOY, ENV_DIR, ROOT, SHIPPED_ENV, compose_cmd, needs_compose, read_env
 from tests.helpers.tls import TestCA
 

@@ -20,7 +20,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DESIGN = ROOT / "docs" / "design.md"
-PACKAGES = ("bus", "policy", "delta_codec", "envs", "trainer", "rollout_worker", "scorer", "asyncrl", "bench")
+PACKAGES = (
+    "kernel",
+    "bus",
+    "policy",
+    "delta_codec",
+    "envs",
+    "trainer",
+    "rollout_worker",
+    "scorer",
+    "asyncrl",
+    "bench",
+)
 MAP_HEADING = "## Where each file lives"
 FOLDERS_HEADING = "## Processes and libraries"
 FILE_ROW = re.compile(r"^\|\s*`([^`\s]+\.py)`\s*\|")

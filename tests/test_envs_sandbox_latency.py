@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from bus import load_config
 from envs.episode import Episode, EpisodeLimits
 from envs.sandbox import BashLimits
 from envs.sandbox_latency import LatencyBackend, SandboxLatency, runs_tests
 from envs.workspace import LocalBackend
+from kernel import load_config
 from rollout_worker.config import WorkerConfig
 from tests.helpers.agentic import bug_task
 

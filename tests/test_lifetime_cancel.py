@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from bus.lifetime import cancel_and_wait
+from kernel.lifetime import cancel_and_wait
 
 
 async def _loses_first_cancels(n: int, beats: list):

@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from asyncrl.nats_server import EmbeddedServer, ServerError
 from bench.chaoskit.nats_configs import (
     NATS_DIR,
     ConfServer,
@@ -19,7 +20,6 @@ from bench.chaoskit.nats_configs import (
     role_env_vars,
     role_passwords,
 )
-from bus import EmbeddedServer, ServerError
 from tests.helpers.tls import TestCA
 
 

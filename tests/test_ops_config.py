@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from asyncrl import config_check, keygen
-from bus.config import ConfigError
 from delta_codec import DeltaError, signing
+from kernel.config import ConfigError
 
 GOOD = {
     "up": {"workers": 1, "steps": 3},

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bus import metrics
+from kernel import metrics
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "asyncrl.json"

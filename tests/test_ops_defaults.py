@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from asyncrl.cli import main as cli_main
-from bus import BusConfig, ConfigError, load_config
+from bus import BusConfig
 from delta_codec import signing
+from kernel import ConfigError, load_config
 from tests.helpers.deploy import DEPLOY, ROOT, SHIPPED_ENV, compose_cmd, needs_compose, read_env
 
 

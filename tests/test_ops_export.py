@@ -11,7 +11,8 @@ import torch
 import delta_codec
 from asyncrl.cli import main as cli_main
 from asyncrl.export import ExportError, write_export
-from bus import BusConfig, EmbeddedServer, connect
+from asyncrl.nats_server import EmbeddedServer
+from bus import BusConfig, connect
 from bus import topology as topo
 from bus.weights.publisher import WeightPublisher
 from delta_codec import signing

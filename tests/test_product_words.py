@@ -9,8 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAKING = re.compile(r"\b(sessions?|issues?|tickets?)\s+#?\d", re.I)
-TREES = ["bus", "policy", "delta_codec", "envs", "trainer", "scorer", "rollout_worker", "asyncrl", "bench",
-         "tests", "docs", "deploy"]  # fmt: skip
+TREES = ["kernel", "bus", "policy", "delta_codec", "envs", "trainer", "scorer", "rollout_worker",
+         "asyncrl", "bench", "tests", "docs", "deploy"]  # fmt: skip
 FILES = ["README.md", "Makefile", "Dockerfile", "pyproject.toml", ".ci/run"]
 SUFFIXES = {".py", ".md", ".toml", ".sh", ".yml", ".yaml", ".conf", ".service", ".env", ".json", ".mjs", ""}
 

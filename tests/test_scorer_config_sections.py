@@ -11,7 +11,7 @@ import tomllib
 import pytest
 
 from asyncrl import child_conf, config_check
-from bus.config import ConfigError, load_config
+from kernel.config import ConfigError, load_config
 from scorer.config import ScorerConfig
 from scorer.sections import RewardSection, RunSection, SandboxSection
 from tests.helpers import config_sections as shared

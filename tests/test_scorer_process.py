@@ -280,7 +280,7 @@ async def test_episode_infra_failures_and_tampered_verdicts_are_marked(bus):
 
 
 def test_bad_config_is_refused_clearly():
-    from bus import load_config
+    from kernel import load_config
 
     for env in [
         {"ASYNCRL_REWARD__COST_UNIT": "dollars"},

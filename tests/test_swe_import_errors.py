@@ -17,8 +17,8 @@ import pytest
 
 from asyncrl import config_check
 from asyncrl.tasks import main as tasks_main
-from bus.config import ConfigError
 from envs.task_set import load_task_set
+from kernel.config import ConfigError
 from tests.helpers.swe_sets import exported_instances
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,6 @@ import random
 import pytest
 
 from asyncrl import config_check
-from bus.config import ConfigError
 from bus.events import Task
 from envs import get_env
 from envs.episode import (
@@ -24,6 +23,7 @@ from envs.episode import (
 )
 from envs.swe_config import SweSection
 from envs.swe_env import TOY_LIMITS, SweEnv, configure
+from kernel.config import ConfigError
 from policy import CharTokenizer
 from policy.reward import episode_score
 from tests.helpers.swe_sets import fix_commands, imported_set, play

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.nats_server import EmbeddedServer
 from bench.chaoskit.streams import weights_history
 from bus import BusConfig, connect
 from bus import topology as topo
 from bus.events import DeltaEvent
-from bus.server import EmbeddedServer
 from bus.weights.rules import parse_version
 from policy.config import ModelConfig
 from policy.model import Transformer

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import delta_codec
-from bus import BusConfig, EmbeddedServer, connect
+from asyncrl.nats_server import EmbeddedServer
+from bus import BusConfig, connect
 from bus import topology as topo
 from bus.weights.follower import WeightFollower
 from delta_codec import signing
@@ -410,7 +411,7 @@ def test_delta_context_auto_is_on_for_a_pretrained_start_only(tmp_path):
     """The default "auto" codes by context when the trainer starts from a pretrained checkpoint
     (deploy/smollm2.toml as shipped) and not for the toy's fresh weights; an explicit value wins;
     anything else is refused with the allowed values."""
-    from bus.config import ConfigError, load_config
+    from kernel.config import ConfigError, load_config
 
     assert TrainerConfig().publish.delta_context == "auto" and not TrainerConfig().use_delta_context
     assert TrainerConfig(policy={"init_checkpoint": "/some/hf"}).use_delta_context

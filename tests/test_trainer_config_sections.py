@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bus.config import ConfigError, load_config
+from kernel.config import ConfigError, load_config
 from tests.helpers.config_sections import ROOT, check_moved, check_shipped, printed_tree, run_config_check
 from trainer.config import TrainerConfig
 from trainer.loss import LossConfig

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from bench.chaoskit.streams import dlq_entries
-from bus import metrics
 from bus import topology as topo
-from bus.lifetime import cancel_and_wait
 from bus.weights.follower import WeightFollower
+from kernel import metrics
+from kernel.lifetime import cancel_and_wait
 from policy import ModelConfig, SamplingConfig, Transformer, sequence_logprobs
 from tests.helpers.trainer import publish_groups, trainer_config
 from trainer import checkpoint

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import stat
 
+from asyncrl.nats_server import EmbeddedServer
 from bench.up_driver import child_pid, run_pids, start_up, stop_run, wait_for
-from bus.server import EmbeddedServer
 from tests.helpers.up import SUPERVISE
 
 PASSWORD = "s3cret-broker-password-0123456789"

@@ -23,7 +23,7 @@ from asyncrl.export import write_export
 from asyncrl.report import read_jsonl
 from asyncrl.supervisor import ChildSpec
 from bench.up_driver import ROOT, kill_run, start_up, trainer_version, wait_for
-from bus.config import ConfigError
+from kernel.config import ConfigError
 from tests.helpers.up import SUPERVISE
 from trainer import checkpoint
 

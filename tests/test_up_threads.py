@@ -12,7 +12,7 @@ import pytest
 from asyncrl import config_check, thread_plan
 from asyncrl import launch as up_cli
 from bench.up_driver import child_pid, start_up, stop_run, wait_for
-from bus.config import ConfigError
+from kernel.config import ConfigError
 from tests.helpers.up import SUPERVISE
 
 

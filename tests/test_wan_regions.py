@@ -106,7 +106,7 @@ def test_linkspec_rejects_bad_values():
 def test_a_region_worker_config_is_checked_before_start():
     """weights_domain is a subject token, and a region's worker must address the hub for work:
     without js_domain its task pulls (and provisioning) would go to the region's own JetStream."""
-    from bus import ConfigError, load_config
+    from kernel import ConfigError, load_config
     from rollout_worker.config import WorkerConfig
 
     env = {"ASYNCRL_BUS__JS_DOMAIN": "hub", "ASYNCRL_BUS__WEIGHTS_DOMAIN": "eu"}

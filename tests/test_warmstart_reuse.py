@@ -10,7 +10,7 @@ import torch
 import delta_codec
 from asyncrl import config_check
 from asyncrl.report import at_version_time, finish_run
-from bus.config import ConfigError
+from kernel.config import ConfigError
 from policy import inference_state, load_tokenizer
 from trainer import warmstart as ws
 from trainer.config import TrainerConfig

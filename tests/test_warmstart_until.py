@@ -10,9 +10,9 @@ import pytest
 from asyncrl import config_check
 from asyncrl.launch import Telemetry, warmstart_line
 from asyncrl.report import finish_run
-from bus.config import ConfigError
 from envs import base
 from envs.base import TaskSpec, Verdict
+from kernel.config import ConfigError
 from trainer.config import TrainerConfig
 from trainer.factory import build_learner, build_model, build_optimizer
 from trainer.leader import Trainer

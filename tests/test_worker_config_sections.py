@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from asyncrl import child_conf
-from bus.config import ConfigError, load_config
+from kernel.config import ConfigError, load_config
 from rollout_worker.config import WorkerConfig
 from rollout_worker.sections import AdmissionSection, EngineSection, EpisodesSection, RunSection
 from tests.helpers.config_sections import (

@@ -8,10 +8,11 @@ import asyncio
 import os
 import sys
 
-from bus import RETRYABLE, BlobError, PublishError, connect, get_logger, load_config, setup_logging
-from bus.config import run_section
-from bus.lifetime import stop_on_signals
-from bus.metrics import serve_metrics
+from bus import RETRYABLE, BlobError, PublishError, connect
+from kernel import get_logger, load_config, setup_logging
+from kernel.config import run_section
+from kernel.lifetime import stop_on_signals
+from kernel.metrics import serve_metrics
 from policy.devices import device_env
 
 from .commands import world

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bus import get_logger
 from bus import topology as topo
 from bus.events import EventError, Rollout, Scored, decode
+from kernel import get_logger
 from policy import QuantConfig, SamplingConfig, SamplingMask
 
 log = get_logger(__name__)

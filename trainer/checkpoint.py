@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bus import get_logger
+from kernel import get_logger
 
 log = get_logger(__name__)
 

@@ -27,7 +27,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from bus import get_logger
+from kernel import get_logger
 
 from . import checkpoint
 

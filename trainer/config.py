@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from bus import BusConfig
-from bus.config import build_sections, moved_map, same_keys
+from kernel.config import build_sections, moved_map, same_keys
 
 from .sections import (  # noqa: F401  (PENALTIES, LAMBDA_SCHEDULES: re-exported)
     LAMBDA_SCHEDULES,

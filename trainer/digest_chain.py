@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bus import get_logger
 from bus import topology as topo
 from bus.events import DeltaEvent, EventError, KeyframeEvent, ManifestEvent, decode
+from kernel import get_logger
 
 from .checkpoint import CheckpointError, TrainerState
 

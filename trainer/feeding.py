@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import random
 
-from bus import get_logger
 from bus import topology as topo
 from bus.events import SamplingParams
+from kernel import get_logger
 
 from . import lambda_control
 

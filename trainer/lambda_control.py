@@ -12,9 +12,9 @@ The KV value's format: bus/control.py.
 
 from __future__ import annotations
 
-from bus import get_logger
 from bus import topology as topo
 from bus.control import format_lambda, parse_lambda
+from kernel import get_logger
 from policy.reward import budget_step, ramp_lambda
 
 log = get_logger(__name__)

@@ -26,13 +26,13 @@ import numpy as np
 import torch
 
 import delta_codec
-from bus import get_logger, metrics
 from bus import topology as topo
 from bus.consumer import sweep_stranded, watch_max_deliveries
 from bus.events import Metrics
-from bus.lifetime import cancel_and_wait
 from bus.weights.publisher import Fenced, WeightPublisher
 from delta_codec.sharded import digest_matches
+from kernel import get_logger, metrics
+from kernel.lifetime import cancel_and_wait
 from policy import ModelConfig, load_tokenizer
 
 from . import checkpoint

@@ -20,8 +20,8 @@ import asyncio
 import json
 import time
 
-from bus import get_logger
 from bus import topology as topo
+from kernel import get_logger
 
 log = get_logger(__name__)
 

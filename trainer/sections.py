@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus.config import check_section
 from envs.swe_config import SweSection
+from kernel.config import check_section
 from policy.reward import PENALTIES
 
 LAMBDA_SCHEDULES = ("fixed", "ramp", "budget")
@@ -43,8 +43,8 @@ class RunSection:
     # torch intra-op threads of this process (0: torch's default / OMP_NUM_THREADS); `asyncrl up`
     # sets it from its thread plan (asyncrl/thread_plan.py: the cores the workers leave)
     threads: int = 0
-    grace_s: float = 30.0  # SIGTERM: gone within grace_s + bus.lifetime.EXIT_MARGIN_S
-    metrics_port: int = 0  # Prometheus /metrics (bus.metrics); 0 = off
+    grace_s: float = 30.0  # SIGTERM: gone within grace_s + kernel.lifetime.EXIT_MARGIN_S
+    metrics_port: int = 0  # Prometheus /metrics (kernel.metrics); 0 = off
     # the address /metrics listens on: loopback unless an operator opens it (a container's own
     # network: 0.0.0.0, deploy/docker-compose.yml); it has no auth
     metrics_host: str = "127.0.0.1"

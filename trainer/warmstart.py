@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from bus import get_logger
 from envs import get_env
 from envs.conversation import chat_format
+from kernel import get_logger
 from policy import ModelConfig, SamplingConfig, load_tokenizer, sequence_logprobs
 
 from .buckets import length_buckets

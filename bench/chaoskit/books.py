@@ -23,7 +23,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from bus import BusConfig, EmbeddedServer, connect
+from asyncrl.nats_server import EmbeddedServer
+from bus import BusConfig, connect
 from bus import topology as topo
 from bus.events import EventError, Rollout, Scored, Task, decode
 from trainer import checkpoint

@@ -23,8 +23,8 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
+from asyncrl.nats_server import find_binary
 from bus import BusConfig
-from bus.server import find_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 NATS_DIR = ROOT / "deploy" / "nats"

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgpack
 
 import delta_codec
-from bus import EmbeddedServer
+from asyncrl.nats_server import EmbeddedServer
 from bus import topology as topo
 from bus.events import Rollout, Scored, Task
 from bus.weights.rules import signed_fields

@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bus import EmbeddedServer
+from asyncrl.nats_server import EmbeddedServer
 
 from ..up_driver import SMALL_RUN, child_pid, kill_run, start_up, summary_of, trainer_version, wait_for
 from .books import row, up_books

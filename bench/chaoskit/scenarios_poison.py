@@ -24,7 +24,7 @@ from pathlib import Path
 import msgpack
 
 import delta_codec
-from bus import EmbeddedServer
+from asyncrl.nats_server import EmbeddedServer
 from bus import topology as topo
 from bus.events import DeltaEvent, Rollout, Scored
 from bus.weights.follower import WeightFollower

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from bus import EmbeddedServer
+from asyncrl.nats_server import EmbeddedServer
 
 from .books import row
 from .fleet import ChaosError, Fleet, wait_ready

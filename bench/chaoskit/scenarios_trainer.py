@@ -9,7 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-from bus import EmbeddedServer
+from asyncrl.nats_server import EmbeddedServer
 from bus import topology as topo
 from bus.events import Task, decode
 from trainer import checkpoint

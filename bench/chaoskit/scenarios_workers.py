@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import policy
-from bus import EmbeddedServer
+from asyncrl.nats_server import EmbeddedServer
 from bus import topology as topo
 from bus.weights.publisher import WeightPublisher
 

@@ -13,14 +13,15 @@ from typing import Protocol
 from nats.js.errors import NotFoundError
 
 import delta_codec
-from bus import events, metrics
+from bus import events
 from bus import topology as topo
-from bus.log import get_logger
 from bus.weights.manifest import apply_manifest, read_manifest
 from bus.weights.rules import CODEC, WEIGHTS_SUBJECTS, Refused, is_replay, signed_fields
 from delta_codec import signing
 from delta_codec.errors import NonFiniteError
 from delta_codec.sharded import apply_parts
+from kernel import metrics
+from kernel.log import get_logger
 
 log = get_logger(__name__)
 

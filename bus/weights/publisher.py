@@ -19,13 +19,14 @@ from typing import Protocol
 from nats.js.errors import APIError
 
 import delta_codec
-from bus import events, metrics
+from bus import events
 from bus import topology as topo
 from bus.errors import PublishError
-from bus.log import get_logger
 from bus.weights.rules import CODEC, config_dict, encode_version, signed_fields
 from delta_codec import signing
 from delta_codec.sharded import Manifest
+from kernel import metrics
+from kernel.log import get_logger
 
 log = get_logger(__name__)
 

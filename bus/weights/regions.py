@@ -24,8 +24,8 @@ from nats.js import api
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from bus import topology as topo
-from bus.log import get_logger
 from bus.weights import blobs
+from kernel.log import get_logger
 
 log = get_logger(__name__)
 
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     from bus.client import connect
-    from bus.config import BusConfig, load_config
+    from bus.config import BusConfig
+    from kernel.config import load_config
 
     bus_cfg = load_config(BusConfig, env_prefix="ASYNCRL_BUS__")  # both checked before connecting
     mirror_cfg = load_config(topo.MirrorConfig, env_prefix="ASYNCRL_MIRROR__")

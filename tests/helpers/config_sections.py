@@ -16,7 +16,7 @@ import tomllib
 import typing
 from pathlib import Path
 
-from bus.config import load_config
+from kernel.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,9 +21,9 @@ import signal
 import sys
 import threading
 
-from bus.log import get_logger
+from kernel.log import get_logger
 
-log = get_logger("bus.lifetime")
+log = get_logger("kernel.lifetime")
 
 # after grace_s, held work is released (nak) and the connection flushed: this long at most
 EXIT_MARGIN_S = 3.0

@@ -13,7 +13,7 @@ server's default (bench.bus --sync default measures the difference). A `config_f
 
 `own_session=True` starts it in its own session (a terminal's Ctrl-C reaches the launcher, which
 stops the server last, not the server first); `die_with_parent=True` has the kernel stop it when
-the launcher dies, even by SIGKILL (start it from the main thread: see bus.lifetime).
+the launcher dies, even by SIGKILL (start it from the main thread: see kernel.lifetime).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def sync_conf(store_dir: str, sync: str, config_file: str | None) -> str | None:
     if own_block:
         return None
     conf = Path(store_dir) / "asyncrl-jetstream.conf"
-    lines = ["# written by bus.server.EmbeddedServer at every start"]
+    lines = ["# written by asyncrl.nats_server.EmbeddedServer at every start"]
     if config_file:
         rel = os.path.relpath(Path(config_file).resolve(), Path(store_dir).resolve())
         lines.append(f"include {json.dumps(rel)}")
@@ -149,7 +149,7 @@ class EmbeddedServer:
         log = open(Path(self.store_dir) / "nats-server.log", "ab")
         preexec = None
         if self.die_with_parent:
-            from bus.lifetime import die_with_parent
+            from kernel.lifetime import die_with_parent
 
             preexec = die_with_parent(signal.SIGTERM)  # SIGTERM: it flushes its file store
         self.proc = subprocess.Popen(

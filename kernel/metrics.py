@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from bus.log import get_logger
+from kernel.log import get_logger
 
 try:
     from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
