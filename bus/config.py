@@ -3,11 +3,16 @@ and the URL helpers that keep credentials out of logs. Loaded by kernel.config l
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated
+
+from pydantic import Field, StringConstraints, model_validator
 
 from bus.topology import TopologyConfig
-from kernel.config import ConfigError
+from kernel.config import ConfigError, CsvList, Maybe, config_class
+
+# a domain is a subject token ($JS.<domain>.API.>): no dots, wildcards or spaces
+Domain = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 def redact_url(url: str) -> str:
@@ -34,34 +39,55 @@ def url_credentials(url: str) -> tuple[str, dict[str, str]]:
     return url.replace(netloc, host, 1), creds
 
 
-@dataclass
+@config_class
 class BusConfig:
-    servers: list[str] = field(default_factory=lambda: ["nats://127.0.0.1:4222"])
-    name: str = "asyncrl"  # client name shown by the server; also the Rl-From header
-    user: str | None = None
-    password: str | None = None
-    token: str | None = None
-    nkeys_seed: str | None = None  # path to an nkey seed file
-    creds: str | None = None  # path to a .creds file (JWT + seed)
-    # TLS (servers "tls://host:4222"; deploy/nats/single-tls.conf): the CA that signed the server's
-    # certificate, and this client's certificate + key (the server verifies them: verify: true)
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_hostname: str | None = None
-    connect_timeout_s: float = 5.0
-    connect_attempts: int = 30  # initial connect (tenacity); afterwards reconnects are forever
-    reconnect_wait_s: float = 0.5  # between reconnect attempts to one server (forever, never gives up)
-    reconnect_wait_max_s: float = 5.0  # cap of the backoff for the first connect and publish retries
-    request_timeout_s: float = 10.0  # JetStream API / publish ack timeout
-    publish_retries: int = 8  # a publish is retried (safe: Nats-Msg-Id dedupes)
-    js_domain: str | None = None  # JetStream domain (a worker behind a leaf node reaches the hub's "hub")
-    weights_domain: str | None = (
-        None  # a region's JetStream domain: read WEIGHTS + blobs from its mirrors (bus.weights.regions)
+    servers: CsvList[str] = field(default_factory=lambda: ["nats://127.0.0.1:4222"])
+    name: Annotated[str, Field(description="client name shown by the server; also the Rl-From header")] = (
+        "asyncrl"
     )
+    user: Maybe[str] = None
+    password: Maybe[str] = None
+    token: Maybe[str] = None
+    nkeys_seed: Annotated[Maybe[str], Field(description="path to an nkey seed file")] = None
+    creds: Annotated[Maybe[str], Field(description="path to a .creds file (JWT + seed)")] = None
+    # TLS (servers "tls://host:4222"; deploy/nats/single-tls.conf)
+    tls_ca: Annotated[Maybe[str], Field(description="the CA that signed the server's certificate")] = None
+    tls_cert: Annotated[
+        Maybe[str], Field(description="this client's certificate (the server verifies it: verify: true)")
+    ] = None
+    tls_key: Annotated[Maybe[str], Field(description="this client's certificate's key (needs tls_cert)")] = (
+        None
+    )
+    tls_hostname: Maybe[str] = None
+    connect_timeout_s: float = 5.0
+    connect_attempts: Annotated[
+        int, Field(description="initial connect (tenacity); afterwards reconnects are forever")
+    ] = 30
+    reconnect_wait_s: Annotated[
+        float, Field(description="between reconnect attempts to one server (forever, never gives up)")
+    ] = 0.5
+    reconnect_wait_max_s: Annotated[
+        float, Field(description="cap of the backoff for the first connect and publish retries")
+    ] = 5.0
+    request_timeout_s: Annotated[float, Field(description="JetStream API / publish ack timeout")] = 10.0
+    publish_retries: Annotated[int, Field(description="a publish is retried (safe: Nats-Msg-Id dedupes)")] = 8
+    js_domain: Annotated[
+        Maybe[Domain],
+        Field(
+            description='JetStream domain (a worker behind a leaf node reaches the hub\'s "hub")',
+        ),
+    ] = None
+    weights_domain: Annotated[
+        Maybe[Domain],
+        Field(
+            description="a region's JetStream domain: read WEIGHTS + blobs from its mirrors "
+            "(bus.weights.regions); needs js_domain (the hub's, where tasks and rollouts live)",
+        ),
+    ] = None
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _secrets_and_tls(self):
         # deploy/env ships CHANGE-ME-* placeholders: one left in place would be a password every
         # reader of the repository knows, so no process starts with it
         for name in ("password", "token"):
@@ -75,11 +101,6 @@ class BusConfig:
             raise ConfigError(
                 "bus tls_key is set without tls_cert (ASYNCRL_BUS__TLS_CERT): a client certificate needs both"
             )
-        # a domain is a subject token ($JS.<domain>.API.>): no dots, wildcards or spaces
-        for name in ("js_domain", "weights_domain"):
-            v = getattr(self, name)
-            if v is not None and not _DOMAIN_RE.fullmatch(v):
-                raise ValueError(f"{name} must be a JetStream domain name ([A-Za-z0-9_-]+), got {v!r}")
         # a region's worker reads weights from its own server but work from the hub: without
         # js_domain its task pulls (and provisioning) would address the region's JetStream
         if self.weights_domain and self.weights_domain != self.js_domain and not self.js_domain:
@@ -87,9 +108,9 @@ class BusConfig:
                 f"weights_domain={self.weights_domain!r} (a region's mirrors) needs js_domain "
                 f"set to the hub's domain (e.g. 'hub'), where tasks and rollouts live"
             )
+        return self
 
 
-_DOMAIN_RE = re.compile(r"[A-Za-z0-9_-]+")
 PLACEHOLDER = "CHANGE-ME"
 
 

@@ -67,16 +67,19 @@ def api_prefix(domain: str | None = None) -> str:
 # provisioning: one declaration of every stream / consumer / bucket, applied idempotently
 # ---------------------------------------------------------------------------------------------
 import dataclasses  # noqa: E402  (kept below the names: the names are the contract, this is the how)
-from dataclasses import dataclass  # noqa: E402
+from typing import Annotated, Literal  # noqa: E402
 
 from nats.js import api  # noqa: E402
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError  # noqa: E402
+from pydantic import Field  # noqa: E402
 from tenacity import (  # noqa: E402
     AsyncRetrying,
     retry_if_exception,
     stop_after_delay,
     wait_exponential,
 )
+
+from kernel.config import config_class  # noqa: E402
 
 # "no suitable peers for placement": a forming cluster refuses a replicated stream for a few seconds
 # even after its meta leader lists every peer current (its placement reads peer state of its own)
@@ -105,30 +108,29 @@ WORK_STREAMS = {TASKS: "rl.tasks.>", ROLLOUTS: "rl.rollouts.>", SCORED: "rl.scor
 WORK_CONSUMERS = {TASKS: ROLLOUT_CONSUMER, ROLLOUTS: SCORER_CONSUMER, SCORED: TRAINER_CONSUMER}
 
 
-@dataclass
+@config_class
 class TopologyConfig:
-    replicas: int = 1  # 3 on a JetStream cluster
-    storage: str = "file"  # file | memory
-    max_age_s: float = 7 * 86400  # work streams: unconsumed work older than this is dropped
-    duplicate_window_s: float = 120.0  # Nats-Msg-Id dedupe horizon
-    weights_keep: int = 64  # WEIGHTS keeps the last N messages per subject (deltas, keyframes)
+    replicas: Annotated[int, Field(ge=1, description="3 on a JetStream cluster")] = 1
+    storage: Literal["file", "memory"] = "file"
+    max_age_s: Annotated[
+        float, Field(description="work streams: unconsumed work older than this is dropped")
+    ] = 7 * 86400
+    duplicate_window_s: Annotated[float, Field(description="Nats-Msg-Id dedupe horizon")] = 120.0
+    weights_keep: Annotated[
+        int, Field(ge=1, description="WEIGHTS keeps the last N messages per subject (deltas, keyframes)")
+    ] = 64
     dlq_max_age_s: float = 30 * 86400
     telemetry_max_age_s: float = 3600.0
-    ack_wait_s: float = 30.0  # handlers send in_progress every ack_wait/3, so this can stay short
-    max_deliver: int = 5  # then the consumer loop parks the message in DLQ
-    max_ack_pending: int = 1024
-    kv_history: int = 5
+    ack_wait_s: Annotated[
+        float, Field(gt=0, description="handlers send in_progress every ack_wait/3, so this can stay short")
+    ] = 30.0
+    max_deliver: Annotated[
+        int, Field(ge=1, description="then the consumer loop parks the message in DLQ")
+    ] = 5
+    max_ack_pending: Annotated[int, Field(ge=1)] = 1024
+    kv_history: Annotated[int, Field(ge=1)] = 5
     blob_ttl_s: float = 86400.0
-    max_msg_size: int = -1  # -1: the server's max_payload
-
-    def __post_init__(self):
-        if self.storage not in ("file", "memory"):
-            raise ValueError(f"TopologyConfig.storage must be 'file' or 'memory', got {self.storage!r}")
-        for name in ("replicas", "weights_keep", "max_deliver", "max_ack_pending", "kv_history"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TopologyConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.ack_wait_s <= 0:
-            raise ValueError(f"TopologyConfig.ack_wait_s must be > 0, got {self.ack_wait_s}")
+    max_msg_size: Annotated[int, Field(description="-1: the server's max_payload")] = -1
 
 
 def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
@@ -310,24 +312,22 @@ BLOB_STREAM = f"OBJ_{BLOB_BUCKET}"
 MIRRORED = (WEIGHTS, BLOB_STREAM)
 
 
-@dataclass
+@config_class
 class MirrorConfig:
     """Retention of one region's mirrors. Set per region: deletes and purges on the hub are not
     mirrored, so without limits a mirror only grows."""
 
-    hub_domain: str = HUB_DOMAIN
-    storage: str = "file"  # file | memory
-    weights_keep: int = 64  # last N messages per subject, like the hub's WEIGHTS
-    blob_max_age_s: float = 86400.0  # blob chunks and metas older than this are dropped
-    blob_max_bytes: int = -1  # -1: no byte cap
-
-    def __post_init__(self):
-        if self.storage not in ("file", "memory"):
-            raise ValueError(f"MirrorConfig.storage must be 'file' or 'memory', got {self.storage!r}")
-        if self.weights_keep < 1:
-            raise ValueError(f"MirrorConfig.weights_keep must be >= 1, got {self.weights_keep}")
-        if not self.hub_domain:
-            raise ValueError("MirrorConfig.hub_domain must name the hub's JetStream domain")
+    hub_domain: Annotated[
+        str, Field(min_length=1, description="the hub's JetStream domain (the mirrors' source)")
+    ] = HUB_DOMAIN
+    storage: Literal["file", "memory"] = "file"
+    weights_keep: Annotated[
+        int, Field(ge=1, description="last N messages per subject, like the hub's WEIGHTS")
+    ] = 64
+    blob_max_age_s: Annotated[
+        float, Field(description="blob chunks and metas older than this are dropped")
+    ] = 86400.0
+    blob_max_bytes: Annotated[int, Field(description="-1: no byte cap")] = -1
 
 
 def mirror_configs(m: MirrorConfig) -> list[api.StreamConfig]:

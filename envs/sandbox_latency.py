@@ -23,15 +23,16 @@ import hashlib
 import math
 import re
 import time
-from dataclasses import dataclass
 from statistics import NormalDist
+
+from kernel.config import config_class
 
 # a command that calls the test helper: `run_tests`, `run_tests -k x`, `cd pkg && run_tests | cat`
 _RUNS_TESTS = re.compile(r"(?:^|[\s;&|(])run_tests(?=$|[\s;&|)])")
 _Z99 = NormalDist().inv_cdf(0.99)
 
 
-@dataclass(frozen=True)
+@config_class(frozen=True)
 class SandboxLatency:
     median_s: float = 0.0  # median extra seconds of a test-suite run; 0: off
     p99_s: float = 0.0  # its 99th percentile (>= median_s); sets the lognormal's sigma

@@ -18,9 +18,12 @@ score each episode as the trainer's config says.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated, Literal
 
-from kernel.config import check_section
+from pydantic import Field, model_validator
+
+from kernel.config import config_class
 from policy.reward import EPISODE_REWARDS
 
 from .episode import PROMPT_STYLES, SPLITS, TEST_OUTPUTS, EpisodeLimits
@@ -29,76 +32,66 @@ from .sandbox import BashLimits
 TABLE = "trainer.tasks.swe"
 
 
-@dataclass
+@config_class
 class SweLimits:
     """`[trainer.tasks.swe.limits]`: one episode's budget (envs/episode.py EpisodeLimits)."""
 
-    max_turns: int = 15  # model turns (one command each)
-    turn_tokens: int = 1024  # tokens of one turn (the worker generates at most this)
-    context_tokens: int = 16384  # prompt + turns + observations (the worker caps it to its slot)
-    format_errors: int = 3  # turns in a row without exactly one command end the episode
-    episode_wall_s: float = 300.0  # the whole episode, model time included
-    command_wall_s: float = 10.0  # one command's wall clock
-    command_cpu_s: int = 10  # one command's CPU seconds
-    command_output_bytes: int = 32 << 10  # of a command's output kept: this much of its head and of its tail
-    score_wall_s: float = 120.0  # the scoring run of the hidden tests
+    max_turns: Annotated[int, Field(ge=1, le=1000, description="model turns (one command each)")] = 15
+    turn_tokens: Annotated[
+        int, Field(ge=1, le=1 << 20, description="tokens of one turn (the worker generates at most this)")
+    ] = 1024
+    context_tokens: Annotated[
+        int,
+        Field(
+            le=1 << 24,
+            description="prompt + turns + observations (the worker caps it to its slot); more than "
+            "turn_tokens",
+        ),
+    ] = 16384
+    format_errors: Annotated[
+        int, Field(ge=1, le=1000, description="turns in a row without exactly one command end the episode")
+    ] = 3
+    episode_wall_s: Annotated[
+        float, Field(gt=0, le=86400, description="the whole episode, model time included")
+    ] = 300.0
+    command_wall_s: Annotated[float, Field(gt=0, le=3600, description="one command's wall clock")] = 10.0
+    command_cpu_s: Annotated[int, Field(ge=1, le=3600, description="one command's CPU seconds")] = 10
+    command_output_bytes: Annotated[
+        int,
+        Field(
+            ge=256,
+            le=64 << 20,
+            description="of a command's output kept: this much of its head and of its tail",
+        ),
+    ] = 32 << 10
+    score_wall_s: Annotated[
+        float, Field(gt=0, le=86400, description="the scoring run of the hidden tests")
+    ] = 120.0
 
-    def __post_init__(self) -> None:
-        check_section(
-            f"{TABLE}.limits",
-            self,
-            {
-                "max_turns": 1 <= self.max_turns <= 1000,
-                "turn_tokens": 1 <= self.turn_tokens <= 1 << 20,
-                "context_tokens": self.turn_tokens < self.context_tokens <= 1 << 24,
-                "format_errors": 1 <= self.format_errors <= 1000,
-                "episode_wall_s": 0 < self.episode_wall_s <= 86400,
-                "command_wall_s": 0 < self.command_wall_s <= 3600,
-                "command_cpu_s": 1 <= self.command_cpu_s <= 3600,
-                "command_output_bytes": 256 <= self.command_output_bytes <= 64 << 20,
-                "score_wall_s": 0 < self.score_wall_s <= 86400,
-            },
-            {
-                "max_turns": "in [1, 1000]",
-                "turn_tokens": "in [1, 1048576]",
-                "context_tokens": "more than turn_tokens, at most 16777216",
-                "format_errors": "in [1, 1000]",
-                "episode_wall_s": "in (0, 86400]",
-                "command_wall_s": "in (0, 3600]",
-                "command_cpu_s": "in [1, 3600]",
-                "command_output_bytes": "in [256, 67108864]",
-                "score_wall_s": "in (0, 86400]",
-            },
-        )
+    @model_validator(mode="after")
+    def _context_holds_a_turn(self):
+        if self.context_tokens <= self.turn_tokens:
+            raise ValueError(
+                f"context_tokens must be more than turn_tokens, got context_tokens={self.context_tokens}, "
+                f"turn_tokens={self.turn_tokens}"
+            )
+        return self
 
 
-@dataclass
+@config_class
 class SweSection:
     """`[trainer.tasks.swe]`: the `swe` env's task set, limits, prompt and reward mode."""
 
-    task_set: str = ""  # a task-set directory (manifest.json + tasks.jsonl); required with env "swe"
-    reward: str = "fraction"  # fraction | resolved
-    prompt: str = "full"  # full | toy (envs/episode.py SYSTEM_PROMPT / TOY_SYSTEM_PROMPT)
-    test_output: str = "full"  # full | failures
+    task_set: Annotated[
+        str,
+        Field(description='a task-set directory (manifest.json + tasks.jsonl); required with env "swe"'),
+    ] = ""
+    reward: Literal[EPISODE_REWARDS] = "fraction"
+    prompt: Annotated[
+        Literal[PROMPT_STYLES], Field(description="envs/episode.py SYSTEM_PROMPT / TOY_SYSTEM_PROMPT")
+    ] = "full"
+    test_output: Literal[TEST_OUTPUTS] = "full"
     limits: SweLimits = field(default_factory=SweLimits)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.limits, dict):
-            self.limits = SweLimits(**self.limits)
-        check_section(
-            TABLE,
-            self,
-            {
-                "reward": self.reward in EPISODE_REWARDS,
-                "prompt": self.prompt in PROMPT_STYLES,
-                "test_output": self.test_output in TEST_OUTPUTS,
-            },
-            {
-                "reward": f"one of {', '.join(EPISODE_REWARDS)}",
-                "prompt": f"one of {', '.join(PROMPT_STYLES)}",
-                "test_output": f"one of {', '.join(TEST_OUTPUTS)}",
-            },
-        )
 
     def episode_limits(self) -> EpisodeLimits:
         L = self.limits

@@ -1,165 +1,193 @@
-"""Typed configuration: one @dataclass per process, filled from a TOML file then env overrides.
+"""Typed configuration: one pydantic dataclass per process and per section, filled from a TOML file
+then env overrides.
 
     cfg = load_config(ScorerConfig, "deploy/demo.toml", section="scorer")
     ASYNCRL_RUN__CONCURRENCY=16  ASYNCRL_BUS__SERVERS=nats://a:4222,nats://b:4222   (nested with "__")
 
-Values are coerced to the declared type (int, float, bool, str, list[...], optional, nested
-dataclass); an unknown key or a value that does not parse raises ConfigError naming it.
-
-A config class may list keys that moved into one of its sections, as a class attribute
-`MOVED = {"lr": "optim.lr"}`: such a key (in a file, a dict, or a flat env variable) is refused
-with its new place (`lr: moved to [trainer.optim] lr`), every moved key present named at once.
+A config class is declared with `@config_class`: a real dataclass (dataclasses.replace, asdict and
+fields work on it) validated by pydantic, every field's bounds, choices and description on the
+field itself (Annotated[int, Field(ge=1, description=...)], Literal[...]), what two fields must
+agree on in a validator. Env values are strings: pydantic parses numbers and bools from them, a
+list field (`CsvList`) also takes "a,b,c". Any error is a ConfigError naming the table, the key
+and the value: `[scorer.run] concurrency: Input should be greater than or equal to 1 (got 0)`; an
+unknown key gets the nearest known one (`[trainer.optim] unknown key 'lrr'; did you mean 'lr'?`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import os
 import tomllib
-import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+import pydantic
+from pydantic import BeforeValidator, ConfigDict, TypeAdapter, ValidationError
 
 
 class ConfigError(ValueError):
     pass
 
 
-def _is_dataclass_type(tp) -> bool:
+# numbers are accepted for string keys (a TOML `rdzv_id = 7`), unknown keys refused
+CONFIG = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+
+def config_class(cls=None, *, config_extra: dict | None = None, **kw):
+    """@config_class: a pydantic dataclass with the config's rules (extra keys refused);
+    `config_extra` adds pydantic settings, `kw` goes to the dataclass (frozen=True)."""
+    if cls is None:
+        return functools.partial(config_class, config_extra=config_extra, **kw)
+    cls = pydantic.dataclasses.dataclass(cls, config=ConfigDict(**CONFIG, **(config_extra or {})), **kw)
+    init = cls.__init__
+
+    # built directly (tests, dataclasses.replace): the same ConfigError as from a file, named by class
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except ValidationError as e:
+            raise ConfigError(f"{type(self).__name__}: {error_text(type(self), e)}") from None
+
+    cls.__init__ = __init__
+    return cls
+
+
+def _split_csv(v: Any) -> Any:
+    return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+
+def _none_word(v: Any) -> Any:
+    return None if isinstance(v, str) and v.strip().lower() in ("", "none", "null") else v
+
+
+T = TypeVar("T")
+# a list that an env variable gives as "a,b,c"
+CsvList = Annotated[list[T], BeforeValidator(_split_csv)]
+# an optional value that an env variable unsets with "", "none" or "null"
+Maybe = Annotated[T | None, BeforeValidator(_none_word)]
+
+
+def _is_config(tp) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _coerce(value: Any, tp: Any, where: str, table: str = "") -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
-            if len(args) < len(typing.get_args(tp)):
-                return None
-        errors = []
-        for a in args:
-            try:
-                return _coerce(value, a, where, table)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError("; ".join(errors))
-    if _is_dataclass_type(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table for {tp.__name__}, got {value!r}")
-        return _build(tp, value, where, table)
-    if origin in (list, tuple):
-        inner = (typing.get_args(tp) or (str,))[0]
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{where}: expected a bool, got {value!r}")
-    if tp in (int, float):
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected {tp.__name__}, got a bool")
-        try:
-            if tp is int and isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return tp(value) if not (tp is int and isinstance(value, str)) else int(value, 0)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
-    if tp is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return str(value)
-    return value  # Any / unannotated
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls, include_extras=False)
 
 
-def same_keys(*keys: str) -> dict[str, str]:
-    """{key: key}: keys that kept their name when they moved into a section."""
-    return {k: k for k in keys}
+def _names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init]
 
 
-def moved_map(moves: dict[str, dict[str, str]]) -> dict[str, str]:
-    """{section: {old flat key: new key}} -> the MOVED map {old key: "section.new key"}."""
-    return {old: f"{sect}.{new}" for sect, m in moves.items() for old, new in m.items()}
+def _walk(cls, loc: tuple) -> tuple[type | None, list[str], list]:
+    """Along an error's location: (the innermost config class, the section names leading to it,
+    the rest of the location: its key and list indices)."""
+    sections: list[str] = []
+    for i, part in enumerate(loc):
+        if not _is_config(cls) or part not in _names(cls):
+            return cls, sections, list(loc[i:])
+        tp = _hints(cls)[part]
+        if not _is_config(tp):
+            return cls, sections, list(loc[i:])
+        cls = tp
+        sections.append(part)
+    return cls, sections, []
 
 
-def build_sections(obj, table: str) -> None:
-    """In a sectioned config's __post_init__: a section given as a dict (tests, overrides) is
-    built and checked like its TOML table, so a bad key or value gets the same error."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        if isinstance(v, dict):
-            setattr(obj, f.name, build(hints[f.name], v, f.name, table))
+def _message(cls, err: dict, base: str) -> str:
+    inner, sections, rest = _walk(cls, tuple(err["loc"]))
+    table = ".".join(p for p in (base, *sections) if p)
+    head = f"[{table}] " if table else ""
+    kind, msg = err["type"], err["msg"]
+    if kind in ("unexpected_keyword_argument", "extra_forbidden") and rest:
+        return f"{head}unknown key '{rest[0]}'; {_nearest(inner, str(rest[0]), table)}"
+    if kind == "value_error":  # a validator's own message names its keys and values
+        msg = msg.removeprefix("Value error, ")
+        if msg.startswith("["):  # it names its own table
+            return msg
+        return f"{head}{_key(rest)}: {msg}" if rest else f"{head}{msg}"
+    if kind == "dataclass_type" or (not rest and "dataclass" in kind):
+        return f"{head.rstrip()} expected a table, got {err.get('input')!r}"
+    return f"{head}{_key(rest)}: {msg} (got {err.get('input')!r})"
 
 
-def check_section(table: str, obj, checks: dict[str, bool], hints: dict[str, str] | None = None) -> None:
-    """In a section's __post_init__: one ValueError naming every bad key of `[table]` with its value
-    (and a hint where `hints` has one for it): `[scorer.run] invalid value for concurrency: concurrency=0`."""
-    bad = [k for k, ok in checks.items() if not ok]
-    if bad:
-        hint = "".join(f"; {k}: {hints[k]}" for k in bad if hints and k in hints)
-        raise ValueError(
-            f"[{table}] invalid value for {', '.join(bad)}: "
-            + ", ".join(f"{k}={getattr(obj, k)!r}" for k in bad)
-            + hint
-        )
+def _nearest(cls, key: str, table: str) -> str:
+    """The hint for an unknown key: the nearest key of its own table, else the same or a near key
+    in one of its sections (an old flat key: `lr` at the top is [trainer.optim] lr)."""
+    if not _is_config(cls):
+        return "no keys here"
+    near = difflib.get_close_matches(key, _names(cls), n=1)
+    if near:
+        return f"did you mean '{near[0]}'?"
+    inner = {}
+    for sect, tp in _hints(cls).items():
+        if _is_config(tp):
+            inner.update({(sect, k): k for k in _names(tp) if (sect, k) not in inner})
+    for want in ([key], difflib.get_close_matches(key, list(set(inner.values())), n=1)):
+        for (sect, k), name in inner.items():
+            if want and name == want[0]:
+                return f"did you mean [{'.'.join(p for p in (table, sect) if p)}] {k}?"
+    return f"known: {', '.join(_names(cls))}"
 
 
-def moved_keys(cls) -> dict[str, str]:
-    """{old key: new dotted path} of a config class (its MOVED class attribute; {} without one)."""
-    return dict(getattr(cls, "MOVED", {}) or {})
+def _key(rest: list) -> str:
+    out = ""
+    for p in rest:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
 
 
-def _moved_error(cls, keys: list[str], where: str, table: str) -> ConfigError:
-    """One message naming the new place of every moved key present (nothing lost: fix all at once)."""
-    moved = moved_keys(cls)
-    base = ".".join(p for p in (table, where) if p)
-    parts = []
-    for k in keys:
-        *sect, name = moved[k].split(".")
-        parts.append(f"{k}: moved to [{'.'.join(p for p in (base, *sect) if p)}] {name}")
-    return ConfigError("old flat key(s): " + "; ".join(parts))
+def error_text(cls, e: ValidationError, table: str = "") -> str:
+    """Every problem of a ValidationError on `cls`, each naming its table, key and value."""
+    seen: list[str] = []
+    for err in e.errors():
+        m = _message(cls, err, table)
+        if m not in seen:
+            seen.append(m)
+    return "; ".join(seen)
 
 
-def _build(cls, values: dict, where: str, table: str = ""):
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    # moved: gone from cls, or now the name of a section and given a plain value (publish = "sharded")
-    moved = sorted(
-        k
-        for k in values
-        if k in moved_keys(cls)
-        and (k not in names or (_is_dataclass_type(hints[k]) and not isinstance(values[k], (dict, hints[k]))))
-    )
-    if moved:
-        raise _moved_error(cls, moved, where, table)
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; known: {sorted(names)}")
-    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k, table) for k, v in values.items()}
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where or cls.__name__}: {e}") from None
+@functools.cache
+def _adapter(cls) -> TypeAdapter:
+    if not hasattr(cls, "__pydantic_validator__") and not hasattr(cls, "__pydantic_config__"):
+        cls.__pydantic_config__ = CONFIG  # a plain dataclass: the same rules as a config_class
+    return TypeAdapter(cls)
 
 
 def build(cls, values: dict, where: str = "", table: str = ""):
-    """A config dataclass from a plain dict (nested tables for nested sections), checked like a
-    file: unknown and moved keys refused, values coerced. `table` names the file's table in errors."""
-    return _build(cls, values, where, table)
+    """A config class from a plain dict (nested tables for nested sections), checked like a file.
+    `table` (and `where` below it) names the file's table in errors."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"[{'.'.join(p for p in (table, where) if p)}] expected a table, got {values!r}")
+    base = ".".join(p for p in (table, where) if p)
+    bools = _bools_for_numbers(cls, values, base)
+    if bools:
+        raise ConfigError("; ".join(bools))
+    try:
+        return _adapter(cls).validate_python(values)
+    except ValidationError as e:
+        raise ConfigError(error_text(cls, e, base)) from None
+
+
+def _bools_for_numbers(cls, values: dict, table: str) -> list[str]:
+    """`max_turns = true` is a mistake pydantic would read as 1: a bool for a number is refused."""
+    out = []
+    hints = _hints(cls)
+    for k, v in values.items():
+        tp = hints.get(k)
+        if _is_config(tp) and isinstance(v, dict):
+            out += _bools_for_numbers(tp, v, ".".join(p for p in (table, k) if p))
+        elif isinstance(v, bool) and tp in (int, float):
+            head = f"[{table}] " if table else ""
+            out.append(
+                f"{head}{k}: Input should be a valid {'integer' if tp is int else 'number'}, "
+                f"not a bool (got {v!r})"
+            )
+    return out
 
 
 def _set_path(d: dict, path: list[str], value: str) -> None:
@@ -170,40 +198,28 @@ def _set_path(d: dict, path: list[str], value: str) -> None:
     d[path[-1]] = value
 
 
-def _env_overrides(cls, env_prefix: str, environ, table: str = "") -> dict:
-    """ASYNCRL_FOO__BAR=1 -> {"foo": {"bar": "1"}}, only for fields that exist in cls (other
-    processes' variables share the prefix, so unrelated names are ignored, not errors). A moved
-    key (cls.MOVED) is refused with its new variable: ignored, an old ASYNCRL_SIGNING_KEY or
-    ASYNCRL_CHECKPOINT_DIR would silently leave updates unsigned or checkpoints elsewhere."""
+def env_overrides(cls, env_prefix: str, environ) -> dict:
+    """ASYNCRL_FOO__BAR=1 -> {"foo": {"bar": "1"}}, only for keys that exist in cls: other processes'
+    variables share the prefix, so unrelated names are ignored, not errors."""
     out: dict = {}
     for key, value in environ.items():
         if not key.startswith(env_prefix):
             continue
         path = key[len(env_prefix) :].lower().split("__")
-        tp, ok = cls, True
-        for i, p in enumerate(path):
-            fields = {f.name: f for f in dataclasses.fields(tp)} if _is_dataclass_type(tp) else {}
-            # moved: gone from tp, or now a section's name and given a plain value (ASYNCRL_ENGINE=vllm)
-            section = p in fields and i == len(path) - 1 and _is_dataclass_type(typing.get_type_hints(tp)[p])
-            if p not in fields or section:
-                if _is_dataclass_type(tp) and p in moved_keys(tp):
-                    new = path[:i] + moved_keys(tp)[p].split(".")
-                    msg = _moved_error(tp, [p], ".".join(path[:i]), table)
-                    raise ConfigError(f"env {key}: {msg}: set {env_prefix}{'__'.join(new).upper()}")
-                if section:  # a plain value for a table: the loader says so
-                    break
-                ok = False
+        tp = cls
+        for p in path:
+            if not (_is_config(tp) and p in _names(tp)):
                 break
-            tp = typing.get_type_hints(tp)[p]
-        if ok:
+            tp = _hints(tp)[p]
+        else:
             _set_path(out, path, value)
     return out
 
 
-def _merge(base: dict, over: dict) -> dict:
+def merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -224,6 +240,22 @@ def run_section(path: str | os.PathLike | None, section: str) -> str | None:
     return section if any(isinstance(top.get(t), dict) for t in RUN_TABLES) else None
 
 
+def read_toml(path: str | os.PathLike, section: str | None = None) -> dict:
+    """A TOML file (or its `[section]`) as a dict; ConfigError when missing or malformed."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        values = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p}: invalid TOML: {e}") from None
+    if section is not None:
+        values = values.get(section, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {p}: [{section}] is not a table")
+    return values
+
+
 def load_config(
     cls,
     path: str | os.PathLike | None = None,
@@ -235,25 +267,11 @@ def load_config(
     table: str | None = None,
 ):
     """TOML file (optionally one `[section]` of it), then env overrides, then `overrides`.
-    `table` (default: `section`) names the file's table in the errors about moved keys."""
+    `table` (default: `section`) names the file's table in errors."""
     table = (section or "") if table is None else table
-    values: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            values = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {p}: invalid TOML: {e}") from None
-        if section is not None:
-            values = values.get(section, {})
-            if not isinstance(values, dict):
-                raise ConfigError(f"config file {p}: [{section}] is not a table")
+    values: dict = read_toml(path, section) if path is not None else {}
     if env_prefix:
-        values = _merge(
-            values, _env_overrides(cls, env_prefix, os.environ if environ is None else environ, table)
-        )
+        values = merge(values, env_overrides(cls, env_prefix, os.environ if environ is None else environ))
     if overrides:
-        values = _merge(values, overrides)
-    return _build(cls, values, "", table)
+        values = merge(values, overrides)
+    return build(cls, values, "", table)

@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--section", default="worker", help="the table of a run TOML this process reads")
     a = ap.parse_args(argv)
     try:
-        cfg = load_config(WorkerConfig, a.config, section=run_section(a.config, a.section))
-    except ValueError as e:  # ConfigError included (an old flat key names its new place): no traceback
+        cfg = load_config(WorkerConfig, a.config, section=run_section(a.config, a.section), table=a.section)
+    except ValueError as e:  # ConfigError included (names its table, key and value): no traceback
         print(f"rollout worker: bad configuration: {e}", file=sys.stderr)
         return 2
     json_logs = {"1": True, "0": False}.get(os.environ.get("ASYNCRL_LOG_JSON", ""), None)

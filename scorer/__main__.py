@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--section", default="scorer", help="the table of a run TOML this process reads")
     a = ap.parse_args(argv)
     try:
-        cfg = load_config(ScorerConfig, a.config, section=run_section(a.config, a.section))
-    except ValueError as e:  # ConfigError included (an old flat key names its new place): no traceback
+        cfg = load_config(ScorerConfig, a.config, section=run_section(a.config, a.section), table=a.section)
+    except ValueError as e:  # ConfigError included (names its table, key and value): no traceback
         print(f"scorer: bad configuration: {e}", file=sys.stderr)
         return 2
     setup_logging("scorer", component_id=cfg.scorer_id, level=cfg.run.log_level)

@@ -102,7 +102,7 @@ def load(argv=None) -> TrainerConfig:
         over.setdefault("run", {})["max_steps"] = a.max_steps
     if a.id:
         over["trainer_id"] = a.id
-    return load_config(TrainerConfig, a.config, section=section, overrides=over)
+    return load_config(TrainerConfig, a.config, section=section, overrides=over, table=a.section)
 
 
 def main(argv=None) -> int:

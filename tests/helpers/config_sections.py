@@ -1,7 +1,6 @@
-"""What the tests of the sectioned process configs (trainer, worker, scorer: bus.config's MOVED,
-build_sections) share: running a process or `asyncrl config check` with a clean environment, the
-printed tree, the layout and MOVED checks, the shipped configs' tables (and stand-ins for the task
-sets they name)."""
+"""What the tests of the sectioned process configs (trainer, worker, scorer) share: running a
+process or `asyncrl config check` with a clean environment, the printed tree, the layout check, the
+shipped configs' tables (and stand-ins for the task sets they name)."""
 
 from __future__ import annotations
 
@@ -55,17 +54,6 @@ def check_layout(cls, top: list[str], sections: dict[str, set[str]]) -> None:
         assert {f.name for f in dataclasses.fields(hints[sect])} == keys, sect
 
 
-def check_moved(cls, flat: list[str] | None = None) -> None:
-    """Every MOVED key names an existing field of a section (and, given `flat`, MOVED is exactly it)."""
-    if flat is not None:
-        assert set(cls.MOVED) == set(flat)
-    hints = typing.get_type_hints(cls)
-    for old, new in cls.MOVED.items():
-        sect, key = new.split(".")
-        assert dataclasses.is_dataclass(hints[sect]), (old, new)
-        assert key in {f.name for f in dataclasses.fields(hints[sect])}, (old, new)
-
-
 def shipped_tables(table: str) -> list[tuple[Path, dict]]:
     """(file, its `[table]`) of every shipped run config (deploy/*.toml, bench/async.toml)."""
     paths = sorted((ROOT / "deploy").glob("*.toml")) + [ROOT / "bench" / "async.toml"]
@@ -92,10 +80,7 @@ def shipped_task_sets():
 
 
 def check_shipped(cls, table: str) -> None:
-    """Every shipped config's `[table]` uses the sections (no MOVED key but a section's own name)
-    and loads as the process reads it."""
-    sections = {f.name for f in dataclasses.fields(cls)}
+    """Every shipped config's `[table]` loads as the process reads it (unknown keys refused)."""
     with shipped_task_sets():
-        for path, values in shipped_tables(table):
-            assert not set(values) & set(cls.MOVED) - sections, path
+        for _path, values in shipped_tables(table):
             load_config(cls, None, overrides=values, environ={}, table=table)
