@@ -38,7 +38,8 @@ CONFIG = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
 
 def config_class(cls=None, *, config_extra: dict | None = None, **kw):
     """@config_class: a pydantic dataclass with the config's rules (extra keys refused);
-    `config_extra` adds pydantic settings, `kw` goes to the dataclass (frozen=True)."""
+    `config_extra` adds pydantic settings, `kw` goes to the dataclass (frozen=True). A class
+    attribute `TABLE: ClassVar[str]` names its table in the errors of a direct construction."""
     if cls is None:
         return functools.partial(config_class, config_extra=config_extra, **kw)
     cls = pydantic.dataclasses.dataclass(cls, config=ConfigDict(**CONFIG, **(config_extra or {})), **kw)
@@ -50,7 +51,9 @@ def config_class(cls=None, *, config_extra: dict | None = None, **kw):
         try:
             init(self, *args, **kwargs)
         except ValidationError as e:
-            raise ConfigError(f"{type(self).__name__}: {error_text(type(self), e)}") from None
+            table = getattr(type(self), "TABLE", "")  # a process's config: its run-config table
+            head = "" if table else f"{type(self).__name__}: "
+            raise ConfigError(head + error_text(type(self), e, table)) from None
 
     cls.__init__ = __init__
     return cls

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import field
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from pydantic import Field
 
@@ -31,6 +31,8 @@ from .sections import (
 
 @config_class
 class WorkerConfig:
+    TABLE: ClassVar[str] = "worker"  # in the errors of a direct construction
+
     bus: BusConfig = field(default_factory=BusConfig)
     worker_id: Annotated[str, Field(description="default: <host>-<pid>")] = ""
     engine: EngineSection = field(default_factory=EngineSection)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import field
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from pydantic import Field
 
@@ -23,6 +23,8 @@ from .sections import RewardSection, RunSection, SandboxSection
 
 @config_class
 class ScorerConfig:
+    TABLE: ClassVar[str] = "scorer"  # in the errors of a direct construction
+
     bus: BusConfig = field(default_factory=BusConfig)
     scorer_id: Annotated[str, Field(description="default: scorer-<host>-<pid>")] = ""
     reward: RewardSection = field(default_factory=RewardSection)

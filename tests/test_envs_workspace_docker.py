@@ -591,7 +591,7 @@ def test_the_worker_config_selects_the_backend(swe, tmp_path):
     b = backend(workspace="docker", docker_image="swe:1")
     assert isinstance(b, wd.DockerBackend) and b.image == "swe:1"
     assert backend(workspace="docker").image == wd.DockerBackend().image
-    with pytest.raises(ValueError, match="workspace must be 'local' or 'docker'"):
+    with pytest.raises(ValueError, match=r"\[worker.episodes\] workspace: .* \(got 'podman'\)"):
         WorkerConfig(worker_id="w", episodes={"workspace": "podman"})
     # an imported task runs in docker_image unless its instance names an image (meta["image"])
     t, _ = swe

@@ -178,7 +178,7 @@ def test_sections_check_themselves():
     ):
         RunSection(verify_threads=0)
     # a section given as a dict (tests, overrides) is built and checked like its table
-    with pytest.raises(ConfigError, match=r"ScorerConfig: \[run\] concurrency: .*equal to 1 \(got 0\)"):
+    with pytest.raises(ConfigError, match=r"\[scorer.run\] concurrency: .*equal to 1 \(got 0\)"):
         ScorerConfig(run={"concurrency": 0})
     assert ScorerConfig(reward={"overlong_buffer": 8}).reward.overlong_buffer == 8
 

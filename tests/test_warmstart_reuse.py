@@ -80,11 +80,11 @@ def test_warmstart_from_another_model_shape_is_refused(tmp_path, say_digit):
 
 
 def test_missing_warmstart_file_is_refused_before_start(tmp_path):
-    with pytest.raises(ValueError, match=r"\[trainer.warmstart\] invalid value for reuse"):
+    with pytest.raises(ValueError, match=r"\[trainer.warmstart\] reuse: '.*nope.pt' is not a file"):
         TrainerConfig(trainer_id="t", warmstart={"reuse": str(tmp_path / "nope.pt")})
-    with pytest.raises(ValueError, match=r"\[trainer.warmstart\] invalid value for threads"):
+    with pytest.raises(ValueError, match=r"\[trainer.warmstart\] threads: .*\(got -1\)"):
         TrainerConfig(trainer_id="t", warmstart={"threads": -1})
-    with pytest.raises(ConfigError, match=r"\[trainer\].*reuse"):
+    with pytest.raises(ConfigError, match=r"\[trainer.warmstart\] reuse: '.*nope.pt' is not a file"):
         config_check.resolve({"trainer": {"warmstart": {"reuse": str(tmp_path / "nope.pt")}}}, environ={})
 
 

@@ -148,5 +148,5 @@ def test_bad_settings_are_refused_before_start(bad):
     key = next(k for k in bad if k != "steps")
     with pytest.raises(ValueError, match=key):
         TrainerConfig(trainer_id="t", warmstart={"steps": 100, **bad})
-    with pytest.raises(ConfigError, match=rf"\[trainer\].*{key}"):  # `asyncrl up` / `config check`
+    with pytest.raises(ConfigError, match=rf"\[trainer.warmstart\].*{key}"):  # `asyncrl up` / `config check`
         config_check.resolve({"trainer": {"warmstart": {"steps": 100, **bad}}}, environ={})

@@ -172,5 +172,5 @@ def test_engine_device_is_checked_and_used():
     assert all(p.device.type == "cpu" for p in eng.model.parameters())
     assert WorkerConfig(engine={"device": "cuda:1"}).engine.device == "cuda:1"
     for bad in ("gpu", "cuda:x", "meta"):
-        with pytest.raises(ValueError, match="device must be"):
+        with pytest.raises(ValueError, match=r"\[worker.engine\] device: String should match pattern"):
             WorkerConfig(engine={"device": bad})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import field
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from pydantic import Field, model_validator
 
@@ -39,6 +39,8 @@ from .sections import (  # noqa: F401  (PENALTIES, LAMBDA_SCHEDULES: re-exported
 
 @config_class
 class TrainerConfig:
+    TABLE: ClassVar[str] = "trainer"  # in the errors of a direct construction
+
     bus: BusConfig = field(default_factory=BusConfig)
     trainer_id: Annotated[str, Field(description="default: <host>-<pid>; the lease holder's name")] = ""
     run: RunSection = field(default_factory=RunSection)
