@@ -1,32 +1,40 @@
-"""Model and quantisation configs: plain dataclasses that travel as dicts (wire/TOML)."""
+"""Model and quantisation configs: config classes (kernel.config) that travel as dicts (wire/TOML)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from kernel.config import config_class
 
 
-@dataclass
+@config_class
 class ModelConfig:
-    vocab_size: int = 128
-    d_model: int = 128
-    n_layers: int = 4
+    vocab_size: Annotated[int, Field(gt=0)] = 128
+    d_model: Annotated[int, Field(gt=0)] = 128
+    n_layers: Annotated[int, Field(gt=0)] = 4
     n_heads: int = 4
-    n_kv_heads: int = 2  # GQA: query heads share n_heads // n_kv_heads groups
-    head_dim: int = 0  # 0 = d_model // n_heads
-    d_ff: int = 384  # SwiGLU hidden size
-    attn: str = "gqa"  # "gqa" | "mla"
-    max_seq_len: int = 2048
+    n_kv_heads: Annotated[int, Field(description="GQA: query heads share n_heads // n_kv_heads groups")] = 2
+    head_dim: Annotated[int, Field(description="0 = d_model // n_heads")] = 0
+    d_ff: Annotated[int, Field(gt=0, description="SwiGLU hidden size")] = 384
+    attn: Literal["gqa", "mla"] = "gqa"
+    max_seq_len: Annotated[int, Field(gt=0)] = 2048
     rope_theta: float = 10000.0
-    # None = plain RoPE; {"rope_type": "linear", "factor": f} or Llama 3's {"rope_type": "llama3",
-    # "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-    rope_scaling: dict | None = None
+    rope_scaling: Annotated[
+        dict | None,
+        Field(
+            description='None = plain RoPE; {"rope_type": "linear", "factor": f} or Llama 3\'s {"rope_type": '
+            '"llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}'
+        ),
+    ] = None
     norm_eps: float = 1e-6
-    qkv_bias: bool = False  # Qwen2 has biases on q/k/v
+    qkv_bias: Annotated[bool, Field(description="Qwen2 has biases on q/k/v")] = False
     tie_embeddings: bool = False
     # MLA (DeepSeek-V2 style): KV compressed to a latent, plus a decoupled RoPE part shared across heads
     kv_lora_rank: int = 64
-    q_lora_rank: int = 0  # 0 = full-rank query projection
+    q_lora_rank: Annotated[int, Field(description="0 = full-rank query projection")] = 0
     qk_nope_dim: int = 32
     qk_rope_dim: int = 16
     v_head_dim: int = 32
@@ -35,8 +43,6 @@ class ModelConfig:
         if self.head_dim == 0:
             self.head_dim = self.d_model // self.n_heads
         problems = []
-        if self.attn not in ("gqa", "mla"):
-            problems.append(f"attn must be 'gqa' or 'mla', got {self.attn!r}")
         if self.n_heads <= 0 or self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
             problems.append(
                 f"n_heads {self.n_heads} must be a positive multiple of n_kv_heads {self.n_kv_heads}"
@@ -44,9 +50,6 @@ class ModelConfig:
         if self.head_dim % 2 or self.qk_rope_dim % 2:
             problems.append("RoPE dims (head_dim, qk_rope_dim) must be even")
         problems += rope_scaling_problems(self.rope_scaling)
-        for name in ("vocab_size", "d_model", "n_layers", "d_ff", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
         if problems:
             raise ValueError("bad ModelConfig: " + "; ".join(problems))
 
@@ -179,24 +182,17 @@ def rope_scaling_problems(s) -> list[str]:
 QUANT_SITES = ("mla_rope_qk", "linear_act", "linear_weight")
 
 
-@dataclass(frozen=True)
+@config_class(frozen=True)
 class QuantConfig:
     """fp8 fake-quantisation sites. Scales are position-local (per token, or per token x block),
     so decoding one position at a time and teacher-forcing all positions quantise identically."""
 
-    sites: tuple[str, ...] = ()
-    fmt: str = "e4m3"
-    block: int = 0  # 0 = one scale per token (x head) row; >0 = blocks along the feature dim
-
-    def __post_init__(self):
-        object.__setattr__(self, "sites", tuple(self.sites))
-        bad = [s for s in self.sites if s not in QUANT_SITES]
-        if bad:
-            raise ValueError(f"unknown quant sites {bad}; known: {list(QUANT_SITES)}")
-        if self.fmt != "e4m3":
-            raise ValueError(f"unsupported fp8 format {self.fmt!r} (only 'e4m3')")
-        if self.block < 0:
-            raise ValueError(f"quant block must be >= 0, got {self.block}")
+    sites: tuple[Literal[QUANT_SITES], ...] = ()
+    fmt: Annotated[Literal["e4m3"], Field(description="the fp8 format (only e4m3)")] = "e4m3"
+    block: Annotated[
+        int,
+        Field(ge=0, description="0 = one scale per token (x head) row; >0 = blocks along the feature dim"),
+    ] = 0
 
     def on(self, site: str) -> bool:
         return site in self.sites

@@ -173,7 +173,7 @@ def test_worker_config_refuses_bad_harness_settings(tmp_path):
     from rollout_worker.harness import load_harness_config
 
     cases = (
-        (dict(kind="openhands"), r"\[harness\] kind: Input should be .*\(got 'openhands'\)"),
+        (dict(kind="openhands"), r"\[worker.harness\] kind: Input should be .*\(got 'openhands'\)"),
         (dict(endpoint_port=70000), "endpoint_port"),
         (dict(kind="mini-swe-agent", config=str(tmp_path / "none.yaml")), "not a file"),
     )
