@@ -209,6 +209,7 @@ def env_overrides(cls, env_prefix: str, environ) -> dict:
         if not key.startswith(env_prefix):
             continue
         path = key[len(env_prefix) :].lower().split("__")
+        _refuse_flat(cls, env_prefix, key, path)
         tp = cls
         for p in path:
             if not (_is_config(tp) and p in _names(tp)):
@@ -217,6 +218,24 @@ def env_overrides(cls, env_prefix: str, environ) -> dict:
         else:
             _set_path(out, path, value)
     return out
+
+
+def _refuse_flat(cls, env_prefix: str, key: str, path: list[str]) -> None:
+    """A flat variable naming a section's key (ASYNCRL_SIGNING_KEY, ASYNCRL_CHECKPOINT_DIR) is refused
+    with the nested name: ignored like another process's, it would leave updates unsigned or
+    checkpoints elsewhere without a word."""
+    if len(path) != 1 or not _is_config(cls) or path[0] in _names(cls):
+        return
+    name, hints = path[0], _hints(cls)
+    nested = [
+        f"{env_prefix}{sect.upper()}__{k.upper()}"
+        for sect, tp in hints.items()
+        if _is_config(tp)
+        for k in _names(tp)
+        if name in (k, f"{sect}_{k}")
+    ]
+    if nested:
+        raise ConfigError(f"env {key}: not a key at the top; did you mean {' or '.join(nested)}?")
 
 
 def merge(base: dict, over: dict) -> dict:

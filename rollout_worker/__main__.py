@@ -3,8 +3,8 @@
 SIGTERM / SIGINT / SIGHUP: drain (held tasks finish within grace_s, the rest is nak'ed); the
 process is gone grace_s + a few seconds later even if the broker is unreachable. Exit code 1
 when a background task (weights feed, version watch, heartbeat) failed past its restarts, so
-a supervisor replaces the process; exit code 2 on a bad configuration (an old flat key is refused
-with its new place: `slots: moved to [engine] slots`, ASYNCRL_SLOTS -> ASYNCRL_ENGINE__SLOTS).
+a supervisor replaces the process; exit code 2 on a bad configuration (naming the table, key and
+value; an unknown key the nearest one: `unknown key 'slots'; did you mean [worker.engine] slots?`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 SIGTERM / SIGINT / SIGHUP: drain (held rollouts finish within [run] grace_s, the rest is nak'ed);
 the process is gone grace_s + a few seconds later even if the broker is unreachable. Exit code 2
-on a bad configuration (an old flat key is refused with its new place: `cost_unit: moved to
-[reward] cost_unit`, ASYNCRL_CONCURRENCY -> ASYNCRL_RUN__CONCURRENCY) and on a sandbox weaker than
+on a bad configuration (naming the table, key and value; an unknown key the nearest one:
+`unknown key 'cost_unit'; did you mean [scorer.reward] cost_unit?`) and on a sandbox weaker than
 promised."""
 
 from __future__ import annotations

@@ -52,6 +52,10 @@ def test_env_override_of_a_nested_key():
     )  # another process's: ignored
     assert cfg.optim.lr == 3e-4 and cfg.batch.groups == 8
     assert cfg.bus.servers == ["nats://a:4222", "nats://b:4222"]
+    with pytest.raises(
+        ConfigError, match=r"env ASYNCRL_SIGNING_KEY: .*did you mean ASYNCRL_PUBLISH__SIGNING_KEY\?"
+    ):
+        load_config(TrainerConfig, None, environ={"ASYNCRL_SIGNING_KEY": "/k"})
 
 
 def test_env_override_reaches_a_trainer_process(tmp_path):
@@ -68,6 +72,10 @@ def test_env_override_reaches_a_trainer_process(tmp_path):
     r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 1 and f"no checkpoint in {tmp_path / 'empty'}" in out, out[-2000:]
+    # a flat variable naming a section's key is refused with the nested name, not dropped quietly
+    env["ASYNCRL_CHECKPOINT_DIR"] = "/x"
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "did you mean ASYNCRL_CHECKPOINT__DIR?" in r.stderr, r.stderr[-2000:]
 
 
 def test_config_check_prints_the_tree(tmp_path):
