@@ -66,14 +66,12 @@ class TrainerConfig:
         """What no single section can see."""
         bad = []
         if self.tasks.chat_template and self.policy.tokenizer == "char":
-            bad.append("[trainer.tasks] chat_template=True (the char tokenizer has no chat template)")
+            bad.append("[trainer.tasks] chat_template = true: the char tokenizer has no chat template")
         # sync publishes exactly batch.groups tasks per version: a skipped group would stall it
         if self.batch.skip_uniform and self.run.mode == "sync":
-            bad.append(
-                "[trainer.batch] skip_uniform=True (skip_uniform is async only ([trainer.run] mode = 'sync'))"
-            )
+            bad.append("[trainer.batch] skip_uniform = true is async only ([trainer.run] mode = 'sync')")
         if bad:
-            raise ValueError("invalid value for " + ", ".join(bad))
+            raise ValueError("; ".join(bad))
         return self
 
     def configure_envs(self) -> None:
