@@ -78,6 +78,7 @@ def _is_config(tp) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+@functools.cache
 def _hints(cls) -> dict:
     return typing.get_type_hints(cls, include_extras=False)
 
@@ -114,7 +115,7 @@ def _message(cls, err: dict, base: str) -> str:
             return msg
         return f"{head}{_key(rest)}: {msg}" if rest else f"{head}{msg}"
     if kind == "dataclass_type" or (not rest and "dataclass" in kind):
-        return f"{head.rstrip()} expected a table, got {err.get('input')!r}"
+        return f"{head}expected a table, got {err.get('input')!r}"
     return f"{head}{_key(rest)}: {msg} (got {err.get('input')!r})"
 
 
@@ -164,9 +165,9 @@ def _adapter(cls) -> TypeAdapter:
 def build(cls, values: dict, where: str = "", table: str = ""):
     """A config class from a plain dict (nested tables for nested sections), checked like a file.
     `table` (and `where` below it) names the file's table in errors."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"[{'.'.join(p for p in (table, where) if p)}] expected a table, got {values!r}")
     base = ".".join(p for p in (table, where) if p)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{f'[{base}] ' if base else ''}expected a table, got {values!r}")
     bools = _bools_for_numbers(cls, values, base)
     if bools:
         raise ConfigError("; ".join(bools))
