@@ -8,9 +8,9 @@ wins over the environment's, as `up` hands the table to the child).
 What no single process can see is a validator on the tree (cross_check, naming both sides): the
 tokenizer (the same spec or file contents; a chat template when [trainer.tasks] chat_template is
 on), the swe task set and turn length, max_lag, the signing key pair (asyncrl/config_check.py
-documents each). Building
-the tree is the check: `asyncrl config check FILE` and `asyncrl up` both build it. A sync run
-(`[up] sync = true`, or `up --sync`) is exempt from the max_lag agreement.
+documents each). Building the tree is the check: `asyncrl config check FILE` and `asyncrl up` both
+build it. A sync run (`[up] sync = true`, or `up --sync`) is exempt from the max_lag agreement.
+An unknown top-level table is an unknown key like any other.
 """
 
 from __future__ import annotations
