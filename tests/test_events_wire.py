@@ -30,9 +30,7 @@ TS = 1_765_000_000.123456
 
 
 def sampling_dict(sp: SamplingParams) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(sp) if dataclasses.is_dataclass(sp) else msgspec.structs.asdict(sp)
+    return msgspec.structs.asdict(sp)
 
 
 def rollout(**over) -> Rollout:
