@@ -10,7 +10,7 @@ int fits int64; a Rollout's token ids in [0, 2**31), logprobs in [-1e4, 0], vers
 wall_s, a Scored's rewards and costs, a λ bounded; every float finite: NaN and ±inf fail a bound).
 What spans fields (a Rollout's list lengths, versions monotone, -1 exactly on observation tokens; a
 Manifest's versions) is each kind's `_check`, vectorised with numpy. Failures raise `EventError`
-naming the field and the index (`Rollout r-0: logprobs[3] = nan is not finite (...)`); consumer
+naming the field and the index (`Rollout r-0: logprobs[3] = nan is not finite`); consumer
 loops park such messages in DLQ. Token ids are checked against the vocabulary by the consumer that
 knows it (the trainer: check_rollout). An event built in this process is checked by `validate`.
 
@@ -190,27 +190,30 @@ class Rollout(Event, kw_only=True):
                 f"{len(self.logprobs)}/{len(self.token_versions)} != {n} tokens"
             )
         versions = np.asarray(self.token_versions, dtype=np.int64)
-        observed = versions < 0
         if self.loss_mask:
             if len(self.loss_mask) != n:
                 raise EventError(f"{where}: loss_mask length {len(self.loss_mask)} != {n} tokens")
-            bad = np.flatnonzero(observed != (np.asarray(self.loss_mask, dtype=np.int8) == 0))
+            model_token = np.asarray(self.loss_mask, dtype=np.int64) == 1
+            bad = np.flatnonzero((versions >= 0) != model_token)
             if bad.size:
                 raise EventError(
                     f"{where}: token_versions must be -1 exactly on observation "
                     f"tokens (loss_mask 0); first bad positions {bad[:5].tolist()}"
                 )
-        elif observed.any():
-            raise EventError(
-                f"{where}: negative token_versions without a loss_mask "
-                f"(token_versions[{int(np.flatnonzero(observed)[0])}])"
-            )
-        model = versions[~observed]  # observation tokens (-1) carry no version
-        if model.size > 1 and (back := np.flatnonzero(model[1:] < model[:-1])).size:
-            i = int(np.flatnonzero(~observed)[back[0] + 1])
+            model = versions[model_token]  # observation tokens (-1) carry no version
+        else:
+            model = versions
+            if model.size and model.min() < 0:
+                raise EventError(
+                    f"{where}: negative token_versions without a loss_mask "
+                    f"(token_versions[{int(np.flatnonzero(versions < 0)[0])}])"
+                )
+        if model.size > 1 and (model[1:] < model[:-1]).any():  # (error path below)
+            back = int(np.flatnonzero(model[1:] < model[:-1])[0])
+            i = int(np.flatnonzero(versions >= 0)[back + 1])
             raise EventError(
                 f"{where}: token_versions[{i}] = {int(versions[i])} goes back from "
-                f"{int(model[back[0]])}: versions must not decrease within a rollout"
+                f"{int(model[back])}: versions must not decrease within a rollout"
             )
 
 

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 
 from bus.events import (
@@ -209,3 +210,9 @@ def test_the_stored_body_decodes_to_an_equal_event(name):
     assert decode(body, type(ev)) == ev
     if isinstance(ev, Scored):
         assert ev.get_rollout() == decode(body, Scored).get_rollout()
+
+
+def test_float_subclasses_encode_as_floats():
+    """numpy's float64 is a float: msgpack wrote it as one, so does the msgspec encoder."""
+    computed = rollout(wall_s=np.float64(0.25), logprobs=[np.float64(-0.125), -3.5e-05, -12.75])
+    assert encode(computed) == encode(rollout())
