@@ -37,7 +37,10 @@ import argparse
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+import tomli_w
 
 from asyncrl.report import read_trainer_metrics
 
@@ -137,46 +140,14 @@ def config_for_seed(text: str, seed: int) -> str:
 
 
 def config_with(text: str, trainer: dict) -> str:
-    """The run config with these [trainer] keys set (replacing those that are there; values as TOML).
-    A dict value holds a section's keys ({"cost": {"penalty": "success_only"}}): they go into the
-    file's [trainer.cost] table when it has one, else in [trainer] as dotted keys (cost.penalty =
-    ...; a second [trainer.cost] header would be invalid TOML next to dotted ones)."""
-    headers = {line.strip() for line in text.splitlines()}
-    flat = {}
+    """The run config with these [trainer] keys set (replacing those that are there). A dict value
+    holds a section's keys ({"cost": {"penalty": "success_only"}}), merged into [trainer.<section>].
+    The copy is written anew by tomli_w: the original's comments are not kept."""
+    conf = tomllib.loads(text)
+    t = conf.setdefault("trainer", {})
     for k, v in trainer.items():
-        if isinstance(v, dict) and f"[trainer.{k}]" in headers:
-            text = _set_keys(text, f"trainer.{k}", v)
-        elif isinstance(v, dict):
-            flat.update({f"{k}.{kk}": vv for kk, vv in v.items()})
-        else:
-            flat[k] = v
-    return _set_keys(text, "trainer", flat) if flat else text
-
-
-def _set_keys(text: str, table: str, keys: dict) -> str:
-    """`text` with these keys set in its [table] (appended to it, or in a new one at the end)."""
-    want = {k: json.dumps(v) for k, v in keys.items()}  # numbers and strings: JSON spells them as TOML
-    lines, out, in_trainer, done = text.splitlines(), [], False, set()
-
-    def rest():
-        return [f"{k} = {v}" for k, v in want.items() if k not in done]
-
-    for line in lines:
-        head = line.strip()
-        if head.startswith("["):
-            if in_trainer:
-                out += rest()
-                done |= set(want)
-            in_trainer = head == f"[{table}]"
-        elif in_trainer and (key := head.split("=")[0].strip()) in want:
-            line = f"{key} = {want[key]}"
-            done.add(key)
-        out.append(line)
-    if in_trainer:
-        out += rest()
-    elif len(done) < len(want):
-        out += [f"[{table}]", *rest()]
-    return "\n".join(out) + "\n"
+        t[k] = {**t.get(k, {}), **v} if isinstance(v, dict) else v
+    return tomli_w.dumps(conf)
 
 
 def arm_setup(arm: str, lam_cal: float, base: Path, tokens0: float, a) -> tuple[list[str], dict]:
@@ -456,8 +427,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-
-    import tomllib
 
     text = Path(a.config).read_text()
     tr = tomllib.loads(text).get("trainer", {})
