@@ -247,23 +247,28 @@ def build_package(
     return out
 
 
-def env_flags(f):
-    """How the repositories' environments are built (envs/repo_env.py)."""
-    f = click.option(
-        "--env-timeout", type=float, default=900.0, help="seconds for one environment's install"
-    )(f)
-    f = click.option(
-        "--no-envs",
-        is_flag=True,
-        help="build no repository environments (the sandbox python's own packages only)",
-    )(f)
-    return click.option(
+# how the repositories' environments are built (envs/repo_env.py): build, import and evaluate take them
+ENV_FLAGS = (
+    click.option(
         "--find-links",
         default=None,
         metavar="DIR",
         help="install each repository's dependencies from DIR's wheels / sdists only (offline), "
         "not from the package index",
-    )(f)
+    ),
+    click.option(
+        "--no-envs",
+        is_flag=True,
+        help="build no repository environments (the sandbox python's own packages only)",
+    ),
+    click.option("--env-timeout", type=float, default=900.0, help="seconds for one environment's install"),
+)
+
+
+def env_flags(f):
+    for option in reversed(ENV_FLAGS):  # decorators apply bottom-up: keep the listed order in --help
+        f = option(f)
+    return f
 
 
 def env_builder(a, out_dir: str) -> Builder | None:

@@ -22,10 +22,13 @@ CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
 class _RawHelp:
-    """The help text as written (docstrings hold aligned tables and command examples), not rewrapped."""
+    """A docstring's help as written (aligned tables, command examples), not rewrapped; a one-line
+    help is wrapped as usual."""
 
     def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        if self.help:
+        if self.help and "\n" not in self.help.strip():
+            super().format_help_text(ctx, formatter)
+        elif self.help:
             formatter.write_paragraph()
             formatter.write(textwrap.indent(textwrap.dedent(self.help).strip("\n"), "  ") + "\n")
 
