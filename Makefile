@@ -108,9 +108,9 @@ $(PEER_VENV)/.installed: pyproject.toml Makefile
 	$(PEER_VENV)/bin/pip install -q --disable-pip-version-check -U pip
 	$(PEER_VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
 	$(PEER_VENV)/bin/pip install -q --disable-pip-version-check 'trl==1.16.*' transformers accelerate
-	$(PEER_VENV)/bin/pip install -q --disable-pip-version-check 'nats-py>=2.9' 'msgpack>=1.0' 'structlog>=24' \
+	$(PEER_VENV)/bin/pip install -q --disable-pip-version-check 'nats-py>=2.9' 'msgpack>=1.0' 'msgspec>=0.18' 'structlog>=24' \
 	  'tenacity>=8' 'numpy>=1.26' 'rich>=13' 'prometheus_client>=0.20' 'aiohttp>=3.9' 'safetensors>=0.4' \
-	  'zstandard>=0.22' 'tokenizers>=0.15' 'jinja2>=3.1'
+	  'zstandard>=0.22' 'tokenizers>=0.15' 'jinja2>=3.1' 'pydantic>=2.6' 'click>=8.1'
 	$(PEER_VENV)/bin/pip install -q --disable-pip-version-check -e . --no-deps
 	touch $@
 

@@ -17,12 +17,16 @@ asyncrl export RUN_DIR [--version N] OUT   one policy version as a HF folder (bf
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib
 import sys
 
-# subcommand -> module whose main(argv) runs it (imported lazily: each pulls in torch etc.)
+import click
+
+from kernel.cli import Group, run
+
+# subcommand -> module whose `cli` (a click command or group) runs it; imported only when that
+# subcommand runs: each pulls in torch etc., and `asyncrl --help` must stay instant
 COMMANDS = {
     "up": "asyncrl.launch",
     "trainer": "trainer.__main__",
@@ -39,75 +43,84 @@ COMMANDS = {
 }
 
 
-def _inspect(argv: list[str]) -> int:
+class Commands(Group):
+    """The `asyncrl` group: its own commands (inspect, nats) and the lazily imported ones."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*COMMANDS, *super().list_commands(ctx)])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in COMMANDS:
+            return importlib.import_module(COMMANDS[name]).cli
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        pass  # the help text (this module's docstring) lists them without importing each
+
+
+@click.group("asyncrl", cls=Commands, help=__doc__, invoke_without_command=True)
+@click.pass_context
+def asyncrl(ctx: click.Context) -> None:
+    if ctx.invoked_subcommand is None:  # bare `asyncrl`: the overview, exit 0
+        click.echo(ctx.get_help())
+
+
+@asyncrl.command("inspect", help=__doc__)
+@click.option(
+    "--nats",
+    default=None,
+    help="server URL(s), comma separated (default: ASYNCRL_BUS__SERVERS or nats://127.0.0.1:4222)",
+)
+@click.option(
+    "--config", default=None, help="TOML with a [bus] table (credentials, TLS); env ASYNCRL_BUS__* too"
+)
+@click.option("--user", default=None)
+@click.option("--password", default=None)
+@click.option("--json", "as_json", is_flag=True, help="print the snapshot as JSON")
+def inspect(
+    nats: str | None, config: str | None, user: str | None, password: str | None, as_json: bool
+) -> int:
     from asyncrl.inspect import render, snapshot
     from bus import BusConfig, connect
     from kernel import load_config
 
-    ap = argparse.ArgumentParser(prog="asyncrl inspect", description=__doc__)
-    ap.add_argument(
-        "--nats",
-        default=None,
-        help="server URL(s), comma separated (default: ASYNCRL_BUS__SERVERS or nats://127.0.0.1:4222)",
-    )
-    ap.add_argument(
-        "--config", default=None, help="TOML with a [bus] table (credentials, TLS); env ASYNCRL_BUS__* too"
-    )
-    ap.add_argument("--user", default=None)
-    ap.add_argument("--password", default=None)
-    ap.add_argument("--json", action="store_true", help="print the snapshot as JSON")
-    a = ap.parse_args(argv)
     over = {"name": "asyncrl-inspect"}
-    if a.nats:
-        over["servers"] = a.nats.split(",")
-    if a.user:
-        over.update(user=a.user, password=a.password)
+    if nats:
+        over["servers"] = nats.split(",")
+    if user:
+        over.update(user=user, password=password)
     cfg = load_config(
-        BusConfig, a.config, env_prefix="ASYNCRL_BUS__", section="bus" if a.config else None, overrides=over
+        BusConfig, config, env_prefix="ASYNCRL_BUS__", section="bus" if config else None, overrides=over
     )
 
-    async def run() -> None:
+    async def go() -> None:
         bus = await connect(cfg)
         try:
             snap = await snapshot(bus)
         finally:
             await bus.close()
-        if a.json:
+        if as_json:
             import json
 
             print(json.dumps(snap, default=str, indent=2))
         else:
             print(render(snap))
 
-    asyncio.run(run())
+    asyncio.run(go())
     return 0
 
 
-def _nats(argv: list[str]) -> int:
+@asyncrl.command("nats", help="local nats-server with JetStream")
+@click.option("--store", default=None, help="store dir (default: a temporary one)")
+@click.option("--config", default=None, help="nats-server config file (deploy/nats/*.conf)")
+def nats(store: str | None, config: str | None) -> int:
     from asyncrl.nats_server import run_foreground
 
-    ap = argparse.ArgumentParser(prog="asyncrl nats", description="local nats-server with JetStream")
-    ap.add_argument("--store", default=None, help="store dir (default: a temporary one)")
-    ap.add_argument("--config", default=None, help="nats-server config file (deploy/nats/*.conf)")
-    a = ap.parse_args(argv)
-    return run_foreground(a.store, config=a.config) or 0
+    return run_foreground(store, config=config) or 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "inspect":
-        return _inspect(rest)
-    if cmd == "nats":
-        return _nats(rest)
-    if cmd not in COMMANDS:
-        print(f"asyncrl: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
-        return 2
-    mod = importlib.import_module(COMMANDS[cmd])
-    return mod.main(rest) or 0
+    return run(asyncrl, argv, "asyncrl")
 
 
 if __name__ == "__main__":

@@ -30,16 +30,18 @@ Warnings (printed, never a refusal; `up` prints them too):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
 import tomllib
 from pathlib import Path
 
+import click
+
 from asyncrl import layout, thread_plan
 from asyncrl.runconfig import build_run, check_swe, cross_check, tables  # noqa: F401  (re-exported)
 from asyncrl.upconfig import UpConfig
+from kernel.cli import Group, run
 from kernel.config import ConfigError
 
 
@@ -106,16 +108,16 @@ def check_run(conf: dict, sync: bool = False) -> dict:
     return resolve(conf, sync=sync)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="asyncrl config", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("check", help="print the resolved config per process and check cross-process settings")
-    c.add_argument("file")
-    a = ap.parse_args(argv)
+@click.group("config", cls=Group, help=__doc__)
+def cli() -> None:
+    pass
+
+
+@cli.command("check", short_help="print the resolved config per process and check cross-process settings")
+@click.argument("file")
+def check(file: str) -> int:
     try:
-        conf = tomllib.loads(Path(a.file).read_text())
+        conf = tomllib.loads(Path(file).read_text())
         resolved = resolve(conf)  # every table, and what the processes must agree on
     except (OSError, tomllib.TOMLDecodeError, ConfigError) as e:
         print(f"asyncrl config check: {e}", file=sys.stderr)
@@ -141,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {w}")
     print("ok: settings agree across processes")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(cli, argv, "asyncrl config")
 
 
 if __name__ == "__main__":

@@ -33,13 +33,18 @@ initialisation and its warm start; each seed's two arms share both).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+from types import SimpleNamespace
+
+import click
+import tomli_w
 
 from asyncrl.report import read_trainer_metrics
+from kernel.cli import Command, run
 
 
 def up(config: str, run_dir: Path, extra: list[str]) -> None:
@@ -137,46 +142,14 @@ def config_for_seed(text: str, seed: int) -> str:
 
 
 def config_with(text: str, trainer: dict) -> str:
-    """The run config with these [trainer] keys set (replacing those that are there; values as TOML).
-    A dict value holds a section's keys ({"cost": {"penalty": "success_only"}}): they go into the
-    file's [trainer.cost] table when it has one, else in [trainer] as dotted keys (cost.penalty =
-    ...; a second [trainer.cost] header would be invalid TOML next to dotted ones)."""
-    headers = {line.strip() for line in text.splitlines()}
-    flat = {}
+    """The run config with these [trainer] keys set (replacing those that are there). A dict value
+    holds a section's keys ({"cost": {"penalty": "success_only"}}), merged into [trainer.<section>].
+    The copy is written anew by tomli_w: the original's comments are not kept."""
+    conf = tomllib.loads(text)
+    t = conf.setdefault("trainer", {})
     for k, v in trainer.items():
-        if isinstance(v, dict) and f"[trainer.{k}]" in headers:
-            text = _set_keys(text, f"trainer.{k}", v)
-        elif isinstance(v, dict):
-            flat.update({f"{k}.{kk}": vv for kk, vv in v.items()})
-        else:
-            flat[k] = v
-    return _set_keys(text, "trainer", flat) if flat else text
-
-
-def _set_keys(text: str, table: str, keys: dict) -> str:
-    """`text` with these keys set in its [table] (appended to it, or in a new one at the end)."""
-    want = {k: json.dumps(v) for k, v in keys.items()}  # numbers and strings: JSON spells them as TOML
-    lines, out, in_trainer, done = text.splitlines(), [], False, set()
-
-    def rest():
-        return [f"{k} = {v}" for k, v in want.items() if k not in done]
-
-    for line in lines:
-        head = line.strip()
-        if head.startswith("["):
-            if in_trainer:
-                out += rest()
-                done |= set(want)
-            in_trainer = head == f"[{table}]"
-        elif in_trainer and (key := head.split("=")[0].strip()) in want:
-            line = f"{key} = {want[key]}"
-            done.add(key)
-        out.append(line)
-    if in_trainer:
-        out += rest()
-    elif len(done) < len(want):
-        out += [f"[{table}]", *rest()]
-    return "\n".join(out) + "\n"
+        t[k] = {**t.get(k, {}), **v} if isinstance(v, dict) else v
+    return tomli_w.dumps(conf)
 
 
 def arm_setup(arm: str, lam_cal: float, base: Path, tokens0: float, a) -> tuple[list[str], dict]:
@@ -386,57 +359,53 @@ def plot_tradeoff(points: dict[str, list[tuple[float, float]]], path: Path) -> N
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="asyncrl cost-demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--config", default="deploy/demo.toml")
-    ap.add_argument("--out", default="runs/cost-demo")
-    ap.add_argument(
-        "--baseline", default=None, help="a finished λ = 0 run dir of the same config (skips step 1)"
-    )
-    ap.add_argument("--env", default=None, help="calibration env (default: the config's first trainer env)")
-    ap.add_argument(
-        "--axis",
-        choices=("tokens", "samples", "turns"),
-        default="samples",
-        help="calibration budgets (sampled at the config's temperature): max tokens, samples per task"
-        " (episodes on a multi-turn env), or an episode's turns",
-    )
-    ap.add_argument("--budget", type=int, default=1, help="operating point on the axis (1 sample per task)")
-    ap.add_argument(
-        "--lambda-scale",
-        type=float,
-        default=1.0,
-        help="λ = scale × the measured tangent slope (below 1: pay less for tokens, keep more success)",
-    )
-    ap.add_argument("--seeds", default=None, help="comma-separated trainer seeds: both arms per seed")
-    ap.add_argument(
-        "--reuse",
-        action="store_true",
-        help="with --seeds: a seed's finished λ = 0 run in --out (seedN/lambda0, with its evals) is kept",
-    )
-    ap.add_argument("--max-tokens", type=int, default=None, help="default: the config's task max_tokens")
-    ap.add_argument("--prompts", type=int, default=128)
-    ap.add_argument(
-        "--lambda-cal",
-        type=float,
-        default=None,
-        help="the tangent λ, measured already: no calibration (needed without a warm start)",
-    )
-    ap.add_argument("--arms", default="lambda0,calibrated", help=f"comma-separated, from {','.join(ARMS)}")
-    ap.add_argument("--ramp-versions", type=int, default=25, help="ramp arm: versions from λ = 0 to λ_cal")
-    ap.add_argument(
-        "--budget-tokens",
-        type=float,
-        default=0.0,
-        help="budget arm: tokens per answer aimed at (default: --budget-ratio × λ = 0's)",
-    )
-    ap.add_argument("--budget-ratio", type=float, default=0.6)
-    ap.add_argument(
-        "--budget-lr", type=float, default=0.002, help="budget arm: λ's step per version at 2× the budget"
-    )
-    a = ap.parse_args(argv)
+@click.command("cost-demo", cls=Command, help=__doc__)
+@click.option("--config", default="deploy/demo.toml")
+@click.option("--out", default="runs/cost-demo")
+@click.option("--baseline", default=None, help="a finished λ = 0 run dir of the same config (skips step 1)")
+@click.option("--env", default=None, help="calibration env (default: the config's first trainer env)")
+@click.option(
+    "--axis",
+    type=click.Choice(("tokens", "samples", "turns")),
+    default="samples",
+    help="calibration budgets (sampled at the config's temperature): max tokens, samples per task"
+    " (episodes on a multi-turn env), or an episode's turns",
+)
+@click.option("--budget", type=int, default=1, help="operating point on the axis (1 sample per task)")
+@click.option(
+    "--lambda-scale",
+    type=float,
+    default=1.0,
+    help="λ = scale × the measured tangent slope (below 1: pay less for tokens, keep more success)",
+)
+@click.option("--seeds", default=None, help="comma-separated trainer seeds: both arms per seed")
+@click.option(
+    "--reuse",
+    is_flag=True,
+    help="with --seeds: a seed's finished λ = 0 run in --out (seedN/lambda0, with its evals) is kept",
+)
+@click.option("--max-tokens", type=int, default=None, help="default: the config's task max_tokens")
+@click.option("--prompts", type=int, default=128)
+@click.option(
+    "--lambda-cal",
+    type=float,
+    default=None,
+    help="the tangent λ, measured already: no calibration (needed without a warm start)",
+)
+@click.option("--arms", default="lambda0,calibrated", help=f"comma-separated, from {','.join(ARMS)}")
+@click.option("--ramp-versions", type=int, default=25, help="ramp arm: versions from λ = 0 to λ_cal")
+@click.option(
+    "--budget-tokens",
+    type=float,
+    default=0.0,
+    help="budget arm: tokens per answer aimed at (default: --budget-ratio × λ = 0's)",
+)
+@click.option("--budget-ratio", type=float, default=0.6)
+@click.option(
+    "--budget-lr", type=float, default=0.002, help="budget arm: λ's step per version at 2× the budget"
+)
+def cli(**flags) -> int:
+    a = SimpleNamespace(**flags)
     a.arm_list = [x.strip() for x in a.arms.split(",") if x.strip()]
     if bad := [x for x in a.arm_list if x not in ARMS]:
         print(f"asyncrl cost-demo: unknown arm(s) {bad}; arms are {', '.join(ARMS)}", file=sys.stderr)
@@ -456,8 +425,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-
-    import tomllib
 
     text = Path(a.config).read_text()
     tr = tomllib.loads(text).get("trainer", {})
@@ -524,6 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(json.dumps(result))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(cli, argv, "asyncrl cost-demo")
 
 
 if __name__ == "__main__":

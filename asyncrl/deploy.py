@@ -12,15 +12,17 @@ CHANGE-ME-regionnkey (the hub's nats.env) become the seed and the public key of 
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import secrets
 import sys
 from pathlib import Path
 
+import click
+
 from asyncrl.keygen import give_key, parse_owner, write_keypair
 from bus.nkeys import user_nkey
+from kernel.cli import Group, run
 
 PLACEHOLDER_RE = re.compile(r"CHANGE-ME-([a-z0-9]+)")
 
@@ -64,25 +66,25 @@ def init(env_dir: Path, keys_dir: Path, key_owner: tuple[int, int] | None = None
     return {"filled": filled, "keys": keys}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="asyncrl deploy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    i = sub.add_parser("init", help="random passwords into the env files, and the signing key pair")
-    i.add_argument("--dir", default="deploy/env", help="env files to fill (default: deploy/env)")
-    i.add_argument("--keys", default=None, help="key pair directory (default: <dir>/../keys)")
-    i.add_argument(
-        "--key-owner",
-        default=None,
-        metavar="UID[:GID]",
-        help="owner of the private signing key: the trainer's user (compose: 10001; needs root)",
-    )
-    a = ap.parse_args(argv)
-    env_dir = Path(a.dir)
-    keys_dir = Path(a.keys) if a.keys else env_dir.resolve().parent / "keys"
+@click.group("deploy", cls=Group, help=__doc__)
+def cli() -> None:
+    pass
+
+
+@cli.command("init", short_help="random passwords into the env files, and the signing key pair")
+@click.option("--dir", "env", default="deploy/env", help="env files to fill (default: deploy/env)")
+@click.option("--keys", default=None, help="key pair directory (default: <dir>/../keys)")
+@click.option(
+    "--key-owner",
+    default=None,
+    metavar="UID[:GID]",
+    help="owner of the private signing key: the trainer's user (compose: 10001; needs root)",
+)
+def init_command(env: str, keys: str | None, key_owner: str | None) -> int:
+    env_dir = Path(env)
+    keys_dir = Path(keys) if keys else env_dir.resolve().parent / "keys"
     try:
-        res = init(env_dir, keys_dir, parse_owner(a.key_owner) if a.key_owner else None)
+        res = init(env_dir, keys_dir, parse_owner(key_owner) if key_owner else None)
     except (FileNotFoundError, FileExistsError, PermissionError, ValueError) as e:
         print(f"asyncrl deploy init: {e}", file=sys.stderr)
         return 2
@@ -92,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{env_dir}: no placeholders left (already initialised)")
     print(res["keys"])
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(cli, argv, "asyncrl deploy")
 
 
 if __name__ == "__main__":

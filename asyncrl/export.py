@@ -16,7 +16,6 @@ Without --version: the newest checkpoint's version.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import re
@@ -24,10 +23,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import click
 import torch
 
 import delta_codec
 from delta_codec import signing
+from kernel.cli import Command, run
 from policy import ModelConfig, Transformer, save_hf_checkpoint
 from policy.model import inference_state
 from trainer.shards import load_model_state
@@ -236,25 +237,22 @@ def write_export(run_dir, out, version: int | None = None, public_key=None) -> d
     return {"version": version, "source": source, "digest": digest, "out": str(out)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="asyncrl export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("run_dir")
-    ap.add_argument("out")
-    ap.add_argument("--version", type=int, default=None)
-    ap.add_argument(
-        "--public-key",
-        default=None,
-        help="verify the replayed updates' signatures (hex or a file, like [worker.weights] public_key)",
-    )
-    a = ap.parse_args(argv)
+@click.command("export", cls=Command, help=__doc__)
+@click.argument("run_dir")
+@click.argument("out")
+@click.option("--version", type=int, default=None)
+@click.option(
+    "--public-key",
+    default=None,
+    help="verify the replayed updates' signatures (hex or a file, like [worker.weights] public_key)",
+)
+def cli(run_dir: str, out: str, version: int | None, public_key: str | None) -> int:
     pk = None
-    if a.public_key:
-        p = Path(a.public_key)
-        pk = signing.public_key(p.read_text().strip() if p.is_file() else a.public_key)
+    if public_key:
+        p = Path(public_key)
+        pk = signing.public_key(p.read_text().strip() if p.is_file() else public_key)
     try:
-        res = write_export(a.run_dir, a.out, a.version, pk)
+        res = write_export(run_dir, out, version, pk)
     except (
         ExportError,
         delta_codec.DeltaError,
@@ -264,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(res))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(cli, argv, "asyncrl export")
 
 
 if __name__ == "__main__":

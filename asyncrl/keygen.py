@@ -12,12 +12,14 @@ user owns (`sudo asyncrl keygen --owner 10001`, or `asyncrl deploy init --key-ow
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
+import click
+
 from delta_codec import signing
+from kernel.cli import Command, run
 
 
 def parse_owner(spec: str) -> tuple[int, int]:
@@ -58,26 +60,27 @@ def write_keypair(
     return key, pub
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="asyncrl keygen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--out", default="keys", help="directory (default: ./keys)")
-    ap.add_argument("--name", default="trainer-signing", help="file name stem")
-    ap.add_argument(
-        "--owner",
-        default=None,
-        metavar="UID[:GID]",
-        help="owner of the private key (the trainer's user; compose: 10001)",
-    )
-    a = ap.parse_args(argv)
+@click.command("keygen", cls=Command, help=__doc__)
+@click.option("--out", default="keys", help="directory (default: ./keys)")
+@click.option("--name", default="trainer-signing", help="file name stem")
+@click.option(
+    "--owner",
+    default=None,
+    metavar="UID[:GID]",
+    help="owner of the private key (the trainer's user; compose: 10001)",
+)
+def cli(out: str, name: str, owner: str | None) -> int:
     try:
-        key, pub = write_keypair(Path(a.out), a.name, parse_owner(a.owner) if a.owner else None)
+        key, pub = write_keypair(Path(out), name, parse_owner(owner) if owner else None)
     except (FileExistsError, PermissionError, ValueError) as e:
         print(f"asyncrl keygen: {e}", file=sys.stderr)
         return 2
     print(f"private key: {key} (0600)\npublic key:  {pub}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(cli, argv, "asyncrl keygen")
 
 
 if __name__ == "__main__":

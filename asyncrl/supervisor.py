@@ -15,7 +15,6 @@ that forked.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -24,41 +23,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tomli_w
+
 from kernel import get_logger
 from kernel.lifetime import die_with_parent
 
 log = get_logger("asyncrl.supervisor")
 
 
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {v!r} to TOML")
+def _without_none(d: dict) -> dict:
+    # TOML has no null: a None value is left out (the reader's default applies)
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
 
 
 def write_toml(path: Path, data: dict) -> None:
-    """Tiny TOML writer (tomllib reads only): scalars first, then one table per nested dict."""
-    lines: list[str] = []
-
-    def emit(prefix: str, d: dict) -> None:
-        # TOML has no null: a None value is left out (the reader's default applies)
-        scalars = {k: v for k, v in d.items() if not isinstance(v, dict) and v is not None}
-        tables = {k: v for k, v in d.items() if isinstance(v, dict)}
-        if prefix:
-            lines.append(f"[{prefix}]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
-        lines.append("")
-        for k, v in tables.items():
-            emit(f"{prefix}.{k}" if prefix else k, v)
-
-    emit("", data)
-    path.write_text("\n".join(lines))
+    """`data` as a TOML file (tomllib only reads; tomli_w writes), None values left out."""
+    path.write_text(tomli_w.dumps(_without_none(data)))
 
 
 def child_env(threads: int = 1) -> dict[str, str]:

@@ -19,7 +19,6 @@ reads DIR only (envs/task_set.py). Prints the per-tier / per-kind counts and kep
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -29,7 +28,11 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from types import SimpleNamespace
 
+import click
+
+from asyncrl.predict import cli as predict_cli
 from envs.base import split_of
 from envs.episode import EpisodeLimits, EpisodeTask
 from envs.mutations import balanced_order, candidates
@@ -37,6 +40,7 @@ from envs.repo_env import Builder, EnvError
 from envs.sandbox import BashLimits
 from envs.task_set import write_task_set
 from envs.task_validation import BuildReport, fail_pass_split, run_suite
+from kernel.cli import Group, one_of, run
 
 FAMILY = "package"
 SKIP_DIRS = {"docs", "doc", "examples", "benchmarks", "bench", ".git", "__pycache__", "build", "dist"}
@@ -243,59 +247,28 @@ def build_package(
     return out
 
 
-def add_swebench_commands(sub) -> None:
-    """`import`, `export`, `evaluate`: SWE-bench-format data (envs/swebench.py)."""
-    i = sub.add_parser(
-        "import",
-        help="SWE-bench / SWE-Gym / SWE-smith instances (JSONL) -> a task set",
-        description="Each instance that cannot be used is skipped with one line naming it, the field "
-        "and why; the rest are imported. Exit 0 when any instance imported, 1 when none did (nothing "
-        "written), 2 when the file cannot be read. --out is replaced only by a whole new set.",
-    )
-    i.add_argument("instances")
-    i.add_argument("--out", required=True)
-    i.add_argument("--repos", default=None, help="directory of git clones named <owner>__<name>")
-    i.add_argument("--split", default="train", help="split of instances that name none (train | eval)")
-    add_env_flags(i)
-    e = sub.add_parser("export", help="a task set -> SWE-bench instances (DIR/instances.jsonl + DIR/repos/)")
-    e.add_argument("tasks")
-    e.add_argument("--out", required=True)
-    e.add_argument("--split", default=None)
-    v = sub.add_parser("evaluate", help="score model_patch predictions as the SWE-bench harness does")
-    v.add_argument("predictions")
-    src = v.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tasks", help="an imported (or built) task set")
-    src.add_argument("--instances", help="an instance file (imported into a temporary task set first)")
-    v.add_argument("--repos", default=None, help="with --instances: directory of <owner>__<name> clones")
-    add_env_flags(v)
-    v.add_argument(
-        "--workspace",
-        choices=("local", "docker"),
-        default="local",
-        help="where each prediction's tests run: the local sandbox, or a container per run (needs a"
-        " docker daemon; as the worker's [worker.episodes] workspace)",
-    )
-    v.add_argument(
-        "--docker-image", default="", help="--workspace docker: the image (a task's own image wins)"
-    )
-    v.add_argument("--report", default=None, help="also write the report (JSON) here")
-
-
-def add_env_flags(p) -> None:
-    """How the repositories' environments are built (envs/repo_env.py)."""
-    p.add_argument(
+# how the repositories' environments are built (envs/repo_env.py): build, import and evaluate take them
+ENV_FLAGS = (
+    click.option(
         "--find-links",
         default=None,
         metavar="DIR",
         help="install each repository's dependencies from DIR's wheels / sdists only (offline), "
         "not from the package index",
-    )
-    p.add_argument(
+    ),
+    click.option(
         "--no-envs",
-        action="store_true",
+        is_flag=True,
         help="build no repository environments (the sandbox python's own packages only)",
-    )
-    p.add_argument("--env-timeout", type=float, default=900.0, help="seconds for one environment's install")
+    ),
+    click.option("--env-timeout", type=float, default=900.0, help="seconds for one environment's install"),
+)
+
+
+def env_flags(f):
+    for option in reversed(ENV_FLAGS):  # decorators apply bottom-up: keep the listed order in --help
+        f = option(f)
+    return f
 
 
 def env_builder(a, out_dir: str) -> Builder | None:
@@ -411,65 +384,39 @@ def swebench_command(a) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="asyncrl tasks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="build a task set into --out")
-    b.add_argument("--out", required=True)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--eval-fraction", type=float, default=0.2)
-    b.add_argument("--gen", type=int, default=0, help="generated repositories (tier 1)")
-    b.add_argument(
-        "--min-eval",
-        type=int,
-        default=None,
-        help="tier 1: add eval repositories until the eval split holds this many tasks (default 16)",
-    )
-    b.add_argument(
-        "--functions",
-        default="",
-        help="tier 1: comma-separated bank functions (envs/repo_bank.py), or DEMO for the swe-demo bank",
-    )
-    b.add_argument("--modules", type=int, default=2, help="tier 1: modules per generated repository")
-    b.add_argument("--humaneval", type=int, default=0, help="HumanEval problems (tier 2), -1 for all 164")
-    b.add_argument("--packages", default="", help="comma-separated PyPI names (tier 3), fetched now")
-    b.add_argument(
-        "--sdist", action="append", default=[], help="a local source distribution (tier 3), repeatable"
-    )
-    b.add_argument("--per-package", type=int, default=10)
-    b.add_argument(
-        "--test-timeout", type=float, default=120.0, help="seconds for one run of a package's tests"
-    )
-    b.add_argument("--json", action="store_true", help="print the build report as JSON")
-    add_env_flags(b)
-    s = sub.add_parser("stats", help="counts of a built task set")
-    s.add_argument("path")
-    add_swebench_commands(sub)
-    from asyncrl.predict import add_predict_command, predict_command
+@click.group("tasks", cls=Group, help=__doc__)
+def cli() -> None:
+    pass
 
-    add_predict_command(sub)
-    a = ap.parse_args(argv)
-    if a.cmd == "predict":
-        return predict_command(a)
-    if a.cmd in ("import", "export", "evaluate"):
-        return swebench_command(a)
-    if a.cmd == "stats":
-        from collections import Counter
 
-        from envs.task_set import load_task_set
-
-        ts = load_task_set(a.path)
-        print(
-            json.dumps(
-                {f"{f}/{sp}": n for (f, sp), n in sorted(Counter((t.family, t.split) for t in ts).items())},
-                indent=2,
-            )
-        )
-        return 0
+@cli.command("build", short_help="build a task set into --out")
+@click.option("--out", required=True)
+@click.option("--seed", type=int, default=0)
+@click.option("--eval-fraction", type=float, default=0.2)
+@click.option("--gen", type=int, default=0, help="generated repositories (tier 1)")
+@click.option(
+    "--min-eval",
+    type=int,
+    default=None,
+    help="tier 1: add eval repositories until the eval split holds this many tasks (default 16)",
+)
+@click.option(
+    "--functions",
+    default="",
+    help="tier 1: comma-separated bank functions (envs/repo_bank.py), or DEMO for the swe-demo bank",
+)
+@click.option("--modules", type=int, default=2, help="tier 1: modules per generated repository")
+@click.option("--humaneval", type=int, default=0, help="HumanEval problems (tier 2), -1 for all 164")
+@click.option("--packages", default="", help="comma-separated PyPI names (tier 3), fetched now")
+@click.option("--sdist", multiple=True, help="a local source distribution (tier 3), repeatable")
+@click.option("--per-package", type=int, default=10)
+@click.option("--test-timeout", type=float, default=120.0, help="seconds for one run of a package's tests")
+@click.option("--json", "as_json", is_flag=True, help="print the build report as JSON")
+@env_flags
+def build_command(**flags) -> int:
+    a = SimpleNamespace(**flags)
     if not 0 <= a.eval_fraction < 1:
-        ap.error("--eval-fraction must be in [0, 1)")
+        raise click.UsageError("--eval-fraction must be in [0, 1)")
     from envs import gen_repos
 
     report, tasks = BuildReport(), []
@@ -492,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                 functions=fns or None,
             )
         except ValueError as e:
-            ap.error(f"--functions / --modules: {e}")
+            raise click.UsageError(f"--functions / --modules: {e}") from None
     if a.humaneval:
         from envs import humaneval_tasks
 
@@ -523,9 +470,78 @@ def main(argv: list[str] | None = None) -> int:
             envs=envs,
         )
     write_task_set(a.out, tasks, report.to_dict())
-    print(json.dumps(report.to_dict(), indent=2) if a.json else report.render())
+    print(json.dumps(report.to_dict(), indent=2) if a.as_json else report.render())
     print(f"wrote {len(tasks)} tasks to {a.out}", file=sys.stderr)
     return 0 if tasks else 1
+
+
+@cli.command("stats", short_help="counts of a built task set")
+@click.argument("path")
+def stats_command(path: str) -> int:
+    from collections import Counter
+
+    from envs.task_set import load_task_set
+
+    ts = load_task_set(path)
+    print(
+        json.dumps(
+            {f"{f}/{sp}": n for (f, sp), n in sorted(Counter((t.family, t.split) for t in ts).items())},
+            indent=2,
+        )
+    )
+    return 0
+
+
+@cli.command(
+    "import",
+    short_help="SWE-bench / SWE-Gym / SWE-smith instances (JSONL) -> a task set",
+    help="Each instance that cannot be used is skipped with one line naming it, the field "
+    "and why; the rest are imported. Exit 0 when any instance imported, 1 when none did (nothing "
+    "written), 2 when the file cannot be read. --out is replaced only by a whole new set.",
+)
+@click.argument("instances")
+@click.option("--out", required=True)
+@click.option("--repos", default=None, help="directory of git clones named <owner>__<name>")
+@click.option("--split", default="train", help="split of instances that name none (train | eval)")
+@env_flags
+def import_cli(**flags) -> int:
+    return swebench_command(SimpleNamespace(cmd="import", **flags))
+
+
+@cli.command("export", short_help="a task set -> SWE-bench instances (DIR/instances.jsonl + DIR/repos/)")
+@click.argument("tasks")
+@click.option("--out", required=True)
+@click.option("--split", default=None)
+def export_cli(**flags) -> int:
+    return swebench_command(SimpleNamespace(cmd="export", **flags))
+
+
+@cli.command("evaluate", short_help="score model_patch predictions as the SWE-bench harness does")
+@click.argument("predictions")
+@click.option("--tasks", help="an imported (or built) task set")
+@click.option("--instances", help="an instance file (imported into a temporary task set first)")
+@click.option("--repos", default=None, help="with --instances: directory of <owner>__<name> clones")
+@env_flags
+@click.option(
+    "--workspace",
+    type=click.Choice(("local", "docker")),
+    default="local",
+    help="where each prediction's tests run: the local sandbox, or a container per run (needs a"
+    " docker daemon; as the worker's [worker.episodes] workspace)",
+)
+@click.option("--docker-image", default="", help="--workspace docker: the image (a task's own image wins)")
+@click.option("--report", default=None, help="also write the report (JSON) here")
+def evaluate_cli(**flags) -> int:
+    a = SimpleNamespace(cmd="evaluate", **flags)
+    one_of(a, "tasks", "instances", required=True)
+    return swebench_command(a)
+
+
+cli.add_command(predict_cli)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(cli, argv, "asyncrl tasks")
 
 
 if __name__ == "__main__":

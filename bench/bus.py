@@ -6,6 +6,8 @@ publish_per_s   1 KiB Task events, pipelined publish_many (each acked by JetStre
 consume_per_s   fetch + decode + no-op handler + ack through ConsumerLoop                median
 blob_mb_per_s   200 MB put then get (bit-exact checked): 2*size / (t_put + t_get)        median
 loss            messages lost when the server is killed and restarted mid-stream (must be 0)
+rollout_*_us    encode / decode (every number validated) of one Rollout of 20 and of 1,024 completion
+                tokens, in process, no server: µs per event                             median
 
 --sync always (the default, what every process and deploy/nats config runs with): JetStream
 flushes each write to disk before acknowledging it; --sync default: the server's own policy
@@ -23,7 +25,7 @@ import tempfile
 import time
 
 from asyncrl.nats_server import EmbeddedServer
-from bus import BusConfig, ConsumerLoop, TopologyConfig, connect
+from bus import BusConfig, ConsumerLoop, TopologyConfig, connect, events
 from bus import topology as topo
 from bus.events import Task
 from kernel import setup_logging
@@ -35,6 +37,48 @@ def tasks(n: int, tag: str, size: int = 1024) -> list[tuple[str, Task]]:
         (topo.task_subject("bench"), Task(task_id=f"{tag}-{i}", env="bench", prompt=pad, created_at=0.0))
         for i in range(n)
     ]
+
+
+def rollout(n_tokens: int) -> events.Rollout:
+    """A single-turn Rollout as a worker publishes it: n completion tokens with logprobs and versions."""
+    return events.Rollout(
+        rollout_id="t-0-0",
+        task_id="t-0",
+        env="arith",
+        sample_index=0,
+        group_size=4,
+        prompt="What is 17 + 25?",
+        spec={"answer": 42},
+        prompt_ids=list(range(100, 130)),
+        completion_ids=[(7 * i) % 49152 for i in range(n_tokens)],
+        completion_text="x" * (3 * n_tokens),
+        logprobs=[-0.125 - (i % 7) / 8 for i in range(n_tokens)],
+        token_versions=[3 + i // max(1, n_tokens // 2) for i in range(n_tokens)],
+        sampling={"temperature": 0.7, "top_p": 1.0, "top_k": 0, "max_tokens": n_tokens},
+        sampling_mask={},
+        quant={},
+        finish_reason="stop",
+        cost_tokens=n_tokens,
+        wall_s=0.5,
+        worker_id="w0",
+    )
+
+
+def codec_us(n_tokens: int, repeats: int, n: int = 2000) -> tuple[float, float]:
+    """(encode µs, decode µs) per Rollout, each the median of `repeats` timed loops of n events."""
+    ev = rollout(n_tokens)
+    body = events.encode(ev)
+    enc, dec = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(n):
+            events.encode(ev)
+        enc.append((time.perf_counter() - t) / n * 1e6)
+        t = time.perf_counter()
+        for _ in range(n):
+            events.decode(body)
+        dec.append((time.perf_counter() - t) / n * 1e6)
+    return statistics.median(enc), statistics.median(dec)
 
 
 async def drain_with_loop(bus, n: int, concurrency: int = 256) -> float:
@@ -175,6 +219,7 @@ async def main_async(a) -> dict:
         "blob_get_mb_per_s": round(med(gets), 1),
         **loss,
         "loss_n": a.loss_n,
+        **{k: v for k, v in codec_only(a).items() if k.startswith("rollout_")},
         "cpus": os.cpu_count(),
     }
     res["targets_met"] = {
@@ -184,6 +229,20 @@ async def main_async(a) -> dict:
         "loss==0": res["loss"] == 0,
     }
     return res
+
+
+def codec_only(a) -> dict:
+    enc20, dec20 = codec_us(20, max(3, a.repeats))
+    enc1k, dec1k = codec_us(1024, max(3, a.repeats), n=200)
+    return {
+        "bench": "bus",
+        "codec_only": True,
+        "rollout_encode_us": round(enc20, 1),
+        "rollout_decode_us": round(dec20, 1),
+        "rollout_1k_encode_us": round(enc1k, 1),
+        "rollout_1k_decode_us": round(dec1k, 1),
+        "cpus": os.cpu_count(),
+    }
 
 
 def main(argv=None) -> int:
@@ -201,15 +260,18 @@ def main(argv=None) -> int:
         default="always",
         help="JetStream sync_interval: always (flushed before acked) or the server's default (2 min)",
     )
+    ap.add_argument(
+        "--codec-only", action="store_true", help="only the Rollout encode/decode figures (no server)"
+    )
     ap.add_argument("--json", action="store_true", help="only the JSON line on stdout")
     a = ap.parse_args(argv)
     setup_logging("bench", level="warning")
-    res = asyncio.run(main_async(a))
+    res = codec_only(a) if a.codec_only else asyncio.run(main_async(a))
     if not a.json:
         for k, v in res.items():
             print(f"{k:>22}: {v}")
     print(json.dumps(res))
-    return 0 if res["loss"] == 0 else 1
+    return 0 if res.get("loss", 0) == 0 else 1
 
 
 if __name__ == "__main__":

@@ -108,6 +108,8 @@ def sandbox_p50_ms(reps: int, limits: SandboxLimits) -> float:
 async def main_async(a) -> dict:
     async with EmbeddedServer() as srv:
         arith = await scored_per_s(srv.url, "arith", a.arith, concurrency=64, threads=4)
+        if a.arith_only:  # the event path alone: no sandbox, so it shows the codec and the loop
+            return {"scored_per_s_arith": round(arith, 1), "n_arith": a.arith, "arith_only": True}
         code = await scored_per_s(srv.url, "python-tests", a.code, concurrency=16, threads=a.threads)
         code_no_netns = await scored_per_s(
             srv.url, "python-tests", a.code, concurrency=16, threads=a.threads, netns=False
@@ -134,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--code", type=int, default=96, help="python-tests rollouts")
     ap.add_argument("--threads", type=int, default=4, help="scorer verify threads (python-tests)")
     ap.add_argument("--reps", type=int, default=30, help="sandbox overhead repetitions")
+    ap.add_argument("--arith-only", action="store_true", help="only the arith path (no sandbox runs)")
     a = ap.parse_args(argv)
     setup_logging("bench", level="warning")
     res = asyncio.run(main_async(a))

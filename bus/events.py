@@ -1,16 +1,18 @@
-"""Typed events that travel on the bus, encoded as msgpack with an explicit schema version.
+"""Typed events that travel on the bus: msgspec Structs, encoded as msgpack with an explicit schema version.
 
-Every body is a msgpack map ``{"schema": <the class's SCHEMA_VERSION>, "kind": <KIND>, **fields}``;
+Every body is a msgpack map ``{**fields, "schema": <the class's SCHEMA_VERSION>, "kind": <KIND>}``
+(fields in declaration order; tests/test_events_wire.py holds bodies that must stay byte for byte);
 each event type has its own schema version and `decode` refuses any other.
-`decode` validates kind, schema, required fields, field types and size limits and raises
-`EventError` with a reason a person can act on; consumer loops park such messages in DLQ.
-Every number is checked, whole lists included (vectorised, `validation.py`): every element of a
-list has its declared type, every float field is finite, every int fits int64, and each kind's
-`validate` adds its ranges (a Rollout's logprobs finite and <= 0, token ids >= 0, versions
-monotone, wall_s finite and >= 0; a Scored's rewards and costs finite and bounded, its score in
-[0, 1]; a Task's and a Rollout's λ, where stamped, finite and >= 0). A reason names the field
-and the index (`Rollout r-0: logprobs[3] = nan is not finite`). Token ids are checked against the
-vocabulary by the consumer that knows it (the trainer: check_rollout).
+`decode` reads the body bounded (`unpack_bounded`), picks the class by kind, checks the schema,
+then msgspec checks the fields against the declared schema: required fields, types (an int is not a
+bool or a float), and every range declared with `Meta` on the field or on each list element (every
+int fits int64; a Rollout's token ids in [0, 2**31), logprobs in [-1e4, 0], versions >= -1; its
+wall_s, a Scored's rewards and costs, a λ bounded; every float finite: NaN and ±inf fail a bound).
+What spans fields (a Rollout's list lengths, versions monotone, -1 exactly on observation tokens; a
+Manifest's versions) is each kind's `_check`, vectorised with numpy. Failures raise `EventError`
+naming the field and the index (`Rollout r-0: logprobs[3] = nan is not finite`); consumer
+loops park such messages in DLQ. Token ids are checked against the vocabulary by the consumer that
+knows it (the trainer: check_rollout). An event built in this process is checked by `validate`.
 
 Large arrays (token ids, logprobs) travel as lists: msgpack packs small ints in 1 byte and
 floats as float64, so float32 logprobs round-trip exactly.
@@ -18,32 +20,20 @@ floats as float64, so float32 logprobs round-trip exactly.
 
 from __future__ import annotations
 
-import dataclasses
 import math
+import re
+import sys
 import time
-import types
 import typing
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgpack
+import msgspec
 import numpy as np
+from msgspec import Meta, Struct, field
 
 from bus.errors import EventError
-from bus.validation import (
-    INT64,
-    MAX_ID,
-    MAX_REWARD,
-    MAX_VERSION,
-    MAX_WALL_S,
-    MIN_LOGPROB,
-    check_float,
-    check_int,
-    float_array,
-    int_array,
-    list_type_problem,
-)
 
 SCHEMA = 1
 ROLLOUT_SCHEMA = 2  # Rollout only: 2 added multi-turn episodes (loss mask, turns, tool calls)
@@ -55,14 +45,34 @@ MAX_ARRAY = 2 * MAX_TOKENS
 MAX_MAP = 1 << 16
 MAX_CONTAINERS_FLOOR = 4096
 BYTES_PER_CONTAINER = 64
+# bounds say what no healthy process sends: such values are a broken or hostile sender, and the
+# trainer would turn them into NaN/inf weights downstream
+INT64 = 1 << 63  # every int fits int64 (msgpack also carries uint64)
+MAX_ID = 1 << 31  # token ids: [0, 2**31); the consumer that knows the vocabulary checks it
+MAX_VERSION = 1 << 53  # policy versions (and epochs) far beyond any run
+MIN_LOGPROB = -1e4  # a sampled token with probability below e^-10000 is a broken sampler
+MAX_WALL_S = 1e7  # ~4 months: longer is a broken clock, not an episode
+MAX_REWARD = 1e6  # |reward|, |penalty|, cost, lambda: rewards live near [0, 1]
+
+Int64 = Annotated[int, Meta(ge=-INT64, le=INT64 - 1)]
+Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]  # NaN fails a bound
+Count = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
+Lambda = Annotated[float, Meta(ge=0.0, le=MAX_REWARD)]
+Reward = Annotated[float, Meta(ge=-MAX_REWARD, le=MAX_REWARD)]
+Unit = Annotated[float, Meta(ge=0.0, le=1.0)]
+WallS = Annotated[float, Meta(ge=0.0, le=MAX_WALL_S)]
+Cost = Annotated[float, Meta(ge=0.0, le=max(MAX_REWARD, MAX_WALL_S))]
+Tokens = Annotated[list[Annotated[int, Meta(ge=0, lt=MAX_ID)]], Meta(max_length=MAX_TOKENS)]
+Logprobs = Annotated[list[Annotated[float, Meta(ge=MIN_LOGPROB, le=0.0)]], Meta(max_length=MAX_TOKENS)]
+Versions = Annotated[list[Annotated[int, Meta(ge=-1, lt=MAX_VERSION)]], Meta(max_length=MAX_TOKENS)]
+Mask = Annotated[list[Annotated[int, Meta(ge=0, le=1)]], Meta(max_length=MAX_TOKENS)]
 
 
 def new_id() -> str:
     return uuid.uuid4().hex
 
 
-@dataclass(kw_only=True)
-class Event:
+class Event(Struct, kw_only=True):
     KIND: ClassVar[str] = "Event"
     SCHEMA_VERSION: ClassVar[int] = SCHEMA  # an event kind may move on alone (Rollout: ROLLOUT_SCHEMA)
 
@@ -84,47 +94,48 @@ class Event:
         return h
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["schema"] = self.SCHEMA_VERSION
+        d = msgspec.structs.asdict(self)
+        d["schema"] = self.SCHEMA_VERSION  # after the fields: the wire order of every stored body
         d["kind"] = self.KIND
         return d
 
+    def validate(self) -> None:
+        """The checks `decode` makes, for an event built in this process (a Struct's constructor
+        checks no types): EventError naming the field."""
+        from_dict(msgspec.structs.asdict(self), type(self))
 
-@dataclass(kw_only=True)
-class SamplingParams:
+    def _check(self) -> None:
+        """What spans fields, after msgspec checked each field (a kind overrides it)."""
+
+
+class SamplingParams(Struct, kw_only=True):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_tokens: int = 64
     n: int = 1  # completions per task (group size)
-    stop: list[int] = field(default_factory=list)  # stop token ids
+    stop: list[int] = []  # stop token ids
 
 
-@dataclass(kw_only=True)
-class Task(Event):
+class Task(Event, kw_only=True):
     KIND: ClassVar[str] = "Task"
     task_id: str
     env: str
     prompt: str
-    spec: dict = field(default_factory=dict)  # env-specific verification data (answer, tests)
-    sampling: dict = field(default_factory=dict)  # SamplingParams as dict
+    spec: dict = {}  # env-specific verification data (answer, tests)
+    sampling: dict = {}  # SamplingParams as dict
     split: str = "train"  # train | eval
-    min_version: int = 0  # sync mode: generate with at least this version
-    created_at: float = field(default_factory=time.time)
+    min_version: Int64 = 0  # sync mode: generate with at least this version
+    created_at: Finite = field(default_factory=time.time)
     # λ of the cost penalty, stamped at feed time: every member of the group is scored with it
     # (None: an older feeder's task, or none stamped; the scorer then uses its live KV value)
-    lambda_: float | None = None
+    lambda_: Lambda | None = None
 
     def msg_id(self) -> str:
         return f"task-{self.task_id}"
 
-    def validate(self) -> None:
-        if self.lambda_ is not None:
-            check_float(f"Task {self.task_id}", "lambda_", self.lambda_, 0.0, MAX_REWARD)
 
-
-@dataclass(kw_only=True)
-class Rollout(Event):
+class Rollout(Event, kw_only=True):
     """One completion, or one multi-turn episode, with everything the trainer needs to replay the
     sampler. An episode's `completion_ids` are every id after the prompt in order: the model's
     turns and the observations appended between them as tokens (never re-tokenised). Per token,
@@ -136,30 +147,30 @@ class Rollout(Event):
     rollout_id: str  # f"{task_id}-{sample_index}": stable across redeliveries
     task_id: str
     env: str
-    sample_index: int
-    group_size: int
+    sample_index: Annotated[int, Meta(ge=0, lt=MAX_TOKENS)]
+    group_size: Count  # 0: the trainer's default
     prompt: str
     spec: dict
-    prompt_ids: list[int]
-    completion_ids: list[int]
+    prompt_ids: Tokens
+    completion_ids: Tokens
     completion_text: str
-    logprobs: list[float]  # behaviour logprob of each sampled token (truncated, renormalised)
-    token_versions: list[int]  # policy version that produced each token (-1: observation token)
+    logprobs: Logprobs  # behaviour logprob of each sampled token (truncated, renormalised)
+    token_versions: Versions  # policy version that produced each token (-1: observation token)
     sampling: dict  # SamplingParams as dict
     sampling_mask: dict  # policy.sampling mask in wire form (rebuilds the kept set)
     quant: dict  # policy quant config in wire form (sites replayed by the trainer)
     finish_reason: str  # stop | length | abort (an episode: its last turn's)
-    cost_tokens: int  # model tokens (an episode: loss-mask ones)
-    wall_s: float
+    cost_tokens: Count  # model tokens (an episode: loss-mask ones)
+    wall_s: WallS
     worker_id: str
     split: str = "train"
-    epoch: int = 0  # trainer epoch of the weights used
-    loss_mask: list[int] = field(default_factory=list)  # per completion token; [] = all model tokens
-    turns: int = 1  # model turns (an episode's)
-    tool_calls: int = 0  # commands run
+    epoch: Annotated[int, Meta(ge=0, lt=MAX_VERSION)] = 0  # trainer epoch of the weights used
+    loss_mask: Mask = []  # per completion token; [] = all model tokens
+    turns: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] = 1  # model turns (an episode's)
+    tool_calls: Count = 0  # commands run
     termination: str = ""  # an episode's termination reason (envs.episode.TERMINATIONS)
-    episode: dict = field(default_factory=dict)  # envs.episode.EpisodeResult dict; {} for single-turn
-    lambda_: float | None = None  # its task's λ (Task.lambda_); None: the scorer's live λ (older events)
+    episode: dict = {}  # envs.episode.EpisodeResult dict; {} for single-turn
+    lambda_: Lambda | None = None  # its task's λ (Task.lambda_); None: the scorer's live λ (older events)
 
     def msg_id(self) -> str:
         return f"rollout-{self.rollout_id}"
@@ -168,74 +179,57 @@ class Rollout(Event):
         """1 per model token, 0 per observation token, over completion_ids."""
         return list(self.loss_mask) if self.loss_mask else [1] * len(self.completion_ids)
 
-    def validate(self) -> None:
-        """Every number, whole lists (vectorised: bus/validation.py); EventError names field and index."""
+    def _check(self) -> None:
+        """Lengths agree; versions (each >= -1, msgspec) are -1 exactly on observation tokens and
+        never decrease over the model's tokens. Vectorised over the whole lists."""
         where = f"Rollout {self.rollout_id}"
         n = len(self.completion_ids)
-        if n > MAX_TOKENS or len(self.prompt_ids) > MAX_TOKENS:
-            raise EventError(
-                f"{where}: absurd length ({len(self.prompt_ids)} prompt + "
-                f"{n} completion tokens, limit {MAX_TOKENS} each)"
-            )
         if len(self.logprobs) != n or len(self.token_versions) != n:
             raise EventError(
                 f"{where}: logprobs/token_versions length "
                 f"{len(self.logprobs)}/{len(self.token_versions)} != {n} tokens"
             )
-        check_int(where, "cost_tokens", self.cost_tokens, 0, MAX_TOKENS + 1)
-        if not (1 <= self.turns <= MAX_TOKENS) or not (0 <= self.tool_calls <= MAX_TOKENS):
-            raise EventError(f"{where}: absurd turns {self.turns} / tool_calls {self.tool_calls}")
-        check_int(where, "sample_index", self.sample_index, 0, MAX_TOKENS)
-        check_int(where, "group_size", self.group_size, 0, MAX_TOKENS + 1)  # 0: the trainer's default
-        check_int(where, "epoch", self.epoch, 0, MAX_VERSION)
-        check_float(where, "wall_s", self.wall_s, 0.0, MAX_WALL_S)
-        if self.lambda_ is not None:
-            check_float(where, "lambda_", self.lambda_, 0.0, MAX_REWARD)
-        int_array(where, "prompt_ids", self.prompt_ids, 0, MAX_ID)
-        int_array(where, "completion_ids", self.completion_ids, 0, MAX_ID)
-        float_array(where, "logprobs", self.logprobs, MIN_LOGPROB, 0.0)
-        versions = int_array(where, "token_versions", self.token_versions, -1, MAX_VERSION)
+        versions = np.asarray(self.token_versions, dtype=np.int64)
         if self.loss_mask:
             if len(self.loss_mask) != n:
                 raise EventError(f"{where}: loss_mask length {len(self.loss_mask)} != {n} tokens")
-            try:
-                mask = int_array(where, "loss_mask", self.loss_mask, 0, 2)
-            except EventError as e:
-                raise EventError(f"{e}: loss_mask values must be 0 or 1") from None
-            bad = np.flatnonzero((versions < 0) != (mask == 0))
+            model_token = np.asarray(self.loss_mask, dtype=np.int64) == 1
+            bad = np.flatnonzero((versions >= 0) != model_token)
             if bad.size:
                 raise EventError(
                     f"{where}: token_versions must be -1 exactly on observation "
                     f"tokens (loss_mask 0); first bad positions {bad[:5].tolist()}"
                 )
-        elif (versions < 0).any():
-            raise EventError(
-                f"{where}: negative token_versions without a loss_mask "
-                f"(token_versions[{int(np.flatnonzero(versions < 0)[0])}])"
-            )
-        model = versions[versions >= 0]  # observation tokens (-1) carry no version
-        if model.size > 1 and (back := np.flatnonzero(np.diff(model) < 0)).size:
-            i = int(np.flatnonzero(versions >= 0)[back[0] + 1])
+            model = versions[model_token]  # observation tokens (-1) carry no version
+        else:
+            model = versions
+            if model.size and model.min() < 0:
+                raise EventError(
+                    f"{where}: negative token_versions without a loss_mask "
+                    f"(token_versions[{int(np.flatnonzero(versions < 0)[0])}])"
+                )
+        if model.size > 1 and (model[1:] < model[:-1]).any():  # (error path below)
+            back = int(np.flatnonzero(model[1:] < model[:-1])[0])
+            i = int(np.flatnonzero(versions >= 0)[back + 1])
             raise EventError(
                 f"{where}: token_versions[{i}] = {int(versions[i])} goes back from "
-                f"{int(model[back[0]])}: versions must not decrease within a rollout"
+                f"{int(model[back])}: versions must not decrease within a rollout"
             )
 
 
-@dataclass(kw_only=True)
-class Scored(Event):
+class Scored(Event, kw_only=True):
     KIND: ClassVar[str] = "Scored"
-    rollout: dict  # the Rollout, as its dict
+    rollout: dict  # the Rollout, as its dict (checked as one by _check)
     # the member's parts and its price (policy/reward.py): the trainer's penalty modes start from
-    # the parts, the linear mode trains on `reward` as it is
-    success: float  # 0..1 (an episode: 1 iff all its tests pass)
-    cost: float  # cost units (generated tokens by default)
-    lambda_: float  # λ used (the group's)
-    penalty: float  # λ·cost + shaping
-    reward: float  # score - penalty
+    # the parts, the linear mode trains on `reward` as it is; all bounded (advantages are made of them)
+    success: Unit  # 0..1 (an episode: 1 iff all its tests pass)
+    cost: Cost  # cost units (generated tokens by default)
+    lambda_: Lambda  # λ used (the group's)
+    penalty: Reward  # λ·cost + shaping
+    reward: Reward  # score - penalty
     reason: str = ""  # verifier verdict / failure reason
-    cost_wall_s: float = 0.0
-    tool_calls: int = 0
+    cost_wall_s: WallS = 0.0
+    tool_calls: Count = 0
     scorer_id: str = ""
     # an infrastructure failure ("sandbox", "workspace", "scoring_copy", "scorer_crash"): no verdict
     # on the policy; the trainer gives it weight 0 and leaves it out of its group's baseline. An
@@ -245,8 +239,8 @@ class Scored(Event):
     # what the verifier or episode scored before any price (a completion: its success; an episode:
     # its share of passing tests, or its success) and the overlong shaping. An older scorer's event
     # carries neither (None): `unpriced` reads them from its price.
-    score: float | None = None
-    shaping: float | None = None
+    score: Unit | None = None
+    shaping: Reward | None = None
 
     @property
     def task_id(self) -> str:  # for headers
@@ -265,51 +259,36 @@ class Scored(Event):
             return self.score, self.shaping
         return self.reward + self.penalty, self.penalty - self.lambda_ * self.cost
 
-    def validate(self) -> None:
-        """The scores finite and bounded (the trainer's advantages are made of them), then the rollout."""
-        where = f"Scored {self.rollout.get('rollout_id') if isinstance(self.rollout, dict) else '?'}"
-        check_float(where, "success", self.success, 0.0, 1.0)
-        check_float(where, "cost", self.cost, 0.0, max(MAX_REWARD, MAX_WALL_S))
-        check_float(where, "lambda_", self.lambda_, 0.0, MAX_REWARD)
-        check_float(where, "penalty", self.penalty, -MAX_REWARD, MAX_REWARD)
-        check_float(where, "reward", self.reward, -MAX_REWARD, MAX_REWARD)
-        if self.score is not None:
-            check_float(where, "score", self.score, 0.0, 1.0)
-        if self.shaping is not None:
-            check_float(where, "shaping", self.shaping, -MAX_REWARD, MAX_REWARD)
-        check_float(where, "cost_wall_s", self.cost_wall_s, 0.0, MAX_WALL_S)
-        check_int(where, "tool_calls", self.tool_calls, 0, MAX_TOKENS + 1)
+    def _check(self) -> None:
         try:
             self.get_rollout()
         except EventError as e:
-            raise EventError(f"{where}: in its rollout: {e}") from None
+            raise EventError(f"Scored {self.rollout.get('rollout_id')}: in its rollout: {e}") from None
 
 
-@dataclass(kw_only=True)
-class WeightEvent(Event):
+class WeightEvent(Event, kw_only=True):
     """What deltas and keyframes share. Schema 2: `epoch` (and the versions) are also inside the
     payload's signed container header; a reader refuses an event whose fields disagree with it."""
 
     SCHEMA_VERSION: ClassVar[int] = 2
-    epoch: int  # the publishing leader's lease revision
+    epoch: Int64  # the publishing leader's lease revision
     codec: str
-    size: int  # payload bytes
+    size: Int64  # payload bytes
     signature: bytes = b""  # ed25519 over the payload (which carries the signed header)
     payload: bytes | None = None  # inline when small
     blob: str = ""  # object-store name otherwise
     trainer_id: str = ""
 
 
-@dataclass(kw_only=True)
-class DeltaEvent(WeightEvent):
+class DeltaEvent(WeightEvent, kw_only=True):
     """Announces policy version `to_version`; payload inline or in the object store."""
 
     KIND: ClassVar[str] = "Delta"
-    from_version: int
-    to_version: int
+    from_version: Int64
+    to_version: Int64
     base_digest: str
     new_digest: str
-    changed_frac: float = 0.0
+    changed_frac: Finite = 0.0
 
     @property
     def version(self) -> int:
@@ -319,12 +298,11 @@ class DeltaEvent(WeightEvent):
         return f"delta-e{self.epoch}-v{self.to_version}"
 
 
-@dataclass(kw_only=True)
-class KeyframeEvent(WeightEvent):
+class KeyframeEvent(WeightEvent, kw_only=True):
     """A full policy state `version`; model_config lets a worker build the model from it."""
 
     KIND: ClassVar[str] = "Keyframe"
-    version: int
+    version: Int64
     digest: str
     model_config: dict  # policy.ModelConfig as dict
 
@@ -332,20 +310,19 @@ class KeyframeEvent(WeightEvent):
         return f"keyframe-e{self.epoch}-v{self.version}"
 
 
-@dataclass(kw_only=True)
-class ManifestEvent(WeightEvent):
+class ManifestEvent(WeightEvent, kw_only=True):
     """Announces policy version `to_version` published from shards: the payload is the signed
     manifest (delta_codec.sharded.Manifest: per-part sha256 and size, object-store names, epoch,
     trainer id, model config); the parts themselves are blobs. Schema 1: a kind of its own."""
 
     KIND: ClassVar[str] = "Manifest"
     SCHEMA_VERSION: ClassVar[int] = 1
-    from_version: int
-    to_version: int
-    parts: int  # how many parts the manifest lists (one per trainer rank)
-    part_bytes: int = 0  # their total size
-    model_config: dict = field(default_factory=dict)  # policy.ModelConfig as dict
-    changed_frac: float = 0.0
+    from_version: Int64
+    to_version: Int64
+    parts: Annotated[int, Meta(ge=1, le=INT64 - 1)]  # parts the manifest lists (one per trainer rank)
+    part_bytes: Annotated[int, Meta(ge=0, le=INT64 - 1)] = 0  # their total size
+    model_config: dict = {}  # policy.ModelConfig as dict
+    changed_frac: Finite = 0.0
 
     @property
     def version(self) -> int:
@@ -354,35 +331,32 @@ class ManifestEvent(WeightEvent):
     def msg_id(self) -> str:
         return f"manifest-e{self.epoch}-v{self.to_version}"
 
-    def validate(self) -> None:
-        if self.parts < 1 or self.part_bytes < 0 or self.to_version <= self.from_version:
+    def _check(self) -> None:
+        if self.to_version <= self.from_version:
             raise EventError(
-                f"Manifest {self.msg_id()}: {self.parts} parts, {self.part_bytes} bytes, "
-                f"v{self.from_version}->v{self.to_version}"
+                f"Manifest {self.msg_id()}: v{self.from_version}->v{self.to_version} does not move on"
             )
 
 
-@dataclass(kw_only=True)
-class Heartbeat(Event):
+class Heartbeat(Event, kw_only=True):
     KIND: ClassVar[str] = "Heartbeat"
     component: str  # trainer | rollout_worker | scorer
     component_id: str
-    ts: float = field(default_factory=time.time)
-    version: int = -1
-    metrics: dict = field(default_factory=dict)
+    ts: Finite = field(default_factory=time.time)
+    version: Int64 = -1
+    metrics: dict = {}
 
     def msg_id(self) -> str:
         return f"hb-{self.component_id}-{self.ts:.6f}"
 
 
-@dataclass(kw_only=True)
-class Metrics(Event):
+class Metrics(Event, kw_only=True):
     KIND: ClassVar[str] = "Metrics"
     component: str
     component_id: str
-    step: int
+    step: Int64
     values: dict
-    ts: float = field(default_factory=time.time)
+    ts: Finite = field(default_factory=time.time)
 
     def msg_id(self) -> str:
         return f"metrics-{self.component_id}-{self.step}-{self.ts:.6f}"
@@ -393,32 +367,19 @@ EVENTS: dict[str, type[Event]] = {
 }
 
 
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, float):  # numpy float64 and other float subclasses: msgpack wrote them as floats
+        return float(obj)
+    raise NotImplementedError(f"cannot encode a {type(obj).__name__} in an event")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
 def encode(ev: Event) -> bytes:
-    return msgpack.packb(ev.to_dict(), use_bin_type=True)
+    return _ENCODER.encode(ev.to_dict())
 
 
-def _type_ok(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if origin is list:  # the elements: from_dict checks every one (list_type_problem)
-        return isinstance(value, list)
-    if origin is dict:
-        return isinstance(value, dict)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(tp, type):
-        return isinstance(value, tp)
-    return True
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
 _UPGRADE = {
     ("Rollout", 1): ": a rollout from a worker built before multi-turn episodes (no loss mask); "
     "upgrade that worker",
@@ -427,6 +388,36 @@ _UPGRADE = {
         for kind in ("Delta", "Keyframe")
     },
 }
+_PATH = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_NOWHERE = object()
+
+
+def _reason(label: str, kind: str, d: dict, err: msgspec.ValidationError) -> str:
+    """msgspec's ``Expected `int` >= 0 - at `$.completion_ids[3]` `` as a reason naming the field,
+    the index and the value that failed: `Rollout r-0: completion_ids[3] = -4 is outside its
+    bounds (expected `int` >= 0)` (error path only)."""
+    msg, _, at = str(err).partition(" - at `$")
+    at = at.rstrip("`")
+    if msg.startswith("Object missing required field"):
+        name = msg.split("`")[1] if "`" in msg else msg
+        return f"{kind}: missing required field {name!r}" + (f" in {at.lstrip('.')}" if at else "")
+    value: Any = d
+    try:
+        for name, index in _PATH.findall(at):
+            value = value[name] if name else value[int(index)]
+    except (LookupError, TypeError, ValueError):
+        value = _NOWHERE
+    path = at.lstrip(".")
+    why = msg[:1].lower() + msg[1:]
+    if not path:
+        return f"{label}: {why}"
+    if value is _NOWHERE or isinstance(value, (list, dict)):
+        return f"{label}: {path}: {why}"
+    if ", got `" in why:  # the wrong type
+        return f"{label}: {path} is a {type(value).__name__} ({value!r:.40}), {why.split(', got `')[0]}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{label}: {path} = {value} is not finite"
+    return f"{label}: {path} = {value!r:.40} is outside its bounds ({why})"
 
 
 def from_dict(d: dict, cls: type[Event] | None = None) -> Event:
@@ -445,42 +436,19 @@ def from_dict(d: dict, cls: type[Event] | None = None) -> Event:
             f"{cls.KIND}: unsupported schema version {schema!r} (this build speaks "
             f"{cls.SCHEMA_VERSION}){_UPGRADE.get((cls.KIND, schema), '')}"
         )
-    hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
-    kwargs = {}
-    inner = d.get("rollout") if isinstance(d.get("rollout"), dict) else d  # (a Scored: its rollout's id)
-    label = f"{cls.KIND} {str(inner.get('rollout_id') or d.get('task_id') or '')[:80]}".rstrip()
-    for f in dataclasses.fields(cls):
-        if f.name in d:
-            v = d[f.name]
-            tp = hints[f.name]
-            if not _type_ok(v, tp):
-                raise EventError(f"{label}: field {f.name!r} has type {type(v).__name__}, expected {tp}")
-            _check_value(label, f.name, v, tp)
-            kwargs[f.name] = v
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise EventError(f"{cls.KIND}: missing required field {f.name!r}")
-    ev = cls(**kwargs)
-    if hasattr(ev, "validate"):
-        try:
-            ev.validate()
-        except EventError:
-            raise
-        except Exception as e:  # a check that met a value of a shape it did not expect: still bad input
-            raise EventError(f"{cls.KIND}: invalid: {type(e).__name__}: {e}") from None
+    try:
+        ev = msgspec.convert(d, cls)
+    except msgspec.ValidationError as e:
+        inner = d.get("rollout") if isinstance(d.get("rollout"), dict) else d  # (a Scored: its rollout's id)
+        label = f"{cls.KIND} {str(inner.get('rollout_id') or d.get('task_id') or '')[:80]}".rstrip()
+        raise EventError(_reason(label, cls.KIND, d, e)) from None
+    try:
+        ev._check()
+    except EventError:
+        raise
+    except Exception as e:  # a check that met a value of a shape it did not expect: still bad input
+        raise EventError(f"{cls.KIND}: invalid: {type(e).__name__}: {e}") from None
     return ev
-
-
-def _check_value(kind: str, name: str, v: Any, tp: Any) -> None:
-    """Whatever the kind: every element of a typed list has its type, a float is finite, an
-    int fits int64 (the kind's `validate` then checks its ranges)."""
-    if typing.get_origin(tp) is list:
-        inner = (typing.get_args(tp) or (Any,))[0]
-        if inner in (int, float) and (p := list_type_problem(v, inner)) is not None:
-            raise EventError(f"{kind}: field {name}{p}")
-    elif tp is float and not math.isfinite(v):
-        raise EventError(f"{kind}: field {name!r} = {v} is not finite")
-    elif tp is int and not -INT64 <= v < INT64:
-        raise EventError(f"{kind}: field {name!r} = {v} does not fit int64")
 
 
 def unpack_bounded(body: bytes):

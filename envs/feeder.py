@@ -3,8 +3,9 @@ sampling.n completions of it). Used by the trainer, by `asyncrl up` and by bench
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
+
+import msgspec
 
 from bus import topology as topo
 from bus.events import SamplingParams, Task, new_id
@@ -48,7 +49,7 @@ def make_tasks(
         raise ValueError(f"n must be >= 0, got {n}")
     check_split(split)
     env = get_env(env_name)
-    sp = dataclasses.asdict(sampling)
+    sp = msgspec.structs.asdict(sampling)
     if sp["n"] < 1 or sp["max_tokens"] < 1:
         raise ValueError(f"sampling needs n >= 1 and max_tokens >= 1, got {sp}")
     tasks = []

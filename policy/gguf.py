@@ -1,7 +1,7 @@
 """GGUF (llama.cpp) Llama checkpoints -> a standard Hugging Face folder: config.json, bf16
 safetensors, tokenizer.json (byte-level BPE from the GGUF vocab and merges), tokenizer_config.json
-with the chat template. The `gguf` package only parses the file; dequantisation, the rotary
-un-permutation and the tokenizer/config construction are ours."""
+with the chat template. The `gguf` package parses the file and dequantises its tensors
+(gguf.quants); the rotary un-permutation and the tokenizer/config construction are ours."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-# ggml block layouts we dequantise: (values per block, bytes per block)
-_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
 _TOKEN_CONTROL = 3  # llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte
 _TOKEN_USER = 4
 # GGUF tensor name (per block) -> HF name
@@ -31,41 +29,6 @@ _LAYER_NAMES = {
 }
 # llama.cpp "pre" tokenizer names whose split is: every digit alone, then the GPT-2 regex
 _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
-
-
-def _f16(col: np.ndarray) -> np.ndarray:
-    """[N, 2] uint8 -> [N, 1] float32 (little-endian fp16 scale per block)."""
-    return np.ascontiguousarray(col).view("<f2").astype(np.float32)
-
-
-def dequantize(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """One GGUF tensor's bytes -> float32 array of `shape` (numpy order: rows = output features).
-    Q4_1: x = d * q + m, q a 4-bit code; the low nibbles of a block's 16 bytes are its first 16
-    values, the high nibbles the last 16 (llama.cpp's dequantize_row_q4_1)."""
-    if qtype in ("F32", "F16", "BF16"):
-        if qtype == "BF16":
-            bits = np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16
-            return bits.view(np.float32).reshape(shape)
-        return np.asarray(raw).astype(np.float32).reshape(shape)
-    if qtype not in _BLOCKS:
-        raise ValueError(
-            f"GGUF tensor type {qtype} not supported (supported: F32, F16, BF16, {sorted(_BLOCKS)})"
-        )
-    n, size = _BLOCKS[qtype]
-    count = int(np.prod(shape))
-    b = np.ascontiguousarray(raw).reshape(-1)
-    if b.size * n != count * size:
-        raise ValueError(f"{qtype} tensor of shape {shape} needs {count // n * size} bytes, has {b.size}")
-    b = b.reshape(-1, size)
-    d = _f16(b[:, :2])
-    if qtype == "Q8_0":
-        q = b[:, 2:].view(np.int8).astype(np.float32)
-        out = d * q
-    else:
-        qs = b[:, 4:] if qtype == "Q4_1" else b[:, 2:]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
-        out = d * q + _f16(b[:, 2:4]) if qtype == "Q4_1" else d * (q - 8.0)
-    return out.reshape(shape)
 
 
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -143,10 +106,15 @@ def hf_config(meta: dict) -> dict:
 
 def hf_tensors(reader, cfg: dict, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
     """Every GGUF tensor dequantised and renamed to HF Llama names (q/k un-permuted)."""
+    from gguf.quants import dequantize
+
     out = {}
     for t in reader.tensors:
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists ne0 (columns) first
-        w = dequantize(t.data, t.tensor_type.name, shape)
+        try:
+            w = dequantize(t.data, t.tensor_type).reshape(shape)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF tensor {t.name!r}: {e}") from None
         parts = t.name.split(".")
         if t.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
@@ -166,7 +134,8 @@ def hf_tensors(reader, cfg: dict, dtype=torch.bfloat16) -> dict[str, torch.Tenso
             )
         else:
             raise ValueError(f"GGUF tensor {t.name!r} has no HF Llama counterpart")
-        out[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
+        # an F32 tensor comes back as a view of the read-only file map: torch wants writable memory
+        out[name] = torch.from_numpy(np.require(w, requirements=["C", "W"])).to(dtype)
     return out
 
 

@@ -9,16 +9,18 @@ value; an unknown key the nearest one: `unknown key 'slots'; did you mean [worke
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
+
+import click
 
 from bus import connect
 from envs import isolation
 from envs.isolation import WeakSandbox
 from envs.workspace import default_root, private_root
 from kernel import get_logger, load_config, setup_logging
+from kernel.cli import Command, run
 from kernel.config import run_section
 from kernel.lifetime import stop_on_signals
 from kernel.metrics import serve_metrics
@@ -53,18 +55,17 @@ async def amain(cfg: WorkerConfig) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rollout_worker", description=__doc__)
-    ap.add_argument(
-        "--config",
-        default=None,
-        help="a run TOML (its [worker] table: deploy/*.toml, /etc/asyncrl/run.toml) or a TOML with "
-        "WorkerConfig fields and [engine], [admission], ... tables (env ASYNCRL_* overrides)",
-    )
-    ap.add_argument("--section", default="worker", help="the table of a run TOML this process reads")
-    a = ap.parse_args(argv)
+@click.command("rollout-worker", cls=Command, help=__doc__)
+@click.option(
+    "--config",
+    default=None,
+    help="a run TOML (its [worker] table: deploy/*.toml, /etc/asyncrl/run.toml) or a TOML with "
+    "WorkerConfig fields and [engine], [admission], ... tables (env ASYNCRL_* overrides)",
+)
+@click.option("--section", default="worker", help="the table of a run TOML this process reads")
+def cli(config: str | None, section: str) -> int:
     try:
-        cfg = load_config(WorkerConfig, a.config, section=run_section(a.config, a.section), table=a.section)
+        cfg = load_config(WorkerConfig, config, section=run_section(config, section), table=section)
     except ValueError as e:  # ConfigError included (names its table, key and value): no traceback
         print(f"rollout worker: bad configuration: {e}", file=sys.stderr)
         return 2
@@ -93,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     except WeakSandbox as e:  # one message naming the missing layers, no traceback
         print(f"rollout worker refuses to start: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(cli, argv, "rollout_worker")
 
 
 if __name__ == "__main__":

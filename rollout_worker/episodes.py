@@ -28,6 +28,8 @@ import os
 import time
 import zlib
 
+import msgspec
+
 from bus.events import Rollout, SamplingParams, Task
 from bus.rollout_build import build_rollout
 
@@ -127,7 +129,7 @@ class EnginePlayer:
     async def turn(self) -> Turn:
         eng, turn = self.engine, []
         while True:  # one turn: continue past a stop at an opening fence
-            tsp = dataclasses.replace(self.sp, max_tokens=max(self.sp.max_tokens - len(turn), 1))
+            tsp = msgspec.structs.replace(self.sp, max_tokens=max(self.sp.max_tokens - len(turn), 1))
             if self.handle is None:
                 g = await eng.generate(
                     self.traj.prompt_ids, tsp, seed=self.seed, keep=True, stop_seqs=self.fence
@@ -229,7 +231,7 @@ class EpisodeRunner:
 
     async def run(self, task: Task, sp: SamplingParams, index: int) -> Rollout:
         _, limits, ep, _ = self.open(task)
-        turn_sp = dataclasses.replace(sp, n=1, max_tokens=min(sp.max_tokens, limits.max_turn_tokens))
+        turn_sp = msgspec.structs.replace(sp, n=1, max_tokens=min(sp.max_tokens, limits.max_turn_tokens))
         player = EnginePlayer(
             self.engine, self.tok, turn_sp, zlib.crc32(f"{task.task_id}-{index}".encode()), self.fence
         )

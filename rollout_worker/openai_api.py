@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import hmac
 import json
 import secrets
@@ -70,6 +69,7 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 from aiohttp import web
 
 from bus.events import SamplingParams
@@ -582,7 +582,7 @@ class OpenAIEndpoint:
                 sp, stop, n = self._sampling(body, len(rec.context_ids) + len(obs), rec.max_turn_tokens)
                 if rec.sampling is not None:
                     task = rec.sampling
-                    sp = dataclasses.replace(
+                    sp = msgspec.structs.replace(
                         sp, temperature=task.temperature, top_p=task.top_p, top_k=task.top_k
                     )
                 choices = await self._generate(rec, obs, sp, stop, n, body.get("seed"))

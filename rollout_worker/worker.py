@@ -120,7 +120,7 @@ def make_episode_runner(cfg: WorkerConfig, engine: Engine, tok) -> EpisodeRunner
 
 
 def parse_sampling(d: dict) -> SamplingParams:
-    known = set(SamplingParams.__dataclass_fields__)
+    known = set(SamplingParams.__struct_fields__)
     unknown = set(d) - known
     if unknown:
         raise ValueError(f"task sampling has unknown keys {sorted(unknown)}")

@@ -8,12 +8,14 @@ promised."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 
+import click
+
 from envs.isolation import WeakSandbox
 from kernel import load_config, setup_logging
+from kernel.cli import Command, run
 from kernel.config import run_section
 from kernel.lifetime import stop_on_signals
 from kernel.metrics import serve_metrics
@@ -22,18 +24,17 @@ from .config import ScorerConfig
 from .service import Scorer
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="asyncrl scorer", description=__doc__)
-    ap.add_argument(
-        "--config",
-        default=None,
-        help="a run TOML (its [scorer] table: deploy/*.toml, /etc/asyncrl/run.toml) or a TOML with "
-        "ScorerConfig fields and [reward], [run], [sandbox] tables (env ASYNCRL_* overrides)",
-    )
-    ap.add_argument("--section", default="scorer", help="the table of a run TOML this process reads")
-    a = ap.parse_args(argv)
+@click.command("scorer", cls=Command, help=__doc__)
+@click.option(
+    "--config",
+    default=None,
+    help="a run TOML (its [scorer] table: deploy/*.toml, /etc/asyncrl/run.toml) or a TOML with "
+    "ScorerConfig fields and [reward], [run], [sandbox] tables (env ASYNCRL_* overrides)",
+)
+@click.option("--section", default="scorer", help="the table of a run TOML this process reads")
+def cli(config: str | None, section: str) -> int:
     try:
-        cfg = load_config(ScorerConfig, a.config, section=run_section(a.config, a.section), table=a.section)
+        cfg = load_config(ScorerConfig, config, section=run_section(config, section), table=section)
     except ValueError as e:  # ConfigError included (names its table, key and value): no traceback
         print(f"scorer: bad configuration: {e}", file=sys.stderr)
         return 2
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scorer refuses to start: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(cli, argv, "asyncrl scorer")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ success: the samples axis prices that.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -29,8 +28,12 @@ import random
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import numpy as np
+
+from kernel.cli import Command, one_of, run
 
 
 @dataclass(frozen=True)
@@ -338,66 +341,57 @@ async def apply_lambda(url: str, lam: float) -> int:
         await bus.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="asyncrl calibrate-cost",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    src = ap.add_mutually_exclusive_group()
-    src.add_argument("--checkpoint", help="trainer checkpoint file, or a directory (newest ckpt-*.pt)")
-    src.add_argument("--random-init", action="store_true", help="an untrained tiny model (smoke test)")
-    src.add_argument(
-        "--model",
-        help="a pretrained model folder (HF config, safetensors, tokenizer.json), e.g. "
-        "the one `asyncrl model prepare smollm2` writes",
-    )
-    ap.add_argument(
-        "--chat-template",
-        action="store_true",
-        help="prompts as the user turn of the tokenizer's chat template (as [trainer] chat_template)",
-    )
-    ap.add_argument(
-        "--nats",
-        default=None,
-        help="server URL(s): policy from the latest keyframe (when no"
-        " --checkpoint) and where --apply writes λ",
-    )
-    ap.add_argument("--env", default="arith")
-    ap.add_argument(
-        "--axis",
-        choices=("tokens", "samples", "turns"),
-        default="tokens",
-        help="budget = max new tokens per sample, samples per task (at --max-tokens each), or an"
-        " episode's max_turns (multi-turn envs)",
-    )
-    ap.add_argument(
-        "--budgets",
-        default=None,
-        help="budgets, comma separated (default: 4,6,8,12,16,20,24,32,40,48 tokens, 1,2,3,4,6,8 samples,"
-        " 1,2,3,4,5,6 turns)",
-    )
-    ap.add_argument(
-        "--max-tokens", type=int, default=48, help="max new tokens per sample on the samples axis"
-    )
-    ap.add_argument("--prompts", type=int, default=128, help="held-out prompts per budget")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    op = ap.add_mutually_exclusive_group()
-    op.add_argument(
-        "--budget",
-        type=int,
-        help="operating point: the mean cost at this budget (default: the largest"
-        " budget, i.e. the training max_tokens)",
-    )
-    op.add_argument("--price", type=float, help="operating point: where the curve's slope equals this price")
-    ap.add_argument("--apply", action="store_true", help="write λ to KV rl-control/lambda (needs --nats)")
-    ap.add_argument(
-        "--out", default="runs/calibrate-cost.png", help="plot path (a .json summary goes next to it)"
-    )
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
+@click.command("calibrate-cost", cls=Command, help=__doc__)
+@click.option("--checkpoint", help="trainer checkpoint file, or a directory (newest ckpt-*.pt)")
+@click.option("--random-init", is_flag=True, help="an untrained tiny model (smoke test)")
+@click.option(
+    "--model",
+    help="a pretrained model folder (HF config, safetensors, tokenizer.json), e.g. "
+    "the one `asyncrl model prepare smollm2` writes",
+)
+@click.option(
+    "--chat-template",
+    is_flag=True,
+    help="prompts as the user turn of the tokenizer's chat template (as [trainer] chat_template)",
+)
+@click.option(
+    "--nats",
+    default=None,
+    help="server URL(s): policy from the latest keyframe (when no --checkpoint) and where --apply writes λ",
+)
+@click.option("--env", default="arith")
+@click.option(
+    "--axis",
+    type=click.Choice(("tokens", "samples", "turns")),
+    default="tokens",
+    help="budget = max new tokens per sample, samples per task (at --max-tokens each), or an"
+    " episode's max_turns (multi-turn envs)",
+)
+@click.option(
+    "--budgets",
+    default=None,
+    help="budgets, comma separated (default: 4,6,8,12,16,20,24,32,40,48 tokens, 1,2,3,4,6,8 samples,"
+    " 1,2,3,4,5,6 turns)",
+)
+@click.option("--max-tokens", type=int, default=48, help="max new tokens per sample on the samples axis")
+@click.option("--prompts", type=int, default=128, help="held-out prompts per budget")
+@click.option("--temperature", type=float, default=1.0)
+@click.option(
+    "--budget",
+    type=int,
+    help="operating point: the mean cost at this budget (default: the largest"
+    " budget, i.e. the training max_tokens)",
+)
+@click.option("--price", type=float, help="operating point: where the curve's slope equals this price")
+@click.option("--apply", is_flag=True, help="write λ to KV rl-control/lambda (needs --nats)")
+@click.option("--out", default="runs/calibrate-cost.png", help="plot path (a .json summary goes next to it)")
+@click.option("--seed", type=int, default=0)
+def cli(**flags) -> int:
+    a = SimpleNamespace(**flags)
+    one_of(a, "checkpoint", "random_init", "model")  # where the policy comes from
+    one_of(a, "budget", "price")  # the operating point
     if a.apply and not a.nats:
-        ap.error("--apply needs --nats")
+        raise click.UsageError("--apply needs --nats")
     default = {"tokens": "4,6,8,12,16,20,24,32,40,48", "samples": "1,2,3,4,6,8", "turns": "1,2,3,4,5,6"}
     a.budgets = a.budgets or default[a.axis]
     try:
@@ -405,9 +399,9 @@ def main(argv: list[str] | None = None) -> int:
             {int(x) for x in a.budgets.split(",") if x.strip()} | ({a.budget} if a.budget else set())
         )
     except ValueError:
-        ap.error(f"--budgets must be integers, got {a.budgets!r}")
+        raise click.UsageError(f"--budgets must be integers, got {a.budgets!r}") from None
     if len(budgets) < 3 or budgets[0] < 1:
-        ap.error("--budgets needs >= 3 positive budgets")
+        raise click.UsageError("--budgets needs >= 3 positive budgets")
 
     import torch
 
@@ -439,9 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     elif a.nats:
         model, source = asyncio.run(load_policy_bus(a.nats))
     else:
-        ap.error("give --checkpoint, --model, --nats (latest keyframe) or --random-init")
+        raise click.UsageError("give --checkpoint, --model, --nats (latest keyframe) or --random-init")
     if a.chat_template and tok is None:
-        ap.error("--chat-template needs --model (the char tokenizer has no chat template)")
+        raise click.UsageError("--chat-template needs --model (the char tokenizer has no chat template)")
 
     try:
         episodes = multi_turn(a.env, a.seed)
@@ -492,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(os.path.splitext(a.out)[0] + ".json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(cli, argv, "asyncrl calibrate-cost")
 
 
 if __name__ == "__main__":

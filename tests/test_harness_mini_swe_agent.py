@@ -6,8 +6,8 @@ whose model ids are exactly what the engine generated, observations masked, vers
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
+import msgspec
 import pytest
 
 from bus.events import SamplingParams, Task
@@ -113,7 +113,7 @@ def episode_task(gen_task, task_id: str) -> Task:
     limits = EpisodeLimits(max_turns=6, max_turn_tokens=40, prompt_style="toy")
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=40, n=1)
     spec = episode_spec(gen_task, limits)
-    return Task(task_id=task_id, env="swe-gen", prompt="", spec=spec, sampling=dataclasses.asdict(sp))
+    return Task(task_id=task_id, env="swe-gen", prompt="", spec=spec, sampling=msgspec.structs.asdict(sp))
 
 
 async def test_full_episode_through_mini_swe_agent(gen_task, tmp_path, bus, fresh_server):

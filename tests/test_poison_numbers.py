@@ -15,6 +15,7 @@ import math
 import random
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -30,7 +31,6 @@ from bench.chaoskit.scenarios_poison import (
 from bus import BusConfig, ConsumerLoop, TopologyConfig, connect
 from bus import topology as topo
 from bus.events import EventError, Rollout, Scored, decode
-from bus.validation import MAX_ID, float_array, int_array
 from bus.weights.follower import StateTarget, WeightFollower
 from bus.weights.publisher import WeightPublisher
 from delta_codec import signing
@@ -118,14 +118,20 @@ def test_observation_tokens_and_episode_rollouts_still_pass():
         decode(msgpack.packb({**ro, "token_versions": [2, -1, -1, 1]}), Rollout)
 
 
-def test_validation_helpers_refuse_what_numpy_would_coerce():
-    with pytest.raises(EventError, match=r"ids\[1\] is a bool"):
-        int_array("w", "ids", [1, True], 0, MAX_ID)  # numpy would make it 1
-    with pytest.raises(EventError, match=r"ids\[2\] = 18446744073709551615 does not fit int64"):
-        int_array("w", "ids", [1, 2, 2**64 - 1], 0, MAX_ID)
-    with pytest.raises(EventError, match=r"lp\[0\] is not finite as a float"):
-        float_array("w", "lp", [10**400])
-    assert int_array("w", "ids", [np.int64(3), 4], 0, 10).tolist() == [3, 4]  # numpy scalars (in-process)
+def test_validate_refuses_what_numpy_would_coerce():
+    """An event built in this process is checked as decode checks it (a Struct's constructor checks
+    no types); numpy scalars are refused too (the wire carries none)."""
+    ro = Rollout(**{k: v for k, v in base_rollout("c-0").items() if k not in ("schema", "kind")})
+    ro.validate()
+    for field, value, why in (
+        ("completion_ids", [4, True, 6], r"completion_ids\[1\] is a bool \(True\), expected `int`"),
+        ("completion_ids", [4, 2**64 - 1, 6], r"completion_ids\[1\] = 18446744073709551615 is outside"),
+        ("completion_ids", [4, np.int64(5), 6], r"completion_ids\[1\] is a int64"),
+        ("logprobs", [-0.1, -(10**400), -0.3], r"logprobs\[1\] = -1000.* is outside its bounds"),
+        ("wall_s", math.nan, r"wall_s = nan is not finite"),
+    ):
+        with pytest.raises(EventError, match=why):
+            msgspec.structs.replace(ro, **{field: value}).validate()
 
 
 # -- the trainer's arrival check ---------------------------------------------------------------
@@ -136,18 +142,18 @@ def test_check_rollout_knows_the_vocabulary_and_the_kept_sets():
         check_rollout(ro, 6)
     keeps = SamplingMask([1, 2, -1], [4, 9, 77])  # row 1 keeps 9, 77 but sampled 5
     with pytest.raises(EventError, match="sampling_mask row 1 does not keep the sampled token"):
-        check_rollout(Rollout(**{**ro.__dict__, "sampling_mask": keeps.to_wire()}), VOCAB)
+        check_rollout(msgspec.structs.replace(ro, sampling_mask=keeps.to_wire()), VOCAB)
     wide = SamplingMask([1, 2, -1], [4, 5, 500])
     with pytest.raises(EventError, match="sampling_mask keeps id 500 outside the vocabulary"):
-        check_rollout(Rollout(**{**ro.__dict__, "sampling_mask": wide.to_wire()}), VOCAB)
+        check_rollout(msgspec.structs.replace(ro, sampling_mask=wide.to_wire()), VOCAB)
     kept = SamplingMask([1, 2, -1], [4, 5, 9])
-    check_rollout(Rollout(**{**ro.__dict__, "sampling_mask": kept.to_wire()}), VOCAB)
+    check_rollout(msgspec.structs.replace(ro, sampling_mask=kept.to_wire()), VOCAB)
     # int(inf) raises OverflowError, which the old check let through to crash the leader
     with pytest.raises(EventError, match="OverflowError|cannot convert float infinity"):
-        check_rollout(Rollout(**{**ro.__dict__, "sampling": {"top_k": math.inf}}), VOCAB)
+        check_rollout(msgspec.structs.replace(ro, sampling={"top_k": math.inf}), VOCAB)
     # a Rollout built in-process (no decode) is validated too
     with pytest.raises(EventError, match=r"logprobs\[1\] is a str"):
-        check_rollout(Rollout(**{**ro.__dict__, "logprobs": [-0.1, "x", -0.3]}), VOCAB)
+        check_rollout(msgspec.structs.replace(ro, logprobs=[-0.1, "x", -0.3]), VOCAB)
 
 
 async def test_batcher_parks_poisoned_scored_at_once_and_trains_the_rest(bus, fresh_server, tmp_path):

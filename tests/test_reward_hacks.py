@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import random
 
+import msgspec
 import pytest
 
 from bench import reward_hacks as rh
@@ -187,7 +188,7 @@ async def test_infra_members_leave_the_group_and_its_baseline(bus, fresh_server,
     model = Transformer(ModelConfig.from_dict(MODEL))
     rng = random.Random(3)
     group = [make_scored(model, "g", i, 4, 0, rng, reward=float(i % 2)) for i in range(4)]
-    group[1] = dataclasses.replace(group[1], infra="sandbox", reward=0.0, success=0.0)
+    group[1] = msgspec.structs.replace(group[1], infra="sandbox", reward=0.0, success=0.0)
     for sc in group:
         await bus.publish(topo.scored_subject("arith"), sc)
     b = Batcher(bus, cfg, ConsumedIds(), 128)

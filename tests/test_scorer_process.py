@@ -255,7 +255,7 @@ async def test_two_scorers_share_the_work_and_crashes_park_in_dlq(bus):
 async def test_episode_infra_failures_and_tampered_verdicts_are_marked(bus):
     """An episode the sandbox failed is published with its reason (not as a policy failure); a
     tampered one scores 0 and is counted."""
-    import dataclasses
+    import msgspec
 
     base = rollout("e1-0", "x")
     eps = {
@@ -269,7 +269,9 @@ async def test_episode_infra_failures_and_tampered_verdicts_are_marked(bus):
         "e3-0": {"reward": 1.0, "resolved": True, "detail": ""},
     }
     items = [
-        dataclasses.replace(base, rollout_id=k, task_id=k.split("-")[0], episode=v, termination="submitted")
+        msgspec.structs.replace(
+            base, rollout_id=k, task_id=k.split("-")[0], episode=v, termination="submitted"
+        )
         for k, v in eps.items()
     ]
     got, scorer = await score(bus, items)
@@ -300,12 +302,12 @@ async def test_episode_success_means_all_tests_pass_and_reward_is_the_fraction(b
     """An episode's Scored.success is 1 only when all its tests pass (as eval_success counts it);
     its reward is the fraction of tests passing minus λ·cost, so the trainer's success_mean and
     reward_mean are two different figures."""
-    import dataclasses
+    import msgspec
 
     await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.001))
 
     def episode(rid: str, result: dict) -> Rollout:
-        return dataclasses.replace(
+        return msgspec.structs.replace(
             rollout(rid, "x"),
             env="swe",
             turns=3,
@@ -332,11 +334,11 @@ async def test_episode_success_means_all_tests_pass_and_reward_is_the_fraction(b
 async def test_episode_reward_resolved_trains_on_success_alone(bus):
     """episode_reward = "resolved": an episode's reward is 1 (all tests pass) or 0, minus λ·cost; an
     untouched repository's fraction of passing tests no longer reaches the trainer."""
-    import dataclasses
+    import msgspec
 
     await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.001))
     items = [
-        dataclasses.replace(
+        msgspec.structs.replace(
             rollout(rid, "x"),
             env="swe",
             turns=3,
@@ -360,13 +362,13 @@ async def test_episode_reward_resolved_trains_on_success_alone(bus):
 async def test_the_task_spec_reward_mode_wins_and_an_unknown_one_is_parked(bus):
     """The `swe` env's tasks carry [trainer.tasks.swe] reward in their spec: the scorer scores each
     episode in that mode whatever its own episode_reward; a spec naming an unknown mode is parked."""
-    import dataclasses
+    import msgspec
 
     await bus.kv_put(topo.KEY_LAMBDA, format_lambda(0.0))
 
     def episode(rid: str, mode, result: dict) -> Rollout:
         spec = {"episode": {}, "limits": {}} | ({} if mode is None else {"reward": mode})
-        return dataclasses.replace(
+        return msgspec.structs.replace(
             rollout(rid, "x", env="swe", spec=spec), turns=2, termination="submitted", episode=result
         )
 

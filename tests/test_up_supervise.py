@@ -103,6 +103,28 @@ def test_up_config_is_checked_before_start(tmp_path, bad, msg):
     assert not (tmp_path / "run").exists()  # nothing started
 
 
+def test_child_configs_round_trip_and_leave_none_out(tmp_path):
+    """What `up` writes for each child (config/<name>.toml) reads back the same, None left out
+    (TOML has no null: the child's default applies)."""
+    import tomllib
+
+    from asyncrl.supervisor import write_toml
+
+    conf = {
+        "seed": 3,
+        "lr": 1e-3,
+        "name": 'a "quoted"\nname',
+        "on": True,
+        "skip": None,
+        "bus": {"servers": ["nats://h:4222"], "token": None, "tls": {"ca": "/c.pem"}},
+        "tasks": {"envs": ["arith", "python-funcs"], "weights": [0.5, 0.5]},
+    }
+    write_toml(tmp_path / "c.toml", conf)
+    back = tomllib.loads((tmp_path / "c.toml").read_text())
+    del conf["skip"], conf["bus"]["token"]
+    assert back == conf
+
+
 @pytest.mark.chaos
 async def test_up_survives_repeated_kills_and_a_trainer_kill(fresh_server, tmp_path):
     """The long form (bench.chaos `up_supervisor`): with a standby trainer, SIGKILL a random worker

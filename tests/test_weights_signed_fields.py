@@ -5,11 +5,11 @@ KV leader lease never issued is refused, and the worker keeps following the real
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 
 import msgpack
+import msgspec
 import pytest
 
 import delta_codec
@@ -101,15 +101,15 @@ async def test_forged_epoch_version_and_swapped_payload_are_refused_signed(bus):
     await until(lambda: target.version == 2)
 
     # 1. the old, validly signed keyframe v0 re-wrapped with a huge epoch: roll back and wedge
-    await bus.publish(topo.KEYFRAME_SUBJECT, dataclasses.replace(kf0, epoch=HUGE), msg_id="forged-epoch")
+    await bus.publish(topo.KEYFRAME_SUBJECT, msgspec.structs.replace(kf0, epoch=HUGE), msg_id="forged-epoch")
     await until(lambda: feed.refused["fields"] >= 1)
     # 2. forged version: the same keyframe claiming to be v9 of the real epoch
-    await bus.publish(topo.KEYFRAME_SUBJECT, dataclasses.replace(kf0, version=9), msg_id="forged-version")
+    await bus.publish(topo.KEYFRAME_SUBJECT, msgspec.structs.replace(kf0, version=9), msg_id="forged-version")
     await until(lambda: feed.refused["corrupt"] >= 1)
     # 3. swapped payload: the real epoch's v2->v3 announcement carrying a validly signed v2->v3 of a
     #    deposed epoch (other weights; digests made to match): only the signed epoch tells them apart
     old = forged_delta(other, 2, 3, e - 1, "real", sk)
-    swapped = dataclasses.replace(old, epoch=e)
+    swapped = msgspec.structs.replace(old, epoch=e)
     await bus.publish(topo.DELTA_SUBJECT, swapped, msg_id="swapped")
     await until(lambda: feed.refused["fields"] >= 2)
     assert target.version == 2 and target.epoch == e and same(target.state, states[2])
@@ -139,7 +139,7 @@ async def test_unsigned_fields_must_agree_and_unissued_epochs_are_refused(bus):
     await pub.publish_delta(delta(states, 0, 1))
     await until(lambda: target.version == 1)
 
-    await bus.publish(topo.KEYFRAME_SUBJECT, dataclasses.replace(kf0, epoch=HUGE), msg_id="mismatch")
+    await bus.publish(topo.KEYFRAME_SUBJECT, msgspec.structs.replace(kf0, epoch=HUGE), msg_id="mismatch")
     await until(lambda: feed.refused["fields"] == 1)
     # consistent but invented: header and event both say epoch HUGE
     kf = delta_codec.make_keyframe(states[0], version=0)
@@ -243,10 +243,12 @@ async def test_a_worker_process_refuses_forgeries_and_follows_the_real_leader(bu
 
         await pub.publish_delta(delta(torch_states, 0, 1))
         await worker_at(1)
-        await bus.publish(topo.KEYFRAME_SUBJECT, dataclasses.replace(kf0, epoch=HUGE), msg_id="forged-epoch")
+        await bus.publish(
+            topo.KEYFRAME_SUBJECT, msgspec.structs.replace(kf0, epoch=HUGE), msg_id="forged-epoch"
+        )
         await bus.publish(
             topo.DELTA_SUBJECT,
-            dataclasses.replace(
+            msgspec.structs.replace(
                 forged_delta(trajectory_for(cfg, 3, seed=5), 1, 2, e - 1, "real", sk), epoch=e
             ),
             msg_id="swapped",

@@ -3,13 +3,17 @@ take over; with torchrun, ranks > 0 run rank 0's collectives (trainer/commands.p
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
+from types import SimpleNamespace
+
+import click
 
 from bus import RETRYABLE, BlobError, PublishError, connect
 from kernel import get_logger, load_config, setup_logging
+from kernel.cli import Command, parse
+from kernel.cli import run as run_cli
 from kernel.config import run_section
 from kernel.lifetime import stop_on_signals
 from kernel.metrics import serve_metrics
@@ -64,36 +68,35 @@ async def run(cfg: TrainerConfig, stop: asyncio.Event | None = None) -> int:
         await bus.close()
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="trainer", description="asyncrl trainer (leader or standby)")
-    ap.add_argument("--config", help="TOML file: a run TOML (its [trainer] table) or the trainer's own keys")
-    ap.add_argument("--section", default="trainer")
-    ap.add_argument("--sync", action="store_true", help="synchronous baseline: one task batch per version")
-    ap.add_argument("--max-steps", type=int)
-    ap.add_argument("--id", help="trainer id (lease holder name)")
-    ap.add_argument(
-        "--eval-final",
-        action="store_true",
-        help="evaluate the newest checkpoint in [trainer.checkpoint] dir on the eval split and "
-        "exit (no bus; `asyncrl up` runs it after a run with [up] final_eval)",
-    )
-    ap.add_argument(
-        "--eval-initial",
-        action="store_true",
-        help="evaluate the policy the run started from ([trainer.run] dir/warmstart.pt, else the "
-        "initial model) unless the run evaluated version 0, and exit (no bus; [up] final_eval)",
-    )
-    ap.add_argument(
-        "--elastic",
-        action="store_true",
-        help="run this node's torchrun elastic agent ([trainer.elastic]) instead: see docs/trainer.md",
-    )
-    return ap.parse_args(argv)
+@click.command("trainer", cls=Command, help="asyncrl trainer (leader or standby)")
+@click.option("--config", help="TOML file: a run TOML (its [trainer] table) or the trainer's own keys")
+@click.option("--section", default="trainer")
+@click.option("--sync", is_flag=True, help="synchronous baseline: one task batch per version")
+@click.option("--max-steps", type=int)
+@click.option("--id", help="trainer id (lease holder name)")
+@click.option(
+    "--eval-final",
+    is_flag=True,
+    help="evaluate the newest checkpoint in [trainer.checkpoint] dir on the eval split and "
+    "exit (no bus; `asyncrl up` runs it after a run with [up] final_eval)",
+)
+@click.option(
+    "--eval-initial",
+    is_flag=True,
+    help="evaluate the policy the run started from ([trainer.run] dir/warmstart.pt, else the "
+    "initial model) unless the run evaluated version 0, and exit (no bus; [up] final_eval)",
+)
+@click.option(
+    "--elastic",
+    is_flag=True,
+    help="run this node's torchrun elastic agent ([trainer.elastic]) instead: see docs/trainer.md",
+)
+def cli(**flags) -> int:
+    return start(SimpleNamespace(**flags))
 
 
-def load(argv=None) -> TrainerConfig:
+def config_of(a: SimpleNamespace) -> TrainerConfig:
     """Config from --config (a run TOML's [trainer] table, else the whole file), env, flags."""
-    a = parse_args(argv)
     section = run_section(a.config, a.section)
     over: dict = {}
     if a.sync:
@@ -105,17 +108,35 @@ def load(argv=None) -> TrainerConfig:
     return load_config(TrainerConfig, a.config, section=section, overrides=over, table=a.section)
 
 
+def load(argv=None) -> TrainerConfig:
+    """The config `python -m trainer <argv>` runs with."""
+    return config_of(parse(cli, argv, "trainer"))
+
+
+def rank_argv(a: SimpleNamespace) -> list[str]:
+    """The flags again, less --elastic: each rank the elastic agent starts runs the plain trainer."""
+    out = ["--config", a.config] if a.config else []
+    out += ["--section", a.section] if a.section != "trainer" else []
+    out += ["--sync"] if a.sync else []
+    out += ["--max-steps", str(a.max_steps)] if a.max_steps is not None else []
+    out += ["--id", a.id] if a.id else []
+    return out + ["--eval-final"] * a.eval_final + ["--eval-initial"] * a.eval_initial
+
+
 def main(argv=None) -> int:
+    return run_cli(cli, argv, "trainer")
+
+
+def start(a: SimpleNamespace) -> int:
     try:
-        cfg = load(argv)
+        cfg = config_of(a)
     except ValueError as e:  # ConfigError included: a clear message, no traceback
         print(f"trainer: bad configuration: {e}", file=sys.stderr)
         return 2
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--elastic" in argv:  # become this node's elastic agent; its workers run us without the flag
+    if a.elastic:  # become this node's elastic agent; its workers run us without the flag
         from .elastic import agent_env, torchrun_argv
 
-        cmd = torchrun_argv(cfg, [a for a in argv if a != "--elastic"])
+        cmd = torchrun_argv(cfg, rank_argv(a))
         sys.stdout.flush()
         os.execve(cmd[0], cmd, agent_env(dict(os.environ)))
     if cfg.run.threads:  # before any torch work: the step, evals and encode run on these
@@ -123,11 +144,11 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(cfg.run.threads)
     setup_logging("trainer", component_id=cfg.trainer_id)
-    if "--eval-final" in argv or "--eval-initial" in argv:
+    if a.eval_final or a.eval_initial:
         from .checkpoint import CheckpointError
         from .final_eval import FinalEvalError, evaluate_checkpoint, evaluate_initial
 
-        which = "final" if "--eval-final" in argv else "initial"
+        which = "final" if a.eval_final else "initial"
         try:
             row = (evaluate_checkpoint if which == "final" else evaluate_initial)(cfg)
         except (FinalEvalError, CheckpointError, OSError, ValueError) as e:

@@ -5,12 +5,12 @@ weight events from a hostile publisher."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import time
 from pathlib import Path
 
 import msgpack
+import msgspec
 
 import delta_codec
 from asyncrl.nats_server import EmbeddedServer
@@ -106,8 +106,8 @@ def bad_bodies(good) -> dict[str, bytes]:
     d = good.to_dict()
     required = next(
         f.name
-        for f in dataclasses.fields(good)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        for f in msgspec.structs.fields(good)
+        if f.default is msgspec.NODEFAULT and f.default_factory is msgspec.NODEFAULT
     )
     huge = list(range(100)) * 2000  # 200,000 prompt tokens > events.MAX_TOKENS
     if "rollout" in d:  # Scored: the rollout inside claims it
@@ -243,15 +243,15 @@ async def forged_weights(run_dir: Path, tasks: int = 60, seed: int = 9) -> dict:
             ).to_bytes()
             await fleet.bus.put_blob("forged-swap", payload)
             forgeries = [
-                (topo.KEYFRAME_SUBJECT, dataclasses.replace(kf0, epoch=HUGE_EPOCH), "forged-epoch"),
+                (topo.KEYFRAME_SUBJECT, msgspec.structs.replace(kf0, epoch=HUGE_EPOCH), "forged-epoch"),
                 (
                     topo.KEYFRAME_SUBJECT,
-                    dataclasses.replace(kf0, version=last.to_version + 50),
+                    msgspec.structs.replace(kf0, version=last.to_version + 50),
                     "forged-version",
                 ),
                 (
                     topo.DELTA_SUBJECT,
-                    dataclasses.replace(
+                    msgspec.structs.replace(
                         last,
                         from_version=d.from_version,
                         to_version=d.to_version,
