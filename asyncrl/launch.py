@@ -26,8 +26,16 @@ from types import SimpleNamespace
 
 import click
 
-from asyncrl import child_conf, config_check, layout, metrics_ports, run_secrets, thread_plan, tracking
-from asyncrl.model_refs import resolve as resolve_model_refs
+from asyncrl import (
+    child_conf,
+    children,
+    config_check,
+    layout,
+    metrics_ports,
+    run_secrets,
+    thread_plan,
+    tracking,
+)
 from asyncrl.nats_server import EmbeddedServer
 from asyncrl.resume import resume_run
 from asyncrl.supervisor import ChildSpec, Supervisor, child_env, write_toml
@@ -269,16 +277,6 @@ async def _eval_process(run_dir: Path, which: str, stop: asyncio.Event, threads:
     return rc
 
 
-def worker_episodes(tasks, episodes: dict) -> dict:
-    """The workers' [worker.episodes] table: the run's environments (where none runs code the
-    sandbox check waits for the first episode) and, with env "swe", the trainer's task set (the
-    workers start episodes from it, and only from it); the file's own keys win."""
-    out = {"envs": list(tasks.envs)}
-    if "swe" in tasks.envs:
-        out["task_set"] = os.path.abspath(tasks.swe.task_set)
-    return {**out, **episodes}
-
-
 def load_run_config(path: str | None) -> dict:
     if not path:
         return {}
@@ -385,57 +383,19 @@ async def run(a: SimpleNamespace) -> int:
     lam = a.lam if a.lam is not None else up.lambda_
     if lam is not None:  # λ for the scorers (they watch KV rl-control/lambda live)
         await bus.kv_put(topo.KEY_LAMBDA, format_lambda(lam))
-    # every child provisions too ("update what changed"): they get the same retention
-    bus_conf = {"servers": servers, "topology": {"weights_keep": up.weights_keep}}
-    drain = {"grace_s": up.grace_s}  # each child drains within this (its own section may override)
-
-    # a fixed trainer id seeds the task feeder the same way in every run (async vs sync see the same tasks)
-    trainer = resolve_model_refs(conf.get("trainer", {}))
-    trainer_conf = {
-        "trainer_id": "trainer",
-        **trainer,
-        "bus": bus_conf,
-        "run": {
-            **drain,
-            **trainer.get("run", {}),
-            "dir": str(run_dir),
-            "mode": "sync" if sync else "async",
-            "threads": threads.trainer,
-        },
-        "checkpoint": {**trainer.get("checkpoint", {}), "dir": str(run_dir / "checkpoints")},
-    }
-    if sync:
-        trainer_conf["batch"] = {**trainer.get("batch", {}), "max_lag": 0}
-    worker = resolve_model_refs(conf.get("worker", {}))
-    harness = dict(worker.get("harness", {}))
+    token_file = None
     if resolved["worker"].harness.kind != "builtin" and not resolved["worker"].harness.endpoint_token_file:
         # the run's endpoint token: a file (0600) the workers and the user's harness read
-        harness["endpoint_token_file"] = str(run_secrets.endpoint_token(run_dir))
-        worker = {**worker, "harness": harness}
+        token_file = str(run_secrets.endpoint_token(run_dir))
         print(
             f"asyncrl up: the workers' OpenAI-compatible endpoint takes the bearer token in "
-            f"{harness['endpoint_token_file']} (Authorization: Bearer <token>)",
+            f"{token_file} (Authorization: Bearer <token>)",
             file=sys.stderr,
         )
-        log.info("endpoint token", file=harness["endpoint_token_file"])
-    # the run's environments: where none runs code (arithmetic) the workers and scorers start without
-    # the sandbox check (envs/isolation.py), so a user who is not root can run them
-    run_envs = list(resolved["trainer"].tasks.envs)
-    worker_conf = {
-        **worker,
-        "bus": bus_conf,
-        "run": {**drain, **worker.get("run", {}), "threads": threads.worker},
-        "episodes": worker_episodes(resolved["trainer"].tasks, worker.get("episodes", {})),
-    }
-    if sync:
-        worker_conf["admission"] = {**worker.get("admission", {}), "max_lag": 0}
-    scorer = conf.get("scorer", {})
-    scorer_conf = {
-        **scorer,
-        "bus": bus_conf,
-        "run": {**drain, **scorer.get("run", {}), "threads": threads.scorer},
-        "sandbox": {"envs": run_envs, **scorer.get("sandbox", {})},
-    }
+        log.info("endpoint token", file=token_file)
+    facts = children.RunFacts(run_dir, servers, up.weights_keep, up.grace_s, sync, threads, token_file)
+    child_tables = children.tables(conf, resolved, facts)
+    trainer_conf, worker_conf, scorer_conf = (child_tables[k] for k in ("trainer", "worker", "scorer"))
     (run_dir / "config" / "run.json").write_text(
         json.dumps(
             {
@@ -467,42 +427,7 @@ async def run(a: SimpleNamespace) -> int:
         backoff_s=up.restart_backoff_s,
         env=broker_env or None,
     )  # the broker's credentials: environment only
-    specs = [ChildSpec("trainer", "trainer", "trainer", trainer_conf, threads=threads.trainer)]
-    specs += [
-        ChildSpec(
-            f"trainer-standby-{i}",
-            "trainer",
-            "trainer",
-            {**trainer_conf, "trainer_id": f"{trainer_conf['trainer_id']}-standby-{i}"},
-            threads=threads.trainer,
-        )
-        for i in range(1, up.trainers)
-    ]
-    specs += [
-        ChildSpec(
-            f"scorer-{i}",
-            "scorer",
-            "scorer",
-            {**scorer_conf, "scorer_id": f"scorer-{i}"},
-            threads=threads.scorer,
-        )
-        for i in range(n_scorers)
-    ]
-    specs += [
-        ChildSpec(
-            f"worker-{i}",
-            "rollout_worker",
-            "rollout_worker",
-            {
-                **worker_conf,
-                "worker_id": f"worker-{i}",
-                "engine": {**worker_conf.get("engine", {}), "seed": 1000 + i},
-            },
-            nice=worker_nice,
-            threads=threads.worker,
-        )
-        for i in range(n_workers)
-    ]
+    specs = children.specs(child_tables, up.trainers, n_scorers, n_workers, threads, worker_nice)
     if devices is not None:  # the trainer group under torchrun, each child on its devices
         specs = devices.apply(specs)
     for spec in specs:  # [up] metrics_port: one /metrics port per child, listed for Prometheus

@@ -218,16 +218,16 @@ def test_spec_limits_round_trip(imported):
 def test_up_gives_the_workers_the_trainers_task_set(imported, monkeypatch, tmp_path):
     """`asyncrl up`: the workers' [worker.episodes] task_set is the trainer's (absolute: the
     children's working directory may differ), and the configs it starts agree."""
-    from asyncrl.launch import worker_episodes
+    from asyncrl.children import merge, worker_episodes
 
     path, _ = imported
     monkeypatch.chdir(os.path.dirname(path))
     conf = run_conf(os.path.basename(path))  # relative to the working directory
     tc = config_check.resolve(conf, environ={})["trainer"]
-    episodes = worker_episodes(tc.tasks, {})
+    episodes = worker_episodes(tc.tasks)
     assert episodes == {"envs": ["swe"], "task_set": os.path.abspath(path)}
     config_check.cross_check(config_check.resolve({**conf, "worker": {"episodes": episodes}}, environ={}))
-    assert worker_episodes(TrainerConfig().tasks, {"workspace": "docker"}) == {
+    assert merge(worker_episodes(TrainerConfig().tasks), {"workspace": "docker"}) == {
         "envs": ["arith"],
         "workspace": "docker",
     }
