@@ -295,6 +295,31 @@ def link_latest(run_dir: Path) -> None:
         os.replace(tmp, latest)
 
 
+@dataclass
+class Broker:
+    server: EmbeddedServer | None  # None: the user's (--nats)
+    servers: list[str]
+    creds: dict  # for up's own connection
+    env: dict  # the children's: credentials travel in the environment, never run.json or a log
+
+
+def start_broker(nats: str | None, run_dir: Path) -> Broker:
+    """The user's server (--nats URL,...; ValueError on a bad one) or an embedded one with per-run
+    credentials, so only this run's processes may connect (run_secrets.broker_auth)."""
+    if nats:
+        servers, env = run_secrets.external_broker(nats.split(","))
+        creds = {k.removeprefix("ASYNCRL_BUS__").lower(): v for k, v in env.items()}
+        return Broker(None, servers, creds, env)
+    # own session: a terminal's Ctrl-C must not stop the broker before the children drained;
+    # started from this (main) thread so its parent-death signal follows this process
+    auth = run_secrets.broker_auth(run_dir)
+    conf = str(auth.server_conf)
+    server = EmbeddedServer(str(run_dir / "nats"), config_file=conf, own_session=True, die_with_parent=True)
+    server.start_sync()
+    auth.write_env_file([server.url])
+    return Broker(server, [server.url], {"user": auth.user, "password": auth.password}, auth.env())
+
+
 async def run(a: SimpleNamespace) -> int:
     # first: from here on a stop signal ends in the same orderly shutdown and summary
     stop, why = asyncio.Event(), {}
@@ -353,30 +378,12 @@ async def run(a: SimpleNamespace) -> int:
         )
         return 2
 
-    server, auth, creds, broker_env = None, None, {}, {}
-    if a.nats:  # its credentials: the environment of the children, never run.json or a log
-        try:
-            servers, broker_env = run_secrets.external_broker(a.nats.split(","))
-        except ValueError as e:
-            print(f"asyncrl up: {e}", file=sys.stderr)
-            return 2
-        creds = {k.removeprefix("ASYNCRL_BUS__").lower(): v for k, v in broker_env.items()}
-    else:
-        # own session: a terminal's Ctrl-C must not stop the broker before the children drained;
-        # started from this (main) thread so its parent-death signal follows this process.
-        # Per-run credentials: only this run's processes may connect (run_secrets.broker_auth)
-        auth = run_secrets.broker_auth(run_dir)
-        server = EmbeddedServer(
-            store_dir=str(run_dir / "nats"),
-            config_file=str(auth.server_conf),
-            own_session=True,
-            die_with_parent=True,
-        )
-        server.start_sync()
-        servers = [server.url]
-        auth.write_env_file(servers)
-        creds = {"user": auth.user, "password": auth.password}
-        broker_env = auth.env()
+    try:
+        broker = start_broker(a.nats, run_dir)
+    except ValueError as e:
+        print(f"asyncrl up: {e}", file=sys.stderr)
+        return 2
+    server, servers, creds, broker_env = broker.server, broker.servers, broker.creds, broker.env
     topology = topo.TopologyConfig(weights_keep=up.weights_keep)
     bus = await connect(BusConfig(servers=servers, name="asyncrl-up", topology=topology, **creds))
     await bus.provision()
