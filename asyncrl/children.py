@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import reduce
 from pathlib import Path
 
 from asyncrl.model_refs import resolve as resolve_model_refs
 from asyncrl.supervisor import ChildSpec
 from asyncrl.thread_plan import ThreadPlan
+from kernel.config import merge
 
 
 @dataclass(frozen=True)
@@ -30,13 +32,9 @@ class RunFacts:
     endpoint_token_file: str | None = None  # the run's bearer token file, where up made one
 
 
-def merge(*layers: dict) -> dict:
-    """Tables merged key by key, the later layer winning; nested tables merge, values replace."""
-    out: dict = {}
-    for layer in layers:
-        for k, v in layer.items():
-            out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+def stack(*layers: dict) -> dict:
+    """Tables merged key by key, the later layer winning (kernel.config.merge, layer on layer)."""
+    return reduce(merge, layers, {})
 
 
 def worker_episodes(tasks) -> dict:
@@ -55,7 +53,7 @@ def tables(conf: dict, resolved: dict, run: RunFacts) -> dict[str, dict]:
     drain = {"run": {"grace_s": run.grace_s}}  # each child drains within this unless its table says
     no_lag = {"max_lag": 0} if run.sync else None
     tasks = resolved["trainer"].tasks
-    trainer = merge(
+    trainer = stack(
         {"trainer_id": "trainer"},  # fixed: the task feeder is seeded alike in every run (async vs sync)
         drain,
         resolve_model_refs(conf.get("trainer", {})),
@@ -69,7 +67,7 @@ def tables(conf: dict, resolved: dict, run: RunFacts) -> dict[str, dict]:
         },
         {"batch": no_lag} if no_lag else {},
     )
-    worker = merge(
+    worker = stack(
         drain,
         {"episodes": worker_episodes(tasks)},
         resolve_model_refs(conf.get("worker", {})),
@@ -77,7 +75,7 @@ def tables(conf: dict, resolved: dict, run: RunFacts) -> dict[str, dict]:
         {"harness": {"endpoint_token_file": run.endpoint_token_file}} if run.endpoint_token_file else {},
         {"admission": no_lag} if no_lag else {},
     )
-    scorer = merge(
+    scorer = stack(
         drain,
         {"sandbox": {"envs": list(tasks.envs)}},
         conf.get("scorer", {}),

@@ -218,7 +218,8 @@ def test_spec_limits_round_trip(imported):
 def test_up_gives_the_workers_the_trainers_task_set(imported, monkeypatch, tmp_path):
     """`asyncrl up`: the workers' [worker.episodes] task_set is the trainer's (absolute: the
     children's working directory may differ), and the configs it starts agree."""
-    from asyncrl.children import merge, worker_episodes
+    from asyncrl.children import worker_episodes
+    from kernel.config import merge
 
     path, _ = imported
     monkeypatch.chdir(os.path.dirname(path))
